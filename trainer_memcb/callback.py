@@ -1,0 +1,166 @@
+"""`OptimizerMemoryCallback`: the Trainer glue. Thin: measuring and estimating live elsewhere."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterable, Optional
+
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
+from trainer_memcb.monitor import OptimizerStateMonitor, optimizer_class_name
+from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_document, summary_text, write_summary
+from trainer_memcb.trainer_log_hook import install_log_hook
+
+__all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
+
+logger = logging.get_logger(__name__)
+
+_RUNTIME_SUFFIX = "_runtime"
+
+
+def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
+    """Which kind of Trainer log entry `logs` is, as the prefix its keys take.
+
+    `""` for a training entry (it holds `loss`); `"eval"`, `"test"`, `"eval_<name>"` for an
+    evaluation entry (`evaluate()` adds `<prefix>_runtime`); None for anything else, such as the
+    closing `train_runtime` summary, which gets no figures.
+    """
+    if "loss" in logs:
+        return ""
+    for key in logs:
+        if isinstance(key, str) and key.endswith(_RUNTIME_SUFFIX):
+            prefix = key[: -len(_RUNTIME_SUFFIX)]
+            if prefix and prefix != "train":
+                return prefix
+    return None
+
+
+class OptimizerMemoryCallback(TrainerCallback):
+    """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
+
+    `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
+    Trainer's own log entries, so they reach `trainer.state.log_history`, `trainer_state.json`,
+    the console and every `report_to` reporter (TensorBoard shows `train/optimizer_state_bytes`
+    beside `train/loss`, and `eval/optimizer_state_bytes` beside `eval/accuracy`).
+
+    Logged keys (exact integers; evaluation entries carry them with the evaluation's prefix, e.g.
+    `eval_optimizer_state_bytes`):
+
+    | key | unit | meaning |
+    |---|---|---|
+    | `optimizer_state_bytes` | bytes | storage the optimizer state really holds, each storage once |
+    | `optimizer_state_estimate_bytes` | bytes | what it should hold for this optimizer family |
+    | `optimizer_state_elements` | values | values stored in the state |
+    | `optimizer_trainable_params` | parameters | trainable parameter values the estimate covers |
+    | `optimizer_state_bytes/by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
+    | `optimizer_state_bytes/by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
+    | `optimizer_state_bytes/by_device/<device>` | bytes | with `breakdown=("device",)` |
+
+    Measured keys are left out before the first optimizer step (the state is empty then), the
+    estimate keys when no rule knows the optimizer. Measuring reads tensor metadata only, on the
+    steps where the Trainer logs and at epoch ends. At the end of training a summary goes to the
+    logger and the exact bytes to `<output_dir>/optimizer_memory.json`. Only the main process logs.
+    Nothing here can stop a run: a failure warns once and leaves the figure out.
+
+    Args:
+        breakdown: extra per-part byte keys to log: any of `"key"`, `"dtype"`, `"device"`.
+        summary_file: file name, inside `args.output_dir`, for the end-of-training JSON summary;
+            None writes none.
+
+    Example:
+        >>> from trainer_memcb import OptimizerMemoryCallback
+        >>> callback = OptimizerMemoryCallback(breakdown=("key",))
+        >>> OptimizerMemoryCallback(breakdown=("shape",))
+        Traceback (most recent call last):
+        ...
+        ValueError: breakdown='shape' is not one of ['device', 'dtype', 'key']
+    """
+
+    KEYS = KEY_DESCRIPTIONS
+
+    def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME) -> None:
+        if summary_file is not None and (
+            not isinstance(summary_file, str) or not summary_file or os.path.basename(summary_file) != summary_file
+        ):
+            raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
+                             f"{SUMMARY_FILE_NAME!r}, or None for no file")
+        self.monitor = OptimizerStateMonitor(breakdown=breakdown)
+        self.summary_file = summary_file
+        # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
+        self._contributed_entry: Optional[Dict[str, Any]] = None
+        install_log_hook()
+
+    # -- Trainer events ------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self.monitor.attach(optimizer)
+        if state.is_world_process_zero:
+            self.monitor.estimate()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        # Measure only when this step will be logged: every hook returns early otherwise.
+        if control.should_log and state.is_world_process_zero:
+            self.monitor.attach(optimizer)
+            self.monitor.measure(state.global_step)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.monitor.attach(optimizer)
+            self.monitor.measure(state.global_step)
+
+    def contribute_to_log(self, logs: Dict[str, Any], state: Any) -> None:
+        """Called by the hook on `Trainer.log` just before the Trainer stores and reports `logs`."""
+        try:
+            prefix = log_entry_prefix(logs)
+            if prefix is None or not state.is_world_process_zero:
+                return
+            self._contributed_entry = logs
+            logs.update(with_prefix(self.monitor.figures(state.global_step), prefix))
+        except Exception as error:  # never break training over a figure
+            self.monitor.warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        # A Trainer subclass whose `log` never calls `Trainer.log` bypasses the hook. Then the
+        # figures still reach `log_history` (the entry appended just now) and the reporters after
+        # this callback; the ones before it miss them, which the warning says.
+        if logs is None or logs is self._contributed_entry or not state.is_world_process_zero:
+            return
+        prefix = log_entry_prefix(logs)
+        if prefix is None:
+            return
+        figures = with_prefix(self.monitor.figures(state.global_step), prefix)
+        if not figures:
+            return
+        self.monitor.warn_once(
+            "hook-bypassed",
+            "this Trainer's log() does not call transformers.Trainer.log; the optimizer figures are added "
+            "to log_history late and miss the report_to reporters",
+        )
+        logs.update(figures)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(figures)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        try:
+            self.monitor.attach(optimizer)
+            measurement = self.monitor.measure(state.global_step)
+            estimate = self.monitor.estimate()
+            if measurement is None and estimate is None:
+                return
+            logger.info(summary_text(measurement, estimate))
+            if self.summary_file is not None:
+                peak = self.monitor.peak
+                document = summary_document(
+                    measurement,
+                    estimate,
+                    optimizer_class_name(self.monitor.optimizer),
+                    state.global_step,
+                    extra={"peak_measured_bytes": peak.num_bytes if peak is not None else None},
+                )
+                write_summary(document, os.path.join(args.output_dir, self.summary_file))
+        except Exception as error:  # never break training over a summary
+            self.monitor.warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")

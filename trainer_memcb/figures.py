@@ -1,0 +1,58 @@
+"""The logged figures: key names, and the dict built from a measurement and an estimate.
+
+Shared by the Trainer callback and the custom-loop API so that both log the same keys.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from trainer_memcb.estimate import StateEstimate
+from trainer_memcb.measure import StateMeasurement
+
+__all__ = [
+    "MEASURED_BYTES",
+    "ESTIMATE_BYTES",
+    "MEASURED_ELEMENTS",
+    "TRAINABLE_PARAMS",
+    "KEY_DESCRIPTIONS",
+    "optimizer_figures",
+    "with_prefix",
+]
+
+MEASURED_BYTES = "optimizer_state_bytes"
+ESTIMATE_BYTES = "optimizer_state_estimate_bytes"
+MEASURED_ELEMENTS = "optimizer_state_elements"
+TRAINABLE_PARAMS = "optimizer_trainable_params"
+
+# Every key, its unit and meaning: the README's table and the callback's docstring say the same.
+KEY_DESCRIPTIONS: Dict[str, str] = {
+    MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once",
+    ESTIMATE_BYTES: "bytes: what the state should hold for this optimizer family and these parameters",
+    MEASURED_ELEMENTS: "values: stored values in that state (a quantized state counts its codes and scales)",
+    TRAINABLE_PARAMS: "parameters: trainable parameter values the estimate covers (tied weights once)",
+}
+
+
+def optimizer_figures(
+    measurement: Optional[StateMeasurement], estimate: Optional[StateEstimate]
+) -> Dict[str, int]:
+    """The exact integers to log. A figure that is not known is left out, never faked.
+
+    An empty state (before the first step of most optimizers) claims no measurement.
+    """
+    figures: Dict[str, int] = {}
+    if measurement is not None and not measurement.is_empty:
+        figures[MEASURED_BYTES] = measurement.num_bytes
+        figures[MEASURED_ELEMENTS] = measurement.num_elements
+    if estimate is not None:
+        figures[ESTIMATE_BYTES] = estimate.num_bytes
+        figures[TRAINABLE_PARAMS] = estimate.num_params
+    return figures
+
+
+def with_prefix(figures: Dict[str, int], prefix: str) -> Dict[str, int]:
+    """`optimizer_state_bytes` -> `eval_optimizer_state_bytes` for prefix `"eval"`."""
+    if not prefix:
+        return dict(figures)
+    return {f"{prefix}_{key}": value for key, value in figures.items()}

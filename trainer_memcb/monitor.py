@@ -1,0 +1,130 @@
+"""The framework-free core behind the Trainer callback and the custom-loop API.
+
+`OptimizerStateMonitor` holds one optimizer, estimates its state once, measures it when asked
+(once per step at most), keeps the latest and the largest measurement, and turns them into the
+logged figures. It never raises: a failure warns once and leaves the figure out.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Iterable, Optional, Set, Tuple
+
+from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
+from trainer_memcb.figures import MEASURED_BYTES, optimizer_figures
+from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.unwrap import inner_optimizers
+
+__all__ = ["BREAKDOWNS", "OptimizerStateMonitor", "validate_breakdown"]
+
+# Which breakdowns may be logged beside the totals, and the measurement field each one reads.
+BREAKDOWNS = {"key": "bytes_by_key", "dtype": "bytes_by_dtype", "device": "bytes_by_device"}
+
+
+def validate_breakdown(breakdown: Iterable[str]) -> Tuple[str, ...]:
+    if isinstance(breakdown, str):
+        breakdown = (breakdown,)
+    chosen = tuple(breakdown)
+    for name in chosen:
+        if name not in BREAKDOWNS:
+            raise ValueError(f"breakdown={name!r} is not one of {sorted(BREAKDOWNS)}")
+    return chosen
+
+
+def optimizer_class_name(optimizer: Any) -> str:
+    classes = dict.fromkeys(type(inner).__qualname__ for inner in inner_optimizers(optimizer))
+    return ", ".join(classes) or type(optimizer).__qualname__
+
+
+class OptimizerStateMonitor:
+    """Measures and estimates one optimizer's state, fail-soft.
+
+    Args:
+        breakdown: extra byte breakdowns to log: any of `"key"`, `"dtype"`, `"device"`.
+    """
+
+    def __init__(self, breakdown: Iterable[str] = ()) -> None:
+        self.breakdown = validate_breakdown(breakdown)
+        self._optimizer: Any = None
+        self._estimate: Optional[StateEstimate] = None
+        self._estimated = False
+        self._latest: Optional[StateMeasurement] = None
+        self._latest_step: Optional[int] = None
+        self._peak: Optional[StateMeasurement] = None
+        self._warned: Set[str] = set()
+
+    # -- the optimizer -------------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    def attach(self, optimizer: Any) -> None:
+        """Watch `optimizer` (a new one resets the estimate and the measurements)."""
+        if optimizer is None or optimizer is self._optimizer:
+            return
+        self._optimizer = optimizer
+        self._estimate, self._estimated = None, False
+        self._latest, self._latest_step, self._peak = None, None, None
+
+    # -- warnings ------------------------------------------------------------------------------
+
+    def warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"trainer_memcb: {message}", RuntimeWarning, stacklevel=3)
+
+    # -- figures -------------------------------------------------------------------------------
+
+    def estimate(self) -> Optional[StateEstimate]:
+        """The estimate, computed once per optimizer; None without a rule or on failure."""
+        if self._optimizer is None or self._estimated:
+            return self._estimate
+        self._estimated = True
+        try:
+            self._estimate = estimate_optimizer_state(self._optimizer)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("estimate", f"estimating the optimizer state failed ({error!r}); no estimate is logged")
+            return None
+        if self._estimate is None:
+            name = optimizer_class_name(self._optimizer)
+            self.warn_once(
+                "no-rule",
+                f"no estimate rule for optimizer class {name}; only the measured figure is logged. "
+                "Add one with trainer_memcb.register_estimate_rule(YourOptimizerClass, per_param_rule).",
+            )
+        return self._estimate
+
+    def measure(self, step: Optional[int] = None) -> Optional[StateMeasurement]:
+        """Measure now, or reuse the measurement already taken at this `step`."""
+        if self._optimizer is None:
+            return None
+        if step is not None and step == self._latest_step:
+            return self._latest
+        try:
+            measurement = measure_optimizer_state(self._optimizer)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("measure", f"measuring the optimizer state failed ({error!r}); the figure is left out")
+            return None
+        self._latest, self._latest_step = measurement, step
+        if self._peak is None or measurement.num_bytes > self._peak.num_bytes:
+            self._peak = measurement
+        return measurement
+
+    @property
+    def latest(self) -> Optional[StateMeasurement]:
+        return self._latest
+
+    @property
+    def peak(self) -> Optional[StateMeasurement]:
+        return self._peak
+
+    def figures(self, step: Optional[int] = None) -> Dict[str, int]:
+        """The exact integers to log at `step`, unprefixed; unknown figures left out."""
+        measurement = self.measure(step)
+        figures = optimizer_figures(measurement, self.estimate())
+        if measurement is not None and MEASURED_BYTES in figures:
+            for name in self.breakdown:
+                for part, num_bytes in getattr(measurement, BREAKDOWNS[name]).items():
+                    figures[f"{MEASURED_BYTES}/by_{name}/{part}"] = num_bytes
+        return figures
