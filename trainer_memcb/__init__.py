@@ -1,5 +1,6 @@
 """trainer_memcb: what your optimizer really holds in memory while you train, against the estimate."""
 
+from trainer_memcb.accelerate_loop import OptimizerMemoryLogger
 from trainer_memcb.callback import OptimizerMemoryCallback
 from trainer_memcb.estimate import (
     ParamInfo,
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "OptimizerMemoryCallback",
+    "OptimizerMemoryLogger",
     "ParamInfo",
     "StateEstimate",
     "StateMeasurement",
