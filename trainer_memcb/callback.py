@@ -82,7 +82,8 @@ class OptimizerMemoryCallback(TrainerCallback):
 
     def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME) -> None:
         if summary_file is not None and (
-            not isinstance(summary_file, str) or not summary_file or os.path.basename(summary_file) != summary_file
+            not isinstance(summary_file, str) or summary_file in ("", ".", "..")
+            or os.path.basename(summary_file) != summary_file
         ):
             raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
                              f"{SUMMARY_FILE_NAME!r}, or None for no file")
@@ -95,6 +96,7 @@ class OptimizerMemoryCallback(TrainerCallback):
     # -- Trainer events ------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self.monitor.start_run()  # global_step restarts with each train() call
         self.monitor.attach(optimizer)
         if state.is_world_process_zero:
             self.monitor.estimate()

@@ -24,7 +24,10 @@ BREAKDOWNS = {"key": "bytes_by_key", "dtype": "bytes_by_dtype", "device": "bytes
 def validate_breakdown(breakdown: Iterable[str]) -> Tuple[str, ...]:
     if isinstance(breakdown, str):
         breakdown = (breakdown,)
-    chosen = tuple(breakdown)
+    try:
+        chosen = tuple(breakdown)
+    except TypeError:  # None, a number: say what is allowed rather than "not iterable"
+        raise ValueError(f"breakdown={breakdown!r}: expected some of {sorted(BREAKDOWNS)}, or () for none") from None
     for name in chosen:
         if name not in BREAKDOWNS:
             raise ValueError(f"breakdown={name!r} is not one of {sorted(BREAKDOWNS)}")
@@ -58,6 +61,12 @@ class OptimizerStateMonitor:
     @property
     def optimizer(self) -> Any:
         return self._optimizer
+
+    def start_run(self) -> None:
+        """A new run counts its steps from its own start: a measurement cached under a step
+        number of the last run describes another moment (a second `train()` call on one Trainer
+        keeps the optimizer and restarts `global_step`)."""
+        self._latest_step = None
 
     def attach(self, optimizer: Any) -> None:
         """Watch `optimizer` (a new one resets the estimate and the measurements)."""
