@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
 from transformers import Trainer
 
 from helpers import TinyDataset, entries_with, tiny_classifier, training_args
+from test_callback_logging import train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback, measure_optimizer_state
 from trainer_memcb.figures import MEASURED_BYTES
 from trainer_memcb.trainer_log_hook import is_log_hook_installed
@@ -82,14 +82,6 @@ def trainable_bytes(model: torch.nn.Module) -> int:
     return sum(param.numel() * param.element_size() for param in model.parameters() if param.requires_grad)
 
 
-def train_quietly(trainer: Trainer) -> List[str]:
-    """Train and return the messages of the warnings this library raised."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train()
-    return [str(warning.message) for warning in caught if str(warning.message).startswith("trainer_memcb:")]
-
-
 def read_summary(output_dir: str) -> dict:
     with open(os.path.join(output_dir, "optimizer_memory.json"), encoding="utf-8") as handle:
         return json.load(handle)
@@ -110,7 +102,7 @@ def test_one_callback_for_two_train_calls_then_for_a_second_trainer(tmp_path):
 
     # Both train() calls reuse the optimizer, whose history keeps growing: 2 steps, then 4.
     for call, steps_so_far in ((1, 2), (2, 4)):
-        assert train_quietly(first) == []
+        assert train_recording_warnings(first) == []
         (entry,) = entries_with(first.state.log_history, "loss")
         assert entry["step"] == 2, call
         assert entry[MEASURED_BYTES] == steps_so_far * per_step, call
@@ -122,7 +114,7 @@ def test_one_callback_for_two_train_calls_then_for_a_second_trainer(tmp_path):
         model=tiny_classifier(), args=training_args(second_dir, max_steps=2, logging_steps=2),
         train_dataset=TinyDataset(16), callbacks=[callback],
     )
-    assert train_quietly(second) == []
+    assert train_recording_warnings(second) == []
     (entry,) = entries_with(second.state.log_history, "loss")
     adamw_bytes = 2 * per_step + 4 * 24  # two fp32 moments, and a 4-byte `step` for each of 24 tensors
     assert entry[MEASURED_BYTES] == entry["optimizer_state_estimate_bytes"] == adamw_bytes
@@ -139,7 +131,7 @@ def test_a_trainer_without_the_callback_logs_no_optimizer_keys(tmp_path):
         model=tiny_classifier(), args=training_args(str(tmp_path), max_steps=2),
         train_dataset=TinyDataset(16), eval_dataset=TinyDataset(8, seed=1),
     )
-    assert train_quietly(trainer) == []
+    assert train_recording_warnings(trainer) == []
     metrics = trainer.evaluate()
     history = trainer.state.log_history
     assert len(entries_with(history, "loss")) == 2 and len(entries_with(history, "eval_loss")) == 1
