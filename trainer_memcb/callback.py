@@ -8,6 +8,7 @@ from typing import Any, Dict, Iterable, Optional
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+from trainer_memcb import whatif
 from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.monitor import OptimizerStateMonitor, optimizer_class_name
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_document, summary_text, write_summary
@@ -68,6 +69,8 @@ class OptimizerMemoryCallback(TrainerCallback):
         breakdown: extra per-part byte keys to log: any of `"key"`, `"dtype"`, `"device"`.
         summary_file: file name, inside `args.output_dir`, for the end-of-training JSON summary;
             None writes none.
+        what_if: the Trainer `optim` names whose state to estimate once at train begin for the
+            model being trained (logger and summary, under `"what_if"`); `()` for none.
 
     Example:
         >>> from trainer_memcb import OptimizerMemoryCallback
@@ -80,7 +83,8 @@ class OptimizerMemoryCallback(TrainerCallback):
 
     KEYS = KEY_DESCRIPTIONS
 
-    def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME) -> None:
+    def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME,
+                 what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS) -> None:
         if summary_file is not None and (
             not isinstance(summary_file, str) or summary_file in ("", ".", "..")
             or os.path.basename(summary_file) != summary_file
@@ -89,6 +93,8 @@ class OptimizerMemoryCallback(TrainerCallback):
                              f"{SUMMARY_FILE_NAME!r}, or None for no file")
         self.monitor = OptimizerStateMonitor(breakdown=breakdown)
         self.summary_file = summary_file
+        self.what_if_optimizers = whatif.resolve_optimizer_names(what_if) if what_if else ()
+        self._what_if: Optional[whatif.WhatIf] = None
         # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
         self._contributed_entry: Optional[Dict[str, Any]] = None
         install_log_hook()
@@ -100,6 +106,17 @@ class OptimizerMemoryCallback(TrainerCallback):
         self.monitor.attach(optimizer)
         if state.is_world_process_zero:
             self.monitor.estimate()
+            self._state_what_if(args, kwargs.get("model"))
+
+    def _state_what_if(self, args: Any, model: Any) -> None:
+        # Once per callback: a few optimizers built over meta-device stand-ins, nothing allocated.
+        if not self.what_if_optimizers or model is None or self._what_if is not None:
+            return
+        try:
+            self._what_if = whatif.what_if(model, self.what_if_optimizers, args=args)
+            logger.info(whatif.what_if_text(self._what_if))
+        except Exception as error:  # never break training over a what-if
+            self.monitor.warn_once("what-if", f"the optimizer what-if failed ({error!r}); it is left out")
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         # Measure only when this step will be logged: every hook returns early otherwise.
@@ -161,7 +178,8 @@ class OptimizerMemoryCallback(TrainerCallback):
                     estimate,
                     optimizer_class_name(self.monitor.optimizer),
                     state.global_step,
-                    extra={"peak_measured_bytes": peak.num_bytes if peak is not None else None},
+                    extra={"peak_measured_bytes": peak.num_bytes if peak is not None else None,
+                           **({"what_if": self._what_if.to_dict()} if self._what_if is not None else {})},
                 )
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary

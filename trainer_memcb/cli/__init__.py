@@ -1,0 +1,199 @@
+"""The `trainer-memcb` command (also `python -m trainer_memcb`): after the run, and before the next.
+
+    trainer-memcb report RUN_DIR            measured vs estimate over the steps, evaluations,
+                                            breakdown by state key and dtype, and a PNG plot
+    trainer-memcb compare RUN_DIR...        one row per run, sorted by optimizer state memory
+    trainer-memcb estimate MODEL            the what-if: each optimizer's state for a model config,
+                                            built on the meta device
+
+Tables in a terminal, plain text when piped, `--json` for machines. Exit codes: 0 done, 1 nothing
+found (the message says where it looked) or a file that cannot be read, 2 usage error.
+
+In three pieces, so that each can be used alone: `parser()`, `command(args)`, `main(argv)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from trainer_memcb.cli.compare import compare_runs, compare_table
+from trainer_memcb.cli.estimate import estimate_tables
+from trainer_memcb.cli.output import print_json, print_tables
+from trainer_memcb.cli.plots import PlotError, compare_plot, report_plot
+from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
+from trainer_memcb.run_logs import RunLogError, load_run
+from trainer_memcb.whatif import (
+    DEFAULT_OPTIMIZERS,
+    DTYPES,
+    ModelConfigError,
+    build_meta_model,
+    resolve_dtype,
+    resolve_optimizer_names,
+    select_trainable,
+    what_if,
+)
+
+__all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main"]
+
+PROGRAM = "trainer-memcb"
+# Written into the run folder by `report` unless --plot or --no-plot says otherwise.
+REPORT_PLOT_FILE_NAME = "optimizer_memory.png"
+
+EXIT_DONE = 0
+EXIT_NOTHING_FOUND = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input found after parsing (an option that does not fit the model)."""
+
+
+def _metrics(text: str) -> List[str]:
+    metrics = [name.strip() for name in text.split(",") if name.strip()]
+    if not metrics:
+        raise argparse.ArgumentTypeError("give one or more metric names, e.g. accuracy,f1")
+    return metrics
+
+
+def _optimizers(text: str) -> tuple:
+    try:
+        return resolve_optimizer_names(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of `trainer-memcb`."""
+    main_parser = argparse.ArgumentParser(
+        prog=PROGRAM, description="What your optimizer held in memory, against its estimate; and what another would hold."
+    )
+    commands = main_parser.add_subparsers(dest="command", metavar="{report,compare,estimate}")
+
+    metrics_help = f"eval metrics to show, comma-separated (default: {','.join(DEFAULT_METRICS)})"
+
+    report = commands.add_parser("report", help="one run: state over the steps, evaluations, breakdown, plot")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the Trainer's output_dir (or one of its checkpoints)")
+    plot = report.add_mutually_exclusive_group()
+    plot.add_argument("--plot", metavar="PNG", help=f"where to write the plot (default: RUN_DIR/{REPORT_PLOT_FILE_NAME})")
+    plot.add_argument("--no-plot", action="store_true", help="write no plot")
+    report.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
+    report.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
+    report.set_defaults(handler=_report)
+
+    compare = commands.add_parser("compare", help="several runs side by side, sorted by optimizer state memory")
+    compare.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="the runs' output_dir folders")
+    compare.add_argument("--plot", metavar="PNG", help="also write a bar chart there")
+    compare.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
+    compare.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of a table")
+    compare.set_defaults(handler=_compare)
+
+    estimate = commands.add_parser("estimate", help="the what-if before training, from a model config")
+    estimate.add_argument("model", metavar="MODEL", help="a folder holding config.json, or a hub name when online")
+    estimate.add_argument(
+        "--optimizers", type=_optimizers, default=DEFAULT_OPTIMIZERS,
+        help=f"the Trainer's optim names, comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); "
+             "e.g. adamw,adafactor,adamw_8bit,adamw_torch_8bit",
+    )
+    estimate.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the parameters' dtype (default: float32)")
+    estimate.add_argument(
+        "--trainable", metavar="REGEX",
+        help="train only the parameters whose name matches (re.search), e.g. 'q_proj|v_proj'; default: all",
+    )
+    estimate.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
+    estimate.set_defaults(handler=_estimate)
+    return main_parser
+
+
+def _write_plot(draw, *arguments, explicit: bool) -> int:
+    try:
+        draw(*arguments)
+    except PlotError as error:
+        print(f"{PROGRAM}: no plot: {error}", file=sys.stderr)
+        return EXIT_NOTHING_FOUND if explicit else EXIT_DONE
+    return EXIT_DONE
+
+
+def _report(args: argparse.Namespace) -> int:
+    report = run_report(load_run(args.run_dir), args.metrics)
+    plot_path = None if args.no_plot else args.plot or os.path.join(args.run_dir, REPORT_PLOT_FILE_NAME)
+    status = EXIT_DONE
+    if plot_path is not None:
+        status = _write_plot(report_plot, report, plot_path, args.metrics, explicit=args.plot is not None)
+        if not os.path.isfile(plot_path):
+            plot_path = None
+    if args.json:
+        print_json({**report.to_dict(), "plot": plot_path}, sys.stdout)
+    else:
+        print_tables(report_tables(report, args.metrics), sys.stdout)
+        if plot_path is not None:
+            print(f"\nPlot: {plot_path}")
+    return status
+
+
+def _compare(args: argparse.Namespace) -> int:
+    rows = compare_runs([load_run(run_dir) for run_dir in args.run_dirs], args.metrics)
+    status = EXIT_DONE
+    if args.plot is not None:
+        status = _write_plot(compare_plot, rows, args.plot, args.metrics, explicit=True)
+    if args.json:
+        print_json({"runs": [row.to_dict() for row in rows], "plot": args.plot if status == EXIT_DONE else None},
+                   sys.stdout)
+    else:
+        print_tables([compare_table(rows, args.metrics)], sys.stdout)
+        if args.plot is not None and status == EXIT_DONE:
+            print(f"\nPlot: {args.plot}")
+    return status
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    model = build_meta_model(args.model, resolve_dtype(args.dtype))
+    try:
+        trainable = select_trainable(model, args.trainable)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if trainable == 0:
+        names = [name for name, _ in model.named_parameters()][:3]
+        raise ModelConfigError(
+            f"no parameter name of {args.model} matches --trainable {args.trainable!r}; names look like: {', '.join(names)}"
+        )
+    result = what_if(model, args.optimizers, model_name=args.model)
+    if args.json:
+        print_json(result.to_dict(), sys.stdout)
+    else:
+        print_tables(estimate_tables(result), sys.stdout)
+    return EXIT_DONE
+
+
+def command(args: argparse.Namespace) -> int:
+    """Run the parsed command; bad input becomes a message on stderr and an exit code, never a traceback."""
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser().print_usage(sys.stderr)
+        print(f"{PROGRAM}: error: choose a command: report, compare or estimate", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return handler(args)
+    except (RunLogError, ModelConfigError) as error:
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
+        return EXIT_NOTHING_FOUND
+    except UsageError as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `trainer-memcb`; returns the exit code.
+
+    Example:
+        >>> main(["compare", "no/such/run"])  # stderr: trainer-memcb: no/such/run: no such folder
+        1
+    """
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
+        code = exit_request.code
+        return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
+    return command(args)

@@ -1,0 +1,96 @@
+"""How the command prints: rich tables in a terminal, plain text when piped, JSON for machines.
+
+The commands build `TextTable`s from data; nothing here computes a figure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, TextIO, Tuple
+
+from trainer_memcb.units import format_bytes
+
+__all__ = ["TextTable", "bytes_cell", "count_cell", "metric_cell", "print_tables", "print_json"]
+
+_MISSING = "-"
+
+
+def bytes_cell(num_bytes: Optional[int]) -> str:
+    """`"501.9 MiB (526,264,752)"`: the human unit and the exact count; `"-"` when unknown."""
+    if num_bytes is None:
+        return _MISSING
+    return f"{format_bytes(num_bytes)} ({num_bytes:,})"
+
+
+def count_cell(count: Optional[int]) -> str:
+    return _MISSING if count is None else f"{count:,}"
+
+
+def metric_cell(value: Optional[float]) -> str:
+    return _MISSING if value is None else f"{value:.4f}"
+
+
+@dataclass
+class TextTable:
+    """A table for people: a title, column names, rows of cells already formatted.
+
+    Attributes:
+        title: shown above the table.
+        columns: column names.
+        rows: the cells.
+        note: a line shown under the table, or "".
+        text_columns: indexes of the left-aligned (text) columns; the others hold numbers and
+            are right-aligned.
+    """
+
+    title: str
+    columns: List[str]
+    rows: List[List[str]] = field(default_factory=list)
+    note: str = ""
+    text_columns: Tuple[int, ...] = (0,)
+
+
+def _plain(table: TextTable) -> str:
+    widths = [len(column) for column in table.columns]
+    for row in table.rows:
+        widths = [max(width, len(cell)) for width, cell in zip(widths, row)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [cell.ljust(width) if index in table.text_columns else cell.rjust(width)
+                 for index, (cell, width) in enumerate(zip(cells, widths))]
+        return "  ".join(parts).rstrip()
+
+    lines = [table.title, line(table.columns), line(["-" * width for width in widths])]
+    lines += [line(row) for row in table.rows]
+    if table.note:
+        lines.append(table.note)
+    return "\n".join(lines)
+
+
+def _rich(table: TextTable) -> Any:
+    from rich.table import Table
+
+    shown = Table(title=table.title, title_justify="left", caption=table.note or None, caption_justify="left")
+    for index, column in enumerate(table.columns):
+        shown.add_column(column, justify="left" if index in table.text_columns else "right")
+    for row in table.rows:
+        shown.add_row(*row)
+    return shown
+
+
+def print_tables(tables: Sequence[TextTable], stream: TextIO) -> None:
+    """Rich tables when `stream` is a terminal, plain aligned text otherwise (pipes, files)."""
+    if stream.isatty():
+        from rich.console import Console
+
+        console = Console(file=stream)
+        for table in tables:
+            console.print(_rich(table))
+        return
+    stream.write("\n\n".join(_plain(table) for table in tables) + "\n")
+
+
+def print_json(document: Any, stream: TextIO) -> None:
+    json.dump(document, stream, indent=2, sort_keys=True)
+    stream.write("\n")

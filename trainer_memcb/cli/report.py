@@ -1,0 +1,232 @@
+"""`trainer-memcb report RUN_DIR`: one run's optimizer memory over the steps, its evaluations,
+and the breakdown by state key and dtype.
+
+`run_report` computes the figures from a `RunLog`; `report_tables` only formats them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
+from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
+from trainer_memcb.run_logs import RunLog
+
+__all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_report", "report_tables"]
+
+# The lesson's metrics: eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1").
+DEFAULT_METRICS = ("accuracy", "f1")
+# `Trainer.evaluate(metric_key_prefix="eval")`, the prefix of every evaluation key.
+EVAL_PREFIX = "eval"
+_BY_KEY = f"{MEASURED_BYTES}/by_key/"
+_BY_DTYPE = f"{MEASURED_BYTES}/by_dtype/"
+
+
+@dataclass
+class StepFigures:
+    """The figures of one logged training step."""
+
+    step: int
+    measured_bytes: Optional[int]
+    estimate_bytes: Optional[int]
+
+
+@dataclass
+class EvalFigures:
+    """One evaluation: its metrics and the state measured then."""
+
+    step: int
+    metrics: Dict[str, float]
+    measured_bytes: Optional[int]
+
+
+@dataclass
+class RunReport:
+    """What `trainer-memcb report` shows for one run.
+
+    Final figures come from the callback's summary when the run has one, else from the last
+    logged step. Breakdowns come from the summary, else from the last logged breakdown keys.
+    """
+
+    name: str
+    run_dir: str
+    history_source: Optional[str]
+    summary_file: Optional[str]
+    optimizer_class: Optional[str]
+    trainable_params: Optional[int]
+    measured_bytes: Optional[int]
+    estimate_bytes: Optional[int]
+    peak_measured_bytes: Optional[int]
+    steps: List[StepFigures] = field(default_factory=list)
+    evals: List[EvalFigures] = field(default_factory=list)
+    measured_by_key: Dict[str, int] = field(default_factory=dict)
+    measured_by_dtype: Dict[str, int] = field(default_factory=dict)
+    estimate_by_key: Dict[str, int] = field(default_factory=dict)
+    what_if: Optional[Dict[str, Any]] = None
+
+    @property
+    def final_metrics(self) -> Dict[str, float]:
+        """The metrics of the last evaluation (empty without one)."""
+        return dict(self.evals[-1].metrics) if self.evals else {}
+
+    def to_dict(self) -> Dict[str, Any]:
+        document = asdict(self)
+        document["final_metrics"] = self.final_metrics
+        return document
+
+
+def _last_with(entries: Sequence[Dict[str, Any]], key: str) -> Optional[Any]:
+    for entry in reversed(entries):
+        if key in entry:
+            return entry[key]
+    return None
+
+
+def _parts(entry: Dict[str, Any], prefix: str) -> Dict[str, int]:
+    return {key[len(prefix):]: value for key, value in entry.items() if key.startswith(prefix)}
+
+
+def _last_parts(entries: Sequence[Dict[str, Any]], prefix: str) -> Dict[str, int]:
+    for entry in reversed(entries):
+        parts = _parts(entry, prefix)
+        if parts:
+            return parts
+    return {}
+
+
+def _known(*values: Any) -> Any:
+    """The first value that is not None (0 is a value)."""
+    return next((value for value in values if value is not None), None)
+
+
+def _nested(document: Optional[Dict[str, Any]], *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(document, dict):
+            return None
+        document = document.get(key)
+    return document
+
+
+def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunReport:
+    """The figures of one run, from its own logs.
+
+    Args:
+        run: from `trainer_memcb.run_logs.load_run`.
+        metrics: evaluation metrics to follow, without the `eval_` prefix.
+    """
+    eval_keys = {metric: f"{EVAL_PREFIX}_{metric}" for metric in metrics}
+    eval_measured = f"{EVAL_PREFIX}_{MEASURED_BYTES}"
+    training = [entry for entry in run.log_history if MEASURED_BYTES in entry or ESTIMATE_BYTES in entry]
+    evaluations = [
+        entry for entry in run.log_history if any(key in entry for key in eval_keys.values()) or eval_measured in entry
+    ]
+    steps = [
+        StepFigures(int(entry.get("step", 0)), entry.get(MEASURED_BYTES), entry.get(ESTIMATE_BYTES))
+        for entry in training
+    ]
+    evals = [
+        EvalFigures(
+            int(entry.get("step", 0)),
+            {metric: entry[key] for metric, key in eval_keys.items() if key in entry},
+            entry.get(eval_measured),
+        )
+        for entry in evaluations
+    ]
+    summary = run.summary
+    logged_peak = max((s.measured_bytes for s in steps if s.measured_bytes is not None), default=None)
+    report = RunReport(
+        name=run.name,
+        run_dir=run.run_dir,
+        history_source=run.history_source,
+        summary_file=run.summary_file,
+        # The estimate names the class with its module (bitsandbytes' AdamW is not torch's).
+        optimizer_class=_known(_nested(summary, "estimate", "optimizer_class"), _nested(summary, "optimizer_class")),
+        trainable_params=_known(_nested(summary, "estimate", "num_params"), _last_with(training, TRAINABLE_PARAMS)),
+        measured_bytes=_nested(summary, "measured", "num_bytes"),
+        estimate_bytes=_nested(summary, "estimate", "num_bytes"),
+        peak_measured_bytes=_known(_nested(summary, "peak_measured_bytes"), logged_peak),
+        steps=steps,
+        evals=evals,
+        what_if=_nested(summary, "what_if"),
+    )
+    if summary is None:
+        report.measured_bytes = _last_with(training, MEASURED_BYTES)
+        report.estimate_bytes = _last_with(training, ESTIMATE_BYTES)
+        report.measured_by_key = _last_parts(training, _BY_KEY)
+        report.measured_by_dtype = _last_parts(training, _BY_DTYPE)
+    else:
+        report.measured_by_key = dict(_nested(summary, "measured", "bytes_by_key") or {})
+        report.measured_by_dtype = dict(_nested(summary, "measured", "bytes_by_dtype") or {})
+        report.estimate_by_key = dict(_nested(summary, "estimate", "bytes_by_key") or {})
+    return report
+
+
+# -- printing ------------------------------------------------------------------------------------
+
+
+def _changes(steps: Sequence[StepFigures]) -> List[StepFigures]:
+    """The steps where a figure changes, and the last one: the state is flat once every
+    parameter has had a gradient, so a long run would otherwise print the same row again and again."""
+    shown: List[StepFigures] = []
+    for index, figures in enumerate(steps):
+        previous = shown[-1] if shown else None
+        changed = previous is None or (previous.measured_bytes, previous.estimate_bytes) != (
+            figures.measured_bytes, figures.estimate_bytes)
+        if changed or index == len(steps) - 1:
+            shown.append(figures)
+    return shown
+
+
+def _difference(measured: Optional[int], estimate: Optional[int]) -> Optional[int]:
+    return None if measured is None or estimate is None else measured - estimate
+
+
+def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -> List[TextTable]:
+    """The report as tables for people."""
+    overview = TextTable(f"Run {report.name}", ["", "value"], [
+        ["optimizer", report.optimizer_class or "- (no optimizer_memory.json)"],
+        ["trainable parameters", count_cell(report.trainable_params)],
+        ["state measured (end)", bytes_cell(report.measured_bytes)],
+        ["state estimate", bytes_cell(report.estimate_bytes)],
+        ["measured - estimate", bytes_cell(_difference(report.measured_bytes, report.estimate_bytes))],
+        ["peak measured", bytes_cell(report.peak_measured_bytes)],
+        ["logs from", report.history_source or "-"],
+        ["summary from", report.summary_file or "-"],
+    ], text_columns=(0, 1))
+    tables = [overview]
+    if report.steps:
+        shown = _changes(report.steps)
+        tables.append(TextTable(
+            "Optimizer state over the steps", ["step", "measured", "estimate", "measured - estimate"],
+            [[str(s.step), bytes_cell(s.measured_bytes), bytes_cell(s.estimate_bytes),
+              bytes_cell(_difference(s.measured_bytes, s.estimate_bytes))] for s in shown],
+            note=f"{len(report.steps)} logged steps; rows where a figure changes, and the last one",
+            text_columns=(),
+        ))
+    if report.evals:
+        tables.append(TextTable(
+            "Evaluations", ["step", *metrics, "state measured"],
+            [[str(e.step), *(metric_cell(e.metrics.get(m)) for m in metrics), bytes_cell(e.measured_bytes)]
+             for e in report.evals],
+            text_columns=(),
+        ))
+    if report.measured_by_key or report.estimate_by_key:
+        keys = sorted(set(report.measured_by_key) | set(report.estimate_by_key))
+        tables.append(TextTable("By state key", ["key", "measured", "estimate"], [
+            [key, bytes_cell(report.measured_by_key.get(key)), bytes_cell(report.estimate_by_key.get(key))]
+            for key in keys
+        ]))
+    if report.measured_by_dtype:
+        tables.append(TextTable("By dtype", ["dtype", "measured"], [
+            [dtype, bytes_cell(num_bytes)] for dtype, num_bytes in sorted(report.measured_by_dtype.items())
+        ]))
+    if report.what_if:
+        tables.append(TextTable(
+            f"What-if at train begin, for {count_cell(report.what_if.get('trainable_params'))} trainable parameters",
+            ["optimizer", "state estimate"],
+            [[entry.get("name", "?"), bytes_cell(_nested(entry, "estimate", "num_bytes"))
+              if entry.get("estimate") else entry.get("problem") or "-"]
+             for entry in report.what_if.get("optimizers", [])],
+        ))
+    return tables
