@@ -1,0 +1,132 @@
+"""AdamW vs Adafactor vs 8-bit Adam: the same fine-tuning three times, one table of what each costs.
+
+    python examples/compare_optimizers.py                                 # tiny DistilBERT, offline
+    python examples/compare_optimizers.py --model distilbert-base-cased --max-steps 1
+    tensorboard --logdir output/compare_optimizers/tensorboard            # the runs overlaid
+
+Each run is `train_with_trainer.train()` with `OptimizerMemoryCallback`: the measured state and
+the estimate come from the callback's own summary. The table's rows are written, exact, to
+`<output-dir>/comparison.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from text_classification import OPTIMIZERS, TINY_MODEL, add_training_arguments, parse_optimizer_names
+from train_with_trainer import TrainingRun, train
+from trainer_memcb.units import format_bytes
+
+DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_optimizers")
+COMPARISON_FILE_NAME = "comparison.json"
+COLUMNS = ("optimizer", "trainable params", "measured state", "estimate", "eval accuracy", "eval F1", "s/step")
+
+
+def comparison_row(run: TrainingRun) -> Dict[str, Any]:
+    """One run's figures, exact: bytes and counts as integers."""
+    measured, estimate = run.memory["measured"], run.memory["estimate"]
+    return {
+        "optimizer": run.optimizer,
+        "optimizer_class": run.memory["optimizer_class"],
+        "model_params": run.model_params,
+        "trainable_params": estimate["num_params"] if estimate is not None else None,
+        "measured_bytes": measured["num_bytes"] if measured is not None else None,
+        "measured_elements": measured["num_elements"] if measured is not None else None,
+        "estimate_bytes": estimate["num_bytes"] if estimate is not None else None,
+        "measured_bytes_by_key": measured["bytes_by_key"] if measured is not None else {},
+        "eval_accuracy": run.eval_metrics["eval_accuracy"],
+        "eval_f1": run.eval_metrics["eval_f1"],
+        "steps": run.steps,
+        "seconds_per_step": run.seconds_per_step,
+    }
+
+
+def _bytes_cell(num_bytes: Optional[int]) -> str:
+    return "-" if num_bytes is None else f"{num_bytes:,} ({format_bytes(num_bytes)})"
+
+
+def _count_cell(count: Optional[int]) -> str:
+    return "-" if count is None else f"{count:,}"
+
+
+def _float_cell(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def comparison_table(rows: List[Dict[str, Any]]) -> str:
+    """The rows as a plain-text table, sizes in exact bytes and in MiB (1024**2 bytes)."""
+    cells = [
+        [
+            row["optimizer"], _count_cell(row["trainable_params"]), _bytes_cell(row["measured_bytes"]),
+            _bytes_cell(row["estimate_bytes"]), _float_cell(row["eval_accuracy"], 3),
+            _float_cell(row["eval_f1"], 3), _float_cell(row["seconds_per_step"], 3),
+        ]
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in [list(COLUMNS)] + cells) for i in range(len(COLUMNS))]
+    lines = []
+    for line in [list(COLUMNS)] + cells:
+        lines.append("  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(line, widths))))
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def estimate_checks(rows: List[Dict[str, Any]]) -> List[str]:
+    """One line per row: does the measured state equal the estimate?"""
+    lines = []
+    for row in rows:
+        measured, estimate = row["measured_bytes"], row["estimate_bytes"]
+        if measured is None or estimate is None:
+            lines.append(f"{row['optimizer']}: no {'measurement' if measured is None else 'estimate rule'}")
+        elif measured == estimate:
+            lines.append(f"{row['optimizer']} ({row['optimizer_class']}): measured == estimate, {measured:,} bytes")
+        else:
+            lines.append(f"{row['optimizer']} ({row['optimizer_class']}): measured - estimate = {measured - estimate:+,} bytes")
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_training_arguments(parser, default_model=TINY_MODEL, default_output_dir=DEFAULT_OUTPUT_DIR)
+    parser.add_argument(
+        "--optimizers", type=parse_optimizer_names, default=list(OPTIMIZERS),
+        help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: all three)",
+    )
+    return parser
+
+
+def compare(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Train once per optimizer; the comparison's rows, also written to comparison.json."""
+    rows = []
+    for optimizer in args.optimizers:
+        print(f"Training with {optimizer} ({OPTIMIZERS[optimizer].state}) ...", flush=True)
+        run = train(
+            args, optimizer, os.path.join(args.output_dir, optimizer),
+            os.path.join(args.output_dir, "tensorboard", optimizer), print_logs=False,
+        )
+        rows.append(comparison_row(run))
+    with open(os.path.join(args.output_dir, COMPARISON_FILE_NAME), "w", encoding="utf-8") as handle:
+        json.dump({"model": args.model, "origin": run.origin, "rows": rows}, handle, indent=2)
+        handle.write("\n")
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    rows = compare(args)
+    print()
+    print(f"Model: {args.model}, {rows[0]['model_params']:,} parameters")
+    print(comparison_table(rows))
+    print()
+    print("\n".join(estimate_checks(rows)))
+    print(f"\nRows: {os.path.join(args.output_dir, COMPARISON_FILE_NAME)}")
+    print(f"TensorBoard: tensorboard --logdir {os.path.join(args.output_dir, 'tensorboard')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The task every example trains: binary sentiment of short film reviews, offline by default.
+
+Shared by `train_with_trainer.py`, `train_with_accelerate.py` and `compare_optimizers.py`:
+
+- data: `examples/data/reviews/{train,validation}.csv`, loaded through `datasets`;
+- model and tokenizer: `load_model()`, from a shipped config with random weights and a tokenizer
+  built from the training texts, or from real weights when a hub name or a local folder has them;
+- metrics: accuracy and F1 through `evaluate`, from the modules in `examples/metrics/`;
+- optimizers: the three of the comparison, by name, for the Trainer and for a custom loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+EXAMPLES_DIR = Path(__file__).resolve().parent
+DATA_DIR = EXAMPLES_DIR / "data" / "reviews"
+METRICS_DIR = EXAMPLES_DIR / "metrics"
+MODELS_DIR = EXAMPLES_DIR / "models"
+
+TINY_MODEL = "tiny-distilbert"
+# The distilbert-base-cased architecture, built offline from its shipped config.json.
+DISTILBERT_ARCHITECTURE = str(MODELS_DIR / "distilbert-base-cased")
+# Shipped configs with no hub repository behind them: never looked up online.
+LOCAL_ONLY_MODELS = {TINY_MODEL}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+NUM_LABELS = 2
+# Reviews are at most 16 words; 64 tokens leave room for other texts without wasting compute.
+MAX_LENGTH = 64
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+__all__ = [
+    "OPTIMIZERS",
+    "LoadedModel",
+    "OptimizerChoice",
+    "Scores",
+    "add_training_arguments",
+    "load_model",
+    "load_reviews",
+    "parse_optimizer_names",
+    "positive_int",
+    "tokenize_reviews",
+]
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+
+def load_reviews(eval_samples: Optional[int] = None, train_samples: Optional[int] = None) -> Any:
+    """The shipped reviews as a `datasets.DatasetDict` with `train` and `validation` splits."""
+    from datasets import load_dataset
+
+    data_files = {"train": str(DATA_DIR / "train.csv"), "validation": str(DATA_DIR / "validation.csv")}
+    reviews = load_dataset("csv", data_files=data_files)
+    if train_samples is not None:
+        reviews["train"] = reviews["train"].select(range(min(train_samples, len(reviews["train"]))))
+    if eval_samples is not None:
+        reviews["validation"] = reviews["validation"].select(range(min(eval_samples, len(reviews["validation"]))))
+    return reviews
+
+
+def tokenize_reviews(reviews: Any, tokenizer: Any, max_length: int) -> Any:
+    """Token ids and attention masks in place of the text; padding is left to the collator."""
+
+    def tokenize(batch: Dict[str, List[Any]]) -> Dict[str, Any]:
+        return tokenizer(batch["text"], truncation=True, max_length=max_length)
+
+    return reviews.map(tokenize, batched=True, remove_columns=["text"])
+
+
+# -- model and tokenizer ---------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    """A sequence classifier, its tokenizer, and a line saying how they were obtained."""
+
+    model: Any
+    tokenizer: Any
+    origin: str
+
+    @property
+    def max_length(self) -> int:
+        return min(MAX_LENGTH, getattr(self.model.config, "max_position_embeddings", MAX_LENGTH))
+
+
+def local_tokenizer(texts: Iterable[str]) -> Any:
+    """A word-level tokenizer trained on `texts`, lower-cased, with BERT's special tokens.
+
+    Built with the `tokenizers` library in a fraction of a second, so nothing is downloaded.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS)))
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]", model_input_names=["input_ids", "attention_mask"],
+    )
+
+
+def _has_weights(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def _from_config(folder: Path, texts: Sequence[str], seed: int) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(folder), num_labels=NUM_LABELS)
+    tokenizer = local_tokenizer(texts)
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"the local tokenizer needs {len(tokenizer)} token ids but {folder}/config.json has "
+            f"vocab_size={config.vocab_size}; raise vocab_size to at least {len(tokenizer)}"
+        )
+    torch.manual_seed(seed)  # the random weights are the same on every run with this seed
+    model = AutoModelForSequenceClassification.from_config(config)
+    origin = f"built from {folder / 'config.json'} with random weights; word-level tokenizer of {len(tokenizer)} tokens built from the training texts"
+    return LoadedModel(model, tokenizer, origin)
+
+
+def _from_pretrained(name: str) -> LoadedModel:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=NUM_LABELS)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(name), f"pretrained weights and tokenizer from {name}")
+
+
+def load_model(name: str, texts: Sequence[str], seed: int = 0) -> LoadedModel:
+    """A 2-label sequence classifier for `name`.
+
+    Args:
+        name: a local folder (real weights when it holds them, else its `config.json` with random
+            weights), a shipped config's name (`tiny-distilbert`, always offline;
+            `distilbert-base-cased`, from the hub when it is reachable and `HF_HUB_OFFLINE` is not
+            set, else from its shipped config), or any hub name.
+        texts: the training texts, for the local tokenizer a config-only build needs.
+        seed: seeds the random weights of a config-only build.
+    """
+    from huggingface_hub import is_offline_mode
+
+    folder = Path(name)
+    if folder.is_dir():
+        return _from_pretrained(name) if _has_weights(folder) else _from_config(folder, texts, seed)
+    shipped = MODELS_DIR / name
+    if not (shipped / "config.json").is_file():
+        return _from_pretrained(name)
+    if name in LOCAL_ONLY_MODELS or is_offline_mode():
+        return _from_config(shipped, texts, seed)
+    try:
+        return _from_pretrained(name)
+    except OSError as error:  # the hub is unreachable: the architecture is still here
+        print(f"Could not load {name} from the hub ({str(error).splitlines()[0]}); "
+              f"building its architecture offline instead (set HF_HUB_OFFLINE=1 to skip the attempt).")
+        return _from_config(shipped, texts, seed)
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+
+class Scores:
+    """Accuracy and F1 through `evaluate`, from the metric modules shipped in `examples/metrics/`."""
+
+    def __init__(self) -> None:
+        import evaluate
+
+        self.accuracy = evaluate.load(str(METRICS_DIR / "accuracy"))
+        self.f1 = evaluate.load(str(METRICS_DIR / "f1"))
+
+    def __call__(self, predictions: Sequence[int], references: Sequence[int]) -> Dict[str, float]:
+        scores = self.accuracy.compute(predictions=predictions, references=references)
+        scores.update(self.f1.compute(predictions=predictions, references=references))
+        return scores
+
+    def compute_metrics(self, eval_prediction: Any) -> Dict[str, float]:
+        """For `Trainer(compute_metrics=...)`: logits and labels in, `accuracy` and `f1` out."""
+        predictions = np.argmax(eval_prediction.predictions, axis=-1)
+        return self(predictions, eval_prediction.label_ids)
+
+
+# -- optimizers ------------------------------------------------------------------------------------
+
+
+def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def _adafactor(params: Any, lr: float) -> torch.optim.Optimizer:
+    from transformers.optimization import Adafactor
+
+    # What the Trainer's optim="adafactor" builds: a fixed learning rate, no relative step.
+    return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
+
+
+def _adamw_8bit(params: Any, lr: float) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=lr)
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """One optimizer of the lesson.
+
+    Attributes:
+        name: the name the examples take on the command line.
+        trainer_optim: `TrainingArguments(optim=...)` for the same optimizer.
+        state: what its state holds per parameter, in a few words.
+        build: `(params, lr) -> optimizer`, for a custom loop.
+    """
+
+    name: str
+    trainer_optim: str
+    state: str
+    build: Callable[[Any, float], torch.optim.Optimizer]
+
+
+OPTIMIZERS: Dict[str, OptimizerChoice] = {
+    choice.name: choice
+    for choice in (
+        OptimizerChoice("adamw", "adamw_torch", "two fp32 moments per parameter", _adamw),
+        OptimizerChoice("adafactor", "adafactor", "factored fp32 second moment, no first moment", _adafactor),
+        OptimizerChoice("adamw_8bit", "adamw_bnb_8bit", "two moments quantized to 8 bits", _adamw_8bit),
+    )
+}
+
+
+def parse_optimizer_names(text: str) -> List[str]:
+    """`"adamw,adafactor"` -> `["adamw", "adafactor"]`; an unknown name is an argparse error."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in OPTIMIZERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose a comma-separated list from {', '.join(OPTIMIZERS)}")
+    return names
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    return value
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, default_model: str, default_output_dir: str) -> None:
+    """The options every example takes."""
+    parser.add_argument(
+        "--model", default=default_model,
+        help=f"a local folder, '{TINY_MODEL}', 'distilbert-base-cased' or a hub name (default: {default_model}); "
+             "a folder with only a config.json, or a shipped config while offline, gets random weights "
+             "and a tokenizer built from the training texts",
+    )
+    parser.add_argument("--output-dir", default=default_output_dir, help=f"where results go (default: {default_output_dir})")
+    parser.add_argument("--num-epochs", type=positive_int, default=3, help="epochs over the training set (default: 3)")
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="stop after this many optimizer steps, overriding --num-epochs")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="examples per step (default: 16)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="(default: 1e-3, for random weights)")
+    parser.add_argument("--logging-steps", type=positive_int, default=5, help="log every this many steps (default: 5)")
+    parser.add_argument("--train-samples", type=positive_int, default=None, help="use only the first N training reviews")
+    parser.add_argument("--eval-samples", type=positive_int, default=None, help="use only the first N validation reviews")
+    parser.add_argument("--seed", type=int, default=0, help="seeds data order and random weights (default: 0)")
+
+
+def make_output_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
