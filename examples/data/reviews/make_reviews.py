@@ -86,13 +86,13 @@ def write(path: str, rows: List[Tuple[str, int]]) -> None:
         writer.writerows(rows)
 
 
-def main() -> None:
+def main(output_dir: str = os.path.dirname(os.path.abspath(__file__))) -> None:
+    """Write both splits into `output_dir` (by default next to this script)."""
     rng = random.Random(SEED)
-    here = os.path.dirname(os.path.abspath(__file__))
     train = reviews(rng, NUM_TRAIN, exclude=set())
     validation = reviews(rng, NUM_VALIDATION, exclude={text for text, _ in train})
-    write(os.path.join(here, "train.csv"), train)
-    write(os.path.join(here, "validation.csv"), validation)
+    write(os.path.join(output_dir, "train.csv"), train)
+    write(os.path.join(output_dir, "validation.csv"), validation)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,175 @@
+"""The examples, run for a few steps offline, and their outputs read back.
+
+The tiny-model runs call each script's `main(argv)` in this process (the examples folder goes on
+`sys.path`, as it does for `python examples/<script>.py`); the distilbert-base-cased run is a real
+`python examples/compare_optimizers.py` subprocess with `HF_HUB_OFFLINE=1`, so the offline build
+of the architecture is what runs. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from test_accelerate_loop import fresh_accelerator_state, tensorboard_scalars  # noqa: F401  (fixture)
+from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+sys.path.insert(0, EXAMPLES)
+
+import compare_optimizers  # noqa: E402
+import train_with_accelerate  # noqa: E402
+import train_with_trainer  # noqa: E402
+from text_classification import MODELS_DIR, TINY_MODEL  # noqa: E402
+
+TINY_RUN = ["--model", TINY_MODEL, "--train-samples", "48", "--eval-samples", "32", "--batch-size", "8", "--logging-steps", "1"]
+SEED_PARAMS = 65_783_042  # distilbert-base-cased with a 2-label head, as the lesson counts it
+SEED_ADAMW_BYTES = 526_264_752  # 8 x 65,783,042 + 4 x 104 step tensors
+
+
+def tiny_model() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(MODELS_DIR / TINY_MODEL), num_labels=2)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def expected_state_bytes(model: torch.nn.Module) -> Dict[str, int]:
+    """Each optimizer's state for `model` after a step, worked out from the shapes alone."""
+    embeddings = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
+    params = list(model.parameters())
+    adamw = sum(8 * p.numel() + 4 for p in params)  # exp_avg, exp_avg_sq fp32 + a 0-dim fp32 step
+    # transformers Adafactor, beta1=None: a fp32 row and column second moment for a matrix, a full
+    # one for a vector, and a 0-dim fp32 RMS per tensor; `step` is an int.
+    adafactor = sum(4 + 4 * (p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel()) for p in params)
+    # bitsandbytes 8-bit AdamW through the Trainer: embeddings are registered for 32-bit state, and
+    # tensors under 4,096 values stay 32-bit; 8-bit ones hold uint8 codes plus an fp32 scale per
+    # 256 values for each of the two states; the two 256-entry fp32 quantization maps are shared.
+    adamw_8bit = 2 * 256 * 4 + sum(
+        8 * p.numel() if id(p) in embeddings or p.numel() < 4096 else 2 * (p.numel() + 4 * math.ceil(p.numel() / 256))
+        for p in params
+    )
+    return {"adamw": adamw, "adafactor": adafactor, "adamw_8bit": adamw_8bit}
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    output_dir = str(tmp_path_factory.mktemp("compare"))
+    assert compare_optimizers.main(TINY_RUN + ["--max-steps", "3", "--output-dir", output_dir]) == 0
+    with open(os.path.join(output_dir, compare_optimizers.COMPARISON_FILE_NAME), encoding="utf-8") as handle:
+        return {"output_dir": output_dir, **json.load(handle)}
+
+
+def test_comparison_rows_measured_equals_estimate_for_all_three(comparison):
+    model = tiny_model()
+    num_params = sum(p.numel() for p in model.parameters())
+    assert num_params == 454_530
+    expected = expected_state_bytes(model)
+    assert expected == {"adamw": 3_636_400, "adafactor": 37_296, "adamw_8bit": 1_193_488}
+    rows: List[Dict[str, Any]] = comparison["rows"]
+    assert [row["optimizer"] for row in rows] == ["adamw", "adafactor", "adamw_8bit"]
+    for row in rows:
+        assert row["measured_bytes"] == row["estimate_bytes"] == expected[row["optimizer"]], row["optimizer"]
+        assert row["trainable_params"] == row["model_params"] == num_params
+        assert row["steps"] == 3
+        assert 0.0 <= row["eval_accuracy"] <= 1.0 and 0.0 <= row["eval_f1"] <= 1.0
+        assert row["seconds_per_step"] > 0
+    assert [row["optimizer_class"] for row in rows] == ["AdamW", "Adafactor", "AdamW"]
+    assert rows[2]["measured_bytes_by_key"].keys() == {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2"}
+
+
+def test_comparison_tensorboard_runs_overlay_under_one_folder(comparison):
+    tensorboard_dir = os.path.join(comparison["output_dir"], "tensorboard")
+    assert sorted(os.listdir(tensorboard_dir)) == ["adafactor", "adamw", "adamw_8bit"]
+    for row in comparison["rows"]:
+        scalars = tensorboard_scalars(os.path.join(tensorboard_dir, row["optimizer"]))
+        # Float32 in TensorBoard: these sizes are below 2**24, so they come back exact.
+        assert scalars[f"train/{MEASURED_BYTES}"] == [(step, float(row["measured_bytes"])) for step in (1, 2, 3)]
+        assert scalars[f"train/{ESTIMATE_BYTES}"][-1] == (3, float(row["estimate_bytes"]))
+        assert scalars[f"eval/{MEASURED_BYTES}"] == [(3, float(row["measured_bytes"]))]
+        assert scalars["eval/accuracy"] == [(3, pytest.approx(row["eval_accuracy"]))]
+        assert scalars["eval/f1"] == [(3, pytest.approx(row["eval_f1"]))]
+
+
+def test_comparison_table_prints_exact_bytes_and_mib(comparison):
+    table = compare_optimizers.comparison_table(comparison["rows"]).splitlines()
+    assert table[0].split() == ["optimizer", "trainable", "params", "measured", "state", "estimate", "eval",
+                                "accuracy", "eval", "F1", "s/step"]
+    assert table[2].split()[:4] == ["adamw", "454,530", "3,636,400", "(3.5"]
+
+
+def test_trainer_example_logs_the_figures_to_tensorboard_and_the_summary(tmp_path):
+    assert train_with_trainer.main(TINY_RUN + ["--optim", "adafactor", "--max-steps", "2", "--output-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "optimizer_memory.json", encoding="utf-8") as handle:
+        summary = json.load(handle)
+    expected = expected_state_bytes(tiny_model())["adafactor"]
+    assert summary["measured"]["num_bytes"] == summary["estimate"]["num_bytes"] == expected
+    scalars = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    assert scalars[f"train/{MEASURED_BYTES}"] == [(1, float(expected)), (2, float(expected))]
+    assert scalars[f"train/{TRAINABLE_PARAMS}"] == [(1, 454_530.0), (2, 454_530.0)]
+    assert [step for step, _ in scalars["eval/accuracy"]] == [2]
+
+
+def test_accelerate_example_logs_the_figures_each_optimizer_step(tmp_path):
+    argv = TINY_RUN + ["--max-steps", "3", "--gradient-accumulation-steps", "2", "--output-dir", str(tmp_path)]
+    assert train_with_accelerate.main(argv) == 0
+    expected = expected_state_bytes(tiny_model())["adamw"]
+    scalars = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    assert scalars[MEASURED_BYTES] == scalars[ESTIMATE_BYTES] == [(step, float(expected)) for step in (1, 2, 3)]
+    assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
+    assert [step for step, _ in scalars["eval_accuracy"]] == [step for step, _ in scalars["eval_f1"]] == [3]
+    with open(tmp_path / "optimizer_memory.json", encoding="utf-8") as handle:
+        summary = json.load(handle)
+    assert (summary["global_step"], summary["measured"]["num_bytes"]) == (3, expected)
+
+
+def test_distilbert_base_cased_built_offline_holds_the_lessons_numbers(tmp_path):
+    command = [sys.executable, os.path.join(EXAMPLES, "compare_optimizers.py"), "--model", "distilbert-base-cased",
+               "--optimizers", "adamw", "--max-steps", "1", "--train-samples", "8", "--eval-samples", "8",
+               "--batch-size", "8", "--output-dir", str(tmp_path)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    completed = subprocess.run(command, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    with open(tmp_path / "comparison.json", encoding="utf-8") as handle:
+        comparison = json.load(handle)
+    assert "random weights" in comparison["origin"] and "distilbert-base-cased" in comparison["origin"]
+    (row,) = comparison["rows"]
+    assert (row["model_params"], row["trainable_params"]) == (SEED_PARAMS, SEED_PARAMS)
+    assert row["measured_bytes"] == row["estimate_bytes"] == SEED_ADAMW_BYTES
+    assert row["measured_elements"] == 131_566_188  # the lesson's count: 2 x 65,783,042 + 104
+
+
+@pytest.mark.parametrize("script", [compare_optimizers, train_with_trainer, train_with_accelerate])
+def test_every_example_has_help_and_the_shared_options(script, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--help"])
+    assert exit_info.value.code == 0
+    options = {word.strip(",") for word in capsys.readouterr().out.split() if word.startswith("--")}
+    assert {"--help", "--model", "--max-steps", "--output-dir", "--num-epochs", "--eval-samples"} <= options
+
+
+def test_an_unknown_optimizer_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        compare_optimizers.main(["--optimizers", "adamw,sgd"])
+    assert exit_info.value.code == 2
+    assert "choose a comma-separated list from adamw, adafactor, adamw_8bit" in capsys.readouterr().err
+
+
+def test_shipped_reviews_are_what_the_generator_writes(tmp_path):
+    sys.path.insert(0, os.path.join(EXAMPLES, "data", "reviews"))
+    try:
+        import make_reviews
+    finally:
+        sys.path.pop(0)
+    make_reviews.main(str(tmp_path))
+    for split in ("train.csv", "validation.csv"):
+        assert filecmp.cmp(tmp_path / split, os.path.join(EXAMPLES, "data", "reviews", split), shallow=False), split
