@@ -6,9 +6,9 @@ processes: sizes, dtypes, devices and storage addresses are all metadata on the 
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Mapping, Set, Tuple
+from typing import Any, Dict, Iterator, List, Set, Tuple
 
 import torch
 
@@ -90,44 +90,65 @@ def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _plain_tensors(inner)
 
 
-def _storage_identity(tensor: torch.Tensor) -> Tuple[str, int, int]:
-    storage = tensor.untyped_storage()
-    return (str(tensor.device), storage.data_ptr(), storage.nbytes())
+# Per dtype, its bytes per element; per device, its name. `element_size()` and above all
+# `str(tensor.device)` cost up to a microsecond per tensor, a state holds hundreds of tensors, and
+# a run has a handful of dtypes and devices.
+_ELEMENT_SIZES: Dict[torch.dtype, int] = {}
+_DEVICE_NAMES: Dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
 
 
 class _Tally:
+    """Adds up storages. It runs at every logged step over every state tensor, so the per-tensor
+    path is short: one storage lookup, cached sizes and names, and one running total per
+    (state key, dtype, device) from which the breakdowns are folded at the end."""
+
     def __init__(self) -> None:
-        self.num_bytes = 0
-        self.num_elements = 0
-        self.num_tensors = 0
-        self.bytes_by_key: Dict[str, int] = defaultdict(int)
-        self.bytes_by_dtype: Dict[str, int] = defaultdict(int)
-        self.bytes_by_device: Dict[str, int] = defaultdict(int)
-        self.elements_by_key: Dict[str, int] = defaultdict(int)
+        # (state key, dtype, device name) -> [bytes, elements, storages], in order of first appearance
+        self._parts: Dict[Tuple[str, torch.dtype, str], List[int]] = {}
         self._seen_storages: Set[Tuple[str, int, int]] = set()
+
+    def add_plain(self, key: str, plain: torch.Tensor) -> bool:
+        """Count one plain tensor's storage; True if it was counted now."""
+        device = "cpu" if plain.is_cpu else _device_name(plain.device)
+        if device == "meta":
+            return False  # a meta tensor has a shape and no memory
+        storage = plain.untyped_storage()
+        num_bytes = storage.nbytes()
+        identity = (device, storage.data_ptr(), num_bytes)
+        seen = self._seen_storages
+        if identity in seen:
+            return False  # shared storage (bitsandbytes' qmaps): already counted once
+        if identity[1] != 0:
+            seen.add(identity)
+        # A storage counts whole: a view into a larger buffer keeps the whole buffer alive.
+        dtype = plain.dtype
+        element_size = _ELEMENT_SIZES.get(dtype)
+        if element_size is None:
+            element_size = _ELEMENT_SIZES[dtype] = plain.element_size()
+        part = (key, dtype, device)
+        totals = self._parts.get(part)
+        if totals is None:
+            self._parts[part] = [num_bytes, num_bytes // element_size if element_size else 0, 1]
+        else:
+            totals[0] += num_bytes
+            totals[1] += num_bytes // element_size if element_size else 0
+            totals[2] += 1
+        return True
 
     def add_tensor(self, key: str, tensor: torch.Tensor) -> bool:
         """Count every plain tensor behind `tensor`; True if it holds any storage."""
+        if type(tensor) is torch.Tensor:
+            return self.add_plain(key, tensor)
         counted = False
         for plain in _plain_tensors(tensor):
-            if plain.device.type == "meta":
-                continue  # a meta tensor has a shape and no memory
-            identity = _storage_identity(plain)
-            num_bytes = identity[2]
-            if identity in self._seen_storages:
-                continue  # shared storage (bitsandbytes' qmaps): already counted once
-            if identity[1] != 0:
-                self._seen_storages.add(identity)
-            # A storage counts whole: a view into a larger buffer keeps the whole buffer alive.
-            num_elements = num_bytes // plain.element_size() if plain.element_size() else 0
-            self.num_bytes += num_bytes
-            self.num_elements += num_elements
-            self.num_tensors += 1
-            self.bytes_by_key[key] += num_bytes
-            self.elements_by_key[key] += num_elements
-            self.bytes_by_dtype[dtype_name(plain.dtype)] += num_bytes
-            self.bytes_by_device[str(plain.device)] += num_bytes
-            counted = True
+            counted = self.add_plain(key, plain) or counted
         return counted
 
     def add_value(self, key: str, value: Any, depth: int, visiting: Set[int]) -> bool:
@@ -154,6 +175,33 @@ class _Tally:
             counted = self.add_value(key, child, depth + 1, visiting) or counted
         visiting.discard(id(value))
         return counted
+
+    def measurement(self, num_params_with_state: int) -> StateMeasurement:
+        """The totals and breakdowns, each breakdown in the order its parts first appeared."""
+        num_bytes = num_elements = num_tensors = 0
+        bytes_by_key: Dict[str, int] = {}
+        bytes_by_dtype: Dict[str, int] = {}
+        bytes_by_device: Dict[str, int] = {}
+        elements_by_key: Dict[str, int] = {}
+        for (key, dtype, device), (part_bytes, part_elements, part_tensors) in self._parts.items():
+            name = dtype_name(dtype)
+            num_bytes += part_bytes
+            num_elements += part_elements
+            num_tensors += part_tensors
+            bytes_by_key[key] = bytes_by_key.get(key, 0) + part_bytes
+            bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + part_bytes
+            bytes_by_device[device] = bytes_by_device.get(device, 0) + part_bytes
+            elements_by_key[key] = elements_by_key.get(key, 0) + part_elements
+        return StateMeasurement(
+            num_bytes=num_bytes,
+            num_elements=num_elements,
+            num_tensors=num_tensors,
+            num_params_with_state=num_params_with_state,
+            bytes_by_key=bytes_by_key,
+            bytes_by_dtype=bytes_by_dtype,
+            bytes_by_device=bytes_by_device,
+            elements_by_key=elements_by_key,
+        )
 
 
 def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
@@ -182,6 +230,7 @@ def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
         40
     """
     tally = _Tally()
+    add_plain, add_value = tally.add_plain, tally.add_value
     num_params_with_state = 0
     for inner in inner_optimizers(optimizer):
         state = getattr(inner, "state", None)
@@ -189,21 +238,16 @@ def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
             continue
         # Iterating a defaultdict's items never inserts; indexing it would.
         for param_state in list(state.values()):
-            if not isinstance(param_state, Mapping):
-                if tally.add_value("<state>", param_state, 0, set()):
+            if type(param_state) is not dict and not isinstance(param_state, Mapping):
+                if add_value("<state>", param_state, 0, set()):
                     num_params_with_state += 1
                 continue
             holds_tensor = False
             for key, value in list(param_state.items()):
-                holds_tensor = tally.add_value(str(key), value, 0, set()) or holds_tensor
+                name = key if type(key) is str else str(key)
+                if type(value) is torch.Tensor:  # the common case, straight to the storage
+                    holds_tensor = add_plain(name, value) or holds_tensor
+                else:
+                    holds_tensor = add_value(name, value, 0, set()) or holds_tensor
             num_params_with_state += holds_tensor
-    return StateMeasurement(
-        num_bytes=tally.num_bytes,
-        num_elements=tally.num_elements,
-        num_tensors=tally.num_tensors,
-        num_params_with_state=num_params_with_state,
-        bytes_by_key=dict(tally.bytes_by_key),
-        bytes_by_dtype=dict(tally.bytes_by_dtype),
-        bytes_by_device=dict(tally.bytes_by_device),
-        elements_by_key=dict(tally.elements_by_key),
-    )
+    return tally.measurement(num_params_with_state)
