@@ -1,0 +1,45 @@
+"""The overhead benchmark runs end to end and prints both ratios (`--quick`; no timing is judged)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "overhead.py")
+
+# AdamW on distilbert-base-cased with 2 labels: 65,783,042 parameters x 2 fp32 moments x 4 bytes,
+# plus a 4-byte `step` for each of its 104 parameter tensors.
+DISTILBERT_ADAMW_STATE_BYTES = 65_783_042 * 2 * 4 + 104 * 4
+
+
+def test_quick_benchmark_prints_both_ratios():
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    completed = subprocess.run(
+        [sys.executable, SCRIPT, "--quick"], cwd=REPO_ROOT, env=environment,
+        capture_output=True, text=True, timeout=600,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    out = completed.stdout
+
+    step_ratio = re.search(r"^  \(a\) step time with / without callback: (\d+\.\d{4}) .*-> target (met|NOT met) \(<= 1\.01\)$",
+                           out, re.MULTILINE)
+    cpu_step_ratio = re.search(r"^      same, in CPU time: (\d+\.\d{4}) .*-> target (met|NOT met) \(<= 1\.01\)$",
+                               out, re.MULTILINE)
+    speedup = re.search(r"^  \(b\) naive / measure_optimizer_state: (\d+)x -> target (met|NOT met) \(>= 600x\)$",
+                        out, re.MULTILINE)
+    assert step_ratio is not None, out
+    assert cpu_step_ratio is not None, out
+    assert speedup is not None, out
+    assert float(step_ratio.group(1)) > 0
+    assert float(cpu_step_ratio.group(1)) > 0
+    assert int(speedup.group(1)) > 0
+    # Both methods are timed on the same, real state, and agree on its size to the byte.
+    assert (f"65,783,042 parameters, 312 state tensors; measure_optimizer_state "
+            f"{DISTILBERT_ADAMW_STATE_BYTES:,} bytes (501.9 MiB), naive {DISTILBERT_ADAMW_STATE_BYTES:,} bytes") in out
+    # One timed run with the callback and one without, in the quick setting.
+    for label in ("with   ", "without"):
+        run_line = rf"^  pair  1 {label} callback: median step \d+\.\d{{4}} ms wall, \d+\.\d{{4}} ms CPU$"
+        assert len(re.findall(run_line, out, re.MULTILINE)) == 1, out
