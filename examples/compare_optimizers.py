@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from text_classification import OPTIMIZERS, TINY_MODEL, add_training_arguments, parse_optimizer_names
+from text_classification import OPTIMIZERS, TINY_MODEL, example_parser, parse_optimizer_names
 from train_with_trainer import TrainingRun, train
 from trainer_memcb.units import format_bytes
 
@@ -31,7 +31,8 @@ def comparison_row(run: TrainingRun) -> Dict[str, Any]:
     measured, estimate = run.memory["measured"], run.memory["estimate"]
     return {
         "optimizer": run.optimizer,
-        "optimizer_class": run.memory["optimizer_class"],
+        # The estimate names the class with its module: bitsandbytes' AdamW is not torch's.
+        "optimizer_class": estimate["optimizer_class"] if estimate is not None else run.memory["optimizer_class"],
         "model_params": run.model_params,
         "trainable_params": estimate["num_params"] if estimate is not None else None,
         "measured_bytes": measured["num_bytes"] if measured is not None else None,
@@ -70,7 +71,9 @@ def comparison_table(rows: List[Dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in [list(COLUMNS)] + cells) for i in range(len(COLUMNS))]
     lines = []
     for line in [list(COLUMNS)] + cells:
-        lines.append("  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(line, widths))))
+        # The optimizer's name left-aligned, numbers right-aligned.
+        first, *rest = zip(line, widths)
+        lines.append("  ".join([first[0].ljust(first[1])] + [cell.rjust(width) for cell, width in rest]))
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
 
@@ -79,19 +82,19 @@ def estimate_checks(rows: List[Dict[str, Any]]) -> List[str]:
     """One line per row: does the measured state equal the estimate?"""
     lines = []
     for row in rows:
+        name = f"{row['optimizer']} ({row['optimizer_class']})"
         measured, estimate = row["measured_bytes"], row["estimate_bytes"]
         if measured is None or estimate is None:
-            lines.append(f"{row['optimizer']}: no {'measurement' if measured is None else 'estimate rule'}")
+            lines.append(f"{name}: no {'measurement' if measured is None else 'estimate rule'}")
         elif measured == estimate:
-            lines.append(f"{row['optimizer']} ({row['optimizer_class']}): measured == estimate, {measured:,} bytes")
+            lines.append(f"{name}: measured == estimate, {measured:,} bytes")
         else:
-            lines.append(f"{row['optimizer']} ({row['optimizer_class']}): measured - estimate = {measured - estimate:+,} bytes")
+            lines.append(f"{name}: measured - estimate = {measured - estimate:+,} bytes")
     return lines
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_training_arguments(parser, default_model=TINY_MODEL, default_output_dir=DEFAULT_OUTPUT_DIR)
+    parser = example_parser(__doc__, TINY_MODEL, DEFAULT_OUTPUT_DIR, default_epochs=5, default_learning_rate=1e-3)
     parser.add_argument(
         "--optimizers", type=parse_optimizer_names, default=list(OPTIMIZERS),
         help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: all three)",

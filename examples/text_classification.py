@@ -12,7 +12,6 @@ Shared by `train_with_trainer.py`, `train_with_accelerate.py` and `compare_optim
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -30,7 +29,9 @@ TINY_MODEL = "tiny-distilbert"
 DISTILBERT_ARCHITECTURE = str(MODELS_DIR / "distilbert-base-cased")
 # Shipped configs with no hub repository behind them: never looked up online.
 LOCAL_ONLY_MODELS = {TINY_MODEL}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
 NUM_LABELS = 2
 # Reviews are at most 16 words; 64 tokens leave room for other texts without wasting compute.
 MAX_LENGTH = 64
@@ -41,7 +42,8 @@ __all__ = [
     "LoadedModel",
     "OptimizerChoice",
     "Scores",
-    "add_training_arguments",
+    "add_optimizer_argument",
+    "example_parser",
     "load_model",
     "load_reviews",
     "parse_optimizer_names",
@@ -129,7 +131,8 @@ def _from_config(folder: Path, texts: Sequence[str], seed: int) -> LoadedModel:
         )
     torch.manual_seed(seed)  # the random weights are the same on every run with this seed
     model = AutoModelForSequenceClassification.from_config(config)
-    origin = f"built from {folder / 'config.json'} with random weights; word-level tokenizer of {len(tokenizer)} tokens built from the training texts"
+    origin = (f"built from {folder / 'config.json'} with random weights; "
+              f"word-level tokenizer of {len(tokenizer)} tokens built from the training texts")
     return LoadedModel(model, tokenizer, origin)
 
 
@@ -258,26 +261,42 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_training_arguments(parser: argparse.ArgumentParser, default_model: str, default_output_dir: str) -> None:
-    """The options every example takes."""
+def example_parser(
+    doc: str, default_model: str, default_output_dir: str, default_epochs: int, default_learning_rate: float
+) -> argparse.ArgumentParser:
+    """A parser with the options every example takes, and the defaults that suit its default model.
+
+    Args:
+        doc: the script's docstring, shown as it is written by `--help`.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", default=default_model,
         help=f"a local folder, '{TINY_MODEL}', 'distilbert-base-cased' or a hub name (default: {default_model}); "
              "a folder with only a config.json, or a shipped config while offline, gets random weights "
              "and a tokenizer built from the training texts",
     )
-    parser.add_argument("--output-dir", default=default_output_dir, help=f"where results go (default: {default_output_dir})")
-    parser.add_argument("--num-epochs", type=positive_int, default=3, help="epochs over the training set (default: 3)")
+    parser.add_argument("--output-dir", default=default_output_dir,
+                        help=f"where results go (default: {default_output_dir})")
+    parser.add_argument("--num-epochs", type=positive_int, default=default_epochs,
+                        help=f"epochs over the training set (default: {default_epochs})")
     parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps, overriding --num-epochs")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="examples per step (default: 16)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3, help="(default: 1e-3, for random weights)")
-    parser.add_argument("--logging-steps", type=positive_int, default=5, help="log every this many steps (default: 5)")
-    parser.add_argument("--train-samples", type=positive_int, default=None, help="use only the first N training reviews")
-    parser.add_argument("--eval-samples", type=positive_int, default=None, help="use only the first N validation reviews")
+    parser.add_argument("--learning-rate", type=float, default=default_learning_rate,
+                        help=f"peak learning rate, decayed linearly to 0 (default: {default_learning_rate:g})")
+    parser.add_argument("--logging-steps", type=positive_int, default=5,
+                        help="log every this many optimizer steps (default: 5)")
+    parser.add_argument("--train-samples", type=positive_int, default=None,
+                        help="use only the first N training reviews")
+    parser.add_argument("--eval-samples", type=positive_int, default=None,
+                        help="use only the first N validation reviews")
     parser.add_argument("--seed", type=int, default=0, help="seeds data order and random weights (default: 0)")
+    return parser
 
 
-def make_output_dir(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    return path
+def add_optimizer_argument(parser: argparse.ArgumentParser) -> None:
+    """`--optim`, for the scripts that train with one optimizer."""
+    parser.add_argument("--optim", choices=list(OPTIMIZERS), default="adamw",
+                        help="adamw: torch AdamW; adafactor: transformers Adafactor; "
+                             "adamw_8bit: bitsandbytes 8-bit AdamW (default: adamw)")

@@ -27,7 +27,8 @@ from text_classification import (
     DISTILBERT_ARCHITECTURE,
     OPTIMIZERS,
     Scores,
-    add_training_arguments,
+    add_optimizer_argument,
+    example_parser,
     load_model,
     load_reviews,
     positive_int,
@@ -66,7 +67,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     loaded = load_model(args.model, reviews["train"]["text"], seed=args.seed)
     tokenized = tokenize_reviews(reviews, loaded.tokenizer, loaded.max_length).rename_column("label", "labels")
     collator = DataCollatorWithPadding(loaded.tokenizer)
-    train_loader = torch.utils.data.DataLoader(tokenized["train"], shuffle=True, batch_size=args.batch_size, collate_fn=collator)
+    train_loader = torch.utils.data.DataLoader(
+        tokenized["train"], shuffle=True, batch_size=args.batch_size, collate_fn=collator
+    )
     eval_loader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=64, collate_fn=collator)
 
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
@@ -108,9 +111,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_training_arguments(parser, default_model=DISTILBERT_ARCHITECTURE, default_output_dir=DEFAULT_OUTPUT_DIR)
-    parser.add_argument("--optim", choices=list(OPTIMIZERS), default="adamw", help="(default: adamw)")
+    parser = example_parser(__doc__, DISTILBERT_ARCHITECTURE, DEFAULT_OUTPUT_DIR, default_epochs=1,
+                            default_learning_rate=1e-4)
+    add_optimizer_argument(parser)
     parser.add_argument("--gradient-accumulation-steps", type=positive_int, default=1,
                         help="micro-batches per optimizer step, through accelerator.accumulate (default: 1)")
     return parser

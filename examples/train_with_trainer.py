@@ -27,7 +27,8 @@ from text_classification import (
     DISTILBERT_ARCHITECTURE,
     OPTIMIZERS,
     Scores,
-    add_training_arguments,
+    add_optimizer_argument,
+    example_parser,
     load_model,
     load_reviews,
     tokenize_reviews,
@@ -141,9 +142,9 @@ def train(
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_training_arguments(parser, default_model=DISTILBERT_ARCHITECTURE, default_output_dir=DEFAULT_OUTPUT_DIR)
-    parser.add_argument("--optim", choices=list(OPTIMIZERS), default="adamw", help="(default: adamw)")
+    parser = example_parser(__doc__, DISTILBERT_ARCHITECTURE, DEFAULT_OUTPUT_DIR, default_epochs=1,
+                            default_learning_rate=1e-4)
+    add_optimizer_argument(parser)
     return parser
 
 

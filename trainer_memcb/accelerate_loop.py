@@ -25,15 +25,14 @@ class OptimizerMemoryLogger:
     them (TensorBoard shows `optimizer_state_bytes` beside your loss). On other steps it returns
     `{}` without measuring anything.
 
-    Logged keys (exact integers), the same as `OptimizerMemoryCallback`'s:
-
-    | key | unit | meaning |
-    |---|---|---|
-    | `optimizer_state_bytes` | bytes | storage the optimizer state really holds, each storage once |
-    | `optimizer_state_estimate_bytes` | bytes | what it should hold for this optimizer family |
-    | `optimizer_state_elements` | values | values stored in the state |
-    | `optimizer_trainable_params` | parameters | trainable parameter values the estimate covers |
-    | `optimizer_state_bytes/by_<part>/<name>` | bytes | with `breakdown=`: per state key, dtype or device |
+    Logged keys: exactly `OptimizerMemoryCallback`'s, exact integers (`OptimizerMemoryLogger.KEYS`
+    gives each with its unit): `optimizer_state_bytes` (bytes the state really holds),
+    `optimizer_state_estimate_bytes` (what it should hold for this optimizer family),
+    `optimizer_state_elements` (values stored), `optimizer_trainable_params` (parameter values the
+    estimate covers), with several processes the totals over them, and with `breakdown=` the bytes
+    per state key, dtype or device (`optimizer_state_bytes/by_key/exp_avg`, ...). Measured keys are
+    left out before the first step (the state is empty), estimate keys when no rule knows the
+    optimizer.
 
     Steps are optimizer steps: inside `accelerator.accumulate(model)` a call on a micro-batch whose
     gradients are not synchronised (`accelerator.sync_gradients` is False; the wrapped optimizer
@@ -55,8 +54,9 @@ class OptimizerMemoryLogger:
         >>> memory = OptimizerMemoryLogger(optimizer)  # with an accelerator: (optimizer, accelerator)
         >>> model(torch.ones(1, 4)).sum().backward()
         >>> optimizer.step()
-        >>> memory()
-        {'optimizer_state_bytes': 88, 'optimizer_state_elements': 22, 'optimizer_state_estimate_bytes': 88, 'optimizer_trainable_params': 10}
+        >>> figures = memory()
+        >>> figures["optimizer_state_bytes"], figures["optimizer_state_estimate_bytes"]
+        (88, 88)
         >>> OptimizerMemoryLogger(optimizer, logging_steps=0)
         Traceback (most recent call last):
         ...
@@ -77,7 +77,9 @@ class OptimizerMemoryLogger:
         if isinstance(logging_steps, bool) or not isinstance(logging_steps, int) or logging_steps < 1:
             raise ValueError(f"logging_steps={logging_steps!r}: expected a whole number of at least 1")
         if accelerator is not None and not callable(getattr(accelerator, "log", None)):
-            raise ValueError(f"accelerator={accelerator!r}: expected an accelerate.Accelerator (it has no log method)")
+            raise ValueError(
+                f"accelerator={accelerator!r}: expected an accelerate.Accelerator (it has no log method)"
+            )
         self.monitor = OptimizerStateMonitor(breakdown=breakdown)
         self.monitor.attach(optimizer)
         self.accelerator = accelerator
