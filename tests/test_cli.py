@@ -16,6 +16,7 @@ from PIL import Image
 from transformers import Trainer
 
 from helpers import TinyDataset, accuracy_and_f1, tiny_classifier, training_args
+from test_cli_whatif import adafactor_bytes, adamw_bytes  # the byte formulas, written out once
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
 from trainer_memcb.cli.compare import compare_runs
@@ -68,23 +69,6 @@ def _evals(log_history, as_float32=False):
             for e in log_history if "eval_accuracy" in e]
 
 
-def _adamw_bytes(shapes):
-    # torch AdamW, fp32: exp_avg and exp_avg_sq (4 bytes a value each) and a 4-byte step per tensor.
-    return sum(8 * int(np.prod(shape)) + 4 for shape in shapes)
-
-
-def _adafactor_bytes(shapes):
-    # transformers Adafactor, beta1=None: fp32 row and column factors for matrices, a full
-    # second moment for vectors, and the 4-byte RMS.
-    total = 0
-    for shape in shapes:
-        if len(shape) >= 2:
-            total += 4 * (int(np.prod(shape[:-1])) + int(np.prod(shape[:-2])) * shape[-1]) + 4
-        else:
-            total += 4 * int(np.prod(shape)) + 4
-    return total
-
-
 def _report_figures(report):
     steps = [(s.step, s.measured_bytes, s.estimate_bytes) for s in report.steps]
     evals = [(e.step, e.metrics, e.measured_bytes) for e in report.evals]
@@ -105,8 +89,9 @@ def test_report_reads_the_latest_checkpoint_and_matches_the_log_history(runs):
     assert evals == _evals(run.log_history)
     assert [step for step, _, _ in evals] == [2, 4]
 
-    adamw = _adamw_bytes(run.param_shapes)
+    adamw = adamw_bytes(run.param_shapes)
     assert report.optimizer_class == "torch.optim.adamw.AdamW"
+    assert not report.history_is_float32
     assert report.estimate_bytes == adamw
     last_train = [e for e in run.log_history if "loss" in e][-1]
     assert report.measured_bytes == report.peak_measured_bytes == last_train[MEASURED] == adamw
@@ -131,7 +116,8 @@ def test_report_reads_tensorboard_events_when_there_is_no_state_file(runs):
     assert [step for step, _, _ in steps] == [1, 2, 3, 4]
     assert evals == _evals(run.log_history, as_float32=True)
     assert report.optimizer_class == "transformers.optimization.Adafactor"
-    assert report.measured_bytes == report.estimate_bytes == _adafactor_bytes(run.param_shapes)
+    assert report.history_is_float32
+    assert report.measured_bytes == report.estimate_bytes == adafactor_bytes(run.param_shapes)
 
 
 def test_report_command_prints_json_and_writes_the_plot(runs, capsys):
@@ -142,7 +128,7 @@ def test_report_command_prints_json_and_writes_the_plot(runs, capsys):
     assert document["plot"] == plot
     assert [(s["step"], s["measured_bytes"], s["estimate_bytes"]) for s in document["steps"]] == _steps(run.log_history)
     assert [(e["step"], e["metrics"], e["measured_bytes"]) for e in document["evals"]] == _evals(run.log_history)
-    assert document["what_if"]["optimizers"][0]["estimate"]["num_bytes"] == _adamw_bytes(run.param_shapes)
+    assert document["what_if"]["optimizers"][0]["estimate"]["num_bytes"] == adamw_bytes(run.param_shapes)
     with Image.open(plot) as image:
         image.load()
         assert image.format == "PNG"

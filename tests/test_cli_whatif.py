@@ -4,6 +4,7 @@ begin. Every figure is computed here from the shapes alone, independently of the
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -148,14 +149,26 @@ def test_what_if_in_bfloat16_with_only_q_and_v_training(llama_7b_dir):
     assert estimates["adamw_torch_8bit"] == 64 * (4 + 2 * (HIDDEN * HIDDEN + 4 * HIDDEN * HIDDEN // 256 + 4 * 256))
 
 
-def test_the_callback_states_the_what_if_once_in_its_summary(tmp_path):
+def test_estimate_command_builds_the_architecture_asked_for(capsys):
+    # The lesson's model: distilbert-base-cased's shipped config as a 2-label classifier. AdamW
+    # holds 65,783,042 x 2 fp32 moments + 104 four-byte steps, as measured in a real run.
+    config_dir = os.path.join(REPO_ROOT, "examples", "models", "distilbert-base-cased")
+    assert main(["estimate", config_dir, "--architecture", "DistilBertForSequenceClassification",
+                 "--optimizers", "adamw", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert (document["trainable_params"], document["trainable_tensors"]) == (65_783_042, 104)
+    assert document["optimizers"][0]["estimate"]["num_bytes"] == 65_783_042 * 8 + 104 * 4 == 526_264_752
+
+
+def test_the_callback_states_the_what_if_once_in_its_logger_and_summary(tmp_path, caplog):
     model = tiny_classifier()
     named = {name: tuple(param.shape) for name, param in model.named_parameters()}
     embeddings = {name for name in named if name.endswith(("word_embeddings.weight", "position_embeddings.weight"))}
     callback = OptimizerMemoryCallback()
     trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=2), train_dataset=TinyDataset(8),
                       callbacks=[callback])
-    trainer.train()
+    with caplog.at_level(logging.INFO, logger="trainer_memcb.callback"):
+        trainer.train()
     with open(os.path.join(str(tmp_path), "optimizer_memory.json"), encoding="utf-8") as handle:
         summary = json.load(handle)
     stated = summary["what_if"]
@@ -166,6 +179,10 @@ def test_the_callback_states_the_what_if_once_in_its_summary(tmp_path):
         "adafactor": adafactor_bytes(named.values()),
         "adamw_bnb_8bit": bnb_8bit_trainer_bytes(named, embeddings),
     }
+    logged = [record.getMessage() for record in caplog.records if "what-if" in record.getMessage()]
+    assert len(logged) == 1
+    for name, num_bytes in by_name.items():
+        assert re.search(rf"^  {name} +[0-9.]+ KiB  \({num_bytes:,} bytes\)$", logged[0], re.MULTILINE), logged[0]
     # The run's own optimizer is the Trainer's default AdamW: the what-if says what it then holds.
     assert summary["measured"]["num_bytes"] == by_name["adamw_torch"]
     # The model is left as it was: no state, no gradient, no new parameter.
@@ -214,5 +231,7 @@ def test_estimate_bad_input_gives_a_message_and_an_exit_code(tmp_path, capsys, l
            "argument --optimizers: optimizer 'nope' is not one of: ")
     _fails(["estimate", llama_7b_dir, "--dtype", "int8"], capsys, 2, "argument --dtype: invalid choice: 'int8'")
     _fails(["estimate", llama_7b_dir, "--trainable", "q_proj("], capsys, 2, "is not a regular expression")
+    _fails(["estimate", llama_7b_dir, "--architecture", "LlamaForEverything"], capsys, 2,
+           "architecture 'LlamaForEverything' is not a transformers model class")
     _fails(["estimate", llama_7b_dir, "--trainable", "lora_A"], capsys, 1,
            "matches --trainable 'lora_A'; names look like: model.embed_tokens.weight")

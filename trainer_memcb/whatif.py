@@ -147,10 +147,17 @@ def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return DTYPES[name]
 
 
-def _model_class(config: Any) -> Any:
-    """The class named in `config.architectures`, else a causal LM, else the bare model."""
+def _model_class(config: Any, architecture: Optional[str] = None) -> Any:
+    """`architecture`, else the class named in `config.architectures`, else a causal LM, else
+    the bare model."""
     import transformers
 
+    if architecture is not None:
+        cls = getattr(transformers, architecture, None)
+        if not (isinstance(cls, type) and hasattr(cls, "config_class")):
+            raise ValueError(f"architecture {architecture!r} is not a transformers model class "
+                             "(e.g. LlamaForCausalLM, DistilBertForSequenceClassification)")
+        return cls
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type):
@@ -161,15 +168,18 @@ def _model_class(config: Any) -> Any:
     raise ModelConfigError(f"transformers has no model class for config type {type(config).__name__}")
 
 
-def build_meta_model(model: str, dtype: Optional[torch.dtype] = None) -> nn.Module:
+def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architecture: Optional[str] = None) -> nn.Module:
     """Build the model of a config on the meta device: shapes and dtypes only, no weights read.
 
     Args:
         model: a local folder holding `config.json`, or a hub name (needs the hub or its cache).
         dtype: the parameters' dtype; None leaves the default (float32).
+        architecture: the transformers class to build (`"DistilBertForSequenceClassification"`);
+            None takes the config's `architectures`.
 
     Raises:
         ModelConfigError: no such folder, no config in it, or a config transformers cannot build.
+        ValueError: an `architecture` transformers does not have.
     """
     from transformers import AutoConfig
 
@@ -184,7 +194,7 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None) -> nn.Modu
         config = AutoConfig.from_pretrained(model)
     except Exception as error:  # a corrupt config, an unknown model type, an unreachable hub
         raise ModelConfigError(f"{model}: could not read a model config ({error})") from None
-    cls = _model_class(config)
+    cls = _model_class(config, architecture)
     try:
         with torch.device("meta"):
             built = cls.from_config(config) if hasattr(cls, "_model_mapping") else cls(config)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
 from trainer_memcb.cli.estimate import estimate_tables
@@ -97,6 +97,10 @@ def parser() -> argparse.ArgumentParser:
         help=f"the Trainer's optim names, comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); "
              "e.g. adamw,adafactor,adamw_8bit,adamw_torch_8bit",
     )
+    estimate.add_argument(
+        "--architecture", metavar="CLASS",
+        help="the transformers class to build, e.g. DistilBertForSequenceClassification; default: the config's",
+    )
     estimate.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the parameters' dtype (default: float32)")
     estimate.add_argument(
         "--trainable", metavar="REGEX",
@@ -107,13 +111,15 @@ def parser() -> argparse.ArgumentParser:
     return main_parser
 
 
-def _write_plot(draw, *arguments, explicit: bool) -> int:
+def _write_plot(draw, *arguments, explicit: bool) -> Tuple[int, bool]:
+    """Draw; on failure say why. Returns the exit code and whether the plot was written: a plot
+    asked for by --plot that cannot be drawn fails the command, the default one only warns."""
     try:
         draw(*arguments)
     except PlotError as error:
         print(f"{PROGRAM}: no plot: {error}", file=sys.stderr)
-        return EXIT_NOTHING_FOUND if explicit else EXIT_DONE
-    return EXIT_DONE
+        return (EXIT_NOTHING_FOUND if explicit else EXIT_DONE), False
+    return EXIT_DONE, True
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -121,9 +127,8 @@ def _report(args: argparse.Namespace) -> int:
     plot_path = None if args.no_plot else args.plot or os.path.join(args.run_dir, REPORT_PLOT_FILE_NAME)
     status = EXIT_DONE
     if plot_path is not None:
-        status = _write_plot(report_plot, report, plot_path, args.metrics, explicit=args.plot is not None)
-        if not os.path.isfile(plot_path):
-            plot_path = None
+        status, written = _write_plot(report_plot, report, plot_path, args.metrics, explicit=args.plot is not None)
+        plot_path = plot_path if written else None
     if args.json:
         print_json({**report.to_dict(), "plot": plot_path}, sys.stdout)
     else:
@@ -135,24 +140,24 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     rows = compare_runs([load_run(run_dir) for run_dir in args.run_dirs], args.metrics)
-    status = EXIT_DONE
+    status, plot_path = EXIT_DONE, None
     if args.plot is not None:
-        status = _write_plot(compare_plot, rows, args.plot, args.metrics, explicit=True)
+        status, written = _write_plot(compare_plot, rows, args.plot, args.metrics, explicit=True)
+        plot_path = args.plot if written else None
     if args.json:
-        print_json({"runs": [row.to_dict() for row in rows], "plot": args.plot if status == EXIT_DONE else None},
-                   sys.stdout)
+        print_json({"runs": [row.to_dict() for row in rows], "plot": plot_path}, sys.stdout)
     else:
         print_tables([compare_table(rows, args.metrics)], sys.stdout)
-        if args.plot is not None and status == EXIT_DONE:
-            print(f"\nPlot: {args.plot}")
+        if plot_path is not None:
+            print(f"\nPlot: {plot_path}")
     return status
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    model = build_meta_model(args.model, resolve_dtype(args.dtype))
     try:
+        model = build_meta_model(args.model, resolve_dtype(args.dtype), args.architecture)
         trainable = select_trainable(model, args.trainable)
-    except ValueError as error:
+    except ValueError as error:  # an unknown architecture, a bad regular expression
         raise UsageError(str(error)) from None
     if trainable == 0:
         names = [name for name, _ in model.named_parameters()][:3]

@@ -20,6 +20,9 @@ DEFAULT_METRICS = ("accuracy", "f1")
 # `Trainer.evaluate(metric_key_prefix="eval")`, the prefix of every evaluation key.
 EVAL_PREFIX = "eval"
 _BY_KEY = f"{MEASURED_BYTES}/by_key/"
+# TensorBoard's add_scalar stores a float32: integers are exact up to 2**24.
+_FLOAT32_NOTE = ("logs read from TensorBoard, which keeps float32: byte counts above 16,777,216 in the "
+                 "logged series are rounded (the summary's are exact)")
 _BY_DTYPE = f"{MEASURED_BYTES}/by_dtype/"
 
 
@@ -64,6 +67,7 @@ class RunReport:
     measured_by_dtype: Dict[str, int] = field(default_factory=dict)
     estimate_by_key: Dict[str, int] = field(default_factory=dict)
     what_if: Optional[Dict[str, Any]] = None
+    history_is_float32: bool = False
 
     @property
     def final_metrics(self) -> Dict[str, float]:
@@ -149,6 +153,7 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
         steps=steps,
         evals=evals,
         what_if=_nested(summary, "what_if"),
+        history_is_float32=run.history_file is None and bool(run.event_files),
     )
     if summary is None:
         report.measured_bytes = _last_with(training, MEASURED_BYTES)
@@ -193,7 +198,7 @@ def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -
         ["peak measured", bytes_cell(report.peak_measured_bytes)],
         ["logs from", report.history_source or "-"],
         ["summary from", report.summary_file or "-"],
-    ], text_columns=(0, 1))
+    ], text_columns=(0, 1), note=_FLOAT32_NOTE if report.history_is_float32 else "")
     tables = [overview]
     if report.steps:
         shown = _changes(report.steps)
