@@ -261,3 +261,15 @@ def test_the_console_script_declared_in_setup_cfg_is_this_main():
     scripts = dict(line.split(" = ") for line in setup_cfg["options.entry_points"]["console_scripts"].split("\n") if line)
     module, _, function = scripts["trainer-memcb"].partition(":")
     assert getattr(importlib.import_module(module), function) is main
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    import trainer_memcb.cli
+    import trainer_memcb.run_logs
+    import trainer_memcb.whatif
+
+    for module in (trainer_memcb.cli, trainer_memcb.run_logs, trainer_memcb.whatif):
+        outcome = doctest.testmod(module)
+        assert outcome.attempted > 0 and outcome.failed == 0, module.__name__
