@@ -104,27 +104,72 @@ def _device_name(device: torch.device) -> str:
     return name
 
 
-class _Tally:
-    """Adds up storages. It runs at every logged step over every state tensor, so the per-tensor
-    path is short: one storage lookup, cached sizes and names, and one running total per
-    (state key, dtype, device) from which the breakdowns are folded at the end."""
+def _collect_value(found: List[Tuple[int, str, torch.Tensor]], owner: int, key: str, value: Any, depth: int,
+                   visiting: Set[int]) -> None:
+    """Append `(owner, key, plain tensor)` for every tensor inside a state value: a tensor, a
+    container, or an object with tensors as attributes (GaLore's projector). Plain Python values
+    hold no tensor memory."""
+    if isinstance(value, torch.Tensor):
+        found.extend((owner, key, plain) for plain in _plain_tensors(value))
+        return
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return
+    if depth >= _MAX_NESTING or id(value) in visiting:
+        return
+    if isinstance(value, Mapping):
+        children = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        children = list(value)
+    else:
+        attributes = getattr(value, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return
+        children = list(attributes.values())
+    visiting.add(id(value))
+    for child in children:
+        _collect_value(found, owner, key, child, depth + 1, visiting)
+    visiting.discard(id(value))
 
-    def __init__(self) -> None:
-        # (state key, dtype, device name) -> [bytes, elements, storages], in order of first appearance
-        self._parts: Dict[Tuple[str, torch.dtype, str], List[int]] = {}
-        self._seen_storages: Set[Tuple[str, int, int]] = set()
 
-    def add_plain(self, key: str, plain: torch.Tensor) -> bool:
-        """Count one plain tensor's storage; True if it was counted now."""
+def _state_tensors(optimizer: Any) -> List[Tuple[int, str, torch.Tensor]]:
+    """`(parameter number, state key, plain tensor)` for every tensor in the state, in order."""
+    found: List[Tuple[int, str, torch.Tensor]] = []
+    owner = 0
+    for inner in inner_optimizers(optimizer):
+        state = getattr(inner, "state", None)
+        if not isinstance(state, Mapping):
+            continue
+        # Iterating a defaultdict's items never inserts; indexing it would.
+        for param_state in list(state.values()):
+            owner += 1
+            if type(param_state) is not dict and not isinstance(param_state, Mapping):
+                _collect_value(found, owner, "<state>", param_state, 0, set())
+                continue
+            for key, value in list(param_state.items()):
+                name = key if type(key) is str else str(key)
+                if type(value) is torch.Tensor:  # the common case, no walk needed
+                    found.append((owner, name, value))
+                else:
+                    _collect_value(found, owner, name, value, 0, set())
+    return found
+
+
+def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
+    """Add up the storages behind `found`, each once. This loop runs at every logged step over
+    every state tensor, so it stays short: one storage lookup per tensor, cached sizes and
+    names, and one running total per (state key, dtype, device), folded into the breakdowns after."""
+    parts: Dict[Tuple[str, torch.dtype, str], List[int]] = {}  # -> [bytes, elements, storages]
+    seen: Set[Tuple[str, int, int]] = set()
+    owners: Set[int] = set()
+    for owner, key, plain in found:
         device = "cpu" if plain.is_cpu else _device_name(plain.device)
         if device == "meta":
-            return False  # a meta tensor has a shape and no memory
+            continue  # a meta tensor has a shape and no memory
         storage = plain.untyped_storage()
         num_bytes = storage.nbytes()
         identity = (device, storage.data_ptr(), num_bytes)
-        seen = self._seen_storages
         if identity in seen:
-            return False  # shared storage (bitsandbytes' qmaps): already counted once
+            continue  # shared storage (bitsandbytes' qmaps): already counted once
         if identity[1] != 0:
             seen.add(identity)
         # A storage counts whole: a view into a larger buffer keeps the whole buffer alive.
@@ -132,76 +177,41 @@ class _Tally:
         element_size = _ELEMENT_SIZES.get(dtype)
         if element_size is None:
             element_size = _ELEMENT_SIZES[dtype] = plain.element_size()
+        num_elements = num_bytes // element_size if element_size else 0
         part = (key, dtype, device)
-        totals = self._parts.get(part)
+        totals = parts.get(part)
         if totals is None:
-            self._parts[part] = [num_bytes, num_bytes // element_size if element_size else 0, 1]
+            parts[part] = [num_bytes, num_elements, 1]
         else:
             totals[0] += num_bytes
-            totals[1] += num_bytes // element_size if element_size else 0
+            totals[1] += num_elements
             totals[2] += 1
-        return True
+        owners.add(owner)
 
-    def add_tensor(self, key: str, tensor: torch.Tensor) -> bool:
-        """Count every plain tensor behind `tensor`; True if it holds any storage."""
-        if type(tensor) is torch.Tensor:
-            return self.add_plain(key, tensor)
-        counted = False
-        for plain in _plain_tensors(tensor):
-            counted = self.add_plain(key, plain) or counted
-        return counted
-
-    def add_value(self, key: str, value: Any, depth: int, visiting: Set[int]) -> bool:
-        """Count the tensors inside a state value: a tensor, a container, or an object with
-        tensors as attributes (GaLore's projector). Plain Python values hold no tensor memory."""
-        if isinstance(value, torch.Tensor):
-            return self.add_tensor(key, value)
-        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-            return False
-        if depth >= _MAX_NESTING or id(value) in visiting:
-            return False
-        if isinstance(value, Mapping):
-            children = list(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            children = list(value)
-        else:
-            attributes = getattr(value, "__dict__", None)
-            if not isinstance(attributes, dict):
-                return False
-            children = list(attributes.values())
-        visiting.add(id(value))
-        counted = False
-        for child in children:
-            counted = self.add_value(key, child, depth + 1, visiting) or counted
-        visiting.discard(id(value))
-        return counted
-
-    def measurement(self, num_params_with_state: int) -> StateMeasurement:
-        """The totals and breakdowns, each breakdown in the order its parts first appeared."""
-        num_bytes = num_elements = num_tensors = 0
-        bytes_by_key: Dict[str, int] = {}
-        bytes_by_dtype: Dict[str, int] = {}
-        bytes_by_device: Dict[str, int] = {}
-        elements_by_key: Dict[str, int] = {}
-        for (key, dtype, device), (part_bytes, part_elements, part_tensors) in self._parts.items():
-            name = dtype_name(dtype)
-            num_bytes += part_bytes
-            num_elements += part_elements
-            num_tensors += part_tensors
-            bytes_by_key[key] = bytes_by_key.get(key, 0) + part_bytes
-            bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + part_bytes
-            bytes_by_device[device] = bytes_by_device.get(device, 0) + part_bytes
-            elements_by_key[key] = elements_by_key.get(key, 0) + part_elements
-        return StateMeasurement(
-            num_bytes=num_bytes,
-            num_elements=num_elements,
-            num_tensors=num_tensors,
-            num_params_with_state=num_params_with_state,
-            bytes_by_key=bytes_by_key,
-            bytes_by_dtype=bytes_by_dtype,
-            bytes_by_device=bytes_by_device,
-            elements_by_key=elements_by_key,
-        )
+    num_bytes = num_elements = num_tensors = 0
+    bytes_by_key: Dict[str, int] = {}
+    bytes_by_dtype: Dict[str, int] = {}
+    bytes_by_device: Dict[str, int] = {}
+    elements_by_key: Dict[str, int] = {}
+    for (key, dtype, device), (part_bytes, part_elements, part_tensors) in parts.items():
+        name = dtype_name(dtype)
+        num_bytes += part_bytes
+        num_elements += part_elements
+        num_tensors += part_tensors
+        bytes_by_key[key] = bytes_by_key.get(key, 0) + part_bytes
+        bytes_by_dtype[name] = bytes_by_dtype.get(name, 0) + part_bytes
+        bytes_by_device[device] = bytes_by_device.get(device, 0) + part_bytes
+        elements_by_key[key] = elements_by_key.get(key, 0) + part_elements
+    return StateMeasurement(
+        num_bytes=num_bytes,
+        num_elements=num_elements,
+        num_tensors=num_tensors,
+        num_params_with_state=len(owners),
+        bytes_by_key=bytes_by_key,
+        bytes_by_dtype=bytes_by_dtype,
+        bytes_by_device=bytes_by_device,
+        elements_by_key=elements_by_key,
+    )
 
 
 def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
@@ -229,25 +239,4 @@ def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
         >>> measured.bytes_by_key["exp_avg"]
         40
     """
-    tally = _Tally()
-    add_plain, add_value = tally.add_plain, tally.add_value
-    num_params_with_state = 0
-    for inner in inner_optimizers(optimizer):
-        state = getattr(inner, "state", None)
-        if not isinstance(state, Mapping):
-            continue
-        # Iterating a defaultdict's items never inserts; indexing it would.
-        for param_state in list(state.values()):
-            if type(param_state) is not dict and not isinstance(param_state, Mapping):
-                if add_value("<state>", param_state, 0, set()):
-                    num_params_with_state += 1
-                continue
-            holds_tensor = False
-            for key, value in list(param_state.items()):
-                name = key if type(key) is str else str(key)
-                if type(value) is torch.Tensor:  # the common case, straight to the storage
-                    holds_tensor = add_plain(name, value) or holds_tensor
-                else:
-                    holds_tensor = add_value(name, value, 0, set()) or holds_tensor
-            num_params_with_state += holds_tensor
-    return tally.measurement(num_params_with_state)
+    return _count(_state_tensors(optimizer))
