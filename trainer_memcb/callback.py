@@ -55,6 +55,9 @@ class OptimizerMemoryCallback(TrainerCallback):
     | `optimizer_state_estimate_bytes` | bytes | what it should hold for this optimizer family |
     | `optimizer_state_elements` | values | values stored in the state |
     | `optimizer_trainable_params` | parameters | trainable parameter values the estimate covers |
+    | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes |
+    | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes |
+    | `optimizer_master_weights_bytes` | bytes | DeepSpeed ZeRO's fp32 master weights (with ZeRO only) |
     | `optimizer_state_bytes/by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes/by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes/by_device/<device>` | bytes | with `breakdown=("device",)` |
@@ -62,7 +65,9 @@ class OptimizerMemoryCallback(TrainerCallback):
     Measured keys are left out before the first optimizer step (the state is empty then), the
     estimate keys when no rule knows the optimizer. Measuring reads tensor metadata only, on the
     steps where the Trainer logs and at epoch ends. At the end of training a summary goes to the
-    logger and the exact bytes to `<output_dir>/optimizer_memory.json`. Only the main process logs.
+    logger and the exact bytes to `<output_dir>/optimizer_memory.json`. With several processes
+    every process measures, per-process keys become the largest over the processes (one small
+    exchange per logged step), and only the main process logs.
     Nothing here can stop a run: a failure warns once and leaves the figure out.
 
     Args:
@@ -118,25 +123,29 @@ class OptimizerMemoryCallback(TrainerCallback):
         except Exception as error:  # never break training over a what-if
             self.monitor.warn_once("what-if", f"the optimizer what-if failed ({error!r}); it is left out")
 
+    # Every process measures and takes part in the figures, in the same order: with several
+    # processes they are combined (a collective), and then only the main process logs them.
+
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         # Measure only when this step will be logged: every hook returns early otherwise.
-        if control.should_log and state.is_world_process_zero:
+        if control.should_log:
             self.monitor.attach(optimizer)
             self.monitor.measure(state.global_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        if state.is_world_process_zero:
-            self.monitor.attach(optimizer)
-            self.monitor.measure(state.global_step)
+        self.monitor.attach(optimizer)
+        self.monitor.measure(state.global_step)
 
     def contribute_to_log(self, logs: Dict[str, Any], state: Any) -> None:
         """Called by the hook on `Trainer.log` just before the Trainer stores and reports `logs`."""
         try:
             prefix = log_entry_prefix(logs)
-            if prefix is None or not state.is_world_process_zero:
+            if prefix is None:
                 return
             self._contributed_entry = logs
-            logs.update(with_prefix(self.monitor.figures(state.global_step), prefix))
+            figures = self.monitor.figures(state.global_step)
+            if state.is_world_process_zero:
+                logs.update(with_prefix(figures, prefix))
         except Exception as error:  # never break training over a figure
             self.monitor.warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 
@@ -144,13 +153,13 @@ class OptimizerMemoryCallback(TrainerCallback):
         # A Trainer subclass whose `log` never calls `Trainer.log` bypasses the hook. Then the
         # figures still reach `log_history` (the entry appended just now) and the reporters after
         # this callback; the ones before it miss them, which the warning says.
-        if logs is None or logs is self._contributed_entry or not state.is_world_process_zero:
+        if logs is None or logs is self._contributed_entry:
             return
         prefix = log_entry_prefix(logs)
         if prefix is None:
             return
         figures = with_prefix(self.monitor.figures(state.global_step), prefix)
-        if not figures:
+        if not figures or not state.is_world_process_zero:
             return
         self.monitor.warn_once(
             "hook-bypassed",
@@ -162,10 +171,11 @@ class OptimizerMemoryCallback(TrainerCallback):
             state.log_history[-1].update(figures)
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self.monitor.attach(optimizer)
+        final_figures = self.monitor.figures(state.global_step)  # every process takes part
         if not state.is_world_process_zero:
             return
         try:
-            self.monitor.attach(optimizer)
             measurement = self.monitor.measure(state.global_step)
             estimate = self.monitor.estimate()
             if measurement is None and estimate is None:
@@ -179,6 +189,7 @@ class OptimizerMemoryCallback(TrainerCallback):
                     optimizer_class_name(self.monitor.optimizer),
                     state.global_step,
                     extra={"peak_measured_bytes": peak.num_bytes if peak is not None else None,
+                           "final_figures": final_figures,
                            **({"what_if": self._what_if.to_dict()} if self._what_if is not None else {})},
                 )
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))

@@ -15,6 +15,9 @@ __all__ = [
     "ESTIMATE_BYTES",
     "MEASURED_ELEMENTS",
     "TRAINABLE_PARAMS",
+    "MEASURED_TOTAL_BYTES",
+    "ESTIMATE_TOTAL_BYTES",
+    "MASTER_WEIGHTS_BYTES",
     "KEY_DESCRIPTIONS",
     "optimizer_figures",
     "with_prefix",
@@ -24,13 +27,23 @@ MEASURED_BYTES = "optimizer_state_bytes"
 ESTIMATE_BYTES = "optimizer_state_estimate_bytes"
 MEASURED_ELEMENTS = "optimizer_state_elements"
 TRAINABLE_PARAMS = "optimizer_trainable_params"
+# Sums over all processes of a distributed job (with one process, equal to the figures above).
+MEASURED_TOTAL_BYTES = "optimizer_state_total_bytes"
+ESTIMATE_TOTAL_BYTES = "optimizer_state_estimate_total_bytes"
+# DeepSpeed ZeRO's fp32 copies of the parameters, which its inner optimizer updates.
+MASTER_WEIGHTS_BYTES = "optimizer_master_weights_bytes"
 
 # Every key, its unit and meaning: the README's table and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
-    MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once",
-    ESTIMATE_BYTES: "bytes: what the state should hold for this optimizer family and these parameters",
+    MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
+    "(with several processes, the largest over them)",
+    ESTIMATE_BYTES: "bytes: what the state should hold for this optimizer family and these parameters "
+    "(with several processes, the largest over them)",
     MEASURED_ELEMENTS: "values: stored values in that state (a quantized state counts its codes and scales)",
     TRAINABLE_PARAMS: "parameters: trainable parameter values the estimate covers (tied weights once)",
+    MEASURED_TOTAL_BYTES: "bytes: optimizer_state_bytes summed over all processes of the job",
+    ESTIMATE_TOTAL_BYTES: "bytes: optimizer_state_estimate_bytes summed over all processes of the job",
+    MASTER_WEIGHTS_BYTES: "bytes: DeepSpeed ZeRO's fp32 master weights kept beside the model's own, on this process",
 }
 
 

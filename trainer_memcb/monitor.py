@@ -2,7 +2,9 @@
 
 `OptimizerStateMonitor` holds one optimizer, estimates its state once, measures it when asked
 (once per step at most), keeps the latest and the largest measurement, and turns them into the
-logged figures. It never raises: a failure warns once and leaves the figure out.
+logged figures. It never raises: a failure warns once and leaves the figure out. In a job of several
+processes its figures are the job's (`trainer_memcb.distributed`): every process must ask for them
+at the same steps.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
+from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
-from trainer_memcb.figures import MEASURED_BYTES, optimizer_figures
+from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, optimizer_figures
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.rules.deepspeed_zero import master_weights_bytes, with_zero3_partitions
 from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = ["BREAKDOWNS", "OptimizerStateMonitor", "validate_breakdown"]
@@ -54,6 +58,10 @@ class OptimizerStateMonitor:
         self._latest: Optional[StateMeasurement] = None
         self._latest_step: Optional[int] = None
         self._peak: Optional[StateMeasurement] = None
+        # The figures handed out last, and their step: asked again at that step (an evaluation
+        # entry after a training entry), they are reused without another exchange.
+        self._figures: Dict[str, int] = {}
+        self._figures_step: Optional[int] = None
         self._warned: Set[str] = set()
 
     # -- the optimizer -------------------------------------------------------------------------
@@ -67,6 +75,7 @@ class OptimizerStateMonitor:
         number of the last run describes another moment (a second `train()` call on one Trainer
         keeps the optimizer and restarts `global_step`)."""
         self._latest_step = None
+        self._figures_step = None
 
     def attach(self, optimizer: Any) -> None:
         """Watch `optimizer` (a new one resets the estimate and the measurements)."""
@@ -75,6 +84,7 @@ class OptimizerStateMonitor:
         self._optimizer = optimizer
         self._estimate, self._estimated = None, False
         self._latest, self._latest_step, self._peak = None, None, None
+        self._figures_step = None
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -91,7 +101,8 @@ class OptimizerStateMonitor:
             return self._estimate
         self._estimated = True
         try:
-            self._estimate = estimate_optimizer_state(self._optimizer)
+            # ZeRO-3 lends its flat partitions to the inner optimizer only during the step.
+            self._estimate = estimate_optimizer_state(with_zero3_partitions(self._optimizer))
         except Exception as error:  # never break training over a figure
             self.warn_once("estimate", f"estimating the optimizer state failed ({error!r}); no estimate is logged")
             return None
@@ -129,11 +140,41 @@ class OptimizerStateMonitor:
         return self._peak
 
     def figures(self, step: Optional[int] = None) -> Dict[str, int]:
-        """The exact integers to log at `step`, unprefixed; unknown figures left out."""
+        """The exact integers to log at `step`, unprefixed; unknown figures left out.
+
+        With several processes (`torch.distributed` initialized) this is a collective: every
+        process must call it at the same steps. Per-process figures are then the largest over the
+        processes, and `..._total_bytes` their sums (with one process, equal to them).
+        """
+        if step is not None and step == self._figures_step:
+            return dict(self._figures)
+        try:
+            figures = self._own_figures(step)
+        except Exception as error:  # this process then has no figures, and still takes part
+            self.warn_once("figures", f"collecting the optimizer figures failed ({error!r}); they are left out")
+            figures = {}
+        try:
+            figures = reduce_across_processes(figures)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("across-processes", f"combining the figures across processes failed ({error!r}); "
+                           "they are left out")
+            figures = {}
+        self._figures, self._figures_step = figures, step
+        return dict(figures)
+
+    def _own_figures(self, step: Optional[int]) -> Dict[str, int]:
+        """This process's own figures, before any exchange."""
         measurement = self.measure(step)
         figures = optimizer_figures(measurement, self.estimate())
         if measurement is not None and MEASURED_BYTES in figures:
             for name in self.breakdown:
                 for part, num_bytes in getattr(measurement, BREAKDOWNS[name]).items():
                     figures[f"{MEASURED_BYTES}/by_{name}/{part}"] = num_bytes
+        try:
+            master_bytes = master_weights_bytes(self._optimizer)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("master-weights", f"measuring the master weights failed ({error!r}); the figure is left out")
+            master_bytes = None
+        if master_bytes is not None:
+            figures[MASTER_WEIGHTS_BYTES] = master_bytes
         return figures

@@ -1,0 +1,38 @@
+"""What every script run by torchrun in the tests shares: where it writes, how it records warnings.
+
+Each process writes one JSON file, `rank<N>.json`, into the directory given as the first argument,
+so that the test can assert exact numbers per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any, Dict, List
+
+# The scripts import the tests' helpers (tiny models, data) and the package from this checkout.
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS_DIR)
+sys.path.insert(0, os.path.dirname(TESTS_DIR))
+
+
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def world_size() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def write_result(out_dir: str, result: Dict[str, Any]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"rank{rank()}.json")
+    with open(f"{path}.partial", "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=1, sort_keys=True)
+    os.replace(f"{path}.partial", path)
+
+
+def memcb_warnings(caught: List[warnings.WarningMessage]) -> List[str]:
+    return [str(warning.message) for warning in caught if str(warning.message).startswith("trainer_memcb")]

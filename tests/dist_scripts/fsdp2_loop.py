@@ -1,0 +1,73 @@
+"""FSDP2 (`fully_shard`) in a custom loop on the CPU (gloo), with `OptimizerMemoryLogger`.
+
+Usage: torchrun --nproc_per_node 2 fsdp2_loop.py OUT_DIR
+
+An `accelerate.Accelerator(cpu=True)` sets up the processes and logs to TensorBoard under
+`OUT_DIR/fsdp2` (main process only); the model is sharded with `fully_shard` by hand, because
+accelerate 1.15 turns an FSDP plugin into FSDP only on accelerators (on the CPU it stays
+MULTI_CPU, which wraps the model in DDP: `AcceleratorState.__init__` in accelerate/state.py).
+
+The model's first layer has 7 output rows, so its weight and bias split 4 + 3 over two processes
+(Shard(0), the last shard smaller), and the second layer has 3 (2 + 1). Two AdamW steps; every
+process calls the logger at each step, as the custom-loop API asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import _common  # noqa: F401  (sets up the import path)
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch.distributed.fsdp import fully_shard
+
+from trainer_memcb import OptimizerMemoryLogger, estimate_optimizer_state, measure_optimizer_state
+
+
+def main() -> None:
+    out_dir = argparse.ArgumentParser().parse_known_args()[1][0]
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=out_dir)
+    accelerator.init_trackers("fsdp2")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    memory = OptimizerMemoryLogger(optimizer, accelerator)
+
+    figures_per_step = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        figures_per_step.append(memory.monitor.figures())  # before the first step: estimate only
+        for _ in range(2):
+            model(torch.randn(5, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            figures_per_step.append(memory())
+
+    state_shapes = {
+        name: {key: [list(value.shape), type(value).__name__, list(value.to_local().shape)
+                     if hasattr(value, "to_local") else list(value.shape)]
+               for key, value in optimizer.state[param].items()}
+        for name, param in model.named_parameters()
+    }
+    _common.write_result(out_dir, {
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "param_types": {name: type(param).__name__ for name, param in model.named_parameters()},
+        "local_shapes": {name: list(param.to_local().shape) for name, param in model.named_parameters()},
+        "state_shapes": state_shapes,
+        "own_measured_bytes": measure_optimizer_state(optimizer).num_bytes,
+        "own_estimate_bytes": estimate_optimizer_state(optimizer).num_bytes,
+        "own_trainable_params": estimate_optimizer_state(optimizer).num_params,
+        "figures_per_step": figures_per_step,
+        "warnings": _common.memcb_warnings(caught),
+    })
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

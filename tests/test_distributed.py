@@ -1,0 +1,362 @@
+"""Figures across processes, from real jobs of two processes on the CPU (gloo).
+
+Each job is `python -m torch.distributed.run --standalone --nproc_per_node 2` on a script in
+`tests/dist_scripts/`, launched with a timeout, so that a hang fails the test instead of blocking
+the suite; each process writes one JSON file whose exact numbers the tests assert. One launch runs
+several scenarios where it can, since starting two Python processes costs more than the training.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import trainer_memcb.distributed
+import trainer_memcb.rules.deepspeed_zero
+from helpers import tiny_classifier
+from trainer_memcb import estimate_optimizer_state
+from trainer_memcb.distributed import reduce_across_processes, world_size
+from trainer_memcb.figures import (
+    ESTIMATE_BYTES,
+    ESTIMATE_TOTAL_BYTES,
+    MASTER_WEIGHTS_BYTES,
+    MEASURED_BYTES,
+    MEASURED_ELEMENTS,
+    MEASURED_TOTAL_BYTES,
+    TRAINABLE_PARAMS,
+)
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS_DIR = os.path.join(TESTS_DIR, "dist_scripts")
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+PROCESSES = 2
+# Far above what a job takes here (20 to 50 s), far below "forever".
+LAUNCH_TIMEOUT_S = 180
+
+
+def torchrun(script: str, out_dir: str) -> None:
+    """Run `script` in `PROCESSES` processes; fail with its output if it fails or hangs."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PROCESSES}",
+               os.path.join(SCRIPTS_DIR, script), out_dir]
+    try:
+        done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as expired:
+        output = (expired.stdout or b"")[-4000:], (expired.stderr or b"")[-4000:]
+        pytest.fail(f"{script} still running after {LAUNCH_TIMEOUT_S} s (a hang?):\n{output}")
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+
+
+def per_process(out_dir: str) -> List[Dict[str, Any]]:
+    results = []
+    for rank in range(PROCESSES):
+        with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as handle:
+            results.append(json.load(handle))
+    return results
+
+
+def figures_in(entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    return {key[len(prefix):]: value for key, value in entry.items()
+            if key.startswith(f"{prefix}optimizer_")}
+
+
+def adamw_state_bytes(num_values: int, num_tensors: int) -> int:
+    """torch AdamW: exp_avg and exp_avg_sq in fp32, plus a 0-dim fp32 `step`, per tensor."""
+    return 8 * num_values + 4 * num_tensors
+
+
+# -- one process: nothing exchanged ---------------------------------------------------------------
+
+
+def test_one_process_exchanges_nothing_and_its_totals_equal_its_figures():
+    assert not torch.distributed.is_initialized() and world_size() == 1
+    own = {MEASURED_BYTES: 88, MEASURED_ELEMENTS: 22, f"{MEASURED_BYTES}/by_key/exp_avg": 40,
+           ESTIMATE_BYTES: 88, TRAINABLE_PARAMS: 10, MASTER_WEIGHTS_BYTES: 40}
+    assert reduce_across_processes(own) == {
+        MEASURED_BYTES: 88, MEASURED_TOTAL_BYTES: 88, MEASURED_ELEMENTS: 22, f"{MEASURED_BYTES}/by_key/exp_avg": 40,
+        ESTIMATE_BYTES: 88, ESTIMATE_TOTAL_BYTES: 88, TRAINABLE_PARAMS: 10, MASTER_WEIGHTS_BYTES: 40,
+    }
+    assert reduce_across_processes({ESTIMATE_BYTES: 88}) == {ESTIMATE_BYTES: 88, ESTIMATE_TOTAL_BYTES: 88}
+    assert reduce_across_processes({}) == {}
+
+
+@pytest.mark.parametrize("module", [trainer_memcb.distributed, trainer_memcb.rules.deepspeed_zero])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 1 and result.failed == 0
+
+
+# -- DDP through the Trainer ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("ddp"))
+    torchrun("ddp_trainer.py", out_dir)
+    return out_dir
+
+
+def tiny_classifier_adamw() -> Dict[str, int]:
+    model = tiny_classifier()
+    params = [param for param in model.parameters() if param.requires_grad]
+    num_values = sum(param.numel() for param in params)
+    return {"values": num_values, "tensors": len(params), "bytes": adamw_state_bytes(num_values, len(params))}
+
+
+def test_ddp_trainer_logs_the_replica_and_twice_it_as_total_on_rank_zero_only(ddp_job):
+    adamw = tiny_classifier_adamw()
+    assert (adamw["values"], adamw["tensors"], adamw["bytes"]) == (3_714, 24, 29_808)
+    expected = {
+        MEASURED_BYTES: 29_808, MEASURED_TOTAL_BYTES: 2 * 29_808, MEASURED_ELEMENTS: 2 * 3_714 + 24,
+        ESTIMATE_BYTES: 29_808, ESTIMATE_TOTAL_BYTES: 2 * 29_808, TRAINABLE_PARAMS: 3_714,
+    }
+    main, other = per_process(os.path.join(ddp_job, "replicas"))
+    for rank, result in enumerate((main, other)):
+        assert result["world_size"] == PROCESSES and result["is_world_process_zero"] == (rank == 0)
+        assert result["model_is_ddp"] == "DistributedDataParallel"
+        assert result["global_step"] == 3 and result["warnings"] == []
+        # Every process holds a full replica, exactly as estimated.
+        assert result["own_measured_bytes"] == result["own_estimate_bytes"] == 29_808
+
+    training = [entry for entry in main["log_history"] if "loss" in entry]
+    assert [entry["step"] for entry in training] == [1, 2, 3]
+    assert all(figures_in(entry) == expected for entry in training)
+    (evaluation,) = [entry for entry in main["log_history"] if "eval_loss" in entry]
+    assert figures_in(evaluation, "eval_") == expected
+    assert figures_in(main["evaluate_returned"], "eval_") == expected
+    # The other process logs the same entries, without a single figure.
+    assert len(other["log_history"]) == len(main["log_history"])
+    assert not any(key.startswith(("optimizer_", "eval_optimizer_")) for entry in other["log_history"] for key in entry)
+
+    with open(os.path.join(ddp_job, "replicas", "optimizer_memory.json"), encoding="utf-8") as handle:
+        summary = json.load(handle)
+    assert summary["final_figures"] == expected
+    assert summary["measured"]["num_bytes"] == 29_808  # the main process's own
+
+
+def test_ddp_a_process_whose_measurement_raises_leaves_the_measured_figures_out_without_a_hang(ddp_job):
+    # The launcher's timeout is the proof that nobody waited forever: the job ended by itself.
+    main, failing = per_process(os.path.join(ddp_job, "failing_rank"))
+    assert main["global_step"] == failing["global_step"] == 3
+    assert failing["own_measured_bytes"] is None  # measuring its state raises
+    assert main["own_measured_bytes"] == 29_808
+    (warning,) = failing["warnings"]
+    assert warning.startswith("trainer_memcb: measuring the optimizer state failed")
+    assert main["warnings"] == []
+    # The figure one process lacks is left out for all; the estimate, known everywhere, stays.
+    estimate_only = {ESTIMATE_BYTES: 29_808, ESTIMATE_TOTAL_BYTES: 2 * 29_808, TRAINABLE_PARAMS: 3_714}
+    training = [entry for entry in main["log_history"] if "loss" in entry]
+    assert len(training) == 3 and all(figures_in(entry) == estimate_only for entry in training)
+    (evaluation,) = [entry for entry in main["log_history"] if "eval_loss" in entry]
+    assert figures_in(evaluation, "eval_") == estimate_only
+
+
+# -- FSDP2 in a custom loop -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp2_job(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("fsdp2"))
+    torchrun("fsdp2_loop.py", out_dir)
+    return out_dir
+
+
+def tensorboard_scalars(log_dir: str) -> Dict[str, List]:
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharded_state(fsdp2_job):
+    results = per_process(fsdp2_job)
+    # Shard(0) of 7 rows over 2 processes: ceil(7 / 2) = 4 on the first, the 3 left on the last.
+    shards = [
+        {"0.weight": [4, 4], "0.bias": [4], "2.weight": [2, 7], "2.bias": [2]},
+        {"0.weight": [3, 4], "0.bias": [3], "2.weight": [1, 7], "2.bias": [1]},
+    ]
+    for result, shard in zip(results, shards):
+        assert result["backend"] == "gloo" and result["warnings"] == []
+        assert set(result["param_types"].values()) == {"DTensor"}
+        assert result["local_shapes"] == shard
+        num_values = sum(torch.Size(shape).numel() for shape in shard.values())
+        own = adamw_state_bytes(num_values, num_tensors=4)
+        assert result["own_measured_bytes"] == result["own_estimate_bytes"] == own
+        assert result["own_trainable_params"] == num_values
+        # The state is made like the local shard: a DTensor of the global shape holding the shard.
+        assert result["state_shapes"]["0.weight"]["exp_avg"] == [[7, 4], "DTensor", shard["0.weight"]]
+        assert result["state_shapes"]["0.weight"]["step"] == [[], "Tensor", []]
+    assert [result["own_measured_bytes"] for result in results] == [304, 200]
+
+    unsharded = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    unsharded_estimate = estimate_optimizer_state(torch.optim.AdamW(unsharded.parameters())).num_bytes
+    assert unsharded_estimate == adamw_state_bytes(28 + 7 + 21 + 3, 4) == 488
+    # Sharding splits the buffers; each process keeps its own 4-byte `step` per parameter tensor.
+    total = unsharded_estimate + (PROCESSES - 1) * 4 * 4
+    expected = {MEASURED_BYTES: 304, MEASURED_TOTAL_BYTES: total, MEASURED_ELEMENTS: 2 * 36 + 4,
+                ESTIMATE_BYTES: 304, ESTIMATE_TOTAL_BYTES: total, TRAINABLE_PARAMS: 36}
+    assert total == 504
+    for result in results:  # every process gets the job's figures back
+        before, *after_steps = result["figures_per_step"]
+        assert before == {ESTIMATE_BYTES: 304, ESTIMATE_TOTAL_BYTES: total, TRAINABLE_PARAMS: 36}
+        assert after_steps == [expected, expected]
+
+    # Only the main process logs: one TensorBoard run, holding the job's figures at steps 1 and 2.
+    run = os.path.join(fsdp2_job, "fsdp2")
+    assert len(os.listdir(run)) == 1
+    scalars = tensorboard_scalars(run)
+    assert scalars == {key: [(1, float(value)), (2, float(value))] for key, value in expected.items()}
+
+
+# -- DeepSpeed ZeRO -------------------------------------------------------------------------------
+
+
+def test_zero_partition_arithmetic_matches_hand_computed_partitions():
+    zero = trainer_memcb.rules.deepspeed_zero
+    # ZeRO-1/2: the group's values padded to a multiple of 2 x world size, then split evenly.
+    assert zero.zero12_partition_numel([35, 21], world_size=2) == 28  # 56 is a multiple of 4
+    assert zero.zero12_partition_numel([7, 3], world_size=2) == 6  # 10 -> 12
+    assert zero.zero12_partition_numel([7, 3], world_size=4) == 4  # 10 -> 16
+    assert zero.zero12_partition_numel([7, 3], world_size=1) == 10  # one process holds it all
+    # With parameter_alignment every parameter but the last starts 16 bytes on: 8 bf16 values.
+    assert zero.zero12_partition_numel([35, 21], 2, element_size=2, parameter_alignment=True) == 32  # 40 + 21 -> 64
+    assert zero.zero12_partition_numel([35, 21], 2, element_size=4, parameter_alignment=True) == 30  # 36 + 21 -> 60
+    assert zero.zero12_partition_numel([], world_size=2) == 0
+    # ZeRO-3: ceil(numel / world size) of each parameter, concatenated per sub-group.
+    assert [zero.zero3_partition_numel(numel, 2) for numel in (35, 21, 7, 3)] == [18, 11, 4, 2]
+    assert zero.zero3_sub_group_numels([35, 21], world_size=2) == [29]
+    assert zero.zero3_sub_group_numels([35, 21, 7, 3], world_size=2, sub_group_size=20) == [29, 6]
+    # Partitions 12, 7, 3, 1: a sub-group closes once it reaches 12 values, the last one wherever it is.
+    assert zero.zero3_sub_group_numels([35, 21, 7, 3], world_size=3, sub_group_size=12) == [12, 11]
+
+
+class ZeroOptimizerStandIn:
+    """Shaped like a DeepSpeed ZeRO optimizer, by the attributes `rules/deepspeed_zero.py` reads.
+
+    deepspeed is not a test dependency (it builds from source and needs no GPU only at import), so
+    these stand-ins check the bookkeeping here; `test_deepspeed_zero_engines` runs DeepSpeed's own
+    engines on the CPU where deepspeed is installed.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, **attributes: Any) -> None:
+        self.optimizer = inner
+        self.__dict__.update(attributes)
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # ZeRO's optimizers pass on the inner one's
+        return self.optimizer.param_groups
+
+
+class Wrapper:
+    """Like accelerate's `DeepSpeedOptimizerWrapper`: the real optimizer behind `.optimizer`."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optimizer.param_groups
+
+
+def stepped_adamw(partitions: List[List[torch.Tensor]]) -> torch.optim.AdamW:
+    inner = torch.optim.AdamW([{"params": group} for group in partitions], lr=1e-3)
+    for group in partitions:
+        for partition in group:
+            partition.grad = torch.ones_like(partition)
+    inner.step()
+    return inner
+
+
+def test_master_weights_and_the_lent_zero3_partitions_on_stand_ins():
+    zero = trainer_memcb.rules.deepspeed_zero
+    assert zero.master_weights_bytes(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())) is None
+
+    # ZeRO-1/2: fp32 copies of this rank's partitions, one per group, the inner optimizer's params.
+    bit16 = [torch.zeros(56, dtype=torch.bfloat16), torch.zeros(12, dtype=torch.bfloat16)]
+    masters = [torch.zeros(28, requires_grad=True), torch.zeros(6, requires_grad=True)]
+    stage12 = Wrapper(ZeroOptimizerStandIn(stepped_adamw([[masters[0]], [masters[1]]]),
+                                   single_partition_of_fp32_groups=masters, bit16_groups_flat=bit16,
+                                   partition_gradients=True))
+    assert zero.master_weights_bytes(stage12) == 4 * 34
+    assert zero.find_zero_optimizer(stage12)[3] == 2
+    assert zero.with_zero3_partitions(stage12) is stage12
+    assert estimate_optimizer_state(stage12).num_bytes == adamw_state_bytes(34, 2) == 280
+
+    # ZeRO-3: one sub-group reuses the model's own fp32 partition (no copy), one is a copy; the
+    # inner optimizer's groups are empty outside its step, as DeepSpeed leaves them.
+    model_partitions = [torch.zeros(29, requires_grad=True), torch.zeros(6, dtype=torch.bfloat16)]
+    copies = [model_partitions[0], torch.zeros(6, requires_grad=True)]
+    inner = stepped_adamw([[copies[0]], [copies[1]]])
+    for group in inner.param_groups:
+        group["params"] = []
+    stage3 = Wrapper(ZeroOptimizerStandIn(inner, fp32_partitioned_groups_flat=copies,
+                                  fp16_partitioned_groups_flat=model_partitions, sub_group_to_group_id={0: 0, 1: 1}))
+    assert zero.master_weights_bytes(stage3) == 4 * 6
+    lent = zero.with_zero3_partitions(stage3)
+    assert type(lent) is torch.optim.AdamW and lent.state is inner.state
+    assert [group["params"] for group in lent.param_groups] == [[copies[0]], [copies[1]]]
+    assert [group["params"] for group in inner.param_groups] == [[], []]  # the real one untouched
+    assert lent.param_groups[0]["lr"] == inner.param_groups[0]["lr"] == 1e-3
+    assert estimate_optimizer_state(lent).num_bytes == adamw_state_bytes(35, 2) == 288
+
+
+def test_deepspeed_optimizer_rules_follow_their_source():
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (it is no test dependency)")
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    from trainer_memcb.estimate import ParamInfo, find_estimate_rule
+
+    info = ParamInfo(shape=(34,), dtype=torch.bfloat16, requires_grad=True, group_index=0, index_in_group=0)
+    fused, cpu = find_estimate_rule(FusedAdam), find_estimate_rule(DeepSpeedCPUAdam)
+    assert fused.per_param(info, {}, None) == {"exp_avg": 68, "exp_avg_sq": 68}  # like the partition
+    fp32_states, own_dtype = SimpleNamespace(fp32_optimizer_states=True), SimpleNamespace(fp32_optimizer_states=False)
+    assert cpu.per_param(info, {}, fp32_states) == {"exp_avg": 136, "exp_avg_sq": 136}
+    assert cpu.per_param(info, {}, own_dtype) == {"exp_avg": 68, "exp_avg_sq": 68}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (it is no test dependency: it builds from source)")
+def test_deepspeed_zero_engines(tmp_path):
+    torchrun("deepspeed_zero.py", str(tmp_path))
+    zero = trainer_memcb.rules.deepspeed_zero
+    # Weights 35 + 21 and biases 7 + 3, in two groups, over 2 processes.
+    zero12 = [zero.zero12_partition_numel([35, 21], 2), zero.zero12_partition_numel([7, 3], 2)]
+    zero3 = zero.zero3_sub_group_numels([35, 21], 2) + zero.zero3_sub_group_numels([7, 3], 2)
+    assert (zero12, zero3) == ([28, 6], [29, 6])
+    runs = {
+        "zero1": ("DeepSpeedZeroOptimizer", 1, "torch.float32", zero12),
+        "zero2": ("DeepSpeedZeroOptimizer", 2, "torch.float32", zero12),
+        "zero2_bf16": ("DeepSpeedZeroOptimizer", 2, "torch.bfloat16", zero12),
+        "zero1_bf16_fp32_accumulation": ("BF16_Optimizer", 1, "torch.bfloat16", zero12),
+        "zero3": ("DeepSpeedZeroOptimizer_Stage3", 3, "torch.float32", zero3),
+    }
+    for name, (zero_class, stage, model_dtype, partitions) in runs.items():
+        state = adamw_state_bytes(sum(partitions), num_tensors=2)
+        masters = 4 * sum(partitions)
+        expected = {MEASURED_BYTES: state, MEASURED_TOTAL_BYTES: PROCESSES * state,
+                    MEASURED_ELEMENTS: 2 * sum(partitions) + 2, ESTIMATE_BYTES: state,
+                    ESTIMATE_TOTAL_BYTES: PROCESSES * state, TRAINABLE_PARAMS: sum(partitions),
+                    MASTER_WEIGHTS_BYTES: masters}
+        for result in per_process(str(tmp_path / name)):
+            assert (result["zero_class"], result["stage"], result["model_dtype"]) == (zero_class, stage, model_dtype), name
+            assert result["master_partition_numels"] == partitions, name
+            assert result["master_partition_dtypes"] == ["torch.float32"] * 2, name
+            assert result["own_measured_bytes"] == result["own_estimate_bytes"] == state, name
+            assert result["figures"] == expected, name
+            assert result["figures_before_a_step"] == {
+                key: value for key, value in expected.items()
+                if key in (ESTIMATE_BYTES, ESTIMATE_TOTAL_BYTES, TRAINABLE_PARAMS, MASTER_WEIGHTS_BYTES)}, name
+            assert result["warnings"] == [], name
+            # ZeRO-3 lends its partitions to the inner optimizer only for the step.
+            assert result["inner_groups_untouched"] == ([0, 0] if stage == 3 else [1, 1]), name
