@@ -211,6 +211,7 @@ def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharde
         before, *after_steps = result["figures_per_step"]
         assert before == {ESTIMATE_BYTES: 304, ESTIMATE_TOTAL_BYTES: total, TRAINABLE_PARAMS: 36}
         assert after_steps == [expected, expected]
+        assert result["readme_recipe"] == expected  # the same, from the functions alone
 
     # Only the main process logs: one TensorBoard run, holding the job's figures at steps 1 and 2.
     run = os.path.join(fsdp2_job, "fsdp2")

@@ -24,6 +24,8 @@ from accelerate import Accelerator
 from torch.distributed.fsdp import fully_shard
 
 from trainer_memcb import OptimizerMemoryLogger, estimate_optimizer_state, measure_optimizer_state
+from trainer_memcb.distributed import reduce_across_processes
+from trainer_memcb.figures import optimizer_figures
 
 
 def main() -> None:
@@ -48,6 +50,10 @@ def main() -> None:
             optimizer.zero_grad()
             figures_per_step.append(memory())
 
+    # The README's recipe for the job's figures without the Trainer or the logger.
+    own = optimizer_figures(measure_optimizer_state(optimizer), estimate_optimizer_state(optimizer))
+    job = reduce_across_processes(own)
+
     state_shapes = {
         name: {key: [list(value.shape), type(value).__name__, list(value.to_local().shape)
                      if hasattr(value, "to_local") else list(value.shape)]
@@ -64,6 +70,7 @@ def main() -> None:
         "own_estimate_bytes": estimate_optimizer_state(optimizer).num_bytes,
         "own_trainable_params": estimate_optimizer_state(optimizer).num_params,
         "figures_per_step": figures_per_step,
+        "readme_recipe": job,
         "warnings": _common.memcb_warnings(caught),
     })
     accelerator.end_training()
