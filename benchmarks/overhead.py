@@ -10,13 +10,17 @@ Prints, in one run:
     against a naive method that copies every state value to read its size, as the ratio
     naive / ours. Target: at least 600.
 
-Fairness: fixed threads and seeds; warm-up runs, steps and calls that are not timed; runs with
-and without the callback interleaved in ABBA order so that drift in the machine's load hits both
-alike; per-step intervals from `on_step_begin` to the next `on_step_begin` (data, forward,
-backward, optimizer step, the callback's measuring and the log entry all fall inside); medians
-throughout. Each step is timed twice: wall clock (`time.perf_counter`, the target's measure) and
-this process's CPU time (`time.process_time`), which other processes on a busy machine disturb
-far less. `--quick` is a smoke run whose numbers mean little.
+Fairness: fixed threads and seeds; warm-up steps and calls that are not timed; medians
+throughout. With and without the callback alternate step by step inside each training run, in
+ABBA order (the callback is added to and removed from the Trainer between steps), so that the
+machine's load, which drifts over seconds, falls on both sides alike: whole runs with and without,
+alternated, differed by 20-80% from run to run on a busy 2-core machine, far above the 1% to be
+resolved. A step is timed from its `on_step_begin` to the next one (data, forward, backward,
+optimizer step, every callback's work and the log entry fall inside), on two clocks: the wall
+clock (`time.perf_counter`, the target's measure) and this process's CPU time
+(`time.process_time`), which other processes disturb less. Each run gives a ratio of medians;
+the headline is the median over runs, and the spread of the runs' ratios shows the noise.
+`--quick` is a smoke run whose numbers mean little.
 
     python benchmarks/overhead.py            # the full benchmark, about two minutes on 2 cores
     python benchmarks/overhead.py --quick    # a smoke run
@@ -33,7 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -60,7 +64,7 @@ MEASURE_SPEEDUP_TARGET = 600.0  # (b): naive / measure_optimizer_state, at least
 DISTILBERT_CONFIG_DIR = os.path.join(REPO_ROOT, "examples", "models", "distilbert-base-cased")
 BATCH_SIZE = 4
 
-# `Trainer.log` as transformers ships it, before the callback's hook wraps it: the runs without
+# `Trainer.log` as transformers ships it, before the callback's hook wraps it: the steps without
 # the callback put it back, so that they pay nothing of the callback's, not even the hook.
 _UNHOOKED_TRAINER_LOG = Trainer.log
 
@@ -68,54 +72,83 @@ _UNHOOKED_TRAINER_LOG = Trainer.log
 @dataclass(frozen=True)
 class Settings:
     threads: int
-    pairs: int  # runs with the callback, and as many without, interleaved
-    warmup_runs: int  # untimed runs of each kind before the timed ones
-    steps: int  # timed steps per run
-    warmup_steps: int  # steps per run before the timed ones
+    runs: int  # training runs, each alternating steps with and without the callback
+    steps: int  # timed steps per run, half of them with the callback
+    warmup_steps: int  # steps per run before the timed ones, alternating too
     measure_calls: int  # timed calls of measure_optimizer_state
     naive_calls: int  # timed calls of the naive method (each copies the whole state)
 
     @classmethod
     def full(cls, threads: int) -> "Settings":
-        return cls(threads=threads, pairs=10, warmup_runs=1, steps=300, warmup_steps=20, measure_calls=200, naive_calls=5)
+        return cls(threads=threads, runs=8, steps=600, warmup_steps=40, measure_calls=200, naive_calls=5)
 
     @classmethod
     def quick(cls, threads: int) -> "Settings":
-        return cls(threads=threads, pairs=1, warmup_runs=0, steps=10, warmup_steps=3, measure_calls=10, naive_calls=1)
+        return cls(threads=threads, runs=1, steps=16, warmup_steps=4, measure_calls=10, naive_calls=1)
 
 
 # -- (a) the training step with and without the callback ---------------------------------------
 
 
-class StepTimer(TrainerCallback):
-    """Records the wall clock and the process's CPU time at every `on_step_begin`: consecutive
-    differences are whole steps, the log entry and every callback's work included."""
+def with_callback_at(step_index: int) -> bool:
+    """ABBA over steps: with, without, without, with, with, ... Drift in the machine's load
+    between neighbouring steps then falls on both sides alike."""
+    return step_index % 4 in (0, 3)
 
-    def __init__(self) -> None:
+
+class AlternatingStepTimer(TrainerCallback):
+    """Puts the callback under test into the Trainer for some steps and takes it out for the
+    others, and times every step.
+
+    At each `on_step_begin` it adds or removes `callback` (and the hook it installs on
+    `Trainer.log`) following `with_callback_at`, then records the wall clock and the process's CPU
+    time. Consecutive records bound whole steps: data, forward, backward, optimizer step, every
+    callback's work and the log entry. It must be the first user callback, so that the callback
+    under test runs after transformers' `DefaultFlowCallback` as it would anyway.
+    """
+
+    def __init__(self, callback: OptimizerMemoryCallback) -> None:
+        self.callback = callback
+        self.handler: Any = None  # the Trainer's callback handler, set once the Trainer exists
+        self.hooked_log = Trainer.log  # the callback installed its hook when it was made
         self.wall_starts: List[float] = []
         self.cpu_starts: List[float] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        wanted = with_callback_at(len(self.wall_starts))
+        if wanted != (self.callback in self.handler.callbacks):
+            if wanted:
+                self.handler.add_callback(self.callback)
+            else:
+                self.handler.remove_callback(self.callback)
+            Trainer.log = self.hooked_log if wanted else _UNHOOKED_TRAINER_LOG
         self.cpu_starts.append(time.process_time())
         self.wall_starts.append(time.perf_counter())
 
-    @staticmethod
-    def _intervals(starts: List[float]) -> List[float]:
-        return [later - earlier for earlier, later in zip(starts, starts[1:])]
+    def step_seconds(self, skip: int) -> Dict[bool, Tuple[List[float], List[float]]]:
+        """{with the callback?: (wall seconds, CPU seconds) of each step}, after `skip` steps."""
+        split: Dict[bool, Tuple[List[float], List[float]]] = {True: ([], []), False: ([], [])}
+        for index in range(skip, len(self.wall_starts) - 1):
+            wall, cpu = split[with_callback_at(index)]
+            wall.append(self.wall_starts[index + 1] - self.wall_starts[index])
+            cpu.append(self.cpu_starts[index + 1] - self.cpu_starts[index])
+        return split
 
-    def median_step_seconds(self, skip: int) -> Tuple[float, float]:
-        """(wall, CPU) median seconds per step, leaving out the first `skip` steps."""
-        return (statistics.median(self._intervals(self.wall_starts[skip:])),
-                statistics.median(self._intervals(self.cpu_starts[skip:])))
+
+@dataclass(frozen=True)
+class RunTimes:
+    """Median seconds per step in one run, with and without the callback, on both clocks."""
+
+    wall_with: float
+    wall_without: float
+    cpu_with: float
+    cpu_without: float
 
 
-def timed_training_run(with_callback: bool, settings: Settings, output_dir: str) -> Tuple[float, float]:
-    """One `trainer.train()` of the tiny classifier; (wall, CPU) median seconds per timed step."""
+def timed_training_run(settings: Settings, output_dir: str) -> RunTimes:
+    """One `trainer.train()` of the tiny classifier, alternating steps with and without the callback."""
     Trainer.log = _UNHOOKED_TRAINER_LOG
-    timer = StepTimer()
-    callbacks: List[TrainerCallback] = [timer]
-    if with_callback:
-        callbacks.append(OptimizerMemoryCallback())  # installs its hook on Trainer.log again
+    timer = AlternatingStepTimer(OptimizerMemoryCallback())  # present from the start: step 0 is "with"
     # One step more than timed: the last step has no next `on_step_begin` to end it.
     total_steps = settings.warmup_steps + settings.steps + 1
     args = training_args(output_dir, max_steps=total_steps, per_device_train_batch_size=BATCH_SIZE)
@@ -123,61 +156,61 @@ def timed_training_run(with_callback: bool, settings: Settings, output_dir: str)
         model=tiny_classifier(seed=0),
         args=args,
         train_dataset=TinyDataset(size=BATCH_SIZE * total_steps, seed=0),
-        callbacks=callbacks,
+        callbacks=[timer, timer.callback],
     )
-    # The console printer would print every entry; neither run should pay for that.
+    timer.handler = trainer.callback_handler
+    # The console printer would print every entry; no step should pay for that.
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     gc.collect()
-    trainer.train()
-    Trainer.log = _UNHOOKED_TRAINER_LOG
-    return timer.median_step_seconds(skip=settings.warmup_steps)
+    try:
+        trainer.train()
+    finally:
+        Trainer.log = _UNHOOKED_TRAINER_LOG
+    steps = timer.step_seconds(skip=settings.warmup_steps)
+    (wall_with, cpu_with), (wall_without, cpu_without) = steps[True], steps[False]
+    return RunTimes(
+        wall_with=statistics.median(wall_with),
+        wall_without=statistics.median(wall_without),
+        cpu_with=statistics.median(cpu_with),
+        cpu_without=statistics.median(cpu_without),
+    )
 
 
 @dataclass(frozen=True)
-class StepTimes:
-    """Median seconds per step of each run on one clock, in the order the runs ran."""
+class StepRatio:
+    """with / without the callback on one clock, from each run's medians."""
 
-    with_callback: List[float]
-    without_callback: List[float]
+    with_seconds: List[float]
+    without_seconds: List[float]
+
+    @property
+    def run_ratios(self) -> List[float]:
+        return [a / b for a, b in zip(self.with_seconds, self.without_seconds)]
 
     @property
     def ratio(self) -> float:
-        """The headline: median run with the callback / median run without."""
-        return statistics.median(self.with_callback) / statistics.median(self.without_callback)
+        """The headline: the median over runs of each run's with / without."""
+        return statistics.median(self.run_ratios)
 
     @property
-    def paired_ratios(self) -> List[float]:
-        """with / without for each interleaved pair, which ran under much the same load."""
-        return [a / b for a, b in zip(self.with_callback, self.without_callback)]
+    def added_seconds(self) -> float:
+        """What the callback adds to a logged step: the median over runs of with - without."""
+        return statistics.median(a - b for a, b in zip(self.with_seconds, self.without_seconds))
 
 
-def spread(values: List[float]) -> float:
-    """Run-to-run noise: the interquartile range over the median (0 for fewer than two values)."""
-    if len(values) < 2:
-        return 0.0
-    quartiles = statistics.quantiles(values, n=4, method="inclusive")
-    return (quartiles[2] - quartiles[0]) / statistics.median(values)
-
-
-def compare_step_times(settings: Settings, report: Callable[[str], None]) -> Tuple[StepTimes, StepTimes]:
-    """(wall, CPU) step times with and without the callback."""
-    runs = {True: [], False: []}  # with the callback? -> [(wall, CPU)] per run
+def compare_step_times(settings: Settings, report: Callable[[str], None]) -> Tuple[StepRatio, StepRatio]:
+    """(wall, CPU) step-time ratios with / without the callback."""
+    runs: List[RunTimes] = []
     with tempfile.TemporaryDirectory() as output_dir:
-        # Untimed runs of each kind first: lazy imports, the allocator and caches settle.
-        for _ in range(settings.warmup_runs):
-            for flag in (True, False):
-                timed_training_run(flag, settings, output_dir)
-        for pair in range(settings.pairs):
-            order = (True, False) if pair % 2 == 0 else (False, True)  # ABBA
-            for flag in order:
-                wall, cpu = timed_training_run(flag, settings, output_dir)
-                runs[flag].append((wall, cpu))
-                label = "with   " if flag else "without"
-                report(f"  pair {pair + 1:>2} {label} callback: median step {wall * 1e3:.4f} ms wall, "
-                       f"{cpu * 1e3:.4f} ms CPU")
-    wall, cpu = (StepTimes(with_callback=[run[clock] for run in runs[True]],
-                           without_callback=[run[clock] for run in runs[False]]) for clock in (0, 1))
+        for index in range(settings.runs):
+            run = timed_training_run(settings, output_dir)
+            runs.append(run)
+            report(f"  run {index + 1:>2}: median step with / without callback: "
+                   f"wall {run.wall_with * 1e3:.4f} / {run.wall_without * 1e3:.4f} ms = {run.wall_with / run.wall_without:.4f}; "
+                   f"CPU {run.cpu_with * 1e3:.4f} / {run.cpu_without * 1e3:.4f} ms = {run.cpu_with / run.cpu_without:.4f}")
+    wall = StepRatio([run.wall_with for run in runs], [run.wall_without for run in runs])
+    cpu = StepRatio([run.cpu_with for run in runs], [run.cpu_without for run in runs])
     return wall, cpu
 
 
@@ -248,6 +281,40 @@ def compare_measuring(settings: Settings) -> MeasureTimes:
     )
 
 
+# -- where the callback's time goes ------------------------------------------------------------
+
+
+def profile_callback(settings: Settings) -> str:
+    """cProfile over one run with the callback in every step: the package's functions, by
+    cumulative time. cProfile slows Python code several-fold, so read the shares, not the times."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    with tempfile.TemporaryDirectory() as output_dir:
+        Trainer.log = _UNHOOKED_TRAINER_LOG
+        total_steps = settings.warmup_steps + settings.steps
+        trainer = Trainer(
+            model=tiny_classifier(seed=0),
+            args=training_args(output_dir, max_steps=total_steps, per_device_train_batch_size=BATCH_SIZE),
+            train_dataset=TinyDataset(size=BATCH_SIZE * total_steps, seed=0),
+            callbacks=[OptimizerMemoryCallback()],
+        )
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        profiler.enable()
+        try:
+            trainer.train()
+        finally:
+            profiler.disable()
+            Trainer.log = _UNHOOKED_TRAINER_LOG
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    stats.print_stats(r"trainer_memcb|trainer\.py.*\(_inner_training_loop\)|trainer_callback\.py.*call_event", 14)
+    return text.getvalue()
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 
@@ -259,6 +326,9 @@ def parser() -> argparse.ArgumentParser:
     result = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     result.add_argument("--quick", action="store_true", help="a short smoke run; its numbers mean little")
     result.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: 1)")
+    result.add_argument("--profile", action="store_true",
+                        help="instead: profile one training run with the callback (cProfile) and print "
+                             "where the callback's time goes")
     return result
 
 
@@ -267,6 +337,9 @@ def command(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads={args.threads}: expected a positive number of threads")
     settings = Settings.quick(args.threads) if args.quick else Settings.full(args.threads)
     torch.set_num_threads(settings.threads)
+    if args.profile:
+        print(profile_callback(settings))
+        return 0
     model = tiny_classifier(seed=0)
     print("Inputs")
     print(f"  python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -274,8 +347,8 @@ def command(args: argparse.Namespace) -> int:
     print(f"  (a) tiny DistilBERT from tests/helpers.py: {sum(p.numel() for p in model.parameters()):,} parameters "
           f"in {len(list(model.parameters()))} tensors; Trainer on the CPU, batch {BATCH_SIZE}, logging_steps=1, "
           f"report_to=[], default optimizer")
-    print(f"      {settings.pairs} runs with the callback and {settings.pairs} without, interleaved ABBA; per run "
-          f"{settings.warmup_steps} warm-up steps, then {settings.steps} timed steps")
+    print(f"      {settings.runs} runs; per run {settings.warmup_steps} warm-up steps, then {settings.steps} timed steps, "
+          f"with and without the callback alternating ABBA step by step")
     print(f"  (b) distilbert-base-cased (examples/models/distilbert-base-cased/config.json, num_labels=2), "
           f"one torch.optim.AdamW step; {settings.measure_calls} timed calls of measure_optimizer_state, "
           f"{settings.naive_calls} of the naive copy")
@@ -293,10 +366,8 @@ def command(args: argparse.Namespace) -> int:
 
     print("Results")
     for title, times in (("(a) step time with / without callback", wall), ("    same, in CPU time", cpu)):
-        print(f"  {title}: {times.ratio:.4f} (median with {statistics.median(times.with_callback) * 1e3:.4f} ms, "
-              f"without {statistics.median(times.without_callback) * 1e3:.4f} ms; paired ratios "
-              f"{min(times.paired_ratios):.4f}..{max(times.paired_ratios):.4f}; run-to-run spread "
-              f"{spread(times.with_callback):.1%} with, {spread(times.without_callback):.1%} without) "
+        print(f"  {title}: {times.ratio:.4f} (median over {len(times.run_ratios)} runs; runs' ratios "
+              f"{min(times.run_ratios):.4f}..{max(times.run_ratios):.4f}; adds {times.added_seconds * 1e3:.4f} ms a step) "
               f"-> {verdict(times.ratio <= STEP_RATIO_TARGET)} (<= {STEP_RATIO_TARGET})")
     print(f"  (b) naive / measure_optimizer_state: {measuring.ratio:.0f}x "
           f"-> {verdict(measuring.ratio >= MEASURE_SPEEDUP_TARGET)} (>= {MEASURE_SPEEDUP_TARGET:.0f}x)")
