@@ -14,7 +14,7 @@ Fairness: fixed threads and seeds; warm-up steps and calls that are not timed; m
 throughout. With and without the callback alternate step by step inside each training run, in
 ABBA order (the callback is added to and removed from the Trainer between steps), so that the
 machine's load, which drifts over seconds, falls on both sides alike: whole runs with and without,
-alternated, differed by 20-80% from run to run on a busy 2-core machine, far above the 1% to be
+alternated, differed by 15-80% from run to run on a busy 2-core machine, far above the 1% to be
 resolved. A step is timed from its `on_step_begin` to the next one (data, forward, backward,
 optimizer step, every callback's work and the log entry fall inside), on two clocks: the wall
 clock (`time.perf_counter`, the target's measure) and this process's CPU time
