@@ -250,6 +250,11 @@ def estimate_optimizer_state(optimizer: Any) -> Optional[StateEstimate]:
         >>> estimate.num_params, estimate.num_bytes
         (10, 88)
     """
+    # Imported here: the ZeRO module registers rules through this one. ZeRO-3 lends its flat
+    # partitions to the inner optimizer only during the step; outside it a stand-in shows them.
+    from trainer_memcb.rules.deepspeed_zero import with_zero3_partitions
+
+    optimizer = with_zero3_partitions(optimizer)
     bytes_by_key: Dict[str, int] = defaultdict(int)
     counted = set()
     num_params = 0

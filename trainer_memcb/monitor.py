@@ -16,7 +16,7 @@ from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, optimizer_figures
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
-from trainer_memcb.rules.deepspeed_zero import master_weights_bytes, with_zero3_partitions
+from trainer_memcb.rules.deepspeed_zero import master_weights_bytes
 from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = ["BREAKDOWNS", "OptimizerStateMonitor", "validate_breakdown"]
@@ -101,8 +101,7 @@ class OptimizerStateMonitor:
             return self._estimate
         self._estimated = True
         try:
-            # ZeRO-3 lends its flat partitions to the inner optimizer only during the step.
-            self._estimate = estimate_optimizer_state(with_zero3_partitions(self._optimizer))
+            self._estimate = estimate_optimizer_state(self._optimizer)
         except Exception as error:  # never break training over a figure
             self.warn_once("estimate", f"estimating the optimizer state failed ({error!r}); no estimate is logged")
             return None

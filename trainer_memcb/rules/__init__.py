@@ -5,6 +5,7 @@ by `"module:ClassName"` and resolved only once the user has imported that librar
 """
 
 from trainer_memcb.rules import bitsandbytes_optim  # noqa: F401
+from trainer_memcb.rules import deepspeed_zero  # noqa: F401
 from trainer_memcb.rules import torch_optim  # noqa: F401
 from trainer_memcb.rules import torchao_optim  # noqa: F401
 from trainer_memcb.rules import transformers_optim  # noqa: F401
