@@ -12,6 +12,7 @@ Shared by `train_with_trainer.py`, `train_with_accelerate.py` and `compare_optim
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -131,7 +132,10 @@ def _from_config(folder: Path, texts: Sequence[str], seed: int) -> LoadedModel:
         )
     torch.manual_seed(seed)  # the random weights are the same on every run with this seed
     model = AutoModelForSequenceClassification.from_config(config)
-    origin = (f"built from {folder / 'config.json'} with random weights; "
+    config_file = os.path.relpath(folder / "config.json")  # short and machine-independent when under the cwd
+    if config_file.startswith(os.pardir):
+        config_file = str(folder / "config.json")
+    origin = (f"built from {config_file} with random weights; "
               f"word-level tokenizer of {len(tokenizer)} tokens built from the training texts")
     return LoadedModel(model, tokenizer, origin)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import os
 import warnings
 from typing import Any, Dict, List, Tuple
 
@@ -18,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import get_constant_schedule
 
 import trainer_memcb.accelerate_loop
 from helpers import TinyDataset, tiny_classifier
@@ -251,3 +253,27 @@ def test_bad_arguments_raise_value_errors_naming_them(kwargs, message):
 def test_docstring_example_runs():
     results = doctest.testmod(trainer_memcb.accelerate_loop, optionflags=doctest.ELLIPSIS)
     assert (results.failed, results.attempted) == (0, 10)
+
+
+def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch):
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme, encoding="utf-8") as handle:
+        section = handle.read().split("## Custom Accelerate loops", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)  # the snippet writes under output/my_run
+    model = tiny_classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    namespace = {
+        "model": model,
+        "optimizer": optimizer,
+        "train_dataloader": torch.utils.data.DataLoader(TinyDataset(size=40), batch_size=4),  # 10 steps
+        "lr_scheduler": get_constant_schedule(optimizer),
+    }
+    exec(compile(snippet, "README.md", "exec"), namespace)
+
+    state_bytes = adamw_bytes(model)[1]
+    assert namespace["memory"].optimizer_steps == 10
+    logged = tensorboard_scalars(str(tmp_path / "output" / "my_run" / "tensorboard"))[MEASURED_BYTES]
+    assert logged == [(10, float(state_bytes))]
+    with open(tmp_path / "output" / "my_run" / SUMMARY_FILE_NAME, encoding="utf-8") as handle:
+        assert json.load(handle)["measured"]["num_bytes"] == state_bytes
