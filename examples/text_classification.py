@@ -202,8 +202,11 @@ class Scores:
 # -- optimizers ------------------------------------------------------------------------------------
 
 
+# The custom-loop optimizers are built as the Trainer builds them by default: no weight decay.
+
+
 def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
 def _adafactor(params: Any, lr: float) -> torch.optim.Optimizer:
@@ -216,7 +219,7 @@ def _adafactor(params: Any, lr: float) -> torch.optim.Optimizer:
 def _adamw_8bit(params: Any, lr: float) -> torch.optim.Optimizer:
     import bitsandbytes as bnb
 
-    return bnb.optim.AdamW8bit(params, lr=lr)
+    return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.0)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from trainer_memcb import OptimizerMemoryLogger
 
 DEFAULT_OUTPUT_DIR = os.path.join("output", "train_with_accelerate")
 TRACKER_RUN_NAME = "tensorboard"
+MAX_GRAD_NORM = 1.0
 
 
 def evaluate(model: Any, loader: Any, accelerator: Accelerator, scores: Scores) -> Dict[str, float]:
@@ -89,6 +90,8 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
+                if accelerator.sync_gradients:  # clip as the Trainer does (max_grad_norm=1.0)
+                    accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
                 optimizer.step()
                 figures = memory() or figures  # the figures, on logging steps
                 lr_scheduler.step()
