@@ -15,7 +15,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import numpy as np
 import torch
@@ -116,6 +116,10 @@ def local_tokenizer(texts: Iterable[str]) -> Any:
     )
 
 
+# Names whose hub lookup failed in this process.
+_UNREACHABLE: Set[str] = set()
+
+
 def _has_weights(folder: Path) -> bool:
     return any((folder / name).is_file() for name in WEIGHT_FILES)
 
@@ -166,11 +170,12 @@ def load_model(name: str, texts: Sequence[str], seed: int = 0) -> LoadedModel:
     shipped = MODELS_DIR / name
     if not (shipped / "config.json").is_file():
         return _from_pretrained(name)
-    if name in LOCAL_ONLY_MODELS or is_offline_mode():
+    if name in LOCAL_ONLY_MODELS or name in _UNREACHABLE or is_offline_mode():
         return _from_config(shipped, texts, seed)
     try:
         return _from_pretrained(name)
     except OSError as error:  # the hub is unreachable: the architecture is still here
+        _UNREACHABLE.add(name)  # the comparison loads the model once per optimizer: ask once
         print(f"Could not load {name} from the hub ({str(error).splitlines()[0]}); "
               f"building its architecture offline instead (set HF_HUB_OFFLINE=1 to skip the attempt).")
         return _from_config(shipped, texts, seed)

@@ -177,3 +177,18 @@ def test_shipped_reviews_are_what_the_generator_writes(tmp_path):
     make_reviews.main(str(tmp_path))
     for split in ("train.csv", "validation.csv"):
         assert filecmp.cmp(tmp_path / split, os.path.join(EXAMPLES, "data", "reviews", split), shallow=False), split
+
+
+def test_a_local_folder_with_weights_loads_them_and_its_tokenizer(tmp_path):
+    from text_classification import load_model
+
+    texts = ["the film was superb.", "the plot was dull."]
+    built = load_model(TINY_MODEL, texts, seed=3)
+    built.model.save_pretrained(str(tmp_path))
+    built.tokenizer.save_pretrained(str(tmp_path))
+    loaded = load_model(str(tmp_path), texts)
+    assert loaded.origin == f"pretrained weights and tokenizer from {tmp_path}"
+    assert loaded.tokenizer("the plot was superb.")["input_ids"] == built.tokenizer("the plot was superb.")["input_ids"]
+    saved, reloaded = built.model.state_dict(), loaded.model.state_dict()
+    assert saved.keys() == reloaded.keys()
+    assert all(torch.equal(saved[key], reloaded[key]) for key in saved)
