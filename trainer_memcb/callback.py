@@ -145,7 +145,8 @@ class OptimizerMemoryCallback(TrainerCallback):
             self._contributed_entry = logs
             figures = self.monitor.figures(state.global_step)
             if state.is_world_process_zero:
-                logs.update(with_prefix(figures, prefix))
+                # A training entry (no prefix) takes the monitor's fresh dict as it is.
+                logs.update(with_prefix(figures, prefix) if prefix else figures)
         except Exception as error:  # never break training over a figure
             self.monitor.warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 

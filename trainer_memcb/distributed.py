@@ -47,10 +47,16 @@ TOTAL_KEYS = {MEASURED_BYTES: MEASURED_TOTAL_BYTES, ESTIMATE_BYTES: ESTIMATE_TOT
 # the exchange off the accelerator's queue.
 _ACCELERATOR_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
 
+# Whether this torch was built with `torch.distributed`: fixed for the process, and asked at every
+# logged step.
+_DISTRIBUTED_BUILT = dist.is_available()
+# Breakdown keys (`optimizer_state_bytes/by_key/...`) start with this.
+_BREAKDOWN_PREFIX = f"{MEASURED_BYTES}/"
+
 
 def world_size() -> int:
     """Processes in the default group; 1 when `torch.distributed` is absent or not initialized."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not _DISTRIBUTED_BUILT or not dist.is_initialized():
         return 1
     return dist.get_world_size()
 
@@ -82,7 +88,7 @@ def _with_totals(figures: Mapping[str, int], per_process: Mapping[str, int], tot
                 result[key] = per_process[key]
                 if key in TOTAL_KEYS:
                     result[TOTAL_KEYS[key]] = totals[key]
-        elif key.startswith(f"{MEASURED_BYTES}/"):
+        elif key.startswith(_BREAKDOWN_PREFIX):
             if MEASURED_BYTES in per_process:  # a breakdown only beside the figure it breaks down
                 result[key] = value
         else:
@@ -110,12 +116,15 @@ def reduce_across_processes(figures: Mapping[str, int]) -> Dict[str, int]:
         >>> reduce_across_processes({"optimizer_state_bytes": 88, "optimizer_state_estimate_bytes": 88})
         {'optimizer_state_bytes': 88, 'optimizer_state_total_bytes': 88, 'optimizer_state_estimate_bytes': 88, 'optimizer_state_estimate_total_bytes': 88}
     """
-    local = {key: _as_int(figures.get(key)) for key in PER_PROCESS_KEYS}
     processes = world_size()
     if processes == 1:
-        present = {key: value for key, value in local.items() if value is not None}
+        # Nothing to exchange: each total is its own figure. Every logged step of a one-process
+        # run comes here, so only the figures there are get looked at.
+        present = {key: value for key, value in figures.items()
+                   if key in PER_PROCESS_KEYS and _as_int(value) is not None}
         return _with_totals(figures, present, present)
 
+    local = {key: _as_int(figures.get(key)) for key in PER_PROCESS_KEYS}
     values: List[int] = [value or 0 for value in local.values()]
     present_flags = [int(value is not None) for value in local.values()]
     device = collective_device()

@@ -90,10 +90,8 @@ def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _plain_tensors(inner)
 
 
-# Per dtype, its bytes per element; per device, its name. `element_size()` and above all
-# `str(tensor.device)` cost up to a microsecond per tensor, a state holds hundreds of tensors, and
-# a run has a handful of dtypes and devices.
-_ELEMENT_SIZES: Dict[torch.dtype, int] = {}
+# Per device, its name: `str(tensor.device)` costs over a microsecond per tensor, a state holds
+# hundreds of tensors, and a run has a handful of devices.
 _DEVICE_NAMES: Dict[torch.device, str] = {}
 
 
@@ -156,45 +154,54 @@ def _state_tensors(optimizer: Any) -> List[Tuple[int, str, torch.Tensor]]:
 
 def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
     """Add up the storages behind `found`, each once. This loop runs at every logged step over
-    every state tensor, so it stays short: one storage lookup per tensor, cached sizes and
-    names, and one running total per (state key, dtype, device), folded into the breakdowns after."""
-    parts: Dict[Tuple[str, torch.dtype, str], List[int]] = {}  # -> [bytes, elements, storages]
-    seen: Set[Tuple[str, int, int]] = set()
-    owners: Set[int] = set()
+    every state tensor, so it does only what must be done per tensor: read the storage's device,
+    address and size, and file its size under its (state key, dtype, device). Element counts and
+    the breakdowns are worked out per part after the loop."""
+    parts: Dict[Tuple[str, torch.dtype, str], List[int]] = {}  # -> the sizes of its storages
+    # Storages counted, as (device, address, size), looked up by address: an int key hashes at
+    # once, where a tuple key would be hashed anew at each lookup. A later storage at a counted
+    # address is the same storage again (a view, bitsandbytes' shared qmaps) unless its device or
+    # size differs; the rare different ones go to `more_at_counted_address`.
+    counted_at: Dict[int, Tuple[str, int, int]] = {}
+    more_at_counted_address: Set[Tuple[str, int, int]] = set()
+    num_params_with_state = 0
+    last_owner = 0  # `found` comes parameter by parameter, so a new owner is a new parameter
     for owner, key, plain in found:
         device = "cpu" if plain.is_cpu else _device_name(plain.device)
         if device == "meta":
             continue  # a meta tensor has a shape and no memory
         storage = plain.untyped_storage()
         num_bytes = storage.nbytes()
-        identity = (device, storage.data_ptr(), num_bytes)
-        if identity in seen:
-            continue  # shared storage (bitsandbytes' qmaps): already counted once
-        if identity[1] != 0:
-            seen.add(identity)
+        address = storage.data_ptr()
+        identity = (device, address, num_bytes)
+        if address in counted_at:
+            if identity == counted_at[address] or identity in more_at_counted_address:
+                continue  # already counted once
+            more_at_counted_address.add(identity)
+        elif address != 0:  # storages without memory have address 0: each counts (0 bytes)
+            counted_at[address] = identity
         # A storage counts whole: a view into a larger buffer keeps the whole buffer alive.
-        dtype = plain.dtype
-        element_size = _ELEMENT_SIZES.get(dtype)
-        if element_size is None:
-            element_size = _ELEMENT_SIZES[dtype] = plain.element_size()
-        num_elements = num_bytes // element_size if element_size else 0
-        part = (key, dtype, device)
-        totals = parts.get(part)
-        if totals is None:
-            parts[part] = [num_bytes, num_elements, 1]
+        part = (key, plain.dtype, device)
+        sizes = parts.get(part)
+        if sizes is None:
+            parts[part] = [num_bytes]
         else:
-            totals[0] += num_bytes
-            totals[1] += num_elements
-            totals[2] += 1
-        owners.add(owner)
+            sizes.append(num_bytes)
+        if owner != last_owner:
+            num_params_with_state += 1
+            last_owner = owner
 
     num_bytes = num_elements = num_tensors = 0
     bytes_by_key: Dict[str, int] = {}
     bytes_by_dtype: Dict[str, int] = {}
     bytes_by_device: Dict[str, int] = {}
     elements_by_key: Dict[str, int] = {}
-    for (key, dtype, device), (part_bytes, part_elements, part_tensors) in parts.items():
+    for (key, dtype, device), sizes in parts.items():
         name = dtype_name(dtype)
+        part_bytes, part_tensors = sum(sizes), len(sizes)
+        # Per storage, whole elements only (a storage need not hold a whole number of them).
+        element_size = dtype.itemsize
+        part_elements = sum(size // element_size for size in sizes) if element_size else 0
         num_bytes += part_bytes
         num_elements += part_elements
         num_tensors += part_tensors
@@ -206,7 +213,7 @@ def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
         num_bytes=num_bytes,
         num_elements=num_elements,
         num_tensors=num_tensors,
-        num_params_with_state=len(owners),
+        num_params_with_state=num_params_with_state,
         bytes_by_key=bytes_by_key,
         bytes_by_dtype=bytes_by_dtype,
         bytes_by_device=bytes_by_device,

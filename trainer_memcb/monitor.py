@@ -16,7 +16,7 @@ from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, optimizer_figures
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
-from trainer_memcb.rules.deepspeed_zero import master_weights_bytes
+from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
 from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = ["BREAKDOWNS", "OptimizerStateMonitor", "validate_breakdown"]
@@ -62,6 +62,10 @@ class OptimizerStateMonitor:
         # entry after a training entry), they are reused without another exchange.
         self._figures: Dict[str, int] = {}
         self._figures_step: Optional[int] = None
+        # Whether the optimizer is a DeepSpeed ZeRO one (the only kind with master weights),
+        # decided once per optimizer: finding out walks its wrappers and tries a few attributes,
+        # too much to repeat at every logged step for an answer that cannot change.
+        self._is_zero: Optional[bool] = None
         self._warned: Set[str] = set()
 
     # -- the optimizer -------------------------------------------------------------------------
@@ -85,6 +89,7 @@ class OptimizerStateMonitor:
         self._estimate, self._estimated = None, False
         self._latest, self._latest_step, self._peak = None, None, None
         self._figures_step = None
+        self._is_zero = None
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -170,7 +175,9 @@ class OptimizerStateMonitor:
                 for part, num_bytes in getattr(measurement, BREAKDOWNS[name]).items():
                     figures[f"{MEASURED_BYTES}/by_{name}/{part}"] = num_bytes
         try:
-            master_bytes = master_weights_bytes(self._optimizer)
+            if self._is_zero is None:
+                self._is_zero = find_zero_optimizer(self._optimizer) is not None
+            master_bytes = master_weights_bytes(self._optimizer) if self._is_zero else None
         except Exception as error:  # never break training over a figure
             self.warn_once("master-weights", f"measuring the master weights failed ({error!r}); the figure is left out")
             master_bytes = None
