@@ -10,8 +10,8 @@ import os
 from typing import Any, Dict, Iterable, Optional
 
 from trainer_memcb.figures import KEY_DESCRIPTIONS
-from trainer_memcb.monitor import OptimizerStateMonitor, optimizer_class_name
-from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_document, summary_text, write_summary
+from trainer_memcb.monitor import OptimizerStateMonitor
+from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 
 __all__ = ["OptimizerMemoryLogger"]
 
@@ -118,12 +118,7 @@ class OptimizerMemoryLogger:
         Call it once, after the loop, on the main process. None (and a warning) if it fails.
         """
         try:
-            measurement = self.monitor.measure()
-            peak = self.monitor.peak
-            document = summary_document(
-                measurement, self.monitor.estimate(), optimizer_class_name(self.monitor.optimizer),
-                self.optimizer_steps, extra={"peak_measured_bytes": peak.num_bytes if peak is not None else None},
-            )
+            document = self.monitor.summary_document(self.optimizer_steps)
             path = os.path.join(output_dir, file_name)
             write_summary(document, path)
             return path

@@ -10,8 +10,8 @@ from transformers.utils import logging
 
 from trainer_memcb import whatif
 from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
-from trainer_memcb.monitor import OptimizerStateMonitor, optimizer_class_name
-from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_document, summary_text, write_summary
+from trainer_memcb.monitor import OptimizerStateMonitor
+from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 from trainer_memcb.trainer_log_hook import install_log_hook
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
@@ -183,14 +183,9 @@ class OptimizerMemoryCallback(TrainerCallback):
                 return
             logger.info(summary_text(measurement, estimate))
             if self.summary_file is not None:
-                peak = self.monitor.peak
-                document = summary_document(
-                    measurement,
-                    estimate,
-                    optimizer_class_name(self.monitor.optimizer),
+                document = self.monitor.summary_document(
                     state.global_step,
-                    extra={"peak_measured_bytes": peak.num_bytes if peak is not None else None,
-                           "final_figures": final_figures,
+                    extra={"final_figures": final_figures,
                            **({"what_if": self._what_if.to_dict()} if self._what_if is not None else {})},
                 )
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))

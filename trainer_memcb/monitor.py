@@ -16,6 +16,7 @@ from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, optimizer_figures
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.summary import summary_document
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
 from trainer_memcb.unwrap import inner_optimizers
 
@@ -184,3 +185,17 @@ class OptimizerStateMonitor:
         if master_bytes is not None:
             figures[MASTER_WEIGHTS_BYTES] = master_bytes
         return figures
+
+    # -- the end of a run ----------------------------------------------------------------------
+
+    def summary_document(self, step: int, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The end-of-run JSON document (`optimizer_memory.json`): the measurement at `step`
+        against the estimate, the largest measurement seen, and `extra`."""
+        peak = self._peak
+        return summary_document(
+            self.measure(step),
+            self.estimate(),
+            optimizer_class_name(self._optimizer),
+            step,
+            extra={"peak_measured_bytes": peak.num_bytes if peak is not None else None, **(extra or {})},
+        )
