@@ -13,21 +13,20 @@ Prints, in one run:
     against a naive method that copies every state value to read its size, as the ratio
     naive / ours. Target: at least 600.
 
-Fairness: fixed threads and seeds; warm-up steps and calls that are not timed; medians
-throughout. With and without the callback alternate step by step inside each training run, in
-ABBA order (the callback is added to and removed from the Trainer between steps), so that the
-machine's load, which drifts over seconds, falls on both sides alike: whole runs with and without,
-alternated, differed by 15-80% from run to run on a busy 2-core machine, far above the 1% to be
-resolved. A step is timed from its `on_step_begin` to the next one (data, forward, backward,
-optimizer step, every callback's work and the log entry fall inside), on two clocks: the wall
-clock (`time.perf_counter`, the target's measure) and this process's CPU time
-(`time.process_time`), which other processes disturb less. Each run gives its median steps with
-and without, and its ratio: the median, over its ABBA blocks of 4 steps, of the block's steps with
-over its steps without (a block's two sides sit symmetrically around its middle, so steady drift
-cancels out: the small model's steps wander by 15-30% here). The headline is the median over runs,
-and the spread of the runs' ratios shows the noise. Beside it, the callback's own work (its
-`on_step_end`, its contribution to the log entry, its `on_log`) is timed inside the same runs: a
-lower bound on its cost that a long step's noise does not hide.
+Fairness: fixed threads and seeds; warm-up steps and calls that are not timed; medians throughout.
+With and without the callback alternate step by step inside each training run, in ABBA order (the
+callback is added to and removed from the Trainer between steps), so that the machine's load, which
+drifts over seconds, falls on both sides alike: whole runs with and without, alternated, differed
+by 15-80% from run to run on a busy 2-core machine, far above the 1% to be resolved. A step is
+timed from its `on_step_begin` to the next one (data, forward, backward, optimizer step, every
+callback's work and the log entry fall inside), on two clocks: the wall clock (`time.perf_counter`,
+the target's measure) and this process's CPU time (`time.process_time`). Each run gives its median
+steps with and without, and its ratio: the median, over its ABBA blocks of 4 steps, of the block's
+steps with over its steps without (a block's two sides sit symmetrically around its middle, so
+steady drift cancels out: the small model's step times vary by about 17% here, slowly). The
+headline is the median over runs, and the spread of the runs' ratios shows the noise. Beside it,
+the callback's own work (its `on_step_end`, its contribution to the log entry, its `on_log`) is
+timed inside the same runs: a lower bound on its cost that a long step's noise does not hide.
 `--quick` is a smoke run whose numbers mean little.
 
     python benchmarks/overhead.py            # the full benchmark, about four minutes on 2 cores
