@@ -26,6 +26,7 @@ import trainer_memcb.rules.deepspeed_zero
 from helpers import tiny_classifier
 from trainer_memcb import estimate_optimizer_state
 from trainer_memcb.distributed import reduce_across_processes, world_size
+from trainer_memcb.monitor import OptimizerStateMonitor
 from trainer_memcb.figures import (
     ESTIMATE_BYTES,
     ESTIMATE_TOTAL_BYTES,
@@ -310,6 +311,19 @@ def test_master_weights_and_the_lent_zero3_partitions_on_stand_ins():
     assert [group["params"] for group in inner.param_groups] == [[], []]  # the real one untouched
     assert lent.param_groups[0]["lr"] == inner.param_groups[0]["lr"] == 1e-3
     assert estimate_optimizer_state(lent).num_bytes == adamw_state_bytes(35, 2) == 288
+    assert estimate_optimizer_state(stage3).num_bytes == 288  # the public function lends them itself
+
+    # Through the monitor (the callback's and the loop logger's core), one process: the master
+    # weights are a figure of their own beside the state.
+    for optimizer, state_bytes, master_bytes in ((stage12, 280, 4 * 34), (stage3, 288, 4 * 6)):
+        monitor = OptimizerStateMonitor()
+        monitor.attach(optimizer)
+        figures = monitor.figures(step=1)
+        assert figures[MEASURED_BYTES] == figures[ESTIMATE_BYTES] == state_bytes
+        assert figures[MASTER_WEIGHTS_BYTES] == master_bytes
+    plain = OptimizerStateMonitor()
+    plain.attach(stepped_adamw([[torch.zeros(3, requires_grad=True)]]))
+    assert MASTER_WEIGHTS_BYTES not in plain.figures(step=1)
 
 
 def test_deepspeed_optimizer_rules_follow_their_source():
