@@ -126,6 +126,9 @@ def train(
     if not print_logs:
         trainer.remove_callback(PrinterCallback)
     trainer.train()
+    # trainer_state.json beside optimizer_memory.json, so that `trainer-memcb report` and
+    # `compare` find the whole log history (eval accuracy and F1 included) in the run's folder.
+    trainer.save_state()
     history = trainer.state.log_history
     with open(os.path.join(output_dir, SUMMARY_FILE_NAME), encoding="utf-8") as handle:
         memory = json.load(handle)

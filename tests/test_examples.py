@@ -103,6 +103,19 @@ def test_comparison_tensorboard_runs_overlay_under_one_folder(comparison):
         assert scalars["eval/f1"] == [(3, pytest.approx(row["eval_f1"]))]
 
 
+def test_comparison_run_folders_feed_trainer_memcb_compare(comparison):
+    from trainer_memcb.cli.compare import compare_runs
+    from trainer_memcb.run_logs import load_run
+
+    rows = {row["optimizer"]: row for row in comparison["rows"]}
+    runs = [load_run(os.path.join(comparison["output_dir"], name)) for name in rows]
+    assert all(run.history_file is not None for run in runs)  # each run saved its trainer_state.json
+    for compared in compare_runs(runs):
+        row = rows[compared.name]
+        assert compared.measured_bytes == compared.estimate_bytes == row["measured_bytes"]
+        assert compared.final_metrics == {"accuracy": row["eval_accuracy"], "f1": row["eval_f1"]}
+
+
 def test_comparison_table_prints_exact_bytes_and_mib(comparison):
     table = compare_optimizers.comparison_table(comparison["rows"]).splitlines()
     assert table[0].split() == ["optimizer", "trainable", "params", "measured", "state", "estimate", "eval",
