@@ -59,6 +59,9 @@ class OptimizerStateMonitor:
         self._latest: Optional[StateMeasurement] = None
         self._latest_step: Optional[int] = None
         self._peak: Optional[StateMeasurement] = None
+        # The step whose measurement failed: asked again at that step (the log entry after the
+        # step end), the state is not walked a second time only to fail again.
+        self._failed_step: Optional[int] = None
         # The figures handed out last, and their step: asked again at that step (an evaluation
         # entry after a training entry), they are reused without another exchange.
         self._figures: Dict[str, int] = {}
@@ -80,6 +83,7 @@ class OptimizerStateMonitor:
         number of the last run describes another moment (a second `train()` call on one Trainer
         keeps the optimizer and restarts `global_step`)."""
         self._latest_step = None
+        self._failed_step = None
         self._figures_step = None
 
     def attach(self, optimizer: Any) -> None:
@@ -89,6 +93,7 @@ class OptimizerStateMonitor:
         self._optimizer = optimizer
         self._estimate, self._estimated = None, False
         self._latest, self._latest_step, self._peak = None, None, None
+        self._failed_step = None
         self._figures_step = None
         self._is_zero = None
 
@@ -126,9 +131,12 @@ class OptimizerStateMonitor:
             return None
         if step is not None and step == self._latest_step:
             return self._latest
+        if step is not None and step == self._failed_step:
+            return None
         try:
             measurement = measure_optimizer_state(self._optimizer)
         except Exception as error:  # never break training over a figure
+            self._failed_step = step
             self.warn_once("measure", f"measuring the optimizer state failed ({error!r}); the figure is left out")
             return None
         self._latest, self._latest_step = measurement, step
