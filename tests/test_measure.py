@@ -424,7 +424,8 @@ def test_odd_state_values_exact() -> None:
 
 # -- the package's own examples run ------------------------------------------------------------
 
-DOCUMENTED_MODULES = ["trainer_memcb.measure", "trainer_memcb.estimate", "trainer_memcb.units", "trainer_memcb.callback"]
+DOCUMENTED_MODULES = ["trainer_memcb.measure", "trainer_memcb.estimate", "trainer_memcb.units", "trainer_memcb.callback",
+                     "trainer_memcb.registry"]
 
 
 def package_modules() -> List[str]:

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Set, Tuple
 
 import torch
 
+from trainer_memcb.registry import state_of
 from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = ["StateMeasurement", "measure_optimizer_state", "dtype_name"]
@@ -130,15 +131,14 @@ def _collect_value(found: List[Tuple[int, str, torch.Tensor]], owner: int, key: 
 
 
 def _state_tensors(optimizer: Any) -> List[Tuple[int, str, torch.Tensor]]:
-    """`(parameter number, state key, plain tensor)` for every tensor in the state, in order."""
+    """`(parameter number, state key, plain tensor)` for every tensor in the state, in order.
+
+    The state is read where the optimizer's class keeps it (`trainer_memcb.registry`): in
+    `optimizer.state` unless its rule declares another place, as the estimate does."""
     found: List[Tuple[int, str, torch.Tensor]] = []
     owner = 0
     for inner in inner_optimizers(optimizer):
-        state = getattr(inner, "state", None)
-        if not isinstance(state, Mapping):
-            continue
-        # Iterating a defaultdict's items never inserts; indexing it would.
-        for param_state in list(state.values()):
+        for param_state in state_of(inner):
             owner += 1
             if type(param_state) is not dict and not isinstance(param_state, Mapping):
                 _collect_value(found, owner, "<state>", param_state, 0, set())

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from trainer_memcb.estimate import ParamInfo
+from trainer_memcb.registry import ParamInfo
 
 __all__ = ["torch_step_bytes", "num_blocks", "factored_numels", "step_and_buffers"]
 

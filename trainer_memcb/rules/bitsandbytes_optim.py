@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Mapping, Sequence
 
-from trainer_memcb.estimate import ParamInfo, register_estimate_rule
+from trainer_memcb.registry import ParamInfo, register_estimate_rule
 from trainer_memcb.rules._common import num_blocks
 
 # Optimizer2State.init_state / Optimizer1State.init_state: one fp32 absmax per 256 values.

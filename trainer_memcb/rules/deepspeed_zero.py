@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from trainer_memcb.estimate import ParamInfo, register_estimate_rule
+from trainer_memcb.registry import ParamInfo, register_estimate_rule, register_optimizer_view
 from trainer_memcb.measure import measure_optimizer_state
 
 __all__ = [
@@ -205,6 +205,11 @@ def with_zero3_partitions(optimizer: Any) -> Any:
     stand_in.__dict__.update(vars(inner))
     stand_in.param_groups = [dict(group, params=lent.get(index, [])) for index, group in enumerate(groups)]
     return stand_in
+
+
+# Registered as a view, so that `estimate_optimizer_state` sees the partitions without importing
+# this module (which imports `measure`, and registers through the registry below `estimate`).
+register_optimizer_view(with_zero3_partitions)
 
 
 # -- DeepSpeed's own optimizers, the inner optimizers ZeRO runs by default -------------------------

@@ -10,7 +10,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from trainer_memcb.estimate import ParamInfo, register_estimate_rule
+from trainer_memcb.registry import ParamInfo, register_estimate_rule
 from trainer_memcb.rules._common import factored_numels, step_and_buffers, torch_step_bytes
 
 _ADAM = {"exp_avg": None, "exp_avg_sq": None, "max_exp_avg_sq": "amsgrad"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from trainer_memcb.estimate import ParamInfo, register_estimate_rule
+from trainer_memcb.registry import ParamInfo, register_estimate_rule
 from trainer_memcb.rules._common import step_and_buffers
 
 # _AdamBase._new_buffer: "follow bitsandbytes, only quantize tensors >= 4096 values".

@@ -6,7 +6,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from trainer_memcb.estimate import ParamInfo, register_estimate_rule
+from trainer_memcb.registry import ParamInfo, register_estimate_rule
 from trainer_memcb.rules._common import factored_numels
 
 # Adafactor.step upcasts these gradients (and the parameter copy it takes the RMS of) to float32.
