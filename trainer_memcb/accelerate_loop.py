@@ -30,9 +30,9 @@ class OptimizerMemoryLogger:
     `optimizer_state_estimate_bytes` (what it should hold for this optimizer family),
     `optimizer_state_elements` (values stored), `optimizer_trainable_params` (parameter values the
     estimate covers), with several processes the totals over them, and with `breakdown=` the bytes
-    per state key, dtype or device (`optimizer_state_bytes/by_key/exp_avg`, ...). Measured keys are
-    left out before the first step (the state is empty), estimate keys when no rule knows the
-    optimizer.
+    per state key, dtype or device (`optimizer_state_bytes/by_key/exp_avg`, ...). Every call follows
+    an optimizer step, so the measured keys are always there (0 for a stateless optimizer such as
+    plain SGD); estimate keys are left out when no rule knows the optimizer.
 
     Steps are optimizer steps: inside `accelerator.accumulate(model)` a call on a micro-batch whose
     gradients are not synchronised (`accelerator.sync_gradients` is False; the wrapped optimizer
@@ -100,7 +100,8 @@ class OptimizerMemoryLogger:
             step = self.optimizer_steps
         if step % self.logging_steps:
             return {}
-        figures = self.monitor.figures(step)
+        # This call follows an optimizer step: the state is a claim from now on, even empty.
+        figures = self.monitor.figures(step, stepped=True)
         if figures and self.accelerator is not None and getattr(self.accelerator, "is_main_process", True):
             try:
                 self.accelerator.log(figures, step=step)
@@ -110,7 +111,8 @@ class OptimizerMemoryLogger:
 
     def summary(self) -> str:
         """The latest measurement against the estimate, by state key and dtype, in MiB/GiB."""
-        return summary_text(self.monitor.latest, self.monitor.estimate())
+        measurement = self.monitor.latest if self.optimizer_steps > 0 else None
+        return summary_text(measurement, self.monitor.estimate())
 
     def save_summary(self, output_dir: str, file_name: str = SUMMARY_FILE_NAME) -> Optional[str]:
         """Measure now and write the same JSON summary as the callback; returns its path.
@@ -118,7 +120,7 @@ class OptimizerMemoryLogger:
         Call it once, after the loop, on the main process. None (and a warning) if it fails.
         """
         try:
-            document = self.monitor.summary_document(self.optimizer_steps)
+            document = self.monitor.summary_document(self.optimizer_steps, stepped=self.optimizer_steps > 0)
             path = os.path.join(output_dir, file_name)
             write_summary(document, path)
             return path

@@ -62,8 +62,9 @@ class OptimizerMemoryCallback(TrainerCallback):
     | `optimizer_state_bytes/by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes/by_device/<device>` | bytes | with `breakdown=("device",)` |
 
-    Measured keys are left out before the first optimizer step (the state is empty then), the
-    estimate keys when no rule knows the optimizer. Measuring reads tensor metadata only, on the
+    Measured keys are left out before the first optimizer step (`state.global_step == 0`) and
+    logged after it, 0 for a stateless optimizer (plain SGD, LOMO); the estimate keys are left out
+    when no rule knows the optimizer. Measuring reads tensor metadata only, on the
     steps where the Trainer logs and at epoch ends. At the end of training a summary goes to the
     logger and the exact bytes to `<output_dir>/optimizer_memory.json`. With several processes
     every process measures, per-process keys become the largest over the processes (one small
@@ -143,7 +144,7 @@ class OptimizerMemoryCallback(TrainerCallback):
             if prefix is None:
                 return
             self._contributed_entry = logs
-            figures = self.monitor.figures(state.global_step)
+            figures = self.monitor.figures(state.global_step, stepped=state.global_step > 0)
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
@@ -159,7 +160,7 @@ class OptimizerMemoryCallback(TrainerCallback):
         prefix = log_entry_prefix(logs)
         if prefix is None:
             return
-        figures = with_prefix(self.monitor.figures(state.global_step), prefix)
+        figures = with_prefix(self.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
         if not figures or not state.is_world_process_zero:
             return
         self.monitor.warn_once(
@@ -173,11 +174,12 @@ class OptimizerMemoryCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self.monitor.attach(optimizer)
-        final_figures = self.monitor.figures(state.global_step)  # every process takes part
+        stepped = state.global_step > 0  # an optimizer step has run: the state is a claim, even empty
+        final_figures = self.monitor.figures(state.global_step, stepped=stepped)  # every process takes part
         if not state.is_world_process_zero:
             return
         try:
-            measurement = self.monitor.measure(state.global_step)
+            measurement = self.monitor.claimed_measurement(state.global_step, stepped)
             estimate = self.monitor.estimate()
             if measurement is None and estimate is None:
                 return
@@ -185,6 +187,7 @@ class OptimizerMemoryCallback(TrainerCallback):
             if self.summary_file is not None:
                 document = self.monitor.summary_document(
                     state.global_step,
+                    stepped=stepped,
                     extra={"final_figures": final_figures,
                            **({"what_if": self._what_if.to_dict()} if self._what_if is not None else {})},
                 )

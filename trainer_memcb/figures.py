@@ -19,6 +19,7 @@ __all__ = [
     "ESTIMATE_TOTAL_BYTES",
     "MASTER_WEIGHTS_BYTES",
     "KEY_DESCRIPTIONS",
+    "claims_measurement",
     "optimizer_figures",
     "with_prefix",
 ]
@@ -47,15 +48,24 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
 }
 
 
+def claims_measurement(measurement: Optional[StateMeasurement], stepped: Optional[bool]) -> bool:
+    """Whether `measurement` may be reported: once the optimizer has stepped, whatever the state
+    holds (a stateless optimizer's empty state is a measurement of 0), and never before. A caller
+    that does not count steps passes `stepped=None`: then an empty state claims nothing."""
+    if measurement is None:
+        return False
+    return (not measurement.is_empty) if stepped is None else stepped
+
+
 def optimizer_figures(
-    measurement: Optional[StateMeasurement], estimate: Optional[StateEstimate]
+    measurement: Optional[StateMeasurement], estimate: Optional[StateEstimate], stepped: Optional[bool] = None
 ) -> Dict[str, int]:
     """The exact integers to log. A figure that is not known is left out, never faked.
 
-    An empty state (before the first step of most optimizers) claims no measurement.
+    The measured figures only once the optimizer has stepped (`claims_measurement`).
     """
     figures: Dict[str, int] = {}
-    if measurement is not None and not measurement.is_empty:
+    if measurement is not None and claims_measurement(measurement, stepped):
         figures[MEASURED_BYTES] = measurement.num_bytes
         figures[MEASURED_ELEMENTS] = measurement.num_elements
     if estimate is not None:

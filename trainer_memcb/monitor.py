@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
-from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, optimizer_figures
+from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, claims_measurement, optimizer_figures
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
 from trainer_memcb.summary import summary_document
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
@@ -152,8 +152,10 @@ class OptimizerStateMonitor:
     def peak(self) -> Optional[StateMeasurement]:
         return self._peak
 
-    def figures(self, step: Optional[int] = None) -> Dict[str, int]:
-        """The exact integers to log at `step`, unprefixed; unknown figures left out.
+    def figures(self, step: Optional[int] = None, stepped: Optional[bool] = None) -> Dict[str, int]:
+        """The exact integers to log at `step`, unprefixed; unknown figures left out. The measured
+        ones only once the optimizer has `stepped` (the caller's step count says so; None: once the
+        state holds something).
 
         With several processes (`torch.distributed` initialized) this is a collective: every
         process must call it at the same steps. Per-process figures are then the largest over the
@@ -162,7 +164,7 @@ class OptimizerStateMonitor:
         if step is not None and step == self._figures_step:
             return dict(self._figures)
         try:
-            figures = self._own_figures(step)
+            figures = self._own_figures(step, stepped)
         except Exception as error:  # this process then has no figures, and still takes part
             self.warn_once("figures", f"collecting the optimizer figures failed ({error!r}); they are left out")
             figures = {}
@@ -175,10 +177,10 @@ class OptimizerStateMonitor:
         self._figures, self._figures_step = figures, step
         return dict(figures)
 
-    def _own_figures(self, step: Optional[int]) -> Dict[str, int]:
+    def _own_figures(self, step: Optional[int], stepped: Optional[bool] = None) -> Dict[str, int]:
         """This process's own figures, before any exchange."""
         measurement = self.measure(step)
-        figures = optimizer_figures(measurement, self.estimate())
+        figures = optimizer_figures(measurement, self.estimate(), stepped)
         if measurement is not None and MEASURED_BYTES in figures:
             for name in self.breakdown:
                 for part, num_bytes in getattr(measurement, BREAKDOWNS[name]).items():
@@ -196,12 +198,20 @@ class OptimizerStateMonitor:
 
     # -- the end of a run ----------------------------------------------------------------------
 
-    def summary_document(self, step: int, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    def claimed_measurement(self, step: Optional[int], stepped: Optional[bool] = None) -> Optional[StateMeasurement]:
+        """The measurement at `step` as the logs report it: None before the optimizer has
+        `stepped` (see `figures`)."""
+        measurement = self.measure(step)
+        return measurement if claims_measurement(measurement, stepped) else None
+
+    def summary_document(self, step: int, extra: Optional[Dict[str, Any]] = None,
+                         stepped: Optional[bool] = None) -> Dict[str, Any]:
         """The end-of-run JSON document (`optimizer_memory.json`): the measurement at `step`
-        against the estimate, the largest measurement seen, and `extra`."""
+        against the estimate (none before the optimizer has `stepped`, as in the logs), the
+        largest measurement seen, and `extra`."""
         peak = self._peak
         return summary_document(
-            self.measure(step),
+            self.claimed_measurement(step, stepped),
             self.estimate(),
             optimizer_class_name(self._optimizer),
             step,
