@@ -183,7 +183,8 @@ PARAM_CASES = {
     "bnb-Adam-optim_bits32": _bnb_class("Adam", optim_bits=32),
     "bnb-AdamW-optim_bits32": _bnb_class("AdamW", optim_bits=32),
     "bnb-AdamW-optim_bits8": _bnb_class("AdamW", optim_bits=8),
-    # min_8bit_size: every tensor 8-bit (partial last blocks) / only the 8192s / none (no qmap).
+    # min_8bit_size: every tensor 8-bit (partial last blocks) / only the 8192s / none (the qmaps
+    # are still held: an 8-bit optimizer makes them at construction).
     "bnb-AdamW8bit-min_8bit_size1": _bnb_class("AdamW8bit", min_8bit_size=1),
     "bnb-AdamW8bit-min_8bit_size5000": _bnb_class("AdamW8bit", min_8bit_size=5000),
     "bnb-AdamW8bit-min_8bit_size1e6": _bnb_class("AdamW8bit", min_8bit_size=10**6),

@@ -1,17 +1,24 @@
 """Rules for bitsandbytes' optimizers (bitsandbytes/optim/optimizer.py).
 
 Registered by `"module:ClassName"`, so nothing here imports bitsandbytes: a rule is only resolved
-once the user has imported the optimizer's module. Every class below keeps the base classes'
-`Optimizer2State.init_state` / `Optimizer1State.init_state`.
+once the user has imported the optimizer's module. Every class keeps the base classes'
+`Optimizer2State.init_state` / `Optimizer1State.init_state`, except AdEMAMix
+(bitsandbytes/optim/ademamix.py `AdEMAMix.init_state`).
+
+Where the state lives: `optimizer.state`, and the quantization maps in `optimizer.name2qmap`, which
+`Optimizer8bit.__init__` fills (`fill_qmap`) for every 8-bit optimizer whether or not any
+parameter ends up with 8-bit state (`min_8bit_size`).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Sequence
 
 from trainer_memcb.registry import ParamInfo, register_estimate_rule
 from trainer_memcb.rules._common import num_blocks
+
+__all__ = ["bitsandbytes_state", "shared_qmaps", "two_state_per_param"]
 
 # Optimizer2State.init_state / Optimizer1State.init_state: one fp32 absmax per 256 values.
 _BLOCK_SIZE = 256
@@ -87,18 +94,42 @@ def _state_rule(num_states: int):
             state["unorm_vec"] = _UNORM_VEC_BYTES
         return state
 
-    def shared(optimizer: Any, params: Sequence[ParamInfo]) -> Dict[str, int]:
-        # qmap1 (signed) and qmap2 (unsigned) are the optimizer's name2qmap tensors, the same
-        # ones in every 8-bit parameter's state: held once, if any parameter goes 8-bit.
-        if any(p.requires_grad and _is_8bit(_config(optimizer, p), p) for p in params):
-            return {f"qmap{i}": _QMAP_BYTES for i in indices}
-        return {}
+    return per_param, shared_qmaps
 
-    return per_param, shared
+
+def shared_qmaps(optimizer: Any, params: Sequence[ParamInfo]) -> Dict[str, int]:
+    # Optimizer8bit.fill_qmap makes name2qmap["dynamic"] (signed, qmap1) and ["udynamic"]
+    # (unsigned, qmap2) together, at construction when optim_bits == 8, else at the first 8-bit
+    # init_state; every 8-bit parameter's state points at the same two tensors: held once.
+    if optimizer.args.optim_bits == 8 or any(p.requires_grad and _is_8bit(_config(optimizer, p), p) for p in params):
+        return {"qmap1": _QMAP_BYTES, "qmap2": _QMAP_BYTES}
+    return {}
+
+
+def bitsandbytes_state(optimizer: Any) -> Iterator[Any]:
+    """Where an `Optimizer8bit` keeps its state: `optimizer.state`, then the quantization maps of
+    `name2qmap` (the same tensors as the 8-bit states' qmap1/qmap2, counted once)."""
+    yield from list(optimizer.state.values())
+    qmaps = getattr(optimizer, "name2qmap", None)
+    if isinstance(qmaps, dict) and qmaps:
+        yield {key: qmaps[name] for key, name in (("qmap1", "dynamic"), ("qmap2", "udynamic")) if name in qmaps}
+
+
+def _ademamix(param: ParamInfo, group: Mapping[str, Any], optimizer: Any) -> Dict[str, int]:
+    # bitsandbytes/optim/ademamix.py AdEMAMix.init_state: state1 holds the fast and the slow EMA,
+    # (2, *p.shape) (`_get_state_double_buffer`), state2 p's shape; fp32, or uint8 when 8-bit with
+    # absmax1 (2, blocks) and absmax2 (blocks,) fp32. `step` is a Python int; no unorm_vec.
+    config = _config(optimizer, param)
+    if not _is_8bit(config, param):
+        return {"state1": 2 * 4 * param.numel, "state2": 4 * param.numel}
+    blocks = num_blocks(param.numel, _BLOCK_SIZE)
+    return {"state1": 2 * param.numel, "state2": param.numel, "absmax1": 2 * 4 * blocks, "absmax2": 4 * blocks}
 
 
 _TWO_STATE = _state_rule(2)
 _ONE_STATE = _state_rule(1)
+# For optimizers built on Optimizer2State (GaLore's AdamW8bit): its per-parameter state.
+two_state_per_param = _TWO_STATE[0]
 
 _TWO_STATE_SOURCE = "bitsandbytes/optim/optimizer.py Optimizer2State.init_state"
 _ONE_STATE_SOURCE = "bitsandbytes/optim/optimizer.py Optimizer1State.init_state"
@@ -112,8 +143,12 @@ def _paged(name: str) -> List[str]:
     return _family(name) + _family(f"Paged{name}")
 
 
+_ADEMAMIX_SOURCE = "bitsandbytes/optim/ademamix.py AdEMAMix.init_state"
+
 # Module (`cls.__module__` in bitsandbytes 0.50) -> (class names, rules, source). All of these
-# keep their base class's init_state; AdEMAMix overrides it and has no rule here.
+# keep their base class's init_state. AdEMAMix32bit and PagedAdEMAMix32bit have no rule: they keep
+# Optimizer2State.init_state (no room for the slow EMA), and their first step fails on the CPU
+# (bitsandbytes 0.50), so no state of theirs could be checked.
 _CLASSES = {
     "bitsandbytes.optim.adam": (_paged("Adam"), _TWO_STATE, _TWO_STATE_SOURCE),
     "bitsandbytes.optim.adamw": (_paged("AdamW"), _TWO_STATE, _TWO_STATE_SOURCE),
@@ -124,7 +159,18 @@ _CLASSES = {
     "bitsandbytes.optim.sgd": (_family("SGD"), _ONE_STATE, _ONE_STATE_SOURCE),
     "bitsandbytes.optim.adagrad": (_family("Adagrad"), _ONE_STATE, _ONE_STATE_SOURCE),
 }
+_ADEMAMIX_CLASSES = ["AdEMAMix", "AdEMAMix8bit", "PagedAdEMAMix", "PagedAdEMAMix8bit"]
 
 for _module, (_names, (_per_param, _shared), _source) in _CLASSES.items():
     for _name in _names:
-        register_estimate_rule(f"{_module}:{_name}", _per_param, shared=_shared, source=_source)
+        register_estimate_rule(
+            f"{_module}:{_name}", _per_param, shared=_shared, source=_source, state_location=bitsandbytes_state
+        )
+for _name in _ADEMAMIX_CLASSES:
+    register_estimate_rule(
+        f"bitsandbytes.optim.ademamix:{_name}",
+        _ademamix,
+        shared=shared_qmaps,
+        source=_ADEMAMIX_SOURCE,
+        state_location=bitsandbytes_state,
+    )

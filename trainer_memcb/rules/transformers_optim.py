@@ -13,7 +13,16 @@ from trainer_memcb.rules._common import factored_numels
 _UPCAST_TO_FP32 = (torch.float16, torch.bfloat16)
 
 
+__all__ = ["adafactor_state"]
+
+
 def _adafactor(param: ParamInfo, group: Mapping[str, Any], optimizer: Any) -> Dict[str, int]:
+    return adafactor_state(param, group)
+
+
+def adafactor_state(param: ParamInfo, group: Mapping[str, Any]) -> Dict[str, int]:
+    """Bytes by key of transformers' Adafactor state for one parameter (GaLore's Adafactor keeps
+    the same state over the projected gradient)."""
     # transformers/optimization.py Adafactor.step, "State Initialization": every buffer is made
     # `.to(grad)` or `zeros_like(grad)`, grad upcast from fp16/bf16 to fp32: fp32 state for
     # fp32/fp16/bf16 parameters, fp64 for fp64 ones. `step` is a Python int. `RMS` is the int 0
