@@ -117,3 +117,36 @@ def test_optimizer_name_is_exact_through_the_trainer(name: str, tmp_path) -> Non
     assert [(entry["step"], entry[MEASURED_BYTES]) for entry in training] == [
         (step, measured) for step in range(1, TRAIN_STEPS + 1)
     ]
+
+
+@pytest.mark.parametrize("name", sorted(STATELESS))
+def test_stateless_optimizers_log_zero_after_the_first_step_and_nothing_before(name: str, tmp_path) -> None:
+    import json
+
+    from trainer_memcb.summary import SUMMARY_FILE_NAME
+
+    run = run_menu_name(name, tmp_path)
+    history = run["log_history"]
+    before = [entry for entry in history if entry["step"] == 0]
+    after = [entry for entry in history if entry["step"] > 0 and ("loss" in entry or "eval_loss" in entry)]
+    assert len(before) == 1 and "eval_accuracy" in before[0]
+    assert [key for key in before[0] if "optimizer_state_bytes" in key] == []
+    assert before[0]["eval_optimizer_state_estimate_bytes"] == 0
+    assert len(after) == TRAIN_STEPS + 1
+    assert all(entry.get(MEASURED_BYTES, entry.get(f"eval_{MEASURED_BYTES}")) == 0 for entry in after)
+    with open(tmp_path / SUMMARY_FILE_NAME, encoding="utf-8") as handle:
+        document = json.load(handle)
+    assert (document["measured"]["num_bytes"], document["estimate"]["num_bytes"]) == (0, 0)
+
+
+def test_the_loop_logger_logs_zero_for_plain_sgd() -> None:
+    from trainer_memcb import OptimizerMemoryLogger
+
+    model = menu_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    memory = OptimizerMemoryLogger(optimizer)
+    data = TinyDataset(size=4)
+    model(input_ids=data.input_ids, labels=data.labels).loss.backward()
+    optimizer.step()
+    figures = memory()
+    assert (figures[MEASURED_BYTES], figures[ESTIMATE_BYTES]) == (0, 0)

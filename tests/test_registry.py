@@ -95,3 +95,11 @@ def test_default_state_location_is_optimizer_state() -> None:
 def test_bad_state_location_is_refused() -> None:
     with pytest.raises(ValueError, match="state_location='param_groups'"):
         register_estimate_rule(_AttributeState, lambda p, g, o: {}, state_location="param_groups")
+
+
+def test_the_readme_state_location_snippet_runs_as_written(capsys) -> None:
+    readme = PACKAGE.parent / "README.md"
+    section = readme.read_text(encoding="utf-8").split("## Where the state lives", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert capsys.readouterr().out == "40 40\n"
