@@ -64,16 +64,16 @@ def adafactor_bytes(shapes):
 def bnb_8bit_trainer_bytes(named_shapes, embedding_names):
     # bitsandbytes AdamW with optim_bits=8 as the Trainer builds it: nn.Embedding weights and
     # tensors under 4096 values in fp32 (8 bytes a value), the rest uint8 states plus one fp32
-    # absmax per 256 values for each of the two states, and two shared 256-value fp32 maps.
-    total, any_8bit = 0, False
+    # absmax per 256 values for each of the two states, and two shared 256-value fp32 maps, which
+    # an 8-bit optimizer makes at construction (Optimizer8bit.fill_qmap) even when no tensor is 8-bit.
+    total = 0
     for name, shape in named_shapes.items():
         numel = math.prod(shape)
         if name in embedding_names or numel < 4096:
             total += 8 * numel
         else:
             total += 2 * numel + 2 * 4 * math.ceil(numel / 256)
-            any_8bit = True
-    return total + (2 * 256 * 4 if any_8bit else 0)
+    return total + 2 * 256 * 4
 
 
 @pytest.fixture(scope="module")
