@@ -235,6 +235,27 @@ def test_torch_optimi(case: str) -> None:
     assert has_kahan == (kahan_sum is not False)
 
 
+def test_torch_optimi_gradient_release() -> None:
+    # Gradient release steps each parameter in its gradient hook and puts its param group (which
+    # holds the parameters themselves) into each parameter's state: not state, not counted.
+    optimi = pytest.importorskip("optimi")
+    model = TinyModel()
+    optimizer = optimi.StableAdamW(model.parameters(), lr=1e-3, gradient_release=True)
+    optimi.prepare_for_gradient_release(model, optimizer)
+
+    def released_train(steps: int = 2) -> None:  # the gradients are gone after their hook
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            ids = torch.randint(0, EMBED_ROWS, (2, SEQUENCE), generator=generator)
+            logits, aux = model(ids)
+            (F.cross_entropy(logits.flatten(0, 1), ids.flatten()) + aux.pow(2).mean()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    check(model, optimizer, released_train)
+    assert all("group" in optimizer.state[p] for p in model.parameters() if p.requires_grad)
+
+
 # -- transformers Adafactor with a first moment, as the Trainer builds it ---------------------------
 
 

@@ -36,7 +36,9 @@ class StateMeasurement:
         num_elements: values stored in those storages (a quantized state counts its codes, scales
             and quantization maps, not the logical shape it stands for).
         num_tensors: distinct storages counted.
-        num_params_with_state: parameters that have a state entry holding at least one tensor.
+        num_params_with_state: state entries holding at least one storage not counted before: one
+            per parameter, plus any group- or optimizer-wide entry where the optimizer's class keeps
+            one (torch-optimi's per-group `step`, bitsandbytes' maps when no parameter is 8-bit).
         bytes_by_key: bytes per top-level state key (`exp_avg`, `state1`, ...).
         bytes_by_dtype: bytes per storage dtype (`float32`, `uint8`, ...).
         bytes_by_device: bytes per device (`cpu`, `cuda:0`, ...).

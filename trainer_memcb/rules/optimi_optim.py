@@ -83,10 +83,10 @@ def _sgd(param: ParamInfo, group: Mapping[str, Any], optimizer: Any) -> Dict[str
 
 
 def _group_steps(optimizer: Any, params: Sequence[ParamInfo]) -> Dict[str, int]:
-    # `_init_group`: on a group's first step, group["step"] = tensor(0, dtype=int32); gradient
-    # release steps each parameter alone and counts in its state instead.
-    groups = [group for group in optimizer.param_groups if not group.get("gradient_release")]
-    return {"step": _INT32_BYTES * len(groups)} if groups else {}
+    # `_init_group`, run by every whole-model `step()`: on a group's first one, group["step"] =
+    # tensor(0, dtype=int32). Under gradient release each parameter also counts its own steps
+    # (per-parameter rule); the group's is made too, by the `optimizer.step()` the loop still calls.
+    return {"step": _INT32_BYTES * len(optimizer.param_groups)}
 
 
 def optimi_state(optimizer: Any) -> Iterator[Any]:
