@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, List, Mapping, Optional, Union
 
-__all__ = ["parse_optim_args", "parse_optim_target_modules"]
+__all__ = ["parse_optim_args", "parse_optim_target_modules", "parse_target_modules"]
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _EXAMPLE_ARGS = '"rank=64,update_proj_gap=200"'
@@ -58,44 +58,57 @@ def parse_optim_args(optim_args: Union[None, str, Mapping[str, Any]]) -> Optiona
     return ",".join(checked) or None
 
 
-def _check_pattern(pattern: str) -> str:
+def _check_pattern(pattern: str, option: str) -> str:
     if not pattern:
-        raise ValueError(f"optim_target_modules has an empty entry; write {_EXAMPLE_TARGETS}")
+        raise ValueError(f"{option} has an empty entry; write {_EXAMPLE_TARGETS}")
     try:
         re.compile(pattern)
     except re.error as error:
-        raise ValueError(f"optim_target_modules entry {pattern!r} is not a regular expression ({error}); "
+        raise ValueError(f"{option} entry {pattern!r} is not a regular expression ({error}); "
                          f"write {_EXAMPLE_TARGETS}") from None
     return pattern
 
 
-def parse_optim_target_modules(targets: Union[None, str, List[str], tuple]) -> Union[None, str, List[str]]:
-    """Check `optim_target_modules` and return it as `TrainingArguments` takes it.
+def parse_target_modules(targets: Union[None, str, List[str], tuple],
+                         option: str = "optim_target_modules") -> Union[None, str, List[str]]:
+    """Check a module selection spelled as `TrainingArguments.optim_target_modules` and PEFT's
+    `LoraConfig.target_modules` take it: one string is a regular expression, a comma makes a list.
 
     Args:
         targets: one regular expression (`".*(attn|mlp).*"`, `"all-linear"`), a comma list
             (`"attn,mlp"`, which becomes `["attn", "mlp"]`), a list, or None.
+        option: the option's name, for the error message.
 
     Raises:
         ValueError: an empty entry or one that is not a regular expression, naming it.
 
     Example:
-        >>> from trainer_memcb.optim_options import parse_optim_target_modules
-        >>> parse_optim_target_modules("attn, mlp")
+        >>> from trainer_memcb.optim_options import parse_target_modules
+        >>> parse_target_modules("attn, mlp")
         ['attn', 'mlp']
-        >>> parse_optim_target_modules(r".*\\.(q|v)_proj")
-        '.*\\\\.(q|v)_proj'
+        >>> parse_target_modules(".*(q|v)_proj")
+        '.*(q|v)_proj'
     """
     if targets is None:
         return None
     if isinstance(targets, str):
         if "," not in targets:
-            return _check_pattern(targets.strip())
+            return _check_pattern(targets.strip(), option)
         targets = targets.split(",")
     if not isinstance(targets, (list, tuple)) or not all(isinstance(entry, str) for entry in targets):
-        raise ValueError(f"optim_target_modules={targets!r}: expected a string or a list of strings; "
-                         f"write {_EXAMPLE_TARGETS}")
-    entries = [_check_pattern(entry.strip()) for entry in targets]
+        raise ValueError(f"{option}={targets!r}: expected a string or a list of strings; write {_EXAMPLE_TARGETS}")
+    entries = [_check_pattern(entry.strip(), option) for entry in targets]
     if not entries:
-        raise ValueError(f"optim_target_modules is an empty list; write {_EXAMPLE_TARGETS}")
+        raise ValueError(f"{option} is an empty list; write {_EXAMPLE_TARGETS}")
     return entries
+
+
+def parse_optim_target_modules(targets: Union[None, str, List[str], tuple]) -> Union[None, str, List[str]]:
+    """`parse_target_modules` for `TrainingArguments.optim_target_modules` (GaLore, APOLLO).
+
+    Example:
+        >>> from trainer_memcb.optim_options import parse_optim_target_modules
+        >>> parse_optim_target_modules(".*(attn|mlp).*")
+        '.*(attn|mlp).*'
+    """
+    return parse_target_modules(targets, "optim_target_modules")

@@ -183,8 +183,8 @@ def build_trainer_optimizer(name: str, args: Any, model: nn.Module) -> Any:
         if "bitsandbytes" in str(optimizer_class) and kwargs.get("optim_bits") == 8:
             embeddings = [module.weight for module in model.modules() if isinstance(module, nn.Embedding)]
             _keep_embeddings_32bit(optimizer, list(dict.fromkeys(embeddings)))
-    except Exception as error:  # a constructor that needs a device this machine lacks
-        raise OptimizerUnavailable(f"building it here failed: {type(error).__name__}: {_one_line(error)}",
+    except Exception as error:  # a constructor that needs CUDA, or refuses the Trainer's keyword arguments
+        raise OptimizerUnavailable(f"its constructor failed: {type(error).__name__}: {_one_line(error)}",
                                    optimizer_class=path) from None
     return optimizer
 
