@@ -204,3 +204,21 @@ def test_lora_options_that_do_not_fit_give_a_message_and_exit_code(tmp_path, cap
         assert main(["estimate", config_dir, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert phrase in err and "Traceback" not in err, err
+
+
+def test_the_readme_figures_for_llama_2_7b_with_rank_16_adapters(tmp_path, capsys):
+    config_dir = str(tmp_path / "llama-2-7b")
+    LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000, architectures=["LlamaForCausalLM"]).save_pretrained(config_dir)
+    document, figures = _estimate(["estimate", config_dir, "--dtype", "bfloat16", "--lora-r", "16",
+                                   "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj",
+                                   "--optimizers", "adamw_torch,paged_adamw_8bit,adafactor"], capsys)
+    # 32 layers x 4 projections x (lora_A (16, 4096) + lora_B (4096, 16)), float32 whatever the base.
+    values = 32 * 4 * 2 * 16 * 4096
+    assert (document["trainable_params"], document["trainable_tensors"], document["trainable_dtypes"]) == (
+        values, 256, ["float32"]) == (16_777_216, 256, ["float32"])
+    assert figures["adamw_torch"] == 8 * values + 4 * 256 == 134_218_752
+    # 65,536 values a tensor: 8-bit states, an fp32 absmax per 256 values each, two shared maps.
+    assert figures["paged_adamw_8bit"] == 256 * (2 * 65_536 + 2 * 4 * 256) + 2 * 256 * 4 == 34_080_768
+    # Adafactor: a row and a column factor per matrix and an fp32 RMS.
+    assert figures["adafactor"] == 256 * (4 * (16 + 4096) + 4) == 4_211_712

@@ -23,9 +23,8 @@ from torch import nn
 
 __all__ = ["OptimizerUnavailable", "build_trainer_optimizer", "class_path"]
 
-_TARGETS_HINT = ("optim_target_modules as one string is a regular expression the Trainer matches against "
-                 "whole module names (re.fullmatch), e.g. '.*(attn|mlp).*'; a comma list such as attn,mlp "
-                 "matches names that contain an entry")
+_TARGETS_HINT = ("optim_target_modules: one regular expression matched against whole module names (re.fullmatch), "
+                 "e.g. '.*(attn|mlp).*', or a comma list of name parts, e.g. attn,mlp")
 
 
 class OptimizerUnavailable(Exception):
