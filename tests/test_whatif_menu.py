@@ -250,3 +250,34 @@ def test_the_estimate_command_takes_optim_args_and_target_modules(tmp_path, caps
            "argument --optim-args: optim_args piece 'rank' is not key=value")
     _fails(["estimate", str(model_dir), "--optim-target-modules", "attn("], capsys,
            "argument --optim-target-modules: optim_target_modules entry 'attn(' is not a regular expression")
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    import trainer_memcb.lora
+    import trainer_memcb.optim_options
+    import trainer_memcb.stand_ins
+    import trainer_memcb.trainer_optimizers
+
+    for module in (trainer_memcb.lora, trainer_memcb.optim_options, trainer_memcb.stand_ins,
+                   trainer_memcb.trainer_optimizers):
+        outcome = doctest.testmod(module)
+        assert outcome.attempted > 0 and outcome.failed == 0, module.__name__
+
+
+def test_the_stand_in_leaves_the_model_as_it_was():
+    # The layer-wise variants hang a hook on every trainable parameter of the model they get, and
+    # LOMO one on each; the what-if gives them the stand-in, so the model itself gets none.
+    model = tiny_classifier()
+    before = {name: (param.data_ptr(), param.requires_grad) for name, param in model.named_parameters()}
+    result = what_if(model, "galore_adamw_layerwise,apollo_adamw_layerwise,lomo,adamw_8bit",
+                     optim_target_modules=TARGETS)
+    assert all(entry.problem is None or entry.problem.startswith("no estimate rule") for entry in result.optimizers)
+    assert {name: (param.data_ptr(), param.requires_grad) for name, param in model.named_parameters()} == before
+    for param in model.parameters():
+        assert not param._post_accumulate_grad_hooks and not param._backward_hooks
+    twin = meta_stand_in(model)
+    assert [(name, type(module)) for name, module in twin.named_modules()] == [
+        (name, type(module)) for name, module in model.named_modules()]
+    assert all(param.device.type == "meta" for param in twin.parameters())
