@@ -161,9 +161,13 @@ def test_a_missing_library_gets_a_row_naming_it(monkeypatch):
     assert adamw.estimate.num_bytes == EXACT["adamw_torch"] and adamw.missing_package is None
 
 
-def test_the_real_missing_libraries_are_named_from_the_trainers_own_imports():
+def test_the_real_missing_libraries_are_named_from_the_trainers_own_imports(tmp_path):
     result = what_if(tiny_classifier(), list(MISSING))
     assert {entry.name: entry.missing_package for entry in result.optimizers} == MISSING
+    with pytest.raises(OptimizerUnavailable) as raised:
+        build_trainer_optimizer("adamw_anyprecision", training_args(str(tmp_path)), meta_stand_in(tiny_classifier()))
+    assert (raised.value.missing_package, raised.value.problem) == (
+        "torchdistx", "needs the torchdistx package, not installed here (Please install https://github.com/pytorch/torchdistx)")
 
 
 def test_galore_without_target_modules_says_what_to_give():

@@ -18,7 +18,6 @@ import dis
 import importlib.util
 from typing import Any, List, Optional, Sequence
 
-import torch
 from torch import nn
 
 __all__ = ["OptimizerUnavailable", "build_trainer_optimizer", "class_path"]
