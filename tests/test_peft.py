@@ -170,6 +170,10 @@ def test_the_estimate_command_with_lora_options_gives_both_runs_figures(lora_run
     document, only_a = _estimate(["estimate", config_dir, *LORA_ARGV, "--trainable", r"\.lora_A\.",
                                   "--optimizers", "adamw_torch"], capsys)
     assert (document["trainable_params"], only_a["adamw_torch"]) == (4 * RANK * HIDDEN, 8 * 4 * RANK * HIDDEN + 4 * 4)
+    # It only narrows: the frozen base q_proj weights, whose names match too, stay frozen.
+    document, q_only = _estimate(["estimate", config_dir, *LORA_ARGV, "--trainable", "q_proj",
+                                  "--optimizers", "adamw_torch"], capsys)
+    assert (document["trainable_params"], document["trainable_tensors"]) == (2 * 2 * RANK * HIDDEN, 4)
 
 
 def test_the_estimate_command_with_trainable_gives_the_figure_of_a_run_that_freezes_the_rest(tmp_path, capsys):

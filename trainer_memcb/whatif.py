@@ -211,10 +211,12 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
     return built
 
 
-def select_trainable(model: nn.Module, pattern: Optional[str]) -> int:
+def select_trainable(model: nn.Module, pattern: Optional[str], *, narrow: bool = False) -> int:
     """Train only the parameters whose name matches `pattern` (`re.search`); None trains all.
 
-    A LoRA-like setup in one option: `select_trainable(model, r"q_proj|v_proj")`.
+    Training a subset by name in one option: `select_trainable(model, r"q_proj|v_proj")`. With
+    `narrow=True` only parameters that already train may stay trainable (a PEFT model's adapters:
+    `select_trainable(peft_model, "lora_A", narrow=True)`).
     Returns the number of parameter tensors that train.
 
     Raises:
@@ -226,7 +228,8 @@ def select_trainable(model: nn.Module, pattern: Optional[str]) -> int:
         raise ValueError(f"trainable pattern {pattern!r} is not a regular expression ({error})") from None
     count = 0
     for name, param in model.named_parameters():
-        param.requires_grad_(matcher is None or matcher.search(name) is not None)
+        chosen = matcher is None or matcher.search(name) is not None
+        param.requires_grad_(chosen and (param.requires_grad or not narrow))
         count += param.requires_grad
     return count
 

@@ -86,8 +86,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     )
     estimate.add_argument(
         "--trainable", metavar="REGEX",
-        help="train only the parameters whose name matches (re.search), e.g. 'q_proj|v_proj'; with --lora-r the "
-             "names are PEFT's (base_model.model....lora_A.default.weight); default: all, or PEFT's choice",
+        help="train only the parameters whose name matches (re.search), e.g. 'q_proj|v_proj'; with --lora-r, only "
+             "those of PEFT's choice whose name matches (base_model.model....lora_A.default.weight); default: all, "
+             "or PEFT's choice",
     )
     estimate.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
 
@@ -106,7 +107,7 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
     if args.lora_r is not None:
         model = add_lora_adapters(model, args.lora_r, args.lora_target_modules, args.lora_modules_to_save)
     if args.trainable is not None:
-        if select_trainable(model, args.trainable) == 0:
+        if select_trainable(model, args.trainable, narrow=args.lora_r is not None) == 0:
             names = [name for name, _ in model.named_parameters()][:3]
             raise ModelConfigError(f"no parameter name of {args.model} matches --trainable {args.trainable!r}; "
                                    f"names look like: {', '.join(names)}")
