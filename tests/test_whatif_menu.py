@@ -5,6 +5,7 @@ name that cannot be built; `optim_args` and `optim_target_modules` checked and p
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 
@@ -50,10 +51,17 @@ def _adafactor(shapes):
 
 def _bnb(states, shapes):
     # bitsandbytes below min_8bit_size (4096 values: every tensor of the tiny model) keeps
-    # `states` fp32 buffers, 8-bit names included; no step tensor, no quantization maps.
+    # `states` fp32 buffers, 8-bit names included; no step tensor.
     assert all(math.prod(shape) < 4096 for shape in shapes)
     return sum(4 * states * math.prod(shape) for shape in shapes)
 
+
+# An 8-bit bitsandbytes optimizer fills its two 256-value fp32 quantization maps (name2qmap) at
+# construction (Optimizer8bit.__init__ -> fill_qmap), even when no tensor reaches min_8bit_size.
+QMAPS = 2 * 256 * 4
+# Those maps are counted once the rule registry declares name2qmap as where bitsandbytes holds
+# state (trainer_memcb.registry); before it, the estimate leaves them out.
+MAPS_COUNTED = importlib.util.find_spec("trainer_memcb.registry") is not None
 
 SHAPES = _shapes()
 # The names whose rules exist today, with the bytes written out from the shapes.
@@ -66,18 +74,32 @@ EXACT = {
     "sgd": 0,
     "adagrad": _one_fp32_buffer_and_step(SHAPES),
     "rmsprop": _one_fp32_buffer_and_step(SHAPES),
-    **{name: _bnb(2, SHAPES) for name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")},
-    **{name: _bnb(1, SHAPES) for name in ("lion_8bit", "lion_32bit", "paged_lion_32bit", "paged_lion_8bit",
-                                          "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")},
+    "paged_adamw_32bit": _bnb(2, SHAPES),
+    **{name: _bnb(1, SHAPES) for name in ("lion_32bit", "paged_lion_32bit", "rmsprop_bnb", "rmsprop_bnb_32bit")},
+    **{name: _bnb(2, SHAPES) + QMAPS for name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")},
+    **{name: _bnb(1, SHAPES) + QMAPS for name in ("lion_8bit", "paged_lion_8bit", "rmsprop_bnb_8bit")},
 }
+EIGHT_BIT = {name for name in EXACT if name.endswith("_8bit") and name != "adamw_torch_8bit"}
 # Not installed here, and why the Trainer needs them.
 MISSING = {"adamw_torch_xla": "torch_xla", "adamw_torch_npu_fused": "torch_npu", "adamw_anyprecision": "torchdistx"}
 
 
 def test_the_hand_written_figures_of_the_tiny_model():
     assert (sum(math.prod(shape) for shape in SHAPES), len(SHAPES)) == (3714, 24)
-    assert (EXACT["adamw_torch"], EXACT["adafactor"], EXACT["adagrad"], EXACT["adamw_8bit"], EXACT["lion_8bit"]) == (
-        29_808, 2_512, 14_952, 29_712, 14_856)
+    assert (EXACT["adamw_torch"], EXACT["adafactor"], EXACT["adagrad"], EXACT["paged_adamw_32bit"],
+            EXACT["lion_32bit"], EXACT["adamw_8bit"], EXACT["lion_8bit"]) == (
+        29_808, 2_512, 14_952, 29_712, 14_856, 31_760, 16_904)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(
+        name in EIGHT_BIT and not MAPS_COUNTED, strict=True,
+        reason="bitsandbytes' name2qmap maps are counted once the registry declares where they are held"))
+    for name in EXACT])
+def test_the_what_if_figure_is_exact_on_the_tiny_model(name):
+    (entry,) = what_if(tiny_classifier(), [name]).optimizers
+    assert (entry.estimate.num_bytes, entry.estimate.num_params, entry.estimate.num_param_tensors) == (
+        EXACT[name], 3714, 24)
 
 
 def _structure(optimizer):
@@ -125,9 +147,6 @@ def test_the_what_if_builds_each_name_as_the_trainer_does(name, tmp_path):
         assert name not in EXACT
         return
     assert entry.estimate.to_dict() == expected.to_dict()
-    if name in EXACT:
-        assert entry.estimate.num_bytes == EXACT[name]
-        assert entry.estimate.num_params == 3714 and entry.estimate.num_param_tensors == 24
 
 
 def test_every_name_of_the_menu_gets_a_row_and_no_traceback():
@@ -138,8 +157,8 @@ def test_every_name_of_the_menu_gets_a_row_and_no_traceback():
         assert (entry.estimate is None) != (entry.problem is None), entry
         assert "Traceback" not in (entry.problem or "")
     rows = {entry.name: entry for entry in result.optimizers}
-    for name, num_bytes in EXACT.items():
-        assert rows[name].estimate.num_bytes == num_bytes, name
+    assert all(rows[name].estimate is not None for name in EXACT)
+    assert {name for name, entry in rows.items() if entry.missing_package} == set(MISSING)
     if not torch.cuda.is_available():  # AdaLomo's constructor moves its second moments to CUDA
         assert rows["adalomo"].problem == (
             "its constructor failed: AssertionError: Torch not compiled with CUDA enabled")
@@ -236,11 +255,11 @@ def test_the_estimate_command_takes_optim_args_and_target_modules(tmp_path, caps
     model_dir = tmp_path / "tiny"
     tiny_classifier().config.save_pretrained(str(model_dir))
     assert main(["estimate", str(model_dir), "--architecture", "DistilBertForSequenceClassification",
-                 "--optimizers", "adamw,galore_adamw,lion_8bit,adamw_torch_xla",
+                 "--optimizers", "adamw,galore_adamw,lion_32bit,adamw_torch_xla",
                  "--optim-args", "rank=4,update_proj_gap=50", "--optim-target-modules", "attention,ffn", "--json"]) == 0
     rows = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)["optimizers"]}
     assert rows["adamw_torch"]["estimate"]["num_bytes"] == EXACT["adamw_torch"]
-    assert rows["lion_8bit"]["estimate"]["num_bytes"] == EXACT["lion_8bit"]
+    assert rows["lion_32bit"]["estimate"]["num_bytes"] == EXACT["lion_32bit"]
     assert rows["adamw_torch_xla"]["missing_package"] == "torch_xla"
     assert rows["galore_adamw"]["optimizer_class"] == "galore_torch.adamw.AdamW"
     # Until a rule for GaLore is registered its row says so; with one, it has a figure.
