@@ -1,11 +1,10 @@
 """What-if: the optimizer state a model would need, before training, with no weight in memory.
 
-The optimizers are the ones the Trainer would build for `TrainingArguments(optim=name)`: class and
-keyword arguments come from `Trainer.get_optimizer_cls_and_kwargs`, and with an 8-bit bitsandbytes
-optimizer the `nn.Embedding` weights are kept in 32-bit, as `Trainer.create_optimizer` does. Each
-is built over meta-device stand-ins of the trainable parameters, so nothing is allocated and the
-model is never touched, and its estimate comes from the same registry as the callback's
-(`estimate_optimizer_state`, 8-bit thresholds included).
+The optimizers are the ones the Trainer would build for `TrainingArguments(optim=name)`, for any
+`OptimizerNames` value, built as `Trainer.create_optimizer` builds them
+(`trainer_memcb.trainer_optimizers`) over a meta-device stand-in of the model
+(`trainer_memcb.stand_ins`), so nothing is allocated and the model is never touched. Each estimate
+comes from the same registry as the callback's (`estimate_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -14,14 +13,18 @@ import copy
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.measure import dtype_name
+from trainer_memcb.optim_options import parse_optim_args, parse_optim_target_modules
+from trainer_memcb.stand_ins import meta_stand_in
+from trainer_memcb.trainer_optimizers import OptimizerUnavailable, build_trainer_optimizer, class_path
 from trainer_memcb.units import format_bytes
+from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = [
     "DEFAULT_OPTIMIZERS",
@@ -60,12 +63,14 @@ class OptimizerWhatIf:
         optimizer_class: `module.QualName` of the class the Trainer would build, when known.
         estimate: the estimate, or None.
         problem: why there is no estimate (a library not installed, no rule), or None.
+        missing_package: the package to install for this name, when that is the problem.
     """
 
     name: str
     optimizer_class: Optional[str] = None
     estimate: Optional[StateEstimate] = None
     problem: Optional[str] = None
+    missing_package: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -73,6 +78,7 @@ class OptimizerWhatIf:
             "optimizer_class": self.optimizer_class,
             "estimate": self.estimate.to_dict() if self.estimate is not None else None,
             "problem": self.problem,
+            "missing_package": self.missing_package,
         }
 
 
@@ -205,10 +211,12 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
     return built
 
 
-def select_trainable(model: nn.Module, pattern: Optional[str]) -> int:
+def select_trainable(model: nn.Module, pattern: Optional[str], *, narrow: bool = False) -> int:
     """Train only the parameters whose name matches `pattern` (`re.search`); None trains all.
 
-    A LoRA-like setup in one option: `select_trainable(model, r"q_proj|v_proj")`.
+    Training a subset by name in one option: `select_trainable(model, r"q_proj|v_proj")`. With
+    `narrow=True` only parameters that already train may stay trainable (a PEFT model's adapters:
+    `select_trainable(peft_model, "lora_A", narrow=True)`).
     Returns the number of parameter tensors that train.
 
     Raises:
@@ -220,72 +228,27 @@ def select_trainable(model: nn.Module, pattern: Optional[str]) -> int:
         raise ValueError(f"trainable pattern {pattern!r} is not a regular expression ({error})") from None
     count = 0
     for name, param in model.named_parameters():
-        param.requires_grad_(matcher is None or matcher.search(name) is not None)
+        chosen = matcher is None or matcher.search(name) is not None
+        param.requires_grad_(chosen and (param.requires_grad or not narrow))
         count += param.requires_grad
     return count
 
 
-class _WeightHolder:
-    """Stands in for an `nn.Embedding` in bitsandbytes' module overrides, holding the stand-in weight."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        self.weight = weight
-
-
-def _meta_stand_ins(model: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
-    """Meta-device twins of the trainable parameters (tied ones once), and the twins of
-    `nn.Embedding` weights among them. Nothing is allocated and the model is left as it is."""
-    twins: Dict[int, nn.Parameter] = {}
-    for param in model.parameters():  # yields a tied tensor once
-        if param.requires_grad:
-            twins[id(param)] = nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype, device="meta"))
-    embeddings = [
-        twins[id(module.weight)]
-        for module in model.modules()
-        if isinstance(module, nn.Embedding) and id(module.weight) in twins
-    ]
-    return list(twins.values()), list(dict.fromkeys(embeddings))
-
-
-def _keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) -> None:
-    """`Trainer.create_optimizer` with an 8-bit bitsandbytes optimizer registers every
-    `nn.Embedding` weight for 32-bit state in bitsandbytes' global manager. Here the overrides go
-    to a manager of this optimizer's own, so the process-wide one is left untouched."""
-    manager_class = type(optimizer.mng)
-    manager = manager_class.__new__(manager_class)  # as GlobalOptimManager.get_instance does
-    manager.initialize()
-    for weight in embeddings:
-        manager.register_module_override(_WeightHolder(weight), "weight", {"optim_bits": 32})
-    optimizer.mng = manager
-
-
-def _optimizer_what_if(name: str, args: Any, model: nn.Module, params: List[nn.Parameter],
-                       embeddings: List[nn.Parameter]) -> OptimizerWhatIf:
-    from transformers import Trainer
-    from transformers.training_args import OptimizerNames
-
-    trainer_args = copy.copy(args)
-    trainer_args.optim = OptimizerNames(name)
+def _optimizer_what_if(name: str, args: Any, stand_in: nn.Module) -> OptimizerWhatIf:
     try:
-        optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer_args, model)
-    except Exception as error:  # a library not installed, most often
-        return OptimizerWhatIf(name, problem=str(error))
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or (
-        {"params", "model", "optimizer_dict"} & set(kwargs)
-    ):
-        return OptimizerWhatIf(name, problem="the Trainer builds this one around the model itself; "
-                                             "the what-if only builds plain optimizers")
-    class_path = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        optimizer = build_trainer_optimizer(name, args, stand_in)
+    except OptimizerUnavailable as unavailable:
+        return OptimizerWhatIf(name, unavailable.optimizer_class, problem=unavailable.problem,
+                               missing_package=unavailable.missing_package)
+    path = class_path(type(optimizer))
     try:
-        optimizer = optimizer_class(params, **kwargs)
-        if "bitsandbytes" in class_path and kwargs.get("optim_bits") == 8:
-            _keep_embeddings_32bit(optimizer, embeddings)
         estimate = estimate_optimizer_state(optimizer)
-    except Exception as error:
-        return OptimizerWhatIf(name, class_path, problem=f"building it failed ({error!r})")
+    except Exception as error:  # a rule that does not know this configuration
+        return OptimizerWhatIf(name, path, problem=f"the estimate rule failed ({error!r})")
     if estimate is None:
-        return OptimizerWhatIf(name, class_path, problem=f"no estimate rule for {class_path}")
-    return OptimizerWhatIf(name, class_path, estimate)
+        classes = ", ".join(dict.fromkeys(class_path(type(inner)) for inner in inner_optimizers(optimizer)))
+        return OptimizerWhatIf(name, classes or path, problem=f"no estimate rule for {classes or path}")
+    return OptimizerWhatIf(name, estimate.optimizer_class, estimate)
 
 
 def _default_training_args() -> Any:
@@ -296,18 +259,29 @@ def _default_training_args() -> Any:
 
 
 def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OPTIMIZERS,
-            args: Any = None, model_name: Optional[str] = None) -> WhatIf:
+            args: Any = None, model_name: Optional[str] = None, *,
+            optim_args: Union[None, str, Mapping[str, Any]] = None,
+            optim_target_modules: Union[None, str, Sequence[str]] = None) -> WhatIf:
     """Estimate each optimizer's state for the trainable parameters of `model`.
+
+    Every `OptimizerNames` value is accepted. Each optimizer is built as the Trainer builds it,
+    over a meta-device stand-in of the model; a name the Trainer cannot build here (a library not
+    installed, XLA, NPU, a constructor that needs CUDA) gets an entry saying why.
 
     Args:
         model: a model on any device, the meta device included; it is not changed.
         optimizers: the Trainer's `optim` names (`"adamw,adafactor,adamw_8bit"` or a list).
-        args: `TrainingArguments` whose hyperparameters (`optim_args`, betas) the optimizers take;
-            None uses the defaults.
+        args: `TrainingArguments` whose hyperparameters (`optim_args`, `optim_target_modules`,
+            betas, weight decay) the optimizers take; None uses the defaults.
         model_name: how to name the model in the result; by default its class.
+        optim_args: replaces `args.optim_args`: `"rank=64,update_proj_gap=200"` or a dict.
+        optim_target_modules: replaces `args.optim_target_modules`: one regular expression
+            matched against whole module names (`".*(attn|mlp).*"`), `"all-linear"`, or a list /
+            comma list of name parts (`"attn,mlp"`), as `TrainingArguments` takes it.
 
     Raises:
-        ValueError: an unknown optimizer name, or a model with no trainable parameter.
+        ValueError: an unknown optimizer name, a malformed `optim_args` or
+            `optim_target_modules`, or a model with no trainable parameter.
 
     Example:
         >>> import torch
@@ -317,22 +291,28 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
         (10, 88)
     """
     names = resolve_optimizer_names(optimizers)
-    params, embeddings = _meta_stand_ins(model)
+    overrides: Dict[str, Any] = {}
+    if optim_args is not None:
+        overrides["optim_args"] = parse_optim_args(optim_args)
+    if optim_target_modules is not None:
+        overrides["optim_target_modules"] = parse_optim_target_modules(optim_target_modules)
+    stand_in = meta_stand_in(model)
+    params = [param for param in stand_in.parameters() if param.requires_grad]  # tied ones once
     if not params:
         raise ValueError(f"{model_name or type(model).__name__} has no trainable parameter")
-    if args is None:
-        args = _default_training_args()
-    total = {id(param): param.numel() for param in model.parameters()}
+    args = copy.copy(args if args is not None else _default_training_args())
+    for key, value in overrides.items():
+        setattr(args, key, value)
     result = WhatIf(
         model=model_name or type(model).__name__,
-        total_params=sum(total.values()),
+        total_params=sum(param.numel() for param in model.parameters()),
         trainable_params=sum(param.numel() for param in params),
         trainable_tensors=len(params),
         trainable_bytes=sum(param.numel() * param.element_size() for param in params),
         trainable_dtypes=tuple(sorted({dtype_name(param.dtype) for param in params})),
     )
     for name in names:
-        result.optimizers.append(_optimizer_what_if(name, args, model, params, embeddings))
+        result.optimizers.append(_optimizer_what_if(name, args, stand_in))
     return result
 
 

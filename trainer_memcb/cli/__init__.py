@@ -20,21 +20,12 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import estimate_tables
+from trainer_memcb.cli.estimate import add_estimate_arguments, estimate_tables, estimate_what_if
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, report_plot
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
 from trainer_memcb.run_logs import RunLogError, load_run
-from trainer_memcb.whatif import (
-    DEFAULT_OPTIMIZERS,
-    DTYPES,
-    ModelConfigError,
-    build_meta_model,
-    resolve_dtype,
-    resolve_optimizer_names,
-    select_trainable,
-    what_if,
-)
+from trainer_memcb.whatif import ModelConfigError
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main"]
 
@@ -56,13 +47,6 @@ def _metrics(text: str) -> List[str]:
     if not metrics:
         raise argparse.ArgumentTypeError("give one or more metric names, e.g. accuracy,f1")
     return metrics
-
-
-def _optimizers(text: str) -> tuple:
-    try:
-        return resolve_optimizer_names(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,22 +75,7 @@ def parser() -> argparse.ArgumentParser:
     compare.set_defaults(handler=_compare)
 
     estimate = commands.add_parser("estimate", help="the what-if before training, from a model config")
-    estimate.add_argument("model", metavar="MODEL", help="a folder holding config.json, or a hub name when online")
-    estimate.add_argument(
-        "--optimizers", type=_optimizers, default=DEFAULT_OPTIMIZERS,
-        help=f"the Trainer's optim names, comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); "
-             "e.g. adamw,adafactor,adamw_8bit,adamw_torch_8bit",
-    )
-    estimate.add_argument(
-        "--architecture", metavar="CLASS",
-        help="the transformers class to build, e.g. DistilBertForSequenceClassification; default: the config's",
-    )
-    estimate.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the parameters' dtype (default: float32)")
-    estimate.add_argument(
-        "--trainable", metavar="REGEX",
-        help="train only the parameters whose name matches (re.search), e.g. 'q_proj|v_proj'; default: all",
-    )
-    estimate.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
+    add_estimate_arguments(estimate)
     estimate.set_defaults(handler=_estimate)
     return main_parser
 
@@ -155,16 +124,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     try:
-        model = build_meta_model(args.model, resolve_dtype(args.dtype), args.architecture)
-        trainable = select_trainable(model, args.trainable)
-    except ValueError as error:  # an unknown architecture, a bad regular expression
+        result = estimate_what_if(args)
+    except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
         raise UsageError(str(error)) from None
-    if trainable == 0:
-        names = [name for name, _ in model.named_parameters()][:3]
-        raise ModelConfigError(
-            f"no parameter name of {args.model} matches --trainable {args.trainable!r}; names look like: {', '.join(names)}"
-        )
-    result = what_if(model, args.optimizers, model_name=args.model)
     if args.json:
         print_json(result.to_dict(), sys.stdout)
     else:
