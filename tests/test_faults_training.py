@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -185,10 +186,11 @@ def loggable_keys() -> List[str]:
         unprefixed += [breakdown_key(name, part) for part in HOSTILE_PARTS]
     entry_keys = unprefixed + list(with_prefix(dict.fromkeys(unprefixed, 0), "eval")) + list(
         with_prefix(dict.fromkeys(unprefixed, 0), "test")) + ["loss", "eval_loss", "learning_rate"]
-    # The reporters' own spelling (transformers' rewrite_logs): train/..., eval/..., test/...
+    # The reporters' own spelling: transformers' rewrite_logs (TensorBoard, W&B) gives train/...,
+    # eval/..., test/...; DVCLive's Hugging Face naming turns every train_ and eval_ into train/, eval/.
     reported = [f"train/{key}" for key in unprefixed] + [
         key.replace("eval_", "eval/", 1).replace("test_", "test/", 1) for key in entry_keys if key.startswith(("eval_", "test_"))
-    ]
+    ] + [key.replace("train_", "train/").replace("eval_", "eval/") for key in entry_keys]
     return sorted(set(entry_keys + reported))
 
 
@@ -267,8 +269,6 @@ def test_a_step_that_is_not_a_whole_number_warns_once_and_never_raises():
     memory = OptimizerMemoryLogger(optimizer)
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert memory(step="5") == {}  # before: TypeError inside the user's loop
