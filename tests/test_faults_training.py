@@ -172,6 +172,26 @@ def test_without_the_callback_the_optimizer_is_collected_too(tmp_path):
     assert gone() is None
 
 
+class _NoWeakReferences:
+    __slots__ = ()  # no __weakref__ slot: weakref.ref() refuses it
+
+
+def test_an_object_without_weak_references_is_held_until_released():
+    from trainer_memcb.per_optimizer import PerOptimizer
+
+    numbers = iter(range(1, 10))
+    records = PerOptimizer(lambda optimizer: next(numbers))
+    plain, odd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), _NoWeakReferences()
+    assert [records.setdefault(plain), records.setdefault(odd), records.setdefault(plain)] == [1, 2, 1]
+    records.release(plain)  # held weakly: stays until collected
+    assert len(records) == 2 and records.get(plain) == 1
+    records.release(odd)
+    assert len(records) == 1 and records.get(odd) is None
+    del plain
+    gc.collect()
+    assert len(records) == 0
+
+
 # -- key names every reporter can store ------------------------------------------------------------
 
 
