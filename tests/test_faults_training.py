@@ -121,6 +121,9 @@ def test_one_callback_shared_by_two_trainers_logs_each_ones_own_optimizer(tmp_pa
     assert first.state.global_step == second.state.global_step == 2
     assert first.evaluate()[f"eval_{MEASURED_BYTES}"] == adamw  # before: the second's 2512
     assert second.evaluate()[f"eval_{MEASURED_BYTES}"] == adafactor
+    # A third Trainer, never trained, has no optimizer yet: nothing to log, not the last one's.
+    fresh = tiny_trainer(str(tmp_path / "fresh"), [callback])
+    assert [key for key in fresh.evaluate() if "optimizer" in key] == []  # before: the Adafactor's figures
 
 
 class EvaluateAnother(TrainerCallback):
