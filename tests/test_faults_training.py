@@ -340,3 +340,19 @@ def test_a_sparse_tensor_in_the_state_is_counted_by_its_indices_and_values(tmp_p
         assert entry[breakdown_key("key", "mask")] == mask_bytes
         assert entry[breakdown_key("key", "momentum_buffer")] == momentum_bytes
         assert entry[breakdown_key("dtype", "int64")] == sum(16 * param.shape[1] for param in matrices) == 2816
+
+
+def test_compressed_sparse_tensors_are_counted_by_their_index_and_value_storages():
+    param = torch.nn.Parameter(torch.zeros(3, 4))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    # Built from fresh tensors, so each storage is exactly its tensor (a converted tensor may keep
+    # its indices as views into a larger buffer, which then counts whole).
+    values = torch.tensor([1.0, 2.0])
+    optimizer.state[param]["csr"] = torch.sparse_csr_tensor(  # crow 4 x int64, col 2 x int64, values 2 x fp32
+        torch.tensor([0, 1, 1, 2]), torch.tensor([1, 0]), values.clone(), (3, 4))
+    optimizer.state[param]["csc"] = torch.sparse_csc_tensor(  # ccol 5 x int64, row 2 x int64, values 2 x fp32
+        torch.tensor([0, 1, 2, 2, 2]), torch.tensor([2, 0]), values.clone(), (3, 4))
+    measured = measure_optimizer_state(optimizer)
+    assert measured.bytes_by_key == {"csr": 8 * 4 + 8 * 2 + 4 * 2, "csc": 8 * 5 + 8 * 2 + 4 * 2}
+    assert (measured.num_bytes, measured.num_tensors, measured.num_params_with_state) == (120, 6, 1)
+    assert measured.bytes_by_dtype == {"int64": 104, "float32": 16}
