@@ -24,19 +24,13 @@ from test_callback_logging import adamw_figures, figures_in, train_recording_war
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger, measure_optimizer_state
 from trainer_memcb.figures import (
     BREAKDOWN_KEY_PREFIXES,
-    ESTIMATE_BYTES,
     KEY_DESCRIPTIONS,
     MEASURED_BYTES,
     MEASURED_ELEMENTS,
-    TRAINABLE_PARAMS,
     breakdown_key,
     with_prefix,
 )
 from trainer_memcb.summary import SUMMARY_FILE_NAME
-
-# A 4-byte fp32 `step` tensor per trainable tensor of the tiny model (24 of them).
-NUM_TENSORS = 24
-
 
 def tiny_trainer(output_dir: str, callbacks: List[Any], **overrides: Any) -> Trainer:
     settings: Dict[str, Any] = dict(max_steps=2)
