@@ -185,7 +185,7 @@ class AlternatingStepTimer(TrainerCallback):
     resolve.
     """
 
-    OWN_WORK = ("on_step_end", "contribute_to_log", "on_log")
+    OWN_WORK = ("on_step_end", "contribute_to_trainer_log", "on_log")
 
     def __init__(self, callback: OptimizerMemoryCallback) -> None:
         self.callback = callback

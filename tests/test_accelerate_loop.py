@@ -159,10 +159,10 @@ def test_breakdown_and_summary_use_the_callbacks_keys_and_file(tmp_path):
     optimizer.step()
     logged = memory()
     assert {key: value for key, value in logged.items() if "/" in key} == {
-        f"{MEASURED_BYTES}/by_key/exp_avg": 4 * num_params,
-        f"{MEASURED_BYTES}/by_key/exp_avg_sq": 4 * num_params,
-        f"{MEASURED_BYTES}/by_key/step": 4 * num_tensors,
-        f"{MEASURED_BYTES}/by_dtype/float32": state_bytes,
+        f"{MEASURED_BYTES}_by_key/exp_avg": 4 * num_params,
+        f"{MEASURED_BYTES}_by_key/exp_avg_sq": 4 * num_params,
+        f"{MEASURED_BYTES}_by_key/step": 4 * num_tensors,
+        f"{MEASURED_BYTES}_by_dtype/float32": state_bytes,
     }
 
     path = memory.save_summary(str(tmp_path))

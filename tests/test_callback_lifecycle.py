@@ -44,8 +44,8 @@ def test_a_bad_summary_file_is_refused_naming_it_and_the_allowed_ones(summary_fi
 
 
 def test_good_arguments_are_kept():
-    assert OptimizerMemoryCallback(breakdown="key").monitor.breakdown == ("key",)
-    assert OptimizerMemoryCallback(breakdown=["device", "dtype"]).monitor.breakdown == ("device", "dtype")
+    assert OptimizerMemoryCallback(breakdown="key").breakdown == ("key",)
+    assert OptimizerMemoryCallback(breakdown=["device", "dtype"]).breakdown == ("device", "dtype")
     assert OptimizerMemoryCallback(summary_file=None).summary_file is None
     assert OptimizerMemoryCallback(summary_file="memory.json").summary_file == "memory.json"
 

@@ -195,19 +195,19 @@ def test_breakdown_keys_are_exact_and_sum_to_the_total(tensorboard_run):
     num_params = tensorboard_run.expected[TRAINABLE_PARAMS]
     total = tensorboard_run.expected[MEASURED_BYTES]
     by_part = {
-        "optimizer_state_bytes/by_key/exp_avg": 4 * num_params,
-        "optimizer_state_bytes/by_key/exp_avg_sq": 4 * num_params,
-        "optimizer_state_bytes/by_key/step": 4 * 24,
-        "optimizer_state_bytes/by_dtype/float32": total,
-        "optimizer_state_bytes/by_device/cpu": total,
+        "optimizer_state_bytes_by_key/exp_avg": 4 * num_params,
+        "optimizer_state_bytes_by_key/exp_avg_sq": 4 * num_params,
+        "optimizer_state_bytes_by_key/step": 4 * 24,
+        "optimizer_state_bytes_by_dtype/float32": total,
+        "optimizer_state_bytes_by_device/cpu": total,
     }
     history = tensorboard_run.trainer.state.log_history
     for entry, prefix in [(e, "") for e in entries_with(history, "loss")] + [
         (e, "eval_") for e in entries_with(history, "eval_runtime")
     ]:
-        logged = {key: value for key, value in entry.items() if key.startswith(f"{prefix}optimizer_state_bytes/")}
+        logged = {key: value for key, value in entry.items() if key.startswith(f"{prefix}optimizer_state_bytes_by_")}
         assert logged == {f"{prefix}{key}": value for key, value in by_part.items()}
-        by_key = [value for key, value in logged.items() if "/by_key/" in key]
+        by_key = [value for key, value in logged.items() if "_by_key/" in key]
         assert sum(by_key) == entry[f"{prefix}optimizer_state_bytes"]
 
 
@@ -276,7 +276,7 @@ def test_tensorboard_event_files_hold_the_figures_beside_loss_accuracy_and_f1(te
     for tag, steps, value in [
         ("train/optimizer_state_bytes", [2, 4], expected[MEASURED_BYTES]),
         ("train/optimizer_state_estimate_bytes", [2, 4], expected[ESTIMATE_BYTES]),
-        ("train/optimizer_state_bytes/by_key/exp_avg", [2, 4], 4 * expected[TRAINABLE_PARAMS]),
+        ("train/optimizer_state_bytes_by_key/exp_avg", [2, 4], 4 * expected[TRAINABLE_PARAMS]),
         ("eval/optimizer_state_bytes", [2, 4], expected[MEASURED_BYTES]),
         ("eval/optimizer_state_estimate_bytes", [2, 4], expected[ESTIMATE_BYTES]),
         ("test/optimizer_state_bytes", [4], expected[MEASURED_BYTES]),

@@ -6,6 +6,7 @@ the same object the Trainer callback uses, so both log the same figures under th
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any, Dict, Iterable, Optional
 
@@ -30,7 +31,7 @@ class OptimizerMemoryLogger:
     `optimizer_state_estimate_bytes` (what it should hold for this optimizer family),
     `optimizer_state_elements` (values stored), `optimizer_trainable_params` (parameter values the
     estimate covers), with several processes the totals over them, and with `breakdown=` the bytes
-    per state key, dtype or device (`optimizer_state_bytes/by_key/exp_avg`, ...). Every call follows
+    per state key, dtype or device (`optimizer_state_bytes_by_key/exp_avg`, ...). Every call follows
     an optimizer step, so the measured keys are always there (0 for a stateless optimizer such as
     plain SGD); estimate keys are left out when no rule knows the optimizer.
 
@@ -91,13 +92,23 @@ class OptimizerMemoryLogger:
 
         Args:
             step: the step to log at, if you count steps yourself; by default the optimizer steps
-                this object has counted (micro-batches of gradient accumulation excluded).
+                this object has counted (micro-batches of gradient accumulation excluded). One
+                that is not a whole number (`"5"`, `2.5`) warns once and logs nothing at that call.
         """
         if self.accelerator is not None and not getattr(self.accelerator, "sync_gradients", True):
             return {}  # a micro-batch: the wrapped optimizer skipped its step
         self.optimizer_steps += 1
         if step is None:
             step = self.optimizer_steps
+        else:
+            try:
+                if isinstance(step, bool):
+                    raise TypeError
+                step = operator.index(step)  # ints, numpy and torch integers
+            except TypeError:  # never break the user's loop over a figure
+                self.monitor.warn_once(
+                    "step", f"step={step!r} is not a whole number; the figures of this call are left out")
+                return {}
         if step % self.logging_steps:
             return {}
         # This call follows an optimizer step: the state is a claim from now on, even empty.

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, Optional
+import warnings
+from typing import Any, Dict, Iterable, Optional, Set
 
 from transformers import TrainerCallback
 from transformers.utils import logging
 
 from trainer_memcb import whatif
-from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
-from trainer_memcb.monitor import OptimizerStateMonitor
+from trainer_memcb.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, with_prefix
+from trainer_memcb.monitor import OptimizerStateMonitor, validate_breakdown
+from trainer_memcb.per_optimizer import PerOptimizer
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
-from trainer_memcb.trainer_log_hook import install_log_hook
+from trainer_memcb.trainer_log_hook import LogContributor, install_log_hook
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
 
@@ -38,7 +40,17 @@ def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-class OptimizerMemoryCallback(TrainerCallback):
+class _Run:
+    """What the callback knows of one optimizer's training: its monitor and its what-if."""
+
+    __slots__ = ("monitor", "what_if")
+
+    def __init__(self, monitor: OptimizerStateMonitor) -> None:
+        self.monitor = monitor
+        self.what_if: Optional[whatif.WhatIf] = None
+
+
+class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
 
     `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
@@ -58,9 +70,13 @@ class OptimizerMemoryCallback(TrainerCallback):
     | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes |
     | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes |
     | `optimizer_master_weights_bytes` | bytes | DeepSpeed ZeRO's fp32 master weights (with ZeRO only) |
-    | `optimizer_state_bytes/by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
-    | `optimizer_state_bytes/by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
-    | `optimizer_state_bytes/by_device/<device>` | bytes | with `breakdown=("device",)` |
+    | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
+    | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
+    | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
+
+    In breakdown keys, characters other than letters, digits, `_` and `-` in a part name become
+    `_` (`cuda:0` -> `cuda_0`), so that no key is a path prefix of another and every reporter
+    (TensorBoard, W&B, MLflow, DVCLive) can store them all.
 
     Measured keys are left out before the first optimizer step (`state.global_step == 0`) and
     logged after it, 0 for a stateless optimizer (plain SGD, LOMO); the estimate keys are left out
@@ -70,6 +86,10 @@ class OptimizerMemoryCallback(TrainerCallback):
     every process measures, per-process keys become the largest over the processes (one small
     exchange per logged step), and only the main process logs.
     Nothing here can stop a run: a failure warns once and leaves the figure out.
+
+    One instance may serve several Trainers, in turn or interleaved: each Trainer's entries get
+    its own optimizer's figures. The callback holds an optimizer by a weak reference only, so it
+    never keeps one (and its state) alive once its Trainer is gone.
 
     Args:
         breakdown: extra per-part byte keys to log: any of `"key"`, `"dtype"`, `"device"`.
@@ -87,7 +107,7 @@ class OptimizerMemoryCallback(TrainerCallback):
         ValueError: breakdown='shape' is not one of ['device', 'dtype', 'key']
     """
 
-    KEYS = KEY_DESCRIPTIONS
+    KEYS = {**KEY_DESCRIPTIONS, **BREAKDOWN_KEY_DESCRIPTIONS}
 
     def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME,
                  what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS) -> None:
@@ -97,32 +117,53 @@ class OptimizerMemoryCallback(TrainerCallback):
         ):
             raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
                              f"{SUMMARY_FILE_NAME!r}, or None for no file")
-        self.monitor = OptimizerStateMonitor(breakdown=breakdown)
+        self.breakdown = validate_breakdown(breakdown)
         self.summary_file = summary_file
         self.what_if_optimizers = whatif.resolve_optimizer_names(what_if) if what_if else ()
-        self._what_if: Optional[whatif.WhatIf] = None
+        # Warnings given, shared by every run's monitor: each kind of fault warns once per callback.
+        self._warned: Set[str] = set()
+        self._runs: PerOptimizer[_Run] = PerOptimizer(self._new_run)
+        # The run of the training under way, for the rare event that comes without an optimizer.
+        self._current: Optional[_Run] = None
         # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
         self._contributed_entry: Optional[Dict[str, Any]] = None
         install_log_hook()
 
+    def _new_run(self, optimizer: Any) -> _Run:
+        monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
+        monitor.attach(optimizer)
+        return _Run(monitor)
+
+    def _run(self, optimizer: Any) -> Optional[_Run]:
+        if optimizer is None:
+            return self._current
+        return self._runs.setdefault(optimizer)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"trainer_memcb: {message}", RuntimeWarning, stacklevel=3)
+
     # -- Trainer events ------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self.monitor.start_run()  # global_step restarts with each train() call
-        self.monitor.attach(optimizer)
+        run = self._current = self._run(optimizer)
+        if run is None:
+            return
+        run.monitor.start_run()  # global_step restarts with each train() call
         if state.is_world_process_zero:
-            self.monitor.estimate()
-            self._state_what_if(args, kwargs.get("model"))
+            run.monitor.estimate()
+            self._state_what_if(run, args, kwargs.get("model"))
 
-    def _state_what_if(self, args: Any, model: Any) -> None:
-        # Once per callback: a few optimizers built over meta-device stand-ins, nothing allocated.
-        if not self.what_if_optimizers or model is None or self._what_if is not None:
+    def _state_what_if(self, run: _Run, args: Any, model: Any) -> None:
+        # Once per optimizer: a few optimizers built over meta-device stand-ins, nothing allocated.
+        if not self.what_if_optimizers or model is None or run.what_if is not None:
             return
         try:
-            self._what_if = whatif.what_if(model, self.what_if_optimizers, args=args)
-            logger.info(whatif.what_if_text(self._what_if))
+            run.what_if = whatif.what_if(model, self.what_if_optimizers, args=args)
+            logger.info(whatif.what_if_text(run.what_if))
         except Exception as error:  # never break training over a what-if
-            self.monitor.warn_once("what-if", f"the optimizer what-if failed ({error!r}); it is left out")
+            self._warn_once("what-if", f"the optimizer what-if failed ({error!r}); it is left out")
 
     # Every process measures and takes part in the figures, in the same order: with several
     # processes they are combined (a collective), and then only the main process logs them.
@@ -130,40 +171,50 @@ class OptimizerMemoryCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         # Measure only when this step will be logged: every hook returns early otherwise.
         if control.should_log:
-            self.monitor.attach(optimizer)
-            self.monitor.measure(state.global_step)
+            run = self._run(optimizer)
+            if run is not None:
+                run.monitor.measure(state.global_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self.monitor.attach(optimizer)
-        self.monitor.measure(state.global_step)
+        run = self._run(optimizer)
+        if run is not None:
+            run.monitor.measure(state.global_step)
 
-    def contribute_to_log(self, logs: Dict[str, Any], state: Any) -> None:
-        """Called by the hook on `Trainer.log` just before the Trainer stores and reports `logs`."""
+    def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
+        """Called by the hook on `Trainer.log` just before `trainer` stores and reports `logs`."""
         try:
             prefix = log_entry_prefix(logs)
             if prefix is None:
                 return
             self._contributed_entry = logs
-            figures = self.monitor.figures(state.global_step, stepped=state.global_step > 0)
+            # This Trainer's own optimizer: the callback may serve others, before or in between.
+            optimizer = getattr(trainer, "optimizer", None)
+            if optimizer is None:
+                return  # not trained yet: nothing to measure, on any process
+            state = trainer.state
+            figures = self._runs.setdefault(optimizer).monitor.figures(
+                state.global_step, stepped=state.global_step > 0)
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
         except Exception as error:  # never break training over a figure
-            self.monitor.warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
+            self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
+               optimizer: Any = None, **kwargs: Any) -> None:
         # A Trainer subclass whose `log` never calls `Trainer.log` bypasses the hook. Then the
         # figures still reach `log_history` (the entry appended just now) and the reporters after
         # this callback; the ones before it miss them, which the warning says.
         if logs is None or logs is self._contributed_entry:
             return
         prefix = log_entry_prefix(logs)
-        if prefix is None:
+        run = self._run(optimizer)
+        if prefix is None or run is None:
             return
-        figures = with_prefix(self.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
+        figures = with_prefix(run.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
         if not figures or not state.is_world_process_zero:
             return
-        self.monitor.warn_once(
+        self._warn_once(
             "hook-bypassed",
             "this Trainer's log() does not call transformers.Trainer.log; the optimizer figures are added "
             "to log_history late and miss the report_to reporters",
@@ -173,24 +224,35 @@ class OptimizerMemoryCallback(TrainerCallback):
             state.log_history[-1].update(figures)
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self.monitor.attach(optimizer)
+        run = self._run(optimizer)
+        self._current = None
+        if run is None:
+            return
+        try:
+            self._end(run, args, state)
+        finally:
+            # Training is over: hold nothing of this optimizer (most are held weakly anyway).
+            self._runs.release(optimizer)
+
+    def _end(self, run: _Run, args: Any, state: Any) -> None:
+        monitor = run.monitor
         stepped = state.global_step > 0  # an optimizer step has run: the state is a claim, even empty
-        final_figures = self.monitor.figures(state.global_step, stepped=stepped)  # every process takes part
+        final_figures = monitor.figures(state.global_step, stepped=stepped)  # every process takes part
         if not state.is_world_process_zero:
             return
         try:
-            measurement = self.monitor.claimed_measurement(state.global_step, stepped)
-            estimate = self.monitor.estimate()
+            measurement = monitor.claimed_measurement(state.global_step, stepped)
+            estimate = monitor.estimate()
             if measurement is None and estimate is None:
                 return
             logger.info(summary_text(measurement, estimate))
             if self.summary_file is not None:
-                document = self.monitor.summary_document(
+                document = monitor.summary_document(
                     state.global_step,
                     stepped=stepped,
                     extra={"final_figures": final_figures,
-                           **({"what_if": self._what_if.to_dict()} if self._what_if is not None else {})},
+                           **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
                 )
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary
-            self.monitor.warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
+            self._warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_memcb.figures import (
+    BREAKDOWN_KEY_PREFIXES,
     ESTIMATE_BYTES,
     ESTIMATE_TOTAL_BYTES,
     MASTER_WEIGHTS_BYTES,
@@ -50,8 +51,8 @@ _ACCELERATOR_ONLY_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu"}
 # Whether this torch was built with `torch.distributed`: fixed for the process, and asked at every
 # logged step.
 _DISTRIBUTED_BUILT = dist.is_available()
-# Breakdown keys (`optimizer_state_bytes/by_key/...`) start with this.
-_BREAKDOWN_PREFIX = f"{MEASURED_BYTES}/"
+# Breakdown keys (`optimizer_state_bytes_by_key/...`) start with one of these.
+_BREAKDOWN_PREFIXES = tuple(BREAKDOWN_KEY_PREFIXES.values())
 
 
 def world_size() -> int:
@@ -88,7 +89,7 @@ def _with_totals(figures: Mapping[str, int], per_process: Mapping[str, int], tot
                 result[key] = per_process[key]
                 if key in TOTAL_KEYS:
                     result[TOTAL_KEYS[key]] = totals[key]
-        elif key.startswith(_BREAKDOWN_PREFIX):
+        elif key.startswith(_BREAKDOWN_PREFIXES):
             if MEASURED_BYTES in per_process:  # a breakdown only beside the figure it breaks down
                 result[key] = value
         else:
@@ -109,7 +110,7 @@ def reduce_across_processes(figures: Mapping[str, int]) -> Dict[str, int]:
         The same keys, per-process ones now the largest over processes, plus
         `optimizer_state_total_bytes` and `optimizer_state_estimate_total_bytes`, the sums. A
         figure that any process lacks is left out (with its total and breakdowns). Breakdown keys
-        (`optimizer_state_bytes/by_key/...`) stay this process's own.
+        (`optimizer_state_bytes_by_key/...`) stay this process's own.
 
     Example:
         >>> from trainer_memcb.distributed import reduce_across_processes

@@ -5,6 +5,7 @@ Shared by the Trainer callback and the custom-loop API so that both log the same
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Optional
 
 from trainer_memcb.estimate import StateEstimate
@@ -20,6 +21,9 @@ __all__ = [
     "MASTER_WEIGHTS_BYTES",
     "KEY_DESCRIPTIONS",
     "claims_measurement",
+    "BREAKDOWN_KEY_PREFIXES",
+    "BREAKDOWN_KEY_DESCRIPTIONS",
+    "breakdown_key",
     "optimizer_figures",
     "with_prefix",
 ]
@@ -46,6 +50,45 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     ESTIMATE_TOTAL_BYTES: "bytes: optimizer_state_estimate_bytes summed over all processes of the job",
     MASTER_WEIGHTS_BYTES: "bytes: DeepSpeed ZeRO's fp32 master weights kept beside the model's own, on this process",
 }
+
+# With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a
+# path prefix of another under `/` or `.`: W&B, DVCLive and MLflow's file store turn `/` into
+# nesting or folders, and cannot store a figure at `a` beside one at `a/b`. So each breakdown gets
+# its own first part (`optimizer_state_bytes_by_key`, not `optimizer_state_bytes/by_key`), and the
+# part names are made safe (`_safe_part`).
+BREAKDOWN_KEY_PREFIXES: Dict[str, str] = {
+    "key": f"{MEASURED_BYTES}_by_key/",
+    "dtype": f"{MEASURED_BYTES}_by_dtype/",
+    "device": f"{MEASURED_BYTES}_by_device/",
+}
+BREAKDOWN_KEY_DESCRIPTIONS: Dict[str, str] = {
+    f"{MEASURED_BYTES}_by_key/<key>": "bytes: with breakdown=('key',), per state key (exp_avg, state1, ...)",
+    f"{MEASURED_BYTES}_by_dtype/<dtype>": "bytes: with breakdown=('dtype',), per storage dtype (float32, ...)",
+    f"{MEASURED_BYTES}_by_device/<device>": "bytes: with breakdown=('device',), per device (cpu, cuda_0, ...)",
+}
+
+# Letters, digits, `_` and `-` are stored as they are by every reporter and are safe in a file name
+# on any system; anything else (`/`, `.`, `:`, spaces) becomes `_`.
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _safe_part(part: str) -> str:
+    return _UNSAFE.sub("_", part) or "_"
+
+
+def breakdown_key(breakdown: str, part: str) -> str:
+    """The logged key of one part of a breakdown.
+
+    Args:
+        breakdown: `"key"`, `"dtype"` or `"device"`.
+        part: the state key, dtype or device name, as measured.
+
+    Example:
+        >>> from trainer_memcb.figures import breakdown_key
+        >>> breakdown_key("key", "exp_avg"), breakdown_key("device", "cuda:0")
+        ('optimizer_state_bytes_by_key/exp_avg', 'optimizer_state_bytes_by_device/cuda_0')
+    """
+    return BREAKDOWN_KEY_PREFIXES[breakdown] + _safe_part(str(part))
 
 
 def claims_measurement(measurement: Optional[StateMeasurement], stepped: Optional[bool]) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -223,14 +223,39 @@ def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
     )
 
 
+# A sparse tensor has no storage of its own; these hold its data, per layout.
+_SPARSE_COMPONENTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _with_sparse_components(found: List[Tuple[int, str, torch.Tensor]]) -> Optional[List[Tuple[int, str, torch.Tensor]]]:
+    """`found` with each sparse tensor replaced by the dense tensors holding its indices and
+    values (views, no copies), in place so that parameters stay in order; None if none is sparse."""
+    expanded: List[Tuple[int, str, torch.Tensor]] = []
+    any_sparse = False
+    for owner, key, tensor in found:
+        names = _SPARSE_COMPONENTS.get(tensor.layout)
+        if names is None:
+            expanded.append((owner, key, tensor))
+            continue
+        any_sparse = True
+        expanded.extend((owner, key, getattr(tensor, name)()) for name in names)
+    return expanded if any_sparse else None
+
+
 def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
     """Measure the bytes an optimizer's state really holds.
 
     Unwraps accelerate's `AcceleratedOptimizer`, DeepSpeed's wrappers and transformers'
     `LayerWiseDummyOptimizer`; counts tensor subclasses by the storage inside them, a DTensor by its
     local shard, and each storage once; walks dicts, lists and objects inside the state; passes
-    over plain Python values and meta tensors. Reads metadata only and adds no entry to
-    `optimizer.state`.
+    over plain Python values and meta tensors; counts a sparse tensor by the storages of its indices
+    and values. Reads metadata only and adds no entry to `optimizer.state`.
 
     Args:
         optimizer: a `torch.optim.Optimizer`, or any of the wrappers above.
@@ -248,4 +273,13 @@ def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
         >>> measured.bytes_by_key["exp_avg"]
         40
     """
-    return _count(_state_tensors(optimizer))
+    found = _state_tensors(optimizer)
+    try:
+        return _count(found)
+    except (NotImplementedError, RuntimeError):
+        # A sparse tensor has no storage to ask for. Rare, so it is looked for only once asking
+        # failed: the common path stays free of a per-tensor layout check.
+        expanded = _with_sparse_components(found)
+        if expanded is None:
+            raise
+        return _count(expanded)

@@ -10,11 +10,18 @@ at the same steps.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Iterable, Optional, Set, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
 
 from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
-from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, claims_measurement, optimizer_figures
+from trainer_memcb.figures import (
+    MASTER_WEIGHTS_BYTES,
+    MEASURED_BYTES,
+    breakdown_key,
+    claims_measurement,
+    optimizer_figures,
+)
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
 from trainer_memcb.summary import summary_document
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
@@ -24,6 +31,14 @@ __all__ = ["BREAKDOWNS", "OptimizerStateMonitor", "validate_breakdown"]
 
 # Which breakdowns may be logged beside the totals, and the measurement field each one reads.
 BREAKDOWNS = {"key": "bytes_by_key", "dtype": "bytes_by_dtype", "device": "bytes_by_device"}
+
+
+def _no_optimizer() -> Any:
+    return None
+
+
+def _strong(optimizer: Any) -> Callable[[], Any]:
+    return lambda: optimizer
 
 
 def validate_breakdown(breakdown: Iterable[str]) -> Tuple[str, ...]:
@@ -49,11 +64,17 @@ class OptimizerStateMonitor:
 
     Args:
         breakdown: extra byte breakdowns to log: any of `"key"`, `"dtype"`, `"device"`.
+        keep_alive: hold the optimizer; False holds it by a weak reference only, so that the
+            monitor never keeps an optimizer and its state alive after its owner let go of it
+            (the figures are then left out). Optimizers that cannot be weakly referenced are held.
+        warned: the set of warnings already given, to share "warn once" with other monitors.
     """
 
-    def __init__(self, breakdown: Iterable[str] = ()) -> None:
+    def __init__(self, breakdown: Iterable[str] = (), keep_alive: bool = True,
+                 warned: Optional[Set[str]] = None) -> None:
         self.breakdown = validate_breakdown(breakdown)
-        self._optimizer: Any = None
+        self._keep_alive = keep_alive
+        self._optimizer_ref: Callable[[], Any] = _no_optimizer
         self._estimate: Optional[StateEstimate] = None
         self._estimated = False
         self._latest: Optional[StateMeasurement] = None
@@ -70,13 +91,17 @@ class OptimizerStateMonitor:
         # decided once per optimizer: finding out walks its wrappers and tries a few attributes,
         # too much to repeat at every logged step for an answer that cannot change.
         self._is_zero: Optional[bool] = None
-        self._warned: Set[str] = set()
+        self._warned: Set[str] = warned if warned is not None else set()
 
     # -- the optimizer -------------------------------------------------------------------------
 
     @property
+    def _optimizer(self) -> Any:
+        return self._optimizer_ref()
+
+    @property
     def optimizer(self) -> Any:
-        return self._optimizer
+        return self._optimizer_ref()
 
     def start_run(self) -> None:
         """A new run counts its steps from its own start: a measurement cached under a step
@@ -90,7 +115,12 @@ class OptimizerStateMonitor:
         """Watch `optimizer` (a new one resets the estimate and the measurements)."""
         if optimizer is None or optimizer is self._optimizer:
             return
-        self._optimizer = optimizer
+        self._optimizer_ref = _strong(optimizer)
+        if not self._keep_alive:
+            try:
+                self._optimizer_ref = weakref.ref(optimizer)
+            except TypeError:  # a class without weak references: held, as with keep_alive
+                pass
         self._estimate, self._estimated = None, False
         self._latest, self._latest_step, self._peak = None, None, None
         self._failed_step = None
@@ -184,7 +214,9 @@ class OptimizerStateMonitor:
         if measurement is not None and MEASURED_BYTES in figures:
             for name in self.breakdown:
                 for part, num_bytes in getattr(measurement, BREAKDOWNS[name]).items():
-                    figures[f"{MEASURED_BYTES}/by_{name}/{part}"] = num_bytes
+                    # Two parts may share a safe name ("a.b" and "a_b"): their bytes add up.
+                    key = breakdown_key(name, part)
+                    figures[key] = figures.get(key, 0) + num_bytes
         try:
             if self._is_zero is None:
                 self._is_zero = find_zero_optimizer(self._optimizer) is not None

@@ -7,11 +7,13 @@ after the `report_to` reporters. Keys a callback adds in `on_log` therefore reac
 
 A callback is never handed the Trainer, so the hook is on the class: `Trainer.log` is wrapped once,
 idempotently, and before each call the wrapper asks every callback in that Trainer's own
-`callback_handler` that offers `contribute_to_log(logs, state)` to add its keys to `logs`. The
-Trainer then stores and reports one entry holding everything. A Trainer without such a callback is
-untouched, subclasses that extend `log` and call `super().log` are covered, and the wrapper only
-relies on `Trainer.log(self, logs, ...)` and `self.callback_handler.callbacks`, both stable across
-transformers 4.x and 5.x.
+`callback_handler` that is a `LogContributor` to add its keys to `logs`, handing it the Trainer
+(so that it can tell whose figures to add). Only instances of our own base class are asked: a
+method name alone could be shared by any other library's callback, which would then be called
+with arguments it does not take. A Trainer without such a callback is untouched: the same `logs`
+object reaches the original `log` unchanged. Subclasses that extend `log` and call `super().log`
+are covered, and the wrapper only relies on `Trainer.log(self, logs, ...)` and
+`self.callback_handler.callbacks`, both stable across transformers 4.x and 5.x.
 """
 
 from __future__ import annotations
@@ -19,20 +21,32 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict
 
-__all__ = ["install_log_hook", "is_log_hook_installed", "CONTRIBUTE_METHOD"]
+__all__ = ["LogContributor", "install_log_hook", "is_log_hook_installed"]
 
-CONTRIBUTE_METHOD = "contribute_to_log"
 _MARK = "__trainer_memcb_log_hook__"
+
+
+class LogContributor:
+    """The base class of the callbacks that the hook on `Trainer.log` asks for keys.
+
+    Subclasses implement `contribute_to_trainer_log`; it must never raise.
+    """
+
+    __slots__ = ()
+
+    def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
+        """Add keys to `logs`, which `trainer` is about to store and report."""
+        raise NotImplementedError
 
 
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def log(self: Any, logs: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        handler = getattr(self, "callback_handler", None)
-        for callback in getattr(handler, "callbacks", ()):
-            contribute = getattr(callback, CONTRIBUTE_METHOD, None)
-            if contribute is not None and isinstance(logs, dict):
-                contribute(logs, self.state)  # fail-soft by contract: it never raises
+        if isinstance(logs, dict):
+            handler = getattr(self, "callback_handler", None)
+            for callback in getattr(handler, "callbacks", ()):
+                if isinstance(callback, LogContributor):
+                    callback.contribute_to_trainer_log(self, logs)  # fail-soft by contract: it never raises
         return original(self, logs, *args, **kwargs)
 
     setattr(log, _MARK, True)

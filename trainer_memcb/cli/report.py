@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
+from trainer_memcb.figures import BREAKDOWN_KEY_PREFIXES, ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
 from trainer_memcb.run_logs import RunLog
 
 __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_report", "report_tables"]
@@ -19,11 +19,12 @@ __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_re
 DEFAULT_METRICS = ("accuracy", "f1")
 # `Trainer.evaluate(metric_key_prefix="eval")`, the prefix of every evaluation key.
 EVAL_PREFIX = "eval"
-_BY_KEY = f"{MEASURED_BYTES}/by_key/"
+# Breakdown keys as logged, then as logged before they were renamed (runs of older versions).
+_BY_KEY = (BREAKDOWN_KEY_PREFIXES["key"], f"{MEASURED_BYTES}/by_key/")
 # TensorBoard's add_scalar stores a float32: integers are exact up to 2**24.
 _FLOAT32_NOTE = ("logs read from TensorBoard, which keeps float32: byte counts above 16,777,216 in the "
                  "logged series are rounded (the summary's are exact)")
-_BY_DTYPE = f"{MEASURED_BYTES}/by_dtype/"
+_BY_DTYPE = (BREAKDOWN_KEY_PREFIXES["dtype"], f"{MEASURED_BYTES}/by_dtype/")
 
 
 @dataclass
@@ -91,11 +92,12 @@ def _parts(entry: Dict[str, Any], prefix: str) -> Dict[str, int]:
     return {key[len(prefix):]: value for key, value in entry.items() if key.startswith(prefix)}
 
 
-def _last_parts(entries: Sequence[Dict[str, Any]], prefix: str) -> Dict[str, int]:
+def _last_parts(entries: Sequence[Dict[str, Any]], prefixes: Sequence[str]) -> Dict[str, int]:
     for entry in reversed(entries):
-        parts = _parts(entry, prefix)
-        if parts:
-            return parts
+        for prefix in prefixes:
+            parts = _parts(entry, prefix)
+            if parts:
+                return parts
     return {}
 
 
