@@ -52,11 +52,12 @@ TRAIN_STEPS = 3
 
 
 def menu_model(seed: int = 0) -> DistilBertForSequenceClassification:
-    """A 2-label DistilBERT whose word embeddings (256 x 16 = 4096 values) are just large enough
-    for bitsandbytes' and torchao's 8-bit and 4-bit state (4096 values and up)."""
+    """A 2-label DistilBERT whose word embeddings (256 x 16) and feed-forward matrices (16 x 256,
+    256 x 16) hold 4096 values each: just enough for bitsandbytes' and torchao's 8-bit and 4-bit
+    state (4096 values and up; the Trainer keeps bitsandbytes' embedding state 32-bit)."""
     torch.manual_seed(seed)
     config = DistilBertConfig(
-        vocab_size=256, dim=16, n_layers=1, n_heads=2, hidden_dim=32,
+        vocab_size=256, dim=16, n_layers=1, n_heads=2, hidden_dim=256,
         max_position_embeddings=SEQUENCE_LENGTH, num_labels=2,
     )
     return DistilBertForSequenceClassification(config)
