@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from typing import Any, Dict, List
 
@@ -23,7 +24,7 @@ from transformers import Trainer
 from helpers import TinyDataset, accuracy_and_f1, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
-from trainer_memcb.cli.output import print_json
+from trainer_memcb.cli.output import TextTable, print_json, print_tables
 
 MEASURED = "optimizer_state_bytes"
 ESTIMATE = "optimizer_state_estimate_bytes"
@@ -609,3 +610,48 @@ def test_new_breakdown_names_and_old_ones_are_both_read(tmp_path, capsys):
         assert code == 0 and err == ""
         assert document["measured_by_key"] == {"exp_avg": 40, "step": 8}
         assert document["measured_by_dtype"] == {"float32": 88}
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    # Before: BrokenPipeError as a traceback, then "Exception ignored ... BrokenPipeError".
+    _write(tmp_path / "trainer_state.json", {"log_history": _history()})
+    process = subprocess.Popen([sys.executable, "-m", "trainer_memcb", "report", str(tmp_path), "--json", "--no-plot"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # as `| head -c 0` would
+    err = process.stderr.read().decode()
+    assert process.wait() == 1
+    # Only our own lines are checked: importing torch and its optional libraries may print here.
+    assert "trainer-memcb" not in err and "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+def test_names_that_look_like_rich_markup_are_printed_as_written():
+    # Before: rich read "[/]" as a closing tag and raised MarkupError when stdout was a terminal.
+    table = TextTable("Run [/]", ["run", "bytes"], [["[/]", "1"], ["[bold]x", "2"]], note="[link=x]")
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w", encoding="utf-8", closefd=True) as terminal:
+        print_tables([table], terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the follower side is closed: everything has been read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    drawn = b"".join(chunks).decode("utf-8")
+    assert "Run [/]" in drawn and "[bold]x" in drawn and "[link=x]" in drawn
+
+
+def test_the_new_modules_docstring_examples_run():
+    import doctest
+
+    import trainer_memcb.cli.output
+    import trainer_memcb.cli.plots
+    import trainer_memcb.run_values
+    import trainer_memcb.safe_io
+
+    for module in (trainer_memcb.safe_io, trainer_memcb.run_values, trainer_memcb.cli.output, trainer_memcb.cli.plots):
+        outcome = doctest.testmod(module)
+        assert outcome.attempted > 0 and outcome.failed == 0, module.__name__

@@ -205,6 +205,17 @@ def _estimate(args: argparse.Namespace) -> int:
     return EXIT_DONE
 
 
+def _stop_writing_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of a closed pipe
+    prints nothing either."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture): nothing to do
+        pass
+
+
 def command(args: argparse.Namespace) -> int:
     """Run the parsed command; any failure becomes one line on stderr and an exit code, never a
     traceback (unless `args.debug`)."""
@@ -224,6 +235,9 @@ def command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _say("interrupted")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody is left to tell
+        _stop_writing_stdout()
+        return EXIT_NOTHING_FOUND
     except Exception as error:  # the last resort: whatever was not foreseen is still one line
         if getattr(args, "debug", False):
             traceback.print_exc(file=sys.stderr)
