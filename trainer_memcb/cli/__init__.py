@@ -18,6 +18,8 @@ In three pieces, so that each can be used alone: `parser()`, `command(args)`, `m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import traceback
@@ -205,6 +207,24 @@ def _estimate(args: argparse.Namespace) -> int:
     return EXIT_DONE
 
 
+# Loggers of the libraries the commands call, which print warnings of their own on stderr.
+_LIBRARY_LOGGERS = ("transformers", "huggingface_hub", "tensorboard", "matplotlib", "torch")
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Only errors from the libraries' loggers while a command runs; their levels are put back after."""
+    loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _stop_writing_stdout() -> None:
     """Point stdout at the null device, so that the interpreter's last flush of a closed pipe
     prints nothing either."""
@@ -258,8 +278,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
         code = exit_request.code
         return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
-    with warnings.catch_warnings():
-        if not args.debug:
-            # Libraries' warnings (a glyph missing from a font, a deprecation) would add lines.
-            warnings.simplefilter("ignore")
+    if args.debug:
+        return command(args)
+    with warnings.catch_warnings(), _quiet_libraries():
+        # Libraries' warnings (a glyph missing from a font, a deprecation, a hub request retried)
+        # would add lines to the one line the command says.
+        warnings.simplefilter("ignore")
         return command(args)
