@@ -18,17 +18,23 @@ In three pieces, so that each can be used alone: `parser()`, `command(args)`, `m
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import sys
-import traceback
-import warnings
 from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
 from trainer_memcb.cli.estimate import estimate_tables
-from trainer_memcb.cli.output import one_line, print_json, print_tables
+from trainer_memcb.cli.failures import (
+    EXIT_DONE,
+    EXIT_NOTHING_FOUND,
+    EXIT_USAGE,
+    PROGRAM,
+    UsageError,
+    answer,
+    quiet_libraries,
+    say,
+)
+from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
 from trainer_memcb.run_logs import RunLog, RunLogError, load_run
@@ -45,18 +51,8 @@ from trainer_memcb.whatif import (
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main"]
 
-PROGRAM = "trainer-memcb"
 # Written into the run folder by `report` unless --plot or --no-plot says otherwise.
 REPORT_PLOT_FILE_NAME = "optimizer_memory.png"
-
-EXIT_DONE = 0
-EXIT_NOTHING_FOUND = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
-
-
-class UsageError(Exception):
-    """Bad input found after parsing (an option that does not fit the model)."""
 
 
 def _metrics(text: str) -> List[str]:
@@ -71,10 +67,6 @@ def _optimizers(text: str) -> tuple:
         return resolve_optimizer_names(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _say(message: str) -> None:
-    print(f"{PROGRAM}: {one_line(message)}", file=sys.stderr)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -134,7 +126,7 @@ def _write_plot(draw, *arguments, explicit: bool) -> Tuple[int, bool]:
     try:
         draw(*arguments)
     except PlotError as error:
-        _say(f"no plot: {error}")
+        say(f"no plot: {error}")
         return (EXIT_NOTHING_FOUND if explicit else EXIT_DONE), False
     return EXIT_DONE, True
 
@@ -151,7 +143,7 @@ def _check_plot_path(path: Optional[str]) -> None:
 def _load(run_dir: str) -> RunLog:
     run = load_run(run_dir)
     for warning in run.warnings:
-        _say(f"warning: {warning}")
+        say(f"warning: {warning}")
     return run
 
 
@@ -207,35 +199,6 @@ def _estimate(args: argparse.Namespace) -> int:
     return EXIT_DONE
 
 
-# Loggers of the libraries the commands call, which print warnings of their own on stderr.
-_LIBRARY_LOGGERS = ("transformers", "huggingface_hub", "tensorboard", "matplotlib", "torch")
-
-
-@contextlib.contextmanager
-def _quiet_libraries():
-    """Only errors from the libraries' loggers while a command runs; their levels are put back after."""
-    loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-def _stop_writing_stdout() -> None:
-    """Point stdout at the null device, so that the interpreter's last flush of a closed pipe
-    prints nothing either."""
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())
-        os.close(null)
-    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture): nothing to do
-        pass
-
-
 def command(args: argparse.Namespace) -> int:
     """Run the parsed command; any failure becomes one line on stderr and an exit code, never a
     traceback (unless `args.debug`)."""
@@ -244,26 +207,8 @@ def command(args: argparse.Namespace) -> int:
         parser().print_usage(sys.stderr)
         print(f"{PROGRAM}: error: choose a command: report, compare or estimate", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        return handler(args)
-    except (RunLogError, ModelConfigError) as error:
-        _say(str(error))
-        return EXIT_NOTHING_FOUND
-    except UsageError as error:
-        _say(f"error: {error}")
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        _say("interrupted")
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:  # the reader of stdout went away (`| head`): nobody is left to tell
-        _stop_writing_stdout()
-        return EXIT_NOTHING_FOUND
-    except Exception as error:  # the last resort: whatever was not foreseen is still one line
-        if getattr(args, "debug", False):
-            traceback.print_exc(file=sys.stderr)
-        else:
-            _say(f"unexpected error: {type(error).__name__}: {error} (run with --debug for the traceback)")
-        return EXIT_NOTHING_FOUND
+    known = (RunLogError, ModelConfigError)
+    return answer(lambda: handler(args), known, debug=getattr(args, "debug", False))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -280,8 +225,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
     if args.debug:
         return command(args)
-    with warnings.catch_warnings(), _quiet_libraries():
-        # Libraries' warnings (a glyph missing from a font, a deprecation, a hub request retried)
-        # would add lines to the one line the command says.
-        warnings.simplefilter("ignore")
+    with quiet_libraries():  # their warnings would add lines to the one line the command says
         return command(args)
