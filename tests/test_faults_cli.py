@@ -246,6 +246,22 @@ def test_a_link_to_an_endless_device_is_refused(tmp_path, capsys):
     assert err == f"trainer-memcb: {path} is not a regular file; not read\n"
 
 
+@pytest.mark.parametrize("file_name", ["trainer_state.json", "optimizer_memory.json"])
+def test_a_folder_in_place_of_a_file_is_refused(tmp_path, capsys, file_name):
+    os.makedirs(tmp_path / file_name)
+    code, _, err = _cli(["report", str(tmp_path)], capsys)
+    assert code == 1
+    assert err == f"trainer-memcb: {tmp_path / file_name} is not a regular file; not read\n"
+
+
+def test_a_plot_into_a_missing_folder_is_one_line(tmp_path, capsys):
+    _write(tmp_path / "run" / "trainer_state.json", {"log_history": _history()})
+    plot = str(tmp_path / "missing" / "plot.png")
+    code, out, err = _cli(["report", str(tmp_path / "run"), "--plot", plot], capsys)
+    assert code == 1 and out.startswith("Run run\n")
+    assert err == f"trainer-memcb: no plot: could not write the plot to {plot} (No such file or directory)\n"
+
+
 def test_report_json_is_strict_json_with_null_for_non_finite_numbers(tmp_path, capsys):
     # Before: `report --json` printed NaN and Infinity, which no strict parser reads.
     _write(tmp_path / "trainer_state.json", {"log_history": [

@@ -257,7 +257,9 @@ def _read_history(run: RunLog) -> None:
         state_file = os.path.join(checkpoint, TRAINER_STATE_FILE_NAME)
         try:
             run.log_history = read_trainer_state(state_file)
-        except RunLogError:  # missing, cut short, or not a state: a save that did not finish
+        except RunLogError:
+            # Missing, cut short or not a state: a save that did not finish (Trainer._save_checkpoint
+            # writes trainer_state.json after the model and the optimizer).
             incomplete.append(checkpoint)
             continue
         run.history_file = state_file

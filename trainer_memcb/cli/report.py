@@ -118,7 +118,7 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
     """The figures of one run, from its own logs.
 
     Args:
-        run: from `trainer_memcb.run_logs.load_run`.
+        run: from `trainer_memcb.run_logs.load_run`, which checks each value's type (a `step` is an int).
         metrics: evaluation metrics to follow, without the `eval_` prefix.
     """
     eval_keys = {metric: f"{EVAL_PREFIX}_{metric}" for metric in metrics}
