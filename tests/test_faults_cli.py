@@ -318,6 +318,18 @@ def test_a_half_written_newest_checkpoint_falls_back_to_the_newest_complete_one(
                    f"read {os.path.join(run, 'checkpoint-2')}\n")
 
 
+def test_a_half_written_top_level_state_falls_back_to_a_complete_checkpoint(real_run, tmp_path, capsys):
+    # Before: refused (exit 1) although checkpoint-4 was whole.
+    run = _copy(real_run, tmp_path)
+    state = _write(os.path.join(run, "trainer_state.json"), '{"log_history": [{"step": 1, ')
+    code, document, err = _report_json(run, capsys)
+    assert code == 0
+    assert document["history_source"] == os.path.join(run, "checkpoint-4", "trainer_state.json")
+    assert _steps(document) == real_run[1]
+    assert err == (f"trainer-memcb: warning: {state} is not valid JSON (Expecting property name enclosed in double "
+                   f"quotes: line 1 column 30 (char 29)); read {document['history_source']} instead\n")
+
+
 def test_only_incomplete_checkpoints_fall_back_to_the_event_files(real_run, tmp_path, capsys):
     run = _copy(real_run, tmp_path)
     for step in (2, 4):

@@ -3,6 +3,7 @@
 A run folder is a Trainer's `output_dir`. Its log history comes from, in this order:
 
 1. `<run>/trainer_state.json` (written by `trainer.save_state()`, or when `run` is a checkpoint);
+   when it cannot be read, a complete checkpoint's, with a warning (else the file is refused);
 2. `<run>/checkpoint-<N>/trainer_state.json` of the newest complete checkpoint: one whose state
    file is missing or unreadable (a save cut short) is passed over, with a warning;
 3. TensorBoard event files (`events.out.tfevents.*`) under `<run>`, when there is no state
@@ -249,9 +250,13 @@ def _listed(paths: List[str]) -> str:
 
 def _read_history(run: RunLog) -> None:
     direct = os.path.join(run.run_dir, TRAINER_STATE_FILE_NAME)
+    unreadable: Optional[RunLogError] = None
     if os.path.lexists(direct):
-        run.history_file, run.log_history = direct, read_trainer_state(direct)
-        return
+        try:
+            run.history_file, run.log_history = direct, read_trainer_state(direct)
+            return
+        except RunLogError as error:  # save_state() cut short: a complete checkpoint may still tell the run
+            unreadable = error
     incomplete: List[str] = []
     for checkpoint in _checkpoints(run.run_dir):
         state_file = os.path.join(checkpoint, TRAINER_STATE_FILE_NAME)
@@ -268,6 +273,10 @@ def _read_history(run: RunLog) -> None:
         verb = "is" if len(incomplete) == 1 else "are"
         found = f"; read {os.path.dirname(run.history_file)}" if run.history_file else ""
         run.warnings.append(f"{_listed(incomplete)} {verb} incomplete (no readable {TRAINER_STATE_FILE_NAME}){found}")
+    if unreadable is not None:
+        if run.history_file is None:
+            raise unreadable
+        run.warnings.append(f"{unreadable}; read {run.history_file} instead")
     if run.history_file is None:
         run.event_files = find_event_files(run.run_dir)
         if run.event_files:
