@@ -571,27 +571,68 @@ def test_estimate_errors_are_one_line(tmp_path, capsys):
         assert err.startswith(f"trainer-memcb: {folder}: could not read a model config ({folder / 'config.json'} is ")
 
 
-def test_the_package_loads_no_pickle_and_runs_no_code():
-    patterns = {
-        "torch.load": re.compile(r"torch\.load\b"),
-        "pickle": re.compile(r"\b(c?pickle|dill|joblib|marshal)\b"),
-        "eval(": re.compile(r"(?<![\w.])eval\s*\("),
-        "exec(": re.compile(r"(?<![\w.])exec\s*\("),
-        "trust_remote_code other than =False": re.compile(r"trust_remote_code(?!=False\b)"),
-    }
+# Modules that turn bytes into live objects (and so can run code on load).
+_UNPICKLERS = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "joblib", "marshal", "shelve"}
+
+
+def _unsafe(tree) -> List[str]:
+    """What the package must not do, found in its syntax tree (comments and docstrings aside)."""
+    import ast
+
     found = []
-    calls = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.split(".")[0] in _UNPICKLERS]
+        elif isinstance(node, ast.ImportFrom):
+            module = (node.module or "").split(".")[0]
+            if module in _UNPICKLERS or (module == "torch" and any(a.name == "load" for a in node.names)):
+                found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name) \
+                and node.value.id == "torch":
+            found.append("torch.load")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("eval", "exec"):
+            found.append(f"{node.func.id}(")
+        elif isinstance(node, ast.keyword) and node.arg == "trust_remote_code" and not (
+                isinstance(node.value, ast.Constant) and node.value.value is False):
+            found.append("trust_remote_code other than =False")
+        elif isinstance(node, ast.Constant) and node.value == "trust_remote_code":
+            found.append("trust_remote_code passed by name")
+    return found
+
+
+def test_the_package_loads_no_pickle_and_runs_no_code():
+    import ast
+
+    found, passed_false = [], 0
     for folder, _, names in os.walk(PACKAGE_DIR):
-        for name in names:
+        for name in sorted(names):
             if not name.endswith(".py"):
                 continue
             path = os.path.join(folder, name)
             with open(path, encoding="utf-8") as handle:
                 text = handle.read()
-            calls += text.count("trust_remote_code=False")
-            found += [f"{path}: {label}" for label, pattern in patterns.items() if pattern.search(text)]
+            tree = ast.parse(text)
+            found += [f"{path}: {what}" for what in _unsafe(tree)]
+            # The text too, for what the syntax tree would not show as a call (a string passed to a shell).
+            found += [f"{path}: {word}" for word in ("torch.load(", "pickle.load") if word in text]
+            passed_false += sum(isinstance(node, ast.keyword) and node.arg == "trust_remote_code"
+                                for node in ast.walk(tree))
     assert found == []
-    assert calls >= 2  # AutoConfig.from_pretrained and the model's from_config both pass it
+    assert passed_false >= 2  # AutoConfig.from_pretrained and the model's from_config both pass False
+
+
+def test_the_check_for_unsafe_code_finds_each_kind():
+    import ast
+
+    planted = ast.parse(
+        "import pickle\nfrom torch import load\nimport torch\ntorch.load('x')\neval('1')\nexec('x=1')\n"
+        "AutoConfig.from_pretrained('m', trust_remote_code=True)\nf(**{'trust_remote_code': True})\n"
+        "model.eval()\nf(trust_remote_code=False)\n"
+    )
+    assert sorted(_unsafe(planted)) == sorted([
+        "import pickle", "from torch import ...", "torch.load", "eval(", "exec(",
+        "trust_remote_code other than =False", "trust_remote_code passed by name",
+    ])
 
 
 # -- the last resort --------------------------------------------------------------------------------
