@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", parents=[debug], help="one run: state over the steps, evaluations, breakdown, plot")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the Trainer's output_dir (or one of its checkpoints)")
     plot = report.add_mutually_exclusive_group()
-    plot.add_argument("--plot", metavar="PNG", help=f"where to write the plot (default: RUN_DIR/{REPORT_PLOT_FILE_NAME})")
+    plot.add_argument("--plot", metavar="PATH",
+                      help=f"where to write the plot, .png, .pdf or .svg (default: RUN_DIR/{REPORT_PLOT_FILE_NAME})")
     plot.add_argument("--no-plot", action="store_true", help="write no plot")
     report.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
     report.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
@@ -94,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
 
     compare = commands.add_parser("compare", parents=[debug], help="several runs side by side, sorted by optimizer state memory")
     compare.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="the runs' output_dir folders")
-    compare.add_argument("--plot", metavar="PNG", help="also write a bar chart there")
+    compare.add_argument("--plot", metavar="PATH", help="also write a bar chart there, .png, .pdf or .svg")
     compare.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
     compare.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of a table")
     compare.set_defaults(handler=_compare)

@@ -76,7 +76,6 @@ def _plain(table: TextTable) -> str:
 
 def _rich(table: TextTable) -> Any:
     from rich.table import Table
-
     from rich.text import Text
 
     # Text, not str: rich reads "[...]" in a str as markup, and a run named "[/]" would raise.

@@ -85,10 +85,8 @@ def _legend_below(figure: Any, axes: Any, handles: list, labels: list) -> None:
     # Under the axes, where it hides no point of either y axis.
     if handles:
         figure.subplots_adjust(bottom=0.27)
-        legend = axes.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2),
-                             ncol=min(len(handles), 4), frameon=False)
-        for text in legend.get_texts():
-            text.set_parse_math(False)
+        axes.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(len(handles), 4),
+                    frameon=False)
 
 
 def _as_written(figure: Any) -> None:
@@ -102,7 +100,6 @@ def _save(figure: Any, path: str) -> None:
         kind = plot_format(path)
     except ValueError as error:
         raise PlotError(str(error)) from None
-    _as_written(figure)
     try:
         # No bbox_inches="tight": the image keeps the size PLOT_SIZE_INCHES x PLOT_DPI says.
         atomic_write(path, lambda handle: figure.savefig(handle, format=kind, dpi=PLOT_DPI))
