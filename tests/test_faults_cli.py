@@ -120,6 +120,20 @@ def test_the_table_output_survives_the_same_values(tmp_path, capsys):
     assert "skipped 3 values" in err
 
 
+def test_metrics_not_shown_may_hold_anything(tmp_path, capsys):
+    # A run may log a confusion matrix; only the metrics the command shows are checked.
+    _write(tmp_path / "run" / "trainer_state.json", {"log_history": _history(
+        {"step": 2, "eval_confusion_matrix": [[3, 1], [0, 4]], "eval_accuracy": 0.875},
+    )})
+    code, document, err = _report_json(str(tmp_path / "run"), capsys)
+    assert code == 0 and err == ""
+    assert [e["metrics"] for e in document["evals"]] == [{"accuracy": 0.875}, {"accuracy": 0.5, "f1": 0.25}]
+    code, document, err = _report_json(str(tmp_path / "run"), capsys, "--metrics", "confusion_matrix")
+    assert code == 0
+    assert err == (f"trainer-memcb: warning: {tmp_path / 'run' / 'trainer_state.json'}: skipped 1 value that a run "
+                   "does not log (log_history[1].eval_confusion_matrix = [[3, 1], [0, 4]]: not a number)\n")
+
+
 def test_a_history_that_is_not_a_list_of_entries_is_refused(tmp_path, capsys):
     state = _write(tmp_path / "trainer_state.json", {"log_history": [{"step": 1}, 3]})
     code, out, err = _cli(["report", str(tmp_path)], capsys)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from trainer_memcb.run_values import clean_log_history, clean_summary
 from trainer_memcb.safe_io import MAX_WALK_ENTRIES, UnsafeFileError, find_files, read_json
@@ -283,8 +283,13 @@ def _read_history(run: RunLog) -> None:
             run.log_history = read_event_files(run.event_files)
 
 
-def load_run(run_dir: str) -> RunLog:
+def load_run(run_dir: str, metrics: Optional[Sequence[str]] = None) -> RunLog:
     """Everything `trainer-memcb report` reads from one run folder.
+
+    Args:
+        run_dir: the Trainer's `output_dir`, or one of its checkpoints.
+        metrics: the evaluation metrics whose values are checked (`["accuracy"]` checks
+            `eval_accuracy`); None checks every `eval_*` and `test_*` value.
 
     Raises:
         RunLogError: no such folder, nothing to read in it, or a file that cannot be read.
@@ -305,7 +310,9 @@ def load_run(run_dir: str) -> RunLog:
         if problems.count:
             run.warnings.append(f"{summary_file}: {problems.sentence('a summary does not hold')}")
     _read_history(run)
-    run.log_history, problems = clean_log_history(run.log_history, "log_history" if run.history_file else "scalars")
+    metric_keys = None if metrics is None else {f"eval_{metric}" for metric in metrics}
+    label = "log_history" if run.history_file else "scalars"
+    run.log_history, problems = clean_log_history(run.log_history, label, metric_keys)
     if problems.count:
         run.warnings.append(f"{run.history_source}: {problems.sentence('a run does not log')}")
     if not run.log_history and run.summary is None:

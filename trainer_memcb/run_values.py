@@ -8,7 +8,8 @@ the reader can say so in one line per file, and the figures around it are kept:
 - byte counts, value counts and parameter counts (`optimizer_state_bytes`, `..._by_key/<key>`,
   `eval_optimizer_state_bytes`, `optimizer_trainable_params`, ...) must be whole numbers >= 0
   below 2**63 (`optimizer_state_unexpected_bytes` may be negative);
-- evaluation metrics (`eval_*`, `test_*`) must be numbers (NaN and infinities are numbers);
+- the evaluation metrics read (`eval_accuracy`; by default every `eval_*` and `test_*`) must be
+  numbers (NaN and infinities are numbers);
 - the summary keeps only the fields the command reads, each of its expected type.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 __all__ = [
     "MAX_COUNT",
@@ -108,12 +109,16 @@ def _count_check(key: str) -> Tuple[bool, str]:
     return signed, ("not a whole number" if signed else "not a whole number >= 0")
 
 
-def clean_log_history(entries: List[Dict[str, Any]], label: str = "log_history") -> Tuple[List[Dict[str, Any]], Problems]:
+def clean_log_history(entries: List[Dict[str, Any]], label: str = "log_history",
+                      metric_keys: Optional[Collection[str]] = None) -> Tuple[List[Dict[str, Any]], Problems]:
     """The entries with every value the command reads of its right type, and what was dropped.
 
     Args:
         entries: log entries (dicts); their order is kept.
         label: how to name the list in a problem (`"log_history"`).
+        metric_keys: the metric keys to check (`{"eval_accuracy"}`); others are kept unchecked,
+            since a run may log what it likes (a confusion matrix). None checks every `eval_*`
+            and `test_*` key.
 
     Example:
         >>> cleaned, problems = clean_log_history([{"step": "1", "loss": 1.0}, {"step": 2, "optimizer_state_bytes": "8"}])
@@ -138,7 +143,8 @@ def clean_log_history(entries: List[Dict[str, Any]], label: str = "log_history")
                     problems.add(f"{label}[{index}].{key}", value, why)
                     continue
                 value = number
-            elif key.startswith(_METRIC_PREFIXES) and real_number(value) is None:
+            elif (key in metric_keys if metric_keys is not None else key.startswith(_METRIC_PREFIXES)) \
+                    and real_number(value) is None:
                 problems.add(f"{label}[{index}].{key}", value, "not a number")
                 continue
             kept[key] = value

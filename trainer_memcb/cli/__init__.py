@@ -141,8 +141,8 @@ def _check_plot_path(path: Optional[str]) -> None:
             raise UsageError(str(error)) from None
 
 
-def _load(run_dir: str) -> RunLog:
-    run = load_run(run_dir)
+def _load(run_dir: str, metrics: Sequence[str]) -> RunLog:
+    run = load_run(run_dir, metrics)
     for warning in run.warnings:
         say(f"warning: {warning}")
     return run
@@ -150,7 +150,7 @@ def _load(run_dir: str) -> RunLog:
 
 def _report(args: argparse.Namespace) -> int:
     _check_plot_path(args.plot)
-    report = run_report(_load(args.run_dir), args.metrics)
+    report = run_report(_load(args.run_dir, args.metrics), args.metrics)
     plot_path = None if args.no_plot else args.plot or os.path.join(args.run_dir, REPORT_PLOT_FILE_NAME)
     status = EXIT_DONE
     if plot_path is not None:
@@ -167,7 +167,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     _check_plot_path(args.plot)
-    rows = compare_runs([_load(run_dir) for run_dir in args.run_dirs], args.metrics)
+    rows = compare_runs([_load(run_dir, args.metrics) for run_dir in args.run_dirs], args.metrics)
     status, plot_path = EXIT_DONE, None
     if args.plot is not None:
         status, written = _write_plot(compare_plot, rows, args.plot, args.metrics, explicit=True)
