@@ -134,6 +134,14 @@ def test_metrics_not_shown_may_hold_anything(tmp_path, capsys):
                    "does not log (log_history[1].eval_confusion_matrix = [[3, 1], [0, 4]]: not a number)\n")
 
 
+def test_compare_names_the_one_run_it_cannot_read(tmp_path, capsys):
+    _write(tmp_path / "good" / "trainer_state.json", {"log_history": _history()})
+    bad = _write(tmp_path / "bad" / "trainer_state.json", "[" * 100_000)
+    code, out, err = _cli(["compare", str(tmp_path / "good"), str(tmp_path / "bad"), "--json"], capsys)
+    assert code == 1 and out == ""
+    assert err == f"trainer-memcb: {bad} is nested deeper than 64 levels\n"
+
+
 def test_a_history_that_is_not_a_list_of_entries_is_refused(tmp_path, capsys):
     state = _write(tmp_path / "trainer_state.json", {"log_history": [{"step": 1}, 3]})
     code, out, err = _cli(["report", str(tmp_path)], capsys)
