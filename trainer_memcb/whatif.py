@@ -25,6 +25,8 @@ from trainer_memcb.stand_ins import meta_stand_in
 from trainer_memcb.trainer_optimizers import OptimizerUnavailable, build_trainer_optimizer, class_path
 from trainer_memcb.units import format_bytes
 from trainer_memcb.unwrap import inner_optimizers
+from trainer_memcb.safe_io import UnsafeFileError, read_json
+from trainer_memcb.units import MiB, format_bytes
 
 __all__ = [
     "DEFAULT_OPTIMIZERS",
@@ -48,6 +50,10 @@ DEFAULT_OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_bnb_8bit")
 OPTIMIZER_ALIASES = {"adamw": "adamw_torch"}
 # Parameter dtypes a what-if may train in.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A model config is a few KiB.
+MAX_CONFIG_BYTES = 16 * MiB
+# `auto_map` names Python files beside the config that transformers would import: never done here.
+_ASKS_FOR_CODE = "{model}: its config.json asks to run code from the model's files (auto_map); that code is never run"
 
 
 class ModelConfigError(Exception):
@@ -184,7 +190,8 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
             None takes the config's `architectures`.
 
     Raises:
-        ModelConfigError: no such folder, no config in it, or a config transformers cannot build.
+        ModelConfigError: no such folder, no config in it, a config that asks to run its own code
+            (`auto_map`: code from a config is never run), or one transformers cannot build.
         ValueError: an `architecture` transformers does not have.
     """
     from transformers import AutoConfig
@@ -192,18 +199,28 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
     looks_like_path = os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
     if os.path.isdir(model):
         config_file = os.path.join(model, "config.json")
-        if not os.path.isfile(config_file):
+        if not os.path.lexists(config_file):
             raise ModelConfigError(f"{model}: no config.json in this folder (looked for {config_file})")
+        # Read here first, within bounds (no pipe, no device, no huge or deep file), to refuse a
+        # config that asks for code before transformers sees it.
+        try:
+            document = read_json(config_file, MAX_CONFIG_BYTES)
+        except UnsafeFileError as error:
+            raise ModelConfigError(f"{model}: could not read a model config ({error})") from None
+        if isinstance(document, dict) and "auto_map" in document:
+            raise ModelConfigError(_ASKS_FOR_CODE.format(model=model))
     elif looks_like_path or os.path.exists(model):
         raise ModelConfigError(f"{model}: no such folder (give a folder holding config.json, or a hub name)")
     try:
-        config = AutoConfig.from_pretrained(model)
-    except Exception as error:  # a corrupt config, an unknown model type, an unreachable hub
+        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except Exception as error:  # a corrupt config, an unknown model type, an unreachable hub, remote code
         raise ModelConfigError(f"{model}: could not read a model config ({error})") from None
+    if getattr(config, "auto_map", None):  # a hub config, seen only now
+        raise ModelConfigError(_ASKS_FOR_CODE.format(model=model))
     cls = _model_class(config, architecture)
     try:
         with torch.device("meta"):
-            built = cls.from_config(config) if hasattr(cls, "_model_mapping") else cls(config)
+            built = cls.from_config(config, trust_remote_code=False) if hasattr(cls, "_model_mapping") else cls(config)
     except Exception as error:
         raise ModelConfigError(f"{model}: could not build {getattr(cls, '__name__', cls)} from its config ({error})") from None
     if dtype is not None:

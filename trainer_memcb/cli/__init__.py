@@ -6,8 +6,11 @@
     trainer-memcb estimate MODEL            the what-if: each optimizer's state for a model config,
                                             built on the meta device
 
-Tables in a terminal, plain text when piped, `--json` for machines. Exit codes: 0 done, 1 nothing
-found (the message says where it looked) or a file that cannot be read, 2 usage error.
+Tables in a terminal, plain text when piped, `--json` for machines (strict JSON: a number that is
+not finite is null). Exit codes: 0 done, 1 nothing found (the message says where it looked), a
+file that cannot be read, or any other failure, 2 usage error. Every message is one line on
+stderr, `trainer-memcb: ...`; a value of the wrong type in a file is left out with one line
+`trainer-memcb: warning: FILE: skipped N values ...`. `--debug` shows the traceback of a failure.
 
 In three pieces, so that each can be used alone: `parser()`, `command(args)`, `main(argv)`.
 """
@@ -21,25 +24,26 @@ from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
 from trainer_memcb.cli.estimate import add_estimate_arguments, estimate_tables, estimate_what_if
+from trainer_memcb.cli.failures import (
+    EXIT_DONE,
+    EXIT_NOTHING_FOUND,
+    EXIT_USAGE,
+    PROGRAM,
+    UsageError,
+    answer,
+    quiet_libraries,
+    say,
+)
 from trainer_memcb.cli.output import print_json, print_tables
-from trainer_memcb.cli.plots import PlotError, compare_plot, report_plot
+from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
-from trainer_memcb.run_logs import RunLogError, load_run
+from trainer_memcb.run_logs import RunLog, RunLogError, load_run
 from trainer_memcb.whatif import ModelConfigError
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main"]
 
-PROGRAM = "trainer-memcb"
 # Written into the run folder by `report` unless --plot or --no-plot says otherwise.
 REPORT_PLOT_FILE_NAME = "optimizer_memory.png"
-
-EXIT_DONE = 0
-EXIT_NOTHING_FOUND = 1
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Bad input found after parsing (an option that does not fit the model)."""
 
 
 def _metrics(text: str) -> List[str]:
@@ -51,30 +55,36 @@ def _metrics(text: str) -> List[str]:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of `trainer-memcb`."""
+    debug_help = "on a failure, show the traceback"
     main_parser = argparse.ArgumentParser(
         prog=PROGRAM, description="What your optimizer held in memory, against its estimate; and what another would hold."
     )
+    main_parser.add_argument("--debug", action="store_true", help=debug_help)
+    # Also after the command (`report RUN --debug`); SUPPRESS keeps a --debug given before it.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     commands = main_parser.add_subparsers(dest="command", metavar="{report,compare,estimate}")
 
     metrics_help = f"eval metrics to show, comma-separated (default: {','.join(DEFAULT_METRICS)})"
 
-    report = commands.add_parser("report", help="one run: state over the steps, evaluations, breakdown, plot")
+    report = commands.add_parser("report", parents=[debug], help="one run: state over the steps, evaluations, breakdown, plot")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the Trainer's output_dir (or one of its checkpoints)")
     plot = report.add_mutually_exclusive_group()
-    plot.add_argument("--plot", metavar="PNG", help=f"where to write the plot (default: RUN_DIR/{REPORT_PLOT_FILE_NAME})")
+    plot.add_argument("--plot", metavar="PATH",
+                      help=f"where to write the plot, .png, .pdf or .svg (default: RUN_DIR/{REPORT_PLOT_FILE_NAME})")
     plot.add_argument("--no-plot", action="store_true", help="write no plot")
     report.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
     report.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
     report.set_defaults(handler=_report)
 
-    compare = commands.add_parser("compare", help="several runs side by side, sorted by optimizer state memory")
+    compare = commands.add_parser("compare", parents=[debug], help="several runs side by side, sorted by optimizer state memory")
     compare.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="the runs' output_dir folders")
-    compare.add_argument("--plot", metavar="PNG", help="also write a bar chart there")
+    compare.add_argument("--plot", metavar="PATH", help="also write a bar chart there, .png, .pdf or .svg")
     compare.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
     compare.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of a table")
     compare.set_defaults(handler=_compare)
 
-    estimate = commands.add_parser("estimate", help="the what-if before training, from a model config")
+    estimate = commands.add_parser("estimate", parents=[debug], help="the what-if before training, from a model config")
     add_estimate_arguments(estimate)
     estimate.set_defaults(handler=_estimate)
     return main_parser
@@ -86,13 +96,30 @@ def _write_plot(draw, *arguments, explicit: bool) -> Tuple[int, bool]:
     try:
         draw(*arguments)
     except PlotError as error:
-        print(f"{PROGRAM}: no plot: {error}", file=sys.stderr)
+        say(f"no plot: {error}")
         return (EXIT_NOTHING_FOUND if explicit else EXIT_DONE), False
     return EXIT_DONE, True
 
 
+def _check_plot_path(path: Optional[str]) -> None:
+    """An unknown extension is refused before any file is read or written."""
+    if path is not None:
+        try:
+            plot_format(path)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+
+
+def _load(run_dir: str, metrics: Sequence[str]) -> RunLog:
+    run = load_run(run_dir, metrics)
+    for warning in run.warnings:
+        say(f"warning: {warning}")
+    return run
+
+
 def _report(args: argparse.Namespace) -> int:
-    report = run_report(load_run(args.run_dir), args.metrics)
+    _check_plot_path(args.plot)
+    report = run_report(_load(args.run_dir, args.metrics), args.metrics)
     plot_path = None if args.no_plot else args.plot or os.path.join(args.run_dir, REPORT_PLOT_FILE_NAME)
     status = EXIT_DONE
     if plot_path is not None:
@@ -108,7 +135,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    rows = compare_runs([load_run(run_dir) for run_dir in args.run_dirs], args.metrics)
+    _check_plot_path(args.plot)
+    rows = compare_runs([_load(run_dir, args.metrics) for run_dir in args.run_dirs], args.metrics)
     status, plot_path = EXIT_DONE, None
     if args.plot is not None:
         status, written = _write_plot(compare_plot, rows, args.plot, args.metrics, explicit=True)
@@ -135,20 +163,15 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def command(args: argparse.Namespace) -> int:
-    """Run the parsed command; bad input becomes a message on stderr and an exit code, never a traceback."""
+    """Run the parsed command; any failure becomes one line on stderr and an exit code, never a
+    traceback (unless `args.debug`)."""
     handler = getattr(args, "handler", None)
     if handler is None:
         parser().print_usage(sys.stderr)
         print(f"{PROGRAM}: error: choose a command: report, compare or estimate", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        return handler(args)
-    except (RunLogError, ModelConfigError) as error:
-        print(f"{PROGRAM}: {error}", file=sys.stderr)
-        return EXIT_NOTHING_FOUND
-    except UsageError as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+    known = (RunLogError, ModelConfigError)
+    return answer(lambda: handler(args), known, debug=getattr(args, "debug", False))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -163,4 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
         code = exit_request.code
         return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
-    return command(args)
+    if args.debug:
+        return command(args)
+    with quiet_libraries():  # their warnings would add lines to the one line the command says
+        return command(args)

@@ -6,14 +6,20 @@ The commands build `TextTable`s from data; nothing here computes a figure.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, TextIO, Tuple
 
 from trainer_memcb.units import format_bytes
 
-__all__ = ["TextTable", "bytes_cell", "count_cell", "metric_cell", "print_tables", "print_json"]
+__all__ = ["TextTable", "bytes_cell", "count_cell", "metric_cell", "print_tables", "print_json", "finite_json", "one_line"]
 
 _MISSING = "-"
+# Line breaks and tabs in a message (a path holding one, a library's paragraphs) become one space;
+# other control characters (a terminal's escape sequences) are shown escaped.
+_BREAKS = re.compile(r"[\n\r\t\v\f]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def bytes_cell(num_bytes: Optional[int]) -> str:
@@ -70,12 +76,15 @@ def _plain(table: TextTable) -> str:
 
 def _rich(table: TextTable) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
-    shown = Table(title=table.title, title_justify="left", caption=table.note or None, caption_justify="left")
+    # Text, not str: rich reads "[...]" in a str as markup, and a run named "[/]" would raise.
+    shown = Table(title=Text(table.title), title_justify="left", caption=Text(table.note) if table.note else None,
+                  caption_justify="left")
     for index, column in enumerate(table.columns):
-        shown.add_column(column, justify="left" if index in table.text_columns else "right")
+        shown.add_column(Text(column), justify="left" if index in table.text_columns else "right")
     for row in table.rows:
-        shown.add_row(*row)
+        shown.add_row(*(Text(cell) for cell in row))
     return shown
 
 
@@ -91,6 +100,29 @@ def print_tables(tables: Sequence[TextTable], stream: TextIO) -> None:
     stream.write("\n\n".join(_plain(table) for table in tables) + "\n")
 
 
+def finite_json(document: Any) -> Any:
+    """The document with every NaN and infinity replaced by None, so that it is strict JSON.
+    The documents printed here are a few levels deep."""
+    if isinstance(document, float):
+        return document if math.isfinite(document) else None
+    if isinstance(document, dict):
+        return {key: finite_json(value) for key, value in document.items()}
+    if isinstance(document, (list, tuple)):
+        return [finite_json(value) for value in document]
+    return document
+
+
 def print_json(document: Any, stream: TextIO) -> None:
-    json.dump(document, stream, indent=2, sort_keys=True)
+    """Strict JSON (RFC 8259): a non-finite number is printed as null, never as NaN or Infinity."""
+    json.dump(finite_json(document), stream, indent=2, sort_keys=True, allow_nan=False)
     stream.write("\n")
+
+
+def one_line(message: str) -> str:
+    """The message on one line, for stderr.
+
+    Example:
+        >>> one_line("could not read (first\\n\\nsecond)\\x1b[2J")
+        'could not read (first second)\\\\x1b[2J'
+    """
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", _BREAKS.sub(" ", str(message)).strip())

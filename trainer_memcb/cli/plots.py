@@ -1,18 +1,26 @@
-"""PNG plots for `report` and `compare`. matplotlib is optional (`pip install 'trainer_memcb[plot]'`).
+"""Plots for `report` and `compare`: PNG, PDF or SVG. matplotlib is optional (`pip install 'trainer_memcb[plot]'`).
 
 Figures are drawn with matplotlib's object API on an Agg canvas: no pyplot, no global backend
-switch, nothing left open in the caller's process.
+switch, nothing left open in the caller's process. Text from a run folder (run names, class
+names) is drawn as written: matplotlib's mathtext, which reads `$...$` as math, is off for every
+text. The file is written whole or not at all, and never through a symbolic link
+(`trainer_memcb.safe_io.atomic_write`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import CompareRow
 from trainer_memcb.cli.report import RunReport
+from trainer_memcb.safe_io import UnsafeFileError, atomic_write
 from trainer_memcb.units import GiB, KiB, MiB
 
-__all__ = ["PLOT_SIZE_INCHES", "PLOT_DPI", "PlotError", "report_plot", "compare_plot"]
+__all__ = [
+    "PLOT_SIZE_INCHES", "PLOT_DPI", "PLOT_FORMATS", "PlotError", "plot_format",
+    "report_figure", "report_plot", "compare_figure", "compare_plot",
+]
 
 # 9 x 5 inches at 100 dots per inch: a 900 x 500 pixel PNG.
 PLOT_SIZE_INCHES = (9.0, 5.0)
@@ -20,10 +28,30 @@ PLOT_DPI = 100
 # Memory in the first two colors, metrics in others, so that a metric never looks like a state.
 _STATE_COLORS = ("tab:blue", "tab:orange")
 _METRIC_COLORS = ("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+# Formats the Agg canvas writes with no other program (pgf would need LaTeX), by file extension.
+PLOT_FORMATS = ("png", "pdf", "svg")
 
 
 class PlotError(Exception):
     """A plot that cannot be drawn (matplotlib missing, a file that cannot be written)."""
+
+
+def plot_format(path: str) -> str:
+    """The format a plot path asks for, from its extension (any case); no extension means PNG.
+
+    Raises:
+        ValueError: another extension.
+
+    Example:
+        >>> plot_format("runs/adamw.SVG"), plot_format("plot")
+        ('svg', 'png')
+    """
+    extension = os.path.splitext(path)[1]
+    if not extension:
+        return "png"
+    if extension.lower().lstrip(".") not in PLOT_FORMATS:
+        raise ValueError(f"--plot {path}: the extension must be .png, .pdf or .svg (none means .png)")
+    return extension.lower().lstrip(".")
 
 
 def _figure() -> Any:
@@ -61,16 +89,34 @@ def _legend_below(figure: Any, axes: Any, handles: list, labels: list) -> None:
                     frameon=False)
 
 
+def _as_written(figure: Any) -> None:
+    """Every text of the figure drawn as written, `$` included: no mathtext."""
+    for text in figure.findobj(lambda artist: hasattr(artist, "set_parse_math")):
+        text.set_parse_math(False)
+
+
 def _save(figure: Any, path: str) -> None:
     try:
-        # No bbox_inches="tight": the PNG keeps the size PLOT_SIZE_INCHES x PLOT_DPI says.
-        figure.savefig(path, dpi=PLOT_DPI)
+        kind = plot_format(path)
+    except ValueError as error:
+        raise PlotError(str(error)) from None
+    try:
+        # No bbox_inches="tight": the image keeps the size PLOT_SIZE_INCHES x PLOT_DPI says.
+        atomic_write(path, lambda handle: figure.savefig(handle, format=kind, dpi=PLOT_DPI))
+    except UnsafeFileError as error:
+        raise PlotError(str(error)) from None
     except OSError as error:
-        raise PlotError(f"could not write the plot to {path} ({error})") from None
+        raise PlotError(f"could not write the plot to {path} ({error.strerror or error})") from None
 
 
 def report_plot(report: RunReport, path: str, metrics: Sequence[str]) -> None:
-    """Optimizer state (measured and estimate) over the steps; eval metrics on a second axis."""
+    """Optimizer state (measured and estimate) over the steps; eval metrics on a second axis.
+    The format follows the extension of `path` (`plot_format`)."""
+    _save(report_figure(report, metrics), path)
+
+
+def report_figure(report: RunReport, metrics: Sequence[str]) -> Any:
+    """The figure `report_plot` writes: a matplotlib `Figure` on an Agg canvas."""
     figure = _figure()
     axes = figure.add_subplot(1, 1, 1)
     known = [v for s in report.steps for v in (s.measured_bytes, s.estimate_bytes) if v is not None]
@@ -97,11 +143,17 @@ def report_plot(report: RunReport, path: str, metrics: Sequence[str]) -> None:
         handles, labels = handles + more_handles, labels + more_labels
     _legend_below(figure, axes, handles, labels)
     axes.set_title(f"{report.name}: {report.optimizer_class or 'optimizer'} state")
-    _save(figure, path)
+    _as_written(figure)
+    return figure
 
 
 def compare_plot(rows: Sequence[CompareRow], path: str, metrics: Sequence[str]) -> None:
     """Bars of each run's measured and estimated state; final eval metrics on a second axis."""
+    _save(compare_figure(rows, metrics), path)
+
+
+def compare_figure(rows: Sequence[CompareRow], metrics: Sequence[str]) -> Any:
+    """The figure `compare_plot` writes."""
     figure = _figure()
     axes = figure.add_subplot(1, 1, 1)
     known = [v for row in rows for v in (row.measured_bytes, row.estimate_bytes) if v is not None]
@@ -126,4 +178,5 @@ def compare_plot(rows: Sequence[CompareRow], path: str, metrics: Sequence[str]) 
     more_handles, more_labels = metric_axes.get_legend_handles_labels()
     _legend_below(figure, axes, handles + more_handles, labels + more_labels)
     axes.set_title("Optimizer state by run")
-    _save(figure, path)
+    _as_written(figure)
+    return figure

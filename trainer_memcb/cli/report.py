@@ -19,12 +19,13 @@ __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_re
 DEFAULT_METRICS = ("accuracy", "f1")
 # `Trainer.evaluate(metric_key_prefix="eval")`, the prefix of every evaluation key.
 EVAL_PREFIX = "eval"
-# Breakdown keys as logged, then as logged before they were renamed (runs of older versions).
-_BY_KEY = (BREAKDOWN_KEY_PREFIXES["key"], f"{MEASURED_BYTES}/by_key/")
+# Breakdown keys: `optimizer_state_bytes_by_key/<key>`, and `optimizer_state_bytes/by_key/<key>` as
+# runs logged them before the rename (a key may not be the path prefix of another).
+_BY_KEY = (f"{MEASURED_BYTES}_by_key/", f"{MEASURED_BYTES}/by_key/")
+_BY_DTYPE = (f"{MEASURED_BYTES}_by_dtype/", f"{MEASURED_BYTES}/by_dtype/")
 # TensorBoard's add_scalar stores a float32: integers are exact up to 2**24.
 _FLOAT32_NOTE = ("logs read from TensorBoard, which keeps float32: byte counts above 16,777,216 in the "
                  "logged series are rounded (the summary's are exact)")
-_BY_DTYPE = (BREAKDOWN_KEY_PREFIXES["dtype"], f"{MEASURED_BYTES}/by_dtype/")
 
 
 @dataclass
@@ -88,16 +89,15 @@ def _last_with(entries: Sequence[Dict[str, Any]], key: str) -> Optional[Any]:
     return None
 
 
-def _parts(entry: Dict[str, Any], prefix: str) -> Dict[str, int]:
-    return {key[len(prefix):]: value for key, value in entry.items() if key.startswith(prefix)}
+def _parts(entry: Dict[str, Any], prefixes: Sequence[str]) -> Dict[str, int]:
+    return {key[len(prefix):]: value for key, value in entry.items() for prefix in prefixes if key.startswith(prefix)}
 
 
 def _last_parts(entries: Sequence[Dict[str, Any]], prefixes: Sequence[str]) -> Dict[str, int]:
     for entry in reversed(entries):
-        for prefix in prefixes:
-            parts = _parts(entry, prefix)
-            if parts:
-                return parts
+        parts = _parts(entry, prefixes)
+        if parts:
+            return parts
     return {}
 
 
@@ -118,7 +118,7 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
     """The figures of one run, from its own logs.
 
     Args:
-        run: from `trainer_memcb.run_logs.load_run`.
+        run: from `trainer_memcb.run_logs.load_run`, which checks each value's type (a `step` is an int).
         metrics: evaluation metrics to follow, without the `eval_` prefix.
     """
     eval_keys = {metric: f"{EVAL_PREFIX}_{metric}" for metric in metrics}
@@ -128,12 +128,12 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
         entry for entry in run.log_history if any(key in entry for key in eval_keys.values()) or eval_measured in entry
     ]
     steps = [
-        StepFigures(int(entry.get("step", 0)), entry.get(MEASURED_BYTES), entry.get(ESTIMATE_BYTES))
+        StepFigures(entry["step"], entry.get(MEASURED_BYTES), entry.get(ESTIMATE_BYTES))
         for entry in training
     ]
     evals = [
         EvalFigures(
-            int(entry.get("step", 0)),
+            entry["step"],
             {metric: entry[key] for metric, key in eval_keys.items() if key in entry},
             entry.get(eval_measured),
         )
@@ -232,7 +232,7 @@ def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -
         tables.append(TextTable(
             f"What-if at train begin, for {count_cell(report.what_if.get('trainable_params'))} trainable parameters",
             ["optimizer", "state estimate"],
-            [[entry.get("name", "?"), bytes_cell(_nested(entry, "estimate", "num_bytes"))
+            [[entry.get("name") or "?", bytes_cell(_nested(entry, "estimate", "num_bytes"))
               if entry.get("estimate") else entry.get("problem") or "-"]
              for entry in report.what_if.get("optimizers", [])],
         ))
