@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Dict, List, Optional
 
 from trainer_memcb.estimate import StateEstimate
 from trainer_memcb.measure import StateMeasurement
-from trainer_memcb.safe_write import write_file_atomically
+from trainer_memcb.safe_io import atomic_write
 from trainer_memcb.units import format_bytes
 
 __all__ = ["SUMMARY_FILE_NAME", "summary_document", "summary_text", "write_summary"]
@@ -67,6 +68,8 @@ def summary_text(measurement: Optional[StateMeasurement], estimate: Optional[Sta
 
 def write_summary(document: Dict[str, Any], path: str) -> None:
     """Write the document atomically, so that a reader never sees half a file; a failure leaves
-    no file behind, and a `path` that is a symbolic link is refused (`SymlinkRefused`)."""
+    no file behind, and a `path` that is a symbolic link is refused (`UnsafeFileError`)."""
     # Serialised first: a document that cannot be written as JSON fails before any file exists.
-    write_file_atomically(path, json.dumps(document, indent=2, sort_keys=True) + "\n")
+    payload = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    atomic_write(path, lambda handle: handle.write(payload))
