@@ -23,21 +23,13 @@ from transformers import get_constant_schedule
 
 import trainer_memcb.accelerate_loop
 from helpers import TinyDataset, tiny_classifier
-from trainer_memcb import OptimizerMemoryLogger, figures
+from trainer_memcb import OptimizerMemoryLogger
 from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
 from trainer_memcb.summary import SUMMARY_FILE_NAME
 
-# The sums over all processes, where this version logs them, and the per-process key each sums.
-TOTAL_KEYS = {
-    getattr(figures, name): per_process
-    for name, per_process in (("MEASURED_TOTAL_BYTES", MEASURED_BYTES), ("ESTIMATE_TOTAL_BYTES", ESTIMATE_BYTES))
-    if hasattr(figures, name)
-}
-
-
 def in_one_process(expected: Dict[str, int]) -> Dict[str, int]:
-    """`expected` plus its totals: in a single process each total equals the per-process figure."""
-    return {**expected, **{total: expected[key] for total, key in TOTAL_KEYS.items() if key in expected}}
+    """`expected` as one process logs it: no `..._total_bytes` keys, which would only repeat it."""
+    return dict(expected)
 
 
 def tensorboard_scalars(log_dir: str) -> Dict[str, List[Tuple[int, float]]]:

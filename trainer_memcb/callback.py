@@ -55,8 +55,8 @@ class OptimizerMemoryCallback(TrainerCallback):
     | `optimizer_state_estimate_bytes` | bytes | what it should hold for this optimizer family |
     | `optimizer_state_elements` | values | values stored in the state |
     | `optimizer_trainable_params` | parameters | trainable parameter values the estimate covers |
-    | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes |
-    | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes |
+    | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes (with several) |
+    | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes (with several) |
     | `optimizer_master_weights_bytes` | bytes | DeepSpeed ZeRO's fp32 master weights (with ZeRO only) |
     | `optimizer_state_bytes/by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes/by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |

@@ -157,7 +157,7 @@ class OptimizerStateMonitor:
 
         With several processes (`torch.distributed` initialized) this is a collective: every
         process must call it at the same steps. Per-process figures are then the largest over the
-        processes, and `..._total_bytes` their sums (with one process, equal to them).
+        processes, and `..._total_bytes` their sums (with one process there are no totals).
         """
         if step is not None and step == self._figures_step:
             return dict(self._figures)
