@@ -149,6 +149,19 @@ def test_accelerate_example_logs_the_figures_each_optimizer_step(tmp_path):
     assert (summary["global_step"], summary["measured"]["num_bytes"]) == (3, expected)
 
 
+def test_accelerate_example_logs_the_last_step_and_eval_figures_beside_eval_accuracy(tmp_path):
+    # 3 steps with logging every 5: no logging step comes, and the last step is logged anyway.
+    argv = TINY_RUN + ["--max-steps", "3", "--logging-steps", "5", "--output-dir", str(tmp_path)]
+    assert train_with_accelerate.main(argv) == 0
+    expected = expected_state_bytes(tiny_model())["adamw"]
+    scalars = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    assert scalars[MEASURED_BYTES] == scalars[ESTIMATE_BYTES] == [(3, float(expected))]
+    assert [step for step, _ in scalars["loss"]] == [3]
+    assert [step for step, _ in scalars["eval_accuracy"]] == [3]
+    assert scalars[f"eval_{MEASURED_BYTES}"] == scalars[f"eval_{ESTIMATE_BYTES}"] == [(3, float(expected))]
+    assert scalars[f"eval_{TRAINABLE_PARAMS}"] == [(3, 454_530.0)]
+
+
 def test_distilbert_base_cased_built_offline_holds_the_lessons_numbers(tmp_path):
     command = [sys.executable, os.path.join(EXAMPLES, "compare_optimizers.py"), "--model", "distilbert-base-cased",
                "--optimizers", "adamw", "--max-steps", "1", "--train-samples", "8", "--eval-samples", "8",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Iterable, Optional
 
-from trainer_memcb.figures import KEY_DESCRIPTIONS
+from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.monitor import OptimizerStateMonitor
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 
@@ -23,7 +23,10 @@ class OptimizerMemoryLogger:
     `optimizer.step()`. On a logging step it returns the figures and passes them to
     `accelerator.log(figures, step=step)`, so every tracker of `Accelerator(log_with=...)` receives
     them (TensorBoard shows `optimizer_state_bytes` beside your loss). On other steps it returns
-    `{}` without measuring anything.
+    `{}` without measuring anything. The last step of the run (`max_steps`) is always a logging
+    step, so a run shorter than `logging_steps`, or one that does not end on a multiple of it,
+    still logs its figures. `add_to(metrics, prefix="eval")` puts the current figures into an
+    entry of your own, such as your evaluation's metrics, beside `eval_accuracy`.
 
     Logged keys: exactly `OptimizerMemoryCallback`'s, exact integers (`OptimizerMemoryLogger.KEYS`
     gives each with its unit): `optimizer_state_bytes` (bytes the state really holds),
@@ -45,6 +48,9 @@ class OptimizerMemoryLogger:
         accelerator: an `accelerate.Accelerator` to log through; None to only return the figures.
         logging_steps: log on every optimizer step that is a multiple of this.
         breakdown: extra per-part byte keys to log: any of `"key"`, `"dtype"`, `"device"`.
+        max_steps: the run's last optimizer step, logged whatever `logging_steps` says; None when
+            the loop has no known end (then log the end yourself with `memory(step=...)` or
+            `add_to`).
 
     Example:
         >>> import torch
@@ -57,6 +63,9 @@ class OptimizerMemoryLogger:
         >>> figures = memory()
         >>> figures["optimizer_state_bytes"], figures["optimizer_state_estimate_bytes"]
         (88, 88)
+        >>> metrics = memory.add_to({"eval_accuracy": 0.5}, prefix="eval")
+        >>> metrics["eval_accuracy"], metrics["eval_optimizer_state_bytes"]
+        (0.5, 88)
         >>> OptimizerMemoryLogger(optimizer, logging_steps=0)
         Traceback (most recent call last):
         ...
@@ -71,11 +80,14 @@ class OptimizerMemoryLogger:
         accelerator: Any = None,
         logging_steps: int = 1,
         breakdown: Iterable[str] = (),
+        max_steps: Optional[int] = None,
     ) -> None:
         if optimizer is None:
             raise ValueError("optimizer=None: expected the optimizer whose state to measure")
         if isinstance(logging_steps, bool) or not isinstance(logging_steps, int) or logging_steps < 1:
             raise ValueError(f"logging_steps={logging_steps!r}: expected a whole number of at least 1")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps={max_steps!r}: expected a whole number of at least 1, or None")
         if accelerator is not None and not callable(getattr(accelerator, "log", None)):
             raise ValueError(
                 f"accelerator={accelerator!r}: expected an accelerate.Accelerator (it has no log method)"
@@ -84,6 +96,7 @@ class OptimizerMemoryLogger:
         self.monitor.attach(optimizer)
         self.accelerator = accelerator
         self.logging_steps = logging_steps
+        self.max_steps = max_steps
         self.optimizer_steps = 0
 
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
@@ -98,7 +111,7 @@ class OptimizerMemoryLogger:
         self.optimizer_steps += 1
         if step is None:
             step = self.optimizer_steps
-        if step % self.logging_steps:
+        if step % self.logging_steps and step != self.max_steps:
             return {}
         figures = self.monitor.figures(step)
         if figures and self.accelerator is not None and getattr(self.accelerator, "is_main_process", True):
@@ -107,6 +120,27 @@ class OptimizerMemoryLogger:
             except Exception as error:  # never break training over a figure
                 self.monitor.warn_once("log", f"accelerator.log failed for the optimizer figures ({error!r})")
         return figures
+
+    def add_to(self, entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+        """Add the current figures to `entry`, a dict your loop logs; returns `entry`.
+
+        With `prefix="eval"` the keys read `eval_optimizer_state_bytes`, ..., beside
+        `eval_accuracy` in the same `accelerator.log(entry, step=step)` call. The figures are
+        those of the last optimizer step counted (measured now unless this step was measured
+        already). With several processes every process must call this at the same points (it
+        takes part in the exchange); put it where your evaluation runs on every process.
+
+        Args:
+            entry: the dict to add to (changed in place: pass your own entry, not a shared one).
+            prefix: put before each key with an underscore, as the Trainer does for evaluations.
+        """
+        if not isinstance(entry, dict):
+            raise ValueError(f"entry={entry!r}: expected the dict your loop logs")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix={prefix!r}: expected a string such as 'eval', or '' for none")
+        figures = self.monitor.figures(self.optimizer_steps)
+        entry.update(with_prefix(figures, prefix))
+        return entry
 
     def summary(self) -> str:
         """The latest measurement against the estimate, by state key and dtype, in MiB/GiB."""
