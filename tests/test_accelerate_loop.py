@@ -24,7 +24,7 @@ from transformers import get_constant_schedule
 import trainer_memcb.accelerate_loop
 from helpers import TinyDataset, tiny_classifier
 from trainer_memcb import OptimizerMemoryLogger
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
+from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS, UNEXPECTED_BYTES
 from trainer_memcb.summary import SUMMARY_FILE_NAME
 
 def in_one_process(expected: Dict[str, int]) -> Dict[str, int]:
@@ -90,7 +90,8 @@ def test_figures_reach_tensorboard_exact_on_logging_steps_only(tmp_path):
     accelerator.end_training()
 
     expected = in_one_process({MEASURED_BYTES: state_bytes, MEASURED_ELEMENTS: state_values,
-                               ESTIMATE_BYTES: state_bytes, TRAINABLE_PARAMS: num_params})
+                               ESTIMATE_BYTES: state_bytes, TRAINABLE_PARAMS: num_params,
+                               UNEXPECTED_BYTES: 0})  # every parameter has state: measured - estimate
     assert (num_params, state_bytes) == (3_714, 29_808)  # 8 x 3,714 + 4 x 24 tensors
     assert returned == [{}, expected, {}, expected, {}]
     assert memory.optimizer_steps == 5

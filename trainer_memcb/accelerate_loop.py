@@ -144,7 +144,7 @@ class OptimizerMemoryLogger:
 
     def summary(self) -> str:
         """The latest measurement against the estimate, by state key and dtype, in MiB/GiB."""
-        return summary_text(self.monitor.latest, self.monitor.estimate())
+        return summary_text(self.monitor.latest, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps))
 
     def save_summary(self, output_dir: str, file_name: str = SUMMARY_FILE_NAME) -> Optional[str]:
         """Measure now and write the same JSON summary as the callback; returns its path.

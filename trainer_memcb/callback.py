@@ -181,7 +181,7 @@ class OptimizerMemoryCallback(TrainerCallback):
             estimate = self.monitor.estimate()
             if measurement is None and estimate is None:
                 return
-            logger.info(summary_text(measurement, estimate))
+            logger.info(summary_text(measurement, estimate, self.monitor.judgement(state.global_step)))
             if self.summary_file is not None:
                 document = self.monitor.summary_document(
                     state.global_step,

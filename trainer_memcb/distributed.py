@@ -27,6 +27,7 @@ from trainer_memcb.figures import (
     MEASURED_ELEMENTS,
     MEASURED_TOTAL_BYTES,
     TRAINABLE_PARAMS,
+    UNEXPECTED_BYTES,
 )
 
 __all__ = [
@@ -90,6 +91,9 @@ def _with_totals(figures: Mapping[str, int], per_process: Mapping[str, int], tot
                     result[TOTAL_KEYS[key]] = totals[key]
         elif key.startswith(_BREAKDOWN_PREFIX):
             if MEASURED_BYTES in per_process:  # a breakdown only beside the figure it breaks down
+                result[key] = value
+        elif key == UNEXPECTED_BYTES:
+            if MEASURED_BYTES in per_process and ESTIMATE_BYTES in per_process:  # a difference of two figures logged
                 result[key] = value
         else:
             result[key] = value

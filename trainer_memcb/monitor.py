@@ -14,7 +14,8 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
-from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, optimizer_figures
+from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, UNEXPECTED_BYTES, optimizer_figures
+from trainer_memcb.judge import StateJudge, StateJudgement
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
 from trainer_memcb.summary import summary_document
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
@@ -71,6 +72,8 @@ class OptimizerStateMonitor:
         # too much to repeat at every logged step for an answer that cannot change.
         self._is_zero: Optional[bool] = None
         self._warned: Set[str] = set()
+        # Measured against estimate, judged once every trainable parameter has state.
+        self._judge = StateJudge()
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -96,6 +99,7 @@ class OptimizerStateMonitor:
         self._failed_step = None
         self._figures_step = None
         self._is_zero = None
+        self._judge = StateJudge()
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -116,6 +120,11 @@ class OptimizerStateMonitor:
         except Exception as error:  # never break training over a figure
             self.warn_once("estimate", f"estimating the optimizer state failed ({error!r}); no estimate is logged")
             return None
+        if self._estimate is not None:
+            try:  # the rule's per-parameter numbers, taken with the estimate
+                self._judge.expect(self._optimizer)
+            except Exception as error:  # never break training over a figure
+                self.warn_once("judge", f"judging measured against estimate failed ({error!r}); it is left out")
         if self._estimate is None:
             name = optimizer_class_name(self._optimizer)
             self.warn_once(
@@ -192,7 +201,33 @@ class OptimizerStateMonitor:
             master_bytes = None
         if master_bytes is not None:
             figures[MASTER_WEIGHTS_BYTES] = master_bytes
+        self._add_unexpected(figures, measurement)
         return figures
+
+    def _add_unexpected(self, figures: Dict[str, int], measurement: Optional[StateMeasurement]) -> None:
+        """`optimizer_state_unexpected_bytes` once every trainable parameter has state, and one
+        warning, with the likely causes, the first time measured and estimate differ."""
+        try:
+            estimate = self.estimate()
+            difference = self._judge.difference(self._optimizer, measurement, estimate)
+            if difference is None:
+                return
+            figures[UNEXPECTED_BYTES] = difference
+            if difference and "differs" not in self._warned:
+                judgement = self._judge.judge(self._optimizer, measurement, estimate)
+                if judgement is not None:
+                    self.warn_once("differs", judgement.message())
+        except Exception as error:  # never break training over a figure
+            self.warn_once("judge", f"judging measured against estimate failed ({error!r}); it is left out")
+
+    def judgement(self, step: Optional[int] = None) -> Optional[StateJudgement]:
+        """Measured (at `step`) against estimate, judged; None until every trainable parameter
+        has state, without an estimate, or on failure."""
+        try:
+            return self._judge.judge(self._optimizer, self.measure(step), self.estimate())
+        except Exception as error:  # never break training over a summary
+            self.warn_once("judge", f"judging measured against estimate failed ({error!r}); it is left out")
+            return None
 
     # -- the end of a run ----------------------------------------------------------------------
 
@@ -200,6 +235,9 @@ class OptimizerStateMonitor:
         """The end-of-run JSON document (`optimizer_memory.json`): the measurement at `step`
         against the estimate, the largest measurement seen, and `extra`."""
         peak = self._peak
+        judgement = self.judgement(step)
+        if judgement is not None:
+            extra = {"judgement": judgement.to_dict(), **(extra or {})}
         return summary_document(
             self.measure(step),
             self.estimate(),
