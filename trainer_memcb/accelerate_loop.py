@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, Optional
 from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.monitor import OptimizerStateMonitor
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
+from trainer_memcb.tensorboard_view import TensorBoardView, loop_tag, summary_markdown, tracker_log_dir
 
 __all__ = ["OptimizerMemoryLogger"]
 
@@ -98,6 +99,10 @@ class OptimizerMemoryLogger:
         self.logging_steps = logging_steps
         self.max_steps = max_steps
         self.optimizer_steps = 0
+        # Charts and the text summary, in the TensorBoard tracker's folder when there is one.
+        self._tensorboard: Optional[TensorBoardView] = None
+        if accelerator is not None:
+            self._tensorboard = TensorBoardView(lambda: tracker_log_dir(accelerator), loop_tag)
 
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
         """Call right after `optimizer.step()`; the figures logged at this step, or `{}`.
@@ -119,7 +124,19 @@ class OptimizerMemoryLogger:
                 self.accelerator.log(figures, step=step)
             except Exception as error:  # never break training over a figure
                 self.monitor.warn_once("log", f"accelerator.log failed for the optimizer figures ({error!r})")
+            self._observe(figures, "", step)
         return figures
+
+    def _is_main_process(self) -> bool:
+        return self.accelerator is not None and getattr(self.accelerator, "is_main_process", True)
+
+    def _observe(self, figures: Dict[str, int], prefix: str, step: int) -> None:
+        if self._tensorboard is None or not figures:
+            return
+        try:
+            self._tensorboard.observe(figures, prefix, step)
+        except Exception as error:  # never break training over a chart
+            self.monitor.warn_once("tensorboard", f"writing the TensorBoard layout failed ({error!r})")
 
     def add_to(self, entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
         """Add the current figures to `entry`, a dict your loop logs; returns `entry`.
@@ -140,6 +157,8 @@ class OptimizerMemoryLogger:
             raise ValueError(f"prefix={prefix!r}: expected a string such as 'eval', or '' for none")
         figures = self.monitor.figures(self.optimizer_steps)
         entry.update(with_prefix(figures, prefix))
+        if self._is_main_process():
+            self._observe(figures, prefix, self.optimizer_steps)
         return entry
 
     def summary(self) -> str:
@@ -147,7 +166,8 @@ class OptimizerMemoryLogger:
         return summary_text(self.monitor.latest, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps))
 
     def save_summary(self, output_dir: str, file_name: str = SUMMARY_FILE_NAME) -> Optional[str]:
-        """Measure now and write the same JSON summary as the callback; returns its path.
+        """Measure now and write the same JSON summary as the callback; returns its path. With a
+        TensorBoard tracker, the same summary goes to its Text tab (`optimizer_memory`).
 
         Call it once, after the loop, on the main process. None (and a warning) if it fails.
         """
@@ -155,7 +175,13 @@ class OptimizerMemoryLogger:
             document = self.monitor.summary_document(self.optimizer_steps)
             path = os.path.join(output_dir, file_name)
             write_summary(document, path)
-            return path
         except Exception as error:  # never break training over a summary
             self.monitor.warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
             return None
+        if self._tensorboard is not None:
+            try:  # the same summary in the tracker's Text tab
+                self._tensorboard.write_text(summary_markdown(document), self.optimizer_steps)
+                self._tensorboard.close()
+            except Exception as error:  # never break training over a summary
+                self.monitor.warn_once("tensorboard", f"writing the TensorBoard summary failed ({error!r})")
+        return path

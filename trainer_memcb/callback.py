@@ -12,6 +12,7 @@ from trainer_memcb import whatif
 from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.monitor import OptimizerStateMonitor
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
+from trainer_memcb.tensorboard_view import TensorBoardView, summary_markdown, trainer_log_dir, trainer_tag
 from trainer_memcb.trainer_log_hook import install_log_hook
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
@@ -102,6 +103,8 @@ class OptimizerMemoryCallback(TrainerCallback):
         self._what_if: Optional[whatif.WhatIf] = None
         # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
         self._contributed_entry: Optional[Dict[str, Any]] = None
+        # Charts and the text summary, in the Trainer's TensorBoard run folder when it reports there.
+        self._tensorboard: Optional[TensorBoardView] = None
         install_log_hook()
 
     # -- Trainer events ------------------------------------------------------------------------
@@ -112,6 +115,8 @@ class OptimizerMemoryCallback(TrainerCallback):
         if state.is_world_process_zero:
             self.monitor.estimate()
             self._state_what_if(args, kwargs.get("model"))
+            # The reporter names its folder in its own on_train_begin: found at the first entry.
+            self._tensorboard = TensorBoardView(lambda: trainer_log_dir(args, args.output_dir), trainer_tag)
 
     def _state_what_if(self, args: Any, model: Any) -> None:
         # Once per callback: a few optimizers built over meta-device stand-ins, nothing allocated.
@@ -147,6 +152,8 @@ class OptimizerMemoryCallback(TrainerCallback):
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
+                if self._tensorboard is not None and figures:
+                    self._tensorboard.observe(figures, prefix, state.global_step)
         except Exception as error:  # never break training over a figure
             self.monitor.warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 
@@ -182,12 +189,24 @@ class OptimizerMemoryCallback(TrainerCallback):
             if measurement is None and estimate is None:
                 return
             logger.info(summary_text(measurement, estimate, self.monitor.judgement(state.global_step)))
+            document = self.monitor.summary_document(
+                state.global_step,
+                extra={"final_figures": final_figures,
+                       **({"what_if": self._what_if.to_dict()} if self._what_if is not None else {})},
+            )
             if self.summary_file is not None:
-                document = self.monitor.summary_document(
-                    state.global_step,
-                    extra={"final_figures": final_figures,
-                           **({"what_if": self._what_if.to_dict()} if self._what_if is not None else {})},
-                )
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary
             self.monitor.warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
+            return
+        self._write_tensorboard_summary(document, state.global_step)
+
+    def _write_tensorboard_summary(self, document: Dict[str, Any], step: int) -> None:
+        view, self._tensorboard = self._tensorboard, None
+        if view is None:
+            return
+        try:
+            view.write_text(summary_markdown(document), step)
+            view.close()
+        except Exception as error:  # never break training over a summary
+            self.monitor.warn_once("tensorboard", f"writing the TensorBoard summary failed ({error!r})")
