@@ -10,4 +10,4 @@ if [ "$(id -u)" != 0 ]; then
     as_root=(sudo)
 fi
 ${as_root[@]+"${as_root[@]}"} apt-get update -qq
-DEBIAN_FRONTEND=noninteractive ${as_root[@]+"${as_root[@]}"} apt-get install -y -qq chromium
+${as_root[@]+"${as_root[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
