@@ -34,9 +34,14 @@ class OptimizerMemoryLogger:
     `optimizer_state_estimate_bytes` (what it should hold for this optimizer family),
     `optimizer_state_elements` (values stored), `optimizer_trainable_params` (parameter values the
     estimate covers), with several processes the totals over them, and with `breakdown=` the bytes
-    per state key, dtype or device (`optimizer_state_bytes/by_key/exp_avg`, ...). Measured keys are
+    per state key, dtype or device (`optimizer_state_bytes/by_key/exp_avg`, ...), and, once every
+    trainable parameter has state, `optimizer_state_unexpected_bytes` (measured minus estimate;
+    a difference also warns once, with its likely cause). Measured keys are
     left out before the first step (the state is empty), estimate keys when no rule knows the
     optimizer.
+
+    With a TensorBoard tracker, its folder also gets charts of measured and estimate together and,
+    at `save_summary`, the summary in its Text tab (`trainer_memcb.tensorboard_view`).
 
     Steps are optimizer steps: inside `accelerator.accumulate(model)` a call on a micro-batch whose
     gradients are not synchronised (`accelerator.sync_gradients` is False; the wrapped optimizer

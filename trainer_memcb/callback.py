@@ -59,6 +59,7 @@ class OptimizerMemoryCallback(TrainerCallback):
     | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes (with several) |
     | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes (with several) |
     | `optimizer_master_weights_bytes` | bytes | DeepSpeed ZeRO's fp32 master weights (with ZeRO only) |
+    | `optimizer_state_unexpected_bytes` | bytes | measured minus estimate (signed), once every trainable parameter has state |
     | `optimizer_state_bytes/by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes/by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes/by_device/<device>` | bytes | with `breakdown=("device",)` |
@@ -66,7 +67,10 @@ class OptimizerMemoryCallback(TrainerCallback):
     Measured keys are left out before the first optimizer step (the state is empty then), the
     estimate keys when no rule knows the optimizer. Measuring reads tensor metadata only, on the
     steps where the Trainer logs and at epoch ends. At the end of training a summary goes to the
-    logger and the exact bytes to `<output_dir>/optimizer_memory.json`. With several processes
+    logger and the exact bytes to `<output_dir>/optimizer_memory.json`; when measured and estimate
+    differ, one warning says by how much, where, and the likely cause (`trainer_memcb.judge`). With
+    `report_to="tensorboard"` the reporter's run folder also gets charts of measured and estimate
+    together and the summary in its Text tab (`trainer_memcb.tensorboard_view`). With several processes
     every process measures, per-process keys become the largest over the processes (one small
     exchange per logged step), and only the main process logs.
     Nothing here can stop a run: a failure warns once and leaves the figure out.
