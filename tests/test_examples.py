@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from test_accelerate_loop import fresh_accelerator_state, tensorboard_scalars  # noqa: F401  (fixture)
 from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
@@ -101,6 +102,12 @@ def test_comparison_tensorboard_runs_overlay_under_one_folder(comparison):
         assert scalars[f"eval/{MEASURED_BYTES}"] == [(3, float(row["measured_bytes"]))]
         assert scalars["eval/accuracy"] == [(3, pytest.approx(row["eval_accuracy"]))]
         assert scalars["eval/f1"] == [(3, pytest.approx(row["eval_f1"]))]
+        # The callback's view, in the folder of the example's own TensorBoardCallback(SummaryWriter(...)).
+        events = EventAccumulator(os.path.join(tensorboard_dir, row["optimizer"]), size_guidance={"tensors": 0})
+        events.Reload()
+        assert {"custom_scalars__config__", "optimizer_memory/text_summary"} <= set(events.Tags()["tensors"])
+        [text] = events.Tensors("optimizer_memory/text_summary")
+        assert f"({row['measured_bytes']:,} bytes)" in text.tensor_proto.string_val[0].decode("utf-8")
 
 
 def test_comparison_run_folders_feed_trainer_memcb_compare(comparison):

@@ -46,6 +46,7 @@ __all__ = [
     "trainer_tag",
     "layout_charts",
     "summary_markdown",
+    "reporter_log_dir",
     "trainer_log_dir",
     "tracker_log_dir",
 ]
@@ -126,13 +127,39 @@ def layout_charts(keys_by_prefix: Dict[str, Iterable[str]], tag: Callable[[str],
     return {CATEGORY_TITLE: charts} if charts else {}
 
 
-def trainer_log_dir(args: Any, output_dir: str) -> Optional[str]:
+def reporter_log_dir(callbacks: Iterable[Any]) -> Optional[str]:
+    """The folder of the Trainer's TensorBoard reporter among its `callbacks`, or None: the
+    writer it was given or made (`TensorBoardCallback(tb_writer)`, or `report_to="tensorboard"`
+    once its `on_train_begin` ran), else the folder it will write to."""
+    try:
+        from transformers.integrations import TensorBoardCallback
+    except ImportError:  # transformers without its integrations: no reporter to find
+        return None
+    for callback in callbacks:
+        if not isinstance(callback, TensorBoardCallback):
+            continue
+        writer = getattr(callback, "tb_writer", None)
+        # torch's SummaryWriter names it log_dir, tensorboardX's logdir.
+        folder = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None) or getattr(
+            callback, "logging_dir", None)
+        if folder:
+            return str(folder)
+    return None
+
+
+def trainer_log_dir(args: Any, output_dir: str, callbacks: Optional[Iterable[Any]] = None) -> Optional[str]:
     """The folder the Trainer's TensorBoard reporter writes to in this process, or None.
 
-    transformers 4.x: `args.logging_dir`. transformers 5: `$TENSORBOARD_LOGGING_DIR`, else
-    `<output_dir>/runs/<time>_<host>`, named when its `on_train_begin` runs; found here as the
-    newest such folder holding an event file this process wrote (event files carry host and pid).
+    With the Trainer's `callbacks`, the reporter's own folder (`reporter_log_dir`). Else, when
+    `args.report_to` names TensorBoard: transformers 4.x's `args.logging_dir`; transformers 5's
+    `$TENSORBOARD_LOGGING_DIR`, else `<output_dir>/runs/<time>_<host>`, named when the reporter's
+    `on_train_begin` runs, found as the newest such folder holding an event file this process
+    wrote (event file names carry host and pid).
     """
+    if callbacks is not None:
+        folder = reporter_log_dir(callbacks)
+        if folder is not None:
+            return folder
     report_to = getattr(args, "report_to", None) or []
     if isinstance(report_to, str):
         report_to = [report_to]

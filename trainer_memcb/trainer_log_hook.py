@@ -16,23 +16,36 @@ transformers 4.x and 5.x.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any, Dict
 
-__all__ = ["install_log_hook", "is_log_hook_installed", "CONTRIBUTE_METHOD"]
+__all__ = ["install_log_hook", "is_log_hook_installed", "trainer_logging", "CONTRIBUTE_METHOD"]
 
 CONTRIBUTE_METHOD = "contribute_to_log"
 _MARK = "__trainer_memcb_log_hook__"
+# The Trainer whose `log` the hook is running, while it asks the callbacks: a callback is never
+# handed its Trainer, and some need what the Trainer holds (its reporters' folders).
+_LOGGING: contextvars.ContextVar = contextvars.ContextVar("trainer_memcb_trainer_logging", default=None)
+
+
+def trainer_logging() -> Any:
+    """The Trainer whose `log` call is asking for keys right now, or None outside one."""
+    return _LOGGING.get()
 
 
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def log(self: Any, logs: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         handler = getattr(self, "callback_handler", None)
-        for callback in getattr(handler, "callbacks", ()):
-            contribute = getattr(callback, CONTRIBUTE_METHOD, None)
-            if contribute is not None and isinstance(logs, dict):
-                contribute(logs, self.state)  # fail-soft by contract: it never raises
+        token = _LOGGING.set(self)
+        try:
+            for callback in getattr(handler, "callbacks", ()):
+                contribute = getattr(callback, CONTRIBUTE_METHOD, None)
+                if contribute is not None and isinstance(logs, dict):
+                    contribute(logs, self.state)  # fail-soft by contract: it never raises
+        finally:
+            _LOGGING.reset(token)
         return original(self, logs, *args, **kwargs)
 
     setattr(log, _MARK, True)
