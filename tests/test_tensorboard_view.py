@@ -40,6 +40,10 @@ ADAFACTOR_BYTES = 2_512  # transformers' Adafactor, factored: see tests/test_est
 FROZEN_BYTES = 8_196  # word embeddings 64 x 16: two fp32 moments + a step, kept after freezing
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 SCREEN = (1400, 1100)
+# Where the charts are in a screenshot of that size (the runs panel is left of it, the tabs above).
+CHARTS_LEFT, HEADER_HEIGHT = 370, 80
+# TensorBoard's colours for the first three runs it lists: orange, blue, red.
+RUN_COLOURS = ((255, 112, 67), (0, 119, 187), (204, 51, 17))
 
 
 def train(output_dir: str, optim: str = "adamw_torch", freeze_embeddings_after_a_step: bool = False) -> Trainer:
@@ -72,8 +76,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     trainers = {
         "adamw": train(str(root / "adamw")),
         "adafactor": train(str(root / "adafactor"), optim="adafactor"),
-        "adamw_frozen": train(str(root / "adamw_frozen"), freeze_embeddings_after_a_step=True),
     }
+    with pytest.warns(RuntimeWarning, match="state for parameters that do not train"):
+        trainers["adamw_frozen"] = train(str(root / "adamw_frozen"), freeze_embeddings_after_a_step=True)
     folders = {}
     for name in trainers:
         (folder,) = os.listdir(root / name / "runs")  # the reporter's <time>_<host> folder
@@ -267,13 +272,19 @@ def test_tensorboard_serves_the_view_and_chromium_shows_it(runs, tmp_path):
                 capture_output=True, text=True, timeout=180,
             )
             assert browser.returncode == 0, browser.stderr[-2000:]
-        for tab, shot in shots.items():
-            from PIL import Image
+        from PIL import Image
 
+        for tab, shot in shots.items():
             with Image.open(shot) as image:
                 assert image.size == SCREEN, tab
-                # A page that drew charts has many colours; a blank or error page has a handful.
+                # A page that drew something has many colours; a blank or error page has a handful.
                 assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 200, tab
+        with Image.open(shots["custom_scalars"]) as image:
+            # Right of the runs panel, below the header: each run's line in TensorBoard's colour
+            # for it (its palette, in the order the runs are listed).
+            charts = image.convert("RGB").crop((CHARTS_LEFT, HEADER_HEIGHT, SCREEN[0], SCREEN[1]))
+            counts = {colour: count for count, colour in charts.getcolors(maxcolors=1 << 20)}
+        assert all(counts.get(colour, 0) >= 100 for colour in RUN_COLOURS), {c: counts.get(c, 0) for c in RUN_COLOURS}
     finally:
         server.terminate()
         try:
