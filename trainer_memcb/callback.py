@@ -12,7 +12,7 @@ from trainer_memcb import whatif
 from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.monitor import OptimizerStateMonitor
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
-from trainer_memcb.tensorboard_view import TensorBoardView, summary_markdown, trainer_log_dir, trainer_tag
+from trainer_memcb.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.trainer_log_hook import install_log_hook, trainer_logging
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
@@ -121,9 +121,8 @@ class OptimizerMemoryCallback(TrainerCallback):
             self._state_what_if(args, kwargs.get("model"))
             # The reporter names its folder in its own on_train_begin: found at the first entry,
             # among the callbacks of the Trainer that logs it.
-            self._tensorboard = TensorBoardView(lambda: trainer_log_dir(
-                args, args.output_dir, getattr(getattr(trainer_logging(), "callback_handler", None), "callbacks", None)),
-                trainer_tag)
+            self._tensorboard = TensorBoardView(lambda: reporter_log_dir(
+                getattr(getattr(trainer_logging(), "callback_handler", None), "callbacks", None)), trainer_tag)
 
     def _state_what_if(self, args: Any, model: Any) -> None:
         # Once per callback: a few optimizers built over meta-device stand-ins, nothing allocated.

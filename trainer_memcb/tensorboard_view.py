@@ -20,10 +20,7 @@ TensorBoard reads as one run. Writing never breaks training: the caller catches 
 
 from __future__ import annotations
 
-import glob
-import os
 import re
-import socket
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from trainer_memcb.figures import (
@@ -47,7 +44,6 @@ __all__ = [
     "layout_charts",
     "summary_markdown",
     "reporter_log_dir",
-    "trainer_log_dir",
     "tracker_log_dir",
 ]
 
@@ -127,15 +123,16 @@ def layout_charts(keys_by_prefix: Dict[str, Iterable[str]], tag: Callable[[str],
     return {CATEGORY_TITLE: charts} if charts else {}
 
 
-def reporter_log_dir(callbacks: Iterable[Any]) -> Optional[str]:
-    """The folder of the Trainer's TensorBoard reporter among its `callbacks`, or None: the
-    writer it was given or made (`TensorBoardCallback(tb_writer)`, or `report_to="tensorboard"`
-    once its `on_train_begin` ran), else the folder it will write to."""
+def reporter_log_dir(callbacks: Optional[Iterable[Any]]) -> Optional[str]:
+    """The folder of the Trainer's TensorBoard reporter among its `callbacks`, or None without
+    one: the folder of the writer it was given (`TensorBoardCallback(tb_writer)`) or made
+    (`report_to="tensorboard"`: `args.logging_dir` in transformers 4, `$TENSORBOARD_LOGGING_DIR`
+    or `<output_dir>/runs/<time>_<host>` in transformers 5, named in its `on_train_begin`)."""
     try:
         from transformers.integrations import TensorBoardCallback
     except ImportError:  # transformers without its integrations: no reporter to find
         return None
-    for callback in callbacks:
+    for callback in callbacks or ():
         if not isinstance(callback, TensorBoardCallback):
             continue
         writer = getattr(callback, "tb_writer", None)
@@ -145,39 +142,6 @@ def reporter_log_dir(callbacks: Iterable[Any]) -> Optional[str]:
         if folder:
             return str(folder)
     return None
-
-
-def trainer_log_dir(args: Any, output_dir: str, callbacks: Optional[Iterable[Any]] = None) -> Optional[str]:
-    """The folder the Trainer's TensorBoard reporter writes to in this process, or None.
-
-    With the Trainer's `callbacks`, the reporter's own folder (`reporter_log_dir`). Else, when
-    `args.report_to` names TensorBoard: transformers 4.x's `args.logging_dir`; transformers 5's
-    `$TENSORBOARD_LOGGING_DIR`, else `<output_dir>/runs/<time>_<host>`, named when the reporter's
-    `on_train_begin` runs, found as the newest such folder holding an event file this process
-    wrote (event file names carry host and pid).
-    """
-    if callbacks is not None:
-        folder = reporter_log_dir(callbacks)
-        if folder is not None:
-            return folder
-    report_to = getattr(args, "report_to", None) or []
-    if isinstance(report_to, str):
-        report_to = [report_to]
-    if not ("tensorboard" in report_to or "all" in report_to):
-        return None
-    mine = f".{socket.gethostname()}.{os.getpid()}."
-    candidates = []
-    for folder in (os.environ.get("TENSORBOARD_LOGGING_DIR"), getattr(args, "logging_dir", None)):
-        if folder:
-            candidates.append(os.path.expanduser(folder))
-    candidates += glob.glob(os.path.join(glob.escape(output_dir), "runs", "*"))
-    written = []
-    for folder in candidates:
-        for path in glob.glob(os.path.join(glob.escape(folder), "events.out.tfevents.*")):
-            name = os.path.basename(path)
-            if mine in name and not name.endswith(EVENT_FILE_SUFFIX) and not os.path.islink(path):
-                written.append((os.path.getmtime(path), folder))
-    return max(written)[1] if written else None
 
 
 def tracker_log_dir(accelerator: Any) -> Optional[str]:
