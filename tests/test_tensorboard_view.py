@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+import warnings
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
@@ -337,3 +338,21 @@ def test_a_trainer_without_tensorboard_gets_no_view(tmp_path):
     assert not os.path.exists(tmp_path / "runs")
     found = [name for _, _, names in os.walk(tmp_path) for name in names if name.startswith("events.out")]
     assert found == []
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "tensorboard"))
+    (tmp_path / "not_a_folder").write_text("a file")
+    writer.log_dir = str(tmp_path / "not_a_folder" / "run")  # the view's event file cannot go there
+    trainer = Trainer(model=tiny_classifier(), args=training_args(str(tmp_path), max_steps=2),
+                      train_dataset=TinyDataset(8), callbacks=[TensorBoardCallback(writer), OptimizerMemoryCallback()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    messages = [str(w.message) for w in caught if str(w.message).startswith("trainer_memcb:")]
+    assert len(messages) == 1 and messages[0].startswith("trainer_memcb: writing the TensorBoard charts failed")
+    assert [entry["optimizer_state_bytes"] for entry in trainer.state.log_history if "loss" in entry] == [ADAMW_BYTES] * 2
+    assert trainer.state.global_step == 2

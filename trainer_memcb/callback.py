@@ -158,8 +158,7 @@ class OptimizerMemoryCallback(TrainerCallback):
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
-                if self._tensorboard is not None and figures:
-                    self._tensorboard.observe(figures, prefix, state.global_step)
+                self._observe(figures, prefix, state.global_step)
         except Exception as error:  # never break training over a figure
             self.monitor.warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 
@@ -204,15 +203,24 @@ class OptimizerMemoryCallback(TrainerCallback):
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary
             self.monitor.warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
-            return
+            document = None
         self._write_tensorboard_summary(document, state.global_step)
 
-    def _write_tensorboard_summary(self, document: Dict[str, Any], step: int) -> None:
+    def _observe(self, figures: Dict[str, int], prefix: str, step: int) -> None:
+        if self._tensorboard is None or not figures:
+            return
+        try:
+            self._tensorboard.observe(figures, prefix, step)
+        except Exception as error:  # never break training over a chart
+            self.monitor.warn_once("tensorboard", f"writing the TensorBoard charts failed ({error!r})")
+
+    def _write_tensorboard_summary(self, document: Optional[Dict[str, Any]], step: int) -> None:
         view, self._tensorboard = self._tensorboard, None
         if view is None:
             return
         try:
-            view.write_text(summary_markdown(document), step)
+            if document is not None:
+                view.write_text(summary_markdown(document), step)
             view.close()
         except Exception as error:  # never break training over a summary
             self.monitor.warn_once("tensorboard", f"writing the TensorBoard summary failed ({error!r})")

@@ -72,8 +72,10 @@ class OptimizerStateMonitor:
         # too much to repeat at every logged step for an answer that cannot change.
         self._is_zero: Optional[bool] = None
         self._warned: Set[str] = set()
-        # Measured against estimate, judged once every trainable parameter has state.
+        # Measured against estimate, judged once every trainable parameter has state; the last
+        # judgement and its step.
         self._judge = StateJudge()
+        self._judged: Optional[Tuple[Optional[int], Optional[StateJudgement]]] = None
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -88,6 +90,7 @@ class OptimizerStateMonitor:
         self._latest_step = None
         self._failed_step = None
         self._figures_step = None
+        self._judged = None
 
     def attach(self, optimizer: Any) -> None:
         """Watch `optimizer` (a new one resets the estimate and the measurements)."""
@@ -100,6 +103,7 @@ class OptimizerStateMonitor:
         self._figures_step = None
         self._is_zero = None
         self._judge = StateJudge()
+        self._judged = None
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -223,8 +227,12 @@ class OptimizerStateMonitor:
     def judgement(self, step: Optional[int] = None) -> Optional[StateJudgement]:
         """Measured (at `step`) against estimate, judged; None until every trainable parameter
         has state, without an estimate, or on failure."""
+        if step is not None and self._judged is not None and self._judged[0] == step:
+            return self._judged[1]  # the summary's text and its file ask at the same step
         try:
-            return self._judge.judge(self._optimizer, self.measure(step), self.estimate())
+            judgement = self._judge.judge(self._optimizer, self.measure(step), self.estimate())
+            self._judged = (step, judgement) if step is not None else None
+            return judgement
         except Exception as error:  # never break training over a summary
             self.warn_once("judge", f"judging measured against estimate failed ({error!r}); it is left out")
             return None

@@ -277,7 +277,11 @@ class TensorBoardView:
             # Imported here: only a run that reports to TensorBoard needs it.
             from torch.utils.tensorboard.writer import FileWriter
 
-            self._writer = FileWriter(self.log_dir, filename_suffix=EVENT_FILE_SUFFIX)
+            try:
+                self._writer = FileWriter(self.log_dir, filename_suffix=EVENT_FILE_SUFFIX)
+            except Exception:
+                self._attempts, self.log_dir = self._FIND_ATTEMPTS, None  # not tried again
+                raise
         return self._writer
 
     def observe(self, keys: Iterable[str], prefix: str, step: int) -> bool:
@@ -313,6 +317,7 @@ class TensorBoardView:
         return True
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Close the event file; a later entry opens a new one in the same folder."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
