@@ -60,7 +60,6 @@ class ParamExpectation:
     """What the rule expects one parameter's state to hold.
 
     Attributes:
-        param: the parameter (the optimizer holds it anyway).
         dtype: the parameter's dtype.
         numel: its values (a DTensor's local shard).
         requires_grad: whether it trains.
@@ -68,7 +67,6 @@ class ParamExpectation:
             no state for.
     """
 
-    param: Any = field(repr=False, compare=False)
     dtype: torch.dtype
     numel: int
     requires_grad: bool
@@ -80,7 +78,7 @@ class StateExpectation:
     """The rule's numbers per parameter, taken when the estimate is.
 
     Attributes:
-        params: by `id(param)`.
+        params: by `id(param)` (the optimizer's state is keyed by the parameters themselves).
         shared_bytes_by_key: keys held once per optimizer (bitsandbytes' quantization maps).
         includes_frozen: the rule makes state for parameters that do not train too.
     """
@@ -111,7 +109,8 @@ def expect_state(optimizer: Any) -> Optional[StateExpectation]:
             if info.requires_grad or rule.includes_frozen:
                 expected = {key: int(num_bytes)
                             for key, num_bytes in rule.per_param(info, groups[info.group_index], inner).items()}
-            params[id(info.param)] = ParamExpectation(info.param, info.dtype, info.numel, info.requires_grad, expected)
+            # By identity only: holding the parameter would keep it alive after its optimizer.
+            params[id(info.param)] = ParamExpectation(info.dtype, info.numel, info.requires_grad, expected)
         if rule.shared is not None:
             for key, num_bytes in rule.shared(inner, infos).items():
                 shared[key] = shared.get(key, 0) + int(num_bytes)
