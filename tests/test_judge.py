@@ -48,19 +48,26 @@ def test_bnb_override_after_the_estimate_gives_32bit_state_where_8bit_was_expect
     bnb.optim.GlobalOptimManager.get_instance().override_config(model.weight, "min_8bit_size", 2**40)
     one_step(model, optimizer, torch.ones(2, 128))
 
-    judged = judge_state(optimizer, measure_optimizer_state(optimizer), estimate, expectation)
-    # Expected: 2 x (8,192 uint8 codes + 32 fp32 scales) + 2 shared 256-entry fp32 maps, + the bias's
-    # 2 x 64 fp32 values. Held: 2 x 8,192 fp32 values and no scales nor maps.
-    assert (judged.measured_bytes, judged.estimate_bytes) == (2 * 4 * 8192 + 2 * 4 * 64, 19_200)
-    assert judged.difference_bytes == 2 * 3 * 8192 - 2 * 128 - 2 * 1024 == 46_848
+    measured = measure_optimizer_state(optimizer)
+    # bitsandbytes makes its two 256-entry fp32 quantization maps at construction: measured as held
+    # where the registry says the optimizer keeps them, else only inside an 8-bit parameter's state.
+    maps = measured.bytes_by_key.get("qmap1", 0) + measured.bytes_by_key.get("qmap2", 0)
+    assert maps in (0, 2 * 1024)
+    judged = judge_state(optimizer, measured, estimate, expectation)
+    # Expected: 2 x (8,192 uint8 codes + 32 fp32 scales) + the 2 maps, + the bias's 2 x 64 fp32
+    # values. Held: 2 x 8,192 fp32 values, no scales.
+    assert (judged.measured_bytes, judged.estimate_bytes) == (2 * 4 * 8192 + 2 * 4 * 64 + maps, 19_200)
+    difference = 2 * 3 * 8192 - 2 * 128 - (2 * 1024 - maps)  # 46,848 without the maps, 48,896 with them
+    assert judged.difference_bytes == difference
+    missing_maps = {"qmap1": (0, 1024), "qmap2": (0, 1024)} if not maps else {}
     assert judged.bytes_by_key == {"state1": (33_024, 8_448), "state2": (33_024, 8_448), "absmax1": (0, 128),
-                                   "absmax2": (0, 128), "qmap1": (0, 1024), "qmap2": (0, 1024)}
+                                   "absmax2": (0, 128), **missing_maps}
     assert judged.dtypes_by_key == {"state1": {"float32": 33_024}, "state2": {"float32": 33_024}}
     [cause] = judged.causes
-    assert (cause.kind, cause.num_bytes, cause.num_params) == ("32bit_where_8bit", 46_848, 1)
-    assert set(cause.state_keys) == {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2"}
+    assert (cause.kind, cause.num_bytes, cause.num_params) == ("32bit_where_8bit", difference, 1)
+    assert set(cause.state_keys) == {"state1", "state2", "absmax1", "absmax2", *missing_maps}
     assert cause.dtypes == ("float32",)
-    assert "32-bit state where 8-bit state was expected: +46,848 bytes (+45.8 KiB)" in judged.text()
+    assert f"32-bit state where 8-bit state was expected: +{difference:,} bytes" in judged.text()
 
 
 def test_bnb_min_8bit_size_set_at_construction_is_what_the_rule_expects():
@@ -70,8 +77,10 @@ def test_bnb_min_8bit_size_set_at_construction_is_what_the_rule_expects():
     optimizer = bnb.optim.AdamW8bit(model.parameters(), min_8bit_size=2**40)
     estimate, expectation = estimate_optimizer_state(optimizer), expect_state(optimizer)
     one_step(model, optimizer, torch.ones(2, 128))
-    judged = judge_state(optimizer, measure_optimizer_state(optimizer), estimate, expectation)
-    assert judged.agrees and judged.causes == () and judged.measured_bytes == 33_024 * 2
+    measured = measure_optimizer_state(optimizer)
+    maps = measured.bytes_by_key.get("qmap1", 0) + measured.bytes_by_key.get("qmap2", 0)  # as above
+    judged = judge_state(optimizer, measured, estimate, expectation)
+    assert judged.agrees and judged.causes == () and judged.measured_bytes == 33_024 * 2 + maps
 
 
 # -- a dtype other than the parameter's, through the custom-loop logger ----------------------------
