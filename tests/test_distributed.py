@@ -27,6 +27,7 @@ from helpers import tiny_classifier
 from trainer_memcb import estimate_optimizer_state
 from trainer_memcb.distributed import reduce_across_processes, world_size
 from trainer_memcb.monitor import OptimizerStateMonitor
+from trainer_memcb.tensorboard_view import EVENT_FILE_SUFFIX
 from trainer_memcb.figures import (
     UNEXPECTED_BYTES,
     ESTIMATE_BYTES,
@@ -217,9 +218,10 @@ def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharde
         assert after_steps == [expected, expected]
         assert result["readme_recipe"] == recipe  # the same, from the functions alone
 
-    # Only the main process logs: one TensorBoard run, holding the job's figures at steps 1 and 2.
+    # Only the main process logs: one TensorBoard run, holding the job's figures at steps 1 and 2,
+    # and one file of the logger's charts beside the tracker's (trainer_memcb.tensorboard_view).
     run = os.path.join(fsdp2_job, "fsdp2")
-    assert len(os.listdir(run)) == 1
+    assert sorted(name.endswith(EVENT_FILE_SUFFIX) for name in os.listdir(run)) == [False, True]
     scalars = tensorboard_scalars(run)
     assert scalars == {key: [(1, float(value)), (2, float(value))] for key, value in expected.items()}
 
