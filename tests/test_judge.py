@@ -222,6 +222,19 @@ def test_state_kept_for_a_parameter_frozen_before_the_trainer_warns_and_reaches_
     assert report["judgement"]["difference_bytes"] == frozen_bytes
 
 
+def test_state_left_behind_by_a_parameter_taken_out_of_the_groups():
+    # Two layers train; then the second leaves the optimizer's groups, its moments stay in the state.
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW([*first.parameters(), *second.parameters()])
+    second(first(torch.ones(1, 4))).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["params"] = list(first.parameters())
+    judged = judge_state(optimizer, measure_optimizer_state(optimizer), estimate_optimizer_state(optimizer))
+    left_behind = 2 * 4 * (4 * 2 + 2) + 2 * 4  # the second layer's two moments and two steps: 88
+    assert judged.difference_bytes == left_behind
+    assert [(c.kind, c.num_bytes, c.num_params) for c in judged.causes] == [("state_for_other_tensors", 88, 2)]
+
+
 def test_agreeing_runs_log_zero_and_warn_nothing(tmp_path):
     model = tiny_classifier()
     trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=2), train_dataset=TinyDataset(16),

@@ -11,6 +11,7 @@ per-parameter numbers can tell, the likely cause:
 | `dtype_differs_from_param` | a parameter-sized state tensor in another dtype than the parameter's, where the rule expected the parameter's (fp32 moments for a bf16 parameter) |
 | `frozen_param_state` | state for a parameter that does not train, from an optimizer whose rule makes none for it |
 | `unknown_state_key` | a state key the rule does not know (a subclass that keeps more) |
+| `state_for_other_tensors` | state keyed by a tensor that is in none of the param groups (a parameter taken out of the groups, its state left behind) |
 | `missing_state_key` | a key the rule expects that the state does not hold |
 | `unexplained` | what is left of the difference once the causes above are counted |
 
@@ -50,6 +51,7 @@ CAUSES: Dict[str, str] = {
     "dtype_differs_from_param": "state in another dtype than its parameter's, where the rule expected the parameter's",
     "frozen_param_state": "state for parameters that do not train (requires_grad=False)",
     "unknown_state_key": "state the rule does not know",
+    "state_for_other_tensors": "state for tensors that are in none of the optimizer's param groups",
     "missing_state_key": "state the rule expects that the optimizer does not hold",
     "unexplained": "a difference no cause above accounts for",
 }
@@ -355,7 +357,9 @@ def judge_state(optimizer: Any, measurement: StateMeasurement, estimate: StateEs
                     dtypes_by_key[name][dtype] = dtypes_by_key[name].get(dtype, 0) + num_bytes
             dtype = max(held.bytes_by_dtype, key=held.bytes_by_dtype.get) if held.bytes_by_dtype else None
             want = wanted.pop(name, None)
-            if frozen:
+            if expected is None and expectation.params:
+                causes.add("state_for_other_tensors", held.num_bytes, name, dtype, None, id(param))
+            elif frozen:
                 causes.add("frozen_param_state", held.num_bytes, name, dtype, param_dtype, id(param))
             elif want is None:
                 causes.add("unknown_state_key", held.num_bytes, name, dtype, param_dtype, id(param))
