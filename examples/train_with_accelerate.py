@@ -5,9 +5,11 @@
     tensorboard --logdir output/train_with_accelerate/tensorboard
 
 The loop is the lesson's (`accelerator.backward(loss)`, `optimizer.step()`, `lr_scheduler.step()`,
-`optimizer.zero_grad()`) plus two lines: `OptimizerMemoryLogger(optimizer, accelerator)` before it
-and a call right after `optimizer.step()`, which logs `optimizer_state_bytes`,
-`optimizer_state_estimate_bytes`, ... through `accelerator.log` to TensorBoard.
+`optimizer.zero_grad()`) plus three lines: `OptimizerMemoryLogger(optimizer, accelerator,
+max_steps=...)` before it, a call right after `optimizer.step()`, which logs
+`optimizer_state_bytes`, `optimizer_state_estimate_bytes`, ... through `accelerator.log` to
+TensorBoard (on logging steps and on the last step), and `memory.add_to(metrics, prefix="eval")`,
+which puts `eval_optimizer_state_bytes`, ... beside `eval_accuracy` in the evaluation's entry.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         loaded.model, optimizer, train_loader, eval_loader, lr_scheduler
     )
-    memory = OptimizerMemoryLogger(optimizer, accelerator, logging_steps=args.logging_steps)
+    memory = OptimizerMemoryLogger(optimizer, accelerator, logging_steps=args.logging_steps, max_steps=max_steps)
     scores = Scores()
 
     step, figures, metrics = 0, {}, {}
@@ -99,12 +101,12 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
             if not accelerator.sync_gradients:
                 continue  # a micro-batch of gradient accumulation
             step += 1
-            if step % args.logging_steps == 0:
+            if step % args.logging_steps == 0 or step == max_steps:  # the last step too, as the logger does
                 accelerator.log({"loss": loss.item(), "learning_rate": lr_scheduler.get_last_lr()[0]}, step=step)
             if step == max_steps:
                 break
         metrics = evaluate(model, eval_loader, accelerator, scores)
-        accelerator.log(metrics, step=step)
+        accelerator.log(memory.add_to(dict(metrics), prefix="eval"), step=step)  # every process: add_to is collective
         accelerator.print(f"step {step}: {metrics}")
     accelerator.end_training()
     if accelerator.is_main_process:

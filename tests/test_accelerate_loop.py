@@ -23,21 +23,13 @@ from transformers import get_constant_schedule
 
 import trainer_memcb.accelerate_loop
 from helpers import TinyDataset, tiny_classifier
-from trainer_memcb import OptimizerMemoryLogger, figures
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
+from trainer_memcb import OptimizerMemoryLogger
+from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS, UNEXPECTED_BYTES
 from trainer_memcb.summary import SUMMARY_FILE_NAME
 
-# The sums over all processes, where this version logs them, and the per-process key each sums.
-TOTAL_KEYS = {
-    getattr(figures, name): per_process
-    for name, per_process in (("MEASURED_TOTAL_BYTES", MEASURED_BYTES), ("ESTIMATE_TOTAL_BYTES", ESTIMATE_BYTES))
-    if hasattr(figures, name)
-}
-
-
 def in_one_process(expected: Dict[str, int]) -> Dict[str, int]:
-    """`expected` plus its totals: in a single process each total equals the per-process figure."""
-    return {**expected, **{total: expected[key] for total, key in TOTAL_KEYS.items() if key in expected}}
+    """`expected` as one process logs it: no `..._total_bytes` keys, which would only repeat it."""
+    return dict(expected)
 
 
 def tensorboard_scalars(log_dir: str) -> Dict[str, List[Tuple[int, float]]]:
@@ -98,7 +90,8 @@ def test_figures_reach_tensorboard_exact_on_logging_steps_only(tmp_path):
     accelerator.end_training()
 
     expected = in_one_process({MEASURED_BYTES: state_bytes, MEASURED_ELEMENTS: state_values,
-                               ESTIMATE_BYTES: state_bytes, TRAINABLE_PARAMS: num_params})
+                               ESTIMATE_BYTES: state_bytes, TRAINABLE_PARAMS: num_params,
+                               UNEXPECTED_BYTES: 0})  # every parameter has state: measured - estimate
     assert (num_params, state_bytes) == (3_714, 29_808)  # 8 x 3,714 + 4 x 24 tensors
     assert returned == [{}, expected, {}, expected, {}]
     assert memory.optimizer_steps == 5
@@ -176,6 +169,45 @@ def test_breakdown_and_summary_use_the_callbacks_keys_and_file(tmp_path):
     assert "exp_avg_sq" in memory.summary()
 
 
+def test_the_last_step_is_logged_and_add_to_puts_figures_beside_eval_metrics(tmp_path):
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("run")
+    model = tiny_classifier()
+    num_params, state_bytes, state_values = adamw_bytes(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    memory = OptimizerMemoryLogger(optimizer, accelerator, logging_steps=5, max_steps=3)
+    before = memory.add_to({"eval_accuracy": 0.25}, prefix="eval")  # before any step: estimate only
+    assert before == {"eval_accuracy": 0.25, f"eval_{ESTIMATE_BYTES}": state_bytes, f"eval_{TRAINABLE_PARAMS}": num_params}
+
+    returned = loop(accelerator, model, optimizer, memory, micro_batches=3)
+    metrics = {"eval_accuracy": 0.75}
+    assert memory.add_to(metrics, prefix="eval") is metrics
+    accelerator.log(metrics, step=3)
+    accelerator.end_training()
+
+    figures = {MEASURED_BYTES: state_bytes, MEASURED_ELEMENTS: state_values, ESTIMATE_BYTES: state_bytes,
+               TRAINABLE_PARAMS: num_params}
+    assert returned[:2] == [{}, {}]  # 3 is no multiple of 5, but it is the last step
+    assert {key: value for key, value in returned[2].items() if key in figures} == figures
+    assert {key: value for key, value in metrics.items() if key[len("eval_"):] in figures} == {
+        f"eval_{key}": value for key, value in figures.items()}
+    scalars = tensorboard_scalars(str(tmp_path / "run"))
+    assert scalars[MEASURED_BYTES] == [(3, float(state_bytes))]
+    assert scalars[f"eval_{MEASURED_BYTES}"] == [(3, float(state_bytes))]
+    assert scalars["eval_accuracy"] == [(3, 0.75)]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda memory: memory.add_to(None), "entry=None: expected the dict your loop logs"),
+    (lambda memory: memory.add_to({}, prefix=1), "prefix=1: expected a string"),
+])
+def test_add_to_bad_arguments_raise_value_errors_naming_them(call, message):
+    memory = OptimizerMemoryLogger(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    with pytest.raises(ValueError) as error:
+        call(memory)
+    assert message in str(error.value)
+
+
 class MomentumOnly(torch.optim.Optimizer):
     """A real optimizer no estimate rule knows: plain momentum, one buffer per parameter."""
 
@@ -242,6 +274,7 @@ def test_no_rule_and_a_failing_tracker_warn_once_and_training_goes_on():
         ({"logging_steps": 2.5}, "logging_steps=2.5: expected a whole number of at least 1"),
         ({"breakdown": ("shape",)}, "breakdown='shape' is not one of ['device', 'dtype', 'key']"),
         ({"accelerator": "tensorboard"}, "accelerator='tensorboard': expected an accelerate.Accelerator"),
+        ({"max_steps": 0}, "max_steps=0: expected a whole number of at least 1, or None"),
     ],
 )
 def test_bad_arguments_raise_value_errors_naming_them(kwargs, message):
@@ -253,7 +286,7 @@ def test_bad_arguments_raise_value_errors_naming_them(kwargs, message):
 
 def test_docstring_example_runs():
     results = doctest.testmod(trainer_memcb.accelerate_loop, optionflags=doctest.ELLIPSIS)
-    assert (results.failed, results.attempted) == (0, 10)
+    assert (results.failed, results.attempted) == (0, 12)
 
 
 def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch):

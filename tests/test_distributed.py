@@ -27,7 +27,9 @@ from helpers import tiny_classifier
 from trainer_memcb import estimate_optimizer_state
 from trainer_memcb.distributed import reduce_across_processes, world_size
 from trainer_memcb.monitor import OptimizerStateMonitor
+from trainer_memcb.tensorboard_view import EVENT_FILE_SUFFIX
 from trainer_memcb.figures import (
+    UNEXPECTED_BYTES,
     ESTIMATE_BYTES,
     ESTIMATE_TOTAL_BYTES,
     MASTER_WEIGHTS_BYTES,
@@ -81,15 +83,15 @@ def adamw_state_bytes(num_values: int, num_tensors: int) -> int:
 # -- one process: nothing exchanged ---------------------------------------------------------------
 
 
-def test_one_process_exchanges_nothing_and_its_totals_equal_its_figures():
+def test_one_process_exchanges_nothing_and_logs_no_totals():
+    # With one process a total would only repeat its per-process figure: it is left out.
     assert not torch.distributed.is_initialized() and world_size() == 1
     own = {MEASURED_BYTES: 88, MEASURED_ELEMENTS: 22, f"{MEASURED_BYTES}/by_key/exp_avg": 40,
            ESTIMATE_BYTES: 88, TRAINABLE_PARAMS: 10, MASTER_WEIGHTS_BYTES: 40}
-    assert reduce_across_processes(own) == {
-        MEASURED_BYTES: 88, MEASURED_TOTAL_BYTES: 88, MEASURED_ELEMENTS: 22, f"{MEASURED_BYTES}/by_key/exp_avg": 40,
-        ESTIMATE_BYTES: 88, ESTIMATE_TOTAL_BYTES: 88, TRAINABLE_PARAMS: 10, MASTER_WEIGHTS_BYTES: 40,
-    }
-    assert reduce_across_processes({ESTIMATE_BYTES: 88}) == {ESTIMATE_BYTES: 88, ESTIMATE_TOTAL_BYTES: 88}
+    reduced = reduce_across_processes(own)
+    assert reduced == own and reduced is not own
+    assert MEASURED_TOTAL_BYTES not in reduced and ESTIMATE_TOTAL_BYTES not in reduced
+    assert reduce_across_processes({ESTIMATE_BYTES: 88}) == {ESTIMATE_BYTES: 88}
     assert reduce_across_processes({}) == {}
 
 
@@ -122,6 +124,7 @@ def test_ddp_trainer_logs_the_replica_and_twice_it_as_total_on_rank_zero_only(dd
     expected = {
         MEASURED_BYTES: 29_808, MEASURED_TOTAL_BYTES: 2 * 29_808, MEASURED_ELEMENTS: 2 * 3_714 + 24,
         ESTIMATE_BYTES: 29_808, ESTIMATE_TOTAL_BYTES: 2 * 29_808, TRAINABLE_PARAMS: 3_714,
+        UNEXPECTED_BYTES: 0,  # the main process's own measured - estimate
     }
     main, other = per_process(os.path.join(ddp_job, "replicas"))
     for rank, result in enumerate((main, other)):
@@ -205,18 +208,20 @@ def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharde
     assert unsharded_estimate == adamw_state_bytes(28 + 7 + 21 + 3, 4) == 488
     # Sharding splits the buffers; each process keeps its own 4-byte `step` per parameter tensor.
     total = unsharded_estimate + (PROCESSES - 1) * 4 * 4
-    expected = {MEASURED_BYTES: 304, MEASURED_TOTAL_BYTES: total, MEASURED_ELEMENTS: 2 * 36 + 4,
-                ESTIMATE_BYTES: 304, ESTIMATE_TOTAL_BYTES: total, TRAINABLE_PARAMS: 36}
+    recipe = {MEASURED_BYTES: 304, MEASURED_TOTAL_BYTES: total, MEASURED_ELEMENTS: 2 * 36 + 4,
+              ESTIMATE_BYTES: 304, ESTIMATE_TOTAL_BYTES: total, TRAINABLE_PARAMS: 36}
+    expected = {**recipe, UNEXPECTED_BYTES: 0}  # the logger also judges: each process's shard as estimated
     assert total == 504
     for result in results:  # every process gets the job's figures back
         before, *after_steps = result["figures_per_step"]
         assert before == {ESTIMATE_BYTES: 304, ESTIMATE_TOTAL_BYTES: total, TRAINABLE_PARAMS: 36}
         assert after_steps == [expected, expected]
-        assert result["readme_recipe"] == expected  # the same, from the functions alone
+        assert result["readme_recipe"] == recipe  # the same, from the functions alone
 
-    # Only the main process logs: one TensorBoard run, holding the job's figures at steps 1 and 2.
+    # Only the main process logs: one TensorBoard run, holding the job's figures at steps 1 and 2,
+    # and one file of the logger's charts beside the tracker's (trainer_memcb.tensorboard_view).
     run = os.path.join(fsdp2_job, "fsdp2")
-    assert len(os.listdir(run)) == 1
+    assert sorted(name.endswith(EVENT_FILE_SUFFIX) for name in os.listdir(run)) == [False, True]
     scalars = tensorboard_scalars(run)
     assert scalars == {key: [(1, float(value)), (2, float(value))] for key, value in expected.items()}
 
@@ -362,7 +367,7 @@ def test_deepspeed_zero_engines(tmp_path):
         expected = {MEASURED_BYTES: state, MEASURED_TOTAL_BYTES: PROCESSES * state,
                     MEASURED_ELEMENTS: 2 * sum(partitions) + 2, ESTIMATE_BYTES: state,
                     ESTIMATE_TOTAL_BYTES: PROCESSES * state, TRAINABLE_PARAMS: sum(partitions),
-                    MASTER_WEIGHTS_BYTES: masters}
+                    MASTER_WEIGHTS_BYTES: masters, UNEXPECTED_BYTES: 0}
         for result in per_process(str(tmp_path / name)):
             assert (result["zero_class"], result["stage"], result["model_dtype"]) == (zero_class, stage, model_dtype), name
             assert result["master_partition_numels"] == partitions, name

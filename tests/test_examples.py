@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from test_accelerate_loop import fresh_accelerator_state, tensorboard_scalars  # noqa: F401  (fixture)
 from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
@@ -101,6 +102,12 @@ def test_comparison_tensorboard_runs_overlay_under_one_folder(comparison):
         assert scalars[f"eval/{MEASURED_BYTES}"] == [(3, float(row["measured_bytes"]))]
         assert scalars["eval/accuracy"] == [(3, pytest.approx(row["eval_accuracy"]))]
         assert scalars["eval/f1"] == [(3, pytest.approx(row["eval_f1"]))]
+        # The callback's view, in the folder of the example's own TensorBoardCallback(SummaryWriter(...)).
+        events = EventAccumulator(os.path.join(tensorboard_dir, row["optimizer"]), size_guidance={"tensors": 0})
+        events.Reload()
+        assert {"custom_scalars__config__", "optimizer_memory/text_summary"} <= set(events.Tags()["tensors"])
+        [text] = events.Tensors("optimizer_memory/text_summary")
+        assert f"({row['measured_bytes']:,} bytes)" in text.tensor_proto.string_val[0].decode("utf-8")
 
 
 def test_comparison_run_folders_feed_trainer_memcb_compare(comparison):
@@ -147,6 +154,19 @@ def test_accelerate_example_logs_the_figures_each_optimizer_step(tmp_path):
     with open(tmp_path / "optimizer_memory.json", encoding="utf-8") as handle:
         summary = json.load(handle)
     assert (summary["global_step"], summary["measured"]["num_bytes"]) == (3, expected)
+
+
+def test_accelerate_example_logs_the_last_step_and_eval_figures_beside_eval_accuracy(tmp_path):
+    # 3 steps with logging every 5: no logging step comes, and the last step is logged anyway.
+    argv = TINY_RUN + ["--max-steps", "3", "--logging-steps", "5", "--output-dir", str(tmp_path)]
+    assert train_with_accelerate.main(argv) == 0
+    expected = expected_state_bytes(tiny_model())["adamw"]
+    scalars = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    assert scalars[MEASURED_BYTES] == scalars[ESTIMATE_BYTES] == [(3, float(expected))]
+    assert [step for step, _ in scalars["loss"]] == [3]
+    assert [step for step, _ in scalars["eval_accuracy"]] == [3]
+    assert scalars[f"eval_{MEASURED_BYTES}"] == scalars[f"eval_{ESTIMATE_BYTES}"] == [(3, float(expected))]
+    assert scalars[f"eval_{TRAINABLE_PARAMS}"] == [(3, 454_530.0)]
 
 
 def test_distilbert_base_cased_built_offline_holds_the_lessons_numbers(tmp_path):

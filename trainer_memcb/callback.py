@@ -14,6 +14,7 @@ from trainer_memcb.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, 
 from trainer_memcb.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.per_optimizer import PerOptimizer
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
+from trainer_memcb.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.trainer_log_hook import LogContributor, install_log_hook
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
@@ -43,11 +44,13 @@ def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
 class _Run:
     """What the callback knows of one optimizer's training: its monitor and its what-if."""
 
-    __slots__ = ("monitor", "what_if")
+    __slots__ = ("monitor", "what_if", "tensorboard")
 
     def __init__(self, monitor: OptimizerStateMonitor) -> None:
         self.monitor = monitor
         self.what_if: Optional[whatif.WhatIf] = None
+        # Charts and the text summary, in the folder of the Trainer's TensorBoard reporter.
+        self.tensorboard: Optional[TensorBoardView] = None
 
 
 class OptimizerMemoryCallback(TrainerCallback, LogContributor):
@@ -67,9 +70,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     | `optimizer_state_estimate_bytes` | bytes | what it should hold for this optimizer family |
     | `optimizer_state_elements` | values | values stored in the state |
     | `optimizer_trainable_params` | parameters | trainable parameter values the estimate covers |
-    | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes |
-    | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes |
+    | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes (with several) |
+    | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes (with several) |
     | `optimizer_master_weights_bytes` | bytes | DeepSpeed ZeRO's fp32 master weights (with ZeRO only) |
+    | `optimizer_state_unexpected_bytes` | bytes | measured minus estimate (signed), once every trainable parameter has state |
     | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
@@ -82,7 +86,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     logged after it, 0 for a stateless optimizer (plain SGD, LOMO); the estimate keys are left out
     when no rule knows the optimizer. Measuring reads tensor metadata only, on the
     steps where the Trainer logs and at epoch ends. At the end of training a summary goes to the
-    logger and the exact bytes to `<output_dir>/optimizer_memory.json`. With several processes
+    logger and the exact bytes to `<output_dir>/optimizer_memory.json`; when measured and estimate
+    differ, one warning says by how much, where, and the likely cause (`trainer_memcb.judge`). When
+    the Trainer reports to TensorBoard, the reporter's run folder also gets charts of measured and
+    estimate together and the summary in its Text tab (`trainer_memcb.tensorboard_view`). With several processes
     every process measures, per-process keys become the largest over the processes (one small
     exchange per logged step), and only the main process logs.
     Nothing here can stop a run: a failure warns once and leaves the figure out.
@@ -192,13 +199,29 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             if optimizer is None:
                 return  # not trained yet: nothing to measure, on any process
             state = trainer.state
-            figures = self._runs.setdefault(optimizer).monitor.figures(
-                state.global_step, stepped=state.global_step > 0)
+            run = self._runs.setdefault(optimizer)
+            figures = run.monitor.figures(state.global_step, stepped=state.global_step > 0)
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
+                self._observe(run, trainer, figures, prefix, state.global_step)
         except Exception as error:  # never break training over a figure
             self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
+
+    def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int) -> None:
+        if not figures:
+            return
+        try:
+            if run.tensorboard is None:
+                # The reporter names its folder in its own on_train_begin, before any entry. The
+                # folder, not the Trainer, is kept: the run must not hold its optimizer alive.
+                folder = reporter_log_dir(getattr(getattr(trainer, "callback_handler", None), "callbacks", None))
+                if folder is None:
+                    return
+                run.tensorboard = TensorBoardView(folder, trainer_tag)
+            run.tensorboard.observe(figures, prefix, step)
+        except Exception as error:  # never break training over a chart
+            self._warn_once("tensorboard", f"writing the TensorBoard charts failed ({error!r})")
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
                optimizer: Any = None, **kwargs: Any) -> None:
@@ -245,14 +268,27 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             estimate = monitor.estimate()
             if measurement is None and estimate is None:
                 return
-            logger.info(summary_text(measurement, estimate))
+            logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step)))
+            document = monitor.summary_document(
+                state.global_step,
+                stepped=stepped,
+                extra={"final_figures": final_figures,
+                       **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
+            )
             if self.summary_file is not None:
-                document = monitor.summary_document(
-                    state.global_step,
-                    stepped=stepped,
-                    extra={"final_figures": final_figures,
-                           **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
-                )
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary
             self._warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
+            document = None
+        self._write_tensorboard_summary(run, document, state.global_step)
+
+    def _write_tensorboard_summary(self, run: _Run, document: Optional[Dict[str, Any]], step: int) -> None:
+        view, run.tensorboard = run.tensorboard, None
+        if view is None:
+            return
+        try:
+            if document is not None:
+                view.write_text(summary_markdown(document), step)
+            view.close()
+        except Exception as error:  # never break training over a summary
+            self._warn_once("tensorboard", f"writing the TensorBoard summary failed ({error!r})")

@@ -28,6 +28,7 @@ from trainer_memcb.figures import (
     MEASURED_ELEMENTS,
     MEASURED_TOTAL_BYTES,
     TRAINABLE_PARAMS,
+    UNEXPECTED_BYTES,
 )
 
 __all__ = [
@@ -92,6 +93,9 @@ def _with_totals(figures: Mapping[str, int], per_process: Mapping[str, int], tot
         elif key.startswith(_BREAKDOWN_PREFIXES):
             if MEASURED_BYTES in per_process:  # a breakdown only beside the figure it breaks down
                 result[key] = value
+        elif key == UNEXPECTED_BYTES:
+            if MEASURED_BYTES in per_process and ESTIMATE_BYTES in per_process:  # a difference of two figures logged
+                result[key] = value
         else:
             result[key] = value
     return result
@@ -101,29 +105,27 @@ def reduce_across_processes(figures: Mapping[str, int]) -> Dict[str, int]:
     """This process's figures -> the job's: the largest over processes, plus the sums.
 
     Every process of the default group must call this at the same point. With one process (or no
-    `torch.distributed`) nothing is exchanged and each total equals its per-process figure.
+    `torch.distributed`) nothing is exchanged and the figures come back as they are, without totals.
 
     Args:
         figures: this process's figures, as `optimizer_figures` makes them (breakdowns included).
 
     Returns:
-        The same keys, per-process ones now the largest over processes, plus
-        `optimizer_state_total_bytes` and `optimizer_state_estimate_total_bytes`, the sums. A
+        The same keys, per-process ones now the largest over processes, plus (with more than one
+        process) `optimizer_state_total_bytes` and `optimizer_state_estimate_total_bytes`, the sums. A
         figure that any process lacks is left out (with its total and breakdowns). Breakdown keys
         (`optimizer_state_bytes_by_key/...`) stay this process's own.
 
     Example:
         >>> from trainer_memcb.distributed import reduce_across_processes
         >>> reduce_across_processes({"optimizer_state_bytes": 88, "optimizer_state_estimate_bytes": 88})
-        {'optimizer_state_bytes': 88, 'optimizer_state_total_bytes': 88, 'optimizer_state_estimate_bytes': 88, 'optimizer_state_estimate_total_bytes': 88}
+        {'optimizer_state_bytes': 88, 'optimizer_state_estimate_bytes': 88}
     """
     processes = world_size()
     if processes == 1:
-        # Nothing to exchange: each total is its own figure. Every logged step of a one-process
-        # run comes here, so only the figures there are get looked at.
-        present = {key: value for key, value in figures.items()
-                   if key in PER_PROCESS_KEYS and _as_int(value) is not None}
-        return _with_totals(figures, present, present)
+        # Nothing to exchange, and no totals: with one process each would only repeat its
+        # per-process figure (a second, identical TensorBoard card).
+        return dict(figures)
 
     local = {key: _as_int(figures.get(key)) for key in PER_PROCESS_KEYS}
     values: List[int] = [value or 0 for value in local.values()]

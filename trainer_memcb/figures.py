@@ -19,6 +19,7 @@ __all__ = [
     "MEASURED_TOTAL_BYTES",
     "ESTIMATE_TOTAL_BYTES",
     "MASTER_WEIGHTS_BYTES",
+    "UNEXPECTED_BYTES",
     "KEY_DESCRIPTIONS",
     "claims_measurement",
     "BREAKDOWN_KEY_PREFIXES",
@@ -37,6 +38,8 @@ MEASURED_TOTAL_BYTES = "optimizer_state_total_bytes"
 ESTIMATE_TOTAL_BYTES = "optimizer_state_estimate_total_bytes"
 # DeepSpeed ZeRO's fp32 copies of the parameters, which its inner optimizer updates.
 MASTER_WEIGHTS_BYTES = "optimizer_master_weights_bytes"
+# Measured minus estimate (signed), once every trainable parameter has state (trainer_memcb.judge).
+UNEXPECTED_BYTES = "optimizer_state_unexpected_bytes"
 
 # Every key, its unit and meaning: the README's table and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
@@ -49,6 +52,8 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     MEASURED_TOTAL_BYTES: "bytes: optimizer_state_bytes summed over all processes of the job",
     ESTIMATE_TOTAL_BYTES: "bytes: optimizer_state_estimate_bytes summed over all processes of the job",
     MASTER_WEIGHTS_BYTES: "bytes: DeepSpeed ZeRO's fp32 master weights kept beside the model's own, on this process",
+    UNEXPECTED_BYTES: "bytes: optimizer_state_bytes minus optimizer_state_estimate_bytes (signed), once every "
+    "trainable parameter has state; 0 when they agree (with several processes, the main process's own)",
 }
 
 # With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a

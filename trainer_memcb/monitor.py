@@ -18,10 +18,12 @@ from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.figures import (
     MASTER_WEIGHTS_BYTES,
     MEASURED_BYTES,
+    UNEXPECTED_BYTES,
     breakdown_key,
     claims_measurement,
     optimizer_figures,
 )
+from trainer_memcb.judge import StateJudge, StateJudgement
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
 from trainer_memcb.summary import summary_document
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
@@ -92,6 +94,10 @@ class OptimizerStateMonitor:
         # too much to repeat at every logged step for an answer that cannot change.
         self._is_zero: Optional[bool] = None
         self._warned: Set[str] = warned if warned is not None else set()
+        # Measured against estimate, judged once every trainable parameter has state; the last
+        # judgement and its step.
+        self._judge = StateJudge()
+        self._judged: Optional[Tuple[Optional[int], Optional[StateJudgement]]] = None
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -110,6 +116,7 @@ class OptimizerStateMonitor:
         self._latest_step = None
         self._failed_step = None
         self._figures_step = None
+        self._judged = None
 
     def attach(self, optimizer: Any) -> None:
         """Watch `optimizer` (a new one resets the estimate and the measurements)."""
@@ -126,6 +133,8 @@ class OptimizerStateMonitor:
         self._failed_step = None
         self._figures_step = None
         self._is_zero = None
+        self._judge = StateJudge()
+        self._judged = None
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -146,6 +155,11 @@ class OptimizerStateMonitor:
         except Exception as error:  # never break training over a figure
             self.warn_once("estimate", f"estimating the optimizer state failed ({error!r}); no estimate is logged")
             return None
+        if self._estimate is not None:
+            try:  # the rule's per-parameter numbers, taken with the estimate
+                self._judge.expect(self._optimizer)
+            except Exception as error:  # never break training over a figure
+                self.warn_once("judge", f"judging measured against estimate failed ({error!r}); it is left out")
         if self._estimate is None:
             name = optimizer_class_name(self._optimizer)
             self.warn_once(
@@ -189,7 +203,7 @@ class OptimizerStateMonitor:
 
         With several processes (`torch.distributed` initialized) this is a collective: every
         process must call it at the same steps. Per-process figures are then the largest over the
-        processes, and `..._total_bytes` their sums (with one process, equal to them).
+        processes, and `..._total_bytes` their sums (with one process there are no totals).
         """
         if step is not None and step == self._figures_step:
             return dict(self._figures)
@@ -226,7 +240,37 @@ class OptimizerStateMonitor:
             master_bytes = None
         if master_bytes is not None:
             figures[MASTER_WEIGHTS_BYTES] = master_bytes
+        self._add_unexpected(figures, measurement)
         return figures
+
+    def _add_unexpected(self, figures: Dict[str, int], measurement: Optional[StateMeasurement]) -> None:
+        """`optimizer_state_unexpected_bytes` once every trainable parameter has state, and one
+        warning, with the likely causes, the first time measured and estimate differ."""
+        try:
+            estimate = self.estimate()
+            difference = self._judge.difference(self._optimizer, measurement, estimate)
+            if difference is None:
+                return
+            figures[UNEXPECTED_BYTES] = difference
+            if difference and "differs" not in self._warned:
+                judgement = self._judge.judge(self._optimizer, measurement, estimate)
+                if judgement is not None:
+                    self.warn_once("differs", judgement.message())
+        except Exception as error:  # never break training over a figure
+            self.warn_once("judge", f"judging measured against estimate failed ({error!r}); it is left out")
+
+    def judgement(self, step: Optional[int] = None) -> Optional[StateJudgement]:
+        """Measured (at `step`) against estimate, judged; None until every trainable parameter
+        has state, without an estimate, or on failure."""
+        if step is not None and self._judged is not None and self._judged[0] == step:
+            return self._judged[1]  # the summary's text and its file ask at the same step
+        try:
+            judgement = self._judge.judge(self._optimizer, self.measure(step), self.estimate())
+            self._judged = (step, judgement) if step is not None else None
+            return judgement
+        except Exception as error:  # never break training over a summary
+            self.warn_once("judge", f"judging measured against estimate failed ({error!r}); it is left out")
+            return None
 
     # -- the end of a run ----------------------------------------------------------------------
 
@@ -242,6 +286,9 @@ class OptimizerStateMonitor:
         against the estimate (none before the optimizer has `stepped`, as in the logs), the
         largest measurement seen, and `extra`."""
         peak = self._peak
+        judgement = self.judgement(step)
+        if judgement is not None:
+            extra = {"judgement": judgement.to_dict(), **(extra or {})}
         return summary_document(
             self.claimed_measurement(step, stepped),
             self.estimate(),

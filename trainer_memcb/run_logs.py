@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from trainer_memcb.run_values import clean_log_history, clean_summary
 from trainer_memcb.safe_io import MAX_WALK_ENTRIES, UnsafeFileError, find_files, read_json
+from trainer_memcb.tensorboard_view import EVENT_FILE_SUFFIX
 from trainer_memcb.summary import SUMMARY_FILE_NAME
 from trainer_memcb.units import MiB
 
@@ -148,6 +149,8 @@ def find_event_files(run_dir: str) -> List[str]:
         raise RunLogError(str(error)) from None
     dated = []
     for path in paths:
+        if path.endswith(EVENT_FILE_SUFFIX):
+            continue  # the callback's own charts and text summary: no scalars to read
         try:
             dated.append((os.lstat(path).st_mtime, path))
         except OSError:

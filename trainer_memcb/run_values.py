@@ -197,6 +197,48 @@ class _SummaryReader:
         kept.update({name: self.counts(f"{where}.{name}", section.get(name)) for name in breakdowns})
         return kept
 
+    def signed(self, where: str, value: Any) -> Optional[int]:
+        if value is None:
+            return None
+        number = whole_number(value, signed=True)
+        if number is None:
+            self.problems.add(where, value, "not a whole number")
+        return number
+
+    def texts(self, where: str, value: Any) -> List[str]:
+        if value is None:
+            return []
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return list(value)
+        self.problems.add(where, value, "not a list of strings")
+        return []
+
+    def judgement(self, value: Any) -> Optional[Dict[str, Any]]:
+        """Measured against estimate, judged (`trainer_memcb.judge`): the signed difference and
+        each likely cause."""
+        section = self.mapping("judgement", value)
+        if section is None:
+            return None
+        kept: Dict[str, Any] = {"difference_bytes": self.signed("judgement.difference_bytes",
+                                                                section.get("difference_bytes")), "causes": []}
+        causes = section.get("causes")
+        if causes is not None and not isinstance(causes, list):
+            self.problems.add("judgement.causes", causes, "not a list")
+            causes = None
+        for index, cause in enumerate(causes or []):
+            where = f"judgement.causes[{index}]"
+            cause = self.mapping(where, cause)
+            if cause is None:
+                continue
+            kept["causes"].append({
+                "kind": self.text(f"{where}.kind", cause.get("kind")),
+                "description": self.text(f"{where}.description", cause.get("description")),
+                "num_bytes": self.signed(f"{where}.num_bytes", cause.get("num_bytes")),
+                "state_keys": self.texts(f"{where}.state_keys", cause.get("state_keys")),
+                "dtypes": self.texts(f"{where}.dtypes", cause.get("dtypes")),
+            })
+        return kept
+
     def what_if(self, value: Any) -> Optional[Dict[str, Any]]:
         section = self.mapping("what_if", value)
         if section is None:
@@ -249,5 +291,6 @@ def clean_summary(document: Dict[str, Any]) -> Tuple[Dict[str, Any], Problems]:
         "estimate": reader.figures("estimate", document.get("estimate"), ("num_bytes", "num_params"),
                                    ("optimizer_class",), ("bytes_by_key",)),
         "what_if": reader.what_if(document.get("what_if")),
+        "judgement": reader.judgement(document.get("judgement")),
     }
     return cleaned, reader.problems

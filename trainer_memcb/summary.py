@@ -7,6 +7,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from trainer_memcb.estimate import StateEstimate
+from trainer_memcb.judge import StateJudgement
 from trainer_memcb.measure import StateMeasurement
 from trainer_memcb.safe_io import atomic_write
 from trainer_memcb.units import format_bytes
@@ -47,8 +48,10 @@ def _rows(title: str, measured: Dict[str, int], estimated: Dict[str, int]) -> Li
     return lines
 
 
-def summary_text(measurement: Optional[StateMeasurement], estimate: Optional[StateEstimate]) -> str:
-    """A few lines for the logger: totals, then bytes by state key and by dtype, in MiB/GiB."""
+def summary_text(measurement: Optional[StateMeasurement], estimate: Optional[StateEstimate],
+                 judgement: Optional[StateJudgement] = None) -> str:
+    """A few lines for the logger: totals, then bytes by state key and by dtype, in MiB/GiB, and
+    the judgement of measured against estimate when there is one."""
     measured_total = format_bytes(measurement.num_bytes) if measurement is not None else "not measured"
     estimate_total = format_bytes(estimate.num_bytes) if estimate is not None else "no rule"
     lines = [f"Optimizer state: measured {measured_total}, estimate {estimate_total}"]
@@ -63,6 +66,8 @@ def summary_text(measurement: Optional[StateMeasurement], estimate: Optional[Sta
     lines += _rows("by state key", by_key, estimate.bytes_by_key if estimate is not None else {})
     if measurement is not None:
         lines += _rows("by dtype", measurement.bytes_by_dtype, {})
+    if judgement is not None:
+        lines.append(judgement.text())
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
-from trainer_memcb.figures import BREAKDOWN_KEY_PREFIXES, ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
+from trainer_memcb.figures import BREAKDOWN_KEY_PREFIXES, ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS, UNEXPECTED_BYTES
 from trainer_memcb.run_logs import RunLog
 
 __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_report", "report_tables"]
@@ -70,6 +70,9 @@ class RunReport:
     estimate_by_key: Dict[str, int] = field(default_factory=dict)
     what_if: Optional[Dict[str, Any]] = None
     history_is_float32: bool = False
+    # Measured against estimate, judged (trainer_memcb.judge): the summary's, else the last
+    # logged `optimizer_state_unexpected_bytes` alone.
+    judgement: Optional[Dict[str, Any]] = None
 
     @property
     def final_metrics(self) -> Dict[str, float]:
@@ -157,6 +160,13 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
         what_if=_nested(summary, "what_if"),
         history_is_float32=run.history_file is None and bool(run.event_files),
     )
+    judgement = _nested(summary, "judgement")
+    if isinstance(judgement, dict):
+        report.judgement = judgement
+    else:
+        unexpected = _last_with(training, UNEXPECTED_BYTES)
+        if unexpected is not None:
+            report.judgement = {"difference_bytes": unexpected, "causes": []}
     if summary is None:
         report.measured_bytes = _last_with(training, MEASURED_BYTES)
         report.estimate_bytes = _last_with(training, ESTIMATE_BYTES)
@@ -228,6 +238,8 @@ def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -
         tables.append(TextTable("By dtype", ["dtype", "measured"], [
             [dtype, bytes_cell(num_bytes)] for dtype, num_bytes in sorted(report.measured_by_dtype.items())
         ]))
+    if report.judgement:
+        tables.append(_judgement_table(report.judgement))
     if report.what_if:
         tables.append(TextTable(
             f"What-if at train begin, for {count_cell(report.what_if.get('trainable_params'))} trainable parameters",
@@ -237,3 +249,19 @@ def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -
              for entry in report.what_if.get("optimizers", [])],
         ))
     return tables
+
+
+def _judgement_table(judgement: Dict[str, Any]) -> TextTable:
+    """Measured against estimate, judged: the difference, then each likely cause with its bytes."""
+    difference = judgement.get("difference_bytes")
+    rows = [["measured - estimate, once every trainable parameter had state", bytes_cell(difference), ""]]
+    for cause in judgement.get("causes") or []:
+        where = "; ".join(part for part in (
+            ", ".join(cause.get("state_keys") or []),
+            ", ".join(cause.get("dtypes") or []),
+        ) if part)
+        rows.append([f"likely cause: {cause.get('description', cause.get('kind', '?'))}",
+                     bytes_cell(cause.get("num_bytes")), where or "-"])
+    verdict = "they agree" if difference == 0 else "they differ"
+    return TextTable(f"Measured against estimate: {verdict}", ["", "bytes", "state keys; held as"], rows,
+                     text_columns=(0, 2))
