@@ -53,7 +53,8 @@ def built(tmp_path_factory):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.join(REPO_ROOT, name), target)
     out = root / "dist"
-    # --no-isolation: offline, with the setuptools already installed here.
+    # --no-isolation: offline, with the setuptools the test extra installs (>= 70.1 builds wheels
+    # without the `wheel` package).
     result = subprocess.run(
         [sys.executable, "-m", "build", "--sdist", "--wheel", "--no-isolation", "--outdir", str(out), str(source)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False, timeout=300,
