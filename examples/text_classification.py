@@ -162,7 +162,10 @@ def load_model(name: str, texts: Sequence[str], seed: int = 0) -> LoadedModel:
         texts: the training texts, for the local tokenizer a config-only build needs.
         seed: seeds the random weights of a config-only build.
     """
-    from huggingface_hub import is_offline_mode
+    try:
+        from huggingface_hub import is_offline_mode  # huggingface_hub >= 1.0 (transformers 5)
+    except ImportError:  # every transformers 4.x pins huggingface_hub below 1.0, which lacks it
+        from transformers.utils import is_offline_mode
 
     folder = Path(name)
     if folder.is_dir():

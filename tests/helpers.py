@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import importlib.metadata
+import re
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+import pytest
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainingArguments
 
@@ -60,3 +63,49 @@ def training_args(output_dir: str, **overrides: Any) -> TrainingArguments:
 
 def entries_with(log_history: List[Dict[str, Any]], key: str) -> List[Dict[str, Any]]:
     return [entry for entry in log_history if key in entry]
+
+
+# -- versions ---------------------------------------------------------------------------------------
+# The suite runs on the newest releases and, in .ci/run's compatibility pass, on the oldest ones
+# setup.cfg allows (.ci/oldest-constraints.txt). A test of something newer releases added says so
+# with a marker below, which skips it with the reason on the older ones.
+
+
+def installed_version(distribution: str) -> Optional[Tuple[int, ...]]:
+    """The release numbers of an installed distribution, `(2, 6, 0)` for torch 2.6.0+cpu; None when
+    it is not installed."""
+    try:
+        version = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def requires_version(distribution: str, minimum: str, why: str) -> pytest.MarkDecorator:
+    """Skip unless `distribution` is installed at `minimum` or newer; `why` says what that release
+    added, and shows in the skip reason."""
+    installed = installed_version(distribution)
+    return pytest.mark.skipif(
+        installed is None or installed < _release(minimum),
+        reason=f"needs {distribution}>={minimum} ({why}); installed: "
+               f"{'none' if installed is None else '.'.join(map(str, installed))}",
+    )
+
+
+def requires_torch(minimum: str, why: str) -> pytest.MarkDecorator:
+    """`@requires_torch("2.7", "what it added")`: skip on an older torch, saying why."""
+    return requires_version("torch", minimum, why)
+
+
+def requires_transformers(minimum: str, why: str) -> pytest.MarkDecorator:
+    """`@requires_transformers("5.0", "what it added")`: skip on an older transformers, saying why."""
+    return requires_version("transformers", minimum, why)
+
+
+def requires_accelerate(minimum: str, why: str) -> pytest.MarkDecorator:
+    """`@requires_accelerate("1.11", "what it added")`: skip on an older accelerate, saying why."""
+    return requires_version("accelerate", minimum, why)

@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import trainer_memcb.distributed
 import trainer_memcb.rules.deepspeed_zero
-from helpers import tiny_classifier
+from helpers import requires_torch, tiny_classifier
 from trainer_memcb import estimate_optimizer_state
 from trainer_memcb.distributed import reduce_across_processes, world_size
 from trainer_memcb.monitor import OptimizerStateMonitor
@@ -183,6 +183,8 @@ def tensorboard_scalars(log_dir: str) -> Dict[str, List]:
     return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+@requires_torch("2.7", "FSDP2 on the CPU: it records events on the CPU stream, and torch.cpu.Stream has "
+                      "no record_event before 2.7")
 def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharded_state(fsdp2_job):
     results = per_process(fsdp2_job)
     # Shard(0) of 7 rows over 2 processes: ceil(7 / 2) = 4 on the first, the 3 left on the last.
