@@ -259,15 +259,41 @@ def _keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) -
     optimizer.mng = manager
 
 
+def trainer_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module] = None) -> Tuple[Any, Dict[str, Any]]:
+    """`Trainer.get_optimizer_cls_and_kwargs(args, model)`, without importing `transformers.trainer`.
+
+    transformers 5 keeps what that static method does in `transformers.trainer_optimizer`: one
+    handler per `optim` name, given the learning rate, Adam's betas and eps, and the parsed
+    `optim_args`. Importing that module alone spares `transformers.trainer`'s own imports (datasets,
+    the integrations; about 120 MiB and seconds of start-up). Where the module is missing (other
+    transformers versions) the Trainer's method is called. A test checks both give the same.
+    """
+    try:
+        from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext, _parse_optim_args
+    except ImportError:
+        from transformers import Trainer
+
+        return Trainer.get_optimizer_cls_and_kwargs(args, model)
+    handler = _OPTIMIZER_HANDLERS.get(args.optim)
+    if handler is None:
+        raise ValueError(f"Trainer cannot instantiate unsupported optimizer: {args.optim}")
+    return handler(OptimizerContext(
+        args=args,
+        model=model,
+        optimizer_kwargs={"lr": args.learning_rate},
+        adam_kwargs={"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
+        optim_args=_parse_optim_args(args.optim_args),
+    ))
+
+
 def _optimizer_what_if(name: str, args: Any, model: nn.Module, params: List[nn.Parameter],
                        embeddings: List[nn.Parameter]) -> OptimizerWhatIf:
-    from transformers import Trainer
     from transformers.training_args import OptimizerNames
 
     trainer_args = copy.copy(args)
     trainer_args.optim = OptimizerNames(name)
     try:
-        optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer_args, model)
+        optimizer_class, kwargs = trainer_optimizer_cls_and_kwargs(trainer_args, model)
     except Exception as error:  # a library not installed, most often
         return OptimizerWhatIf(name, problem=str(error))
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or (

@@ -23,6 +23,7 @@ from trainer_memcb.cli.compare import compare_runs, compare_table
 from trainer_memcb.cli.estimate import estimate_tables
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, report_plot
+from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
 from trainer_memcb.run_logs import RunLogError, load_run
 from trainer_memcb.whatif import (
@@ -60,7 +61,8 @@ def _metrics(text: str) -> List[str]:
 
 def _optimizers(text: str) -> tuple:
     try:
-        return resolve_optimizer_names(text)
+        with quiet_output():  # the names come from transformers' TrainingArguments: import chatter
+            return resolve_optimizer_names(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -107,6 +109,8 @@ def parser() -> argparse.ArgumentParser:
         help="train only the parameters whose name matches (re.search), e.g. 'q_proj|v_proj'; default: all",
     )
     estimate.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
+    estimate.add_argument("--verbose", action="store_true",
+                          help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
     estimate.set_defaults(handler=_estimate)
     return main_parser
 
@@ -154,17 +158,20 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    try:
-        model = build_meta_model(args.model, resolve_dtype(args.dtype), args.architecture)
-        trainable = select_trainable(model, args.trainable)
-    except ValueError as error:  # an unknown architecture, a bad regular expression
-        raise UsageError(str(error)) from None
-    if trainable == 0:
-        names = [name for name, _ in model.named_parameters()][:3]
-        raise ModelConfigError(
-            f"no parameter name of {args.model} matches --trainable {args.trainable!r}; names look like: {', '.join(names)}"
-        )
-    result = what_if(model, args.optimizers, model_name=args.model)
+    # Everything that imports transformers and the optimizers' libraries runs with their chatter
+    # held back; the tables are printed afterwards.
+    with quiet_output(enabled=not args.verbose):
+        try:
+            model = build_meta_model(args.model, resolve_dtype(args.dtype), args.architecture)
+            trainable = select_trainable(model, args.trainable)
+        except ValueError as error:  # an unknown architecture, a bad regular expression
+            raise UsageError(str(error)) from None
+        if trainable == 0:
+            names = [name for name, _ in model.named_parameters()][:3]
+            raise ModelConfigError(
+                f"no parameter name of {args.model} matches --trainable {args.trainable!r}; names look like: {', '.join(names)}"
+            )
+        result = what_if(model, args.optimizers, model_name=args.model)
     if args.json:
         print_json(result.to_dict(), sys.stdout)
     else:
