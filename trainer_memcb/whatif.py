@@ -21,6 +21,7 @@ from torch import nn
 
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.measure import dtype_name
+from trainer_memcb.param_shapes import logical_numel, logical_shape
 from trainer_memcb.units import format_bytes
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "OptimizerWhatIf",
     "WhatIf",
     "optimizer_names",
+    "optimizer_what_if",
     "resolve_optimizer_names",
     "resolve_dtype",
     "build_meta_model",
@@ -234,11 +236,12 @@ class _WeightHolder:
 
 def _meta_stand_ins(model: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
     """Meta-device twins of the trainable parameters (tied ones once), and the twins of
-    `nn.Embedding` weights among them. Nothing is allocated and the model is left as it is."""
+    `nn.Embedding` weights among them. Nothing is allocated and the model is left as it is.
+    A ZeRO-3 partitioned parameter (an empty local tensor) gets its real shape, `ds_shape`."""
     twins: Dict[int, nn.Parameter] = {}
     for param in model.parameters():  # yields a tied tensor once
         if param.requires_grad:
-            twins[id(param)] = nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype, device="meta"))
+            twins[id(param)] = nn.Parameter(torch.empty(logical_shape(param), dtype=param.dtype, device="meta"))
     embeddings = [
         twins[id(module.weight)]
         for module in model.modules()
@@ -286,7 +289,25 @@ def trainer_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module] = Non
     ))
 
 
-def _optimizer_what_if(name: str, args: Any, model: nn.Module, params: List[nn.Parameter],
+def optimizer_what_if(name: str, params: List[nn.Parameter], args: Any = None, model: Optional[nn.Module] = None,
+                      embeddings: Sequence[nn.Parameter] = ()) -> OptimizerWhatIf:
+    """One optimizer, as the Trainer builds it for `optim=name`, over `params` (meta-device
+    stand-ins: a model's parameters, a shard's or a flat partition's), and its estimate.
+
+    Args:
+        name: the Trainer's `optim` name (aliases resolved).
+        params: what the optimizer steps over; nothing is allocated when they are on the meta device.
+        args: `TrainingArguments` for the hyperparameters; None uses the defaults.
+        model: the model, for the few optimizers the Trainer builds around it; may be None.
+        embeddings: stand-ins among `params` that are `nn.Embedding` weights (kept 32-bit by 8-bit
+            bitsandbytes optimizers).
+    """
+    (name,) = resolve_optimizer_names([name])
+    return _optimizer_what_if(name, args if args is not None else _default_training_args(), model, list(params),
+                              list(embeddings))
+
+
+def _optimizer_what_if(name: str, args: Any, model: Optional[nn.Module], params: List[nn.Parameter],
                        embeddings: List[nn.Parameter]) -> OptimizerWhatIf:
     from transformers.training_args import OptimizerNames
 
@@ -348,7 +369,7 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
         raise ValueError(f"{model_name or type(model).__name__} has no trainable parameter")
     if args is None:
         args = _default_training_args()
-    total = {id(param): param.numel() for param in model.parameters()}
+    total = {id(param): logical_numel(param) for param in model.parameters()}
     result = WhatIf(
         model=model_name or type(model).__name__,
         total_params=sum(total.values()),

@@ -5,6 +5,9 @@
     trainer-memcb compare RUN_DIR...        one row per run, sorted by optimizer state memory
     trainer-memcb estimate MODEL            the what-if: each optimizer's state for a model config,
                                             built on the meta device
+    trainer-memcb estimate MODEL --world-size 64 --zero 3 --precision deepspeed-bf16 --device-memory 80GiB
+                                            the model-states plan: what each process holds, and
+                                            whether it fits
 
 Tables in a terminal, plain text when piped, `--json` for machines. Exit codes: 0 done, 1 nothing
 found (the message says where it looked) or a file that cannot be read, 2 usage error.
@@ -21,10 +24,12 @@ from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
 from trainer_memcb.cli.estimate import estimate_tables
+from trainer_memcb.cli.plan_table import plan_tables
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, report_plot
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
+from trainer_memcb.plan import PRECISIONS, SHARDINGS, Setup, parse_bytes, plan_model_states
 from trainer_memcb.run_logs import RunLogError, load_run
 from trainer_memcb.whatif import (
     DEFAULT_OPTIMIZERS,
@@ -109,6 +114,19 @@ def parser() -> argparse.ArgumentParser:
         help="train only the parameters whose name matches (re.search), e.g. 'q_proj|v_proj'; default: all",
     )
     estimate.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
+    plan = estimate.add_argument_group(
+        "model-states plan", "with any of these, the parameters, gradients, optimizer state and master weights "
+        "each process holds")
+    plan.add_argument("--world-size", type=int, metavar="W", help="processes in the job (default 1)")
+    plan.add_argument("--nodes", type=int, metavar="N", help="machines; CPU figures are per node (default 1)")
+    shard = plan.add_mutually_exclusive_group()
+    shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
+    shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")
+    plan.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state and master weights on the CPU")
+    plan.add_argument("--offload-params", action="store_true", help="ZeRO-3 / FSDP: parameters on the CPU too")
+    plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default), autocast-bf16/fp16 (Trainer "
+                      "bf16=True/fp16=True), bf16 (model loaded in bf16), deepspeed-bf16/fp16 (fp32 master weights)")
+    plan.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per process, e.g. 80GiB: says whether it fits")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
     estimate.set_defaults(handler=_estimate)
@@ -171,12 +189,33 @@ def _estimate(args: argparse.Namespace) -> int:
             raise ModelConfigError(
                 f"no parameter name of {args.model} matches --trainable {args.trainable!r}; names look like: {', '.join(names)}"
             )
-        result = what_if(model, args.optimizers, model_name=args.model)
+        plan_asked = any(getattr(args, name) not in (None, False) for name in _PLAN_OPTIONS)
+        if plan_asked:
+            plan = _plan(args, model)
+        else:
+            result = what_if(model, args.optimizers, model_name=args.model)
     if args.json:
-        print_json(result.to_dict(), sys.stdout)
+        print_json((plan if plan_asked else result).to_dict(), sys.stdout)
     else:
-        print_tables(estimate_tables(result), sys.stdout)
+        print_tables(plan_tables(plan) if plan_asked else estimate_tables(result), sys.stdout)
     return EXIT_DONE
+
+
+# Any of these turns `estimate` into the model-states plan.
+_PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
+                 "device_memory")
+
+
+def _plan(args: argparse.Namespace, model):
+    try:
+        setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
+                      sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
+                      precision=args.precision or "fp32", offload_optimizer=args.offload_optimizer,
+                      offload_params=args.offload_params)
+        memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return plan_model_states(model, args.optimizers, setup, device_memory=memory, model_name=args.model)
 
 
 def command(args: argparse.Namespace) -> int:
