@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, Optional
 from trainer_memcb.figures import KEY_DESCRIPTIONS
 from trainer_memcb.monitor import OptimizerStateMonitor
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
+from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = ["OptimizerMemoryLogger"]
 
@@ -45,6 +46,9 @@ class OptimizerMemoryLogger:
         accelerator: an `accelerate.Accelerator` to log through; None to only return the figures.
         logging_steps: log on every optimizer step that is a multiple of this.
         breakdown: extra per-part byte keys to log: any of `"key"`, `"dtype"`, `"device"`.
+        model: the model being trained, to log the four model states as well
+            (`model_params_bytes`, `model_grads_bytes`, `model_states_bytes`,
+            `model_states_estimate_bytes`; see `trainer_memcb.model_states`).
 
     Example:
         >>> import torch
@@ -71,6 +75,7 @@ class OptimizerMemoryLogger:
         accelerator: Any = None,
         logging_steps: int = 1,
         breakdown: Iterable[str] = (),
+        model: Any = None,
     ) -> None:
         if optimizer is None:
             raise ValueError("optimizer=None: expected the optimizer whose state to measure")
@@ -85,6 +90,25 @@ class OptimizerMemoryLogger:
         self.accelerator = accelerator
         self.logging_steps = logging_steps
         self.optimizer_steps = 0
+        self.model = model
+        if model is not None:
+            self._hook_before_steps(optimizer)
+
+    def _hook_before_steps(self, optimizer: Any) -> None:
+        """Measure the parameters and gradients right before the optimizer steps, where the
+        gradients exist (a step pre-hook on each torch optimizer behind the wrappers)."""
+        def before_step(*_: Any) -> None:
+            coming = self.optimizer_steps + 1
+            if not self.monitor.model_states.measured or coming % self.logging_steps == 0:
+                self.monitor.before_optimizer_step(self.model)
+
+        for inner in inner_optimizers(optimizer):
+            register = getattr(inner, "register_step_pre_hook", None)
+            if register is None:
+                self.monitor.warn_once("model-states-hook", f"{type(inner).__qualname__} takes no step pre-hook; "
+                                       "the model-states figures are left out")
+                continue
+            register(before_step)
 
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
         """Call right after `optimizer.step()`; the figures logged at this step, or `{}`.

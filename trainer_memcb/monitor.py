@@ -16,6 +16,7 @@ from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.figures import MASTER_WEIGHTS_BYTES, MEASURED_BYTES, optimizer_figures
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.model_states import ModelStatesProbe
 from trainer_memcb.summary import summary_document
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
 from trainer_memcb.unwrap import inner_optimizers
@@ -71,6 +72,8 @@ class OptimizerStateMonitor:
         # too much to repeat at every logged step for an answer that cannot change.
         self._is_zero: Optional[bool] = None
         self._warned: Set[str] = set()
+        # Parameters and gradients, measured before the optimizer step (`before_optimizer_step`).
+        self.model_states = ModelStatesProbe()
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -96,6 +99,15 @@ class OptimizerStateMonitor:
         self._failed_step = None
         self._figures_step = None
         self._is_zero = None
+
+    def before_optimizer_step(self, model: Any) -> None:
+        """Measure the model's parameters and gradients now, where the gradients exist."""
+        try:
+            self.model_states.before_step(model, self._optimizer)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("model-states", f"measuring the parameters and gradients failed ({error!r}); "
+                           "the model-states figures are left out")
+            self.model_states = ModelStatesProbe()
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -192,6 +204,10 @@ class OptimizerStateMonitor:
             master_bytes = None
         if master_bytes is not None:
             figures[MASTER_WEIGHTS_BYTES] = master_bytes
+        try:
+            figures.update(self.model_states.figures(figures))
+        except Exception as error:  # never break training over a figure
+            self.warn_once("model-states-estimate", f"the model-states figures failed ({error!r}); they are left out")
         return figures
 
     # -- the end of a run ----------------------------------------------------------------------
