@@ -104,3 +104,27 @@ def test_loop_logger_takes_the_gradients_before_the_step_even_after_zero_grad():
 def test_no_measurement_before_a_step_means_no_model_states_figures():
     probe = ModelStatesProbe()
     assert probe.figures({"optimizer_state_bytes": 88}) == {} and not probe.measured
+
+
+class ParametersFail(nn.Module):
+    """A model whose parameters cannot be listed: measuring it raises."""
+
+    def parameters(self, recurse: bool = True):
+        raise RuntimeError("no parameters today")
+
+
+def test_a_failing_measurement_warns_once_and_leaves_the_model_states_out():
+    layer = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    memory = OptimizerMemoryLogger(optimizer, model=ParametersFail())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            layer(torch.ones(1, 4)).sum().backward()
+            optimizer.step()  # the pre-hook measures, fails, warns; the step still happens
+            figures = memory()
+            assert figures["optimizer_state_bytes"] == 88
+            assert not any(key.startswith("model_") for key in figures)
+    messages = [str(w.message) for w in caught if str(w.message).startswith("trainer_memcb")]
+    assert messages == ["trainer_memcb: measuring the parameters and gradients failed "
+                        "(RuntimeError('no parameters today')); the model-states figures are left out"]

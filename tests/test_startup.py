@@ -29,7 +29,7 @@ def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def loaded_after(code: str) -> dict:
-    done = run_python(f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))")
+    done = run_python(f"{code}\nimport json, sys\nprint(json.dumps({{m: sys.modules.get(m) is not None for m in {HEAVY!r}}}))")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -70,6 +70,16 @@ def test_report_and_compare_load_no_transformers():
             "assert main(['compare', 'no/such/run']) == 1\n"
             "assert main(['report', 'no/such/run', '--no-plot']) == 1")
     assert loaded_after(code) == dict.fromkeys(HEAVY, False)
+
+
+def test_the_estimate_command_keeps_peft_out_of_its_process():
+    code = ("import sys\n"
+            f"sys.argv = ['trainer-memcb', 'estimate', {TINY_CONFIG!r}, '--optimizers', 'adamw']\n"
+            "from trainer_memcb.cli import console_main\n"
+            "assert console_main() == 0")
+    loaded = loaded_after(code)
+    assert loaded["peft"] is False and loaded["bitsandbytes"] is False and loaded["transformers.trainer"] is False
+    assert loaded["transformers.trainer_utils"] is True
 
 
 def test_estimate_loads_the_optimizer_handlers_not_the_trainer():

@@ -42,7 +42,7 @@ from trainer_memcb.whatif import (
     what_if,
 )
 
-__all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main"]
+__all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
 
 PROGRAM = "trainer-memcb"
 # Written into the run folder by `report` unless --plot or --no-plot says otherwise.
@@ -248,3 +248,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = exit_request.code
         return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
     return command(args)
+
+
+def console_main() -> int:
+    """The `trainer-memcb` console script (and `python -m trainer_memcb`): `main` in a process of its own.
+
+    For `estimate`, peft is kept out of the process: transformers' `trainer_utils`, which the
+    optimizer handlers import, imports peft whenever it is installed (and peft imports
+    bitsandbytes), only to recognise PEFT models, and `estimate` builds none. That import is about
+    50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft as not
+    installed (`importlib.util.find_spec` answers None). Only here, in a process that ends with the
+    command: `main()` called from Python changes nothing.
+    """
+    if len(sys.argv) > 1 and sys.argv[1] == "estimate" and "peft" not in sys.modules:
+        sys.modules["peft"] = None
+    return main()
