@@ -27,7 +27,7 @@ gradient figure (and the sum) is left out rather than guessed.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 import torch
 
@@ -41,7 +41,7 @@ from trainer_memcb.figures import (
     MODEL_STATES_BYTES,
     MODEL_STATES_ESTIMATE_BYTES,
 )
-from trainer_memcb.measure import measure_optimizer_state
+from trainer_memcb.measure import _plain_tensors
 from trainer_memcb.plan import Setup, layout_model_states, param_specs
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer
 
@@ -51,15 +51,25 @@ __all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_p
 _ZERO_GRAD_BUFFERS = {2: "grads_in_partition", 3: "grad_partitions_flat_buffer"}
 
 
-class _TensorsAsState:
-    """Lets `measure_optimizer_state` count any tensors, each storage once: it reads `.state`."""
-
-    def __init__(self, tensors: List[torch.Tensor]) -> None:
-        self.state = {0: {"tensors": tensors}}
-
-
-def _count_bytes(tensors: List[torch.Tensor]) -> int:
-    return measure_optimizer_state(_TensorsAsState(tensors)).num_bytes
+def _count_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+    """Bytes of the storages behind `tensors`, each storage once (metadata only). A tensor subclass
+    (a DTensor) counts by the plain tensors inside it; a meta tensor holds nothing. Called at
+    every logged step over every parameter and gradient, so it does only that."""
+    seen: Set[Tuple[torch.device, int]] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        for plain in _plain_tensors(tensor):
+            if plain.is_meta:
+                continue
+            storage = plain.untyped_storage()
+            identity = (plain.device, storage.data_ptr())
+            if identity[1] and identity in seen:
+                continue
+            seen.add(identity)
+            total += storage.nbytes()
+    return total
 
 
 def _param_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -77,7 +87,7 @@ def measure_params_bytes(model: torch.nn.Module) -> int:
         >>> measure_params_bytes(torch.nn.Linear(4, 2))  # (8 + 2) fp32 values
         40
     """
-    return _count_bytes([_param_tensor(param) for param in model.parameters()])
+    return _count_bytes(_param_tensor(param) for param in model.parameters())
 
 
 def measure_grads_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
@@ -91,7 +101,7 @@ def measure_grads_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
         if isinstance(buffer, (list, tuple)):
             return _count_bytes([tensor for tensor in buffer if isinstance(tensor, torch.Tensor)])
         raise LookupError(f"ZeRO-{found[3]} keeps its gradients in {_ZERO_GRAD_BUFFERS[found[3]]}, not found here")
-    return _count_bytes([param.grad for param in model.parameters() if isinstance(param.grad, torch.Tensor)])
+    return _count_bytes(param.grad for param in model.parameters())
 
 
 def detect_setup(model: torch.nn.Module, optimizer: Any = None) -> Setup:
