@@ -21,6 +21,9 @@ Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_shar
 `runtime/zero/stage3.py` (`_create_fp32_partitions`, `grad_partitions_flat_buffer`) and
 `runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.sharding`.
 
+ZeRO-1/2 pad each param group; the plan takes the trainable parameters as one group (the Trainer
+makes two, with and without weight decay: up to 2 values more in each process's partition).
+
 Not counted: activations, temporary buffers (FSDP's all-gathered parameters, DDP's gradient
 buckets, ZeRO's reduce buckets), the CUDA context and allocator fragmentation. Two short-lived
 figures are given apart, under `transient_bytes`: ZeRO's fp32 gradient partition, made for the
