@@ -27,7 +27,7 @@ gradient figure (and the sum) is left out rather than guessed.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -61,7 +61,7 @@ def _count_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
         if tensor is None:
             continue
         for plain in _plain_tensors(tensor):
-            if plain.is_meta:
+            if plain.device.type == "meta":
                 continue
             storage = plain.untyped_storage()
             identity = (plain.device, storage.data_ptr())
@@ -94,14 +94,18 @@ def measure_grads_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
     """Bytes of storage behind the gradients on this process, each storage once: `param.grad`,
     or DeepSpeed ZeRO-2/3's gradient buffer when the optimizer is a ZeRO one that has it."""
     found = find_zero_optimizer(optimizer) if optimizer is not None else None
-    if found is not None and found[3] in _ZERO_GRAD_BUFFERS:
-        buffer = getattr(found[0], _ZERO_GRAD_BUFFERS[found[3]], None)
+    return _grads_bytes(list(model.parameters()), found)
+
+
+def _grads_bytes(params: List[torch.Tensor], zero: Optional[Tuple[Any, str, str, int]]) -> int:
+    if zero is not None and zero[3] in _ZERO_GRAD_BUFFERS:
+        buffer = getattr(zero[0], _ZERO_GRAD_BUFFERS[zero[3]], None)
         if isinstance(buffer, torch.Tensor):
             return _count_bytes([buffer])
         if isinstance(buffer, (list, tuple)):
             return _count_bytes([tensor for tensor in buffer if isinstance(tensor, torch.Tensor)])
-        raise LookupError(f"ZeRO-{found[3]} keeps its gradients in {_ZERO_GRAD_BUFFERS[found[3]]}, not found here")
-    return _count_bytes(param.grad for param in model.parameters())
+        raise LookupError(f"ZeRO-{zero[3]} keeps its gradients in {_ZERO_GRAD_BUFFERS[zero[3]]}, not found here")
+    return _count_bytes(param.grad for param in params)
 
 
 def detect_setup(model: torch.nn.Module, optimizer: Any = None) -> Setup:
@@ -137,6 +141,9 @@ class ModelStatesProbe:
         self._params_bytes: Optional[int] = None
         self._grads_bytes: Optional[int] = None
         self._layout_bytes: Optional[int] = None
+        # The ZeRO optimizer behind the optimizer, or None: found once per optimizer (it walks
+        # the wrappers and tries a few attributes), not at every logged step.
+        self._zero: Optional[Tuple[Any, str, str, int]] = None
 
     @property
     def measured(self) -> bool:
@@ -149,8 +156,10 @@ class ModelStatesProbe:
             return
         if model is not self._model or optimizer is not self._optimizer:
             self._model, self._optimizer, self._layout_bytes = model, optimizer, None
-        self._params_bytes = measure_params_bytes(model)
-        self._grads_bytes = measure_grads_bytes(model, optimizer)
+            self._zero = find_zero_optimizer(optimizer) if optimizer is not None else None
+        params = list(model.parameters())
+        self._params_bytes = _count_bytes(_param_tensor(param) for param in params)
+        self._grads_bytes = _grads_bytes(params, self._zero)
 
     def _planned_without_optimizer(self) -> int:
         """The plan's parameters + gradients + master weights for the detected setup, once per model."""
