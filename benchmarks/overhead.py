@@ -25,7 +25,7 @@ steps with and without, and its ratio: the median, over its ABBA blocks of 4 ste
 steps with over its steps without (a block's two sides sit symmetrically around its middle, so
 steady drift cancels out: the small model's step times vary by about 17% here, slowly). The
 headline is the median over runs, and the spread of the runs' ratios shows the noise. Beside it,
-the callback's own work (its `on_step_end`, its contribution to the log entry, its `on_log`) is
+the callback's own work (its `on_pre_optimizer_step`, its `on_step_end`, its contribution to the log entry, its `on_log`) is
 timed inside the same runs: a lower bound on its cost that a long step's noise does not hide.
 `--quick` is a smoke run whose numbers mean little.
 
@@ -178,14 +178,15 @@ class AlternatingStepTimer(TrainerCallback):
     callback's work and the log entry. It must be the first user callback, so that the callback
     under test runs after transformers' `DefaultFlowCallback` as it would anyway.
 
-    It also times, on the wall clock, the callback's own work in each step: its `on_step_end`
-    (the measurement), its contribution to the log entry and its `on_log`. That leaves out the
+    It also times, on the wall clock, the callback's own work in each step: its
+    `on_pre_optimizer_step` (parameters and gradients), its `on_step_end` (the measurement), its
+    contribution to the log entry and its `on_log`. That leaves out the
     dispatch of its events and what its work does to the caches of the rest of the step, so it is a
     lower bound on what the callback costs; on a long step it is the figure the step times cannot
     resolve.
     """
 
-    OWN_WORK = ("on_step_end", "contribute_to_trainer_log", "on_log")
+    OWN_WORK = ("on_pre_optimizer_step", "on_step_end", "contribute_to_trainer_log", "on_log")
 
     def __init__(self, callback: OptimizerMemoryCallback) -> None:
         self.callback = callback

@@ -146,7 +146,7 @@ def test_ddp_trainer_logs_the_replica_and_twice_it_as_total_on_rank_zero_only(dd
 
     with open(os.path.join(ddp_job, "replicas", "optimizer_memory.json"), encoding="utf-8") as handle:
         summary = json.load(handle)
-    assert summary["final_figures"] == expected
+    assert figures_in(summary["final_figures"]) == expected
     assert summary["measured"]["num_bytes"] == 29_808  # the main process's own
 
 
@@ -382,3 +382,57 @@ def test_deepspeed_zero_engines(tmp_path):
             assert result["warnings"] == [], name
             # ZeRO-3 lends its partitions to the inner optimizer only for the step.
             assert result["inner_groups_untouched"] == ([0, 0] if stage == 3 else [1, 1]), name
+
+
+# -- the four model states, measured, against the plan -------------------------------------------
+
+MODEL_STATES_KEYS = ("model_params_bytes", "model_grads_bytes", "model_states_bytes", "model_states_total_bytes",
+                     "model_states_estimate_bytes", "model_states_estimate_total_bytes")
+
+
+def model_states_in(entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    return {key[len(prefix):]: value for key, value in entry.items() if key[len(prefix):] in MODEL_STATES_KEYS}
+
+
+def test_ddp_trainer_logs_model_states_equal_to_the_plan_to_the_byte(ddp_job):
+    from trainer_memcb.plan import Setup, plan_model_states
+
+    # The plan, from the model alone: 3,714 fp32 values whole on each of 2 processes, AdamW.
+    (plan,) = plan_model_states(tiny_classifier(), "adamw", Setup(world_size=PROCESSES, sharding="ddp")).optimizers
+    assert (plan.params_bytes, plan.grads_bytes, plan.optimizer_state_bytes, plan.master_weights_bytes) == (
+        14_856, 14_856, 29_808, 0)
+    assert plan.model_states_bytes == 59_520
+    expected = {"model_params_bytes": 14_856, "model_grads_bytes": 14_856, "model_states_bytes": 59_520,
+                "model_states_total_bytes": 2 * 59_520, "model_states_estimate_bytes": plan.model_states_bytes,
+                "model_states_estimate_total_bytes": 2 * 59_520}
+    main, other = per_process(os.path.join(ddp_job, "replicas"))
+    training = [entry for entry in main["log_history"] if "loss" in entry]
+    assert len(training) == 3 and all(model_states_in(entry) == expected for entry in training)
+    (evaluation,) = [entry for entry in main["log_history"] if "eval_loss" in entry]
+    assert model_states_in(evaluation, "eval_") == expected
+    assert not any(key.startswith("model_") for entry in other["log_history"] for key in entry)
+    with open(os.path.join(ddp_job, "replicas", "optimizer_memory.json"), encoding="utf-8") as handle:
+        assert model_states_in(json.load(handle)["final_figures"]) == expected
+
+
+def test_fsdp2_logs_model_states_equal_to_the_plan_to_the_byte(fsdp2_job):
+    from trainer_memcb.plan import Setup, plan_model_states
+
+    unsharded = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    (plan,) = plan_model_states(unsharded, "adamw", Setup(world_size=PROCESSES, sharding="fsdp-full-shard")).optimizers
+    # Every rank's shard storage is padded to ceil(rows / 2) rows: 4x4 + 4 + 2x7 + 2 = 36 values,
+    # for the parameters and for the reduce-scattered gradients alike; the first rank steps over
+    # the most (its 36 values), as its optimizer state shows.
+    assert (plan.params_bytes, plan.grads_bytes, plan.optimizer_state_bytes) == (144, 144, 304)
+    assert plan.model_states_bytes == 592
+    results = per_process(fsdp2_job)
+    for result in results:
+        assert result["own_params_bytes"] == result["own_grads_bytes_before_step"] == 144
+    # The second rank: the same padded storages, and a state of 200 bytes (its 3 + 1 rows).
+    total = 592 + (144 + 144 + 200)
+    for result in results:
+        for figures in result["model_states_per_step"]:
+            assert model_states_in(figures) == {
+                "model_params_bytes": 144, "model_grads_bytes": 144, "model_states_bytes": plan.model_states_bytes,
+                "model_states_total_bytes": total, "model_states_estimate_bytes": plan.model_states_bytes,
+                "model_states_estimate_total_bytes": total}

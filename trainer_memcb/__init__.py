@@ -1,7 +1,12 @@
-"""trainer_memcb: what your optimizer really holds in memory while you train, against the estimate."""
+"""trainer_memcb: what your optimizer really holds in memory while you train, against the estimate.
 
-from trainer_memcb.accelerate_loop import OptimizerMemoryLogger
-from trainer_memcb.callback import OptimizerMemoryCallback
+`OptimizerMemoryCallback` and `OptimizerMemoryLogger` are imported on first use: the callback
+needs transformers' Trainer machinery (and through it peft, bitsandbytes, ...), seconds of start-up
+that `import trainer_memcb`, the estimate functions and the `trainer-memcb` command do not need.
+"""
+
+from typing import Any
+
 from trainer_memcb.estimate import (
     ParamInfo,
     StateEstimate,
@@ -23,3 +28,24 @@ __all__ = [
     "register_estimate_rule",
     "__version__",
 ]
+
+# Public name -> the module that defines it, imported when the name is first asked for.
+_LAZY = {
+    "OptimizerMemoryCallback": "trainer_memcb.callback",
+    "OptimizerMemoryLogger": "trainer_memcb.accelerate_loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'trainer_memcb' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))

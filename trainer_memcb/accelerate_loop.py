@@ -14,6 +14,7 @@ from trainer_memcb.figures import KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.monitor import OptimizerStateMonitor
 from trainer_memcb.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 from trainer_memcb.tensorboard_view import TensorBoardView, loop_tag, summary_markdown, tracker_log_dir
+from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = ["OptimizerMemoryLogger"]
 
@@ -58,6 +59,9 @@ class OptimizerMemoryLogger:
         max_steps: the run's last optimizer step, logged whatever `logging_steps` says; None when
             the loop has no known end (then log the end yourself with `memory(step=...)` or
             `add_to`).
+        model: the model being trained, to log the four model states as well
+            (`model_params_bytes`, `model_grads_bytes`, `model_states_bytes`,
+            `model_states_estimate_bytes`; see `trainer_memcb.model_states`).
 
     Example:
         >>> import torch
@@ -88,6 +92,7 @@ class OptimizerMemoryLogger:
         logging_steps: int = 1,
         breakdown: Iterable[str] = (),
         max_steps: Optional[int] = None,
+        model: Any = None,
     ) -> None:
         if optimizer is None:
             raise ValueError("optimizer=None: expected the optimizer whose state to measure")
@@ -109,6 +114,25 @@ class OptimizerMemoryLogger:
         self._tensorboard: Optional[TensorBoardView] = None
         if accelerator is not None:
             self._tensorboard = TensorBoardView(lambda: tracker_log_dir(accelerator), loop_tag)
+        self.model = model
+        if model is not None:
+            self._hook_before_steps(optimizer)
+
+    def _hook_before_steps(self, optimizer: Any) -> None:
+        """Measure the parameters and gradients right before the optimizer steps, where the
+        gradients exist (a step pre-hook on each torch optimizer behind the wrappers)."""
+        def before_step(*_: Any) -> None:
+            coming = self.optimizer_steps + 1
+            if not self.monitor.model_states.measured or coming % self.logging_steps == 0 or coming == self.max_steps:
+                self.monitor.before_optimizer_step(self.model)
+
+        for inner in inner_optimizers(optimizer):
+            register = getattr(inner, "register_step_pre_hook", None)
+            if register is None:
+                self.monitor.warn_once("model-states-hook", f"{type(inner).__qualname__} takes no step pre-hook; "
+                                       "the model-states figures are left out")
+                continue
+            register(before_step)
 
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
         """Call right after `optimizer.step()`; the figures logged at this step, or `{}`.

@@ -20,6 +20,12 @@ __all__ = [
     "ESTIMATE_TOTAL_BYTES",
     "MASTER_WEIGHTS_BYTES",
     "UNEXPECTED_BYTES",
+    "MODEL_PARAMS_BYTES",
+    "MODEL_GRADS_BYTES",
+    "MODEL_STATES_BYTES",
+    "MODEL_STATES_ESTIMATE_BYTES",
+    "MODEL_STATES_TOTAL_BYTES",
+    "MODEL_STATES_ESTIMATE_TOTAL_BYTES",
     "KEY_DESCRIPTIONS",
     "claims_measurement",
     "BREAKDOWN_KEY_PREFIXES",
@@ -41,6 +47,15 @@ MASTER_WEIGHTS_BYTES = "optimizer_master_weights_bytes"
 # Measured minus estimate (signed), once every trainable parameter has state (trainer_memcb.judge).
 UNEXPECTED_BYTES = "optimizer_state_unexpected_bytes"
 
+# The four model states (trainer_memcb.model_states): parameters, gradients, and with the optimizer
+# state and master weights their sum, beside the plan's figure for the same setup.
+MODEL_PARAMS_BYTES = "model_params_bytes"
+MODEL_GRADS_BYTES = "model_grads_bytes"
+MODEL_STATES_BYTES = "model_states_bytes"
+MODEL_STATES_ESTIMATE_BYTES = "model_states_estimate_bytes"
+MODEL_STATES_TOTAL_BYTES = "model_states_total_bytes"
+MODEL_STATES_ESTIMATE_TOTAL_BYTES = "model_states_estimate_total_bytes"
+
 # Every key, its unit and meaning: the README's table and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
     MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
@@ -54,6 +69,13 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     MASTER_WEIGHTS_BYTES: "bytes: DeepSpeed ZeRO's fp32 master weights kept beside the model's own, on this process",
     UNEXPECTED_BYTES: "bytes: optimizer_state_bytes minus optimizer_state_estimate_bytes (signed), once every "
     "trainable parameter has state; 0 when they agree (with several processes, the main process's own)",
+    MODEL_PARAMS_BYTES: "bytes: storage of the model's parameters on this process, each storage once (tied weights "
+    "once, a DTensor by its shard, ZeRO-3 by its partitions)",
+    MODEL_GRADS_BYTES: "bytes: storage of the gradients on this process, taken before the optimizer step",
+    MODEL_STATES_BYTES: "bytes: parameters + gradients + optimizer state + master weights on this process",
+    MODEL_STATES_ESTIMATE_BYTES: "bytes: the model-states plan's figure for the setup detected in the run",
+    MODEL_STATES_TOTAL_BYTES: "bytes: model_states_bytes summed over all processes of the job",
+    MODEL_STATES_ESTIMATE_TOTAL_BYTES: "bytes: model_states_estimate_bytes summed over all processes",
 }
 
 # With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a

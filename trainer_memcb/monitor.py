@@ -25,6 +25,7 @@ from trainer_memcb.figures import (
 )
 from trainer_memcb.judge import StateJudge, StateJudgement
 from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.model_states import ModelStatesProbe
 from trainer_memcb.summary import summary_document
 from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
 from trainer_memcb.unwrap import inner_optimizers
@@ -98,6 +99,8 @@ class OptimizerStateMonitor:
         # judgement and its step.
         self._judge = StateJudge()
         self._judged: Optional[Tuple[Optional[int], Optional[StateJudgement]]] = None
+        # Parameters and gradients, measured before the optimizer step (`before_optimizer_step`).
+        self.model_states = ModelStatesProbe()
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -135,6 +138,15 @@ class OptimizerStateMonitor:
         self._is_zero = None
         self._judge = StateJudge()
         self._judged = None
+
+    def before_optimizer_step(self, model: Any) -> None:
+        """Measure the model's parameters and gradients now, where the gradients exist."""
+        try:
+            self.model_states.before_step(model, self._optimizer)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("model-states", f"measuring the parameters and gradients failed ({error!r}); "
+                           "the model-states figures are left out")
+            self.model_states = ModelStatesProbe()
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -241,6 +253,10 @@ class OptimizerStateMonitor:
         if master_bytes is not None:
             figures[MASTER_WEIGHTS_BYTES] = master_bytes
         self._add_unexpected(figures, measurement)
+        try:
+            figures.update(self.model_states.figures(figures))
+        except Exception as error:  # never break training over a figure
+            self.warn_once("model-states-estimate", f"the model-states figures failed ({error!r}); they are left out")
         return figures
 
     def _add_unexpected(self, figures: Dict[str, int], measurement: Optional[StateMeasurement]) -> None:

@@ -13,12 +13,15 @@ from typing import Dict
 import torch
 from torch import nn
 
+from trainer_memcb.param_shapes import logical_shape
+
 __all__ = ["meta_stand_in"]
 
 
 def _meta_parameter(param: torch.Tensor) -> nn.Parameter:
     # A packed 4-bit weight is uint8: the stand-in keeps the shape and dtype the model holds.
-    twin = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
+    # A ZeRO-3 partitioned parameter is an empty tensor: the twin takes its real shape, ds_shape.
+    twin = torch.empty(logical_shape(param), dtype=param.dtype, device="meta")
     return nn.Parameter(twin, requires_grad=bool(param.requires_grad))
 
 

@@ -16,11 +16,18 @@ from __future__ import annotations
 import copy
 import dis
 import importlib.util
-from typing import Any, List, Optional, Sequence
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-__all__ = ["OptimizerUnavailable", "build_trainer_optimizer", "class_path"]
+__all__ = [
+    "OptimizerUnavailable",
+    "build_trainer_optimizer",
+    "class_path",
+    "keep_embeddings_32bit",
+    "trainer_optimizer_cls_and_kwargs",
+]
 
 _TARGETS_HINT = ("optim_target_modules: one regular expression matched against whole module names (re.fullmatch), "
                  "e.g. '.*(attn|mlp).*', or a comma list of name parts, e.g. attn,mlp")
@@ -90,12 +97,26 @@ def _one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
+# transformers 5's `Trainer.get_decay_parameter_names`: no weight decay for these names.
+_NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def _decay_parameter_names(model: nn.Module) -> List[str]:
+    """`Trainer.get_decay_parameter_names(model)`. It reads only the model, so the Trainer's own
+    method is used whenever the Trainer is imported already (in a training process); the
+    `estimate` command, which must start fast, does not import the Trainer for it and follows
+    transformers 5's method instead (the split changes param groups, never state bytes)."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is not None:
+        return list(trainer_module.Trainer.get_decay_parameter_names(None, model))
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return list(get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_NAME_PATTERNS))
+
+
 def _decay_groups(args: Any, model: nn.Module) -> List[dict]:
     """`Trainer.create_optimizer`'s two groups: weight decay, and none for biases and norms."""
-    from transformers import Trainer
-
-    # get_decay_parameter_names reads only the model; the Trainer instance is not needed.
-    decay = set(Trainer.get_decay_parameter_names(None, model))
+    decay = set(_decay_parameter_names(model))
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
     return [
         {"params": [param for name, param in named if name in decay], "weight_decay": args.weight_decay},
@@ -110,7 +131,7 @@ class _WeightHolder:
         self.weight = weight
 
 
-def _keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) -> None:
+def keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) -> None:
     """`Trainer.create_optimizer` with an 8-bit bitsandbytes optimizer registers every
     `nn.Embedding` weight for 32-bit state in bitsandbytes' global manager. Here the overrides go
     to a manager of this optimizer's own, so the process-wide one is left untouched."""
@@ -120,6 +141,33 @@ def _keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) -
     for weight in embeddings:
         manager.register_module_override(_WeightHolder(weight), "weight", {"optim_bits": 32})
     optimizer.mng = manager
+
+
+def trainer_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module] = None) -> Tuple[Any, Dict[str, Any]]:
+    """`Trainer.get_optimizer_cls_and_kwargs(args, model)`, without importing `transformers.trainer`.
+
+    transformers 5 keeps what that static method does in `transformers.trainer_optimizer`: one
+    handler per `optim` name, given the learning rate, Adam's betas and eps, and the parsed
+    `optim_args`. Importing that module alone spares `transformers.trainer`'s own imports (datasets,
+    the integrations; about 120 MiB and seconds of start-up). Where the module is missing (other
+    transformers versions) the Trainer's method is called. A test checks both give the same.
+    """
+    try:
+        from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext, _parse_optim_args
+    except ImportError:
+        from transformers import Trainer
+
+        return Trainer.get_optimizer_cls_and_kwargs(args, model)
+    handler = _OPTIMIZER_HANDLERS.get(args.optim)
+    if handler is None:
+        raise ValueError(f"Trainer cannot instantiate unsupported optimizer: {args.optim}")
+    return handler(OptimizerContext(
+        args=args,
+        model=model,
+        optimizer_kwargs={"lr": args.learning_rate},
+        adam_kwargs={"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
+        optim_args=_parse_optim_args(args.optim_args),
+    ))
 
 
 def build_trainer_optimizer(name: str, args: Any, model: nn.Module) -> Any:
@@ -146,13 +194,12 @@ def build_trainer_optimizer(name: str, args: Any, model: nn.Module) -> Any:
         >>> type(optimizer).__name__, [len(group["params"]) for group in optimizer.param_groups]
         ('AdamW', [1, 1])
     """
-    from transformers import Trainer
     from transformers.training_args import OptimizerNames
 
     trainer_args = copy.copy(args)
     trainer_args.optim = OptimizerNames(name)
     try:
-        optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer_args, model)
+        optimizer_class, kwargs = trainer_optimizer_cls_and_kwargs(trainer_args, model)
     except Exception as error:  # a library not installed, a device missing, a bad optim_args value
         missing = _missing_package(name, error)
         if missing is not None:
@@ -180,7 +227,7 @@ def build_trainer_optimizer(name: str, args: Any, model: nn.Module) -> Any:
         optimizer = optimizer_class(groups, **kwargs)
         if "bitsandbytes" in str(optimizer_class) and kwargs.get("optim_bits") == 8:
             embeddings = [module.weight for module in model.modules() if isinstance(module, nn.Embedding)]
-            _keep_embeddings_32bit(optimizer, list(dict.fromkeys(embeddings)))
+            keep_embeddings_32bit(optimizer, list(dict.fromkeys(embeddings)))
     except Exception as error:  # a constructor that needs CUDA, or refuses the Trainer's keyword arguments
         raise OptimizerUnavailable(f"its constructor failed: {type(error).__name__}: {_one_line(error)}",
                                    optimizer_class=path) from None

@@ -21,12 +21,18 @@ from torch import nn
 from trainer_memcb.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.measure import dtype_name
 from trainer_memcb.optim_options import parse_optim_args, parse_optim_target_modules
+from trainer_memcb.param_shapes import logical_numel
 from trainer_memcb.stand_ins import meta_stand_in
-from trainer_memcb.trainer_optimizers import OptimizerUnavailable, build_trainer_optimizer, class_path
-from trainer_memcb.units import format_bytes
-from trainer_memcb.unwrap import inner_optimizers
+from trainer_memcb.trainer_optimizers import (
+    OptimizerUnavailable,
+    build_trainer_optimizer,
+    class_path,
+    keep_embeddings_32bit,
+    trainer_optimizer_cls_and_kwargs,
+)
 from trainer_memcb.safe_io import UnsafeFileError, read_json
 from trainer_memcb.units import MiB, format_bytes
+from trainer_memcb.unwrap import inner_optimizers
 
 __all__ = [
     "DEFAULT_OPTIMIZERS",
@@ -36,6 +42,7 @@ __all__ = [
     "OptimizerWhatIf",
     "WhatIf",
     "optimizer_names",
+    "optimizer_what_if",
     "resolve_optimizer_names",
     "resolve_dtype",
     "build_meta_model",
@@ -252,12 +259,55 @@ def select_trainable(model: nn.Module, pattern: Optional[str], *, narrow: bool =
 
 
 def _optimizer_what_if(name: str, args: Any, stand_in: nn.Module) -> OptimizerWhatIf:
+    """One optimizer as the Trainer builds it for `optim=name` over the model's stand-in."""
     try:
         optimizer = build_trainer_optimizer(name, args, stand_in)
     except OptimizerUnavailable as unavailable:
         return OptimizerWhatIf(name, unavailable.optimizer_class, problem=unavailable.problem,
                                missing_package=unavailable.missing_package)
     path = class_path(type(optimizer))
+    return _estimated(name, optimizer, path)
+
+
+def optimizer_what_if(name: str, params: List[nn.Parameter], args: Any = None, model: Optional[nn.Module] = None,
+                      embeddings: Sequence[nn.Parameter] = ()) -> OptimizerWhatIf:
+    """One optimizer, as the Trainer builds it for `optim=name`, over `params` (meta-device
+    stand-ins: a shard's or a flat partition's, for the model-states plan), and its estimate.
+
+    Args:
+        name: the Trainer's `optim` name (aliases resolved).
+        params: what the optimizer steps over; nothing is allocated when they are on the meta device.
+        args: `TrainingArguments` for the hyperparameters; None uses the defaults.
+        model: the model, for the few optimizers the Trainer builds around it; may be None.
+        embeddings: stand-ins among `params` that are `nn.Embedding` weights (kept 32-bit by 8-bit
+            bitsandbytes optimizers).
+    """
+    from transformers.training_args import OptimizerNames
+
+    (name,) = resolve_optimizer_names([name])
+    trainer_args = copy.copy(args if args is not None else _default_training_args())
+    trainer_args.optim = OptimizerNames(name)
+    try:
+        optimizer_class, kwargs = trainer_optimizer_cls_and_kwargs(trainer_args, model)
+    except Exception as error:  # a library not installed, most often
+        return OptimizerWhatIf(name, problem=str(error))
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)) or (
+        {"params", "model", "optimizer_dict"} & set(kwargs)
+    ):
+        return OptimizerWhatIf(name, problem="the Trainer builds this one around the model itself; "
+                                             "the plan only builds plain optimizers")
+    path = class_path(optimizer_class)
+    try:
+        optimizer = optimizer_class(list(params), **kwargs)
+        if "bitsandbytes" in path and kwargs.get("optim_bits") == 8:
+            keep_embeddings_32bit(optimizer, list(embeddings))
+    except Exception as error:
+        return OptimizerWhatIf(name, path, problem=f"building it failed ({error!r})")
+    return _estimated(name, optimizer, path)
+
+
+def _estimated(name: str, optimizer: Any, path: str) -> OptimizerWhatIf:
+    """The what-if row of a built optimizer: its estimate, or why there is none."""
     try:
         estimate = estimate_optimizer_state(optimizer)
     except Exception as error:  # a rule that does not know this configuration
@@ -322,7 +372,7 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
         setattr(args, key, value)
     result = WhatIf(
         model=model_name or type(model).__name__,
-        total_params=sum(param.numel() for param in model.parameters()),
+        total_params=sum(logical_numel(param) for param in model.parameters()),  # tied ones once
         trainable_params=sum(param.numel() for param in params),
         trainable_tensors=len(params),
         trainable_bytes=sum(param.numel() * param.element_size() for param in params),

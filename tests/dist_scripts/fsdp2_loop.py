@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from trainer_memcb import OptimizerMemoryLogger, estimate_optimizer_state, measure_optimizer_state
 from trainer_memcb.distributed import reduce_across_processes
 from trainer_memcb.figures import optimizer_figures
+from trainer_memcb.model_states import measure_grads_bytes, measure_params_bytes
 
 
 def main() -> None:
@@ -39,16 +40,22 @@ def main() -> None:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     memory = OptimizerMemoryLogger(optimizer, accelerator)
+    # A second logger, given the model, for the four model states; it logs nowhere (accelerator None),
+    # so the first one's TensorBoard run keeps the optimizer keys alone. Both exchange in step.
+    model_states = OptimizerMemoryLogger(optimizer, model=model)
 
     figures_per_step = []
+    model_states_per_step = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         figures_per_step.append(memory.monitor.figures())  # before the first step: estimate only
         for _ in range(2):
             model(torch.randn(5, 4)).square().sum().backward()
+            grads_before_step = measure_grads_bytes(model)
             optimizer.step()
             optimizer.zero_grad()
             figures_per_step.append(memory())
+            model_states_per_step.append(model_states())
 
     # The README's recipe for the job's figures without the Trainer or the logger.
     own = optimizer_figures(measure_optimizer_state(optimizer), estimate_optimizer_state(optimizer))
@@ -70,6 +77,9 @@ def main() -> None:
         "own_estimate_bytes": estimate_optimizer_state(optimizer).num_bytes,
         "own_trainable_params": estimate_optimizer_state(optimizer).num_params,
         "figures_per_step": figures_per_step,
+        "model_states_per_step": model_states_per_step,
+        "own_params_bytes": measure_params_bytes(model),
+        "own_grads_bytes_before_step": grads_before_step,
         "readme_recipe": job,
         "warnings": _common.memcb_warnings(caught),
     })

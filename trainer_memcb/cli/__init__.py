@@ -5,6 +5,9 @@
     trainer-memcb compare RUN_DIR...        one row per run, sorted by optimizer state memory
     trainer-memcb estimate MODEL            the what-if: each optimizer's state for a model config,
                                             built on the meta device
+    trainer-memcb estimate MODEL --world-size 64 --zero 3 --precision deepspeed-bf16 --device-memory 80GiB
+                                            the model-states plan: what each process holds, and
+                                            whether it fits
 
 Tables in a terminal, plain text when piped, `--json` for machines (strict JSON: a number that is
 not finite is null). Exit codes: 0 done, 1 nothing found (the message says where it looked), a
@@ -23,7 +26,7 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import add_estimate_arguments, estimate_tables, estimate_what_if
+from trainer_memcb.cli.estimate import add_estimate_arguments, estimate_plan, estimate_tables, estimate_what_if, plan_asked
 from trainer_memcb.cli.failures import (
     EXIT_DONE,
     EXIT_NOTHING_FOUND,
@@ -35,12 +38,14 @@ from trainer_memcb.cli.failures import (
     say,
 )
 from trainer_memcb.cli.output import print_json, print_tables
+from trainer_memcb.cli.plan_table import plan_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
+from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
 from trainer_memcb.run_logs import RunLog, RunLogError, load_run
 from trainer_memcb.whatif import ModelConfigError
 
-__all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main"]
+__all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
 
 # Written into the run folder by `report` unless --plot or --no-plot says otherwise.
 REPORT_PLOT_FILE_NAME = "optimizer_memory.png"
@@ -151,14 +156,20 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    try:
-        result = estimate_what_if(args)
-    except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
-        raise UsageError(str(error)) from None
+    # Everything that imports transformers and the optimizers' libraries runs with their chatter
+    # held back; the tables are printed afterwards.
+    with quiet_output(enabled=not args.verbose):
+        try:
+            if plan_asked(args):
+                result = estimate_plan(args)
+            else:
+                result = estimate_what_if(args)
+        except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
+            raise UsageError(str(error)) from None
     if args.json:
         print_json(result.to_dict(), sys.stdout)
     else:
-        print_tables(estimate_tables(result), sys.stdout)
+        print_tables(plan_tables(result) if plan_asked(args) else estimate_tables(result), sys.stdout)
     return EXIT_DONE
 
 
@@ -190,3 +201,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return command(args)
     with quiet_libraries():  # their warnings would add lines to the one line the command says
         return command(args)
+
+
+def console_main() -> int:
+    """The `trainer-memcb` console script (and `python -m trainer_memcb`): `main` in a process of its own.
+
+    For `estimate`, peft is kept out of the process: transformers' `trainer_utils`, which the
+    optimizer handlers import, imports peft whenever it is installed (and peft imports
+    bitsandbytes), only to recognise PEFT models, and `estimate` builds none. That import is about
+    50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft as not
+    installed (`importlib.util.find_spec` answers None). Only here, in a process that ends with the
+    command: `main()` called from Python changes nothing.
+    """
+    if len(sys.argv) > 1 and sys.argv[1] == "estimate" and "peft" not in sys.modules:
+        sys.modules["peft"] = None
+    return main()

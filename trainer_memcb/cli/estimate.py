@@ -13,6 +13,7 @@ from typing import Any, List
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.lora import add_lora_adapters
 from trainer_memcb.optim_options import parse_optim_args, parse_optim_target_modules
+from trainer_memcb.plan import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
 from trainer_memcb.whatif import (
     DEFAULT_OPTIMIZERS,
     DTYPES,
@@ -25,7 +26,14 @@ from trainer_memcb.whatif import (
     what_if,
 )
 
-__all__ = ["add_estimate_arguments", "estimate_what_if", "estimate_tables"]
+__all__ = [
+    "add_estimate_arguments",
+    "estimate_model",
+    "estimate_plan",
+    "estimate_tables",
+    "estimate_what_if",
+    "plan_asked",
+]
 
 
 def _checked(parse):
@@ -91,6 +99,47 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
              "or PEFT's choice",
     )
     estimate.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
+    plan = estimate.add_argument_group(
+        "model-states plan", "with any of these, the parameters, gradients, optimizer state and master weights "
+        "each process holds")
+    plan.add_argument("--world-size", type=int, metavar="W", help="processes in the job (default 1)")
+    plan.add_argument("--nodes", type=int, metavar="N", help="machines; CPU figures are per node (default 1)")
+    shard = plan.add_mutually_exclusive_group()
+    shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
+    shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")
+    plan.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state and master weights on the CPU")
+    plan.add_argument("--offload-params", action="store_true", help="ZeRO-3 / FSDP: parameters on the CPU too")
+    plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default), autocast-bf16/fp16 (Trainer "
+                      "bf16=True/fp16=True), bf16 (model loaded in bf16), deepspeed-bf16/fp16 (fp32 master weights)")
+    plan.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per process, e.g. 80GiB: says whether it fits")
+    estimate.add_argument("--verbose", action="store_true",
+                          help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
+
+
+# Any of these turns `estimate` into the model-states plan.
+_PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
+                 "device_memory")
+
+
+def plan_asked(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the model-states plan rather than the optimizer what-if."""
+    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS)
+
+
+def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
+    """The model-states plan for the model and setup the options describe.
+
+    Raises:
+        ValueError: options that do not fit (see `estimate_model`), a bad setup or memory size.
+        ModelConfigError: no model config, or no parameter left to train.
+    """
+    setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
+                  sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
+                  precision=args.precision or "fp32", offload_optimizer=args.offload_optimizer,
+                  offload_params=args.offload_params)
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    return plan_model_states(estimate_model(args), args.optimizers, setup, device_memory=memory,
+                             model_name=args.model)
 
 
 def estimate_what_if(args: argparse.Namespace) -> WhatIf:
@@ -99,6 +148,18 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
     Raises:
         ValueError: options that do not fit the model (an unknown architecture, a bad regular
             expression, LoRA options without --lora-r, LoRA modules PEFT cannot find).
+        ModelConfigError: no model config, or no parameter left to train.
+    """
+    return what_if(estimate_model(args), args.optimizers, model_name=args.model,
+                   optim_args=args.optim_args, optim_target_modules=args.optim_target_modules)
+
+
+def estimate_model(args: argparse.Namespace) -> Any:
+    """The model the options describe, on the meta device: LoRA adapters and trainable names applied.
+
+    Raises:
+        ValueError: an unknown architecture, a bad regular expression, LoRA options without
+            --lora-r, LoRA modules PEFT cannot find.
         ModelConfigError: no model config, or no parameter left to train.
     """
     if args.lora_r is None and (args.lora_target_modules is not None or args.lora_modules_to_save is not None):
@@ -111,8 +172,7 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
             names = [name for name, _ in model.named_parameters()][:3]
             raise ModelConfigError(f"no parameter name of {args.model} matches --trainable {args.trainable!r}; "
                                    f"names look like: {', '.join(names)}")
-    return what_if(model, args.optimizers, model_name=args.model,
-                   optim_args=args.optim_args, optim_target_modules=args.optim_target_modules)
+    return model
 
 
 def _per_param(num_bytes: int, params: int) -> str:

@@ -1,0 +1,186 @@
+"""The model-states plan beside the references: the ZeRO paper, DeepSpeed's estimators, accelerate.
+
+    python benchmarks/references.py          # prints the README's comparison tables (about a minute)
+
+- The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", Table 1): per-device model states of a 7.5B-parameter model with mixed-precision
+  Adam, (2 + 2 + K) Psi with K = 12, in GB (10**9 bytes), per data-parallel degree Nd.
+- DeepSpeed's `estimate_zero2_model_states_mem_needs` (deepspeed/runtime/zero/stage_1_and_2.py) and
+  `estimate_zero3_model_states_mem_needs` (deepspeed/runtime/zero/stage3.py), which the
+  `..._all_cold` functions print for every offload setting with `additional_buffer_factor=1.5`. Their
+  formulas are restated here (deepspeed is not a dependency) from DeepSpeed's source.
+- accelerate's `estimate-memory` "Training using Adam" in float32 (accelerate/commands/estimate.py
+  `estimate_training_usage`): 4 x the model size, where the size is `calculate_maximum_sizes` of the
+  bare `AutoModel`, buffers included.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Dict, List, Tuple
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from trainer_memcb.plan import Setup, plan_model_states  # noqa: E402
+
+# -- the ZeRO paper, Table 1, 7.5B model column (GB) ------------------------------------------------
+PAPER_PSI = 7_500_000_000
+# Nd -> (baseline, P_os, P_os+g, P_os+g+p), as printed.
+PAPER_TABLE_1 = {
+    1: ("120", "120", "120", "120"),
+    4: ("120", "52.5", "41.3", "30"),
+    16: ("120", "35.6", "21.6", "7.5"),
+    64: ("120", "31.4", "16.6", "1.88"),
+    256: ("120", "30.4", "15.4", "0.47"),
+    1024: ("120", "30.1", "15.1", "0.12"),
+}
+PAPER_SHARDINGS = ("ddp", "zero1", "zero2", "zero3")  # baseline DP, P_os, P_os+g, P_os+g+p
+
+
+def as_printed(num_bytes: int, printed: str) -> str:
+    """GB rounded half up to the digits the paper printed."""
+    digits = len(printed.split(".")[1]) if "." in printed else 0
+    quantum = Decimal(1).scaleb(-digits)
+    return str((Decimal(num_bytes) / Decimal(10**9)).quantize(quantum, rounding=ROUND_HALF_UP))
+
+
+def paper_rows() -> List[Tuple[int, List[int], Tuple[str, ...]]]:
+    """(Nd, our four model-states figures in bytes, the paper's printed GB)."""
+    rows = []
+    for nd, printed in PAPER_TABLE_1.items():
+        ours = [plan_model_states(PAPER_PSI, "adamw", Setup(world_size=nd, sharding=sharding,
+                                                           precision="deepspeed-fp16")).optimizers[0].model_states_bytes
+                for sharding in PAPER_SHARDINGS]
+        rows.append((nd, ours, printed))
+    return rows
+
+
+# -- DeepSpeed's estimators ---------------------------------------------------------------------------
+
+
+def deepspeed_zero2(total_params: int, gpus_per_node: int, nodes: int, cpu_offload: bool,
+                    buffer_factor: float = 1.5) -> Tuple[int, int]:
+    """(CPU bytes per node, GPU bytes per GPU), as `estimate_zero2_model_states_mem_needs` computes."""
+    total_gpus = nodes * gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * buffer_factor
+    else:
+        gpu = 4 * total_params + int(16 * total_params / total_gpus)
+        cpu = total_params * 4 * gpus_per_node * buffer_factor
+    return int(cpu), int(gpu)
+
+
+def deepspeed_zero3(total_params: int, largest_layer_params: int, gpus_per_node: int, nodes: int, cpu_offload: bool,
+                    cpu_offload_params: bool, zero_init: bool, buffer_factor: float = 1.5) -> Tuple[int, int]:
+    """(CPU bytes per node, GPU bytes per GPU), as `estimate_zero3_model_states_mem_needs` computes."""
+    total_gpus = nodes * gpus_per_node
+    gpus_factor = 1 / nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu = largest_layer_memory
+            cpu = total_params * (18 * gpus_factor if zero_init else max(4 * gpus_per_node, 18 * gpus_factor)) * buffer_factor
+        else:
+            gpu = largest_layer_memory + int(2 * total_params / total_gpus)
+            cpu = total_params * (16 * gpus_factor if zero_init else max(4 * gpus_per_node, 16 * gpus_factor)) * buffer_factor
+    else:
+        gpu = largest_layer_memory + int(18 * total_params / total_gpus)
+        cpu = (largest_layer_params if zero_init else total_params) * 4 * gpus_per_node * buffer_factor
+    return int(cpu), int(gpu)
+
+
+def llama_2_7b():
+    from trainer_memcb.whatif import build_meta_model
+
+    return build_meta_model(os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b"))
+
+
+def largest_layer_params(model) -> int:
+    """DeepSpeed's `model_to_params` in stage3.py: the most parameters one module holds itself."""
+    return max(sum(param.numel() for param in module.parameters(recurse=False)) for module in model.modules())
+
+
+# (label, sharding, offload_optimizer, offload_params, DeepSpeed's function and its options)
+DEEPSPEED_SETTINGS = (
+    ("ZeRO-2, offload optimizer", "zero2", True, False, ("zero2", {"cpu_offload": True})),
+    ("ZeRO-2", "zero2", False, False, ("zero2", {"cpu_offload": False})),
+    ("ZeRO-3, offload optimizer and params", "zero3", True, True,
+     ("zero3", {"cpu_offload": True, "cpu_offload_params": True, "zero_init": True})),
+    ("ZeRO-3, offload optimizer", "zero3", True, False,
+     ("zero3", {"cpu_offload": True, "cpu_offload_params": False, "zero_init": True})),
+    ("ZeRO-3", "zero3", False, False, ("zero3", {"cpu_offload": False, "cpu_offload_params": False, "zero_init": True})),
+)
+
+
+def deepspeed_rows(model=None) -> List[Dict[str, object]]:
+    """For Llama-2-7B at 8 GPUs (1 node) and 64 GPUs (8 nodes of 8): DeepSpeed's figures and ours
+    (mixed-precision Adam: DeepSpeed bf16, torch AdamW on the fp32 partitions)."""
+    model = model if model is not None else llama_2_7b()
+    total = sum(param.numel() for param in model.parameters())
+    largest = largest_layer_params(model)
+    rows = []
+    for gpus, nodes in ((8, 1), (64, 8)):
+        for label, sharding, offload_optimizer, offload_params, (function, options) in DEEPSPEED_SETTINGS:
+            if function == "zero2":
+                ds_cpu, ds_gpu = deepspeed_zero2(total, gpus // nodes, nodes, **options)
+            else:
+                ds_cpu, ds_gpu = deepspeed_zero3(total, largest, gpus // nodes, nodes, **options)
+            setup = Setup(world_size=gpus, nodes=nodes, sharding=sharding, precision="deepspeed-bf16",
+                          offload_optimizer=offload_optimizer, offload_params=offload_params)
+            ours = plan_model_states(model, "adamw", setup).optimizers[0]
+            rows.append({"gpus": gpus, "nodes": nodes, "setting": label, "deepspeed_gpu": ds_gpu,
+                         "deepspeed_cpu_per_node": ds_cpu, "ours": ours, "total_params": total,
+                         "largest_layer_params": largest})
+    return rows
+
+
+# -- accelerate ----------------------------------------------------------------------------------------
+
+ACCELERATE_BERT_BASE_CASED = 1_732_997_120  # "Training using Adam", float32, as the issue measured it
+
+
+def accelerate_row() -> Dict[str, int]:
+    from transformers import AutoConfig, AutoModel
+    import torch
+
+    config = AutoConfig.from_pretrained(os.path.join(REPO_ROOT, "examples", "models", "bert-base-cased"))
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    buffers = sum(buffer.numel() * buffer.element_size() for buffer in model.buffers())
+    ours = plan_model_states(model, "adamw", Setup()).optimizers[0]
+    return {"accelerate": ACCELERATE_BERT_BASE_CASED, "ours": ours.model_states_bytes, "buffers_bytes": buffers,
+            "param_tensors": len(list(model.parameters())), "params": sum(p.numel() for p in model.parameters())}
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f}"
+
+
+def main() -> None:
+    print("ZeRO paper, Table 1, 7.5B model, GB per device (ours: rounded half up to the paper's digits)\n")
+    print("| Nd | baseline (paper / ours) | P_os | P_os+g | P_os+g+p |")
+    print("|---|---|---|---|---|")
+    for nd, ours, printed in paper_rows():
+        cells = [f"{paper} / {as_printed(value, paper)}" for value, paper in zip(ours, printed)]
+        print(f"| {nd} | " + " | ".join(cells) + " |")
+
+    print("\nDeepSpeed's estimators for Llama-2-7B (GiB; DeepSpeed prints GiB as 'GB')\n")
+    print("| GPUs | setting | DeepSpeed per GPU | ours on the device | DeepSpeed CPU per node | ours CPU per node |")
+    print("|---|---|---|---|---|---|")
+    for row in deepspeed_rows():
+        ours = row["ours"]
+        print(f"| {row['gpus']} | {row['setting']} | {_gib(row['deepspeed_gpu'])} | {_gib(ours.device_bytes)} | "
+              f"{_gib(row['deepspeed_cpu_per_node'])} | {_gib(ours.cpu_bytes_per_node)} |")
+
+    row = accelerate_row()
+    print(f"\naccelerate, bert-base-cased, float32 AdamW: accelerate {row['accelerate']:,} bytes, ours "
+          f"{row['ours']:,} bytes ({row['params']:,} parameters in {row['param_tensors']} tensors, "
+          f"{row['buffers_bytes']:,} bytes of buffers)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The four model states measured during training (one process here; torchrun jobs in
+test_distributed.py): parameters, gradients before the step, their sum with the optimizer state,
+and the plan's figure beside it."""
+
+from __future__ import annotations
+
+import doctest
+import warnings
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+import trainer_memcb.model_states
+from helpers import TinyDataset, tiny_classifier, training_args
+from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
+from trainer_memcb.model_states import ModelStatesProbe, detect_setup, measure_grads_bytes, measure_params_bytes
+
+KEYS = ("model_params_bytes", "model_grads_bytes", "model_states_bytes", "model_states_total_bytes",
+        "model_states_estimate_bytes", "model_states_estimate_total_bytes")
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(trainer_memcb.model_states)
+    assert result.attempted >= 1 and result.failed == 0
+
+
+def test_tied_weights_count_once():
+    embedding = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    model = nn.ModuleDict({"embedding": embedding, "head": head})
+    assert measure_params_bytes(model) == 40 * 4
+
+
+def test_zero3_partitioned_parameters_count_by_their_partitions():
+    # Stand-ins for DeepSpeed ZeRO-3 parameters (deepspeed is not installable here): an empty (0,)
+    # tensor with the real shape in ds_shape and this rank's values in ds_tensor.
+    layer = nn.Linear(4, 7)
+    for name, partition_numel in (("weight", 14), ("bias", 4)):
+        param = getattr(layer, name)
+        stand_in = nn.Parameter(torch.empty(0))
+        stand_in.ds_shape, stand_in.ds_numel = param.shape, param.numel()
+        stand_in.ds_tensor = torch.zeros(partition_numel)
+        setattr(layer, name, stand_in)
+    assert measure_params_bytes(layer) == (14 + 4) * 4
+
+
+class ZeroStage2StandIn:
+    """Shaped like DeepSpeed's ZeRO-2 optimizer by the attributes read here (deepspeed is not
+    installable here): fp32 partitions, the flat 16-bit buffer, and the contiguous gradient buffer."""
+
+    def __init__(self) -> None:
+        self.single_partition_of_fp32_groups = [torch.zeros(30)]
+        self.bit16_groups_flat = [torch.zeros(60, dtype=torch.bfloat16)]
+        self.partition_gradients = True
+        self.grads_in_partition = torch.zeros(30, dtype=torch.bfloat16)
+        self.optimizer = torch.optim.AdamW(self.single_partition_of_fp32_groups)
+
+
+def test_zero2_gradients_are_read_from_its_contiguous_buffer():
+    zero = ZeroStage2StandIn()
+    model = nn.Linear(2, 2)
+    assert measure_grads_bytes(model, zero) == 60
+    assert detect_setup(model, zero).sharding == "zero2"
+    assert detect_setup(model).sharding == "none"
+
+
+def test_trainer_logs_model_states_equal_to_the_plan():
+    model = tiny_classifier()
+    trainer = Trainer(model=model, args=training_args("unused", max_steps=2, logging_steps=1),
+                      train_dataset=TinyDataset(16), callbacks=[OptimizerMemoryCallback(what_if=(), summary_file=None)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [str(w.message) for w in caught if str(w.message).startswith("trainer_memcb")]
+    # 3,714 fp32 values: 14,856 bytes of weights, as many of gradients, 29,808 of AdamW state.
+    expected = {"model_params_bytes": 14_856, "model_grads_bytes": 14_856, "model_states_bytes": 59_520,
+                "model_states_total_bytes": 59_520, "model_states_estimate_bytes": 59_520,
+                "model_states_estimate_total_bytes": 59_520}
+    training = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(training) == 2
+    for entry in training:
+        assert {key: entry[key] for key in KEYS if key in entry} == expected
+
+
+def test_loop_logger_takes_the_gradients_before_the_step_even_after_zero_grad():
+    model = nn.Sequential(nn.Linear(4, 7), nn.ReLU(), nn.Linear(7, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    memory = OptimizerMemoryLogger(optimizer, model=model)
+    without_model = OptimizerMemoryLogger(optimizer)
+    for _ in range(2):
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()  # the gradients are gone: they were measured in the step's pre-hook
+        figures = memory()
+        assert not any(key.startswith("model_") for key in without_model())
+        assert {key: figures[key] for key in KEYS} == {
+            "model_params_bytes": 236, "model_grads_bytes": 236, "model_states_bytes": 236 + 236 + 488,
+            "model_states_total_bytes": 960, "model_states_estimate_bytes": 960,
+            "model_states_estimate_total_bytes": 960}
+
+
+def test_no_measurement_before_a_step_means_no_model_states_figures():
+    probe = ModelStatesProbe()
+    assert probe.figures({"optimizer_state_bytes": 88}) == {} and not probe.measured
+
+
+class ParametersFail(nn.Module):
+    """A model whose parameters cannot be listed: measuring it raises."""
+
+    def parameters(self, recurse: bool = True):
+        raise RuntimeError("no parameters today")
+
+
+def test_a_failing_measurement_warns_once_and_leaves_the_model_states_out():
+    layer = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    memory = OptimizerMemoryLogger(optimizer, model=ParametersFail())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            layer(torch.ones(1, 4)).sum().backward()
+            optimizer.step()  # the pre-hook measures, fails, warns; the step still happens
+            figures = memory()
+            assert figures["optimizer_state_bytes"] == 88
+            assert not any(key.startswith("model_") for key in figures)
+    messages = [str(w.message) for w in caught if str(w.message).startswith("trainer_memcb")]
+    assert messages == ["trainer_memcb: measuring the parameters and gradients failed "
+                        "(RuntimeError('no parameters today')); the model-states figures are left out"]

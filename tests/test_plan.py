@@ -1,0 +1,229 @@
+"""The model-states plan: hand-computed layouts, the ZeRO paper's Table 1, DeepSpeed's estimators,
+accelerate's estimate, the CLI, and ZeRO-3's partitioned parameters (item: ds_shape)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import trainer_memcb.plan
+import trainer_memcb.param_shapes
+import trainer_memcb.sharding
+from trainer_memcb.cli import main
+from trainer_memcb.plan import Setup, param_specs, parse_bytes, plan_model_states
+from trainer_memcb.whatif import what_if
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")
+
+
+def load_references():
+    spec = importlib.util.spec_from_file_location("references", os.path.join(REPO_ROOT, "benchmarks", "references.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def two_layers() -> nn.Module:
+    # Weights 7x4 and 3x7, biases 7 and 3: 28 + 7 + 21 + 3 = 59 values in 4 tensors.
+    return nn.Sequential(nn.Linear(4, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def adamw(values: int, tensors: int, element_size: int = 4) -> int:
+    return 2 * values * element_size + 4 * tensors  # exp_avg, exp_avg_sq, a 4-byte step each
+
+
+@pytest.mark.parametrize("module", [trainer_memcb.plan, trainer_memcb.param_shapes, trainer_memcb.sharding])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module)
+    assert result.attempted >= 1 and result.failed == 0
+
+
+def test_one_process_and_ddp_hold_everything_whole():
+    for sharding in ("none", "ddp"):
+        (entry,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding=sharding)).optimizers
+        assert (entry.params_bytes, entry.grads_bytes, entry.master_weights_bytes) == (59 * 4, 59 * 4, 0)
+        assert entry.optimizer_state_bytes == adamw(59, 4) == 488
+        assert entry.model_states_bytes == entry.device_bytes == 236 + 236 + 488
+        assert entry.cpu_bytes == entry.cpu_bytes_per_node == 0
+
+
+def test_frozen_parameters_count_as_parameters_only():
+    model = two_layers()
+    model[0].requires_grad_(False)
+    (entry,) = plan_model_states(model, "adamw", Setup()).optimizers
+    assert (entry.params_bytes, entry.grads_bytes, entry.optimizer_state_bytes) == (236, 24 * 4, adamw(24, 2))
+
+
+def test_fsdp_pads_every_shard_to_ceil_rows_over_w_and_the_first_rank_steps_over_the_most():
+    # Rows 7 -> 4 per rank, 3 -> 2: padded shards 4x4 + 4 + 2x7 + 2 = 36 values on every rank.
+    for sharding in ("fsdp-full-shard", "fsdp-shard-grad-op"):
+        (entry,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding=sharding)).optimizers
+        assert (entry.params_bytes, entry.grads_bytes) == (36 * 4, 36 * 4)
+        assert entry.optimizer_state_bytes == adamw(36, 4) == 304  # the FSDP2 job's first rank
+    assert entry.transient_bytes == {"unsharded_params_bytes": (59 - 36) * 4}
+    (offloaded,) = plan_model_states(two_layers(), "adamw", Setup(world_size=4, nodes=2, sharding="fsdp-full-shard",
+                                                                   offload_params=True)).optimizers
+    # 7 -> 2 rows, 3 -> 1: 8 + 2 + 7 + 1 = 18 values; everything on the CPU, 2 processes a node.
+    assert offloaded.device_bytes == 0
+    assert offloaded.cpu_bytes == 18 * 4 * 2 + adamw(18, 4) and offloaded.cpu_bytes_per_node == 2 * offloaded.cpu_bytes
+
+
+def test_zero_partitions_follow_deepspeed():
+    ds = "deepspeed-bf16"
+    # ZeRO-1/2: 59 trainable values in one flat group, padded to 60 (a multiple of 2 x 2): 30 a rank.
+    (zero1,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero1", precision=ds)).optimizers
+    assert (zero1.params_bytes, zero1.grads_bytes) == (60 * 2, 59 * 2)
+    assert (zero1.optimizer_state_bytes, zero1.master_weights_bytes) == (adamw(30, 1), 30 * 4)
+    assert zero1.transient_bytes == {"fp32_grad_partition_bytes": 30 * 4}
+    (zero2,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero2", precision=ds)).optimizers
+    assert zero2.grads_bytes == 30 * 2 and zero2.params_bytes == 120
+    # ZeRO-3: ceil(numel / 2) of each: 14 + 4 + 11 + 2 = 31.
+    (zero3,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero3", precision=ds)).optimizers
+    assert (zero3.params_bytes, zero3.grads_bytes, zero3.master_weights_bytes) == (31 * 2, 31 * 2, 31 * 4)
+    assert zero3.optimizer_state_bytes == adamw(31, 1)
+    # Offload: optimizer state and master weights on the CPU; ZeRO-3 parameters too.
+    (offload,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero3", precision=ds,
+                                                                 offload_optimizer=True, offload_params=True)).optimizers
+    assert offload.device_bytes == 31 * 2 and offload.cpu_bytes == 31 * 2 + adamw(31, 1) + 31 * 4
+    assert offload.cpu_bytes_per_node == 2 * offload.cpu_bytes
+
+
+def test_precisions():
+    model = two_layers()
+    fp32 = plan_model_states(model, "adamw", Setup(precision="fp32")).optimizers[0]
+    for autocast in ("autocast-bf16", "autocast-fp16"):  # the Trainer's bf16=True: weights stay fp32
+        assert plan_model_states(model, "adamw", Setup(precision=autocast)).optimizers[0] == fp32
+    bf16 = plan_model_states(model, "adamw", Setup(precision="bf16")).optimizers[0]
+    assert (bf16.params_bytes, bf16.grads_bytes, bf16.optimizer_state_bytes, bf16.master_weights_bytes) == (
+        118, 118, adamw(59, 4, element_size=2), 0)
+    stage0 = plan_model_states(model, "adamw", Setup(precision="deepspeed-fp16")).optimizers[0]
+    assert (stage0.params_bytes, stage0.optimizer_state_bytes, stage0.master_weights_bytes) == (118, adamw(59, 1), 236)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sharding": "zero4"}, "sharding='zero4' is not one of"),
+    ({"precision": "fp8"}, "precision='fp8' is not one of"),
+    ({"world_size": 0}, "world_size=0: expected a whole number"),
+    ({"world_size": 6, "nodes": 4}, "world_size=6 is not a multiple of nodes=4"),
+    ({"sharding": "fsdp-full-shard", "precision": "deepspeed-bf16"}, "is DeepSpeed's"),
+    ({"sharding": "ddp", "offload_optimizer": True}, "offload_optimizer is DeepSpeed ZeRO's"),
+    ({"sharding": "zero2", "offload_params": True}, "offload_params needs sharding zero3 or fsdp"),
+])
+def test_bad_setups_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Setup(**kwargs)
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80 GB") == 80 * 10**9 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="'80 apples' is not a size"):
+        parse_bytes("80 apples")
+
+
+def test_the_zero_paper_table_1_from_a_raw_parameter_count():
+    references = load_references()
+    for nd, ours, printed in references.paper_rows():
+        assert [references.as_printed(value, paper) for value, paper in zip(ours, printed)] == list(printed), nd
+    # Nd = 64 exactly: 2 + 2 + 12 / 64 bytes a parameter with P_os (AdamW's 4-byte step aside).
+    (row,) = [ours for nd, ours, _ in references.paper_rows() if nd == 64]
+    partition = 7_500_000_000 // 64  # a multiple of 2: no padding
+    assert row[1] == 2 * 7_500_000_000 + 2 * 7_500_000_000 + 12 * partition + 4 == 31_406_250_004
+
+
+def test_deepspeed_estimators_beside_the_plan_for_llama_2_7b():
+    references = load_references()
+    rows = references.deepspeed_rows()
+    psi = 6_738_415_616
+    assert rows[0]["total_params"] == psi and rows[0]["largest_layer_params"] == 32_000 * 4_096
+    by_key = {(row["gpus"], row["setting"]): row for row in rows}
+    zero2 = by_key[(8, "ZeRO-2")]
+    # DeepSpeed: 4 psi + 16 psi / N (whole 16-bit gradients, and an fp32 gradient partition).
+    assert zero2["deepspeed_gpu"] == 4 * psi + 16 * psi // 8
+    ours = zero2["ours"]  # bf16 parameters whole, gradient / optimizer / master partitions
+    partition = psi // 8  # psi is a multiple of 16: no padding
+    assert (ours.params_bytes, ours.grads_bytes, ours.master_weights_bytes) == (2 * psi, 2 * partition, 4 * partition)
+    assert ours.optimizer_state_bytes == 8 * partition + 4
+    assert zero2["deepspeed_gpu"] - ours.device_bytes == 2 * psi - 2 * partition + 4 * partition - 4
+    zero3 = by_key[(64, "ZeRO-3")]
+    assert zero3["deepspeed_gpu"] == 4 * 131_072_000 + int(18 * psi / 64)
+    partitions = 105_287_744  # the sum of ceil(numel / 64) over Llama-2-7B's 291 tensors
+    assert zero3["ours"].device_bytes == zero3["ours"].model_states_bytes == 16 * partitions + 4
+    # DeepSpeed: 2 bytes a parameter more, and 4 bytes a value of the largest layer (gathered for use).
+    assert zero3["deepspeed_gpu"] - zero3["ours"].device_bytes == 4 * 131_072_000 + int(18 * psi / 64) - 16 * partitions - 4
+
+
+def test_accelerate_training_using_adam_for_bert_base_cased():
+    row = load_references().accelerate_row()
+    # accelerate: 4 x (parameters + buffers) bytes in fp32; ours: weights + gradients + AdamW's two
+    # moments and a 4-byte step per tensor, buffers not being model states.
+    assert row["params"] == 108_310_272 and row["buffers_bytes"] == 8_192 and row["param_tensors"] == 199
+    assert row["accelerate"] == 16 * row["params"] + 4 * row["buffers_bytes"]
+    assert row["ours"] == 16 * row["params"] + 4 * row["param_tensors"] == 1_732_965_148
+    assert row["accelerate"] - row["ours"] == 31_972
+
+
+def partitioned_like_zero3(model: nn.Module) -> nn.Module:
+    """Stand-ins for DeepSpeed ZeRO-3's partitioned parameters (deepspeed is not installable here):
+    what `zero.Init` leaves, an empty `(0,)` tensor carrying `ds_shape` and `ds_numel`."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            stand_in = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
+            stand_in.ds_shape, stand_in.ds_numel = param.shape, param.numel()
+            setattr(module, name, stand_in)
+    return model
+
+
+def test_zero3_partitioned_parameters_are_taken_at_their_real_size():
+    model = partitioned_like_zero3(two_layers())
+    assert all(param.shape == (0,) for param in model.parameters())
+    result = what_if(model, ["adamw"])
+    assert (result.total_params, result.trainable_params) == (59, 59)
+    assert result.optimizers[0].estimate.num_bytes == adamw(59, 4)
+    assert [spec.shape for spec in param_specs(model)] == [(7, 4), (7,), (3, 7), (3,)]
+    (entry,) = plan_model_states(model, "adamw", Setup(world_size=2, sharding="zero3")).optimizers
+    assert entry.params_bytes == 31 * 4 and entry.optimizer_state_bytes == adamw(31, 1)
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "trainer_memcb", *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT))
+
+
+def test_cli_plan_for_llama_2_7b_at_64_processes_with_zero3(capsys):
+    assert main(["estimate", LLAMA, "--world-size", "64", "--nodes", "8", "--zero", "3", "--precision",
+                 "deepspeed-bf16", "--optimizers", "adamw", "--device-memory", "80GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["setup"]["sharding"] == "zero3" and plan["total_params"] == 6_738_415_616
+    (entry,) = plan["optimizers"]
+    partitions = 210_575_488 // 2  # the sum of ceil(numel / 64) over the 291 tensors
+    assert (entry["params_bytes"], entry["grads_bytes"], entry["master_weights_bytes"]) == (
+        2 * partitions, 2 * partitions, 4 * partitions)
+    assert entry["optimizer_state_bytes"] == 8 * partitions + 4
+    assert entry["model_states_bytes"] == entry["device_bytes"] == 16 * partitions + 4
+    assert entry["fits"] is True and entry["margin_bytes"] == 80 * 2**30 - entry["device_bytes"]
+    assert main(["estimate", LLAMA, "--world-size", "8", "--sharding", "ddp", "--optimizers", "adamw",
+                 "--device-memory", "80GiB"]) == 0
+    text = capsys.readouterr().out
+    short = 16 * 6_738_415_616 + 4 * 291 - 80 * 2**30  # weights, gradients, AdamW's moments and steps
+    assert short == 21_915_305_100
+    assert "does not fit, 20.41 GiB (21,915,305,100) short" in text and "Not counted: activations" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--zero", "3", "--sharding", "ddp"], "not allowed with argument"),
+    (["--sharding", "fsdp-full-shard", "--precision", "deepspeed-bf16"], "trainer-memcb: error: precision="),
+    (["--device-memory", "lots"], "trainer-memcb: error: memory size 'lots' is not a size"),
+    (["--world-size", "3", "--nodes", "2"], "trainer-memcb: error: world_size=3 is not a multiple of nodes=2"),
+])
+def test_cli_plan_usage_errors_are_one_line_and_exit_2(argv, message):
+    done = run_cli("estimate", os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert"), *argv)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,134 @@
+"""Start-up: `import trainer_memcb` and the `trainer-memcb` command import no part of transformers'
+Trainer machinery until it is needed, and other libraries' import chatter stays off the terminal.
+
+Each check runs in a fresh Python process, since this test process has imported everything already.
+Timing lives in `benchmarks/startup.py`, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer_memcb.trainer_optimizers import trainer_optimizer_cls_and_kwargs
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_CONFIG = os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert")
+# What the callback's import chain used to pull in: seconds of start-up.
+HEAVY = ("transformers", "transformers.trainer", "transformers.trainer_utils", "peft", "bitsandbytes", "datasets")
+
+
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def loaded_after(code: str) -> dict:
+    done = run_python(f"{code}\nimport json, sys\nprint(json.dumps({{m: sys.modules.get(m) is not None for m in {HEAVY!r}}}))")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_import_trainer_memcb_loads_no_transformers():
+    assert loaded_after("import trainer_memcb") == dict.fromkeys(HEAVY, False)
+
+
+def test_the_estimate_functions_load_no_transformers():
+    code = ("import torch, trainer_memcb\n"
+            "optimizer = torch.optim.AdamW(torch.nn.Linear(4, 2).parameters())\n"
+            "assert trainer_memcb.estimate_optimizer_state(optimizer).num_bytes == 88")
+    assert loaded_after(code) == dict.fromkeys(HEAVY, False)
+
+
+def test_the_callback_is_imported_on_first_use():
+    code = ("import trainer_memcb, sys\n"
+            "assert 'trainer_memcb.callback' not in sys.modules\n"
+            "from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger\n"
+            "assert OptimizerMemoryCallback.__module__ == 'trainer_memcb.callback'\n"
+            "assert OptimizerMemoryLogger.__module__ == 'trainer_memcb.accelerate_loop'\n"
+            "assert trainer_memcb.OptimizerMemoryCallback is OptimizerMemoryCallback")
+    loaded = loaded_after(code)
+    assert loaded["transformers.trainer_utils"] is True  # the callback needs TrainerCallback
+    assert loaded["transformers.trainer"] is False  # ... and not the Trainer itself
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import trainer_memcb
+
+    with pytest.raises(AttributeError, match="no attribute 'OptimizerMemoryCalback'"):
+        trainer_memcb.OptimizerMemoryCalback  # noqa: B018
+    assert {"OptimizerMemoryCallback", "OptimizerMemoryLogger"} <= set(dir(trainer_memcb))
+
+
+def test_report_and_compare_load_no_transformers():
+    code = ("from trainer_memcb.cli import main\n"
+            "assert main(['compare', 'no/such/run']) == 1\n"
+            "assert main(['report', 'no/such/run', '--no-plot']) == 1")
+    assert loaded_after(code) == dict.fromkeys(HEAVY, False)
+
+
+def test_the_estimate_command_keeps_peft_out_of_its_process():
+    code = ("import sys\n"
+            f"sys.argv = ['trainer-memcb', 'estimate', {TINY_CONFIG!r}, '--optimizers', 'adamw']\n"
+            "from trainer_memcb.cli import console_main\n"
+            "assert console_main() == 0")
+    loaded = loaded_after(code)
+    assert loaded["peft"] is False and loaded["bitsandbytes"] is False and loaded["transformers.trainer"] is False
+    assert loaded["transformers.trainer_utils"] is True
+
+
+def test_estimate_loads_the_optimizer_handlers_not_the_trainer():
+    code = f"from trainer_memcb.cli import main\nassert main(['estimate', {TINY_CONFIG!r}, '--optimizers', 'adamw']) == 0"
+    loaded = loaded_after(code)
+    assert loaded["transformers"] is True and loaded["transformers.trainer"] is False
+
+
+@pytest.mark.parametrize("name", ["adamw_torch", "adafactor", "adamw_bnb_8bit", "sgd", "adagrad", "lion_32bit"])
+def test_the_optimizer_handlers_give_what_the_trainer_gives(name):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", report_to=[], optim=name, learning_rate=3e-4, adam_beta1=0.8,
+                             optim_args="eps=1e-7" if name == "adamw_torch" else None)
+    model = torch.nn.Linear(4, 2)
+    try:
+        expected = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except Exception as error:  # a library not installed: both must fail alike
+        with pytest.raises(type(error)):
+            trainer_optimizer_cls_and_kwargs(args, model)
+        return
+    assert trainer_optimizer_cls_and_kwargs(args, model) == expected
+
+
+def test_estimate_keeps_other_libraries_chatter_off_the_terminal_and_verbose_shows_it():
+    command = [sys.executable, "-m", "trainer_memcb", "estimate", TINY_CONFIG, "--optimizers", "adamw,adamw_bnb_8bit"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    quiet = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    verbose = subprocess.run(command + ["--verbose"], env=env, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == verbose.returncode == 0
+    assert quiet.stderr == ""
+    assert quiet.stdout == verbose.stdout
+    assert "adamw_bnb_8bit" in quiet.stdout
+
+
+def test_quiet_output_drops_c_level_and_python_writes_and_restores_the_stream():
+    code = ("import os, sys\n"
+            "from trainer_memcb.cli.quiet import quiet_output\n"
+            "with quiet_output():\n"
+            "    os.write(2, b'from C\\n')\n"
+            "    print('from Python', file=sys.stderr)\n"
+            "print('after', file=sys.stderr)\n"
+            "with quiet_output(enabled=False):\n"
+            "    os.write(2, b'shown\\n')\n")
+    done = run_python(code)
+    assert done.returncode == 0 and done.stderr == "after\nshown\n"
+
+
+def test_a_bad_config_still_gets_its_one_line_message():
+    done = run_python("import sys\nfrom trainer_memcb.cli import main\nsys.exit(main(['estimate', 'no/such/folder/x']))")
+    assert done.returncode == 1
+    assert done.stderr == "trainer-memcb: no/such/folder/x: no such folder (give a folder holding config.json, or a hub name)\n"
