@@ -249,11 +249,13 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         # The gradients exist now; the step is followed by zero_grad. Metadata only, every process,
         # on the first step and on the steps that will be logged (their sizes do not change between).
-        self.monitor.attach(kwargs.get("optimizer"))
+        run = self._run(kwargs.get("optimizer"))
+        if run is None:
+            return
         every = getattr(args, "logging_steps", 1) or 1
         coming = state.global_step + 1
-        if not self.monitor.model_states.measured or every < 1 or coming % int(every) == 0:
-            self.monitor.before_optimizer_step(model)
+        if not run.monitor.model_states.measured or every < 1 or coming % int(every) == 0:
+            run.monitor.before_optimizer_step(model)
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
