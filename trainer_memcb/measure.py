@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from math import gcd
+from operator import attrgetter, itemgetter
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -132,25 +134,31 @@ def _collect_value(found: List[Tuple[int, str, torch.Tensor]], owner: int, key: 
     visiting.discard(id(value))
 
 
-def _state_tensors(optimizer: Any) -> List[Tuple[int, str, torch.Tensor]]:
-    """`(parameter number, state key, plain tensor)` for every tensor in the state, in order.
+def _all_states(optimizer: Any) -> List[Any]:
+    """Every per-parameter state of the optimizer, in order, read where the optimizer's class keeps
+    it (`trainer_memcb.registry`): in `optimizer.state` unless its rule declares another place, as
+    the estimate does."""
+    inners = inner_optimizers(optimizer)
+    if len(inners) == 1:
+        return state_of(inners[0])
+    return [param_state for inner in inners for param_state in state_of(inner)]
 
-    The state is read where the optimizer's class keeps it (`trainer_memcb.registry`): in
-    `optimizer.state` unless its rule declares another place, as the estimate does."""
+
+def _state_tensors(states: Sequence[Any]) -> List[Tuple[int, str, torch.Tensor]]:
+    """`(parameter number, state key, plain tensor)` for every tensor in the states, in order."""
     found: List[Tuple[int, str, torch.Tensor]] = []
     owner = 0
-    for inner in inner_optimizers(optimizer):
-        for param_state in state_of(inner):
-            owner += 1
-            if type(param_state) is not dict and not isinstance(param_state, Mapping):
-                _collect_value(found, owner, "<state>", param_state, 0, set())
-                continue
-            for key, value in list(param_state.items()):
-                name = key if type(key) is str else str(key)
-                if type(value) is torch.Tensor:  # the common case, no walk needed
-                    found.append((owner, name, value))
-                else:
-                    _collect_value(found, owner, name, value, 0, set())
+    for param_state in states:
+        owner += 1
+        if type(param_state) is not dict and not isinstance(param_state, Mapping):
+            _collect_value(found, owner, "<state>", param_state, 0, set())
+            continue
+        for key, value in list(param_state.items()):
+            name = key if type(key) is str else str(key)
+            if type(value) is torch.Tensor:  # the common case, no walk needed
+                found.append((owner, name, value))
+            else:
+                _collect_value(found, owner, name, value, 0, set())
     return found
 
 
@@ -193,17 +201,26 @@ def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
             num_params_with_state += 1
             last_owner = owner
 
+    totals: List[Tuple[str, torch.dtype, str, int, int, int]] = []
+    for (key, dtype, device), sizes in parts.items():
+        # Per storage, whole elements only (a storage need not hold a whole number of them).
+        element_size = dtype.itemsize
+        part_elements = sum(size // element_size for size in sizes) if element_size else 0
+        totals.append((key, dtype, device, sum(sizes), part_elements, len(sizes)))
+    return _summarise(totals, num_params_with_state)
+
+
+def _summarise(parts: Sequence[Tuple[str, torch.dtype, str, int, int, int]],
+               num_params_with_state: int) -> StateMeasurement:
+    """The measurement from its parts, each `(state key, dtype, device, bytes, elements, storages)`
+    in the order of their first storage: every breakdown lists its names in that order."""
     num_bytes = num_elements = num_tensors = 0
     bytes_by_key: Dict[str, int] = {}
     bytes_by_dtype: Dict[str, int] = {}
     bytes_by_device: Dict[str, int] = {}
     elements_by_key: Dict[str, int] = {}
-    for (key, dtype, device), sizes in parts.items():
+    for key, dtype, device, part_bytes, part_elements, part_tensors in parts:
         name = dtype_name(dtype)
-        part_bytes, part_tensors = sum(sizes), len(sizes)
-        # Per storage, whole elements only (a storage need not hold a whole number of them).
-        element_size = dtype.itemsize
-        part_elements = sum(size // element_size for size in sizes) if element_size else 0
         num_bytes += part_bytes
         num_elements += part_elements
         num_tensors += part_tensors
@@ -221,6 +238,84 @@ def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
         bytes_by_device=bytes_by_device,
         elements_by_key=elements_by_key,
     )
+
+
+# -- the common state, column by column ---------------------------------------------------------
+#
+# Most states are one plain dict per parameter, all with the same keys, each key holding plain
+# tensors of one dtype on one device (or a plain number, like bitsandbytes' `step`), with no storage
+# held twice. Such a state is read one key (column) at a time, each metadata read mapped over the
+# whole column by C code rather than stepped through by the interpreter: the same reads as `_count`
+# (every tensor's storage, its size and address, its dtype and device, at every call: nothing is
+# remembered between calls), with the same figures. Anything else returns None and goes to
+# `_count`, which handles every case.
+
+_UNTYPED_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_ADDRESS = torch.UntypedStorage.data_ptr
+_DTYPE = attrgetter("dtype")
+_IS_CPU = attrgetter("is_cpu")
+_DEVICE = attrgetter("device")
+# Values that hold no tensor memory and that `_collect_value` passes over.
+_PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _count_columns(states: Sequence[Any]) -> Optional[StateMeasurement]:
+    """The measurement of a state of the common shape above, or None if it has another."""
+    num_states = len(states)
+    if not num_states:
+        return None
+    first = states[0]
+    if type(first) is not dict:
+        return None
+    # Every state a plain dict with as many keys as the first; each of the first's keys is looked
+    # up in all of them below, so all hold the same keys.
+    if sum(map(len, states)) != num_states * len(first) or list(map(type, states)).count(dict) != num_states:
+        return None
+    parts: List[Tuple[str, torch.dtype, str, int, int, int]] = []
+    addresses: List[int] = []
+    try:
+        for key in first:
+            if type(key) is not str:
+                return None
+            column = list(map(itemgetter(key), states))
+            if list(map(type, column)).count(torch.Tensor) != num_states:
+                if set(map(type, column)) <= _PLAIN_VALUES:
+                    continue
+                return None
+            storages = list(map(_UNTYPED_STORAGE, column))
+            sizes = list(map(len, storages))  # `len` of an untyped storage is its `nbytes()`
+            addresses += map(_STORAGE_ADDRESS, storages)
+            dtypes = list(map(_DTYPE, column))
+            dtype = dtypes[0]
+            if dtypes.count(dtype) != num_states:
+                return None
+            if list(map(_IS_CPU, column)).count(True) == num_states:
+                device = "cpu"
+            else:
+                devices = list(map(_DEVICE, column))
+                if devices.count(devices[0]) != num_states:
+                    return None
+                device = _device_name(devices[0])
+                if device == "meta" or device == "cpu":
+                    return None  # no memory, or some but not all on the CPU: `_count` sorts it out
+            part_bytes = sum(sizes)
+            element_size = dtype.itemsize
+            if not element_size:
+                part_elements = 0
+            elif not gcd(*sizes) % element_size:
+                # The element size divides every size: the whole elements of all the storages are
+                # the elements of their total.
+                part_elements = part_bytes // element_size
+            else:
+                part_elements = sum(size // element_size for size in sizes)
+            parts.append((key, dtype, device, part_bytes, part_elements, num_states))
+    except (KeyError, NotImplementedError, RuntimeError, TypeError):
+        return None  # a key some state lacks, a storage that cannot be read (sparse): `_count`'s case
+    # No address twice (at most one 0, a storage without memory): every storage counts once.
+    if not parts or len(set(addresses)) != len(addresses):
+        return None
+    # Every state holds a tensor of each tensor key, none passed over: each is a parameter with state.
+    return _summarise(parts, num_states)
 
 
 # A sparse tensor has no storage of its own; these hold its data, per layout.
@@ -273,7 +368,11 @@ def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
         >>> measured.bytes_by_key["exp_avg"]
         40
     """
-    found = _state_tensors(optimizer)
+    states = _all_states(optimizer)
+    measured = _count_columns(states)
+    if measured is not None:
+        return measured
+    found = _state_tensors(states)
     try:
         return _count(found)
     except (NotImplementedError, RuntimeError):
