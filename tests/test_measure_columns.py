@@ -82,13 +82,14 @@ def test_adamw_figures_by_columns_exact() -> None:
     }
 
 
-def test_adafactor_columns_decline_or_agree() -> None:
+def test_adafactor_two_layouts_by_columns() -> None:
     # torch's Adafactor keeps row and column factors for matrices and a full variance for vectors:
-    # its states differ in keys, so the column path declines them.
+    # two groups of states with different keys, each read by columns.
     optimizer = torch_optimizer("Adafactor")
     by_columns = column_count(optimizer)
-    assert by_columns is None
-    assert ordered(measure_optimizer_state(optimizer).to_dict()) == ordered(general_count(optimizer))
+    assert by_columns is not None
+    assert ordered(by_columns) == ordered(general_count(optimizer))
+    assert ordered(measure_optimizer_state(optimizer).to_dict()) == ordered(by_columns)
 
 
 def test_grokadamw_state_read_by_columns() -> None:
@@ -107,8 +108,13 @@ def test_bitsandbytes_states_by_columns_or_declined() -> None:
     big = torch.nn.Parameter(torch.randn(64, 128))  # 8-bit state, with the shared qmaps
     small = torch.nn.Parameter(torch.randn(10))  # 32-bit state
     eight_bit = stepped(bnb.optim.AdamW8bit([big, small]), [big, small])
-    assert column_count(eight_bit) is None  # two layouts, and qmaps held twice
-    assert ordered(measure_optimizer_state(eight_bit).to_dict()) == ordered(general_count(eight_bit))
+    # Two layouts, and the qmaps held by the 8-bit state and again in `name2qmap`: counted once.
+    by_columns = column_count(eight_bit)
+    assert by_columns is not None
+    assert ordered(by_columns) == ordered(general_count(eight_bit))
+    assert by_columns["bytes_by_key"]["qmap1"] == by_columns["bytes_by_key"]["qmap2"] == 256 * 4
+    assert by_columns["num_params_with_state"] == 2
+    assert ordered(measure_optimizer_state(eight_bit).to_dict()) == ordered(by_columns)
     params = linear_params()
     full = stepped(bnb.optim.AdamW(params), params)
     by_columns = column_count(full)
@@ -144,6 +150,7 @@ def odd_bytes(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 SHARED = torch.zeros(8)
+ONE = torch.zeros(5)  # one tensor, held by several states (as bitsandbytes' quantization maps are)
 
 ODD_STATES = {
     # Read by columns: same keys in another order, plain numbers beside tensors, odd storage sizes.
@@ -152,13 +159,18 @@ ODD_STATES = {
     "numbers beside tensors": ({"step": 3, "m": torch.zeros(3), "note": None},
                                {"step": 4, "m": torch.zeros(5), "note": None}),
     "storages of odd sizes": ({"m": odd_bytes(10, torch.float32)}, {"m": odd_bytes(7, torch.float32)}),
+    "a key not in every state": ({"m": torch.zeros(3)}, {"v": torch.zeros(3)}),
+    "a key fewer": ({"m": torch.zeros(3), "v": torch.zeros(3)}, {"m": torch.zeros(3)}),
+    "one tensor in every state": ({"m": torch.zeros(3), "q": ONE}, {"m": torch.zeros(4), "q": ONE}),
+    "one tensor in two layouts": ({"m": torch.zeros(3), "q": ONE}, {"m": torch.zeros(4), "q": ONE},
+                                  {"m": torch.zeros(2)}, {"q": ONE}),
+    "one tensor, states between": ({"q": ONE}, {"m": torch.zeros(2)}, {"q": ONE}),
+    "one tensor under two keys": ({"m": torch.zeros(3), "q": ONE}, {"m": torch.zeros(4), "p": ONE}),
     # Declined: each of these is the general count's to sort out.
     "one storage twice": ({"m": SHARED[:4]}, {"m": SHARED[4:]}),
     "empty storages": ({"m": torch.zeros(0)}, {"m": torch.zeros(0)}),
     "meta tensors": ({"m": torch.zeros(3, device="meta")}, {"m": torch.zeros(3, device="meta")}),
     "mixed dtypes in a key": ({"m": torch.zeros(3)}, {"m": torch.zeros(3, dtype=torch.bfloat16)}),
-    "a key not in every state": ({"m": torch.zeros(3)}, {"v": torch.zeros(3)}),
-    "a key fewer": ({"m": torch.zeros(3), "v": torch.zeros(3)}, {"m": torch.zeros(3)}),
     "a key that is not a string": ({0: torch.zeros(3)}, {0: torch.zeros(3)}),
     "a tensor or None": ({"m": torch.zeros(3)}, {"m": None}),
     "a Parameter": ({"m": torch.nn.Parameter(torch.zeros(3))}, {"m": torch.nn.Parameter(torch.zeros(3))}),
@@ -167,7 +179,9 @@ ODD_STATES = {
     "no tensor at all": ({"step": 1}, {"step": 2}),
     "empty states": ({}, {}),
 }
-READ_BY_COLUMNS = {"keys in another order", "numbers beside tensors", "storages of odd sizes"}
+READ_BY_COLUMNS = {"keys in another order", "numbers beside tensors", "storages of odd sizes", "a key not in every state",
+                   "a key fewer", "one tensor in every state", "one tensor in two layouts", "one tensor, states between",
+                   "one tensor under two keys"}
 
 
 @pytest.mark.parametrize("name", list(ODD_STATES))
@@ -206,3 +220,14 @@ def test_keys_in_another_order_keep_the_first_states_order() -> None:
     assert list(measured["bytes_by_key"]) == ["a", "b"]
     assert list(measured["bytes_by_dtype"]) == ["float32", "float64"]
     assert measured["bytes_by_key"] == {"a": 7 * 4, "b": 7 * 8}
+
+
+def test_one_tensor_held_by_several_states_counts_once() -> None:
+    # 3 + 4 + 2 values of float32, and ONE's 5 once; the last state holds nothing not counted before.
+    measured = column_count(with_states(*ODD_STATES["one tensor in two layouts"]))
+    assert measured["bytes_by_key"] == {"m": 9 * 4, "q": 5 * 4}
+    assert measured["num_tensors"] == 4
+    assert measured["num_params_with_state"] == 3
+    assert column_count(with_states(*ODD_STATES["one tensor, states between"]))["num_params_with_state"] == 2
+    under_two_keys = column_count(with_states(*ODD_STATES["one tensor under two keys"]))
+    assert under_two_keys["bytes_by_key"] == {"m": 7 * 4, "q": 5 * 4}  # counted where met first

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from math import gcd
 from operator import attrgetter, itemgetter
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -26,7 +26,14 @@ _MAX_NESTING = 6
 
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.float32` -> `"float32"`, the spelling used in every breakdown."""
-    return str(dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+# Per dtype, its name, worked out once: a handful of dtypes, named at every measurement.
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
 
 
 @dataclass(frozen=True)
@@ -242,13 +249,16 @@ def _summarise(parts: Sequence[Tuple[str, torch.dtype, str, int, int, int]],
 
 # -- the common state, column by column ---------------------------------------------------------
 #
-# Most states are one plain dict per parameter, all with the same keys, each key holding plain
-# tensors of one dtype on one device (or a plain number, like bitsandbytes' `step`), with no storage
-# held twice. Such a state is read one key (column) at a time, each metadata read mapped over the
-# whole column by C code rather than stepped through by the interpreter: the same reads as `_count`
-# (every tensor's storage, its size and address, its dtype and device, at every call: nothing is
-# remembered between calls), with the same figures. Anything else returns None and goes to
-# `_count`, which handles every case.
+# Most states are one plain dict per parameter, with the same keys for every parameter (or for
+# each of a few groups of them: bitsandbytes keeps 8-bit and 32-bit states side by side), each key
+# holding plain tensors of one dtype on one device, or plain numbers (bitsandbytes' `step`). A key
+# of such a group is a column; its tensors are all different storages, or one and the same tensor
+# throughout (bitsandbytes' quantization maps, shared by every 8-bit state). Such a state is read a
+# column at a time, each metadata read mapped over the whole column by C code rather than stepped
+# through by the interpreter: the same reads as `_count` (every tensor's storage, its size and
+# address, its dtype and device, at every call: nothing is remembered between calls), with the
+# same figures in the same order. Anything else returns None and goes to `_count`, which handles
+# every case.
 
 _UNTYPED_STORAGE = torch.Tensor.untyped_storage
 _STORAGE_ADDRESS = torch.UntypedStorage.data_ptr
@@ -259,63 +269,141 @@ _DEVICE = attrgetter("device")
 _PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
-def _count_columns(states: Sequence[Any]) -> Optional[StateMeasurement]:
-    """The measurement of a state of the common shape above, or None if it has another."""
-    num_states = len(states)
-    if not num_states:
-        return None
+class _NotColumns(Exception):
+    """The state is not of the shape the column reading handles."""
+
+
+class _Column(NamedTuple):
+    """The tensors one key holds in one group of states with the same keys."""
+
+    position: Tuple[int, int]  # (first state, key's place in it): where `_count` meets it first
+    key: str
+    dtype: torch.dtype
+    device: str
+    sizes: List[int]
+    addresses: List[int]
+    shared: Optional[torch.Tensor]  # the one tensor held by every state of the group, or None
+
+
+def _column(states: Sequence[Any], key: Any, position: Tuple[int, int]) -> Optional[_Column]:
+    """Column `key` of `states`; None for a column of plain numbers (no memory). Raises
+    `_NotColumns` for anything else, and KeyError where a state lacks the key."""
+    if type(key) is not str:
+        raise _NotColumns
+    count = len(states)
+    column = list(map(itemgetter(key), states))
+    if list(map(type, column)).count(torch.Tensor) != count:
+        if set(map(type, column)) <= _PLAIN_VALUES:
+            return None
+        raise _NotColumns
+    # One tensor throughout (or a column of one), by identity only: `list.count` would compare the
+    # tensors' values. Distinct tensors almost always differ at the ends already.
+    shared = None
+    if column[-1] is column[0] and (count == 1 or list(map(id, column)).count(id(column[0])) == count):
+        shared = column[0]
+    if shared is not None and count > 1:
+        column = [shared]  # the same tensor throughout: read it once
+        count = 1
+    storages = list(map(_UNTYPED_STORAGE, column))
+    dtypes = list(map(_DTYPE, column))
+    if dtypes.count(dtypes[0]) != count:
+        raise _NotColumns
+    if list(map(_IS_CPU, column)).count(True) == count:
+        device = "cpu"
+    else:
+        devices = list(map(_DEVICE, column))
+        if devices.count(devices[0]) != count:
+            raise _NotColumns
+        device = _device_name(devices[0])
+        if device == "meta" or device == "cpu":
+            raise _NotColumns  # no memory, or some but not all on the CPU: `_count` sorts it out
+    return _Column(position=position, key=key, dtype=dtypes[0], device=device,
+                   sizes=list(map(len, storages)),  # `len` of an untyped storage is its `nbytes()`
+                   addresses=list(map(_STORAGE_ADDRESS, storages)), shared=shared)
+
+
+def _columns(states: Sequence[Any]) -> Tuple[List[_Column], List[Tuple[int, int]]]:
+    """The tensor columns of `states`, and per group of states with the same keys, (its first
+    state, its number of states). Raises `_NotColumns` or KeyError for another shape."""
     first = states[0]
-    if type(first) is not dict:
+    if sum(map(len, states)) == len(states) * len(first):
+        try:  # one group, the common case: every state has the first one's keys
+            columns = [_column(states, key, (0, place)) for place, key in enumerate(first)]
+            return [column for column in columns if column is not None], [(0, len(states))]
+        except KeyError:
+            pass
+    members: Dict[Tuple[Any, ...], List[int]] = {}
+    for index, layout in enumerate(map(tuple, states)):
+        group = members.get(layout)
+        if group is None:
+            members[layout] = [index]
+        else:
+            group.append(index)
+    found: List[_Column] = []
+    groups: List[Tuple[int, int]] = []
+    for layout, indices in members.items():
+        group_states = list(map(states.__getitem__, indices))
+        for place, key in enumerate(layout):
+            column = _column(group_states, key, (indices[0], place))
+            if column is not None:
+                found.append(column)
+        groups.append((indices[0], len(indices)))
+    return found, groups
+
+
+def _count_columns(states: Sequence[Any]) -> Optional[StateMeasurement]:
+    """The measurement of a state of the shape above, or None if it has another."""
+    if not states or list(map(type, states)).count(dict) != len(states):
         return None
-    # Every state a plain dict with as many keys as the first; each of the first's keys is looked
-    # up in all of them below, so all hold the same keys.
-    if sum(map(len, states)) != num_states * len(first) or list(map(type, states)).count(dict) != num_states:
-        return None
-    parts: List[Tuple[str, torch.dtype, str, int, int, int]] = []
-    addresses: List[int] = []
     try:
-        for key in first:
-            if type(key) is not str:
-                return None
-            column = list(map(itemgetter(key), states))
-            if list(map(type, column)).count(torch.Tensor) != num_states:
-                if set(map(type, column)) <= _PLAIN_VALUES:
-                    continue
-                return None
-            storages = list(map(_UNTYPED_STORAGE, column))
-            sizes = list(map(len, storages))  # `len` of an untyped storage is its `nbytes()`
-            addresses += map(_STORAGE_ADDRESS, storages)
-            dtypes = list(map(_DTYPE, column))
-            dtype = dtypes[0]
-            if dtypes.count(dtype) != num_states:
-                return None
-            if list(map(_IS_CPU, column)).count(True) == num_states:
-                device = "cpu"
-            else:
-                devices = list(map(_DEVICE, column))
-                if devices.count(devices[0]) != num_states:
-                    return None
-                device = _device_name(devices[0])
-                if device == "meta" or device == "cpu":
-                    return None  # no memory, or some but not all on the CPU: `_count` sorts it out
-            part_bytes = sum(sizes)
-            element_size = dtype.itemsize
-            if not element_size:
-                part_elements = 0
-            elif not gcd(*sizes) % element_size:
-                # The element size divides every size: the whole elements of all the storages are
-                # the elements of their total.
-                part_elements = part_bytes // element_size
-            else:
-                part_elements = sum(size // element_size for size in sizes)
-            parts.append((key, dtype, device, part_bytes, part_elements, num_states))
-    except (KeyError, NotImplementedError, RuntimeError, TypeError):
-        return None  # a key some state lacks, a storage that cannot be read (sparse): `_count`'s case
-    # No address twice (at most one 0, a storage without memory): every storage counts once.
-    if not parts or len(set(addresses)) != len(addresses):
+        columns, groups = _columns(states)
+    except (_NotColumns, KeyError, NotImplementedError, RuntimeError, TypeError):
+        return None  # another shape, or a storage that cannot be read (sparse): `_count`'s case
+    if not columns:
         return None
-    # Every state holds a tensor of each tensor key, none passed over: each is a parameter with state.
-    return _summarise(parts, num_states)
+    # Columns come in the order `_count` meets them: groups by their first state, keys in place.
+    # A tensor held throughout a column counts once, where `_count` meets it first.
+    shared = [column for column in columns if column.shared is not None]
+    counted = columns
+    if shared:
+        first_seen: Dict[int, _Column] = {}
+        counted = [column for column in columns
+                   if column.shared is None or first_seen.setdefault(id(column.shared), column) is column]
+    # No address twice among the storages counted (at most one 0, a storage without memory), so
+    # `_count` would skip none of them.
+    addresses: List[int] = []
+    for column in counted:
+        addresses += column.addresses
+    if len(set(addresses)) != len(addresses):
+        return None
+    # A state has state if it holds a storage counted: every state of a group with a column of
+    # distinct storages; in a group whose tensors are all held throughout, only its first state,
+    # and only if it is where one of them is met first.
+    if not shared and len(groups) == 1:
+        num_params_with_state = groups[0][1]
+    else:
+        holding: Dict[int, bool] = {}  # group's first state -> whether it has a column of distinct storages
+        for column in counted:
+            first = column.position[0]
+            holding[first] = holding.get(first, False) or column.shared is None
+        num_params_with_state = sum(count if holding[first] else 1 for first, count in groups if first in holding)
+    # One part per column: `_summarise` adds up parts of the same key, dtype or device itself, in
+    # the order they first come, which is the order `_count` meets them.
+    parts: List[Tuple[str, torch.dtype, str, int, int, int]] = []
+    for column in counted:
+        sizes = column.sizes
+        column_bytes = sum(sizes)
+        element_size = column.dtype.itemsize
+        if not element_size:
+            column_elements = 0
+        elif not gcd(*sizes) % element_size:
+            # The element size divides every size: the whole elements of all the storages are the
+            # elements of their total.
+            column_elements = column_bytes // element_size
+        else:
+            column_elements = sum(size // element_size for size in sizes)
+        parts.append((column.key, column.dtype, column.device, column_bytes, column_elements, len(sizes)))
+    return _summarise(parts, num_params_with_state)
 
 
 # A sparse tensor has no storage of its own; these hold its data, per layout.
