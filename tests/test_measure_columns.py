@@ -102,7 +102,7 @@ def test_grokadamw_state_read_by_columns() -> None:
     assert by_columns["bytes_by_key"] == {"exp_avg": 212, "exp_avg_sq": 212, "grok_ema": 212}
 
 
-def test_bitsandbytes_states_by_columns_or_declined() -> None:
+def test_bitsandbytes_states_by_columns() -> None:
     bnb = pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     big = torch.nn.Parameter(torch.randn(64, 128))  # 8-bit state, with the shared qmaps
@@ -179,9 +179,10 @@ ODD_STATES = {
     "no tensor at all": ({"step": 1}, {"step": 2}),
     "empty states": ({}, {}),
 }
-READ_BY_COLUMNS = {"keys in another order", "numbers beside tensors", "storages of odd sizes", "a key not in every state",
-                   "a key fewer", "one tensor in every state", "one tensor in two layouts", "one tensor, states between",
-                   "one tensor under two keys"}
+READ_BY_COLUMNS = {
+    "keys in another order", "numbers beside tensors", "storages of odd sizes", "a key not in every state", "a key fewer",
+    "one tensor in every state", "one tensor in two layouts", "one tensor, states between", "one tensor under two keys",
+}
 
 
 @pytest.mark.parametrize("name", list(ODD_STATES))
