@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from math import gcd
+from operator import attrgetter, itemgetter
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -24,7 +26,14 @@ _MAX_NESTING = 6
 
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.float32` -> `"float32"`, the spelling used in every breakdown."""
-    return str(dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+# Per dtype, its name, worked out once: a handful of dtypes, named at every measurement.
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
 
 
 @dataclass(frozen=True)
@@ -132,25 +141,31 @@ def _collect_value(found: List[Tuple[int, str, torch.Tensor]], owner: int, key: 
     visiting.discard(id(value))
 
 
-def _state_tensors(optimizer: Any) -> List[Tuple[int, str, torch.Tensor]]:
-    """`(parameter number, state key, plain tensor)` for every tensor in the state, in order.
+def _all_states(optimizer: Any) -> List[Any]:
+    """Every per-parameter state of the optimizer, in order, read where the optimizer's class keeps
+    it (`trainer_memcb.registry`): in `optimizer.state` unless its rule declares another place, as
+    the estimate does."""
+    inners = inner_optimizers(optimizer)
+    if len(inners) == 1:
+        return state_of(inners[0])
+    return [param_state for inner in inners for param_state in state_of(inner)]
 
-    The state is read where the optimizer's class keeps it (`trainer_memcb.registry`): in
-    `optimizer.state` unless its rule declares another place, as the estimate does."""
+
+def _state_tensors(states: Sequence[Any]) -> List[Tuple[int, str, torch.Tensor]]:
+    """`(parameter number, state key, plain tensor)` for every tensor in the states, in order."""
     found: List[Tuple[int, str, torch.Tensor]] = []
     owner = 0
-    for inner in inner_optimizers(optimizer):
-        for param_state in state_of(inner):
-            owner += 1
-            if type(param_state) is not dict and not isinstance(param_state, Mapping):
-                _collect_value(found, owner, "<state>", param_state, 0, set())
-                continue
-            for key, value in list(param_state.items()):
-                name = key if type(key) is str else str(key)
-                if type(value) is torch.Tensor:  # the common case, no walk needed
-                    found.append((owner, name, value))
-                else:
-                    _collect_value(found, owner, name, value, 0, set())
+    for param_state in states:
+        owner += 1
+        if type(param_state) is not dict and not isinstance(param_state, Mapping):
+            _collect_value(found, owner, "<state>", param_state, 0, set())
+            continue
+        for key, value in list(param_state.items()):
+            name = key if type(key) is str else str(key)
+            if type(value) is torch.Tensor:  # the common case, no walk needed
+                found.append((owner, name, value))
+            else:
+                _collect_value(found, owner, name, value, 0, set())
     return found
 
 
@@ -193,17 +208,26 @@ def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
             num_params_with_state += 1
             last_owner = owner
 
+    totals: List[Tuple[str, torch.dtype, str, int, int, int]] = []
+    for (key, dtype, device), sizes in parts.items():
+        # Per storage, whole elements only (a storage need not hold a whole number of them).
+        element_size = dtype.itemsize
+        part_elements = sum(size // element_size for size in sizes) if element_size else 0
+        totals.append((key, dtype, device, sum(sizes), part_elements, len(sizes)))
+    return _summarise(totals, num_params_with_state)
+
+
+def _summarise(parts: Sequence[Tuple[str, torch.dtype, str, int, int, int]],
+               num_params_with_state: int) -> StateMeasurement:
+    """The measurement from its parts, each `(state key, dtype, device, bytes, elements, storages)`
+    in the order of their first storage: every breakdown lists its names in that order."""
     num_bytes = num_elements = num_tensors = 0
     bytes_by_key: Dict[str, int] = {}
     bytes_by_dtype: Dict[str, int] = {}
     bytes_by_device: Dict[str, int] = {}
     elements_by_key: Dict[str, int] = {}
-    for (key, dtype, device), sizes in parts.items():
+    for key, dtype, device, part_bytes, part_elements, part_tensors in parts:
         name = dtype_name(dtype)
-        part_bytes, part_tensors = sum(sizes), len(sizes)
-        # Per storage, whole elements only (a storage need not hold a whole number of them).
-        element_size = dtype.itemsize
-        part_elements = sum(size // element_size for size in sizes) if element_size else 0
         num_bytes += part_bytes
         num_elements += part_elements
         num_tensors += part_tensors
@@ -221,6 +245,165 @@ def _count(found: List[Tuple[int, str, torch.Tensor]]) -> StateMeasurement:
         bytes_by_device=bytes_by_device,
         elements_by_key=elements_by_key,
     )
+
+
+# -- the common state, column by column ---------------------------------------------------------
+#
+# Most states are one plain dict per parameter, with the same keys for every parameter (or for
+# each of a few groups of them: bitsandbytes keeps 8-bit and 32-bit states side by side), each key
+# holding plain tensors of one dtype on one device, or plain numbers (bitsandbytes' `step`). A key
+# of such a group is a column; its tensors are all different storages, or one and the same tensor
+# throughout (bitsandbytes' quantization maps, shared by every 8-bit state). Such a state is read a
+# column at a time, each metadata read mapped over the whole column by C code rather than stepped
+# through by the interpreter: the same reads as `_count` (every tensor's storage, its size and
+# address, its dtype and device, at every call: nothing is remembered between calls), with the
+# same figures in the same order. Anything else returns None and goes to `_count`, which handles
+# every case.
+
+_UNTYPED_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_ADDRESS = torch.UntypedStorage.data_ptr
+_DTYPE = attrgetter("dtype")
+_IS_CPU = attrgetter("is_cpu")
+_DEVICE = attrgetter("device")
+# Values that hold no tensor memory and that `_collect_value` passes over.
+_PLAIN_VALUES = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+class _NotColumns(Exception):
+    """The state is not of the shape the column reading handles."""
+
+
+class _Column(NamedTuple):
+    """The tensors one key holds in one group of states with the same keys."""
+
+    position: Tuple[int, int]  # (first state, key's place in it): where `_count` meets it first
+    key: str
+    dtype: torch.dtype
+    device: str
+    sizes: List[int]
+    addresses: List[int]
+    shared: Optional[torch.Tensor]  # the one tensor held by every state of the group, or None
+
+
+def _column(states: Sequence[Any], key: Any, position: Tuple[int, int]) -> Optional[_Column]:
+    """Column `key` of `states`; None for a column of plain numbers (no memory). Raises
+    `_NotColumns` for anything else, and KeyError where a state lacks the key."""
+    if type(key) is not str:
+        raise _NotColumns
+    count = len(states)
+    column = list(map(itemgetter(key), states))
+    if list(map(type, column)).count(torch.Tensor) != count:
+        if set(map(type, column)) <= _PLAIN_VALUES:
+            return None
+        raise _NotColumns
+    # One tensor throughout (or a column of one), by identity only: `list.count` would compare the
+    # tensors' values. Distinct tensors almost always differ at the ends already.
+    shared = None
+    if column[-1] is column[0] and (count == 1 or list(map(id, column)).count(id(column[0])) == count):
+        shared = column[0]
+    if shared is not None and count > 1:
+        column = [shared]  # the same tensor throughout: read it once
+        count = 1
+    storages = list(map(_UNTYPED_STORAGE, column))
+    dtypes = list(map(_DTYPE, column))
+    if dtypes.count(dtypes[0]) != count:
+        raise _NotColumns
+    if list(map(_IS_CPU, column)).count(True) == count:
+        device = "cpu"
+    else:
+        devices = list(map(_DEVICE, column))
+        if devices.count(devices[0]) != count:
+            raise _NotColumns
+        device = _device_name(devices[0])
+        if device == "meta" or device == "cpu":
+            raise _NotColumns  # no memory, or some but not all on the CPU: `_count` sorts it out
+    return _Column(position=position, key=key, dtype=dtypes[0], device=device,
+                   sizes=list(map(len, storages)),  # `len` of an untyped storage is its `nbytes()`
+                   addresses=list(map(_STORAGE_ADDRESS, storages)), shared=shared)
+
+
+def _columns(states: Sequence[Any]) -> Tuple[List[_Column], List[Tuple[int, int]]]:
+    """The tensor columns of `states`, and per group of states with the same keys, (its first
+    state, its number of states). Raises `_NotColumns` or KeyError for another shape."""
+    first = states[0]
+    if sum(map(len, states)) == len(states) * len(first):
+        try:  # one group, the common case: every state has the first one's keys
+            columns = [_column(states, key, (0, place)) for place, key in enumerate(first)]
+            return [column for column in columns if column is not None], [(0, len(states))]
+        except KeyError:
+            pass
+    members: Dict[Tuple[Any, ...], List[int]] = {}
+    for index, layout in enumerate(map(tuple, states)):
+        group = members.get(layout)
+        if group is None:
+            members[layout] = [index]
+        else:
+            group.append(index)
+    found: List[_Column] = []
+    groups: List[Tuple[int, int]] = []
+    for layout, indices in members.items():
+        group_states = list(map(states.__getitem__, indices))
+        for place, key in enumerate(layout):
+            column = _column(group_states, key, (indices[0], place))
+            if column is not None:
+                found.append(column)
+        groups.append((indices[0], len(indices)))
+    return found, groups
+
+
+def _count_columns(states: Sequence[Any]) -> Optional[StateMeasurement]:
+    """The measurement of a state of the shape above, or None if it has another."""
+    if not states or list(map(type, states)).count(dict) != len(states):
+        return None
+    try:
+        columns, groups = _columns(states)
+    except (_NotColumns, KeyError, NotImplementedError, RuntimeError, TypeError):
+        return None  # another shape, or a storage that cannot be read (sparse): `_count`'s case
+    if not columns:
+        return None
+    # Columns come in the order `_count` meets them: groups by their first state, keys in place.
+    # A tensor held throughout a column counts once, where `_count` meets it first.
+    shared = [column for column in columns if column.shared is not None]
+    counted = columns
+    if shared:
+        first_seen: Dict[int, _Column] = {}
+        counted = [column for column in columns
+                   if column.shared is None or first_seen.setdefault(id(column.shared), column) is column]
+    # No address twice among the storages counted (at most one 0, a storage without memory), so
+    # `_count` would skip none of them.
+    addresses: List[int] = []
+    for column in counted:
+        addresses += column.addresses
+    if len(set(addresses)) != len(addresses):
+        return None
+    # A state has state if it holds a storage counted: every state of a group with a column of
+    # distinct storages; in a group whose tensors are all held throughout, only its first state,
+    # and only if it is where one of them is met first.
+    if not shared and len(groups) == 1:
+        num_params_with_state = groups[0][1]
+    else:
+        holding: Dict[int, bool] = {}  # group's first state -> whether it has a column of distinct storages
+        for column in counted:
+            first = column.position[0]
+            holding[first] = holding.get(first, False) or column.shared is None
+        num_params_with_state = sum(count if holding[first] else 1 for first, count in groups if first in holding)
+    # One part per column: `_summarise` adds up parts of the same key, dtype or device itself, in
+    # the order they first come, which is the order `_count` meets them.
+    parts: List[Tuple[str, torch.dtype, str, int, int, int]] = []
+    for column in counted:
+        sizes = column.sizes
+        column_bytes = sum(sizes)
+        element_size = column.dtype.itemsize
+        if not element_size:
+            column_elements = 0
+        elif not gcd(*sizes) % element_size:
+            # The element size divides every size: the whole elements of all the storages are the
+            # elements of their total.
+            column_elements = column_bytes // element_size
+        else:
+            column_elements = sum(size // element_size for size in sizes)
+        parts.append((column.key, column.dtype, column.device, column_bytes, column_elements, len(sizes)))
+    return _summarise(parts, num_params_with_state)
 
 
 # A sparse tensor has no storage of its own; these hold its data, per layout.
@@ -273,7 +456,11 @@ def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
         >>> measured.bytes_by_key["exp_avg"]
         40
     """
-    found = _state_tensors(optimizer)
+    states = _all_states(optimizer)
+    measured = _count_columns(states)
+    if measured is not None:
+        return measured
+    found = _state_tensors(states)
     try:
         return _count(found)
     except (NotImplementedError, RuntimeError):
