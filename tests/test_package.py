@@ -126,7 +126,7 @@ def test_the_wheel_holds_the_package_alone_with_its_license_and_metadata(built):
         assert metadata.get_payload().strip() == handle.read().strip()
     classifiers = metadata.get_all("Classifier")
     assert "Programming Language :: Python :: 3.10" in classifiers and "Typing :: Typed" in classifiers
-    assert "trainer-memcb = trainer_memcb.cli:main" in entry_points
+    assert "trainer-memcb = trainer_memcb.cli:console_main" in entry_points
 
 
 def test_install_requires_is_what_the_package_imports():

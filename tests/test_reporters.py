@@ -33,6 +33,10 @@ from trainer_memcb.figures import (
     MEASURED_ELEMENTS,
     TRAINABLE_PARAMS,
     UNEXPECTED_BYTES,
+    MODEL_GRADS_BYTES,
+    MODEL_PARAMS_BYTES,
+    MODEL_STATES_BYTES,
+    MODEL_STATES_ESTIMATE_BYTES,
     breakdown_key,
 )
 
@@ -76,6 +80,9 @@ def run_reporting_to(reporter: str, tmp_path: Any, monkeypatch: Any) -> Tuple[Tr
         breakdown_key("key", "step"): 4 * 24,
         breakdown_key("dtype", "float32"): total,
         breakdown_key("device", "cpu"): total,
+        # The four model states: fp32 weights and as many bytes of gradients, plus the state.
+        MODEL_PARAMS_BYTES: 4 * num_params, MODEL_GRADS_BYTES: 4 * num_params,
+        MODEL_STATES_BYTES: 8 * num_params + total, MODEL_STATES_ESTIMATE_BYTES: 8 * num_params + total,
     }
     expected = {key: [(1, value), (2, value)] for key, value in per_entry.items()}
     expected.update({f"eval_{key}": [(2, value)] for key, value in per_entry.items()})

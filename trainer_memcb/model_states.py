@@ -27,7 +27,9 @@ gradient figure (and the sum) is left out rather than guessed.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+import weakref
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -94,17 +96,18 @@ def measure_grads_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
     """Bytes of storage behind the gradients on this process, each storage once: `param.grad`,
     or DeepSpeed ZeRO-2/3's gradient buffer when the optimizer is a ZeRO one that has it."""
     found = find_zero_optimizer(optimizer) if optimizer is not None else None
-    return _grads_bytes(list(model.parameters()), found)
+    return _grads_bytes(list(model.parameters()), None if found is None else (found[0], found[3]))
 
 
-def _grads_bytes(params: List[torch.Tensor], zero: Optional[Tuple[Any, str, str, int]]) -> int:
-    if zero is not None and zero[3] in _ZERO_GRAD_BUFFERS:
-        buffer = getattr(zero[0], _ZERO_GRAD_BUFFERS[zero[3]], None)
+def _grads_bytes(params: List[torch.Tensor], zero: Optional[Tuple[Any, int]]) -> int:
+    """`zero`: the ZeRO optimizer and its stage, or None."""
+    if zero is not None and zero[1] in _ZERO_GRAD_BUFFERS:
+        buffer = getattr(zero[0], _ZERO_GRAD_BUFFERS[zero[1]], None)
         if isinstance(buffer, torch.Tensor):
             return _count_bytes([buffer])
         if isinstance(buffer, (list, tuple)):
             return _count_bytes([tensor for tensor in buffer if isinstance(tensor, torch.Tensor)])
-        raise LookupError(f"ZeRO-{zero[3]} keeps its gradients in {_ZERO_GRAD_BUFFERS[zero[3]]}, not found here")
+        raise LookupError(f"ZeRO-{zero[1]} keeps its gradients in {_ZERO_GRAD_BUFFERS[zero[1]]}, not found here")
     return _count_bytes(param.grad for param in params)
 
 
@@ -119,6 +122,20 @@ def detect_setup(model: torch.nn.Module, optimizer: Any = None) -> Setup:
     else:
         sharding = "ddp" if processes > 1 else "none"
     return Setup(world_size=processes, sharding=sharding)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _weakly(target: Any) -> Callable[[], Any]:
+    """A weak reference to `target`, or a strong one for a class that takes none."""
+    if target is None:
+        return _nothing
+    try:
+        return weakref.ref(target)
+    except TypeError:
+        return lambda: target
 
 
 class ModelStatesProbe:
@@ -136,14 +153,16 @@ class ModelStatesProbe:
     """
 
     def __init__(self) -> None:
-        self._model: Optional[torch.nn.Module] = None
-        self._optimizer: Any = None
+        # The model and optimizer are held weakly: the probe lives in a record kept for as long as
+        # the optimizer lives, and must not be what keeps it (and its state) alive.
+        self._model: Callable[[], Any] = _nothing
+        self._optimizer: Callable[[], Any] = _nothing
         self._params_bytes: Optional[int] = None
         self._grads_bytes: Optional[int] = None
         self._layout_bytes: Optional[int] = None
-        # The ZeRO optimizer behind the optimizer, or None: found once per optimizer (it walks
-        # the wrappers and tries a few attributes), not at every logged step.
-        self._zero: Optional[Tuple[Any, str, str, int]] = None
+        # The ZeRO optimizer behind the optimizer (weakly) and its stage, or None: found once per
+        # optimizer (it walks the wrappers and tries a few attributes), not at every logged step.
+        self._zero: Optional[Tuple[Callable[[], Any], int]] = None
 
     @property
     def measured(self) -> bool:
@@ -154,18 +173,19 @@ class ModelStatesProbe:
         """Measure now, where the gradients exist. Raises what measuring raises (the caller warns)."""
         if model is None:
             return
-        if model is not self._model or optimizer is not self._optimizer:
-            self._model, self._optimizer, self._layout_bytes = model, optimizer, None
-            self._zero = find_zero_optimizer(optimizer) if optimizer is not None else None
+        if model is not self._model() or optimizer is not self._optimizer():
+            self._model, self._optimizer, self._layout_bytes = _weakly(model), _weakly(optimizer), None
+            found = find_zero_optimizer(optimizer) if optimizer is not None else None
+            self._zero = None if found is None else (_weakly(found[0]), found[3])
         params = list(model.parameters())
         self._params_bytes = _count_bytes(_param_tensor(param) for param in params)
-        self._grads_bytes = _grads_bytes(params, self._zero)
+        self._grads_bytes = _grads_bytes(params, None if self._zero is None else (self._zero[0](), self._zero[1]))
 
     def _planned_without_optimizer(self) -> int:
         """The plan's parameters + gradients + master weights for the detected setup, once per model."""
         if self._layout_bytes is None:
-            layout = layout_model_states(param_specs(self._model, keep_dtypes=True),
-                                         detect_setup(self._model, self._optimizer))
+            model = self._model()
+            layout = layout_model_states(param_specs(model, keep_dtypes=True), detect_setup(model, self._optimizer()))
             self._layout_bytes = layout.params_bytes + layout.grads_bytes + layout.master_weights_bytes
         return self._layout_bytes
 
