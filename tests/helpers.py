@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -109,3 +110,21 @@ def requires_transformers(minimum: str, why: str) -> pytest.MarkDecorator:
 def requires_accelerate(minimum: str, why: str) -> pytest.MarkDecorator:
     """`@requires_accelerate("1.11", "what it added")`: skip on an older accelerate, saying why."""
     return requires_version("accelerate", minimum, why)
+
+
+def drawn_on_a_terminal(draw: Callable[[Any], None]) -> str:
+    """What `draw(stream)` writes to a real pseudo-terminal (where rich draws boxed tables)."""
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w", encoding="utf-8", closefd=True) as terminal:
+        draw(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the follower side is closed: everything has been read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return b"".join(chunks).decode("utf-8")

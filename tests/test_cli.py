@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from transformers import Trainer
 
-from helpers import TinyDataset, accuracy_and_f1, tiny_classifier, training_args
+from helpers import TinyDataset, accuracy_and_f1, drawn_on_a_terminal, tiny_classifier, training_args
 from test_cli_whatif import adafactor_bytes, adamw_bytes  # the byte formulas, written out once
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
@@ -189,20 +189,7 @@ def test_tables_are_plain_text_when_piped_and_rich_in_a_terminal():
     )
 
     # A real pseudo-terminal: rich draws a boxed table there.
-    leader, follower = os.openpty()
-    with os.fdopen(follower, "w", encoding="utf-8", closefd=True) as terminal:
-        print_tables([table], terminal)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the follower side is closed: everything has been read
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    drawn = b"".join(chunks).decode("utf-8")
+    drawn = drawn_on_a_terminal(lambda terminal: print_tables([table], terminal))
     assert "┃" in drawn and "exp_avg" in drawn and "501.9 MiB (526,264,752)" in drawn
 
 

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 from transformers import Trainer
 
-from helpers import TinyDataset, accuracy_and_f1, tiny_classifier, training_args
+from helpers import TinyDataset, accuracy_and_f1, drawn_on_a_terminal, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
 from trainer_memcb.cli.output import TextTable, print_json, print_tables
@@ -718,20 +718,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
 def test_names_that_look_like_rich_markup_are_printed_as_written():
     # Before: rich read "[/]" as a closing tag and raised MarkupError when stdout was a terminal.
     table = TextTable("Run [/]", ["run", "bytes"], [["[/]", "1"], ["[bold]x", "2"]], note="[link=x]")
-    leader, follower = os.openpty()
-    with os.fdopen(follower, "w", encoding="utf-8", closefd=True) as terminal:
-        print_tables([table], terminal)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the follower side is closed: everything has been read
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    drawn = b"".join(chunks).decode("utf-8")
+    drawn = drawn_on_a_terminal(lambda terminal: print_tables([table], terminal))
     assert "Run [/]" in drawn and "[bold]x" in drawn and "[link=x]" in drawn
 
 

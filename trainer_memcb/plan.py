@@ -33,6 +33,7 @@ backward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -186,10 +187,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 def param_specs(model: nn.Module, keep_dtypes: bool = False) -> List[ParamSpec]:

@@ -9,6 +9,7 @@ or not the user has imported `trainer_memcb.rules`, and importing them here woul
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,10 +55,7 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def element_size(self) -> int:
