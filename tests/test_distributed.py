@@ -347,6 +347,12 @@ def test_deepspeed_optimizer_rules_follow_their_source():
     assert cpu.per_param(info, {}, own_dtype) == {"exp_avg": 68, "exp_avg_sq": 68}
 
 
+# Parameters and gradients per process, as measured in real runs (deepspeed 0.19.8, 2 processes):
+# ZeRO-3 holds its 35-value fp32 partition of each; BF16_Optimizer the whole model in bf16 in its
+# padded flat buffer (68 values) and the 66 bf16 gradients.
+MODEL_STATES_BY_ZERO_RUN = {"zero3": (140, 140), "zero1_bf16_fp32_accumulation": (136, 132)}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="deepspeed is not installed (it is no test dependency: it builds from source)")
 def test_deepspeed_zero_engines(tmp_path):
@@ -379,7 +385,20 @@ def test_deepspeed_zero_engines(tmp_path):
             assert result["figures_before_a_step"] == {
                 key: value for key, value in expected.items()
                 if key in (ESTIMATE_BYTES, ESTIMATE_TOTAL_BYTES, TRAINABLE_PARAMS, MASTER_WEIGHTS_BYTES)}, name
-            assert result["warnings"] == [], name
+            # The four model states: ZeRO-3 and BF16_Optimizer measured, equal to the plan to the
+            # byte; DeepSpeedZeroOptimizer (ZeRO-1/2) frees its gradients before its step, so they
+            # are left out with one warning rather than logged wrong.
+            if name in MODEL_STATES_BY_ZERO_RUN:
+                params, grads = MODEL_STATES_BY_ZERO_RUN[name]
+                held = params + grads + state + masters
+                assert result["model_states"] == {
+                    "model_params_bytes": params, "model_grads_bytes": grads, "model_states_bytes": held,
+                    "model_states_estimate_bytes": held, "model_states_total_bytes": PROCESSES * held,
+                    "model_states_estimate_total_bytes": PROCESSES * held}, name
+                assert result["warnings"] == [], name
+            else:
+                assert result["model_states"] == {}, name
+                assert len(result["warnings"]) == 1 and "has freed its gradients" in result["warnings"][0], name
             # ZeRO-3 lends its partitions to the inner optimizer only for the step.
             assert result["inner_groups_untouched"] == ([0, 0] if stage == 3 else [1, 1]), name
 

@@ -51,6 +51,11 @@ __all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_p
 
 # DeepSpeed's gradient buffers, by ZeRO stage (stage_1_and_2.py with contiguous_gradients; stage3.py).
 _ZERO_GRAD_BUFFERS = {2: "grads_in_partition", 3: "grad_partitions_flat_buffer"}
+# ZeRO-1/2's DeepSpeedZeroOptimizer (stage_1_and_2.py): by the time its inner optimizer steps, the
+# 16-bit gradients and `grads_in_partition` have been freed and only the reduced partition hangs on
+# the fp32 masters, so what the step sees is not what backward held. Its gradients are left out
+# (with one warning) rather than logged wrong; ZeRO-3 and BF16_Optimizer are measured.
+_ZERO12_MASTERS = "single_partition_of_fp32_groups"
 
 
 def _count_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
@@ -101,6 +106,10 @@ def measure_grads_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
 
 def _grads_bytes(params: List[torch.Tensor], zero: Optional[Tuple[Any, int]]) -> int:
     """`zero`: the ZeRO optimizer and its stage, or None."""
+    if zero is not None and zero[1] in (1, 2) and isinstance(getattr(zero[0], _ZERO12_MASTERS, None), list):
+        if not isinstance(getattr(zero[0], _ZERO_GRAD_BUFFERS[2], None), torch.Tensor):
+            raise LookupError(f"ZeRO-{zero[1]} ({type(zero[0]).__name__}) has freed its gradients before its "
+                              "optimizer steps; the model-states figures are not measured for it yet")
     if zero is not None and zero[1] in _ZERO_GRAD_BUFFERS:
         buffer = getattr(zero[0], _ZERO_GRAD_BUFFERS[zero[1]], None)
         if isinstance(buffer, torch.Tensor):

@@ -56,6 +56,8 @@ def run(out_dir: str, zero: Dict[str, Any], dtype: torch.dtype, more_config: Dic
     }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer, config=config)
     memory = OptimizerMemoryLogger(optimizer)
+    # A second logger measures the four model states too (parameters and gradients before the step).
+    with_model = OptimizerMemoryLogger(optimizer, model=engine.module)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         before = memory.monitor.figures()
@@ -64,6 +66,7 @@ def run(out_dir: str, zero: Dict[str, Any], dtype: torch.dtype, more_config: Dic
             engine.backward(loss)
             engine.step()
             figures = memory()
+            model_states = {key: value for key, value in with_model().items() if key.startswith("model_")}
     zero_optimizer, masters_name, _, stage = find_zero_optimizer(optimizer)
     _common.write_result(out_dir, {
         "zero_class": type(zero_optimizer).__name__,
@@ -78,6 +81,7 @@ def run(out_dir: str, zero: Dict[str, Any], dtype: torch.dtype, more_config: Dic
         "inner_groups_untouched": [len(g["params"]) for g in zero_optimizer.optimizer.param_groups],
         "figures_before_a_step": before,
         "figures": figures,
+        "model_states": model_states,
         "warnings": _common.memcb_warnings(caught),
     })
     engine.destroy()
