@@ -37,6 +37,8 @@ SKIP_REASONS: Dict[str, str] = {
     "adalomo": "CUDA only: AdaLomo.__init__ puts its state on .cuda() "
     "(rule checked on a CPU stand-in: test_adalomo_on_a_cpu_stand_in)",
 }
+if "adamw_apex_fused" in {name.value for name in OptimizerNames}:  # transformers 4.x only
+    SKIP_REASONS["adamw_apex_fused"] = "needs NVIDIA apex (a CUDA build of its own), not installed here"
 
 # Names that need settings beyond the optimizer's name: GaLore and APOLLO project only the
 # parameters of `optim_target_modules`, here every Linear layer, at a rank below their size.
