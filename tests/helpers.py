@@ -109,3 +109,14 @@ def requires_transformers(minimum: str, why: str) -> pytest.MarkDecorator:
 def requires_accelerate(minimum: str, why: str) -> pytest.MarkDecorator:
     """`@requires_accelerate("1.11", "what it added")`: skip on an older accelerate, saying why."""
     return requires_version("accelerate", minimum, why)
+
+
+def optimi_picks_triton() -> bool:
+    """Whether torch-optimi's StableAdamW, given triton=None, takes its Triton kernels here: its
+    `_init_group` (0.3.3) resolves triton from an empty parameter list, so whenever Triton imports
+    (a CUDA build of torch brings it). Those kernels cannot step CPU tensors."""
+    try:
+        import optimi.utils
+    except ImportError:
+        return False
+    return bool(optimi.utils.HAS_TRITON)
