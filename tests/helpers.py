@@ -128,3 +128,14 @@ def drawn_on_a_terminal(draw: Callable[[Any], None]) -> str:
         chunks.append(chunk)
     os.close(leader)
     return b"".join(chunks).decode("utf-8")
+
+
+def optimi_picks_triton() -> bool:
+    """Whether torch-optimi's StableAdamW, given triton=None, takes its Triton kernels here: its
+    `_init_group` (0.3.3) resolves triton from an empty parameter list, so whenever Triton imports
+    (a CUDA build of torch brings it). Those kernels cannot step CPU tensors."""
+    try:
+        import optimi.utils
+    except ImportError:
+        return False
+    return bool(optimi.utils.HAS_TRITON)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from helpers import optimi_picks_triton
 from reference_walker import held_bytes
 from test_estimate_rules import EMBED_ROWS, SEQUENCE, TRAINABLE, TinyModel, assert_estimate_matches, train
 from trainer_memcb import estimate_optimizer_state, measure_optimizer_state
@@ -229,6 +230,18 @@ def test_torch_optimi(case: str) -> None:
     model = TinyModel()
     name = case.split("-")[0]
     optimizer = getattr(optimi, name)(model.parameters(), lr=1e-3, **OPTIMI[case])
+    if name == "StableAdamW" and optimi_picks_triton():
+        # Triton importable (a CUDA build of torch): StableAdamW takes its Triton kernels, with a
+        # one-value `mean_square` (fp32) and `kahan_comp` stand-in (uint8) per parameter. They
+        # cannot launch on CPU tensors; the step makes all the state first, which is checked.
+        before = estimate_optimizer_state(optimizer)
+        with pytest.raises((RuntimeError, ValueError)):
+            train(model, optimizer, steps=1)
+        assert_estimate_matches(optimizer, before, TRAINABLE)
+        assert measure_optimizer_state(optimizer).num_bytes == held_bytes(optimizer, model)
+        tensors = sum(1 for p in model.parameters() if p.requires_grad)
+        assert measure_optimizer_state(optimizer).bytes_by_key["mean_square"] == 4 * tensors
+        return
     check(model, optimizer, lambda: train(model, optimizer))
     kahan_sum = OPTIMI[case].get("kahan_sum", False if name == "Adan" else None)
     has_kahan = "kahan_comp" in measure_optimizer_state(optimizer).bytes_by_key

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from trainer_memcb.cli import main  # noqa: E402
@@ -158,6 +158,8 @@ SECTIONS = st.fixed_dictionaries({
 
 @PROPERTY_SETTINGS
 @given(document=SECTIONS, tables=st.booleans())
+# A key holding a character str.splitlines() breaks at (NEL), once named raw in the warning.
+@example(document={"measured": {"bytes_by_dtype": {"\x85": False}}, "estimate": {}}, tables=False)
 def test_summary_sections_of_any_shape(document, tables):
     with tempfile.TemporaryDirectory() as run_dir:
         _write(os.path.join(run_dir, "optimizer_memory.json"), json.dumps(document).encode())

@@ -17,7 +17,7 @@ import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, Trainer
 from transformers.training_args import OptimizerNames
 
-from helpers import SEQUENCE_LENGTH, TinyDataset, accuracy_and_f1, training_args
+from helpers import SEQUENCE_LENGTH, TinyDataset, accuracy_and_f1, optimi_picks_triton, training_args
 from reference_walker import held_bytes
 from trainer_memcb import OptimizerMemoryCallback, estimate_optimizer_state, measure_optimizer_state
 from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES
@@ -37,6 +37,13 @@ SKIP_REASONS: Dict[str, str] = {
     "adalomo": "CUDA only: AdaLomo.__init__ puts its state on .cuda() "
     "(rule checked on a CPU stand-in: test_adalomo_on_a_cpu_stand_in)",
 }
+if optimi_picks_triton():
+    SKIP_REASONS["stable_adamw"] = (
+        "torch-optimi 0.3.3's StableAdamW takes its Triton kernels whenever Triton imports (a CUDA build of "
+        "torch), and they cannot step CPU tensors (rule checked on the state made before the kernel launch: "
+        "test_torch_optimi[StableAdamW])")
+if "adamw_apex_fused" in {name.value for name in OptimizerNames}:  # transformers 4.x only
+    SKIP_REASONS["adamw_apex_fused"] = "needs NVIDIA apex (a CUDA build of its own), not installed here"
 
 # Names that need settings beyond the optimizer's name: GaLore and APOLLO project only the
 # parameters of `optim_target_modules`, here every Linear layer, at a rank below their size.

@@ -15,12 +15,17 @@ import sys
 import pytest
 import torch
 
+from helpers import requires_transformers
 from trainer_memcb.trainer_optimizers import trainer_optimizer_cls_and_kwargs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert")
 # What the callback's import chain used to pull in: seconds of start-up.
 HEAVY = ("transformers", "transformers.trainer", "transformers.trainer_utils", "peft", "bitsandbytes", "datasets")
+# transformers 4.x has no `transformers.trainer_optimizer`: the estimate asks the Trainer itself for
+# each optimizer's class and arguments, so it imports `transformers.trainer` (and with it peft).
+NEEDS_THE_HANDLERS = requires_transformers(
+    "5.0", "the optimizer handlers apart from the Trainer (transformers.trainer_optimizer) are transformers 5's")
 
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -72,6 +77,7 @@ def test_report_and_compare_load_no_transformers():
     assert loaded_after(code) == dict.fromkeys(HEAVY, False)
 
 
+@NEEDS_THE_HANDLERS
 def test_the_estimate_command_keeps_peft_out_of_its_process():
     code = ("import sys\n"
             f"sys.argv = ['trainer-memcb', 'estimate', {TINY_CONFIG!r}, '--optimizers', 'adamw']\n"
@@ -82,6 +88,7 @@ def test_the_estimate_command_keeps_peft_out_of_its_process():
     assert loaded["transformers.trainer_utils"] is True
 
 
+@NEEDS_THE_HANDLERS
 def test_estimate_loads_the_optimizer_handlers_not_the_trainer():
     code = f"from trainer_memcb.cli import main\nassert main(['estimate', {TINY_CONFIG!r}, '--optimizers', 'adamw']) == 0"
     loaded = loaded_after(code)

@@ -14,7 +14,7 @@ import torch
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
-from helpers import tiny_classifier, training_args
+from helpers import requires_transformers, tiny_classifier, training_args
 from trainer_memcb import estimate_optimizer_state
 from trainer_memcb.cli import main
 from trainer_memcb.optim_options import parse_optim_args, parse_optim_target_modules
@@ -82,6 +82,8 @@ EXACT = {
 EIGHT_BIT = {name for name in EXACT if name.endswith("_8bit") and name != "adamw_torch_8bit"}
 # Not installed here, and why the Trainer needs them.
 MISSING = {"adamw_torch_xla": "torch_xla", "adamw_torch_npu_fused": "torch_npu", "adamw_anyprecision": "torchdistx"}
+if "adamw_apex_fused" in {name.value for name in OptimizerNames}:  # transformers 4.x only
+    MISSING["adamw_apex_fused"] = "apex"
 
 
 def test_the_hand_written_figures_of_the_tiny_model():
@@ -160,11 +162,17 @@ def test_every_name_of_the_menu_gets_a_row_and_no_traceback():
     assert all(rows[name].estimate is not None for name in EXACT)
     assert {name for name, entry in rows.items() if entry.missing_package} == set(MISSING)
     if not torch.cuda.is_available():  # AdaLomo's constructor moves its second moments to CUDA
+        # A CPU build of torch has no CUDA at all; a CUDA build finds no driver on this machine.
         assert rows["adalomo"].problem == (
-            "its constructor failed: AssertionError: Torch not compiled with CUDA enabled")
+            "its constructor failed: AssertionError: Torch not compiled with CUDA enabled" if torch.version.cuda is None
+            else "its constructor failed: RuntimeError: Found no NVIDIA driver on your system. Please check that you "
+            "have an NVIDIA GPU and installed a driver from http://www.nvidia.com/Download/index.aspx")
         assert rows["adalomo"].optimizer_class == "lomo_optim.adalomo.AdaLomo"
 
 
+@requires_transformers("5.0", "transformers 4.x checks galore_torch's availability before importing it and "
+                              "has no per-name handler to read the import from: the row gives the Trainer's "
+                              "message without naming the package")
 def test_a_missing_library_gets_a_row_naming_it(monkeypatch):
     # galore-torch is installed here; its absence is simulated the two ways the Trainer sees it:
     # its availability check says no, and importing it fails.

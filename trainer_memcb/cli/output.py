@@ -19,7 +19,9 @@ _MISSING = "-"
 # Line breaks and tabs in a message (a path holding one, a library's paragraphs) become one space;
 # other control characters (a terminal's escape sequences) are shown escaped.
 _BREAKS = re.compile(r"[\n\r\t\v\f]+")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 controls and Unicode's line and paragraph separators: str.splitlines() breaks lines at
+# \x1c-\x1e, \x85, \u2028 and \u2029 too, and a terminal acts on the others.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def bytes_cell(num_bytes: Optional[int]) -> str:
@@ -124,5 +126,12 @@ def one_line(message: str) -> str:
     Example:
         >>> one_line("could not read (first\\n\\nsecond)\\x1b[2J")
         'could not read (first second)\\\\x1b[2J'
+        >>> one_line("key \\x85 and \\u2028 here").splitlines()
+        ['key \\\\x85 and \\\\u2028 here']
     """
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", _BREAKS.sub(" ", str(message)).strip())
+    return _CONTROL.sub(_escaped, _BREAKS.sub(" ", str(message)).strip())
+
+
+def _escaped(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"

@@ -6,12 +6,16 @@ gets a parameter-sized Kahan-summation compensation buffer `kahan_comp` unless `
 Adam, AdamW, Adan, RAdam, Ranger and StableAdamW count their steps in one int32 tensor per param
 group, `group["step"]`, not in `optimizer.state`; their state location reads it there (and passes
 over the `group` entry that gradient release puts in each parameter's state: the group holds the
-parameters themselves). Registered by `"module:ClassName"`: nothing here imports optimi.
+parameters themselves). With Triton (`triton=True`, and for StableAdamW also `triton=None` whenever
+Triton imports, see `_stable_adamw_triton`) a parameter without a Kahan buffer gets a one-value
+stand-in, and StableAdamW a one-value fp32 `mean_square`. Registered by `"module:ClassName"`:
+nothing here imports optimi (it reads `optimi.utils.HAS_TRITON` from `sys.modules`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Mapping, Sequence, Tuple
+import sys
+from typing import Any, Callable, Dict, Iterator, Mapping, Sequence, Tuple
 
 import torch
 
@@ -23,30 +27,49 @@ _HALF = (torch.float16, torch.bfloat16)
 _INT32_BYTES = 4
 
 
-def _triton(optimizer: Any) -> bool:
-    # `_init_state` runs before `_init_group` resolves triton=None, so only a triton=True given
-    # at construction makes the one-value stand-ins below.
+TritonCheck = Callable[[Mapping[str, Any], Any], bool]
+
+
+def _triton(group: Mapping[str, Any], optimizer: Any) -> bool:
+    # Adam, AdamW, Adan, Lion, RAdam, Ranger, SGD: `_init_state` runs before `_init_group`
+    # resolves triton=None, so only a triton=True given at construction makes the one-value
+    # stand-ins below.
     return bool(optimizer.defaults.get("triton"))
 
 
-def _kahan(param: ParamInfo, group: Mapping[str, Any], optimizer: Any, stand_in_bytes: int = 1) -> Dict[str, int]:
+def _stable_adamw_triton(group: Mapping[str, Any], optimizer: Any) -> bool:
+    # stableadamw.py StableAdamW._init_group (0.3.3) resolves triton=None *before* its loop fills
+    # `params`: `_default_to_triton(params)` sees an empty list, and utils.py's
+    # `HAS_TRITON and all(...)` of it is HAS_TRITON (Triton importable, torch >= 2.6): a CUDA build
+    # of torch, which brings Triton, gets the Triton kernels and their state even for CPU tensors.
+    if group.get("gradient_release"):  # the state is made in each parameter's hook, before any
+        return _triton(group, optimizer)  # `_init_group`: only a triton=True given counts
+    if group.get("setup"):  # resolved by a step already
+        return bool(group.get("triton"))
+    if group.get("triton") is None and group.get("foreach") is None:
+        return bool(getattr(sys.modules.get("optimi.utils"), "HAS_TRITON", False))
+    return bool(group.get("triton"))
+
+
+def _kahan(param: ParamInfo, group: Mapping[str, Any], optimizer: Any, stand_in_bytes: int = 1,
+           triton: TritonCheck = _triton) -> Dict[str, int]:
     # `(kahan_sum or kahan_sum is None) and p.dtype in (fp16, bf16)`: zeros_like(p); elif triton:
     # zeros(1) (uint8; Lion: p's dtype); else None.
     if (group.get("kahan_sum") or group.get("kahan_sum") is None) and param.dtype in _HALF:
         return {"kahan_comp": param.num_bytes}
-    if _triton(optimizer):
+    if triton(group, optimizer):
         return {"kahan_comp": stand_in_bytes}
     return {}
 
 
-def _buffers_rule(buffers: Sequence[str], extra=None):
+def _buffers_rule(buffers: Sequence[str], extra=None, triton: TritonCheck = _triton):
     """Parameter-sized `buffers`, the Kahan buffer, `step` per parameter under gradient release."""
 
     def rule(param: ParamInfo, group: Mapping[str, Any], optimizer: Any) -> Dict[str, int]:
         state = dict.fromkeys(buffers, param.num_bytes)
         if extra is not None:
             state.update(extra(param, group, optimizer))
-        state.update(_kahan(param, group, optimizer))
+        state.update(_kahan(param, group, optimizer, triton=triton))
         if group.get("gradient_release"):
             state["step"] = _INT32_BYTES
         return state
@@ -58,7 +81,7 @@ def _stable_adamw_extra(param: ParamInfo, group: Mapping[str, Any], optimizer: A
     # stableadamw.py StableAdamW._init_state: eps_sq = tensor(eps ** 2, dtype=p.dtype), 0-dim;
     # with triton, mean_square = zeros(1) fp32.
     state = {"eps_sq": param.element_size}
-    if _triton(optimizer):
+    if _stable_adamw_triton(group, optimizer):
         state["mean_square"] = 4
     return state
 
@@ -76,7 +99,7 @@ def _sgd(param: ParamInfo, group: Mapping[str, Any], optimizer: Any) -> Dict[str
     state: Dict[str, int] = {}
     if (group.get("dampening") and group.get("torch_init")) or group.get("momentum"):
         state["exp_avg"] = param.num_bytes
-    elif _triton(optimizer):
+    elif _triton(group, optimizer):
         state["exp_avg"] = param.element_size
     state.update(_kahan(param, group, optimizer))
     return state
@@ -110,7 +133,7 @@ _CLASSES: Dict[str, Tuple[Any, bool, str]] = {
     "optimi.ranger:Ranger": (
         _buffers_rule(("exp_avg", "exp_avg_sq", "la_param")), True, "optimi/ranger.py Ranger._init_state"),
     "optimi.stableadamw:StableAdamW": (
-        _buffers_rule(("exp_avg", "exp_avg_sq"), extra=_stable_adamw_extra), True,
+        _buffers_rule(("exp_avg", "exp_avg_sq"), extra=_stable_adamw_extra, triton=_stable_adamw_triton), True,
         "optimi/stableadamw.py StableAdamW._init_state"),
     "optimi.lion:Lion": (_lion, False, "optimi/lion.py Lion._init_state"),
     "optimi.sgd:SGD": (_sgd, False, "optimi/sgd.py SGD._init_state"),
