@@ -85,13 +85,7 @@ def _torchao_optim():
     return pytest.importorskip("torchao.optim")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tensors this small run fastest on one thread, and many times faster on a busy machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _reset_bnb_overrides() -> None:

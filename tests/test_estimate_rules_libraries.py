@@ -25,12 +25,7 @@ from test_estimate_rules import EMBED_ROWS, SEQUENCE, TRAINABLE, TinyModel, asse
 from trainer_memcb import estimate_optimizer_state, measure_optimizer_state
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def check(model: nn.Module, optimizer: Any, step: Callable[[], None]) -> None:
