@@ -68,7 +68,7 @@ from transformers import (  # noqa: E402
 
 from tests.helpers import TinyDataset, tiny_classifier, training_args  # noqa: E402
 from trainer_memcb import OptimizerMemoryCallback, measure_optimizer_state  # noqa: E402
-from trainer_memcb.units import format_bytes  # noqa: E402
+from trainer_memcb.utils.units import format_bytes  # noqa: E402
 
 STEP_RATIO_TARGET = 1.01  # (a): with / without the callback, at most
 MEASURE_SPEEDUP_TARGET = 600.0  # (b): naive / measure_optimizer_state, at least
@@ -492,7 +492,7 @@ def state_locations() -> List[Tuple[str, Callable[[Any], Any], Callable[[Any], A
     try:
         import grokadamw
 
-        from trainer_memcb.rules.grokadamw_optim import grokadamw_state
+        from trainer_memcb.state.rules.grokadamw_optim import grokadamw_state
     except ImportError:
         pass
     else:
@@ -501,7 +501,7 @@ def state_locations() -> List[Tuple[str, Callable[[Any], Any], Callable[[Any], A
     try:
         import bitsandbytes
 
-        from trainer_memcb.rules.bitsandbytes_optim import bitsandbytes_state
+        from trainer_memcb.state.rules.bitsandbytes_optim import bitsandbytes_state
     except ImportError:
         pass
     else:

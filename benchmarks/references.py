@@ -24,7 +24,7 @@ from typing import Dict, List, Tuple
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from trainer_memcb.plan import Setup, plan_model_states  # noqa: E402
+from trainer_memcb.plan.model_states import Setup, plan_model_states  # noqa: E402
 
 # -- the ZeRO paper, Table 1, 7.5B model column (GB) ------------------------------------------------
 PAPER_PSI = 7_500_000_000
@@ -94,7 +94,7 @@ def deepspeed_zero3(total_params: int, largest_layer_params: int, gpus_per_node:
 
 
 def llama_2_7b():
-    from trainer_memcb.whatif import build_meta_model
+    from trainer_memcb.plan.whatif import build_meta_model
 
     return build_meta_model(os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b"))
 

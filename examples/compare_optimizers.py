@@ -22,7 +22,7 @@ import torch
 
 from text_classification import OPTIMIZERS, TINY_MODEL, example_parser, parse_optimizer_names, positive_int
 from train_with_trainer import TrainingRun, train
-from trainer_memcb.units import format_bytes
+from trainer_memcb.utils.units import format_bytes
 
 DEFAULT_OUTPUT_DIR = os.path.join("output", "compare_optimizers")
 COMPARISON_FILE_NAME = "comparison.json"

@@ -34,8 +34,8 @@ from text_classification import (
     tokenize_reviews,
 )
 from trainer_memcb import OptimizerMemoryCallback
-from trainer_memcb.summary import SUMMARY_FILE_NAME
-from trainer_memcb.units import format_bytes
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME
+from trainer_memcb.utils.units import format_bytes
 
 DEFAULT_OUTPUT_DIR = os.path.join("output", "train_with_trainer")
 

@@ -21,11 +21,11 @@ from accelerate.tracking import GeneralTracker
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import get_constant_schedule
 
-import trainer_memcb.accelerate_loop
+import trainer_memcb.training.accelerate_loop
 from helpers import TinyDataset, tiny_classifier
 from trainer_memcb import OptimizerMemoryLogger
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS, UNEXPECTED_BYTES
-from trainer_memcb.summary import SUMMARY_FILE_NAME
+from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS, UNEXPECTED_BYTES
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME
 
 def in_one_process(expected: Dict[str, int]) -> Dict[str, int]:
     """`expected` as one process logs it: no `..._total_bytes` keys, which would only repeat it."""
@@ -285,7 +285,7 @@ def test_bad_arguments_raise_value_errors_naming_them(kwargs, message):
 
 
 def test_docstring_example_runs():
-    results = doctest.testmod(trainer_memcb.accelerate_loop, optionflags=doctest.ELLIPSIS)
+    results = doctest.testmod(trainer_memcb.training.accelerate_loop, optionflags=doctest.ELLIPSIS)
     assert (results.failed, results.attempted) == (0, 12)
 
 

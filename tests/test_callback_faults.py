@@ -17,7 +17,7 @@ from transformers import Trainer
 from helpers import TinyDataset, entries_with, tiny_classifier, training_args
 from test_callback_logging import adamw_figures, figures_in, train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback, measure_optimizer_state, register_estimate_rule
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
+from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
 
 STEPS = 2
 

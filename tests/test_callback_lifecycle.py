@@ -15,8 +15,8 @@ from transformers import Trainer
 from helpers import TinyDataset, entries_with, tiny_classifier, training_args
 from test_callback_logging import train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback, measure_optimizer_state
-from trainer_memcb.figures import MEASURED_BYTES
-from trainer_memcb.trainer_log_hook import is_log_hook_installed
+from trainer_memcb.training.figures import MEASURED_BYTES
+from trainer_memcb.training.trainer_log_hook import is_log_hook_installed
 
 # -- construction --------------------------------------------------------------------------------
 

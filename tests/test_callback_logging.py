@@ -24,8 +24,8 @@ from transformers import Trainer, get_constant_schedule
 
 from helpers import TinyDataset, accuracy_and_f1, entries_with, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback, estimate_optimizer_state, measure_optimizer_state
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
-from trainer_memcb.units import KiB
+from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
+from trainer_memcb.utils.units import KiB
 
 FIGURE_KEYS = (MEASURED_BYTES, MEASURED_ELEMENTS, ESTIMATE_BYTES, TRAINABLE_PARAMS)
 
@@ -96,7 +96,7 @@ def tensorboard_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
         compute_metrics=accuracy_and_f1,
         callbacks=[OptimizerMemoryCallback(breakdown=("key", "dtype", "device"))],
     )
-    callback_logger = logging.getLogger("trainer_memcb.callback")
+    callback_logger = logging.getLogger("trainer_memcb.training.callback")
     records, previous_level = _Records(), callback_logger.level
     callback_logger.addHandler(records)
     callback_logger.setLevel(logging.INFO)

@@ -23,7 +23,7 @@ from trainer_memcb.cli.compare import compare_runs
 from trainer_memcb.cli.output import TextTable, bytes_cell, print_tables
 from trainer_memcb.cli.plots import PLOT_DPI, PLOT_SIZE_INCHES
 from trainer_memcb.cli.report import run_report
-from trainer_memcb.run_logs import load_run
+from trainer_memcb.runs.run_logs import load_run
 
 MEASURED = "optimizer_state_bytes"
 ESTIMATE = "optimizer_state_estimate_bytes"
@@ -258,9 +258,9 @@ def test_the_docstring_examples_run():
     import doctest
 
     import trainer_memcb.cli
-    import trainer_memcb.run_logs
-    import trainer_memcb.whatif
+    import trainer_memcb.runs.run_logs
+    import trainer_memcb.plan.whatif
 
-    for module in (trainer_memcb.cli, trainer_memcb.run_logs, trainer_memcb.whatif):
+    for module in (trainer_memcb.cli, trainer_memcb.runs.run_logs, trainer_memcb.plan.whatif):
         outcome = doctest.testmod(module)
         assert outcome.attempted > 0 and outcome.failed == 0, module.__name__

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, Trainer
 from helpers import TinyDataset, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
-from trainer_memcb.whatif import build_meta_model, resolve_optimizer_names, select_trainable, what_if
+from trainer_memcb.plan.whatif import build_meta_model, resolve_optimizer_names, select_trainable, what_if
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1024**3
@@ -167,7 +167,7 @@ def test_the_callback_states_the_what_if_once_in_its_logger_and_summary(tmp_path
     callback = OptimizerMemoryCallback()
     trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=2), train_dataset=TinyDataset(8),
                       callbacks=[callback])
-    with caplog.at_level(logging.INFO, logger="trainer_memcb.callback"):
+    with caplog.at_level(logging.INFO, logger="trainer_memcb.training.callback"):
         trainer.train()
     with open(os.path.join(str(tmp_path), "optimizer_memory.json"), encoding="utf-8") as handle:
         summary = json.load(handle)

@@ -21,14 +21,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import trainer_memcb.distributed
-import trainer_memcb.rules.deepspeed_zero
+import trainer_memcb.training.distributed
+import trainer_memcb.state.rules.deepspeed_zero
 from helpers import requires_torch, tiny_classifier
 from trainer_memcb import estimate_optimizer_state
-from trainer_memcb.distributed import reduce_across_processes, world_size
-from trainer_memcb.monitor import OptimizerStateMonitor
-from trainer_memcb.tensorboard_view import EVENT_FILE_SUFFIX
-from trainer_memcb.figures import (
+from trainer_memcb.training.distributed import reduce_across_processes, world_size
+from trainer_memcb.training.monitor import OptimizerStateMonitor
+from trainer_memcb.training.tensorboard_view import EVENT_FILE_SUFFIX
+from trainer_memcb.training.figures import (
     UNEXPECTED_BYTES,
     ESTIMATE_BYTES,
     ESTIMATE_TOTAL_BYTES,
@@ -95,7 +95,7 @@ def test_one_process_exchanges_nothing_and_logs_no_totals():
     assert reduce_across_processes({}) == {}
 
 
-@pytest.mark.parametrize("module", [trainer_memcb.distributed, trainer_memcb.rules.deepspeed_zero])
+@pytest.mark.parametrize("module", [trainer_memcb.training.distributed, trainer_memcb.state.rules.deepspeed_zero])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 1 and result.failed == 0
@@ -221,7 +221,7 @@ def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharde
         assert result["readme_recipe"] == recipe  # the same, from the functions alone
 
     # Only the main process logs: one TensorBoard run, holding the job's figures at steps 1 and 2,
-    # and one file of the logger's charts beside the tracker's (trainer_memcb.tensorboard_view).
+    # and one file of the logger's charts beside the tracker's (trainer_memcb.training.tensorboard_view).
     run = os.path.join(fsdp2_job, "fsdp2")
     assert sorted(name.endswith(EVENT_FILE_SUFFIX) for name in os.listdir(run)) == [False, True]
     scalars = tensorboard_scalars(run)
@@ -232,7 +232,7 @@ def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharde
 
 
 def test_zero_partition_arithmetic_matches_hand_computed_partitions():
-    zero = trainer_memcb.rules.deepspeed_zero
+    zero = trainer_memcb.state.rules.deepspeed_zero
     # ZeRO-1/2: the group's values padded to a multiple of 2 x world size, then split evenly.
     assert zero.zero12_partition_numel([35, 21], world_size=2) == 28  # 56 is a multiple of 4
     assert zero.zero12_partition_numel([7, 3], world_size=2) == 6  # 10 -> 12
@@ -288,7 +288,7 @@ def stepped_adamw(partitions: List[List[torch.Tensor]]) -> torch.optim.AdamW:
 
 
 def test_master_weights_and_the_lent_zero3_partitions_on_stand_ins():
-    zero = trainer_memcb.rules.deepspeed_zero
+    zero = trainer_memcb.state.rules.deepspeed_zero
     assert zero.master_weights_bytes(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())) is None
 
     # ZeRO-1/2: fp32 copies of this rank's partitions, one per group, the inner optimizer's params.
@@ -337,7 +337,7 @@ def test_deepspeed_optimizer_rules_follow_their_source():
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (it is no test dependency)")
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-    from trainer_memcb.estimate import ParamInfo, find_estimate_rule
+    from trainer_memcb.state.estimate import ParamInfo, find_estimate_rule
 
     info = ParamInfo(shape=(34,), dtype=torch.bfloat16, requires_grad=True, group_index=0, index_in_group=0)
     fused, cpu = find_estimate_rule(FusedAdam), find_estimate_rule(DeepSpeedCPUAdam)
@@ -357,7 +357,7 @@ MODEL_STATES_BY_ZERO_RUN = {"zero3": (140, 140), "zero1_bf16_fp32_accumulation":
                     reason="deepspeed is not installed (it is no test dependency: it builds from source)")
 def test_deepspeed_zero_engines(tmp_path):
     torchrun("deepspeed_zero.py", str(tmp_path))
-    zero = trainer_memcb.rules.deepspeed_zero
+    zero = trainer_memcb.state.rules.deepspeed_zero
     # Weights 35 + 21 and biases 7 + 3, in two groups, over 2 processes.
     zero12 = [zero.zero12_partition_numel([35, 21], 2), zero.zero12_partition_numel([7, 3], 2)]
     zero3 = zero.zero3_sub_group_numels([35, 21], 2) + zero.zero3_sub_group_numels([7, 3], 2)
@@ -414,7 +414,7 @@ def model_states_in(entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 
 
 def test_ddp_trainer_logs_model_states_equal_to_the_plan_to_the_byte(ddp_job):
-    from trainer_memcb.plan import Setup, plan_model_states
+    from trainer_memcb.plan.model_states import Setup, plan_model_states
 
     # The plan, from the model alone: 3,714 fp32 values whole on each of 2 processes, AdamW.
     (plan,) = plan_model_states(tiny_classifier(), "adamw", Setup(world_size=PROCESSES, sharding="ddp")).optimizers
@@ -437,7 +437,7 @@ def test_ddp_trainer_logs_model_states_equal_to_the_plan_to_the_byte(ddp_job):
 @requires_torch("2.7", "FSDP2 on the CPU: it records events on the CPU stream, and torch.cpu.Stream has "
                       "no record_event before 2.7")
 def test_fsdp2_logs_model_states_equal_to_the_plan_to_the_byte(fsdp2_job):
-    from trainer_memcb.plan import Setup, plan_model_states
+    from trainer_memcb.plan.model_states import Setup, plan_model_states
 
     unsharded = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
     (plan,) = plan_model_states(unsharded, "adamw", Setup(world_size=PROCESSES, sharding="fsdp-full-shard")).optimizers

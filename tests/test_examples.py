@@ -21,7 +21,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from test_accelerate_loop import fresh_accelerator_state, tensorboard_scalars  # noqa: F401  (fixture)
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
+from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -112,7 +112,7 @@ def test_comparison_tensorboard_runs_overlay_under_one_folder(comparison):
 
 def test_comparison_run_folders_feed_trainer_memcb_compare(comparison):
     from trainer_memcb.cli.compare import compare_runs
-    from trainer_memcb.run_logs import load_run
+    from trainer_memcb.runs.run_logs import load_run
 
     rows = {row["optimizer"]: row for row in comparison["rows"]}
     runs = [load_run(os.path.join(comparison["output_dir"], name)) for name in rows]

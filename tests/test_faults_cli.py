@@ -444,7 +444,7 @@ def test_a_run_name_with_dollar_signs_is_plotted_as_written(tmp_path, capsys, na
 def test_the_title_holds_the_run_name_literally(tmp_path):
     from trainer_memcb.cli.plots import report_figure
     from trainer_memcb.cli.report import run_report
-    from trainer_memcb.run_logs import load_run
+    from trainer_memcb.runs.run_logs import load_run
 
     run = tmp_path / "a$b$c"
     _write(run / "trainer_state.json", {"log_history": _history()})
@@ -519,7 +519,7 @@ def test_a_plot_that_cannot_be_put_in_place_leaves_no_partial_file(tmp_path, cap
 
 
 def test_a_failed_write_removes_its_temporary_file_and_keeps_the_old_one(tmp_path):
-    from trainer_memcb.safe_io import atomic_write
+    from trainer_memcb.utils.safe_io import atomic_write
 
     path = str(tmp_path / "out.png")
     with open(path, "wb") as handle:
@@ -727,9 +727,9 @@ def test_the_new_modules_docstring_examples_run():
 
     import trainer_memcb.cli.output
     import trainer_memcb.cli.plots
-    import trainer_memcb.run_values
-    import trainer_memcb.safe_io
+    import trainer_memcb.runs.run_values
+    import trainer_memcb.utils.safe_io
 
-    for module in (trainer_memcb.safe_io, trainer_memcb.run_values, trainer_memcb.cli.output, trainer_memcb.cli.plots):
+    for module in (trainer_memcb.utils.safe_io, trainer_memcb.runs.run_values, trainer_memcb.cli.output, trainer_memcb.cli.plots):
         outcome = doctest.testmod(module)
         assert outcome.attempted > 0 and outcome.failed == 0, module.__name__

@@ -22,7 +22,7 @@ from transformers import Trainer, TrainerCallback
 from helpers import TinyDataset, entries_with, tiny_classifier, training_args
 from test_callback_logging import adamw_figures, figures_in, train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger, measure_optimizer_state
-from trainer_memcb.figures import (
+from trainer_memcb.training.figures import (
     BREAKDOWN_KEY_PREFIXES,
     KEY_DESCRIPTIONS,
     MEASURED_BYTES,
@@ -30,7 +30,7 @@ from trainer_memcb.figures import (
     breakdown_key,
     with_prefix,
 )
-from trainer_memcb.summary import SUMMARY_FILE_NAME
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME
 
 def tiny_trainer(output_dir: str, callbacks: List[Any], **overrides: Any) -> Trainer:
     settings: Dict[str, Any] = dict(max_steps=2)
@@ -174,7 +174,7 @@ class _NoWeakReferences:
 
 
 def test_an_object_without_weak_references_is_held_until_released():
-    from trainer_memcb.per_optimizer import PerOptimizer
+    from trainer_memcb.training.per_optimizer import PerOptimizer
 
     numbers = iter(range(1, 10))
     records = PerOptimizer(lambda optimizer: next(numbers))

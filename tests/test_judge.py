@@ -17,12 +17,12 @@ import pytest
 import torch
 from transformers import Trainer, get_constant_schedule
 
-import trainer_memcb.judge
+import trainer_memcb.state.judge
 from helpers import TinyDataset, entries_with, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger, estimate_optimizer_state, measure_optimizer_state
 from trainer_memcb.cli import main as cli_main
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, UNEXPECTED_BYTES
-from trainer_memcb.judge import expect_state, judge_state
+from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, UNEXPECTED_BYTES
+from trainer_memcb.state.judge import expect_state, judge_state
 
 
 def one_step(model: torch.nn.Module, optimizer: Any, inputs: torch.Tensor) -> None:
@@ -264,5 +264,5 @@ def test_no_figure_until_every_trainable_parameter_has_state():
 
 
 def test_docstring_example_runs():
-    results = doctest.testmod(trainer_memcb.judge, optionflags=doctest.ELLIPSIS)
+    results = doctest.testmod(trainer_memcb.state.judge, optionflags=doctest.ELLIPSIS)
     assert (results.failed, results.attempted) == (0, 10)

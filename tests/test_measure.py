@@ -424,8 +424,8 @@ def test_odd_state_values_exact() -> None:
 
 # -- the package's own examples run ------------------------------------------------------------
 
-DOCUMENTED_MODULES = ["trainer_memcb.measure", "trainer_memcb.estimate", "trainer_memcb.units", "trainer_memcb.callback",
-                     "trainer_memcb.registry"]
+DOCUMENTED_MODULES = ["trainer_memcb.state.measure", "trainer_memcb.state.estimate", "trainer_memcb.utils.units", "trainer_memcb.training.callback",
+                     "trainer_memcb.state.registry"]
 
 
 def package_modules() -> List[str]:

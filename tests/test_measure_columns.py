@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer_memcb import measure_optimizer_state
-from trainer_memcb.measure import _all_states, _count, _count_columns, _state_tensors
+from trainer_memcb.state.measure import _all_states, _count, _count_columns, _state_tensors
 
 
 def general_count(optimizer: Any) -> Dict[str, Any]:
@@ -203,7 +203,7 @@ def measure_general(optimizer: Any) -> Dict[str, Any]:
     try:
         return general_count(optimizer)
     except (NotImplementedError, RuntimeError):
-        from trainer_memcb.measure import _with_sparse_components
+        from trainer_memcb.state.measure import _with_sparse_components
 
         return _count(_with_sparse_components(_state_tensors(_all_states(optimizer)))).to_dict()
 

@@ -11,17 +11,17 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-import trainer_memcb.model_states
+import trainer_memcb.training.model_states_probe
 from helpers import TinyDataset, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
-from trainer_memcb.model_states import ModelStatesProbe, detect_setup, measure_grads_bytes, measure_params_bytes
+from trainer_memcb.training.model_states_probe import ModelStatesProbe, detect_setup, measure_grads_bytes, measure_params_bytes
 
 KEYS = ("model_params_bytes", "model_grads_bytes", "model_states_bytes", "model_states_total_bytes",
         "model_states_estimate_bytes", "model_states_estimate_total_bytes")
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(trainer_memcb.model_states)
+    result = doctest.testmod(trainer_memcb.training.model_states_probe)
     assert result.attempted >= 1 and result.failed == 0
 
 

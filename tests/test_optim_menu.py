@@ -20,7 +20,7 @@ from transformers.training_args import OptimizerNames
 from helpers import SEQUENCE_LENGTH, TinyDataset, accuracy_and_f1, optimi_picks_triton, training_args
 from reference_walker import held_bytes
 from trainer_memcb import OptimizerMemoryCallback, estimate_optimizer_state, measure_optimizer_state
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES
+from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES
 
 # Names whose optimizer cannot run on this machine's CPU-only torch, and why. A rule for the
 # CUDA-only ones is still checked against its source, on CPU stand-ins, in the tests named.
@@ -131,7 +131,7 @@ def test_optimizer_name_is_exact_through_the_trainer(name: str, tmp_path) -> Non
 def test_stateless_optimizers_log_zero_after_the_first_step_and_nothing_before(name: str, tmp_path) -> None:
     import json
 
-    from trainer_memcb.summary import SUMMARY_FILE_NAME
+    from trainer_memcb.training.summary import SUMMARY_FILE_NAME
 
     run = run_menu_name(name, tmp_path)
     history = run["log_history"]

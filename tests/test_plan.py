@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-import trainer_memcb.plan
-import trainer_memcb.param_shapes
-import trainer_memcb.sharding
+import trainer_memcb.plan.model_states
+import trainer_memcb.plan.param_shapes
+import trainer_memcb.plan.sharding
 from trainer_memcb.cli import main
-from trainer_memcb.plan import Setup, param_specs, parse_bytes, plan_model_states
-from trainer_memcb.whatif import what_if
+from trainer_memcb.plan.model_states import Setup, param_specs, parse_bytes, plan_model_states
+from trainer_memcb.plan.whatif import what_if
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")
@@ -41,7 +41,7 @@ def adamw(values: int, tensors: int, element_size: int = 4) -> int:
     return 2 * values * element_size + 4 * tensors  # exp_avg, exp_avg_sq, a 4-byte step each
 
 
-@pytest.mark.parametrize("module", [trainer_memcb.plan, trainer_memcb.param_shapes, trainer_memcb.sharding])
+@pytest.mark.parametrize("module", [trainer_memcb.plan.model_states, trainer_memcb.plan.param_shapes, trainer_memcb.plan.sharding])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted >= 1 and result.failed == 0

@@ -1,4 +1,4 @@
-"""The rule registry sits below `estimate.py` and `trainer_memcb/rules/`: no import cycle, even a
+"""The rule registry sits below `estimate.py` and `trainer_memcb/state/rules/`: no import cycle, even a
 lazy one, except the registry's by-name load of the built-in rules (a plugin load)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import trainer_memcb
 from trainer_memcb import estimate_optimizer_state, measure_optimizer_state, register_estimate_rule
-from trainer_memcb.registry import find_estimate_rule, find_state_location
+from trainer_memcb.state.registry import find_estimate_rule, find_state_location
 
 PACKAGE = pathlib.Path(trainer_memcb.__file__).parent
 
@@ -30,35 +30,35 @@ def imported_modules(path: pathlib.Path) -> Set[str]:
 
 
 def test_registry_imports_neither_estimate_nor_the_rules() -> None:
-    imported = imported_modules(PACKAGE / "registry.py")
+    imported = imported_modules(PACKAGE / "state" / "registry.py")
     assert {name for name in imported if name.startswith("trainer_memcb")} == set()
     # The one by-name load, of the built-in rules, at the first lookup.
-    assert '"trainer_memcb.rules"' in (PACKAGE / "registry.py").read_text()
+    assert '"trainer_memcb.state.rules"' in (PACKAGE / "state" / "registry.py").read_text()
 
 
 def test_estimate_does_not_import_the_rules() -> None:
-    imported = imported_modules(PACKAGE / "estimate.py")
+    imported = imported_modules(PACKAGE / "state" / "estimate.py")
     assert sorted(name for name in imported if name.startswith("trainer_memcb")) == [
-        "trainer_memcb.registry",
-        "trainer_memcb.registry.EstimateRule",
-        "trainer_memcb.registry.ParamInfo",
-        "trainer_memcb.registry.find_estimate_rule",
-        "trainer_memcb.registry.optimizer_views",
-        "trainer_memcb.registry.register_estimate_rule",
-        "trainer_memcb.unwrap",
-        "trainer_memcb.unwrap.inner_optimizers",
+        "trainer_memcb.state.registry",
+        "trainer_memcb.state.registry.EstimateRule",
+        "trainer_memcb.state.registry.ParamInfo",
+        "trainer_memcb.state.registry.find_estimate_rule",
+        "trainer_memcb.state.registry.optimizer_views",
+        "trainer_memcb.state.registry.register_estimate_rule",
+        "trainer_memcb.state.unwrap",
+        "trainer_memcb.state.unwrap.inner_optimizers",
     ]
 
 
 def test_rules_register_through_the_registry_not_estimate() -> None:
-    for path in sorted((PACKAGE / "rules").glob("*.py")):
-        assert "trainer_memcb.estimate" not in imported_modules(path), path.name
+    for path in sorted((PACKAGE / "state" / "rules").glob("*.py")):
+        assert "trainer_memcb.state.estimate" not in imported_modules(path), path.name
 
 
 def test_old_import_path_still_works() -> None:
-    from trainer_memcb.estimate import ParamInfo as OldParamInfo
-    from trainer_memcb.estimate import register_estimate_rule as old_register
-    from trainer_memcb.registry import ParamInfo, register_estimate_rule as new_register
+    from trainer_memcb.state.estimate import ParamInfo as OldParamInfo
+    from trainer_memcb.state.estimate import register_estimate_rule as old_register
+    from trainer_memcb.state.registry import ParamInfo, register_estimate_rule as new_register
 
     assert OldParamInfo is ParamInfo and old_register is new_register is register_estimate_rule
 

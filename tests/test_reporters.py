@@ -25,7 +25,7 @@ from transformers import Trainer
 from helpers import TinyDataset, tiny_classifier, training_args
 from test_callback_logging import adamw_figures
 from trainer_memcb import OptimizerMemoryCallback
-from trainer_memcb.figures import (
+from trainer_memcb.training.figures import (
     BREAKDOWN_KEY_PREFIXES,
     ESTIMATE_BYTES,
     KEY_DESCRIPTIONS,
@@ -111,7 +111,7 @@ def test_tensorboard_holds_every_key_exactly(tmp_path, monkeypatch):
 def test_tensorboard_figures_read_back_by_the_cli_readers(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     from trainer_memcb.cli.report import run_report
-    from trainer_memcb.run_logs import load_run
+    from trainer_memcb.runs.run_logs import load_run
 
     trainer, logged = run_reporting_to("tensorboard", tmp_path, monkeypatch)
     report = run_report(load_run(trainer.args.output_dir))  # no trainer_state.json, no summary

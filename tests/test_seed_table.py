@@ -16,9 +16,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, Trainer
 
 from helpers import TinyDataset, entries_with, installed_version, training_args
 from trainer_memcb import OptimizerMemoryCallback, estimate_optimizer_state, measure_optimizer_state
-from trainer_memcb.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
-from trainer_memcb.summary import SUMMARY_FILE_NAME
-from trainer_memcb.units import MiB
+from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME
+from trainer_memcb.utils.units import MiB
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "models" / "distilbert-base-cased"
 

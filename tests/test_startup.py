@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import requires_transformers
-from trainer_memcb.trainer_optimizers import trainer_optimizer_cls_and_kwargs
+from trainer_memcb.plan.trainer_optimizers import trainer_optimizer_cls_and_kwargs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert")
@@ -52,10 +52,10 @@ def test_the_estimate_functions_load_no_transformers():
 
 def test_the_callback_is_imported_on_first_use():
     code = ("import trainer_memcb, sys\n"
-            "assert 'trainer_memcb.callback' not in sys.modules\n"
+            "assert 'trainer_memcb.training.callback' not in sys.modules\n"
             "from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger\n"
-            "assert OptimizerMemoryCallback.__module__ == 'trainer_memcb.callback'\n"
-            "assert OptimizerMemoryLogger.__module__ == 'trainer_memcb.accelerate_loop'\n"
+            "assert OptimizerMemoryCallback.__module__ == 'trainer_memcb.training.callback'\n"
+            "assert OptimizerMemoryLogger.__module__ == 'trainer_memcb.training.accelerate_loop'\n"
             "assert trainer_memcb.OptimizerMemoryCallback is OptimizerMemoryCallback")
     loaded = loaded_after(code)
     assert loaded["transformers.trainer_utils"] is True  # the callback needs TrainerCallback

@@ -30,11 +30,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from transformers import Trainer
 
-import trainer_memcb.tensorboard_view
+import trainer_memcb.training.tensorboard_view
 from helpers import TinyDataset, accuracy_and_f1, tiny_classifier, training_args
 from test_accelerate_loop import fresh_accelerator_state  # noqa: F401  (fixture)
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
-from trainer_memcb.tensorboard_view import EVENT_FILE_SUFFIX, layout_charts, loop_tag, trainer_tag
+from trainer_memcb.training.tensorboard_view import EVENT_FILE_SUFFIX, layout_charts, loop_tag, trainer_tag
 
 ADAMW_BYTES = 29_808  # the tiny model's AdamW state: 2 x 3,714 fp32 values + 24 fp32 steps
 ADAFACTOR_BYTES = 2_512  # transformers' Adafactor, factored: see tests/test_estimate_rules.py
@@ -136,7 +136,7 @@ def test_layout_charts_only_what_was_logged_measured_and_estimate_together():
 def test_docstring_examples_run():
     import doctest
 
-    results = doctest.testmod(trainer_memcb.tensorboard_view, optionflags=doctest.ELLIPSIS)
+    results = doctest.testmod(trainer_memcb.training.tensorboard_view, optionflags=doctest.ELLIPSIS)
     assert (results.failed, results.attempted) == (0, 7)
 
 

@@ -7,13 +7,13 @@ that `import trainer_memcb`, the estimate functions and the `trainer-memcb` comm
 
 from typing import Any
 
-from trainer_memcb.estimate import (
+from trainer_memcb.state.estimate import (
     ParamInfo,
     StateEstimate,
     estimate_optimizer_state,
     register_estimate_rule,
 )
-from trainer_memcb.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.state.measure import StateMeasurement, measure_optimizer_state
 
 __version__ = "0.1.0"
 
@@ -31,8 +31,8 @@ __all__ = [
 
 # Public name -> the module that defines it, imported when the name is first asked for.
 _LAZY = {
-    "OptimizerMemoryCallback": "trainer_memcb.callback",
-    "OptimizerMemoryLogger": "trainer_memcb.accelerate_loop",
+    "OptimizerMemoryCallback": "trainer_memcb.training.callback",
+    "OptimizerMemoryLogger": "trainer_memcb.training.accelerate_loop",
 }
 
 

@@ -24,7 +24,7 @@ import deepspeed.comm.torch
 import torch
 
 from trainer_memcb import OptimizerMemoryLogger, estimate_optimizer_state, measure_optimizer_state
-from trainer_memcb.rules.deepspeed_zero import find_zero_optimizer, with_zero3_partitions
+from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer, with_zero3_partitions
 
 deepspeed.comm.torch.build_shm_op = lambda: None  # see the module docstring
 

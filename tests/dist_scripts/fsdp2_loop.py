@@ -24,9 +24,9 @@ from accelerate import Accelerator
 from torch.distributed.fsdp import fully_shard
 
 from trainer_memcb import OptimizerMemoryLogger, estimate_optimizer_state, measure_optimizer_state
-from trainer_memcb.distributed import reduce_across_processes
-from trainer_memcb.figures import optimizer_figures
-from trainer_memcb.model_states import measure_grads_bytes, measure_params_bytes
+from trainer_memcb.training.distributed import reduce_across_processes
+from trainer_memcb.training.figures import optimizer_figures
+from trainer_memcb.training.model_states_probe import measure_grads_bytes, measure_params_bytes
 
 
 def main() -> None:

@@ -42,8 +42,8 @@ from trainer_memcb.cli.plan_table import plan_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
-from trainer_memcb.run_logs import RunLog, RunLogError, load_run
-from trainer_memcb.whatif import ModelConfigError
+from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
+from trainer_memcb.plan.whatif import ModelConfigError
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
 

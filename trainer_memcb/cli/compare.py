@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
 from trainer_memcb.cli.report import DEFAULT_METRICS, run_report
-from trainer_memcb.run_logs import RunLog
+from trainer_memcb.runs.run_logs import RunLog
 
 __all__ = ["CompareRow", "compare_runs", "compare_table"]
 

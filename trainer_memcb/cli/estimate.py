@@ -1,6 +1,6 @@
 """`trainer-memcb estimate MODEL`: the what-if before training, as a table.
 
-The figures come from `trainer_memcb.whatif.what_if`; this module declares the command's options,
+The figures come from `trainer_memcb.plan.whatif.what_if`; this module declares the command's options,
 builds the meta model they describe (LoRA adapters and trainable names included), and formats
 the result.
 """
@@ -11,10 +11,10 @@ import argparse
 from typing import Any, List
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
-from trainer_memcb.lora import add_lora_adapters
-from trainer_memcb.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.plan import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
-from trainer_memcb.whatif import (
+from trainer_memcb.plan.lora import add_lora_adapters
+from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
+from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
+from trainer_memcb.plan.whatif import (
     DEFAULT_OPTIMIZERS,
     DTYPES,
     ModelConfigError,

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, TextIO, Tuple
 
-from trainer_memcb.units import format_bytes
+from trainer_memcb.utils.units import format_bytes
 
 __all__ = ["TextTable", "bytes_cell", "count_cell", "metric_cell", "print_tables", "print_json", "finite_json", "one_line"]
 

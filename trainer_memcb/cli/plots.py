@@ -4,7 +4,7 @@ Figures are drawn with matplotlib's object API on an Agg canvas: no pyplot, no g
 switch, nothing left open in the caller's process. Text from a run folder (run names, class
 names) is drawn as written: matplotlib's mathtext, which reads `$...$` as math, is off for every
 text. The file is written whole or not at all, and never through a symbolic link
-(`trainer_memcb.safe_io.atomic_write`).
+(`trainer_memcb.utils.safe_io.atomic_write`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import CompareRow
 from trainer_memcb.cli.report import RunReport
-from trainer_memcb.safe_io import UnsafeFileError, atomic_write
-from trainer_memcb.units import GiB, KiB, MiB
+from trainer_memcb.utils.safe_io import UnsafeFileError, atomic_write
+from trainer_memcb.utils.units import GiB, KiB, MiB
 
 __all__ = [
     "PLOT_SIZE_INCHES", "PLOT_DPI", "PLOT_FORMATS", "PlotError", "plot_format",

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
-from trainer_memcb.figures import BREAKDOWN_KEY_PREFIXES, ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS, UNEXPECTED_BYTES
-from trainer_memcb.run_logs import RunLog
+from trainer_memcb.training.figures import BREAKDOWN_KEY_PREFIXES, ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS, UNEXPECTED_BYTES
+from trainer_memcb.runs.run_logs import RunLog
 
 __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_report", "report_tables"]
 
@@ -70,7 +70,7 @@ class RunReport:
     estimate_by_key: Dict[str, int] = field(default_factory=dict)
     what_if: Optional[Dict[str, Any]] = None
     history_is_float32: bool = False
-    # Measured against estimate, judged (trainer_memcb.judge): the summary's, else the last
+    # Measured against estimate, judged (trainer_memcb.state.judge): the summary's, else the last
     # logged `optimizer_state_unexpected_bytes` alone.
     judgement: Optional[Dict[str, Any]] = None
 
@@ -121,7 +121,7 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
     """The figures of one run, from its own logs.
 
     Args:
-        run: from `trainer_memcb.run_logs.load_run`, which checks each value's type (a `step` is an int).
+        run: from `trainer_memcb.runs.run_logs.load_run`, which checks each value's type (a `step` is an int).
         metrics: evaluation metrics to follow, without the `eval_` prefix.
     """
     eval_keys = {metric: f"{EVAL_PREFIX}_{metric}" for metric in metrics}

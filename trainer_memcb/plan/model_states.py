@@ -1,0 +1,443 @@
+"""Will it fit? The model states each process holds: parameters, gradients, optimizer state and
+master weights, for a world size, a sharding, an offload and a precision setup.
+
+The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.whatif`: the
+Trainer's optimizer for each `optim` name, built over meta-device stand-ins shaped like what one
+process's optimizer steps over: the whole parameters, an FSDP shard, or ZeRO's flat fp32
+partitions). Parameters, gradients and master weights follow the libraries' partitioning:
+
+| sharding | parameters | gradients | optimizer steps over | master weights |
+|---|---|---|---|---|
+| none, ddp | all, whole | trainable, whole | trainable, whole | - (DeepSpeed precisions: one fp32 copy, whole) |
+| fsdp-full-shard, fsdp-shard-grad-op | padded `ceil(rows / W)` shards | the same shards | the first rank's shard | - |
+| zero1 | all, whole (trainable in one flat buffer padded to 2W) | trainable, whole | one fp32 partition | fp32 partition |
+| zero2 | as zero1 | the partition (contiguous buffer) | one fp32 partition | fp32 partition |
+| zero3 | `ceil(numel / W)` of each | the same partitions | fp32 sub-groups | fp32 sub-groups |
+
+Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_sharded_param`) and
+`_fsdp_collectives.py` (`foreach_reduce`: gradients reduce-scattered into padded shards); DeepSpeed
+0.19 `runtime/zero/stage_1_and_2.py` (`DeepSpeedZeroOptimizer.__init__`: `bit16_groups_flat`,
+`single_partition_of_fp32_groups`, `grads_in_partition` with `contiguous_gradients`),
+`runtime/zero/stage3.py` (`_create_fp32_partitions`, `grad_partitions_flat_buffer`) and
+`runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.plan.sharding`.
+
+ZeRO-1/2 pad each param group; the plan takes the trainable parameters as one group (the Trainer
+makes two, with and without weight decay: up to 2 values more in each process's partition).
+
+Not counted: activations, temporary buffers (FSDP's all-gathered parameters, DDP's gradient
+buckets, ZeRO's reduce buckets), the CUDA context and allocator fragmentation. Two short-lived
+figures are given apart, under `transient_bytes`: ZeRO's fp32 gradient partition, made for the
+optimizer step only, and the unsharded parameters FSDP's shard-grad-op keeps from forward to
+backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from trainer_memcb.plan.param_shapes import logical_shape
+from trainer_memcb.plan.sharding import (
+    fsdp_local_shape,
+    fsdp_padded_shard_numel,
+    zero3_partition_numel,
+    zero3_sub_group_numels,
+    zero12_partition_numel,
+)
+from trainer_memcb.plan.whatif import DEFAULT_OPTIMIZERS, optimizer_what_if, resolve_optimizer_names
+
+__all__ = [
+    "PRECISIONS",
+    "SHARDINGS",
+    "ModelStatesLayout",
+    "ModelStatesPlan",
+    "OptimizerPlan",
+    "ParamSpec",
+    "Setup",
+    "layout_model_states",
+    "param_specs",
+    "parse_bytes",
+    "plan_model_states",
+]
+
+SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+# Precision setups, as users name them -> bytes per parameter value and per gradient value.
+# - fp32: no mixed precision.
+# - autocast-bf16/fp16: the Trainer's bf16=True / fp16=True without DeepSpeed: torch autocast casts
+#   inside the forward; the weights, their gradients and the optimizer stay fp32, no master copy.
+# - bf16: the model loaded in bf16 (`dtype=torch.bfloat16`) and trained so: everything in bf16.
+# - deepspeed-bf16/fp16: DeepSpeed's bf16/fp16 sections: 16-bit weights and gradients, fp32 master
+#   weights that the optimizer updates (ZeRO only).
+PRECISIONS: Dict[str, int] = {
+    "fp32": 4,
+    "autocast-bf16": 4,
+    "autocast-fp16": 4,
+    "bf16": 2,
+    "deepspeed-bf16": 2,
+    "deepspeed-fp16": 2,
+}
+# Spellings people use for the same setups.
+PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "amp-bf16": "autocast-bf16", "amp-fp16": "autocast-fp16",
+                     "mixed-bf16": "deepspeed-bf16", "mixed-fp16": "deepspeed-fp16"}
+# ZeRO keeps fp32 master partitions (4 bytes a value) and an fp32 gradient partition for the step.
+_FP32 = 4
+
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+
+
+def parse_bytes(text: Union[str, int]) -> int:
+    """`"80GiB"` -> 85899345920; `"80GB"` -> 80000000000; a plain number is bytes.
+
+    Raises:
+        ValueError: naming the text and the units allowed.
+
+    Example:
+        >>> parse_bytes("80GiB"), parse_bytes("1.5 KiB"), parse_bytes(512)
+        (85899345920, 1536, 512)
+    """
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    raw = str(text).strip().replace("_", "").replace(",", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ").strip()
+    unit = raw[len(number):].strip().lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value < 0:
+        raise ValueError(f"memory size {text!r} is not a size such as 80GiB, 40GB or 1024 (units: "
+                         "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    return int(value * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the job runs.
+
+    Attributes:
+        world_size: processes in the job (data-parallel degree), W.
+        nodes: machines; `world_size` must be a multiple of it (CPU figures are per node).
+        sharding: one of `SHARDINGS`.
+        precision: one of `PRECISIONS` (or an alias such as `mixed-bf16`).
+        offload_optimizer: ZeRO-Offload: optimizer state and master weights on the CPU.
+        offload_params: ZeRO-3 parameter offload, or FSDP's `CPUOffload(offload_params=True)`
+            (parameters, gradients and optimizer state on the CPU).
+        sub_group_size: ZeRO-3's `sub_group_size` (values per flat fp32 sub-group).
+    """
+
+    world_size: int = 1
+    nodes: int = 1
+    sharding: str = "none"
+    precision: str = "fp32"
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    sub_group_size: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "nodes", "sub_group_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
+        if self.world_size % self.nodes:
+            raise ValueError(f"world_size={self.world_size} is not a multiple of nodes={self.nodes}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding={self.sharding!r} is not one of: {', '.join(SHARDINGS)}")
+        precision = PRECISION_ALIASES.get(self.precision, self.precision)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of: {', '.join(PRECISIONS)}")
+        object.__setattr__(self, "precision", precision)
+        if precision.startswith("deepspeed-") and self.is_fsdp:
+            raise ValueError(f"precision={precision!r} is DeepSpeed's: use it with sharding none, ddp, zero1, zero2 or zero3")
+        if self.offload_optimizer and not self.is_zero:
+            raise ValueError("offload_optimizer is DeepSpeed ZeRO's: use it with sharding zero1, zero2 or zero3 "
+                             "(FSDP offloads the optimizer state with offload_params)")
+        if self.offload_params and self.sharding not in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"):
+            raise ValueError(f"offload_params needs sharding zero3 or fsdp-*, not {self.sharding!r}")
+
+    @property
+    def is_zero(self) -> bool:
+        return self.sharding in ZERO_STAGES
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.sharding.startswith("fsdp-")
+
+    @property
+    def processes_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as the plan needs it: its real shape, whether it trains, bytes per value.
+
+    `element_size` None takes the precision setup's; a live model gives its own."""
+
+    shape: Tuple[int, ...]
+    trainable: bool = True
+    element_size: Optional[int] = None
+    is_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_specs(model: nn.Module, keep_dtypes: bool = False) -> List[ParamSpec]:
+    """The model's parameters, tied ones once, each with its real shape (a DTensor's global one,
+    a ZeRO-3 partitioned parameter's `ds_shape`).
+
+    Args:
+        model: any model, the meta device included.
+        keep_dtypes: take each parameter's own bytes per value (a live model), rather than the
+            precision setup's.
+    """
+    embeddings = {id(module.weight) for module in model.modules()
+                  if isinstance(module, nn.Embedding) and isinstance(getattr(module, "weight", None), torch.Tensor)}
+    specs = []
+    for param in model.parameters():  # yields a tied tensor once
+        specs.append(ParamSpec(shape=logical_shape(param), trainable=param.requires_grad,
+                               element_size=param.element_size() if keep_dtypes else None,
+                               is_embedding=id(param) in embeddings))
+    return specs
+
+
+@dataclass(frozen=True)
+class ModelStatesLayout:
+    """Parameters, gradients and master weights of the fullest process, and what its optimizer
+    steps over. Bytes are per process.
+
+    Attributes:
+        params_bytes, grads_bytes, master_weights_bytes: the states, wherever they live.
+        params_on_cpu, grads_on_cpu, optimizer_on_cpu: offloaded to the CPU.
+        optimizer_shapes: shapes of the tensors one process's optimizer steps over.
+        optimizer_element_size: their bytes per value.
+        optimizer_embeddings: indices into `optimizer_shapes` that are embedding weights.
+        transient_bytes: short-lived extras, by name, not in the model states.
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    master_weights_bytes: int
+    params_on_cpu: bool
+    grads_on_cpu: bool
+    optimizer_on_cpu: bool
+    optimizer_shapes: List[Tuple[int, ...]]
+    optimizer_element_size: int
+    optimizer_embeddings: List[int] = field(default_factory=list)
+    transient_bytes: Dict[str, int] = field(default_factory=dict)
+
+
+def layout_model_states(specs: Sequence[ParamSpec], setup: Setup) -> ModelStatesLayout:
+    """Parameters, gradients, master weights and the optimizer's stand-in shapes, per process."""
+    world = setup.world_size
+    default_size = PRECISIONS[setup.precision]
+    size = [spec.element_size or default_size for spec in specs]
+    trainable = [index for index, spec in enumerate(specs) if spec.trainable]
+    frozen = [index for index, spec in enumerate(specs) if not spec.trainable]
+    transient: Dict[str, int] = {}
+    embeddings: List[int] = []
+
+    if setup.sharding in ("none", "ddp"):
+        # Every process holds the whole model (DDP: torch/nn/parallel/distributed.py replicates it).
+        params = sum(specs[i].numel * size[i] for i in range(len(specs)))
+        grads = sum(specs[i].numel * size[i] for i in trainable)
+        if setup.precision.startswith("deepspeed-"):
+            # DeepSpeed without ZeRO (stage 0), runtime/fp16/fused_optimizer.py FP16_Optimizer and
+            # runtime/bf16_optimizer.py: one flat fp32 copy of the trainable parameters, whole.
+            numel = sum(specs[i].numel for i in trainable)
+            shapes, optimizer_size, master = [(numel,)], _FP32, numel * _FP32
+            transient["fp32_grad_partition_bytes"] = numel * _FP32
+        else:
+            shapes = [specs[i].shape for i in trainable]
+            embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
+            optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
+    elif setup.is_fsdp:
+        params = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in range(len(specs)))
+        grads = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in trainable)
+        shapes = [fsdp_local_shape(specs[i].shape, world) for i in trainable]
+        embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
+        optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
+        if setup.sharding == "fsdp-shard-grad-op":  # reshard_after_forward=False: whole until backward ends
+            transient["unsharded_params_bytes"] = sum(specs[i].numel * size[i] for i in range(len(specs))) - params
+    elif setup.sharding in ("zero1", "zero2"):
+        numels = [specs[i].numel for i in trainable]
+        trainable_size = size[trainable[0]] if trainable else default_size
+        partition = zero12_partition_numel(numels, world, element_size=trainable_size)
+        # The trainable parameters become views of one flat buffer padded to a multiple of 2W.
+        params = sum(specs[i].numel * size[i] for i in frozen) + partition * world * trainable_size
+        grads = sum(numels) * trainable_size if setup.sharding == "zero1" else partition * trainable_size
+        shapes = [(partition,)] if trainable else []
+        optimizer_size, master = _FP32, partition * _FP32
+        transient["fp32_grad_partition_bytes"] = partition * _FP32
+    else:  # zero3
+        params = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in range(len(specs)))
+        grads = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in trainable)
+        sub_groups = zero3_sub_group_numels([specs[i].numel for i in trainable], world, setup.sub_group_size)
+        shapes = [(numel,) for numel in sub_groups]
+        optimizer_size, master = _FP32, sum(sub_groups) * _FP32
+        transient["fp32_grad_partition_bytes"] = master
+
+    fsdp_offload = setup.is_fsdp and setup.offload_params
+    return ModelStatesLayout(
+        params_bytes=params, grads_bytes=grads, master_weights_bytes=master,
+        params_on_cpu=setup.offload_params, grads_on_cpu=fsdp_offload,
+        optimizer_on_cpu=setup.offload_optimizer or fsdp_offload,
+        optimizer_shapes=shapes, optimizer_element_size=optimizer_size, optimizer_embeddings=embeddings,
+        transient_bytes=transient,
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """One optimizer's model states on the fullest process.
+
+    Attributes:
+        name: the Trainer's `optim` name.
+        optimizer_class: the class the Trainer builds, when known.
+        params_bytes, grads_bytes, optimizer_state_bytes, master_weights_bytes: the four states.
+        model_states_bytes: their sum.
+        device_bytes: the part on the accelerator; cpu_bytes: the part offloaded to the CPU.
+        cpu_bytes_per_node: `cpu_bytes` times the processes on a node.
+        transient_bytes: short-lived extras, not in the sums.
+        fits: `device_bytes <= device_memory`, when a device memory was given.
+        margin_bytes: `device_memory - device_bytes` (negative: short by that much).
+        problem: why there is no optimizer figure, or None.
+    """
+
+    name: str
+    optimizer_class: Optional[str]
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: Optional[int]
+    master_weights_bytes: int
+    model_states_bytes: Optional[int]
+    device_bytes: Optional[int]
+    cpu_bytes: Optional[int]
+    cpu_bytes_per_node: Optional[int]
+    transient_bytes: Dict[str, int] = field(default_factory=dict)
+    fits: Optional[bool] = None
+    margin_bytes: Optional[int] = None
+    problem: Optional[str] = None
+    source: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelStatesPlan:
+    """The plan for one model and setup: one `OptimizerPlan` per optimizer asked for."""
+
+    model: str
+    setup: Setup
+    total_params: int
+    trainable_params: int
+    device_memory_bytes: Optional[int]
+    optimizers: List[OptimizerPlan]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "model": self.model,
+            "setup": asdict(self.setup),
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "device_memory_bytes": self.device_memory_bytes,
+            "optimizers": [entry.to_dict() for entry in self.optimizers],
+            "not_counted": "activations, temporary buffers, the CUDA context, allocator fragmentation",
+        }
+
+
+def _combine(name: str, layout: ModelStatesLayout, setup: Setup, optimizer_bytes: Optional[int],
+             optimizer_class: Optional[str], problem: Optional[str], source: Optional[str],
+             device_memory: Optional[int]) -> OptimizerPlan:
+    if optimizer_bytes is None:
+        return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, None,
+                             layout.master_weights_bytes, None, None, None, None, dict(layout.transient_bytes),
+                             problem=problem, source=source)
+    cpu = (layout.params_bytes if layout.params_on_cpu else 0) + (layout.grads_bytes if layout.grads_on_cpu else 0)
+    if layout.optimizer_on_cpu:
+        cpu += optimizer_bytes + layout.master_weights_bytes
+    total = layout.params_bytes + layout.grads_bytes + optimizer_bytes + layout.master_weights_bytes
+    device = total - cpu
+    fits = margin = None
+    if device_memory is not None:
+        margin = device_memory - device
+        fits = margin >= 0
+    return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, optimizer_bytes,
+                         layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,
+                         dict(layout.transient_bytes), fits, margin, None, source)
+
+
+def _stand_ins(layout: ModelStatesLayout) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(layout.optimizer_element_size, torch.float32)
+    params = [nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape in layout.optimizer_shapes]
+    return params, [params[index] for index in layout.optimizer_embeddings]
+
+
+def plan_model_states(
+    model: Union[nn.Module, int],
+    optimizers: Union[str, Iterable[str]] = DEFAULT_OPTIMIZERS,
+    setup: Optional[Setup] = None,
+    *,
+    args: Any = None,
+    device_memory: Union[None, int, str] = None,
+    model_name: Optional[str] = None,
+) -> ModelStatesPlan:
+    """Plan the model states of the fullest process, for each optimizer.
+
+    Args:
+        model: a model (any device, the meta device included; not changed), or a raw parameter
+            count, taken as one flat trainable tensor (the ZeRO paper's Psi).
+        optimizers: the Trainer's `optim` names.
+        setup: world size, sharding, precision, offload; default one fp32 process.
+        args: `TrainingArguments` for the optimizers' hyperparameters; None uses the defaults.
+        device_memory: the accelerator's memory per process (`"80GiB"` or bytes), for fits / margin.
+        model_name: how to name the model.
+
+    Raises:
+        ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size.
+
+    Example:
+        >>> from trainer_memcb.plan.model_states import Setup, plan_model_states
+        >>> plan = plan_model_states(7_500_000_000, "adamw", Setup(world_size=64, sharding="zero3",
+        ...                          precision="deepspeed-fp16"))
+        >>> round(plan.optimizers[0].model_states_bytes / 1e9, 1)  # the ZeRO paper's 1.9 GB
+        1.9
+    """
+    setup = setup or Setup()
+    names = resolve_optimizer_names(optimizers)
+    memory = parse_bytes(device_memory) if device_memory is not None else None
+    if isinstance(model, nn.Module):
+        specs = param_specs(model)
+        name = model_name or type(model).__name__
+        module: Optional[nn.Module] = model
+    elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
+        specs = [ParamSpec(shape=(model,))]
+        name = model_name or f"{model:,} parameters"
+        module = None
+    else:
+        raise ValueError(f"model={model!r}: expected an nn.Module or a positive parameter count")
+    if not any(spec.trainable for spec in specs):
+        raise ValueError(f"{name} has no trainable parameter")
+    layout = layout_model_states(specs, setup)
+    rows = []
+    for optimizer_name in names:
+        params, embeddings = _stand_ins(layout)
+        found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
+        estimate = found.estimate
+        rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
+                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory))
+    return ModelStatesPlan(
+        model=name, setup=setup,
+        total_params=sum(spec.numel for spec in specs),
+        trainable_params=sum(spec.numel for spec in specs if spec.trainable),
+        device_memory_bytes=memory, optimizers=rows,
+    )

@@ -1,0 +1,7 @@
+"""The framework-free core: what an optimizer's state holds, what it should hold, and the judgement.
+
+`measure` reads what the state really holds, `registry` and `rules/` say what each optimizer family
+should hold, `estimate` applies them, and `judge` explains any difference. Nothing here imports
+transformers, accelerate or the layers above (`plan`, `training`, `runs`, `cli`).
+"""
+

@@ -1,0 +1,305 @@
+"""`OptimizerMemoryCallback`: the Trainer glue. Thin: measuring and estimating live elsewhere."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Dict, Iterable, Optional, Set
+
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+from trainer_memcb.plan import whatif
+from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, with_prefix
+from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
+from trainer_memcb.training.per_optimizer import PerOptimizer
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME, summary_text, write_summary
+from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
+from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
+
+__all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
+
+logger = logging.get_logger(__name__)
+
+_RUNTIME_SUFFIX = "_runtime"
+
+
+def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
+    """Which kind of Trainer log entry `logs` is, as the prefix its keys take.
+
+    `""` for a training entry (it holds `loss`); `"eval"`, `"test"`, `"eval_<name>"` for an
+    evaluation entry (`evaluate()` adds `<prefix>_runtime`); None for anything else, such as the
+    closing `train_runtime` summary, which gets no figures.
+    """
+    if "loss" in logs:
+        return ""
+    for key in logs:
+        if isinstance(key, str) and key.endswith(_RUNTIME_SUFFIX):
+            prefix = key[: -len(_RUNTIME_SUFFIX)]
+            if prefix and prefix != "train":
+                return prefix
+    return None
+
+
+class _Run:
+    """What the callback knows of one optimizer's training: its monitor and its what-if."""
+
+    __slots__ = ("monitor", "what_if", "tensorboard")
+
+    def __init__(self, monitor: OptimizerStateMonitor) -> None:
+        self.monitor = monitor
+        self.what_if: Optional[whatif.WhatIf] = None
+        # Charts and the text summary, in the folder of the Trainer's TensorBoard reporter.
+        self.tensorboard: Optional[TensorBoardView] = None
+
+
+class OptimizerMemoryCallback(TrainerCallback, LogContributor):
+    """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
+
+    `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
+    Trainer's own log entries, so they reach `trainer.state.log_history`, `trainer_state.json`,
+    the console and every `report_to` reporter (TensorBoard shows `train/optimizer_state_bytes`
+    beside `train/loss`, and `eval/optimizer_state_bytes` beside `eval/accuracy`).
+
+    Logged keys (exact integers; evaluation entries carry them with the evaluation's prefix, e.g.
+    `eval_optimizer_state_bytes`):
+
+    | key | unit | meaning |
+    |---|---|---|
+    | `optimizer_state_bytes` | bytes | storage the optimizer state really holds, each storage once |
+    | `optimizer_state_estimate_bytes` | bytes | what it should hold for this optimizer family |
+    | `optimizer_state_elements` | values | values stored in the state |
+    | `optimizer_trainable_params` | parameters | trainable parameter values the estimate covers |
+    | `optimizer_state_total_bytes` | bytes | `optimizer_state_bytes` summed over all processes (with several) |
+    | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes (with several) |
+    | `optimizer_master_weights_bytes` | bytes | DeepSpeed ZeRO's fp32 master weights (with ZeRO only) |
+    | `optimizer_state_unexpected_bytes` | bytes | measured minus estimate (signed), once every trainable parameter has state |
+    | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
+    | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
+    | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
+
+    In breakdown keys, characters other than letters, digits, `_` and `-` in a part name become
+    `_` (`cuda:0` -> `cuda_0`), so that no key is a path prefix of another and every reporter
+    (TensorBoard, W&B, MLflow, DVCLive) can store them all.
+
+    Measured keys are left out before the first optimizer step (`state.global_step == 0`) and
+    logged after it, 0 for a stateless optimizer (plain SGD, LOMO); the estimate keys are left out
+    when no rule knows the optimizer. Measuring reads tensor metadata only, on the
+    steps where the Trainer logs and at epoch ends. At the end of training a summary goes to the
+    logger and the exact bytes to `<output_dir>/optimizer_memory.json`; when measured and estimate
+    differ, one warning says by how much, where, and the likely cause (`trainer_memcb.state.judge`). When
+    the Trainer reports to TensorBoard, the reporter's run folder also gets charts of measured and
+    estimate together and the summary in its Text tab (`trainer_memcb.training.tensorboard_view`). With several processes
+    every process measures, per-process keys become the largest over the processes (one small
+    exchange per logged step), and only the main process logs.
+    Nothing here can stop a run: a failure warns once and leaves the figure out.
+
+    One instance may serve several Trainers, in turn or interleaved: each Trainer's entries get
+    its own optimizer's figures. The callback holds an optimizer by a weak reference only, so it
+    never keeps one (and its state) alive once its Trainer is gone.
+
+    Args:
+        breakdown: extra per-part byte keys to log: any of `"key"`, `"dtype"`, `"device"`.
+        summary_file: file name, inside `args.output_dir`, for the end-of-training JSON summary;
+            None writes none.
+        what_if: the Trainer `optim` names whose state to estimate once at train begin for the
+            model being trained (logger and summary, under `"what_if"`); `()` for none.
+
+    Example:
+        >>> from trainer_memcb import OptimizerMemoryCallback
+        >>> callback = OptimizerMemoryCallback(breakdown=("key",))
+        >>> OptimizerMemoryCallback(breakdown=("shape",))
+        Traceback (most recent call last):
+        ...
+        ValueError: breakdown='shape' is not one of ['device', 'dtype', 'key']
+    """
+
+    KEYS = {**KEY_DESCRIPTIONS, **BREAKDOWN_KEY_DESCRIPTIONS}
+
+    def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME,
+                 what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS) -> None:
+        if summary_file is not None and (
+            not isinstance(summary_file, str) or summary_file in ("", ".", "..")
+            or os.path.basename(summary_file) != summary_file
+        ):
+            raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
+                             f"{SUMMARY_FILE_NAME!r}, or None for no file")
+        self.breakdown = validate_breakdown(breakdown)
+        self.summary_file = summary_file
+        self.what_if_optimizers = whatif.resolve_optimizer_names(what_if) if what_if else ()
+        # Warnings given, shared by every run's monitor: each kind of fault warns once per callback.
+        self._warned: Set[str] = set()
+        self._runs: PerOptimizer[_Run] = PerOptimizer(self._new_run)
+        # The run of the training under way, for the rare event that comes without an optimizer.
+        self._current: Optional[_Run] = None
+        # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
+        self._contributed_entry: Optional[Dict[str, Any]] = None
+        install_log_hook()
+
+    def _new_run(self, optimizer: Any) -> _Run:
+        monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
+        monitor.attach(optimizer)
+        return _Run(monitor)
+
+    def _run(self, optimizer: Any) -> Optional[_Run]:
+        if optimizer is None:
+            return self._current
+        return self._runs.setdefault(optimizer)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"trainer_memcb: {message}", RuntimeWarning, stacklevel=3)
+
+    # -- Trainer events ------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        run = self._current = self._run(optimizer)
+        if run is None:
+            return
+        run.monitor.start_run()  # global_step restarts with each train() call
+        if state.is_world_process_zero:
+            run.monitor.estimate()
+            self._state_what_if(run, args, kwargs.get("model"))
+
+    def _state_what_if(self, run: _Run, args: Any, model: Any) -> None:
+        # Once per optimizer: a few optimizers built over meta-device stand-ins, nothing allocated.
+        if not self.what_if_optimizers or model is None or run.what_if is not None:
+            return
+        try:
+            run.what_if = whatif.what_if(model, self.what_if_optimizers, args=args)
+            logger.info(whatif.what_if_text(run.what_if))
+        except Exception as error:  # never break training over a what-if
+            self._warn_once("what-if", f"the optimizer what-if failed ({error!r}); it is left out")
+
+    # Every process measures and takes part in the figures, in the same order: with several
+    # processes they are combined (a collective), and then only the main process logs them.
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        # Measure only when this step will be logged: every hook returns early otherwise.
+        if control.should_log:
+            run = self._run(optimizer)
+            if run is not None:
+                run.monitor.measure(state.global_step)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        run = self._run(optimizer)
+        if run is not None:
+            run.monitor.measure(state.global_step)
+
+    def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
+        """Called by the hook on `Trainer.log` just before `trainer` stores and reports `logs`."""
+        try:
+            prefix = log_entry_prefix(logs)
+            if prefix is None:
+                return
+            self._contributed_entry = logs
+            # This Trainer's own optimizer: the callback may serve others, before or in between.
+            optimizer = getattr(trainer, "optimizer", None)
+            if optimizer is None:
+                return  # not trained yet: nothing to measure, on any process
+            state = trainer.state
+            run = self._runs.setdefault(optimizer)
+            figures = run.monitor.figures(state.global_step, stepped=state.global_step > 0)
+            if state.is_world_process_zero:
+                # A training entry (no prefix) takes the monitor's fresh dict as it is.
+                logs.update(with_prefix(figures, prefix) if prefix else figures)
+                self._observe(run, trainer, figures, prefix, state.global_step)
+        except Exception as error:  # never break training over a figure
+            self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
+
+    def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int) -> None:
+        if not figures:
+            return
+        try:
+            if run.tensorboard is None:
+                # The reporter names its folder in its own on_train_begin, before any entry. The
+                # folder, not the Trainer, is kept: the run must not hold its optimizer alive.
+                folder = reporter_log_dir(getattr(getattr(trainer, "callback_handler", None), "callbacks", None))
+                if folder is None:
+                    return
+                run.tensorboard = TensorBoardView(folder, trainer_tag)
+            run.tensorboard.observe(figures, prefix, step)
+        except Exception as error:  # never break training over a chart
+            self._warn_once("tensorboard", f"writing the TensorBoard charts failed ({error!r})")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
+               optimizer: Any = None, **kwargs: Any) -> None:
+        # A Trainer subclass whose `log` never calls `Trainer.log` bypasses the hook. Then the
+        # figures still reach `log_history` (the entry appended just now) and the reporters after
+        # this callback; the ones before it miss them, which the warning says.
+        if logs is None or logs is self._contributed_entry:
+            return
+        prefix = log_entry_prefix(logs)
+        run = self._run(optimizer)
+        if prefix is None or run is None:
+            return
+        figures = with_prefix(run.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
+        if not figures or not state.is_world_process_zero:
+            return
+        self._warn_once(
+            "hook-bypassed",
+            "this Trainer's log() does not call transformers.Trainer.log; the optimizer figures are added "
+            "to log_history late and miss the report_to reporters",
+        )
+        logs.update(figures)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(figures)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        # The gradients exist now; the step is followed by zero_grad. Metadata only, every process,
+        # on the first step and on the steps that will be logged (their sizes do not change between).
+        run = self._run(kwargs.get("optimizer"))
+        if run is None:
+            return
+        every = getattr(args, "logging_steps", 1) or 1
+        coming = state.global_step + 1
+        if not run.monitor.model_states.measured or every < 1 or coming % int(every) == 0:
+            run.monitor.before_optimizer_step(model)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        run = self._run(optimizer)
+        self._current = None
+        if run is None:
+            return
+        try:
+            self._end(run, args, state)
+        finally:
+            # Training is over: hold nothing of this optimizer (most are held weakly anyway).
+            self._runs.release(optimizer)
+
+    def _end(self, run: _Run, args: Any, state: Any) -> None:
+        monitor = run.monitor
+        stepped = state.global_step > 0  # an optimizer step has run: the state is a claim, even empty
+        final_figures = monitor.figures(state.global_step, stepped=stepped)  # every process takes part
+        if not state.is_world_process_zero:
+            return
+        try:
+            measurement = monitor.claimed_measurement(state.global_step, stepped)
+            estimate = monitor.estimate()
+            if measurement is None and estimate is None:
+                return
+            logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step)))
+            document = monitor.summary_document(
+                state.global_step,
+                stepped=stepped,
+                extra={"final_figures": final_figures,
+                       **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
+            )
+            if self.summary_file is not None:
+                write_summary(document, os.path.join(args.output_dir, self.summary_file))
+        except Exception as error:  # never break training over a summary
+            self._warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
+            document = None
+        self._write_tensorboard_summary(run, document, state.global_step)
+
+    def _write_tensorboard_summary(self, run: _Run, document: Optional[Dict[str, Any]], step: int) -> None:
+        view, run.tensorboard = run.tensorboard, None
+        if view is None:
+            return
+        try:
+            if document is not None:
+                view.write_text(summary_markdown(document), step)
+            view.close()
+        except Exception as error:  # never break training over a summary
+            self._warn_once("tensorboard", f"writing the TensorBoard summary failed ({error!r})")

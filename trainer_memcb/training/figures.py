@@ -1,0 +1,151 @@
+"""The logged figures: key names, and the dict built from a measurement and an estimate.
+
+Shared by the Trainer callback and the custom-loop API so that both log the same keys.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional
+
+from trainer_memcb.state.estimate import StateEstimate
+from trainer_memcb.state.measure import StateMeasurement
+
+__all__ = [
+    "MEASURED_BYTES",
+    "ESTIMATE_BYTES",
+    "MEASURED_ELEMENTS",
+    "TRAINABLE_PARAMS",
+    "MEASURED_TOTAL_BYTES",
+    "ESTIMATE_TOTAL_BYTES",
+    "MASTER_WEIGHTS_BYTES",
+    "UNEXPECTED_BYTES",
+    "MODEL_PARAMS_BYTES",
+    "MODEL_GRADS_BYTES",
+    "MODEL_STATES_BYTES",
+    "MODEL_STATES_ESTIMATE_BYTES",
+    "MODEL_STATES_TOTAL_BYTES",
+    "MODEL_STATES_ESTIMATE_TOTAL_BYTES",
+    "KEY_DESCRIPTIONS",
+    "claims_measurement",
+    "BREAKDOWN_KEY_PREFIXES",
+    "BREAKDOWN_KEY_DESCRIPTIONS",
+    "breakdown_key",
+    "optimizer_figures",
+    "with_prefix",
+]
+
+MEASURED_BYTES = "optimizer_state_bytes"
+ESTIMATE_BYTES = "optimizer_state_estimate_bytes"
+MEASURED_ELEMENTS = "optimizer_state_elements"
+TRAINABLE_PARAMS = "optimizer_trainable_params"
+# Sums over all processes of a distributed job (with one process, equal to the figures above).
+MEASURED_TOTAL_BYTES = "optimizer_state_total_bytes"
+ESTIMATE_TOTAL_BYTES = "optimizer_state_estimate_total_bytes"
+# DeepSpeed ZeRO's fp32 copies of the parameters, which its inner optimizer updates.
+MASTER_WEIGHTS_BYTES = "optimizer_master_weights_bytes"
+# Measured minus estimate (signed), once every trainable parameter has state (trainer_memcb.state.judge).
+UNEXPECTED_BYTES = "optimizer_state_unexpected_bytes"
+
+# The four model states (trainer_memcb.training.model_states_probe): parameters, gradients, and with the optimizer
+# state and master weights their sum, beside the plan's figure for the same setup.
+MODEL_PARAMS_BYTES = "model_params_bytes"
+MODEL_GRADS_BYTES = "model_grads_bytes"
+MODEL_STATES_BYTES = "model_states_bytes"
+MODEL_STATES_ESTIMATE_BYTES = "model_states_estimate_bytes"
+MODEL_STATES_TOTAL_BYTES = "model_states_total_bytes"
+MODEL_STATES_ESTIMATE_TOTAL_BYTES = "model_states_estimate_total_bytes"
+
+# Every key, its unit and meaning: the README's table and the callback's docstring say the same.
+KEY_DESCRIPTIONS: Dict[str, str] = {
+    MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
+    "(with several processes, the largest over them)",
+    ESTIMATE_BYTES: "bytes: what the state should hold for this optimizer family and these parameters "
+    "(with several processes, the largest over them)",
+    MEASURED_ELEMENTS: "values: stored values in that state (a quantized state counts its codes and scales)",
+    TRAINABLE_PARAMS: "parameters: trainable parameter values the estimate covers (tied weights once)",
+    MEASURED_TOTAL_BYTES: "bytes: optimizer_state_bytes summed over all processes of the job",
+    ESTIMATE_TOTAL_BYTES: "bytes: optimizer_state_estimate_bytes summed over all processes of the job",
+    MASTER_WEIGHTS_BYTES: "bytes: DeepSpeed ZeRO's fp32 master weights kept beside the model's own, on this process",
+    UNEXPECTED_BYTES: "bytes: optimizer_state_bytes minus optimizer_state_estimate_bytes (signed), once every "
+    "trainable parameter has state; 0 when they agree (with several processes, the main process's own)",
+    MODEL_PARAMS_BYTES: "bytes: storage of the model's parameters on this process, each storage once (tied weights "
+    "once, a DTensor by its shard, ZeRO-3 by its partitions)",
+    MODEL_GRADS_BYTES: "bytes: storage of the gradients on this process, taken before the optimizer step",
+    MODEL_STATES_BYTES: "bytes: parameters + gradients + optimizer state + master weights on this process",
+    MODEL_STATES_ESTIMATE_BYTES: "bytes: the model-states plan's figure for the setup detected in the run",
+    MODEL_STATES_TOTAL_BYTES: "bytes: model_states_bytes summed over all processes of the job",
+    MODEL_STATES_ESTIMATE_TOTAL_BYTES: "bytes: model_states_estimate_bytes summed over all processes",
+}
+
+# With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a
+# path prefix of another under `/` or `.`: W&B, DVCLive and MLflow's file store turn `/` into
+# nesting or folders, and cannot store a figure at `a` beside one at `a/b`. So each breakdown gets
+# its own first part (`optimizer_state_bytes_by_key`, not `optimizer_state_bytes/by_key`), and the
+# part names are made safe (`_safe_part`).
+BREAKDOWN_KEY_PREFIXES: Dict[str, str] = {
+    "key": f"{MEASURED_BYTES}_by_key/",
+    "dtype": f"{MEASURED_BYTES}_by_dtype/",
+    "device": f"{MEASURED_BYTES}_by_device/",
+}
+BREAKDOWN_KEY_DESCRIPTIONS: Dict[str, str] = {
+    f"{MEASURED_BYTES}_by_key/<key>": "bytes: with breakdown=('key',), per state key (exp_avg, state1, ...)",
+    f"{MEASURED_BYTES}_by_dtype/<dtype>": "bytes: with breakdown=('dtype',), per storage dtype (float32, ...)",
+    f"{MEASURED_BYTES}_by_device/<device>": "bytes: with breakdown=('device',), per device (cpu, cuda_0, ...)",
+}
+
+# Letters, digits, `_` and `-` are stored as they are by every reporter and are safe in a file name
+# on any system; anything else (`/`, `.`, `:`, spaces) becomes `_`.
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _safe_part(part: str) -> str:
+    return _UNSAFE.sub("_", part) or "_"
+
+
+def breakdown_key(breakdown: str, part: str) -> str:
+    """The logged key of one part of a breakdown.
+
+    Args:
+        breakdown: `"key"`, `"dtype"` or `"device"`.
+        part: the state key, dtype or device name, as measured.
+
+    Example:
+        >>> from trainer_memcb.training.figures import breakdown_key
+        >>> breakdown_key("key", "exp_avg"), breakdown_key("device", "cuda:0")
+        ('optimizer_state_bytes_by_key/exp_avg', 'optimizer_state_bytes_by_device/cuda_0')
+    """
+    return BREAKDOWN_KEY_PREFIXES[breakdown] + _safe_part(str(part))
+
+
+def claims_measurement(measurement: Optional[StateMeasurement], stepped: Optional[bool]) -> bool:
+    """Whether `measurement` may be reported: once the optimizer has stepped, whatever the state
+    holds (a stateless optimizer's empty state is a measurement of 0), and never before. A caller
+    that does not count steps passes `stepped=None`: then an empty state claims nothing."""
+    if measurement is None:
+        return False
+    return (not measurement.is_empty) if stepped is None else stepped
+
+
+def optimizer_figures(
+    measurement: Optional[StateMeasurement], estimate: Optional[StateEstimate], stepped: Optional[bool] = None
+) -> Dict[str, int]:
+    """The exact integers to log. A figure that is not known is left out, never faked.
+
+    The measured figures only once the optimizer has stepped (`claims_measurement`).
+    """
+    figures: Dict[str, int] = {}
+    if measurement is not None and claims_measurement(measurement, stepped):
+        figures[MEASURED_BYTES] = measurement.num_bytes
+        figures[MEASURED_ELEMENTS] = measurement.num_elements
+    if estimate is not None:
+        figures[ESTIMATE_BYTES] = estimate.num_bytes
+        figures[TRAINABLE_PARAMS] = estimate.num_params
+    return figures
+
+
+def with_prefix(figures: Dict[str, int], prefix: str) -> Dict[str, int]:
+    """`optimizer_state_bytes` -> `eval_optimizer_state_bytes` for prefix `"eval"`."""
+    if not prefix:
+        return dict(figures)
+    return {f"{prefix}_{key}": value for key, value in figures.items()}
