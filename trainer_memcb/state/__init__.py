@@ -5,3 +5,6 @@ should hold, `estimate` applies them, and `judge` explains any difference. Nothi
 transformers, accelerate or the layers above (`plan`, `training`, `runs`, `cli`).
 """
 
+# Registers the built-in estimate rules (each rule module registers itself with `registry`), so that
+# every lookup sees them whichever module of this layer was imported first.
+from trainer_memcb.state import rules as _builtin_rules  # noqa: E402,F401

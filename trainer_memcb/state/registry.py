@@ -1,14 +1,12 @@
 """The registry of estimate rules: per optimizer class, how its state grows and where it lives.
 
-Both `trainer_memcb.state.estimate` (which applies the rules) and `trainer_memcb.state.rules` (which registers
-the built-in ones) import this module; it imports neither of them at import time. The built-in
-rules are loaded on the first lookup, by module name, as a plugin: a lookup must see them whether
-or not the user has imported `trainer_memcb.state.rules`, and importing them here would be a cycle.
+The bottom of the `state` layer: `measure`, `estimate` and the rules in `trainer_memcb.state.rules`
+import this module, and it imports none of them. The built-in rules register themselves when the
+`state` package is imported (its `__init__` imports `rules`), so every lookup sees them.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
 from collections.abc import Mapping
@@ -108,7 +106,6 @@ _PENDING: Dict[Tuple[str, str], EstimateRule] = {}
 # Emptied by every registration.
 _LOCATIONS: Dict[type, Optional[StateLocation]] = {}
 _VIEWS: List[OptimizerView] = []
-_BUILTINS_LOADED = False
 
 
 def register_estimate_rule(
@@ -181,14 +178,6 @@ def register_estimate_rule(
     _RULES[optimizer_class] = rule
 
 
-def _load_builtin_rules() -> None:
-    global _BUILTINS_LOADED
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        # By name, at the first lookup: `trainer_memcb.state.rules` imports this module to register.
-        importlib.import_module("trainer_memcb.state.rules")
-
-
 def _resolve_pending() -> None:
     for (module_name, class_name), rule in list(_PENDING.items()):
         module = sys.modules.get(module_name)
@@ -202,7 +191,6 @@ def _resolve_pending() -> None:
 
 def find_estimate_rule(optimizer_class: type) -> Optional[EstimateRule]:
     """The rule for `optimizer_class`: its own, or the nearest registered base class's."""
-    _load_builtin_rules()
     _resolve_pending()
     for cls in optimizer_class.__mro__:
         rule = _RULES.get(cls)
@@ -247,5 +235,4 @@ def register_optimizer_view(view: OptimizerView) -> None:
 
 def optimizer_views() -> Tuple[OptimizerView, ...]:
     """The registered views, the built-in ones (DeepSpeed ZeRO-3's lent partitions) included."""
-    _load_builtin_rules()
     return tuple(_VIEWS)
