@@ -15,6 +15,7 @@ from typing import Any, Dict, List
 # The scripts import the tests' helpers (tiny models, data) and the package from this checkout.
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TESTS_DIR)
+sys.path.insert(0, os.path.join(TESTS_DIR, "training"))  # the Trainer tests' fixtures and optimizers
 sys.path.insert(0, os.path.dirname(TESTS_DIR))
 
 

@@ -28,7 +28,7 @@ from trainer_memcb.cli.output import TextTable, print_json, print_tables
 
 MEASURED = "optimizer_state_bytes"
 ESTIMATE = "optimizer_state_estimate_bytes"
-PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer_memcb")
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "trainer_memcb")
 
 
 def _cli(argv: List[str], capsys) -> tuple:

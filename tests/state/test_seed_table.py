@@ -20,7 +20,7 @@ from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASU
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME
 from trainer_memcb.utils.units import MiB
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "models" / "distilbert-base-cased"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "models" / "distilbert-base-cased"
 
 TRAINABLE_PARAMS_COUNT = 65_783_042
 PARAM_TENSORS = 104

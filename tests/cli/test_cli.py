@@ -245,7 +245,7 @@ def test_the_console_script_declared_in_setup_cfg_is_console_main():
     import importlib
 
     setup_cfg = configparser.ConfigParser()
-    setup_cfg.read(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg"))
+    setup_cfg.read(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "setup.cfg"))
     scripts = dict(line.split(" = ") for line in setup_cfg["options.entry_points"]["console_scripts"].split("\n") if line)
     module, _, function = scripts["trainer-memcb"].partition(":")
     from trainer_memcb.cli import console_main

@@ -290,7 +290,7 @@ def test_docstring_example_runs():
 
 
 def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch):
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
     with open(readme, encoding="utf-8") as handle:
         section = handle.read().split("## Custom Accelerate loops", 1)[1]
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]

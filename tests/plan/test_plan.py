@@ -21,7 +21,7 @@ from trainer_memcb.cli import main
 from trainer_memcb.plan.model_states import Setup, param_specs, parse_bytes, plan_model_states
 from trainer_memcb.plan.whatif import what_if
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")
 
 

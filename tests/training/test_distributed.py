@@ -39,7 +39,7 @@ from trainer_memcb.training.figures import (
     TRAINABLE_PARAMS,
 )
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS_DIR = os.path.join(TESTS_DIR, "dist_scripts")
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 PROCESSES = 2

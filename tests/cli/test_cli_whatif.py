@@ -20,7 +20,7 @@ from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
 from trainer_memcb.plan.whatif import build_meta_model, resolve_optimizer_names, select_trainable, what_if
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1024**3
 
 # Llama-2-7B: hidden 4096, intermediate 11008, 32 layers of 32 heads, vocabulary 32000, untied head.

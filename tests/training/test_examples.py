@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_accelerate_loop import fresh_accelerator_state, tensorboard_scalars  # noqa: F401  (fixture)
 from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")
 sys.path.insert(0, EXAMPLES)
 

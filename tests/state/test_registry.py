@@ -78,7 +78,7 @@ def test_user_declared_state_location_is_measured_and_estimated() -> None:
         _AttributeState,
         lambda p, group, opt: {"buffer": p.num_bytes},
         state_location=lambda opt: ({"buffer": buffer} for buffer in opt.buffers),
-        source="tests/test_registry.py _AttributeState.__init__",
+        source="tests/state/test_registry.py _AttributeState.__init__",
     )
     measured = measure_optimizer_state(optimizer)
     assert (measured.num_bytes, measured.num_params_with_state, measured.bytes_by_key) == (60, 2, {"buffer": 60})

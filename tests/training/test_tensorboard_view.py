@@ -37,7 +37,7 @@ from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
 from trainer_memcb.training.tensorboard_view import EVENT_FILE_SUFFIX, layout_charts, loop_tag, trainer_tag
 
 ADAMW_BYTES = 29_808  # the tiny model's AdamW state: 2 x 3,714 fp32 values + 24 fp32 steps
-ADAFACTOR_BYTES = 2_512  # transformers' Adafactor, factored: see tests/test_estimate_rules.py
+ADAFACTOR_BYTES = 2_512  # transformers' Adafactor, factored: see tests/state/test_estimate_rules.py
 FROZEN_BYTES = 8_196  # word embeddings 64 x 16: two fp32 moments + a step, kept after freezing
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 SCREEN = (1400, 1100)
