@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from trainer_memcb.training.figures import KEY_DESCRIPTIONS, with_prefix
+from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, loop_tag, summary_markdown, tracker_log_dir
@@ -115,24 +116,41 @@ class OptimizerMemoryLogger:
         if accelerator is not None:
             self._tensorboard = TensorBoardView(lambda: tracker_log_dir(accelerator), loop_tag)
         self.model = model
+        self._hooks: List[Any] = []
+        self._untap: Optional[Callable[[], None]] = None
         if model is not None:
             self._hook_before_steps(optimizer)
 
     def _hook_before_steps(self, optimizer: Any) -> None:
         """Measure the parameters and gradients right before the optimizer steps, where the
-        gradients exist (a step pre-hook on each torch optimizer behind the wrappers)."""
-        def before_step(*_: Any) -> None:
+        gradients exist (a step pre-hook on each torch optimizer behind the wrappers; under ZeRO-1/2,
+        also when DeepSpeed's step begins, since it frees its gradients before its inner step)."""
+        def wanted() -> bool:
             coming = self.optimizer_steps + 1
-            if not self.monitor.model_states.measured or coming % self.logging_steps == 0 or coming == self.max_steps:
+            return not self.monitor.model_states.measured or coming % self.logging_steps == 0 or coming == self.max_steps
+
+        def before_step(*_: Any) -> None:
+            if wanted():
                 self.monitor.before_optimizer_step(self.model)
 
+        self._untap = tap_zero_gradients(optimizer, wanted)
         for inner in inner_optimizers(optimizer):
             register = getattr(inner, "register_step_pre_hook", None)
             if register is None:
                 self.monitor.warn_once("model-states-hook", f"{type(inner).__qualname__} takes no step pre-hook; "
                                        "the model-states figures are left out")
                 continue
-            register(before_step)
+            self._hooks.append(register(before_step))
+
+    def close(self) -> None:
+        """Remove what this logger installed on the optimizer (its step pre-hooks, and under
+        ZeRO-1/2 its wrapper of DeepSpeed's step). Call it when training ends; the figures stay."""
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+        untap, self._untap = self._untap, None
+        if untap is not None:
+            untap()
 
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
         """Call right after `optimizer.step()`; the figures logged at this step, or `{}`.
