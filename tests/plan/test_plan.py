@@ -70,7 +70,8 @@ def test_fsdp_pads_every_shard_to_ceil_rows_over_w_and_the_first_rank_steps_over
         (entry,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding=sharding)).optimizers
         assert (entry.params_bytes, entry.grads_bytes) == (36 * 4, 36 * 4)
         assert entry.optimizer_state_bytes == adamw(36, 4) == 304  # the FSDP2 job's first rank
-    assert entry.transient_bytes == {"unsharded_params_bytes": (59 - 36) * 4}
+    # Shard-grad-op also holds the all-gathered parameters from forward to backward: 2 padded shards.
+    assert entry.transient_bytes == {"unsharded_params_bytes": 2 * 36 * 4}
     (offloaded,) = plan_model_states(two_layers(), "adamw", Setup(world_size=4, nodes=2, sharding="fsdp-full-shard",
                                                                    offload_params=True)).optimizers
     # 7 -> 2 rows, 3 -> 1: 8 + 2 + 7 + 1 = 18 values; everything on the CPU, 2 processes a node.

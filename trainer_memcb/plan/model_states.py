@@ -302,8 +302,11 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optio
         shapes = [fsdp_local_shape(specs[i].shape, world) for i in trainable]
         embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
         optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
-        if setup.sharding == "fsdp-shard-grad-op":  # reshard_after_forward=False: whole until backward ends
-            transient["unsharded_params_bytes"] = sum(specs[i].numel * size[i] for i in range(len(specs))) - params
+        if setup.sharding == "fsdp-shard-grad-op":
+            # reshard_after_forward=False: from forward to the end of backward each process also holds
+            # the all-gathered parameters, W padded shards each (_fsdp_collectives.py
+            # foreach_all_gather), beside its own shards (a two-process run: 288 bytes beside 144).
+            transient["unsharded_params_bytes"] = world * params
     elif setup.sharding in ("zero1", "zero2"):
         numels = [specs[i].numel for i in trainable]
         trainable_size = size[trainable[0]] if trainable else default_size
