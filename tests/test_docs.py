@@ -13,8 +13,9 @@ The convention the pages follow, and this file enforces:
 - `<!-- not run: reason -->` on the line right before a block skips it, with its reason;
 - a block in any other language, unmarked, fails the page, so that nothing slips through unrun.
 
-Each page runs in a process of its own (`python tests/test_docs.py PAGE` runs one by hand), so
-what a page registers or configures (an estimate rule, logging) stays there. Everything is
+Each page runs in a process of its own (`python tests/test_docs.py PAGE` runs one by hand, and
+with `--show` prints what each command printed, to refresh a page's output), so what a page
+registers or configures (an estimate rule, logging) stays there. Everything is
 offline: the hub is switched off for the page's process and its commands.
 """
 
@@ -128,7 +129,7 @@ def check_languages(blocks: List[Block], name: str) -> List[str]:
             for block in blocks if block.not_run is None and block.lang not in LANGUAGES]
 
 
-def run_page(path: Path) -> int:
+def run_page(path: Path, show: bool = False) -> int:
     """Runs one page's examples in this process, in order; prints what failed; 0 when none did."""
     name = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
     blocks = parse_blocks(path.read_text(encoding="utf-8"), name)
@@ -157,6 +158,8 @@ def run_page(path: Path) -> int:
                 argv, env, expected = command_argv(command)
                 result = subprocess.run(argv, cwd=REPO, env={**os.environ, **env}, capture_output=True,
                                         text=True, timeout=COMMAND_TIMEOUT_S)
+                if show:
+                    print(f"{name}:{line}: $ {command}\n{result.stdout}{result.stderr}")
                 if result.returncode != expected:
                     print(f"{name}:{line}: `{command}` exited {result.returncode}, not {expected}\n"
                           f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
@@ -252,4 +255,4 @@ def test_a_failing_example_fails_its_page(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_page(Path(sys.argv[1]).resolve()))
+    sys.exit(run_page(Path(sys.argv[1]).resolve(), show="--show" in sys.argv[2:]))
