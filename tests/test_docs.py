@@ -202,6 +202,16 @@ def test_every_page_is_in_the_guide_nav_and_every_nav_entry_is_a_page() -> None:
     assert in_nav == {page.name for page in (REPO / "docs").glob("*.md")}
 
 
+def test_the_readme_is_a_first_read_with_its_two_set_up_commands() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    # Not run here (they make a venv); kept word for word, since people copy them.
+    for extra, then in (("examples", "python examples/compare_optimizers.py"), ("test", "python -m pytest -q")):
+        command = (f'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && '
+                   f'pip install -e ".[{extra}]" && {then}')
+        assert f"```bash\n{command}\n```" in readme
+
+
 def test_a_block_in_another_language_fails_unless_marked() -> None:
     page = "Text.\n\n```bash\nls\n```\n\n<!-- not run: why -->\n```bash\nls\n```\n"
     blocks = parse_blocks(page)
