@@ -63,6 +63,8 @@ class OptimizerMemoryLogger:
         model: the model being trained, to log the four model states as well
             (`model_params_bytes`, `model_grads_bytes`, `model_states_bytes`,
             `model_states_estimate_bytes`; see `trainer_memcb.training.model_states_probe`).
+            It hooks the optimizer to measure before its steps (under DeepSpeed ZeRO-1/2 it wraps
+            DeepSpeed's `step`, `trainer_memcb.training.zero_gradients`); `close()` removes that.
 
     Examples:
         >>> import torch
