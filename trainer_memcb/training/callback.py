@@ -139,7 +139,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
     unknown name is a `ValueError` that names it and the allowed ones.
 
-    Example:
+    Examples:
         >>> from trainer_memcb import OptimizerMemoryCallback
         >>> callback = OptimizerMemoryCallback(breakdown=("key",))
         >>> OptimizerMemoryCallback(breakdown=("shape",))
