@@ -308,7 +308,7 @@ def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
     """Bytes per process of a frozen reference model with these parameters: a parameter-only
     layout, whole except under zero3 (partitions) and FSDP (padded shards), as the policy's.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.plan.model_states import ParamSpec, Setup, reference_model_bytes
         >>> reference_model_bytes([ParamSpec((1000,))], Setup(world_size=4, sharding="zero3"))  # 250 fp32 values
         1000

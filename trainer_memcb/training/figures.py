@@ -156,7 +156,7 @@ def select_keys(value: Any, argument: str) -> Optional[Tuple[str, ...]]:
     Raises:
         ValueError: naming an unknown key and the allowed ones.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.training.figures import select_keys
         >>> select_keys("short", "eval_keys")
         ('optimizer_state_bytes', 'optimizer_state_estimate_bytes')

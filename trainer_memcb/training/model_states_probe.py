@@ -113,7 +113,7 @@ def measure_reference_model_bytes(reference: torch.nn.Module, policy: Optional[t
     """Bytes of storage behind a reference model's parameters on this process, each storage once,
     without the storages the `policy`'s parameters hold (those are the policy's).
 
-    Example:
+    Examples:
         >>> import torch
         >>> policy = torch.nn.Linear(4, 2)
         >>> reference = torch.nn.Linear(4, 2)

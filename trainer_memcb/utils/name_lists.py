@@ -29,7 +29,7 @@ def name_list(value: Any, argument: str, allowed: Iterable[str]) -> Tuple[str, .
     Raises:
         ValueError: naming the bad value and the allowed names.
 
-    Example:
+    Examples:
         >>> name_list("key, dtype,key", "breakdown", ["device", "dtype", "key"])
         ('key', 'dtype')
         >>> name_list(None, "breakdown", ["device", "dtype", "key"])
