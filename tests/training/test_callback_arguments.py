@@ -5,6 +5,8 @@ lists every key the figures' table knows."""
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import re
 
 import pytest
@@ -94,3 +96,9 @@ def test_the_class_docstring_lists_every_key_of_the_figures_table():
                             flags=re.MULTILINE)
     assert len(documented) == len(set(documented))
     assert set(documented) == set(KEY_DESCRIPTIONS) | set(BREAKDOWN_KEY_DESCRIPTIONS)
+
+
+@pytest.mark.parametrize("module", ["trainer_memcb.utils.name_lists", "trainer_memcb.training.figures"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted >= 1 and result.failed == 0
