@@ -42,7 +42,7 @@ backward.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -402,17 +402,15 @@ class ModelStatesPlan:
 
 def _combine(name: str, layout: ModelStatesLayout, setup: Setup, optimizer_bytes: Optional[int],
              optimizer_class: Optional[str], problem: Optional[str], source: Optional[str],
-             device_memory: Optional[int], reference: int = 0) -> OptimizerPlan:
+             device_memory: Optional[int]) -> OptimizerPlan:
     if optimizer_bytes is None:
         return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, None,
                              layout.master_weights_bytes, None, None, None, None, dict(layout.transient_bytes),
-                             problem=problem, source=source, reference_model_bytes=reference)
-    # The reference model lives where the parameters do (offloaded with them).
-    cpu = ((layout.params_bytes + reference if layout.params_on_cpu else 0)
-           + (layout.grads_bytes if layout.grads_on_cpu else 0))
+                             problem=problem, source=source)
+    cpu = (layout.params_bytes if layout.params_on_cpu else 0) + (layout.grads_bytes if layout.grads_on_cpu else 0)
     if layout.optimizer_on_cpu:
         cpu += optimizer_bytes + layout.master_weights_bytes
-    total = layout.params_bytes + layout.grads_bytes + optimizer_bytes + layout.master_weights_bytes + reference
+    total = layout.params_bytes + layout.grads_bytes + optimizer_bytes + layout.master_weights_bytes
     device = total - cpu
     fits = margin = None
     if device_memory is not None:
@@ -420,7 +418,24 @@ def _combine(name: str, layout: ModelStatesLayout, setup: Setup, optimizer_bytes
         fits = margin >= 0
     return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, optimizer_bytes,
                          layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,
-                         dict(layout.transient_bytes), fits, margin, None, source, reference)
+                         dict(layout.transient_bytes), fits, margin, None, source)
+
+
+def _with_reference(row: OptimizerPlan, reference: int, layout: ModelStatesLayout, setup: Setup,
+                    device_memory: Optional[int]) -> OptimizerPlan:
+    """`row` with a frozen reference model's `reference` bytes added to the model states, where the
+    parameters live (offloaded with them)."""
+    if not reference:
+        return row
+    if row.model_states_bytes is None:
+        return replace(row, reference_model_bytes=reference)
+    on_cpu = reference if layout.params_on_cpu else 0
+    cpu = row.cpu_bytes + on_cpu
+    device = row.device_bytes + reference - on_cpu
+    margin = None if device_memory is None else device_memory - device
+    return replace(row, reference_model_bytes=reference, model_states_bytes=row.model_states_bytes + reference,
+                   device_bytes=device, cpu_bytes=cpu, cpu_bytes_per_node=cpu * setup.processes_per_node,
+                   margin_bytes=margin, fits=None if margin is None else margin >= 0)
 
 
 def _stand_ins(layout: ModelStatesLayout) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
@@ -491,8 +506,8 @@ def plan_model_states(
         found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
         estimate = found.estimate
         rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
-                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
-                             reference))
+                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory))
+    rows = [_with_reference(row, reference, layout, setup, memory) for row in rows]
     return ModelStatesPlan(
         model=name, setup=setup,
         total_params=sum(spec.numel for spec in specs),
