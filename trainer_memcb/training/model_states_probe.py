@@ -10,7 +10,7 @@ already, it makes:
 |---|---|---|
 | `model_params_bytes` | bytes | storage of the model's parameters on this process, each storage once |
 | `model_grads_bytes` | bytes | storage of their gradients, taken before the optimizer step |
-| `model_states_bytes` | bytes | parameters + gradients + optimizer state + master weights |
+| `model_states_bytes` | bytes | parameters + gradients + optimizer state + master weights (+ the reference model) |
 | `model_states_estimate_bytes` | bytes | the plan's figure (`trainer_memcb.plan.model_states`) for the setup detected |
 | `reference_model_params_bytes` | bytes | the frozen reference model's parameters, when the trainer holds one |
 
