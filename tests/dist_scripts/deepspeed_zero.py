@@ -220,7 +220,7 @@ def train(out_dir: str, stage: int, bf16: bool) -> None:
     }
     args = training_args(out_dir, max_steps=2, logging_steps=1, deepspeed=config, bf16=bf16)
     trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(16), eval_dataset=TinyDataset(8, seed=1),
-                      callbacks=[OptimizerMemoryCallback(what_if=())])
+                      callbacks=[OptimizerMemoryCallback(what_if=(), eval_keys="all")])
     walker = WalkAfterBackward(trainer)
     trainer.add_callback(walker)
     with warnings.catch_warnings(record=True) as caught:
