@@ -1,0 +1,112 @@
+"""The step plan against real CPU steps: activations to the byte, the peak against the profiler."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Tuple
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from trainer_memcb.plan.model_states import Setup
+from trainer_memcb.plan.step_memory import enable_checkpointing, plan_step_memory
+from trainer_memcb.state.saved_tensors import SavedTensorsCounter
+
+transformers = pytest.importorskip("transformers")
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+BATCH, SEQ = 4, 16
+
+
+def llama_config(attn: str) -> Any:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+    config._attn_implementation = attn
+    return config
+
+
+def bert_config(attn: str) -> Any:
+    config = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=100, max_position_embeddings=64, num_labels=2)
+    config._attn_implementation = attn
+    return config
+
+
+MODELS: Dict[str, Tuple[Callable[[str], Any], Any]] = {
+    "llama": (llama_config, LlamaForCausalLM),
+    "bert": (bert_config, BertForSequenceClassification),
+}
+
+
+def real_model(kind: str, attn: str, dtype: torch.dtype, ckpt: bool, lora: bool) -> torch.nn.Module:
+    make_config, cls = MODELS[kind]
+    torch.manual_seed(0)
+    model = cls(make_config(attn)).to(dtype)
+    if lora:
+        model = _real_lora(model)
+    if ckpt:
+        enable_checkpointing(model)
+    return model.train()
+
+
+def _real_lora(model: torch.nn.Module) -> torch.nn.Module:
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "query", "value"]))
+
+
+def meta_builder(kind: str, attn: str, lora: bool) -> Callable[[], torch.nn.Module]:
+    make_config, cls = MODELS[kind]
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            model = cls(make_config(attn))
+        if lora:
+            from trainer_memcb.plan.lora import add_lora_adapters
+
+            model = add_lora_adapters(model, 4, ["q_proj", "v_proj", "query", "value"])
+        return model
+
+    return build
+
+
+def batch(kind: str) -> Dict[str, torch.Tensor]:
+    ids = torch.randint(0, 100, (BATCH, SEQ))
+    labels = ids.clone() if kind == "llama" else torch.zeros(BATCH, dtype=torch.long)
+    return {"input_ids": ids, "labels": labels}
+
+
+def real_activations(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> int:
+    with SavedTensorsCounter(exclude=model.parameters()) as counter:
+        loss = model(**inputs).loss
+    loss.backward()
+    return counter.saved_bytes
+
+
+CASES = [
+    ("llama", "eager", torch.float32, False, False),
+    ("llama", "sdpa", torch.float32, False, False),
+    ("llama", "eager", torch.float32, True, False),
+    ("llama", "sdpa", torch.float32, True, False),
+    ("llama", "eager", torch.bfloat16, False, False),
+    ("llama", "sdpa", torch.bfloat16, True, False),
+    ("llama", "sdpa", torch.float32, False, True),
+    ("bert", "eager", torch.float32, False, False),
+    ("bert", "sdpa", torch.float32, False, False),
+    ("bert", "eager", torch.float32, True, False),
+    ("bert", "sdpa", torch.bfloat16, False, False),
+    ("bert", "eager", torch.float32, False, True),
+]
+
+
+@pytest.mark.parametrize("kind,attn,dtype,ckpt,lora", CASES)
+def test_planned_activations_equal_a_real_forward_to_the_byte(kind: str, attn: str, dtype: torch.dtype, ckpt: bool,
+                                                              lora: bool) -> None:
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=BATCH, seq_len=SEQ,
+                               setup=Setup(precision=precision), attn_implementation=attn,
+                               gradient_checkpointing=ckpt, model_states=False)
+    assert plan.problem is None
+    assert plan.attn_implementation == attn
+    real = real_activations(real_model(kind, attn, dtype, ckpt, lora), batch(kind))
+    assert plan.activations_bytes == real
+    assert real > 0
