@@ -10,6 +10,12 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from trainer_memcb.plan import whatif
+from trainer_memcb.training.activations_probe import (
+    ActivationsProbe,
+    trainer_logs_step,
+    validate_activation_options,
+    without_activation_keys,
+)
 from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
@@ -77,6 +83,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
+    | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (training entries) |
+    | `activations_peak_bytes` | bytes | the most of those alive during that micro-batch's forward and backward |
+    | `device_peak_allocated_bytes` | bytes | CUDA only: `torch.cuda.max_memory_allocated` of the model's device |
 
     In breakdown keys, characters other than letters, digits, `_` and `-` in a part name become
     `_` (`cuda:0` -> `cuda_0`), so that no key is a path prefix of another and every reporter
@@ -104,6 +113,12 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             None writes none.
         what_if: the Trainer `optim` names whose state to estimate once at train begin for the
             model being trained (logger and summary, under `"what_if"`); `()` for none.
+        activations: measure the activations on the steps the Trainer logs (the forward of the
+            step's last micro-batch runs under a saved-tensors counter;
+            `trainer_memcb.training.activations_probe` says what is counted); False for none.
+        reset_device_peak: on CUDA, reset the allocator's peak statistics at the start of each
+            logged step, so that `device_peak_allocated_bytes` is that step's own peak; by
+            default they are never reset (they are global: other code may read them).
 
     Examples:
         >>> from trainer_memcb import OptimizerMemoryCallback
@@ -117,7 +132,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     KEYS = {**KEY_DESCRIPTIONS, **BREAKDOWN_KEY_DESCRIPTIONS}
 
     def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME,
-                 what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS) -> None:
+                 what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS, activations: bool = True,
+                 reset_device_peak: bool = False) -> None:
         if summary_file is not None and (
             not isinstance(summary_file, str) or summary_file in ("", ".", "..")
             or os.path.basename(summary_file) != summary_file
@@ -125,6 +141,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
                              f"{SUMMARY_FILE_NAME!r}, or None for no file")
         self.breakdown = validate_breakdown(breakdown)
+        validate_activation_options(activations, reset_device_peak)
+        self.activations, self.reset_device_peak = activations, reset_device_peak
         self.summary_file = summary_file
         self.what_if_optimizers = whatif.resolve_optimizer_names(what_if) if what_if else ()
         # Warnings given, shared by every run's monitor: each kind of fault warns once per callback.
@@ -139,6 +157,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     def _new_run(self, optimizer: Any) -> _Run:
         monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
         monitor.attach(optimizer)
+        monitor.activations = ActivationsProbe(self.activations, self.reset_device_peak, monitor.warn_once)
         return _Run(monitor)
 
     def _run(self, optimizer: Any) -> Optional[_Run]:
@@ -158,6 +177,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         if run is None:
             return
         run.monitor.start_run()  # global_step restarts with each train() call
+        run.monitor.activations.disarm()  # nothing left over from a run that raised
         if state.is_world_process_zero:
             run.monitor.estimate()
             self._state_what_if(run, args, kwargs.get("model"))
@@ -175,12 +195,20 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     # Every process measures and takes part in the figures, in the same order: with several
     # processes they are combined (a collective), and then only the main process logs them.
 
-    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        # Measure only when this step will be logged: every hook returns early otherwise.
-        if control.should_log:
+    def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        # The forwards of the step about to run are measured only if the Trainer will log it.
+        if self.activations and trainer_logs_step(args, state, state.global_step + 1, kwargs.get("train_dataloader")):
             run = self._run(optimizer)
             if run is not None:
-                run.monitor.measure(state.global_step)
+                run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        run = self._run(optimizer)
+        if run is not None:
+            run.monitor.activations.before_optimizer_step()  # disarmed already, unless that event was missed
+        # Measure only when this step will be logged: every hook returns early otherwise.
+        if control.should_log and run is not None:
+            run.monitor.measure(state.global_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
@@ -201,6 +229,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             state = trainer.state
             run = self._runs.setdefault(optimizer)
             figures = run.monitor.figures(state.global_step, stepped=state.global_step > 0)
+            if prefix:  # an evaluation entry: the activations belong to training steps
+                figures = without_activation_keys(figures)
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
@@ -234,7 +264,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         run = self._run(optimizer)
         if prefix is None or run is None:
             return
-        figures = with_prefix(run.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
+        figures = run.monitor.figures(state.global_step, stepped=state.global_step > 0)
+        figures = with_prefix(without_activation_keys(figures), prefix) if prefix else figures
         if not figures or not state.is_world_process_zero:
             return
         self._warn_once(
@@ -252,6 +283,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         run = self._run(kwargs.get("optimizer"))
         if run is None:
             return
+        run.monitor.activations.before_optimizer_step()  # the last micro-batch's backward is done
         every = getattr(args, "logging_steps", 1) or 1
         coming = state.global_step + 1
         if not run.monitor.model_states.measured or every < 1 or coming % int(every) == 0:
@@ -262,6 +294,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         self._current = None
         if run is None:
             return
+        run.monitor.activations.disarm()
         try:
             self._end(run, args, state)
         finally:

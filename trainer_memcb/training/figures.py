@@ -26,6 +26,10 @@ __all__ = [
     "MODEL_STATES_ESTIMATE_BYTES",
     "MODEL_STATES_TOTAL_BYTES",
     "MODEL_STATES_ESTIMATE_TOTAL_BYTES",
+    "ACTIVATIONS_BYTES",
+    "ACTIVATIONS_PEAK_BYTES",
+    "DEVICE_PEAK_ALLOCATED_BYTES",
+    "ACTIVATION_KEYS",
     "KEY_DESCRIPTIONS",
     "claims_measurement",
     "BREAKDOWN_KEY_PREFIXES",
@@ -56,6 +60,13 @@ MODEL_STATES_ESTIMATE_BYTES = "model_states_estimate_bytes"
 MODEL_STATES_TOTAL_BYTES = "model_states_total_bytes"
 MODEL_STATES_ESTIMATE_TOTAL_BYTES = "model_states_estimate_total_bytes"
 
+# What a logged step's forward saves for backward, and the device's peak
+# (trainer_memcb.training.activations_probe): training entries only.
+ACTIVATIONS_BYTES = "activations_bytes"
+ACTIVATIONS_PEAK_BYTES = "activations_peak_bytes"
+DEVICE_PEAK_ALLOCATED_BYTES = "device_peak_allocated_bytes"
+ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES)
+
 # Every key, its unit and meaning: the guide's table (docs/trainer-callback.md) and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
     MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
@@ -76,6 +87,13 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     MODEL_STATES_ESTIMATE_BYTES: "bytes: the model-states plan's figure for the setup detected in the run",
     MODEL_STATES_TOTAL_BYTES: "bytes: model_states_bytes summed over all processes of the job",
     MODEL_STATES_ESTIMATE_TOTAL_BYTES: "bytes: model_states_estimate_bytes summed over all processes",
+    ACTIVATIONS_BYTES: "bytes: storages autograd saved for backward in the logged step's last micro-batch forward, "
+    "still saved at its end, each storage once, parameters excluded (with gradient checkpointing, what is saved "
+    "outside the checkpointed blocks; with several processes, the largest over them)",
+    ACTIVATIONS_PEAK_BYTES: "bytes: the most of those saved bytes alive at any moment of that micro-batch's forward "
+    "and backward",
+    DEVICE_PEAK_ALLOCATED_BYTES: "bytes: on CUDA only, torch.cuda.max_memory_allocated of the model's device when "
+    "the step is logged (since the process started, or since the start of the step with reset_device_peak=True)",
 }
 
 # With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a

@@ -25,6 +25,7 @@ from trainer_memcb.training.figures import (
 )
 from trainer_memcb.state.judge import StateJudge, StateJudgement
 from trainer_memcb.state.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.training.activations_probe import ActivationsProbe
 from trainer_memcb.training.model_states_probe import ModelStatesProbe
 from trainer_memcb.training.summary import summary_document
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
@@ -101,6 +102,8 @@ class OptimizerStateMonitor:
         self._judged: Optional[Tuple[Optional[int], Optional[StateJudgement]]] = None
         # Parameters and gradients, measured before the optimizer step (`before_optimizer_step`).
         self.model_states = ModelStatesProbe()
+        # The activations of logged steps, armed and read by the glue (off unless it turns it on).
+        self.activations = ActivationsProbe(enabled=False)
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -257,6 +260,7 @@ class OptimizerStateMonitor:
             figures.update(self.model_states.figures(figures))
         except Exception as error:  # never break training over a figure
             self.warn_once("model-states-estimate", f"the model-states figures failed ({error!r}); they are left out")
+        figures.update(self.activations.figures(step))  # measured for this step, or nothing
         return figures
 
     def _add_unexpected(self, figures: Dict[str, int], measurement: Optional[StateMeasurement]) -> None:
