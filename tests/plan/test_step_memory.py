@@ -157,3 +157,36 @@ def test_planned_peak_against_the_profilers_live_bytes(kind: str, attn: str, ckp
     # checkpoint's saved RNG state differently. Far inside 1%.
     assert abs(plan.peak_bytes - real) <= 64
     assert abs(plan.peak_bytes - real) < real / 100
+
+
+class _TokenDataset(torch.utils.data.Dataset):
+    """Input ids and labels only, as the plan feeds the model."""
+
+    def __len__(self) -> int:
+        return BATCH
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        ids = torch.arange(SEQ) % 100
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.parametrize("attn,ckpt", [("eager", False), ("sdpa", True)])
+def test_a_real_trainer_run_logs_the_planned_activations_to_the_byte(tmp_path, attn: str, ckpt: bool) -> None:
+    from helpers import entries_with, training_args
+    from transformers import Trainer
+
+    from trainer_memcb import OptimizerMemoryCallback
+
+    plan, _ = plan_step_memory(meta_builder("llama", attn, False), batch_size=BATCH, seq_len=SEQ,
+                               attn_implementation=attn, gradient_checkpointing=ckpt, model_states=False)
+    model = real_model("llama", attn, torch.float32, False, False)
+    trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=1, logging_steps=1,
+                                                      per_device_train_batch_size=BATCH, gradient_checkpointing=ckpt,
+                                                      remove_unused_columns=False),
+                      train_dataset=_TokenDataset(), callbacks=[OptimizerMemoryCallback(what_if=())])
+    trainer.train()
+    [entry] = entries_with(trainer.state.log_history, "activations_bytes")
+    # The Trainer passes num_items_in_batch, so its loss is a sum divided by that count (a 0-dim
+    # tensor saved for backward) where the plan's forward takes the mean: 4 bytes more, measured.
+    # Not yet modelled by the plan.
+    assert entry["activations_bytes"] == plan.activations_bytes + 4
