@@ -51,6 +51,7 @@ def test_tables_say_what_was_traced_and_where(tiny_llama_dir, capsys):
     assert "attention traced" in out and "sdpa" in out
     assert "cuda (traced on fake cpu tensors)" in out
     assert "on (non-reentrant)" in out
+    assert "fp32 (parameters in float32)" in out
     assert "Alive at the step's peak" in out
 
 
@@ -87,6 +88,7 @@ def test_a_model_fake_tensors_cannot_run_gets_one_line_and_the_model_states(tmp_
 def _plan(batch: int, peak: int, activations_peak: int) -> StepMemoryPlan:
     return StepMemoryPlan(model="m", batch_size=batch, seq_len=1, attn_implementation=None, device_type="cpu",
                           traced_on="cpu", gradient_checkpointing=False, precision="fp32", optimizer="adamw_torch",
+                          param_dtype="float32",
                           activations_bytes=activations_peak, activations_peak_bytes=activations_peak,
                           peak_bytes=peak, peak_phase="backward")
 
@@ -107,3 +109,21 @@ def test_max_batch_size_finds_the_largest_batch_of_a_convex_peak(memory, expecte
     assert found == brute == expected
     assert len(traced) == len(set(traced)) <= 12
     assert [p.batch_size for p in plans] == sorted(traced)
+
+
+def test_sharded_setups_compose_the_peak_from_the_per_process_states(tiny_llama_dir):
+    build = lambda: build_meta_model(tiny_llama_dir, torch.float32)  # noqa: E731
+    whole, _ = plan_step_memory(build, batch_size=4, seq_len=16, attn_implementation="eager", optimizer="adamw_torch",
+                                model_states=False)
+    plan, states = plan_step_memory(build, batch_size=4, seq_len=16, attn_implementation="eager", optimizer="adamw_torch",
+                                    setup=Setup(world_size=4, sharding="zero3", precision="deepspeed-bf16"))
+    row = states.optimizers[0]
+    # Activations do not depend on the sharding (the trace in 16 bits saves half of fp32's floats).
+    assert plan.activations_bytes is not None and plan.activations_bytes < whole.activations_bytes
+    parts = plan.peak_parts
+    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"], parts["master_weights"]) == (
+        row.params_bytes, row.grads_bytes, row.optimizer_state_bytes, row.master_weights_bytes)
+    assert plan.transient_bytes == row.transient_bytes and plan.transient_bytes
+    assert plan.peak_bytes == row.device_bytes + parts["activations"] + parts["batch_and_buffers"] + parts["other"] \
+        + sum(plan.transient_bytes.values())
+    assert any(note.startswith("peak composed") for note in plan.notes)

@@ -72,6 +72,7 @@ class StepMemoryPlan:
         attn_implementation: the attention path traced (`config._attn_implementation`).
         device_type: the device type asked for; `traced_on`: the fake tensors' device.
         gradient_checkpointing: non-reentrant activation checkpointing on the model's layers.
+        precision: the setup's precision; `param_dtype`: the traced parameters' dtype.
         activations_bytes: saved for backward, alive at the end of forward (as `activations_bytes`).
         activations_peak_bytes: the most saved bytes alive during forward and backward.
         peak_bytes: the step's peak; `peak_phase`: forward, backward or optimizer step;
@@ -91,6 +92,7 @@ class StepMemoryPlan:
     gradient_checkpointing: bool
     precision: str
     optimizer: str
+    param_dtype: Optional[str]
     activations_bytes: Optional[int]
     activations_peak_bytes: Optional[int]
     peak_bytes: Optional[int]
@@ -340,7 +342,8 @@ def plan_step_memory(
         config._attn_implementation = attn_implementation
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
     precision = setup.precision
-    common = dict(model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
+    step_dtype = dtype or _step_dtype(precision, meta)
+    common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
                   device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
                   precision=precision, optimizer=optimizer, device_memory_bytes=device_memory)
     sharded = setup.sharding not in ("none", "ddp")
@@ -348,7 +351,7 @@ def plan_step_memory(
     mode = FakeTensorMode()
     _MODE[0] = mode
     try:
-        model = fake_copy(meta, mode, "cpu", dtype or _step_dtype(precision, meta))
+        model = fake_copy(meta, mode, "cpu", step_dtype)
         if gradient_checkpointing:
             _enable_checkpointing(model, name)
         build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
