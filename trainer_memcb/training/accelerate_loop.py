@@ -242,9 +242,12 @@ class OptimizerMemoryLogger:
         return entry
 
     def summary(self) -> str:
-        """The latest measurement against the estimate, by state key and dtype, in MiB/GiB."""
+        """The latest measurement against the estimate, by state key and dtype, in MiB/GiB, and the
+        last logged step's activations."""
         measurement = self.monitor.latest if self.optimizer_steps > 0 else None
-        return summary_text(measurement, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps))
+        activations = self.monitor.activations.latest() or {}
+        return summary_text(measurement, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps),
+                            activations, activations.get("step"))
 
     def save_summary(self, output_dir: str, file_name: str = SUMMARY_FILE_NAME) -> Optional[str]:
         """Measure now and write the same JSON summary as the callback; returns its path. With a

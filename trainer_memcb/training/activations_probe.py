@@ -305,6 +305,12 @@ class ActivationsProbe:
                 self._warn_once("device-peak", f"reading the CUDA peak failed ({error!r}); it is left out")
         return dict(self._figures)
 
+    def latest(self) -> Optional[Dict[str, int]]:
+        """The last measured step's figures and that `step`, for the end-of-run summary; None before any."""
+        if not self._figures or self._figures_step is None:
+            return None
+        return {"step": self._figures_step, **self._figures}
+
     def relabel(self, old_step: Optional[int], new_step: Optional[int]) -> None:
         """The figures measured for `old_step` are logged at `new_step` (a loop that counts its own steps)."""
         if self._figures and old_step == self._figures_step:

@@ -19,7 +19,7 @@ from trainer_memcb.training.activations_probe import (
 from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, with_prefix
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
-from trainer_memcb.training.summary import SUMMARY_FILE_NAME, summary_text, write_summary
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
 
@@ -312,13 +312,14 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             estimate = monitor.estimate()
             if measurement is None and estimate is None:
                 return
-            logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step)))
             document = monitor.summary_document(
                 state.global_step,
                 stepped=stepped,
                 extra={"final_figures": final_figures,
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
+            logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step),
+                                     *step_memory_figures(document)))
             if self.summary_file is not None:
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary

@@ -6,7 +6,7 @@ Shared by the Trainer callback and the custom-loop API so that both log the same
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from trainer_memcb.state.estimate import StateEstimate
 from trainer_memcb.state.measure import StateMeasurement
@@ -30,8 +30,10 @@ __all__ = [
     "ACTIVATIONS_PEAK_BYTES",
     "DEVICE_PEAK_ALLOCATED_BYTES",
     "ACTIVATION_KEYS",
+    "STEP_MEMORY_PARTS",
     "KEY_DESCRIPTIONS",
     "claims_measurement",
+    "step_memory_rows",
     "BREAKDOWN_KEY_PREFIXES",
     "BREAKDOWN_KEY_DESCRIPTIONS",
     "breakdown_key",
@@ -66,6 +68,19 @@ ACTIVATIONS_BYTES = "activations_bytes"
 ACTIVATIONS_PEAK_BYTES = "activations_peak_bytes"
 DEVICE_PEAK_ALLOCATED_BYTES = "device_peak_allocated_bytes"
 ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES)
+
+# The step's memory by part, as the end-of-run summary, the TensorBoard view and `trainer-memcb
+# report` show it: (what, the measured key, the planned key where the plan has one).
+STEP_MEMORY_PARTS: Tuple[Tuple[str, str, Optional[str]], ...] = (
+    ("parameters", MODEL_PARAMS_BYTES, None),
+    ("gradients", MODEL_GRADS_BYTES, None),
+    ("optimizer state", MEASURED_BYTES, ESTIMATE_BYTES),
+    ("master weights", MASTER_WEIGHTS_BYTES, None),
+    ("model states", MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES),
+    ("activations", ACTIVATIONS_BYTES, None),
+    ("activations, peak", ACTIVATIONS_PEAK_BYTES, None),
+    ("device peak allocated", DEVICE_PEAK_ALLOCATED_BYTES, None),
+)
 
 # Every key, its unit and meaning: the README's table and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
@@ -160,6 +175,28 @@ def optimizer_figures(
         figures[ESTIMATE_BYTES] = estimate.num_bytes
         figures[TRAINABLE_PARAMS] = estimate.num_params
     return figures
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def step_memory_rows(figures: Mapping[str, Any]) -> List[Tuple[str, Optional[int], Optional[int]]]:
+    """(part, measured bytes, planned bytes) for each part of the step's memory that `figures`
+    (unprefixed keys) knows; anything but a whole number is not known.
+
+    Example:
+        >>> step_memory_rows({"model_params_bytes": 40, "activations_bytes": 64, "optimizer_state_bytes": 88,
+        ...                   "optimizer_state_estimate_bytes": 88})
+        [('parameters', 40, None), ('optimizer state', 88, 88), ('activations', 64, None)]
+    """
+    rows = []
+    for part, measured_key, planned_key in STEP_MEMORY_PARTS:
+        measured = _count(figures.get(measured_key))
+        planned = _count(figures.get(planned_key)) if planned_key is not None else None
+        if measured is not None or planned is not None:
+            rows.append((part, measured, planned))
+    return rows
 
 
 def with_prefix(figures: Dict[str, int], prefix: str) -> Dict[str, int]:

@@ -304,8 +304,11 @@ class OptimizerStateMonitor:
                          stepped: Optional[bool] = None) -> Dict[str, Any]:
         """The end-of-run JSON document (`optimizer_memory.json`): the measurement at `step`
         against the estimate (none before the optimizer has `stepped`, as in the logs), the
-        largest measurement seen, and `extra`."""
+        largest measurement seen, the last logged step's activations, and `extra`."""
         peak = self._peak
+        activations = self.activations.latest()  # the last logged step's, with that step
+        if activations is not None:
+            extra = {"activations": activations, **(extra or {})}
         judgement = self.judgement(step)
         if judgement is not None:
             extra = {"judgement": judgement.to_dict(), **(extra or {})}
