@@ -78,7 +78,7 @@ class OptimizerMemoryLogger:
         reset_device_peak: on CUDA, reset the allocator's peak statistics at the start of each
             logged step; by default they are never reset.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb import OptimizerMemoryLogger
         >>> model = torch.nn.Linear(4, 2)

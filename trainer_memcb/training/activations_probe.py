@@ -141,7 +141,7 @@ class ActivationsProbe:
         reset_device_peak: reset CUDA's peak statistics at the start of each logged step.
         warn_once: `warn_once(kind, message)`, the caller's warning that is given once per kind.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         >>> probe = ActivationsProbe()

@@ -120,7 +120,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             logged step, so that `device_peak_allocated_bytes` is that step's own peak; by
             default they are never reset (they are global: other code may read them).
 
-    Example:
+    Examples:
         >>> from trainer_memcb import OptimizerMemoryCallback
         >>> callback = OptimizerMemoryCallback(breakdown=("key",))
         >>> OptimizerMemoryCallback(breakdown=("shape",))

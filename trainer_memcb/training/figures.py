@@ -82,7 +82,7 @@ STEP_MEMORY_PARTS: Tuple[Tuple[str, str, Optional[str]], ...] = (
     ("device peak allocated", DEVICE_PEAK_ALLOCATED_BYTES, None),
 )
 
-# Every key, its unit and meaning: the README's table and the callback's docstring say the same.
+# Every key, its unit and meaning: the guide's table (docs/trainer-callback.md) and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
     MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
     "(with several processes, the largest over them)",
@@ -143,7 +143,7 @@ def breakdown_key(breakdown: str, part: str) -> str:
         breakdown: `"key"`, `"dtype"` or `"device"`.
         part: the state key, dtype or device name, as measured.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.training.figures import breakdown_key
         >>> breakdown_key("key", "exp_avg"), breakdown_key("device", "cuda:0")
         ('optimizer_state_bytes_by_key/exp_avg', 'optimizer_state_bytes_by_device/cuda_0')
@@ -185,7 +185,7 @@ def step_memory_rows(figures: Mapping[str, Any]) -> List[Tuple[str, Optional[int
     """(part, measured bytes, planned bytes) for each part of the step's memory that `figures`
     (unprefixed keys) knows; anything but a whole number is not known.
 
-    Example:
+    Examples:
         >>> step_memory_rows({"model_params_bytes": 40, "activations_bytes": 64, "optimizer_state_bytes": 88,
         ...                   "optimizer_state_estimate_bytes": 88})
         [('parameters', 40, None), ('optimizer state', 88, 88), ('activations', 64, None)]

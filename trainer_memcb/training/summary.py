@@ -54,7 +54,7 @@ def step_memory_figures(document: Mapping[str, Any]) -> Tuple[Dict[str, Any], Op
     """The step's memory at the end of a run, from a summary document: its final figures, with the
     last logged step's activations over them; and that step (None without activations).
 
-    Example:
+    Examples:
         >>> step_memory_figures({"final_figures": {"model_params_bytes": 40},
         ...                      "activations": {"step": 3, "activations_bytes": 64}})
         ({'model_params_bytes': 40, 'activations_bytes': 64}, 3)
@@ -72,7 +72,7 @@ def step_memory_figures(document: Mapping[str, Any]) -> Tuple[Dict[str, Any], Op
 def step_memory_text(figures: Mapping[str, Any], activations_step: Optional[int] = None) -> List[str]:
     """Lines for the step's memory by part, measured and planned, in MiB/GiB; none when nothing is known.
 
-    Example:
+    Examples:
         >>> for line in step_memory_text({"model_params_bytes": 40, "activations_bytes": 64}, 3):
         ...     print(line)
         Step memory by part (per process; activations of step 3, its last micro-batch)
