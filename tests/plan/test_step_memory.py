@@ -110,3 +110,83 @@ def test_planned_activations_equal_a_real_forward_to_the_byte(kind: str, attn: s
     real = real_activations(real_model(kind, attn, dtype, ckpt, lora), batch(kind))
     assert plan.activations_bytes == real
     assert real > 0
+
+
+def profiled_peak(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tuple[int, int]:
+    """Bytes alive before a real step (after a first one), and the most bytes allocated above that
+    during the step, from the profiler's allocation records in time order."""
+    from transformers import TrainingArguments
+
+    from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+
+    optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
+
+    def step() -> None:
+        loss = model(**inputs).loss
+        loss.backward()
+        del loss
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer state exists from here on, as in every later step
+    tensors = list(model.parameters()) + list(model.buffers()) + list(inputs.values())
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    start = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    alive = peak = 0
+    for record in records:
+        alive += record.nbytes()
+        peak = max(peak, alive)
+    return start, peak
+
+
+@pytest.mark.parametrize("kind,attn,ckpt", [("llama", "eager", False), ("llama", "sdpa", True), ("bert", "eager", False)])
+def test_planned_peak_against_the_profilers_live_bytes(kind: str, attn: str, ckpt: bool) -> None:
+    plan, _ = plan_step_memory(meta_builder(kind, attn, False), batch_size=BATCH, seq_len=SEQ, attn_implementation=attn,
+                               gradient_checkpointing=ckpt, optimizer="adamw_torch", model_states=False)
+    start, above = profiled_peak(real_model(kind, attn, torch.float32, ckpt, False), batch(kind))
+    real = start + above
+    # Measured here: llama eager 1,958,044 planned vs 1,958,060 profiled (-16), llama sdpa with
+    # checkpointing 1,800,476 vs 1,800,412 (+64), bert eager 660,460 vs 660,476 (-16). The
+    # differences are a few 0-dim scalars: tensors that C++ makes without going through the
+    # dispatcher (wrapped Python numbers) are invisible to the fake trace, and the fake trace sees
+    # checkpoint's saved RNG state differently. Far inside 1%.
+    assert abs(plan.peak_bytes - real) <= 64
+    assert abs(plan.peak_bytes - real) < real / 100
+
+
+class _TokenDataset(torch.utils.data.Dataset):
+    """Input ids and labels only, as the plan feeds the model."""
+
+    def __len__(self) -> int:
+        return BATCH
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        ids = torch.arange(SEQ) % 100
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.parametrize("attn,ckpt", [("eager", False), ("sdpa", True)])
+def test_a_real_trainer_run_logs_the_planned_activations_to_the_byte(tmp_path, attn: str, ckpt: bool) -> None:
+    from helpers import entries_with, training_args
+    from transformers import Trainer
+
+    from trainer_memcb import OptimizerMemoryCallback
+
+    plan, _ = plan_step_memory(meta_builder("llama", attn, False), batch_size=BATCH, seq_len=SEQ,
+                               attn_implementation=attn, gradient_checkpointing=ckpt, model_states=False)
+    model = real_model("llama", attn, torch.float32, False, False)
+    trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=1, logging_steps=1,
+                                                      per_device_train_batch_size=BATCH, gradient_checkpointing=ckpt,
+                                                      remove_unused_columns=False),
+                      train_dataset=_TokenDataset(), callbacks=[OptimizerMemoryCallback(what_if=())])
+    trainer.train()
+    [entry] = entries_with(trainer.state.log_history, "activations_bytes")
+    # The Trainer passes num_items_in_batch, so its loss is a sum divided by that count (a 0-dim
+    # tensor saved for backward) where the plan's forward takes the mean: 4 bytes more, measured.
+    # Not yet modelled by the plan.
+    assert entry["activations_bytes"] == plan.activations_bytes + 4

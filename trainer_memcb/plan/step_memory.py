@@ -51,7 +51,7 @@ from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
-__all__ = ["StepMemoryPlan", "plan_step_memory", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
+__all__ = ["StepMemoryPlan", "plan_step_memory", "max_batch_size", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
@@ -266,6 +266,8 @@ def plan_step_memory(
     device_memory: Optional[int] = None,
     model_name: Optional[str] = None,
     model_states: bool = True,
+    states_plan: Optional[ModelStatesPlan] = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
 
@@ -282,6 +284,8 @@ def plan_step_memory(
         device_type: "cuda" or "cpu": the device the run will use (see the module docstring).
         device_memory: bytes per process, for fits / margin.
         model_states: also plan the model states (the sharded setups need them).
+        states_plan: a model-states plan made already for this model and setup (reused).
+        dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
 
     Returns:
         The step plan, and the model-states plan (or None).
@@ -297,9 +301,8 @@ def plan_step_memory(
     setup = setup or Setup()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    states_plan: Optional[ModelStatesPlan] = None
     meta = build_model()
-    if model_states:
+    if model_states and states_plan is None:
         states_plan = plan_model_states(meta, optimizer, setup, args=args, model_name=model_name)
     name = model_name or type(meta).__name__
     config = getattr(meta, "config", None)
@@ -315,7 +318,7 @@ def plan_step_memory(
     mode = FakeTensorMode()
     _MODE[0] = mode
     try:
-        model = fake_copy(meta, mode, "cpu", _step_dtype(precision, meta))
+        model = fake_copy(meta, mode, "cpu", dtype or _step_dtype(precision, meta))
         if gradient_checkpointing:
             _enable_checkpointing(model, name)
         build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
@@ -385,3 +388,58 @@ def _optimizer_builder(name: str, args: Any) -> Callable[[nn.Module], Any]:
         return build_trainer_optimizer(name, args, model)
 
     return build
+
+
+def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int, limit: int = 1 << 20) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+    """The largest per-device batch whose planned peak fits in `device_memory`, and the plans traced.
+
+    The peak grows with the batch, by the same bytes per sample at a given sequence length (the
+    activations and temporaries are proportional to it), so two traces (batches 1 and 2) predict
+    the answer; it is then checked with fake steps at the predicted batch and one above, and
+    found by doubling and bisection wherever the prediction misses. None when batch 1 does not
+    fit (or cannot be traced).
+
+    Args:
+        plan_at: the step plan at a batch size.
+        device_memory: bytes per process.
+        limit: the largest batch searched.
+    """
+    plans: Dict[int, StepMemoryPlan] = {}
+
+    def fits(batch: int) -> Optional[bool]:
+        if batch not in plans:
+            plans[batch] = plan_at(batch)
+        peak = plans[batch].peak_bytes
+        return None if peak is None else peak <= device_memory
+
+    if not fits(1):
+        return None, list(plans.values())
+    low, high = 1, None  # low fits; high (when known) does not
+    if fits(2):
+        low = 2
+        per_sample = plans[2].peak_bytes - plans[1].peak_bytes
+        if per_sample > 0:
+            guess = min(limit, max(2, 1 + (device_memory - plans[1].peak_bytes) // per_sample))
+            if fits(guess):
+                low = guess
+                if guess + 1 <= limit and not fits(guess + 1):
+                    return guess, [plans[b] for b in sorted(plans)]
+            else:
+                high = guess
+    else:
+        high = 2
+    while high is None:
+        candidate = min(low * 2, limit)
+        if candidate == low:
+            return low, [plans[b] for b in sorted(plans)]
+        if fits(candidate):
+            low = candidate
+        else:
+            high = candidate
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low, [plans[b] for b in sorted(plans)]
