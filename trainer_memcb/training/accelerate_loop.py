@@ -255,7 +255,7 @@ class OptimizerMemoryLogger:
 
         Call it once, after the loop, on the main process. None (and a warning) if it fails.
         """
-        self.monitor.activations.disarm()  # the loop is over: no step of it is left to measure
+        self.monitor.activations.forget()  # the loop is over: no step of it is left to measure
         try:
             document = self.monitor.summary_document(self.optimizer_steps, stepped=self.optimizer_steps > 0)
             path = os.path.join(output_dir, file_name)

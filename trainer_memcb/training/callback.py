@@ -177,7 +177,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         if run is None:
             return
         run.monitor.start_run()  # global_step restarts with each train() call
-        run.monitor.activations.disarm()  # nothing left over from a run that raised
+        run.monitor.activations.forget()  # nothing left over from a run that raised
         if state.is_world_process_zero:
             run.monitor.estimate()
             self._state_what_if(run, args, kwargs.get("model"))
@@ -294,7 +294,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         self._current = None
         if run is None:
             return
-        run.monitor.activations.disarm()
+        run.monitor.activations.forget()
         try:
             self._end(run, args, state)
         finally:
