@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from helpers import requires_transformers
 from trainer_memcb.plan.model_states import Setup
 from trainer_memcb.plan.step_memory import enable_checkpointing, plan_step_memory
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
@@ -71,8 +72,11 @@ def meta_builder(kind: str, attn: str, lora: bool) -> Callable[[], torch.nn.Modu
 
 def batch(kind: str) -> Dict[str, torch.Tensor]:
     ids = torch.randint(0, 100, (BATCH, SEQ))
-    labels = ids.clone() if kind == "llama" else torch.zeros(BATCH, dtype=torch.long)
-    return {"input_ids": ids, "labels": labels}
+    if kind == "llama":
+        # As the Trainer passes it to a model that takes loss keyword arguments (transformers 5: a
+        # 0-dim float32 count).
+        return {"input_ids": ids, "labels": ids.clone(), "num_items_in_batch": torch.tensor(float(ids.numel()))}
+    return {"input_ids": ids, "labels": torch.zeros(BATCH, dtype=torch.long)}
 
 
 def real_activations(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> int:
@@ -170,6 +174,7 @@ class _TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+@requires_transformers("5.0", "transformers 4.x passes num_items_in_batch as an int64 count (8 bytes saved, not 4)")
 @pytest.mark.parametrize("attn,ckpt", [("eager", False), ("sdpa", True)])
 def test_a_real_trainer_run_logs_the_planned_activations_to_the_byte(tmp_path, attn: str, ckpt: bool) -> None:
     from helpers import entries_with, training_args
@@ -186,7 +191,11 @@ def test_a_real_trainer_run_logs_the_planned_activations_to_the_byte(tmp_path, a
                       train_dataset=_TokenDataset(), callbacks=[OptimizerMemoryCallback(what_if=())])
     trainer.train()
     [entry] = entries_with(trainer.state.log_history, "activations_bytes")
-    # The Trainer passes num_items_in_batch, so its loss is a sum divided by that count (a 0-dim
-    # tensor saved for backward) where the plan's forward takes the mean: 4 bytes more, measured.
-    # Not yet modelled by the plan.
-    assert entry["activations_bytes"] == plan.activations_bytes + 4
+    assert entry["activations_bytes"] == plan.activations_bytes
+    if not (ckpt and attn == "sdpa"):
+        assert entry["activations_peak_bytes"] == plan.activations_peak_bytes
+    else:
+        # Measured: 282,624 logged, 286,720 planned. During the recomputation the fake trace's SDPA
+        # saves a (4, 1, 16, 16) fp32 attention mask (4,096 bytes) that the real run's does not:
+        # a known difference, not yet explained.
+        assert plan.activations_peak_bytes - entry["activations_peak_bytes"] == 4 * 16 * 16 * 4

@@ -71,7 +71,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             ["attention traced", step.attn_implementation or "-"],
             ["device type", f"{step.device_type} (traced on fake {step.traced_on} tensors)"],
             ["gradient checkpointing", "on (non-reentrant)" if step.gradient_checkpointing else "off"],
-            ["precision", step.precision],
+            ["precision", f"{step.precision} (parameters in {step.param_dtype})" if step.param_dtype else step.precision],
             ["optimizer step", step.optimizer],
         ]
         if step.problem is not None:

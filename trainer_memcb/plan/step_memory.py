@@ -1,7 +1,8 @@
 """Will one training step fit? Its activations and its peak, from a step run under fake tensors.
 
 `plan_step_memory` runs one training step of the model as the Trainer runs it: `model.train()`,
-the forward with the labels (the loss computed by the model, in fp32 where the model upcasts its
+the forward with the labels and, for models that take loss keyword arguments, `num_items_in_batch`
+as the Trainer passes it (the loss computed by the model, in fp32 where the model upcasts its
 logits), `loss.backward()`, gradient clipping (`max_grad_norm=1.0`, the Trainer's default), the
 optimizer the Trainer builds for `optim`, and `zero_grad(set_to_none=True)`, all under
 `torch._subclasses.fake_tensor.FakeTensorMode`: every tensor has a shape, a dtype and a device but
@@ -71,6 +72,7 @@ class StepMemoryPlan:
         attn_implementation: the attention path traced (`config._attn_implementation`).
         device_type: the device type asked for; `traced_on`: the fake tensors' device.
         gradient_checkpointing: non-reentrant activation checkpointing on the model's layers.
+        precision: the setup's precision; `param_dtype`: the traced parameters' dtype.
         activations_bytes: saved for backward, alive at the end of forward (as `activations_bytes`).
         activations_peak_bytes: the most saved bytes alive during forward and backward.
         peak_bytes: the step's peak; `peak_phase`: forward, backward or optimizer step;
@@ -90,11 +92,14 @@ class StepMemoryPlan:
     gradient_checkpointing: bool
     precision: str
     optimizer: str
+    param_dtype: Optional[str]
     activations_bytes: Optional[int]
     activations_peak_bytes: Optional[int]
     peak_bytes: Optional[int]
     peak_phase: Optional[str]
     peak_parts: Dict[str, int] = field(default_factory=dict)
+    forward_backward_peak_bytes: Optional[int] = None
+    optimizer_step_peak_bytes: Optional[int] = None
     transient_bytes: Dict[str, int] = field(default_factory=dict)
     device_memory_bytes: Optional[int] = None
     fits: Optional[bool] = None
@@ -164,6 +169,8 @@ class _Traced:
     peak_parts: Dict[str, int]
     state_bytes: int
     notes: List[str]
+    forward_backward_peak: int
+    optimizer_peak: Optional[int]
 
 
 def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
@@ -198,6 +205,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
             kwargs: Dict[str, Any] = {"input_ids": input_ids}
             if labels is not None:
                 kwargs["labels"] = labels
+                if _accepts_loss_kwargs(model):
+                    kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
             with counter:
                 if autocast is not None:
                     with autocast:
@@ -245,7 +254,30 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
         else:
             parts["other"] += sizes[key]
     parts["optimizer_state"] += extra_state
-    return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes)
+    return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes, fb_bytes + state_bytes,
+                   optimizer_peak if build_optimizer is not None else None)
+
+
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the Trainer passes `num_items_in_batch` to this model: its `model_accepts_loss_kwargs`
+    (transformers' trainer.py: the unwrapped model's `accepts_loss_kwargs`, else a forward that
+    takes `**kwargs`)."""
+    import inspect
+
+    unwrapped = model.base_model.model if hasattr(model, "peft_config") and hasattr(model, "base_model") else model
+    declared = getattr(unwrapped, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    parameters = inspect.signature(unwrapped.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
+    """The count of labelled tokens, as the Trainer passes it: transformers 5's
+    `Trainer._get_num_items_in_batch` divides the int64 count by the tensor/context/sequence
+    parallel sizes, a true division, so a 0-dim float32 tensor. The loss is then a sum divided by
+    it, and the division saves it for backward (4 bytes); the value does not matter here."""
+    return torch.tensor(float(labels.numel()))
 
 
 # One FakeTensorMode per trace, set by `plan_step_memory`.
@@ -310,7 +342,8 @@ def plan_step_memory(
         config._attn_implementation = attn_implementation
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
     precision = setup.precision
-    common = dict(model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
+    step_dtype = dtype or _step_dtype(precision, meta)
+    common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
                   device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
                   precision=precision, optimizer=optimizer, device_memory_bytes=device_memory)
     sharded = setup.sharding not in ("none", "ddp")
@@ -318,7 +351,7 @@ def plan_step_memory(
     mode = FakeTensorMode()
     _MODE[0] = mode
     try:
-        model = fake_copy(meta, mode, "cpu", dtype or _step_dtype(precision, meta))
+        model = fake_copy(meta, mode, "cpu", step_dtype)
         if gradient_checkpointing:
             _enable_checkpointing(model, name)
         build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
@@ -331,6 +364,7 @@ def plan_step_memory(
         gc.collect()
     notes = list(traced.notes)
     peak, parts, transient = traced.peak_bytes, dict(traced.peak_parts), {}
+    fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
     phase = traced.peak_phase
     if (sharded or deepspeed_precision) and states_plan is not None:
         row = states_plan.optimizers[0]
@@ -347,6 +381,7 @@ def plan_step_memory(
             notes.append(f"{cpu} bytes of model states offloaded to the CPU are not in the device peak")
         notes.append("peak composed: traced activations and temporaries (peak of forward and backward) plus the "
                      "model-states plan's per-process states and the engine's known transient buffers")
+        fb_peak, optimizer_peak = peak, None
         phase = traced.peak_phase
     fits = margin = None
     if device_memory is not None:
@@ -354,7 +389,8 @@ def plan_step_memory(
         fits = margin >= 0
     return StepMemoryPlan(activations_bytes=traced.activations_bytes,
                           activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
-                          peak_parts=parts, transient_bytes=transient, fits=fits, margin_bytes=margin, notes=notes,
+                          peak_parts=parts, forward_backward_peak_bytes=fb_peak,
+                          optimizer_step_peak_bytes=optimizer_peak, transient_bytes=transient, fits=fits, margin_bytes=margin, notes=notes,
                           **common), states_plan
 
 
@@ -393,11 +429,12 @@ def _optimizer_builder(name: str, args: Any) -> Callable[[nn.Module], Any]:
 def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int, limit: int = 1 << 20) -> Tuple[Optional[int], List[StepMemoryPlan]]:
     """The largest per-device batch whose planned peak fits in `device_memory`, and the plans traced.
 
-    The peak grows with the batch, by the same bytes per sample at a given sequence length (the
-    activations and temporaries are proportional to it), so two traces (batches 1 and 2) predict
-    the answer; it is then checked with fake steps at the predicted batch and one above, and
-    found by doubling and bisection wherever the prediction misses. None when batch 1 does not
-    fit (or cannot be traced).
+    The peak is the larger of forward/backward's, which grows by the same bytes per sample at a
+    given sequence length (activations and temporaries are proportional to the batch), and the
+    optimizer step's, which does not depend on the batch. Two traces (batches 1 and 2) therefore
+    predict the answer; fake steps at the predicted batch and one above check it, and doubling
+    and bisection take over wherever the prediction misses. None when batch 1 does not fit (or
+    cannot be traced).
 
     Args:
         plan_at: the step plan at a batch size.
@@ -406,40 +443,43 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
     """
     plans: Dict[int, StepMemoryPlan] = {}
 
-    def fits(batch: int) -> Optional[bool]:
+    def fits(batch: int) -> bool:
         if batch not in plans:
             plans[batch] = plan_at(batch)
         peak = plans[batch].peak_bytes
-        return None if peak is None else peak <= device_memory
+        return peak is not None and peak <= device_memory
+
+    def done(best: Optional[int]) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+        return best, [plans[b] for b in sorted(plans)]
 
     if not fits(1):
-        return None, list(plans.values())
-    low, high = 1, None  # low fits; high (when known) does not
-    if fits(2):
-        low = 2
-        per_sample = plans[2].peak_bytes - plans[1].peak_bytes
-        if per_sample > 0:
-            guess = min(limit, max(2, 1 + (device_memory - plans[1].peak_bytes) // per_sample))
-            if fits(guess):
-                low = guess
-                if guess + 1 <= limit and not fits(guess + 1):
-                    return guess, [plans[b] for b in sorted(plans)]
-            else:
-                high = guess
-    else:
-        high = 2
+        return done(None)
+    if limit == 1 or not fits(2):
+        return done(1)
+    low, high = 2, None  # low fits; high (when known) does not
+    # A first guess from the activations' bytes per sample (the peak grows at least that fast once
+    # the activations dominate it).
+    per_sample = (plans[2].activations_peak_bytes or 0) - (plans[1].activations_peak_bytes or 0)
+    guess = min(limit, max(3, 1 + (device_memory - plans[1].peak_bytes) // max(1, per_sample)))
     while high is None:
-        candidate = min(low * 2, limit)
-        if candidate == low:
-            return low, [plans[b] for b in sorted(plans)]
+        if guess <= low:
+            guess = low + 1
+        if guess > limit:
+            return done(low)
+        if fits(guess):
+            low, guess = guess, min(guess * 2, limit + 1) if guess < limit else limit + 1
+        else:
+            high = guess
+    # The peak is the larger of affine functions of the batch (convex): the chord from low to high
+    # lies above it, so the batch where the chord reaches the memory fits; check one above it.
+    while high - low > 1:
+        slope = (plans[high].peak_bytes - plans[low].peak_bytes) / (high - low)
+        candidate = low + int((device_memory - plans[low].peak_bytes) // slope) if slope > 0 else (low + high) // 2
+        candidate = min(max(candidate, low + 1), high - 1)
         if fits(candidate):
             low = candidate
+            if low + 1 < high and not fits(low + 1):
+                high = low + 1
         else:
             high = candidate
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low, [plans[b] for b in sorted(plans)]
+    return done(low)
