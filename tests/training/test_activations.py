@@ -27,7 +27,7 @@ from transformers import (
 )
 
 import trainer_memcb.training.activations_probe as activations_probe
-from helpers import VOCAB_SIZE, TinyDataset, entries_with, independent_saved_bytes, training_args
+from helpers import VOCAB_SIZE, TinyDataset, entries_with, independent_saved_bytes, installed_version, training_args
 from test_callback_logging import train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
@@ -40,6 +40,9 @@ from trainer_memcb.training.figures import (
 )
 
 LLAMA_SEQUENCE = 16
+# The Trainer's gradient checkpointing is non-reentrant from transformers 5 on (reentrant in 4.x,
+# whose blocks recompute after the counter has left, so their peak is the forward's).
+NON_REENTRANT_CHECKPOINTING = (installed_version("transformers") or (0,)) >= (5,)
 
 
 def tiny_llama(attn: str = "eager", seed: int = 0) -> LlamaForCausalLM:
@@ -175,8 +178,10 @@ def test_logged_steps_carry_the_bytes_an_independent_walk_counts(tmp_path, name,
     assert figures[ACTIVATIONS_BYTES] == expected
     if not checkpointing:  # backward only frees what forward saved
         assert figures[ACTIVATIONS_PEAK_BYTES] == expected
-    else:  # the blocks' recomputation during backward holds more for a while
-        assert figures[ACTIVATIONS_PEAK_BYTES] == replayed_peak(model, recorder.calls[1]) > expected
+    else:  # non-reentrant checkpointing: the blocks' recomputation during backward holds more for a while
+        assert figures[ACTIVATIONS_PEAK_BYTES] == replayed_peak(model, recorder.calls[1]) >= expected
+        if NON_REENTRANT_CHECKPOINTING:
+            assert figures[ACTIVATIONS_PEAK_BYTES] > expected
     assert DEVICE_PEAK_ALLOCATED_BYTES not in figures  # on CUDA only
     assert_nothing_left(model)
 
