@@ -4,8 +4,8 @@ Trainer's entries and the loop logger's figures, exact to the byte.
 Each run is a real Trainer (or accelerate loop) on the CPU with a tiny Llama or the tiny DistilBERT.
 The independent count replays the very inputs the logged micro-batch's forward received (recorded
 by a forward pre-hook of the test's own) through the same model, in the same mode, under a plain
-`saved_tensors_hooks` walk that keeps every saved tensor and adds up the distinct storages that are
-not parameters. Nothing is mocked except where a test breaks the counter on purpose.
+`saved_tensors_hooks` walk (`helpers.independent_saved_bytes`) that keeps every saved tensor and
+adds up the distinct storages that are not parameters. Nothing is mocked except where a test breaks the counter on purpose.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from transformers import (
 )
 
 import trainer_memcb.training.activations_probe as activations_probe
-from helpers import VOCAB_SIZE, TinyDataset, entries_with, training_args
+from helpers import VOCAB_SIZE, TinyDataset, entries_with, independent_saved_bytes, installed_version, training_args
 from test_callback_logging import train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
@@ -40,6 +40,9 @@ from trainer_memcb.training.figures import (
 )
 
 LLAMA_SEQUENCE = 16
+# The Trainer's gradient checkpointing is non-reentrant from transformers 5 on (reentrant in 4.x,
+# whose blocks recompute after the counter has left, so their peak is the forward's).
+NON_REENTRANT_CHECKPOINTING = (installed_version("transformers") or (0,)) >= (5,)
 
 
 def tiny_llama(attn: str = "eager", seed: int = 0) -> LlamaForCausalLM:
@@ -79,29 +82,6 @@ MODELS = {"llama": (tiny_llama, TokenDataset), "distilbert": (tiny_distilbert, T
 
 
 # -- the independent count and the recorder -----------------------------------------------------
-
-
-def independent_saved_bytes(model: torch.nn.Module, inputs: Dict[str, Any],
-                            autocast: Optional[torch.dtype] = None) -> int:
-    """Bytes of the distinct non-parameter storages that one forward of `model` on `inputs` saves
-    for backward: a plain saved-tensors walk that keeps every saved tensor (so that no storage is
-    freed and its address reused before the count is done)."""
-    params = {(param.device, param.untyped_storage().data_ptr()) for param in model.parameters()}
-    kept: List[torch.Tensor] = []
-    sizes: Dict[Tuple[torch.device, int], int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        kept.append(tensor)
-        key = (tensor.device, tensor.untyped_storage().data_ptr())
-        if key not in params:
-            sizes[key] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    context = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), context:
-        output = model(**inputs)
-    assert output.loss is not None and sizes  # a training forward, which saved something
-    return sum(sizes.values())
 
 
 def replayed_peak(model: torch.nn.Module, inputs: Dict[str, Any]) -> int:
@@ -198,8 +178,10 @@ def test_logged_steps_carry_the_bytes_an_independent_walk_counts(tmp_path, name,
     assert figures[ACTIVATIONS_BYTES] == expected
     if not checkpointing:  # backward only frees what forward saved
         assert figures[ACTIVATIONS_PEAK_BYTES] == expected
-    else:  # the blocks' recomputation during backward holds more for a while
-        assert figures[ACTIVATIONS_PEAK_BYTES] == replayed_peak(model, recorder.calls[1]) > expected
+    else:  # non-reentrant checkpointing: the blocks' recomputation during backward holds more for a while
+        assert figures[ACTIVATIONS_PEAK_BYTES] == replayed_peak(model, recorder.calls[1]) >= expected
+        if NON_REENTRANT_CHECKPOINTING:
+            assert figures[ACTIVATIONS_PEAK_BYTES] > expected
     assert DEVICE_PEAK_ALLOCATED_BYTES not in figures  # on CUDA only
     assert_nothing_left(model)
 

@@ -242,9 +242,12 @@ class OptimizerMemoryLogger:
         return entry
 
     def summary(self) -> str:
-        """The latest measurement against the estimate, by state key and dtype, in MiB/GiB."""
+        """The latest measurement against the estimate, by state key and dtype, in MiB/GiB, and the
+        last logged step's activations."""
         measurement = self.monitor.latest if self.optimizer_steps > 0 else None
-        return summary_text(measurement, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps))
+        activations = self.monitor.activations.latest() or {}
+        return summary_text(measurement, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps),
+                            activations, activations.get("step"))
 
     def save_summary(self, output_dir: str, file_name: str = SUMMARY_FILE_NAME) -> Optional[str]:
         """Measure now and write the same JSON summary as the callback; returns its path. With a
@@ -252,7 +255,7 @@ class OptimizerMemoryLogger:
 
         Call it once, after the loop, on the main process. None (and a warning) if it fails.
         """
-        self.monitor.activations.disarm()  # the loop is over: no step of it is left to measure
+        self.monitor.activations.forget()  # the loop is over: no step of it is left to measure
         try:
             document = self.monitor.summary_document(self.optimizer_steps, stepped=self.optimizer_steps > 0)
             path = os.path.join(output_dir, file_name)

@@ -141,7 +141,7 @@ class ActivationsProbe:
         reset_device_peak: reset CUDA's peak statistics at the start of each logged step.
         warn_once: `warn_once(kind, message)`, the caller's warning that is given once per kind.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         >>> probe = ActivationsProbe()
@@ -171,6 +171,10 @@ class ActivationsProbe:
         # The counter of a forward under way, and of the last forward that finished.
         self._active: Optional[SavedTensorsCounter] = None
         self._last: Optional[SavedTensorsCounter] = None
+        # The parameters of the model measured last, held weakly, so that a step does not walk the
+        # model's modules again (`forget` drops them: at the start and end of a run).
+        self._param_owner: Callable[[], Any] = _nothing
+        self._param_refs: List[Any] = []
         # The figures of the last measured step, and that step.
         self._figures: Dict[str, int] = {}
         self._figures_step: Optional[int] = None
@@ -197,7 +201,7 @@ class ActivationsProbe:
             self._warn_once("activations-compiled", "the activations of a compiled model are not measured; "
                             "they are left out")
             return
-        self._params = list(model.parameters())
+        self._params = self._parameters(model)
         device = self._params[0].device if self._params else torch.device("cpu")
         self._cuda_device = device if device.type == "cuda" else None
         if self._cuda_device is not None and self.reset_device_peak:
@@ -207,6 +211,21 @@ class ActivationsProbe:
         self._replaced = model.__dict__.get("forward", _MISSING)
         self._wrapper = self._measuring(model.forward)
         model.forward = self._wrapper
+
+    def _parameters(self, model: torch.nn.Module) -> List[torch.Tensor]:
+        """The model's parameters: as found at its first step since `forget`, while they all live."""
+        if self._param_owner() is model:
+            params = [ref() for ref in self._param_refs]
+            if all(param is not None for param in params):
+                return params  # type: ignore[return-value]
+        params = list(model.parameters())
+        self._param_owner, self._param_refs = weakref.ref(model), [weakref.ref(param) for param in params]
+        return params
+
+    def forget(self) -> None:
+        """Disarm, and find the model's parameters again at the next step (a run starts or ends)."""
+        self.disarm()
+        self._param_owner, self._param_refs = _nothing, []
 
     def _measuring(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
@@ -304,6 +323,12 @@ class ActivationsProbe:
             except Exception as error:  # never break training over a figure
                 self._warn_once("device-peak", f"reading the CUDA peak failed ({error!r}); it is left out")
         return dict(self._figures)
+
+    def latest(self) -> Optional[Dict[str, int]]:
+        """The last measured step's figures and that `step`, for the end-of-run summary; None before any."""
+        if not self._figures or self._figures_step is None:
+            return None
+        return {"step": self._figures_step, **self._figures}
 
     def relabel(self, old_step: Optional[int], new_step: Optional[int]) -> None:
         """The figures measured for `old_step` are logged at `new_step` (a loop that counts its own steps)."""

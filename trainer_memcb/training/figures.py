@@ -6,10 +6,11 @@ Shared by the Trainer callback and the custom-loop API so that both log the same
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from trainer_memcb.state.estimate import StateEstimate
 from trainer_memcb.state.measure import StateMeasurement
+from trainer_memcb.utils.name_lists import name_list
 
 __all__ = [
     "MEASURED_BYTES",
@@ -26,12 +27,20 @@ __all__ = [
     "MODEL_STATES_ESTIMATE_BYTES",
     "MODEL_STATES_TOTAL_BYTES",
     "MODEL_STATES_ESTIMATE_TOTAL_BYTES",
+    "REFERENCE_MODEL_PARAMS_BYTES",
     "ACTIVATIONS_BYTES",
     "ACTIVATIONS_PEAK_BYTES",
     "DEVICE_PEAK_ALLOCATED_BYTES",
     "ACTIVATION_KEYS",
+    "STEP_MEMORY_PARTS",
     "KEY_DESCRIPTIONS",
+    "KEY_PRESETS",
+    "SHORT_KEYS",
+    "keep_keys",
+    "key_names",
+    "select_keys",
     "claims_measurement",
+    "step_memory_rows",
     "BREAKDOWN_KEY_PREFIXES",
     "BREAKDOWN_KEY_DESCRIPTIONS",
     "breakdown_key",
@@ -59,6 +68,11 @@ MODEL_STATES_BYTES = "model_states_bytes"
 MODEL_STATES_ESTIMATE_BYTES = "model_states_estimate_bytes"
 MODEL_STATES_TOTAL_BYTES = "model_states_total_bytes"
 MODEL_STATES_ESTIMATE_TOTAL_BYTES = "model_states_estimate_total_bytes"
+# The frozen reference model a preference or RL trainer holds beside the policy (TRL's DPO, KTO,
+# RLOO, GRPO with beta > 0: `trainer.ref_model`). Part of the model states: `model_states_bytes`
+# counts it, and `model_states_estimate_bytes` plans it as a frozen copy (no gradients, no optimizer
+# state). Storages it shares with the policy are the policy's, counted once, in `model_params_bytes`.
+REFERENCE_MODEL_PARAMS_BYTES = "reference_model_params_bytes"
 
 # What a logged step's forward saves for backward, and the device's peak
 # (trainer_memcb.training.activations_probe): training entries only.
@@ -66,6 +80,19 @@ ACTIVATIONS_BYTES = "activations_bytes"
 ACTIVATIONS_PEAK_BYTES = "activations_peak_bytes"
 DEVICE_PEAK_ALLOCATED_BYTES = "device_peak_allocated_bytes"
 ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES)
+
+# The step's memory by part, as the end-of-run summary, the TensorBoard view and `trainer-memcb
+# report` show it: (what, the measured key, the planned key where the plan has one).
+STEP_MEMORY_PARTS: Tuple[Tuple[str, str, Optional[str]], ...] = (
+    ("parameters", MODEL_PARAMS_BYTES, None),
+    ("gradients", MODEL_GRADS_BYTES, None),
+    ("optimizer state", MEASURED_BYTES, ESTIMATE_BYTES),
+    ("master weights", MASTER_WEIGHTS_BYTES, None),
+    ("model states", MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES),
+    ("activations", ACTIVATIONS_BYTES, None),
+    ("activations, peak", ACTIVATIONS_PEAK_BYTES, None),
+    ("device peak allocated", DEVICE_PEAK_ALLOCATED_BYTES, None),
+)
 
 # Every key, its unit and meaning: the guide's table (docs/trainer-callback.md) and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
@@ -83,13 +110,17 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     MODEL_PARAMS_BYTES: "bytes: storage of the model's parameters on this process, each storage once (tied weights "
     "once, a DTensor by its shard, ZeRO-3 by its partitions)",
     MODEL_GRADS_BYTES: "bytes: storage of the gradients on this process, taken before the optimizer step",
-    MODEL_STATES_BYTES: "bytes: parameters + gradients + optimizer state + master weights on this process",
-    MODEL_STATES_ESTIMATE_BYTES: "bytes: the model-states plan's figure for the setup detected in the run",
+    MODEL_STATES_BYTES: "bytes: parameters + gradients + optimizer state + master weights (+ the reference model's "
+    "parameters, when the trainer holds one) on this process",
+    MODEL_STATES_ESTIMATE_BYTES: "bytes: the model-states plan's figure for the setup detected in the run (the "
+    "reference model planned as a frozen copy of its parameters)",
     MODEL_STATES_TOTAL_BYTES: "bytes: model_states_bytes summed over all processes of the job",
     MODEL_STATES_ESTIMATE_TOTAL_BYTES: "bytes: model_states_estimate_bytes summed over all processes",
+    REFERENCE_MODEL_PARAMS_BYTES: "bytes: storage of the frozen reference model's parameters (trainer.ref_model) on "
+    "this process, each storage once, storages shared with the policy left out",
     ACTIVATIONS_BYTES: "bytes: storages autograd saved for backward in the logged step's last micro-batch forward, "
     "still saved at its end, each storage once, parameters excluded (with gradient checkpointing, what is saved "
-    "outside the checkpointed blocks; with several processes, the largest over them)",
+    "outside the checkpointed blocks and each block's saved inputs; with several processes, the largest over them)",
     ACTIVATIONS_PEAK_BYTES: "bytes: the most of those saved bytes alive at any moment of that micro-batch's forward "
     "and backward",
     DEVICE_PEAK_ALLOCATED_BYTES: "bytes: on CUDA only, torch.cuda.max_memory_allocated of the model's device when "
@@ -136,6 +167,50 @@ def breakdown_key(breakdown: str, part: str) -> str:
     return BREAKDOWN_KEY_PREFIXES[breakdown] + _safe_part(str(part))
 
 
+# Which keys a log entry carries (the callback's `eval_keys=` and `train_keys=`): "all", every key
+# the run has (whatever this table holds, and the breakdowns asked for), or "short", the pair a
+# user came for. A list names keys of `KEY_DESCRIPTIONS`, or a breakdown by its first part
+# (`optimizer_state_bytes_by_key` keeps every `optimizer_state_bytes_by_key/<key>`).
+SHORT_KEYS = (MEASURED_BYTES, ESTIMATE_BYTES)
+KEY_PRESETS = ("all", "short")
+
+
+def key_names() -> Tuple[str, ...]:
+    """Every key name `select_keys` takes in a list: the key table's, then the breakdowns' first parts."""
+    return tuple(KEY_DESCRIPTIONS) + tuple(prefix.rstrip("/") for prefix in BREAKDOWN_KEY_PREFIXES.values())
+
+
+def select_keys(value: Any, argument: str) -> Optional[Tuple[str, ...]]:
+    """The keys an entry is to carry: None for every key (`"all"`), else the names chosen.
+
+    `value` is `"all"`, `"short"`, or names (`trainer_memcb.utils.name_lists`: a list, a comma
+    string, None or `()` for none).
+
+    Raises:
+        ValueError: naming an unknown key and the allowed ones.
+
+    Examples:
+        >>> from trainer_memcb.training.figures import select_keys
+        >>> select_keys("short", "eval_keys")
+        ('optimizer_state_bytes', 'optimizer_state_estimate_bytes')
+        >>> select_keys("all", "train_keys") is None
+        True
+    """
+    if isinstance(value, str) and value.strip() in KEY_PRESETS:
+        return None if value.strip() == "all" else SHORT_KEYS
+    try:
+        return name_list(value, argument, key_names())
+    except ValueError as error:
+        raise ValueError(f"{error}, or one of {list(KEY_PRESETS)}") from None
+
+
+def keep_keys(figures: Dict[str, int], chosen: Optional[Tuple[str, ...]]) -> Dict[str, int]:
+    """`figures` (unprefixed) cut to the `chosen` keys (`select_keys`); None keeps them all."""
+    if chosen is None:
+        return figures
+    return {key: value for key, value in figures.items() if key in chosen or key.split("/", 1)[0] in chosen}
+
+
 def claims_measurement(measurement: Optional[StateMeasurement], stepped: Optional[bool]) -> bool:
     """Whether `measurement` may be reported: once the optimizer has stepped, whatever the state
     holds (a stateless optimizer's empty state is a measurement of 0), and never before. A caller
@@ -160,6 +235,28 @@ def optimizer_figures(
         figures[ESTIMATE_BYTES] = estimate.num_bytes
         figures[TRAINABLE_PARAMS] = estimate.num_params
     return figures
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def step_memory_rows(figures: Mapping[str, Any]) -> List[Tuple[str, Optional[int], Optional[int]]]:
+    """(part, measured bytes, planned bytes) for each part of the step's memory that `figures`
+    (unprefixed keys) knows; anything but a whole number is not known.
+
+    Examples:
+        >>> step_memory_rows({"model_params_bytes": 40, "activations_bytes": 64, "optimizer_state_bytes": 88,
+        ...                   "optimizer_state_estimate_bytes": 88})
+        [('parameters', 40, None), ('optimizer state', 88, 88), ('activations', 64, None)]
+    """
+    rows = []
+    for part, measured_key, planned_key in STEP_MEMORY_PARTS:
+        measured = _count(figures.get(measured_key))
+        planned = _count(figures.get(planned_key)) if planned_key is not None else None
+        if measured is not None or planned is not None:
+            rows.append((part, measured, planned))
+    return rows
 
 
 def with_prefix(figures: Dict[str, int], prefix: str) -> Dict[str, int]:

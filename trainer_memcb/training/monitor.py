@@ -30,6 +30,7 @@ from trainer_memcb.training.model_states_probe import ModelStatesProbe
 from trainer_memcb.training.summary import summary_document
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
 from trainer_memcb.state.unwrap import inner_optimizers
+from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["BREAKDOWNS", "OptimizerStateMonitor", "validate_breakdown"]
 
@@ -45,17 +46,10 @@ def _strong(optimizer: Any) -> Callable[[], Any]:
     return lambda: optimizer
 
 
-def validate_breakdown(breakdown: Iterable[str]) -> Tuple[str, ...]:
-    if isinstance(breakdown, str):
-        breakdown = (breakdown,)
-    try:
-        chosen = tuple(breakdown)
-    except TypeError:  # None, a number: say what is allowed rather than "not iterable"
-        raise ValueError(f"breakdown={breakdown!r}: expected some of {sorted(BREAKDOWNS)}, or () for none") from None
-    for name in chosen:
-        if name not in BREAKDOWNS:
-            raise ValueError(f"breakdown={name!r} is not one of {sorted(BREAKDOWNS)}")
-    return chosen
+def validate_breakdown(breakdown: Any) -> Tuple[str, ...]:
+    """The breakdowns asked for, by the package's one rule for name lists
+    (`trainer_memcb.utils.name_lists`: a list, a comma string, None for none, each name once)."""
+    return name_list(breakdown, "breakdown", BREAKDOWNS)
 
 
 def optimizer_class_name(optimizer: Any) -> str:
@@ -150,6 +144,14 @@ class OptimizerStateMonitor:
             self.warn_once("model-states", f"measuring the parameters and gradients failed ({error!r}); "
                            "the model-states figures are left out")
             self.model_states = ModelStatesProbe()
+
+    def reference_model(self, reference: Any, policy: Any = None) -> None:
+        """The trainer's frozen reference model, or None; measured once per model."""
+        try:
+            self.model_states.reference_model(reference, policy)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("reference-model", f"measuring the reference model failed ({error!r}); "
+                           "reference_model_params_bytes is left out")
 
     # -- warnings ------------------------------------------------------------------------------
 
@@ -304,8 +306,11 @@ class OptimizerStateMonitor:
                          stepped: Optional[bool] = None) -> Dict[str, Any]:
         """The end-of-run JSON document (`optimizer_memory.json`): the measurement at `step`
         against the estimate (none before the optimizer has `stepped`, as in the logs), the
-        largest measurement seen, and `extra`."""
+        largest measurement seen, the last logged step's activations, and `extra`."""
         peak = self._peak
+        activations = self.activations.latest()  # the last logged step's, with that step
+        if activations is not None:
+            extra = {"activations": activations, **(extra or {})}
         judgement = self.judgement(step)
         if judgement is not None:
             extra = {"judgement": judgement.to_dict(), **(extra or {})}
