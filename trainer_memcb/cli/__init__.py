@@ -26,7 +26,15 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import add_estimate_arguments, estimate_plan, estimate_tables, estimate_what_if, plan_asked
+from trainer_memcb.cli.estimate import (
+    add_estimate_arguments,
+    estimate_plan,
+    estimate_step,
+    estimate_tables,
+    estimate_what_if,
+    plan_asked,
+    step_asked,
+)
 from trainer_memcb.cli.failures import (
     EXIT_DONE,
     EXIT_NOTHING_FOUND,
@@ -38,7 +46,7 @@ from trainer_memcb.cli.failures import (
     say,
 )
 from trainer_memcb.cli.output import print_json, print_tables
-from trainer_memcb.cli.plan_table import plan_tables
+from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
@@ -160,12 +168,20 @@ def _estimate(args: argparse.Namespace) -> int:
     # held back; the tables are printed afterwards.
     with quiet_output(enabled=not args.verbose):
         try:
-            if plan_asked(args):
+            if step_asked(args):
+                found = estimate_step(args)
+            elif plan_asked(args):
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
+    if step_asked(args):
+        if args.json:
+            print_json(step_json(found), sys.stdout)
+        else:
+            print_tables(step_tables(found) + plan_tables(found["model_states"]), sys.stdout)
+        return EXIT_DONE
     if args.json:
         print_json(result.to_dict(), sys.stdout)
     else:

@@ -8,12 +8,13 @@ the result.
 from __future__ import annotations
 
 import argparse
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.lora import add_lora_adapters
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
 from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
+from trainer_memcb.plan.step_memory import DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory
 from trainer_memcb.plan.whatif import (
     DEFAULT_OPTIMIZERS,
     DTYPES,
@@ -33,6 +34,8 @@ __all__ = [
     "estimate_tables",
     "estimate_what_if",
     "plan_asked",
+    "step_asked",
+    "estimate_step",
 ]
 
 
@@ -116,6 +119,19 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
                            "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
                            "the reference is the base model with its adapters disabled")
+    step = estimate.add_argument_group(
+        "step plan", "with --batch-size, one training step is run under fake tensors (nothing allocated): the "
+        "activations and the step's peak per process, and --device-memory answers from that peak")
+    step.add_argument("--batch-size", type=_checked(_positive_int), metavar="B", help="per-device micro-batch")
+    step.add_argument("--seq-len", type=_checked(_positive_int), metavar="S", help="sequence length (needed with --batch-size)")
+    step.add_argument("--gradient-checkpointing", action="store_true",
+                      help="the Trainer's gradient_checkpointing=True (non-reentrant)")
+    step.add_argument("--attn-implementation", metavar="NAME",
+                      help="the attention path to trace: eager, sdpa, ... (default: the config's)")
+    step.add_argument("--device-type", choices=list(DEVICE_TYPES), default="cuda",
+                      help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
+    step.add_argument("--max-batch-size", action="store_true",
+                      help="the largest per-device batch whose step fits in --device-memory at --seq-len")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
@@ -123,6 +139,53 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
                  "device_memory", "reference_model")
+
+
+def step_asked(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the step plan (activations and the step's peak)."""
+    return getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False))
+
+
+def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
+    """The step plan (and the model-states plan) for the options: a dict of plans and the search.
+
+    Raises:
+        ValueError: --seq-len or --device-memory missing where needed, a bad setup.
+        ModelConfigError: no model config, or no parameter left to train.
+    """
+    if args.seq_len is None:
+        raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
+    if args.max_batch_size and args.device_memory is None:
+        raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
+    optimizers = list(args.optimizers)
+    setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
+                  sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
+                  precision=args.precision or _precision_of(args.dtype), offload_optimizer=args.offload_optimizer,
+                  offload_params=args.offload_params)
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    model = estimate_model(args)  # checks the options once, and plans the model states
+    states = plan_model_states(model, optimizers[0], setup, device_memory=memory, model_name=args.model,
+                               reference_model=args.reference_model)
+
+    def plan_at(batch: int) -> StepMemoryPlan:
+        return plan_step_memory(lambda: estimate_model(args), batch_size=batch, seq_len=args.seq_len, setup=setup,
+                                optimizer=optimizers[0], attn_implementation=args.attn_implementation,
+                                gradient_checkpointing=args.gradient_checkpointing, device_type=args.device_type,
+                                device_memory=memory, model_name=args.model, states_plan=states,
+                                dtype=None if args.precision else resolve_dtype(args.dtype))[0]
+
+    found: Optional[int] = None
+    searched: List[StepMemoryPlan] = []
+    if args.max_batch_size:
+        found, searched = max_batch_size(plan_at, memory)
+    step = plan_at(args.batch_size) if args.batch_size is not None else None
+    return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
+            "search": args.max_batch_size}
+
+
+def _precision_of(dtype: str) -> str:
+    # 2 bytes a value for a model loaded in bf16 or fp16 and trained so.
+    return "bf16" if dtype in ("bfloat16", "float16") else "fp32"
 
 
 def plan_asked(args: argparse.Namespace) -> bool:

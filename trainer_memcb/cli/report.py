@@ -10,7 +10,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
-from trainer_memcb.training.figures import BREAKDOWN_KEY_PREFIXES, ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS, UNEXPECTED_BYTES
+from trainer_memcb.training.figures import (
+    BREAKDOWN_KEY_PREFIXES,
+    ESTIMATE_BYTES,
+    MEASURED_BYTES,
+    STEP_MEMORY_PARTS,
+    TRAINABLE_PARAMS,
+    UNEXPECTED_BYTES,
+    step_memory_rows,
+)
 from trainer_memcb.runs.run_logs import RunLog
 
 __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_report", "report_tables"]
@@ -73,6 +81,11 @@ class RunReport:
     # Measured against estimate, judged (trainer_memcb.state.judge): the summary's, else the last
     # logged `optimizer_state_unexpected_bytes` alone.
     judgement: Optional[Dict[str, Any]] = None
+    # The step's memory by part (parameters, gradients, optimizer state, master weights,
+    # activations, ...), measured and planned, as the last logged training step that has any of
+    # them logged it, and that step.
+    step_memory: Dict[str, int] = field(default_factory=dict)
+    step_memory_step: Optional[int] = None
 
     @property
     def final_metrics(self) -> Dict[str, float]:
@@ -160,6 +173,11 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
         what_if=_nested(summary, "what_if"),
         history_is_float32=run.history_file is None and bool(run.event_files),
     )
+    for entry in reversed(training):
+        known = {key: entry[key] for part in STEP_MEMORY_PARTS for key in part[1:] if key is not None and key in entry}
+        if any(key not in (MEASURED_BYTES, ESTIMATE_BYTES) for key in known):
+            report.step_memory, report.step_memory_step = known, entry["step"]
+            break
     judgement = _nested(summary, "judgement")
     if isinstance(judgement, dict):
         report.judgement = judgement
@@ -240,6 +258,15 @@ def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -
         ]))
     if report.judgement:
         tables.append(_judgement_table(report.judgement))
+    if report.step_memory:
+        tables.append(TextTable(
+            f"The step's memory by part at step {report.step_memory_step} (per process)",
+            ["part", "measured", "planned"],
+            [[part, bytes_cell(measured), bytes_cell(planned)]
+             for part, measured, planned in step_memory_rows(report.step_memory)],
+            note="activations: what the step's last micro-batch forward saved for backward (parameters excluded)"
+            if any(row[0].startswith("activations") for row in step_memory_rows(report.step_memory)) else "",
+        ))
     if report.what_if:
         tables.append(TextTable(
             f"What-if at train begin, for {count_cell(report.what_if.get('trainable_params'))} trainable parameters",
