@@ -26,7 +26,15 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import add_estimate_arguments, estimate_plan, estimate_tables, estimate_what_if, plan_asked
+from trainer_memcb.cli.estimate import (
+    add_estimate_arguments,
+    estimate_plan,
+    estimate_tables,
+    estimate_what_if,
+    needs_peft,
+    plan_asked,
+    resolve_optimizers,
+)
 from trainer_memcb.cli.failures import (
     EXIT_DONE,
     EXIT_NOTHING_FOUND,
@@ -160,6 +168,7 @@ def _estimate(args: argparse.Namespace) -> int:
     # held back; the tables are printed afterwards.
     with quiet_output(enabled=not args.verbose):
         try:
+            resolve_optimizers(args)
             if plan_asked(args):
                 result = estimate_plan(args)
             else:
@@ -185,6 +194,24 @@ def command(args: argparse.Namespace) -> int:
     return answer(lambda: handler(args), known, debug=getattr(args, "debug", False))
 
 
+def _parse(argv: Optional[Sequence[str]]) -> "argparse.Namespace | int":
+    """The parsed arguments, or the exit code argparse asked for (`--help` 0, a usage error 2).
+    Parsing imports nothing of transformers, so that `console_main` can decide what to keep out
+    of the process from the parsed command."""
+    try:
+        return parser().parse_args(argv)
+    except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
+        code = exit_request.code
+        return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.debug:
+        return command(args)
+    with quiet_libraries():  # their warnings would add lines to the one line the command says
+        return command(args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `trainer-memcb`; returns the exit code.
 
@@ -192,27 +219,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         >>> main(["compare", "no/such/run"])  # stderr: trainer-memcb: no/such/run: no such folder
         1
     """
-    try:
-        args = parser().parse_args(argv)
-    except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
-        code = exit_request.code
-        return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
-    if args.debug:
-        return command(args)
-    with quiet_libraries():  # their warnings would add lines to the one line the command says
-        return command(args)
+    args = _parse(argv)
+    return args if isinstance(args, int) else _run(args)
 
 
 def console_main() -> int:
     """The `trainer-memcb` console script (and `python -m trainer_memcb`): `main` in a process of its own.
 
-    For `estimate`, peft is kept out of the process: transformers' `trainer_utils`, which the
-    optimizer handlers import, imports peft whenever it is installed (and peft imports
-    bitsandbytes), only to recognise PEFT models, and `estimate` builds none. That import is about
-    50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft as not
-    installed (`importlib.util.find_spec` answers None). Only here, in a process that ends with the
-    command: `main()` called from Python changes nothing.
+    For an `estimate` without LoRA, peft is kept out of the process: transformers' `trainer_utils`,
+    which the optimizer handlers import, imports peft whenever it is installed (and peft imports
+    bitsandbytes), only to recognise PEFT models, and such an estimate builds none. That import is
+    about 50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft
+    as not installed (`importlib.util.find_spec` answers None). It is decided from the parsed
+    command (`--lora-r` needs peft, to add the adapters), which parsing allows because it imports
+    nothing of transformers. Only here, in a process that ends with the command: `main()` called
+    from Python changes nothing.
     """
-    if len(sys.argv) > 1 and sys.argv[1] == "estimate" and "peft" not in sys.modules:
+    args = _parse(None)
+    if isinstance(args, int):
+        return args
+    if getattr(args, "command", None) == "estimate" and not needs_peft(args) and "peft" not in sys.modules:
         sys.modules["peft"] = None
-    return main()
+    return _run(args)

@@ -32,7 +32,9 @@ __all__ = [
     "estimate_plan",
     "estimate_tables",
     "estimate_what_if",
+    "needs_peft",
     "plan_asked",
+    "resolve_optimizers",
 ]
 
 
@@ -57,11 +59,37 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _optimizer_list(text: str) -> List[str]:
+    """The names as given; they are checked against the Trainer's after parsing (`resolve_optimizers`),
+    since the list of names comes from transformers, which parsing does not import."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more of the Trainer's optim names, e.g. adamw,adafactor")
+    return names
+
+
+def resolve_optimizers(args: argparse.Namespace) -> None:
+    """Check `--optimizers` against the Trainer's names, aliases resolved, in place.
+
+    Raises:
+        ValueError: `argument --optimizers: optimizer 'x' is not one of: ...`.
+    """
+    try:
+        args.optimizers = resolve_optimizer_names(args.optimizers)
+    except ValueError as error:
+        raise ValueError(f"argument --optimizers: {error}") from None
+
+
+def needs_peft(args: argparse.Namespace) -> bool:
+    """Whether the estimate asked for needs peft (LoRA adapters)."""
+    return getattr(args, "lora_r", None) is not None
+
+
 def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     """The options of `trainer-memcb estimate`."""
     estimate.add_argument("model", metavar="MODEL", help="a folder holding config.json, or a hub name when online")
     estimate.add_argument(
-        "--optimizers", type=_checked(resolve_optimizer_names), default=DEFAULT_OPTIMIZERS,
+        "--optimizers", type=_optimizer_list, default=DEFAULT_OPTIMIZERS,
         help=f"the Trainer's optim names, comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); "
              "any OptimizerNames value, e.g. adamw,adafactor,adamw_8bit,galore_adamw,lomo",
     )
