@@ -114,7 +114,7 @@ def parse_bytes(text: Union[str, int]) -> int:
     Raises:
         ValueError: naming the text and the units allowed.
 
-    Example:
+    Examples:
         >>> parse_bytes("80GiB"), parse_bytes("1.5 KiB"), parse_bytes(512)
         (85899345920, 1536, 512)
     """
@@ -508,7 +508,7 @@ def plan_model_states(
         ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size,
             a malformed `optim_args` or `optim_target_modules`.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.plan.model_states import Setup, plan_model_states
         >>> plan = plan_model_states(7_500_000_000, "adamw", Setup(world_size=64, sharding="zero3",
         ...                          precision="deepspeed-fp16"))

@@ -105,7 +105,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         what_if: the Trainer `optim` names whose state to estimate once at train begin for the
             model being trained (logger and summary, under `"what_if"`); `()` for none.
 
-    Example:
+    Examples:
         >>> from trainer_memcb import OptimizerMemoryCallback
         >>> callback = OptimizerMemoryCallback(breakdown=("key",))
         >>> OptimizerMemoryCallback(breakdown=("shape",))

@@ -124,7 +124,7 @@ def reduce_across_processes(figures: Mapping[str, int]) -> Dict[str, int]:
         figure that any process lacks is left out (with its total and breakdowns). Breakdown keys
         (`optimizer_state_bytes_by_key/...`) stay this process's own.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.training.distributed import reduce_across_processes
         >>> reduce_across_processes({"optimizer_state_bytes": 88, "optimizer_state_estimate_bytes": 88})
         {'optimizer_state_bytes': 88, 'optimizer_state_estimate_bytes': 88}

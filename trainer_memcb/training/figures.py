@@ -56,7 +56,7 @@ MODEL_STATES_ESTIMATE_BYTES = "model_states_estimate_bytes"
 MODEL_STATES_TOTAL_BYTES = "model_states_total_bytes"
 MODEL_STATES_ESTIMATE_TOTAL_BYTES = "model_states_estimate_total_bytes"
 
-# Every key, its unit and meaning: the README's table and the callback's docstring say the same.
+# Every key, its unit and meaning: the guide's table (docs/trainer-callback.md) and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
     MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
     "(with several processes, the largest over them)",
@@ -110,7 +110,7 @@ def breakdown_key(breakdown: str, part: str) -> str:
         breakdown: `"key"`, `"dtype"` or `"device"`.
         part: the state key, dtype or device name, as measured.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.training.figures import breakdown_key
         >>> breakdown_key("key", "exp_avg"), breakdown_key("device", "cuda:0")
         ('optimizer_state_bytes_by_key/exp_avg', 'optimizer_state_bytes_by_device/cuda_0')

@@ -89,7 +89,7 @@ def _param_tensor(param: torch.Tensor) -> torch.Tensor:
 def measure_params_bytes(model: torch.nn.Module) -> int:
     """Bytes of storage behind the model's parameters on this process, each storage once.
 
-    Example:
+    Examples:
         >>> import torch
         >>> measure_params_bytes(torch.nn.Linear(4, 2))  # (8 + 2) fp32 values
         40
@@ -151,7 +151,7 @@ class ModelStatesProbe:
     """Measures parameters and gradients before the optimizer step, and adds the model-states
     figures to the optimizer's.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Linear(4, 2)
         >>> probe = ModelStatesProbe()
