@@ -180,7 +180,7 @@ def parameter_count(text: str) -> Optional[int]:
     Raises:
         ValueError: a number that is not a whole count of at least 1.
 
-    Example:
+    Examples:
         >>> parameter_count("7.5e9"), parameter_count("7_500_000_000"), parameter_count("gpt2")
         (7500000000, 7500000000, None)
     """

@@ -40,7 +40,7 @@ def is_layerwise(name: str) -> bool:
 def updates_in_backward(name: str) -> bool:
     """Whether the optimizer updates each parameter inside backward, holding one gradient at a time.
 
-    Example:
+    Examples:
         >>> [updates_in_backward(name) for name in ("lomo", "adalomo", "galore_adamw_layerwise", "adamw_torch")]
         [True, True, True, False]
     """
@@ -61,7 +61,7 @@ def unplanned_reason(name: str, *, world_size: int, sharding: str, deepspeed: bo
         sharding: the plan's sharding (`none`, `ddp`, `fsdp-*`, `zero1`, ...).
         deepspeed: DeepSpeed runs the job (ZeRO, or DeepSpeed's mixed precision without it).
 
-    Example:
+    Examples:
         >>> unplanned_reason("adamw_torch", world_size=8, sharding="zero3", deepspeed=True) is None
         True
         >>> unplanned_reason("galore_adamw", world_size=8, sharding="ddp", deepspeed=False) is None
