@@ -84,8 +84,8 @@ def _longest_word(text: str) -> int:
 
 
 def _folded(table: TextTable, widths: Sequence[int]) -> Any:
-    """The table as rich draws it, every column at least as wide as its longest word, so that a
-    narrow terminal folds cells at spaces and never cuts a name or a byte count."""
+    """The table as rich draws it, each column `widths` wide (at least its longest word), so that
+    a narrow terminal folds cells at spaces and never cuts a name or a byte count."""
     from rich.table import Table
     from rich.text import Text
 
@@ -94,7 +94,7 @@ def _folded(table: TextTable, widths: Sequence[int]) -> Any:
                   caption_justify="left")
     for index, (column, width) in enumerate(zip(table.columns, widths)):
         shown.add_column(Text(column), justify="left" if index in table.text_columns else "right",
-                         overflow="fold", min_width=width)
+                         overflow="fold", width=width)
     for row in table.rows:
         shown.add_row(*(Text(cell) for cell in row))
     return shown
@@ -124,9 +124,26 @@ def _min_widths(table: TextTable) -> List[int]:
             for index, column in enumerate(table.columns)]
 
 
-def _fits(widths: Sequence[int], width: int) -> bool:
+def _column_widths(table: TextTable, width: int) -> Optional[List[int]]:
+    """Each column's width for the table to fit `width` terminal columns: as wide as its widest cell
+    when all fit, else at least its longest word, the room left shared in proportion to what each
+    column lacks; None when even the longest words do not fit side by side."""
     # rich's default box: one space of padding each side and one border per column, one more at the end.
-    return sum(widths) + 3 * len(widths) + 1 <= width
+    room = width - (3 * len(table.columns) + 1)
+    natural = [max([len(column)] + [len(row[index]) for row in table.rows if index < len(row)])
+               for index, column in enumerate(table.columns)]
+    if sum(natural) <= room:
+        return natural
+    least = _min_widths(table)
+    spare = room - sum(least)
+    if spare < 0:
+        return None
+    lacking = [most - fewest for most, fewest in zip(natural, least)]
+    given = [spare * lack // sum(lacking) for lack in lacking]
+    widths = [fewest + extra for fewest, extra in zip(least, given)]
+    for index in sorted(range(len(widths)), key=lambda i: lacking[i] - given[i], reverse=True)[:spare - sum(given)]:
+        widths[index] += 1
+    return widths
 
 
 def _transposed(table: TextTable) -> TextTable:
@@ -141,13 +158,13 @@ def _rich(table: TextTable, width: int) -> List[Any]:
     be; else turned on its side (a few wide rows, a plan's optimizers, fit as columns); else one
     small table per row. A word (a name, a byte count) is never cut unless it alone is wider
     than the terminal."""
-    widths = _min_widths(table)
-    if _fits(widths, width):
+    widths = _column_widths(table, width)
+    if widths is not None:
         return [_folded(table, widths)]
     if table.rows:
         side = _transposed(table)
-        side_widths = _min_widths(side)
-        if _fits(side_widths, width):
+        side_widths = _column_widths(side, width)
+        if side_widths is not None:
             return [_folded(side, side_widths)]
     return _records(table)
 
