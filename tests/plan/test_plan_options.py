@@ -101,9 +101,12 @@ def test_galore_and_apollo_take_their_target_modules_and_say_where_they_are_not_
 
 
 def test_layerwise_optimizers_over_several_processes_are_refused_as_the_trainer_refuses_them(tiny):
-    (entry,) = plan_model_states(tiny, "galore_adamw_layerwise", Setup(world_size=2, sharding="ddp"),
-                                 optim_target_modules=TARGETS).optimizers
+    plan = plan_model_states(tiny, "galore_adamw_layerwise", Setup(world_size=2, sharding="ddp"),
+                             optim_target_modules=TARGETS)
+    (entry,) = plan.optimizers
     assert entry.optimizer_state_bytes is None and entry.problem.startswith("the Trainer refuses layer-wise optimizers")
+    # Not planned: no claim about its gradients beyond a plain optimizer's, and no note.
+    assert (entry.grads_bytes, entry.updates_in_backward, plan.notes) == (4 * TINY_VALUES, False, [])
     (lomo,) = plan_model_states(tiny, "lomo", Setup(world_size=2, sharding="ddp")).optimizers
     assert lomo.problem.startswith("LOMO and AdaLomo are planned in one process")
 

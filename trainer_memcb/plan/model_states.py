@@ -539,8 +539,8 @@ def plan_model_states(
         in_backward = updates_in_backward(optimizer_name)
         refused = unplanned_reason(optimizer_name, world_size=setup.world_size, sharding=setup.sharding,
                                    deepspeed=deepspeed)
-        if refused is not None:
-            rows.append(_combine(optimizer_name, layout, setup, None, None, refused, None, memory, in_backward))
+        if refused is not None:  # not planned: its gradients as a plain optimizer's, no note
+            rows.append(_combine(optimizer_name, layout, setup, None, None, refused, None, memory))
             continue
         if stand_in is not None:
             found = model_optimizer_what_if(optimizer_name, args, stand_in)
