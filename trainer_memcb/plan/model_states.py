@@ -3,8 +3,11 @@ master weights, for a world size, a sharding, an offload and a precision setup.
 
 The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.whatif`: the
 Trainer's optimizer for each `optim` name, built over meta-device stand-ins shaped like what one
-process's optimizer steps over: the whole parameters, an FSDP shard, or ZeRO's flat fp32
-partitions). Parameters, gradients and master weights follow the libraries' partitioning:
+process's optimizer steps over: the model with its whole parameters or FSDP shards, built as the
+what-if builds it, or ZeRO's flat fp32 partitions). Optimizers that update inside backward (LOMO,
+AdaLomo, the layer-wise variants) hold one gradient, the largest parameter's; which setups the
+plan covers for each kind is in `trainer_memcb.plan.update_kinds`. Parameters, gradients and master
+weights follow the libraries' partitioning (ZeRO's fp32 master copy exists in fp32 runs too):
 
 | sharding | parameters | gradients | optimizer steps over | master weights |
 |---|---|---|---|---|
