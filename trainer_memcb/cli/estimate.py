@@ -149,13 +149,17 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
                       "(fp32 master weights)")
     plan.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per process, e.g. 80GiB: says whether it fits")
+    plan.add_argument("--reference-model", action="store_true",
+                      help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
+                           "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
+                           "the reference is the base model with its adapters disabled")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
 
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
-                 "device_memory")
+                 "device_memory", "reference_model")
 
 
 def plan_asked(args: argparse.Namespace) -> bool:
@@ -222,7 +226,7 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,
                              optim_args=args.optim_args, optim_target_modules=args.optim_target_modules,
-                             keep_dtypes=args.precision is None)
+                             keep_dtypes=args.precision is None, reference_model=args.reference_model)
 
 
 def estimate_what_if(args: argparse.Namespace) -> WhatIf:

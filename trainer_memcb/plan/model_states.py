@@ -27,6 +27,14 @@ Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_shar
 ZeRO-1/2 pad each param group; the plan takes the trainable parameters as one group (the Trainer
 makes two, with and without weight decay: up to 2 values more in each process's partition).
 
+A reference model (`reference_model=True`, for DPO-style training: TRL's DPO, KTO, RLOO, and GRPO
+with `beta > 0` keep a frozen copy of the policy as `trainer.ref_model`) adds its parameters, in the
+policy's dtype, with no gradients and no optimizer state: whole on every process under none, ddp,
+zero1 and zero2 (TRL prepares it for ZeRO-1/2 as a plain stage-0 model), partitioned like the
+policy's parameters under zero3 and FSDP (TRL shards it the same way). With LoRA there is no second
+copy: TRL's trainers, given a PEFT model and no reference model, take the base model with its
+adapters disabled as the reference, so the plan adds 0 and says so.
+
 Not counted: activations, temporary buffers (FSDP's all-gathered parameters, DDP's gradient
 buckets, ZeRO's reduce buckets), the CUDA context and allocator fragmentation. Two short-lived
 figures are given apart, under `transient_bytes`: ZeRO's fp32 gradient partition, made for the
@@ -37,7 +45,7 @@ backward.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -74,6 +82,7 @@ __all__ = [
     "param_specs",
     "parse_bytes",
     "plan_model_states",
+    "reference_model_bytes",
 ]
 
 SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
@@ -330,6 +339,35 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup) -> ModelStates
     )
 
 
+def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
+    """Bytes per process of a frozen reference model with these parameters: a parameter-only
+    layout, whole except under zero3 (partitions) and FSDP (padded shards), as the policy's.
+
+    Examples:
+        >>> from trainer_memcb.plan.model_states import ParamSpec, Setup, reference_model_bytes
+        >>> reference_model_bytes([ParamSpec((1000,))], Setup(world_size=4, sharding="zero3"))  # 250 fp32 values
+        1000
+    """
+    size = PRECISIONS[setup.precision]
+    if setup.sharding == "zero3":
+        numels = [zero3_partition_numel(spec.numel, setup.world_size) for spec in specs]
+    elif setup.is_fsdp:
+        numels = [fsdp_padded_shard_numel(spec.shape, setup.world_size) for spec in specs]
+    else:
+        numels = [spec.numel for spec in specs]
+    return sum(numel * (spec.element_size or size) for numel, spec in zip(numels, specs))
+
+
+def _is_peft_model(model: Any) -> bool:
+    """A PEFT model (LoRA and the like): it can disable its adapters to act as its own reference."""
+    return isinstance(model, nn.Module) and hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+# Why a LoRA run's reference model adds nothing (trl/trainer/dpo_trainer.py: with a PeftModel and
+# ref_model=None, the reference log-probabilities come from `model.disable_adapter()`).
+PEFT_REFERENCE_NOTE = "0: with PEFT adapters the reference is the base model with its adapters disabled, no second copy"
+
+
 @dataclass(frozen=True)
 class OptimizerPlan:
     """One optimizer's model states on the fullest process.
@@ -348,6 +386,8 @@ class OptimizerPlan:
         source: where the optimizer-state rule comes from.
         updates_in_backward: LOMO, AdaLomo and the layer-wise optimizers: `grads_bytes` is the one
             gradient such an update holds at a time, the largest parameter's.
+        reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
+            included in `model_states_bytes`; 0 without one.
     """
 
     name: str
@@ -366,6 +406,7 @@ class OptimizerPlan:
     problem: Optional[str] = None
     source: Optional[str] = None
     updates_in_backward: bool = False
+    reference_model_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -382,6 +423,8 @@ class ModelStatesPlan:
     trainable_params: int
     device_memory_bytes: Optional[int]
     optimizers: List[OptimizerPlan]
+    reference_model: bool = False
+    reference_model_note: Optional[str] = None
     notes: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -393,6 +436,8 @@ class ModelStatesPlan:
             "device_memory_bytes": self.device_memory_bytes,
             "optimizers": [entry.to_dict() for entry in self.optimizers],
             "notes": list(self.notes),
+            "reference_model": self.reference_model,
+            "reference_model_note": self.reference_model_note,
             "not_counted": "activations, temporary buffers, the CUDA context, allocator fragmentation",
         }
 
@@ -417,6 +462,23 @@ def _combine(name: str, layout: ModelStatesLayout, setup: Setup, optimizer_bytes
     return OptimizerPlan(name, optimizer_class, layout.params_bytes, grads, optimizer_bytes,
                          layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,
                          dict(layout.transient_bytes), fits, margin, None, source, in_backward)
+
+
+def _with_reference(row: OptimizerPlan, reference: int, layout: ModelStatesLayout, setup: Setup,
+                    device_memory: Optional[int]) -> OptimizerPlan:
+    """`row` with a frozen reference model's `reference` bytes added to the model states, where the
+    parameters live (offloaded with them)."""
+    if not reference:
+        return row
+    if row.model_states_bytes is None:
+        return replace(row, reference_model_bytes=reference)
+    on_cpu = reference if layout.params_on_cpu else 0
+    cpu = row.cpu_bytes + on_cpu
+    device = row.device_bytes + reference - on_cpu
+    margin = None if device_memory is None else device_memory - device
+    return replace(row, reference_model_bytes=reference, model_states_bytes=row.model_states_bytes + reference,
+                   device_bytes=device, cpu_bytes=cpu, cpu_bytes_per_node=cpu * setup.processes_per_node,
+                   margin_bytes=margin, fits=None if margin is None else margin >= 0)
 
 
 def _stand_ins(layout: ModelStatesLayout) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
@@ -482,6 +544,7 @@ def plan_model_states(
     optim_args: Union[None, str, Mapping[str, Any]] = None,
     optim_target_modules: Union[None, str, Sequence[str]] = None,
     keep_dtypes: bool = False,
+    reference_model: bool = False,
 ) -> ModelStatesPlan:
     """Plan the model states of the fullest process, for each optimizer.
 
@@ -506,6 +569,9 @@ def plan_model_states(
         optim_target_modules: replaces `args.optim_target_modules` (GaLore, APOLLO), as in `what_if`.
         keep_dtypes: take each parameter's own dtype (a model loaded in the precision's dtype, whose
             LoRA adapters PEFT keeps in float32) rather than the precision's for all.
+        reference_model: add a frozen reference model, as DPO-style training holds: a copy of
+            the parameters in the same dtype, no gradients, no optimizer state; 0 for a PEFT
+            model, whose reference is itself with its adapters disabled (`reference_model_note`).
 
     Raises:
         ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size,
@@ -537,6 +603,12 @@ def plan_model_states(
     layout = layout_model_states(specs, setup)
     stand_in = _model_stand_in(module, layout, setup, keep_dtypes) if layout.optimizer_over_model else None
     deepspeed = setup.is_zero or setup.precision.startswith("deepspeed-")
+    reference, note = 0, None
+    if reference_model:
+        if _is_peft_model(module):
+            note = PEFT_REFERENCE_NOTE
+        else:
+            reference = reference_model_bytes(specs, setup)
     rows = []
     for optimizer_name in names:
         in_backward = updates_in_backward(optimizer_name)
@@ -554,9 +626,11 @@ def plan_model_states(
         rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
                              found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
                              in_backward))
+    rows = [_with_reference(row, reference, layout, setup, memory) for row in rows]
     return ModelStatesPlan(
         model=name, setup=setup,
         total_params=sum(spec.numel for spec in specs),
         trainable_params=sum(spec.numel for spec in specs if spec.trainable),
         device_memory_bytes=memory, optimizers=rows, notes=_notes(layout, setup, specs, rows),
+        reference_model=bool(reference_model), reference_model_note=note,
     )
