@@ -63,6 +63,15 @@ def test_frozen_parameters_count_as_parameters_only():
     assert (entry.params_bytes, entry.grads_bytes, entry.optimizer_state_bytes) == (236, 24 * 4, adamw(24, 2))
 
 
+def test_a_margin_of_exactly_zero_fits_and_one_byte_less_does_not():
+    # `fits` is `device_bytes <= device_memory`: memory equal to the device bytes fits, margin 0.
+    (entry,) = plan_model_states(two_layers(), "adamw", Setup()).optimizers
+    assert entry.device_bytes == 236 + 236 + 488 and (entry.fits, entry.margin_bytes) == (None, None)
+    for memory, fits, margin in ((960, True, 0), (959, False, -1), (961, True, 1)):
+        (entry,) = plan_model_states(two_layers(), "adamw", Setup(), device_memory=memory).optimizers
+        assert (entry.fits, entry.margin_bytes) == (fits, margin)
+
+
 def test_fsdp_pads_every_shard_to_ceil_rows_over_w_and_the_first_rank_steps_over_the_most():
     # Rows 7 -> 4 per rank, 3 -> 2: padded shards 4x4 + 4 + 2x7 + 2 = 36 values on every rank.
     for sharding in ("fsdp-full-shard", "fsdp-shard-grad-op"):

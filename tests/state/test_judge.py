@@ -235,6 +235,24 @@ def test_state_left_behind_by_a_parameter_taken_out_of_the_groups():
     assert [(c.kind, c.num_bytes, c.num_params) for c in judged.causes] == [("state_for_other_tensors", 88, 2)]
 
 
+def test_adagrad_state_for_frozen_parameters_is_expected_and_not_flagged():
+    # Adagrad makes `step` and `sum` at construction for every parameter in its groups, frozen ones
+    # included, and its rule says so (includes_frozen=True). One cast makes a difference to judge:
+    # only the cast is a cause, never the frozen layer's state.
+    frozen, trained = torch.nn.Linear(4, 4).requires_grad_(False), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adagrad([*frozen.parameters(), *trained.parameters()])
+    estimate, expectation = estimate_optimizer_state(optimizer), expect_state(optimizer)
+    assert expectation.includes_frozen
+    assert estimate.num_bytes == 4 * (4 * 4 + 4) + 4 * (4 * 2 + 2) + 4 * 4  # every `sum`, every `step`: 136
+    one_step(torch.nn.Sequential(frozen, trained), optimizer, torch.ones(1, 4))
+    measured = measure_optimizer_state(optimizer)
+    assert judge_state(optimizer, measured, estimate, expectation).agrees
+    optimizer.state[trained.bias]["sum"] = optimizer.state[trained.bias]["sum"].double()  # 2 values: +8 bytes
+    judged = judge_state(optimizer, measure_optimizer_state(optimizer), estimate, expectation)
+    assert judged.difference_bytes == 8
+    assert [(c.kind, c.num_bytes, c.num_params) for c in judged.causes] == [("dtype_differs_from_param", 8, 1)]
+
+
 def test_agreeing_runs_log_zero_and_warn_nothing(tmp_path):
     model = tiny_classifier()
     trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=2), train_dataset=TinyDataset(16),
