@@ -1,6 +1,6 @@
 """The model-states plan beside the references: the ZeRO paper, DeepSpeed's estimators, accelerate.
 
-    python benchmarks/references.py          # prints the README's comparison tables (about a minute)
+    python benchmarks/references.py          # prints the guide's comparison tables (docs/will-it-fit.md) (about a minute)
 
 - The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
   Parameter Models", Table 1): per-device model states of a 7.5B-parameter model with mixed-precision

@@ -87,7 +87,8 @@ def test_the_sdist_holds_every_source_file_so_its_tests_run(built):
     # The pieces the suite cannot run without, named so a MANIFEST.in change that drops them shows.
     for needed in ("LICENSE", "README.md", "setup.cfg", "setup.py", "tests/conftest.py", "tests/helpers.py",
                    "tests/dist_scripts/ddp_trainer.py", "examples/data/reviews/train.csv",
-                   "examples/models/tiny-distilbert/config.json", "benchmarks/overhead.py"):
+                   "examples/models/tiny-distilbert/config.json", "benchmarks/overhead.py",
+                   "mkdocs.yml", "docs/index.md", "docs/tensorboard_custom_scalars.png"):
         assert needed in names
     # Only setuptools' own additions beyond the source: PKG-INFO and the egg-info (a source that is
     # itself an unpacked sdist has PKG-INFO already).

@@ -57,7 +57,7 @@ def main() -> None:
             figures_per_step.append(memory())
             model_states_per_step.append(model_states())
 
-    # The README's recipe for the job's figures without the Trainer or the logger.
+    # The guide's recipe (docs/distributed.md) for the job's figures without the Trainer or the logger.
     own = optimizer_figures(measure_optimizer_state(optimizer), estimate_optimizer_state(optimizer))
     job = reduce_across_processes(own)
 

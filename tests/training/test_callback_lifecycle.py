@@ -27,7 +27,6 @@ from trainer_memcb.training.trainer_log_hook import is_log_hook_installed
         (("shape",), "breakdown='shape' is not one of ['device', 'dtype', 'key']"),
         ("keys", "breakdown='keys' is not one of ['device', 'dtype', 'key']"),
         (("key", 3), "breakdown=3 is not one of ['device', 'dtype', 'key']"),
-        (None, "breakdown=None: expected some of ['device', 'dtype', 'key']"),
         (7, "breakdown=7: expected some of ['device', 'dtype', 'key']"),
     ],
 )

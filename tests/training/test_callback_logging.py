@@ -102,7 +102,8 @@ def tensorboard_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
         train_dataset=TinyDataset(16),
         eval_dataset=TinyDataset(8, seed=1),
         compute_metrics=accuracy_and_f1,
-        callbacks=[OptimizerMemoryCallback(breakdown=("key", "dtype", "device"))],
+        # Every key in evaluation entries too (the default keeps two there: test_entry_keys.py).
+        callbacks=[OptimizerMemoryCallback(breakdown=("key", "dtype", "device"), eval_keys="all")],
     )
     callback_logger = logging.getLogger("trainer_memcb.training.callback")
     records, previous_level = _Records(), callback_logger.level
@@ -135,7 +136,7 @@ def epoch_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         train_dataset=TinyDataset(8),
         eval_dataset=TinyDataset(8, seed=1),
         compute_metrics=accuracy_and_f1,
-        callbacks=[OptimizerMemoryCallback()],
+        callbacks=[OptimizerMemoryCallback(eval_keys="all")],
     )
     found_warnings = train_recording_warnings(trainer)
     return SimpleNamespace(trainer=trainer, expected=adamw_figures(model), warnings=found_warnings)

@@ -57,7 +57,8 @@ def run_reporting_to(reporter: str, tmp_path: Any, monkeypatch: Any) -> Tuple[Tr
         args=training_args(str(tmp_path / "out"), max_steps=2, eval_strategy="steps", eval_steps=2,
                            report_to=[reporter]),
         train_dataset=TinyDataset(16), eval_dataset=TinyDataset(8, seed=1),
-        callbacks=[OptimizerMemoryCallback(breakdown=("key", "dtype", "device"), summary_file=None, what_if=())],
+        callbacks=[OptimizerMemoryCallback(breakdown=("key", "dtype", "device"), summary_file=None, what_if=(),
+                                           eval_keys="all")],
     )
     trainer.train()
     series: Series = {}

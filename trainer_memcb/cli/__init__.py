@@ -188,7 +188,7 @@ def command(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `trainer-memcb`; returns the exit code.
 
-    Example:
+    Examples:
         >>> main(["compare", "no/such/run"])  # stderr: trainer-memcb: no/such/run: no such folder
         1
     """

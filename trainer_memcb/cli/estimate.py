@@ -112,13 +112,17 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default), autocast-bf16/fp16 (Trainer "
                       "bf16=True/fp16=True), bf16 (model loaded in bf16), deepspeed-bf16/fp16 (fp32 master weights)")
     plan.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per process, e.g. 80GiB: says whether it fits")
+    plan.add_argument("--reference-model", action="store_true",
+                      help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
+                           "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
+                           "the reference is the base model with its adapters disabled")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
 
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
-                 "device_memory")
+                 "device_memory", "reference_model")
 
 
 def plan_asked(args: argparse.Namespace) -> bool:
@@ -139,7 +143,7 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
                   offload_params=args.offload_params)
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     return plan_model_states(estimate_model(args), args.optimizers, setup, device_memory=memory,
-                             model_name=args.model)
+                             model_name=args.model, reference_model=args.reference_model)
 
 
 def estimate_what_if(args: argparse.Namespace) -> WhatIf:

@@ -123,7 +123,7 @@ def print_json(document: Any, stream: TextIO) -> None:
 def one_line(message: str) -> str:
     """The message on one line, for stderr.
 
-    Example:
+    Examples:
         >>> one_line("could not read (first\\n\\nsecond)\\x1b[2J")
         'could not read (first second)\\\\x1b[2J'
         >>> one_line("key \\x85 and \\u2028 here").splitlines()

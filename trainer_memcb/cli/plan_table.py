@@ -32,7 +32,9 @@ def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
         ["precision", setup.precision],
         ["offload to CPU", ", ".join(offload) or "none"],
         ["device memory", bytes_cell(plan.device_memory_bytes)],
-    ])
+    ] + ([["reference model (frozen copy)", plan.reference_model_note
+           or bytes_cell(plan.optimizers[0].reference_model_bytes if plan.optimizers else None)]]
+         if plan.reference_model else []))
     rows = []
     for entry in plan.optimizers:
         if entry.model_states_bytes is None:
@@ -44,8 +46,9 @@ def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
                      bytes_cell(entry.model_states_bytes), bytes_cell(entry.device_bytes),
                      bytes_cell(entry.cpu_bytes_per_node), _fits(plan, entry)])
     states = TextTable(
-        "Per process (the fullest): parameters, gradients, optimizer state, master weights. "
-        "Not counted: activations, temporary buffers, CUDA context, fragmentation",
+        "Per process (the fullest): parameters, gradients, optimizer state, master weights"
+        + (" (model states include the reference model)" if plan.reference_model else "")
+        + ". Not counted: activations, temporary buffers, CUDA context, fragmentation",
         ["optimizer", "parameters", "gradients", "optimizer state", "master weights", "model states",
          "on the device", "CPU per node", "fits?"],
         rows, text_columns=(0, 8),

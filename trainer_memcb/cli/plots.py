@@ -42,7 +42,7 @@ def plot_format(path: str) -> str:
     Raises:
         ValueError: another extension.
 
-    Example:
+    Examples:
         >>> plot_format("runs/adamw.SVG"), plot_format("plot")
         ('svg', 'png')
     """

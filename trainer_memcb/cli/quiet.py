@@ -26,7 +26,7 @@ def quiet_output(enabled: bool = True) -> Iterator[None]:
     Our own messages are printed after leaving it: errors propagate as exceptions and the CLI
     prints them once the stream is back.
 
-    Example:
+    Examples:
         >>> import sys
         >>> with quiet_output():
         ...     print("Failed to load libfoo.so", file=sys.stderr)

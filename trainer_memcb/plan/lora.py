@@ -40,7 +40,7 @@ def add_lora_adapters(model: nn.Module, r: int,
         ValueError: a bad `r`, a malformed module list, PEFT not installed, or PEFT refusing the
             configuration (no module matches), with the reason.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb.plan.lora import add_lora_adapters
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))

@@ -24,6 +24,14 @@ Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_shar
 ZeRO-1/2 pad each param group; the plan takes the trainable parameters as one group (the Trainer
 makes two, with and without weight decay: up to 2 values more in each process's partition).
 
+A reference model (`reference_model=True`, for DPO-style training: TRL's DPO, KTO, RLOO, and GRPO
+with `beta > 0` keep a frozen copy of the policy as `trainer.ref_model`) adds its parameters, in the
+policy's dtype, with no gradients and no optimizer state: whole on every process under none, ddp,
+zero1 and zero2 (TRL prepares it for ZeRO-1/2 as a plain stage-0 model), partitioned like the
+policy's parameters under zero3 and FSDP (TRL shards it the same way). With LoRA there is no second
+copy: TRL's trainers, given a PEFT model and no reference model, take the base model with its
+adapters disabled as the reference, so the plan adds 0 and says so.
+
 Not counted: activations, temporary buffers (FSDP's all-gathered parameters, DDP's gradient
 buckets, ZeRO's reduce buckets), the CUDA context and allocator fragmentation. Two short-lived
 figures are given apart, under `transient_bytes`: ZeRO's fp32 gradient partition, made for the
@@ -34,7 +42,7 @@ backward.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -62,6 +70,7 @@ __all__ = [
     "param_specs",
     "parse_bytes",
     "plan_model_states",
+    "reference_model_bytes",
 ]
 
 SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
@@ -98,7 +107,7 @@ def parse_bytes(text: Union[str, int]) -> int:
     Raises:
         ValueError: naming the text and the units allowed.
 
-    Example:
+    Examples:
         >>> parse_bytes("80GiB"), parse_bytes("1.5 KiB"), parse_bytes(512)
         (85899345920, 1536, 512)
     """
@@ -295,6 +304,35 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup) -> ModelStates
     )
 
 
+def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
+    """Bytes per process of a frozen reference model with these parameters: a parameter-only
+    layout, whole except under zero3 (partitions) and FSDP (padded shards), as the policy's.
+
+    Examples:
+        >>> from trainer_memcb.plan.model_states import ParamSpec, Setup, reference_model_bytes
+        >>> reference_model_bytes([ParamSpec((1000,))], Setup(world_size=4, sharding="zero3"))  # 250 fp32 values
+        1000
+    """
+    size = PRECISIONS[setup.precision]
+    if setup.sharding == "zero3":
+        numels = [zero3_partition_numel(spec.numel, setup.world_size) for spec in specs]
+    elif setup.is_fsdp:
+        numels = [fsdp_padded_shard_numel(spec.shape, setup.world_size) for spec in specs]
+    else:
+        numels = [spec.numel for spec in specs]
+    return sum(numel * (spec.element_size or size) for numel, spec in zip(numels, specs))
+
+
+def _is_peft_model(model: Any) -> bool:
+    """A PEFT model (LoRA and the like): it can disable its adapters to act as its own reference."""
+    return isinstance(model, nn.Module) and hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+# Why a LoRA run's reference model adds nothing (trl/trainer/dpo_trainer.py: with a PeftModel and
+# ref_model=None, the reference log-probabilities come from `model.disable_adapter()`).
+PEFT_REFERENCE_NOTE = "0: with PEFT adapters the reference is the base model with its adapters disabled, no second copy"
+
+
 @dataclass(frozen=True)
 class OptimizerPlan:
     """One optimizer's model states on the fullest process.
@@ -310,6 +348,8 @@ class OptimizerPlan:
         fits: `device_bytes <= device_memory`, when a device memory was given.
         margin_bytes: `device_memory - device_bytes` (negative: short by that much).
         problem: why there is no optimizer figure, or None.
+        reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
+            included in `model_states_bytes`; 0 without one.
     """
 
     name: str
@@ -327,6 +367,7 @@ class OptimizerPlan:
     margin_bytes: Optional[int] = None
     problem: Optional[str] = None
     source: Optional[str] = None
+    reference_model_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -342,6 +383,8 @@ class ModelStatesPlan:
     trainable_params: int
     device_memory_bytes: Optional[int]
     optimizers: List[OptimizerPlan]
+    reference_model: bool = False
+    reference_model_note: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -351,6 +394,8 @@ class ModelStatesPlan:
             "trainable_params": self.trainable_params,
             "device_memory_bytes": self.device_memory_bytes,
             "optimizers": [entry.to_dict() for entry in self.optimizers],
+            "reference_model": self.reference_model,
+            "reference_model_note": self.reference_model_note,
             "not_counted": "activations, temporary buffers, the CUDA context, allocator fragmentation",
         }
 
@@ -376,6 +421,23 @@ def _combine(name: str, layout: ModelStatesLayout, setup: Setup, optimizer_bytes
                          dict(layout.transient_bytes), fits, margin, None, source)
 
 
+def _with_reference(row: OptimizerPlan, reference: int, layout: ModelStatesLayout, setup: Setup,
+                    device_memory: Optional[int]) -> OptimizerPlan:
+    """`row` with a frozen reference model's `reference` bytes added to the model states, where the
+    parameters live (offloaded with them)."""
+    if not reference:
+        return row
+    if row.model_states_bytes is None:
+        return replace(row, reference_model_bytes=reference)
+    on_cpu = reference if layout.params_on_cpu else 0
+    cpu = row.cpu_bytes + on_cpu
+    device = row.device_bytes + reference - on_cpu
+    margin = None if device_memory is None else device_memory - device
+    return replace(row, reference_model_bytes=reference, model_states_bytes=row.model_states_bytes + reference,
+                   device_bytes=device, cpu_bytes=cpu, cpu_bytes_per_node=cpu * setup.processes_per_node,
+                   margin_bytes=margin, fits=None if margin is None else margin >= 0)
+
+
 def _stand_ins(layout: ModelStatesLayout) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(layout.optimizer_element_size, torch.float32)
     params = [nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape in layout.optimizer_shapes]
@@ -390,6 +452,7 @@ def plan_model_states(
     args: Any = None,
     device_memory: Union[None, int, str] = None,
     model_name: Optional[str] = None,
+    reference_model: bool = False,
 ) -> ModelStatesPlan:
     """Plan the model states of the fullest process, for each optimizer.
 
@@ -401,11 +464,14 @@ def plan_model_states(
         args: `TrainingArguments` for the optimizers' hyperparameters; None uses the defaults.
         device_memory: the accelerator's memory per process (`"80GiB"` or bytes), for fits / margin.
         model_name: how to name the model.
+        reference_model: add a frozen reference model, as DPO-style training holds: a copy of
+            the parameters in the same dtype, no gradients, no optimizer state; 0 for a PEFT
+            model, whose reference is itself with its adapters disabled (`reference_model_note`).
 
     Raises:
         ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.plan.model_states import Setup, plan_model_states
         >>> plan = plan_model_states(7_500_000_000, "adamw", Setup(world_size=64, sharding="zero3",
         ...                          precision="deepspeed-fp16"))
@@ -428,6 +494,12 @@ def plan_model_states(
     if not any(spec.trainable for spec in specs):
         raise ValueError(f"{name} has no trainable parameter")
     layout = layout_model_states(specs, setup)
+    reference, note = 0, None
+    if reference_model:
+        if _is_peft_model(module):
+            note = PEFT_REFERENCE_NOTE
+        else:
+            reference = reference_model_bytes(specs, setup)
     rows = []
     for optimizer_name in names:
         params, embeddings = _stand_ins(layout)
@@ -435,9 +507,11 @@ def plan_model_states(
         estimate = found.estimate
         rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
                              found.optimizer_class, found.problem, estimate.source if estimate else None, memory))
+    rows = [_with_reference(row, reference, layout, setup, memory) for row in rows]
     return ModelStatesPlan(
         model=name, setup=setup,
         total_params=sum(spec.numel for spec in specs),
         trainable_params=sum(spec.numel for spec in specs if spec.trainable),
         device_memory_bytes=memory, optimizers=rows,
+        reference_model=bool(reference_model), reference_model_note=note,
     )

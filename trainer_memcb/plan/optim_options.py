@@ -31,7 +31,7 @@ def parse_optim_args(optim_args: Union[None, str, Mapping[str, Any]]) -> Optiona
     Raises:
         ValueError: a piece that is not `key=value`, naming it.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.plan.optim_options import parse_optim_args
         >>> parse_optim_args("rank=64, update_proj_gap=200")
         'rank=64,update_proj_gap=200'
@@ -82,7 +82,7 @@ def parse_target_modules(targets: Union[None, str, List[str], tuple],
     Raises:
         ValueError: an empty entry or one that is not a regular expression, naming it.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.plan.optim_options import parse_target_modules
         >>> parse_target_modules("attn, mlp")
         ['attn', 'mlp']
@@ -106,7 +106,7 @@ def parse_target_modules(targets: Union[None, str, List[str], tuple],
 def parse_optim_target_modules(targets: Union[None, str, List[str], tuple]) -> Union[None, str, List[str]]:
     """`parse_target_modules` for `TrainingArguments.optim_target_modules` (GaLore, APOLLO).
 
-    Example:
+    Examples:
         >>> from trainer_memcb.plan.optim_options import parse_optim_target_modules
         >>> parse_optim_target_modules(".*(attn|mlp).*")
         '.*(attn|mlp).*'

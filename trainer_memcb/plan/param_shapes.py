@@ -24,7 +24,7 @@ def is_zero3_partitioned(param: torch.Tensor) -> bool:
 def logical_shape(param: torch.Tensor) -> Tuple[int, ...]:
     """The shape the parameter has in the model: `ds_shape` under ZeRO-3, else `param.shape`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> stand_in = torch.nn.Parameter(torch.empty(0))
         >>> stand_in.ds_shape, stand_in.ds_numel = torch.Size([7, 4]), 28

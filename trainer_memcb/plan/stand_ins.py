@@ -56,7 +56,7 @@ def meta_stand_in(model: nn.Module) -> nn.Module:
     Args:
         model: any `nn.Module`, on any device.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb.plan.stand_ins import meta_stand_in
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))

@@ -184,7 +184,7 @@ def build_trainer_optimizer(name: str, args: Any, model: nn.Module) -> Any:
         OptimizerUnavailable: the Trainer cannot build it here (a package not installed, a
             device this machine lacks, a missing `optim_target_modules`), with the reason.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from transformers import TrainingArguments
         >>> from trainer_memcb.plan.stand_ins import meta_stand_in

@@ -350,7 +350,7 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
         ValueError: an unknown optimizer name, a malformed `optim_args` or
             `optim_target_modules`, or a model with no trainable parameter.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb.plan.whatif import what_if
         >>> result = what_if(torch.nn.Linear(4, 2), ["adamw"])

@@ -297,7 +297,7 @@ def load_run(run_dir: str, metrics: Optional[Sequence[str]] = None) -> RunLog:
     Raises:
         RunLogError: no such folder, nothing to read in it, or a file that cannot be read.
 
-    Example:
+    Examples:
         >>> load_run("no/such/run")
         Traceback (most recent call last):
         ...

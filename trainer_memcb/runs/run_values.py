@@ -66,7 +66,7 @@ class Problems:
 def whole_number(value: Any, signed: bool = False) -> Optional[int]:
     """An int (a float with no fraction counts) within the count range, else None. Booleans are not numbers.
 
-    Example:
+    Examples:
         >>> whole_number(88), whole_number(88.0), whole_number("88"), whole_number(-1), whole_number(True)
         (88, 88, None, None, None)
     """
@@ -97,7 +97,7 @@ def real_number(value: Any) -> Optional[float]:
 def is_count_key(key: str) -> bool:
     """Whether a logged key holds a count of bytes, values or parameters.
 
-    Example:
+    Examples:
         >>> [is_count_key(k) for k in ("optimizer_state_bytes", "eval_optimizer_state_bytes_by_key/exp_avg", "loss")]
         [True, True, False]
     """
@@ -120,7 +120,7 @@ def clean_log_history(entries: List[Dict[str, Any]], label: str = "log_history",
             since a run may log what it likes (a confusion matrix). None checks every `eval_*`
             and `test_*` key.
 
-    Example:
+    Examples:
         >>> cleaned, problems = clean_log_history([{"step": "1", "loss": 1.0}, {"step": 2, "optimizer_state_bytes": "8"}])
         >>> cleaned, problems.sentence("a run does not log")
         ([{'step': 2}], "skipped 2 values that a run does not log (log_history[0].step = '1': not a whole number >= 0)")
@@ -276,7 +276,7 @@ class _SummaryReader:
 def clean_summary(document: Dict[str, Any]) -> Tuple[Dict[str, Any], Problems]:
     """The fields of an `optimizer_memory.json` the command shows, each of its type, and what was dropped.
 
-    Example:
+    Examples:
         >>> cleaned, problems = clean_summary({"measured": {"num_bytes": "96"}, "estimate": None})
         >>> cleaned["measured"]["num_bytes"], problems.sentence("a summary does not hold")
         (None, "skipped 1 value that a summary does not hold (measured.num_bytes = '96': not a whole number >= 0)")

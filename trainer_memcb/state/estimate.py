@@ -110,7 +110,7 @@ def estimate_optimizer_state(optimizer: Any) -> Optional[StateEstimate]:
     Args:
         optimizer: a `torch.optim.Optimizer`, or a wrapper around one.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb import estimate_optimizer_state
         >>> layer = torch.nn.Linear(4, 2)

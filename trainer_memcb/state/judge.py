@@ -312,7 +312,7 @@ def judge_state(optimizer: Any, measurement: StateMeasurement, estimate: StateEs
         estimate: from `estimate_optimizer_state(optimizer)`.
         expectation: from `expect_state(optimizer)`, taken with the estimate; None takes it now.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb import estimate_optimizer_state, measure_optimizer_state
         >>> from trainer_memcb.state.judge import judge_state

@@ -443,7 +443,7 @@ def measure_optimizer_state(optimizer: Any) -> StateMeasurement:
     Args:
         optimizer: a `torch.optim.Optimizer`, or any of the wrappers above.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb import measure_optimizer_state
         >>> layer = torch.nn.Linear(4, 2)

@@ -131,7 +131,7 @@ def register_estimate_rule(
             its state somewhere other than `optimizer.state`; None for `optimizer.state`.
             `measure_optimizer_state` reads the state there, so measuring and estimating agree.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb import register_estimate_rule, estimate_optimizer_state
         >>> from trainer_memcb import measure_optimizer_state

@@ -63,7 +63,7 @@ class OptimizerMemoryLogger:
             (`model_params_bytes`, `model_grads_bytes`, `model_states_bytes`,
             `model_states_estimate_bytes`; see `trainer_memcb.training.model_states_probe`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from trainer_memcb import OptimizerMemoryLogger
         >>> model = torch.nn.Linear(4, 2)

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, Iterable, Optional, Set
+from typing import Any, Dict, Iterable, Optional, Set, Union
 
 from transformers import TrainerCallback
 from transformers.utils import logging
 
 from trainer_memcb.plan import whatif
-from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, with_prefix
+from trainer_memcb.training.figures import (
+    BREAKDOWN_KEY_DESCRIPTIONS,
+    KEY_DESCRIPTIONS,
+    keep_keys,
+    select_keys,
+    with_prefix,
+)
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
+from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
 
@@ -74,9 +81,30 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     | `optimizer_state_estimate_total_bytes` | bytes | the estimate summed over all processes (with several) |
     | `optimizer_master_weights_bytes` | bytes | DeepSpeed ZeRO's fp32 master weights (with ZeRO only) |
     | `optimizer_state_unexpected_bytes` | bytes | measured minus estimate (signed), once every trainable parameter has state |
+    | `model_params_bytes` | bytes | storage of the model's parameters, each storage once (tied weights once) |
+    | `model_grads_bytes` | bytes | storage of the gradients, taken before the optimizer step |
+    | `model_states_bytes` | bytes | parameters + gradients + optimizer state + master weights + reference model |
+    | `model_states_estimate_bytes` | bytes | the model-states plan's figure for the setup detected in the run |
+    | `model_states_total_bytes` | bytes | `model_states_bytes` summed over all processes (with several) |
+    | `model_states_estimate_total_bytes` | bytes | `model_states_estimate_bytes` summed over all processes (with several) |
+    | `reference_model_params_bytes` | bytes | the frozen reference model's parameters (`trainer.ref_model`), when the trainer holds one |
     | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
+
+    Which keys an entry carries: by default a training entry carries every key above that the
+    run has, and an evaluation entry only `optimizer_state_bytes` and
+    `optimizer_state_estimate_bytes` (with its prefix), so that a notebook's evaluation table and
+    a console line keep the metrics readable. `train_keys=` and `eval_keys=` choose otherwise:
+    `"all"`, `"short"` (that pair), or a list of key names (a breakdown by its first part,
+    `optimizer_state_bytes_by_key`). The end-of-training summary file always holds every figure.
+
+    The reference model (TRL's DPO, KTO, RLOO, and GRPO with `beta > 0` hold one, as
+    `trainer.ref_model`) is counted once, its parameters' storages without those it shares with the
+    policy: `reference_model_params_bytes`, included in `model_states_bytes`; the plan's
+    `model_states_estimate_bytes` includes it as a frozen copy of its parameters (no gradients, no
+    optimizer state), laid out like the policy's parameters. A PEFT model trained with
+    `ref_model=None` has no reference model: TRL disables the adapters to get the reference.
 
     In breakdown keys, characters other than letters, digits, `_` and `-` in a part name become
     `_` (`cuda:0` -> `cuda_0`), so that no key is a path prefix of another and every reporter
@@ -103,9 +131,15 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         summary_file: file name, inside `args.output_dir`, for the end-of-training JSON summary;
             None writes none.
         what_if: the Trainer `optim` names whose state to estimate once at train begin for the
-            model being trained (logger and summary, under `"what_if"`); `()` for none.
+            model being trained (logger and summary, under `"what_if"`); `()` or None for none.
+        eval_keys: the keys evaluation entries carry: `"short"` (default), `"all"`, or key names.
+        train_keys: the keys training entries carry: `"all"` (default), `"short"`, or key names.
 
-    Example:
+    Every argument that names things (`breakdown`, `what_if`, `eval_keys`, `train_keys`) takes a
+    list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
+    unknown name is a `ValueError` that names it and the allowed ones.
+
+    Examples:
         >>> from trainer_memcb import OptimizerMemoryCallback
         >>> callback = OptimizerMemoryCallback(breakdown=("key",))
         >>> OptimizerMemoryCallback(breakdown=("shape",))
@@ -117,7 +151,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     KEYS = {**KEY_DESCRIPTIONS, **BREAKDOWN_KEY_DESCRIPTIONS}
 
     def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME,
-                 what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS) -> None:
+                 what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS,
+                 eval_keys: Union[str, Iterable[str], None] = "short",
+                 train_keys: Union[str, Iterable[str], None] = "all") -> None:
         if summary_file is not None and (
             not isinstance(summary_file, str) or summary_file in ("", ".", "..")
             or os.path.basename(summary_file) != summary_file
@@ -126,7 +162,11 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
                              f"{SUMMARY_FILE_NAME!r}, or None for no file")
         self.breakdown = validate_breakdown(breakdown)
         self.summary_file = summary_file
-        self.what_if_optimizers = whatif.resolve_optimizer_names(what_if) if what_if else ()
+        chosen = name_list(what_if, "what_if", whatif.optimizer_names())
+        self.what_if_optimizers = whatif.resolve_optimizer_names(chosen) if chosen else ()
+        # None: every key; else the names kept (`trainer_memcb.training.figures.select_keys`).
+        self.eval_keys = select_keys(eval_keys, "eval_keys")
+        self.train_keys = select_keys(train_keys, "train_keys")
         # Warnings given, shared by every run's monitor: each kind of fault warns once per callback.
         self._warned: Set[str] = set()
         self._runs: PerOptimizer[_Run] = PerOptimizer(self._new_run)
@@ -200,13 +240,20 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
                 return  # not trained yet: nothing to measure, on any process
             state = trainer.state
             run = self._runs.setdefault(optimizer)
-            figures = run.monitor.figures(state.global_step, stepped=state.global_step > 0)
+            # The frozen reference model, if the trainer holds one (TRL): every process, before
+            # the figures (a collective with several processes).
+            run.monitor.reference_model(getattr(trainer, "ref_model", None), getattr(trainer, "model", None))
+            figures = self._kept(run.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
                 self._observe(run, trainer, figures, prefix, state.global_step)
         except Exception as error:  # never break training over a figure
             self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
+
+    def _kept(self, figures: Dict[str, int], prefix: str) -> Dict[str, int]:
+        """The figures an entry of this kind carries (`train_keys`, `eval_keys`)."""
+        return keep_keys(figures, self.eval_keys if prefix else self.train_keys)
 
     def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int) -> None:
         if not figures:
@@ -234,7 +281,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         run = self._run(optimizer)
         if prefix is None or run is None:
             return
-        figures = with_prefix(run.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
+        figures = with_prefix(self._kept(run.monitor.figures(state.global_step, stepped=state.global_step > 0),
+                                         prefix), prefix)
         if not figures or not state.is_world_process_zero:
             return
         self._warn_once(

@@ -34,6 +34,7 @@ from trainer_memcb.training.figures import (
     MODEL_STATES_ESTIMATE_TOTAL_BYTES,
     MODEL_STATES_TOTAL_BYTES,
     TRAINABLE_PARAMS,
+    REFERENCE_MODEL_PARAMS_BYTES,
     UNEXPECTED_BYTES,
 )
 
@@ -47,7 +48,8 @@ __all__ = [
 
 # Figures that describe what one process holds: across processes, the largest is logged.
 PER_PROCESS_KEYS = (MEASURED_BYTES, MEASURED_ELEMENTS, ESTIMATE_BYTES, TRAINABLE_PARAMS, MASTER_WEIGHTS_BYTES,
-                    MODEL_PARAMS_BYTES, MODEL_GRADS_BYTES, MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES)
+                    MODEL_PARAMS_BYTES, MODEL_GRADS_BYTES, MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES,
+                    REFERENCE_MODEL_PARAMS_BYTES)
 # Per-process figure -> the key of its sum over all processes.
 TOTAL_KEYS = {MEASURED_BYTES: MEASURED_TOTAL_BYTES, ESTIMATE_BYTES: ESTIMATE_TOTAL_BYTES,
               MODEL_STATES_BYTES: MODEL_STATES_TOTAL_BYTES, MODEL_STATES_ESTIMATE_BYTES: MODEL_STATES_ESTIMATE_TOTAL_BYTES}
@@ -124,7 +126,7 @@ def reduce_across_processes(figures: Mapping[str, int]) -> Dict[str, int]:
         figure that any process lacks is left out (with its total and breakdowns). Breakdown keys
         (`optimizer_state_bytes_by_key/...`) stay this process's own.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.training.distributed import reduce_across_processes
         >>> reduce_across_processes({"optimizer_state_bytes": 88, "optimizer_state_estimate_bytes": 88})
         {'optimizer_state_bytes': 88, 'optimizer_state_estimate_bytes': 88}

@@ -6,10 +6,11 @@ Shared by the Trainer callback and the custom-loop API so that both log the same
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from trainer_memcb.state.estimate import StateEstimate
 from trainer_memcb.state.measure import StateMeasurement
+from trainer_memcb.utils.name_lists import name_list
 
 __all__ = [
     "MEASURED_BYTES",
@@ -26,7 +27,13 @@ __all__ = [
     "MODEL_STATES_ESTIMATE_BYTES",
     "MODEL_STATES_TOTAL_BYTES",
     "MODEL_STATES_ESTIMATE_TOTAL_BYTES",
+    "REFERENCE_MODEL_PARAMS_BYTES",
     "KEY_DESCRIPTIONS",
+    "KEY_PRESETS",
+    "SHORT_KEYS",
+    "keep_keys",
+    "key_names",
+    "select_keys",
     "claims_measurement",
     "BREAKDOWN_KEY_PREFIXES",
     "BREAKDOWN_KEY_DESCRIPTIONS",
@@ -55,8 +62,13 @@ MODEL_STATES_BYTES = "model_states_bytes"
 MODEL_STATES_ESTIMATE_BYTES = "model_states_estimate_bytes"
 MODEL_STATES_TOTAL_BYTES = "model_states_total_bytes"
 MODEL_STATES_ESTIMATE_TOTAL_BYTES = "model_states_estimate_total_bytes"
+# The frozen reference model a preference or RL trainer holds beside the policy (TRL's DPO, KTO,
+# RLOO, GRPO with beta > 0: `trainer.ref_model`). Part of the model states: `model_states_bytes`
+# counts it, and `model_states_estimate_bytes` plans it as a frozen copy (no gradients, no optimizer
+# state). Storages it shares with the policy are the policy's, counted once, in `model_params_bytes`.
+REFERENCE_MODEL_PARAMS_BYTES = "reference_model_params_bytes"
 
-# Every key, its unit and meaning: the README's table and the callback's docstring say the same.
+# Every key, its unit and meaning: the guide's table (docs/trainer-callback.md) and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
     MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
     "(with several processes, the largest over them)",
@@ -72,10 +84,14 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     MODEL_PARAMS_BYTES: "bytes: storage of the model's parameters on this process, each storage once (tied weights "
     "once, a DTensor by its shard, ZeRO-3 by its partitions)",
     MODEL_GRADS_BYTES: "bytes: storage of the gradients on this process, taken before the optimizer step",
-    MODEL_STATES_BYTES: "bytes: parameters + gradients + optimizer state + master weights on this process",
-    MODEL_STATES_ESTIMATE_BYTES: "bytes: the model-states plan's figure for the setup detected in the run",
+    MODEL_STATES_BYTES: "bytes: parameters + gradients + optimizer state + master weights (+ the reference model's "
+    "parameters, when the trainer holds one) on this process",
+    MODEL_STATES_ESTIMATE_BYTES: "bytes: the model-states plan's figure for the setup detected in the run (the "
+    "reference model planned as a frozen copy of its parameters)",
     MODEL_STATES_TOTAL_BYTES: "bytes: model_states_bytes summed over all processes of the job",
     MODEL_STATES_ESTIMATE_TOTAL_BYTES: "bytes: model_states_estimate_bytes summed over all processes",
+    REFERENCE_MODEL_PARAMS_BYTES: "bytes: storage of the frozen reference model's parameters (trainer.ref_model) on "
+    "this process, each storage once, storages shared with the policy left out",
 }
 
 # With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a
@@ -110,12 +126,56 @@ def breakdown_key(breakdown: str, part: str) -> str:
         breakdown: `"key"`, `"dtype"` or `"device"`.
         part: the state key, dtype or device name, as measured.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.training.figures import breakdown_key
         >>> breakdown_key("key", "exp_avg"), breakdown_key("device", "cuda:0")
         ('optimizer_state_bytes_by_key/exp_avg', 'optimizer_state_bytes_by_device/cuda_0')
     """
     return BREAKDOWN_KEY_PREFIXES[breakdown] + _safe_part(str(part))
+
+
+# Which keys a log entry carries (the callback's `eval_keys=` and `train_keys=`): "all", every key
+# the run has (whatever this table holds, and the breakdowns asked for), or "short", the pair a
+# user came for. A list names keys of `KEY_DESCRIPTIONS`, or a breakdown by its first part
+# (`optimizer_state_bytes_by_key` keeps every `optimizer_state_bytes_by_key/<key>`).
+SHORT_KEYS = (MEASURED_BYTES, ESTIMATE_BYTES)
+KEY_PRESETS = ("all", "short")
+
+
+def key_names() -> Tuple[str, ...]:
+    """Every key name `select_keys` takes in a list: the key table's, then the breakdowns' first parts."""
+    return tuple(KEY_DESCRIPTIONS) + tuple(prefix.rstrip("/") for prefix in BREAKDOWN_KEY_PREFIXES.values())
+
+
+def select_keys(value: Any, argument: str) -> Optional[Tuple[str, ...]]:
+    """The keys an entry is to carry: None for every key (`"all"`), else the names chosen.
+
+    `value` is `"all"`, `"short"`, or names (`trainer_memcb.utils.name_lists`: a list, a comma
+    string, None or `()` for none).
+
+    Raises:
+        ValueError: naming an unknown key and the allowed ones.
+
+    Examples:
+        >>> from trainer_memcb.training.figures import select_keys
+        >>> select_keys("short", "eval_keys")
+        ('optimizer_state_bytes', 'optimizer_state_estimate_bytes')
+        >>> select_keys("all", "train_keys") is None
+        True
+    """
+    if isinstance(value, str) and value.strip() in KEY_PRESETS:
+        return None if value.strip() == "all" else SHORT_KEYS
+    try:
+        return name_list(value, argument, key_names())
+    except ValueError as error:
+        raise ValueError(f"{error}, or one of {list(KEY_PRESETS)}") from None
+
+
+def keep_keys(figures: Dict[str, int], chosen: Optional[Tuple[str, ...]]) -> Dict[str, int]:
+    """`figures` (unprefixed) cut to the `chosen` keys (`select_keys`); None keeps them all."""
+    if chosen is None:
+        return figures
+    return {key: value for key, value in figures.items() if key in chosen or key.split("/", 1)[0] in chosen}
 
 
 def claims_measurement(measurement: Optional[StateMeasurement], stepped: Optional[bool]) -> bool:

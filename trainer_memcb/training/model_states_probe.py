@@ -10,8 +10,15 @@ already, it makes:
 |---|---|---|
 | `model_params_bytes` | bytes | storage of the model's parameters on this process, each storage once |
 | `model_grads_bytes` | bytes | storage of their gradients, taken before the optimizer step |
-| `model_states_bytes` | bytes | parameters + gradients + optimizer state + master weights |
+| `model_states_bytes` | bytes | parameters + gradients + optimizer state + master weights (+ the reference model) |
 | `model_states_estimate_bytes` | bytes | the plan's figure (`trainer_memcb.plan.model_states`) for the setup detected |
+| `reference_model_params_bytes` | bytes | the frozen reference model's parameters, when the trainer holds one |
+
+A reference model (`trainer.ref_model` of TRL's DPO, KTO, RLOO, and GRPO with `beta > 0`) is part of
+the model states: its parameters' storages, each once and without those it shares with the policy
+(counted already), are added to `model_states_bytes`; the plan adds a frozen copy of its parameters
+(`trainer_memcb.plan.model_states.reference_model_bytes`: no gradients, no optimizer state) to
+`model_states_estimate_bytes`. Measured once per reference model: it is frozen.
 
 Each storage counts once: tied weights once, a DTensor (FSDP2) by its local shard's storage (which
 FSDP2 pads to `ceil(rows / W)` rows on every rank), a ZeRO-3 partitioned parameter by its partition
@@ -42,12 +49,14 @@ from trainer_memcb.training.figures import (
     MODEL_PARAMS_BYTES,
     MODEL_STATES_BYTES,
     MODEL_STATES_ESTIMATE_BYTES,
+    REFERENCE_MODEL_PARAMS_BYTES,
 )
 from trainer_memcb.state.measure import _plain_tensors
-from trainer_memcb.plan.model_states import Setup, layout_model_states, param_specs
+from trainer_memcb.plan.model_states import Setup, layout_model_states, param_specs, reference_model_bytes
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer
 
-__all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_params_bytes"]
+__all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_params_bytes",
+           "measure_reference_model_bytes"]
 
 # DeepSpeed's gradient buffers, by ZeRO stage (stage_1_and_2.py with contiguous_gradients; stage3.py).
 _ZERO_GRAD_BUFFERS = {2: "grads_in_partition", 3: "grad_partitions_flat_buffer"}
@@ -58,11 +67,14 @@ _ZERO_GRAD_BUFFERS = {2: "grads_in_partition", 3: "grad_partitions_flat_buffer"}
 _ZERO12_MASTERS = "single_partition_of_fp32_groups"
 
 
-def _count_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+def _count_bytes(tensors: Iterable[Optional[torch.Tensor]],
+                 seen: Optional[Set[Tuple[torch.device, int]]] = None) -> int:
     """Bytes of the storages behind `tensors`, each storage once (metadata only). A tensor subclass
     (a DTensor) counts by the plain tensors inside it; a meta tensor holds nothing. Called at
-    every logged step over every parameter and gradient, so it does only that."""
-    seen: Set[Tuple[torch.device, int]] = set()
+    every logged step over every parameter and gradient, so it does only that.
+
+    `seen`: storages counted elsewhere, left out here; the ones counted are added to it."""
+    seen = set() if seen is None else seen
     total = 0
     for tensor in tensors:
         if tensor is None:
@@ -89,12 +101,30 @@ def _param_tensor(param: torch.Tensor) -> torch.Tensor:
 def measure_params_bytes(model: torch.nn.Module) -> int:
     """Bytes of storage behind the model's parameters on this process, each storage once.
 
-    Example:
+    Examples:
         >>> import torch
         >>> measure_params_bytes(torch.nn.Linear(4, 2))  # (8 + 2) fp32 values
         40
     """
     return _count_bytes(_param_tensor(param) for param in model.parameters())
+
+
+def measure_reference_model_bytes(reference: torch.nn.Module, policy: Optional[torch.nn.Module] = None) -> int:
+    """Bytes of storage behind a reference model's parameters on this process, each storage once,
+    without the storages the `policy`'s parameters hold (those are the policy's).
+
+    Examples:
+        >>> import torch
+        >>> policy = torch.nn.Linear(4, 2)
+        >>> reference = torch.nn.Linear(4, 2)
+        >>> reference.weight = policy.weight  # shared: the policy's
+        >>> measure_reference_model_bytes(reference, policy)  # the bias: 2 fp32 values
+        8
+    """
+    policy_storages: Set[Tuple[torch.device, int]] = set()
+    if policy is not None:
+        _count_bytes((_param_tensor(param) for param in policy.parameters()), policy_storages)
+    return _count_bytes((_param_tensor(param) for param in reference.parameters()), policy_storages)
 
 
 def measure_grads_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
@@ -151,7 +181,7 @@ class ModelStatesProbe:
     """Measures parameters and gradients before the optimizer step, and adds the model-states
     figures to the optimizer's.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Linear(4, 2)
         >>> probe = ModelStatesProbe()
@@ -172,6 +202,10 @@ class ModelStatesProbe:
         # The ZeRO optimizer behind the optimizer (weakly) and its stage, or None: found once per
         # optimizer (it walks the wrappers and tries a few attributes), not at every logged step.
         self._zero: Optional[Tuple[Callable[[], Any], int]] = None
+        # The reference model (weakly), its measured bytes, and its planned bytes (once).
+        self._reference: Callable[[], Any] = _nothing
+        self._reference_bytes: Optional[int] = None
+        self._reference_planned: Optional[int] = None
 
     @property
     def measured(self) -> bool:
@@ -190,6 +224,28 @@ class ModelStatesProbe:
         self._params_bytes = _count_bytes(_param_tensor(param) for param in params)
         self._grads_bytes = _grads_bytes(params, None if self._zero is None else (self._zero[0](), self._zero[1]))
 
+    def reference_model(self, reference: Optional[torch.nn.Module], policy: Optional[torch.nn.Module] = None) -> None:
+        """The trainer's frozen reference model (None: it has none), measured once per model:
+        its parameters do not change. Raises what measuring raises (the caller warns)."""
+        if reference is None or not isinstance(reference, torch.nn.Module):
+            self._reference, self._reference_bytes, self._reference_planned = _nothing, None, None
+            return
+        if reference is self._reference() and self._reference_bytes is not None:
+            return
+        self._reference, self._reference_bytes, self._reference_planned = _nothing, None, None
+        self._reference_bytes = measure_reference_model_bytes(reference, policy)
+        self._reference = _weakly(reference)
+
+    def _planned_reference(self) -> int:
+        """The plan's frozen copy of the reference model's parameters, for the detected setup."""
+        if self._reference_planned is None:
+            reference = self._reference()
+            if reference is None:
+                return 0
+            setup = detect_setup(self._model() or reference, self._optimizer())
+            self._reference_planned = reference_model_bytes(param_specs(reference, keep_dtypes=True), setup)
+        return self._reference_planned
+
     def _planned_without_optimizer(self) -> int:
         """The plan's parameters + gradients + master weights for the detected setup, once per model."""
         if self._layout_bytes is None:
@@ -201,13 +257,19 @@ class ModelStatesProbe:
     def figures(self, optimizer_figures: Dict[str, int]) -> Dict[str, int]:
         """The model-states keys, from the last `before_step` and this process's optimizer figures."""
         figures: Dict[str, int] = {}
+        reference = self._reference_bytes if self._reference() is not None else None
         if self._params_bytes is None:
+            if reference is not None:
+                figures[REFERENCE_MODEL_PARAMS_BYTES] = reference
             return figures
         figures[MODEL_PARAMS_BYTES] = self._params_bytes
         figures[MODEL_GRADS_BYTES] = self._grads_bytes
         if MEASURED_BYTES in optimizer_figures:
             figures[MODEL_STATES_BYTES] = (self._params_bytes + self._grads_bytes + optimizer_figures[MEASURED_BYTES]
-                                           + optimizer_figures.get(MASTER_WEIGHTS_BYTES, 0))
+                                           + optimizer_figures.get(MASTER_WEIGHTS_BYTES, 0) + (reference or 0))
         if ESTIMATE_BYTES in optimizer_figures:
-            figures[MODEL_STATES_ESTIMATE_BYTES] = self._planned_without_optimizer() + optimizer_figures[ESTIMATE_BYTES]
+            figures[MODEL_STATES_ESTIMATE_BYTES] = (self._planned_without_optimizer() + optimizer_figures[ESTIMATE_BYTES]
+                                                    + (self._planned_reference() if reference is not None else 0))
+        if reference is not None:
+            figures[REFERENCE_MODEL_PARAMS_BYTES] = reference
         return figures

@@ -29,6 +29,7 @@ from trainer_memcb.training.model_states_probe import ModelStatesProbe
 from trainer_memcb.training.summary import summary_document
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
 from trainer_memcb.state.unwrap import inner_optimizers
+from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["BREAKDOWNS", "OptimizerStateMonitor", "validate_breakdown"]
 
@@ -44,17 +45,10 @@ def _strong(optimizer: Any) -> Callable[[], Any]:
     return lambda: optimizer
 
 
-def validate_breakdown(breakdown: Iterable[str]) -> Tuple[str, ...]:
-    if isinstance(breakdown, str):
-        breakdown = (breakdown,)
-    try:
-        chosen = tuple(breakdown)
-    except TypeError:  # None, a number: say what is allowed rather than "not iterable"
-        raise ValueError(f"breakdown={breakdown!r}: expected some of {sorted(BREAKDOWNS)}, or () for none") from None
-    for name in chosen:
-        if name not in BREAKDOWNS:
-            raise ValueError(f"breakdown={name!r} is not one of {sorted(BREAKDOWNS)}")
-    return chosen
+def validate_breakdown(breakdown: Any) -> Tuple[str, ...]:
+    """The breakdowns asked for, by the package's one rule for name lists
+    (`trainer_memcb.utils.name_lists`: a list, a comma string, None for none, each name once)."""
+    return name_list(breakdown, "breakdown", BREAKDOWNS)
 
 
 def optimizer_class_name(optimizer: Any) -> str:
@@ -147,6 +141,14 @@ class OptimizerStateMonitor:
             self.warn_once("model-states", f"measuring the parameters and gradients failed ({error!r}); "
                            "the model-states figures are left out")
             self.model_states = ModelStatesProbe()
+
+    def reference_model(self, reference: Any, policy: Any = None) -> None:
+        """The trainer's frozen reference model, or None; measured once per model."""
+        try:
+            self.model_states.reference_model(reference, policy)
+        except Exception as error:  # never break training over a figure
+            self.warn_once("reference-model", f"measuring the reference model failed ({error!r}); "
+                           "reference_model_params_bytes is left out")
 
     # -- warnings ------------------------------------------------------------------------------
 

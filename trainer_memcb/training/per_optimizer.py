@@ -24,7 +24,7 @@ class PerOptimizer(Generic[Record]):
     Args:
         make: builds the record of an optimizer seen for the first time.
 
-    Example:
+    Examples:
         >>> import gc, torch
         >>> from trainer_memcb.training.per_optimizer import PerOptimizer
         >>> records = PerOptimizer(lambda optimizer: {"class": type(optimizer).__name__})

@@ -101,7 +101,7 @@ def layout_charts(keys_by_prefix: Dict[str, Iterable[str]], tag: Callable[[str],
         keys_by_prefix: the unprefixed figure keys logged, per entry prefix (`""` for training).
         tag: how a logged key becomes a TensorBoard tag (`trainer_tag` or `loop_tag`).
 
-    Example:
+    Examples:
         >>> layout_charts({"": ["optimizer_state_bytes", "optimizer_state_estimate_bytes"],
         ...                "eval": ["optimizer_state_bytes"]}, trainer_tag)
         {'Optimizer memory': {'optimizer state, measured and estimate (bytes)': ['Multiline', ['^train/optimizer_state_bytes$', '^train/optimizer_state_estimate_bytes$']]}}
@@ -171,7 +171,7 @@ def summary_markdown(document: Dict[str, Any]) -> str:
     """The end-of-run summary (`optimizer_memory.json`'s document) as Markdown for the Text tab:
     totals, by state key against the estimate, by dtype, the judgement, and the what-if.
 
-    Example:
+    Examples:
         >>> print(summary_markdown({"optimizer_class": "AdamW", "global_step": 2,
         ...     "measured": {"num_bytes": 88, "bytes_by_key": {"exp_avg": 40}, "bytes_by_dtype": {"float32": 88}},
         ...     "estimate": {"num_bytes": 88, "bytes_by_key": {"exp_avg": 40}}}).splitlines()[4])
@@ -244,7 +244,7 @@ class TensorBoardView:
             entry, a few times at most).
         tag: how a logged key becomes a TensorBoard tag: `trainer_tag` or `loop_tag`.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> view = TensorBoardView(tempfile.mkdtemp(), trainer_tag)
         >>> view.observe(["optimizer_state_bytes", "optimizer_state_estimate_bytes"], prefix="", step=1)

@@ -102,7 +102,7 @@ def read_json(path: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any
     Raises:
         UnsafeFileError: naming the file and why it is refused.
 
-    Example:
+    Examples:
         >>> read_json("no/such/file.json", 1024)
         Traceback (most recent call last):
         ...
@@ -192,7 +192,7 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> None:
         UnsafeFileError: `path` is a symbolic link or not a regular file.
         OSError (or what `write` raises): nothing was written and no temporary file is left.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> folder = tempfile.mkdtemp()
         >>> atomic_write(os.path.join(folder, "out.txt"), lambda handle: handle.write(b"done"))

@@ -13,7 +13,7 @@ GiB = 1024**3
 def format_bytes(num_bytes: int) -> str:
     """`526_264_752` -> `"501.9 MiB"`; `2048` -> `"2.0 KiB"`; `12` -> `"12 B"`.
 
-    Example:
+    Examples:
         >>> format_bytes(526_264_752)
         '501.9 MiB'
     """

@@ -81,7 +81,7 @@ def zero12_partition_numel(
             `parameter_alignment`).
         parameter_alignment: DeepSpeed's `zero_optimization.parameter_alignment`.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.state.rules.deepspeed_zero import zero12_partition_numel
         >>> zero12_partition_numel([35, 7, 21, 3], world_size=2)  # 66 values padded to 68
         34
@@ -106,7 +106,7 @@ def zero3_sub_group_numels(
 ) -> List[int]:
     """Values in each rank's flat fp32 sub-groups of one param group under ZeRO-3, in order.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.state.rules.deepspeed_zero import zero3_sub_group_numels
         >>> zero3_sub_group_numels([35, 7, 21, 3], world_size=2)  # 18 + 4 + 11 + 2
         [35]
