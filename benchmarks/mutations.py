@@ -191,9 +191,13 @@ EDITS: List[Edit] = [
          PLAN),
     Edit("plan/model_states.py", "        optimizer_size, master = _FP32, partition * _FP32",
          "        optimizer_size, master = _FP32, partition * 2", PLAN),
-    Edit("plan/model_states.py", "cpu * setup.processes_per_node", "cpu * setup.world_size", PLAN),
+    Edit("plan/model_states.py", "layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,",
+         "layout.master_weights_bytes, total, device, cpu, cpu * setup.world_size,", PLAN),
     Edit("plan/model_states.py", "is_embedding=id(param) in embeddings))", "is_embedding=False))",
          ("tests/plan/test_whatif_menu.py", *PLAN)),
+    Edit("plan/model_states.py", "margin_bytes=margin, fits=None if margin is None else margin >= 0)",
+         "margin_bytes=margin, fits=None if margin is None else margin > 0)",
+         (f"{PLAN[0]}::test_a_margin_of_exactly_zero_fits_and_one_byte_less_does_not",)),  # with a reference model
     # -- plan/sharding.py: FSDP2's shards ------------------------------------------------------
     Edit("plan/sharding.py", "    return -(-rows // world_size)", "    return rows // world_size", PLAN),
     Edit("plan/sharding.py", "        return (1,)", "        return ()", PLAN),

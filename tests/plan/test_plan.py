@@ -71,6 +71,11 @@ def test_a_margin_of_exactly_zero_fits_and_one_byte_less_does_not():
     for memory, fits, margin in ((960, True, 0), (959, False, -1), (961, True, 1)):
         (entry,) = plan_model_states(two_layers(), "adamw", Setup(), device_memory=memory).optimizers
         assert (entry.fits, entry.margin_bytes) == (fits, margin)
+    # The same with a frozen reference model beside it: its 236 bytes of parameters on the device too.
+    for memory, fits, margin in ((1196, True, 0), (1195, False, -1)):
+        (entry,) = plan_model_states(two_layers(), "adamw", Setup(), device_memory=memory,
+                                     reference_model=True).optimizers
+        assert (entry.device_bytes, entry.fits, entry.margin_bytes) == (1196, fits, margin)
 
 
 def test_bnb_8bit_plans_embeddings_in_32bit_as_the_trainer_registers_them():
