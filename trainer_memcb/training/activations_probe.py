@@ -30,6 +30,8 @@ cannot promise that: a forward hook that runs after a failed forward cannot remo
 corrupting the exception torch is about to raise. The wrapper is removed when the step is
 disarmed, and nothing is installed on a step that is not logged.
 
+It needs torch 2.8 or newer (`torch._C._autograd._top_saved_tensors_default_hooks`, to see saved-
+tensor hooks of the user's own); on an older torch one warning says so and the keys are left out.
 It never breaks a run: a failure warns once (through the caller's `warn_once`) and the keys are
 left out. A forward that runs under saved-tensors hooks of the user's own (`save_on_cpu`) still
 reaches them: the counter calls them and counts what their packed values hold.
@@ -52,6 +54,7 @@ from trainer_memcb.training.figures import (
 )
 
 __all__ = [
+    "ACTIVATIONS_SUPPORTED",
     "WRAPPER_MARK",
     "ActivationsProbe",
     "trainer_logs_step",
@@ -59,6 +62,10 @@ __all__ = [
     "without_activation_keys",
 ]
 
+# Whether this torch says which saved-tensor hooks are active (`_top_saved_tensors_default_hooks`,
+# torch 2.8 and newer): the counter needs it to keep hooks of the user's own working. On an older
+# torch the activations are left out, with one warning.
+ACTIVATIONS_SUPPORTED = hasattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks")
 # An attribute on the wrapper that the model's `forward` is while armed, so that it can be told apart.
 WRAPPER_MARK = "__trainer_memcb_activations__"
 _MISSING = object()
@@ -197,6 +204,11 @@ class ActivationsProbe:
             self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
 
     def _arm(self, model: torch.nn.Module, step: int) -> None:
+        if not ACTIVATIONS_SUPPORTED:
+            self._warn_once("activations-torch", f"this torch ({torch.__version__}) cannot say which saved-tensor "
+                            "hooks are active, which measuring the activations needs (torch 2.8 and newer can); "
+                            "they are left out")
+            return
         if getattr(model, "_orig_mod", None) is not None or torch.compiler.is_compiling():
             self._warn_once("activations-compiled", "the activations of a compiled model are not measured; "
                             "they are left out")
