@@ -40,13 +40,14 @@ def run(model: str, extra: list) -> tuple:
 
 
 def main() -> None:
-    print(f"{'model':38} {'case':32} {'wall s':>8} {'cpu s':>8} {'target s':>8} {'cpu/target':>10} {'max RSS MiB':>12}")
+    print(f"{'model':38} {'case':32} {'wall s':>8} {'cpu s':>8} {'target s':>8} {'cpu/target':>10} {'RSS MiB*':>12}")
     for model in MODELS:
         for name, extra, target in CASES:
             if "70b" in model and "max-batch" in name:
                 extra, name = extra + SHARDED, name + ", ZeRO-3 x 64"
             wall, cpu, rss = run(model, extra)
             print(f"{model:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
+    print("* the largest peak RSS of the cases run so far (getrusage of the children): each case's own is at most that")
 
 
 if __name__ == "__main__":

@@ -127,3 +127,15 @@ def test_sharded_setups_compose_the_peak_from_the_per_process_states(tiny_llama_
     assert plan.peak_bytes == row.device_bytes + parts["activations"] + parts["batch_and_buffers"] + parts["other"] \
         + sum(plan.transient_bytes.values())
     assert any(note.startswith("peak composed") for note in plan.notes)
+
+
+def test_a_reference_model_is_alive_through_the_step(tiny_llama_dir, capsys):
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "8",
+            "--attn-implementation", "eager", "--json"]
+    plain = run_json(argv, capsys)["step"]
+    document = run_json(argv + ["--reference-model"], capsys)
+    reference = document["model_states"]["optimizers"][0]["reference_model_bytes"]
+    assert reference == 394496  # the tiny Llama's fp32 parameters, once more
+    assert document["step"]["peak_parts"]["reference_model"] == reference
+    assert document["step"]["peak_bytes"] == plain["peak_bytes"] + reference
+    assert sum(document["step"]["peak_parts"].values()) == document["step"]["peak_bytes"]

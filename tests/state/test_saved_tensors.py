@@ -9,7 +9,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from helpers import requires_torch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
+
+# torch 2.6 and 2.7 cannot read the top of the saved-tensor hooks' stack.
+needs_hook_stack = requires_torch("2.8", "reads the top of the saved-tensor hooks' stack")
 
 F32 = 4
 
@@ -96,6 +100,7 @@ def test_a_wrapper_subclass_counts_its_inner_tensors() -> None:
     assert [nbytes for _, nbytes, _ in storages_of(t)] == [12, 12]
 
 
+@needs_hook_stack
 def test_hooks_are_popped_when_the_forward_raises() -> None:
     model = blocks(1)
     with pytest.raises(ZeroDivisionError):
@@ -105,6 +110,7 @@ def test_hooks_are_popped_when_the_forward_raises() -> None:
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
+@needs_hook_stack
 def test_chains_to_a_users_pair_of_hooks() -> None:
     model = blocks()
     seen = []
@@ -132,6 +138,7 @@ def test_chains_to_a_users_pair_of_hooks() -> None:
     assert model[0].a.weight.grad is not None
 
 
+@needs_hook_stack
 def test_save_on_cpu_still_applies_inside_the_counter() -> None:
     model = blocks()
     with torch.autograd.graph.save_on_cpu() as offload:
@@ -144,6 +151,7 @@ def test_save_on_cpu_still_applies_inside_the_counter() -> None:
     del offload
 
 
+@needs_hook_stack
 def test_refuses_to_count_inside_another_pair_when_asked() -> None:
     model = blocks()
     seen = []

@@ -164,7 +164,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                   offload_params=args.offload_params)
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     model = estimate_model(args)  # checks the options once, and plans the model states
-    states = plan_model_states(model, optimizers[0], setup, device_memory=memory, model_name=args.model)
+    states = plan_model_states(model, optimizers[0], setup, device_memory=memory, model_name=args.model,
+                               reference_model=args.reference_model)
 
     def plan_at(batch: int) -> StepMemoryPlan:
         return plan_step_memory(lambda: estimate_model(args), batch_size=batch, seq_len=args.seq_len, setup=setup,

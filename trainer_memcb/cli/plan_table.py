@@ -58,7 +58,8 @@ def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
 
 _PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
                "master_weights": "master weights", "activations": "activations (saved for backward)",
-               "batch_and_buffers": "batch and buffers", "other": "temporaries (logits, attention scores, ...)"}
+               "batch_and_buffers": "batch and buffers", "other": "temporaries (logits, attention scores, ...)",
+               "reference_model": "reference model (frozen)"}
 
 
 def step_tables(found: Dict[str, Any]) -> List[TextTable]:

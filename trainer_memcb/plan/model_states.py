@@ -10,8 +10,7 @@ partitions). Parameters, gradients and master weights follow the libraries' part
 |---|---|---|---|---|
 | none, ddp | all, whole | trainable, whole | trainable, whole | - (DeepSpeed precisions: one fp32 copy, whole) |
 | fsdp-full-shard, fsdp-shard-grad-op | padded `ceil(rows / W)` shards | the same shards | the first rank's shard | - |
-| zero1 | all, whole (trainable in one flat buffer padded to 2W) | trainable, whole | one fp32 partition | fp32 partition |
-| zero2 | as zero1 | the partition (contiguous buffer) | one fp32 partition | fp32 partition |
+| zero1, zero2 | all, whole (each group's trainable ones in a flat buffer padded to 2W) | those overlapping the partition, whole (+ padding) | one fp32 partition per group | fp32 partitions |
 | zero3 | `ceil(numel / W)` of each | the same partitions | fp32 sub-groups | fp32 sub-groups |
 
 Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_sharded_param`) and
@@ -21,8 +20,15 @@ Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_shar
 `runtime/zero/stage3.py` (`_create_fp32_partitions`, `grad_partitions_flat_buffer`) and
 `runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.plan.sharding`.
 
-ZeRO-1/2 pad each param group; the plan takes the trainable parameters as one group (the Trainer
-makes two, with and without weight decay: up to 2 values more in each process's partition).
+ZeRO-1/2 pad each param group to a multiple of 2W. `plan_model_states(param_groups="trainer")`
+splits the trainable parameters as the Trainer does (with and without weight decay), `"one"`
+takes them as one group; a live run's groups are read from its optimizer. ZeRO-1/2 gradients are
+what two-process runs showed (deepspeed 0.19.8, `DeepSpeedZeroOptimizer`, stages 1 and 2 alike):
+when the step begins each process holds, in one contiguous buffer, the whole 16-bit gradient of
+every parameter that overlaps its partition, and zeros where its partition runs past a group's
+last value (`zero12_gradient_numel`); the figure is the fullest process's unless a rank is given.
+DeepSpeed's `BF16_Optimizer` (bf16 with fp32 gradient accumulation under ZeRO-1) keeps them whole
+(`layout_model_states(whole_zero_grads=True)`).
 
 A reference model (`reference_model=True`, for DPO-style training: TRL's DPO, KTO, RLOO, and GRPO
 with `beta > 0` keep a frozen copy of the policy as `trainer.ref_model`) adds its parameters, in the
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -54,11 +60,14 @@ from trainer_memcb.plan.sharding import (
     fsdp_padded_shard_numel,
     zero3_partition_numel,
     zero3_sub_group_numels,
+    zero12_gradient_numel,
     zero12_partition_numel,
 )
+from trainer_memcb.plan.trainer_optimizers import _decay_parameter_names
 from trainer_memcb.plan.whatif import DEFAULT_OPTIMIZERS, optimizer_what_if, resolve_optimizer_names
 
 __all__ = [
+    "PARAM_GROUPINGS",
     "PRECISIONS",
     "SHARDINGS",
     "ModelStatesLayout",
@@ -71,8 +80,11 @@ __all__ = [
     "parse_bytes",
     "plan_model_states",
     "reference_model_bytes",
+    "trainer_param_groups",
 ]
 
+# How `plan_model_states` groups the trainable parameters (see its `param_groups`).
+PARAM_GROUPINGS = ("trainer", "one")
 SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
@@ -193,13 +205,24 @@ class ParamSpec:
     trainable: bool = True
     element_size: Optional[int] = None
     is_embedding: bool = False
+    # The param group it belongs to (ZeRO-1/2 pad and partition each group on its own).
+    group: int = 0
+    # A raw parameter count standing for many parameters: partitions cut it without boundaries.
+    is_count: bool = False
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def param_specs(model: nn.Module, keep_dtypes: bool = False) -> List[ParamSpec]:
+def trainer_param_groups(model: nn.Module) -> Dict[int, int]:
+    """`id(param)` -> 0 for the parameters the Trainer decays, 1 for the others (biases, norms)."""
+    decay = set(_decay_parameter_names(model))
+    return {id(param): 0 if name in decay else 1 for name, param in model.named_parameters()}
+
+
+def param_specs(model: nn.Module, keep_dtypes: bool = False,
+                groups: Optional[Mapping[int, int]] = None) -> List[ParamSpec]:
     """The model's parameters, tied ones once, each with its real shape (a DTensor's global one,
     a ZeRO-3 partitioned parameter's `ds_shape`).
 
@@ -207,6 +230,7 @@ def param_specs(model: nn.Module, keep_dtypes: bool = False) -> List[ParamSpec]:
         model: any model, the meta device included.
         keep_dtypes: take each parameter's own bytes per value (a live model), rather than the
             precision setup's.
+        groups: `id(param)` -> its param group's index (default: every parameter in group 0).
     """
     embeddings = {id(module.weight) for module in model.modules()
                   if isinstance(module, nn.Embedding) and isinstance(getattr(module, "weight", None), torch.Tensor)}
@@ -214,7 +238,8 @@ def param_specs(model: nn.Module, keep_dtypes: bool = False) -> List[ParamSpec]:
     for param in model.parameters():  # yields a tied tensor once
         specs.append(ParamSpec(shape=logical_shape(param), trainable=param.requires_grad,
                                element_size=param.element_size() if keep_dtypes else None,
-                               is_embedding=id(param) in embeddings))
+                               is_embedding=id(param) in embeddings,
+                               group=(groups or {}).get(id(param), 0)))
     return specs
 
 
@@ -244,8 +269,20 @@ class ModelStatesLayout:
     transient_bytes: Dict[str, int] = field(default_factory=dict)
 
 
-def layout_model_states(specs: Sequence[ParamSpec], setup: Setup) -> ModelStatesLayout:
-    """Parameters, gradients, master weights and the optimizer's stand-in shapes, per process."""
+def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optional[int] = None,
+                        whole_zero_grads: bool = False) -> ModelStatesLayout:
+    """Parameters, gradients, master weights and the optimizer's stand-in shapes, per process.
+
+    Args:
+        specs: the parameters (`param_specs`).
+        setup: how the job runs.
+        rank: the process to lay out; None for the fullest one (figures that differ between
+            processes, ZeRO-1/2's gradients, take their largest).
+        whole_zero_grads: ZeRO-1 under DeepSpeed's `BF16_Optimizer`, which keeps every 16-bit
+            gradient whole.
+    """
+    if rank is not None and not 0 <= rank < setup.world_size:
+        raise ValueError(f"rank={rank!r}: expected 0 to {setup.world_size - 1}")
     world = setup.world_size
     default_size = PRECISIONS[setup.precision]
     size = [spec.element_size or default_size for spec in specs]
@@ -274,22 +311,39 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup) -> ModelStates
         shapes = [fsdp_local_shape(specs[i].shape, world) for i in trainable]
         embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
         optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
-        if setup.sharding == "fsdp-shard-grad-op":  # reshard_after_forward=False: whole until backward ends
-            transient["unsharded_params_bytes"] = sum(specs[i].numel * size[i] for i in range(len(specs))) - params
+        if setup.sharding == "fsdp-shard-grad-op":
+            # reshard_after_forward=False: from forward to the end of backward each process also holds
+            # the all-gathered parameters, W padded shards each (_fsdp_collectives.py
+            # foreach_all_gather), beside its own shards (a two-process run: 288 bytes beside 144).
+            transient["unsharded_params_bytes"] = world * params
     elif setup.sharding in ("zero1", "zero2"):
         numels = [specs[i].numel for i in trainable]
         trainable_size = size[trainable[0]] if trainable else default_size
-        partition = zero12_partition_numel(numels, world, element_size=trainable_size)
-        # The trainable parameters become views of one flat buffer padded to a multiple of 2W.
-        params = sum(specs[i].numel * size[i] for i in frozen) + partition * world * trainable_size
-        grads = sum(numels) * trainable_size if setup.sharding == "zero1" else partition * trainable_size
-        shapes = [(partition,)] if trainable else []
-        optimizer_size, master = _FP32, partition * _FP32
-        transient["fp32_grad_partition_bytes"] = partition * _FP32
+        group_ids = sorted({specs[i].group for i in trainable})
+        groups = [[specs[i].numel for i in trainable if specs[i].group == group] for group in group_ids]
+        partitions = [zero12_partition_numel(group, world, element_size=trainable_size) for group in groups]
+        # Each group's trainable parameters become views of a flat buffer padded to a multiple of 2W.
+        params = sum(specs[i].numel * size[i] for i in frozen) + sum(partitions) * world * trainable_size
+        if whole_zero_grads:
+            grad_numel = sum(numels)
+        elif any(specs[i].is_count for i in trainable):
+            # A raw count has no parameter boundaries; it follows the ZeRO paper: P_os (zero1) keeps
+            # the gradients whole, P_os+g (zero2) partitions them.
+            grad_numel = sum(numels) if setup.sharding == "zero1" else sum(partitions)
+        else:
+            ranks = range(world) if rank is None else [rank]
+            grad_numel = max(zero12_gradient_numel(groups, world, each) for each in ranks)
+        grads = grad_numel * trainable_size
+        shapes = [(partition,) for partition in partitions]
+        optimizer_size, master = _FP32, sum(partitions) * _FP32
+        # Made for one group's step at a time (stage_1_and_2.py `step`), freed after it.
+        transient["fp32_grad_partition_bytes"] = max(partitions, default=0) * _FP32
     else:  # zero3
         params = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in range(len(specs)))
         grads = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in trainable)
-        sub_groups = zero3_sub_group_numels([specs[i].numel for i in trainable], world, setup.sub_group_size)
+        sub_groups = [numel for group in sorted({specs[i].group for i in trainable})
+                      for numel in zero3_sub_group_numels([specs[i].numel for i in trainable if specs[i].group == group],
+                                                          world, setup.sub_group_size)]
         shapes = [(numel,) for numel in sub_groups]
         optimizer_size, master = _FP32, sum(sub_groups) * _FP32
         transient["fp32_grad_partition_bytes"] = master
@@ -452,6 +506,7 @@ def plan_model_states(
     args: Any = None,
     device_memory: Union[None, int, str] = None,
     model_name: Optional[str] = None,
+    param_groups: str = "trainer",
     reference_model: bool = False,
 ) -> ModelStatesPlan:
     """Plan the model states of the fullest process, for each optimizer.
@@ -464,6 +519,9 @@ def plan_model_states(
         args: `TrainingArguments` for the optimizers' hyperparameters; None uses the defaults.
         device_memory: the accelerator's memory per process (`"80GiB"` or bytes), for fits / margin.
         model_name: how to name the model.
+        param_groups: `"trainer"`: the trainable parameters in the Trainer's two groups, with and
+            without weight decay (`Trainer.create_optimizer`), which ZeRO pads and partitions one
+            by one; `"one"`: all in one group.
         reference_model: add a frozen reference model, as DPO-style training holds: a copy of
             the parameters in the same dtype, no gradients, no optimizer state; 0 for a PEFT
             model, whose reference is itself with its adapters disabled (`reference_model_note`).
@@ -481,12 +539,14 @@ def plan_model_states(
     setup = setup or Setup()
     names = resolve_optimizer_names(optimizers)
     memory = parse_bytes(device_memory) if device_memory is not None else None
+    if param_groups not in PARAM_GROUPINGS:
+        raise ValueError(f"param_groups={param_groups!r} is not one of: {', '.join(PARAM_GROUPINGS)}")
     if isinstance(model, nn.Module):
-        specs = param_specs(model)
+        specs = param_specs(model, groups=trainer_param_groups(model) if param_groups == "trainer" else None)
         name = model_name or type(model).__name__
         module: Optional[nn.Module] = model
     elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
-        specs = [ParamSpec(shape=(model,))]
+        specs = [ParamSpec(shape=(model,), is_count=True)]
         name = model_name or f"{model:,} parameters"
         module = None
     else:

@@ -383,6 +383,16 @@ def plan_step_memory(
                      "model-states plan's per-process states and the engine's known transient buffers")
         fb_peak, optimizer_peak = peak, None
         phase = traced.peak_phase
+    reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
+    if reference:
+        # A frozen reference model (DPO-style training) is alive through the whole step. Its own
+        # forward's temporaries are not traced.
+        parts["reference_model"] = reference
+        if not (sharded or deepspeed_precision):  # the composed peak's device bytes hold it already
+            peak += reference
+            fb_peak = fb_peak + reference
+            optimizer_peak = None if optimizer_peak is None else optimizer_peak + reference
+        notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
     fits = margin = None
     if device_memory is not None:
         margin = device_memory - peak

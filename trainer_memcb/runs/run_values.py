@@ -99,16 +99,10 @@ def real_number(value: Any) -> Optional[float]:
 def is_count_key(key: str) -> bool:
     """Whether a logged key holds a count of bytes, values or parameters.
 
-<<<<<<< HEAD
-    Example:
+    Examples:
         >>> [is_count_key(k) for k in ("optimizer_state_bytes", "eval_optimizer_state_bytes_by_key/exp_avg", "loss",
         ...                            "activations_peak_bytes", "device_peak_allocated_bytes")]
         [True, True, False, True, True]
-=======
-    Examples:
-        >>> [is_count_key(k) for k in ("optimizer_state_bytes", "eval_optimizer_state_bytes_by_key/exp_avg", "loss")]
-        [True, True, False]
->>>>>>> main
     """
     return _COUNT_KEY.search(key) is not None
 

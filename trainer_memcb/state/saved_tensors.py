@@ -39,7 +39,9 @@ enters (`torch._C._autograd._top_saved_tensors_default_hooks`), and with `other_
 that the user's packed value holds (what stays held for backward: the CPU copy for
 `save_on_cpu`, nothing for a pair that writes to disk), and its unpack hook calls the user's
 unpack hook. With `other_hooks="refuse"` it pushes nothing when another pair is active,
-`counting` is False and `refused_reason` says why.
+`counting` is False and `refused_reason` says why. torch 2.6 and 2.7 have no way to read the top
+of the stack: there "chain" counts without chaining (a user's pair active around the counter does
+not apply to the forward it counts), and "refuse" always refuses.
 
 Activation checkpointing (`torch.utils.checkpoint`, `use_reentrant=False`, which is what the
 Trainer's `gradient_checkpointing=True` uses in transformers 5). For each checkpointed block,
@@ -259,7 +261,16 @@ class SavedTensorsCounter:
     def __enter__(self) -> "SavedTensorsCounter":
         if self._pushed:
             raise RuntimeError("SavedTensorsCounter is already active; it cannot be entered twice at once")
-        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        top_of_stack = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if top_of_stack is None:  # torch before 2.8 cannot say which pair is on top
+            if self.other_hooks == "refuse":
+                self.counting = False
+                self.refused_reason = ("this torch cannot tell whether another pair of saved-tensor hooks is active "
+                                       "(torch 2.8 or newer can)")
+                return self
+            top = None
+        else:
+            top = top_of_stack(True)
         if top is not None and self.other_hooks == "refuse":
             self.counting = False
             self.refused_reason = (

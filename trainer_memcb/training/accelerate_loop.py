@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from trainer_memcb.training.activations_probe import (
     ActivationsProbe,
@@ -16,6 +16,7 @@ from trainer_memcb.training.activations_probe import (
     without_activation_keys,
 )
 from trainer_memcb.training.figures import KEY_DESCRIPTIONS, with_prefix
+from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, loop_tag, summary_markdown, tracker_log_dir
@@ -70,7 +71,9 @@ class OptimizerMemoryLogger:
         model: the model being trained, to log the four model states as well
             (`model_params_bytes`, `model_grads_bytes`, `model_states_bytes`,
             `model_states_estimate_bytes`; see `trainer_memcb.training.model_states_probe`) and
-            the activations.
+            the activations. It hooks the optimizer to measure before its steps (under DeepSpeed
+            ZeRO-1/2 it wraps DeepSpeed's `step`, `trainer_memcb.training.zero_gradients`);
+            `close()` removes that.
         activations: with `model=`, measure the activations of the steps that will be logged: from
             the optimizer step before (or from here, for step 1), the model's forwards run under a
             saved-tensors counter until that step's optimizer update; `save_summary` removes
@@ -135,6 +138,8 @@ class OptimizerMemoryLogger:
         if accelerator is not None:
             self._tensorboard = TensorBoardView(lambda: tracker_log_dir(accelerator), loop_tag)
         self.model = model
+        self._hooks: List[Any] = []
+        self._untap: Optional[Callable[[], None]] = None
         if model is not None:
             self._hook_before_steps(optimizer)
             self._arm_if_logged(1)
@@ -149,20 +154,37 @@ class OptimizerMemoryLogger:
 
     def _hook_before_steps(self, optimizer: Any) -> None:
         """Measure the parameters and gradients right before the optimizer steps, where the
-        gradients exist (a step pre-hook on each torch optimizer behind the wrappers)."""
+        gradients exist (a step pre-hook on each torch optimizer behind the wrappers; under ZeRO-1/2,
+        also when DeepSpeed's step begins, since it frees its gradients before its inner step)."""
+        def wanted() -> bool:
+            coming = self.optimizer_steps + 1
+            return not self.monitor.model_states.measured or coming % self.logging_steps == 0 or coming == self.max_steps
+
         def before_step(*_: Any) -> None:
             self.monitor.activations.before_optimizer_step()  # the step's last backward is done
-            coming = self.optimizer_steps + 1
-            if not self.monitor.model_states.measured or coming % self.logging_steps == 0 or coming == self.max_steps:
+            if wanted():
                 self.monitor.before_optimizer_step(self.model)
 
+        self._untap = tap_zero_gradients(optimizer, wanted)
         for inner in inner_optimizers(optimizer):
             register = getattr(inner, "register_step_pre_hook", None)
             if register is None:
                 self.monitor.warn_once("model-states-hook", f"{type(inner).__qualname__} takes no step pre-hook; "
                                        "the model-states figures are left out")
                 continue
-            register(before_step)
+            self._hooks.append(register(before_step))
+
+    def close(self) -> None:
+        """Remove what this logger installed (its step pre-hooks on the optimizer, under ZeRO-1/2
+        its wrapper of DeepSpeed's step, and any activations wrapper still on the model). Call it
+        when training ends; the figures stay."""
+        self.monitor.activations.forget()
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+        untap, self._untap = self._untap, None
+        if untap is not None:
+            untap()
 
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
         """Call right after `optimizer.step()`; the figures logged at this step, or `{}`.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, Iterable, Optional, Set, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Union
 
 from transformers import TrainerCallback
 from transformers.utils import logging
@@ -23,6 +23,7 @@ from trainer_memcb.training.figures import (
     select_keys,
     with_prefix,
 )
+from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
@@ -57,13 +58,15 @@ def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
 class _Run:
     """What the callback knows of one optimizer's training: its monitor and its what-if."""
 
-    __slots__ = ("monitor", "what_if", "tensorboard")
+    __slots__ = ("monitor", "what_if", "tensorboard", "untap")
 
     def __init__(self, monitor: OptimizerStateMonitor) -> None:
         self.monitor = monitor
         self.what_if: Optional[whatif.WhatIf] = None
         # Charts and the text summary, in the folder of the Trainer's TensorBoard reporter.
         self.tensorboard: Optional[TensorBoardView] = None
+        # Stops measuring ZeRO-1/2's gradients inside DeepSpeed's step (zero_gradients.py).
+        self.untap: Optional[Callable[[], None]] = None
 
 
 class OptimizerMemoryCallback(TrainerCallback, LogContributor):
@@ -218,6 +221,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         if run is None:
             return
         run.monitor.start_run()  # global_step restarts with each train() call
+        if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
+            run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
         run.monitor.activations.forget()  # nothing left over from a run that raised
         if state.is_world_process_zero:
             run.monitor.estimate()
@@ -333,16 +338,23 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         if run is None:
             return
         run.monitor.activations.before_optimizer_step()  # the last micro-batch's backward is done
-        every = getattr(args, "logging_steps", 1) or 1
-        coming = state.global_step + 1
-        if not run.monitor.model_states.measured or every < 1 or coming % int(every) == 0:
+        if self._measures_model_states(run, args, state):
             run.monitor.before_optimizer_step(model)
+
+    @staticmethod
+    def _measures_model_states(run: _Run, args: Any, state: Any) -> bool:
+        """Whether the coming optimizer step is one whose parameters and gradients are measured."""
+        every = getattr(args, "logging_steps", 1) or 1
+        return not run.monitor.model_states.measured or every < 1 or (state.global_step + 1) % int(every) == 0
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
         self._current = None
         if run is None:
             return
+        if run.untap is not None:
+            run.untap, untap = None, run.untap
+            untap()
         run.monitor.activations.forget()
         try:
             self._end(run, args, state)
