@@ -23,6 +23,10 @@ allocator's since the process started or since its statistics were last reset; t
 them (`torch.cuda.reset_peak_memory_stats`) at the start of each logged step only when asked
 (`reset_device_peak=True`), since they are global and other code may be reading them.
 
+The parameters excluded are the storages the model's parameters have when the step is armed: with
+FSDP or DeepSpeed ZeRO-3 those are the shards, and a full parameter gathered for the forward and
+saved for backward (a linear layer's weight) is counted as an activation.
+
 How a forward is delimited: while armed, the model's `forward` attribute is a wrapper that enters
 the counter, calls the forward it replaced, and exits the counter, in a `try` of its own, so that a
 forward that raises leaves no hooks behind (the wrapper is removed there and then). Module hooks
