@@ -9,6 +9,10 @@
   `estimate_zero3_model_states_mem_needs` (deepspeed/runtime/zero/stage3.py), which the
   `..._all_cold` functions print for every offload setting with `additional_buffer_factor=1.5`. Their
   formulas are restated here (deepspeed is not a dependency) from DeepSpeed's source.
+- LOMO (Lv et al. 2023, "Full Parameter Fine-tuning for Large Language Models with Limited
+  Resources", Table 1): LLaMA-7B trained in fp16 with LOMO holds its parameters, one gradient at a
+  time (the largest parameter's, the 32000 x 4096 embedding: 0.24 GB) and no optimizer state.
+  The paper's "GB" are GiB (12.55 = 6,738,415,616 x 2 / 2**30).
 - accelerate's `estimate-memory` "Training using Adam" in float32 (accelerate/commands/estimate.py
   `estimate_training_usage`): 4 x the model size, where the size is `calculate_maximum_sizes` of the
   bare `AutoModel`, buffers included.
@@ -142,6 +146,26 @@ def deepspeed_rows(model=None) -> List[Dict[str, object]]:
                          "deepspeed_cpu_per_node": ds_cpu, "ours": ours, "total_params": total,
                          "largest_layer_params": largest})
     return rows
+
+
+# -- LOMO, Table 1 --------------------------------------------------------------------------------------
+# The LOMO row, as printed (GiB, though the paper writes GB).
+LOMO_TABLE_1 = {"params_bytes": "12.55", "grads_bytes": "0.24", "optimizer_state_bytes": "0.00"}
+
+
+def lomo_row() -> Dict[str, object]:
+    """LLaMA-7B (Llama-2-7B's shapes) in fp16 with `optim="lomo"`, one process: our figures beside
+    LOMO's Table 1."""
+    import torch
+
+    from trainer_memcb.plan.whatif import build_meta_model
+
+    model = build_meta_model(os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b"), torch.float16)
+    plan = plan_model_states(model, "lomo", Setup(precision="fp16"))
+    entry = plan.optimizers[0]
+    largest = max(model.named_parameters(), key=lambda item: item[1].numel())[0]
+    return {"ours": {key: getattr(entry, key) for key in LOMO_TABLE_1}, "printed": dict(LOMO_TABLE_1),
+            "largest": largest, "notes": plan.notes}
 
 
 # -- accelerate ----------------------------------------------------------------------------------------
@@ -283,6 +307,14 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     print(f"| {k['per_layer']:,} | {k['formula']:,} | {k['dropout_masks_in_16_bits']:,} | {k['layer_norm_statistics']:,} | "
           f"{k['formula'] + k['dropout_masks_in_16_bits'] + k['layer_norm_statistics']:,} |")
+
+    row = lomo_row()
+    print("\nLOMO, Table 1, LLaMA-7B in fp16 with LOMO (GiB; the paper prints GiB as 'GB')\n")
+    print("| | parameters | gradients | optimizer state |")
+    print("|---|---|---|---|")
+    print("| LOMO | " + " | ".join(row["printed"][key] for key in LOMO_TABLE_1) + " |")
+    print("| ours | " + " | ".join(f"{_gib(row['ours'][key])} ({row['ours'][key]:,} bytes)" for key in LOMO_TABLE_1) + " |")
+    print(f"(the one gradient: {row['largest']}'s)")
 
     row = accelerate_row()
     print(f"\naccelerate, bert-base-cased, float32 AdamW: accelerate {row['accelerate']:,} bytes, ours "

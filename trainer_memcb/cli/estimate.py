@@ -8,6 +8,9 @@ the result.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from decimal import Decimal
 from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
@@ -33,7 +36,10 @@ __all__ = [
     "estimate_plan",
     "estimate_tables",
     "estimate_what_if",
+    "needs_peft",
+    "parameter_count",
     "plan_asked",
+    "resolve_optimizers",
     "step_asked",
     "estimate_step",
 ]
@@ -60,11 +66,39 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _optimizer_list(text: str) -> List[str]:
+    """The names as given; they are checked against the Trainer's after parsing (`resolve_optimizers`),
+    since the list of names comes from transformers, which parsing does not import."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more of the Trainer's optim names, e.g. adamw,adafactor")
+    return names
+
+
+def resolve_optimizers(args: argparse.Namespace) -> None:
+    """Check `--optimizers` against the Trainer's names, aliases resolved, in place.
+
+    Raises:
+        ValueError: `argument --optimizers: optimizer 'x' is not one of: ...`.
+    """
+    try:
+        args.optimizers = resolve_optimizer_names(args.optimizers)
+    except ValueError as error:
+        raise ValueError(f"argument --optimizers: {error}") from None
+
+
+def needs_peft(args: argparse.Namespace) -> bool:
+    """Whether the estimate asked for needs peft (LoRA adapters)."""
+    return getattr(args, "lora_r", None) is not None
+
+
 def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     """The options of `trainer-memcb estimate`."""
-    estimate.add_argument("model", metavar="MODEL", help="a folder holding config.json, or a hub name when online")
+    estimate.add_argument("model", metavar="MODEL",
+                          help="a folder holding config.json, a hub name when online, or for the model-states plan a "
+                               "parameter count (7.5e9, 7500000000), taken as one flat tensor")
     estimate.add_argument(
-        "--optimizers", type=_checked(resolve_optimizer_names), default=DEFAULT_OPTIMIZERS,
+        "--optimizers", type=_optimizer_list, default=DEFAULT_OPTIMIZERS,
         help=f"the Trainer's optim names, comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); "
              "any OptimizerNames value, e.g. adamw,adafactor,adamw_8bit,galore_adamw,lomo",
     )
@@ -81,7 +115,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
         "--architecture", metavar="CLASS",
         help="the transformers class to build, e.g. DistilBertForSequenceClassification; default: the config's",
     )
-    estimate.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the parameters' dtype (default: float32)")
+    estimate.add_argument("--dtype", choices=list(DTYPES),
+                          help="the parameters' dtype (default: float32); for the plan, also the precision when "
+                               "--precision is not given (bfloat16: bf16, float16: fp16)")
     estimate.add_argument(
         "--lora-r", metavar="R", type=_checked(_positive_int),
         help="add PEFT LoRA adapters of this rank; then only the adapters (and --lora-modules-to-save) train",
@@ -112,8 +148,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")
     plan.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state and master weights on the CPU")
     plan.add_argument("--offload-params", action="store_true", help="ZeRO-3 / FSDP: parameters on the CPU too")
-    plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default), autocast-bf16/fp16 (Trainer "
-                      "bf16=True/fp16=True), bf16 (model loaded in bf16), deepspeed-bf16/fp16 (fp32 master weights)")
+    plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default, or --dtype's), autocast-bf16/fp16 "
+                      "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
+                      "(fp32 master weights)")
     plan.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per process, e.g. 80GiB: says whether it fits")
     plan.add_argument("--reference-model", action="store_true",
                       help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
@@ -193,8 +230,45 @@ def plan_asked(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS)
 
 
+# A parameter count given as MODEL: digits (`7500000000`, `7_500_000_000`, `7,500,000,000`) or a
+# number in e-notation (`7.5e9`) that is whole.
+_COUNT = re.compile(r"\d[\d_,]*|\d+\.\d+|\d+(\.\d+)?[eE]\+?\d+")
+# Options that need a model's modules and names, which a bare count has not.
+_NEEDS_A_MODEL = (("lora_r", "--lora-r"), ("lora_target_modules", "--lora-target-modules"),
+                  ("lora_modules_to_save", "--lora-modules-to-save"), ("trainable", "--trainable"),
+                  ("architecture", "--architecture"), ("optim_target_modules", "--optim-target-modules"))
+# --dtype's precision for the plan, when --precision is not given.
+_DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def parameter_count(text: str) -> Optional[int]:
+    """The parameter count MODEL spells, or None when it names a model (an existing folder wins).
+
+    Raises:
+        ValueError: a number that is not a whole count of at least 1.
+
+    Examples:
+        >>> parameter_count("7.5e9"), parameter_count("7_500_000_000"), parameter_count("gpt2")
+        (7500000000, 7500000000, None)
+    """
+    if os.path.exists(text) or not _COUNT.fullmatch(text):
+        return None
+    value = Decimal(text.replace("_", "").replace(",", ""))
+    if value != value.to_integral_value() or value < 1:
+        raise ValueError(f"MODEL {text!r} is not a whole parameter count of at least 1, e.g. 7.5e9 or 7500000000")
+    return int(value)
+
+
+def _plan_precision(args: argparse.Namespace) -> str:
+    return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
+
+
 def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
-    """The model-states plan for the model and setup the options describe.
+    """The model-states plan for the model (or parameter count) and setup the options describe.
+
+    The optimizers get `--optim-args` and `--optim-target-modules` as in the what-if. Without
+    `--precision` the precision follows `--dtype`, and each parameter keeps the dtype the model
+    was built in (PEFT's float32 adapters over a bfloat16 base), as the what-if counts them.
 
     Raises:
         ValueError: options that do not fit (see `estimate_model`), a bad setup or memory size.
@@ -202,11 +276,20 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
     """
     setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
                   sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
-                  precision=args.precision or "fp32", offload_optimizer=args.offload_optimizer,
+                  precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params)
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    return plan_model_states(estimate_model(args), args.optimizers, setup, device_memory=memory,
-                             model_name=args.model, reference_model=args.reference_model)
+    count = parameter_count(args.model)
+    if count is not None:
+        given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs a model's modules and names: give a folder holding config.json, "
+                             f"not a parameter count")
+    model = count if count is not None else estimate_model(args)
+    return plan_model_states(model, args.optimizers, setup, device_memory=memory,
+                             model_name=args.model if count is None else None,
+                             optim_args=args.optim_args, optim_target_modules=args.optim_target_modules,
+                             keep_dtypes=args.precision is None, reference_model=args.reference_model)
 
 
 def estimate_what_if(args: argparse.Namespace) -> WhatIf:
@@ -214,9 +297,15 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
 
     Raises:
         ValueError: options that do not fit the model (an unknown architecture, a bad regular
-            expression, LoRA options without --lora-r, LoRA modules PEFT cannot find).
+            expression, LoRA options without --lora-r, LoRA modules PEFT cannot find), or a
+            parameter count, which answers the plan only.
         ModelConfigError: no model config, or no parameter left to train.
     """
+    count = parameter_count(args.model)
+    if count is not None:
+        raise ValueError(f"a parameter count ({count:,}) answers the model-states plan only: add --world-size, "
+                         "--zero, --sharding or --precision (e.g. --zero 1 --world-size 64); the optimizer what-if "
+                         "needs a model config, a folder holding config.json")
     return what_if(estimate_model(args), args.optimizers, model_name=args.model,
                    optim_args=args.optim_args, optim_target_modules=args.optim_target_modules)
 
@@ -231,7 +320,7 @@ def estimate_model(args: argparse.Namespace) -> Any:
     """
     if args.lora_r is None and (args.lora_target_modules is not None or args.lora_modules_to_save is not None):
         raise ValueError("--lora-target-modules and --lora-modules-to-save need --lora-r (the adapters' rank)")
-    model = build_meta_model(args.model, resolve_dtype(args.dtype), args.architecture)
+    model = build_meta_model(args.model, resolve_dtype(args.dtype or "float32"), args.architecture)
     if args.lora_r is not None:
         model = add_lora_adapters(model, args.lora_r, args.lora_target_modules, args.lora_modules_to_save)
     if args.trainable is not None:

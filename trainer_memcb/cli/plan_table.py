@@ -51,7 +51,7 @@ def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
         + ". Not counted: activations, temporary buffers, CUDA context, fragmentation",
         ["optimizer", "parameters", "gradients", "optimizer state", "master weights", "model states",
          "on the device", "CPU per node", "fits?"],
-        rows, text_columns=(0, 8),
+        rows, text_columns=(0, 8), note="\n".join(f"Note, {note}." for note in plan.notes),
     )
     return [about, states]
 

@@ -20,11 +20,17 @@ from trainer_memcb.training.figures import (
     step_memory_rows,
 )
 from trainer_memcb.runs.run_logs import RunLog
+from trainer_memcb.runs.run_values import is_count_key, real_number
 
-__all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_report", "report_tables"]
+__all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "logged_metrics", "run_report",
+           "report_tables"]
 
-# The lesson's metrics: eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1").
+# The lesson's metrics: eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1"),
+# shown first when a run logged them.
 DEFAULT_METRICS = ("accuracy", "f1")
+# What the Trainer adds to every evaluation entry that is no metric (transformers trainer_utils.py
+# speed_metrics, and the epoch).
+_NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 # `Trainer.evaluate(metric_key_prefix="eval")`, the prefix of every evaluation key.
 EVAL_PREFIX = "eval"
 # Breakdown keys: `optimizer_state_bytes_by_key/<key>`, and `optimizer_state_bytes/by_key/<key>` as
@@ -88,6 +94,13 @@ class RunReport:
     step_memory_step: Optional[int] = None
 
     @property
+    def has_figures(self) -> bool:
+        """Whether the run logged any optimizer memory figure (a run made without the callback or
+        the logger has none)."""
+        return (self.summary_file is not None or bool(self.steps) or self.measured_bytes is not None
+                or self.estimate_bytes is not None or any(e.measured_bytes is not None for e in self.evals))
+
+    @property
     def final_metrics(self) -> Dict[str, float]:
         """The metrics of the last evaluation (empty without one)."""
         return dict(self.evals[-1].metrics) if self.evals else {}
@@ -128,6 +141,34 @@ def _nested(document: Optional[Dict[str, Any]], *keys: str) -> Any:
             return None
         document = document.get(key)
     return document
+
+
+def logged_metrics(runs: Sequence[RunLog]) -> List[str]:
+    """The evaluation metrics to show when none are asked for: accuracy and F1 where the runs logged
+    them, else every metric they logged (`eval_loss` included), in the order first logged. Left out:
+    the Trainer's timings and the epoch, and every count (`..._bytes`, `..._params`, ...).
+
+    Examples:
+        >>> from trainer_memcb.runs.run_logs import RunLog
+        >>> sft = RunLog(run_dir="sft", log_history=[{"step": 2, "eval_loss": 2.1, "eval_runtime": 0.5,
+        ...                                          "eval_mean_token_accuracy": 0.4, "eval_optimizer_state_bytes": 88}])
+        >>> logged_metrics([sft])
+        ['loss', 'mean_token_accuracy']
+        >>> logged_metrics([sft, RunLog(run_dir="lesson", log_history=[{"step": 2, "eval_accuracy": 0.9}])])
+        ['accuracy']
+    """
+    found: Dict[str, None] = {}
+    for run in runs:
+        for entry in run.log_history:
+            for key, value in entry.items():
+                if not key.startswith(f"{EVAL_PREFIX}_") or real_number(value) is None:
+                    continue
+                metric = key[len(EVAL_PREFIX) + 1:]
+                if metric in _NOT_METRICS or is_count_key(key) or metric.endswith(("_bytes", "_elements", "_params")):
+                    continue
+                found.setdefault(metric, None)
+    preferred = [metric for metric in DEFAULT_METRICS if metric in found]
+    return preferred or list(found)
 
 
 def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunReport:

@@ -3,8 +3,11 @@ master weights, for a world size, a sharding, an offload and a precision setup.
 
 The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.whatif`: the
 Trainer's optimizer for each `optim` name, built over meta-device stand-ins shaped like what one
-process's optimizer steps over: the whole parameters, an FSDP shard, or ZeRO's flat fp32
-partitions). Parameters, gradients and master weights follow the libraries' partitioning:
+process's optimizer steps over: the model with its whole parameters or FSDP shards, built as the
+what-if builds it, or ZeRO's flat fp32 partitions). Optimizers that update inside backward (LOMO,
+AdaLomo, the layer-wise variants) hold one gradient, the largest parameter's; which setups the
+plan covers for each kind is in `trainer_memcb.plan.update_kinds`. Parameters, gradients and master
+weights follow the libraries' partitioning (ZeRO's fp32 master copy exists in fp32 runs too):
 
 | sharding | parameters | gradients | optimizer steps over | master weights |
 |---|---|---|---|---|
@@ -64,11 +67,20 @@ from trainer_memcb.plan.sharding import (
     zero12_partition_numel,
 )
 from trainer_memcb.plan.trainer_optimizers import _decay_parameter_names
-from trainer_memcb.plan.whatif import DEFAULT_OPTIMIZERS, optimizer_what_if, resolve_optimizer_names
+from trainer_memcb.plan.stand_ins import meta_stand_in
+from trainer_memcb.plan.update_kinds import unplanned_reason, updates_in_backward
+from trainer_memcb.plan.whatif import (
+    DEFAULT_OPTIMIZERS,
+    model_optimizer_what_if,
+    optimizer_what_if,
+    resolve_optimizer_names,
+    training_args_with,
+)
 
 __all__ = [
     "PARAM_GROUPINGS",
     "PRECISIONS",
+    "PRECISION_DTYPES",
     "SHARDINGS",
     "ModelStatesLayout",
     "ModelStatesPlan",
@@ -92,7 +104,8 @@ ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # - fp32: no mixed precision.
 # - autocast-bf16/fp16: the Trainer's bf16=True / fp16=True without DeepSpeed: torch autocast casts
 #   inside the forward; the weights, their gradients and the optimizer stay fp32, no master copy.
-# - bf16: the model loaded in bf16 (`dtype=torch.bfloat16`) and trained so: everything in bf16.
+# - bf16, fp16: the model loaded in bf16 / fp16 (`dtype=torch.bfloat16`) and trained so: everything
+#   in 16 bits (LOMO's setup: fp16 weights, no master copy).
 # - deepspeed-bf16/fp16: DeepSpeed's bf16/fp16 sections: 16-bit weights and gradients, fp32 master
 #   weights that the optimizer updates (ZeRO only).
 PRECISIONS: Dict[str, int] = {
@@ -100,12 +113,18 @@ PRECISIONS: Dict[str, int] = {
     "autocast-bf16": 4,
     "autocast-fp16": 4,
     "bf16": 2,
+    "fp16": 2,
     "deepspeed-bf16": 2,
     "deepspeed-fp16": 2,
 }
 # Spellings people use for the same setups.
-PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "amp-bf16": "autocast-bf16", "amp-fp16": "autocast-fp16",
-                     "mixed-bf16": "deepspeed-bf16", "mixed-fp16": "deepspeed-fp16"}
+PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "amp-bf16": "autocast-bf16",
+                     "amp-fp16": "autocast-fp16", "mixed-bf16": "deepspeed-bf16", "mixed-fp16": "deepspeed-fp16"}
+# The dtype of a 2- or 4-byte value in each precision setup.
+PRECISION_DTYPES: Dict[str, torch.dtype] = {
+    "fp32": torch.float32, "autocast-bf16": torch.float32, "autocast-fp16": torch.float32,
+    "bf16": torch.bfloat16, "fp16": torch.float16, "deepspeed-bf16": torch.bfloat16, "deepspeed-fp16": torch.float16,
+}
 # ZeRO keeps fp32 master partitions (4 bytes a value) and an fp32 gradient partition for the step.
 _FP32 = 4
 
@@ -209,6 +228,7 @@ class ParamSpec:
     group: int = 0
     # A raw parameter count standing for many parameters: partitions cut it without boundaries.
     is_count: bool = False
+    name: str = ""
 
     @property
     def numel(self) -> int:
@@ -235,10 +255,10 @@ def param_specs(model: nn.Module, keep_dtypes: bool = False,
     embeddings = {id(module.weight) for module in model.modules()
                   if isinstance(module, nn.Embedding) and isinstance(getattr(module, "weight", None), torch.Tensor)}
     specs = []
-    for param in model.parameters():  # yields a tied tensor once
+    for name, param in model.named_parameters():  # yields a tied tensor once
         specs.append(ParamSpec(shape=logical_shape(param), trainable=param.requires_grad,
                                element_size=param.element_size() if keep_dtypes else None,
-                               is_embedding=id(param) in embeddings,
+                               is_embedding=id(param) in embeddings, name=name,
                                group=(groups or {}).get(id(param), 0)))
     return specs
 
@@ -253,6 +273,12 @@ class ModelStatesLayout:
         params_on_cpu, grads_on_cpu, optimizer_on_cpu: offloaded to the CPU.
         optimizer_shapes: shapes of the tensors one process's optimizer steps over.
         optimizer_element_size: their bytes per value.
+        optimizer_over_model: the optimizer steps over the model's own parameters (whole, or
+            FSDP's row shards), one `optimizer_shapes` entry per trainable parameter in order;
+            False: over flat fp32 copies (ZeRO's partitions, DeepSpeed's mixed precision).
+        largest_grad_bytes, largest_grad_param: the largest gradient one process holds for a
+            single parameter, and that parameter's name: all an optimizer that updates inside
+            backward holds (`trainer_memcb.plan.update_kinds`).
         optimizer_embeddings: indices into `optimizer_shapes` that are embedding weights.
         transient_bytes: short-lived extras, by name, not in the model states.
     """
@@ -265,6 +291,9 @@ class ModelStatesLayout:
     optimizer_on_cpu: bool
     optimizer_shapes: List[Tuple[int, ...]]
     optimizer_element_size: int
+    optimizer_over_model: bool = False
+    largest_grad_bytes: int = 0
+    largest_grad_param: str = ""
     optimizer_embeddings: List[int] = field(default_factory=list)
     transient_bytes: Dict[str, int] = field(default_factory=dict)
 
@@ -349,12 +378,18 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optio
         transient["fp32_grad_partition_bytes"] = master
 
     fsdp_offload = setup.is_fsdp and setup.offload_params
+    per_param_grads = {i: (fsdp_padded_shard_numel(specs[i].shape, world) if setup.is_fsdp else specs[i].numel) * size[i]
+                       for i in trainable}
+    largest = max(trainable, key=lambda i: per_param_grads[i], default=None)
     return ModelStatesLayout(
         params_bytes=params, grads_bytes=grads, master_weights_bytes=master,
         params_on_cpu=setup.offload_params, grads_on_cpu=fsdp_offload,
         optimizer_on_cpu=setup.offload_optimizer or fsdp_offload,
-        optimizer_shapes=shapes, optimizer_element_size=optimizer_size, optimizer_embeddings=embeddings,
-        transient_bytes=transient,
+        optimizer_shapes=shapes, optimizer_element_size=optimizer_size,
+        optimizer_over_model=not (setup.is_zero or setup.precision.startswith("deepspeed-")),
+        largest_grad_bytes=per_param_grads[largest] if largest is not None else 0,
+        largest_grad_param=specs[largest].name if largest is not None else "",
+        optimizer_embeddings=embeddings, transient_bytes=transient,
     )
 
 
@@ -402,6 +437,9 @@ class OptimizerPlan:
         fits: `device_bytes <= device_memory`, when a device memory was given.
         margin_bytes: `device_memory - device_bytes` (negative: short by that much).
         problem: why there is no optimizer figure, or None.
+        source: where the optimizer-state rule comes from.
+        updates_in_backward: LOMO, AdaLomo and the layer-wise optimizers: `grads_bytes` is the one
+            gradient such an update holds at a time, the largest parameter's.
         reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
             included in `model_states_bytes`; 0 without one.
     """
@@ -421,6 +459,7 @@ class OptimizerPlan:
     margin_bytes: Optional[int] = None
     problem: Optional[str] = None
     source: Optional[str] = None
+    updates_in_backward: bool = False
     reference_model_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
@@ -429,7 +468,8 @@ class OptimizerPlan:
 
 @dataclass(frozen=True)
 class ModelStatesPlan:
-    """The plan for one model and setup: one `OptimizerPlan` per optimizer asked for."""
+    """The plan for one model and setup: one `OptimizerPlan` per optimizer asked for, and notes
+    (one sentence each) on figures a reader could take for a mistake."""
 
     model: str
     setup: Setup
@@ -439,6 +479,7 @@ class ModelStatesPlan:
     optimizers: List[OptimizerPlan]
     reference_model: bool = False
     reference_model_note: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -448,6 +489,7 @@ class ModelStatesPlan:
             "trainable_params": self.trainable_params,
             "device_memory_bytes": self.device_memory_bytes,
             "optimizers": [entry.to_dict() for entry in self.optimizers],
+            "notes": list(self.notes),
             "reference_model": self.reference_model,
             "reference_model_note": self.reference_model_note,
             "not_counted": "activations, temporary buffers, the CUDA context, allocator fragmentation",
@@ -456,23 +498,24 @@ class ModelStatesPlan:
 
 def _combine(name: str, layout: ModelStatesLayout, setup: Setup, optimizer_bytes: Optional[int],
              optimizer_class: Optional[str], problem: Optional[str], source: Optional[str],
-             device_memory: Optional[int]) -> OptimizerPlan:
+             device_memory: Optional[int], in_backward: bool = False) -> OptimizerPlan:
+    grads = layout.largest_grad_bytes if in_backward else layout.grads_bytes
     if optimizer_bytes is None:
-        return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, None,
+        return OptimizerPlan(name, optimizer_class, layout.params_bytes, grads, None,
                              layout.master_weights_bytes, None, None, None, None, dict(layout.transient_bytes),
-                             problem=problem, source=source)
-    cpu = (layout.params_bytes if layout.params_on_cpu else 0) + (layout.grads_bytes if layout.grads_on_cpu else 0)
+                             problem=problem, source=source, updates_in_backward=in_backward)
+    cpu = (layout.params_bytes if layout.params_on_cpu else 0) + (grads if layout.grads_on_cpu else 0)
     if layout.optimizer_on_cpu:
         cpu += optimizer_bytes + layout.master_weights_bytes
-    total = layout.params_bytes + layout.grads_bytes + optimizer_bytes + layout.master_weights_bytes
+    total = layout.params_bytes + grads + optimizer_bytes + layout.master_weights_bytes
     device = total - cpu
     fits = margin = None
     if device_memory is not None:
         margin = device_memory - device
         fits = margin >= 0
-    return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, optimizer_bytes,
+    return OptimizerPlan(name, optimizer_class, layout.params_bytes, grads, optimizer_bytes,
                          layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,
-                         dict(layout.transient_bytes), fits, margin, None, source)
+                         dict(layout.transient_bytes), fits, margin, None, source, in_backward)
 
 
 def _with_reference(row: OptimizerPlan, reference: int, layout: ModelStatesLayout, setup: Setup,
@@ -493,9 +536,55 @@ def _with_reference(row: OptimizerPlan, reference: int, layout: ModelStatesLayou
 
 
 def _stand_ins(layout: ModelStatesLayout) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
+    """Flat stand-ins of what ZeRO (or DeepSpeed's mixed precision) hands the optimizer."""
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(layout.optimizer_element_size, torch.float32)
     params = [nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape in layout.optimizer_shapes]
     return params, [params[index] for index in layout.optimizer_embeddings]
+
+
+def _model_stand_in(model: Optional[nn.Module], layout: ModelStatesLayout, setup: Setup,
+                    keep_dtypes: bool) -> nn.Module:
+    """The model as one process's optimizer sees it, on the meta device: the same modules, names
+    and tied weights, each trainable parameter in the shape this process steps over (whole, or an
+    FSDP row shard) and in the precision's dtype (or its own with `keep_dtypes`). The optimizer is
+    then built over it exactly as the what-if builds it (`model_optimizer_what_if`), so that GaLore
+    finds its target modules and LOMO its model. A raw parameter count is one flat tensor."""
+    dtype = PRECISION_DTYPES[setup.precision]
+    if model is None:
+        holder = nn.Module()
+        for index, shape in enumerate(layout.optimizer_shapes):
+            holder.register_parameter(f"flat_{index}", nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")))
+        return holder
+    stand_in = meta_stand_in(model)
+    trainable = [param for param in stand_in.parameters() if param.requires_grad]  # the layout's order
+    replacements = {
+        id(param): nn.Parameter(torch.empty(shape, dtype=param.dtype if keep_dtypes else dtype, device="meta"))
+        for param, shape in zip(trainable, layout.optimizer_shapes)
+    }
+    for module in stand_in.modules():
+        for key, param in module._parameters.items():
+            if param is not None and id(param) in replacements:  # a tied weight gets the same one
+                module._parameters[key] = replacements[id(param)]
+    return stand_in
+
+
+def _notes(layout: ModelStatesLayout, setup: Setup, specs: Sequence[ParamSpec], rows: Sequence[OptimizerPlan]) -> List[str]:
+    """Sentences on figures a reader could take for a mistake."""
+    notes = []
+    trainable_sizes = {spec.element_size or PRECISIONS[setup.precision] for spec in specs if spec.trainable}
+    if setup.is_zero and layout.master_weights_bytes and trainable_sizes == {_FP32}:
+        notes.append(
+            "master weights: ZeRO gives the optimizer an fp32 copy of this process's partition even when the "
+            "parameters are fp32 already (DeepSpeed 0.19.8: stage_1_and_2.py clones it into "
+            "single_partition_of_fp32_groups; stage3.py's branch that would reuse an fp32 partition compares a "
+            "torch.device with a device name and never matches, so it copies too)")
+    fused = [row.name for row in rows if row.updates_in_backward]
+    if fused:
+        where = f", {layout.largest_grad_param}" if layout.largest_grad_param else ""
+        notes.append(
+            f"gradients of {', '.join(fused)}: updated inside backward one parameter at a time, so one gradient at a "
+            f"time, the largest parameter's{where}, in its dtype")
+    return notes
 
 
 def plan_model_states(
@@ -507,9 +596,21 @@ def plan_model_states(
     device_memory: Union[None, int, str] = None,
     model_name: Optional[str] = None,
     param_groups: str = "trainer",
+    optim_args: Union[None, str, Mapping[str, Any]] = None,
+    optim_target_modules: Union[None, str, Sequence[str]] = None,
+    keep_dtypes: bool = False,
     reference_model: bool = False,
 ) -> ModelStatesPlan:
     """Plan the model states of the fullest process, for each optimizer.
+
+    Every name the what-if takes is planned the way the what-if builds it: over the model's
+    stand-in (whole, or FSDP's row shards) the Trainer's own optimizer, GaLore's and APOLLO's target
+    groups, LOMO's model and the layer-wise variants included; over ZeRO's flat fp32 partitions the
+    optimizer with its class and arguments. In one process the optimizer-state figure equals the
+    what-if's to the byte. LOMO, AdaLomo and the layer-wise variants update inside backward: their
+    gradients are the largest parameter's alone (`trainer_memcb.plan.update_kinds`). A name the plan
+    does not model in a setup (GaLore over ZeRO's flat partitions, layer-wise over several
+    processes, which the Trainer refuses) gets a row that says why.
 
     Args:
         model: a model (any device, the meta device included; not changed), or a raw parameter
@@ -522,12 +623,17 @@ def plan_model_states(
         param_groups: `"trainer"`: the trainable parameters in the Trainer's two groups, with and
             without weight decay (`Trainer.create_optimizer`), which ZeRO pads and partitions one
             by one; `"one"`: all in one group.
+        optim_args: replaces `args.optim_args`, as in `what_if`: `"momentum=0.9"` or a dict.
+        optim_target_modules: replaces `args.optim_target_modules` (GaLore, APOLLO), as in `what_if`.
+        keep_dtypes: take each parameter's own dtype (a model loaded in the precision's dtype, whose
+            LoRA adapters PEFT keeps in float32) rather than the precision's for all.
         reference_model: add a frozen reference model, as DPO-style training holds: a copy of
             the parameters in the same dtype, no gradients, no optimizer state; 0 for a PEFT
             model, whose reference is itself with its adapters disabled (`reference_model_note`).
 
     Raises:
-        ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size.
+        ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size,
+            a malformed `optim_args` or `optim_target_modules`.
 
     Examples:
         >>> from trainer_memcb.plan.model_states import Setup, plan_model_states
@@ -541,12 +647,14 @@ def plan_model_states(
     memory = parse_bytes(device_memory) if device_memory is not None else None
     if param_groups not in PARAM_GROUPINGS:
         raise ValueError(f"param_groups={param_groups!r} is not one of: {', '.join(PARAM_GROUPINGS)}")
+    args = training_args_with(args, optim_args=optim_args, optim_target_modules=optim_target_modules)
     if isinstance(model, nn.Module):
-        specs = param_specs(model, groups=trainer_param_groups(model) if param_groups == "trainer" else None)
+        specs = param_specs(model, keep_dtypes=keep_dtypes,
+                            groups=trainer_param_groups(model) if param_groups == "trainer" else None)
         name = model_name or type(model).__name__
         module: Optional[nn.Module] = model
     elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
-        specs = [ParamSpec(shape=(model,), is_count=True)]
+        specs = [ParamSpec(shape=(model,), is_count=True, name="(one flat tensor)")]
         name = model_name or f"{model:,} parameters"
         module = None
     else:
@@ -554,6 +662,8 @@ def plan_model_states(
     if not any(spec.trainable for spec in specs):
         raise ValueError(f"{name} has no trainable parameter")
     layout = layout_model_states(specs, setup)
+    stand_in = _model_stand_in(module, layout, setup, keep_dtypes) if layout.optimizer_over_model else None
+    deepspeed = setup.is_zero or setup.precision.startswith("deepspeed-")
     reference, note = 0, None
     if reference_model:
         if _is_peft_model(module):
@@ -562,16 +672,26 @@ def plan_model_states(
             reference = reference_model_bytes(specs, setup)
     rows = []
     for optimizer_name in names:
-        params, embeddings = _stand_ins(layout)
-        found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
+        in_backward = updates_in_backward(optimizer_name)
+        refused = unplanned_reason(optimizer_name, world_size=setup.world_size, sharding=setup.sharding,
+                                   deepspeed=deepspeed)
+        if refused is not None:  # not planned: its gradients as a plain optimizer's, no note
+            rows.append(_combine(optimizer_name, layout, setup, None, None, refused, None, memory))
+            continue
+        if stand_in is not None:
+            found = model_optimizer_what_if(optimizer_name, args, stand_in)
+        else:
+            params, embeddings = _stand_ins(layout)
+            found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
         estimate = found.estimate
         rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
-                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory))
+                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
+                             in_backward))
     rows = [_with_reference(row, reference, layout, setup, memory) for row in rows]
     return ModelStatesPlan(
         model=name, setup=setup,
         total_params=sum(spec.numel for spec in specs),
         trainable_params=sum(spec.numel for spec in specs if spec.trainable),
-        device_memory_bytes=memory, optimizers=rows,
+        device_memory_bytes=memory, optimizers=rows, notes=_notes(layout, setup, specs, rows),
         reference_model=bool(reference_model), reference_model_note=note,
     )
