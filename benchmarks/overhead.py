@@ -30,8 +30,12 @@ steps with and without, and its ratio: the median, over its ABBA blocks of 4 ste
 steps with over its steps without (a block's two sides sit symmetrically around its middle, so
 steady drift cancels out: the small model's step times vary by about 17% here, slowly). The
 headline is the median over runs, and the spread of the runs' ratios shows the noise. Beside it,
-the callback's own work (its `on_pre_optimizer_step`, its `on_step_end`, its contribution to the log entry, its `on_log`) is
+the callback's own work (its `on_step_begin`, its `on_pre_optimizer_step`, its `on_step_end`, its contribution to the log entry, its `on_log`) is
 timed inside the same runs: a lower bound on its cost that a long step's noise does not hide.
+The callback measures the activations at every step in (a) (its default, `logging_steps=1`): on
+the small model the ratio is also held to 1.02, the activations' target. (c) isolates them: the
+small model with the callback in every step, measuring the activations in half of them (its
+`activations` option switched step by step, ABBA), as the ratio with / without, target at most 1.02.
 `--quick` is a smoke run whose numbers mean little.
 
     python benchmarks/overhead.py            # the full benchmark, about four minutes on 2 cores
@@ -71,6 +75,9 @@ from trainer_memcb import OptimizerMemoryCallback, measure_optimizer_state  # no
 from trainer_memcb.utils.units import format_bytes  # noqa: E402
 
 STEP_RATIO_TARGET = 1.01  # (a): with / without the callback, at most
+# (a) on the small model, with the callback measuring the activations too (its default), at most;
+# and (c): the callback measuring the activations / the callback not measuring them, at most.
+ACTIVATIONS_STEP_RATIO_TARGET = 1.02
 MEASURE_SPEEDUP_TARGET = 600.0  # (b): naive / measure_optimizer_state, at least
 FLOOR_RATIO_TARGET = 2.0  # (b): measure_optimizer_state / the bare loop over the state's storages, at most
 
@@ -195,10 +202,13 @@ class AlternatingStepTimer(TrainerCallback):
     resolve.
     """
 
-    OWN_WORK = ("on_pre_optimizer_step", "on_step_end", "contribute_to_trainer_log", "on_log")
+    OWN_WORK = ("on_step_begin", "on_pre_optimizer_step", "on_step_end", "contribute_to_trainer_log", "on_log")
 
-    def __init__(self, callback: OptimizerMemoryCallback) -> None:
+    def __init__(self, callback: OptimizerMemoryCallback, toggle: str = "callback") -> None:
         self.callback = callback
+        # "callback": the callback is in the Trainer or not; "activations": it is always in, and
+        # measures the activations or not (its `activations` option, read at each step's begin).
+        self.toggle = toggle
         self.handler: Any = None  # the Trainer's callback handler, set once the Trainer exists
         self.hooked_log = Trainer.log  # the callback installed its hook when it was made
         self.wall_starts: List[float] = []
@@ -224,7 +234,9 @@ class AlternatingStepTimer(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         wanted = with_callback_at(len(self.wall_starts))
-        if wanted != (self.callback in self.handler.callbacks):
+        if self.toggle == "activations":
+            self.callback.activations = wanted
+        elif wanted != (self.callback in self.handler.callbacks):
             if wanted:
                 self.handler.add_callback(self.callback)
             else:
@@ -277,10 +289,11 @@ class RunTimes:
     own_work: float  # the median step's seconds in the callback's own work (wall clock)
 
 
-def timed_training_run(workload: Workload, lengths: RunLengths, output_dir: str) -> RunTimes:
-    """One `trainer.train()` of `workload`, alternating steps with and without the callback."""
+def timed_training_run(workload: Workload, lengths: RunLengths, output_dir: str, toggle: str = "callback") -> RunTimes:
+    """One `trainer.train()` of `workload`, alternating steps with and without the callback (or,
+    with `toggle="activations"`, with the callback measuring the activations and not)."""
     Trainer.log = _UNHOOKED_TRAINER_LOG
-    timer = AlternatingStepTimer(OptimizerMemoryCallback())  # present from the start: step 0 is "with"
+    timer = AlternatingStepTimer(OptimizerMemoryCallback(), toggle)  # present from the start: step 0 is "with"
     # One step more than timed: the last step has no next `on_step_begin` to end it.
     total_steps = lengths.warmup_steps + lengths.steps + 1
     args = training_args(output_dir, max_steps=total_steps, per_device_train_batch_size=workload.batch_size)
@@ -342,13 +355,14 @@ class StepRatio:
 
 
 def compare_step_times(workload: Workload, lengths: RunLengths, run_label: str,
-                       report: Callable[[str], None]) -> Tuple[StepRatio, StepRatio, float]:
-    """(wall, CPU) step-time ratios with / without the callback, and the median over runs of the
-    callback's own seconds in a step; each run reported as `  run  1{run_label}: ...`."""
+                       report: Callable[[str], None], toggle: str = "callback") -> Tuple[StepRatio, StepRatio, float]:
+    """(wall, CPU) step-time ratios with / without the callback (or its activations, with
+    `toggle="activations"`), and the median over runs of the callback's own seconds in a step;
+    each run reported as `  run  1{run_label}: ...`."""
     runs: List[RunTimes] = []
     with tempfile.TemporaryDirectory() as output_dir:
         for index in range(lengths.runs):
-            run = timed_training_run(workload, lengths, output_dir)
+            run = timed_training_run(workload, lengths, output_dir, toggle)
             runs.append(run)
             wall, cpu = run.wall, run.cpu
             report(f"  run {index + 1:>2}{run_label}: median step with / without callback: "
@@ -612,6 +626,9 @@ def command(args: argparse.Namespace) -> int:
         print(f"(a) training step, {workload.name}")
         step_ratios[workload.name] = compare_step_times(workload, lengths, run_label,
                                                         report=lambda line: print(line, flush=True))
+    print(f"(c) training step, {SMALL.name}, the callback in every step, measuring the activations or not")
+    activations_ratios = compare_step_times(SMALL, settings.small, f", {SMALL.name}",
+                                            report=lambda line: print(line, flush=True), toggle="activations")
     print("(b) measuring the state")
     measuring = compare_measuring(settings)
     print(f"  state: {measuring.num_params:,} parameters, {measuring.num_state_tensors} state tensors; "
@@ -637,6 +654,16 @@ def command(args: argparse.Namespace) -> int:
                   f"-> {verdict(times.ratio <= STEP_RATIO_TARGET)} (<= {STEP_RATIO_TARGET})")
         print(f"      the callback's own work, timed around its hooks: {own_work * 1e3:.4f} ms a step, as a ratio "
               f"{1 + own_work / wall.step_seconds:.4f} (a lower bound on the ratio above)")
+        if name == SMALL.name:  # the callback measures the activations at every step here (logging_steps=1)
+            print(f"      with the activations measured (the callback's default): {wall.ratio:.4f} "
+                  f"-> {verdict(wall.ratio <= ACTIVATIONS_STEP_RATIO_TARGET)} (<= {ACTIVATIONS_STEP_RATIO_TARGET})")
+    wall, cpu, _ = activations_ratios
+    for line_title, times in (("(c) small model, step time with / without measuring the activations", wall),
+                              ("    same, in CPU time", cpu)):
+        print(f"  {line_title}: {times.ratio:.4f} (median over {len(times.run_ratios)} runs; runs' ratios "
+              f"{min(times.run_ratios):.4f}..{max(times.run_ratios):.4f}; adds {times.added_seconds * 1e3:.4f} ms "
+              f"to a step of {times.step_seconds * 1e3:.1f} ms) "
+              f"-> {verdict(times.ratio <= ACTIVATIONS_STEP_RATIO_TARGET)} (<= {ACTIVATIONS_STEP_RATIO_TARGET})")
     print(f"  (b) naive / measure_optimizer_state: {measuring.ratio:.0f}x "
           f"-> {verdict(measuring.ratio >= MEASURE_SPEEDUP_TARGET)} (>= {MEASURE_SPEEDUP_TARGET:.0f}x)")
     print(f"  (b) measure_optimizer_state / bare loop: {measuring.floor_ratio:.2f}x "

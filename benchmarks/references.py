@@ -9,9 +9,19 @@
   `estimate_zero3_model_states_mem_needs` (deepspeed/runtime/zero/stage3.py), which the
   `..._all_cold` functions print for every offload setting with `additional_buffer_factor=1.5`. Their
   formulas are restated here (deepspeed is not a dependency) from DeepSpeed's source.
+- LOMO (Lv et al. 2023, "Full Parameter Fine-tuning for Large Language Models with Limited
+  Resources", Table 1): LLaMA-7B trained in fp16 with LOMO holds its parameters, one gradient at a
+  time (the largest parameter's, the 32000 x 4096 embedding: 0.24 GB) and no optimizer state.
+  The paper's "GB" are GiB (12.55 = 6,738,415,616 x 2 / 2**30).
 - accelerate's `estimate-memory` "Training using Adam" in float32 (accelerate/commands/estimate.py
   `estimate_training_usage`): 4 x the model size, where the size is `calculate_maximum_sizes` of the
   bare `AutoModel`, buffers included.
+- LOMO (Lv et al. 2023, "Full Parameter Fine-tuning for Large Language Models with Limited
+  Resources", Table 1): LLaMA-7B in fp16, batch 8 x 512: activations 45.61 GB, 1.79 GB with
+  activation checkpointing, against the step plan's activations on Llama-2-7B's config.
+- Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+  section 4): activation memory per transformer layer, 16-bit, s*b*h*(34 + 5*a*s/h) bytes with
+  dropout and no recomputation, against the step plan on a GPT-2-style model with dropout.
 """
 
 from __future__ import annotations
@@ -138,6 +148,26 @@ def deepspeed_rows(model=None) -> List[Dict[str, object]]:
     return rows
 
 
+# -- LOMO, Table 1 --------------------------------------------------------------------------------------
+# The LOMO row, as printed (GiB, though the paper writes GB).
+LOMO_TABLE_1 = {"params_bytes": "12.55", "grads_bytes": "0.24", "optimizer_state_bytes": "0.00"}
+
+
+def lomo_row() -> Dict[str, object]:
+    """LLaMA-7B (Llama-2-7B's shapes) in fp16 with `optim="lomo"`, one process: our figures beside
+    LOMO's Table 1."""
+    import torch
+
+    from trainer_memcb.plan.whatif import build_meta_model
+
+    model = build_meta_model(os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b"), torch.float16)
+    plan = plan_model_states(model, "lomo", Setup(precision="fp16"))
+    entry = plan.optimizers[0]
+    largest = max(model.named_parameters(), key=lambda item: item[1].numel())[0]
+    return {"ours": {key: getattr(entry, key) for key in LOMO_TABLE_1}, "printed": dict(LOMO_TABLE_1),
+            "largest": largest, "notes": plan.notes}
+
+
 # -- accelerate ----------------------------------------------------------------------------------------
 
 ACCELERATE_BERT_BASE_CASED = 1_732_997_120  # "Training using Adam", float32, as the issue measured it
@@ -154,6 +184,93 @@ def accelerate_row() -> Dict[str, int]:
     ours = plan_model_states(model, "adamw", Setup()).optimizers[0]
     return {"accelerate": ACCELERATE_BERT_BASE_CASED, "ours": ours.model_states_bytes, "buffers_bytes": buffers,
             "param_tensors": len(list(model.parameters())), "params": sum(p.numel() for p in model.parameters())}
+
+
+# -- activations: LOMO Table 1 and Korthikanti et al. 2022 -------------------------------------------
+LOMO_GB = {"activations": "45.61", "with checkpointing": "1.79"}  # LLaMA-7B, fp16, batch 8 x 512
+LOMO_BATCH, LOMO_SEQ = 8, 512
+
+
+def _llama_7b_layers(layers: int, attn: str):
+    def build():
+        import torch
+        from transformers import AutoConfig, LlamaForCausalLM
+
+        config = AutoConfig.from_pretrained(os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b"))
+        config.num_hidden_layers = layers
+        config._attn_implementation = attn
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+    return build
+
+
+def step_activations(build, batch: int, seq: int, checkpointing: bool = False) -> int:
+    """The step plan's activations in fp16 (a model loaded in fp16 and trained so)."""
+    import torch
+
+    from trainer_memcb.plan.step_memory import plan_step_memory
+
+    plan, _ = plan_step_memory(build, batch_size=batch, seq_len=seq, setup=Setup(precision="bf16"),
+                               dtype=torch.float16, gradient_checkpointing=checkpointing, model_states=False)
+    if plan.problem:
+        raise RuntimeError(plan.problem)
+    return plan.activations_bytes
+
+
+def lomo_rows(layers: int = 32, attns: Tuple[str, ...] = ("eager", "sdpa")) -> List[Dict[str, object]]:
+    """Per attention path and checkpointing: the activations of Llama-2-7B's config, split into the
+    part outside the layers and the bytes per layer (traces of 1 and 2 layers), and the total for
+    `layers` layers (the total is exactly outside + layers x per layer: every layer is the same)."""
+    rows = []
+    for attn in attns:
+        for checkpointing in (False, True):
+            one = step_activations(_llama_7b_layers(1, attn), LOMO_BATCH, LOMO_SEQ, checkpointing)
+            two = step_activations(_llama_7b_layers(2, attn), LOMO_BATCH, LOMO_SEQ, checkpointing)
+            per_layer = two - one
+            outside = one - per_layer
+            rows.append({"attn": attn, "checkpointing": checkpointing, "per_layer": per_layer, "outside": outside,
+                         "total": outside + layers * per_layer})
+    return rows
+
+
+KORTHIKANTI = {"s": 512, "b": 4, "h": 1024, "a": 16}
+
+
+def _gpt2_layers(layers: int):
+    def build():
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        k = KORTHIKANTI
+        # GPT-2's shape with dropout everywhere (attention, residual, embeddings) and a GeLU that saves
+        # only its input (the formula's assumption; gelu_new's Python formula saves more).
+        config = GPT2Config(n_embd=k["h"], n_head=k["a"], n_layer=layers, n_positions=k["s"], vocab_size=1024,
+                            activation_function="gelu_pytorch_tanh", attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1,
+                            bos_token_id=0, eos_token_id=0)
+        config._attn_implementation = "eager"
+        with torch.device("meta"):
+            return GPT2LMHeadModel(config)
+    return build
+
+
+def korthikanti_row() -> Dict[str, int]:
+    """One GPT-2-style layer in fp16, eager attention, dropout on: the plan against the formula, and
+    the difference split into its three parts (see the guide)."""
+    k = KORTHIKANTI
+    s, b, h, a = k["s"], k["b"], k["h"], k["a"]
+    one = step_activations(_gpt2_layers(1), b, s)
+    two = step_activations(_gpt2_layers(2), b, s)
+    return {
+        "per_layer": two - one,
+        "formula": s * b * h * 34 + 5 * a * s * s * b,
+        # The CPU kernels' dropout saves its mask in the input's dtype (2 bytes), the formula counts
+        # 1 byte (CUDA's fused dropout saves a bool mask): the attention dropout's a*s*s*b more, the
+        # two residual dropouts' s*b*h each.
+        "dropout_masks_in_16_bits": a * s * s * b + 2 * s * b * h,
+        # Each LayerNorm saves its mean and reciprocal standard deviation, (b, s, 1) in 16 bits here;
+        # the formula leaves them out: 2 norms x 2 tensors x 2 bytes x s*b.
+        "layer_norm_statistics": 8 * s * b,
+    }
 
 
 def _gib(num_bytes: int) -> str:
@@ -175,6 +292,29 @@ def main() -> None:
         ours = row["ours"]
         print(f"| {row['gpus']} | {row['setting']} | {_gib(row['deepspeed_gpu'])} | {_gib(ours.device_bytes)} | "
               f"{_gib(row['deepspeed_cpu_per_node'])} | {_gib(ours.cpu_bytes_per_node)} |")
+
+    print("\nLOMO Table 1, LLaMA-7B fp16, batch 8 x 512: activations (bytes; GB = 10**9 bytes)\n")
+    print("| attention | checkpointing | outside the layers | per layer | 32 layers | GB | LOMO GB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for row in lomo_rows():
+        lomo = LOMO_GB["with checkpointing" if row["checkpointing"] else "activations"]
+        print(f"| {row['attn']} | {'on' if row['checkpointing'] else 'off'} | {row['outside']:,} | {row['per_layer']:,} | "
+              f"{row['total']:,} | {row['total'] / 1e9:.2f} | {lomo} |")
+    k = korthikanti_row()
+    print("\nKorthikanti et al. 2022, one GPT-2-style layer (s=512, b=4, h=1024, a=16), fp16, dropout on (bytes)\n")
+    print(f"| plan per layer | formula s*b*h*(34 + 5*a*s/h) | dropout masks in 16 bits | LayerNorm mean and rstd | "
+          f"formula + both |")
+    print("|---:|---:|---:|---:|---:|")
+    print(f"| {k['per_layer']:,} | {k['formula']:,} | {k['dropout_masks_in_16_bits']:,} | {k['layer_norm_statistics']:,} | "
+          f"{k['formula'] + k['dropout_masks_in_16_bits'] + k['layer_norm_statistics']:,} |")
+
+    row = lomo_row()
+    print("\nLOMO, Table 1, LLaMA-7B in fp16 with LOMO (GiB; the paper prints GiB as 'GB')\n")
+    print("| | parameters | gradients | optimizer state |")
+    print("|---|---|---|---|")
+    print("| LOMO | " + " | ".join(row["printed"][key] for key in LOMO_TABLE_1) + " |")
+    print("| ours | " + " | ".join(f"{_gib(row['ours'][key])} ({row['ours'][key]:,} bytes)" for key in LOMO_TABLE_1) + " |")
+    print(f"(the one gradient: {row['largest']}'s)")
 
     row = accelerate_row()
     print(f"\naccelerate, bert-base-cased, float32 AdamW: accelerate {row['accelerate']:,} bytes, ours "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -60,6 +61,33 @@ def training_args(output_dir: str, **overrides: Any) -> TrainingArguments:
     )
     settings.update(overrides)
     return TrainingArguments(**settings)
+
+
+# -- activations ------------------------------------------------------------------------------------
+
+
+def independent_saved_bytes(model: torch.nn.Module, inputs: Dict[str, Any],
+                            autocast: Optional[torch.dtype] = None) -> int:
+    """Bytes of the distinct non-parameter storages that one forward of `model` on `inputs` saves
+    for backward: a plain saved-tensors walk that keeps every saved tensor (so that no storage is
+    freed and its address reused before the count is done)."""
+    params = {(param.device, param.untyped_storage().data_ptr()) for param in model.parameters()}
+    kept: List[torch.Tensor] = []
+    sizes: Dict[Tuple[torch.device, int], int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor)
+        key = (tensor.device, tensor.untyped_storage().data_ptr())
+        if key not in params:
+            sizes[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    context: Any = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), context:
+        output = model(**inputs)
+    assert output.loss is not None and sizes  # a training forward, which saved something
+    return sum(sizes.values())
+
 
 
 def entries_with(log_history: List[Dict[str, Any]], key: str) -> List[Dict[str, Any]]:

@@ -43,3 +43,8 @@ def test_quick_benchmark_prints_both_ratios():
     run_line = (r"^  run  1: median step with / without callback: wall \d+\.\d{4} / \d+\.\d{4} ms = \d+\.\d{4}; "
                 r"CPU \d+\.\d{4} / \d+\.\d{4} ms = \d+\.\d{4}$")
     assert len(re.findall(run_line, out, re.MULTILINE)) == 1, out
+    # The activations: the small model's (a) ratio and (c), each held to 1.02.
+    assert re.search(r"^      with the activations measured \(the callback's default\): \d+\.\d{4} "
+                     r"-> target (met|NOT met) \(<= 1\.02\)$", out, re.MULTILINE), out
+    assert re.search(r"^  \(c\) small model, step time with / without measuring the activations: \d+\.\d{4} .*"
+                     r"-> target (met|NOT met) \(<= 1\.02\)$", out, re.MULTILINE), out

@@ -15,7 +15,14 @@ import pytest
 from PIL import Image
 from transformers import Trainer
 
-from helpers import TinyDataset, accuracy_and_f1, drawn_on_a_terminal, tiny_classifier, training_args
+from helpers import (
+    TinyDataset,
+    accuracy_and_f1,
+    drawn_on_a_terminal,
+    independent_saved_bytes,
+    tiny_classifier,
+    training_args,
+)
 from test_cli_whatif import adafactor_bytes, adamw_bytes  # the byte formulas, written out once
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
@@ -24,6 +31,7 @@ from trainer_memcb.cli.output import TextTable, bytes_cell, print_tables
 from trainer_memcb.cli.plots import PLOT_DPI, PLOT_SIZE_INCHES
 from trainer_memcb.cli.report import run_report
 from trainer_memcb.runs.run_logs import load_run
+from trainer_memcb.training.activations_probe import ACTIVATIONS_SUPPORTED
 
 MEASURED = "optimizer_state_bytes"
 ESTIMATE = "optimizer_state_estimate_bytes"
@@ -69,6 +77,13 @@ def _evals(log_history, as_float32=False):
             for e in log_history if "eval_accuracy" in e]
 
 
+def activations_of_a_batch_of_4() -> int:
+    """What the tiny model's forward on a batch of 4 (the runs' batch) saves for backward."""
+    model, batch = tiny_classifier(), TinyDataset(4)
+    model.train()
+    return independent_saved_bytes(model, {"input_ids": batch.input_ids, "labels": batch.labels})
+
+
 def _report_figures(report):
     steps = [(s.step, s.measured_bytes, s.estimate_bytes) for s in report.steps]
     evals = [(e.step, e.metrics, e.measured_bytes) for e in report.evals]
@@ -101,6 +116,17 @@ def test_report_reads_the_latest_checkpoint_and_matches_the_log_history(runs):
     assert report.measured_by_dtype == {"float32": adamw}
     assert report.estimate_by_key == report.measured_by_key
     assert report.final_metrics == evals[-1][1]
+    # The step's memory by part, as the last training entry logged it; the activations exact.
+    params_bytes = 4 * report.trainable_params
+    activations = activations_of_a_batch_of_4()
+    assert report.step_memory_step == 4
+    assert report.step_memory == {
+        "model_params_bytes": params_bytes, "model_grads_bytes": params_bytes,
+        MEASURED: adamw, ESTIMATE: adamw,
+        "model_states_bytes": 2 * params_bytes + adamw, "model_states_estimate_bytes": 2 * params_bytes + adamw,
+        **({"activations_bytes": activations, "activations_peak_bytes": activations} if ACTIVATIONS_SUPPORTED else {}),
+    }
+    assert {key: last_train[key] for key in report.step_memory} == report.step_memory
 
 
 def test_report_reads_tensorboard_events_when_there_is_no_state_file(runs):
@@ -141,6 +167,17 @@ def test_report_command_prints_tables_and_a_chosen_plot(runs, tmp_path, capsys):
     assert main(["report", runs["adafactor"].output_dir, "--plot", plot]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Run adafactor\n")
+    # The step's memory, from TensorBoard's float32 (exact below 2**24), with its parts in order.
+    table = out.split("The step's memory by part at step 4 (per process)\n")[1].split("\n\n")[0].splitlines()
+    parts = [row.split("  ")[0] for row in table[2:]]
+    if not ACTIVATIONS_SUPPORTED:  # torch before 2.8: the model states only
+        assert parts == ["parameters", "gradients", "optimizer state", "model states"]
+        return
+    activations = activations_of_a_batch_of_4()
+    assert parts == [
+        "parameters", "gradients", "optimizer state", "model states", "activations", "activations, peak",
+        "activations: what the step's last micro-batch forward saved for backward (parameters excluded)"]
+    assert f"{activations:,}" in table[6] and bytes_cell(activations) in table[6]
     assert f"Plot: {plot}" in out
     with Image.open(plot) as image:
         assert image.size == PLOT_PIXELS

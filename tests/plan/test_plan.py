@@ -18,8 +18,8 @@ import trainer_memcb.plan.model_states
 import trainer_memcb.plan.param_shapes
 import trainer_memcb.plan.sharding
 from trainer_memcb.cli import main
-from trainer_memcb.plan.model_states import Setup, param_specs, parse_bytes, plan_model_states
-from trainer_memcb.plan.sharding import fsdp_local_shape, fsdp_padded_shard_numel
+from trainer_memcb.plan.model_states import Setup, layout_model_states, param_specs, parse_bytes, plan_model_states
+from trainer_memcb.plan.sharding import fsdp_local_shape, fsdp_padded_shard_numel, zero12_gradient_numel
 from trainer_memcb.plan.whatif import what_if
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,7 +94,8 @@ def test_fsdp_pads_every_shard_to_ceil_rows_over_w_and_the_first_rank_steps_over
         (entry,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding=sharding)).optimizers
         assert (entry.params_bytes, entry.grads_bytes) == (36 * 4, 36 * 4)
         assert entry.optimizer_state_bytes == adamw(36, 4) == 304  # the FSDP2 job's first rank
-    assert entry.transient_bytes == {"unsharded_params_bytes": (59 - 36) * 4}
+    # Shard-grad-op also holds the all-gathered parameters from forward to backward: 2 padded shards.
+    assert entry.transient_bytes == {"unsharded_params_bytes": 2 * 36 * 4}
     (offloaded,) = plan_model_states(two_layers(), "adamw", Setup(world_size=4, nodes=2, sharding="fsdp-full-shard",
                                                                    offload_params=True)).optimizers
     # 7 -> 2 rows, 3 -> 1: 8 + 2 + 7 + 1 = 18 values; everything on the CPU, 2 processes a node.
@@ -110,21 +111,44 @@ def test_fsdp_takes_a_0_dim_parameter_as_one_row():
 
 def test_zero_partitions_follow_deepspeed():
     ds = "deepspeed-bf16"
-    # ZeRO-1/2: 59 trainable values in one flat group, padded to 60 (a multiple of 2 x 2): 30 a rank.
+    # ZeRO-1/2 over the Trainer's two groups: weights 28 + 21 = 49 values padded to 52 (a multiple of
+    # 2 x 2), 26 a rank; biases 7 + 3 = 10 padded to 12, 6 a rank.
     (zero1,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero1", precision=ds)).optimizers
-    assert (zero1.params_bytes, zero1.grads_bytes) == (60 * 2, 59 * 2)
-    assert (zero1.optimizer_state_bytes, zero1.master_weights_bytes) == (adamw(30, 1), 30 * 4)
-    assert zero1.transient_bytes == {"fp32_grad_partition_bytes": 30 * 4}
+    assert zero1.params_bytes == (52 + 12) * 2
+    # The gradients, as runs show them: every parameter that overlaps the partition, whole, plus
+    # the padding zeros. Rank 0: the 28-value weight and the 7-value bias (35); rank 1: both weights,
+    # 3 zeros, both biases and 2 zeros (64), the fullest.
+    assert [zero12_gradient_numel([[28, 21], [7, 3]], 2, rank) for rank in (0, 1)] == [35, 64]
+    assert zero1.grads_bytes == 64 * 2
+    assert (zero1.optimizer_state_bytes, zero1.master_weights_bytes) == (adamw(32, 2), 32 * 4)
+    assert zero1.transient_bytes == {"fp32_grad_partition_bytes": 26 * 4}  # one group's at a time
     (zero2,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero2", precision=ds)).optimizers
-    assert zero2.grads_bytes == 30 * 2 and zero2.params_bytes == 120
-    # ZeRO-3: ceil(numel / 2) of each: 14 + 4 + 11 + 2 = 31.
+    assert (zero2.params_bytes, zero2.grads_bytes) == (128, 128)  # DeepSpeedZeroOptimizer: as ZeRO-1
+    # All in one group: 59 values padded to 60, 30 a rank; rank 0 touches 28 + 7, rank 1 7 + 21 + 3 + 1.
+    (one,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero2", precision=ds),
+                               param_groups="one").optimizers
+    assert (one.params_bytes, one.grads_bytes, one.master_weights_bytes) == (60 * 2, 35 * 2, 30 * 4)
+    layout = layout_model_states(param_specs(two_layers()), Setup(world_size=2, sharding="zero2", precision=ds), rank=1)
+    assert layout.grads_bytes == 32 * 2
+    whole = layout_model_states(param_specs(two_layers()), Setup(world_size=2, sharding="zero1", precision=ds),
+                                whole_zero_grads=True)  # BF16_Optimizer
+    assert whole.grads_bytes == 59 * 2
+    with pytest.raises(ValueError, match="param_groups='two' is not one of: trainer, one"):
+        plan_model_states(two_layers(), "adamw", Setup(), param_groups="two")
+    with pytest.raises(ValueError, match="rank=2: expected 0 to 1"):
+        layout_model_states(param_specs(two_layers()), Setup(world_size=2, sharding="zero2"), rank=2)
+    # A raw parameter count has no boundaries: as in the ZeRO paper, whole under P_os, partitioned under P_os+g.
+    for sharding, grad_numel in (("zero1", 59), ("zero2", 30)):
+        (counted,) = plan_model_states(59, "adamw", Setup(world_size=2, sharding=sharding, precision=ds)).optimizers
+        assert counted.grads_bytes == grad_numel * 2
+    # ZeRO-3: ceil(numel / 2) of each: 14 + 4 + 11 + 2 = 31, in one sub-group per param group.
     (zero3,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero3", precision=ds)).optimizers
     assert (zero3.params_bytes, zero3.grads_bytes, zero3.master_weights_bytes) == (31 * 2, 31 * 2, 31 * 4)
-    assert zero3.optimizer_state_bytes == adamw(31, 1)
+    assert zero3.optimizer_state_bytes == adamw(31, 2)
     # Offload: optimizer state and master weights on the CPU; ZeRO-3 parameters too.
     (offload,) = plan_model_states(two_layers(), "adamw", Setup(world_size=2, sharding="zero3", precision=ds,
                                                                  offload_optimizer=True, offload_params=True)).optimizers
-    assert offload.device_bytes == 31 * 2 and offload.cpu_bytes == 31 * 2 + adamw(31, 1) + 31 * 4
+    assert offload.device_bytes == 31 * 2 and offload.cpu_bytes == 31 * 2 + adamw(31, 2) + 31 * 4
     assert offload.cpu_bytes_per_node == 2 * offload.cpu_bytes
 
 
@@ -181,15 +205,18 @@ def test_deepspeed_estimators_beside_the_plan_for_llama_2_7b():
     assert zero2["deepspeed_gpu"] == 4 * psi + 16 * psi // 8
     ours = zero2["ours"]  # bf16 parameters whole, gradient / optimizer / master partitions
     partition = psi // 8  # psi is a multiple of 16: no padding
-    assert (ours.params_bytes, ours.grads_bytes, ours.master_weights_bytes) == (2 * psi, 2 * partition, 4 * partition)
-    assert ours.optimizer_state_bytes == 8 * partition + 4
-    assert zero2["deepspeed_gpu"] - ours.device_bytes == 2 * psi - 2 * partition + 4 * partition - 4
+    assert (ours.params_bytes, ours.master_weights_bytes) == (2 * psi, 4 * partition)
+    # The fullest process's 16-bit gradients: its partition (842,301,952 values), and more, since
+    # every parameter its partition touches is held whole (the runs' finding): 57,413,120 values more.
+    assert ours.grads_bytes == 2 * (partition + 57_413_120) == 1_799_430_144
+    assert ours.optimizer_state_bytes == 8 * partition + 8  # the Trainer's two groups: a `step` each
+    assert zero2["deepspeed_gpu"] - ours.device_bytes == 2 * psi - 2 * (partition + 57_413_120) + 4 * partition - 8
     zero3 = by_key[(64, "ZeRO-3")]
     assert zero3["deepspeed_gpu"] == 4 * 131_072_000 + int(18 * psi / 64)
     partitions = 105_287_744  # the sum of ceil(numel / 64) over Llama-2-7B's 291 tensors
-    assert zero3["ours"].device_bytes == zero3["ours"].model_states_bytes == 16 * partitions + 4
+    assert zero3["ours"].device_bytes == zero3["ours"].model_states_bytes == 16 * partitions + 8  # a `step` for each of the two groups
     # DeepSpeed: 2 bytes a parameter more, and 4 bytes a value of the largest layer (gathered for use).
-    assert zero3["deepspeed_gpu"] - zero3["ours"].device_bytes == 4 * 131_072_000 + int(18 * psi / 64) - 16 * partitions - 4
+    assert zero3["deepspeed_gpu"] - zero3["ours"].device_bytes == 4 * 131_072_000 + int(18 * psi / 64) - 16 * partitions - 8
 
 
 def test_accelerate_training_using_adam_for_bert_base_cased():
@@ -221,7 +248,7 @@ def test_zero3_partitioned_parameters_are_taken_at_their_real_size():
     assert result.optimizers[0].estimate.num_bytes == adamw(59, 4)
     assert [spec.shape for spec in param_specs(model)] == [(7, 4), (7,), (3, 7), (3,)]
     (entry,) = plan_model_states(model, "adamw", Setup(world_size=2, sharding="zero3")).optimizers
-    assert entry.params_bytes == 31 * 4 and entry.optimizer_state_bytes == adamw(31, 1)
+    assert entry.params_bytes == 31 * 4 and entry.optimizer_state_bytes == adamw(31, 2)
 
 
 def run_cli(*argv):
@@ -238,8 +265,8 @@ def test_cli_plan_for_llama_2_7b_at_64_processes_with_zero3(capsys):
     partitions = 210_575_488 // 2  # the sum of ceil(numel / 64) over the 291 tensors
     assert (entry["params_bytes"], entry["grads_bytes"], entry["master_weights_bytes"]) == (
         2 * partitions, 2 * partitions, 4 * partitions)
-    assert entry["optimizer_state_bytes"] == 8 * partitions + 4
-    assert entry["model_states_bytes"] == entry["device_bytes"] == 16 * partitions + 4
+    assert entry["optimizer_state_bytes"] == 8 * partitions + 8  # a `step` for each of the Trainer's two groups
+    assert entry["model_states_bytes"] == entry["device_bytes"] == 16 * partitions + 8
     assert entry["fits"] is True and entry["margin_bytes"] == 80 * 2**30 - entry["device_bytes"]
     assert main(["estimate", LLAMA, "--world-size", "8", "--sharding", "ddp", "--optimizers", "adamw",
                  "--device-memory", "80GiB"]) == 0

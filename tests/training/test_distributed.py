@@ -253,9 +253,8 @@ def test_zero_partition_arithmetic_matches_hand_computed_partitions():
 class ZeroOptimizerStandIn:
     """Shaped like a DeepSpeed ZeRO optimizer, by the attributes `rules/deepspeed_zero.py` reads.
 
-    deepspeed is not a test dependency (it builds from source and needs no GPU only at import), so
-    these stand-ins check the bookkeeping here; `test_deepspeed_zero_engines` runs DeepSpeed's own
-    engines on the CPU where deepspeed is installed.
+    They check the bookkeeping without starting processes; `test_deepspeed_zero_engines` runs
+    DeepSpeed's own engines on the CPU.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, **attributes: Any) -> None:
@@ -334,7 +333,6 @@ def test_master_weights_and_the_lent_zero3_partitions_on_stand_ins():
 
 
 def test_deepspeed_optimizer_rules_follow_their_source():
-    pytest.importorskip("deepspeed", reason="deepspeed is not installed (it is no test dependency)")
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
     from trainer_memcb.state.estimate import ParamInfo, find_estimate_rule
@@ -347,16 +345,55 @@ def test_deepspeed_optimizer_rules_follow_their_source():
     assert cpu.per_param(info, {}, own_dtype) == {"exp_avg": 68, "exp_avg_sq": 68}
 
 
-# Parameters and gradients per process, as measured in real runs (deepspeed 0.19.8, 2 processes):
-# ZeRO-3 holds its 35-value fp32 partition of each; BF16_Optimizer the whole model in bf16 in its
-# padded flat buffer (68 values) and the 66 bf16 gradients.
-MODEL_STATES_BY_ZERO_RUN = {"zero3": (140, 140), "zero1_bf16_fp32_accumulation": (136, 132)}
+# -- DeepSpeed ZeRO, run: one launch, a custom loop's runs and the Trainer's ----------------------
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                    reason="deepspeed is not installed (it is no test dependency: it builds from source)")
-def test_deepspeed_zero_engines(tmp_path):
-    torchrun("deepspeed_zero.py", str(tmp_path))
+@pytest.fixture(scope="module")
+def deepspeed_job(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("deepspeed"))
+    torchrun("deepspeed_zero.py", out_dir)
+    return out_dir
+
+
+def planned_per_process(model: torch.nn.Module, sharding: str, precision: str, rank: int,
+                        whole_zero_grads: bool = False) -> Dict[str, int]:
+    """The plan's four model states for one process, the parameters in the Trainer's two groups."""
+    from trainer_memcb.plan.model_states import (
+        Setup, layout_model_states, param_specs, plan_model_states, trainer_param_groups,
+    )
+
+    setup = Setup(world_size=PROCESSES, sharding=sharding, precision=precision)
+    layout = layout_model_states(param_specs(model, groups=trainer_param_groups(model)), setup, rank=rank,
+                                 whole_zero_grads=whole_zero_grads)
+    (plan,) = plan_model_states(model, "adamw_torch", setup).optimizers
+    planned = {"params": layout.params_bytes, "grads": layout.grads_bytes, "masters": layout.master_weights_bytes,
+               "optimizer_state": plan.optimizer_state_bytes}
+    planned["model_states"] = sum(planned.values())
+    return planned
+
+
+def logged_figures(walks: List[Dict[str, int]], partitions: List[int]) -> Dict[str, int]:
+    """What the main process logs, from each process's own walk: the largest, and the sums."""
+    state, masters = walks[0]["optimizer_state"], walks[0]["masters"]
+    assert all(walk["optimizer_state"] == state and walk["masters"] == masters for walk in walks)
+    assert state == adamw_state_bytes(sum(partitions), num_tensors=len(partitions))
+    assert masters == 4 * sum(partitions)
+    states = [walk["model_states"] for walk in walks]
+    return {
+        MEASURED_BYTES: state, MEASURED_TOTAL_BYTES: PROCESSES * state, MEASURED_ELEMENTS: 2 * sum(partitions) + len(partitions),
+        ESTIMATE_BYTES: state, ESTIMATE_TOTAL_BYTES: PROCESSES * state, TRAINABLE_PARAMS: sum(partitions),
+        MASTER_WEIGHTS_BYTES: masters, UNEXPECTED_BYTES: 0,
+        "model_params_bytes": max(walk["params"] for walk in walks), "model_grads_bytes": max(walk["grads"] for walk in walks),
+        "model_states_bytes": max(states), "model_states_total_bytes": sum(states),
+        "model_states_estimate_bytes": max(states), "model_states_estimate_total_bytes": sum(states),
+    }
+
+
+def loop_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+
+
+def test_deepspeed_zero_engines(deepspeed_job):
     zero = trainer_memcb.state.rules.deepspeed_zero
     # Weights 35 + 21 and biases 7 + 3, in two groups, over 2 processes.
     zero12 = [zero.zero12_partition_numel([35, 21], 2), zero.zero12_partition_numel([7, 3], 2)]
@@ -369,38 +406,90 @@ def test_deepspeed_zero_engines(tmp_path):
         "zero1_bf16_fp32_accumulation": ("BF16_Optimizer", 1, "torch.bfloat16", zero12),
         "zero3": ("DeepSpeedZeroOptimizer_Stage3", 3, "torch.float32", zero3),
     }
+    # The gradients each process holds when the step begins, as walked: ZeRO-1/2 hold every
+    # gradient their partition touches, whole, plus padding (rank 0: the 35-value weight and the
+    # 7-value bias; rank 1: all four and 2 zeros); ZeRO-3 its partitions; BF16_Optimizer all, whole.
+    grads = {"zero1": [168, 272], "zero2": [168, 272], "zero2_bf16": [84, 136],
+             "zero1_bf16_fp32_accumulation": [132, 132], "zero3": [140, 140]}
     for name, (zero_class, stage, model_dtype, partitions) in runs.items():
-        state = adamw_state_bytes(sum(partitions), num_tensors=2)
-        masters = 4 * sum(partitions)
-        expected = {MEASURED_BYTES: state, MEASURED_TOTAL_BYTES: PROCESSES * state,
-                    MEASURED_ELEMENTS: 2 * sum(partitions) + 2, ESTIMATE_BYTES: state,
-                    ESTIMATE_TOTAL_BYTES: PROCESSES * state, TRAINABLE_PARAMS: sum(partitions),
-                    MASTER_WEIGHTS_BYTES: masters, UNEXPECTED_BYTES: 0}
-        for result in per_process(str(tmp_path / name)):
+        results = per_process(os.path.join(deepspeed_job, name))
+        precision = "deepspeed-bf16" if model_dtype == "torch.bfloat16" else "fp32"
+        walks = [result["walks"][-1] for result in results]
+        assert [walk["grads"] for walk in walks] == grads[name], name
+        for rank, (result, walk) in enumerate(zip(results, walks)):
             assert (result["zero_class"], result["stage"], result["model_dtype"]) == (zero_class, stage, model_dtype), name
             assert result["master_partition_numels"] == partitions, name
             assert result["master_partition_dtypes"] == ["torch.float32"] * 2, name
+            assert result["walks"][0] == walk, name  # the same at both steps
+            assert walk == planned_per_process(loop_model(), f"zero{stage}", precision, rank,
+                                               whole_zero_grads=zero_class == "BF16_Optimizer"), name
+        expected = logged_figures(walks, partitions)
+        for result in results:
+            state = adamw_state_bytes(sum(partitions), num_tensors=2)
             assert result["own_measured_bytes"] == result["own_estimate_bytes"] == state, name
-            assert result["figures"] == expected, name
+            figures = {key: value for key, value in expected.items() if not key.startswith("model_")}
+            assert result["figures"] == figures, name
             assert result["figures_before_a_step"] == {
                 key: value for key, value in expected.items()
                 if key in (ESTIMATE_BYTES, ESTIMATE_TOTAL_BYTES, TRAINABLE_PARAMS, MASTER_WEIGHTS_BYTES)}, name
-            # The four model states: ZeRO-3 and BF16_Optimizer measured, equal to the plan to the
-            # byte; DeepSpeedZeroOptimizer (ZeRO-1/2) frees its gradients before its step, so they
-            # are left out with one warning rather than logged wrong.
-            if name in MODEL_STATES_BY_ZERO_RUN:
-                params, grads = MODEL_STATES_BY_ZERO_RUN[name]
-                held = params + grads + state + masters
-                assert result["model_states"] == {
-                    "model_params_bytes": params, "model_grads_bytes": grads, "model_states_bytes": held,
-                    "model_states_estimate_bytes": held, "model_states_total_bytes": PROCESSES * held,
-                    "model_states_estimate_total_bytes": PROCESSES * held}, name
-                assert result["warnings"] == [], name
-            else:
-                assert result["model_states"] == {}, name
-                assert len(result["warnings"]) == 1 and "has freed its gradients" in result["warnings"][0], name
+            # The four model states, every run measured: equal to the walk and to the plan, per process.
+            assert result["model_states"] == {key: value for key, value in expected.items() if key.startswith("model_")}, name
+            assert result["warnings"] == [], name
+            # ZeRO-1/2's step is wrapped while the logger watches it, and given back by close().
+            assert (result["step_wrapped_during_training"], result["step_wrapped_after_close"]) == (
+                zero_class == "DeepSpeedZeroOptimizer", False), name
             # ZeRO-3 lends its partitions to the inner optimizer only for the step.
             assert result["inner_groups_untouched"] == ([0, 0] if stage == 3 else [1, 1]), name
+    # The fp32 gradient partitions, made for one group's step at a time: 28 and 6 values. On rank 0
+    # of an fp32 model the first is a view of the 16-bit buffer (168 bytes), not a copy.
+    assert [result["fp32_grad_partitions"][-2:] for result in per_process(os.path.join(deepspeed_job, "zero2"))] == [
+        [168, 168], [112, 24]]
+    assert per_process(os.path.join(deepspeed_job, "zero2_bf16"))[0]["fp32_grad_partitions"][-2:] == [112, 24]
+
+
+TRAINER_ZERO_RUNS = {f"trainer_zero{stage}{'_bf16' if bf16 else ''}": (stage, bf16) for stage in (1, 2, 3) for bf16 in (False, True)}
+
+
+@pytest.mark.parametrize("name", TRAINER_ZERO_RUNS)
+def test_trainer_with_deepspeed_logs_every_figure_equal_to_the_walk_and_the_plan(deepspeed_job, name):
+    from trainer_memcb.plan.model_states import trainer_param_groups
+
+    stage, bf16 = TRAINER_ZERO_RUNS[name]
+    main, other = results = per_process(os.path.join(deepspeed_job, name))
+    model = tiny_classifier()
+    groups = trainer_param_groups(model)
+    numels = [[param.numel() for param in model.parameters() if groups[id(param)] == group] for group in (0, 1)]
+    assert [sum(group) for group in numels] == [3_488, 226]
+    for result in results:  # DeepSpeed's groups are the Trainer's
+        assert result["group_param_numels"] == numels and result["warnings"] == []
+        assert result["zero_class"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+        assert result["model_dtype"] == ("torch.bfloat16" if bf16 else "torch.float32")
+    zero = trainer_memcb.state.rules.deepspeed_zero
+    partitions = ([zero.zero12_partition_numel(group, 2) for group in numels] if stage < 3 else
+                  [numel for group in numels for numel in zero.zero3_sub_group_numels(group, 2)])
+    walks = [result["walks"][-1] for result in results]
+    precision = "deepspeed-bf16" if bf16 else "fp32"
+    for rank, (result, walk) in enumerate(zip(results, walks)):
+        assert result["walks"][0] == walk
+        assert walk == planned_per_process(model, f"zero{stage}", precision, rank)
+    # ZeRO-1/2: rank 0's partition touches 2,048 gradient values, rank 1's 1,940 (with padding).
+    element = 2 if bf16 else 4
+    assert [walk["grads"] for walk in walks] == ([2_048 * element, 1_940 * element] if stage < 3 else [1_857 * element] * 2)
+
+    expected = logged_figures(walks, partitions)
+    training = [entry for entry in main["log_history"] if "loss" in entry]
+    assert [entry["step"] for entry in training] == [1, 2]
+    for entry in training:
+        assert {key: value for key, value in entry.items() if key in expected or key.startswith(("optimizer_", "model_"))} == expected
+    evaluations = [entry for entry in main["log_history"] if "eval_loss" in entry]
+    assert len(evaluations) == 1
+    assert {key[5:]: value for key, value in evaluations[0].items() if key[5:] in expected or key.startswith(
+        ("eval_optimizer_", "eval_model_"))} == expected
+    assert not any(key.startswith(("optimizer_", "model_", "eval_optimizer_", "eval_model_"))
+                   for entry in other["log_history"] for key in entry)
+    # ZeRO-1/2's step is wrapped while the Trainer trains, and given back at on_train_end.
+    for result in results:
+        assert (result["step_wrapped_during_training"], result["step_wrapped_after_training"]) == (stage < 3, False)
 
 
 # -- the four model states, measured, against the plan -------------------------------------------
@@ -457,3 +546,34 @@ def test_fsdp2_logs_model_states_equal_to_the_plan_to_the_byte(fsdp2_job):
                 "model_params_bytes": 144, "model_grads_bytes": 144, "model_states_bytes": plan.model_states_bytes,
                 "model_states_total_bytes": total, "model_states_estimate_bytes": plan.model_states_bytes,
                 "model_states_estimate_total_bytes": total}
+
+
+@requires_torch("2.7", "FSDP2 on the CPU: it records events on the CPU stream, and torch.cpu.Stream has "
+                      "no record_event before 2.7")
+@pytest.mark.parametrize("mode", ["shard_grad_op", "cpu_offload"])
+def test_fsdp2_shard_grad_op_and_cpu_offload_run_and_hold_what_the_plan_says(fsdp2_job, mode):
+    from trainer_memcb.plan.model_states import Setup, plan_model_states
+
+    unsharded = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    setup = Setup(world_size=PROCESSES, sharding="fsdp-shard-grad-op" if mode == "shard_grad_op" else "fsdp-full-shard",
+                  offload_params=mode == "cpu_offload")
+    (plan,) = plan_model_states(unsharded, "adamw", setup).optimizers
+    assert (plan.params_bytes, plan.grads_bytes, plan.optimizer_state_bytes, plan.model_states_bytes) == (144, 144, 304, 592)
+    total = 592 + (144 + 144 + 200)  # the second process steps over its 3 + 1 rows: 200 bytes of state
+    for rank, result in enumerate(per_process(os.path.join(fsdp2_job, mode))):
+        assert result["param_types"] == ["DTensor"] and result["devices"] == ["cpu"] and result["warnings"] == []
+        assert result["sharded_params_bytes"] == plan.params_bytes
+        # The walk, at both steps: the padded shards and their gradients, and this process's state.
+        assert result["walks"] == [{"params": 144, "grads": 144, "optimizer_state": [304, 200][rank]}] * 2
+        assert result["model_states_per_step"] == [{
+            "model_params_bytes": 144, "model_grads_bytes": 144, "model_states_bytes": plan.model_states_bytes,
+            "model_states_total_bytes": total, "model_states_estimate_bytes": plan.model_states_bytes,
+            "model_states_estimate_total_bytes": total}] * 2
+        if mode == "shard_grad_op":
+            # Between forward and backward the layers' parameters are views of the all-gathered
+            # buffers, 2 padded shards each, held beside the shards: the plan's transient figure.
+            assert result["unsharded_after_forward"] == [plan.transient_bytes["unsharded_params_bytes"]] * 2 == [288] * 2
+        else:  # full shard: back in their shards after forward
+            assert result["unsharded_after_forward"] == [144] * 2
+    if mode == "cpu_offload":  # the plan puts it all on the CPU; here the device is the CPU anyway
+        assert (plan.device_bytes, plan.cpu_bytes) == (0, 592)

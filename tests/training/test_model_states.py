@@ -7,6 +7,7 @@ from __future__ import annotations
 import doctest
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from transformers import Trainer
@@ -14,7 +15,9 @@ from transformers import Trainer
 import trainer_memcb.training.model_states_probe
 from helpers import TinyDataset, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
-from trainer_memcb.training.model_states_probe import ModelStatesProbe, detect_setup, measure_grads_bytes, measure_params_bytes
+from trainer_memcb.training.model_states_probe import (
+    ModelStatesProbe, detect_setup, measure_grads_bytes, measure_params_bytes, tap_zero_gradients,
+)
 
 KEYS = ("model_params_bytes", "model_grads_bytes", "model_states_bytes", "model_states_total_bytes",
         "model_states_estimate_bytes", "model_states_estimate_total_bytes")
@@ -64,23 +67,55 @@ def test_zero3_partitioned_parameters_count_by_their_partitions():
 
 
 class ZeroStage2StandIn:
-    """Shaped like DeepSpeed's ZeRO-2 optimizer by the attributes read here (deepspeed is not
-    installable here): fp32 partitions, the flat 16-bit buffer, and the contiguous gradient buffer."""
+    """Shaped like DeepSpeed's `DeepSpeedZeroOptimizer` (ZeRO-2) by the attributes read here, and
+    freeing its gradients inside `step` as it does; DeepSpeed's own runs are in test_distributed.py."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
+        self.bit16_groups = [list(model.parameters())]
         self.single_partition_of_fp32_groups = [torch.zeros(30)]
         self.bit16_groups_flat = [torch.zeros(60, dtype=torch.bfloat16)]
         self.partition_gradients = True
-        self.grads_in_partition = torch.zeros(30, dtype=torch.bfloat16)
         self.optimizer = torch.optim.AdamW(self.single_partition_of_fp32_groups)
+        self.steps = 0
+
+    def backward(self) -> None:  # the reduced partition: views of one buffer, and padding zeros
+        buffer = torch.zeros(28, dtype=torch.bfloat16)
+        self.averaged_gradients = {0: [buffer[:20], buffer[20:], torch.zeros(2, dtype=torch.bfloat16)]}
+
+    def step(self) -> None:
+        self.averaged_gradients = {0: None}  # freed before the inner step
+        self.steps += 1
 
 
-def test_zero2_gradients_are_read_from_its_contiguous_buffer():
-    zero = ZeroStage2StandIn()
+def test_zero12_gradients_are_measured_when_deepspeeds_step_begins():
     model = nn.Linear(2, 2)
-    assert measure_grads_bytes(model, zero) == 60
+    zero = ZeroStage2StandIn(model)
     assert detect_setup(model, zero).sharding == "zero2"
     assert detect_setup(model).sharding == "none"
+    zero.backward()
+    zero.step()
+    with pytest.raises(LookupError, match="frees its gradients inside its step, and none were measured"):
+        measure_grads_bytes(model, zero)  # nobody watched the step
+
+    wanted = [False, True]  # by the steps taken so far: the second step is measured, the third not
+    stop = tap_zero_gradients(zero, lambda: wanted[zero.steps % 2])
+    assert "step" in vars(zero)
+    zero.backward()
+    zero.step()
+    assert zero.steps == 2  # the step ran
+    assert measure_grads_bytes(model, zero) == 28 * 2 + 2 * 2  # the buffer and the zeros, each once
+    zero.averaged_gradients = {0: [torch.zeros(5, dtype=torch.bfloat16)]}
+    zero.step()  # not wanted: nothing measured, the last figure stays
+    assert measure_grads_bytes(model, zero) == 60
+    stop()
+    assert "step" not in vars(zero) and zero.step() is None and zero.steps == 4
+    # A second owner on the same optimizer shares the wrapper; the last one out removes it.
+    stops = [tap_zero_gradients(zero, lambda: True) for _ in range(2)]
+    stops[0]()
+    assert "step" in vars(zero)
+    stops[1]()
+    assert "step" not in vars(zero)
+    assert tap_zero_gradients(torch.optim.AdamW(model.parameters()), lambda: True) is None  # no ZeRO: nothing
 
 
 def test_trainer_logs_model_states_equal_to_the_plan():

@@ -31,12 +31,15 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from transformers import Trainer
 
 import trainer_memcb.training.tensorboard_view
-from helpers import TinyDataset, accuracy_and_f1, tiny_classifier, training_args
+from helpers import TinyDataset, accuracy_and_f1, independent_saved_bytes, tiny_classifier, training_args
 from test_accelerate_loop import fresh_accelerator_state  # noqa: F401  (fixture)
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
+from trainer_memcb.training.activations_probe import ACTIVATIONS_SUPPORTED
 from trainer_memcb.training.tensorboard_view import EVENT_FILE_SUFFIX, layout_charts, loop_tag, trainer_tag
+from trainer_memcb.utils.units import format_bytes
 
 ADAMW_BYTES = 29_808  # the tiny model's AdamW state: 2 x 3,714 fp32 values + 24 fp32 steps
+MODEL_BYTES = 14_856  # the tiny model's fp32 parameters (3,714 values), and as many bytes of gradients
 ADAFACTOR_BYTES = 2_512  # transformers' Adafactor, factored: see tests/state/test_estimate_rules.py
 FROZEN_BYTES = 8_196  # word embeddings 64 x 16: two fp32 moments + a step, kept after freezing
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -133,6 +136,26 @@ def test_layout_charts_only_what_was_logged_measured_and_estimate_together():
     assert layout_charts({}, trainer_tag) == {}
 
 
+def test_layout_charts_the_steps_memory_by_part_measured_and_planned():
+    logged = {"": ["optimizer_state_bytes", "optimizer_state_estimate_bytes", "model_params_bytes", "model_grads_bytes",
+                   "model_states_bytes", "model_states_estimate_bytes", "activations_bytes", "activations_peak_bytes",
+                   "device_peak_allocated_bytes"],
+              "eval": ["optimizer_state_bytes", "model_params_bytes"]}
+    assert layout_charts(logged, trainer_tag) == {"Optimizer memory": {
+        "optimizer state, measured and estimate (bytes)": [
+            "Multiline", ["^train/optimizer_state_bytes$", "^train/optimizer_state_estimate_bytes$"]],
+        "the step's memory by part, measured (bytes)": ["Multiline", [
+            "^train/model_params_bytes$", "^train/model_grads_bytes$", "^train/optimizer_state_bytes$",
+            "^train/activations_bytes$"]],
+        "model states and activations, measured and planned (bytes)": ["Multiline", [
+            "^train/model_states_bytes$", "^train/model_states_estimate_bytes$", "^train/activations_bytes$",
+            "^train/activations_peak_bytes$", "^train/device_peak_allocated_bytes$"]],
+    }}
+    # The optimizer state alone is no step's memory by part: that chart would repeat the first.
+    assert list(layout_charts({"": ["optimizer_state_bytes"]}, loop_tag)["Optimizer memory"]) == [
+        "optimizer state, measured and estimate (bytes)"]
+
+
 def test_docstring_examples_run():
     import doctest
 
@@ -150,6 +173,47 @@ def test_the_view_is_written_into_the_reporters_own_run_folder(runs):
         events = read_events(os.path.join(runs.root, folder))
         assert set(layout_of(events)) == {"Optimizer memory"}
         assert "optimizer_memory/text_summary" in events.Tags()["tensors"]
+
+
+def activations_of_a_batch_of_4(model: torch.nn.Module) -> int:
+    """What the tiny model's forward on a batch of 4 saves for backward, counted independently."""
+    batch = TinyDataset(4)
+    model.train()
+    return independent_saved_bytes(model, {"input_ids": batch.input_ids, "labels": batch.labels})
+
+
+measures = pytest.mark.skipif(not ACTIVATIONS_SUPPORTED, reason="this torch does not measure the activations "
+                              "(torch 2.8 and newer do: trainer_memcb.training.activations_probe)")
+
+
+@measures
+def test_the_steps_memory_is_charted_and_summarised_exactly(runs):
+    activations = activations_of_a_batch_of_4(runs.trainers["adamw"].model)
+    events = read_events(os.path.join(runs.root, runs.folders["adamw"]))
+    charts = layout_of(events)["Optimizer memory"]
+    assert charts["the step's memory by part, measured (bytes)"] == [
+        "^train/model_params_bytes$", "^train/model_grads_bytes$", "^train/optimizer_state_bytes$",
+        "^train/activations_bytes$"]
+    assert charts["model states and activations, measured and planned (bytes)"] == [
+        "^train/model_states_bytes$", "^train/model_states_estimate_bytes$", "^train/activations_bytes$",
+        "^train/activations_peak_bytes$"]
+    scalars = {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    for tag in ("train/activations_bytes", "train/activations_peak_bytes"):
+        assert scalars[tag] == [(step, float(activations)) for step in (1, 2, 3, 4)]
+    assert not [tag for tag in scalars if tag.startswith("eval/") and "activations" in tag]
+    [text] = events.Tensors("optimizer_memory/text_summary")
+    markdown = text.tensor_proto.string_val[0].decode("utf-8")
+    table = markdown.split("**The step's memory by part** (per process; activations of step 4, its last micro-batch)")[1]
+    cell = lambda num: f"{trainer_memcb.training.tensorboard_view.format_bytes(num)} ({num:,} bytes)"  # noqa: E731
+    assert table.split("\n\n")[1].splitlines() == [
+        "| part | measured | planned |", "|---|---|---|",
+        f"| parameters | {cell(MODEL_BYTES)} | - |",
+        f"| gradients | {cell(MODEL_BYTES)} | - |",
+        f"| optimizer state | {cell(ADAMW_BYTES)} | {cell(ADAMW_BYTES)} |",
+        f"| model states | {cell(2 * MODEL_BYTES + ADAMW_BYTES)} | {cell(2 * MODEL_BYTES + ADAMW_BYTES)} |",
+        f"| activations | {cell(activations)} | - |",
+        f"| activations, peak | {cell(activations)} | - |",
+    ]
 
 
 def test_one_process_logs_no_total_cards(runs):
@@ -217,6 +281,12 @@ def test_tensorboard_serves_the_view_and_chromium_shows_it(runs, tmp_path):
             ("measured minus estimate (bytes)", ["^train/optimizer_state_unexpected_bytes$"]),
             ("values in the state and trainable parameters (count)",
              ["^train/optimizer_state_elements$", "^train/optimizer_trainable_params$"]),
+            ("the step's memory by part, measured (bytes)",
+             ["^train/model_params_bytes$", "^train/model_grads_bytes$", "^train/optimizer_state_bytes$"]
+             + ["^train/activations_bytes$"] * ACTIVATIONS_SUPPORTED),
+            ("model states and activations, measured and planned (bytes)",
+             ["^train/model_states_bytes$", "^train/model_states_estimate_bytes$"]
+             + ["^train/activations_bytes$", "^train/activations_peak_bytes$"] * ACTIVATIONS_SUPPORTED),
         ]}
 
         # The tags: every figure once, no total that would repeat its per-process card; evaluation
@@ -330,6 +400,40 @@ def test_the_loop_logger_writes_the_view_into_the_trackers_folder(tmp_path):
     [text] = events.Tensors("optimizer_memory/text_summary")
     markdown = text.tensor_proto.string_val[0].decode("utf-8")
     assert text.step == 2 and "| state measured | 29.1 KiB (29,808 bytes) |" in markdown
+
+
+@measures
+def test_the_loop_logger_with_the_model_charts_and_summarises_the_activations(tmp_path):
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("run")
+    model = tiny_classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(TinyDataset(size=8), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    memory = OptimizerMemoryLogger(optimizer, accelerator, logging_steps=1, max_steps=2, model=model)
+    for batch in loader:
+        model(**batch).loss.backward()
+        optimizer.step()
+        memory()
+        optimizer.zero_grad()
+    accelerator.end_training()
+    memory.save_summary(str(tmp_path))
+    activations = activations_of_a_batch_of_4(model)
+
+    events = read_events(str(tmp_path / "run"))
+    charts = layout_of(events)["Optimizer memory"]
+    assert charts["the step's memory by part, measured (bytes)"] == [
+        "^model_params_bytes$", "^model_grads_bytes$", "^optimizer_state_bytes$", "^activations_bytes$"]
+    scalars = {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars["activations_bytes"] == scalars["activations_peak_bytes"] == [
+        (1, float(activations)), (2, float(activations))]
+    [text] = events.Tensors("optimizer_memory/text_summary")
+    markdown = text.tensor_proto.string_val[0].decode("utf-8")
+    assert "(per process; activations of step 2, its last micro-batch)" in markdown
+    assert f"| activations | {format_bytes(activations)} ({activations:,} bytes) | - |" in markdown
+    assert [line.split() for line in memory.summary().splitlines() if line.strip().startswith("activations")] == [
+        ["activations", *format_bytes(activations).split(), "-"],
+        ["activations,", "peak", *format_bytes(activations).split(), "-"]]
 
 
 def test_a_trainer_without_tensorboard_gets_no_view(tmp_path):

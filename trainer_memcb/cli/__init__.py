@@ -8,6 +8,12 @@
     trainer-memcb estimate MODEL --world-size 64 --zero 3 --precision deepspeed-bf16 --device-memory 80GiB
                                             the model-states plan: what each process holds, and
                                             whether it fits
+    trainer-memcb estimate 7.5e9 --zero 1 --world-size 64
+                                            the plan for a bare parameter count (one flat tensor)
+
+`report` and `compare` show the evaluation metrics the runs logged (`--metrics` chooses); a run
+made without the callback has no figures: `report` says so and exits 1, `compare` leaves it out
+with a warning line, shows the others and exits 1.
 
 Tables in a terminal, plain text when piped, `--json` for machines (strict JSON: a number that is
 not finite is null). Exit codes: 0 done, 1 nothing found (the message says where it looked), a
@@ -26,7 +32,17 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import add_estimate_arguments, estimate_plan, estimate_tables, estimate_what_if, plan_asked
+from trainer_memcb.cli.estimate import (
+    add_estimate_arguments,
+    estimate_plan,
+    estimate_step,
+    estimate_tables,
+    estimate_what_if,
+    needs_peft,
+    plan_asked,
+    resolve_optimizers,
+    step_asked,
+)
 from trainer_memcb.cli.failures import (
     EXIT_DONE,
     EXIT_NOTHING_FOUND,
@@ -38,10 +54,10 @@ from trainer_memcb.cli.failures import (
     say,
 )
 from trainer_memcb.cli.output import print_json, print_tables
-from trainer_memcb.cli.plan_table import plan_tables
+from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
 from trainer_memcb.cli.quiet import quiet_output
-from trainer_memcb.cli.report import DEFAULT_METRICS, report_tables, run_report
+from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
 from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
 from trainer_memcb.plan.whatif import ModelConfigError
 
@@ -70,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     commands = main_parser.add_subparsers(dest="command", metavar="{report,compare,estimate}")
 
-    metrics_help = f"eval metrics to show, comma-separated (default: {','.join(DEFAULT_METRICS)})"
+    metrics_help = ("eval metrics to show, comma-separated (default: those the run logged: "
+                    f"{' and '.join(DEFAULT_METRICS)} when logged, else every one, loss included)")
 
     report = commands.add_parser("report", parents=[debug], help="one run: state over the steps, evaluations, breakdown, plot")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the Trainer's output_dir (or one of its checkpoints)")
@@ -78,14 +95,16 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("--plot", metavar="PATH",
                       help=f"where to write the plot, .png, .pdf or .svg (default: RUN_DIR/{REPORT_PLOT_FILE_NAME})")
     plot.add_argument("--no-plot", action="store_true", help="write no plot")
-    report.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
+    report.add_argument("--metrics", type=_metrics, help=metrics_help)
     report.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
     report.set_defaults(handler=_report)
 
     compare = commands.add_parser("compare", parents=[debug], help="several runs side by side, sorted by optimizer state memory")
     compare.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="the runs' output_dir folders")
-    compare.add_argument("--plot", metavar="PATH", help="also write a bar chart there, .png, .pdf or .svg")
-    compare.add_argument("--metrics", type=_metrics, default=list(DEFAULT_METRICS), help=metrics_help)
+    compare_plot_options = compare.add_mutually_exclusive_group()
+    compare_plot_options.add_argument("--plot", metavar="PATH", help="also write a bar chart there, .png, .pdf or .svg")
+    compare_plot_options.add_argument("--no-plot", action="store_true", help="write no plot (the default)")
+    compare.add_argument("--metrics", type=_metrics, help=metrics_help)
     compare.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of a table")
     compare.set_defaults(handler=_compare)
 
@@ -122,18 +141,36 @@ def _load(run_dir: str, metrics: Sequence[str]) -> RunLog:
     return run
 
 
+def _load_runs(run_dirs: Sequence[str], asked: Optional[Sequence[str]]) -> Tuple[List[RunLog], List[str]]:
+    """The runs, and the metrics to show: those asked for (`--metrics`), else those the runs
+    logged (`logged_metrics`).
+
+    Which values are checked depends on the metrics shown, so without `--metrics` the runs are
+    read twice: once, checking no metric, to find which they logged, then as with `--metrics`."""
+    metrics = list(asked) if asked is not None else logged_metrics([load_run(run_dir, ()) for run_dir in run_dirs])
+    return [_load(run_dir, metrics) for run_dir in run_dirs], metrics
+
+
+def _without_figures(run_dir: str, history_source: Optional[str]) -> str:
+    return (f"{run_dir}: no optimizer memory figures in {history_source or 'its logs'}: the run was made without "
+            "OptimizerMemoryCallback (or OptimizerMemoryLogger)")
+
+
 def _report(args: argparse.Namespace) -> int:
     _check_plot_path(args.plot)
-    report = run_report(_load(args.run_dir, args.metrics), args.metrics)
+    (run,), metrics = _load_runs([args.run_dir], args.metrics)
+    report = run_report(run, metrics)
+    if not report.has_figures:
+        raise RunLogError(_without_figures(args.run_dir, report.history_source))
     plot_path = None if args.no_plot else args.plot or os.path.join(args.run_dir, REPORT_PLOT_FILE_NAME)
     status = EXIT_DONE
     if plot_path is not None:
-        status, written = _write_plot(report_plot, report, plot_path, args.metrics, explicit=args.plot is not None)
+        status, written = _write_plot(report_plot, report, plot_path, metrics, explicit=args.plot is not None)
         plot_path = plot_path if written else None
     if args.json:
-        print_json({**report.to_dict(), "plot": plot_path}, sys.stdout)
+        print_json({**report.to_dict(), "metrics": metrics, "plot": plot_path}, sys.stdout)
     else:
-        print_tables(report_tables(report, args.metrics), sys.stdout)
+        print_tables(report_tables(report, metrics), sys.stdout)
         if plot_path is not None:
             print(f"\nPlot: {plot_path}")
     return status
@@ -141,18 +178,28 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     _check_plot_path(args.plot)
-    rows = compare_runs([_load(run_dir, args.metrics) for run_dir in args.run_dirs], args.metrics)
+    runs, metrics = _load_runs(args.run_dirs, args.metrics)
+    kept = []
+    for run in runs:
+        if run_report(run, metrics).has_figures:
+            kept.append(run)
+        else:
+            say(f"warning: {_without_figures(run.run_dir, run.history_source)}; left out")
+    if not kept:
+        raise RunLogError("no run holds optimizer memory figures: they were made without OptimizerMemoryCallback "
+                          "(or OptimizerMemoryLogger)")
+    rows = compare_runs(kept, metrics)
     status, plot_path = EXIT_DONE, None
     if args.plot is not None:
-        status, written = _write_plot(compare_plot, rows, args.plot, args.metrics, explicit=True)
+        status, written = _write_plot(compare_plot, rows, args.plot, metrics, explicit=True)
         plot_path = args.plot if written else None
     if args.json:
-        print_json({"runs": [row.to_dict() for row in rows], "plot": plot_path}, sys.stdout)
+        print_json({"runs": [row.to_dict() for row in rows], "metrics": metrics, "plot": plot_path}, sys.stdout)
     else:
-        print_tables([compare_table(rows, args.metrics)], sys.stdout)
+        print_tables([compare_table(rows, metrics)], sys.stdout)
         if plot_path is not None:
             print(f"\nPlot: {plot_path}")
-    return status
+    return EXIT_NOTHING_FOUND if len(kept) < len(runs) else status
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -160,12 +207,21 @@ def _estimate(args: argparse.Namespace) -> int:
     # held back; the tables are printed afterwards.
     with quiet_output(enabled=not args.verbose):
         try:
-            if plan_asked(args):
+            resolve_optimizers(args)
+            if step_asked(args):
+                found = estimate_step(args)
+            elif plan_asked(args):
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
+    if step_asked(args):
+        if args.json:
+            print_json(step_json(found), sys.stdout)
+        else:
+            print_tables(step_tables(found) + plan_tables(found["model_states"]), sys.stdout)
+        return EXIT_DONE
     if args.json:
         print_json(result.to_dict(), sys.stdout)
     else:
@@ -185,6 +241,24 @@ def command(args: argparse.Namespace) -> int:
     return answer(lambda: handler(args), known, debug=getattr(args, "debug", False))
 
 
+def _parse(argv: Optional[Sequence[str]]) -> "argparse.Namespace | int":
+    """The parsed arguments, or the exit code argparse asked for (`--help` 0, a usage error 2).
+    Parsing imports nothing of transformers, so that `console_main` can decide what to keep out
+    of the process from the parsed command."""
+    try:
+        return parser().parse_args(argv)
+    except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
+        code = exit_request.code
+        return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.debug:
+        return command(args)
+    with quiet_libraries():  # their warnings would add lines to the one line the command says
+        return command(args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `trainer-memcb`; returns the exit code.
 
@@ -192,27 +266,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         >>> main(["compare", "no/such/run"])  # stderr: trainer-memcb: no/such/run: no such folder
         1
     """
-    try:
-        args = parser().parse_args(argv)
-    except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
-        code = exit_request.code
-        return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
-    if args.debug:
-        return command(args)
-    with quiet_libraries():  # their warnings would add lines to the one line the command says
-        return command(args)
+    args = _parse(argv)
+    return args if isinstance(args, int) else _run(args)
 
 
 def console_main() -> int:
     """The `trainer-memcb` console script (and `python -m trainer_memcb`): `main` in a process of its own.
 
-    For `estimate`, peft is kept out of the process: transformers' `trainer_utils`, which the
-    optimizer handlers import, imports peft whenever it is installed (and peft imports
-    bitsandbytes), only to recognise PEFT models, and `estimate` builds none. That import is about
-    50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft as not
-    installed (`importlib.util.find_spec` answers None). Only here, in a process that ends with the
-    command: `main()` called from Python changes nothing.
+    For an `estimate` without LoRA, peft is kept out of the process: transformers' `trainer_utils`,
+    which the optimizer handlers import, imports peft whenever it is installed (and peft imports
+    bitsandbytes), only to recognise PEFT models, and such an estimate builds none. That import is
+    about 50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft
+    as not installed (`importlib.util.find_spec` answers None). It is decided from the parsed
+    command (`--lora-r` needs peft, to add the adapters), which parsing allows because it imports
+    nothing of transformers. Only here, in a process that ends with the command: `main()` called
+    from Python changes nothing.
     """
-    if len(sys.argv) > 1 and sys.argv[1] == "estimate" and "peft" not in sys.modules:
+    args = _parse(None)
+    if isinstance(args, int):
+        return args
+    if getattr(args, "command", None) == "estimate" and not needs_peft(args) and "peft" not in sys.modules:
         sys.modules["peft"] = None
-    return main()
+    return _run(args)

@@ -8,12 +8,16 @@ the result.
 from __future__ import annotations
 
 import argparse
-from typing import Any, List
+import os
+import re
+from decimal import Decimal
+from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.lora import add_lora_adapters
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
 from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
+from trainer_memcb.plan.step_memory import DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory
 from trainer_memcb.plan.whatif import (
     DEFAULT_OPTIMIZERS,
     DTYPES,
@@ -32,7 +36,12 @@ __all__ = [
     "estimate_plan",
     "estimate_tables",
     "estimate_what_if",
+    "needs_peft",
+    "parameter_count",
     "plan_asked",
+    "resolve_optimizers",
+    "step_asked",
+    "estimate_step",
 ]
 
 
@@ -57,11 +66,39 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _optimizer_list(text: str) -> List[str]:
+    """The names as given; they are checked against the Trainer's after parsing (`resolve_optimizers`),
+    since the list of names comes from transformers, which parsing does not import."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more of the Trainer's optim names, e.g. adamw,adafactor")
+    return names
+
+
+def resolve_optimizers(args: argparse.Namespace) -> None:
+    """Check `--optimizers` against the Trainer's names, aliases resolved, in place.
+
+    Raises:
+        ValueError: `argument --optimizers: optimizer 'x' is not one of: ...`.
+    """
+    try:
+        args.optimizers = resolve_optimizer_names(args.optimizers)
+    except ValueError as error:
+        raise ValueError(f"argument --optimizers: {error}") from None
+
+
+def needs_peft(args: argparse.Namespace) -> bool:
+    """Whether the estimate asked for needs peft (LoRA adapters)."""
+    return getattr(args, "lora_r", None) is not None
+
+
 def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     """The options of `trainer-memcb estimate`."""
-    estimate.add_argument("model", metavar="MODEL", help="a folder holding config.json, or a hub name when online")
+    estimate.add_argument("model", metavar="MODEL",
+                          help="a folder holding config.json, a hub name when online, or for the model-states plan a "
+                               "parameter count (7.5e9, 7500000000), taken as one flat tensor")
     estimate.add_argument(
-        "--optimizers", type=_checked(resolve_optimizer_names), default=DEFAULT_OPTIMIZERS,
+        "--optimizers", type=_optimizer_list, default=DEFAULT_OPTIMIZERS,
         help=f"the Trainer's optim names, comma-separated (default: {','.join(DEFAULT_OPTIMIZERS)}); "
              "any OptimizerNames value, e.g. adamw,adafactor,adamw_8bit,galore_adamw,lomo",
     )
@@ -78,7 +115,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
         "--architecture", metavar="CLASS",
         help="the transformers class to build, e.g. DistilBertForSequenceClassification; default: the config's",
     )
-    estimate.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the parameters' dtype (default: float32)")
+    estimate.add_argument("--dtype", choices=list(DTYPES),
+                          help="the parameters' dtype (default: float32); for the plan, also the precision when "
+                               "--precision is not given (bfloat16: bf16, float16: fp16)")
     estimate.add_argument(
         "--lora-r", metavar="R", type=_checked(_positive_int),
         help="add PEFT LoRA adapters of this rank; then only the adapters (and --lora-modules-to-save) train",
@@ -109,13 +148,27 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")
     plan.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state and master weights on the CPU")
     plan.add_argument("--offload-params", action="store_true", help="ZeRO-3 / FSDP: parameters on the CPU too")
-    plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default), autocast-bf16/fp16 (Trainer "
-                      "bf16=True/fp16=True), bf16 (model loaded in bf16), deepspeed-bf16/fp16 (fp32 master weights)")
+    plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default, or --dtype's), autocast-bf16/fp16 "
+                      "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
+                      "(fp32 master weights)")
     plan.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per process, e.g. 80GiB: says whether it fits")
     plan.add_argument("--reference-model", action="store_true",
                       help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
                            "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
                            "the reference is the base model with its adapters disabled")
+    step = estimate.add_argument_group(
+        "step plan", "with --batch-size, one training step is run under fake tensors (nothing allocated): the "
+        "activations and the step's peak per process, and --device-memory answers from that peak")
+    step.add_argument("--batch-size", type=_checked(_positive_int), metavar="B", help="per-device micro-batch")
+    step.add_argument("--seq-len", type=_checked(_positive_int), metavar="S", help="sequence length (needed with --batch-size)")
+    step.add_argument("--gradient-checkpointing", action="store_true",
+                      help="the Trainer's gradient_checkpointing=True (non-reentrant)")
+    step.add_argument("--attn-implementation", metavar="NAME",
+                      help="the attention path to trace: eager, sdpa, ... (default: the config's)")
+    step.add_argument("--device-type", choices=list(DEVICE_TYPES), default="cuda",
+                      help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
+    step.add_argument("--max-batch-size", action="store_true",
+                      help="the largest per-device batch whose step fits in --device-memory at --seq-len")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
@@ -125,13 +178,92 @@ _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer",
                  "device_memory", "reference_model")
 
 
+def step_asked(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the step plan (activations and the step's peak)."""
+    return getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False))
+
+
+def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
+    """The step plan (and the model-states plan) for the options: a dict of plans and the search.
+
+    Raises:
+        ValueError: --seq-len or --device-memory missing where needed, a bad setup.
+        ModelConfigError: no model config, or no parameter left to train.
+    """
+    if args.seq_len is None:
+        raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
+    if args.max_batch_size and args.device_memory is None:
+        raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
+    optimizers = list(args.optimizers)
+    setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
+                  sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
+                  precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
+                  offload_params=args.offload_params)
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    model = estimate_model(args)  # checks the options once, and plans the model states
+    states = plan_model_states(model, optimizers[0], setup, device_memory=memory, model_name=args.model,
+                               reference_model=args.reference_model)
+
+    def plan_at(batch: int) -> StepMemoryPlan:
+        return plan_step_memory(lambda: estimate_model(args), batch_size=batch, seq_len=args.seq_len, setup=setup,
+                                optimizer=optimizers[0], attn_implementation=args.attn_implementation,
+                                gradient_checkpointing=args.gradient_checkpointing, device_type=args.device_type,
+                                device_memory=memory, model_name=args.model, states_plan=states,
+                                dtype=None if args.precision else resolve_dtype(args.dtype or "float32"))[0]
+
+    found: Optional[int] = None
+    searched: List[StepMemoryPlan] = []
+    if args.max_batch_size:
+        found, searched = max_batch_size(plan_at, memory)
+    step = plan_at(args.batch_size) if args.batch_size is not None else None
+    return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
+            "search": args.max_batch_size}
+
+
 def plan_asked(args: argparse.Namespace) -> bool:
     """Whether the options ask for the model-states plan rather than the optimizer what-if."""
     return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS)
 
 
+# A parameter count given as MODEL: digits (`7500000000`, `7_500_000_000`, `7,500,000,000`) or a
+# number in e-notation (`7.5e9`) that is whole.
+_COUNT = re.compile(r"\d[\d_,]*|\d+\.\d+|\d+(\.\d+)?[eE]\+?\d+")
+# Options that need a model's modules and names, which a bare count has not.
+_NEEDS_A_MODEL = (("lora_r", "--lora-r"), ("lora_target_modules", "--lora-target-modules"),
+                  ("lora_modules_to_save", "--lora-modules-to-save"), ("trainable", "--trainable"),
+                  ("architecture", "--architecture"), ("optim_target_modules", "--optim-target-modules"))
+# --dtype's precision for the plan, when --precision is not given.
+_DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def parameter_count(text: str) -> Optional[int]:
+    """The parameter count MODEL spells, or None when it names a model (an existing folder wins).
+
+    Raises:
+        ValueError: a number that is not a whole count of at least 1.
+
+    Examples:
+        >>> parameter_count("7.5e9"), parameter_count("7_500_000_000"), parameter_count("gpt2")
+        (7500000000, 7500000000, None)
+    """
+    if os.path.exists(text) or not _COUNT.fullmatch(text):
+        return None
+    value = Decimal(text.replace("_", "").replace(",", ""))
+    if value != value.to_integral_value() or value < 1:
+        raise ValueError(f"MODEL {text!r} is not a whole parameter count of at least 1, e.g. 7.5e9 or 7500000000")
+    return int(value)
+
+
+def _plan_precision(args: argparse.Namespace) -> str:
+    return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
+
+
 def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
-    """The model-states plan for the model and setup the options describe.
+    """The model-states plan for the model (or parameter count) and setup the options describe.
+
+    The optimizers get `--optim-args` and `--optim-target-modules` as in the what-if. Without
+    `--precision` the precision follows `--dtype`, and each parameter keeps the dtype the model
+    was built in (PEFT's float32 adapters over a bfloat16 base), as the what-if counts them.
 
     Raises:
         ValueError: options that do not fit (see `estimate_model`), a bad setup or memory size.
@@ -139,11 +271,20 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
     """
     setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
                   sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
-                  precision=args.precision or "fp32", offload_optimizer=args.offload_optimizer,
+                  precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params)
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    return plan_model_states(estimate_model(args), args.optimizers, setup, device_memory=memory,
-                             model_name=args.model, reference_model=args.reference_model)
+    count = parameter_count(args.model)
+    if count is not None:
+        given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs a model's modules and names: give a folder holding config.json, "
+                             f"not a parameter count")
+    model = count if count is not None else estimate_model(args)
+    return plan_model_states(model, args.optimizers, setup, device_memory=memory,
+                             model_name=args.model if count is None else None,
+                             optim_args=args.optim_args, optim_target_modules=args.optim_target_modules,
+                             keep_dtypes=args.precision is None, reference_model=args.reference_model)
 
 
 def estimate_what_if(args: argparse.Namespace) -> WhatIf:
@@ -151,9 +292,15 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
 
     Raises:
         ValueError: options that do not fit the model (an unknown architecture, a bad regular
-            expression, LoRA options without --lora-r, LoRA modules PEFT cannot find).
+            expression, LoRA options without --lora-r, LoRA modules PEFT cannot find), or a
+            parameter count, which answers the plan only.
         ModelConfigError: no model config, or no parameter left to train.
     """
+    count = parameter_count(args.model)
+    if count is not None:
+        raise ValueError(f"a parameter count ({count:,}) answers the model-states plan only: add --world-size, "
+                         "--zero, --sharding or --precision (e.g. --zero 1 --world-size 64); the optimizer what-if "
+                         "needs a model config, a folder holding config.json")
     return what_if(estimate_model(args), args.optimizers, model_name=args.model,
                    optim_args=args.optim_args, optim_target_modules=args.optim_target_modules)
 
@@ -168,7 +315,7 @@ def estimate_model(args: argparse.Namespace) -> Any:
     """
     if args.lora_r is None and (args.lora_target_modules is not None or args.lora_modules_to_save is not None):
         raise ValueError("--lora-target-modules and --lora-modules-to-save need --lora-r (the adapters' rank)")
-    model = build_meta_model(args.model, resolve_dtype(args.dtype), args.architecture)
+    model = build_meta_model(args.model, resolve_dtype(args.dtype or "float32"), args.architecture)
     if args.lora_r is not None:
         model = add_lora_adapters(model, args.lora_r, args.lora_target_modules, args.lora_modules_to_save)
     if args.trainable is not None:

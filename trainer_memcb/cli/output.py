@@ -5,15 +5,18 @@ The commands build `TextTable`s from data; nothing here computes a figure.
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, TextIO, Tuple
 
 from trainer_memcb.utils.units import format_bytes
 
-__all__ = ["TextTable", "bytes_cell", "count_cell", "metric_cell", "print_tables", "print_json", "finite_json", "one_line"]
+__all__ = ["TextTable", "bytes_cell", "count_cell", "metric_cell", "print_tables", "print_json", "finite_json", "one_line",
+           "terminal_width"]
 
 _MISSING = "-"
 # Line breaks and tabs in a message (a path holding one, a library's paragraphs) become one space;
@@ -76,28 +79,122 @@ def _plain(table: TextTable) -> str:
     return "\n".join(lines)
 
 
-def _rich(table: TextTable) -> Any:
+def _longest_word(text: str) -> int:
+    return max((len(word) for word in text.split()), default=0)
+
+
+def _folded(table: TextTable, widths: Sequence[int]) -> Any:
+    """The table as rich draws it, each column `widths` wide (at least its longest word), so that
+    a narrow terminal folds cells at spaces and never cuts a name or a byte count."""
     from rich.table import Table
     from rich.text import Text
 
     # Text, not str: rich reads "[...]" in a str as markup, and a run named "[/]" would raise.
     shown = Table(title=Text(table.title), title_justify="left", caption=Text(table.note) if table.note else None,
                   caption_justify="left")
-    for index, column in enumerate(table.columns):
-        shown.add_column(Text(column), justify="left" if index in table.text_columns else "right")
+    for index, (column, width) in enumerate(zip(table.columns, widths)):
+        shown.add_column(Text(column), justify="left" if index in table.text_columns else "right",
+                         overflow="fold", width=width)
     for row in table.rows:
         shown.add_row(*(Text(cell) for cell in row))
     return shown
 
 
+def _records(table: TextTable) -> List[Any]:
+    """A table too wide for the terminal, one small table per row: each column's name beside the
+    row's cell, the row's first cell as the heading."""
+    from rich.table import Table
+    from rich.text import Text
+
+    shown: List[Any] = [Text(table.title)]
+    for row in table.rows:
+        record = Table(show_header=True)
+        record.add_column(Text(table.columns[0]), overflow="fold")
+        record.add_column(Text(row[0]), overflow="fold")
+        for column, cell in zip(table.columns[1:], row[1:]):
+            record.add_row(Text(column), Text(cell))
+        shown.append(record)
+    if table.note:
+        shown.append(Text(table.note))
+    return shown
+
+
+def _min_widths(table: TextTable) -> List[int]:
+    return [max([_longest_word(column)] + [_longest_word(row[index]) for row in table.rows if index < len(row)])
+            for index, column in enumerate(table.columns)]
+
+
+def _column_widths(table: TextTable, width: int) -> Optional[List[int]]:
+    """Each column's width for the table to fit `width` terminal columns: as wide as its widest cell
+    when all fit, else at least its longest word, the room left shared in proportion to what each
+    column lacks; None when even the longest words do not fit side by side."""
+    # rich's default box: one space of padding each side and one border per column, one more at the end.
+    room = width - (3 * len(table.columns) + 1)
+    natural = [max([len(column)] + [len(row[index]) for row in table.rows if index < len(row)])
+               for index, column in enumerate(table.columns)]
+    if sum(natural) <= room:
+        return natural
+    least = _min_widths(table)
+    spare = room - sum(least)
+    if spare < 0:
+        return None
+    lacking = [most - fewest for most, fewest in zip(natural, least)]
+    given = [spare * lack // sum(lacking) for lack in lacking]
+    widths = [fewest + extra for fewest, extra in zip(least, given)]
+    for index in sorted(range(len(widths)), key=lambda i: lacking[i] - given[i], reverse=True)[:spare - sum(given)]:
+        widths[index] += 1
+    return widths
+
+
+def _transposed(table: TextTable) -> TextTable:
+    """Rows become columns: one column per row, headed by its first cell (an optimizer, a run)."""
+    rows = [[column] + [row[index] for row in table.rows] for index, column in enumerate(table.columns) if index]
+    return TextTable(table.title, [table.columns[0]] + [row[0] for row in table.rows], rows, note=table.note,
+                     text_columns=tuple(range(len(table.rows) + 1)))
+
+
+def _rich(table: TextTable, width: int) -> List[Any]:
+    """What rich prints for `table` at `width` columns: the table, folded at spaces where it must
+    be; else turned on its side (a few wide rows, a plan's optimizers, fit as columns); else one
+    small table per row. A word (a name, a byte count) is never cut unless it alone is wider
+    than the terminal."""
+    widths = _column_widths(table, width)
+    if widths is not None:
+        return [_folded(table, widths)]
+    if table.rows:
+        side = _transposed(table)
+        side_widths = _column_widths(side, width)
+        if side_widths is not None:
+            return [_folded(side, side_widths)]
+    return _records(table)
+
+
+def terminal_width(stream: TextIO) -> Optional[int]:
+    """The columns of the terminal `stream` writes to: `COLUMNS` when set (as rich reads it), else
+    the terminal's own size; None when neither is known."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        width = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return None
+    return width or None
+
+
 def print_tables(tables: Sequence[TextTable], stream: TextIO) -> None:
-    """Rich tables when `stream` is a terminal, plain aligned text otherwise (pipes, files)."""
+    """Rich tables when `stream` is a terminal, plain aligned text otherwise (pipes, files).
+
+    In a terminal narrower than a table, cells fold at spaces rather than being cut: names and
+    byte counts stay whole; a table whose longest words do not fit side by side is shown one row
+    at a time."""
     if stream.isatty():
         from rich.console import Console
 
-        console = Console(file=stream)
+        console = Console(file=stream, width=terminal_width(stream))
         for table in tables:
-            console.print(_rich(table))
+            for renderable in _rich(table, console.width):
+                console.print(renderable)
         return
     stream.write("\n\n".join(_plain(table) for table in tables) + "\n")
 

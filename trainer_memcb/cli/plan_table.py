@@ -5,12 +5,12 @@ The figures come from `trainer_memcb.plan.model_states.plan_model_states`; this 
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Dict, List
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.model_states import ModelStatesPlan
 
-__all__ = ["plan_tables"]
+__all__ = ["plan_tables", "step_tables", "step_json"]
 
 
 def _fits(plan: ModelStatesPlan, entry) -> str:
@@ -51,6 +51,60 @@ def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
         + ". Not counted: activations, temporary buffers, CUDA context, fragmentation",
         ["optimizer", "parameters", "gradients", "optimizer state", "master weights", "model states",
          "on the device", "CPU per node", "fits?"],
-        rows, text_columns=(0, 8),
+        rows, text_columns=(0, 8), note="\n".join(f"Note, {note}." for note in plan.notes),
     )
     return [about, states]
+
+
+_PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+               "master_weights": "master weights", "activations": "activations (saved for backward)",
+               "batch_and_buffers": "batch and buffers", "other": "temporaries (logits, attention scores, ...)",
+               "reference_model": "reference model (frozen)"}
+
+
+def step_tables(found: Dict[str, Any]) -> List[TextTable]:
+    """The step plan: what was traced, the activations, the peak by part, fits?; the search."""
+    tables: List[TextTable] = []
+    step = found.get("step")
+    if step is not None:
+        about = [
+            ["micro-batch", f"{step.batch_size} x {step.seq_len}"],
+            ["attention traced", step.attn_implementation or "-"],
+            ["device type", f"{step.device_type} (traced on fake {step.traced_on} tensors)"],
+            ["gradient checkpointing", "on (non-reentrant)" if step.gradient_checkpointing else "off"],
+            ["precision", f"{step.precision} (parameters in {step.param_dtype})" if step.param_dtype else step.precision],
+            ["optimizer step", step.optimizer],
+        ]
+        if step.problem is not None:
+            about.append(["problem", step.problem + "; only the model states are planned"])
+            tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about))
+        else:
+            about += [["activations", bytes_cell(step.activations_bytes)],
+                      ["activations peak", bytes_cell(step.activations_peak_bytes)],
+                      ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}"]]
+            if step.fits is not None:
+                margin = bytes_cell(abs(step.margin_bytes))
+                about.append(["fits?", f"fits, {margin} to spare" if step.fits else f"does not fit, {margin} short"])
+            tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about))
+            parts = [[_PART_NAMES.get(name, name), bytes_cell(value)] for name, value in step.peak_parts.items()]
+            parts += [[f"transient: {name}", bytes_cell(value)] for name, value in step.transient_bytes.items()]
+            tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts))
+    if found.get("search"):
+        rows = [[str(plan.batch_size), bytes_cell(plan.peak_bytes),
+                 "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found["searched"]]
+        best = found.get("max_batch_size")
+        title = (f"Largest per-device batch that fits: {best}" if best is not None
+                 else "No batch fits (not even 1)")
+        tables.append(TextTable(title, ["batch", "step peak", "fits?"], rows))
+    return tables
+
+
+def step_json(found: Dict[str, Any]) -> Dict[str, Any]:
+    document: Dict[str, Any] = {"model_states": found["model_states"].to_dict()}
+    if found.get("step") is not None:
+        document["step"] = found["step"].to_dict()
+    if found.get("search"):
+        document["max_batch_size"] = found.get("max_batch_size")
+        document["searched"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes, "fits": p.fits}
+                                for p in found["searched"]]
+    return document

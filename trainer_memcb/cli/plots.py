@@ -9,6 +9,7 @@ text. The file is written whole or not at all, and never through a symbolic link
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional, Sequence, Tuple
 
@@ -109,6 +110,14 @@ def _save(figure: Any, path: str) -> None:
         raise PlotError(f"could not write the plot to {path} ({error.strerror or error})") from None
 
 
+def _metric_axis(metric_axes: Any, values: Sequence[float]) -> None:
+    """Metrics between 0 and 1 (accuracy, F1) on a fixed 0-1 scale, others (a loss) on their own."""
+    metric_axes.set_ylabel("eval metric")
+    finite = [value for value in values if math.isfinite(value)]
+    if finite and all(0 <= value <= 1 for value in finite):
+        metric_axes.set_ylim(0, 1.05)
+
+
 def report_plot(report: RunReport, path: str, metrics: Sequence[str]) -> None:
     """Optimizer state (measured and estimate) over the steps; eval metrics on a second axis.
     The format follows the extension of `path` (`plot_format`)."""
@@ -131,14 +140,13 @@ def report_figure(report: RunReport, metrics: Sequence[str]) -> Any:
     axes.set_ylabel(f"optimizer state ({unit})")
     axes.set_ylim(bottom=0)
     handles, labels = axes.get_legend_handles_labels()
-    if report.evals:
+    series = {metric: [(e.step, e.metrics[metric]) for e in report.evals if metric in e.metrics] for metric in metrics}
+    series = {metric: points for metric, points in series.items() if points}
+    if series:  # a second axis only for metrics the run logged
         metric_axes = axes.twinx()
-        for metric, color in zip(metrics, _METRIC_COLORS * len(metrics)):
-            points = [(e.step, e.metrics[metric]) for e in report.evals if metric in e.metrics]
-            if points:
-                metric_axes.plot(*zip(*points), ":s", color=color, label=f"eval {metric}")
-        metric_axes.set_ylabel("eval metric")
-        metric_axes.set_ylim(0, 1.05)
+        for (metric, points), color in zip(series.items(), _METRIC_COLORS * len(series)):
+            metric_axes.plot(*zip(*points), ":s", color=color, label=f"eval {metric}")
+        _metric_axis(metric_axes, [value for points in series.values() for _, value in points])
         more_handles, more_labels = metric_axes.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     _legend_below(figure, axes, handles, labels)
@@ -168,15 +176,17 @@ def compare_figure(rows: Sequence[CompareRow], metrics: Sequence[str]) -> Any:
     axes.set_xticklabels([f"{row.name}\n{_short_class(row.optimizer_class)}" for row in rows])
     axes.set_ylabel(f"optimizer state ({unit})")
     handles, labels = axes.get_legend_handles_labels()
-    metric_axes = axes.twinx()
-    for metric, color in zip(metrics, _METRIC_COLORS * len(metrics)):
-        points = [(p, row.final_metrics[metric]) for p, row in zip(positions, rows) if metric in row.final_metrics]
-        if points:
+    series = {metric: [(p, row.final_metrics[metric]) for p, row in zip(positions, rows) if metric in row.final_metrics]
+              for metric in metrics}
+    series = {metric: points for metric, points in series.items() if points}
+    if series:  # a second axis only for metrics the runs logged
+        metric_axes = axes.twinx()
+        for (metric, points), color in zip(series.items(), _METRIC_COLORS * len(series)):
             metric_axes.plot(*zip(*points), "D", color=color, markersize=8, label=f"final eval {metric}")
-    metric_axes.set_ylabel("eval metric")
-    metric_axes.set_ylim(0, 1.05)
-    more_handles, more_labels = metric_axes.get_legend_handles_labels()
-    _legend_below(figure, axes, handles + more_handles, labels + more_labels)
+        _metric_axis(metric_axes, [value for points in series.values() for _, value in points])
+        more_handles, more_labels = metric_axes.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    _legend_below(figure, axes, handles, labels)
     axes.set_title("Optimizer state by run")
     _as_written(figure)
     return figure

@@ -10,13 +10,27 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
-from trainer_memcb.training.figures import BREAKDOWN_KEY_PREFIXES, ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS, UNEXPECTED_BYTES
+from trainer_memcb.training.figures import (
+    BREAKDOWN_KEY_PREFIXES,
+    ESTIMATE_BYTES,
+    MEASURED_BYTES,
+    STEP_MEMORY_PARTS,
+    TRAINABLE_PARAMS,
+    UNEXPECTED_BYTES,
+    step_memory_rows,
+)
 from trainer_memcb.runs.run_logs import RunLog
+from trainer_memcb.runs.run_values import is_count_key, real_number
 
-__all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "run_report", "report_tables"]
+__all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "logged_metrics", "run_report",
+           "report_tables"]
 
-# The lesson's metrics: eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1").
+# The lesson's metrics: eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1"),
+# shown first when a run logged them.
 DEFAULT_METRICS = ("accuracy", "f1")
+# What the Trainer adds to every evaluation entry that is no metric (transformers trainer_utils.py
+# speed_metrics, and the epoch).
+_NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 # `Trainer.evaluate(metric_key_prefix="eval")`, the prefix of every evaluation key.
 EVAL_PREFIX = "eval"
 # Breakdown keys: `optimizer_state_bytes_by_key/<key>`, and `optimizer_state_bytes/by_key/<key>` as
@@ -73,6 +87,18 @@ class RunReport:
     # Measured against estimate, judged (trainer_memcb.state.judge): the summary's, else the last
     # logged `optimizer_state_unexpected_bytes` alone.
     judgement: Optional[Dict[str, Any]] = None
+    # The step's memory by part (parameters, gradients, optimizer state, master weights,
+    # activations, ...), measured and planned, as the last logged training step that has any of
+    # them logged it, and that step.
+    step_memory: Dict[str, int] = field(default_factory=dict)
+    step_memory_step: Optional[int] = None
+
+    @property
+    def has_figures(self) -> bool:
+        """Whether the run logged any optimizer memory figure (a run made without the callback or
+        the logger has none)."""
+        return (self.summary_file is not None or bool(self.steps) or self.measured_bytes is not None
+                or self.estimate_bytes is not None or any(e.measured_bytes is not None for e in self.evals))
 
     @property
     def final_metrics(self) -> Dict[str, float]:
@@ -115,6 +141,34 @@ def _nested(document: Optional[Dict[str, Any]], *keys: str) -> Any:
             return None
         document = document.get(key)
     return document
+
+
+def logged_metrics(runs: Sequence[RunLog]) -> List[str]:
+    """The evaluation metrics to show when none are asked for: accuracy and F1 where the runs logged
+    them, else every metric they logged (`eval_loss` included), in the order first logged. Left out:
+    the Trainer's timings and the epoch, and every count (`..._bytes`, `..._params`, ...).
+
+    Examples:
+        >>> from trainer_memcb.runs.run_logs import RunLog
+        >>> sft = RunLog(run_dir="sft", log_history=[{"step": 2, "eval_loss": 2.1, "eval_runtime": 0.5,
+        ...                                          "eval_mean_token_accuracy": 0.4, "eval_optimizer_state_bytes": 88}])
+        >>> logged_metrics([sft])
+        ['loss', 'mean_token_accuracy']
+        >>> logged_metrics([sft, RunLog(run_dir="lesson", log_history=[{"step": 2, "eval_accuracy": 0.9}])])
+        ['accuracy']
+    """
+    found: Dict[str, None] = {}
+    for run in runs:
+        for entry in run.log_history:
+            for key, value in entry.items():
+                if not key.startswith(f"{EVAL_PREFIX}_") or real_number(value) is None:
+                    continue
+                metric = key[len(EVAL_PREFIX) + 1:]
+                if metric in _NOT_METRICS or is_count_key(key) or metric.endswith(("_bytes", "_elements", "_params")):
+                    continue
+                found.setdefault(metric, None)
+    preferred = [metric for metric in DEFAULT_METRICS if metric in found]
+    return preferred or list(found)
 
 
 def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunReport:
@@ -160,6 +214,11 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
         what_if=_nested(summary, "what_if"),
         history_is_float32=run.history_file is None and bool(run.event_files),
     )
+    for entry in reversed(training):
+        known = {key: entry[key] for part in STEP_MEMORY_PARTS for key in part[1:] if key is not None and key in entry}
+        if any(key not in (MEASURED_BYTES, ESTIMATE_BYTES) for key in known):
+            report.step_memory, report.step_memory_step = known, entry["step"]
+            break
     judgement = _nested(summary, "judgement")
     if isinstance(judgement, dict):
         report.judgement = judgement
@@ -240,6 +299,15 @@ def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -
         ]))
     if report.judgement:
         tables.append(_judgement_table(report.judgement))
+    if report.step_memory:
+        tables.append(TextTable(
+            f"The step's memory by part at step {report.step_memory_step} (per process)",
+            ["part", "measured", "planned"],
+            [[part, bytes_cell(measured), bytes_cell(planned)]
+             for part, measured, planned in step_memory_rows(report.step_memory)],
+            note="activations: what the step's last micro-batch forward saved for backward (parameters excluded)"
+            if any(row[0].startswith("activations") for row in step_memory_rows(report.step_memory)) else "",
+        ))
     if report.what_if:
         tables.append(TextTable(
             f"What-if at train begin, for {count_cell(report.what_if.get('trainable_params'))} trainable parameters",

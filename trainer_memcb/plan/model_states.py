@@ -3,15 +3,17 @@ master weights, for a world size, a sharding, an offload and a precision setup.
 
 The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.whatif`: the
 Trainer's optimizer for each `optim` name, built over meta-device stand-ins shaped like what one
-process's optimizer steps over: the whole parameters, an FSDP shard, or ZeRO's flat fp32
-partitions). Parameters, gradients and master weights follow the libraries' partitioning:
+process's optimizer steps over: the model with its whole parameters or FSDP shards, built as the
+what-if builds it, or ZeRO's flat fp32 partitions). Optimizers that update inside backward (LOMO,
+AdaLomo, the layer-wise variants) hold one gradient, the largest parameter's; which setups the
+plan covers for each kind is in `trainer_memcb.plan.update_kinds`. Parameters, gradients and master
+weights follow the libraries' partitioning (ZeRO's fp32 master copy exists in fp32 runs too):
 
 | sharding | parameters | gradients | optimizer steps over | master weights |
 |---|---|---|---|---|
 | none, ddp | all, whole | trainable, whole | trainable, whole | - (DeepSpeed precisions: one fp32 copy, whole) |
 | fsdp-full-shard, fsdp-shard-grad-op | padded `ceil(rows / W)` shards | the same shards | the first rank's shard | - |
-| zero1 | all, whole (trainable in one flat buffer padded to 2W) | trainable, whole | one fp32 partition | fp32 partition |
-| zero2 | as zero1 | the partition (contiguous buffer) | one fp32 partition | fp32 partition |
+| zero1, zero2 | all, whole (each group's trainable ones in a flat buffer padded to 2W) | those overlapping the partition, whole (+ padding) | one fp32 partition per group | fp32 partitions |
 | zero3 | `ceil(numel / W)` of each | the same partitions | fp32 sub-groups | fp32 sub-groups |
 
 Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_sharded_param`) and
@@ -21,8 +23,15 @@ Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_shar
 `runtime/zero/stage3.py` (`_create_fp32_partitions`, `grad_partitions_flat_buffer`) and
 `runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.plan.sharding`.
 
-ZeRO-1/2 pad each param group; the plan takes the trainable parameters as one group (the Trainer
-makes two, with and without weight decay: up to 2 values more in each process's partition).
+ZeRO-1/2 pad each param group to a multiple of 2W. `plan_model_states(param_groups="trainer")`
+splits the trainable parameters as the Trainer does (with and without weight decay), `"one"`
+takes them as one group; a live run's groups are read from its optimizer. ZeRO-1/2 gradients are
+what two-process runs showed (deepspeed 0.19.8, `DeepSpeedZeroOptimizer`, stages 1 and 2 alike):
+when the step begins each process holds, in one contiguous buffer, the whole 16-bit gradient of
+every parameter that overlaps its partition, and zeros where its partition runs past a group's
+last value (`zero12_gradient_numel`); the figure is the fullest process's unless a rank is given.
+DeepSpeed's `BF16_Optimizer` (bf16 with fp32 gradient accumulation under ZeRO-1) keeps them whole
+(`layout_model_states(whole_zero_grads=True)`).
 
 A reference model (`reference_model=True`, for DPO-style training: TRL's DPO, KTO, RLOO, and GRPO
 with `beta > 0` keep a frozen copy of the policy as `trainer.ref_model`) adds its parameters, in the
@@ -43,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -54,12 +63,24 @@ from trainer_memcb.plan.sharding import (
     fsdp_padded_shard_numel,
     zero3_partition_numel,
     zero3_sub_group_numels,
+    zero12_gradient_numel,
     zero12_partition_numel,
 )
-from trainer_memcb.plan.whatif import DEFAULT_OPTIMIZERS, optimizer_what_if, resolve_optimizer_names
+from trainer_memcb.plan.trainer_optimizers import _decay_parameter_names
+from trainer_memcb.plan.stand_ins import meta_stand_in
+from trainer_memcb.plan.update_kinds import unplanned_reason, updates_in_backward
+from trainer_memcb.plan.whatif import (
+    DEFAULT_OPTIMIZERS,
+    model_optimizer_what_if,
+    optimizer_what_if,
+    resolve_optimizer_names,
+    training_args_with,
+)
 
 __all__ = [
+    "PARAM_GROUPINGS",
     "PRECISIONS",
+    "PRECISION_DTYPES",
     "SHARDINGS",
     "ModelStatesLayout",
     "ModelStatesPlan",
@@ -71,8 +92,11 @@ __all__ = [
     "parse_bytes",
     "plan_model_states",
     "reference_model_bytes",
+    "trainer_param_groups",
 ]
 
+# How `plan_model_states` groups the trainable parameters (see its `param_groups`).
+PARAM_GROUPINGS = ("trainer", "one")
 SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
@@ -80,7 +104,8 @@ ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # - fp32: no mixed precision.
 # - autocast-bf16/fp16: the Trainer's bf16=True / fp16=True without DeepSpeed: torch autocast casts
 #   inside the forward; the weights, their gradients and the optimizer stay fp32, no master copy.
-# - bf16: the model loaded in bf16 (`dtype=torch.bfloat16`) and trained so: everything in bf16.
+# - bf16, fp16: the model loaded in bf16 / fp16 (`dtype=torch.bfloat16`) and trained so: everything
+#   in 16 bits (LOMO's setup: fp16 weights, no master copy).
 # - deepspeed-bf16/fp16: DeepSpeed's bf16/fp16 sections: 16-bit weights and gradients, fp32 master
 #   weights that the optimizer updates (ZeRO only).
 PRECISIONS: Dict[str, int] = {
@@ -88,12 +113,18 @@ PRECISIONS: Dict[str, int] = {
     "autocast-bf16": 4,
     "autocast-fp16": 4,
     "bf16": 2,
+    "fp16": 2,
     "deepspeed-bf16": 2,
     "deepspeed-fp16": 2,
 }
 # Spellings people use for the same setups.
-PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "amp-bf16": "autocast-bf16", "amp-fp16": "autocast-fp16",
-                     "mixed-bf16": "deepspeed-bf16", "mixed-fp16": "deepspeed-fp16"}
+PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "amp-bf16": "autocast-bf16",
+                     "amp-fp16": "autocast-fp16", "mixed-bf16": "deepspeed-bf16", "mixed-fp16": "deepspeed-fp16"}
+# The dtype of a 2- or 4-byte value in each precision setup.
+PRECISION_DTYPES: Dict[str, torch.dtype] = {
+    "fp32": torch.float32, "autocast-bf16": torch.float32, "autocast-fp16": torch.float32,
+    "bf16": torch.bfloat16, "fp16": torch.float16, "deepspeed-bf16": torch.bfloat16, "deepspeed-fp16": torch.float16,
+}
 # ZeRO keeps fp32 master partitions (4 bytes a value) and an fp32 gradient partition for the step.
 _FP32 = 4
 
@@ -193,13 +224,25 @@ class ParamSpec:
     trainable: bool = True
     element_size: Optional[int] = None
     is_embedding: bool = False
+    # The param group it belongs to (ZeRO-1/2 pad and partition each group on its own).
+    group: int = 0
+    # A raw parameter count standing for many parameters: partitions cut it without boundaries.
+    is_count: bool = False
+    name: str = ""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def param_specs(model: nn.Module, keep_dtypes: bool = False) -> List[ParamSpec]:
+def trainer_param_groups(model: nn.Module) -> Dict[int, int]:
+    """`id(param)` -> 0 for the parameters the Trainer decays, 1 for the others (biases, norms)."""
+    decay = set(_decay_parameter_names(model))
+    return {id(param): 0 if name in decay else 1 for name, param in model.named_parameters()}
+
+
+def param_specs(model: nn.Module, keep_dtypes: bool = False,
+                groups: Optional[Mapping[int, int]] = None) -> List[ParamSpec]:
     """The model's parameters, tied ones once, each with its real shape (a DTensor's global one,
     a ZeRO-3 partitioned parameter's `ds_shape`).
 
@@ -207,14 +250,16 @@ def param_specs(model: nn.Module, keep_dtypes: bool = False) -> List[ParamSpec]:
         model: any model, the meta device included.
         keep_dtypes: take each parameter's own bytes per value (a live model), rather than the
             precision setup's.
+        groups: `id(param)` -> its param group's index (default: every parameter in group 0).
     """
     embeddings = {id(module.weight) for module in model.modules()
                   if isinstance(module, nn.Embedding) and isinstance(getattr(module, "weight", None), torch.Tensor)}
     specs = []
-    for param in model.parameters():  # yields a tied tensor once
+    for name, param in model.named_parameters():  # yields a tied tensor once
         specs.append(ParamSpec(shape=logical_shape(param), trainable=param.requires_grad,
                                element_size=param.element_size() if keep_dtypes else None,
-                               is_embedding=id(param) in embeddings))
+                               is_embedding=id(param) in embeddings, name=name,
+                               group=(groups or {}).get(id(param), 0)))
     return specs
 
 
@@ -228,6 +273,12 @@ class ModelStatesLayout:
         params_on_cpu, grads_on_cpu, optimizer_on_cpu: offloaded to the CPU.
         optimizer_shapes: shapes of the tensors one process's optimizer steps over.
         optimizer_element_size: their bytes per value.
+        optimizer_over_model: the optimizer steps over the model's own parameters (whole, or
+            FSDP's row shards), one `optimizer_shapes` entry per trainable parameter in order;
+            False: over flat fp32 copies (ZeRO's partitions, DeepSpeed's mixed precision).
+        largest_grad_bytes, largest_grad_param: the largest gradient one process holds for a
+            single parameter, and that parameter's name: all an optimizer that updates inside
+            backward holds (`trainer_memcb.plan.update_kinds`).
         optimizer_embeddings: indices into `optimizer_shapes` that are embedding weights.
         transient_bytes: short-lived extras, by name, not in the model states.
     """
@@ -240,12 +291,27 @@ class ModelStatesLayout:
     optimizer_on_cpu: bool
     optimizer_shapes: List[Tuple[int, ...]]
     optimizer_element_size: int
+    optimizer_over_model: bool = False
+    largest_grad_bytes: int = 0
+    largest_grad_param: str = ""
     optimizer_embeddings: List[int] = field(default_factory=list)
     transient_bytes: Dict[str, int] = field(default_factory=dict)
 
 
-def layout_model_states(specs: Sequence[ParamSpec], setup: Setup) -> ModelStatesLayout:
-    """Parameters, gradients, master weights and the optimizer's stand-in shapes, per process."""
+def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optional[int] = None,
+                        whole_zero_grads: bool = False) -> ModelStatesLayout:
+    """Parameters, gradients, master weights and the optimizer's stand-in shapes, per process.
+
+    Args:
+        specs: the parameters (`param_specs`).
+        setup: how the job runs.
+        rank: the process to lay out; None for the fullest one (figures that differ between
+            processes, ZeRO-1/2's gradients, take their largest).
+        whole_zero_grads: ZeRO-1 under DeepSpeed's `BF16_Optimizer`, which keeps every 16-bit
+            gradient whole.
+    """
+    if rank is not None and not 0 <= rank < setup.world_size:
+        raise ValueError(f"rank={rank!r}: expected 0 to {setup.world_size - 1}")
     world = setup.world_size
     default_size = PRECISIONS[setup.precision]
     size = [spec.element_size or default_size for spec in specs]
@@ -274,33 +340,56 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup) -> ModelStates
         shapes = [fsdp_local_shape(specs[i].shape, world) for i in trainable]
         embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
         optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
-        if setup.sharding == "fsdp-shard-grad-op":  # reshard_after_forward=False: whole until backward ends
-            transient["unsharded_params_bytes"] = sum(specs[i].numel * size[i] for i in range(len(specs))) - params
+        if setup.sharding == "fsdp-shard-grad-op":
+            # reshard_after_forward=False: from forward to the end of backward each process also holds
+            # the all-gathered parameters, W padded shards each (_fsdp_collectives.py
+            # foreach_all_gather), beside its own shards (a two-process run: 288 bytes beside 144).
+            transient["unsharded_params_bytes"] = world * params
     elif setup.sharding in ("zero1", "zero2"):
         numels = [specs[i].numel for i in trainable]
         trainable_size = size[trainable[0]] if trainable else default_size
-        partition = zero12_partition_numel(numels, world, element_size=trainable_size)
-        # The trainable parameters become views of one flat buffer padded to a multiple of 2W.
-        params = sum(specs[i].numel * size[i] for i in frozen) + partition * world * trainable_size
-        grads = sum(numels) * trainable_size if setup.sharding == "zero1" else partition * trainable_size
-        shapes = [(partition,)] if trainable else []
-        optimizer_size, master = _FP32, partition * _FP32
-        transient["fp32_grad_partition_bytes"] = partition * _FP32
+        group_ids = sorted({specs[i].group for i in trainable})
+        groups = [[specs[i].numel for i in trainable if specs[i].group == group] for group in group_ids]
+        partitions = [zero12_partition_numel(group, world, element_size=trainable_size) for group in groups]
+        # Each group's trainable parameters become views of a flat buffer padded to a multiple of 2W.
+        params = sum(specs[i].numel * size[i] for i in frozen) + sum(partitions) * world * trainable_size
+        if whole_zero_grads:
+            grad_numel = sum(numels)
+        elif any(specs[i].is_count for i in trainable):
+            # A raw count has no parameter boundaries; it follows the ZeRO paper: P_os (zero1) keeps
+            # the gradients whole, P_os+g (zero2) partitions them.
+            grad_numel = sum(numels) if setup.sharding == "zero1" else sum(partitions)
+        else:
+            ranks = range(world) if rank is None else [rank]
+            grad_numel = max(zero12_gradient_numel(groups, world, each) for each in ranks)
+        grads = grad_numel * trainable_size
+        shapes = [(partition,) for partition in partitions]
+        optimizer_size, master = _FP32, sum(partitions) * _FP32
+        # Made for one group's step at a time (stage_1_and_2.py `step`), freed after it.
+        transient["fp32_grad_partition_bytes"] = max(partitions, default=0) * _FP32
     else:  # zero3
         params = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in range(len(specs)))
         grads = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in trainable)
-        sub_groups = zero3_sub_group_numels([specs[i].numel for i in trainable], world, setup.sub_group_size)
+        sub_groups = [numel for group in sorted({specs[i].group for i in trainable})
+                      for numel in zero3_sub_group_numels([specs[i].numel for i in trainable if specs[i].group == group],
+                                                          world, setup.sub_group_size)]
         shapes = [(numel,) for numel in sub_groups]
         optimizer_size, master = _FP32, sum(sub_groups) * _FP32
         transient["fp32_grad_partition_bytes"] = master
 
     fsdp_offload = setup.is_fsdp and setup.offload_params
+    per_param_grads = {i: (fsdp_padded_shard_numel(specs[i].shape, world) if setup.is_fsdp else specs[i].numel) * size[i]
+                       for i in trainable}
+    largest = max(trainable, key=lambda i: per_param_grads[i], default=None)
     return ModelStatesLayout(
         params_bytes=params, grads_bytes=grads, master_weights_bytes=master,
         params_on_cpu=setup.offload_params, grads_on_cpu=fsdp_offload,
         optimizer_on_cpu=setup.offload_optimizer or fsdp_offload,
-        optimizer_shapes=shapes, optimizer_element_size=optimizer_size, optimizer_embeddings=embeddings,
-        transient_bytes=transient,
+        optimizer_shapes=shapes, optimizer_element_size=optimizer_size,
+        optimizer_over_model=not (setup.is_zero or setup.precision.startswith("deepspeed-")),
+        largest_grad_bytes=per_param_grads[largest] if largest is not None else 0,
+        largest_grad_param=specs[largest].name if largest is not None else "",
+        optimizer_embeddings=embeddings, transient_bytes=transient,
     )
 
 
@@ -348,6 +437,9 @@ class OptimizerPlan:
         fits: `device_bytes <= device_memory`, when a device memory was given.
         margin_bytes: `device_memory - device_bytes` (negative: short by that much).
         problem: why there is no optimizer figure, or None.
+        source: where the optimizer-state rule comes from.
+        updates_in_backward: LOMO, AdaLomo and the layer-wise optimizers: `grads_bytes` is the one
+            gradient such an update holds at a time, the largest parameter's.
         reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
             included in `model_states_bytes`; 0 without one.
     """
@@ -367,6 +459,7 @@ class OptimizerPlan:
     margin_bytes: Optional[int] = None
     problem: Optional[str] = None
     source: Optional[str] = None
+    updates_in_backward: bool = False
     reference_model_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
@@ -375,7 +468,8 @@ class OptimizerPlan:
 
 @dataclass(frozen=True)
 class ModelStatesPlan:
-    """The plan for one model and setup: one `OptimizerPlan` per optimizer asked for."""
+    """The plan for one model and setup: one `OptimizerPlan` per optimizer asked for, and notes
+    (one sentence each) on figures a reader could take for a mistake."""
 
     model: str
     setup: Setup
@@ -385,6 +479,7 @@ class ModelStatesPlan:
     optimizers: List[OptimizerPlan]
     reference_model: bool = False
     reference_model_note: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -394,6 +489,7 @@ class ModelStatesPlan:
             "trainable_params": self.trainable_params,
             "device_memory_bytes": self.device_memory_bytes,
             "optimizers": [entry.to_dict() for entry in self.optimizers],
+            "notes": list(self.notes),
             "reference_model": self.reference_model,
             "reference_model_note": self.reference_model_note,
             "not_counted": "activations, temporary buffers, the CUDA context, allocator fragmentation",
@@ -402,23 +498,24 @@ class ModelStatesPlan:
 
 def _combine(name: str, layout: ModelStatesLayout, setup: Setup, optimizer_bytes: Optional[int],
              optimizer_class: Optional[str], problem: Optional[str], source: Optional[str],
-             device_memory: Optional[int]) -> OptimizerPlan:
+             device_memory: Optional[int], in_backward: bool = False) -> OptimizerPlan:
+    grads = layout.largest_grad_bytes if in_backward else layout.grads_bytes
     if optimizer_bytes is None:
-        return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, None,
+        return OptimizerPlan(name, optimizer_class, layout.params_bytes, grads, None,
                              layout.master_weights_bytes, None, None, None, None, dict(layout.transient_bytes),
-                             problem=problem, source=source)
-    cpu = (layout.params_bytes if layout.params_on_cpu else 0) + (layout.grads_bytes if layout.grads_on_cpu else 0)
+                             problem=problem, source=source, updates_in_backward=in_backward)
+    cpu = (layout.params_bytes if layout.params_on_cpu else 0) + (grads if layout.grads_on_cpu else 0)
     if layout.optimizer_on_cpu:
         cpu += optimizer_bytes + layout.master_weights_bytes
-    total = layout.params_bytes + layout.grads_bytes + optimizer_bytes + layout.master_weights_bytes
+    total = layout.params_bytes + grads + optimizer_bytes + layout.master_weights_bytes
     device = total - cpu
     fits = margin = None
     if device_memory is not None:
         margin = device_memory - device
         fits = margin >= 0
-    return OptimizerPlan(name, optimizer_class, layout.params_bytes, layout.grads_bytes, optimizer_bytes,
+    return OptimizerPlan(name, optimizer_class, layout.params_bytes, grads, optimizer_bytes,
                          layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,
-                         dict(layout.transient_bytes), fits, margin, None, source)
+                         dict(layout.transient_bytes), fits, margin, None, source, in_backward)
 
 
 def _with_reference(row: OptimizerPlan, reference: int, layout: ModelStatesLayout, setup: Setup,
@@ -439,9 +536,55 @@ def _with_reference(row: OptimizerPlan, reference: int, layout: ModelStatesLayou
 
 
 def _stand_ins(layout: ModelStatesLayout) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
+    """Flat stand-ins of what ZeRO (or DeepSpeed's mixed precision) hands the optimizer."""
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(layout.optimizer_element_size, torch.float32)
     params = [nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape in layout.optimizer_shapes]
     return params, [params[index] for index in layout.optimizer_embeddings]
+
+
+def _model_stand_in(model: Optional[nn.Module], layout: ModelStatesLayout, setup: Setup,
+                    keep_dtypes: bool) -> nn.Module:
+    """The model as one process's optimizer sees it, on the meta device: the same modules, names
+    and tied weights, each trainable parameter in the shape this process steps over (whole, or an
+    FSDP row shard) and in the precision's dtype (or its own with `keep_dtypes`). The optimizer is
+    then built over it exactly as the what-if builds it (`model_optimizer_what_if`), so that GaLore
+    finds its target modules and LOMO its model. A raw parameter count is one flat tensor."""
+    dtype = PRECISION_DTYPES[setup.precision]
+    if model is None:
+        holder = nn.Module()
+        for index, shape in enumerate(layout.optimizer_shapes):
+            holder.register_parameter(f"flat_{index}", nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")))
+        return holder
+    stand_in = meta_stand_in(model)
+    trainable = [param for param in stand_in.parameters() if param.requires_grad]  # the layout's order
+    replacements = {
+        id(param): nn.Parameter(torch.empty(shape, dtype=param.dtype if keep_dtypes else dtype, device="meta"))
+        for param, shape in zip(trainable, layout.optimizer_shapes)
+    }
+    for module in stand_in.modules():
+        for key, param in module._parameters.items():
+            if param is not None and id(param) in replacements:  # a tied weight gets the same one
+                module._parameters[key] = replacements[id(param)]
+    return stand_in
+
+
+def _notes(layout: ModelStatesLayout, setup: Setup, specs: Sequence[ParamSpec], rows: Sequence[OptimizerPlan]) -> List[str]:
+    """Sentences on figures a reader could take for a mistake."""
+    notes = []
+    trainable_sizes = {spec.element_size or PRECISIONS[setup.precision] for spec in specs if spec.trainable}
+    if setup.is_zero and layout.master_weights_bytes and trainable_sizes == {_FP32}:
+        notes.append(
+            "master weights: ZeRO gives the optimizer an fp32 copy of this process's partition even when the "
+            "parameters are fp32 already (DeepSpeed 0.19.8: stage_1_and_2.py clones it into "
+            "single_partition_of_fp32_groups; stage3.py's branch that would reuse an fp32 partition compares a "
+            "torch.device with a device name and never matches, so it copies too)")
+    fused = [row.name for row in rows if row.updates_in_backward]
+    if fused:
+        where = f", {layout.largest_grad_param}" if layout.largest_grad_param else ""
+        notes.append(
+            f"gradients of {', '.join(fused)}: updated inside backward one parameter at a time, so one gradient at a "
+            f"time, the largest parameter's{where}, in its dtype")
+    return notes
 
 
 def plan_model_states(
@@ -452,9 +595,22 @@ def plan_model_states(
     args: Any = None,
     device_memory: Union[None, int, str] = None,
     model_name: Optional[str] = None,
+    param_groups: str = "trainer",
+    optim_args: Union[None, str, Mapping[str, Any]] = None,
+    optim_target_modules: Union[None, str, Sequence[str]] = None,
+    keep_dtypes: bool = False,
     reference_model: bool = False,
 ) -> ModelStatesPlan:
     """Plan the model states of the fullest process, for each optimizer.
+
+    Every name the what-if takes is planned the way the what-if builds it: over the model's
+    stand-in (whole, or FSDP's row shards) the Trainer's own optimizer, GaLore's and APOLLO's target
+    groups, LOMO's model and the layer-wise variants included; over ZeRO's flat fp32 partitions the
+    optimizer with its class and arguments. In one process the optimizer-state figure equals the
+    what-if's to the byte. LOMO, AdaLomo and the layer-wise variants update inside backward: their
+    gradients are the largest parameter's alone (`trainer_memcb.plan.update_kinds`). A name the plan
+    does not model in a setup (GaLore over ZeRO's flat partitions, layer-wise over several
+    processes, which the Trainer refuses) gets a row that says why.
 
     Args:
         model: a model (any device, the meta device included; not changed), or a raw parameter
@@ -464,12 +620,20 @@ def plan_model_states(
         args: `TrainingArguments` for the optimizers' hyperparameters; None uses the defaults.
         device_memory: the accelerator's memory per process (`"80GiB"` or bytes), for fits / margin.
         model_name: how to name the model.
+        param_groups: `"trainer"`: the trainable parameters in the Trainer's two groups, with and
+            without weight decay (`Trainer.create_optimizer`), which ZeRO pads and partitions one
+            by one; `"one"`: all in one group.
+        optim_args: replaces `args.optim_args`, as in `what_if`: `"momentum=0.9"` or a dict.
+        optim_target_modules: replaces `args.optim_target_modules` (GaLore, APOLLO), as in `what_if`.
+        keep_dtypes: take each parameter's own dtype (a model loaded in the precision's dtype, whose
+            LoRA adapters PEFT keeps in float32) rather than the precision's for all.
         reference_model: add a frozen reference model, as DPO-style training holds: a copy of
             the parameters in the same dtype, no gradients, no optimizer state; 0 for a PEFT
             model, whose reference is itself with its adapters disabled (`reference_model_note`).
 
     Raises:
-        ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size.
+        ValueError: a bad setup, an unknown optimizer, a model with nothing to train, a bad size,
+            a malformed `optim_args` or `optim_target_modules`.
 
     Examples:
         >>> from trainer_memcb.plan.model_states import Setup, plan_model_states
@@ -481,12 +645,16 @@ def plan_model_states(
     setup = setup or Setup()
     names = resolve_optimizer_names(optimizers)
     memory = parse_bytes(device_memory) if device_memory is not None else None
+    if param_groups not in PARAM_GROUPINGS:
+        raise ValueError(f"param_groups={param_groups!r} is not one of: {', '.join(PARAM_GROUPINGS)}")
+    args = training_args_with(args, optim_args=optim_args, optim_target_modules=optim_target_modules)
     if isinstance(model, nn.Module):
-        specs = param_specs(model)
+        specs = param_specs(model, keep_dtypes=keep_dtypes,
+                            groups=trainer_param_groups(model) if param_groups == "trainer" else None)
         name = model_name or type(model).__name__
         module: Optional[nn.Module] = model
     elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
-        specs = [ParamSpec(shape=(model,))]
+        specs = [ParamSpec(shape=(model,), is_count=True, name="(one flat tensor)")]
         name = model_name or f"{model:,} parameters"
         module = None
     else:
@@ -494,6 +662,8 @@ def plan_model_states(
     if not any(spec.trainable for spec in specs):
         raise ValueError(f"{name} has no trainable parameter")
     layout = layout_model_states(specs, setup)
+    stand_in = _model_stand_in(module, layout, setup, keep_dtypes) if layout.optimizer_over_model else None
+    deepspeed = setup.is_zero or setup.precision.startswith("deepspeed-")
     reference, note = 0, None
     if reference_model:
         if _is_peft_model(module):
@@ -502,16 +672,26 @@ def plan_model_states(
             reference = reference_model_bytes(specs, setup)
     rows = []
     for optimizer_name in names:
-        params, embeddings = _stand_ins(layout)
-        found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
+        in_backward = updates_in_backward(optimizer_name)
+        refused = unplanned_reason(optimizer_name, world_size=setup.world_size, sharding=setup.sharding,
+                                   deepspeed=deepspeed)
+        if refused is not None:  # not planned: its gradients as a plain optimizer's, no note
+            rows.append(_combine(optimizer_name, layout, setup, None, None, refused, None, memory))
+            continue
+        if stand_in is not None:
+            found = model_optimizer_what_if(optimizer_name, args, stand_in)
+        else:
+            params, embeddings = _stand_ins(layout)
+            found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
         estimate = found.estimate
         rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
-                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory))
+                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
+                             in_backward))
     rows = [_with_reference(row, reference, layout, setup, memory) for row in rows]
     return ModelStatesPlan(
         model=name, setup=setup,
         total_params=sum(spec.numel for spec in specs),
         trainable_params=sum(spec.numel for spec in specs if spec.trainable),
-        device_memory_bytes=memory, optimizers=rows,
+        device_memory_bytes=memory, optimizers=rows, notes=_notes(layout, setup, specs, rows),
         reference_model=bool(reference_model), reference_model_note=note,
     )

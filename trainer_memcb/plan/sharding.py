@@ -10,7 +10,8 @@ Each function follows the library's own code; the ZeRO ones live beside the ZeRO
   and its local tensor is a view of the first rows of it: every rank's storage holds the padded size.
   The optimizer state is made like the local view (`zeros_like`), so rank 0, whose view is the full
   `ceil(rows / W)` rows, holds the most.
-- DeepSpeed ZeRO-1/2: `zero12_partition_numel`; ZeRO-3: `zero3_partition_numel`,
+- DeepSpeed ZeRO-1/2: `zero12_partition_numel` (the flat partitions), `zero12_gradient_numel` (the
+  reduced 16-bit gradients a rank holds at its step); ZeRO-3: `zero3_partition_numel`,
   `zero3_sub_group_numels`.
 """
 
@@ -22,6 +23,7 @@ from typing import Tuple
 from trainer_memcb.state.rules.deepspeed_zero import (
     zero3_partition_numel,
     zero3_sub_group_numels,
+    zero12_gradient_numel,
     zero12_partition_numel,
 )
 
@@ -29,6 +31,7 @@ __all__ = [
     "fsdp_shard_rows",
     "fsdp_local_shape",
     "fsdp_padded_shard_numel",
+    "zero12_gradient_numel",
     "zero12_partition_numel",
     "zero3_partition_numel",
     "zero3_sub_group_numels",

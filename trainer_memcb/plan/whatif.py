@@ -41,12 +41,14 @@ __all__ = [
     "ModelConfigError",
     "OptimizerWhatIf",
     "WhatIf",
+    "model_optimizer_what_if",
     "optimizer_names",
     "optimizer_what_if",
     "resolve_optimizer_names",
     "resolve_dtype",
     "build_meta_model",
     "select_trainable",
+    "training_args_with",
     "what_if",
     "what_if_text",
 ]
@@ -258,8 +260,17 @@ def select_trainable(model: nn.Module, pattern: Optional[str], *, narrow: bool =
     return count
 
 
-def _optimizer_what_if(name: str, args: Any, stand_in: nn.Module) -> OptimizerWhatIf:
-    """One optimizer as the Trainer builds it for `optim=name` over the model's stand-in."""
+def model_optimizer_what_if(name: str, args: Any, stand_in: nn.Module) -> OptimizerWhatIf:
+    """One optimizer as the Trainer builds it for `optim=name` over a model's stand-in
+    (`trainer_memcb.plan.stand_ins.meta_stand_in`): weight-decay groups, GaLore's and APOLLO's
+    target groups, LOMO's model, the layer-wise variants' hooks. The what-if and the
+    model-states plan both call this, so that they agree to the byte.
+
+    Args:
+        name: the Trainer's `optim` name (aliases resolved).
+        args: `TrainingArguments` (`training_args_with`).
+        stand_in: the model's meta-device stand-in; hooks and state land on it.
+    """
     try:
         optimizer = build_trainer_optimizer(name, args, stand_in)
     except OptimizerUnavailable as unavailable:
@@ -267,6 +278,25 @@ def _optimizer_what_if(name: str, args: Any, stand_in: nn.Module) -> OptimizerWh
                                missing_package=unavailable.missing_package)
     path = class_path(type(optimizer))
     return _estimated(name, optimizer, path)
+
+
+def training_args_with(args: Any = None, *, optim_args: Union[None, str, Mapping[str, Any]] = None,
+                       optim_target_modules: Union[None, str, Sequence[str]] = None) -> Any:
+    """A copy of `args` (default `TrainingArguments`) with `optim_args` and `optim_target_modules`
+    replaced when given, each checked first.
+
+    Raises:
+        ValueError: a malformed `optim_args` or `optim_target_modules`, naming it.
+    """
+    overrides: Dict[str, Any] = {}
+    if optim_args is not None:
+        overrides["optim_args"] = parse_optim_args(optim_args)
+    if optim_target_modules is not None:
+        overrides["optim_target_modules"] = parse_optim_target_modules(optim_target_modules)
+    args = copy.copy(args if args is not None else _default_training_args())
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
 
 
 def optimizer_what_if(name: str, params: List[nn.Parameter], args: Any = None, model: Optional[nn.Module] = None,
@@ -358,18 +388,11 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
         (10, 88)
     """
     names = resolve_optimizer_names(optimizers)
-    overrides: Dict[str, Any] = {}
-    if optim_args is not None:
-        overrides["optim_args"] = parse_optim_args(optim_args)
-    if optim_target_modules is not None:
-        overrides["optim_target_modules"] = parse_optim_target_modules(optim_target_modules)
+    args = training_args_with(args, optim_args=optim_args, optim_target_modules=optim_target_modules)
     stand_in = meta_stand_in(model)
     params = [param for param in stand_in.parameters() if param.requires_grad]  # tied ones once
     if not params:
         raise ValueError(f"{model_name or type(model).__name__} has no trainable parameter")
-    args = copy.copy(args if args is not None else _default_training_args())
-    for key, value in overrides.items():
-        setattr(args, key, value)
     result = WhatIf(
         model=model_name or type(model).__name__,
         total_params=sum(logical_numel(param) for param in model.parameters()),  # tied ones once
@@ -379,7 +402,7 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
         trainable_dtypes=tuple(sorted({dtype_name(param.dtype) for param in params})),
     )
     for name in names:
-        result.optimizers.append(_optimizer_what_if(name, args, stand_in))
+        result.optimizers.append(model_optimizer_what_if(name, args, stand_in))
     return result
 
 

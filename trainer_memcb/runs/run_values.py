@@ -32,10 +32,12 @@ __all__ = [
 
 # No device holds 2**63 bytes; above it, a count cannot even be turned into a float for MiB.
 MAX_COUNT = 2**63 - 1
-# `optimizer_...bytes`, `model_...bytes`, `..._elements`, `..._params`, with any metric prefix
+# `optimizer_...bytes`, `model_...bytes`, `..._elements`, `..._params`, `activations_...bytes`,
+# `device_peak_...bytes`, with any metric prefix
 # (`eval_`, `eval_<dataset>_`) and breakdowns under either name (`..._bytes_by_key/<key>`, and
 # `.../by_key/<key>` as first written).
-_COUNT_KEY = re.compile(r"(?:^|_)(?:optimizer|model)_\w*?(?:bytes|elements|params)(?:_by_\w+/.*|/by_\w+/.*)?$")
+_COUNT_KEY = re.compile(r"(?:^|_)(?:(?:optimizer|model)_\w*?(?:bytes|elements|params)(?:_by_\w+/.*|/by_\w+/.*)?"
+                        r"|activations_\w*?bytes|device_peak_\w*?bytes)$")
 # Signed: measured minus estimate.
 _SIGNED_KEY = re.compile(r"unexpected_bytes$")
 _METRIC_PREFIXES = ("eval_", "test_")
@@ -98,8 +100,9 @@ def is_count_key(key: str) -> bool:
     """Whether a logged key holds a count of bytes, values or parameters.
 
     Examples:
-        >>> [is_count_key(k) for k in ("optimizer_state_bytes", "eval_optimizer_state_bytes_by_key/exp_avg", "loss")]
-        [True, True, False]
+        >>> [is_count_key(k) for k in ("optimizer_state_bytes", "eval_optimizer_state_bytes_by_key/exp_avg", "loss",
+        ...                            "activations_peak_bytes", "device_peak_allocated_bytes")]
+        [True, True, False, True, True]
     """
     return _COUNT_KEY.search(key) is not None
 

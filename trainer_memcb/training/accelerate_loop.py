@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from trainer_memcb.training.activations_probe import (
+    ActivationsProbe,
+    validate_activation_options,
+    without_activation_keys,
+)
 from trainer_memcb.training.figures import KEY_DESCRIPTIONS, with_prefix
+from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, loop_tag, summary_markdown, tracker_log_dir
@@ -40,7 +46,10 @@ class OptimizerMemoryLogger:
     trainable parameter has state, `optimizer_state_unexpected_bytes` (measured minus estimate;
     a difference also warns once, with its likely cause). Every call follows an optimizer step, so
     the measured keys are always there (0 for a stateless optimizer such as plain SGD); estimate
-    keys are left out when no rule knows the optimizer.
+    keys are left out when no rule knows the optimizer. With `model=`, on logged steps also
+    `activations_bytes` (what the step's last micro-batch forward saved for backward),
+    `activations_peak_bytes` (the most of it alive during that forward and backward) and, on CUDA,
+    `device_peak_allocated_bytes` (`trainer_memcb.training.activations_probe`).
 
     With a TensorBoard tracker, its folder also gets charts of measured and estimate together and,
     at `save_summary`, the summary in its Text tab (`trainer_memcb.training.tensorboard_view`).
@@ -61,7 +70,16 @@ class OptimizerMemoryLogger:
             `add_to`).
         model: the model being trained, to log the four model states as well
             (`model_params_bytes`, `model_grads_bytes`, `model_states_bytes`,
-            `model_states_estimate_bytes`; see `trainer_memcb.training.model_states_probe`).
+            `model_states_estimate_bytes`; see `trainer_memcb.training.model_states_probe`) and
+            the activations. It hooks the optimizer to measure before its steps (under DeepSpeed
+            ZeRO-1/2 it wraps DeepSpeed's `step`, `trainer_memcb.training.zero_gradients`);
+            `close()` removes that.
+        activations: with `model=`, measure the activations of the steps that will be logged: from
+            the optimizer step before (or from here, for step 1), the model's forwards run under a
+            saved-tensors counter until that step's optimizer update; `save_summary` removes
+            what is left. False for none.
+        reset_device_peak: on CUDA, reset the allocator's peak statistics at the start of each
+            logged step; by default they are never reset.
 
     Examples:
         >>> import torch
@@ -93,6 +111,8 @@ class OptimizerMemoryLogger:
         breakdown: Iterable[str] = (),
         max_steps: Optional[int] = None,
         model: Any = None,
+        activations: bool = True,
+        reset_device_peak: bool = False,
     ) -> None:
         if optimizer is None:
             raise ValueError("optimizer=None: expected the optimizer whose state to measure")
@@ -104,8 +124,11 @@ class OptimizerMemoryLogger:
             raise ValueError(
                 f"accelerator={accelerator!r}: expected an accelerate.Accelerator (it has no log method)"
             )
+        validate_activation_options(activations, reset_device_peak)
         self.monitor = OptimizerStateMonitor(breakdown=breakdown)
         self.monitor.attach(optimizer)
+        self.monitor.activations = ActivationsProbe(activations and model is not None, reset_device_peak,
+                                                    self.monitor.warn_once)
         self.accelerator = accelerator
         self.logging_steps = logging_steps
         self.max_steps = max_steps
@@ -115,24 +138,53 @@ class OptimizerMemoryLogger:
         if accelerator is not None:
             self._tensorboard = TensorBoardView(lambda: tracker_log_dir(accelerator), loop_tag)
         self.model = model
+        self._hooks: List[Any] = []
+        self._untap: Optional[Callable[[], None]] = None
         if model is not None:
             self._hook_before_steps(optimizer)
+            self._arm_if_logged(1)
+
+    def _logs_step(self, step: int) -> bool:
+        return step % self.logging_steps == 0 or step == self.max_steps
+
+    def _arm_if_logged(self, step: int) -> None:
+        """Measure the forwards of optimizer step `step` if it will be logged."""
+        if self._logs_step(step) and (self.max_steps is None or step <= self.max_steps):
+            self.monitor.activations.arm(self.model, step)
 
     def _hook_before_steps(self, optimizer: Any) -> None:
         """Measure the parameters and gradients right before the optimizer steps, where the
-        gradients exist (a step pre-hook on each torch optimizer behind the wrappers)."""
-        def before_step(*_: Any) -> None:
+        gradients exist (a step pre-hook on each torch optimizer behind the wrappers; under ZeRO-1/2,
+        also when DeepSpeed's step begins, since it frees its gradients before its inner step)."""
+        def wanted() -> bool:
             coming = self.optimizer_steps + 1
-            if not self.monitor.model_states.measured or coming % self.logging_steps == 0 or coming == self.max_steps:
+            return not self.monitor.model_states.measured or coming % self.logging_steps == 0 or coming == self.max_steps
+
+        def before_step(*_: Any) -> None:
+            self.monitor.activations.before_optimizer_step()  # the step's last backward is done
+            if wanted():
                 self.monitor.before_optimizer_step(self.model)
 
+        self._untap = tap_zero_gradients(optimizer, wanted)
         for inner in inner_optimizers(optimizer):
             register = getattr(inner, "register_step_pre_hook", None)
             if register is None:
                 self.monitor.warn_once("model-states-hook", f"{type(inner).__qualname__} takes no step pre-hook; "
                                        "the model-states figures are left out")
                 continue
-            register(before_step)
+            self._hooks.append(register(before_step))
+
+    def close(self) -> None:
+        """Remove what this logger installed (its step pre-hooks on the optimizer, under ZeRO-1/2
+        its wrapper of DeepSpeed's step, and any activations wrapper still on the model). Call it
+        when training ends; the figures stay."""
+        self.monitor.activations.forget()
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+        untap, self._untap = self._untap, None
+        if untap is not None:
+            untap()
 
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
         """Call right after `optimizer.step()`; the figures logged at this step, or `{}`.
@@ -145,6 +197,12 @@ class OptimizerMemoryLogger:
         if self.accelerator is not None and not getattr(self.accelerator, "sync_gradients", True):
             return {}  # a micro-batch: the wrapped optimizer skipped its step
         self.optimizer_steps += 1
+        try:
+            return self._figures_at(step)
+        finally:
+            self._arm_if_logged(self.optimizer_steps + 1)
+
+    def _figures_at(self, step: Optional[int]) -> Dict[str, int]:
         if step is None:
             step = self.optimizer_steps
         else:
@@ -158,6 +216,7 @@ class OptimizerMemoryLogger:
                 return {}
         if step % self.logging_steps and step != self.max_steps:
             return {}
+        self.monitor.activations.relabel(self.optimizer_steps, step)  # measured for the step counted here
         # This call follows an optimizer step: the state is a claim from now on, even empty.
         figures = self.monitor.figures(step, stepped=True)
         if figures and self.accelerator is not None and getattr(self.accelerator, "is_main_process", True):
@@ -197,15 +256,20 @@ class OptimizerMemoryLogger:
         if not isinstance(prefix, str):
             raise ValueError(f"prefix={prefix!r}: expected a string such as 'eval', or '' for none")
         figures = self.monitor.figures(self.optimizer_steps, stepped=self.optimizer_steps > 0)
+        if prefix:  # an evaluation's entry: the activations belong to training steps
+            figures = without_activation_keys(figures)
         entry.update(with_prefix(figures, prefix))
         if self._is_main_process():
             self._observe(figures, prefix, self.optimizer_steps)
         return entry
 
     def summary(self) -> str:
-        """The latest measurement against the estimate, by state key and dtype, in MiB/GiB."""
+        """The latest measurement against the estimate, by state key and dtype, in MiB/GiB, and the
+        last logged step's activations."""
         measurement = self.monitor.latest if self.optimizer_steps > 0 else None
-        return summary_text(measurement, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps))
+        activations = self.monitor.activations.latest() or {}
+        return summary_text(measurement, self.monitor.estimate(), self.monitor.judgement(self.optimizer_steps),
+                            activations, activations.get("step"))
 
     def save_summary(self, output_dir: str, file_name: str = SUMMARY_FILE_NAME) -> Optional[str]:
         """Measure now and write the same JSON summary as the callback; returns its path. With a
@@ -213,6 +277,7 @@ class OptimizerMemoryLogger:
 
         Call it once, after the loop, on the main process. None (and a warning) if it fails.
         """
+        self.monitor.activations.forget()  # the loop is over: no step of it is left to measure
         try:
             document = self.monitor.summary_document(self.optimizer_steps, stepped=self.optimizer_steps > 0)
             path = os.path.join(output_dir, file_name)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, Iterable, Optional, Set, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Union
 
 from transformers import TrainerCallback
 from transformers.utils import logging
 
 from trainer_memcb.plan import whatif
+from trainer_memcb.training.activations_probe import (
+    ActivationsProbe,
+    trainer_logs_step,
+    validate_activation_options,
+    without_activation_keys,
+)
 from trainer_memcb.training.figures import (
     BREAKDOWN_KEY_DESCRIPTIONS,
     KEY_DESCRIPTIONS,
@@ -17,9 +23,10 @@ from trainer_memcb.training.figures import (
     select_keys,
     with_prefix,
 )
+from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
-from trainer_memcb.training.summary import SUMMARY_FILE_NAME, summary_text, write_summary
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
 from trainer_memcb.utils.name_lists import name_list
@@ -51,13 +58,15 @@ def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
 class _Run:
     """What the callback knows of one optimizer's training: its monitor and its what-if."""
 
-    __slots__ = ("monitor", "what_if", "tensorboard")
+    __slots__ = ("monitor", "what_if", "tensorboard", "untap")
 
     def __init__(self, monitor: OptimizerStateMonitor) -> None:
         self.monitor = monitor
         self.what_if: Optional[whatif.WhatIf] = None
         # Charts and the text summary, in the folder of the Trainer's TensorBoard reporter.
         self.tensorboard: Optional[TensorBoardView] = None
+        # Stops measuring ZeRO-1/2's gradients inside DeepSpeed's step (zero_gradients.py).
+        self.untap: Optional[Callable[[], None]] = None
 
 
 class OptimizerMemoryCallback(TrainerCallback, LogContributor):
@@ -91,6 +100,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
+    | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (training entries) |
+    | `activations_peak_bytes` | bytes | the most of those alive during that micro-batch's forward and backward |
+    | `device_peak_allocated_bytes` | bytes | CUDA only: `torch.cuda.max_memory_allocated` of the model's device |
 
     Which keys an entry carries: by default a training entry carries every key above that the
     run has, and an evaluation entry only `optimizer_state_bytes` and
@@ -132,8 +144,15 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             None writes none.
         what_if: the Trainer `optim` names whose state to estimate once at train begin for the
             model being trained (logger and summary, under `"what_if"`); `()` or None for none.
-        eval_keys: the keys evaluation entries carry: `"short"` (default), `"all"`, or key names.
+        eval_keys: the keys evaluation entries carry: `"short"` (default), `"all"`, or key names
+            (never the activation keys, which describe training steps).
         train_keys: the keys training entries carry: `"all"` (default), `"short"`, or key names.
+        activations: measure the activations on the steps the Trainer logs (the forward of the
+            step's last micro-batch runs under a saved-tensors counter;
+            `trainer_memcb.training.activations_probe` says what is counted); False for none.
+        reset_device_peak: on CUDA, reset the allocator's peak statistics at the start of each
+            logged step, so that `device_peak_allocated_bytes` is that step's own peak; by
+            default they are never reset (they are global: other code may read them).
 
     Every argument that names things (`breakdown`, `what_if`, `eval_keys`, `train_keys`) takes a
     list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
@@ -153,7 +172,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     def __init__(self, breakdown: Iterable[str] = (), summary_file: Optional[str] = SUMMARY_FILE_NAME,
                  what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS,
                  eval_keys: Union[str, Iterable[str], None] = "short",
-                 train_keys: Union[str, Iterable[str], None] = "all") -> None:
+                 train_keys: Union[str, Iterable[str], None] = "all", activations: bool = True,
+                 reset_device_peak: bool = False) -> None:
         if summary_file is not None and (
             not isinstance(summary_file, str) or summary_file in ("", ".", "..")
             or os.path.basename(summary_file) != summary_file
@@ -161,6 +181,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
                              f"{SUMMARY_FILE_NAME!r}, or None for no file")
         self.breakdown = validate_breakdown(breakdown)
+        validate_activation_options(activations, reset_device_peak)
+        self.activations, self.reset_device_peak = activations, reset_device_peak
         self.summary_file = summary_file
         chosen = name_list(what_if, "what_if", whatif.optimizer_names())
         self.what_if_optimizers = whatif.resolve_optimizer_names(chosen) if chosen else ()
@@ -179,6 +201,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     def _new_run(self, optimizer: Any) -> _Run:
         monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
         monitor.attach(optimizer)
+        monitor.activations = ActivationsProbe(self.activations, self.reset_device_peak, monitor.warn_once)
         return _Run(monitor)
 
     def _run(self, optimizer: Any) -> Optional[_Run]:
@@ -198,6 +221,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         if run is None:
             return
         run.monitor.start_run()  # global_step restarts with each train() call
+        if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
+            run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
+        run.monitor.activations.forget()  # nothing left over from a run that raised
         if state.is_world_process_zero:
             run.monitor.estimate()
             self._state_what_if(run, args, kwargs.get("model"))
@@ -215,12 +241,20 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     # Every process measures and takes part in the figures, in the same order: with several
     # processes they are combined (a collective), and then only the main process logs them.
 
-    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        # Measure only when this step will be logged: every hook returns early otherwise.
-        if control.should_log:
+    def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        # The forwards of the step about to run are measured only if the Trainer will log it.
+        if self.activations and trainer_logs_step(args, state, state.global_step + 1, kwargs.get("train_dataloader")):
             run = self._run(optimizer)
             if run is not None:
-                run.monitor.measure(state.global_step)
+                run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        run = self._run(optimizer)
+        if run is not None:
+            run.monitor.activations.before_optimizer_step()  # disarmed already, unless that event was missed
+        # Measure only when this step will be logged: every hook returns early otherwise.
+        if control.should_log and run is not None:
+            run.monitor.measure(state.global_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
@@ -252,8 +286,11 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 
     def _kept(self, figures: Dict[str, int], prefix: str) -> Dict[str, int]:
-        """The figures an entry of this kind carries (`train_keys`, `eval_keys`)."""
-        return keep_keys(figures, self.eval_keys if prefix else self.train_keys)
+        """The figures an entry of this kind carries (`train_keys`, `eval_keys`); an evaluation
+        entry never the activations, which belong to training steps."""
+        if prefix:
+            return keep_keys(without_activation_keys(figures), self.eval_keys)
+        return keep_keys(figures, self.train_keys)
 
     def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int) -> None:
         if not figures:
@@ -300,16 +337,25 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         run = self._run(kwargs.get("optimizer"))
         if run is None:
             return
-        every = getattr(args, "logging_steps", 1) or 1
-        coming = state.global_step + 1
-        if not run.monitor.model_states.measured or every < 1 or coming % int(every) == 0:
+        run.monitor.activations.before_optimizer_step()  # the last micro-batch's backward is done
+        if self._measures_model_states(run, args, state):
             run.monitor.before_optimizer_step(model)
+
+    @staticmethod
+    def _measures_model_states(run: _Run, args: Any, state: Any) -> bool:
+        """Whether the coming optimizer step is one whose parameters and gradients are measured."""
+        every = getattr(args, "logging_steps", 1) or 1
+        return not run.monitor.model_states.measured or every < 1 or (state.global_step + 1) % int(every) == 0
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
         self._current = None
         if run is None:
             return
+        if run.untap is not None:
+            run.untap, untap = None, run.untap
+            untap()
+        run.monitor.activations.forget()
         try:
             self._end(run, args, state)
         finally:
@@ -327,13 +373,14 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
             estimate = monitor.estimate()
             if measurement is None and estimate is None:
                 return
-            logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step)))
             document = monitor.summary_document(
                 state.global_step,
                 stepped=stepped,
                 extra={"final_figures": final_figures,
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
+            logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step),
+                                     *step_memory_figures(document)))
             if self.summary_file is not None:
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary

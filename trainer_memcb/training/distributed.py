@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_memcb.training.figures import (
+    ACTIVATION_KEYS,
     BREAKDOWN_KEY_PREFIXES,
     ESTIMATE_BYTES,
     ESTIMATE_TOTAL_BYTES,
@@ -49,7 +50,7 @@ __all__ = [
 # Figures that describe what one process holds: across processes, the largest is logged.
 PER_PROCESS_KEYS = (MEASURED_BYTES, MEASURED_ELEMENTS, ESTIMATE_BYTES, TRAINABLE_PARAMS, MASTER_WEIGHTS_BYTES,
                     MODEL_PARAMS_BYTES, MODEL_GRADS_BYTES, MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES,
-                    REFERENCE_MODEL_PARAMS_BYTES)
+                    REFERENCE_MODEL_PARAMS_BYTES, *ACTIVATION_KEYS)
 # Per-process figure -> the key of its sum over all processes.
 TOTAL_KEYS = {MEASURED_BYTES: MEASURED_TOTAL_BYTES, ESTIMATE_BYTES: ESTIMATE_TOTAL_BYTES,
               MODEL_STATES_BYTES: MODEL_STATES_TOTAL_BYTES, MODEL_STATES_ESTIMATE_BYTES: MODEL_STATES_ESTIMATE_TOTAL_BYTES}

@@ -6,7 +6,7 @@ Shared by the Trainer callback and the custom-loop API so that both log the same
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from trainer_memcb.state.estimate import StateEstimate
 from trainer_memcb.state.measure import StateMeasurement
@@ -28,6 +28,11 @@ __all__ = [
     "MODEL_STATES_TOTAL_BYTES",
     "MODEL_STATES_ESTIMATE_TOTAL_BYTES",
     "REFERENCE_MODEL_PARAMS_BYTES",
+    "ACTIVATIONS_BYTES",
+    "ACTIVATIONS_PEAK_BYTES",
+    "DEVICE_PEAK_ALLOCATED_BYTES",
+    "ACTIVATION_KEYS",
+    "STEP_MEMORY_PARTS",
     "KEY_DESCRIPTIONS",
     "KEY_PRESETS",
     "SHORT_KEYS",
@@ -35,6 +40,7 @@ __all__ = [
     "key_names",
     "select_keys",
     "claims_measurement",
+    "step_memory_rows",
     "BREAKDOWN_KEY_PREFIXES",
     "BREAKDOWN_KEY_DESCRIPTIONS",
     "breakdown_key",
@@ -68,6 +74,26 @@ MODEL_STATES_ESTIMATE_TOTAL_BYTES = "model_states_estimate_total_bytes"
 # state). Storages it shares with the policy are the policy's, counted once, in `model_params_bytes`.
 REFERENCE_MODEL_PARAMS_BYTES = "reference_model_params_bytes"
 
+# What a logged step's forward saves for backward, and the device's peak
+# (trainer_memcb.training.activations_probe): training entries only.
+ACTIVATIONS_BYTES = "activations_bytes"
+ACTIVATIONS_PEAK_BYTES = "activations_peak_bytes"
+DEVICE_PEAK_ALLOCATED_BYTES = "device_peak_allocated_bytes"
+ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES)
+
+# The step's memory by part, as the end-of-run summary, the TensorBoard view and `trainer-memcb
+# report` show it: (what, the measured key, the planned key where the plan has one).
+STEP_MEMORY_PARTS: Tuple[Tuple[str, str, Optional[str]], ...] = (
+    ("parameters", MODEL_PARAMS_BYTES, None),
+    ("gradients", MODEL_GRADS_BYTES, None),
+    ("optimizer state", MEASURED_BYTES, ESTIMATE_BYTES),
+    ("master weights", MASTER_WEIGHTS_BYTES, None),
+    ("model states", MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES),
+    ("activations", ACTIVATIONS_BYTES, None),
+    ("activations, peak", ACTIVATIONS_PEAK_BYTES, None),
+    ("device peak allocated", DEVICE_PEAK_ALLOCATED_BYTES, None),
+)
+
 # Every key, its unit and meaning: the guide's table (docs/trainer-callback.md) and the callback's docstring say the same.
 KEY_DESCRIPTIONS: Dict[str, str] = {
     MEASURED_BYTES: "bytes: storage the optimizer state really holds on this process, each storage once "
@@ -92,6 +118,13 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     MODEL_STATES_ESTIMATE_TOTAL_BYTES: "bytes: model_states_estimate_bytes summed over all processes",
     REFERENCE_MODEL_PARAMS_BYTES: "bytes: storage of the frozen reference model's parameters (trainer.ref_model) on "
     "this process, each storage once, storages shared with the policy left out",
+    ACTIVATIONS_BYTES: "bytes: storages autograd saved for backward in the logged step's last micro-batch forward, "
+    "still saved at its end, each storage once, parameters excluded (with gradient checkpointing, what is saved "
+    "outside the checkpointed blocks and each block's saved inputs; with several processes, the largest over them)",
+    ACTIVATIONS_PEAK_BYTES: "bytes: the most of those saved bytes alive at any moment of that micro-batch's forward "
+    "and backward",
+    DEVICE_PEAK_ALLOCATED_BYTES: "bytes: on CUDA only, torch.cuda.max_memory_allocated of the model's device when "
+    "the step is logged (since the process started, or since the start of the step with reset_device_peak=True)",
 }
 
 # With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a
@@ -202,6 +235,28 @@ def optimizer_figures(
         figures[ESTIMATE_BYTES] = estimate.num_bytes
         figures[TRAINABLE_PARAMS] = estimate.num_params
     return figures
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def step_memory_rows(figures: Mapping[str, Any]) -> List[Tuple[str, Optional[int], Optional[int]]]:
+    """(part, measured bytes, planned bytes) for each part of the step's memory that `figures`
+    (unprefixed keys) knows; anything but a whole number is not known.
+
+    Examples:
+        >>> step_memory_rows({"model_params_bytes": 40, "activations_bytes": 64, "optimizer_state_bytes": 88,
+        ...                   "optimizer_state_estimate_bytes": 88})
+        [('parameters', 40, None), ('optimizer state', 88, 88), ('activations', 64, None)]
+    """
+    rows = []
+    for part, measured_key, planned_key in STEP_MEMORY_PARTS:
+        measured = _count(figures.get(measured_key))
+        planned = _count(figures.get(planned_key)) if planned_key is not None else None
+        if measured is not None or planned is not None:
+            rows.append((part, measured, planned))
+    return rows
 
 
 def with_prefix(figures: Dict[str, int], prefix: str) -> Dict[str, int]:

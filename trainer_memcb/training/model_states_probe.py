@@ -27,9 +27,12 @@ live run: the world size from `torch.distributed`, FSDP2 from DTensor parameters
 optimizer, DDP from a world larger than one otherwise; each parameter's bytes per value from its
 dtype. The optimizer part of the estimate is the optimizer's own estimate (the same rules).
 
-Gradients under ZeRO live in DeepSpeed's own buffers, not in `param.grad`: ZeRO-2's contiguous
-`grads_in_partition` and ZeRO-3's `grad_partitions_flat_buffer` are read when present; otherwise the
-gradient figure (and the sum) is left out rather than guessed.
+Gradients under ZeRO live in DeepSpeed's own buffers, not in `param.grad`. ZeRO-1/2's
+`DeepSpeedZeroOptimizer` frees them during its own step, before any hook outside it runs, so they
+are measured when that step begins (`trainer_memcb.training.zero_gradients`, installed with
+`tap_zero_gradients` by the callback and the loop logger); ZeRO-3's `grad_partitions_flat_buffer`
+is read when present; otherwise the gradient figure (and the sum) is left out rather than guessed.
+The plan's figure for ZeRO follows the run's param groups and this process's rank.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
+from trainer_memcb.training import zero_gradients
 from trainer_memcb.training.distributed import world_size
 from trainer_memcb.training.figures import (
     ESTIMATE_BYTES,
@@ -56,15 +60,11 @@ from trainer_memcb.plan.model_states import Setup, layout_model_states, param_sp
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer
 
 __all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_params_bytes",
-           "measure_reference_model_bytes"]
+           "measure_reference_model_bytes", "tap_zero_gradients"]
 
-# DeepSpeed's gradient buffers, by ZeRO stage (stage_1_and_2.py with contiguous_gradients; stage3.py).
-_ZERO_GRAD_BUFFERS = {2: "grads_in_partition", 3: "grad_partitions_flat_buffer"}
-# ZeRO-1/2's DeepSpeedZeroOptimizer (stage_1_and_2.py): by the time its inner optimizer steps, the
-# 16-bit gradients and `grads_in_partition` have been freed and only the reduced partition hangs on
-# the fp32 masters, so what the step sees is not what backward held. Its gradients are left out
-# (with one warning) rather than logged wrong; ZeRO-3 and BF16_Optimizer are measured.
-_ZERO12_MASTERS = "single_partition_of_fp32_groups"
+# DeepSpeed's gradient buffers, by ZeRO stage (stage3.py). ZeRO-1/2's DeepSpeedZeroOptimizer frees
+# its gradients inside its step: they are measured when it begins (zero_gradients.py).
+_ZERO_GRAD_BUFFERS = {3: "grad_partitions_flat_buffer"}
 
 
 def _count_bytes(tensors: Iterable[Optional[torch.Tensor]],
@@ -136,10 +136,13 @@ def measure_grads_bytes(model: torch.nn.Module, optimizer: Any = None) -> int:
 
 def _grads_bytes(params: List[torch.Tensor], zero: Optional[Tuple[Any, int]]) -> int:
     """`zero`: the ZeRO optimizer and its stage, or None."""
-    if zero is not None and zero[1] in (1, 2) and isinstance(getattr(zero[0], _ZERO12_MASTERS, None), list):
-        if not isinstance(getattr(zero[0], _ZERO_GRAD_BUFFERS[2], None), torch.Tensor):
-            raise LookupError(f"ZeRO-{zero[1]} ({type(zero[0]).__name__}) has freed its gradients before its "
-                              "optimizer steps; the model-states figures are not measured for it yet")
+    if zero is not None and zero_gradients.is_zero12_optimizer(zero[0]):
+        tap = zero_gradients.find_tap(zero[0])
+        if tap is None or tap.grads_bytes is None:
+            why = f" ({tap.error!r})" if tap is not None and tap.error is not None else ""
+            raise LookupError(f"ZeRO-{zero[1]} ({type(zero[0]).__name__}) frees its gradients inside its step, "
+                              f"and none were measured when its step began{why}")
+        return tap.grads_bytes
     if zero is not None and zero[1] in _ZERO_GRAD_BUFFERS:
         buffer = getattr(zero[0], _ZERO_GRAD_BUFFERS[zero[1]], None)
         if isinstance(buffer, torch.Tensor):
@@ -148,6 +151,25 @@ def _grads_bytes(params: List[torch.Tensor], zero: Optional[Tuple[Any, int]]) ->
             return _count_bytes([tensor for tensor in buffer if isinstance(tensor, torch.Tensor)])
         raise LookupError(f"ZeRO-{zero[1]} keeps its gradients in {_ZERO_GRAD_BUFFERS[zero[1]]}, not found here")
     return _count_bytes(param.grad for param in params)
+
+
+def tap_zero_gradients(optimizer: Any, wanted: Callable[[], bool]) -> Optional[Callable[[], None]]:
+    """Measure the gradients of the `DeepSpeedZeroOptimizer` behind `optimizer` when its step begins,
+    at the steps for which `wanted()` is true. Returns the function that stops it, or None when
+    `optimizer` is no ZeRO-1/2 one (nothing to do)."""
+    found = find_zero_optimizer(optimizer) if optimizer is not None else None
+    if found is None or not zero_gradients.is_zero12_optimizer(found[0]):
+        return None
+    return zero_gradients.ZeroGradientsTap.install(found[0], wanted, _count_bytes)
+
+
+def _zero_param_groups(zero: Any) -> Optional[Dict[int, int]]:
+    """`id(param)` -> param group, from a ZeRO-1/2 optimizer's own 16-bit groups."""
+    for name in ("bit16_groups", "bf16_groups"):  # DeepSpeedZeroOptimizer, BF16_Optimizer
+        groups = getattr(zero, name, None)
+        if isinstance(groups, list):
+            return {id(param): index for index, group in enumerate(groups) for param in group}
+    return None
 
 
 def detect_setup(model: torch.nn.Module, optimizer: Any = None) -> Setup:
@@ -247,10 +269,17 @@ class ModelStatesProbe:
         return self._reference_planned
 
     def _planned_without_optimizer(self) -> int:
-        """The plan's parameters + gradients + master weights for the detected setup, once per model."""
+        """The plan's parameters + gradients + master weights for the detected setup, once per model:
+        under ZeRO, in the run's own param groups, for this process's rank."""
         if self._layout_bytes is None:
             model = self._model()
-            layout = layout_model_states(param_specs(model, keep_dtypes=True), detect_setup(model, self._optimizer()))
+            setup = detect_setup(model, self._optimizer())
+            zero = None if self._zero is None else self._zero[0]()
+            groups = _zero_param_groups(zero) if zero is not None else None
+            rank = torch.distributed.get_rank() if setup.is_zero and setup.world_size > 1 else None
+            whole = zero is not None and not zero_gradients.is_zero12_optimizer(zero) and setup.sharding == "zero1"
+            layout = layout_model_states(param_specs(model, keep_dtypes=True, groups=groups), setup,
+                                         rank=rank, whole_zero_grads=whole)
             self._layout_bytes = layout.params_bytes + layout.grads_bytes + layout.master_weights_bytes
         return self._layout_bytes
 

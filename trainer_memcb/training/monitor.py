@@ -25,6 +25,7 @@ from trainer_memcb.training.figures import (
 )
 from trainer_memcb.state.judge import StateJudge, StateJudgement
 from trainer_memcb.state.measure import StateMeasurement, measure_optimizer_state
+from trainer_memcb.training.activations_probe import ActivationsProbe
 from trainer_memcb.training.model_states_probe import ModelStatesProbe
 from trainer_memcb.training.summary import summary_document
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer, master_weights_bytes
@@ -95,6 +96,8 @@ class OptimizerStateMonitor:
         self._judged: Optional[Tuple[Optional[int], Optional[StateJudgement]]] = None
         # Parameters and gradients, measured before the optimizer step (`before_optimizer_step`).
         self.model_states = ModelStatesProbe()
+        # The activations of logged steps, armed and read by the glue (off unless it turns it on).
+        self.activations = ActivationsProbe(enabled=False)
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -259,6 +262,7 @@ class OptimizerStateMonitor:
             figures.update(self.model_states.figures(figures))
         except Exception as error:  # never break training over a figure
             self.warn_once("model-states-estimate", f"the model-states figures failed ({error!r}); they are left out")
+        figures.update(self.activations.figures(step))  # measured for this step, or nothing
         return figures
 
     def _add_unexpected(self, figures: Dict[str, int], measurement: Optional[StateMeasurement]) -> None:
@@ -302,8 +306,11 @@ class OptimizerStateMonitor:
                          stepped: Optional[bool] = None) -> Dict[str, Any]:
         """The end-of-run JSON document (`optimizer_memory.json`): the measurement at `step`
         against the estimate (none before the optimizer has `stepped`, as in the logs), the
-        largest measurement seen, and `extra`."""
+        largest measurement seen, the last logged step's activations, and `extra`."""
         peak = self._peak
+        activations = self.activations.latest()  # the last logged step's, with that step
+        if activations is not None:
+            extra = {"activations": activations, **(extra or {})}
         judgement = self.judgement(step)
         if judgement is not None:
             extra = {"judgement": judgement.to_dict(), **(extra or {})}

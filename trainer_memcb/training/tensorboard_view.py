@@ -8,11 +8,13 @@ cannot show:
 - a custom-scalars layout (TensorBoard's "Custom Scalars" tab): one chart with the measured
   state and its estimate on the same axes, one with their difference
   (`optimizer_state_unexpected_bytes`), the job's totals when there are several processes, ZeRO's
-  master weights when there are some, and each breakdown on one chart. Runs written into one log
+  master weights when there are some, each breakdown on one chart, and the step's memory by part
+  (parameters, gradients, optimizer state, master weights, activations) with a chart of the model
+  states and activations beside the planned model states and the CUDA peak. Runs written into one log
   dir overlay on each chart. The layout lists only charts whose figures were logged, and is
   written again (a few times per run at most) when a new one appears;
 - a text summary (the "Text" tab) at the end: measured against estimate in MiB/GiB, by state key
-  and dtype, the judgement, and the what-if.
+  and dtype, the judgement, the step's memory by part, and the what-if.
 
 It writes its own event file (`events.out.tfevents.*.trainer_memcb`) beside the reporter's, which
 TensorBoard reads as one run. Writing never breaks training: the caller catches and warns.
@@ -24,15 +26,24 @@ import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from trainer_memcb.training.figures import (
+    ACTIVATIONS_BYTES,
+    ACTIVATIONS_PEAK_BYTES,
+    DEVICE_PEAK_ALLOCATED_BYTES,
     ESTIMATE_BYTES,
     ESTIMATE_TOTAL_BYTES,
     MASTER_WEIGHTS_BYTES,
     MEASURED_BYTES,
     MEASURED_ELEMENTS,
     MEASURED_TOTAL_BYTES,
+    MODEL_GRADS_BYTES,
+    MODEL_PARAMS_BYTES,
+    MODEL_STATES_BYTES,
+    MODEL_STATES_ESTIMATE_BYTES,
     TRAINABLE_PARAMS,
     UNEXPECTED_BYTES,
 )
+from trainer_memcb.training.figures import step_memory_rows
+from trainer_memcb.training.summary import step_memory_figures
 from trainer_memcb.utils.units import format_bytes
 
 __all__ = [
@@ -59,6 +70,13 @@ _CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("job total over all processes, measured and estimate (bytes)", (MEASURED_TOTAL_BYTES, ESTIMATE_TOTAL_BYTES)),
     ("DeepSpeed ZeRO master weights (bytes)", (MASTER_WEIGHTS_BYTES,)),
     ("values in the state and trainable parameters (count)", (MEASURED_ELEMENTS, TRAINABLE_PARAMS)),
+    # The step's memory: each part measured, then the model states and the activations beside
+    # what was planned (the model-states plan) and, on CUDA, the allocator's peak.
+    ("the step's memory by part, measured (bytes)",
+     (MODEL_PARAMS_BYTES, MODEL_GRADS_BYTES, MEASURED_BYTES, MASTER_WEIGHTS_BYTES, ACTIVATIONS_BYTES)),
+    ("model states and activations, measured and planned (bytes)",
+     (MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES, ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES,
+      DEVICE_PEAK_ALLOCATED_BYTES)),
 )
 _CHARTED = {key for _, keys in _CHARTS for key in keys}
 
@@ -111,9 +129,11 @@ def layout_charts(keys_by_prefix: Dict[str, Iterable[str]], tag: Callable[[str],
     for prefix in sorted(keys_by_prefix, key=lambda name: (name != "", name)):
         keys = set(keys_by_prefix[prefix]) - (training if prefix else set())
         section = f"{prefix}: " if prefix else ""
+        drawn: set = set()
         for title, chart_keys in _CHARTS:
             shown = [key for key in chart_keys if key in keys]
-            if shown:
+            if shown and not drawn.issuperset(shown):  # a chart that only repeats earlier ones is left out
+                drawn.update(shown)
                 charts[f"{section}{title}"] = ["Multiline", [_exact(tag(_logged(key, prefix))) for key in shown]]
         # Breakdowns (`<figure>/by_key/<part>` or `<figure>_by_key/<part>`): one chart per family.
         families = sorted({key.rsplit("/", 1)[0] for key in keys if "/" in key and key not in _CHARTED})
@@ -221,6 +241,13 @@ def summary_markdown(document: Dict[str, Any]) -> str:
             parts.append(f"**Measured against estimate:** the state holds {_cell(difference)} "
                          f"{'more' if (difference or 0) > 0 else 'less'} than estimated.\n\n"
                          + _markdown_table(["likely cause", "bytes", "state keys", "held as"], rows))
+
+    figures, activations_step = step_memory_figures(document)
+    by_part = step_memory_rows(figures)
+    if by_part:
+        when = f"; activations of step {activations_step}, its last micro-batch" if activations_step is not None else ""
+        parts.append(f"**The step's memory by part** (per process{when})\n\n" + _markdown_table(
+            ["part", "measured", "planned"], [[part, _cell(got), _cell(want)] for part, got, want in by_part]))
 
     what_if = document.get("what_if")
     if isinstance(what_if, dict) and what_if.get("optimizers"):

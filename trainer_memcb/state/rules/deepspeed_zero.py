@@ -41,6 +41,7 @@ __all__ = [
     "find_zero_optimizer",
     "master_weights_bytes",
     "with_zero3_partitions",
+    "zero12_gradient_numel",
     "zero12_partition_numel",
     "zero3_partition_numel",
     "zero3_sub_group_numels",
@@ -94,6 +95,40 @@ def zero12_partition_numel(
             offset += (-offset) % per_param_alignment
     alignment = ZERO12_ALIGNMENT_FACTOR * world_size
     return -(-offset // alignment) * alignment // world_size
+
+
+def zero12_gradient_numel(group_param_numels: Sequence[Sequence[int]], world_size: int, rank: int) -> int:
+    """Values of the reduced 16-bit gradients one rank holds under ZeRO-1/2 when its step begins.
+
+    What runs showed (deepspeed 0.19.8, `DeepSpeedZeroOptimizer`, stages 1 and 2 alike): backward's
+    reduction copies the gradient of every parameter that overlaps the rank's partition, whole,
+    into one contiguous buffer (`stage_1_and_2.py` `copy_grads_in_partition`: `grads_in_partition`
+    is sized by the numel of `params_in_partition`), and the step's flat partition is made of
+    views of it, plus a buffer of zeros (`get_flat_partition`) where the partition runs past the
+    group's last value. Gradients of the other parameters are freed by the end of backward.
+
+    Args:
+        group_param_numels: per param group, its trainable parameters' numel, in order.
+        world_size: data-parallel processes.
+        rank: this process's rank in them.
+
+    Example:
+        >>> from trainer_memcb.state.rules.deepspeed_zero import zero12_gradient_numel
+        >>> groups = [[35, 21], [7, 3]]  # partitions of 28 and 6 values
+        >>> zero12_gradient_numel(groups, 2, rank=0), zero12_gradient_numel(groups, 2, rank=1)
+        (42, 68)
+    """
+    total = 0
+    for numels in group_param_numels:
+        partition = zero12_partition_numel(numels, world_size)
+        start, end = rank * partition, (rank + 1) * partition
+        offset = 0
+        for numel in numels:
+            if numel and offset < end and offset + numel > start:
+                total += numel  # the whole gradient of a parameter the partition touches
+            offset += numel
+        total += max(0, end - max(offset, start))  # zeros where the partition runs past the values
+    return total
 
 
 def zero3_partition_numel(param_numel: int, world_size: int) -> int:

@@ -1,0 +1,54 @@
+"""How long the step plan takes, and its peak memory (RSS), for Llama-2-7B and a 70B-sized Llama.
+
+Each case runs `trainer-memcb estimate` in a process of its own (so that its peak RSS is its own)
+and prints the wall time, the CPU time (on a shared machine the wall time waits for other
+processes; the CPU time is the command's own) and the peak RSS, against the targets: the plan with
+activations at batch 8 x 512 within 10 s and 1 GiB, `--max-batch-size` within 60 s.
+
+    python benchmarks/step_plan.py
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = ("examples/models/llama-2-7b", "examples/models/llama-2-70b-shape")
+CASES = (
+    ("plan at 8 x 512", ["--batch-size", "8", "--seq-len", "512"], 10.0),
+    ("--max-batch-size at 512, 80GiB", ["--max-batch-size", "--seq-len", "512", "--device-memory", "80GiB"], 60.0),
+)
+# A 70B model's bf16 weights alone exceed 80 GiB on one process: its search is asked under ZeRO-3 on 64.
+SHARDED = ["--zero", "3", "--world-size", "64", "--precision", "deepspeed-bf16"]
+
+
+def run(model: str, extra: list) -> tuple:
+    """Wall seconds, CPU seconds and the peak RSS of the largest child so far (bytes)."""
+    command = [sys.executable, "-m", "trainer_memcb", "estimate", model, "--dtype", "bfloat16",
+               "--optimizers", "adamw_torch", "--json", *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, after.ru_maxrss * 1024  # ru_maxrss is KiB on Linux (the largest child so far)
+
+
+def main() -> None:
+    print(f"{'model':38} {'case':32} {'wall s':>8} {'cpu s':>8} {'target s':>8} {'cpu/target':>10} {'RSS MiB*':>12}")
+    for model in MODELS:
+        for name, extra, target in CASES:
+            if "70b" in model and "max-batch" in name:
+                extra, name = extra + SHARDED, name + ", ZeRO-3 x 64"
+            wall, cpu, rss = run(model, extra)
+            print(f"{model:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
+    print("* the largest peak RSS of the cases run so far (getrusage of the children): each case's own is at most that")
+
+
+if __name__ == "__main__":
+    main()

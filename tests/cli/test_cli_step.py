@@ -1,0 +1,141 @@
+"""`trainer-memcb estimate ... --batch-size B --seq-len S`: the step plan on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, MixtralConfig
+
+from trainer_memcb.cli import main
+from trainer_memcb.plan.model_states import Setup
+from trainer_memcb.plan.step_memory import StepMemoryPlan, max_batch_size, plan_step_memory
+from trainer_memcb.plan.whatif import build_meta_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=128, max_position_embeddings=64,
+                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    return str(folder)
+
+
+def run_json(argv, capsys):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
+    document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "4", "--seq-len",
+                         "16", "--attn-implementation", "eager", "--device-memory", "1800000", "--json"], capsys)
+    step = document["step"]
+    plan, _ = plan_step_memory(lambda: build_meta_model(tiny_llama_dir, torch.float32), batch_size=4, seq_len=16,
+                               attn_implementation="eager", optimizer="adamw_torch", model_states=False)
+    assert step["activations_bytes"] == plan.activations_bytes == 708872
+    assert step["peak_bytes"] == plan.peak_bytes
+    assert sum(step["peak_parts"].values()) == step["peak_bytes"]
+    assert (step["attn_implementation"], step["device_type"], step["traced_on"]) == ("eager", "cuda", "cpu")
+    # Fits? is answered from the step's peak, not from the model states, which would fit.
+    states = document["model_states"]["optimizers"][0]
+    assert states["model_states_bytes"] == 1578068 and states["fits"] is True
+    assert step["fits"] is False and step["margin_bytes"] == 1800000 - step["peak_bytes"] < 0
+
+
+def test_tables_say_what_was_traced_and_where(tiny_llama_dir, capsys):
+    assert main(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "8",
+                 "--gradient-checkpointing", "--attn-implementation", "sdpa"]) == 0
+    out = capsys.readouterr().out
+    assert "attention traced" in out and "sdpa" in out
+    assert "cuda (traced on fake cpu tensors)" in out
+    assert "on (non-reentrant)" in out
+    assert "fp32 (parameters in float32)" in out
+    assert "Alive at the step's peak" in out
+
+
+def test_without_batch_size_the_command_is_unchanged(tiny_llama_dir, capsys):
+    document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--json"], capsys)
+    assert "step" not in document and "optimizers" in document
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["--batch-size", "2"], "need --seq-len"),
+    (["--max-batch-size", "--seq-len", "8"], "--max-batch-size needs --device-memory"),
+    (["--batch-size", "0", "--seq-len", "8"], "'0' is not a positive integer"),
+    (["--batch-size", "2", "--seq-len", "8", "--device-type", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_bad_step_options_get_one_line_and_an_exit_code(tiny_llama_dir, capsys, argv, phrase):
+    code = main(["estimate", tiny_llama_dir, *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert phrase in err
+    assert "Traceback" not in err
+
+
+def test_a_model_fake_tensors_cannot_run_gets_one_line_and_the_model_states(tmp_path, capsys):
+    # Mixtral routes tokens with nonzero(): an output whose shape depends on the values.
+    MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                  vocab_size=64, num_local_experts=2, architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
+    document = run_json(["estimate", str(tmp_path), "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len",
+                         "8", "--json"], capsys)
+    assert document["step"]["problem"].startswith("the step cannot run under fake tensors (")
+    assert document["step"]["activations_bytes"] is None and document["step"]["peak_bytes"] is None
+    assert document["model_states"]["optimizers"][0]["model_states_bytes"] > 0
+
+
+def _plan(batch: int, peak: int, activations_peak: int) -> StepMemoryPlan:
+    return StepMemoryPlan(model="m", batch_size=batch, seq_len=1, attn_implementation=None, device_type="cpu",
+                          traced_on="cpu", gradient_checkpointing=False, precision="fp32", optimizer="adamw_torch",
+                          param_dtype="float32",
+                          activations_bytes=activations_peak, activations_peak_bytes=activations_peak,
+                          peak_bytes=peak, peak_phase="backward")
+
+
+@pytest.mark.parametrize("memory,expected", [(999, None), (1000, 6), (1100, 11), (1234, 17), (10**6, 500)])
+def test_max_batch_size_finds_the_largest_batch_of_a_convex_peak(memory, expected):
+    # A constant optimizer-step peak (1000) and a forward/backward peak of 900 + 20 per sample beyond
+    # batch 1: the first batches sit on the flat part and cannot tell the slope.
+    traced = []
+
+    def plan_at(batch: int) -> StepMemoryPlan:
+        traced.append(batch)
+        return _plan(batch, max(1000 + 20 * (batch - 1) - (100 if batch > 1 else 0), 1000), 15 * batch)
+
+    found, plans = max_batch_size(plan_at, memory, limit=500)
+    peak = lambda b: max(1000 + 20 * (b - 1) - (100 if b > 1 else 0), 1000)  # noqa: E731
+    brute = max((b for b in range(1, 501) if peak(b) <= memory), default=None)
+    assert found == brute == expected
+    assert len(traced) == len(set(traced)) <= 12
+    assert [p.batch_size for p in plans] == sorted(traced)
+
+
+def test_sharded_setups_compose_the_peak_from_the_per_process_states(tiny_llama_dir):
+    build = lambda: build_meta_model(tiny_llama_dir, torch.float32)  # noqa: E731
+    whole, _ = plan_step_memory(build, batch_size=4, seq_len=16, attn_implementation="eager", optimizer="adamw_torch",
+                                model_states=False)
+    plan, states = plan_step_memory(build, batch_size=4, seq_len=16, attn_implementation="eager", optimizer="adamw_torch",
+                                    setup=Setup(world_size=4, sharding="zero3", precision="deepspeed-bf16"))
+    row = states.optimizers[0]
+    # Activations do not depend on the sharding (the trace in 16 bits saves half of fp32's floats).
+    assert plan.activations_bytes is not None and plan.activations_bytes < whole.activations_bytes
+    parts = plan.peak_parts
+    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"], parts["master_weights"]) == (
+        row.params_bytes, row.grads_bytes, row.optimizer_state_bytes, row.master_weights_bytes)
+    assert plan.transient_bytes == row.transient_bytes and plan.transient_bytes
+    assert plan.peak_bytes == row.device_bytes + parts["activations"] + parts["batch_and_buffers"] + parts["other"] \
+        + sum(plan.transient_bytes.values())
+    assert any(note.startswith("peak composed") for note in plan.notes)
+
+
+def test_a_reference_model_is_alive_through_the_step(tiny_llama_dir, capsys):
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "8",
+            "--attn-implementation", "eager", "--json"]
+    plain = run_json(argv, capsys)["step"]
+    document = run_json(argv + ["--reference-model"], capsys)
+    reference = document["model_states"]["optimizers"][0]["reference_model_bytes"]
+    assert reference == 394496  # the tiny Llama's fp32 parameters, once more
+    assert document["step"]["peak_parts"]["reference_model"] == reference
+    assert document["step"]["peak_bytes"] == plain["peak_bytes"] + reference
+    assert sum(document["step"]["peak_parts"].values()) == document["step"]["peak_bytes"]

@@ -1,0 +1,95 @@
+"""`trainer-memcb` as installed: the console script next to this Python, in a process of its own.
+
+`main()` called in the test process never meets what only the console script does (keeping peft
+out of an estimate's start-up), so these tests run the installed script itself, from the
+repository root, as a reader of the README would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import List
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "trainer-memcb")
+LLAMA = os.path.join("examples", "models", "llama-2-7b")
+
+
+def run_script(*argv: str) -> subprocess.CompletedProcess:
+    assert os.path.isfile(SCRIPT), f"{SCRIPT}: the console script is not installed (pip install -e .)"
+    return subprocess.run([SCRIPT, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def readme_commands(program: str, command: str) -> List[List[str]]:
+    """The `program command ...` lines of README.md's shell blocks, continuation lines joined."""
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as handle:
+        text = handle.read()
+    commands = []
+    for block in re.findall(r"```(?:bash|console|shell|sh)\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.strip()
+            if line.startswith("$ "):
+                line = line[2:]
+            words = shlex.split(line, comments=True)
+            if words[:2] == [program, command]:
+                commands.append(words[2:])
+    return commands
+
+
+def test_lora_estimate_runs_through_the_console_script():
+    # Before: the script kept peft out of every estimate, and this exited 2 ("need the peft package").
+    done = run_script("estimate", LLAMA, "--lora-r", "16", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    # PEFT's default for Llama: q_proj and v_proj in 32 layers, A (16 x 4096) and B (4096 x 16).
+    assert (result["trainable_params"], result["trainable_tensors"]) == (32 * 2 * 2 * 16 * 4096, 128) == (8_388_608, 128)
+    by_name = {entry["name"]: entry["estimate"]["num_bytes"] for entry in result["optimizers"]}
+    assert by_name["adamw_torch"] == 8 * 8_388_608 + 4 * 128 == 67_109_376
+
+
+def test_the_zero_paper_table_1_row_through_the_console_script():
+    # ZeRO (Rajbhandari et al. 2020) Table 1: 7.5B parameters, Nd = 64, P_os: 31.4 GB per device
+    # with mixed-precision Adam (fp16 weights and gradients, K = 12 bytes of fp32 state and master).
+    done = run_script("estimate", "7500000000", "--zero", "1", "--world-size", "64", "--precision", "deepspeed-fp16",
+                      "--optimizers", "adamw", "--json")
+    assert done.returncode == 0, done.stderr
+    (entry,) = json.loads(done.stdout)["optimizers"]
+    assert entry["model_states_bytes"] == 2 * 7_500_000_000 + 2 * 7_500_000_000 + 12 * 7_500_000_000 // 64 + 4
+    assert f"{entry['model_states_bytes'] / 1e9:.1f}" == "31.4"
+    # Without a plan option a count gets one line saying what it can answer.
+    bare = run_script("estimate", "7.5e9")
+    assert bare.returncode == 2 and bare.stdout == ""
+    assert bare.stderr.startswith("trainer-memcb: error: a parameter count (7,500,000,000) answers the model-states "
+                                  "plan only") and bare.stderr.count("\n") == 1
+
+
+# The estimate command lines the README showed (the guide's pages are run by tests/test_docs.py),
+# with a real model in place of the placeholders MODEL and tiny-llama.
+SHOWN_BEFORE = [
+    f"{LLAMA} --world-size 64 --nodes 8 --zero 3 --precision deepspeed-bf16 --optimizers adamw,adafactor,adamw_8bit "
+    "--device-memory 80GiB",
+    "examples/models/distilbert-base-cased --architecture DistilBertForSequenceClassification "
+    "--optimizers adamw,adafactor,adamw_8bit,adamw_torch_8bit",
+    f"{LLAMA} --optimizers galore_adamw,galore_adamw_layerwise,apollo_adamw --optim-args 'rank=64,update_proj_gap=200' "
+    "--optim-target-modules '.*(attn|mlp).*'",
+    f"{LLAMA} --lora-r 8 --lora-target-modules q_proj,v_proj --lora-modules-to-save lm_head "
+    "--optimizers adamw_torch,paged_adamw_8bit",
+]
+
+
+@pytest.mark.parametrize("argv", [shlex.split(line) for line in SHOWN_BEFORE] + readme_commands("trainer-memcb", "estimate"),
+                         ids=lambda argv: " ".join(argv[:2]))
+def test_the_readme_estimate_commands_run_as_written(argv):
+    done = run_script("estimate", *argv)
+    assert done.returncode == 0, f"trainer-memcb estimate {shlex.join(argv)}: {done.stderr}"
+    assert done.stderr == "", argv
+    assert ("Optimizer state" in done.stdout) != ("Per process" in done.stdout), argv  # the what-if, or the plan

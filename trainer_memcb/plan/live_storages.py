@@ -1,0 +1,113 @@
+"""The bytes alive at each moment of a step run under fake tensors: a dispatch-mode tracker.
+
+`LiveStorages` is a `TorchDispatchMode` that sees every tensor an operation returns. Each storage
+is counted once, with its full size (`untyped_storage().nbytes()`), from the moment an operation
+first returns a tensor on it until the last tensor object seen on it is collected (a
+`weakref.finalize` per tensor object; torch keeps a tensor's Python object alive as long as C++
+holds the tensor, so the finalizer runs when the tensor is really gone). Tensors that exist before
+the step (parameters, buffers, the batch) are registered with `add`. The peak is the most bytes
+alive after any operation, and at that moment the tracker keeps which storages were alive, so that
+the plan can say what they were (parameters, gradients, optimizer state, activations, others).
+
+It reads metadata only, and is meant for fake tensors (`FakeTensorMode`): nothing is allocated,
+so the figures are what a caching-free allocator would hold, storage by storage, on the device the
+tensors claim.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from trainer_memcb.state.saved_tensors import storages_of
+
+__all__ = ["LiveStorages"]
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes alive, storage by storage, and the peak with what was alive then.
+
+    Attributes:
+        alive_bytes: bytes alive now.
+        peak_bytes: the most bytes alive after any operation so far.
+        peak_keys: the storages alive at the peak, by serial number.
+        peak_label: the phase (`phase`, set by the caller) at the peak.
+        sizes: serial number -> bytes, for every storage seen (alive or not). A storage's key (its
+            address) may be reused once it is freed; its serial number never is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive_bytes = 0
+        self.peak_bytes = 0
+        self.peak_keys: List[int] = []
+        self.peak_label = ""
+        self.phase = ""
+        self.sizes: Dict[int, int] = {}
+        self._tensors: Dict[int, int] = {}  # storage key -> live tensor objects seen on it
+        self._storages: Dict[int, Any] = {}
+        self._serial: Dict[int, int] = {}  # storage key -> serial number, while alive
+        self._seen: Dict[int, None] = {}  # id() of the tensor objects seen and alive
+        self.watch: Optional[Dict[int, Any]] = None  # storages whose keys are copied at the peak
+        self.peak_watch: List[int] = []
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Count a tensor that exists before the step (a parameter, a buffer, the batch)."""
+        self._track(tensor)
+        self._check_peak()
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        ident = id(tensor)
+        if ident in self._seen:
+            return
+        for key, nbytes, inner in storages_of(tensor):
+            count = self._tensors.get(key)
+            if count is None:
+                self._tensors[key] = 1
+                self._storages[key] = inner.untyped_storage()  # keeps the address unique while counted
+                serial = self._serial[key] = len(self.sizes)
+                self.sizes[serial] = nbytes
+                self.alive_bytes += nbytes
+            else:
+                self._tensors[key] = count + 1
+            weakref.finalize(tensor, self._release, key)
+        self._seen[ident] = None
+        weakref.finalize(tensor, self._seen.pop, ident, None)
+
+    def _release(self, key: int) -> None:
+        count = self._tensors[key] - 1
+        if count:
+            self._tensors[key] = count
+        else:
+            del self._tensors[key]
+            del self._storages[key]
+            self.alive_bytes -= self.sizes[self._serial.pop(key)]
+
+    def _check_peak(self) -> None:
+        if self.alive_bytes > self.peak_bytes:
+            self.peak_bytes = self.alive_bytes
+            self.peak_keys = list(self._serial.values())
+            self.peak_label = self.phase
+            if self.watch is not None:
+                self.peak_watch = [self._serial[key] for key in self.watch if key in self._serial]
+
+    def serials(self, tensors: Any) -> List[int]:
+        """The serial numbers of the storages of `tensors` (alive and tracked now)."""
+        found = []
+        for tensor in tensors:
+            for key, _, _ in storages_of(tensor):
+                if key in self._serial:
+                    found.append(self._serial[key])
+        return found
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._track(leaf)
+        self._check_peak()
+        return out

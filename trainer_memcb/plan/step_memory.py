@@ -1,0 +1,495 @@
+"""Will one training step fit? Its activations and its peak, from a step run under fake tensors.
+
+`plan_step_memory` runs one training step of the model as the Trainer runs it: `model.train()`,
+the forward with the labels and, for models that take loss keyword arguments, `num_items_in_batch`
+as the Trainer passes it (the loss computed by the model, in fp32 where the model upcasts its
+logits), `loss.backward()`, gradient clipping (`max_grad_norm=1.0`, the Trainer's default), the
+optimizer the Trainer builds for `optim`, and `zero_grad(set_to_none=True)`, all under
+`torch._subclasses.fake_tensor.FakeTensorMode`: every tensor has a shape, a dtype and a device but
+no memory, so nothing is allocated and a 7B model steps in seconds on a laptop's CPU.
+
+Two things are counted while it runs:
+
+- the activations, with `SavedTensorsCounter` exactly as a real run counts them (the storages
+  autograd saved for backward during the forward, each once, the parameters excluded, alive at the
+  end of forward), and their peak (with checkpointing: during the recomputation in backward);
+- every storage alive at each moment (`LiveStorages`), whose peak is the step's peak, with what was
+  alive then: parameters, gradients, optimizer state, activations (saved for backward), the batch
+  and buffers, and everything else (temporaries: the fp32 logits of the loss, an attention's scores
+  before they are saved, the optimizer's foreach intermediates).
+
+The optimizer state of a step after the first is alive through the whole step, while the fake step
+creates it in its optimizer step; the plan's peak is therefore
+`max(peak of forward and backward + optimizer state, peak of the optimizer step)`, which is the
+peak of every step after the first. Each storage counts with its full size and is freed when its
+last tensor is gone: that is the memory a caching-free allocator holds (on CPU, what the profiler
+records, see the tests); a CUDA caching allocator rounds each block up to 512 bytes and may hold
+freed blocks (fragmentation), which is not counted.
+
+Device. The trace runs on fake CPU tensors: on a CPU-only build of torch, autograd aborts the
+process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the flash kernel for CPU,
+which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
+eager path saves the same tensors on any device.
+
+Sharding. Activations depend on the micro-batch, not on ZeRO or FSDP. For `none` and `ddp` the
+peak is the traced one. For the sharded setups, the traced step holds the whole model, so the peak
+is composed: the traced peak's non-model-state bytes (activations and temporaries) plus the
+model-states plan's per-process states, plus the engine's transient buffers whose size is known
+(`transient_bytes` of the model-states plan).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from trainer_memcb.plan.live_storages import LiveStorages
+from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
+from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
+
+__all__ = ["StepMemoryPlan", "plan_step_memory", "max_batch_size", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
+
+ATTENTION_PATHS = ("eager", "sdpa")
+DEVICE_TYPES = ("cuda", "cpu")
+# transformers' TrainingArguments.max_grad_norm default: the Trainer clips before each step.
+MAX_GRAD_NORM = 1.0
+# Heads whose labels are one per token; sequence classification takes one per sequence.
+_TOKEN_LABELS = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification", "LMHeadModel")
+_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "batch_and_buffers", "other")
+
+
+@dataclass(frozen=True)
+class StepMemoryPlan:
+    """One training step's memory on one process.
+
+    Attributes:
+        batch_size, seq_len: the micro-batch.
+        attn_implementation: the attention path traced (`config._attn_implementation`).
+        device_type: the device type asked for; `traced_on`: the fake tensors' device.
+        gradient_checkpointing: non-reentrant activation checkpointing on the model's layers.
+        precision: the setup's precision; `param_dtype`: the traced parameters' dtype.
+        activations_bytes: saved for backward, alive at the end of forward (as `activations_bytes`).
+        activations_peak_bytes: the most saved bytes alive during forward and backward.
+        peak_bytes: the step's peak; `peak_phase`: forward, backward or optimizer step;
+            `peak_parts`: what was alive then, by part (they sum to `peak_bytes`).
+        model_states_plan: the model-states plan of the same setup (per-process states).
+        transient_bytes: the sharded engine's short-lived buffers added to the peak.
+        fits, margin_bytes: against `device_memory`, from the peak.
+        problem: why no step could be traced (then only the model states are known), or None.
+    """
+
+    model: str
+    batch_size: int
+    seq_len: int
+    attn_implementation: Optional[str]
+    device_type: str
+    traced_on: str
+    gradient_checkpointing: bool
+    precision: str
+    optimizer: str
+    param_dtype: Optional[str]
+    activations_bytes: Optional[int]
+    activations_peak_bytes: Optional[int]
+    peak_bytes: Optional[int]
+    peak_phase: Optional[str]
+    peak_parts: Dict[str, int] = field(default_factory=dict)
+    forward_backward_peak_bytes: Optional[int] = None
+    optimizer_step_peak_bytes: Optional[int] = None
+    transient_bytes: Dict[str, int] = field(default_factory=dict)
+    device_memory_bytes: Optional[int] = None
+    fits: Optional[bool] = None
+    margin_bytes: Optional[int] = None
+    problem: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def fake_copy(model: nn.Module, mode: Any, device: str = "cpu", dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Give `model` (on the meta device) fake parameters and buffers, in place: same shapes,
+    `requires_grad` and ties, on `device`, floating ones in `dtype` when given."""
+    made: Dict[int, torch.Tensor] = {}
+    with mode:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                new = made.get(id(param))
+                if new is None:
+                    target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+                    new = nn.Parameter(torch.empty(param.shape, dtype=target, device=device), requires_grad=param.requires_grad)
+                    made[id(param)] = new
+                module._parameters[name] = new
+            for name, buffer in list(module._buffers.items()):
+                if buffer is None:
+                    continue
+                new = made.get(id(buffer))
+                if new is None:
+                    new = made[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                module._buffers[name] = new
+    return model
+
+
+def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
+    if precision in ("bf16", "deepspeed-bf16"):
+        return torch.bfloat16
+    if precision in ("fp16", "deepspeed-fp16"):
+        return torch.float16
+    if precision in ("fp32", "autocast-bf16", "autocast-fp16"):
+        return torch.float32
+    return None
+
+
+def _labels(model: nn.Module, batch_size: int, seq_len: int) -> Optional[torch.Tensor]:
+    name = type(getattr(model, "base_model", model).model).__name__ if hasattr(model, "peft_config") else type(model).__name__
+    if name.endswith(_TOKEN_LABELS):
+        return torch.zeros(batch_size, seq_len, dtype=torch.long)
+    if name.endswith("ForSequenceClassification"):
+        return torch.zeros(batch_size, dtype=torch.long)
+    return None
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+@dataclass
+class _Traced:
+    activations_bytes: int
+    activations_peak_bytes: int
+    peak_bytes: int
+    peak_phase: str
+    peak_parts: Dict[str, int]
+    state_bytes: int
+    notes: List[str]
+    forward_backward_peak: int
+    optimizer_peak: Optional[int]
+
+
+def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
+                build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool) -> _Traced:
+    """Run the step under fake tensors (the model already fake), counting as the module says."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = _MODE[0]
+    notes: List[str] = []
+    model.train()
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    tracker = LiveStorages()
+    with mode:
+        input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        labels = _labels(model, batch_size, seq_len)
+    for tensor in params + list(model.buffers()) + [input_ids] + ([labels] if labels is not None else []):
+        tracker.add(tensor)
+    counter = SavedTensorsCounter(exclude=params, watch_recomputation=gradient_checkpointing)
+    tracker.watch = counter._book.live
+    autocast = None
+    if precision.startswith("autocast-"):
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision.endswith("bf16") else torch.float16)
+    grads: List[int] = []
+    state_keys: List[int] = []
+    optimizer_peak = 0
+    optimizer_keys: List[int] = []
+    optimizer_watch: List[int] = []
+    try:
+        with mode, tracker:
+            tracker.phase = "forward"
+            kwargs: Dict[str, Any] = {"input_ids": input_ids}
+            if labels is not None:
+                kwargs["labels"] = labels
+                if _accepts_loss_kwargs(model):
+                    kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
+            with counter:
+                if autocast is not None:
+                    with autocast:
+                        outputs = model(**kwargs)
+                else:
+                    outputs = model(**kwargs)
+            loss = outputs["loss"] if labels is not None else outputs[0].float().sum()
+            del outputs
+            activations = counter.saved_bytes
+            tracker.phase = "backward"
+            loss.backward()
+            del loss
+            grads = tracker.serials(p.grad for p in trainable if p.grad is not None)
+            forward_backward = (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)
+            if build_optimizer is not None:
+                tracker.phase = "optimizer step"
+                tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
+                torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
+                optimizer = build_optimizer(model)
+                optimizer.step()
+                state_keys = tracker.serials(value for state in optimizer.state.values() for value in state.values()
+                                             if isinstance(value, torch.Tensor))
+                optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
+                optimizer.zero_grad(set_to_none=True)
+                del optimizer
+    finally:
+        counter.close()
+    sizes = tracker.sizes
+    state_bytes = sum(sizes[key] for key in set(state_keys))
+    fb_bytes, fb_phase, fb_keys, fb_watch = forward_backward
+    if fb_bytes + state_bytes >= optimizer_peak:
+        peak, phase, keys, watch, extra_state = fb_bytes + state_bytes, fb_phase, fb_keys, fb_watch, state_bytes
+    else:
+        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, 0
+    param_keys = set(tracker.serials(params))
+    other_fixed = set(tracker.serials(list(model.buffers()) + [input_ids] + ([labels] if labels is not None else [])))
+    groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
+              ("activations", set(watch)), ("batch_and_buffers", other_fixed)]
+    parts = {name: 0 for name in _PARTS}
+    for key in keys:
+        for name, members in groups:
+            if key in members:
+                parts[name] += sizes[key]
+                break
+        else:
+            parts["other"] += sizes[key]
+    parts["optimizer_state"] += extra_state
+    return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes, fb_bytes + state_bytes,
+                   optimizer_peak if build_optimizer is not None else None)
+
+
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the Trainer passes `num_items_in_batch` to this model: its `model_accepts_loss_kwargs`
+    (transformers' trainer.py: the unwrapped model's `accepts_loss_kwargs`, else a forward that
+    takes `**kwargs`)."""
+    import inspect
+
+    unwrapped = model.base_model.model if hasattr(model, "peft_config") and hasattr(model, "base_model") else model
+    declared = getattr(unwrapped, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    parameters = inspect.signature(unwrapped.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
+    """The count of labelled tokens, as the Trainer passes it: transformers 5's
+    `Trainer._get_num_items_in_batch` divides the int64 count by the tensor/context/sequence
+    parallel sizes, a true division, so a 0-dim float32 tensor. The loss is then a sum divided by
+    it, and the division saves it for backward (4 bytes); the value does not matter here."""
+    return torch.tensor(float(labels.numel()))
+
+
+# One FakeTensorMode per trace, set by `plan_step_memory`.
+_MODE: List[Any] = [None]
+
+
+def plan_step_memory(
+    build_model: Callable[[], nn.Module],
+    *,
+    batch_size: int,
+    seq_len: int,
+    setup: Optional[Setup] = None,
+    optimizer: str = "adamw_torch",
+    args: Any = None,
+    attn_implementation: Optional[str] = None,
+    gradient_checkpointing: bool = False,
+    device_type: str = "cuda",
+    device_memory: Optional[int] = None,
+    model_name: Optional[str] = None,
+    model_states: bool = True,
+    states_plan: Optional[ModelStatesPlan] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
+    """Plan one training step's memory on one process.
+
+    Args:
+        build_model: makes the model on the meta device (`trainer_memcb.plan.whatif.build_meta_model`
+            plus LoRA adapters); called once per trace, its parameters are replaced by fake ones.
+        batch_size, seq_len: the per-device micro-batch.
+        setup: world size, sharding, precision (as the model-states plan).
+        optimizer: the Trainer's `optim` name for the traced optimizer step.
+        args: `TrainingArguments` for the optimizer's hyperparameters.
+        attn_implementation: "eager", "sdpa" or another transformers attention; None keeps the
+            config's.
+        gradient_checkpointing: the Trainer's `gradient_checkpointing=True` (non-reentrant).
+        device_type: "cuda" or "cpu": the device the run will use (see the module docstring).
+        device_memory: bytes per process, for fits / margin.
+        model_states: also plan the model states (the sharded setups need them).
+        states_plan: a model-states plan made already for this model and setup (reused).
+        dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
+
+    Returns:
+        The step plan, and the model-states plan (or None).
+
+    Raises:
+        ValueError: a bad batch size, sequence length, attention path or device type.
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type={device_type!r} is not one of: {', '.join(DEVICE_TYPES)}")
+    setup = setup or Setup()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = build_model()
+    if model_states and states_plan is None:
+        states_plan = plan_model_states(meta, optimizer, setup, args=args, model_name=model_name)
+    name = model_name or type(meta).__name__
+    config = getattr(meta, "config", None)
+    if attn_implementation is not None and config is not None:
+        config._attn_implementation = attn_implementation
+    attention = getattr(config, "_attn_implementation", None) if config is not None else None
+    precision = setup.precision
+    step_dtype = dtype or _step_dtype(precision, meta)
+    common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
+                  device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
+                  precision=precision, optimizer=optimizer, device_memory_bytes=device_memory)
+    sharded = setup.sharding not in ("none", "ddp")
+    deepspeed_precision = precision.startswith("deepspeed-")
+    mode = FakeTensorMode()
+    _MODE[0] = mode
+    try:
+        model = fake_copy(meta, mode, "cpu", step_dtype)
+        if gradient_checkpointing:
+            _enable_checkpointing(model, name)
+        build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
+        traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing)
+    except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
+        return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
+                              problem=f"the step cannot run under fake tensors ({_one_line(error)})", **common), states_plan
+    finally:
+        _MODE[0] = None
+        gc.collect()
+    notes = list(traced.notes)
+    peak, parts, transient = traced.peak_bytes, dict(traced.peak_parts), {}
+    fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
+    phase = traced.peak_phase
+    if (sharded or deepspeed_precision) and states_plan is not None:
+        row = states_plan.optimizers[0]
+        non_states = parts["activations"] + parts["batch_and_buffers"] + parts["other"]
+        parts = {"parameters": row.params_bytes, "gradients": row.grads_bytes,
+                 "optimizer_state": row.optimizer_state_bytes or 0, "master_weights": row.master_weights_bytes,
+                 "activations": parts["activations"], "batch_and_buffers": parts["batch_and_buffers"],
+                 "other": parts["other"]}
+        cpu = row.cpu_bytes or 0
+        transient = dict(row.transient_bytes)
+        peak = (row.device_bytes if row.device_bytes is not None else sum(parts[k] for k in ("parameters", "gradients"))) \
+            + non_states + sum(transient.values())
+        if cpu:
+            notes.append(f"{cpu} bytes of model states offloaded to the CPU are not in the device peak")
+        notes.append("peak composed: traced activations and temporaries (peak of forward and backward) plus the "
+                     "model-states plan's per-process states and the engine's known transient buffers")
+        fb_peak, optimizer_peak = peak, None
+        phase = traced.peak_phase
+    reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
+    if reference:
+        # A frozen reference model (DPO-style training) is alive through the whole step. Its own
+        # forward's temporaries are not traced.
+        parts["reference_model"] = reference
+        if not (sharded or deepspeed_precision):  # the composed peak's device bytes hold it already
+            peak += reference
+            fb_peak = fb_peak + reference
+            optimizer_peak = None if optimizer_peak is None else optimizer_peak + reference
+        notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
+    fits = margin = None
+    if device_memory is not None:
+        margin = device_memory - peak
+        fits = margin >= 0
+    return StepMemoryPlan(activations_bytes=traced.activations_bytes,
+                          activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
+                          peak_parts=parts, forward_backward_peak_bytes=fb_peak,
+                          optimizer_step_peak_bytes=optimizer_peak, transient_bytes=transient, fits=fits, margin_bytes=margin, notes=notes,
+                          **common), states_plan
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing, as the Trainer's `gradient_checkpointing=True`
+    turns it on (transformers 5: `activation_checkpointing_enable`; 4.x:
+    `gradient_checkpointing_enable`)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _enable_checkpointing(model: nn.Module, name: str) -> None:
+    enable_checkpointing(model)
+
+
+def _optimizer_builder(name: str, args: Any) -> Callable[[nn.Module], Any]:
+    from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+
+    if args is None:
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(output_dir="trainer-memcb-plan", report_to=[])
+
+    def build(model: nn.Module) -> Any:
+        return build_trainer_optimizer(name, args, model)
+
+    return build
+
+
+def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int, limit: int = 1 << 20) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+    """The largest per-device batch whose planned peak fits in `device_memory`, and the plans traced.
+
+    The peak is the larger of forward/backward's, which grows by the same bytes per sample at a
+    given sequence length (activations and temporaries are proportional to the batch), and the
+    optimizer step's, which does not depend on the batch. Two traces (batches 1 and 2) therefore
+    predict the answer; fake steps at the predicted batch and one above check it, and doubling
+    and bisection take over wherever the prediction misses. None when batch 1 does not fit (or
+    cannot be traced).
+
+    Args:
+        plan_at: the step plan at a batch size.
+        device_memory: bytes per process.
+        limit: the largest batch searched.
+    """
+    plans: Dict[int, StepMemoryPlan] = {}
+
+    def fits(batch: int) -> bool:
+        if batch not in plans:
+            plans[batch] = plan_at(batch)
+        peak = plans[batch].peak_bytes
+        return peak is not None and peak <= device_memory
+
+    def done(best: Optional[int]) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+        return best, [plans[b] for b in sorted(plans)]
+
+    if not fits(1):
+        return done(None)
+    if limit == 1 or not fits(2):
+        return done(1)
+    low, high = 2, None  # low fits; high (when known) does not
+    # A first guess from the activations' bytes per sample (the peak grows at least that fast once
+    # the activations dominate it).
+    per_sample = (plans[2].activations_peak_bytes or 0) - (plans[1].activations_peak_bytes or 0)
+    guess = min(limit, max(3, 1 + (device_memory - plans[1].peak_bytes) // max(1, per_sample)))
+    while high is None:
+        if guess <= low:
+            guess = low + 1
+        if guess > limit:
+            return done(low)
+        if fits(guess):
+            low, guess = guess, min(guess * 2, limit + 1) if guess < limit else limit + 1
+        else:
+            high = guess
+    # The peak is the larger of affine functions of the batch (convex): the chord from low to high
+    # lies above it, so the batch where the chord reaches the memory fits; check one above it.
+    while high - low > 1:
+        slope = (plans[high].peak_bytes - plans[low].peak_bytes) / (high - low)
+        candidate = low + int((device_memory - plans[low].peak_bytes) // slope) if slope > 0 else (low + high) // 2
+        candidate = min(max(candidate, low + 1), high - 1)
+        if fits(candidate):
+            low = candidate
+            if low + 1 < high and not fits(low + 1):
+                high = low + 1
+        else:
+            high = candidate
+    return done(low)

@@ -1,0 +1,352 @@
+"""Activations measured in a run: what autograd saves for backward in a logged step's forward.
+
+`ActivationsProbe` is armed at the start of an optimizer step that will be logged and disarmed
+before that step's optimizer update. While armed, every forward of the model (one per micro-batch)
+runs inside a fresh `trainer_memcb.state.saved_tensors.SavedTensorsCounter` that excludes the
+model's parameters; a later micro-batch's counter replaces an earlier one's, so with gradient
+accumulation the last micro-batch before the optimizer step is the one reported:
+
+| key | unit | meaning |
+|---|---|---|
+| `activations_bytes` | bytes | storages saved for backward by the last micro-batch's forward, still saved at its end, each storage once, parameters excluded |
+| `activations_peak_bytes` | bytes | the most of those saved bytes alive at any moment of that micro-batch's forward and backward |
+| `device_peak_allocated_bytes` | bytes | on CUDA only: `torch.cuda.max_memory_allocated` of the model's device, read when the step is logged |
+
+What is counted is the counter's business (`trainer_memcb.state.saved_tensors`, watching
+checkpoint's recomputation). With gradient checkpointing (non-reentrant, the Trainer's default in
+transformers 5), `activations_bytes` is what is saved outside the checkpointed blocks plus each
+block's saved positional inputs, alive at the end of forward, and `activations_peak_bytes` also
+covers the tensors each block's recomputation holds during backward. With reentrant checkpointing
+(transformers 4's default) the blocks save their inputs outside as well, and their recomputation
+runs after the counter has left, so the peak is the forward's. The CUDA peak is the caching
+allocator's since the process started or since its statistics were last reset; the probe resets
+them (`torch.cuda.reset_peak_memory_stats`) at the start of each logged step only when asked
+(`reset_device_peak=True`), since they are global and other code may be reading them.
+
+The parameters excluded are the storages the model's parameters have when the step is armed: with
+FSDP or DeepSpeed ZeRO-3 those are the shards, and a full parameter gathered for the forward and
+saved for backward (a linear layer's weight) is counted as an activation.
+
+How a forward is delimited: while armed, the model's `forward` attribute is a wrapper that enters
+the counter, calls the forward it replaced, and exits the counter, in a `try` of its own, so that a
+forward that raises leaves no hooks behind (the wrapper is removed there and then). Module hooks
+cannot promise that: a forward hook that runs after a failed forward cannot remove itself without
+corrupting the exception torch is about to raise. The wrapper is removed when the step is
+disarmed, and nothing is installed on a step that is not logged.
+
+It needs torch 2.8 or newer (`torch._C._autograd._top_saved_tensors_default_hooks`, to see saved-
+tensor hooks of the user's own); on an older torch one warning says so and the keys are left out.
+It never breaks a run: a failure warns once (through the caller's `warn_once`) and the keys are
+left out. A forward that runs under saved-tensors hooks of the user's own (`save_on_cpu`) still
+reaches them: the counter calls them and counts what their packed values hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from trainer_memcb.state.saved_tensors import SavedTensorsCounter
+from trainer_memcb.training.figures import (
+    ACTIVATIONS_BYTES,
+    ACTIVATIONS_PEAK_BYTES,
+    ACTIVATION_KEYS,
+    DEVICE_PEAK_ALLOCATED_BYTES,
+)
+
+__all__ = [
+    "ACTIVATIONS_SUPPORTED",
+    "WRAPPER_MARK",
+    "ActivationsProbe",
+    "trainer_logs_step",
+    "validate_activation_options",
+    "without_activation_keys",
+]
+
+# Whether this torch says which saved-tensor hooks are active (`_top_saved_tensors_default_hooks`,
+# torch 2.8 and newer): the counter needs it to keep hooks of the user's own working. On an older
+# torch the activations are left out, with one warning.
+ACTIVATIONS_SUPPORTED = hasattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks")
+# An attribute on the wrapper that the model's `forward` is while armed, so that it can be told apart.
+WRAPPER_MARK = "__trainer_memcb_activations__"
+_MISSING = object()
+
+
+def validate_activation_options(activations: Any, reset_device_peak: Any) -> None:
+    """`ValueError` naming a bad value and what is allowed."""
+    if not isinstance(activations, bool):
+        raise ValueError(f"activations={activations!r}: expected True (measure the activations on logged "
+                         "steps) or False (do not)")
+    if not isinstance(reset_device_peak, bool):
+        raise ValueError(f"reset_device_peak={reset_device_peak!r}: expected True (reset CUDA's peak "
+                         "statistics at the start of each logged step) or False (never reset them)")
+
+
+def without_activation_keys(figures: Dict[str, int]) -> Dict[str, int]:
+    """The figures without the activation keys (evaluation entries do not carry them)."""
+    return {key: value for key, value in figures.items() if key not in ACTIVATION_KEYS}
+
+
+def _value(setting: Any) -> str:
+    """An `IntervalStrategy` or its string, as its string."""
+    return str(getattr(setting, "value", setting))
+
+
+def trainer_logs_step(args: Any, state: Any, step: int, train_dataloader: Any = None) -> bool:
+    """Whether the Trainer will log after optimizer step `step` (`state.global_step` once it is done).
+
+    The Trainer decides in `DefaultFlowCallback.on_step_end` (transformers 4.57 to 5.x): the first
+    step with `logging_first_step`; every `logging_steps`-th step with the "steps" strategy; the
+    last step of each epoch, and the last step of the run, with the "epoch" strategy. A callback
+    that sets `control.should_log` itself cannot be foreseen: such a step is logged without the
+    activation keys.
+    """
+    if step == 1 and getattr(args, "logging_first_step", False):
+        return True
+    strategy = _value(getattr(args, "logging_strategy", "steps"))
+    if strategy == "steps":
+        every = getattr(state, "logging_steps", None) or getattr(args, "logging_steps", 0)
+        every = int(every) if every else 0
+        return every >= 1 and step % every == 0
+    if strategy == "epoch":
+        max_steps = getattr(state, "max_steps", 0) or 0
+        if max_steps and step >= max_steps:
+            return True
+        per_epoch = _updates_per_epoch(args, train_dataloader)
+        return per_epoch is not None and step % per_epoch == 0
+    return False
+
+
+def _updates_per_epoch(args: Any, train_dataloader: Any) -> Optional[int]:
+    """Optimizer steps in an epoch, as the Trainer counts them (a last, shorter accumulation counts)."""
+    try:
+        batches = len(train_dataloader)
+    except TypeError:  # None, or an iterable dataset: the run's last step is all that is known
+        return None
+    accumulation = max(int(getattr(args, "gradient_accumulation_steps", 1) or 1), 1)
+    return max(batches // accumulation + int(batches % accumulation > 0), 1)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _close(counter: Optional[SavedTensorsCounter]) -> None:
+    """Stop the counter watching checkpoint's recomputation (a class it wraps while it watches)."""
+    if counter is None:
+        return
+    try:
+        counter.close()
+    except Exception:  # nothing of the run depends on it; the counter's own __del__ tries again
+        pass
+
+
+class ActivationsProbe:
+    """Measures the activations of the optimizer steps it is armed for.
+
+    Args:
+        enabled: False makes every method a no-op.
+        reset_device_peak: reset CUDA's peak statistics at the start of each logged step.
+        warn_once: `warn_once(kind, message)`, the caller's warning that is given once per kind.
+
+    Examples:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> probe = ActivationsProbe()
+        >>> probe.arm(model, step=1)
+        >>> model(torch.ones(2, 4)).sum().backward()  # saves the input (for the weight's gradient), relu's output
+        >>> probe.before_optimizer_step()
+        >>> probe.figures(1)  # two 2x4 fp32 tensors
+        {'activations_bytes': 64, 'activations_peak_bytes': 64}
+        >>> "forward" in model.__dict__  # disarmed: the model's own forward again
+        False
+    """
+
+    def __init__(self, enabled: bool = True, reset_device_peak: bool = False,
+                 warn_once: Optional[Callable[[str, str], None]] = None) -> None:
+        validate_activation_options(enabled, reset_device_peak)
+        self.enabled = enabled
+        self.reset_device_peak = reset_device_peak
+        self._warn_once = warn_once or (lambda kind, message: None)
+        # While armed: the model (weakly), its forward wrapper and what it replaced, the
+        # parameters to exclude, the step the figures are for, the device of a CUDA model.
+        self._model: Callable[[], Any] = _nothing
+        self._wrapper: Any = None
+        self._replaced: Any = _MISSING
+        self._params: List[torch.Tensor] = []
+        self._step: Optional[int] = None
+        self._cuda_device: Optional[torch.device] = None
+        # The counter of a forward under way, and of the last forward that finished.
+        self._active: Optional[SavedTensorsCounter] = None
+        self._last: Optional[SavedTensorsCounter] = None
+        # The parameters of the model measured last, held weakly, so that a step does not walk the
+        # model's modules again (`forget` drops them: at the start and end of a run).
+        self._param_owner: Callable[[], Any] = _nothing
+        self._param_refs: List[Any] = []
+        # The figures of the last measured step, and that step.
+        self._figures: Dict[str, int] = {}
+        self._figures_step: Optional[int] = None
+
+    @property
+    def armed(self) -> bool:
+        return self._wrapper is not None
+
+    # -- the step's life -------------------------------------------------------------------------
+
+    def arm(self, model: Any, step: int) -> None:
+        """Measure the forwards of the model until `before_optimizer_step`, for step `step`."""
+        self.disarm()
+        if not self.enabled or model is None:
+            return
+        try:
+            self._arm(model, step)
+        except Exception as error:  # never break training over a figure
+            self.disarm()
+            self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
+
+    def _arm(self, model: torch.nn.Module, step: int) -> None:
+        if not ACTIVATIONS_SUPPORTED:
+            self._warn_once("activations-torch", f"this torch ({torch.__version__}) cannot say which saved-tensor "
+                            "hooks are active, which measuring the activations needs (torch 2.8 and newer can); "
+                            "they are left out")
+            return
+        if getattr(model, "_orig_mod", None) is not None or torch.compiler.is_compiling():
+            self._warn_once("activations-compiled", "the activations of a compiled model are not measured; "
+                            "they are left out")
+            return
+        self._params = self._parameters(model)
+        device = self._params[0].device if self._params else torch.device("cpu")
+        self._cuda_device = device if device.type == "cuda" else None
+        if self._cuda_device is not None and self.reset_device_peak:
+            torch.cuda.reset_peak_memory_stats(self._cuda_device)  # asked for by the user
+        self._step = step
+        self._model = weakref.ref(model)
+        self._replaced = model.__dict__.get("forward", _MISSING)
+        self._wrapper = self._measuring(model.forward)
+        model.forward = self._wrapper
+
+    def _parameters(self, model: torch.nn.Module) -> List[torch.Tensor]:
+        """The model's parameters: as found at its first step since `forget`, while they all live."""
+        if self._param_owner() is model:
+            params = [ref() for ref in self._param_refs]
+            if all(param is not None for param in params):
+                return params  # type: ignore[return-value]
+        params = list(model.parameters())
+        self._param_owner, self._param_refs = weakref.ref(model), [weakref.ref(param) for param in params]
+        return params
+
+    def forget(self) -> None:
+        """Disarm, and find the model's parameters again at the next step (a run starts or ends)."""
+        self.disarm()
+        self._param_owner, self._param_refs = _nothing, []
+
+    def _measuring(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def measured_forward(*args: Any, **kwargs: Any) -> Any:
+            counter = self._start()
+            if counter is None:
+                return forward(*args, **kwargs)
+            try:
+                output = forward(*args, **kwargs)
+            except BaseException:
+                self._stop(counter, failed=True)
+                raise
+            self._stop(counter, failed=False)
+            return output
+
+        setattr(measured_forward, WRAPPER_MARK, True)
+        return measured_forward
+
+    def _start(self) -> Optional[SavedTensorsCounter]:
+        if self._wrapper is None or self._active is not None or not torch.is_grad_enabled():
+            return None  # disarmed, a nested call, or a forward that saves nothing for backward
+        try:
+            counter = SavedTensorsCounter(exclude=self._params, watch_recomputation=True)
+            counter.__enter__()
+        except Exception as error:  # never break training over a figure
+            self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
+            return None
+        self._active = counter
+        return counter
+
+    def _stop(self, counter: SavedTensorsCounter, failed: bool) -> None:
+        self._active = None
+        try:
+            counter.__exit__(None, None, None)
+        except Exception as error:  # never break training over a figure
+            self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
+            failed = True
+        if failed:  # the forward raised: nothing of this step is reported, and nothing stays installed
+            _close(counter)
+            self.disarm()
+        else:  # a later micro-batch's counter replaces an earlier one's
+            earlier, self._last = self._last, counter
+            _close(earlier)
+
+    def before_optimizer_step(self) -> None:
+        """The step's forwards and backwards are done: keep the last micro-batch's figures, disarm."""
+        if self._wrapper is None:
+            return
+        counter, step = self._last, self._step
+        self.disarm()
+        if counter is None:
+            return
+        try:
+            figures = {ACTIVATIONS_BYTES: int(counter.saved_bytes), ACTIVATIONS_PEAK_BYTES: int(counter.peak_bytes)}
+        except Exception as error:  # never break training over a figure
+            self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
+            return
+        finally:
+            _close(counter)
+        if getattr(counter, "counting", True):
+            self._figures, self._figures_step = figures, step
+
+    def disarm(self) -> None:
+        """Put the model's own forward back and drop the step's counters; safe to call at any time."""
+        model = self._model()
+        wrapper, replaced = self._wrapper, self._replaced
+        counters = (self._active, self._last)
+        self._model, self._wrapper, self._replaced = _nothing, None, _MISSING
+        self._params, self._active, self._last = [], None, None
+        for counter in counters:
+            _close(counter)
+        if model is None or wrapper is None:
+            return
+        try:
+            if model.__dict__.get("forward") is wrapper:
+                if replaced is _MISSING:
+                    del model.__dict__["forward"]
+                else:
+                    model.__dict__["forward"] = replaced
+            # Otherwise someone wrapped the forward again while armed: the wrapper stays inside
+            # theirs, and does nothing now that the probe is disarmed.
+        except Exception as error:  # never break training over a figure
+            self._warn_once("activations", f"removing the activations wrapper failed ({error!r})")
+
+    # -- the figures -----------------------------------------------------------------------------
+
+    def figures(self, step: Optional[int]) -> Dict[str, int]:
+        """The keys measured for `step`, or `{}`. On CUDA the allocator's peak is read now (host-side
+        statistics, no device sync), so that it covers the optimizer update too."""
+        if not self._figures or step is None or step != self._figures_step:
+            return {}
+        if self._cuda_device is not None and DEVICE_PEAK_ALLOCATED_BYTES not in self._figures:
+            try:
+                self._figures[DEVICE_PEAK_ALLOCATED_BYTES] = int(torch.cuda.max_memory_allocated(self._cuda_device))
+            except Exception as error:  # never break training over a figure
+                self._warn_once("device-peak", f"reading the CUDA peak failed ({error!r}); it is left out")
+        return dict(self._figures)
+
+    def latest(self) -> Optional[Dict[str, int]]:
+        """The last measured step's figures and that `step`, for the end-of-run summary; None before any."""
+        if not self._figures or self._figures_step is None:
+            return None
+        return {"step": self._figures_step, **self._figures}
+
+    def relabel(self, old_step: Optional[int], new_step: Optional[int]) -> None:
+        """The figures measured for `old_step` are logged at `new_step` (a loop that counts its own steps)."""
+        if self._figures and old_step == self._figures_step:
+            self._figures_step = new_step
