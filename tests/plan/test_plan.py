@@ -86,6 +86,10 @@ def test_bnb_8bit_plans_embeddings_in_32bit_as_the_trainer_registers_them():
     # Embedding, 8,192 values: 32-bit, 8N. Weight, 4,096 values: 8-bit, 2N + 2 x 4 x 16 block scales.
     # Bias, 64 values (under min_8bit_size): 8N. The two shared quantization maps: 2 x 1,024.
     assert entry.optimizer_state_bytes == 8 * 8192 + (2 * 4096 + 8 * 16) + 8 * 64 + 2 * 1024 == 76_416
+    # Under FSDP on 2 processes (the plan's stand-in shards): the embedding's 4,096-value shard is
+    # still 32-bit; the weight's 2,048 and the bias's 32 are under min_8bit_size.
+    (sharded,) = plan_model_states(model, "adamw_bnb_8bit", Setup(world_size=2, sharding="fsdp-full-shard")).optimizers
+    assert sharded.optimizer_state_bytes == 8 * 4096 + 8 * 2048 + 8 * 32 + 2 * 1024 == 51_456
 
 
 def test_fsdp_pads_every_shard_to_ceil_rows_over_w_and_the_first_rank_steps_over_the_most():
