@@ -19,7 +19,7 @@ import trainer_memcb.plan.param_shapes
 import trainer_memcb.plan.sharding
 from trainer_memcb.cli import main
 from trainer_memcb.plan.model_states import Setup, layout_model_states, param_specs, parse_bytes, plan_model_states
-from trainer_memcb.plan.sharding import zero12_gradient_numel
+from trainer_memcb.plan.sharding import fsdp_local_shape, fsdp_padded_shard_numel, zero12_gradient_numel
 from trainer_memcb.plan.whatif import what_if
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +64,34 @@ def test_frozen_parameters_count_as_parameters_only():
     assert (entry.params_bytes, entry.grads_bytes, entry.optimizer_state_bytes) == (236, 24 * 4, adamw(24, 2))
 
 
+def test_a_margin_of_exactly_zero_fits_and_one_byte_less_does_not():
+    # `fits` is `device_bytes <= device_memory`: memory equal to the device bytes fits, margin 0.
+    (entry,) = plan_model_states(two_layers(), "adamw", Setup()).optimizers
+    assert entry.device_bytes == 236 + 236 + 488 and (entry.fits, entry.margin_bytes) == (None, None)
+    for memory, fits, margin in ((960, True, 0), (959, False, -1), (961, True, 1)):
+        (entry,) = plan_model_states(two_layers(), "adamw", Setup(), device_memory=memory).optimizers
+        assert (entry.fits, entry.margin_bytes) == (fits, margin)
+    # The same with a frozen reference model beside it: its 236 bytes of parameters on the device too.
+    for memory, fits, margin in ((1196, True, 0), (1195, False, -1)):
+        (entry,) = plan_model_states(two_layers(), "adamw", Setup(), device_memory=memory,
+                                     reference_model=True).optimizers
+        assert (entry.device_bytes, entry.fits, entry.margin_bytes) == (1196, fits, margin)
+
+
+def test_bnb_8bit_plans_embeddings_in_32bit_as_the_trainer_registers_them():
+    # With optim="adamw_bnb_8bit" the Trainer registers nn.Embedding weights for 32-bit state.
+    pytest.importorskip("bitsandbytes")
+    model = nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 64))
+    (entry,) = plan_model_states(model, "adamw_bnb_8bit", Setup()).optimizers
+    # Embedding, 8,192 values: 32-bit, 8N. Weight, 4,096 values: 8-bit, 2N + 2 x 4 x 16 block scales.
+    # Bias, 64 values (under min_8bit_size): 8N. The two shared quantization maps: 2 x 1,024.
+    assert entry.optimizer_state_bytes == 8 * 8192 + (2 * 4096 + 8 * 16) + 8 * 64 + 2 * 1024 == 76_416
+    # Under FSDP on 2 processes (the plan's stand-in shards): the embedding's 4,096-value shard is
+    # still 32-bit; the weight's 2,048 and the bias's 32 are under min_8bit_size.
+    (sharded,) = plan_model_states(model, "adamw_bnb_8bit", Setup(world_size=2, sharding="fsdp-full-shard")).optimizers
+    assert sharded.optimizer_state_bytes == 8 * 4096 + 8 * 2048 + 8 * 32 + 2 * 1024 == 51_456
+
+
 def test_fsdp_pads_every_shard_to_ceil_rows_over_w_and_the_first_rank_steps_over_the_most():
     # Rows 7 -> 4 per rank, 3 -> 2: padded shards 4x4 + 4 + 2x7 + 2 = 36 values on every rank.
     for sharding in ("fsdp-full-shard", "fsdp-shard-grad-op"):
@@ -77,6 +105,12 @@ def test_fsdp_pads_every_shard_to_ceil_rows_over_w_and_the_first_rank_steps_over
     # 7 -> 2 rows, 3 -> 1: 8 + 2 + 7 + 1 = 18 values; everything on the CPU, 2 processes a node.
     assert offloaded.device_bytes == 0
     assert offloaded.cpu_bytes == 18 * 4 * 2 + adamw(18, 4) and offloaded.cpu_bytes_per_node == 2 * offloaded.cpu_bytes
+
+
+def test_fsdp_takes_a_0_dim_parameter_as_one_row():
+    assert fsdp_local_shape((), world_size=4) == (1,)
+    assert fsdp_padded_shard_numel((), world_size=4) == 1
+    assert fsdp_local_shape((7, 4), world_size=2) == (4, 4) and fsdp_local_shape((3,), world_size=4) == (1,)
 
 
 def test_zero_partitions_follow_deepspeed():

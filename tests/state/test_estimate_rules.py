@@ -240,6 +240,21 @@ def test_adagrad_state_exists_at_construction_frozen_params_included() -> None:
     assert estimate.num_params == TRAINABLE
 
 
+def test_a_tied_weight_listed_twice_in_a_group_counts_once() -> None:
+    # Parameters gathered module by module meet the tied weight twice (under `embed` and `head`);
+    # torch keeps both entries in the group (it warns), and the state has one entry for it.
+    model = TinyModel()
+    per_module = [param for module in model.modules() for param in module.parameters(recurse=False)]
+    assert sum(param is model.embed.weight for param in per_module) == 2
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        optimizer = torch.optim.AdamW(per_module)
+    estimate = estimate_optimizer_state(optimizer)
+    assert (estimate.num_params, estimate.num_param_tensors) == (TRAINABLE, 7)
+    assert estimate.to_dict() == estimate_optimizer_state(torch.optim.AdamW(TinyModel().parameters())).to_dict()
+    train(model, optimizer)
+    assert_estimate_matches(optimizer, estimate, TRAINABLE)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_is_8_bytes_when_the_default_dtype_is_float64(fused: bool) -> None:
     # torch/optim/optimizer.py _get_scalar_dtype: float64 scalars unless fused. The estimate reads

@@ -235,6 +235,38 @@ def test_state_left_behind_by_a_parameter_taken_out_of_the_groups():
     assert [(c.kind, c.num_bytes, c.num_params) for c in judged.causes] == [("state_for_other_tensors", 88, 2)]
 
 
+def test_adagrad_state_for_frozen_parameters_is_expected_and_not_flagged():
+    # Adagrad makes `step` and `sum` at construction for every parameter in its groups, frozen ones
+    # included, and its rule says so (includes_frozen=True). One cast makes a difference to judge:
+    # only the cast is a cause, never the frozen layer's state.
+    frozen, trained = torch.nn.Linear(4, 4).requires_grad_(False), torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adagrad([*frozen.parameters(), *trained.parameters()])
+    estimate, expectation = estimate_optimizer_state(optimizer), expect_state(optimizer)
+    assert expectation.includes_frozen
+    assert estimate.num_bytes == 4 * (4 * 4 + 4) + 4 * (4 * 2 + 2) + 4 * 4  # every `sum`, every `step`: 136
+    one_step(torch.nn.Sequential(frozen, trained), optimizer, torch.ones(1, 4))
+    measured = measure_optimizer_state(optimizer)
+    assert judge_state(optimizer, measured, estimate, expectation).agrees
+    optimizer.state[trained.bias]["sum"] = optimizer.state[trained.bias]["sum"].double()  # 2 values: +8 bytes
+    judged = judge_state(optimizer, measure_optimizer_state(optimizer), estimate, expectation)
+    assert judged.difference_bytes == 8
+    assert [(c.kind, c.num_bytes, c.num_params) for c in judged.causes] == [("dtype_differs_from_param", 8, 1)]
+
+
+def test_what_no_cause_accounts_for_is_unexplained_and_the_causes_add_up():
+    # A tensor kept in the state outside any parameter's entry: measured, but in no entry the
+    # causes are looked for in. It is the unexplained rest, so the causes still add up.
+    layer = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    one_step(layer, optimizer, torch.ones(1, 4))
+    optimizer.state["loss_scale"] = torch.ones(4)  # 16 bytes
+    del optimizer.state[layer.bias]["exp_avg_sq"]  # -8 bytes, a missing key
+    judged = judge_state(optimizer, measure_optimizer_state(optimizer), estimate_optimizer_state(optimizer))
+    assert judged.difference_bytes == 8
+    assert [(c.kind, c.num_bytes) for c in judged.causes] == [("unexplained", 16), ("missing_state_key", -8)]
+    assert sum(cause.num_bytes for cause in judged.causes) == judged.difference_bytes
+
+
 def test_agreeing_runs_log_zero_and_warn_nothing(tmp_path):
     model = tiny_classifier()
     trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=2), train_dataset=TinyDataset(16),
@@ -261,6 +293,18 @@ def test_no_figure_until_every_trainable_parameter_has_state():
     second(first(torch.ones(1, 4))).sum().backward()
     optimizer.step()
     assert memory()[UNEXPECTED_BYTES] == 0
+
+
+def test_state_holding_less_than_estimated_logs_a_negative_difference():
+    # measured minus estimate, signed: a moment missing from the state is a negative figure.
+    layer = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    memory = OptimizerMemoryLogger(optimizer)
+    one_step(layer, optimizer, torch.ones(1, 4))
+    del optimizer.state[layer.weight]["exp_avg_sq"]  # 8 fp32 values
+    with pytest.warns(RuntimeWarning, match="holds 32 bytes .* less than estimated"):
+        figures = memory()
+    assert figures[UNEXPECTED_BYTES] == figures[MEASURED_BYTES] - figures[ESTIMATE_BYTES] == -32
 
 
 def test_docstring_example_runs():

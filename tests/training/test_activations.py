@@ -27,7 +27,15 @@ from transformers import (
 )
 
 import trainer_memcb.training.activations_probe as activations_probe
-from helpers import VOCAB_SIZE, TinyDataset, entries_with, independent_saved_bytes, installed_version, training_args
+from helpers import (
+    VOCAB_SIZE,
+    TinyDataset,
+    entries_with,
+    independent_saved_bytes,
+    installed_version,
+    requires_torch,
+    training_args,
+)
 from test_callback_logging import train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
@@ -40,6 +48,9 @@ from trainer_memcb.training.figures import (
 )
 
 LLAMA_SEQUENCE = 16
+# Measuring needs to see which saved-tensor hooks are active (so that the user's own keep working).
+measures = requires_torch("2.8", "torch._C._autograd._top_saved_tensors_default_hooks, to see saved-tensor hooks "
+                          "of the user's own; on an older torch the activations are left out with one warning")
 # The Trainer's gradient checkpointing is non-reentrant from transformers 5 on (reentrant in 4.x,
 # whose blocks recompute after the counter has left, so their peak is the forward's).
 NON_REENTRANT_CHECKPOINTING = (installed_version("transformers") or (0,)) >= (5,)
@@ -133,7 +144,8 @@ def assert_nothing_left(model: torch.nn.Module) -> None:
     """No wrapper, no module hook, no saved-tensors hooks: the model as it was."""
     assert "forward" not in model.__dict__
     assert dict(model._forward_pre_hooks) == {} and dict(model._forward_hooks) == {}
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    if activations_probe.ACTIVATIONS_SUPPORTED:  # an older torch cannot say
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 def activation_figures(entry: Dict[str, Any]) -> Dict[str, int]:
@@ -156,6 +168,7 @@ def train(model: torch.nn.Module, dataset: torch.utils.data.Dataset, output_dir:
 # -- exact bytes in real Trainer runs -----------------------------------------------------------
 
 
+@measures
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -186,6 +199,7 @@ def test_logged_steps_carry_the_bytes_an_independent_walk_counts(tmp_path, name,
     assert_nothing_left(model)
 
 
+@measures
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_bf16_autocast_is_measured_as_it_runs(tmp_path, attn):
     # TrainingArguments(bf16=True) on the CPU: accelerate runs the forward under autocast, whose
@@ -203,6 +217,7 @@ def test_bf16_autocast_is_measured_as_it_runs(tmp_path, attn):
     assert not is_measuring(model)
 
 
+@measures
 def test_gradient_accumulation_reports_the_last_micro_batch(tmp_path):
     # 6 samples in batches of 4: each optimizer step accumulates a batch of 4, then one of 2.
     model = tiny_llama()
@@ -217,6 +232,7 @@ def test_gradient_accumulation_reports_the_last_micro_batch(tmp_path):
     assert_nothing_left(model)
 
 
+@measures
 def test_keys_absent_before_the_first_logged_step_from_evaluations_and_when_turned_off(tmp_path):
     model = tiny_distilbert()
     overrides = dict(max_steps=2, logging_steps=2, eval_strategy="steps", eval_steps=1)
@@ -238,6 +254,7 @@ def test_keys_absent_before_the_first_logged_step_from_evaluations_and_when_turn
     assert entries_with(trainer.state.log_history, ACTIVATIONS_BYTES) == []
 
 
+@measures
 @pytest.mark.parametrize("overrides, logged", [
     (dict(max_steps=5, logging_steps=3, logging_first_step=True), [1, 3]),
     (dict(num_train_epochs=2, logging_strategy="epoch"), [2, 4]),  # 8 samples in batches of 4
@@ -272,6 +289,7 @@ class FailingForward(torch.nn.Module):
         return output
 
 
+@measures
 def test_a_forward_that_raises_while_measured_leaves_nothing_installed(tmp_path):
     model = FailingForward(tiny_distilbert(), fail_at=2)
     callback = OptimizerMemoryCallback(what_if=())
@@ -292,6 +310,7 @@ def test_a_forward_that_raises_while_measured_leaves_nothing_installed(tmp_path)
     assert_nothing_left(model)
 
 
+@measures
 def test_one_callback_serves_a_second_trainer(tmp_path):
     callback = OptimizerMemoryCallback(what_if=())
     llama, bert = tiny_llama(), tiny_distilbert()
@@ -310,6 +329,7 @@ class BrokenCounter:
         raise RuntimeError("counter broken on purpose")
 
 
+@measures
 def test_a_counter_that_fails_warns_once_and_training_finishes(tmp_path, monkeypatch):
     monkeypatch.setattr(activations_probe, "SavedTensorsCounter", BrokenCounter)
     model = tiny_distilbert()
@@ -322,6 +342,7 @@ def test_a_counter_that_fails_warns_once_and_training_finishes(tmp_path, monkeyp
     assert_nothing_left(model)
 
 
+@measures
 def test_the_users_own_saved_tensors_hooks_still_apply_and_are_counted_through(tmp_path):
     model = tiny_distilbert()
     packed: List[int] = []
@@ -343,6 +364,20 @@ def test_the_users_own_saved_tensors_hooks_still_apply_and_are_counted_through(t
     assert calls_in_training > 0 and calls_in_training % 2 == 0
     figures = activation_figures(entries_with(trainer.state.log_history, "loss")[0])
     assert figures == {ACTIVATIONS_BYTES: expected, ACTIVATIONS_PEAK_BYTES: expected}
+    assert_nothing_left(model)
+
+
+@pytest.mark.skipif(activations_probe.ACTIVATIONS_SUPPORTED, reason="this torch measures the activations: the "
+                    "tests above cover it")
+def test_an_older_torch_warns_once_and_leaves_the_activations_out(tmp_path):
+    model = tiny_distilbert()
+    trainer, recorder, found_warnings = train(model, TinyDataset(), str(tmp_path), max_steps=2)
+    assert found_warnings == [f"trainer_memcb: this torch ({torch.__version__}) cannot say which saved-tensor hooks "
+                              "are active, which measuring the activations needs (torch 2.8 and newer can); they are "
+                              "left out"]
+    assert recorder.armed == [False, False]
+    assert entries_with(trainer.state.log_history, ACTIVATIONS_BYTES) == []
+    assert len(entries_with(trainer.state.log_history, "optimizer_state_bytes")) == 2
     assert_nothing_left(model)
 
 
@@ -371,6 +406,7 @@ def test_the_keys_are_described_with_their_unit():
         assert f"`{key}`" in OptimizerMemoryCallback.__doc__
 
 
+@measures
 def test_the_probe_docstring_example_runs():
     import doctest
 
@@ -389,6 +425,7 @@ def fresh_accelerator_state():
     GradientState._reset_state()
 
 
+@measures
 def test_the_loop_logger_measures_the_last_micro_batch_of_logged_steps(tmp_path, fresh_accelerator_state):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = tiny_llama()
@@ -421,6 +458,7 @@ def test_the_loop_logger_measures_the_last_micro_batch_of_logged_steps(tmp_path,
     assert_nothing_left(model)  # max_steps reached: nothing armed for a step that will not come
 
 
+@measures
 def test_the_loop_logger_without_a_model_or_turned_off_measures_nothing(fresh_accelerator_state):
     model = tiny_distilbert()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

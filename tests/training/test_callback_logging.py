@@ -24,7 +24,15 @@ from transformers import Trainer, get_constant_schedule
 
 from helpers import TinyDataset, accuracy_and_f1, entries_with, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback, estimate_optimizer_state, measure_optimizer_state
-from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, MEASURED_ELEMENTS, TRAINABLE_PARAMS
+from trainer_memcb.training.callback import log_entry_prefix
+from trainer_memcb.training.figures import (
+    BREAKDOWN_KEY_PREFIXES,
+    ESTIMATE_BYTES,
+    KEY_DESCRIPTIONS,
+    MEASURED_BYTES,
+    MEASURED_ELEMENTS,
+    TRAINABLE_PARAMS,
+)
 from trainer_memcb.utils.units import KiB
 
 FIGURE_KEYS = (MEASURED_BYTES, MEASURED_ELEMENTS, ESTIMATE_BYTES, TRAINABLE_PARAMS)
@@ -243,6 +251,18 @@ def test_gradient_accumulation_logs_once_per_optimizer_step(accumulating_run):
     for entry in training:
         assert figures_in(entry) == accumulating_run.expected
     assert accumulating_run.warnings == []
+
+
+def test_the_closing_train_runtime_entry_gets_no_figures_under_any_prefix(accumulating_run):
+    # The entry `train()` closes with (train_runtime, train_loss, ...) is a summary, not a step: it
+    # takes neither the figures nor `train_`-prefixed ones, though its keys end in `_runtime`.
+    (closing,) = entries_with(accumulating_run.trainer.state.log_history, "train_runtime")
+    figure_keys = set(KEY_DESCRIPTIONS) | set(BREAKDOWN_KEY_PREFIXES.values())
+    assert [key for key in closing if any(figure in key for figure in figure_keys)] == []
+    assert log_entry_prefix(dict(closing)) is None
+    # The control: the training entries of the same run do hold them, unprefixed.
+    assert all(figures_in(entry) == accumulating_run.expected
+               for entry in entries_with(accumulating_run.trainer.state.log_history, "loss"))
 
 
 # -- which optimizer -------------------------------------------------------------------------------

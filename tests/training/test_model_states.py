@@ -36,6 +36,23 @@ def test_tied_weights_count_once():
     assert measure_params_bytes(model) == 40 * 4
 
 
+def test_parameters_that_are_views_of_one_flat_buffer_count_it_once():
+    # As ZeRO-1/2 flattens a group: every parameter a view into one buffer, which counts once, whole.
+    flat = torch.zeros(10)
+    model = nn.Module()
+    model.first, model.second = nn.Parameter(flat[:6]), nn.Parameter(flat[6:])
+    assert model.first.untyped_storage().data_ptr() == model.second.untyped_storage().data_ptr()
+    assert measure_params_bytes(model) == 10 * 4
+
+
+def test_meta_parameters_and_gradients_hold_nothing():
+    real, meta = nn.Linear(4, 2), nn.Linear(4, 3, device="meta")
+    meta.weight.grad = torch.empty(3, 4, device="meta")
+    real(torch.ones(1, 4)).sum().backward()
+    model = nn.ModuleDict({"real": real, "meta": meta})
+    assert measure_params_bytes(model) == measure_grads_bytes(model) == (8 + 2) * 4
+
+
 def test_zero3_partitioned_parameters_count_by_their_partitions():
     # Stand-ins for DeepSpeed ZeRO-3 parameters (deepspeed is not installable here): an empty (0,)
     # tensor with the real shape in ds_shape and this rank's values in ds_tensor.

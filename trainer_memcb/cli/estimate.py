@@ -197,7 +197,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     optimizers = list(args.optimizers)
     setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
                   sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
-                  precision=args.precision or _precision_of(args.dtype), offload_optimizer=args.offload_optimizer,
+                  precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params)
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     model = estimate_model(args)  # checks the options once, and plans the model states
@@ -209,7 +209,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                                 optimizer=optimizers[0], attn_implementation=args.attn_implementation,
                                 gradient_checkpointing=args.gradient_checkpointing, device_type=args.device_type,
                                 device_memory=memory, model_name=args.model, states_plan=states,
-                                dtype=None if args.precision else resolve_dtype(args.dtype))[0]
+                                dtype=None if args.precision else resolve_dtype(args.dtype or "float32"))[0]
 
     found: Optional[int] = None
     searched: List[StepMemoryPlan] = []
@@ -218,11 +218,6 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     step = plan_at(args.batch_size) if args.batch_size is not None else None
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size}
-
-
-def _precision_of(dtype: str) -> str:
-    # 2 bytes a value for a model loaded in bf16 or fp16 and trained so.
-    return "bf16" if dtype in ("bfloat16", "float16") else "fp32"
 
 
 def plan_asked(args: argparse.Namespace) -> bool:

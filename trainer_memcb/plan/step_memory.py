@@ -139,7 +139,7 @@ def fake_copy(model: nn.Module, mode: Any, device: str = "cpu", dtype: Optional[
 def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
     if precision in ("bf16", "deepspeed-bf16"):
         return torch.bfloat16
-    if precision == "deepspeed-fp16":
+    if precision in ("fp16", "deepspeed-fp16"):
         return torch.float16
     if precision in ("fp32", "autocast-bf16", "autocast-fp16"):
         return torch.float32

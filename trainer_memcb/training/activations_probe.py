@@ -23,6 +23,10 @@ allocator's since the process started or since its statistics were last reset; t
 them (`torch.cuda.reset_peak_memory_stats`) at the start of each logged step only when asked
 (`reset_device_peak=True`), since they are global and other code may be reading them.
 
+The parameters excluded are the storages the model's parameters have when the step is armed: with
+FSDP or DeepSpeed ZeRO-3 those are the shards, and a full parameter gathered for the forward and
+saved for backward (a linear layer's weight) is counted as an activation.
+
 How a forward is delimited: while armed, the model's `forward` attribute is a wrapper that enters
 the counter, calls the forward it replaced, and exits the counter, in a `try` of its own, so that a
 forward that raises leaves no hooks behind (the wrapper is removed there and then). Module hooks
@@ -30,6 +34,8 @@ cannot promise that: a forward hook that runs after a failed forward cannot remo
 corrupting the exception torch is about to raise. The wrapper is removed when the step is
 disarmed, and nothing is installed on a step that is not logged.
 
+It needs torch 2.8 or newer (`torch._C._autograd._top_saved_tensors_default_hooks`, to see saved-
+tensor hooks of the user's own); on an older torch one warning says so and the keys are left out.
 It never breaks a run: a failure warns once (through the caller's `warn_once`) and the keys are
 left out. A forward that runs under saved-tensors hooks of the user's own (`save_on_cpu`) still
 reaches them: the counter calls them and counts what their packed values hold.
@@ -52,6 +58,7 @@ from trainer_memcb.training.figures import (
 )
 
 __all__ = [
+    "ACTIVATIONS_SUPPORTED",
     "WRAPPER_MARK",
     "ActivationsProbe",
     "trainer_logs_step",
@@ -59,6 +66,10 @@ __all__ = [
     "without_activation_keys",
 ]
 
+# Whether this torch says which saved-tensor hooks are active (`_top_saved_tensors_default_hooks`,
+# torch 2.8 and newer): the counter needs it to keep hooks of the user's own working. On an older
+# torch the activations are left out, with one warning.
+ACTIVATIONS_SUPPORTED = hasattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks")
 # An attribute on the wrapper that the model's `forward` is while armed, so that it can be told apart.
 WRAPPER_MARK = "__trainer_memcb_activations__"
 _MISSING = object()
@@ -197,6 +208,11 @@ class ActivationsProbe:
             self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
 
     def _arm(self, model: torch.nn.Module, step: int) -> None:
+        if not ACTIVATIONS_SUPPORTED:
+            self._warn_once("activations-torch", f"this torch ({torch.__version__}) cannot say which saved-tensor "
+                            "hooks are active, which measuring the activations needs (torch 2.8 and newer can); "
+                            "they are left out")
+            return
         if getattr(model, "_orig_mod", None) is not None or torch.compiler.is_compiling():
             self._warn_once("activations-compiled", "the activations of a compiled model are not measured; "
                             "they are left out")
