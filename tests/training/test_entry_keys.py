@@ -16,6 +16,7 @@ from transformers import PrinterCallback, Trainer
 
 from helpers import TinyDataset, entries_with, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback
+from trainer_memcb.training.activations_probe import ACTIVATION_KEYS, ACTIVATIONS_SUPPORTED
 from trainer_memcb.training.figures import key_names
 
 pytest.importorskip("IPython", reason="transformers' notebook progress display needs IPython")
@@ -27,6 +28,8 @@ ONE_PROCESS_KEYS = {
     "optimizer_trainable_params", "optimizer_state_unexpected_bytes", "model_params_bytes", "model_grads_bytes",
     "model_states_bytes", "model_states_estimate_bytes",
 }
+# Training entries carry the activations too, where this torch measures them.
+TRAINING_KEYS = ONE_PROCESS_KEYS | (set(ACTIVATION_KEYS) - {"device_peak_allocated_bytes"} if ACTIVATIONS_SUPPORTED else set())
 OURS = set(key_names())
 
 
@@ -75,7 +78,7 @@ def ours(entry: Dict[str, Any], prefix: str = "") -> set:
 def test_by_default_training_entries_carry_every_figure(default_run):
     assert [entry["step"] for entry in default_run.train] == [1, 2, 3, 4]
     for entry in default_run.train:
-        assert ours(entry) == ONE_PROCESS_KEYS
+        assert ours(entry) == TRAINING_KEYS
 
 
 def test_by_default_evaluation_entries_carry_the_measured_and_estimate_pair(default_run):
@@ -124,4 +127,4 @@ def test_no_keys_leaves_the_entries_as_the_trainer_made_them(tmp_path):
     assert not any(ours(entry) for entry in result.train)
     assert not any(ours(entry, "eval_") for entry in result.eval)
     with open(os.path.join(str(tmp_path), "optimizer_memory.json"), encoding="utf-8") as file:
-        assert set(json.load(file)["final_figures"]) == ONE_PROCESS_KEYS  # the summary keeps every figure
+        assert set(json.load(file)["final_figures"]) == TRAINING_KEYS  # the summary keeps every figure

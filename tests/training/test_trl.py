@@ -14,6 +14,7 @@ import torch
 from helpers import entries_with
 from reference_walker import held_bytes
 from trainer_memcb import OptimizerMemoryCallback
+from trainer_memcb.training.activations_probe import ACTIVATION_KEYS, ACTIVATIONS_SUPPORTED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -100,12 +101,19 @@ def truth(trainer: Any) -> Dict[str, int]:
     return expected
 
 
-FIGURE_KEYS = set(OptimizerMemoryCallback.KEYS)
+# The activations are checked to the byte against an independent count in test_activations.py;
+# here each training entry must carry them (where this torch measures them), the rest exactly.
+FIGURE_KEYS = set(OptimizerMemoryCallback.KEYS) - set(ACTIVATION_KEYS)
 
 
 def logged_figures(trainer: Any) -> List[Dict[str, int]]:
     entries = entries_with(trainer.state.log_history, "loss")
     assert [entry["step"] for entry in entries] == [1, 2]
+    for entry in entries:
+        if ACTIVATIONS_SUPPORTED:
+            assert 0 < entry["activations_bytes"] <= entry["activations_peak_bytes"]
+        else:
+            assert not set(ACTIVATION_KEYS) & set(entry)
     return [{key: value for key, value in entry.items() if key in FIGURE_KEYS} for entry in entries]
 
 
