@@ -145,6 +145,12 @@ def drawn_on_a_terminal(draw: Callable[[Any], None]) -> str:
     leader, follower = os.openpty()
     with os.fdopen(follower, "w", encoding="utf-8", closefd=True) as terminal:
         draw(terminal)
+    return read_until_closed(leader).decode("utf-8")
+
+
+def read_until_closed(leader: int) -> bytes:
+    """Everything written to a pseudo-terminal whose follower side is (or will be) closed; closes
+    `leader`."""
     chunks = []
     while True:
         try:
@@ -155,7 +161,7 @@ def drawn_on_a_terminal(draw: Callable[[Any], None]) -> str:
             break
         chunks.append(chunk)
     os.close(leader)
-    return b"".join(chunks).decode("utf-8")
+    return b"".join(chunks)
 
 
 def optimi_picks_triton() -> bool:

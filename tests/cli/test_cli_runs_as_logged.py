@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from transformers import Trainer
 
-from helpers import TinyDataset, drawn_on_a_terminal, tiny_classifier, training_args
+from helpers import TinyDataset, drawn_on_a_terminal, read_until_closed, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
 from trainer_memcb.cli.compare import compare_runs
@@ -163,19 +163,10 @@ def on_a_terminal(columns: int, *argv: str, env_columns: str = "") -> str:
     env["HF_HUB_OFFLINE"] = "1"
     process = subprocess.Popen([SCRIPT, *argv], stdout=follower, stderr=subprocess.PIPE, cwd=REPO_ROOT, env=env)
     os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the process closed its end: everything has been read
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
+    drawn = read_until_closed(leader)
     assert process.wait(timeout=600) == 0, process.stderr.read().decode()
     process.stderr.close()
-    return ANSI.sub("", b"".join(chunks).decode("utf-8"))
+    return ANSI.sub("", drawn.decode("utf-8"))
 
 
 def assert_whole(drawn: str, *words: str) -> int:
