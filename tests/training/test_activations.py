@@ -369,12 +369,14 @@ def test_the_users_own_saved_tensors_hooks_still_apply_and_are_counted_through(t
 
 @pytest.mark.skipif(activations_probe.ACTIVATIONS_SUPPORTED, reason="this torch measures the activations: the "
                     "tests above cover it")
-def test_an_older_torch_warns_once_and_leaves_the_activations_out(tmp_path):
+def test_an_older_torch_says_so_once_at_info_and_leaves_the_activations_out(tmp_path, caplog):
     model = tiny_distilbert()
-    trainer, recorder, found_warnings = train(model, TinyDataset(), str(tmp_path), max_steps=2)
-    assert found_warnings == [f"trainer_memcb: this torch ({torch.__version__}) cannot say which saved-tensor hooks "
-                              "are active, which measuring the activations needs (torch 2.8 and newer can); they are "
-                              "left out"]
+    with caplog.at_level("INFO", logger=activations_probe.__name__):
+        trainer, recorder, found_warnings = train(model, TinyDataset(), str(tmp_path), max_steps=2)
+    assert found_warnings == []  # a documented limit of this torch, not a failure: no warning
+    assert [record.getMessage() for record in caplog.records if record.name == activations_probe.__name__] == [
+        f"trainer_memcb: this torch ({torch.__version__}) cannot say which saved-tensor hooks are active, which "
+        "measuring the activations needs (torch 2.8 and newer can); they are left out"]
     assert recorder.armed == [False, False]
     assert entries_with(trainer.state.log_history, ACTIVATIONS_BYTES) == []
     assert len(entries_with(trainer.state.log_history, "optimizer_state_bytes")) == 2

@@ -44,6 +44,7 @@ reaches them: the counter calls them and counts what their packed values hold.
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -70,6 +71,9 @@ __all__ = [
 # torch 2.8 and newer): the counter needs it to keep hooks of the user's own working. On an older
 # torch the activations are left out, with one warning.
 ACTIVATIONS_SUPPORTED = hasattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks")
+UNSUPPORTED_MESSAGE = (f"trainer_memcb: this torch ({torch.__version__}) cannot say which saved-tensor hooks are "
+                       "active, which measuring the activations needs (torch 2.8 and newer can); they are left out")
+logger = logging.getLogger(__name__)
 # An attribute on the wrapper that the model's `forward` is while armed, so that it can be told apart.
 WRAPPER_MARK = "__trainer_memcb_activations__"
 _MISSING = object()
@@ -171,6 +175,7 @@ class ActivationsProbe:
         self.enabled = enabled
         self.reset_device_peak = reset_device_peak
         self._warn_once = warn_once or (lambda kind, message: None)
+        self._said_unsupported = False
         # While armed: the model (weakly), its forward wrapper and what it replaced, the
         # parameters to exclude, the step the figures are for, the device of a CUDA model.
         self._model: Callable[[], Any] = _nothing
@@ -209,9 +214,11 @@ class ActivationsProbe:
 
     def _arm(self, model: torch.nn.Module, step: int) -> None:
         if not ACTIVATIONS_SUPPORTED:
-            self._warn_once("activations-torch", f"this torch ({torch.__version__}) cannot say which saved-tensor "
-                            "hooks are active, which measuring the activations needs (torch 2.8 and newer can); "
-                            "they are left out")
+            # A documented limit of the installed torch, not a failure of this run: said once, at
+            # INFO, so that every run on torch 2.6 or 2.7 does not raise a warning.
+            if not self._said_unsupported:
+                self._said_unsupported = True
+                logger.info(UNSUPPORTED_MESSAGE)
             return
         if getattr(model, "_orig_mod", None) is not None or torch.compiler.is_compiling():
             self._warn_once("activations-compiled", "the activations of a compiled model are not measured; "
