@@ -436,6 +436,11 @@ def package_modules() -> List[str]:
 
 @pytest.mark.parametrize("module_name", package_modules())
 def test_docstring_examples_run(module_name: str) -> None:
+    if module_name == "trainer_memcb.training.activations_probe":
+        from trainer_memcb.training.activations_probe import ACTIVATIONS_SUPPORTED
+
+        if not ACTIVATIONS_SUPPORTED:
+            pytest.skip("its example measures activations, which this torch cannot (torch 2.8 and newer can)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:  # a module for an optional library that is not installed
