@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import get_constant_schedule
@@ -43,14 +42,8 @@ def trainer_memcb_warnings(caught: List[warnings.WarningMessage]) -> List[str]:
     return [str(warning.message) for warning in caught if str(warning.message).startswith("trainer_memcb:")]
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    # Accelerate keeps its state in process-wide singletons; each test makes its own Accelerator.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+# Accelerate keeps its state in process-wide singletons; each test makes its own Accelerator.
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def adamw_bytes(model: torch.nn.Module) -> Tuple[int, int, int]:

@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from transformers import (
     DistilBertConfig,
     DistilBertForSequenceClassification,
@@ -416,15 +415,6 @@ def test_the_probe_docstring_example_runs():
 
 
 # -- the custom loop ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def fresh_accelerator_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 @measures

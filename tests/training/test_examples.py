@@ -20,7 +20,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from test_accelerate_loop import fresh_accelerator_state, tensorboard_scalars  # noqa: F401  (fixture)
+from test_accelerate_loop import tensorboard_scalars
 from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +36,9 @@ TINY_RUN = ["--model", TINY_MODEL, "--train-samples", "48", "--eval-samples", "3
             "--logging-steps", "1"]
 SEED_PARAMS = 65_783_042  # distilbert-base-cased with a 2-label head, as the lesson counts it
 SEED_ADAMW_BYTES = 526_264_752  # 8 x 65,783,042 + 4 x 104 step tensors
+
+# Each test makes its own Accelerator (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def tiny_model() -> torch.nn.Module:

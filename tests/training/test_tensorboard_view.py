@@ -32,7 +32,6 @@ from transformers import Trainer
 
 import trainer_memcb.training.tensorboard_view
 from helpers import TinyDataset, accuracy_and_f1, independent_saved_bytes, tiny_classifier, training_args
-from test_accelerate_loop import fresh_accelerator_state  # noqa: F401  (fixture)
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
 from trainer_memcb.training.activations_probe import ACTIVATIONS_SUPPORTED
 from trainer_memcb.training.tensorboard_view import EVENT_FILE_SUFFIX, layout_charts, loop_tag, trainer_tag
@@ -48,6 +47,9 @@ SCREEN = (1400, 1100)
 CHARTS_LEFT, HEADER_HEIGHT = 370, 80
 # TensorBoard's colours for the first three runs it lists: orange, blue, red.
 RUN_COLOURS = ((255, 112, 67), (0, 119, 187), (204, 51, 17))
+
+# Each test makes its own Accelerator (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def train(output_dir: str, optim: str = "adamw_torch", freeze_embeddings_after_a_step: bool = False) -> Trainer:
