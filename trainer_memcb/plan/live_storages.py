@@ -9,6 +9,11 @@ the step (parameters, buffers, the batch) are registered with `add`. The peak is
 alive after any operation, and at that moment the tracker keeps which storages were alive, so that
 the plan can say what they were (parameters, gradients, optimizer state, activations, others).
 
+A storage resized in place (`UntypedStorage.resize_`, which no dispatch mode sees: FSDP2 frees and
+re-allocates its unsharded parameters that way, `_fsdp_param.py` `free_storage`/`alloc_storage`)
+is counted at its new size from then on, under a new serial number, while the tracker is entered:
+the method is patched for that time, as torch's own `MemTracker._track_resize` does.
+
 It reads metadata only, and is meant for fake tensors (`FakeTensorMode`): nothing is allocated,
 so the figures are what a caching-free allocator would hold, storage by storage, on the device the
 tensors claim.
@@ -54,6 +59,33 @@ class LiveStorages(TorchDispatchMode):
         self._seen: Dict[int, None] = {}  # id() of the tensor objects seen and alive
         self.watch: Optional[Dict[int, Any]] = None  # storages whose keys are copied at the peak
         self.peak_watch: List[int] = []
+
+    def __enter__(self) -> "LiveStorages":
+        self._original_resize = torch.UntypedStorage.resize_
+        original, tracker = self._original_resize, self
+
+        def resize_(storage: Any, size: int) -> Any:
+            result = original(storage, size)
+            tracker._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def _resized(self, storage: Any) -> None:
+        key = storage._cdata
+        serial = self._serial.get(key)
+        if serial is None or self.sizes[serial] == storage.nbytes():
+            return
+        self.alive_bytes -= self.sizes[serial]
+        serial = self._serial[key] = len(self.sizes)
+        self.sizes[serial] = storage.nbytes()
+        self.alive_bytes += self.sizes[serial]
+        self._check_peak()
 
     def add(self, tensor: torch.Tensor) -> None:
         """Count a tensor that exists before the step (a parameter, a buffer, the batch)."""
