@@ -59,6 +59,12 @@ class LiveStorages(TorchDispatchMode):
         self._seen: Dict[int, None] = {}  # id() of the tensor objects seen and alive
         self.watch: Optional[Dict[int, Any]] = None  # storages whose keys are copied at the peak
         self.peak_watch: List[int] = []
+        # serial number -> part, for storages an engine names (its buffers, unsharded parameters);
+        # a storage resized keeps its part under its new serial number.
+        self.tags: Dict[int, str] = {}
+        # Called as on_op(func, args, kwargs) after each operation, its outputs tracked: an engine
+        # tags the buffers its collectives use.
+        self.on_op: Optional[Any] = None
 
     def __enter__(self) -> "LiveStorages":
         self._original_resize = torch.UntypedStorage.resize_
@@ -82,7 +88,10 @@ class LiveStorages(TorchDispatchMode):
         if serial is None or self.sizes[serial] == storage.nbytes():
             return
         self.alive_bytes -= self.sizes[serial]
+        tag = self.tags.get(serial)
         serial = self._serial[key] = len(self.sizes)
+        if tag is not None:
+            self.tags[serial] = tag
         self.sizes[serial] = storage.nbytes()
         self.alive_bytes += self.sizes[serial]
         self._check_peak()
@@ -127,6 +136,13 @@ class LiveStorages(TorchDispatchMode):
             if self.watch is not None:
                 self.peak_watch = [self._serial[key] for key in self.watch if key in self._serial]
 
+    def tag(self, tensors: Any, part: str, replace: bool = False) -> None:
+        """Name the part the storages of `tensors` (tracked now) belong to; a storage already
+        named keeps its part unless `replace`."""
+        for serial in self.serials(tensors):
+            if replace or serial not in self.tags:
+                self.tags[serial] = part
+
     def serials(self, tensors: Any) -> List[int]:
         """The serial numbers of the storages of `tensors` (alive and tracked now)."""
         found = []
@@ -141,5 +157,7 @@ class LiveStorages(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._track(leaf)
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs or {})
         self._check_peak()
         return out
