@@ -82,6 +82,21 @@ class LiveStorages(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         return super().__exit__(*exc)
 
+    def set_size(self, storage: Any, nbytes: int, part: Optional[str] = None) -> None:
+        """Count a tracked storage at `nbytes` from now on (an engine's model of a buffer that is
+        gathered and released), under a new serial number named `part`."""
+        key = storage._cdata
+        serial = self._serial.get(key)
+        if serial is None:
+            return
+        self.alive_bytes -= self.sizes[serial]
+        serial = self._serial[key] = len(self.sizes)
+        self.sizes[serial] = nbytes
+        if part is not None:
+            self.tags[serial] = part
+        self.alive_bytes += nbytes
+        self._check_peak()
+
     def _resized(self, storage: Any) -> None:
         key = storage._cdata
         serial = self._serial.get(key)

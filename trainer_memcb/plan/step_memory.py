@@ -189,6 +189,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     engine = engine or StepEngine()
     notes: List[str] = []
     model.train()
+    engine.optimizer_builder = build_optimizer
     model = engine.wrap(model, mode)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]

@@ -45,6 +45,7 @@ class StepEngine:
         self.counter: Any = None
         # Bytes of model states that live on the CPU (offload), outside the device's timeline.
         self.host_bytes = 0
+        self.optimizer_builder: Any = None
 
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
         return model
@@ -93,6 +94,6 @@ def engine_for(settings: Any) -> StepEngine:
         return DDPEngine(settings)
     if sharding.startswith("fsdp-"):
         return FSDP2Engine(settings)
-    if sharding.startswith("zero"):
+    if sharding.startswith("zero") or settings.precision.startswith("deepspeed-"):
         return ZeroEngine(settings)
     return StepEngine(settings.max_grad_norm)
