@@ -97,7 +97,7 @@ class StepSettings:
         """(name, value, source) for every setting, in field order; ZeRO's keys as `zero.KEY`."""
         rows = []
         for item in dataclasses.fields(self):
-            if item.name in ("zero", "sources"):
+            if item.name in ("zero", "sources") or getattr(self, item.name) is None:
                 continue
             rows.append((item.name, getattr(self, item.name), self.sources.get(item.name, _DEFAULT)))
         for key in sorted(self.zero):
@@ -284,10 +284,6 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
     if values.get("sharding") == "fsdp-full-shard" and sources.get("reshard_after_forward") not in ("flag",):
         values["reshard_after_forward"] = True
         sources.setdefault("reshard_after_forward", sources["sharding"])
-    if values.get("sharding", "").startswith("zero") and "offload_optimizer" in values:
-        pass
-    if zero:
-        sources.update({key: value for key, value in sources.items() if key.startswith("zero.")})
     world = values.get("world_size", 1)
     replicate = values.get("replicate", 1)
     if world % replicate:
