@@ -75,6 +75,13 @@ class StepSettings:
     zero: Dict[str, Any] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.sharding.startswith("zero") or self.precision.startswith("deepspeed-"):
+            zero = dict(ZERO_DEFAULTS)
+            zero.update(self.zero)
+            zero["stage"] = self.zero_stage
+            object.__setattr__(self, "zero", zero)
+
     @property
     def zero_stage(self) -> int:
         return int(self.sharding[4:]) if self.sharding.startswith("zero") else 0
