@@ -82,6 +82,12 @@ class LiveStorages(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         return super().__exit__(*exc)
 
+    def restart_peak(self) -> None:
+        """Take the bytes alive now as the peak so far (an engine that has just brought the
+        model to its state between steps: ZeRO-3's partitioned parameters)."""
+        self.peak_bytes = 0
+        self._check_peak()
+
     def set_size(self, storage: Any, nbytes: int, part: Optional[str] = None) -> None:
         """Count a tracked storage at `nbytes` from now on (an engine's model of a buffer that is
         gathered and released), under a new serial number named `part`."""

@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from trainer_memcb.plan.engines.base import StepEngine, engine_for
+from trainer_memcb.plan.engines import StepEngine, engine_for
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states

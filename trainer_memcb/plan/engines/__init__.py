@@ -11,9 +11,23 @@ sum at one moment:
 - `ZeroEngine`: DeepSpeed ZeRO-1/2/3's partitions and buffers, from its config.
 """
 
-from trainer_memcb.plan.engines.base import StepEngine, engine_for
+from typing import Any
+
+from trainer_memcb.plan.engines.base import StepEngine
 from trainer_memcb.plan.engines.ddp import DDPEngine
 from trainer_memcb.plan.engines.fsdp2 import FSDP2Engine
 from trainer_memcb.plan.engines.zero import ZeroEngine
 
 __all__ = ["StepEngine", "DDPEngine", "FSDP2Engine", "ZeroEngine", "engine_for"]
+
+
+def engine_for(settings: Any) -> StepEngine:
+    """The engine of resolved settings (`trainer_memcb.plan.settings.StepSettings`)."""
+    sharding = settings.sharding
+    if sharding == "ddp":
+        return DDPEngine(settings)
+    if sharding.startswith("fsdp-"):
+        return FSDP2Engine(settings)
+    if sharding.startswith("zero") or settings.precision.startswith("deepspeed-"):
+        return ZeroEngine(settings)
+    return StepEngine(settings.max_grad_norm)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-__all__ = ["StepEngine", "engine_for"]
+__all__ = ["StepEngine"]
 
 # The parts an engine may name beside the plan's own (parameters, gradients, optimizer state,
 # activations, batch and buffers, other).
@@ -81,19 +81,3 @@ class StepEngine:
 
     def close(self) -> None:
         pass
-
-
-def engine_for(settings: Any) -> StepEngine:
-    """The engine of resolved settings (`trainer_memcb.plan.settings.StepSettings`)."""
-    from trainer_memcb.plan.engines.ddp import DDPEngine
-    from trainer_memcb.plan.engines.fsdp2 import FSDP2Engine
-    from trainer_memcb.plan.engines.zero import ZeroEngine
-
-    sharding = settings.sharding
-    if sharding == "ddp":
-        return DDPEngine(settings)
-    if sharding.startswith("fsdp-"):
-        return FSDP2Engine(settings)
-    if sharding.startswith("zero") or settings.precision.startswith("deepspeed-"):
-        return ZeroEngine(settings)
-    return StepEngine(settings.max_grad_norm)

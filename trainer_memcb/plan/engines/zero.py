@@ -151,6 +151,7 @@ class ZeroEngine(StepEngine):
             # Each parameter is its 16-bit partition outside its module's use.
             for param in self.tracker_params:
                 self._set_whole(param, False)
+            tracker.restart_peak()  # the whole parameters counted a moment ago never coexist
 
     # -- ZeRO-3's partitioned parameters -----------------------------------------------------------
     def _partition_parameters(self, model: nn.Module) -> None:
