@@ -31,11 +31,12 @@ process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the fl
 which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
 eager path saves the same tensors on any device.
 
-Sharding. Activations depend on the micro-batch, not on ZeRO or FSDP. For `none` and `ddp` the
-peak is the traced one. For the sharded setups, the traced step holds the whole model, so the peak
-is composed: the traced peak's non-model-state bytes (activations and temporaries) plus the
-model-states plan's per-process states, plus the engine's transient buffers whose size is known
-(`transient_bytes` of the model-states plan).
+Engines. The step runs under the engine the settings name (`trainer_memcb.plan.engines`): one
+process, DDP's buckets, FSDP2's real `fully_shard` on a fake process group, DeepSpeed ZeRO's
+buffers modelled from its source. Each wraps the model and runs the backward and the optimizer
+step its way inside the same timeline, so the peak is always the largest sum at one moment of what
+one process holds. The settings (`trainer_memcb.plan.settings`) are resolved once from the
+`TrainingArguments`, the engine's config and the explicit arguments.
 """
 
 from __future__ import annotations
