@@ -253,10 +253,17 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     # Optimizer state an engine makes before the step (DeepSpeed's) is in the timeline already.
     state_bytes = 0 if engine.state_resident else sum(sizes[key] for key in set(state_keys))
     fb_bytes, fb_phase, fb_keys, fb_watch = forward_backward
+    # The fake step is the first: the optimizer makes each parameter's state as it reaches it, so at
+    # the optimizer phase's peak the state of the parameters after it is not alive yet; in every
+    # later step it is. Add it.
+    unique_state = set(state_keys)
+    not_yet = 0 if engine.state_resident else sum(sizes[key] for key in unique_state - set(optimizer_keys))
+    if build_optimizer is not None:
+        optimizer_peak += not_yet
     if fb_bytes + state_bytes >= optimizer_peak:
         peak, phase, keys, watch, extra_state = fb_bytes + state_bytes, fb_phase, fb_keys, fb_watch, state_bytes
     else:
-        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, 0
+        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, not_yet
     param_keys = set(tracker.serials(params))
     other_fixed = set(tracker.serials(list(model.buffers()) + [input_ids] + ([labels] if labels is not None else [])))
     groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
