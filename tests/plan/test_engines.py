@@ -135,3 +135,16 @@ def test_fsdp_config_as_the_trainer_takes_it():
         "fsdp-shard-grad-op", False, True)
     settings = resolve_settings(fsdp_config={"reshard_after_forward": True, "cpu_offload": False}, world_size=4)
     assert (settings.sharding, settings.sources["sharding"]) == ("fsdp-full-shard", "fsdp config")
+
+
+def test_plan_step_memory_reads_the_trainers_arguments_and_explicit_arguments_win():
+    from transformers import TrainingArguments
+
+    args = TrainingArguments("unused", report_to=[], per_device_train_batch_size=3, optim="adamw_torch",
+                             max_grad_norm=0.0)
+    plan, _ = plan_step_memory(build, seq_len=SEQ, args=args, device_type="cpu", model_states=False)
+    used = {name: (value, source) for name, value, source in plan.settings_used}
+    assert plan.batch_size == 3 and used["batch_size"] == (3, "training args")
+    assert used["optimizer"] == ("adamw_torch", "training args") and used["max_grad_norm"] == (0.0, "training args")
+    plan, _ = plan_step_memory(build, seq_len=SEQ, args=args, batch_size=1, device_type="cpu", model_states=False)
+    assert plan.batch_size == 1 and dict((n, s) for n, _, s in plan.settings_used)["batch_size"] == "flag"
