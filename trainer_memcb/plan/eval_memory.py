@@ -70,6 +70,9 @@ class EvalSettings:
         concat_batches: `eval_do_concat_batches`.
         logits: one of `EVAL_LOGITS`.
         include_inputs: `"inputs"` in `include_for_metrics`.
+        use_cache: the model config's `use_cache` during evaluation (transformers 5's Trainer sets it
+            from `TrainingArguments.use_cache`, False by default: a cache holds every layer's keys
+            and values through the forward); None keeps the config's (transformers 4).
     """
 
     batch_size: int
@@ -79,6 +82,7 @@ class EvalSettings:
     concat_batches: bool = True
     logits: str = "full"
     include_inputs: bool = False
+    use_cache: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "samples", "seq_len"):
@@ -106,7 +110,7 @@ def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optio
         >>> from types import SimpleNamespace
         >>> eval_settings_from_args(SimpleNamespace(per_device_eval_batch_size=4, eval_accumulation_steps=2),
         ...                         samples=10, seq_len=16)
-        EvalSettings(batch_size=4, samples=10, seq_len=16, accumulation_steps=2, concat_batches=True, logits='full', include_inputs=False)
+        EvalSettings(batch_size=4, samples=10, seq_len=16, accumulation_steps=2, concat_batches=True, logits='full', include_inputs=False, use_cache=None)
     """
     include = getattr(args, "include_for_metrics", None) or []
     if logits is None:
@@ -114,7 +118,7 @@ def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optio
     return EvalSettings(batch_size=int(getattr(args, "per_device_eval_batch_size", 8)), samples=samples,
                         seq_len=seq_len, accumulation_steps=getattr(args, "eval_accumulation_steps", None),
                         concat_batches=bool(getattr(args, "eval_do_concat_batches", True)), logits=logits,
-                        include_inputs="inputs" in include)
+                        include_inputs="inputs" in include, use_cache=getattr(args, "use_cache", None))
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,10 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
     """
     batches = math.ceil(settings.samples / settings.batch_size)
     last = settings.samples - (batches - 1) * settings.batch_size
+    # Per container: the bytes of the storages its tensors hold, and of the values in them (they differ
+    # by the last batch's losses, a view of the eval batch size's repeat); and the arrays' bytes.
     device = {name: 0 for name in _CONTAINERS}
+    values = {name: 0 for name in _CONTAINERS}
     host = {name: 0 for name in _CONTAINERS}
     peaks = dict(containers_device_bytes=0, containers_host_bytes=0, concat_peak_bytes=0, host_concat_peak_bytes=0)
 
@@ -185,11 +192,11 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
         for name in _CONTAINERS:
             if not device[name]:
                 continue  # `tensors is None`: nothing to move
-            new = device[name] * (2 if name in bf16 else 1)
+            new = values[name] * (2 if name in bf16 else 1)
             concatenates = settings.concat_batches and host[name] > 0
             moment = sum(host.values()) + new + (host[name] + new if concatenates else 0)
             host[name] += new
-            device[name] = 0
+            device[name] = values[name] = 0
             peaks["host_concat_peak_bytes"] = max(peaks["host_concat_peak_bytes"], moment)
             peaks["containers_host_bytes"] = max(peaks["containers_host_bytes"], sum(host.values()))
 
@@ -197,18 +204,22 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
         rows = last if step == batches - 1 else settings.batch_size
         for name in _CONTAINERS:
             if name == "losses":
-                # `losses.repeat(eval batch size)`, which accelerate's `gather_for_metrics` cuts to the
-                # last batch's own samples.
-                new = loss_bytes * rows
                 if not loss_bytes:
                     continue
+                # `losses.repeat(eval batch size)`, which accelerate's `gather_for_metrics` cuts to
+                # the last batch's own samples: a view, whose storage keeps them all.
+                stored, new = loss_bytes * settings.batch_size, loss_bytes * rows
             elif name in per_sample:
-                new = per_sample[name] * rows
+                stored = new = per_sample[name] * rows
             else:
                 continue
-            concatenates = settings.concat_batches and device[name] > 0
-            moment = sum(device.values()) + new + (device[name] + new if concatenates else 0)
-            device[name] += new
+            if settings.concat_batches and device[name] > 0:  # old, new and the result together
+                moment = sum(device.values()) + stored + values[name] + new
+                device[name] = values[name] = values[name] + new
+            else:  # the first batch is kept as it is; without concatenation, the list grows
+                moment = sum(device.values()) + stored
+                device[name] += stored
+                values[name] += new
             peaks["concat_peak_bytes"] = max(peaks["concat_peak_bytes"], moment)
             peaks["containers_device_bytes"] = max(peaks["containers_device_bytes"], sum(device.values()))
         if settings.accumulation_steps is not None and (step + 1) % settings.accumulation_steps == 0:
@@ -229,9 +240,12 @@ class _Forward:
     labels: Optional[Tuple[Tuple[int, ...], torch.dtype]]
 
 
-def _trace_forward(model: nn.Module, batch_size: int, seq_len: int) -> _Forward:
+def _trace_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None) -> _Forward:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    config = getattr(model, "config", None)
+    if use_cache is not None and config is not None and hasattr(config, "use_cache"):
+        config.use_cache = use_cache  # as the Trainer sets it before evaluating
     mode = FakeTensorMode()
     fake_copy(model, mode, "cpu")
     model.eval()
@@ -312,7 +326,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     meta = build_model()
     name = model_name or type(meta).__name__
     try:
-        forward = _trace_forward(meta, settings.batch_size, settings.seq_len)
+        forward = _trace_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         text = " ".join(str(error).split())[:300]
         return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,

@@ -220,8 +220,9 @@ class EvaluationProbe:
                     _remove()
                 except Exception as error:  # nothing more can be done; say so once
                     self._warn_once("evaluation-unwrap", f"removing the evaluation wrappers failed ({error!r})")
-            if not failed and not self._failed and self._prefix is not None:
-                figures = dict(self._peaks)
+            if not failed and self._prefix is not None:
+                # A failed walk leaves the container figures out; the forward is measured apart.
+                figures = {} if self._failed else dict(self._peaks)
                 if self._forward_peak is not None:
                     figures[FORWARD_PEAK_BYTES] = self._forward_peak
                 self._figures = {self._prefix: figures}
