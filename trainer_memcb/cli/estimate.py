@@ -169,6 +169,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
     step.add_argument("--max-batch-size", action="store_true",
                       help="the largest per-device batch whose step fits in --device-memory at --seq-len")
+    from trainer_memcb.cli.eval_estimate import add_eval_arguments
+
+    add_eval_arguments(estimate)
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
