@@ -122,7 +122,15 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
         resident = (row.optimizer_state_bytes or 0) + (row.master_weights_bytes or 0)
     device = parse_bytes(args.device_memory) if args.device_memory is not None else None
     host = parse_bytes(args.host_memory) if args.host_memory is not None else None
-    return plan_eval_memory(build_model, settings, device_memory=device, host_memory=host, resident_bytes=resident,
+    attention = getattr(args, "attn_implementation", None)
+
+    def build() -> Any:
+        model = build_model()
+        if attention is not None and getattr(model, "config", None) is not None:
+            model.config._attn_implementation = attention  # as the step plan traces it
+        return model
+
+    return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
                             model_name=args.model)
 
 
