@@ -326,3 +326,49 @@ def test_evaluation_false_measures_nothing(tmp_path: Any) -> None:
     assert not any(key.endswith(EVALUATION_KEYS) for key in logged)
     with pytest.raises(ValueError, match="evaluation='yes'"):
         OptimizerMemoryCallback(evaluation="yes")
+
+
+def test_when_evaluation_holds_the_most_the_summary_report_and_tensorboard_say_so(tmp_path: Any,
+                                                                                     capsys: Any) -> None:
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from trainer_memcb.cli import main
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=8, max_steps=2, logging_steps=1, eval_strategy="steps",
+                             eval_steps=2, report_to=["tensorboard"], disable_tqdm=True, save_strategy="no")
+    # 64 samples of 96 x 12 fp32 logits: 294,912 bytes gathered, against a model of about 30,000 parameters.
+    trainer = Trainer(model=LlamaForCausalLM(llama_config()), args=args, train_dataset=Tokens("llama", 4),
+                      eval_dataset=Tokens("llama", 64), compute_metrics=count_metric,
+                      callbacks=[OptimizerMemoryCallback()])
+    trainer.train()
+    summary = json.loads((tmp_path / "optimizer_memory.json").read_text())
+    phases = summary["phases"]
+    assert (phases["phase"], phases["cause"]) == ("evaluation", "evaluation containers")
+    assert summary["evaluation"]["containers_device_bytes"] == 64 * SEQ * VOCAB * 4 + 64 * SEQ * 8 + 64 * 4
+    assert phases["evaluation_bytes"] == (phases["parts"]["model_states_bytes"] - phases["parts"]["model_grads_bytes"]
+                                          + summary["evaluation"]["forward_peak_bytes"]
+                                          + summary["evaluation"]["concat_peak_bytes"])
+    assert phases["text"].startswith("Evaluation held the most")
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "Evaluation's memory, the largest evaluation" in out and "the logits its containers gathered" in out
+    # The TensorBoard view: a chart of evaluation beside the training step, with both phases' tags.
+    folder = next((tmp_path / "runs").iterdir())
+    accumulator = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    (point,) = accumulator.Tensors("custom_scalars__config__")[-1:]
+    content = layout_pb2.Layout()
+    content.ParseFromString(point.tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for category in content.category for chart in category.chart}
+    assert charts
+    # The default short set: evaluation entries carry the containers' device and host bytes.
+    assert charts["eval: evaluation beside the training step (bytes)"] == [
+        "^train/model_states_bytes$", "^train/activations_peak_bytes$", "^eval/containers_device_bytes$"]
+    assert charts["eval: evaluation's containers and forward (bytes)"] == [
+        "^eval/containers_device_bytes$", "^eval/containers_host_bytes$"]

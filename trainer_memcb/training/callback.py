@@ -28,6 +28,7 @@ from trainer_memcb.training.figures import (
 from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
+from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
@@ -212,6 +213,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         self._contributed_entry: Optional[Dict[str, Any]] = None
         # What the evaluation loops hold, measured while they run (any Trainer this callback serves).
         self._evaluation = EvaluationProbe(lambda kind, message: self._warn_once(kind, message))
+        # The evaluation that held the most since training began, every figure (for the summary).
+        self._largest_evaluation: Dict[str, int] = {}
         install_log_hook()
         if evaluation:
             install_evaluation_hook()
@@ -239,6 +242,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         if run is None:
             return
         run.monitor.start_run()  # global_step restarts with each train() call
+        self._largest_evaluation = {}
         if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
             run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
         run.monitor.activations.forget()  # nothing left over from a run that raised
@@ -290,7 +294,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
 
     def _evaluation_figures(self, trainer: Any, logs: Dict[str, Any], prefix: str) -> Dict[str, int]:
         """The figures of the evaluation loop whose entry `logs` is, kept by `eval_keys`, unprefixed."""
-        figures = keep_keys(self._evaluation.take(prefix), self.eval_keys)
+        measured = self._evaluation.take(prefix)
+        if measured:
+            self._largest_evaluation = largest_evaluation([self._largest_evaluation, measured])
+        figures = keep_keys(measured, self.eval_keys)
         if figures and getattr(trainer.state, "is_world_process_zero", True):
             logs.update(with_prefix(figures, prefix))
         return figures
@@ -416,8 +423,13 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
                 extra={"final_figures": final_figures,
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
+            phases = judge_phases(step_memory_figures(document)[0], self._largest_evaluation)
+            if phases is not None:
+                document["evaluation"] = dict(self._largest_evaluation)
+                document["phases"] = {**phases.to_dict(), "text": phases.text()}
             logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step),
-                                     *step_memory_figures(document)))
+                                     *step_memory_figures(document))
+                        + (f"\n{phases.text()}" if phases is not None else ""))
             if self.summary_file is not None:
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary
