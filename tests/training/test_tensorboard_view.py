@@ -289,6 +289,13 @@ def test_tensorboard_serves_the_view_and_chromium_shows_it(runs, tmp_path):
             ("model states and activations, measured and planned (bytes)",
              ["^train/model_states_bytes$", "^train/model_states_estimate_bytes$"]
              + ["^train/activations_bytes$", "^train/activations_peak_bytes$"] * ACTIVATIONS_SUPPORTED),
+            # What the evaluation's containers held (the default eval_keys: device and host), and
+            # evaluation beside the training step.
+            ("eval: evaluation's containers and forward (bytes)",
+             ["^eval/containers_device_bytes$", "^eval/containers_host_bytes$"]),
+            ("eval: evaluation beside the training step (bytes)",
+             ["^train/model_states_bytes$"] + ["^train/activations_peak_bytes$"] * ACTIVATIONS_SUPPORTED
+             + ["^eval/containers_device_bytes$"]),
         ]}
 
         # The tags: every figure once, no total that would repeat its per-process card; evaluation

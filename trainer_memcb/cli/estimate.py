@@ -181,6 +181,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
     own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
                      help="FSDP2 HSDP: replicate R times over a mesh of R x (world size / R)")
+    from trainer_memcb.cli.eval_estimate import add_eval_arguments
+
+    add_eval_arguments(estimate)
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 

@@ -8,6 +8,8 @@ holds the tensor, so the finalizer runs when the tensor is really gone). Tensors
 the step (parameters, buffers, the batch) are registered with `add`. The peak is the most bytes
 alive after any operation, and at that moment the tracker keeps which storages were alive, so that
 the plan can say what they were (parameters, gradients, optimizer state, activations, others).
+Storages named in `exclude` are never counted: so it also measures what a real forward allocates
+(`trainer_memcb.training.evaluation_probe`), its parameters and inputs left out.
 
 A storage resized in place (`UntypedStorage.resize_`, which no dispatch mode sees: FSDP2 frees and
 re-allocates its unsharded parameters that way, `_fsdp_param.py` `free_storage`/`alloc_storage`)
@@ -45,8 +47,11 @@ class LiveStorages(TorchDispatchMode):
             address) may be reused once it is freed; its serial number never is.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Any = ()) -> None:
         super().__init__()
+        # Storage keys never counted (`storages_of`'s): a real model's parameters, buffers and
+        # batch, when a real forward is measured for what it allocates itself.
+        self._exclude = frozenset(exclude)
         self.alive_bytes = 0
         self.peak_bytes = 0
         self.peak_keys: List[int] = []
@@ -127,6 +132,8 @@ class LiveStorages(TorchDispatchMode):
         if ident in self._seen:
             return
         for key, nbytes, inner in storages_of(tensor):
+            if key in self._exclude:
+                continue
             count = self._tensors.get(key)
             if count is None:
                 self._tensors[key] = 1
