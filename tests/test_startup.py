@@ -111,6 +111,7 @@ def test_the_optimizer_handlers_give_what_the_trainer_gives(name):
     assert trainer_optimizer_cls_and_kwargs(args, model) == expected
 
 
+@pytest.mark.slow
 def test_estimate_keeps_other_libraries_chatter_off_the_terminal_and_verbose_shows_it():
     command = [sys.executable, "-m", "trainer_memcb", "estimate", TINY_CONFIG, "--optimizers", "adamw,adamw_bnb_8bit"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)

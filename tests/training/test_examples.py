@@ -172,6 +172,7 @@ def test_accelerate_example_logs_the_last_step_and_eval_figures_beside_eval_accu
     assert scalars[f"eval_{TRAINABLE_PARAMS}"] == [(3, 454_530.0)]
 
 
+@pytest.mark.slow
 def test_distilbert_base_cased_built_offline_holds_the_lessons_numbers(tmp_path):
     command = [sys.executable, os.path.join(EXAMPLES, "compare_optimizers.py"), "--model", "distilbert-base-cased",
                "--optimizers", "adamw", "--max-steps", "1", "--train-samples", "8", "--eval-samples", "8",
