@@ -20,6 +20,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers import read_until_closed
 from test_accelerate_loop import tensorboard_scalars
 from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
 
@@ -36,6 +37,10 @@ TINY_RUN = ["--model", TINY_MODEL, "--train-samples", "48", "--eval-samples", "3
             "--logging-steps", "1"]
 SEED_PARAMS = 65_783_042  # distilbert-base-cased with a 2-label head, as the lesson counts it
 SEED_ADAMW_BYTES = 526_264_752  # 8 x 65,783,042 + 4 x 104 step tensors
+# The lesson's other two, as README.md and docs/getting-started.md give them (worked out in the
+# guide: Adafactor's rows and columns; 8-bit codes, with the Trainer's 32-bit embeddings).
+SEED_ADAFACTOR_BYTES = 714_432
+SEED_ADAMW_8BIT_BYTES = 269_269_008
 
 # Each test makes its own Accelerator (conftest.py).
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
@@ -69,7 +74,7 @@ def expected_state_bytes(model: torch.nn.Module) -> Dict[str, int]:
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     output_dir = str(tmp_path_factory.mktemp("compare"))
-    assert compare_optimizers.main(TINY_RUN + ["--max-steps", "3", "--output-dir", output_dir]) == 0
+    assert compare_optimizers.main(TINY_RUN + ["--max-steps", "3", "--no-lesson", "--output-dir", output_dir]) == 0
     with open(os.path.join(output_dir, compare_optimizers.COMPARISON_FILE_NAME), encoding="utf-8") as handle:
         return {"output_dir": output_dir, **json.load(handle)}
 
@@ -173,6 +178,47 @@ def test_accelerate_example_logs_the_last_step_and_eval_figures_beside_eval_accu
 
 
 @pytest.mark.slow
+def test_the_main_job_shows_progress_and_ends_with_the_lessons_table(tmp_path):
+    """The README's main job, `python examples/compare_optimizers.py`, with its tiny part cut to one
+    step (the lesson's part is what it always is), on a pseudo-terminal as a person runs it."""
+    command = [sys.executable, os.path.join(EXAMPLES, "compare_optimizers.py"), "--max-steps", "1",
+               "--train-samples", "8", "--eval-samples", "8", "--output-dir", str(tmp_path)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    leader, follower = os.openpty()
+    process = subprocess.Popen(command, stdout=follower, stderr=follower, cwd=REPO, env=env)
+    os.close(follower)
+    shown = read_until_closed(leader).decode("utf-8", "replace")
+    assert process.wait(timeout=600) == 0, shown[-4000:]
+    with open(tmp_path / "comparison.json", encoding="utf-8") as handle:
+        lesson = json.load(handle)["lesson"]
+    assert lesson["model"] == "distilbert-base-cased"
+    assert lesson["origin"].startswith("built from examples/models/distilbert-base-cased/config.json with random weights")
+    rows = {row["optimizer"]: row for row in lesson["rows"]}
+    assert list(rows) == ["adamw", "adafactor", "adamw_8bit"]
+    expected = {"adamw": SEED_ADAMW_BYTES, "adafactor": SEED_ADAFACTOR_BYTES, "adamw_8bit": SEED_ADAMW_8BIT_BYTES}
+    for name, row in rows.items():
+        assert (row["model_params"], row["trainable_params"], row["steps"]) == (SEED_PARAMS, SEED_PARAMS, 1), name
+        assert row["measured_bytes"] == row["estimate_bytes"] == expected[name], name
+    assert rows["adamw"]["measured_elements"] == 131_566_188  # the lesson's count: 2 x 65,783,042 + 104
+    # The table at the end, as printed: the last lines of the output.
+    table = shown[shown.index("The lesson's numbers"):].splitlines()
+    assert table[1] == ("Model: distilbert-base-cased, 65,783,042 parameters, built from "
+                        "examples/models/distilbert-base-cased/config.json with random weights; "
+                        "word-level tokenizer of 108 tokens built from the training texts")
+    assert [line.split() for line in table[4:7]] == [
+        ["adamw", "65,783,042", "526,264,752", "(501.9", "MiB)", "526,264,752", "(501.9", "MiB)"],
+        ["adafactor", "65,783,042", "714,432", "(697.7", "KiB)", "714,432", "(697.7", "KiB)"],
+        ["adamw_8bit", "65,783,042", "269,269,008", "(256.8", "MiB)", "269,269,008", "(256.8", "MiB)"],
+    ]
+    # Progress while it trains: a line per run, and the Trainer's bar reaching its one step; the
+    # tokenizer's trainer draws no bar (it read "410 / 0" on a terminal).
+    for name in rows:
+        assert f"Training distilbert-base-cased with {name} (" in shown
+    assert shown.count("1/1 [") >= 6  # each run's training bar, tiny and lesson, at its end
+    assert " / 0" not in shown
+
+
+@pytest.mark.slow
 def test_distilbert_base_cased_built_offline_holds_the_lessons_numbers(tmp_path):
     command = [sys.executable, os.path.join(EXAMPLES, "compare_optimizers.py"), "--model", "distilbert-base-cased",
                "--optimizers", "adamw", "--max-steps", "1", "--train-samples", "8", "--eval-samples", "8",
@@ -229,3 +275,21 @@ def test_a_local_folder_with_weights_loads_them_and_its_tokenizer(tmp_path):
     saved, reloaded = built.model.state_dict(), loaded.model.state_dict()
     assert saved.keys() == reloaded.keys()
     assert all(torch.equal(saved[key], reloaded[key]) for key in saved)
+
+
+def test_the_examples_drop_bitsandbytes_kernel_notice_and_nothing_else():
+    # On a CPU with AVX-512 BF16, importing bitsandbytes logs this warning through its CPU backend's
+    # logger (bitsandbytes/backends/cpu/ops.py); this CPU has none, so the same record is sent
+    # through the same logger, in a fresh process that imports an example first, as they run.
+    code = ("import logging, sys\n"
+            f"sys.path.insert(0, {EXAMPLES!r})\n"
+            "import train_with_trainer\n"
+            "logger = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+            "logger.warning('Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
+            "already `pip install kernels` and the kernels >= 0.11.1', 'offline')\n"
+            "logger.warning('another bitsandbytes warning')\n")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gemm_4bit_forward" not in done.stderr
+    assert "another bitsandbytes warning\n" in done.stderr
