@@ -291,6 +291,18 @@ def test_every_page_is_in_the_guide_nav_and_every_nav_entry_is_a_page() -> None:
     assert in_nav == {page.name for page in (REPO / "docs").glob("*.md")}
 
 
+def test_the_guides_stylesheet_is_listed_and_widens_the_content_and_frees_the_first_entry() -> None:
+    config = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
+    listed = re.findall(r"^extra_css:\n((?:  - .+\n)+)", config, flags=re.MULTILINE)
+    assert [line.strip()[2:] for line in listed[0].splitlines()] == ["stylesheets/extra.css"]
+    stylesheet = (REPO / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    # The two rules the screenshots called for (the stylesheet says why): the grid's width, and the
+    # navigation's repeated title hidden where the sidebar is shown.
+    assert re.search(r"\.md-grid \{\s*max-width: 100rem;\s*\}", stylesheet)
+    assert re.search(r"@media screen and \(min-width: 76\.25em\) \{\s*\.md-nav--primary > \.md-nav__title \{"
+                     r"\s*display: none;", stylesheet)
+
+
 def test_the_api_page_documents_each_public_name() -> None:
     import trainer_memcb
 

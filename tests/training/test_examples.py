@@ -8,12 +8,15 @@ of the architecture is what runs. Nothing is mocked.
 
 from __future__ import annotations
 
+import fcntl
 import filecmp
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -187,6 +190,8 @@ def test_the_main_job_shows_progress_and_ends_with_the_lessons_table(tmp_path):
                "--train-samples", "8", "--eval-samples", "8", "--output-dir", str(tmp_path)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     leader, follower = os.openpty()
+    # A terminal 40 x 160: with no size, tqdm (dynamic_ncols) has no width to draw its bars in.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     process = subprocess.Popen(command, stdout=follower, stderr=follower, cwd=REPO, env=env)
     os.close(follower)
     shown = read_until_closed(leader).decode("utf-8", "replace")
