@@ -258,6 +258,7 @@ def scalar_values(base: str, run: str, tag: str) -> List[List[float]]:
     return [[step, value] for _, step, value in get_json(base, "/data/plugin/scalars/scalars", run=run, tag=tag)]
 
 
+@pytest.mark.slow  # a TensorBoard server and a headless Chromium
 def test_tensorboard_serves_the_view_and_chromium_shows_it(runs, tmp_path):
     if CHROMIUM is None:
         pytest.skip("Chromium is not installed (Debian: apt-get install chromium), so the page cannot be loaded")
