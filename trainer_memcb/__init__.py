@@ -7,7 +7,6 @@ the estimate functions need torch, which the command's console script imports on
 answer a Ctrl-C with one line (`trainer_memcb.cli`).
 """
 
-from typing import Any
 
 __version__ = "0.1.0"
 
@@ -36,7 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'trainer_memcb' has no attribute {name!r}")

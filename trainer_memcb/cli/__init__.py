@@ -30,6 +30,10 @@ In three pieces, so that each can be used alone: `parser()`, `command(args)`, `m
 
 from __future__ import annotations
 
+from trainer_memcb.cli.interrupt import stop_on_ctrl_c
+
+stop_on_ctrl_c()  # first of all: Ctrl-C while torch and transformers load is one line too (see interrupt.py)
+
 import argparse
 import os
 import sys
@@ -46,40 +50,31 @@ from trainer_memcb.cli.failures import (
     PROGRAM,
     UsageError,
     answer,
-    interrupted_while_starting,
     quiet_libraries,
     say,
 )
-
-# Ctrl-C while the command is still importing (torch, transformers: seconds) is one line and exit
-# 130 too, like Ctrl-C later; `interrupted_while_starting` re-raises it unless this process is the
-# command itself, so that a Python session importing this module keeps its KeyboardInterrupt.
-try:
-    from trainer_memcb.cli.compare import compare_runs, compare_table
-    from trainer_memcb.cli.estimate import (
-        add_estimate_arguments,
-        check_options,
-        estimate_plan,
-        estimate_step,
-        estimate_tables,
-        estimate_what_if,
-        needs_peft,
-        plan_asked,
-        reserve_bytes,
-        resolve_optimizers,
-        step_asked,
-    )
-    from trainer_memcb.cli.output import print_json, print_tables
-    from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
-    from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
-    from trainer_memcb.cli.quiet import quiet_output
-    from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
-    from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
-    from trainer_memcb.plan.whatif import ModelConfigError
-    from trainer_memcb.utils.packages import MissingPackageError
-except KeyboardInterrupt:
-    interrupted_while_starting()
-    raise
+from trainer_memcb.cli.compare import compare_runs, compare_table
+from trainer_memcb.cli.estimate import (
+    add_estimate_arguments,
+    check_options,
+    estimate_plan,
+    estimate_step,
+    estimate_tables,
+    estimate_what_if,
+    needs_peft,
+    plan_asked,
+    reserve_bytes,
+    resolve_optimizers,
+    step_asked,
+)
+from trainer_memcb.cli.output import print_json, print_tables
+from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
+from trainer_memcb.cli.quiet import quiet_output
+from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
+from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
+from trainer_memcb.plan.whatif import ModelConfigError
+from trainer_memcb.utils.packages import MissingPackageError
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
 

@@ -20,7 +20,6 @@ from trainer_memcb.cli.output import one_line
 __all__ = [
     "PROGRAM", "EXIT_DONE", "EXIT_NOTHING_FOUND", "EXIT_USAGE", "EXIT_DOES_NOT_FIT", "EXIT_MISSING_PACKAGE",
     "EXIT_UNTRACEABLE", "EXIT_INTERRUPTED", "UsageError", "say", "quiet_libraries", "answer",
-    "interrupted_while_starting",
 ]
 
 PROGRAM = "trainer-memcb"
@@ -104,22 +103,3 @@ def answer(run: Callable[[], int], known: Tuple[Type[BaseException], ...], debug
             say(f"unexpected error: {type(error).__name__}: {error} (run with --debug for the traceback)")
         return EXIT_NOTHING_FOUND
 
-
-def _this_process_is_the_command() -> bool:
-    """Whether the running program is `trainer-memcb` itself: its console script (named after
-    it) or `python -m trainer_memcb`, rather than Python code that imports the package."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and getattr(spec, "name", None) == "trainer_memcb.__main__":
-        return True
-    script = os.path.basename(getattr(main, "__file__", None) or "")
-    return script.split(".")[0].removesuffix("-script") == PROGRAM
-
-
-def interrupted_while_starting() -> None:
-    """Ctrl-C while the command imports its libraries: in the command's own process, one line
-    and exit 130 (`SystemExit`, which the interpreter ends on without a traceback); anywhere
-    else return, and the caller re-raises the KeyboardInterrupt."""
-    if _this_process_is_the_command():
-        say("interrupted")
-        raise SystemExit(EXIT_INTERRUPTED)
