@@ -296,7 +296,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     problem: Optional[str] = None
     if args.max_batch_size:
         found, searched = max_batch_size(plan_at, memory)
-        problem = next((plan.problem for plan in searched if plan.problem is not None), None)
+        problem = next((f"at batch {plan.batch_size} {plan.problem}" for plan in searched if plan.problem is not None),
+                       None)
     step = plan_at(args.batch_size) if args.batch_size is not None else None
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size, "max_batch_size_problem": problem}

@@ -112,7 +112,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
                  "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found["searched"]]
         best, problem = found.get("max_batch_size"), found.get("max_batch_size_problem")
         if problem is not None:
-            title = f"No largest batch: {problem}, so no batch size could be tried"
+            title = f"No largest batch: {problem}"
         elif best is not None:
             title = f"Largest per-device batch that fits: {best}"
         else:
