@@ -34,7 +34,7 @@ def this_process_is_the_command() -> bool:
     or `python -m trainer_memcb`, rather than Python code that imports the package."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    if spec is not None and getattr(spec, "name", None) == "trainer_memcb.__main__":
+    if spec is not None and getattr(spec, "name", None) == f"{__name__.split('.')[0]}.__main__":
         return True
     script = os.path.basename(getattr(main, "__file__", None) or "")
     return script.split(".")[0].removesuffix("-script") == _PROGRAM
