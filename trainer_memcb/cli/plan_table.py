@@ -23,7 +23,7 @@ def _fits(plan: ModelStatesPlan, entry) -> str:
 def _memory_rows(device_memory: Optional[int], reserve: Optional[int]) -> List[List[str]]:
     rows = [["device memory", bytes_cell(device_memory)]]
     if device_memory is not None and reserve is not None:
-        rows.append(["reserve", f"{bytes_cell(reserve)}, left out of fits? (--reserve)"])
+        rows += [["reserve (--reserve)", bytes_cell(reserve)], ["fits? against", bytes_cell(device_memory - reserve)]]
     return rows
 
 
@@ -122,8 +122,10 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
 
 
 def _not_counted(step: Any) -> str:
-    return "Not counted: " + "; ".join(step.not_counted) + ("" if step.reserve_bytes is None else " (--reserve)") \
-        if step.not_counted else ""
+    if not step.not_counted:
+        return ""
+    return ("Not counted: " if step.reserve_bytes is None else "Not counted, left to --reserve: ") + \
+        "; ".join(step.not_counted)
 
 
 def step_json(found: Dict[str, Any]) -> Dict[str, Any]:
