@@ -1,19 +1,12 @@
 """trainer_memcb: what your optimizer really holds in memory while you train, against the estimate.
 
-`OptimizerMemoryCallback` and `OptimizerMemoryLogger` are imported on first use: the callback
-needs transformers' Trainer machinery (and through it peft, bitsandbytes, ...), seconds of start-up
-that `import trainer_memcb`, the estimate functions and the `trainer-memcb` command do not need.
+Every public name is imported on first use. `OptimizerMemoryCallback` and `OptimizerMemoryLogger`
+need transformers' Trainer machinery (and through it peft, bitsandbytes, ...), seconds of start-up
+that `import trainer_memcb`, the estimate functions and the `trainer-memcb` command do not need;
+the estimate functions need torch, which the command's console script imports only once it can
+answer a Ctrl-C with one line (`trainer_memcb.cli`).
 """
 
-from typing import Any
-
-from trainer_memcb.state.estimate import (
-    ParamInfo,
-    StateEstimate,
-    estimate_optimizer_state,
-    register_estimate_rule,
-)
-from trainer_memcb.state.measure import StateMeasurement, measure_optimizer_state
 
 __version__ = "0.1.0"
 
@@ -33,10 +26,16 @@ __all__ = [
 _LAZY = {
     "OptimizerMemoryCallback": "trainer_memcb.training.callback",
     "OptimizerMemoryLogger": "trainer_memcb.training.accelerate_loop",
+    "ParamInfo": "trainer_memcb.state.estimate",
+    "StateEstimate": "trainer_memcb.state.estimate",
+    "estimate_optimizer_state": "trainer_memcb.state.estimate",
+    "register_estimate_rule": "trainer_memcb.state.estimate",
+    "StateMeasurement": "trainer_memcb.state.measure",
+    "measure_optimizer_state": "trainer_memcb.state.measure",
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'trainer_memcb' has no attribute {name!r}")

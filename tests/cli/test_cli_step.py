@@ -23,14 +23,15 @@ def tiny_llama_dir(tmp_path_factory):
     return str(folder)
 
 
-def run_json(argv, capsys):
-    assert main(argv) == 0
+def run_json(argv, capsys, expected_code=0):
+    assert main(argv) == expected_code
     return json.loads(capsys.readouterr().out)
 
 
 def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
     document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "4", "--seq-len",
-                         "16", "--attn-implementation", "eager", "--device-memory", "1800000", "--json"], capsys)
+                         "16", "--attn-implementation", "eager", "--device-memory", "1800000B", "--reserve", "0B", "--json"],
+                        capsys, expected_code=3)  # 3: it does not fit
     step = document["step"]
     plan, _ = plan_step_memory(lambda: build_meta_model(tiny_llama_dir, torch.float32), batch_size=4, seq_len=16,
                                attn_implementation="eager", optimizer="adamw_torch", model_states=False)
@@ -42,6 +43,7 @@ def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, ca
     states = document["model_states"]["optimizers"][0]
     assert states["model_states_bytes"] == 1578068 and states["fits"] is True
     assert step["fits"] is False and step["margin_bytes"] == 1800000 - step["peak_bytes"] < 0
+    assert step["reserve_bytes"] == 0
 
 
 def test_tables_say_what_was_traced_and_where(tiny_llama_dir, capsys):
@@ -75,11 +77,11 @@ def test_bad_step_options_get_one_line_and_an_exit_code(tiny_llama_dir, capsys, 
 
 
 def test_a_model_fake_tensors_cannot_run_gets_one_line_and_the_model_states(tmp_path, capsys):
-    # Mixtral routes tokens with nonzero(): an output whose shape depends on the values.
+    # Mixtral in fp32: the fake kernel of torch._grouped_mm (transformers' default MoE path) demands bf16.
     MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                   vocab_size=64, num_local_experts=2, architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
     document = run_json(["estimate", str(tmp_path), "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len",
-                         "8", "--json"], capsys)
+                         "8", "--json"], capsys, expected_code=5)  # 5: the step cannot be traced
     assert document["step"]["problem"].startswith("the step cannot run under fake tensors (")
     assert document["step"]["activations_bytes"] is None and document["step"]["peak_bytes"] is None
     assert document["model_states"]["optimizers"][0]["model_states_bytes"] > 0

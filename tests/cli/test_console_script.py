@@ -93,3 +93,44 @@ def test_the_readme_estimate_commands_run_as_written(argv):
     assert done.returncode == 0, f"trainer-memcb estimate {shlex.join(argv)}: {done.stderr}"
     assert done.stderr == "", argv
     assert ("Optimizer state" in done.stdout) != ("Per process" in done.stdout), argv  # the what-if, or the plan
+
+
+@pytest.mark.parametrize("argv,line", [
+    ([], "choose a command: report, compare or estimate (trainer-memcb --help shows them)"),
+    (["estimate"], "the following arguments are required: MODEL"),
+    (["report"], "the following arguments are required: RUN_DIR"),
+    (["estimate", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    (["estimate", "x", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from float32, bfloat16, "
+                                           "float16)"),
+    (["frobnicate"], "argument {report,compare,estimate}: invalid choice: 'frobnicate' (choose from report, compare, estimate)"),
+])
+def test_a_usage_error_is_one_line_with_one_prefix(argv, line):
+    done = run_script(*argv)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.replace("'", "").replace('"', "") == f"trainer-memcb: error: {line}\n".replace("'", "")
+
+
+def test_the_usage_is_shown_on_help_only_and_version_says_the_version():
+    import trainer_memcb
+
+    helped = run_script("estimate", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: trainer-memcb estimate ") and helped.stderr == ""
+    version = run_script("--version")
+    assert (version.returncode, version.stdout, version.stderr) == (0, f"trainer-memcb {trainer_memcb.__version__}\n", "")
+
+
+@pytest.mark.parametrize("delay_s", [0.5, 1.0, 2.0, 4.0])
+def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(delay_s):
+    # From the first imports (torch, transformers) to the trace of a 7B step, which takes longer
+    # than the last delay. Before the package's first line runs, the interpreter's own start-up
+    # (about 0.2 s here, the editable install's finder included) answers with Python's traceback.
+    import signal
+    import time
+
+    process = subprocess.Popen([SCRIPT, "estimate", LLAMA, "--optimizers", "adamw", "--batch-size", "1", "--seq-len",
+                                "2048"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    time.sleep(delay_s)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert (process.returncode, out, err) == (130, "", "trainer-memcb: interrupted\n")

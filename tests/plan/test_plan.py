@@ -183,9 +183,12 @@ def test_bad_setups_are_value_errors(kwargs, message):
 
 
 def test_parse_bytes():
-    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80 GB") == 80 * 10**9 and parse_bytes("4096") == 4096
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80 GB") == 80 * 10**9 and parse_bytes("4096B") == 4096
+    assert parse_bytes(4096) == 4096  # an int is bytes
     with pytest.raises(ValueError, match="'80 apples' is not a size"):
         parse_bytes("80 apples")
+    with pytest.raises(ValueError, match="'4096' has no unit"):  # 80 is more likely GiB than bytes
+        parse_bytes("4096")
 
 
 def test_the_zero_paper_table_1_from_a_raw_parameter_count():
@@ -271,9 +274,11 @@ def test_cli_plan_for_llama_2_7b_at_64_processes_with_zero3(capsys):
         2 * partitions, 2 * partitions, 4 * partitions)
     assert entry["optimizer_state_bytes"] == 8 * partitions + 8  # a `step` for each of the Trainer's two groups
     assert entry["model_states_bytes"] == entry["device_bytes"] == 16 * partitions + 8
-    assert entry["fits"] is True and entry["margin_bytes"] == 80 * 2**30 - entry["device_bytes"]
+    # fits? is answered against the memory less the default reserve for the CUDA context (1 GiB).
+    assert (plan["device_memory_bytes"], plan["reserve_bytes"]) == (80 * 2**30, 2**30)
+    assert entry["fits"] is True and entry["margin_bytes"] == 79 * 2**30 - entry["device_bytes"]
     assert main(["estimate", LLAMA, "--world-size", "8", "--sharding", "ddp", "--optimizers", "adamw",
-                 "--device-memory", "80GiB"]) == 0
+                 "--device-memory", "80GiB", "--reserve", "0B"]) == 3  # 3: it does not fit
     text = capsys.readouterr().out
     short = 16 * 6_738_415_616 + 4 * 291 - 80 * 2**30  # weights, gradients, AdamW's moments and steps
     assert short == 21_915_305_100
@@ -283,7 +288,7 @@ def test_cli_plan_for_llama_2_7b_at_64_processes_with_zero3(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--zero", "3", "--sharding", "ddp"], "not allowed with argument"),
     (["--sharding", "fsdp-full-shard", "--precision", "deepspeed-bf16"], "trainer-memcb: error: precision="),
-    (["--device-memory", "lots"], "trainer-memcb: error: memory size 'lots' is not a size"),
+    (["--device-memory", "lots"], "trainer-memcb: error: argument --device-memory: size 'lots' is not a size"),
     (["--world-size", "3", "--nodes", "2"], "trainer-memcb: error: world_size=3 is not a multiple of nodes=2"),
 ])
 def test_cli_plan_usage_errors_are_one_line_and_exit_2(argv, message):

@@ -16,38 +16,36 @@ made without the callback has no figures: `report` says so and exits 1, `compare
 with a warning line, shows the others and exits 1.
 
 Tables in a terminal, plain text when piped, `--json` for machines (strict JSON: a number that is
-not finite is null). Exit codes: 0 done, 1 nothing found (the message says where it looked), a
-file that cannot be read, or any other failure, 2 usage error. Every message is one line on
-stderr, `trainer-memcb: ...`; a value of the wrong type in a file is left out with one line
-`trainer-memcb: warning: FILE: skipped N values ...`. `--debug` shows the traceback of a failure.
+not finite is null). Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
+`--device-memory` asks, it fits), 1 nothing found (the message says where it looked), a file that
+cannot be read, or any other failure, 2 usage error, 3 it does not fit, 4 a package the options
+need is not installed, 5 the step cannot be traced (so fits? has no answer), 130 interrupted.
+Every message is one line on stderr, `trainer-memcb: ...` (usage errors `trainer-memcb: error:
+...`, the usage itself only with `--help`); a value of the wrong type in a file is left out with
+one line `trainer-memcb: warning: FILE: skipped N values ...`. `--debug` shows the traceback of a
+failure. `--version` prints `trainer-memcb <version>`.
 
 In three pieces, so that each can be used alone: `parser()`, `command(args)`, `main(argv)`.
 """
 
 from __future__ import annotations
 
+from trainer_memcb.cli.interrupt import stop_on_ctrl_c
+
+stop_on_ctrl_c()  # first of all: Ctrl-C while torch and transformers load is one line too (see interrupt.py)
+
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
-from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import (
-    add_estimate_arguments,
-    estimate_model,
-    estimate_plan,
-    estimate_step,
-    estimate_tables,
-    estimate_what_if,
-    needs_peft,
-    plan_asked,
-    resolve_optimizers,
-    step_asked,
-)
-from trainer_memcb.cli.eval_estimate import eval_asked, eval_tables, estimate_evaluation
 from trainer_memcb.cli.failures import (
     EXIT_DONE,
+    EXIT_DOES_NOT_FIT,
+    EXIT_INTERRUPTED,
+    EXIT_MISSING_PACKAGE,
     EXIT_NOTHING_FOUND,
+    EXIT_UNTRACEABLE,
     EXIT_USAGE,
     PROGRAM,
     UsageError,
@@ -55,6 +53,22 @@ from trainer_memcb.cli.failures import (
     quiet_libraries,
     say,
 )
+from trainer_memcb.cli.compare import compare_runs, compare_table
+from trainer_memcb.cli.estimate import (
+    add_estimate_arguments,
+    check_options,
+    estimate_model,
+    estimate_plan,
+    estimate_step,
+    estimate_tables,
+    estimate_what_if,
+    needs_peft,
+    plan_asked,
+    reserve_bytes,
+    resolve_optimizers,
+    step_asked,
+)
+from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_asked, eval_tables
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
@@ -62,6 +76,7 @@ from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
 from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
 from trainer_memcb.plan.whatif import ModelConfigError
+from trainer_memcb.utils.packages import MissingPackageError
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
 
@@ -76,15 +91,35 @@ def _metrics(text: str) -> List[str]:
     return metrics
 
 
+class _UsageExit(Exception):
+    """A usage error found while parsing: its one line is printed by `_parse`."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, `trainer-memcb: error: ...`, whatever the
+    subcommand (argparse would print the usage block, and `trainer-memcb estimate: error:`);
+    the usage is shown by --help only."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageExit(message)
+
+
+def version() -> str:
+    """The package's version, `__version__` of the package root (always imported before this
+    module, since Python imports a package's parents first)."""
+    return sys.modules[__name__.split(".")[0]].__version__
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of `trainer-memcb`."""
     debug_help = "on a failure, show the traceback"
-    main_parser = argparse.ArgumentParser(
+    main_parser = _Parser(
         prog=PROGRAM, description="What your optimizer held in memory, against its estimate; and what another would hold."
     )
+    main_parser.add_argument("--version", action="version", version=f"{PROGRAM} {version()}")
     main_parser.add_argument("--debug", action="store_true", help=debug_help)
     # Also after the command (`report RUN --debug`); SUPPRESS keeps a --debug given before it.
-    debug = argparse.ArgumentParser(add_help=False)
+    debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     commands = main_parser.add_subparsers(dest="command", metavar="{report,compare,estimate}")
 
@@ -204,11 +239,41 @@ def _compare(args: argparse.Namespace) -> int:
     return EXIT_NOTHING_FOUND if len(kept) < len(runs) else status
 
 
+def _states_fit(plan: Any) -> Optional[bool]:
+    """The model-states plan's answer: None unasked, False when any optimizer with a figure does not fit."""
+    answers = [entry.fits for entry in plan.optimizers if entry.fits is not None]
+    return None if not answers else all(answers)
+
+
+def _step_status(found: Dict[str, Any]) -> int:
+    """The exit code of a step plan: untraceable 5, does not fit 3 (the step's answer, or no
+    batch fitting for --max-batch-size), else 0."""
+    step = found.get("step")
+    if (step is not None and step.problem is not None) or found.get("max_batch_size_problem") is not None:
+        return EXIT_UNTRACEABLE
+    if (step is not None and step.fits is False) or (found.get("search") and found.get("max_batch_size") is None):
+        return EXIT_DOES_NOT_FIT
+    return EXIT_DONE
+
+
+def _evaluation_status(evaluation: Any) -> int:
+    """The exit code of an evaluation plan: 3 when it does not fit the device or the host, else 0."""
+    return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
+
+
+def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+    """The model-states plan's JSON, with the device's memory and the reserve its fits? left out."""
+    if args.device_memory is not None:
+        document = {**document, "device_memory_bytes": args.device_memory, "reserve_bytes": reserve_bytes(args)}
+    return document
+
+
 def _estimate(args: argparse.Namespace) -> int:
     # Everything that imports transformers and the optimizers' libraries runs with their chatter
     # held back; the tables are printed afterwards.
     with quiet_output(enabled=not args.verbose):
         try:
+            check_options(args)
             resolve_optimizers(args)
             evaluation = None
             if step_asked(args):
@@ -223,29 +288,30 @@ def _estimate(args: argparse.Namespace) -> int:
                 result = estimate_what_if(args)
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
+    memory, reserve = args.device_memory, reserve_bytes(args)
     if evaluation is not None and not step_asked(args):  # the evaluation plan alone
         if args.json:
             print_json({"evaluation": evaluation.to_dict()}, sys.stdout)
         else:
             print_tables(eval_tables(evaluation), sys.stdout)
-        return EXIT_DONE
+        return _evaluation_status(evaluation)
     if step_asked(args):
         if args.json:
-            print_json({**step_json(found), **({"evaluation": evaluation.to_dict()} if evaluation else {})}, sys.stdout)
+            document = step_json(found)
+            document["model_states"] = _with_memory(document["model_states"], args)
+            if evaluation is not None:
+                document["evaluation"] = evaluation.to_dict()
+            print_json(document, sys.stdout)
         else:
-            print_tables(step_tables(found) + plan_tables(found["model_states"])
+            print_tables(step_tables(found) + plan_tables(found["model_states"], memory, reserve)
                          + (eval_tables(evaluation) if evaluation else []), sys.stdout)
-        return EXIT_DONE
-        if args.json:
-            print_json(step_json(found), sys.stdout)
-        else:
-            print_tables(step_tables(found) + plan_tables(found["model_states"]), sys.stdout)
-        return EXIT_DONE
+        status = _step_status(found)
+        return _evaluation_status(evaluation) if status == EXIT_DONE and evaluation is not None else status
     if args.json:
-        print_json(result.to_dict(), sys.stdout)
+        print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)
     else:
-        print_tables(plan_tables(result) if plan_asked(args) else estimate_tables(result), sys.stdout)
-    return EXIT_DONE
+        print_tables(plan_tables(result, memory, reserve) if plan_asked(args) else estimate_tables(result), sys.stdout)
+    return EXIT_DOES_NOT_FIT if plan_asked(args) and _states_fit(result) is False else EXIT_DONE
 
 
 def command(args: argparse.Namespace) -> int:
@@ -253,11 +319,19 @@ def command(args: argparse.Namespace) -> int:
     traceback (unless `args.debug`)."""
     handler = getattr(args, "handler", None)
     if handler is None:
-        parser().print_usage(sys.stderr)
-        print(f"{PROGRAM}: error: choose a command: report, compare or estimate", file=sys.stderr)
+        say("error: choose a command: report, compare or estimate (trainer-memcb --help shows them)")
         return EXIT_USAGE
     known = (RunLogError, ModelConfigError)
-    return answer(lambda: handler(args), known, debug=getattr(args, "debug", False))
+    return answer(lambda: _missing_package_is_its_own_answer(handler, args), known,
+                  debug=getattr(args, "debug", False))
+
+
+def _missing_package_is_its_own_answer(handler: Any, args: argparse.Namespace) -> int:
+    try:
+        return handler(args)
+    except MissingPackageError as error:
+        say(str(error))
+        return EXIT_MISSING_PACKAGE
 
 
 def _parse(argv: Optional[Sequence[str]]) -> "argparse.Namespace | int":
@@ -266,7 +340,10 @@ def _parse(argv: Optional[Sequence[str]]) -> "argparse.Namespace | int":
     of the process from the parsed command."""
     try:
         return parser().parse_args(argv)
-    except SystemExit as exit_request:  # argparse exits on --help (0) and on usage errors (2)
+    except _UsageExit as error:
+        say(f"error: {error}")
+        return EXIT_USAGE
+    except SystemExit as exit_request:  # argparse exits on --help and --version (0)
         code = exit_request.code
         return code if isinstance(code, int) else (EXIT_DONE if code is None else EXIT_USAGE)
 
@@ -301,9 +378,13 @@ def console_main() -> int:
     nothing of transformers. Only here, in a process that ends with the command: `main()` called
     from Python changes nothing.
     """
-    args = _parse(None)
-    if isinstance(args, int):
-        return args
-    if getattr(args, "command", None) == "estimate" and not needs_peft(args) and "peft" not in sys.modules:
-        sys.modules["peft"] = None
-    return _run(args)
+    try:
+        args = _parse(None)
+        if isinstance(args, int):
+            return args
+        if getattr(args, "command", None) == "estimate" and not needs_peft(args) and "peft" not in sys.modules:
+            sys.modules["peft"] = None
+        return _run(args)
+    except KeyboardInterrupt:  # outside the command's own answer (while parsing): the same one line
+        say("interrupted")
+        return EXIT_INTERRUPTED

@@ -16,8 +16,9 @@ from typing import Any, Dict, List, Optional
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.lora import add_lora_adapters
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
+from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.plan.step_memory import DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory
+from trainer_memcb.utils.units import GiB, format_bytes, parse_size
 from trainer_memcb.plan.whatif import (
     DEFAULT_OPTIMIZERS,
     DTYPES,
@@ -32,6 +33,9 @@ from trainer_memcb.plan.whatif import (
 
 __all__ = [
     "add_estimate_arguments",
+    "check_options",
+    "reserve_bytes",
+    "usable_memory",
     "estimate_model",
     "estimate_plan",
     "estimate_tables",
@@ -64,6 +68,48 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise ValueError(f"{text!r} is not a positive integer, e.g. 8")
     return value
+
+
+def _size(text: str) -> int:
+    return parse_size(text, "size")
+
+
+# What --reserve takes when it is not given, on a CUDA device: the memory a training process holds
+# beside its tensors. A bare torch process that has made its CUDA context shows 781 MB in
+# nvidia-smi (pytorch/pytorch#34323); cuBLAS adds a workspace per stream and handle, NCCL its
+# buffers, and the caching allocator rounds every block up to 512 bytes and keeps freed blocks.
+# 1 GiB covers the context with room for the workspaces; measure yours (`nvidia-smi` minus
+# `torch.cuda.memory_reserved()`) and give it with --reserve.
+DEFAULT_RESERVE_BYTES = {"cuda": GiB, "cpu": 0}
+DEFAULT_RESERVE_TEXT = "1GiB"
+# --device-type's default: the step plans for a CUDA device.
+DEFAULT_DEVICE_TYPE = "cuda"
+
+
+def reserve_bytes(args: argparse.Namespace) -> Optional[int]:
+    """The reserve taken from --device-memory (None without --device-memory)."""
+    if args.device_memory is None:
+        return None
+    if args.reserve is not None:
+        return args.reserve
+    return DEFAULT_RESERVE_BYTES[args.device_type or DEFAULT_DEVICE_TYPE]
+
+
+def usable_memory(args: argparse.Namespace) -> Optional[int]:
+    """--device-memory less the reserve: what fits? is answered against (None without --device-memory).
+
+    Raises:
+        ValueError: a reserve as large as the memory.
+    """
+    reserve = reserve_bytes(args)
+    if reserve is None:
+        return None
+    if reserve >= args.device_memory:
+        given = (f"--reserve {format_bytes(reserve)}" if args.reserve is not None else
+                 f"the default reserve of {format_bytes(reserve)} (the CUDA context and workspaces the plan does not count)")
+        raise ValueError(f"{given} leaves nothing of --device-memory {format_bytes(args.device_memory)}: "
+                         "give a smaller --reserve (0B for none)")
+    return args.device_memory - reserve
 
 
 def _optimizer_list(text: str) -> List[str]:
@@ -141,8 +187,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     plan = estimate.add_argument_group(
         "model-states plan", "with any of these, the parameters, gradients, optimizer state and master weights "
         "each process holds")
-    plan.add_argument("--world-size", type=int, metavar="W", help="processes in the job (default 1)")
-    plan.add_argument("--nodes", type=int, metavar="N", help="machines; CPU figures are per node (default 1)")
+    plan.add_argument("--world-size", type=_checked(_positive_int), metavar="W", help="processes in the job (default 1)")
+    plan.add_argument("--nodes", type=_checked(_positive_int), metavar="N",
+                      help="machines; CPU figures are per node (default 1)")
     shard = plan.add_mutually_exclusive_group()
     shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
     shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")
@@ -151,7 +198,12 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default, or --dtype's), autocast-bf16/fp16 "
                       "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
                       "(fp32 master weights)")
-    plan.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per process, e.g. 80GiB: says whether it fits")
+    plan.add_argument("--device-memory", metavar="SIZE", type=_checked(_size),
+                      help="accelerator memory per process, with a unit, e.g. 80GiB or 40GB: says whether it fits")
+    plan.add_argument("--reserve", metavar="SIZE", type=_checked(_size),
+                      help="memory of the device that the plan does not count and training cannot use (the CUDA "
+                           "context, cuBLAS and NCCL workspaces, the allocator's cache), taken from --device-memory "
+                           f"before fits? is answered (default {DEFAULT_RESERVE_TEXT} with --device-type cuda, 0B with cpu)"),
     plan.add_argument("--reference-model", action="store_true",
                       help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
                            "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
@@ -165,7 +217,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="the Trainer's gradient_checkpointing=True (non-reentrant)")
     step.add_argument("--attn-implementation", metavar="NAME",
                       help="the attention path to trace: eager, sdpa, ... (default: the config's)")
-    step.add_argument("--device-type", choices=list(DEVICE_TYPES), default="cuda",
+    step.add_argument("--device-type", choices=list(DEVICE_TYPES),
                       help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
     step.add_argument("--max-batch-size", action="store_true",
                       help="the largest per-device batch whose step fits in --device-memory at --seq-len")
@@ -191,6 +243,39 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
                  "device_memory", "reference_model")
+
+
+# Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
+_STEP_OPTIONS = (("seq_len", "--seq-len"), ("gradient_checkpointing", "--gradient-checkpointing"),
+                 ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"))
+_EVAL_OPTIONS = ("seq_len", "attn_implementation")
+_EVAL_FLAGS = ("--seq-len", "--attn-implementation")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse options that would have no effect on what the command answers, and a step plan of
+    a bare parameter count, which has no model to trace.
+
+    Raises:
+        ValueError: one line naming the option and what it needs.
+    """
+    if not step_asked(args):
+        # --seq-len and --attn-implementation are the evaluation plan's too (its forward's batches).
+        evaluation = getattr(args, "eval_samples", None) is not None
+        given = [option for name, option in _STEP_OPTIONS
+                 if getattr(args, name, None) not in (None, False) and not (evaluation and name in _EVAL_OPTIONS)]
+        if given:
+            needs = "--batch-size, --max-batch-size (the step plan) or --eval-samples" if given[0] in _EVAL_FLAGS \
+                else "--batch-size or --max-batch-size (the step plan)"
+            raise ValueError(f"{given[0]} has no effect without {needs}")
+    if getattr(args, "reserve", None) is not None and args.device_memory is None:
+        raise ValueError("--reserve has no effect without --device-memory (the reserve is taken from it)")
+    if step_asked(args):
+        count = parameter_count(args.model)
+        if count is not None:
+            raise ValueError(f"a parameter count ({count:,}) cannot be traced: the step plan (--batch-size, "
+                             "--max-batch-size) runs the model's forward and backward, so it needs a model config, "
+                             "a folder holding config.json")
 
 
 def step_asked(args: argparse.Namespace) -> bool:
@@ -246,7 +331,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
     from trainer_memcb.plan.step_memory import setup_of
 
-    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    memory = usable_memory(args)
+    device_type = args.device_type or DEFAULT_DEVICE_TYPE
     model = estimate_model(args)  # checks the options once, and plans the model states
     settings = step_settings(args, model)
     if settings.batch_size is None and not args.max_batch_size:
@@ -261,17 +347,20 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
 
         at = dataclasses.replace(settings, batch_size=batch, sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
         return plan_step_memory(lambda: estimate_model(args), seq_len=args.seq_len, settings=at,
-                                attn_implementation=args.attn_implementation, device_type=args.device_type,
-                                device_memory=memory, model_name=args.model, states_plan=states,
+                                attn_implementation=args.attn_implementation, device_type=device_type,
+                                device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model, states_plan=states,
                                 dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"))[0]
 
     found: Optional[int] = None
     searched: List[StepMemoryPlan] = []
+    problem: Optional[str] = None
     if args.max_batch_size:
         found, searched = max_batch_size(plan_at, memory)
+        problem = next((f"at batch {plan.batch_size} {plan.problem}" for plan in searched if plan.problem is not None),
+                       None)
     step = plan_at(settings.batch_size) if settings.batch_size is not None else None
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
-            "search": args.max_batch_size}
+            "search": args.max_batch_size, "max_batch_size_problem": problem}
 
 
 def plan_asked(args: argparse.Namespace) -> bool:
@@ -327,7 +416,7 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
                   sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
                   precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params)
-    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    memory = usable_memory(args)
     count = parameter_count(args.model)
     if count is not None:
         given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]

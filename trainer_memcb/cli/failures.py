@@ -18,14 +18,20 @@ from typing import Callable, Iterator, Tuple, Type
 from trainer_memcb.cli.output import one_line
 
 __all__ = [
-    "PROGRAM", "EXIT_DONE", "EXIT_NOTHING_FOUND", "EXIT_USAGE", "EXIT_INTERRUPTED",
-    "UsageError", "say", "quiet_libraries", "answer",
+    "PROGRAM", "EXIT_DONE", "EXIT_NOTHING_FOUND", "EXIT_USAGE", "EXIT_DOES_NOT_FIT", "EXIT_MISSING_PACKAGE",
+    "EXIT_UNTRACEABLE", "EXIT_INTERRUPTED", "UsageError", "say", "quiet_libraries", "answer",
 ]
 
 PROGRAM = "trainer-memcb"
 EXIT_DONE = 0
 EXIT_NOTHING_FOUND = 1
 EXIT_USAGE = 2
+# `estimate --device-memory`: the answer of "fits?" for a script, 0 when it fits.
+EXIT_DOES_NOT_FIT = 3
+# A package the options need is not installed (peft for --lora-r): not a usage error.
+EXIT_MISSING_PACKAGE = 4
+# The step plan cannot trace the model's step under fake tensors: fits? has no answer.
+EXIT_UNTRACEABLE = 5
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 # Loggers of the libraries the commands call, which print warnings of their own on stderr
 # (a hub request retried, a truncated record, a glyph missing from a font).
@@ -96,3 +102,4 @@ def answer(run: Callable[[], int], known: Tuple[Type[BaseException], ...], debug
         else:
             say(f"unexpected error: {type(error).__name__}: {error} (run with --debug for the traceback)")
         return EXIT_NOTHING_FOUND
+

@@ -5,7 +5,7 @@ The figures come from `trainer_memcb.plan.model_states.plan_model_states`; this 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.model_states import ModelStatesPlan
@@ -20,9 +20,25 @@ def _fits(plan: ModelStatesPlan, entry) -> str:
     return f"fits, {margin} to spare" if entry.fits else f"does not fit, {margin} short"
 
 
-def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
-    """The setup, then one row per optimizer: the four states of the fullest process and where they live."""
+def _memory_rows(device_memory: Optional[int], reserve: Optional[int]) -> List[List[str]]:
+    rows = [["device memory", bytes_cell(device_memory)]]
+    if device_memory is not None and reserve is not None:
+        rows += [["reserve (--reserve)", bytes_cell(reserve)], ["fits? against", bytes_cell(device_memory - reserve)]]
+    return rows
+
+
+def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
+                reserve: Optional[int] = None) -> List[TextTable]:
+    """The setup, then one row per optimizer: the four states of the fullest process and where they live.
+
+    Args:
+        plan: the model-states plan (its fits? answered against `device_memory - reserve`).
+        device_memory, reserve: the device's memory and the reserve, shown; None shows the plan's
+            own `device_memory_bytes`.
+    """
     setup = plan.setup
+    if device_memory is None:
+        device_memory, reserve = plan.device_memory_bytes, None
     offload = [name for name, on in (("optimizer", setup.offload_optimizer), ("parameters", setup.offload_params)) if on]
     about = TextTable(f"Model states plan for {plan.model}", ["", "value"], [
         ["parameters", count_cell(plan.total_params)],
@@ -31,8 +47,7 @@ def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
         ["sharding", setup.sharding],
         ["precision", setup.precision],
         ["offload to CPU", ", ".join(offload) or "none"],
-        ["device memory", bytes_cell(plan.device_memory_bytes)],
-    ] + ([["reference model (frozen copy)", plan.reference_model_note
+    ] + _memory_rows(device_memory, reserve) + ([["reference model (frozen copy)", plan.reference_model_note
            or bytes_cell(plan.optimizers[0].reference_model_bytes if plan.optimizers else None)]]
          if plan.reference_model else []))
     rows = []
@@ -78,6 +93,8 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             ["precision", f"{step.precision} (parameters in {step.param_dtype})" if step.param_dtype else step.precision],
             ["optimizer step", step.optimizer],
         ]
+        if step.device_memory_bytes is not None:
+            about += _memory_rows(step.device_memory_bytes, step.reserve_bytes)
         if step.problem is not None:
             about.append(["problem", step.problem + "; only the model states are planned"])
             tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about))
@@ -91,7 +108,8 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about))
             parts = [[_PART_NAMES.get(name, name), bytes_cell(value)] for name, value in step.peak_parts.items()]
             parts += [[f"transient: {name}", bytes_cell(value)] for name, value in step.transient_bytes.items()]
-            tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts))
+            tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts,
+                                    note=_not_counted(step)))
         if step.settings_used:
             rows = [[name, str(value), source] for name, value, source in step.settings_used]
             tables.append(TextTable(f"Settings used (engine: {step.engine}; optimizer implementation: "
@@ -100,11 +118,22 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
     if found.get("search"):
         rows = [[str(plan.batch_size), bytes_cell(plan.peak_bytes),
                  "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found["searched"]]
-        best = found.get("max_batch_size")
-        title = (f"Largest per-device batch that fits: {best}" if best is not None
-                 else "No batch fits (not even 1)")
+        best, problem = found.get("max_batch_size"), found.get("max_batch_size_problem")
+        if problem is not None:
+            title = f"No largest batch: {problem}"
+        elif best is not None:
+            title = f"Largest per-device batch that fits: {best}"
+        else:
+            title = "No batch fits (not even 1)"
         tables.append(TextTable(title, ["batch", "step peak", "fits?"], rows))
     return tables
+
+
+def _not_counted(step: Any) -> str:
+    if not step.not_counted:
+        return ""
+    return ("Not counted: " if step.reserve_bytes is None else "Not counted, left to --reserve: ") + \
+        "; ".join(step.not_counted)
 
 
 def step_json(found: Dict[str, Any]) -> Dict[str, Any]:
@@ -113,6 +142,7 @@ def step_json(found: Dict[str, Any]) -> Dict[str, Any]:
         document["step"] = found["step"].to_dict()
     if found.get("search"):
         document["max_batch_size"] = found.get("max_batch_size")
+        document["max_batch_size_problem"] = found.get("max_batch_size_problem")
         document["searched"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes, "fits": p.fits}
                                 for p in found["searched"]]
     return document

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.optim_options import parse_target_modules
+from trainer_memcb.utils.packages import MissingPackageError
 
 __all__ = ["add_lora_adapters"]
 
@@ -37,7 +38,8 @@ def add_lora_adapters(model: nn.Module, r: int,
         modules_to_save: module names PEFT copies to train in full (`"lm_head"`, `"classifier"`).
 
     Raises:
-        ValueError: a bad `r`, a malformed module list, PEFT not installed, or PEFT refusing the
+        MissingPackageError: peft is not installed (the `peft` extra brings it).
+        ValueError: a bad `r`, a malformed module list, or PEFT refusing the
             configuration (no module matches), with the reason.
 
     Examples:
@@ -58,7 +60,7 @@ def add_lora_adapters(model: nn.Module, r: int,
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise ValueError("LoRA adapters need the peft package, not installed here (pip install peft)") from None
+        raise MissingPackageError("LoRA adapters", "peft", extra="peft") from None
     try:
         config = LoraConfig(r=r, target_modules=targets, modules_to_save=saved)
         with torch.device("meta"):

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.param_shapes import logical_shape
+from trainer_memcb.utils.units import parse_size
 from trainer_memcb.plan.sharding import (
     fsdp_local_shape,
     fsdp_padded_shard_numel,
@@ -128,12 +129,10 @@ PRECISION_DTYPES: Dict[str, torch.dtype] = {
 # ZeRO keeps fp32 master partitions (4 bytes a value) and an fp32 gradient partition for the step.
 _FP32 = 4
 
-_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
-
 
 def parse_bytes(text: Union[str, int]) -> int:
-    """`"80GiB"` -> 85899345920; `"80GB"` -> 80000000000; a plain number is bytes.
+    """`"80GiB"` -> 85899345920; `"80GB"` -> 80000000000; an int is bytes; a number written
+    without a unit is refused (`trainer_memcb.utils.units.parse_size`, the one rule for sizes).
 
     Raises:
         ValueError: naming the text and the units allowed.
@@ -142,19 +141,7 @@ def parse_bytes(text: Union[str, int]) -> int:
         >>> parse_bytes("80GiB"), parse_bytes("1.5 KiB"), parse_bytes(512)
         (85899345920, 1536, 512)
     """
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
-        return text
-    raw = str(text).strip().replace("_", "").replace(",", "")
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ").strip()
-    unit = raw[len(number):].strip().lower()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value < 0:
-        raise ValueError(f"memory size {text!r} is not a size such as 80GiB, 40GB or 1024 (units: "
-                         "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    return int(value * _UNITS[unit])
+    return parse_size(text)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
-__all__ = ["StepMemoryPlan", "plan_step_memory", "max_batch_size", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
+__all__ = ["StepMemoryPlan", "plan_step_memory", "max_batch_size", "NOT_COUNTED", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
@@ -65,6 +65,14 @@ MAX_GRAD_NORM = 1.0
 # Heads whose labels are one per token; sequence classification takes one per sequence.
 _TOKEN_LABELS = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification", "LMHeadModel")
 _PARTS = ("parameters", "gradients", "optimizer_state", "activations", "batch_and_buffers", "other")
+# What a real process holds beyond the storages the trace counts, by device type: the reason for a
+# reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
+NOT_COUNTED = {
+    "cuda": ("the CUDA context (hundreds of MiB per process)", "cuBLAS and NCCL workspaces",
+             "the caching allocator's rounding of each block up to 512 bytes, and the freed blocks it keeps "
+             "cached (fragmentation)"),
+    "cpu": ("the CPU allocator's own bookkeeping and rounding",),
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,10 @@ class StepMemoryPlan:
             `peak_parts`: what was alive then, by part (they sum to `peak_bytes`).
         model_states_plan: the model-states plan of the same setup (per-process states).
         transient_bytes: the sharded engine's short-lived buffers added to the peak.
-        fits, margin_bytes: against `device_memory`, from the peak.
+        device_memory_bytes, reserve_bytes: the device's memory and the part of it left out for
+            what the plan does not count (`reserve_bytes`, see `not_counted`).
+        fits, margin_bytes: against `device_memory_bytes - reserve_bytes`, from the peak.
+        not_counted: what a real process on `device_type` holds that the plan does not count.
         problem: why no step could be traced (then only the model states are known), or None.
     """
 
@@ -110,6 +121,8 @@ class StepMemoryPlan:
     margin_bytes: Optional[int] = None
     problem: Optional[str] = None
     notes: List[str] = field(default_factory=list)
+    reserve_bytes: Optional[int] = None
+    not_counted: List[str] = field(default_factory=list)
     engine: str = "none"
     optimizer_implementation: Optional[str] = None
     host_bytes: Dict[str, int] = field(default_factory=dict)
@@ -328,6 +341,7 @@ def plan_step_memory(
     model_states: bool = True,
     states_plan: Optional[ModelStatesPlan] = None,
     dtype: Optional[torch.dtype] = None,
+    reserve_bytes: int = 0,
     settings: Optional[StepSettings] = None,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
@@ -348,6 +362,9 @@ def plan_step_memory(
         gradient_checkpointing: the Trainer's `gradient_checkpointing=True` (non-reentrant).
         device_type: "cuda" or "cpu": the device the run will use (see the module docstring).
         device_memory: bytes per process, for fits / margin.
+        reserve_bytes: the part of `device_memory` the step cannot use (the CUDA context, the
+            libraries' workspaces, the allocator's cache: `NOT_COUNTED`); fits? is answered
+            against `device_memory - reserve_bytes`.
         model_states: also plan the model states (the sharded setups need them).
         states_plan: a model-states plan made already for this model and setup (reused).
         dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
@@ -359,8 +376,10 @@ def plan_step_memory(
         The step plan, and the model-states plan (or None).
 
     Raises:
-        ValueError: a bad batch size, sequence length, attention path or device type.
+        ValueError: a bad batch size, sequence length, attention path, device type or reserve.
     """
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
     meta = build_model()
     config = getattr(meta, "config", None)
     hidden = getattr(getattr(config, "get_text_config", lambda: config)(), "hidden_size", None) if config is not None else None
@@ -387,7 +406,9 @@ def plan_step_memory(
     step_dtype = dtype or _step_dtype(precision, meta)
     common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
                   device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
-                  precision=precision, optimizer=optimizer, device_memory_bytes=device_memory)
+                  precision=precision, optimizer=optimizer, device_memory_bytes=device_memory,
+                  reserve_bytes=reserve_bytes if device_memory is not None else None,
+                  not_counted=list(NOT_COUNTED[device_type]))
     engine = engine_for(settings)
     mode = FakeTensorMode()
     _MODE[0] = mode
@@ -430,7 +451,7 @@ def plan_step_memory(
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
     fits = margin = None
     if device_memory is not None:
-        margin = device_memory - peak
+        margin = device_memory - reserve_bytes - peak
         fits = margin >= 0
     return StepMemoryPlan(activations_bytes=traced.activations_bytes,
                           activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
@@ -530,25 +551,41 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
     given sequence length (activations and temporaries are proportional to the batch), and the
     optimizer step's, which does not depend on the batch. Two traces (batches 1 and 2) therefore
     predict the answer; fake steps at the predicted batch and one above check it, and doubling
-    and bisection take over wherever the prediction misses. None when batch 1 does not fit (or
-    cannot be traced).
+    and bisection take over wherever the prediction misses. None when batch 1 does not fit, or
+    when a step cannot be traced: then the last plan searched has a `problem` that says why (a
+    missing peak is never read as "does not fit"), and the search stops.
 
     Args:
         plan_at: the step plan at a batch size.
-        device_memory: bytes per process.
+        device_memory: bytes per process the step may use (the device's memory less the reserve).
         limit: the largest batch searched.
     """
     plans: Dict[int, StepMemoryPlan] = {}
+
+    class _CannotTrace(Exception):
+        pass
 
     def fits(batch: int) -> bool:
         if batch not in plans:
             plans[batch] = plan_at(batch)
         peak = plans[batch].peak_bytes
-        return peak is not None and peak <= device_memory
+        if peak is None:
+            raise _CannotTrace()
+        return peak <= device_memory
 
     def done(best: Optional[int]) -> Tuple[Optional[int], List[StepMemoryPlan]]:
         return best, [plans[b] for b in sorted(plans)]
 
+    try:
+        return _search(fits, plans, device_memory, limit, done)
+    except _CannotTrace:
+        return done(None)
+
+
+def _search(fits: Callable[[int], bool], plans: Dict[int, StepMemoryPlan], device_memory: int, limit: int,
+            done: Callable[[Optional[int]], Tuple[Optional[int], List[StepMemoryPlan]]]
+            ) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+    """`max_batch_size`'s search, over `fits` (which traces and records each batch in `plans`)."""
     if not fits(1):
         return done(None)
     if limit == 1 or not fits(2):

@@ -92,6 +92,18 @@ def _missing_package(name: str, error: BaseException) -> Optional[str]:
     return None
 
 
+# transformers' messages that name another optimizer than the one asked for: `_get_torchao_optimizer`
+# (trainer_optimizer.py) builds torchao's AdamW4bit and AdamW8bit, and when torchao is missing says
+# "torch 4-bit optimizers" for both. Name -> (words of the message, the words for this name).
+_MISWORDED = {"adamw_torch_8bit": ("torch 4-bit optimizers", "torchao's 8-bit AdamW (adamw_torch_8bit)")}
+
+
+def _worded_for(name: str, message: str) -> str:
+    """The library's message, with the words that name another optimizer replaced (`_MISWORDED`)."""
+    wrong, right = _MISWORDED.get(name, ("", ""))
+    return message.replace(wrong, right) if wrong else message
+
+
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return text or type(error).__name__
@@ -202,10 +214,11 @@ def build_trainer_optimizer(name: str, args: Any, model: nn.Module) -> Any:
         optimizer_class, kwargs = trainer_optimizer_cls_and_kwargs(trainer_args, model)
     except Exception as error:  # a library not installed, a device missing, a bad optim_args value
         missing = _missing_package(name, error)
+        reason = _worded_for(name, _one_line(error))
         if missing is not None:
-            raise OptimizerUnavailable(f"needs the {missing} package, not installed here ({_one_line(error)})",
+            raise OptimizerUnavailable(f"needs the {missing} package, not installed here ({reason})",
                                        missing_package=missing) from None
-        problem = f"the Trainer cannot build it: {_one_line(error)}"
+        problem = f"the Trainer cannot build it: {reason}"
         if "target_modules" in problem or "target modules" in problem:
             problem += f" ({_TARGETS_HINT})"
         raise OptimizerUnavailable(problem) from None

@@ -138,7 +138,7 @@ def optimizer_names() -> List[str]:
     return sorted({str(name.value) for name in OptimizerNames} | set(OPTIMIZER_ALIASES))
 
 
-def resolve_optimizer_names(names: Union[str, Iterable[str]]) -> Tuple[str, ...]:
+def resolve_optimizer_names(names: Union[str, Sequence[str]]) -> Tuple[str, ...]:
     """`"adamw,adafactor"` or a list of names -> the Trainer's `optim` names, aliases resolved.
 
     Raises:
@@ -146,10 +146,12 @@ def resolve_optimizer_names(names: Union[str, Iterable[str]]) -> Tuple[str, ...]
     """
     if isinstance(names, str):
         names = names.split(",")
-    try:
-        chosen = [name.strip() for name in names if name.strip()]
-    except (TypeError, AttributeError):
-        raise ValueError(f"optimizers={names!r}: expected optimizer names, e.g. ('adamw', 'adafactor')") from None
+    # A list or a tuple only, as every list-or-string argument (`trainer_memcb.utils.name_lists`):
+    # a dict's keys or a set's arbitrary order would pass unnoticed.
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"optimizers={names!r}: expected optimizer names, a list or tuple or one comma-separated "
+                         "string, e.g. ('adamw', 'adafactor')")
+    chosen = [name.strip() for name in names if name.strip()]
     if not chosen:
         raise ValueError("no optimizer named; give one or more of the Trainer's optim names, e.g. adamw,adafactor")
     allowed = optimizer_names()
@@ -182,6 +184,10 @@ def _model_class(config: Any, architecture: Optional[str] = None) -> Any:
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type):
+            if not issubclass(cls, transformers.PreTrainedModel):
+                raise ModelConfigError(f"the config's architectures names {name}, which is not a model class (a "
+                                       "subclass of transformers.PreTrainedModel): give --architecture CLASS, e.g. "
+                                       "LlamaForCausalLM")
             return cls
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         if type(config) in auto._model_mapping:
@@ -193,7 +199,8 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
     """Build the model of a config on the meta device: shapes and dtypes only, no weights read.
 
     Args:
-        model: a local folder holding `config.json`, or a hub name (needs the hub or its cache).
+        model: a local folder holding `config.json` (or the path of that file), or a hub name
+            (needs the hub or its cache).
         dtype: the parameters' dtype; None leaves the default (float32).
         architecture: the transformers class to build (`"DistilBertForSequenceClassification"`);
             None takes the config's `architectures`.
@@ -206,10 +213,16 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
     from transformers import AutoConfig
 
     looks_like_path = os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
-    if os.path.isdir(model):
+    config_file: Optional[str] = None
+    if os.path.isfile(model):  # a config file's own path (`.../config.json`): read as its folder would be
+        config_file = model
+    elif os.path.isdir(model):
         config_file = os.path.join(model, "config.json")
         if not os.path.lexists(config_file):
             raise ModelConfigError(f"{model}: no config.json in this folder (looked for {config_file})")
+    elif looks_like_path or os.path.exists(model):
+        raise ModelConfigError(f"{model}: no such folder (give a folder holding config.json, or a hub name)")
+    if config_file is not None:
         # Read here first, within bounds (no pipe, no device, no huge or deep file), to refuse a
         # config that asks for code before transformers sees it.
         try:
@@ -218,15 +231,16 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
             raise ModelConfigError(f"{model}: could not read a model config ({error})") from None
         if isinstance(document, dict) and "auto_map" in document:
             raise ModelConfigError(_ASKS_FOR_CODE.format(model=model))
-    elif looks_like_path or os.path.exists(model):
-        raise ModelConfigError(f"{model}: no such folder (give a folder holding config.json, or a hub name)")
     try:
-        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(config_file or model, trust_remote_code=False)
     except Exception as error:  # a corrupt config, an unknown model type, an unreachable hub, remote code
         raise ModelConfigError(f"{model}: could not read a model config ({error})") from None
     if getattr(config, "auto_map", None):  # a hub config, seen only now
         raise ModelConfigError(_ASKS_FOR_CODE.format(model=model))
-    cls = _model_class(config, architecture)
+    try:
+        cls = _model_class(config, architecture)
+    except ModelConfigError as error:
+        raise ModelConfigError(f"{model}: {error}") from None
     try:
         with torch.device("meta"):
             built = cls.from_config(config, trust_remote_code=False) if hasattr(cls, "_model_mapping") else cls(config)

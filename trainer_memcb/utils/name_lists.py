@@ -7,8 +7,8 @@ knows. They read the same way, so that what works for one works for all:
 - one comma-separated string, `"key,dtype"` (spaces around a name are dropped);
 - None, `()` or `""`: none;
 - a name given twice counts once (the first place it appears keeps its order);
-- anything else (a number, a name not in the list) is a `ValueError` that names the bad value and
-  the allowed names.
+- anything else (a number, a dict, a set, a name not in the list) is a `ValueError` that names the
+  bad value and the allowed names.
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ def name_list(value: Any, argument: str, allowed: Iterable[str]) -> Tuple[str, .
         return ()
     if isinstance(value, str):
         value = value.split(",")
-    try:
-        items = list(value)
-    except TypeError:  # a number: say what is allowed rather than "not iterable"
-        raise ValueError(f"{argument}={value!r}: expected some of {allowed} (a list, or one comma-separated "
-                         "string), or None for none") from None
+    if not isinstance(value, (list, tuple)):  # a number, a dict (whose keys would pass), a set (no order)
+        raise ValueError(f"{argument}={value!r}: expected some of {allowed} (a list or tuple, or one "
+                         "comma-separated string), or None for none")
+    items = list(value)
     chosen = []
     for item in items:
         name = item.strip() if isinstance(item, str) else item
