@@ -29,6 +29,7 @@ from trainer_memcb.training.per_optimizer import PerOptimizer
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
+from trainer_memcb.training.trainer_train_hook import TrainExitListener, install_train_hook
 from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
@@ -69,7 +70,7 @@ class _Run:
         self.untap: Optional[Callable[[], None]] = None
 
 
-class OptimizerMemoryCallback(TrainerCallback, LogContributor):
+class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener):
     """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
 
     `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
@@ -197,6 +198,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
         self._contributed_entry: Optional[Dict[str, Any]] = None
         install_log_hook()
+        install_train_hook()
 
     def _new_run(self, optimizer: Any) -> _Run:
         monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
@@ -242,11 +244,13 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
     # processes they are combined (a collective), and then only the main process logs them.
 
     def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        # The forwards of the step about to run are measured only if the Trainer will log it.
+        # The forwards of the step about to run are measured only if the Trainer will log it. With
+        # `torch_compile` the Trainer runs a compiled wrapper of the model the callback is handed.
         if self.activations and trainer_logs_step(args, state, state.global_step + 1, kwargs.get("train_dataloader")):
             run = self._run(optimizer)
             if run is not None:
-                run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1)
+                run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1,
+                                            compiled=bool(getattr(args, "torch_compile", False)))
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
@@ -347,15 +351,35 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor):
         every = getattr(args, "logging_steps", 1) or 1
         return not run.monitor.model_states.measured or every < 1 or (state.global_step + 1) % int(every) == 0
 
+    def after_train(self, trainer: Any) -> None:
+        """Called by the hook on `Trainer.train` as it returns or raises: a step that raised (an
+        out-of-memory error in backward, say) left its activations wrapper and, under ZeRO-1/2, the
+        step tap installed; they are removed now. After `on_train_end` nothing is left to remove."""
+        try:
+            optimizer = getattr(trainer, "optimizer", None)
+            run = self._runs.get(optimizer) if optimizer is not None else None
+            if run is None:
+                return  # it never began, or it ended and was released
+            if run is self._current:
+                self._current = None
+            self._uninstall(run)
+        except Exception as error:  # never break training, nor hide its own error
+            self._warn_once("cleanup", f"removing what a step installed failed ({error!r})")
+
+    @staticmethod
+    def _uninstall(run: _Run) -> None:
+        """Remove what the run installed: the ZeRO-1/2 step tap and any activations wrapper."""
+        if run.untap is not None:
+            run.untap, untap = None, run.untap
+            untap()
+        run.monitor.activations.forget()
+
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
         self._current = None
         if run is None:
             return
-        if run.untap is not None:
-            run.untap, untap = None, run.untap
-            untap()
-        run.monitor.activations.forget()
+        self._uninstall(run)
         try:
             self._end(run, args, state)
         finally:
