@@ -20,6 +20,7 @@ as on a fresh model. Nothing is mocked.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -209,7 +210,7 @@ def test_a_wrapper_left_by_a_loop_that_raised_is_recognised_as_ours(tmp_path, fr
     with pytest.raises(Failure):
         RaisingBackward.apply(output.loss).backward()
     stale = model.__dict__["forward"]
-    assert isinstance(getattr(stale, activations_probe.WRAPPER_MARK), activations_probe._Mark)
+    assert activations_probe.is_activations_wrapper(stale)
     assert torch.utils.checkpoint._recomputation_hook is not ORIGINAL_RECOMPUTATION_HOOK  # its counter watches
     del output
     # The loop's step pre-hooks stay on the optimizer until its `close()`: the model is checked here.
@@ -230,7 +231,7 @@ def test_the_loop_logger_as_a_context_removes_everything_when_the_loop_raises():
     batch = TinyDataset()[0]
     with pytest.raises(Failure, match="^out of memory in backward"):
         with OptimizerMemoryLogger(optimizer, model=model) as memory:
-            assert activations_probe.WRAPPER_MARK in vars(model.__dict__["forward"])
+            assert activations_probe.is_activations_wrapper(model.__dict__["forward"])
             loss = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss
             RaisingBackward.apply(loss).backward()
     assert memory.monitor.activations.armed is False
@@ -248,3 +249,58 @@ def test_the_trainer_class_hooks_are_marked_and_pass_a_plain_trainer_through(tmp
     with pytest.raises(Failure, match="^a callback failed"):
         trainer.train()
     assert trainer.state.global_step == 1 and "forward" not in model.__dict__
+
+
+# -- torch.compile: the run goes as it goes without the callback ---------------------------------
+# The "eager" backend keeps the tests quick: dynamo still traces the model's forward (where a
+# wrapper of ours would be traced too, and fail under fullgraph), without compiling kernels.
+
+
+def losses(trainer: Trainer) -> List[float]:
+    return [entry["loss"] for entry in entries_with(trainer.state.log_history, "loss")]
+
+
+def compile_run(output_dir: str, model: torch.nn.Module, callbacks: List[Any], **overrides: Any) -> Tuple[Trainer, List[str]]:
+    trainer = Trainer(model=model, args=args(output_dir, max_steps=2, remove_unused_columns=False, **overrides),
+                      train_dataset=TinyDataset(), callbacks=callbacks)
+    return trainer, train_recording_warnings(trainer)
+
+
+@measures
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
+def test_the_trainers_torch_compile_runs_as_without_the_callback_and_leaves_the_activations_out(
+        tmp_path, monkeypatch, fullgraph):
+    # TrainingArguments(torch_compile=True) writes accelerate's settings into the environment:
+    # set through monkeypatch first, so that they are gone after the test.
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "1" if fullgraph else "0")
+    compiled = dict(torch_compile=True, torch_compile_backend="eager")
+    torch._dynamo.reset()
+    model = tiny_classifier()
+    without, _ = compile_run(str(tmp_path / "without"), tiny_classifier(), [], **compiled)
+    trainer, found_warnings = compile_run(str(tmp_path / "with"), model, [OptimizerMemoryCallback(what_if=())],
+                                          **compiled)
+    assert found_warnings == [f"trainer_memcb: {activations_probe.COMPILED_MESSAGE}"]
+    assert trainer.state.global_step == 2 and losses(trainer) == losses(without)
+    training = entries_with(trainer.state.log_history, "loss")
+    assert [ACTIVATIONS_BYTES in entry for entry in training] == [False, False]
+    assert [entry["optimizer_state_bytes"] for entry in training] == [29808, 29808]  # the rest is measured
+    assert "forward" not in model.__dict__
+
+
+@measures
+def test_a_users_compiled_model_runs_as_without_the_callback_and_gets_its_what_if(tmp_path):
+    torch._dynamo.reset()
+    model = tiny_classifier()
+    without, _ = compile_run(str(tmp_path / "without"), torch.compile(tiny_classifier(), backend="eager"), [])
+    compiled = torch.compile(model, backend="eager")
+    compiled_forward = compiled.__dict__["forward"]  # dynamo's own, on the wrapper
+    callback = OptimizerMemoryCallback(what_if=("adamw_torch", "adafactor"))
+    trainer, found_warnings = compile_run(str(tmp_path / "with"), compiled, [callback])
+    assert found_warnings == [f"trainer_memcb: {activations_probe.COMPILED_MESSAGE}"]  # no what-if failure
+    assert trainer.state.global_step == 2 and losses(trainer) == losses(without)
+    with open(tmp_path / "with" / "optimizer_memory.json") as handle:
+        what_if = json.load(handle)["what_if"]
+    assert what_if["model"] == "DistilBertForSequenceClassification" and what_if["trainable_params"] == 3714
+    assert [(entry["name"], entry["estimate"]["num_bytes"]) for entry in what_if["optimizers"]][0] == ("adamw_torch", 29808)
+    assert "forward" not in model.__dict__ and compiled.__dict__["forward"] is compiled_forward

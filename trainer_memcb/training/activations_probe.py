@@ -64,6 +64,7 @@ __all__ = [
     "WRAPPER_MARK",
     "ActivationsProbe",
     "COMPILED_MESSAGE",
+    "is_activations_wrapper",
     "remove_stale_wrappers",
     "trainer_logs_step",
     "validate_activation_options",
@@ -97,6 +98,11 @@ class _Mark:
         self.probe = probe
 
 
+def is_activations_wrapper(value: Any) -> bool:
+    """Whether `value` (a model's `forward`) is a probe's wrapper: by its mark, never by its name."""
+    return isinstance(getattr(value, WRAPPER_MARK, None), _Mark)
+
+
 def remove_stale_wrappers(model: Any) -> None:
     """Take every wrapper of ours off `model.forward`, putting back what each replaced.
 
@@ -106,9 +112,9 @@ def remove_stale_wrappers(model: Any) -> None:
     its counters stop watching checkpoint's recomputation."""
     for _ in range(_MAX_STALE_WRAPPERS):
         current = model.__dict__.get("forward", _MISSING)
-        mark = getattr(current, WRAPPER_MARK, None)
-        if not isinstance(mark, _Mark):
+        if not is_activations_wrapper(current):
             return
+        mark = getattr(current, WRAPPER_MARK)
         owner = mark.probe()
         if owner is not None and owner._wrapper is current:
             owner.disarm()
