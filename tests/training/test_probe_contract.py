@@ -4,7 +4,8 @@ What the library installs while training: the activations probe's wrapper of `mo
 the saved-tensors hooks it pushes around each measured forward, its watch of checkpoint's
 recomputation (`torch.utils.checkpoint._recomputation_hook`, wrapped while a counter lives), the
 loop logger's step pre-hooks on the optimizer, and, under ZeRO-1/2, a wrapper of DeepSpeed's `step`
-(`tests/training/test_model_states.py` holds that tap's own removal; here its owner's). The hooks on
+(`tests/training/test_model_states.py` holds that tap's own removal; here a real ZeRO-2 Trainer's
+`train()` raises, in a process of its own). The hooks on
 the `Trainer` class (`log`, `train`) stay for the process by design: they change nothing for a
 Trainer without our callback.
 
@@ -21,6 +22,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -37,6 +41,7 @@ from trainer_memcb.training.trainer_train_hook import is_train_hook_installed
 
 measures = requires_torch("2.8", "torch._C._autograd._top_saved_tensors_default_hooks, to see saved-tensor hooks "
                           "of the user's own; on an older torch the activations are left out")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ORIGINAL_RECOMPUTATION_HOOK = torch.utils.checkpoint._recomputation_hook
 FAIL_AT = 2  # a logged step (logging_steps=1), after a first step that logs its figures
 MISSING = object()
@@ -236,6 +241,22 @@ def test_the_loop_logger_as_a_context_removes_everything_when_the_loop_raises():
             RaisingBackward.apply(loss).backward()
     assert memory.monitor.activations.armed is False
     before.assert_unchanged(model, optimizer)
+
+
+def test_a_zero2_step_tap_is_gone_when_train_raises(tmp_path):
+    """DeepSpeed's own ZeRO-2 engine in one process (torchrun): the tap wraps DeepSpeed's `step`
+    while training, and is gone once `train()` has raised (it used to stay until `on_train_end`)."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+               os.path.join(REPO_ROOT, "tests", "dist_scripts", "zero_tap_raises.py"), str(tmp_path)]
+    done = subprocess.run(command, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    with open(tmp_path / "rank0.json", encoding="utf-8") as handle:
+        result = json.load(handle)
+    assert result == {"error": "a callback failed (on purpose)", "global_step": 1, "zero": "DeepSpeedZeroOptimizer",
+                      "wrapped_during_training": True, "wrapped_after": False}
 
 
 def test_the_trainer_class_hooks_are_marked_and_pass_a_plain_trainer_through(tmp_path):
