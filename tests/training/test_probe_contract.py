@@ -325,3 +325,65 @@ def test_a_users_compiled_model_runs_as_without_the_callback_and_gets_its_what_i
     assert what_if["model"] == "DistilBertForSequenceClassification" and what_if["trainable_params"] == 3714
     assert [(entry["name"], entry["estimate"]["num_bytes"]) for entry in what_if["optimizers"]][0] == ("adamw_torch", 29808)
     assert "forward" not in model.__dict__ and compiled.__dict__["forward"] is compiled_forward
+
+
+# -- the wrapper on its own: whose it is, what it replaced ---------------------------------------
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+
+
+def measured(probe: activations_probe.ActivationsProbe, model: torch.nn.Module, rows: int, step: int) -> Dict[str, int]:
+    """Arm `probe` on `model`, run one forward and backward of `rows` rows, and read the figures."""
+    probe.arm(model, step)
+    model(torch.ones(rows, 4)).sum().backward()
+    probe.before_optimizer_step()
+    return probe.figures(step)
+
+
+@measures
+def test_a_wrapper_whose_probe_is_gone_puts_back_the_users_own_forward():
+    model = small_model()
+    users_forward = model.forward  # an instance attribute of the user's (a bound method, say)
+    model.forward = users_forward
+    probe = activations_probe.ActivationsProbe()
+    probe.arm(model, 1)
+    stale = model.__dict__["forward"]
+    assert activations_probe.is_activations_wrapper(stale) and not activations_probe.is_activations_wrapper(users_forward)
+    del probe  # held weakly by its wrapper: gone, and its wrapper with it as far as measuring goes
+    model(torch.ones(2, 4))  # the stale wrapper only calls through
+    assert model.__dict__["forward"] is stale
+    # 2 x 4 fp32 rows: linear's input and relu's output, 32 bytes each
+    assert measured(activations_probe.ActivationsProbe(), model, 2, 1) == {ACTIVATIONS_BYTES: 64, ACTIVATIONS_PEAK_BYTES: 64}
+    assert model.__dict__["forward"] is users_forward
+
+
+@measures
+def test_a_wrapper_left_inside_someone_elses_measures_nothing_once_its_probe_moved_on():
+    first, second = small_model(), small_model()
+    probe = activations_probe.ActivationsProbe()
+    probe.arm(first, 1)
+    ours = first.forward
+    first.forward = lambda *args: ours(*args)  # wrapped again by someone else, while armed
+    probe.disarm()  # ours stays inside theirs
+    probe.arm(second, 2)
+    first(torch.ones(3, 4)).sum().backward()  # the old wrapper, inside the other: not measured
+    second(torch.ones(2, 4)).sum().backward()
+    probe.before_optimizer_step()
+    assert probe.figures(2) == {ACTIVATIONS_BYTES: 64, ACTIVATIONS_PEAK_BYTES: 64}  # the second model's only
+
+
+@measures
+def test_a_model_compiled_inside_another_after_arming_is_traced_through():
+    model = small_model()
+    outer = torch.nn.Sequential(model)
+    probe = activations_probe.ActivationsProbe()
+    probe.arm(model, 1)
+    torch._dynamo.reset()
+    compiled = torch.compile(outer, backend="eager", fullgraph=True)  # dynamo traces our wrapper
+    compiled(torch.ones(2, 4)).sum().backward()
+    probe.before_optimizer_step()
+    assert probe.figures(1) == {} and "forward" not in model.__dict__
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
