@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -262,8 +263,9 @@ def test_a_zero2_step_tap_is_gone_when_train_raises(tmp_path):
 def test_the_trainer_class_hooks_are_marked_and_pass_a_plain_trainer_through(tmp_path):
     """`Trainer.train` and `Trainer.log` stay wrapped for the process (installed once, by the first
     callback): a Trainer without our callback trains as before, and its error reaches the caller."""
-    OptimizerMemoryCallback()
+    OptimizerMemoryCallback(), OptimizerMemoryCallback()
     assert is_train_hook_installed()
+    assert not getattr(Trainer.train.__wrapped__, "__trainer_memcb_train_hook__", False)  # wrapped once
     model = tiny_classifier()
     trainer = Trainer(model=model, args=args(str(tmp_path), max_steps=2),
                       train_dataset=TinyDataset(), callbacks=[RaiseAtStepBegin(2)])
@@ -352,7 +354,9 @@ def test_a_wrapper_whose_probe_is_gone_puts_back_the_users_own_forward():
     probe.arm(model, 1)
     stale = model.__dict__["forward"]
     assert activations_probe.is_activations_wrapper(stale) and not activations_probe.is_activations_wrapper(users_forward)
+    gone = weakref.ref(probe)
     del probe  # held weakly by its wrapper: gone, and its wrapper with it as far as measuring goes
+    assert gone() is None
     model(torch.ones(2, 4))  # the stale wrapper only calls through
     assert model.__dict__["forward"] is stale
     # 2 x 4 fp32 rows: linear's input and relu's output, 32 bytes each
