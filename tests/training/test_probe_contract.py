@@ -219,10 +219,11 @@ def test_a_wrapper_left_by_a_loop_that_raised_is_recognised_as_ours(tmp_path, fr
     assert activations_probe.is_activations_wrapper(stale)
     assert torch.utils.checkpoint._recomputation_hook is not ORIGINAL_RECOMPUTATION_HOOK  # its counter watches
     del output
-    # The loop's step pre-hooks stay on the optimizer until its `close()`: the model is checked here.
+    # The loop's step pre-hooks stay on its optimizer until its `close()` (and would disarm its
+    # probe at that optimizer's step): the Trainer gets an optimizer of its own, the model is checked.
     model_only = copy.copy(before)
     model_only.optimizer = None
-    train_again_measures_as_fresh(model, optimizer, str(tmp_path), fresh_model_figures, model_only)
+    train_again_measures_as_fresh(model, None, str(tmp_path), fresh_model_figures, model_only)
     # The old probe was disarmed when its wrapper was taken off: it measures nothing any more.
     assert not memory.monitor.activations.armed
     memory.close()  # the loop's step pre-hooks, which `close()` is there to remove
@@ -373,8 +374,9 @@ def test_a_wrapper_left_inside_someone_elses_measures_nothing_once_its_probe_mov
     first.forward = lambda *args: ours(*args)  # wrapped again by someone else, while armed
     probe.disarm()  # ours stays inside theirs
     probe.arm(second, 2)
-    first(torch.ones(3, 4)).sum().backward()  # the old wrapper, inside the other: not measured
-    second(torch.ones(2, 4)).sum().backward()
+    first_loss = first(torch.ones(3, 4)).sum()  # the old wrapper, inside the other: not measured
+    second(torch.ones(2, 4)).sum().backward()  # (were the first counted, the second would join it)
+    first_loss.backward()
     probe.before_optimizer_step()
     assert probe.figures(2) == {ACTIVATIONS_BYTES: 64, ACTIVATIONS_PEAK_BYTES: 64}  # the second model's only
 

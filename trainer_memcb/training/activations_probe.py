@@ -1,15 +1,20 @@
 """Activations measured in a run: what autograd saves for backward in a logged step's forward.
 
 `ActivationsProbe` is armed at the start of an optimizer step that will be logged and disarmed
-before that step's optimizer update. While armed, every forward of the model (one per micro-batch)
-runs inside a fresh `trainer_memcb.state.saved_tensors.SavedTensorsCounter` that excludes the
-model's parameters; a later micro-batch's counter replaces an earlier one's, so with gradient
-accumulation the last micro-batch before the optimizer step is the one reported:
+before that step's optimizer update. While armed, every forward of the model runs inside a
+`trainer_memcb.state.saved_tensors.SavedTensorsCounter` that excludes the model's parameters. A
+forward that begins while what an earlier forward saved is still alive (R-Drop or a contrastive
+loss: two forwards with gradients, then one backward) runs in that forward's counter: they are
+counted together, each storage once (the batch both read is counted once), which is what the
+micro-batch's backward will need. A forward that begins when everything saved has been released
+(a backward ran) starts a fresh counter, which replaces the earlier one, so with gradient
+accumulation the last micro-batch before the optimizer step is the one reported. (A graph kept
+past its backward, `retain_graph=True`, keeps the next micro-batch in the same count.)
 
 | key | unit | meaning |
 |---|---|---|
-| `activations_bytes` | bytes | storages saved for backward by the last micro-batch's forward, still saved at its end, each storage once, parameters excluded |
-| `activations_peak_bytes` | bytes | the most of those saved bytes alive at any moment of that micro-batch's forward and backward |
+| `activations_bytes` | bytes | storages saved for backward by the last micro-batch's forwards, still saved at the end of its last forward, each storage once, parameters excluded |
+| `activations_peak_bytes` | bytes | the most of those saved bytes alive at any moment of that micro-batch's forwards and backward |
 | `device_peak_allocated_bytes` | bytes | on CUDA only: `torch.cuda.max_memory_allocated` of the model's device, read when the step is logged |
 
 What is counted is the counter's business (`trainer_memcb.state.saved_tensors`, watching
@@ -32,7 +37,22 @@ the counter, calls the forward it replaced, and exits the counter, in a `try` of
 forward that raises leaves no hooks behind (the wrapper is removed there and then). Module hooks
 cannot promise that: a forward hook that runs after a failed forward cannot remove itself without
 corrupting the exception torch is about to raise. The wrapper is removed when the step is
-disarmed, and nothing is installed on a step that is not logged.
+disarmed, and nothing is installed on a step that is not logged. A step that raises after its
+forwards (an out-of-memory error in backward, a failing optimizer step) never reaches the disarm:
+the Trainer callback removes the wrapper when `Trainer.train` leaves (`trainer_train_hook.py`),
+the loop logger in `close()` (or at the end of its `with` block). The wrapper is marked
+(`WRAPPER_MARK`: what it replaced, and its probe, held weakly), so that a wrapper of ours left on a
+model anyway is recognised as ours and taken off when any probe arms on that model
+(`remove_stale_wrappers`): the forward wrapped is always the user's own, and a stale wrapper, or
+one left inside someone else's, only calls through.
+
+A compiled model is not measured: with the Trainer's `torch_compile` (the callback is handed the
+model, but the Trainer runs its compiled wrapper), a `torch.compile(model)`, or `model.compile()`,
+the probe installs nothing and one warning says that the keys are left out. Dynamo would have to
+trace the wrapper and the counter's Python hooks: under `fullgraph` it cannot (the run would
+fail), without it the graph splits around them, and every change of `model.forward` recompiles.
+A forward reached while dynamo traces (a model compiled inside another after arming) calls
+straight through.
 
 It needs torch 2.8 or newer (`torch._C._autograd._top_saved_tensors_default_hooks`, to see saved-
 tensor hooks of the user's own); on an older torch one warning says so and the keys are left out.

@@ -101,7 +101,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
     | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
-    | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (training entries) |
+    | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (all its forwards, if several), training entries |
     | `activations_peak_bytes` | bytes | the most of those alive during that micro-batch's forward and backward |
     | `device_peak_allocated_bytes` | bytes | CUDA only: `torch.cuda.max_memory_allocated` of the model's device |
 
@@ -148,9 +148,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
         eval_keys: the keys evaluation entries carry: `"short"` (default), `"all"`, or key names
             (never the activation keys, which describe training steps).
         train_keys: the keys training entries carry: `"all"` (default), `"short"`, or key names.
-        activations: measure the activations on the steps the Trainer logs (the forward of the
-            step's last micro-batch runs under a saved-tensors counter;
-            `trainer_memcb.training.activations_probe` says what is counted); False for none.
+        activations: measure the activations on the steps the Trainer logs (the forwards of the
+            step's last micro-batch run under a saved-tensors counter;
+            `trainer_memcb.training.activations_probe` says what is counted, and why a compiled
+            model is left out); False for none.
         reset_device_peak: on CUDA, reset the allocator's peak statistics at the start of each
             logged step, so that `device_peak_allocated_bytes` is that step's own peak; by
             default they are never reset (they are global: other code may read them).
