@@ -32,7 +32,11 @@ def test_each_storage_counts_once_from_its_first_tensor_to_its_last():
     assert tracker.sizes == {0: 64, 1: 32, 2: 32, 3: 32, 4: 4}
     assert sorted(tracker.peak_keys) == [0, 1, 2, 3]
     assert tracker.serials([z, w, weight]) == [3, 4, 0]
+    with tracker:
+        detached = z.detach()  # z's storage, and no reference back to z (unlike a view)
     del z
+    assert tracker.alive_bytes == 100  # the weight, w, and z's storage: the detached tensor holds it
+    del detached
     assert tracker.alive_bytes == 68
 
 
