@@ -36,6 +36,11 @@ The callback measures the activations at every step in (a) (its default, `loggin
 the small model the ratio is also held to 1.02, the activations' target. (c) isolates them: the
 small model with the callback in every step, measuring the activations in half of them (its
 `activations` option switched step by step, ABBA), as the ratio with / without, target at most 1.02.
+(d) `Trainer.evaluate()` on the small model (64 samples in batches of 8, `compute_metrics` given, so
+that the loop gathers every batch's logits and labels), with the callback measuring what the
+evaluation holds or not (its `evaluation` switch, ABBA evaluation by evaluation), as the ratio of
+the median block, target at most 1.01. The side without measuring still passes through the hook on
+`Trainer.evaluation_loop`, which then only finds nothing armed.
 `--quick` is a smoke run whose numbers mean little.
 
     python benchmarks/overhead.py            # the full benchmark, about four minutes on 2 cores
@@ -80,6 +85,8 @@ STEP_RATIO_TARGET = 1.01  # (a): with / without the callback, at most
 ACTIVATIONS_STEP_RATIO_TARGET = 1.02
 MEASURE_SPEEDUP_TARGET = 600.0  # (b): naive / measure_optimizer_state, at least
 FLOOR_RATIO_TARGET = 2.0  # (b): measure_optimizer_state / the bare loop over the state's storages, at most
+EVALUATE_RATIO_TARGET = 1.01  # (d): evaluate() measured / not measured, at most
+EVAL_SAMPLES = 64
 
 DISTILBERT_CONFIG_DIR = os.path.join(REPO_ROOT, "examples", "models", "distilbert-base-cased")
 
@@ -103,6 +110,7 @@ class Settings:
     measure_rounds: int  # (b): rounds of measure_optimizer_state and of the bare loop, taking turns
     measure_calls: int  # (b): calls per round
     naive_calls: int  # (b): timed calls of the naive method (each copies the whole state), one a round
+    eval_blocks: int = 8  # (d): ABBA blocks of 4 evaluate() calls
 
     @classmethod
     def full(cls, threads: int) -> "Settings":
@@ -114,7 +122,7 @@ class Settings:
     def quick(cls, threads: int) -> "Settings":
         return cls(threads=threads, tiny=RunLengths(runs=1, steps=16, warmup_steps=4),
                    small=RunLengths(runs=1, steps=8, warmup_steps=4), measure_rounds=3, measure_calls=2,
-                   naive_calls=1)
+                   naive_calls=1, eval_blocks=1)
 
 
 # -- the two models ------------------------------------------------------------------------------
@@ -580,6 +588,40 @@ def profile_callback(settings: Settings) -> str:
 # -- the command ---------------------------------------------------------------------------------
 
 
+# -- (d) evaluate() with and without measuring what it holds -----------------------------------
+
+
+def _accuracy(prediction: Any) -> Dict[str, float]:
+    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+
+def compare_evaluate_times(settings: Settings) -> Tuple[float, List[float], float, float]:
+    """The median over ABBA blocks of the block's evaluate() seconds measured / not measured, the
+    blocks' ratios, and the median seconds of an evaluate() measured and not."""
+    callback = OptimizerMemoryCallback(what_if=(), summary_file=None)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = Trainer(model=SMALL.build_model(), args=training_args(output_dir, per_device_eval_batch_size=8),
+                          eval_dataset=SMALL.build_dataset(EVAL_SAMPLES), compute_metrics=_accuracy,
+                          callbacks=[callback])
+        for quiet in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(quiet)
+        times: Dict[bool, List[float]] = {True: [], False: []}
+        ratios = []
+        for block in range(settings.eval_blocks + 1):  # the first block warms up, untimed
+            block_times: Dict[bool, float] = {True: 0.0, False: 0.0}
+            for measured in (True, False, False, True):
+                callback.evaluation = measured
+                start = time.perf_counter()
+                trainer.evaluate()
+                block_times[measured] += time.perf_counter() - start
+                if block:
+                    times[measured].append(time.perf_counter() - start)
+            if block:
+                ratios.append(block_times[True] / block_times[False])
+        callback.evaluation = True
+    return statistics.median(ratios), ratios, statistics.median(times[True]), statistics.median(times[False])
+
+
 def verdict(holds: bool) -> str:
     return "target met" if holds else "target NOT met"
 
@@ -629,6 +671,8 @@ def command(args: argparse.Namespace) -> int:
     print(f"(c) training step, {SMALL.name}, the callback in every step, measuring the activations or not")
     activations_ratios = compare_step_times(SMALL, settings.small, f", {SMALL.name}",
                                             report=lambda line: print(line, flush=True), toggle="activations")
+    print(f"(d) evaluate(), {SMALL.name}, {EVAL_SAMPLES} samples in batches of 8, measuring what it holds or not")
+    evaluate_ratio, evaluate_ratios, measured_seconds, plain_seconds = compare_evaluate_times(settings)
     print("(b) measuring the state")
     measuring = compare_measuring(settings)
     print(f"  state: {measuring.num_params:,} parameters, {measuring.num_state_tensors} state tensors; "
@@ -664,6 +708,10 @@ def command(args: argparse.Namespace) -> int:
               f"{min(times.run_ratios):.4f}..{max(times.run_ratios):.4f}; adds {times.added_seconds * 1e3:.4f} ms "
               f"to a step of {times.step_seconds * 1e3:.1f} ms) "
               f"-> {verdict(times.ratio <= ACTIVATIONS_STEP_RATIO_TARGET)} (<= {ACTIVATIONS_STEP_RATIO_TARGET})")
+    print(f"  (d) evaluate() time measured / not measured: {evaluate_ratio:.4f} (median over {len(evaluate_ratios)} "
+          f"ABBA blocks; blocks' ratios {min(evaluate_ratios):.4f}..{max(evaluate_ratios):.4f}; an evaluate() "
+          f"{measured_seconds * 1e3:.1f} ms measured, {plain_seconds * 1e3:.1f} ms not) "
+          f"-> {verdict(evaluate_ratio <= EVALUATE_RATIO_TARGET)} (<= {EVALUATE_RATIO_TARGET})")
     print(f"  (b) naive / measure_optimizer_state: {measuring.ratio:.0f}x "
           f"-> {verdict(measuring.ratio >= MEASURE_SPEEDUP_TARGET)} (>= {MEASURE_SPEEDUP_TARGET:.0f}x)")
     print(f"  (b) measure_optimizer_state / bare loop: {measuring.floor_ratio:.2f}x "

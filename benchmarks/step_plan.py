@@ -3,7 +3,9 @@
 Each case runs `trainer-memcb estimate` in a process of its own (so that its peak RSS is its own)
 and prints the wall time, the CPU time (on a shared machine the wall time waits for other
 processes; the CPU time is the command's own) and the peak RSS, against the targets: the plan with
-activations at batch 8 x 512 within 10 s and 1 GiB, `--max-batch-size` within 60 s.
+activations at batch 8 x 512 within 10 s and 1 GiB, `--max-batch-size` within 60 s; and for
+Llama-2-7B, the same plan with the evaluation plan beside it (`--eval-samples 1000
+--eval-batch-size 8`), whose evaluation part adds at most 5 s of CPU time.
 
     python benchmarks/step_plan.py
 """
@@ -22,8 +24,18 @@ CASES = (
     ("plan at 8 x 512", ["--batch-size", "8", "--seq-len", "512"], 10.0),
     ("--max-batch-size at 512, 80GiB", ["--max-batch-size", "--seq-len", "512", "--device-memory", "80GiB"], 60.0),
 )
+# The engine plans for 7B (target 15 s each): FSDP2 traced with the real fully_shard, ZeRO modelled.
+ENGINE_CASES = tuple(
+    (f"{name} x {world}, 8 x 512", ["--batch-size", "8", "--seq-len", "512", "--world-size", str(world), *flags], 15.0)
+    for world in (8, 64)
+    for name, flags in (("fsdp2 full shard", ["--sharding", "fsdp-full-shard", "--precision", "bf16"]),
+                        ("ddp", ["--sharding", "ddp", "--precision", "bf16"]),
+                        ("zero3", ["--zero", "3", "--precision", "deepspeed-bf16"]))
+)
 # A 70B model's bf16 weights alone exceed 80 GiB on one process: its search is asked under ZeRO-3 on 64.
 SHARDED = ["--zero", "3", "--world-size", "64", "--precision", "deepspeed-bf16"]
+EVALUATION = ["--eval-samples", "1000", "--eval-batch-size", "8"]
+EVALUATION_ADDED_TARGET = 5.0  # seconds of CPU time the evaluation plan adds, at most
 
 
 def run(model: str, extra: list) -> tuple:
@@ -47,6 +59,17 @@ def main() -> None:
                 extra, name = extra + SHARDED, name + ", ZeRO-3 x 64"
             wall, cpu, rss = run(model, extra)
             print(f"{model:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
+            if "70b" not in model and name == CASES[0][0]:
+                plain = cpu
+                wall, cpu, rss = run(model, extra + EVALUATION)
+                added = cpu - plain
+                print(f"{model:38} {'  + evaluation of 1000 x 512':32} {wall:8.1f} {cpu:8.1f} {target + 5:8.0f} "
+                      f"{cpu / (target + 5):10.2f} {rss / 2**20:12.0f}")
+                print(f"{'':38} {'  the evaluation part adds':32} {'':8} {added:8.1f} {EVALUATION_ADDED_TARGET:8.0f} "
+                      f"{added / EVALUATION_ADDED_TARGET:10.2f}   -> target {'met' if added <= EVALUATION_ADDED_TARGET else 'NOT met'}")
+    for name, extra, target in ENGINE_CASES:
+        wall, cpu, rss = run(MODELS[0], extra)
+        print(f"{MODELS[0]:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
     print("* the largest peak RSS of the cases run so far (getrusage of the children): each case's own is at most that")
 
 

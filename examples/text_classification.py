@@ -12,6 +12,7 @@ Shared by `train_with_trainer.py`, `train_with_accelerate.py` and `compare_optim
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,21 @@ NUM_LABELS = 2
 # Reviews are at most 16 words; 64 tokens leave room for other texts without wasting compute.
 MAX_LENGTH = 64
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+# bitsandbytes' CPU backend, on a CPU with AVX-512 BF16, tries to load a 4-bit matmul kernel from
+# the hub when it is imported (bitsandbytes/backends/cpu/ops.py) and logs this warning when it
+# cannot: on every example, since the Trainer imports peft and peft bitsandbytes. The examples
+# train no 4-bit model, so that one message is dropped; everything else the logger says passes.
+BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+BITSANDBYTES_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward"
+
+
+def _not_the_kernel_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(BITSANDBYTES_KERNEL_NOTICE)
+
+
+# Before transformers (and through it bitsandbytes) is imported: the logger is the same object then.
+logging.getLogger(BITSANDBYTES_CPU_LOGGER).addFilter(_not_the_kernel_notice)
 
 __all__ = [
     "OPTIMIZERS",
@@ -105,7 +121,10 @@ def local_tokenizer(texts: Iterable[str]) -> Any:
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS)))
+    # No progress bar: it takes milliseconds, and with an iterator of unknown length its bar reads "410 / 0".
+    tokenizer.train_from_iterator(
+        texts, trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    )
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]

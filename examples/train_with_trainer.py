@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import text_classification  # noqa: F401  (first: it drops bitsandbytes' import notice, see there)
 import torch
-from transformers import DataCollatorWithPadding, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import DataCollatorWithPadding, ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 
 from text_classification import (
@@ -62,6 +63,15 @@ class StepTimer(TrainerCallback):
         return self.seconds / self.steps if self.steps else None
 
 
+class ProgressBarsOnly(ProgressCallback):
+    """The Trainer's progress bars (training steps, evaluation batches), without the log entries
+    it would print under them: for a caller that prints its own summary."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
+               **kwargs: Any) -> None:
+        pass
+
+
 @dataclass
 class TrainingRun:
     """What one fine-tuning run produced.
@@ -97,7 +107,7 @@ def training_arguments(args: argparse.Namespace, optimizer: str, output_dir: str
         output_dir=output_dir, optim=OPTIMIZERS[optimizer].trainer_optim, learning_rate=args.learning_rate,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
         logging_steps=args.logging_steps, save_strategy="no", report_to="none", seed=args.seed,
-        dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), disable_tqdm=True, **schedule,
+        dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), disable_tqdm=False, **schedule,
     )
 
 
@@ -106,7 +116,8 @@ def train(
 ) -> TrainingRun:
     """Fine-tune `args.model` with `optimizer`; TensorBoard events go to `tensorboard_dir`.
 
-    With `print_logs`, each log entry is printed as the Trainer logs it (figures included).
+    A progress bar shows the steps as they go; with `print_logs`, each log entry is printed under
+    it as the Trainer logs it (figures included).
     """
     from torch.utils.tensorboard import SummaryWriter
 
@@ -124,7 +135,8 @@ def train(
         callbacks=[TensorBoardCallback(SummaryWriter(log_dir=tensorboard_dir)), OptimizerMemoryCallback(), timer],
     )
     if not print_logs:
-        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(ProgressBarsOnly())
     trainer.train()
     # trainer_state.json beside optimizer_memory.json, so that `trainer-memcb report` and
     # `compare` find the whole log history (eval accuracy and F1 included) in the run's folder.

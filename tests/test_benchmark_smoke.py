@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "overhead.py")
 
@@ -15,6 +17,7 @@ SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "overhead.py")
 DISTILBERT_ADAMW_STATE_BYTES = 65_783_042 * 2 * 4 + 104 * 4
 
 
+@pytest.mark.slow
 def test_quick_benchmark_prints_both_ratios():
     environment = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     completed = subprocess.run(

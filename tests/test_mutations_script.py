@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "mutations.py")
 # A fast one: a tiny plan, no training. `fits` must hold at a margin of exactly 0.
@@ -28,6 +30,7 @@ def test_list_names_every_edit_and_its_tests_and_finds_each_text_once():
     assert listed.stdout.count("    tests: ") == len(names)
 
 
+@pytest.mark.slow
 def test_one_edit_is_killed_in_a_copy_and_the_working_tree_is_untouched():
     path = os.path.join(REPO_ROOT, "trainer_memcb", "plan", "model_states.py")
     with open(path, encoding="utf-8") as handle:

@@ -3,6 +3,7 @@ copy of the source, and what they hold."""
 
 from __future__ import annotations
 
+import ast
 import configparser
 import email.parser
 import os
@@ -154,3 +155,45 @@ def test_install_requires_is_what_the_package_imports():
                             imported.add(words[1].split(".")[0])
     assert {"torch", "transformers", "rich"} <= imported
     assert not {"datasets", "evaluate", "accelerate"} & imported
+
+
+def test_the_examples_extra_brings_what_the_examples_import_and_every_named_extra_exists():
+    """`pip install -e ".[examples]"` is enough for examples/ (beyond what torch and transformers
+    bring), and each `trainer_memcb[extra]` the guide, the README or a message names is declared."""
+    import re
+
+    config = _setup_cfg()
+    extras = {extra: {re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
+                      for requirement in _lines(value)}
+              for extra, value in config["options.extras_require"].items()}
+    assert extras["peft"] == {"peft"}
+    # Import name -> distribution, for the examples' third-party imports; numpy, tokenizers and
+    # huggingface_hub come with transformers, accelerate is install_requires.
+    distributions = {"datasets": "datasets", "evaluate": "evaluate", "sklearn": "scikit-learn",
+                     "bitsandbytes": "bitsandbytes", "tensorboard": "tensorboard"}
+    provided = {"torch", "transformers", "accelerate", "numpy", "tokenizers", "huggingface_hub", "trainer_memcb",
+                "text_classification",
+                "train_with_trainer", "make_reviews"}
+    imported = set()
+    for folder, _, names in os.walk(os.path.join(REPO_ROOT, "examples")):
+        for name in names:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                    tree = ast.parse(handle.read())
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Import):
+                        imported |= {alias.name.split(".")[0] for alias in node.names}
+                    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                        imported.add(node.module.split(".")[0])
+    third_party = {name for name in imported if name not in sys.stdlib_module_names and name not in provided}
+    assert third_party <= set(distributions), third_party - set(distributions)
+    # torch.utils.tensorboard's SummaryWriter, which the examples give the reporter, needs tensorboard.
+    assert {distributions[name] for name in third_party} | {"tensorboard"} <= extras["examples"]
+    named = set()
+    for path in [os.path.join(REPO_ROOT, "README.md")] + [
+            os.path.join(folder, name) for root in ("docs", "trainer_memcb")
+            for folder, _, names in os.walk(os.path.join(REPO_ROOT, root)) for name in names
+            if name.endswith((".md", ".py"))]:
+        with open(path, encoding="utf-8") as handle:
+            named |= set(re.findall(r"trainer_memcb\[(\w+)\]", handle.read()))
+    assert named and named <= set(extras), named - set(extras)

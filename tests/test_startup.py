@@ -111,6 +111,7 @@ def test_the_optimizer_handlers_give_what_the_trainer_gives(name):
     assert trainer_optimizer_cls_and_kwargs(args, model) == expected
 
 
+@pytest.mark.slow
 def test_estimate_keeps_other_libraries_chatter_off_the_terminal_and_verbose_shows_it():
     command = [sys.executable, "-m", "trainer_memcb", "estimate", TINY_CONFIG, "--optimizers", "adamw,adamw_bnb_8bit"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
@@ -139,3 +140,16 @@ def test_a_bad_config_still_gets_its_one_line_message():
     done = run_python("import sys\nfrom trainer_memcb.cli import main\nsys.exit(main(['estimate', 'no/such/folder/x']))")
     assert done.returncode == 1
     assert done.stderr == "trainer-memcb: no/such/folder/x: no such folder (give a folder holding config.json, or a hub name)\n"
+
+
+def test_help_imports_no_bitsandbytes_and_writes_nothing_to_stderr():
+    # bitsandbytes logs "Failed to load CPU gemm_4bit_forward ..." when imported on a CPU with
+    # AVX-512 BF16 (not this one): `--help` must not import it, nor anything of the Trainer.
+    script = os.path.join(os.path.dirname(sys.executable), "trainer-memcb")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    done = subprocess.run([script, "--help"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("usage: trainer-memcb")
+    assert done.stderr == ""
+    code = ("import sys\nfrom trainer_memcb.cli import console_main\nsys.argv = ['trainer-memcb', '--help']\n"
+            "try:\n    console_main()\nexcept SystemExit:\n    pass")
+    assert loaded_after(code) == dict.fromkeys(HEAVY, False)

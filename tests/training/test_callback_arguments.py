@@ -76,14 +76,17 @@ def test_a_number_is_refused_naming_it_and_the_allowed_ones(argument):
 @pytest.mark.parametrize("argument", ["eval_keys", "train_keys"])
 def test_the_key_presets(argument):
     assert kept(argument, "all") is None  # every key the run has
-    assert kept(argument, "short") == ("optimizer_state_bytes", "optimizer_state_estimate_bytes")
+    # The optimizer pair, and in evaluation entries what the evaluation's containers held.
+    assert kept(argument, "short") == ("optimizer_state_bytes", "optimizer_state_estimate_bytes",
+                                       "containers_device_bytes", "containers_host_bytes")
     with pytest.raises(ValueError, match=re.escape("or one of ['all', 'short']")):
         OptimizerMemoryCallback(**{argument: "most"})
 
 
 def test_the_defaults_short_evaluation_entries_and_full_training_entries():
     callback = OptimizerMemoryCallback()
-    assert callback.eval_keys == ("optimizer_state_bytes", "optimizer_state_estimate_bytes")
+    assert callback.eval_keys == ("optimizer_state_bytes", "optimizer_state_estimate_bytes",
+                                  "containers_device_bytes", "containers_host_bytes")
     assert callback.train_keys is None
 
 

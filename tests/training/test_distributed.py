@@ -4,6 +4,7 @@ Each job is `python -m torch.distributed.run --standalone --nproc_per_node 2` on
 `tests/dist_scripts/`, launched with a timeout, so that a hang fails the test instead of blocking
 the suite; each process writes one JSON file whose exact numbers the tests assert. One launch runs
 several scenarios where it can, since starting two Python processes costs more than the training.
+The tests that read a job are marked `slow` (a job takes 20 to 90 s here): `.ci/run` runs them.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def tiny_classifier_adamw() -> Dict[str, int]:
     return {"values": num_values, "tensors": len(params), "bytes": adamw_state_bytes(num_values, len(params))}
 
 
+@pytest.mark.slow
 def test_ddp_trainer_logs_the_replica_and_twice_it_as_total_on_rank_zero_only(ddp_job):
     adamw = tiny_classifier_adamw()
     assert (adamw["values"], adamw["tensors"], adamw["bytes"]) == (3_714, 24, 29_808)
@@ -150,6 +152,7 @@ def test_ddp_trainer_logs_the_replica_and_twice_it_as_total_on_rank_zero_only(dd
     assert summary["measured"]["num_bytes"] == 29_808  # the main process's own
 
 
+@pytest.mark.slow
 def test_ddp_a_process_whose_measurement_raises_leaves_the_measured_figures_out_without_a_hang(ddp_job):
     # The launcher's timeout is the proof that nobody waited forever: the job ended by itself.
     main, failing = per_process(os.path.join(ddp_job, "failing_rank"))
@@ -185,6 +188,7 @@ def tensorboard_scalars(log_dir: str) -> Dict[str, List]:
 
 @requires_torch("2.7", "FSDP2 on the CPU: it records events on the CPU stream, and torch.cpu.Stream has "
                       "no record_event before 2.7")
+@pytest.mark.slow
 def test_fsdp2_each_process_holds_its_uneven_shard_and_the_total_is_the_unsharded_state(fsdp2_job):
     results = per_process(fsdp2_job)
     # Shard(0) of 7 rows over 2 processes: ceil(7 / 2) = 4 on the first, the 3 left on the last.
@@ -393,6 +397,7 @@ def loop_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
 
 
+@pytest.mark.slow
 def test_deepspeed_zero_engines(deepspeed_job):
     zero = trainer_memcb.state.rules.deepspeed_zero
     # Weights 35 + 21 and biases 7 + 3, in two groups, over 2 processes.
@@ -450,6 +455,7 @@ def test_deepspeed_zero_engines(deepspeed_job):
 TRAINER_ZERO_RUNS = {f"trainer_zero{stage}{'_bf16' if bf16 else ''}": (stage, bf16) for stage in (1, 2, 3) for bf16 in (False, True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINER_ZERO_RUNS)
 def test_trainer_with_deepspeed_logs_every_figure_equal_to_the_walk_and_the_plan(deepspeed_job, name):
     from trainer_memcb.plan.model_states import trainer_param_groups
@@ -502,6 +508,7 @@ def model_states_in(entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return {key[len(prefix):]: value for key, value in entry.items() if key[len(prefix):] in MODEL_STATES_KEYS}
 
 
+@pytest.mark.slow
 def test_ddp_trainer_logs_model_states_equal_to_the_plan_to_the_byte(ddp_job):
     from trainer_memcb.plan.model_states import Setup, plan_model_states
 
@@ -525,6 +532,7 @@ def test_ddp_trainer_logs_model_states_equal_to_the_plan_to_the_byte(ddp_job):
 
 @requires_torch("2.7", "FSDP2 on the CPU: it records events on the CPU stream, and torch.cpu.Stream has "
                       "no record_event before 2.7")
+@pytest.mark.slow
 def test_fsdp2_logs_model_states_equal_to_the_plan_to_the_byte(fsdp2_job):
     from trainer_memcb.plan.model_states import Setup, plan_model_states
 
@@ -550,6 +558,7 @@ def test_fsdp2_logs_model_states_equal_to_the_plan_to_the_byte(fsdp2_job):
 
 @requires_torch("2.7", "FSDP2 on the CPU: it records events on the CPU stream, and torch.cpu.Stream has "
                       "no record_event before 2.7")
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shard_grad_op", "cpu_offload"])
 def test_fsdp2_shard_grad_op_and_cpu_offload_run_and_hold_what_the_plan_says(fsdp2_job, mode):
     from trainer_memcb.plan.model_states import Setup, plan_model_states

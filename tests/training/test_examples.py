@@ -1,26 +1,35 @@
 """The examples, run for a few steps offline, and their outputs read back.
 
 The tiny-model runs call each script's `main(argv)` in this process (the examples folder goes on
-`sys.path`, as it does for `python examples/<script>.py`); the distilbert-base-cased run is a real
-`python examples/compare_optimizers.py` subprocess with `HF_HUB_OFFLINE=1`, so the offline build
-of the architecture is what runs. Nothing is mocked.
+`sys.path`, as it does for `python examples/<script>.py`); the distilbert-base-cased runs are real
+`python examples/compare_optimizers.py` subprocesses with `HF_HUB_OFFLINE=1`, so the offline build
+of the architecture is what runs: the README's main job (its tiny part cut to one step) on a
+pseudo-terminal, whose lesson's table must be the one docs/getting-started.md shows, and the
+`--model distilbert-base-cased` run of the guide. Nothing is mocked but bitsandbytes' kernel
+notice, which this CPU does not make (its test says how it is sent instead).
 """
 
 from __future__ import annotations
 
+import fcntl
 import filecmp
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
+import termios
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers import read_until_closed
 from test_accelerate_loop import tensorboard_scalars
+from test_docs import output_differs, parse_blocks
 from trainer_memcb.training.figures import ESTIMATE_BYTES, MEASURED_BYTES, TRAINABLE_PARAMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +45,10 @@ TINY_RUN = ["--model", TINY_MODEL, "--train-samples", "48", "--eval-samples", "3
             "--logging-steps", "1"]
 SEED_PARAMS = 65_783_042  # distilbert-base-cased with a 2-label head, as the lesson counts it
 SEED_ADAMW_BYTES = 526_264_752  # 8 x 65,783,042 + 4 x 104 step tensors
+# The lesson's other two, as README.md and docs/getting-started.md give them (worked out in the
+# guide: Adafactor's rows and columns; 8-bit codes, with the Trainer's 32-bit embeddings).
+SEED_ADAFACTOR_BYTES = 714_432
+SEED_ADAMW_8BIT_BYTES = 269_269_008
 
 # Each test makes its own Accelerator (conftest.py).
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
@@ -69,7 +82,7 @@ def expected_state_bytes(model: torch.nn.Module) -> Dict[str, int]:
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     output_dir = str(tmp_path_factory.mktemp("compare"))
-    assert compare_optimizers.main(TINY_RUN + ["--max-steps", "3", "--output-dir", output_dir]) == 0
+    assert compare_optimizers.main(TINY_RUN + ["--max-steps", "3", "--no-lesson", "--output-dir", output_dir]) == 0
     with open(os.path.join(output_dir, compare_optimizers.COMPARISON_FILE_NAME), encoding="utf-8") as handle:
         return {"output_dir": output_dir, **json.load(handle)}
 
@@ -172,6 +185,50 @@ def test_accelerate_example_logs_the_last_step_and_eval_figures_beside_eval_accu
     assert scalars[f"eval_{TRAINABLE_PARAMS}"] == [(3, 454_530.0)]
 
 
+@pytest.mark.slow
+def test_the_main_job_shows_progress_and_ends_with_the_lessons_table(tmp_path):
+    """The README's main job, `python examples/compare_optimizers.py`, with its tiny part cut to one
+    step (the lesson's part is what it always is), on a pseudo-terminal as a person runs it."""
+    command = [sys.executable, os.path.join(EXAMPLES, "compare_optimizers.py"), "--max-steps", "1",
+               "--train-samples", "8", "--eval-samples", "8", "--output-dir", str(tmp_path)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    leader, follower = os.openpty()
+    # A terminal 40 x 160: with no size, tqdm (dynamic_ncols) has no width to draw its bars in.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    process = subprocess.Popen(command, stdout=follower, stderr=follower, cwd=REPO, env=env)
+    os.close(follower)
+    shown = read_until_closed(leader).decode("utf-8", "replace")
+    assert process.wait(timeout=600) == 0, shown[-4000:]
+    with open(tmp_path / "comparison.json", encoding="utf-8") as handle:
+        lesson = json.load(handle)["lesson"]
+    assert lesson["model"] == "distilbert-base-cased"
+    assert lesson["origin"].startswith("built from examples/models/distilbert-base-cased/config.json with random weights")
+    rows = {row["optimizer"]: row for row in lesson["rows"]}
+    assert list(rows) == ["adamw", "adafactor", "adamw_8bit"]
+    expected = {"adamw": SEED_ADAMW_BYTES, "adafactor": SEED_ADAFACTOR_BYTES, "adamw_8bit": SEED_ADAMW_8BIT_BYTES}
+    for name, row in rows.items():
+        assert (row["model_params"], row["trainable_params"], row["steps"]) == (SEED_PARAMS, SEED_PARAMS, 1), name
+        assert row["measured_bytes"] == row["estimate_bytes"] == expected[name], name
+    assert rows["adamw"]["measured_elements"] == 131_566_188  # the lesson's count: 2 x 65,783,042 + 104
+    # The lesson's table at the end, as printed, is the one docs/getting-started.md shows under the
+    # main job (up to the paths, which follow --output-dir).
+    lesson_table = shown[shown.index("The lesson's numbers"):shown.index("\nRows: ")]
+    page = (Path(REPO) / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    [shown_on_the_page] = [block.code for block in parse_blocks(page) if block.lang == "text"
+                           and block.code.startswith("Model: tiny-distilbert, 454,530 parameters")]
+    on_the_page = shown_on_the_page[shown_on_the_page.index("The lesson's numbers"):
+                                    shown_on_the_page.index("\nRows: ")]
+    assert output_differs(on_the_page, lesson_table) is None, output_differs(on_the_page, lesson_table)
+    assert "adamw             65,783,042  526,264,752 (501.9 MiB)  526,264,752 (501.9 MiB)" in lesson_table
+    # Progress while it trains: a line per run, and the Trainer's bar reaching its one step; the
+    # tokenizer's trainer draws no bar (it read "410 / 0" on a terminal).
+    for name in rows:
+        assert f"Training distilbert-base-cased with {name} (" in shown
+    assert shown.count("1/1 [") >= 6  # each run's training bar, tiny and lesson, at its end
+    assert " / 0" not in shown
+
+
+@pytest.mark.slow
 def test_distilbert_base_cased_built_offline_holds_the_lessons_numbers(tmp_path):
     command = [sys.executable, os.path.join(EXAMPLES, "compare_optimizers.py"), "--model", "distilbert-base-cased",
                "--optimizers", "adamw", "--max-steps", "1", "--train-samples", "8", "--eval-samples", "8",
@@ -195,6 +252,17 @@ def test_every_example_has_help_and_the_shared_options(script, capsys):
     assert exit_info.value.code == 0
     options = {word.strip(",") for word in capsys.readouterr().out.split() if word.startswith("--")}
     assert {"--help", "--model", "--max-steps", "--output-dir", "--num-epochs", "--eval-samples"} <= options
+
+
+def test_the_lesson_follows_the_comparison_unless_it_is_of_the_lessons_model_or_left_out():
+    def runs(*argv: str) -> bool:
+        return compare_optimizers.runs_the_lesson(compare_optimizers.parser().parse_args(list(argv)))
+
+    assert runs() and runs("--max-steps", "3") and runs("--model", "distilbert-base-cased", "--lesson")
+    assert not runs("--no-lesson")
+    assert not runs("--model", "distilbert-base-cased")
+    assert not runs("--model", str(MODELS_DIR / "distilbert-base-cased"))
+    assert compare_optimizers.LESSON_ARGUMENTS["max_steps"] == 1
 
 
 def test_an_unknown_optimizer_is_a_usage_error(capsys):
@@ -228,3 +296,21 @@ def test_a_local_folder_with_weights_loads_them_and_its_tokenizer(tmp_path):
     saved, reloaded = built.model.state_dict(), loaded.model.state_dict()
     assert saved.keys() == reloaded.keys()
     assert all(torch.equal(saved[key], reloaded[key]) for key in saved)
+
+
+def test_the_examples_drop_bitsandbytes_kernel_notice_and_nothing_else():
+    # On a CPU with AVX-512 BF16, importing bitsandbytes logs this warning through its CPU backend's
+    # logger (bitsandbytes/backends/cpu/ops.py); this CPU has none, so the same record is sent
+    # through the same logger, in a fresh process that imports an example first, as they run.
+    code = ("import logging, sys\n"
+            f"sys.path.insert(0, {EXAMPLES!r})\n"
+            "import train_with_trainer\n"
+            "logger = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+            "logger.warning('Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
+            "already `pip install kernels` and the kernels >= 0.11.1', 'offline')\n"
+            "logger.warning('another bitsandbytes warning')\n")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gemm_4bit_forward" not in done.stderr
+    assert "another bitsandbytes warning\n" in done.stderr

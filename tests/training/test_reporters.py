@@ -20,6 +20,7 @@ import struct
 from typing import Any, Dict, List, Tuple
 
 import pytest
+import torch
 from transformers import Trainer
 
 from helpers import TinyDataset, independent_saved_bytes, tiny_classifier, training_args
@@ -49,6 +50,16 @@ Series = Dict[str, List[Tuple[int, float]]]
 def _is_ours(key: str) -> bool:
     name = key[len("eval_"):] if key.startswith("eval_") else key
     return name in KEY_DESCRIPTIONS or name.startswith(tuple(BREAKDOWN_KEY_PREFIXES.values()))
+
+
+def _planned_forward_peak(model: torch.nn.Module, batch_size: int) -> int:
+    from trainer_memcb.plan.eval_memory import EvalSettings, plan_eval_memory
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return type(model)(model.config)
+
+    return plan_eval_memory(build, EvalSettings(batch_size=batch_size, samples=batch_size, seq_len=8)).forward_peak_bytes
 
 
 def run_reporting_to(reporter: str, tmp_path: Any, monkeypatch: Any) -> Tuple[Trainer, Series]:
@@ -90,6 +101,11 @@ def run_reporting_to(reporter: str, tmp_path: Any, monkeypatch: Any) -> Tuple[Tr
     }
     expected = {key: [(1, value), (2, value)] for key, value in per_entry.items()}
     expected.update({f"eval_{key}": [(2, value)] for key, value in per_entry.items()})
+    # What the evaluation held: without compute_metrics only the losses, 8 samples of fp32; and its
+    # forward's peak, as the evaluation plan traces it under fake tensors.
+    expected.update({f"eval_{key}": [(2, 8 * 4)] for key in (
+        "containers_device_bytes", "containers_host_bytes", "concat_peak_bytes", "host_concat_peak_bytes")})
+    expected["eval_forward_peak_bytes"] = [(2, _planned_forward_peak(trainer.model, batch_size=8))]
     if ACTIVATIONS_SUPPORTED:  # torch 2.8 and newer (trainer_memcb.training.activations_probe)
         # The activations, in training entries only: what a forward on a batch of 4 saves for backward.
         batch = TinyDataset(4)

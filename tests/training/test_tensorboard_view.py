@@ -258,6 +258,7 @@ def scalar_values(base: str, run: str, tag: str) -> List[List[float]]:
     return [[step, value] for _, step, value in get_json(base, "/data/plugin/scalars/scalars", run=run, tag=tag)]
 
 
+@pytest.mark.slow  # a TensorBoard server and a headless Chromium
 def test_tensorboard_serves_the_view_and_chromium_shows_it(runs, tmp_path):
     if CHROMIUM is None:
         pytest.skip("Chromium is not installed (Debian: apt-get install chromium), so the page cannot be loaded")
@@ -289,6 +290,13 @@ def test_tensorboard_serves_the_view_and_chromium_shows_it(runs, tmp_path):
             ("model states and activations, measured and planned (bytes)",
              ["^train/model_states_bytes$", "^train/model_states_estimate_bytes$"]
              + ["^train/activations_bytes$", "^train/activations_peak_bytes$"] * ACTIVATIONS_SUPPORTED),
+            # What the evaluation's containers held (the default eval_keys: device and host), and
+            # evaluation beside the training step.
+            ("eval: evaluation's containers and forward (bytes)",
+             ["^eval/containers_device_bytes$", "^eval/containers_host_bytes$"]),
+            ("eval: evaluation beside the training step (bytes)",
+             ["^train/model_states_bytes$"] + ["^train/activations_peak_bytes$"] * ACTIVATIONS_SUPPORTED
+             + ["^eval/containers_device_bytes$"]),
         ]}
 
         # The tags: every figure once, no total that would repeat its per-process card; evaluation

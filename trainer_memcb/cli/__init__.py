@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 from trainer_memcb.cli.compare import compare_runs, compare_table
 from trainer_memcb.cli.estimate import (
     add_estimate_arguments,
+    estimate_model,
     estimate_plan,
     estimate_step,
     estimate_tables,
@@ -43,6 +44,7 @@ from trainer_memcb.cli.estimate import (
     resolve_optimizers,
     step_asked,
 )
+from trainer_memcb.cli.eval_estimate import eval_asked, eval_tables, estimate_evaluation
 from trainer_memcb.cli.failures import (
     EXIT_DONE,
     EXIT_NOTHING_FOUND,
@@ -208,15 +210,32 @@ def _estimate(args: argparse.Namespace) -> int:
     with quiet_output(enabled=not args.verbose):
         try:
             resolve_optimizers(args)
+            evaluation = None
             if step_asked(args):
                 found = estimate_step(args)
+                if eval_asked(args):
+                    evaluation = estimate_evaluation(args, lambda: estimate_model(args), found["model_states"])
+            elif eval_asked(args):
+                evaluation = estimate_evaluation(args, lambda: estimate_model(args))
             elif plan_asked(args):
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
+    if evaluation is not None and not step_asked(args):  # the evaluation plan alone
+        if args.json:
+            print_json({"evaluation": evaluation.to_dict()}, sys.stdout)
+        else:
+            print_tables(eval_tables(evaluation), sys.stdout)
+        return EXIT_DONE
     if step_asked(args):
+        if args.json:
+            print_json({**step_json(found), **({"evaluation": evaluation.to_dict()} if evaluation else {})}, sys.stdout)
+        else:
+            print_tables(step_tables(found) + plan_tables(found["model_states"])
+                         + (eval_tables(evaluation) if evaluation else []), sys.stdout)
+        return EXIT_DONE
         if args.json:
             print_json(step_json(found), sys.stdout)
         else:

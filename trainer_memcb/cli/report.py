@@ -14,12 +14,14 @@ from trainer_memcb.training.figures import (
     BREAKDOWN_KEY_PREFIXES,
     ESTIMATE_BYTES,
     MEASURED_BYTES,
+    MODEL_STATES_BYTES,
     STEP_MEMORY_PARTS,
     TRAINABLE_PARAMS,
     UNEXPECTED_BYTES,
     step_memory_rows,
 )
 from trainer_memcb.runs.run_logs import RunLog
+from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
 from trainer_memcb.runs.run_values import is_count_key, real_number
 
 __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "logged_metrics", "run_report",
@@ -92,6 +94,10 @@ class RunReport:
     # them logged it, and that step.
     step_memory: Dict[str, int] = field(default_factory=dict)
     step_memory_step: Optional[int] = None
+    # Which phase held the most, training or evaluation (trainer_memcb.training.phase_judgement):
+    # the summary's, else judged from the logged entries; and the largest evaluation's figures.
+    phases: Optional[Dict[str, Any]] = None
+    evaluation_memory: Dict[str, int] = field(default_factory=dict)
 
     @property
     def has_figures(self) -> bool:
@@ -150,6 +156,7 @@ def logged_metrics(runs: Sequence[RunLog]) -> List[str]:
 
     Examples:
         >>> from trainer_memcb.runs.run_logs import RunLog
+from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
         >>> sft = RunLog(run_dir="sft", log_history=[{"step": 2, "eval_loss": 2.1, "eval_runtime": 0.5,
         ...                                          "eval_mean_token_accuracy": 0.4, "eval_optimizer_state_bytes": 88}])
         >>> logged_metrics([sft])
@@ -219,6 +226,7 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
         if any(key not in (MEASURED_BYTES, ESTIMATE_BYTES) for key in known):
             report.step_memory, report.step_memory_step = known, entry["step"]
             break
+    _judge_phases(report, run.log_history, training, summary)
     judgement = _nested(summary, "judgement")
     if isinstance(judgement, dict):
         report.judgement = judgement
@@ -236,6 +244,20 @@ def run_report(run: RunLog, metrics: Sequence[str] = DEFAULT_METRICS) -> RunRepo
         report.measured_by_dtype = dict(_nested(summary, "measured", "bytes_by_dtype") or {})
         report.estimate_by_key = dict(_nested(summary, "estimate", "bytes_by_key") or {})
     return report
+
+
+def _judge_phases(report: RunReport, history: Sequence[Dict[str, Any]], training: Sequence[Dict[str, Any]],
+                  summary: Optional[Dict[str, Any]]) -> None:
+    phases, evaluation = _nested(summary, "phases"), _nested(summary, "evaluation")
+    if isinstance(phases, dict) and isinstance(evaluation, dict):
+        report.phases, report.evaluation_memory = phases, dict(evaluation)
+        return
+    evaluation = largest_evaluation(entry for entry in history if entry not in training)
+    last = next((entry for entry in reversed(training) if MODEL_STATES_BYTES in entry), {})
+    judged = judge_phases(last, evaluation)
+    report.evaluation_memory = evaluation
+    if judged is not None:
+        report.phases = {**judged.to_dict(), "text": judged.text()}
 
 
 # -- printing ------------------------------------------------------------------------------------
@@ -308,6 +330,10 @@ def report_tables(report: RunReport, metrics: Sequence[str] = DEFAULT_METRICS) -
             note="activations: what the step's last micro-batch forward saved for backward (parameters excluded)"
             if any(row[0].startswith("activations") for row in step_memory_rows(report.step_memory)) else "",
         ))
+    if report.evaluation_memory:
+        rows = [[key, bytes_cell(value)] for key, value in report.evaluation_memory.items()]
+        tables.append(TextTable("Evaluation's memory, the largest evaluation (per process)", ["figure", "bytes"], rows,
+                                note=str(report.phases.get("text", "")) if report.phases else ""))
     if report.what_if:
         tables.append(TextTable(
             f"What-if at train begin, for {count_cell(report.what_if.get('trainable_params'))} trainable parameters",

@@ -16,6 +16,8 @@ from trainer_memcb.training.activations_probe import (
     validate_activation_options,
     without_activation_keys,
 )
+from trainer_memcb.training.evaluation_hook import EvaluationWatcher, install_evaluation_hook
+from trainer_memcb.training.evaluation_probe import EvaluationProbe
 from trainer_memcb.training.figures import (
     BREAKDOWN_KEY_DESCRIPTIONS,
     KEY_DESCRIPTIONS,
@@ -26,6 +28,7 @@ from trainer_memcb.training.figures import (
 from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
+from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
@@ -70,7 +73,7 @@ class _Run:
         self.untap: Optional[Callable[[], None]] = None
 
 
-class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener):
+class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher, TrainExitListener):
     """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
 
     `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
@@ -104,12 +107,18 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
     | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (all its forwards, if several), training entries |
     | `activations_peak_bytes` | bytes | the most of those alive during that micro-batch's forward and backward |
     | `device_peak_allocated_bytes` | bytes | CUDA only: `torch.cuda.max_memory_allocated` of the model's device |
+    | `containers_device_bytes` | bytes | evaluation entries: the most the evaluation loop's containers held as torch tensors, each storage once |
+    | `containers_host_bytes` | bytes | evaluation entries: the most they held as numpy arrays on the host |
+    | `concat_peak_bytes` | bytes | evaluation entries: the most held during a batch's add (old, new and the concatenation's result) |
+    | `host_concat_peak_bytes` | bytes | evaluation entries: the same on the host, while tensors become arrays |
+    | `forward_peak_bytes` | bytes | evaluation entries: the most bytes alive of the storages the evaluation's first forward creates |
 
     Which keys an entry carries: by default a training entry carries every key above that the
-    run has, and an evaluation entry only `optimizer_state_bytes` and
-    `optimizer_state_estimate_bytes` (with its prefix), so that a notebook's evaluation table and
+    run has, and an evaluation entry only `optimizer_state_bytes`,
+    `optimizer_state_estimate_bytes`, `containers_device_bytes` and `containers_host_bytes` (with
+    its prefix), so that a notebook's evaluation table and
     a console line keep the metrics readable. `train_keys=` and `eval_keys=` choose otherwise:
-    `"all"`, `"short"` (that pair), or a list of key names (a breakdown by its first part,
+    `"all"`, `"short"` (those), or a list of key names (a breakdown by its first part,
     `optimizer_state_bytes_by_key`). The end-of-training summary file always holds every figure.
 
     The reference model (TRL's DPO, KTO, RLOO, and GRPO with `beta > 0` hold one, as
@@ -155,6 +164,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
         reset_device_peak: on CUDA, reset the allocator's peak statistics at the start of each
             logged step, so that `device_peak_allocated_bytes` is that step's own peak; by
             default they are never reset (they are global: other code may read them).
+        evaluation: measure what each evaluation loop holds (`trainer_memcb.training.evaluation_probe`:
+            its containers, and its first forward), in the evaluation's entry; False for none.
 
     Every argument that names things (`breakdown`, `what_if`, `eval_keys`, `train_keys`) takes a
     list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
@@ -175,7 +186,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
                  what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS,
                  eval_keys: Union[str, Iterable[str], None] = "short",
                  train_keys: Union[str, Iterable[str], None] = "all", activations: bool = True,
-                 reset_device_peak: bool = False) -> None:
+                 reset_device_peak: bool = False, evaluation: bool = True) -> None:
         if summary_file is not None and (
             not isinstance(summary_file, str) or summary_file in ("", ".", "..")
             or os.path.basename(summary_file) != summary_file
@@ -184,6 +195,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
                              f"{SUMMARY_FILE_NAME!r}, or None for no file")
         self.breakdown = validate_breakdown(breakdown)
         validate_activation_options(activations, reset_device_peak)
+        if not isinstance(evaluation, bool):
+            raise ValueError(f"evaluation={evaluation!r}: expected True (measure what each evaluation holds) or "
+                             "False (do not)")
+        self.evaluation = evaluation
         self.activations, self.reset_device_peak = activations, reset_device_peak
         self.summary_file = summary_file
         chosen = name_list(what_if, "what_if", whatif.optimizer_names())
@@ -198,8 +213,14 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
         self._current: Optional[_Run] = None
         # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
         self._contributed_entry: Optional[Dict[str, Any]] = None
+        # What the evaluation loops hold, measured while they run (any Trainer this callback serves).
+        self._evaluation = EvaluationProbe(lambda kind, message: self._warn_once(kind, message))
+        # The evaluation that held the most since training began, every figure (for the summary).
+        self._largest_evaluation: Dict[str, int] = {}
         install_log_hook()
         install_train_hook()
+        if evaluation:
+            install_evaluation_hook()
 
     def _new_run(self, optimizer: Any) -> _Run:
         monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
@@ -224,6 +245,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
         if run is None:
             return
         run.monitor.start_run()  # global_step restarts with each train() call
+        self._largest_evaluation = {}
         if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
             run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
         run.monitor.activations.forget()  # nothing left over from a run that raised
@@ -266,6 +288,25 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
         if run is not None:
             run.monitor.measure(state.global_step)
 
+    def evaluation_loop_started(self, trainer: Any, prefix: str) -> None:
+        """Called by the hook on `Trainer.evaluation_loop` as a loop starts: arm the probe."""
+        if self.evaluation:
+            self._evaluation.arm(getattr(trainer, "model", None), prefix)  # fail-soft: it never raises
+
+    def evaluation_loop_ended(self, trainer: Any, prefix: str, failed: bool) -> None:
+        """Called by the hook as that loop ends, returning or raising: disarm, remove every wrapper."""
+        self._evaluation.disarm(failed)
+
+    def _evaluation_figures(self, trainer: Any, logs: Dict[str, Any], prefix: str) -> Dict[str, int]:
+        """The figures of the evaluation loop whose entry `logs` is, kept by `eval_keys`, unprefixed."""
+        measured = self._evaluation.take(prefix)
+        if measured:
+            self._largest_evaluation = largest_evaluation([self._largest_evaluation, measured])
+        figures = keep_keys(measured, self.eval_keys)
+        if figures and getattr(trainer.state, "is_world_process_zero", True):
+            logs.update(with_prefix(figures, prefix))
+        return figures
+
     def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
         """Called by the hook on `Trainer.log` just before `trainer` stores and reports `logs`."""
         try:
@@ -273,10 +314,12 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
             if prefix is None:
                 return
             self._contributed_entry = logs
+            # Evaluation's own figures, whether or not the Trainer has trained yet.
+            evaluation = self._evaluation_figures(trainer, logs, prefix) if prefix else {}
             # This Trainer's own optimizer: the callback may serve others, before or in between.
             optimizer = getattr(trainer, "optimizer", None)
             if optimizer is None:
-                return  # not trained yet: nothing to measure, on any process
+                return  # not trained yet: no optimizer to measure, on any process
             state = trainer.state
             run = self._runs.setdefault(optimizer)
             # The frozen reference model, if the trainer holds one (TRL): every process, before
@@ -286,7 +329,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
-                self._observe(run, trainer, figures, prefix, state.global_step)
+                self._observe(run, trainer, {**figures, **evaluation}, prefix, state.global_step)
         except Exception as error:  # never break training over a figure
             self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 
@@ -376,6 +419,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
         run.monitor.activations.forget()
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._evaluation.disarm(failed=True)  # nothing installed outlives training, even a loop left unfinished
         run = self._run(optimizer)
         self._current = None
         if run is None:
@@ -404,8 +448,13 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, TrainExitListener
                 extra={"final_figures": final_figures,
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
+            phases = judge_phases(step_memory_figures(document)[0], self._largest_evaluation)
+            if phases is not None:
+                document["evaluation"] = dict(self._largest_evaluation)
+                document["phases"] = {**phases.to_dict(), "text": phases.text()}
             logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step),
-                                     *step_memory_figures(document)))
+                                     *step_memory_figures(document))
+                        + (f"\n{phases.text()}" if phases is not None else ""))
             if self.summary_file is not None:
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary

@@ -32,6 +32,12 @@ __all__ = [
     "ACTIVATIONS_PEAK_BYTES",
     "DEVICE_PEAK_ALLOCATED_BYTES",
     "ACTIVATION_KEYS",
+    "CONTAINERS_DEVICE_BYTES",
+    "CONTAINERS_HOST_BYTES",
+    "CONCAT_PEAK_BYTES",
+    "HOST_CONCAT_PEAK_BYTES",
+    "FORWARD_PEAK_BYTES",
+    "EVALUATION_KEYS",
     "STEP_MEMORY_PARTS",
     "KEY_DESCRIPTIONS",
     "KEY_PRESETS",
@@ -81,6 +87,16 @@ ACTIVATIONS_PEAK_BYTES = "activations_peak_bytes"
 DEVICE_PEAK_ALLOCATED_BYTES = "device_peak_allocated_bytes"
 ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES)
 
+# What an evaluation loop held (trainer_memcb.training.evaluation_probe): evaluation entries only,
+# with the evaluation's prefix (`eval_containers_device_bytes`).
+CONTAINERS_DEVICE_BYTES = "containers_device_bytes"
+CONTAINERS_HOST_BYTES = "containers_host_bytes"
+CONCAT_PEAK_BYTES = "concat_peak_bytes"
+HOST_CONCAT_PEAK_BYTES = "host_concat_peak_bytes"
+FORWARD_PEAK_BYTES = "forward_peak_bytes"
+EVALUATION_KEYS = (CONTAINERS_DEVICE_BYTES, CONTAINERS_HOST_BYTES, CONCAT_PEAK_BYTES, HOST_CONCAT_PEAK_BYTES,
+                   FORWARD_PEAK_BYTES)
+
 # The step's memory by part, as the end-of-run summary, the TensorBoard view and `trainer-memcb
 # report` show it: (what, the measured key, the planned key where the plan has one).
 STEP_MEMORY_PARTS: Tuple[Tuple[str, str, Optional[str]], ...] = (
@@ -126,6 +142,17 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     "forwards and backward",
     DEVICE_PEAK_ALLOCATED_BYTES: "bytes: on CUDA only, torch.cuda.max_memory_allocated of the model's device when "
     "the step is logged (since the process started, or since the start of the step with reset_device_peak=True)",
+    CONTAINERS_DEVICE_BYTES: "bytes: evaluation entries only: the most the evaluation loop's containers held at once "
+    "as torch tensors on the model's device (losses, logits or what preprocess_logits_for_metrics returns, labels, "
+    "inputs with include_for_metrics), each storage once",
+    CONTAINERS_HOST_BYTES: "bytes: evaluation entries only: the most the containers held at once as numpy arrays on "
+    "the host (after eval_accumulation_steps batches, and at the loop's end), each array's memory once",
+    CONCAT_PEAK_BYTES: "bytes: evaluation entries only: the most the containers held during one batch's add: every "
+    "container's tensors, the batch being added and the concatenation's result (old, new and result together)",
+    HOST_CONCAT_PEAK_BYTES: "bytes: evaluation entries only: the same on the host while tensors become arrays: the "
+    "arrays held, the new arrays and their concatenation",
+    FORWARD_PEAK_BYTES: "bytes: evaluation entries only: the most bytes alive at once of the storages the "
+    "evaluation's first forward creates (parameters, buffers and inputs excluded)",
 }
 
 # With `breakdown=`: bytes per state key, dtype or device, under keys of their own. No key may be a
@@ -170,9 +197,10 @@ def breakdown_key(breakdown: str, part: str) -> str:
 
 # Which keys a log entry carries (the callback's `eval_keys=` and `train_keys=`): "all", every key
 # the run has (whatever this table holds, and the breakdowns asked for), or "short", the pair a
-# user came for. A list names keys of `KEY_DESCRIPTIONS`, or a breakdown by its first part
+# user came for (with, in evaluation entries, what the evaluation's containers held on the device
+# and on the host: the figures that run out of memory after hours of training). A list names keys of `KEY_DESCRIPTIONS`, or a breakdown by its first part
 # (`optimizer_state_bytes_by_key` keeps every `optimizer_state_bytes_by_key/<key>`).
-SHORT_KEYS = (MEASURED_BYTES, ESTIMATE_BYTES)
+SHORT_KEYS = (MEASURED_BYTES, ESTIMATE_BYTES, CONTAINERS_DEVICE_BYTES, CONTAINERS_HOST_BYTES)
 KEY_PRESETS = ("all", "short")
 
 
@@ -193,7 +221,7 @@ def select_keys(value: Any, argument: str) -> Optional[Tuple[str, ...]]:
     Examples:
         >>> from trainer_memcb.training.figures import select_keys
         >>> select_keys("short", "eval_keys")
-        ('optimizer_state_bytes', 'optimizer_state_estimate_bytes')
+        ('optimizer_state_bytes', 'optimizer_state_estimate_bytes', 'containers_device_bytes', 'containers_host_bytes')
         >>> select_keys("all", "train_keys") is None
         True
     """

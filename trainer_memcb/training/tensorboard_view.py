@@ -26,6 +26,11 @@ import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from trainer_memcb.training.figures import (
+    CONCAT_PEAK_BYTES,
+    CONTAINERS_DEVICE_BYTES,
+    CONTAINERS_HOST_BYTES,
+    FORWARD_PEAK_BYTES,
+    HOST_CONCAT_PEAK_BYTES,
     ACTIVATIONS_BYTES,
     ACTIVATIONS_PEAK_BYTES,
     DEVICE_PEAK_ALLOCATED_BYTES,
@@ -77,7 +82,14 @@ _CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("model states and activations, measured and planned (bytes)",
      (MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES, ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES,
       DEVICE_PEAK_ALLOCATED_BYTES)),
+    # Evaluation's own figures (evaluation entries only): what its containers gathered, and its forward.
+    ("evaluation's containers and forward (bytes)",
+     (CONTAINERS_DEVICE_BYTES, CONCAT_PEAK_BYTES, CONTAINERS_HOST_BYTES, HOST_CONCAT_PEAK_BYTES, FORWARD_PEAK_BYTES)),
 )
+# Evaluation beside the training step, on one chart: (prefix "" for training, key) pairs.
+_BESIDE_TRAINING = (("", MODEL_STATES_BYTES), ("", ACTIVATIONS_PEAK_BYTES), (None, CONTAINERS_DEVICE_BYTES),
+                    (None, CONCAT_PEAK_BYTES), (None, FORWARD_PEAK_BYTES))
+_BESIDE_TITLE = "evaluation beside the training step (bytes)"
 _CHARTED = {key for _, keys in _CHARTS for key in keys}
 
 
@@ -140,7 +152,22 @@ def layout_charts(keys_by_prefix: Dict[str, Iterable[str]], tag: Callable[[str],
         for family in families:
             family_tag = tag(_logged(family, prefix))
             charts[f"{section}{family} (bytes)"] = ["Multiline", [f"^{re.escape(family_tag)}/"]]
+    _beside_training(keys_by_prefix, tag, charts)
     return {CATEGORY_TITLE: charts} if charts else {}
+
+
+def _beside_training(keys_by_prefix: Dict[str, Iterable[str]], tag: Callable[[str], str],
+                     charts: Dict[str, List]) -> None:
+    """One chart of the training step's model states and activations peak with each evaluation
+    prefix's containers and forward peaks, when both were logged: which phase holds the most."""
+    training = set(keys_by_prefix.get("", ()))
+    for prefix in sorted(name for name in keys_by_prefix if name):
+        evaluation = set(keys_by_prefix[prefix])
+        tags = [_exact(tag(_logged(key, "" if where == "" else prefix))) for where, key in _BESIDE_TRAINING
+                if key in (training if where == "" else evaluation)]
+        if any(key in evaluation for _, key in _BESIDE_TRAINING) and any(
+                key in training for where, key in _BESIDE_TRAINING if where == ""):
+            charts[f"{prefix}: {_BESIDE_TITLE}"] = ["Multiline", tags]
 
 
 def reporter_log_dir(callbacks: Optional[Iterable[Any]]) -> Optional[str]:
@@ -248,6 +275,12 @@ def summary_markdown(document: Dict[str, Any]) -> str:
         when = f"; activations of step {activations_step}, its last micro-batch" if activations_step is not None else ""
         parts.append(f"**The step's memory by part** (per process{when})\n\n" + _markdown_table(
             ["part", "measured", "planned"], [[part, _cell(got), _cell(want)] for part, got, want in by_part]))
+
+    evaluation, phases = document.get("evaluation"), document.get("phases")
+    if isinstance(evaluation, dict) and evaluation:
+        parts.append("**Evaluation's memory**, the largest evaluation (per process)\n\n" + _markdown_table(
+            ["figure", "bytes"], [[f"`{key}`", _cell(value)] for key, value in evaluation.items()])
+            + (f"\n\n{phases['text']}." if isinstance(phases, dict) and phases.get("text") else ""))
 
     what_if = document.get("what_if")
     if isinstance(what_if, dict) and what_if.get("optimizers"):

@@ -1,0 +1,98 @@
+"""`trainer-memcb estimate MODEL --eval-samples N --seq-len S`: the evaluation plan on the command
+line, equal to what a real Trainer run with the same settings logs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from trainer_memcb import OptimizerMemoryCallback
+from trainer_memcb.cli import main
+
+KEYS = ("forward_peak_bytes", "containers_device_bytes", "containers_host_bytes", "concat_peak_bytes",
+        "host_concat_peak_bytes")
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
+                       architectures=["LlamaForCausalLM"])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: Any) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama-eval")
+    config().save_pretrained(folder)
+    return str(folder)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, size: int) -> None:
+        self.ids = torch.randint(0, 96, (size, 12), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> Any:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def test_the_plan_through_training_args_equals_a_real_run_to_the_byte(tiny_llama_dir: str, tmp_path: Any,
+                                                                      capsys: Any) -> None:
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_eval_batch_size=4,
+                             eval_accumulation_steps=2, report_to=[], disable_tqdm=True)
+    (tmp_path / "args.json").write_text(args.to_json_string())
+    model_config = config()
+    model_config._attn_implementation = "eager"
+    trainer = Trainer(model=LlamaForCausalLM(model_config), args=args, eval_dataset=Tokens(10),
+                      compute_metrics=lambda p: {"seen": float(len(p.label_ids))},
+                      callbacks=[OptimizerMemoryCallback(eval_keys="all")])
+    logged = trainer.evaluate()
+    capsys.readouterr()  # what the run printed (accelerate, DeepSpeed's accelerator line)
+    assert main(["estimate", tiny_llama_dir, "--eval-samples", "10", "--seq-len", "12", "--attn-implementation",
+                 "eager", "--training-args", str(tmp_path / "args.json"), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["evaluation"]
+    assert planned["settings"]["batch_size"] == 4 and planned["settings"]["accumulation_steps"] == 2
+    assert {key: planned[key] for key in KEYS} == {key: logged[f"eval_{key}"] for key in KEYS}
+
+
+def test_too_much_for_the_device_says_why_and_what_would_fit(tiny_llama_dir: str, capsys: Any) -> None:
+    argv = ["estimate", tiny_llama_dir, "--eval-samples", "64", "--seq-len", "12", "--eval-batch-size", "4",
+            "--attn-implementation", "eager"]
+    assert main(argv + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["evaluation"]
+    memory = plan["device_peak_bytes"] - 1
+    assert main(argv + ["--device-memory", str(memory), "--host-memory", "1GiB", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)["evaluation"]
+    assert (short["fits_device"], short["fits_host"]) == (False, True)
+    assert short["device_peak_bytes"] - short["device_memory_bytes"] == 1
+    assert main(argv + ["--device-memory", str(memory), "--host-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit, " in out and "fits, " in out
+    why = [line for line in out.splitlines() if line.startswith("Why: ")]
+    assert len(why) == 1
+    assert "eval_accumulation_steps=" in why[0] and "preprocess_logits_for_metrics" in why[0]
+    assert main(argv + ["--device-memory", str(memory), "--eval-accumulation-steps", "1", "--json"]) == 0
+    fixed = json.loads(capsys.readouterr().out)["evaluation"]
+    assert fixed["fits_device"] is True and fixed["advice"] == []
+    # full logits: 64 x 12 x 96 x 4 bytes; argmax keeps 64 x 12 int64
+    assert plan["containers_device_bytes"] == 64 * 12 * 96 * 4 + 64 * 12 * 8 + 64 * 4
+    assert main(argv + ["--eval-logits", "argmax", "--json"]) == 0
+    argmax = json.loads(capsys.readouterr().out)["evaluation"]
+    assert argmax["containers_device_bytes"] == 64 * 12 * 8 + 64 * 12 * 8 + 64 * 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--eval-samples", "10"], "--eval-samples needs --seq-len"),
+    (["--eval-samples", "10", "--seq-len", "8", "--training-args", "no/such/file.json"], "no/such/file.json': cannot be read"),
+    (["--eval-samples", "10", "--seq-len", "8", "--host-memory", "lots"], "lots"),
+])
+def test_bad_evaluation_options_are_one_line_and_exit_2(tiny_llama_dir: str, capsys: Any, argv: Any,
+                                                         message: str) -> None:
+    assert main(["estimate", tiny_llama_dir] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

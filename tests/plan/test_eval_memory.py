@@ -1,0 +1,108 @@
+"""The evaluation plan: its forward's peak against torch.profiler's live bytes of a real evaluation
+batch, and the containers' arithmetic on settings a real run is not needed for."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+from helpers import requires_transformers
+from trainer_memcb.plan.eval_memory import EvalSettings, containers_figures, plan_eval_memory
+
+BATCH, SEQ = 4, 16
+
+
+def llama(attn: str) -> LlamaConfig:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64, use_cache=False)
+    config._attn_implementation = attn
+    return config
+
+
+def bert(attn: str) -> BertConfig:
+    config = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=100, max_position_embeddings=64, num_labels=2)
+    config._attn_implementation = attn
+    return config
+
+
+MODELS = {"llama": (llama, LlamaForCausalLM), "bert": (bert, BertForSequenceClassification)}
+
+
+def eval_batch(kind: str) -> Dict[str, torch.Tensor]:
+    ids = torch.randint(0, 100, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    if kind == "llama":
+        # transformers 5's prediction_step passes the count of labelled tokens, as training does.
+        return {"input_ids": ids, "labels": ids.clone(), "num_items_in_batch": torch.tensor(float(ids.numel()))}
+    return {"input_ids": ids, "labels": torch.zeros(BATCH, dtype=torch.long)}
+
+
+def profiled_forward_peak(model: torch.nn.Module, inputs: Dict[str, Any]) -> int:
+    """The most bytes allocated at once during a real no-grad forward, above what existed before it,
+    from the profiler's allocation records in time order (outputs alive at the end included)."""
+    model.eval()
+    with torch.no_grad():
+        model(**inputs)  # lazy buffers made on a first call are not the batch's
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            output = model(**inputs)
+    del output
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    alive = peak = 0
+    for record in records:
+        alive += record.nbytes()
+        peak = max(peak, alive)
+    return peak
+
+
+@requires_transformers("5.0", "the forward's differences were measured on transformers 5.24 (its attention-mask "
+                       "path and prediction_step's loss arguments); not measured on 4.57")
+@pytest.mark.parametrize("kind,attn", [("llama", "eager"), ("llama", "sdpa"), ("bert", "eager"), ("bert", "sdpa")])
+def test_the_planned_forward_peak_against_the_profilers_live_bytes(kind: str, attn: str) -> None:
+    make_config, cls = MODELS[kind]
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return cls(make_config(attn))
+
+    plan = plan_eval_memory(build, EvalSettings(batch_size=BATCH, samples=BATCH, seq_len=SEQ))
+    assert plan.problem is None
+    torch.manual_seed(0)
+    real = profiled_forward_peak(cls(make_config(attn)), eval_batch(kind))
+    # Measured here (docs/will-it-fit.md): llama eager 186,496 planned = profiled; bert eager 82,432 and
+    # sdpa 66,048, equal. Llama SDPA plans 167,040 against 166,016: the fake trace builds a causal
+    # mask (batch x seq x seq bools) that a real run without padding skips (transformers'
+    # `_ignore_causal_mask_sdpa` keeps a mask whenever it traces); nothing else differs.
+    expected = {("llama", "sdpa"): BATCH * SEQ * SEQ}.get((kind, attn), 0)
+    assert plan.forward_peak_bytes - real == expected, (plan.forward_peak_bytes, real)
+
+
+def test_containers_arithmetic_without_a_model() -> None:
+    settings = EvalSettings(batch_size=8, samples=1000, seq_len=512)
+    logits = 512 * 32000 * 4
+    figures = containers_figures(settings, {"preds": logits, "labels": 512 * 8}, 4)
+    # 1,000 samples of 512 tokens over a 32,000-token vocabulary: 65.5 GB of fp32 logits.
+    assert figures["containers_device_bytes"] == 1000 * (logits + 512 * 8 + 4) == 65_540_100_000
+    # The last batch's logits concatenation holds the old (992 samples), the new (8) and the result
+    # (1,000), beside the losses (done) and the labels (not yet): twice the logits.
+    assert figures["concat_peak_bytes"] == 2000 * logits + 992 * 512 * 8 + 1000 * 4 == 131_076_067_232
+    every = containers_figures(EvalSettings(batch_size=8, samples=1000, seq_len=512, accumulation_steps=1),
+                               {"preds": logits, "labels": 512 * 8}, 4)
+    assert every["containers_device_bytes"] == 8 * (logits + 512 * 8 + 4)
+    assert every["containers_host_bytes"] == figures["containers_host_bytes"] == 65_540_100_000
+    lists = containers_figures(EvalSettings(batch_size=8, samples=1000, seq_len=512, concat_batches=False),
+                               {"preds": logits, "labels": 512 * 8}, 4)
+    assert lists["concat_peak_bytes"] == lists["containers_device_bytes"] == 65_540_100_000
+
+
+def test_bad_settings_are_value_errors_that_name_them() -> None:
+    with pytest.raises(ValueError, match="batch_size=0"):
+        EvalSettings(batch_size=0, samples=1, seq_len=1)
+    with pytest.raises(ValueError, match="logits='top5' is not one of: full, argmax, none"):
+        EvalSettings(batch_size=1, samples=1, seq_len=1, logits="top5")
+    with pytest.raises(ValueError, match="accumulation_steps=0"):
+        EvalSettings(batch_size=1, samples=1, seq_len=1, accumulation_steps=0)

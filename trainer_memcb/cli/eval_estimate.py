@@ -1,0 +1,163 @@
+"""`trainer-memcb estimate MODEL --eval-samples N --seq-len S`: will evaluation fit?
+
+The options of the evaluation plan, the settings they give (flags over `--training-args FILE` over
+the installed `TrainingArguments`' defaults), and its table; the figures come from
+`trainer_memcb.plan.eval_memory.plan_eval_memory`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, List, Optional
+
+from trainer_memcb.cli.output import TextTable, bytes_cell
+from trainer_memcb.plan.eval_memory import EVAL_LOGITS, EvalMemoryPlan, EvalSettings, eval_settings_from_args, plan_eval_memory
+from trainer_memcb.plan.model_states import ModelStatesPlan, parse_bytes
+
+__all__ = ["add_eval_arguments", "eval_asked", "estimate_evaluation", "eval_tables", "training_arguments_from_file"]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer, e.g. 8")
+    return value
+
+
+def add_eval_arguments(estimate: argparse.ArgumentParser) -> None:
+    """The options of the evaluation plan (`--seq-len` and `--device-memory` are the step plan's)."""
+    group = estimate.add_argument_group(
+        "evaluation plan", "with --eval-samples, what Trainer.evaluate() holds per process: its forward under fake "
+        "tensors, and the logits, labels and losses its containers gather on the device and on the host")
+    group.add_argument("--eval-samples", type=_positive, metavar="N", help="evaluation samples per process")
+    group.add_argument("--eval-batch-size", type=_positive, metavar="B",
+                       help="per_device_eval_batch_size (default: --training-args', else the Trainer's, 8)")
+    group.add_argument("--eval-accumulation-steps", type=_positive, metavar="K",
+                       help="eval_accumulation_steps: move the containers to the host every K batches")
+    group.add_argument("--no-eval-concat", action="store_true",
+                       help="eval_do_concat_batches=False: batches kept in lists, not concatenated")
+    group.add_argument("--eval-logits", choices=EVAL_LOGITS,
+                       help="what the containers keep of the logits: full (as the model returns them; the default), "
+                            "argmax (a preprocess_logits_for_metrics returning logits.argmax(-1)), none "
+                            "(prediction_loss_only, or no compute_metrics)")
+    group.add_argument("--eval-include-inputs", action="store_true", help="include_for_metrics=['inputs']")
+    group.add_argument("--host-memory", metavar="SIZE", help="host memory per process, e.g. 64GiB: says whether the "
+                       "containers' arrays fit")
+
+
+def eval_asked(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the evaluation plan."""
+    return getattr(args, "eval_samples", None) is not None
+
+
+def training_arguments_from_file(path: Optional[str]) -> Any:
+    """`TrainingArguments` from a JSON file (None: the defaults), for the settings they give.
+
+    Raises:
+        ValueError: a file that cannot be read, is not a JSON object, or that TrainingArguments refuses.
+    """
+    from transformers import TrainingArguments
+
+    from trainer_memcb.plan.settings import read_json_file
+
+    data: Dict[str, Any] = read_json_file(path, "--training-args") if path is not None else {}
+    known = set(TrainingArguments.__dataclass_fields__)
+    kept = {key: value for key, value in data.items() if key in known and key not in ("output_dir", "report_to")}
+    try:
+        return TrainingArguments(output_dir="trainer-memcb-plan", report_to=[], **kept)
+    except Exception as error:  # TrainingArguments' own checks: one line
+        raise ValueError(f"--training-args {path}: {' '.join(str(error).split())[:300]}") from None
+
+
+def _settings(args: argparse.Namespace) -> EvalSettings:
+    training = training_arguments_from_file(getattr(args, "training_args", None))
+    settings = eval_settings_from_args(training, samples=args.eval_samples, seq_len=args.seq_len, logits=args.eval_logits)
+    changes: Dict[str, Any] = {}
+    if args.eval_batch_size is not None:
+        changes["batch_size"] = args.eval_batch_size
+    if args.eval_accumulation_steps is not None:
+        changes["accumulation_steps"] = args.eval_accumulation_steps
+    if args.no_eval_concat:
+        changes["concat_batches"] = False
+    if args.eval_include_inputs:
+        changes["include_inputs"] = True
+    from dataclasses import replace
+
+    return replace(settings, **changes)
+
+
+def estimate_evaluation(args: argparse.Namespace, build_model: Any,
+                        states: Optional[ModelStatesPlan] = None) -> EvalMemoryPlan:
+    """The evaluation plan for the options.
+
+    Args:
+        args: the parsed options.
+        build_model: makes the model the options describe on the meta device.
+        states: the model-states plan, when planned too: its optimizer state (and master weights)
+            stays alive while evaluation runs inside `train()`.
+
+    Raises:
+        ValueError: --seq-len missing, a bad size or settings file.
+    """
+    if args.seq_len is None:
+        raise ValueError("--eval-samples needs --seq-len (the sequence length)")
+    settings = _settings(args)
+    resident = 0
+    if states is not None and states.optimizers:
+        row = states.optimizers[0]
+        resident = (row.optimizer_state_bytes or 0) + (row.master_weights_bytes or 0)
+    device = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    host = parse_bytes(args.host_memory) if args.host_memory is not None else None
+    attention = getattr(args, "attn_implementation", None)
+
+    def build() -> Any:
+        model = build_model()
+        if attention is not None and getattr(model, "config", None) is not None:
+            model.config._attn_implementation = attention  # as the step plan traces it
+        return model
+
+    return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
+                            model_name=args.model)
+
+
+def _fits(fits: Optional[bool], peak: Optional[int], memory: Optional[int]) -> str:
+    if fits is None or peak is None or memory is None:
+        return "-"
+    margin = bytes_cell(abs(memory - peak))
+    return f"fits, {margin} to spare" if fits else f"does not fit, {margin} short"
+
+
+def eval_tables(plan: EvalMemoryPlan) -> List[TextTable]:
+    """What was planned, the figures (as a run logs them, `eval_...`), fits? and the advice."""
+    settings = plan.settings
+    about = [
+        ["samples, eval batch", f"{settings.samples} in batches of {settings.batch_size} x {settings.seq_len} tokens"],
+        ["eval_accumulation_steps", str(settings.accumulation_steps) if settings.accumulation_steps else "none"],
+        ["eval_do_concat_batches", str(settings.concat_batches)],
+        ["logits kept", settings.logits],
+    ]
+    if plan.problem is not None:
+        about.append(["problem", plan.problem])
+        return [TextTable(f"Evaluation plan for {plan.model}", ["", "value"], about)]
+    rows = [
+        ["forward peak (eval_forward_peak_bytes)", bytes_cell(plan.forward_peak_bytes)],
+        ["containers on the device (eval_containers_device_bytes)", bytes_cell(plan.containers_device_bytes)],
+        ["  while concatenating (eval_concat_peak_bytes)", bytes_cell(plan.concat_peak_bytes)],
+        ["containers on the host (eval_containers_host_bytes)", bytes_cell(plan.containers_host_bytes)],
+        ["  while concatenating (eval_host_concat_peak_bytes)", bytes_cell(plan.host_concat_peak_bytes)],
+        ["model (parameters, buffers)", bytes_cell(plan.model_bytes)],
+    ]
+    if plan.resident_bytes:
+        rows.append(["optimizer state alive from training", bytes_cell(plan.resident_bytes)])
+    rows += [
+        ["device peak (model + forward + concatenation)", bytes_cell(plan.device_peak_bytes)],
+        ["fits on the device?", _fits(plan.fits_device, plan.device_peak_bytes, plan.device_memory_bytes)],
+        ["fits on the host?", _fits(plan.fits_host, plan.host_peak_bytes, plan.host_memory_bytes)],
+    ]
+    per_sample = ", ".join(f"{name} {value:,}" for name, value in plan.per_sample_bytes.items())
+    note = "\n".join([f"Bytes per sample: {per_sample}."] + [f"Why: {line}." for line in plan.advice])
+    return [TextTable(f"Evaluation plan for {plan.model}", ["", "value"], about),
+            TextTable("Evaluation, per process", ["", "bytes"], rows, note=note)]

@@ -1,0 +1,413 @@
+"""Will evaluation fit? Its forward's peak and what its containers gather, planned before launch.
+
+`plan_eval_memory` answers per process what `Trainer.evaluate()` holds (transformers 4.57 to 5.x,
+`Trainer.evaluation_loop` and `EvalLoopContainer` in `trainer_pt_utils.py`):
+
+- the forward's peak: one evaluation forward (`model.eval()`, `torch.no_grad()`, the batch with its
+  labels, as `prediction_step` passes it) runs under `FakeTensorMode`, nothing allocated, and
+  `LiveStorages` counts the storages it creates (the parameters, buffers and batch excluded): the
+  figure a run logs as `eval_forward_peak_bytes`;
+- the containers: every batch adds its loss (repeated to the eval batch size, as the loop does, and
+  cut to the last batch's samples by accelerate's `gather_for_metrics`),
+  its logits (every tensor the model returns but the loss and the config's
+  `keys_to_ignore_at_inference`), or `argmax(-1)` of the first one with a
+  `preprocess_logits_for_metrics` that takes it (int64), its labels and, with
+  `include_for_metrics=["inputs"]`, its `input_ids`. On the device they are concatenated batch
+  after batch (or kept in a list with `eval_do_concat_batches=False`) until
+  `eval_accumulation_steps` batches have been gathered, or the loop ends; then they become numpy
+  arrays on the host (bf16 as fp32), concatenated to what the host holds. The sizes come from the
+  traced forward's outputs; the loop is then followed batch by batch with the same rules the run's
+  probe applies (`trainer_memcb.training.evaluation_probe`), so the figures are those a run logs:
+  `containers_device_bytes`, `containers_host_bytes`, `concat_peak_bytes`,
+  `host_concat_peak_bytes`. Every sequence is taken `seq_len` long: a run whose batches are padded
+  to different lengths holds, on top, the padding `nested_concat` adds to reach the longest.
+- the device's peak during evaluation: parameters and buffers, plus what stays alive from training
+  when evaluation runs inside `train()` (`resident_bytes`: the optimizer state), plus the forward's
+  peak, plus the containers' concatenation peak. An upper bound: the forward's peak and a
+  concatenation do not happen at the same moment (they differ by less than one batch's outputs).
+  The host's peak is the containers' host concatenation peak.
+
+Without `compute_metrics`, `evaluate()` passes `prediction_loss_only=True`: only the losses are kept
+(`logits="none"` plans that).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from trainer_memcb.plan.live_storages import LiveStorages
+from trainer_memcb.plan.step_memory import _accepts_loss_kwargs, _labels, _num_items_in_batch, fake_copy
+from trainer_memcb.state.saved_tensors import storages_of
+
+__all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
+           "containers_figures"]
+
+# What the containers keep of the logits: as the model returns them, `argmax(-1)` (a
+# `preprocess_logits_for_metrics` such as `lambda logits, labels: logits.argmax(-1)`), or nothing
+# (`prediction_loss_only`, or no `compute_metrics`).
+EVAL_LOGITS = ("full", "argmax", "none")
+# The order in which `evaluation_loop` adds a batch to its containers.
+_CONTAINERS = ("losses", "inputs", "preds", "labels")
+# numpy has no bfloat16: `nested_numpify` converts to float32.
+_INT64_BYTES = 8
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What decides evaluation's memory, as `TrainingArguments` and the dataset give it.
+
+    Attributes:
+        batch_size: `per_device_eval_batch_size`.
+        samples: evaluation samples this process sees (`len(eval_dataset)` on one process).
+        seq_len: tokens per sample.
+        accumulation_steps: `eval_accumulation_steps` (None: everything stays on the device until the end).
+        concat_batches: `eval_do_concat_batches`.
+        logits: one of `EVAL_LOGITS`.
+        include_inputs: `"inputs"` in `include_for_metrics`.
+        use_cache: the model config's `use_cache` during evaluation (transformers 5's Trainer sets it
+            from `TrainingArguments.use_cache`, False by default: a cache holds every layer's keys
+            and values through the forward); None keeps the config's (transformers 4).
+    """
+
+    batch_size: int
+    samples: int
+    seq_len: int
+    accumulation_steps: Optional[int] = None
+    concat_batches: bool = True
+    logits: str = "full"
+    include_inputs: bool = False
+    use_cache: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "samples", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
+        steps = self.accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"accumulation_steps={steps!r}: expected a whole number of at least 1, or None")
+        if self.logits not in EVAL_LOGITS:
+            raise ValueError(f"logits={self.logits!r} is not one of: {', '.join(EVAL_LOGITS)}")
+
+
+def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optional[str] = None) -> EvalSettings:
+    """The evaluation settings a `TrainingArguments` (or any object with its names) gives.
+
+    Args:
+        args: `per_device_eval_batch_size`, `eval_accumulation_steps`, `eval_do_concat_batches`,
+            `prediction_loss_only` and `include_for_metrics` are read; a missing one takes the
+            Trainer's default.
+        samples, seq_len: the evaluation set's size and sequence length.
+        logits: `EVAL_LOGITS`; None: `"none"` with `prediction_loss_only`, else `"full"`.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> eval_settings_from_args(SimpleNamespace(per_device_eval_batch_size=4, eval_accumulation_steps=2),
+        ...                         samples=10, seq_len=16)
+        EvalSettings(batch_size=4, samples=10, seq_len=16, accumulation_steps=2, concat_batches=True, logits='full', include_inputs=False, use_cache=None)
+    """
+    include = getattr(args, "include_for_metrics", None) or []
+    if logits is None:
+        logits = "none" if getattr(args, "prediction_loss_only", False) else "full"
+    return EvalSettings(batch_size=int(getattr(args, "per_device_eval_batch_size", 8)), samples=samples,
+                        seq_len=seq_len, accumulation_steps=getattr(args, "eval_accumulation_steps", None),
+                        concat_batches=bool(getattr(args, "eval_do_concat_batches", True)), logits=logits,
+                        include_inputs="inputs" in include, use_cache=getattr(args, "use_cache", None))
+
+
+@dataclass(frozen=True)
+class EvalMemoryPlan:
+    """Evaluation's memory on one process (the module's docstring says what each figure is).
+
+    Attributes:
+        settings: what was planned.
+        forward_peak_bytes: the forward's own peak (`eval_forward_peak_bytes`).
+        containers_device_bytes, containers_host_bytes, concat_peak_bytes, host_concat_peak_bytes:
+            as a run logs them.
+        per_sample_bytes: per container, the bytes one sample adds (`losses`: per batch row).
+        model_bytes: parameters and buffers; resident_bytes: what else stays alive (optimizer state).
+        device_peak_bytes, host_peak_bytes: the peaks compared with the memories given.
+        fits_device, fits_host: against `device_memory_bytes`, `host_memory_bytes` (None: not given).
+        advice: when something does not fit, one line: why, and what would make it fit.
+        problem: why the forward could not be traced (then no figure), or None.
+    """
+
+    model: str
+    settings: EvalSettings
+    forward_peak_bytes: Optional[int] = None
+    containers_device_bytes: Optional[int] = None
+    containers_host_bytes: Optional[int] = None
+    concat_peak_bytes: Optional[int] = None
+    host_concat_peak_bytes: Optional[int] = None
+    per_sample_bytes: Dict[str, int] = field(default_factory=dict)
+    model_bytes: Optional[int] = None
+    resident_bytes: int = 0
+    device_peak_bytes: Optional[int] = None
+    host_peak_bytes: Optional[int] = None
+    device_memory_bytes: Optional[int] = None
+    host_memory_bytes: Optional[int] = None
+    fits_device: Optional[bool] = None
+    fits_host: Optional[bool] = None
+    advice: List[str] = field(default_factory=list)
+    problem: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+# -- the containers, batch by batch ----------------------------------------------------------------
+
+
+def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_bytes: int,
+                       bf16: Tuple[str, ...] = ()) -> Dict[str, int]:
+    """The four container figures for `settings`, from the bytes a sample adds to each container.
+
+    Args:
+        settings: the evaluation.
+        per_sample: `inputs`, `preds`, `labels` -> bytes per sample (a container left out keeps nothing).
+        loss_bytes: bytes of one loss value (the loop keeps one per sample of each batch);
+            0 when no loss is computed.
+        bf16: the containers whose tensors are bfloat16 (twice the bytes on the host).
+
+    Examples:
+        >>> containers_figures(EvalSettings(batch_size=2, samples=3, seq_len=4), {"preds": 16}, 0)
+        {'containers_device_bytes': 48, 'containers_host_bytes': 48, 'concat_peak_bytes': 96, 'host_concat_peak_bytes': 48}
+    """
+    batches = math.ceil(settings.samples / settings.batch_size)
+    last = settings.samples - (batches - 1) * settings.batch_size
+    # Per container: the bytes of the storages its tensors hold, and of the values in them (they differ
+    # by the last batch's losses, a view of the eval batch size's repeat); and the arrays' bytes.
+    device = {name: 0 for name in _CONTAINERS}
+    values = {name: 0 for name in _CONTAINERS}
+    host = {name: 0 for name in _CONTAINERS}
+    peaks = dict(containers_device_bytes=0, containers_host_bytes=0, concat_peak_bytes=0, host_concat_peak_bytes=0)
+
+    def flush() -> None:
+        for name in _CONTAINERS:
+            if not device[name]:
+                continue  # `tensors is None`: nothing to move
+            new = values[name] * (2 if name in bf16 else 1)
+            concatenates = settings.concat_batches and host[name] > 0
+            moment = sum(host.values()) + new + (host[name] + new if concatenates else 0)
+            host[name] += new
+            device[name] = values[name] = 0
+            peaks["host_concat_peak_bytes"] = max(peaks["host_concat_peak_bytes"], moment)
+            peaks["containers_host_bytes"] = max(peaks["containers_host_bytes"], sum(host.values()))
+
+    for step in range(batches):
+        rows = last if step == batches - 1 else settings.batch_size
+        for name in _CONTAINERS:
+            if name == "losses":
+                if not loss_bytes:
+                    continue
+                # `losses.repeat(eval batch size)`, which accelerate's `gather_for_metrics` cuts to
+                # the last batch's own samples: a view, whose storage keeps them all.
+                stored, new = loss_bytes * settings.batch_size, loss_bytes * rows
+            elif name in per_sample:
+                stored = new = per_sample[name] * rows
+            else:
+                continue
+            if settings.concat_batches and device[name] > 0:  # old, new and the result together
+                moment = sum(device.values()) + stored + values[name] + new
+                device[name] = values[name] = values[name] + new
+            else:  # the first batch is kept as it is; without concatenation, the list grows
+                moment = sum(device.values()) + stored
+                device[name] += stored
+                values[name] += new
+            peaks["concat_peak_bytes"] = max(peaks["concat_peak_bytes"], moment)
+            peaks["containers_device_bytes"] = max(peaks["containers_device_bytes"], sum(device.values()))
+        if settings.accumulation_steps is not None and (step + 1) % settings.accumulation_steps == 0:
+            flush()
+    flush()
+    return peaks
+
+
+# -- the forward, under fake tensors ----------------------------------------------------------------
+
+
+@dataclass
+class _Forward:
+    peak_bytes: int
+    model_bytes: int
+    loss_bytes: int
+    outputs: List[Tuple[Tuple[int, ...], torch.dtype]]
+    labels: Optional[Tuple[Tuple[int, ...], torch.dtype]]
+
+
+def _trace_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None) -> _Forward:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = getattr(model, "config", None)
+    if use_cache is not None and config is not None and hasattr(config, "use_cache"):
+        config.use_cache = use_cache  # as the Trainer sets it before evaluating
+    mode = FakeTensorMode()
+    fake_copy(model, mode, "cpu")
+    model.eval()
+    with mode:
+        input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        labels = _labels(model, batch_size, seq_len)
+        kwargs: Dict[str, Any] = {"input_ids": input_ids}
+        if labels is not None:
+            kwargs["labels"] = labels
+            if _accepts_loss_kwargs(model):
+                kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
+    held = list(model.parameters()) + list(model.buffers())
+    model_bytes = sum({key: nbytes for key, nbytes, _ in storages_of(held)}.values())
+    exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()))}
+    tracker = LiveStorages(exclude=exclude)
+    with mode, torch.no_grad(), tracker:
+        outputs = model(**kwargs)
+    ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
+    items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)
+    kept = [(tuple(value.shape), value.dtype) for key, value in items
+            if key not in ignore and isinstance(value, torch.Tensor)]
+    loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if labels is not None else None)
+    loss_bytes = loss.element_size() if isinstance(loss, torch.Tensor) else 0
+    return _Forward(int(tracker.peak_bytes), int(model_bytes), loss_bytes, kept,
+                    (tuple(labels.shape), labels.dtype) if labels is not None else None)
+
+
+def _per_sample(forward: _Forward, settings: EvalSettings) -> Tuple[Dict[str, int], Tuple[str, ...]]:
+    per_sample: Dict[str, int] = {}
+    bf16: List[str] = []
+    rows = settings.batch_size
+    if settings.logits != "none" and forward.outputs:
+        if settings.logits == "argmax":
+            shape, _ = forward.outputs[0]
+            per_sample["preds"] = math.prod(shape[:-1]) // rows * _INT64_BYTES
+        else:
+            per_sample["preds"] = sum(math.prod(shape) // rows * torch.empty((), dtype=dtype).element_size()
+                                      for shape, dtype in forward.outputs)
+            if any(dtype == torch.bfloat16 for _, dtype in forward.outputs):
+                bf16.append("preds")
+        if forward.labels is not None:
+            shape, dtype = forward.labels
+            per_sample["labels"] = math.prod(shape) // rows * torch.empty((), dtype=dtype).element_size()
+    if settings.include_inputs:
+        per_sample["inputs"] = settings.seq_len * _INT64_BYTES
+    return per_sample, tuple(bf16)
+
+
+# -- the plan ------------------------------------------------------------------------------------------
+
+
+def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSettings, *,
+                     device_memory: Optional[int] = None, host_memory: Optional[int] = None,
+                     resident_bytes: int = 0, model_name: Optional[str] = None) -> EvalMemoryPlan:
+    """Plan evaluation's memory on one process.
+
+    Args:
+        build_model: makes the model on the meta device, in the dtype it evaluates in
+            (`trainer_memcb.plan.whatif.build_meta_model`); its parameters become fake ones.
+        settings: `EvalSettings` (`eval_settings_from_args` reads them from `TrainingArguments`).
+        device_memory, host_memory: bytes per process, for "fits?" and the advice.
+        resident_bytes: device bytes alive beside the model while evaluating (the optimizer state,
+            when evaluation runs inside `train()`).
+        model_name: for the plan's title.
+
+    Examples:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> def build():
+        ...     with torch.device("meta"):
+        ...         return LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                                             num_attention_heads=2, vocab_size=100))
+        >>> plan = plan_eval_memory(build, EvalSettings(batch_size=2, samples=4, seq_len=8))
+        >>> plan.per_sample_bytes["preds"]  # 8 tokens x 100 logits x 4 bytes
+        3200
+        >>> plan.containers_device_bytes  # 4 samples of logits and int64 labels, 2 batches of 2 fp32 losses
+        13072
+    """
+    meta = build_model()
+    name = model_name or type(meta).__name__
+    try:
+        forward = _trace_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache)
+    except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
+        text = " ".join(str(error).split())[:300]
+        return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,
+                              host_memory_bytes=host_memory,
+                              problem=f"the evaluation forward cannot run under fake tensors "
+                                      f"({type(error).__name__}: {text})")
+    finally:
+        gc.collect()
+    per_sample, bf16 = _per_sample(forward, settings)
+
+    def figures_for(candidate: EvalSettings) -> Dict[str, int]:
+        sample, halved = _per_sample(forward, candidate)
+        return containers_figures(candidate, sample, forward.loss_bytes, halved)
+
+    def device_peak(candidate: EvalSettings, forward_peak: int = forward.peak_bytes) -> int:
+        return forward.model_bytes + resident_bytes + forward_peak + figures_for(candidate)["concat_peak_bytes"]
+
+    figures = figures_for(settings)
+    peak = device_peak(settings)
+    host_peak = figures["host_concat_peak_bytes"]
+    fits_device = None if device_memory is None else peak <= device_memory
+    fits_host = None if host_memory is None else host_peak <= host_memory
+    plan = EvalMemoryPlan(model=name, settings=settings, forward_peak_bytes=forward.peak_bytes,
+                          per_sample_bytes={**per_sample, **({"losses": forward.loss_bytes} if forward.loss_bytes else {})},
+                          model_bytes=forward.model_bytes, resident_bytes=resident_bytes, device_peak_bytes=peak,
+                          host_peak_bytes=host_peak, device_memory_bytes=device_memory, host_memory_bytes=host_memory,
+                          fits_device=fits_device, fits_host=fits_host, **figures)
+    advice = []
+    if fits_device is False:
+        advice.append(_device_advice(plan, figures_for, device_peak, device_memory))
+    if fits_host is False:
+        advice.append(_host_advice(plan, figures_for, host_memory))
+    return replace(plan, advice=advice)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"  # GiB is 1024**3
+
+
+def _device_advice(plan: EvalMemoryPlan, figures_for: Callable[[EvalSettings], Dict[str, int]],
+                   device_peak: Callable[..., int], memory: int) -> str:
+    settings = plan.settings
+    why = (f"evaluation needs {_gib(plan.device_peak_bytes)} on the device, {_gib(plan.device_peak_bytes - memory)} "
+           f"more than {_gib(memory)}: the containers' {_gib(plan.concat_peak_bytes)} at their concatenation peak "
+           f"(logits {plan.per_sample_bytes.get('preds', 0):,} bytes per sample) and the forward's "
+           f"{_gib(plan.forward_peak_bytes)}")
+    options = []
+    batches = math.ceil(settings.samples / settings.batch_size)
+    for steps in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        if steps > batches:
+            break
+        candidate = replace(settings, accumulation_steps=steps)
+        if device_peak(candidate) <= memory:
+            if settings.accumulation_steps is None or steps < settings.accumulation_steps:
+                host = figures_for(candidate)["host_concat_peak_bytes"]
+                options.append(f"eval_accumulation_steps={steps} (then {_gib(host)} on the host)")
+            break
+    if settings.logits == "full" and "preds" in plan.per_sample_bytes:
+        saved = plan.concat_peak_bytes - figures_for(replace(settings, logits="argmax"))["concat_peak_bytes"]
+        if saved > 0:
+            options.append(f"preprocess_logits_for_metrics returning logits.argmax(-1) (saves {_gib(saved)})")
+    if settings.batch_size > 1:
+        # The forward's peak grows with the batch: about proportionally, which this assumes.
+        for batch in range(settings.batch_size - 1, 0, -1):
+            candidate = replace(settings, batch_size=batch)
+            if device_peak(candidate, plan.forward_peak_bytes * batch // settings.batch_size) <= memory:
+                options.append(f"per_device_eval_batch_size={batch} (about)")
+                break
+    return why + (": try " + ", or ".join(options) if options else "; no eval setting alone makes it fit")
+
+
+def _host_advice(plan: EvalMemoryPlan, figures_for: Callable[[EvalSettings], Dict[str, int]], memory: int) -> str:
+    settings = plan.settings
+    why = (f"evaluation needs {_gib(plan.host_peak_bytes)} on the host, {_gib(plan.host_peak_bytes - memory)} more "
+           f"than {_gib(memory)}: the containers' arrays at their concatenation peak")
+    options = []
+    if settings.concat_batches:
+        flat = figures_for(replace(settings, concat_batches=False))["host_concat_peak_bytes"]
+        if flat <= memory:
+            options.append(f"eval_do_concat_batches=False (then {_gib(flat)}; compute_metrics gets lists)")
+    if settings.logits == "full" and "preds" in plan.per_sample_bytes:
+        argmax = figures_for(replace(settings, logits="argmax"))["host_concat_peak_bytes"]
+        options.append(f"preprocess_logits_for_metrics returning logits.argmax(-1) (then {_gib(argmax)})")
+    return why + (": try " + ", or ".join(options) if options else "; fewer evaluation samples per call")
