@@ -333,8 +333,8 @@ EDITS: List[Edit] = [
     Edit("plan/live_storages.py", "            self.peak_keys = list(self._serial.values())",
          "            self.peak_keys = list(self._serial)", LIVE_STORAGES),  # storage addresses for serials
     Edit("plan/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
-    Edit("plan/live_storages.py", "                self._track(leaf)\n        self._check_peak()",
-         "                self._track(leaf)", LIVE_STORAGES),  # the peak only where a tensor is added
+    Edit("plan/live_storages.py", "            self.on_op(func, args, kwargs or {})\n        self._check_peak()",
+         "            self.on_op(func, args, kwargs or {})", LIVE_STORAGES),  # the peak only where a tensor is added
 ]
 
 
