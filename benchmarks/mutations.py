@@ -98,6 +98,20 @@ MONITOR = "tests/training/test_monitor.py"
 # The ZeRO partition arithmetic's hand-computed cases (beside the torchrun jobs, which are not run).
 ZERO_ARITHMETIC = ("tests/training/test_distributed.py::test_zero_partition_arithmetic_matches_hand_computed_partitions",)
 CLOSING = f"{LOGGING}::test_the_closing_train_runtime_entry_gets_no_figures_under_any_prefix"
+# The probes: the wrapper on plain modules (seconds), the contract's real Trainers (a minute each).
+CONTRACT = "tests/training/test_probe_contract.py"
+WRAPPER_UNITS = (CONTRACT, "-k", "wrapper_whose or left_inside or inside_another")
+STALE_IN_A_LOOP = (CONTRACT, "-k", "loop")
+RAISING_BACKWARD = (f"{CONTRACT}::test_a_step_that_raises_leaves_the_model_and_optimizer_as_they_were[backward]",)
+FULLGRAPH = (f"{CONTRACT}::test_the_trainers_torch_compile_runs_as_without_the_callback_and_leaves_the_activations_out"
+             "[fullgraph]",)
+ACTIVATIONS = "tests/training/test_activations.py"
+SEVERAL_FORWARDS = (f"{ACTIVATIONS}::test_several_forwards_of_one_micro_batch_are_counted_together",)
+ACCUMULATION = (f"{ACTIVATIONS}::test_gradient_accumulation_reports_the_last_micro_batch",)
+SAVED_TENSORS = ("tests/state/test_saved_tensors.py",)
+ZERO_TAP = (f"{MODEL_STATES}::test_zero12_gradients_are_measured_when_deepspeeds_step_begins",
+            f"{MODEL_STATES}::test_zero12_gradients_are_measured_when_one_of_two_owners_wants_them")
+LIVE_STORAGES = ("tests/plan/test_live_storages.py",)
 
 EDITS: List[Edit] = [
     # -- state/estimate.py: the estimate's parameter walk and its sums --------------------------
@@ -256,6 +270,71 @@ EDITS: List[Edit] = [
          (CLOSING,)),  # the closing train_runtime entry gets train_-prefixed figures
     Edit("training/callback.py", "    if \"loss\" in logs:\n        return \"\"", "    if \"loss\" in logs:\n        return None",
          (CLOSING,)),
+    # -- training/activations_probe.py: the wrapper of the model's forward ----------------------
+    Edit("training/activations_probe.py",
+         "if self._wrapper is not wrapper or self._active is not None or not torch.is_grad_enabled():",
+         "if self._wrapper is None or self._active is not None or not torch.is_grad_enabled():",
+         WRAPPER_UNITS),  # a stale wrapper inside someone else's measures for its probe's new model
+    Edit("training/activations_probe.py",
+         "counter = self._last if self._last is not None and self._last.alive_bytes > 0 else None",
+         "counter = None", SEVERAL_FORWARDS),  # R-Drop: only the last forward counted
+    Edit("training/activations_probe.py", "and self._last.alive_bytes > 0 else None",
+         "and self._last.alive_bytes >= 0 else None", ACCUMULATION),  # micro-batches merged into one count
+    Edit("training/activations_probe.py", "        remove_stale_wrappers(model)\n", "", STALE_IN_A_LOOP),
+    Edit("training/activations_probe.py", "        if owner is not None and owner._wrapper is current:\n            owner.disarm()\n",
+         "", STALE_IN_A_LOOP),  # the stale wrapper's probe stays armed, its counter watching
+    Edit("training/activations_probe.py", "                model.__dict__[\"forward\"] = mark.replaced",
+         "                del model.__dict__[\"forward\"]", WRAPPER_UNITS),  # the user's own forward dropped
+    Edit("training/activations_probe.py", "if compiled or is_compiled(model) or torch.compiler.is_compiling():",
+         "if is_compiled(model) or torch.compiler.is_compiling():", FULLGRAPH),
+    Edit("training/activations_probe.py", "            if torch.compiler.is_compiling():  # compiled after arming",
+         "            if False:  # compiled after arming", WRAPPER_UNITS),
+    Edit("training/activations_probe.py", "        elif counter is not self._last:", "        else:", SEVERAL_FORWARDS),
+    Edit("training/activations_probe.py", "        owner = weakref.ref(self)\n", "        owner = lambda: self  # noqa: E731\n",
+         WRAPPER_UNITS),  # a stale wrapper keeps its probe alive (and measuring)
+    # -- training/trainer_train_hook.py and callback.py: removed when train() leaves -----------------
+    Edit("training/trainer_train_hook.py", "                    callback.after_train(self)", "                    pass",
+         RAISING_BACKWARD),
+    Edit("training/trainer_train_hook.py", "    if not is_train_hook_installed():", "    if True:",
+         (f"{CONTRACT}::test_the_trainer_class_hooks_are_marked_and_pass_a_plain_trainer_through",)),
+    Edit("training/callback.py", "            if run is self._current:\n                self._current = None\n            self._uninstall(run)",
+         "            if run is self._current:\n                self._current = None", RAISING_BACKWARD),
+    Edit("training/callback.py", "compiled=bool(getattr(args, \"torch_compile\", False))", "compiled=False", FULLGRAPH),
+    # -- state/saved_tensors.py: what autograd saves, each storage once --------------------------
+    Edit("state/saved_tensors.py", "            if key in self._excluded:\n                continue\n            keys.append(key)",
+         "            keys.append(key)", SAVED_TENSORS),  # the parameters counted
+    Edit("state/saved_tensors.py", "                entry[1] += 1", "                entry[1] += 2", SAVED_TENSORS),
+    Edit("state/saved_tensors.py", "            if entry[1] == 0:", "            if entry[1] <= 1:", SAVED_TENSORS),
+    Edit("state/saved_tensors.py", "            torch._C._autograd._pop_saved_tensors_default_hooks()", "            pass",
+         SAVED_TENSORS),
+    Edit("state/saved_tensors.py", "            packed = self._chained[0](tensor)", "            packed = _detached(tensor)",
+         SAVED_TENSORS),  # the user's pair of hooks bypassed
+    Edit("state/saved_tensors.py", "                yield from storages_of(getattr(value, name, None), depth + 1)",
+         "                yield from ()", SAVED_TENSORS),  # a wrapper subclass's inner tensors missed
+    Edit("state/saved_tensors.py", "                checkpoint._recomputation_hook = cls.original", "                pass",
+         STALE_IN_A_LOOP),  # checkpoint's hook left wrapped
+    Edit("state/saved_tensors.py", "                            weakref.finalize(packed, book.release, key)", "",
+         SAVED_TENSORS),  # recomputed tensors never released
+    # -- training/zero_gradients.py: DeepSpeed ZeRO-1/2's gradients at its step -------------------
+    Edit("training/zero_gradients.py", "            if not any(wanted() for wanted in list(self._wanted.values())):",
+         "            if not all(wanted() for wanted in list(self._wanted.values())):", ZERO_TAP),
+    Edit("training/zero_gradients.py", "            if not tap._wanted:\n                tap.remove()",
+         "            if not tap._wanted:\n                pass", ZERO_TAP),
+    Edit("training/zero_gradients.py", "                current._at_step_start()", "                pass", ZERO_TAP),
+    Edit("training/zero_gradients.py", "            else:\n                del zero.step", "            else:\n                pass",
+         ZERO_TAP),
+    Edit("training/zero_gradients.py", "        tap = _TAPS.get(zero)\n        if tap is None:",
+         "        tap = None\n        if tap is None:", ZERO_TAP),  # a second owner gets a second wrapper
+    # -- plan/live_storages.py: the step plan's live bytes ----------------------------------------
+    Edit("plan/live_storages.py", "                self._tensors[key] = count + 1", "                pass", LIVE_STORAGES),
+    Edit("plan/live_storages.py", "        if ident in self._seen:\n            return", "        pass", LIVE_STORAGES,
+         equivalent="a tensor object met again gets one more count and one more finalizer, which release it once "
+                    "more when it dies: the storage's bytes and lifetime are the same"),
+    Edit("plan/live_storages.py", "            self.peak_keys = list(self._serial.values())",
+         "            self.peak_keys = list(self._serial)", LIVE_STORAGES),  # storage addresses for serials
+    Edit("plan/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
+    Edit("plan/live_storages.py", "            self.on_op(func, args, kwargs or {})\n        self._check_peak()",
+         "            self.on_op(func, args, kwargs or {})", LIVE_STORAGES),  # the peak only where a tensor is added
 ]
 
 

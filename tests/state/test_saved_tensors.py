@@ -80,6 +80,22 @@ def test_freed_graph_releases_everything() -> None:
     assert counter.alive_bytes == 0 and counter.saved_bytes == 1280
 
 
+def test_a_storage_saved_twice_stays_counted_until_both_are_released() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with SavedTensorsCounter() as counter:
+        y = x * 2  # a Python number: nothing saved
+        first, second = y.sin(), y.cos()  # each saves y: one storage, two holders
+    assert counter.saved_bytes == 4 * F32
+    first.sum().backward(retain_graph=True)  # the graph is kept: nothing released
+    assert counter.alive_bytes == 4 * F32
+    del first
+    gc.collect()
+    assert counter.alive_bytes == 4 * F32  # cos still holds y
+    del second
+    gc.collect()
+    assert counter.alive_bytes == 0 and counter.peak_bytes == 4 * F32
+
+
 def test_fake_tensors_count_the_same_bytes_as_real_ones() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

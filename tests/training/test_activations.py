@@ -136,7 +136,7 @@ def class_forward(model: torch.nn.Module):
 
 
 def is_measuring(model: torch.nn.Module) -> bool:
-    return getattr(model.__dict__.get("forward"), activations_probe.WRAPPER_MARK, False)
+    return activations_probe.is_activations_wrapper(model.__dict__.get("forward"))
 
 
 def assert_nothing_left(model: torch.nn.Module) -> None:
@@ -228,6 +228,85 @@ def test_gradient_accumulation_reports_the_last_micro_batch(tmp_path):
     assert first != last
     figures = activation_figures(entries_with(trainer.state.log_history, "loss")[0])
     assert figures == {ACTIVATIONS_BYTES: last, ACTIVATIONS_PEAK_BYTES: last}
+    assert_nothing_left(model)
+
+
+def r_drop_loss(first: Any, second: Any) -> torch.Tensor:
+    """R-Drop: both forwards' losses and the symmetric KL divergence of their predictions."""
+    log_p, log_q = first.logits.log_softmax(-1), second.logits.log_softmax(-1)
+    kl = torch.nn.functional.kl_div
+    return (first.loss + second.loss + kl(log_p, log_q, log_target=True, reduction="batchmean")
+            + kl(log_q, log_p, log_target=True, reduction="batchmean"))
+
+
+class RDropTrainer(Trainer):
+    """Two forwards of the same batch with gradients (different dropout masks), one backward."""
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+        first, second = model(**inputs), model(**inputs)
+        loss = r_drop_loss(first, second)
+        return (loss, first) if return_outputs else loss
+
+
+def saved_bytes_of_forwards_together(model: torch.nn.Module, calls: List[Dict[str, Any]]) -> int:
+    """The distinct non-parameter storages that several forwards save for one backward, by a plain
+    `saved_tensors_hooks` walk around all of them that keeps every saved tensor."""
+    params = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    kept: List[torch.Tensor] = []
+    sizes: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor)
+        if tensor.untyped_storage().data_ptr() not in params:
+            sizes[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        outputs = [model(**call) for call in calls]
+    assert all(output.loss is not None for output in outputs)
+    return sum(sizes.values())
+
+
+def replayed_r_drop_peak(model: torch.nn.Module, inputs: Dict[str, Any]) -> int:
+    """The saved-bytes peak of R-Drop's two forwards and their backward, by one counter of its own
+    around both forwards (the loss computed outside it, as in the run)."""
+    counter = SavedTensorsCounter(exclude=list(model.parameters()), watch_recomputation=True)
+    with counter:
+        first, second = model(**inputs), model(**inputs)
+    r_drop_loss(first, second).backward()
+    counter.close()
+    model.zero_grad()
+    return counter.peak_bytes
+
+
+@measures
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_several_forwards_of_one_micro_batch_are_counted_together(tmp_path, checkpointing):
+    # R-Drop calls the model twice before one backward: backward needs what both forwards saved.
+    # With 2 micro-batches per step, the second micro-batch's two forwards are the ones reported.
+    model = tiny_distilbert()
+    trainer = RDropTrainer(model=model, args=training_args(str(tmp_path), max_steps=1, gradient_accumulation_steps=2,
+                                                           gradient_checkpointing=checkpointing),
+                           train_dataset=TinyDataset(8), callbacks=[OptimizerMemoryCallback(what_if=())])
+    recorder = ForwardRecorder(model)
+    try:
+        assert train_recording_warnings(trainer) == []
+    finally:
+        recorder.remove()
+    assert len(recorder.calls) == 4 and recorder.armed == [True] * 4
+    model.train()
+    third, fourth = recorder.calls[2:]
+    assert third.keys() == fourth.keys() and all(torch.equal(third[key], fourth[key]) for key in third)
+    one = independent_saved_bytes(model, third)
+    # One batch object for both, as compute_loss passes it: its tensors are saved once.
+    together = saved_bytes_of_forwards_together(model, [third, third])
+    assert one < together < 2 * one  # the batch's own tensors (ids, mask) are saved by both, counted once
+    figures = activation_figures(entries_with(trainer.state.log_history, "loss")[0])
+    assert figures[ACTIVATIONS_BYTES] == together
+    if not checkpointing:
+        assert figures[ACTIVATIONS_PEAK_BYTES] == together
+    else:  # the blocks' recomputation during backward: the counter watches it to the end
+        assert figures[ACTIVATIONS_PEAK_BYTES] == replayed_r_drop_peak(model, third) > together
     assert_nothing_left(model)
 
 

@@ -118,6 +118,19 @@ def test_zero12_gradients_are_measured_when_deepspeeds_step_begins():
     assert tap_zero_gradients(torch.optim.AdamW(model.parameters()), lambda: True) is None  # no ZeRO: nothing
 
 
+def test_zero12_gradients_are_measured_when_one_of_two_owners_wants_them():
+    # A Trainer callback and a loop logger on one ZeRO optimizer: the one that wants this step decides.
+    model = nn.Linear(2, 2)
+    zero = ZeroStage2StandIn(model)
+    stops = [tap_zero_gradients(zero, lambda: False), tap_zero_gradients(zero, lambda: True)]
+    zero.backward()
+    zero.step()
+    assert measure_grads_bytes(model, zero) == 28 * 2 + 2 * 2
+    for stop in stops:
+        stop()
+    assert "step" not in vars(zero)
+
+
 def test_trainer_logs_model_states_equal_to_the_plan():
     model = tiny_classifier()
     trainer = Trainer(model=model, args=training_args("unused", max_steps=2, logging_steps=1),

@@ -30,6 +30,7 @@ from trainer_memcb.plan.trainer_optimizers import (
     keep_embeddings_32bit,
     trainer_optimizer_cls_and_kwargs,
 )
+from trainer_memcb.utils.compiled import uncompiled
 from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
 from trainer_memcb.utils.units import MiB, format_bytes
 from trainer_memcb.state.unwrap import inner_optimizers
@@ -380,7 +381,8 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
     installed, XLA, NPU, a constructor that needs CUDA) gets an entry saying why.
 
     Args:
-        model: a model on any device, the meta device included; it is not changed.
+        model: a model on any device, the meta device included, or `torch.compile(model)` (the
+            model it compiles is read); it is not changed.
         optimizers: the Trainer's `optim` names (`"adamw,adafactor,adamw_8bit"` or a list).
         args: `TrainingArguments` whose hyperparameters (`optim_args`, `optim_target_modules`,
             betas, weight decay) the optimizers take; None uses the defaults.
@@ -403,6 +405,7 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
     """
     names = resolve_optimizer_names(optimizers)
     args = training_args_with(args, optim_args=optim_args, optim_target_modules=optim_target_modules)
+    model = uncompiled(model)  # `torch.compile(model)`: its parameters are the model's own
     stand_in = meta_stand_in(model)
     params = [param for param in stand_in.parameters() if param.requires_grad]  # tied ones once
     if not params:

@@ -186,6 +186,15 @@ class OptimizerMemoryLogger:
         if untap is not None:
             untap()
 
+    def __enter__(self) -> "OptimizerMemoryLogger":
+        """`with OptimizerMemoryLogger(...) as memory:` around the loop: `close()` runs however the
+        loop ends, so that a step that raises (an out-of-memory error in backward) leaves nothing
+        installed on the model or the optimizer."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __call__(self, step: Optional[int] = None) -> Dict[str, int]:
         """Call right after `optimizer.step()`; the figures logged at this step, or `{}`.
 

@@ -1,15 +1,20 @@
 """Activations measured in a run: what autograd saves for backward in a logged step's forward.
 
 `ActivationsProbe` is armed at the start of an optimizer step that will be logged and disarmed
-before that step's optimizer update. While armed, every forward of the model (one per micro-batch)
-runs inside a fresh `trainer_memcb.state.saved_tensors.SavedTensorsCounter` that excludes the
-model's parameters; a later micro-batch's counter replaces an earlier one's, so with gradient
-accumulation the last micro-batch before the optimizer step is the one reported:
+before that step's optimizer update. While armed, every forward of the model runs inside a
+`trainer_memcb.state.saved_tensors.SavedTensorsCounter` that excludes the model's parameters. A
+forward that begins while what an earlier forward saved is still alive (R-Drop or a contrastive
+loss: two forwards with gradients, then one backward) runs in that forward's counter: they are
+counted together, each storage once (the batch both read is counted once), which is what the
+micro-batch's backward will need. A forward that begins when everything saved has been released
+(a backward ran) starts a fresh counter, which replaces the earlier one, so with gradient
+accumulation the last micro-batch before the optimizer step is the one reported. (A graph kept
+past its backward, `retain_graph=True`, keeps the next micro-batch in the same count.)
 
 | key | unit | meaning |
 |---|---|---|
-| `activations_bytes` | bytes | storages saved for backward by the last micro-batch's forward, still saved at its end, each storage once, parameters excluded |
-| `activations_peak_bytes` | bytes | the most of those saved bytes alive at any moment of that micro-batch's forward and backward |
+| `activations_bytes` | bytes | storages saved for backward by the last micro-batch's forwards, still saved at the end of its last forward, each storage once, parameters excluded |
+| `activations_peak_bytes` | bytes | the most of those saved bytes alive at any moment of that micro-batch's forwards and backward |
 | `device_peak_allocated_bytes` | bytes | on CUDA only: `torch.cuda.max_memory_allocated` of the model's device, read when the step is logged |
 
 What is counted is the counter's business (`trainer_memcb.state.saved_tensors`, watching
@@ -32,7 +37,22 @@ the counter, calls the forward it replaced, and exits the counter, in a `try` of
 forward that raises leaves no hooks behind (the wrapper is removed there and then). Module hooks
 cannot promise that: a forward hook that runs after a failed forward cannot remove itself without
 corrupting the exception torch is about to raise. The wrapper is removed when the step is
-disarmed, and nothing is installed on a step that is not logged.
+disarmed, and nothing is installed on a step that is not logged. A step that raises after its
+forwards (an out-of-memory error in backward, a failing optimizer step) never reaches the disarm:
+the Trainer callback removes the wrapper when `Trainer.train` leaves (`trainer_train_hook.py`),
+the loop logger in `close()` (or at the end of its `with` block). The wrapper is marked
+(`WRAPPER_MARK`: what it replaced, and its probe, held weakly), so that a wrapper of ours left on a
+model anyway is recognised as ours and taken off when any probe arms on that model
+(`remove_stale_wrappers`): the forward wrapped is always the user's own, and a stale wrapper, or
+one left inside someone else's, only calls through.
+
+A compiled model is not measured: with the Trainer's `torch_compile` (the callback is handed the
+model, but the Trainer runs its compiled wrapper), a `torch.compile(model)`, or `model.compile()`,
+the probe installs nothing and one warning says that the keys are left out. Dynamo would have to
+trace the wrapper and the counter's Python hooks: under `fullgraph` it cannot (the run would
+fail), without it the graph splits around them, and every change of `model.forward` recompiles.
+A forward reached while dynamo traces (a model compiled inside another after arming) calls
+straight through.
 
 It needs torch 2.8 or newer (`torch._C._autograd._top_saved_tensors_default_hooks`, to see saved-
 tensor hooks of the user's own); on an older torch one warning says so and the keys are left out.
@@ -51,6 +71,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
+from trainer_memcb.utils.compiled import is_compiled
 from trainer_memcb.training.figures import (
     ACTIVATIONS_BYTES,
     ACTIVATIONS_PEAK_BYTES,
@@ -62,6 +83,9 @@ __all__ = [
     "ACTIVATIONS_SUPPORTED",
     "WRAPPER_MARK",
     "ActivationsProbe",
+    "COMPILED_MESSAGE",
+    "is_activations_wrapper",
+    "remove_stale_wrappers",
     "trainer_logs_step",
     "validate_activation_options",
     "without_activation_keys",
@@ -71,12 +95,54 @@ __all__ = [
 # torch 2.8 and newer): the counter needs it to keep hooks of the user's own working. On an older
 # torch the activations are left out, with one warning.
 ACTIVATIONS_SUPPORTED = hasattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks")
+COMPILED_MESSAGE = "the activations of a compiled model (torch.compile) are not measured; they are left out"
 UNSUPPORTED_MESSAGE = (f"trainer_memcb: this torch ({torch.__version__}) cannot say which saved-tensor hooks are "
                        "active, which measuring the activations needs (torch 2.8 and newer can); they are left out")
 logger = logging.getLogger(__name__)
-# An attribute on the wrapper that the model's `forward` is while armed, so that it can be told apart.
+# An attribute on the wrapper that the model's `forward` is while armed, so that it can be told apart
+# from the user's own forward: a `_Mark` saying what it replaced and whose it is.
 WRAPPER_MARK = "__trainer_memcb_activations__"
 _MISSING = object()
+# How many wrappers of ours, one inside the other, `arm` takes off a model at most.
+_MAX_STALE_WRAPPERS = 8
+
+
+class _Mark:
+    """Carried by the wrapper (as `WRAPPER_MARK`): the `forward` instance attribute it replaced
+    (`_MISSING`: none, the class's forward applied) and the probe it belongs to, weakly."""
+
+    __slots__ = ("replaced", "probe")
+
+    def __init__(self, replaced: Any, probe: "weakref.ReferenceType[ActivationsProbe]") -> None:
+        self.replaced = replaced
+        self.probe = probe
+
+
+def is_activations_wrapper(value: Any) -> bool:
+    """Whether `value` (a model's `forward`) is a probe's wrapper: by its mark, never by its name."""
+    return isinstance(getattr(value, WRAPPER_MARK, None), _Mark)
+
+
+def remove_stale_wrappers(model: Any) -> None:
+    """Take every wrapper of ours off `model.forward`, putting back what each replaced.
+
+    A wrapper is left behind only where no code of ours ran after a failure (a step that raised
+    in a loop that never called `close()`, a Trainer whose `train` bypasses the hook): the next
+    probe must wrap the user's forward, never ours. Its probe, if alive, is disarmed too, so that
+    its counters stop watching checkpoint's recomputation."""
+    for _ in range(_MAX_STALE_WRAPPERS):
+        current = model.__dict__.get("forward", _MISSING)
+        if not is_activations_wrapper(current):
+            return
+        mark = getattr(current, WRAPPER_MARK)
+        owner = mark.probe()
+        if owner is not None and owner._wrapper is current:
+            owner.disarm()
+        if model.__dict__.get("forward", _MISSING) is current:
+            if mark.replaced is _MISSING:
+                del model.__dict__["forward"]
+            else:
+                model.__dict__["forward"] = mark.replaced
 
 
 def validate_activation_options(activations: Any, reset_device_peak: Any) -> None:
@@ -201,18 +267,25 @@ class ActivationsProbe:
 
     # -- the step's life -------------------------------------------------------------------------
 
-    def arm(self, model: Any, step: int) -> None:
-        """Measure the forwards of the model until `before_optimizer_step`, for step `step`."""
+    def arm(self, model: Any, step: int, compiled: bool = False) -> None:
+        """Measure the forwards of the model until `before_optimizer_step`, for step `step`.
+
+        Args:
+            model: the model whose forwards are measured.
+            step: the optimizer step the figures are for.
+            compiled: the caller knows the model runs compiled (the Trainer's `torch_compile`,
+                which compiles a wrapper the callback never sees): nothing is measured.
+        """
         self.disarm()
         if not self.enabled or model is None:
             return
         try:
-            self._arm(model, step)
+            self._arm(model, step, compiled)
         except Exception as error:  # never break training over a figure
             self.disarm()
             self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
 
-    def _arm(self, model: torch.nn.Module, step: int) -> None:
+    def _arm(self, model: torch.nn.Module, step: int, compiled: bool) -> None:
         if not ACTIVATIONS_SUPPORTED:
             # A documented limit of the installed torch, not a failure of this run: said once, at
             # INFO, so that every run on torch 2.6 or 2.7 does not raise a warning.
@@ -220,9 +293,11 @@ class ActivationsProbe:
                 self._said_unsupported = True
                 logger.info(UNSUPPORTED_MESSAGE)
             return
-        if getattr(model, "_orig_mod", None) is not None or torch.compiler.is_compiling():
-            self._warn_once("activations-compiled", "the activations of a compiled model are not measured; "
-                            "they are left out")
+        remove_stale_wrappers(model)
+        if compiled or is_compiled(model) or torch.compiler.is_compiling():
+            # Dynamo would trace the wrapper and the counter: it cannot with fullgraph, splits the
+            # graph without, and recompiles whenever `model.forward` changes. Left out, said once.
+            self._warn_once("activations-compiled", COMPILED_MESSAGE)
             return
         self._params = self._parameters(model)
         device = self._params[0].device if self._params else torch.device("cpu")
@@ -232,7 +307,7 @@ class ActivationsProbe:
         self._step = step
         self._model = weakref.ref(model)
         self._replaced = model.__dict__.get("forward", _MISSING)
-        self._wrapper = self._measuring(model.forward)
+        self._wrapper = self._measuring(model.forward, self._replaced)
         model.forward = self._wrapper
 
     def _parameters(self, model: torch.nn.Module) -> List[torch.Tensor]:
@@ -250,28 +325,39 @@ class ActivationsProbe:
         self.disarm()
         self._param_owner, self._param_refs = _nothing, []
 
-    def _measuring(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _measuring(self, forward: Callable[..., Any], replaced: Any) -> Callable[..., Any]:
+        # The wrapper holds its probe weakly: one left behind keeps no probe (nor its counters) alive.
+        owner = weakref.ref(self)
+
         @functools.wraps(forward)
         def measured_forward(*args: Any, **kwargs: Any) -> Any:
-            counter = self._start()
+            if torch.compiler.is_compiling():  # compiled after arming: traced, never measured
+                return forward(*args, **kwargs)
+            probe = owner()
+            counter = probe._start(measured_forward) if probe is not None else None
             if counter is None:
                 return forward(*args, **kwargs)
             try:
                 output = forward(*args, **kwargs)
             except BaseException:
-                self._stop(counter, failed=True)
+                probe._stop(counter, failed=True)  # type: ignore[union-attr]
                 raise
-            self._stop(counter, failed=False)
+            probe._stop(counter, failed=False)  # type: ignore[union-attr]
             return output
 
-        setattr(measured_forward, WRAPPER_MARK, True)
+        setattr(measured_forward, WRAPPER_MARK, _Mark(replaced, owner))
         return measured_forward
 
-    def _start(self) -> Optional[SavedTensorsCounter]:
-        if self._wrapper is None or self._active is not None or not torch.is_grad_enabled():
-            return None  # disarmed, a nested call, or a forward that saves nothing for backward
+    def _start(self, wrapper: Any) -> Optional[SavedTensorsCounter]:
+        if self._wrapper is not wrapper or self._active is not None or not torch.is_grad_enabled():
+            return None  # disarmed (or a stale wrapper), a nested call, or a forward saving nothing
+        # A forward while what an earlier one saved is still alive belongs to the same micro-batch
+        # (R-Drop, a contrastive loss: backward has not run yet): counted together, in its counter.
+        # After a backward everything saved is released, and the next forward starts afresh.
+        counter = self._last if self._last is not None and self._last.alive_bytes > 0 else None
         try:
-            counter = SavedTensorsCounter(exclude=self._params, watch_recomputation=True)
+            if counter is None:
+                counter = SavedTensorsCounter(exclude=self._params, watch_recomputation=True)
             counter.__enter__()
         except Exception as error:  # never break training over a figure
             self._warn_once("activations", f"measuring the activations failed ({error!r}); they are left out")
@@ -289,7 +375,7 @@ class ActivationsProbe:
         if failed:  # the forward raised: nothing of this step is reported, and nothing stays installed
             _close(counter)
             self.disarm()
-        else:  # a later micro-batch's counter replaces an earlier one's
+        elif counter is not self._last:  # a later micro-batch's counter replaces an earlier one's
             earlier, self._last = self._last, counter
             _close(earlier)
 

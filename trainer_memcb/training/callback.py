@@ -32,6 +32,7 @@ from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluat
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
+from trainer_memcb.training.trainer_train_hook import TrainExitListener, install_train_hook
 from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
@@ -72,7 +73,7 @@ class _Run:
         self.untap: Optional[Callable[[], None]] = None
 
 
-class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher):
+class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher, TrainExitListener):
     """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
 
     `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
@@ -103,7 +104,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     | `optimizer_state_bytes_by_key/<key>` | bytes | with `breakdown=("key",)`: per state key |
     | `optimizer_state_bytes_by_dtype/<dtype>` | bytes | with `breakdown=("dtype",)`: per dtype |
     | `optimizer_state_bytes_by_device/<device>` | bytes | with `breakdown=("device",)` |
-    | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (training entries) |
+    | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (all its forwards, if several), training entries |
     | `activations_peak_bytes` | bytes | the most of those alive during that micro-batch's forward and backward |
     | `device_peak_allocated_bytes` | bytes | CUDA only: `torch.cuda.max_memory_allocated` of the model's device |
     | `containers_device_bytes` | bytes | evaluation entries: the most the evaluation loop's containers held as torch tensors, each storage once |
@@ -156,9 +157,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         eval_keys: the keys evaluation entries carry: `"short"` (default), `"all"`, or key names
             (never the activation keys, which describe training steps).
         train_keys: the keys training entries carry: `"all"` (default), `"short"`, or key names.
-        activations: measure the activations on the steps the Trainer logs (the forward of the
-            step's last micro-batch runs under a saved-tensors counter;
-            `trainer_memcb.training.activations_probe` says what is counted); False for none.
+        activations: measure the activations on the steps the Trainer logs (the forwards of the
+            step's last micro-batch run under a saved-tensors counter;
+            `trainer_memcb.training.activations_probe` says what is counted, and why a compiled
+            model is left out); False for none.
         reset_device_peak: on CUDA, reset the allocator's peak statistics at the start of each
             logged step, so that `device_peak_allocated_bytes` is that step's own peak; by
             default they are never reset (they are global: other code may read them).
@@ -216,6 +218,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         # The evaluation that held the most since training began, every figure (for the summary).
         self._largest_evaluation: Dict[str, int] = {}
         install_log_hook()
+        install_train_hook()
         if evaluation:
             install_evaluation_hook()
 
@@ -264,11 +267,13 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     # processes they are combined (a collective), and then only the main process logs them.
 
     def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        # The forwards of the step about to run are measured only if the Trainer will log it.
+        # The forwards of the step about to run are measured only if the Trainer will log it. With
+        # `torch_compile` the Trainer runs a compiled wrapper of the model the callback is handed.
         if self.activations and trainer_logs_step(args, state, state.global_step + 1, kwargs.get("train_dataloader")):
             run = self._run(optimizer)
             if run is not None:
-                run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1)
+                run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1,
+                                            compiled=bool(getattr(args, "torch_compile", False)))
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
@@ -390,16 +395,36 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         every = getattr(args, "logging_steps", 1) or 1
         return not run.monitor.model_states.measured or every < 1 or (state.global_step + 1) % int(every) == 0
 
+    def after_train(self, trainer: Any) -> None:
+        """Called by the hook on `Trainer.train` as it returns or raises: a step that raised (an
+        out-of-memory error in backward, say) left its activations wrapper and, under ZeRO-1/2, the
+        step tap installed; they are removed now. After `on_train_end` nothing is left to remove."""
+        try:
+            optimizer = getattr(trainer, "optimizer", None)
+            run = self._runs.get(optimizer) if optimizer is not None else None
+            if run is None:
+                return  # it never began, or it ended and was released
+            if run is self._current:
+                self._current = None
+            self._uninstall(run)
+        except Exception as error:  # never break training, nor hide its own error
+            self._warn_once("cleanup", f"removing what a step installed failed ({error!r})")
+
+    @staticmethod
+    def _uninstall(run: _Run) -> None:
+        """Remove what the run installed: the ZeRO-1/2 step tap and any activations wrapper."""
+        if run.untap is not None:
+            run.untap, untap = None, run.untap
+            untap()
+        run.monitor.activations.forget()
+
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._evaluation.disarm(failed=True)  # nothing installed outlives training, even a loop left unfinished
         run = self._run(optimizer)
         self._current = None
         if run is None:
             return
-        if run.untap is not None:
-            run.untap, untap = None, run.untap
-            untap()
-        run.monitor.activations.forget()
+        self._uninstall(run)
         try:
             self._end(run, args, state)
         finally:

@@ -134,11 +134,12 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     MODEL_STATES_ESTIMATE_TOTAL_BYTES: "bytes: model_states_estimate_bytes summed over all processes",
     REFERENCE_MODEL_PARAMS_BYTES: "bytes: storage of the frozen reference model's parameters (trainer.ref_model) on "
     "this process, each storage once, storages shared with the policy left out",
-    ACTIVATIONS_BYTES: "bytes: storages autograd saved for backward in the logged step's last micro-batch forward, "
-    "still saved at its end, each storage once, parameters excluded (with gradient checkpointing, what is saved "
+    ACTIVATIONS_BYTES: "bytes: storages autograd saved for backward in the logged step's last micro-batch forward "
+    "(its forwards together, when several run before its backward), still saved at its end, each storage once, "
+    "parameters excluded (with gradient checkpointing, what is saved "
     "outside the checkpointed blocks and each block's saved inputs; with several processes, the largest over them)",
-    ACTIVATIONS_PEAK_BYTES: "bytes: the most of those saved bytes alive at any moment of that micro-batch's forward "
-    "and backward",
+    ACTIVATIONS_PEAK_BYTES: "bytes: the most of those saved bytes alive at any moment of that micro-batch's "
+    "forwards and backward",
     DEVICE_PEAK_ALLOCATED_BYTES: "bytes: on CUDA only, torch.cuda.max_memory_allocated of the model's device when "
     "the step is logged (since the process started, or since the start of the step with reset_device_peak=True)",
     CONTAINERS_DEVICE_BYTES: "bytes: evaluation entries only: the most the evaluation loop's containers held at once "

@@ -1,0 +1,53 @@
+"""`LiveStorages`, the step plan's tracker of live bytes, on a few real CPU operations whose
+storages are known: each storage once, views free, a storage freed with its last tensor, and the
+peak with what was alive then."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer_memcb.plan.live_storages import LiveStorages
+
+
+def test_each_storage_counts_once_from_its_first_tensor_to_its_last():
+    weight = torch.zeros(4, 4)  # 64 bytes, there before the step
+    tracker = LiveStorages()
+    tracker.add(weight)
+    tracker.add(weight)  # the same tensor again: still once
+    assert (tracker.alive_bytes, tracker.peak_bytes) == (64, 64)
+    with tracker:
+        tracker.phase = "forward"
+        x = torch.ones(2, 4)  # 32
+        y = x @ weight  # 32
+        view = y.view(8)  # y's storage: nothing more
+        assert tracker.alive_bytes == 128
+        del y  # the view still holds the storage
+        assert tracker.alive_bytes == 128
+        z = view * 2  # 32
+        tracker.phase = "after"
+        del x, view
+        assert tracker.alive_bytes == 96  # the weight and z
+        w = torch.ones(1)  # 4: below the peak
+    assert (tracker.peak_bytes, tracker.peak_label) == (160, "forward")
+    assert tracker.sizes == {0: 64, 1: 32, 2: 32, 3: 32, 4: 4}
+    assert sorted(tracker.peak_keys) == [0, 1, 2, 3]
+    assert tracker.serials([z, w, weight]) == [3, 4, 0]
+    with tracker:
+        detached = z.detach()  # z's storage, and no reference back to z (unlike a view)
+    del z
+    assert tracker.alive_bytes == 100  # the weight, w, and z's storage: the detached tensor holds it
+    del detached
+    assert tracker.alive_bytes == 68
+
+
+def test_the_watched_storages_alive_at_the_peak_are_kept():
+    tracker = LiveStorages()
+    kept = torch.zeros(8)  # 32
+    tracker.add(kept)
+    tracker.watch = {kept.untyped_storage()._cdata: None}
+    with tracker:
+        a = torch.ones(16)  # 64: the peak, with `kept` alive
+        del a
+        b = torch.ones(2)
+    assert (tracker.peak_bytes, tracker.peak_watch) == (96, [0])
+    assert tracker.serials([b]) == [2]

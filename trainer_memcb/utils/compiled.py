@@ -1,0 +1,49 @@
+"""Whether a model is compiled with `torch.compile`, and the module behind the compiled wrapper.
+
+`torch.compile(model)` returns an `OptimizedModule` that holds the model as `_orig_mod` (and
+forwards attribute reads to it, so walking it like a plain module can recurse without end);
+`model.compile()` compiles in place and keeps the compiled call as `_compiled_call_impl`. Both are
+read by attribute, not by class, so that nothing here imports dynamo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["is_compiled", "uncompiled"]
+
+# How many `torch.compile` wrappers around one model are followed (a model compiled twice has two).
+_MAX_WRAPPERS = 8
+
+
+def uncompiled(model: Any) -> Any:
+    """The module a `torch.compile` wrapper holds (`_orig_mod`, followed), or `model` itself.
+
+    Examples:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> uncompiled(torch.compile(layer)) is layer, uncompiled(layer) is layer
+        (True, True)
+    """
+    for _ in range(_MAX_WRAPPERS):
+        inner = getattr(model, "__dict__", {}).get("_modules", {}).get("_orig_mod")
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
+def is_compiled(model: Any) -> bool:
+    """Whether calling `model` runs a graph compiled by `torch.compile` (a wrapper, or in place).
+
+    Examples:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> is_compiled(layer), is_compiled(torch.compile(layer))
+        (False, True)
+        >>> layer.compile(); is_compiled(layer)
+        True
+    """
+    if uncompiled(model) is not model:
+        return True
+    return getattr(model, "_compiled_call_impl", None) is not None
