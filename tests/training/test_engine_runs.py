@@ -21,6 +21,9 @@ from test_engines import build  # noqa: E402
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
 from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
 
+# Real runs (torchrun jobs, or a dozen Trainer evaluations): minutes here, run by .ci/run.
+pytestmark = pytest.mark.slow
+
 ENGINES = {"ddp": dict(sharding="ddp"), "ddp-view": dict(sharding="ddp", gradient_as_bucket_view=True)}
 
 

@@ -24,6 +24,9 @@ from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.plan.eval_memory import eval_settings_from_args, plan_eval_memory
 from trainer_memcb.training.figures import EVALUATION_KEYS
 
+# Real runs (torchrun jobs, or a dozen Trainer evaluations): minutes here, run by .ci/run.
+pytestmark = pytest.mark.slow
+
 CONTAINER_KEYS = ("containers_device_bytes", "containers_host_bytes", "concat_peak_bytes", "host_concat_peak_bytes")
 VOCAB, SEQ = 96, 12
 

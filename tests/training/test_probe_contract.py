@@ -245,6 +245,7 @@ def test_the_loop_logger_as_a_context_removes_everything_when_the_loop_raises():
     before.assert_unchanged(model, optimizer)
 
 
+@pytest.mark.slow  # a torchrun job / torch.compile: tens of seconds here
 def test_a_zero2_step_tap_is_gone_when_train_raises(tmp_path):
     """DeepSpeed's own ZeRO-2 engine in one process (torchrun): the tap wraps DeepSpeed's `step`
     while training, and is gone once `train()` has raised (it used to stay until `on_train_end`)."""
@@ -291,6 +292,7 @@ def compile_run(output_dir: str, model: torch.nn.Module, callbacks: List[Any], *
 
 
 @measures
+@pytest.mark.slow  # a torchrun job / torch.compile: tens of seconds here
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
 def test_the_trainers_torch_compile_runs_as_without_the_callback_and_leaves_the_activations_out(
         tmp_path, monkeypatch, fullgraph):
@@ -313,6 +315,7 @@ def test_the_trainers_torch_compile_runs_as_without_the_callback_and_leaves_the_
 
 
 @measures
+@pytest.mark.slow  # a torchrun job / torch.compile: tens of seconds here
 def test_a_users_compiled_model_runs_as_without_the_callback_and_gets_its_what_if(tmp_path):
     torch._dynamo.reset()
     model = tiny_classifier()
