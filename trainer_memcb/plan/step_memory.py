@@ -40,6 +40,7 @@ model-states plan's per-process states, plus the engine's transient buffers whos
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from dataclasses import asdict, dataclass, field
@@ -48,7 +49,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from trainer_memcb.plan.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.live_storages import LiveStorages
+from trainer_memcb.plan.step_inputs import step_inputs
+from trainer_memcb.plan.trainer_model import prepare_like_trainer
+from trainer_memcb.plan.value_reads import unpadded_batch
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
@@ -58,8 +63,6 @@ ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
 # transformers' TrainingArguments.max_grad_norm default: the Trainer clips before each step.
 MAX_GRAD_NORM = 1.0
-# Heads whose labels are one per token; sequence classification takes one per sequence.
-_TOKEN_LABELS = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification", "LMHeadModel")
 _PARTS = ("parameters", "gradients", "optimizer_state", "activations", "batch_and_buffers", "other")
 
 
@@ -146,15 +149,6 @@ def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
     return None
 
 
-def _labels(model: nn.Module, batch_size: int, seq_len: int) -> Optional[torch.Tensor]:
-    name = type(getattr(model, "base_model", model).model).__name__ if hasattr(model, "peft_config") else type(model).__name__
-    if name.endswith(_TOKEN_LABELS):
-        return torch.zeros(batch_size, seq_len, dtype=torch.long)
-    if name.endswith("ForSequenceClassification"):
-        return torch.zeros(batch_size, dtype=torch.long)
-    return None
-
-
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:300]}"
@@ -171,10 +165,12 @@ class _Traced:
     notes: List[str]
     forward_backward_peak: int
     optimizer_peak: Optional[int]
+    optimizer_failure: Optional[str] = None
 
 
-def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
-                build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool) -> _Traced:
+def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
+                build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
+                input_options: Optional[Dict[str, Any]] = None) -> _Traced:
     """Run the step under fake tensors (the model already fake), counting as the module says."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -185,9 +181,10 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     trainable = [p for p in params if p.requires_grad]
     tracker = LiveStorages()
     with mode:
-        input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        labels = _labels(model, batch_size, seq_len)
-    for tensor in params + list(model.buffers()) + [input_ids] + ([labels] if labels is not None else []):
+        inputs = step_inputs(model, batch_size, seq_len, **(input_options or {}))
+    labels = inputs.labels
+    batch_tensors = inputs.tensors()
+    for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
     counter = SavedTensorsCounter(exclude=params, watch_recomputation=gradient_checkpointing)
     tracker.watch = counter._book.live
@@ -199,12 +196,12 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     optimizer_peak = 0
     optimizer_keys: List[int] = []
     optimizer_watch: List[int] = []
+    optimizer_failure: Optional[str] = None
     try:
         with mode, tracker:
             tracker.phase = "forward"
-            kwargs: Dict[str, Any] = {"input_ids": input_ids}
+            kwargs: Dict[str, Any] = dict(inputs.forward)
             if labels is not None:
-                kwargs["labels"] = labels
                 if _accepts_loss_kwargs(model):
                     kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
             with counter:
@@ -213,7 +210,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
                         outputs = model(**kwargs)
                 else:
                     outputs = model(**kwargs)
-            loss = outputs["loss"] if labels is not None else outputs[0].float().sum()
+            loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
             del outputs
             activations = counter.saved_bytes
             tracker.phase = "backward"
@@ -225,13 +222,21 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
                 tracker.phase = "optimizer step"
                 tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
                 torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
-                optimizer = build_optimizer(model)
-                optimizer.step()
-                state_keys = tracker.serials(value for state in optimizer.state.values() for value in state.values()
-                                             if isinstance(value, torch.Tensor))
-                optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
-                optimizer.zero_grad(set_to_none=True)
-                del optimizer
+                try:
+                    optimizer = build_optimizer(model)
+                except Exception as error:  # a constructor that reads values (bitsandbytes' 8-bit)
+                    optimizer_failure = _one_line(error)
+                    build_optimizer = None
+                else:
+                    optimizer.step()
+                    state_keys = tracker.serials(value for state in optimizer.state.values() for value in state.values()
+                                                 if isinstance(value, torch.Tensor))
+                    optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
+                    optimizer.zero_grad(set_to_none=True)
+                    del optimizer
+                if build_optimizer is None:
+                    for p in trainable:
+                        p.grad = None
     finally:
         counter.close()
     sizes = tracker.sizes
@@ -242,7 +247,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     else:
         peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, 0
     param_keys = set(tracker.serials(params))
-    other_fixed = set(tracker.serials(list(model.buffers()) + [input_ids] + ([labels] if labels is not None else [])))
+    other_fixed = set(tracker.serials(list(model.buffers()) + batch_tensors))
     groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
               ("activations", set(watch)), ("batch_and_buffers", other_fixed)]
     parts = {name: 0 for name in _PARTS}
@@ -255,7 +260,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
             parts["other"] += sizes[key]
     parts["optimizer_state"] += extra_state
     return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes, fb_bytes + state_bytes,
-                   optimizer_peak if build_optimizer is not None else None)
+                   optimizer_peak if build_optimizer is not None else None, optimizer_failure)
 
 
 def _accepts_loss_kwargs(model: nn.Module) -> bool:
@@ -288,7 +293,7 @@ def plan_step_memory(
     build_model: Callable[[], nn.Module],
     *,
     batch_size: int,
-    seq_len: int,
+    seq_len: Optional[int] = None,
     setup: Optional[Setup] = None,
     optimizer: str = "adamw_torch",
     args: Any = None,
@@ -300,6 +305,9 @@ def plan_step_memory(
     model_states: bool = True,
     states_plan: Optional[ModelStatesPlan] = None,
     dtype: Optional[torch.dtype] = None,
+    target_len: Optional[int] = None,
+    image_size: Optional[int] = None,
+    padding: int = 0,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
 
@@ -318,6 +326,8 @@ def plan_step_memory(
         model_states: also plan the model states (the sharded setups need them).
         states_plan: a model-states plan made already for this model and setup (reused).
         dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
+        target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.step_inputs`):
+            a seq2seq model's labels length, an image model's height and width, padded positions.
 
     Returns:
         The step plan, and the model-states plan (or None).
@@ -325,7 +335,10 @@ def plan_step_memory(
     Raises:
         ValueError: a bad batch size, sequence length, attention path or device type.
     """
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("target_len", target_len),
+                        ("image_size", image_size)):
+        if value is None and name != "batch_size":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
     if device_type not in DEVICE_TYPES:
@@ -340,6 +353,9 @@ def plan_step_memory(
     config = getattr(meta, "config", None)
     if attn_implementation is not None and config is not None:
         config._attn_implementation = attn_implementation
+    input_options = dict(target_len=target_len, image_size=image_size, padding=padding)
+    with FakeTensorMode():  # the options the model has no use for are refused before anything runs
+        step_inputs(meta, 1, seq_len, **input_options)
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
     precision = setup.precision
     step_dtype = dtype or _step_dtype(precision, meta)
@@ -352,10 +368,12 @@ def plan_step_memory(
     _MODE[0] = mode
     try:
         model = fake_copy(meta, mode, "cpu", step_dtype)
-        if gradient_checkpointing:
-            _enable_checkpointing(model, name)
+        prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
-        traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing)
+        unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
+        with grouped_mm_any_dtype(), unpadded:
+            traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
+                                 input_options)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
                               problem=f"the step cannot run under fake tensors ({_one_line(error)})", **common), states_plan
@@ -366,6 +384,24 @@ def plan_step_memory(
     peak, parts, transient = traced.peak_bytes, dict(traced.peak_parts), {}
     fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
     phase = traced.peak_phase
+    if traced.optimizer_failure is not None:
+        # Its state, as its estimate rule plans it, is alive through every later step's forward
+        # and backward; the update's own temporaries are not known.
+        rule_plan = states_plan if (states_plan is not None and setup.sharding == "none") else \
+            plan_model_states(build_model(), optimizer, Setup(precision=precision), args=args, model_name=model_name)
+        estimated = rule_plan.optimizers[0].optimizer_state_bytes
+        if estimated is None:
+            return StepMemoryPlan(activations_bytes=traced.activations_bytes,
+                                  activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=None,
+                                  peak_phase=None, problem=f"{optimizer}: its constructor cannot run under fake "
+                                  f"tensors ({traced.optimizer_failure}) and no rule estimates its state", **common), \
+                states_plan
+        peak, phase = fb_peak + estimated, traced.peak_phase
+        fb_peak, optimizer_peak = peak, None
+        parts["optimizer_state"] += estimated
+        notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({traced.optimizer_failure}); "
+                     f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
+                     f"and the optimizer step's own temporaries are not traced")
     if (sharded or deepspeed_precision) and states_plan is not None:
         row = states_plan.optimizers[0]
         non_states = parts["activations"] + parts["batch_and_buffers"] + parts["other"]
