@@ -164,15 +164,12 @@ def test_planned_peak_against_the_profilers_live_bytes(kind: str, attn: str, ckp
     # as the Trainer sets it): llama eager 1,958,560 planned vs 1,958,576 profiled (-16), bert eager
     # -16: a few 0-dim scalars that C++ makes without going through the dispatcher (wrapped Python
     # numbers) are invisible to the fake trace. Llama SDPA with checkpointing: 1,795,872 planned vs
-    # 1,800,928 profiled (-5,056, the figure the oldest releases showed too): the peak is in the
-    # backward of the CPU flash-attention kernel, whose scratch buffers are allocated inside the
-    # kernel (per thread), which a fake kernel, making only the outputs, does not model. (Before the
-    # plan answered transformers' packed-sequence check, a 4,096-byte mask the real run never builds
-    # hid most of that gap.)
-    if (attn, ckpt) == ("sdpa", True):
-        assert 0 < real - plan.peak_bytes <= 8192  # the kernel's scratch depends on the thread count
-    else:
-        assert abs(plan.peak_bytes - real) <= 64
+    # 1,800,928 profiled: 5,056 bytes, the CPU generator's state (`torch.get_rng_state()`) that
+    # non-reentrant checkpointing keeps per block (`preserve_rng_state`) outside autograd, which the
+    # fake trace does not see (host memory on a CUDA run). Before the plan answered transformers'
+    # packed-sequence check as a real batch does, a 4,096-byte mask the real run never builds hid it.
+    rng_state = torch.get_rng_state().numel() if ckpt else 0
+    assert abs(plan.peak_bytes + rng_state - real) <= 64
     assert abs(plan.peak_bytes - real) < real / 100
 
 

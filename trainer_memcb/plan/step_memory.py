@@ -242,10 +242,18 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     sizes = tracker.sizes
     state_bytes = sum(sizes[key] for key in set(state_keys))
     fb_bytes, fb_phase, fb_keys, fb_watch = forward_backward
+    if build_optimizer is not None:
+        # The fake step is a first step: its optimizer creates the state one parameter at a time,
+        # so at the moment of its peak part of the state did not exist yet. In every later step
+        # the whole state is alive through the update: add what was missing then.
+        missing = state_bytes - sum(sizes[key] for key in set(state_keys) & set(optimizer_keys))
+        optimizer_peak += missing
+    else:
+        missing = 0
     if fb_bytes + state_bytes >= optimizer_peak:
         peak, phase, keys, watch, extra_state = fb_bytes + state_bytes, fb_phase, fb_keys, fb_watch, state_bytes
     else:
-        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, 0
+        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, missing
     param_keys = set(tracker.serials(params))
     other_fixed = set(tracker.serials(list(model.buffers()) + batch_tensors))
     groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
