@@ -17,6 +17,7 @@ from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.lora import add_lora_adapters
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
 from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
+from trainer_memcb.plan.step_inputs import head_kind
 from trainer_memcb.plan.step_memory import DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory
 from trainer_memcb.plan.whatif import (
     DEFAULT_OPTIMIZERS,
@@ -63,6 +64,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value <= 0:
         raise ValueError(f"{text!r} is not a positive integer, e.g. 8")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{text!r} is not a whole number of at least 0, e.g. 16")
     return value
 
 
@@ -169,6 +180,14 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
     step.add_argument("--max-batch-size", action="store_true",
                       help="the largest per-device batch whose step fits in --device-memory at --seq-len")
+    # The batch of other task heads (trainer_memcb.plan.step_inputs): each refused, in one line, for
+    # a model that has no use for it.
+    step.add_argument("--target-len", type=_checked(_positive_int), metavar="T",
+                      help="a sequence-to-sequence model's labels length (default --seq-len; Whisper: needed)")
+    step.add_argument("--image-size", type=_checked(_positive_int), metavar="PIXELS",
+                      help="an image model's height and width (default: the config's image_size)")
+    step.add_argument("--padding", type=_checked(_non_negative_int), metavar="P", default=0,
+                      help="padded positions per row of the token batch (default 0: the attention mask all ones)")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
@@ -190,8 +209,6 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         ValueError: --seq-len or --device-memory missing where needed, a bad setup.
         ModelConfigError: no model config, or no parameter left to train.
     """
-    if args.seq_len is None:
-        raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
     optimizers = list(args.optimizers)
@@ -201,15 +218,22 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                   offload_params=args.offload_params)
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     model = estimate_model(args)  # checks the options once, and plans the model states
+    if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
+        raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
+    # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
+    # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
+    keep_dtypes = args.precision is None
     states = plan_model_states(model, optimizers[0], setup, device_memory=memory, model_name=args.model,
-                               reference_model=args.reference_model)
+                               reference_model=args.reference_model, keep_dtypes=keep_dtypes)
 
     def plan_at(batch: int) -> StepMemoryPlan:
         return plan_step_memory(lambda: estimate_model(args), batch_size=batch, seq_len=args.seq_len, setup=setup,
                                 optimizer=optimizers[0], attn_implementation=args.attn_implementation,
                                 gradient_checkpointing=args.gradient_checkpointing, device_type=args.device_type,
                                 device_memory=memory, model_name=args.model, states_plan=states,
-                                dtype=None if args.precision else resolve_dtype(args.dtype or "float32"))[0]
+                                dtype=None if args.precision else resolve_dtype(args.dtype or "float32"),
+                                target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
+                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes)[0]
 
     found: Optional[int] = None
     searched: List[StepMemoryPlan] = []

@@ -316,6 +316,7 @@ def plan_step_memory(
     target_len: Optional[int] = None,
     image_size: Optional[int] = None,
     padding: int = 0,
+    keep_dtypes: bool = False,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
 
@@ -336,6 +337,8 @@ def plan_step_memory(
         dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
         target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.step_inputs`):
             a seq2seq model's labels length, an image model's height and width, padded positions.
+        keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters
+            over a 16-bit base, as `get_peft_model` keeps them) rather than casting all to `dtype`.
 
     Returns:
         The step plan, and the model-states plan (or None).
@@ -375,7 +378,7 @@ def plan_step_memory(
     mode = FakeTensorMode()
     _MODE[0] = mode
     try:
-        model = fake_copy(meta, mode, "cpu", step_dtype)
+        model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
