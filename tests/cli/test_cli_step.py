@@ -139,3 +139,17 @@ def test_a_reference_model_is_alive_through_the_step(tiny_llama_dir, capsys):
     assert document["step"]["peak_parts"]["reference_model"] == reference
     assert document["step"]["peak_bytes"] == plain["peak_bytes"] + reference
     assert sum(document["step"]["peak_parts"].values()) == document["step"]["peak_bytes"]
+
+
+def test_loras_adapter_dtype_is_the_same_with_and_without_the_step_plan(tiny_llama_dir, capsys):
+    common = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--dtype", "bfloat16", "--lora-r", "4",
+              "--device-memory", "80GiB", "--json"]
+    states = run_json(common, capsys)["optimizers"][0]
+    with_step = run_json([*common, "--batch-size", "1", "--seq-len", "8"], capsys)
+    [row] = with_step["model_states"]["optimizers"]
+    # PEFT keeps the adapters in float32 over a bfloat16 base: 4 bytes per value for the gradients
+    # and 8 (+ a 4-byte step per tensor) for AdamW's state, of the adapters (q_proj and v_proj,
+    # rank 4, hidden 64, 2 layers: 2,048 values in 8 tensors), the same in both tables and the step.
+    assert row["grads_bytes"] == states["grads_bytes"] == 2048 * 4
+    assert row["optimizer_state_bytes"] == states["optimizer_state_bytes"] == 2 * 2048 * 4 + 8 * 4
+    assert with_step["step"]["peak_parts"]["optimizer_state"] == 2 * 2048 * 4 + 8 * 4
