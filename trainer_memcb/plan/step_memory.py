@@ -317,6 +317,7 @@ def plan_step_memory(
     image_size: Optional[int] = None,
     padding: int = 0,
     keep_dtypes: bool = False,
+    quantization: Any = None,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
 
@@ -337,6 +338,8 @@ def plan_step_memory(
         dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
         target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.step_inputs`):
             a seq2seq model's labels length, an image model's height and width, padded positions.
+        quantization: a `trainer_memcb.plan.quantized.Quantization`: the base model's linear layers
+            loaded in 4-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
         keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters
             over a 16-bit base, as `get_peft_model` keeps them) rather than casting all to `dtype`.
 
@@ -379,6 +382,10 @@ def plan_step_memory(
     _MODE[0] = mode
     try:
         model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
+        if quantization is not None:
+            from trainer_memcb.plan.quantized import quantize_linear_layers
+
+            quantize_linear_layers(model, mode, quantization)
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
