@@ -153,3 +153,27 @@ def test_loras_adapter_dtype_is_the_same_with_and_without_the_step_plan(tiny_lla
     assert row["grads_bytes"] == states["grads_bytes"] == 2048 * 4
     assert row["optimizer_state_bytes"] == states["optimizer_state_bytes"] == 2 * 2048 * 4 + 8 * 4
     assert with_step["step"]["peak_parts"]["optimizer_state"] == 2 * 2048 * 4 + 8 * 4
+
+
+def test_qlora_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
+    pytest.importorskip("bitsandbytes")
+    from trainer_memcb.plan.lora import add_lora_adapters
+    from trainer_memcb.plan.quantized import Quantization
+
+    document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--lora-r", "4", "--load-in-4bit",
+                         "--bnb-4bit-use-double-quant", "--batch-size", "2", "--seq-len", "16", "--json"], capsys)
+    plan, _ = plan_step_memory(lambda: add_lora_adapters(build_meta_model(tiny_llama_dir, torch.float32), 4, None),
+                               batch_size=2, seq_len=16, optimizer="adamw_torch", model_states=False, keep_dtypes=True,
+                               quantization=Quantization(double_quant=True))
+    step = document["step"]
+    assert (step["activations_bytes"], step["peak_bytes"]) == (plan.activations_bytes, plan.peak_bytes)
+    [note] = [note for note in step["notes"] if "loaded in 4-bit" in note]
+    assert note.startswith("14 linear layers loaded in 4-bit (nf4, double quantization)")
+
+
+def test_8bit_loading_is_refused_in_one_line(tiny_llama_dir, capsys):
+    code = main(["estimate", tiny_llama_dir, "--load-in-8bit", "--batch-size", "2", "--seq-len", "16"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--load-in-8bit: bitsandbytes' 8-bit loading (LLM.int8) is not planned yet; --load-in-4bit is" in err
+    assert "Traceback" not in err

@@ -17,6 +17,7 @@ from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.lora import add_lora_adapters
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
 from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, parse_bytes, plan_model_states
+from trainer_memcb.plan.quantized import QUANT_TYPES, Quantization
 from trainer_memcb.plan.step_inputs import head_kind
 from trainer_memcb.plan.step_memory import DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory
 from trainer_memcb.plan.whatif import (
@@ -188,6 +189,15 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="an image model's height and width (default: the config's image_size)")
     step.add_argument("--padding", type=_checked(_non_negative_int), metavar="P", default=0,
                       help="padded positions per row of the token batch (default 0: the attention mask all ones)")
+    # QLoRA: the base model loaded by bitsandbytes (transformers' BitsAndBytesConfig).
+    step.add_argument("--load-in-4bit", action="store_true",
+                      help="the base model's linear layers loaded in 4-bit by bitsandbytes (QLoRA), in the step plan")
+    step.add_argument("--load-in-8bit", action="store_true", help="8-bit loading (LLM.int8): not planned yet, refused")
+    step.add_argument("--bnb-4bit-quant-type", choices=list(QUANT_TYPES), default="nf4",
+                      help="bnb_4bit_quant_type (default nf4)")
+    step.add_argument("--bnb-4bit-use-double-quant", action="store_true", help="bnb_4bit_use_double_quant")
+    step.add_argument("--bnb-4bit-compute-dtype", choices=list(DTYPES), default="float32",
+                      help="bnb_4bit_compute_dtype (default float32, as transformers')")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
@@ -217,6 +227,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                   precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params)
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    quantization = _quantization(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
     if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
         raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
@@ -233,7 +244,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                                 device_memory=memory, model_name=args.model, states_plan=states,
                                 dtype=None if args.precision else resolve_dtype(args.dtype or "float32"),
                                 target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
-                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes)[0]
+                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
+                                quantization=quantization)[0]
 
     found: Optional[int] = None
     searched: List[StepMemoryPlan] = []
@@ -242,6 +254,21 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     step = plan_at(args.batch_size) if args.batch_size is not None else None
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size}
+
+
+def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
+    """The base model's loading (QLoRA), or None.
+
+    Raises:
+        ValueError: --load-in-8bit, which the step plan does not trace yet.
+    """
+    if getattr(args, "load_in_8bit", False):
+        raise ValueError("--load-in-8bit: bitsandbytes' 8-bit loading (LLM.int8) is not planned yet; "
+                         "--load-in-4bit is")
+    if not getattr(args, "load_in_4bit", False):
+        return None
+    return Quantization(quant_type=args.bnb_4bit_quant_type, double_quant=args.bnb_4bit_use_double_quant,
+                        compute_dtype=resolve_dtype(args.bnb_4bit_compute_dtype))
 
 
 def plan_asked(args: argparse.Namespace) -> bool:

@@ -380,12 +380,18 @@ def plan_step_memory(
     deepspeed_precision = precision.startswith("deepspeed-")
     mode = FakeTensorMode()
     _MODE[0] = mode
+    quantization_note = None
     try:
         model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
         if quantization is not None:
             from trainer_memcb.plan.quantized import quantize_linear_layers
 
-            quantize_linear_layers(model, mode, quantization)
+            quantized = quantize_linear_layers(model, mode, quantization)
+            quantization_note = (
+                f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
+                f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) and "
+                f"quantization state (buffers) as bitsandbytes stores them, their dequantized copies as temporaries; "
+                f"the model-states plan counts them unquantized")
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
@@ -398,7 +404,7 @@ def plan_step_memory(
     finally:
         _MODE[0] = None
         gc.collect()
-    notes = list(traced.notes)
+    notes = list(traced.notes) + ([quantization_note] if quantization_note else [])
     peak, parts, transient = traced.peak_bytes, dict(traced.peak_parts), {}
     fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
     phase = traced.peak_phase
