@@ -1,7 +1,9 @@
 """Will one training step fit? Its activations and its peak, from a step run under fake tensors.
 
-`plan_step_memory` runs one training step of the model as the Trainer runs it: `model.train()`,
-the forward with the labels and, for models that take loss keyword arguments, `num_items_in_batch`
+`plan_step_memory` runs one training step of the model as the Trainer runs it: the model prepared
+as the Trainer prepares it (`trainer_memcb.plan.trainer_model`: `use_cache=False`, checkpointing,
+`model.train()`), the forward with the batch a collator makes for its head
+(`trainer_memcb.plan.step_inputs`) and, for models that take loss keyword arguments, `num_items_in_batch`
 as the Trainer passes it (the loss computed by the model, in fp32 where the model upcasts its
 logits), `loss.backward()`, gradient clipping (`max_grad_norm=1.0`, the Trainer's default), the
 optimizer the Trainer builds for `optim`, and `zero_grad(set_to_none=True)`, all under

@@ -14,6 +14,11 @@ and save what the real run never saves:
   sequences); a real batch of one sequence per row says no, a fake one builds a mask per layer
   and SDPA repeats K and V for grouped-query attention (tried on a tiny Qwen2: 21,504 bytes more).
 
+transformers 4.x reads the same in `modeling_attn_mask_utils`: `_prepare_4d_attention_mask_for_sdpa`
+(and its causal twin) return None for an all-ones mask, after `torch.all(mask == 1)`, a value read
+a fake tensor cannot answer at all (`aten._local_scalar_dense`: BERT could not be planned). Models
+import these functions by name, so each module holding the original is patched.
+
 `unpadded_batch()` answers them, while it is active and for fake tensors only, as the real
 batch the step plan stands for answers them: one unpadded sequence per row (an all-ones mask is
 passed on as no mask, which both functions treat alike; positions are not packed). The step plan
@@ -68,8 +73,43 @@ def unpadded_batch() -> Iterator[None]:
         if original is not None:
             saved.append((name, original))
             setattr(masking_utils, name, wrap(original))
+    patched = _patch_4x_mask_helpers()
     try:
         yield
     finally:
         for name, original in saved:
             setattr(masking_utils, name, original)
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def _patch_4x_mask_helpers() -> List[Tuple[Any, str, Any]]:
+    """transformers 4.x: `_prepare_4d_attention_mask_for_sdpa(mask, ...)` and
+    `_prepare_4d_causal_attention_mask_for_sdpa(mask, ...)` return None for a fake (all-ones) mask,
+    in every loaded transformers module that imported them."""
+    import sys
+
+    try:
+        from transformers import modeling_attn_mask_utils as utils
+    except ImportError:
+        return []
+    wrappers = {}
+    for name in ("_prepare_4d_attention_mask_for_sdpa",):
+        original = getattr(utils, name, None)
+        if original is None or getattr(original, "_answers_fake_masks", False):
+            continue
+
+        def answer(mask: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            return None if _is_fake(mask) else _original(mask, *args, **kwargs)
+
+        answer._answers_fake_masks = True  # type: ignore[attr-defined]
+        wrappers[name] = (original, answer)
+    patched: List[Tuple[Any, str, Any]] = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("transformers"):
+            continue
+        for name, (original, answer) in wrappers.items():
+            if getattr(module, name, None) is original:
+                setattr(module, name, answer)
+                patched.append((module, name, original))
+    return patched
