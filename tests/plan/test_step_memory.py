@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from helpers import installed_version, requires_transformers
+from helpers import requires_transformers
 from trainer_memcb.plan.model_states import Setup
 from trainer_memcb.plan.step_memory import plan_step_memory
 from trainer_memcb.plan.trainer_model import prepare_like_trainer
@@ -150,7 +150,6 @@ def profiled_peak(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tu
     return start, peak
 
 
-@requires_transformers("5.0", "on the oldest releases BERT cannot be traced (a data-dependent read)")
 @pytest.mark.parametrize("kind,attn,ckpt", [("llama", "eager", False), ("llama", "sdpa", True), ("bert", "eager", False)])
 def test_planned_peak_against_the_profilers_live_bytes(kind: str, attn: str, ckpt: bool) -> None:
     plan, _ = plan_step_memory(meta_builder(kind, attn, False), batch_size=BATCH, seq_len=SEQ, attn_implementation=attn,
