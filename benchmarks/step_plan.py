@@ -22,6 +22,14 @@ CASES = (
     ("plan at 8 x 512", ["--batch-size", "8", "--seq-len", "512"], 10.0),
     ("--max-batch-size at 512, 80GiB", ["--max-batch-size", "--seq-len", "512", "--device-memory", "80GiB"], 60.0),
 )
+# The engine plans for 7B (target 15 s each): FSDP2 traced with the real fully_shard, ZeRO modelled.
+ENGINE_CASES = tuple(
+    (f"{name} x {world}, 8 x 512", ["--batch-size", "8", "--seq-len", "512", "--world-size", str(world), *flags], 15.0)
+    for world in (8, 64)
+    for name, flags in (("fsdp2 full shard", ["--sharding", "fsdp-full-shard", "--precision", "bf16"]),
+                        ("ddp", ["--sharding", "ddp", "--precision", "bf16"]),
+                        ("zero3", ["--zero", "3", "--precision", "deepspeed-bf16"]))
+)
 # A 70B model's bf16 weights alone exceed 80 GiB on one process: its search is asked under ZeRO-3 on 64.
 SHARDED = ["--zero", "3", "--world-size", "64", "--precision", "deepspeed-bf16"]
 
@@ -47,6 +55,9 @@ def main() -> None:
                 extra, name = extra + SHARDED, name + ", ZeRO-3 x 64"
             wall, cpu, rss = run(model, extra)
             print(f"{model:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
+    for name, extra, target in ENGINE_CASES:
+        wall, cpu, rss = run(MODELS[0], extra)
+        print(f"{MODELS[0]:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
     print("* the largest peak RSS of the cases run so far (getrusage of the children): each case's own is at most that")
 
 

@@ -120,7 +120,7 @@ def test_max_batch_size_finds_the_largest_batch_of_a_convex_peak(memory, expecte
     assert [p.batch_size for p in plans] == sorted(traced)
 
 
-def test_sharded_setups_compose_the_peak_from_the_per_process_states(tiny_llama_dir):
+def test_sharded_setups_trace_the_peak_at_one_moment(tiny_llama_dir):
     build = lambda: build_meta_model(tiny_llama_dir, torch.float32)  # noqa: E731
     whole, _ = plan_step_memory(build, batch_size=4, seq_len=16, attn_implementation="eager", optimizer="adamw_torch",
                                 model_states=False)
@@ -129,13 +129,13 @@ def test_sharded_setups_compose_the_peak_from_the_per_process_states(tiny_llama_
     row = states.optimizers[0]
     # Activations do not depend on the sharding (the trace in 16 bits saves half of fp32's floats).
     assert plan.activations_bytes is not None and plan.activations_bytes < whole.activations_bytes
+    assert plan.engine == "zero"
     parts = plan.peak_parts
-    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"], parts["master_weights"]) == (
-        row.params_bytes, row.grads_bytes, row.optimizer_state_bytes, row.master_weights_bytes)
-    assert plan.transient_bytes == row.transient_bytes and plan.transient_bytes
-    assert plan.peak_bytes == row.device_bytes + parts["activations"] + parts["batch_and_buffers"] + parts["other"] \
-        + sum(plan.transient_bytes.values())
-    assert any(note.startswith("peak composed") for note in plan.notes)
+    # The peak is one moment of the traced timeline: its parts sum to it, never a swap of parts.
+    assert sum(parts.values()) == plan.peak_bytes
+    # DeepSpeed's own states, alive through the step, agree with the model-states plan.
+    assert (parts["optimizer_state"], parts["master_weights"]) == (row.optimizer_state_bytes, row.master_weights_bytes)
+    assert not any(note.startswith("peak composed") for note in plan.notes)
 
 
 def test_a_reference_model_is_alive_through_the_step(tiny_llama_dir, capsys):

@@ -153,7 +153,8 @@ def profiled_peak(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tu
 @pytest.mark.parametrize("kind,attn,ckpt", [("llama", "eager", False), ("llama", "sdpa", True), ("bert", "eager", False)])
 def test_planned_peak_against_the_profilers_live_bytes(kind: str, attn: str, ckpt: bool) -> None:
     plan, _ = plan_step_memory(meta_builder(kind, attn, False), batch_size=BATCH, seq_len=SEQ, attn_implementation=attn,
-                               gradient_checkpointing=ckpt, optimizer="adamw_torch", model_states=False)
+                               gradient_checkpointing=ckpt, optimizer="adamw_torch", model_states=False,
+                               device_type="cpu")  # the real step runs AdamW's CPU (single-tensor) loop
     start, above = profiled_peak(real_model(kind, attn, torch.float32, ckpt, False), batch(kind))
     real = start + above
     # Measured here (the real batch with the collator's all-ones mask, the model with use_cache=False

@@ -198,6 +198,18 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     step.add_argument("--bnb-4bit-use-double-quant", action="store_true", help="bnb_4bit_use_double_quant")
     step.add_argument("--bnb-4bit-compute-dtype", choices=list(DTYPES), default="float32",
                       help="bnb_4bit_compute_dtype (default float32, as transformers')")
+    own = estimate.add_argument_group(
+        "your own settings", "the Trainer's arguments and the engine's config as you train with them; the flags "
+        "above, given explicitly, override them, and the step plan lists every setting and where it came from")
+    own.add_argument("--training-args", metavar="FILE",
+                     help="TrainingArguments as JSON (TrainingArguments.to_json_string(), a run's training_args.json "
+                          "dump); never a pickle such as training_args.bin")
+    own.add_argument("--deepspeed", metavar="FILE", help="the DeepSpeed config (ds_config.json), \"auto\" values filled as the Trainer fills them")
+    own.add_argument("--fsdp-config", metavar="FILE", help="the Trainer's fsdp_config JSON (FSDP2: reshard_after_forward, cpu_offload)")
+    own.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
+    own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
+    own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
+                     help="FSDP2 HSDP: replicate R times over a mesh of R x (world size / R)")
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
@@ -209,7 +221,42 @@ _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer",
 
 def step_asked(args: argparse.Namespace) -> bool:
     """Whether the options ask for the step plan (activations and the step's peak)."""
-    return getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False))
+    return (getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False))
+            or getattr(args, "training_args", None) is not None)
+
+
+def step_settings(args: argparse.Namespace, model: Any) -> Any:
+    """The step plan's settings: `--training-args`, `--deepspeed`, `--fsdp-config`, then the flags
+    given explicitly (each value's source kept)."""
+    from trainer_memcb.plan.settings import resolve_settings
+
+    flags: Dict[str, Any] = {}
+    given = {"world_size": args.world_size, "nodes": args.nodes, "batch_size": args.batch_size,
+             "bucket_cap_mb": getattr(args, "bucket_cap_mb", None), "replicate": getattr(args, "replicate", None)}
+    flags.update({key: value for key, value in given.items() if value is not None})
+    if args.zero or args.sharding:
+        flags["sharding"] = f"zero{args.zero}" if args.zero else args.sharding
+    if args.precision or not (args.training_args or args.deepspeed):
+        flags["precision"] = _plan_precision(args)
+    if args.gradient_checkpointing:
+        flags["gradient_checkpointing"] = True
+    if getattr(args, "gradient_as_bucket_view", False):
+        flags["gradient_as_bucket_view"] = True
+    if args.offload_params and (flags.get("sharding") or "").startswith("fsdp"):
+        flags["fsdp_cpu_offload"] = True
+    if list(args.optimizers) != list(DEFAULT_OPTIMIZERS) or not args.training_args:
+        flags["optimizer"] = list(args.optimizers)[0]
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) if config is not None else None
+    settings = resolve_settings(args.training_args, deepspeed=getattr(args, "deepspeed", None),
+                                fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden, **flags)
+    if args.offload_optimizer and settings.zero_stage:
+        zero = dict(settings.zero, offload_optimizer={"device": "cpu"})
+        sources = dict(settings.sources, **{"zero.offload_optimizer": "flag"})
+        import dataclasses
+
+        settings = dataclasses.replace(settings, zero=zero, sources=sources)
+    return settings
 
 
 def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
@@ -221,28 +268,32 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     """
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
-    optimizers = list(args.optimizers)
-    setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
-                  sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
-                  precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
-                  offload_params=args.offload_params)
+    from trainer_memcb.plan.step_memory import setup_of
+
     memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     quantization = _quantization(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
     if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
         raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
+    settings = step_settings(args, model)
+    if settings.batch_size is None and not args.max_batch_size:
+        raise ValueError("--batch-size is needed (or per_device_train_batch_size in --training-args)")
+    setup = setup_of(settings)
     # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
     # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
-    keep_dtypes = args.precision is None
-    states = plan_model_states(model, optimizers[0], setup, device_memory=memory, model_name=args.model,
+    explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
+    keep_dtypes = not explicit_dtype
+    states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
 
     def plan_at(batch: int) -> StepMemoryPlan:
-        return plan_step_memory(lambda: estimate_model(args), batch_size=batch, seq_len=args.seq_len, setup=setup,
-                                optimizer=optimizers[0], attn_implementation=args.attn_implementation,
-                                gradient_checkpointing=args.gradient_checkpointing, device_type=args.device_type,
+        import dataclasses
+
+        at = dataclasses.replace(settings, batch_size=batch, sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
+        return plan_step_memory(lambda: estimate_model(args), seq_len=args.seq_len, settings=at,
+                                attn_implementation=args.attn_implementation, device_type=args.device_type,
                                 device_memory=memory, model_name=args.model, states_plan=states,
-                                dtype=None if args.precision else resolve_dtype(args.dtype or "float32"),
+                                dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"),
                                 target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
                                 padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
                                 quantization=quantization)[0]
@@ -251,7 +302,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     searched: List[StepMemoryPlan] = []
     if args.max_batch_size:
         found, searched = max_batch_size(plan_at, memory)
-    step = plan_at(args.batch_size) if args.batch_size is not None else None
+    step = plan_at(settings.batch_size) if settings.batch_size is not None else None
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size}
 

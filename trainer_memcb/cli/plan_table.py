@@ -59,7 +59,10 @@ def plan_tables(plan: ModelStatesPlan) -> List[TextTable]:
 _PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
                "master_weights": "master weights", "activations": "activations (saved for backward)",
                "batch_and_buffers": "batch and buffers", "other": "temporaries (logits, attention scores, ...)",
-               "reference_model": "reference model (frozen)"}
+               "reference_model": "reference model (frozen)",
+               "unsharded_parameters": "unsharded parameters (gathered)",
+               "engine_buffers": "engine buffers (all-gather, reduce-scatter, DDP/ZeRO buckets)",
+               "fp32_gradients": "fp32 gradient partition (optimizer step only)"}
 
 
 def step_tables(found: Dict[str, Any]) -> List[TextTable]:
@@ -90,6 +93,11 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             parts = [[_PART_NAMES.get(name, name), bytes_cell(value)] for name, value in step.peak_parts.items()]
             parts += [[f"transient: {name}", bytes_cell(value)] for name, value in step.transient_bytes.items()]
             tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts))
+        if step.settings_used:
+            rows = [[name, str(value), source] for name, value, source in step.settings_used]
+            tables.append(TextTable(f"Settings used (engine: {step.engine}; optimizer implementation: "
+                                    f"{step.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
+                                    text_columns=(0, 1, 2)))
     if found.get("search"):
         rows = [[str(plan.batch_size), bytes_cell(plan.peak_bytes),
                  "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found["searched"]]

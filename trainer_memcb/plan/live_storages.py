@@ -9,6 +9,11 @@ the step (parameters, buffers, the batch) are registered with `add`. The peak is
 alive after any operation, and at that moment the tracker keeps which storages were alive, so that
 the plan can say what they were (parameters, gradients, optimizer state, activations, others).
 
+A storage resized in place (`UntypedStorage.resize_`, which no dispatch mode sees: FSDP2 frees and
+re-allocates its unsharded parameters that way, `_fsdp_param.py` `free_storage`/`alloc_storage`)
+is counted at its new size from then on, under a new serial number, while the tracker is entered:
+the method is patched for that time, as torch's own `MemTracker._track_resize` does.
+
 It reads metadata only, and is meant for fake tensors (`FakeTensorMode`): nothing is allocated,
 so the figures are what a caching-free allocator would hold, storage by storage, on the device the
 tensors claim.
@@ -54,6 +59,63 @@ class LiveStorages(TorchDispatchMode):
         self._seen: Dict[int, None] = {}  # id() of the tensor objects seen and alive
         self.watch: Optional[Dict[int, Any]] = None  # storages whose keys are copied at the peak
         self.peak_watch: List[int] = []
+        # serial number -> part, for storages an engine names (its buffers, unsharded parameters);
+        # a storage resized keeps its part under its new serial number.
+        self.tags: Dict[int, str] = {}
+        # Called as on_op(func, args, kwargs) after each operation, its outputs tracked: an engine
+        # tags the buffers its collectives use.
+        self.on_op: Optional[Any] = None
+
+    def __enter__(self) -> "LiveStorages":
+        self._original_resize = torch.UntypedStorage.resize_
+        original, tracker = self._original_resize, self
+
+        def resize_(storage: Any, size: int) -> Any:
+            result = original(storage, size)
+            tracker._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def restart_peak(self) -> None:
+        """Take the bytes alive now as the peak so far (an engine that has just brought the
+        model to its state between steps: ZeRO-3's partitioned parameters)."""
+        self.peak_bytes = 0
+        self._check_peak()
+
+    def set_size(self, storage: Any, nbytes: int, part: Optional[str] = None) -> None:
+        """Count a tracked storage at `nbytes` from now on (an engine's model of a buffer that is
+        gathered and released), under a new serial number named `part`."""
+        key = storage._cdata
+        serial = self._serial.get(key)
+        if serial is None:
+            return
+        self.alive_bytes -= self.sizes[serial]
+        serial = self._serial[key] = len(self.sizes)
+        self.sizes[serial] = nbytes
+        if part is not None:
+            self.tags[serial] = part
+        self.alive_bytes += nbytes
+        self._check_peak()
+
+    def _resized(self, storage: Any) -> None:
+        key = storage._cdata
+        serial = self._serial.get(key)
+        if serial is None or self.sizes[serial] == storage.nbytes():
+            return
+        self.alive_bytes -= self.sizes[serial]
+        tag = self.tags.get(serial)
+        serial = self._serial[key] = len(self.sizes)
+        if tag is not None:
+            self.tags[serial] = tag
+        self.sizes[serial] = storage.nbytes()
+        self.alive_bytes += self.sizes[serial]
+        self._check_peak()
 
     def add(self, tensor: torch.Tensor) -> None:
         """Count a tensor that exists before the step (a parameter, a buffer, the batch)."""
@@ -95,6 +157,13 @@ class LiveStorages(TorchDispatchMode):
             if self.watch is not None:
                 self.peak_watch = [self._serial[key] for key in self.watch if key in self._serial]
 
+    def tag(self, tensors: Any, part: str, replace: bool = False) -> None:
+        """Name the part the storages of `tensors` (tracked now) belong to; a storage already
+        named keeps its part unless `replace`."""
+        for serial in self.serials(tensors):
+            if replace or serial not in self.tags:
+                self.tags[serial] = part
+
     def serials(self, tensors: Any) -> List[int]:
         """The serial numbers of the storages of `tensors` (alive and tracked now)."""
         found = []
@@ -109,5 +178,7 @@ class LiveStorages(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._track(leaf)
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs or {})
         self._check_peak()
         return out

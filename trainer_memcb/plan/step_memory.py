@@ -33,16 +33,18 @@ process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the fl
 which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
 eager path saves the same tensors on any device.
 
-Sharding. Activations depend on the micro-batch, not on ZeRO or FSDP. For `none` and `ddp` the
-peak is the traced one. For the sharded setups, the traced step holds the whole model, so the peak
-is composed: the traced peak's non-model-state bytes (activations and temporaries) plus the
-model-states plan's per-process states, plus the engine's transient buffers whose size is known
-(`transient_bytes` of the model-states plan).
+Engines. The step runs under the engine the settings name (`trainer_memcb.plan.engines`): one
+process, DDP's buckets, FSDP2's real `fully_shard` on a fake process group, DeepSpeed ZeRO's
+buffers modelled from its source. Each wraps the model and runs the backward and the optimizer
+step its way inside the same timeline, so the peak is always the largest sum at one moment of what
+one process holds. The settings (`trainer_memcb.plan.settings`) are resolved once from the
+`TrainingArguments`, the engine's config and the explicit arguments.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 from dataclasses import asdict, dataclass, field
@@ -51,7 +53,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from trainer_memcb.plan.engines import StepEngine, engine_for
 from trainer_memcb.plan.fake_kernels import grouped_mm_any_dtype
+from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.plan.step_inputs import step_inputs
 from trainer_memcb.plan.trainer_model import prepare_like_trainer
@@ -111,6 +115,10 @@ class StepMemoryPlan:
     margin_bytes: Optional[int] = None
     problem: Optional[str] = None
     notes: List[str] = field(default_factory=list)
+    engine: str = "none"
+    optimizer_implementation: Optional[str] = None
+    host_bytes: Dict[str, int] = field(default_factory=dict)
+    settings_used: List[List[Any]] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -172,13 +180,15 @@ class _Traced:
 
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
                 build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
-                input_options: Optional[Dict[str, Any]] = None) -> _Traced:
-    """Run the step under fake tensors (the model already fake), counting as the module says."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None) -> _Traced:
+    """Run the step under fake tensors (the model already fake), counting as the module says;
+    `engine` wraps the model and runs the backward and the optimizer step its way."""
     mode = _MODE[0]
+    engine = engine or StepEngine()
     notes: List[str] = []
     model.train()
+    engine.optimizer_builder = build_optimizer
+    model = engine.wrap(model, mode)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     tracker = LiveStorages()
@@ -188,8 +198,13 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     batch_tensors = inputs.tensors()
     for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
+    for part, tensors in engine.resident().items():
+        for tensor in tensors:
+            tracker.add(tensor)
+        tracker.tag(tensors, part)
     counter = SavedTensorsCounter(exclude=params, watch_recomputation=gradient_checkpointing)
     tracker.watch = counter._book.live
+    engine.attach(tracker, counter)
     autocast = None
     if precision.startswith("autocast-"):
         autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision.endswith("bf16") else torch.float16)
@@ -216,52 +231,55 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
             del outputs
             activations = counter.saved_bytes
             tracker.phase = "backward"
-            loss.backward()
+            engine.backward(loss)
             del loss
-            grads = tracker.serials(p.grad for p in trainable if p.grad is not None)
+            grads = tracker.serials(engine.gradients(trainable))
             forward_backward = (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)
             if build_optimizer is not None:
                 tracker.phase = "optimizer step"
                 tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
-                torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
                 try:
-                    optimizer = build_optimizer(model)
+                    optimizer = engine.step(build_optimizer, model, trainable)
                 except Exception as error:  # a constructor that reads values (bitsandbytes' 8-bit)
                     optimizer_failure = _one_line(error)
                     build_optimizer = None
-                else:
-                    optimizer.step()
-                    state_keys = tracker.serials(value for state in optimizer.state.values() for value in state.values()
-                                                 if isinstance(value, torch.Tensor))
-                    optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
-                    optimizer.zero_grad(set_to_none=True)
-                    del optimizer
-                if build_optimizer is None:
                     for p in trainable:
                         p.grad = None
+                else:
+                    state_keys = tracker.serials(engine.state_tensors(optimizer))
+                    optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
+                    engine.zero_grad(optimizer)
+                    del optimizer
     finally:
         counter.close()
+        engine.close()
+    notes.extend(engine.notes)
     sizes = tracker.sizes
-    state_bytes = sum(sizes[key] for key in set(state_keys))
+    # Optimizer state an engine makes before the step (DeepSpeed's) is in the timeline already.
+    state_bytes = 0 if engine.state_resident else sum(sizes[key] for key in set(state_keys))
     fb_bytes, fb_phase, fb_keys, fb_watch = forward_backward
+    # The fake step is the first: the optimizer makes each parameter's state as it reaches it, so at
+    # the optimizer phase's peak the state of the parameters after it is not alive yet; in every
+    # later step it is. Add it.
+    unique_state = set(state_keys)
+    not_yet = 0 if engine.state_resident else sum(sizes[key] for key in unique_state - set(optimizer_keys))
     if build_optimizer is not None:
-        # The fake step is a first step: its optimizer creates the state one parameter at a time,
-        # so at the moment of its peak part of the state did not exist yet. In every later step
-        # the whole state is alive through the update: add what was missing then.
-        missing = state_bytes - sum(sizes[key] for key in set(state_keys) & set(optimizer_keys))
-        optimizer_peak += missing
-    else:
-        missing = 0
+        optimizer_peak += not_yet
     if fb_bytes + state_bytes >= optimizer_peak:
         peak, phase, keys, watch, extra_state = fb_bytes + state_bytes, fb_phase, fb_keys, fb_watch, state_bytes
     else:
-        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, missing
+        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, not_yet
     param_keys = set(tracker.serials(params))
     other_fixed = set(tracker.serials(list(model.buffers()) + batch_tensors))
     groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
               ("activations", set(watch)), ("batch_and_buffers", other_fixed)]
     parts = {name: 0 for name in _PARTS}
+    tags = tracker.tags
     for key in keys:
+        tag = tags.get(key)
+        if tag is not None:
+            parts[tag] = parts.get(tag, 0) + sizes[key]
+            continue
         for name, members in groups:
             if key in members:
                 parts[name] += sizes[key]
@@ -302,19 +320,20 @@ _MODE: List[Any] = [None]
 def plan_step_memory(
     build_model: Callable[[], nn.Module],
     *,
-    batch_size: int,
+    batch_size: Optional[int] = None,
     seq_len: Optional[int] = None,
     setup: Optional[Setup] = None,
-    optimizer: str = "adamw_torch",
+    optimizer: Optional[str] = None,
     args: Any = None,
     attn_implementation: Optional[str] = None,
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: Optional[bool] = None,
     device_type: str = "cuda",
     device_memory: Optional[int] = None,
     model_name: Optional[str] = None,
     model_states: bool = True,
     states_plan: Optional[ModelStatesPlan] = None,
     dtype: Optional[torch.dtype] = None,
+    settings: Optional[StepSettings] = None,
     target_len: Optional[int] = None,
     image_size: Optional[int] = None,
     padding: int = 0,
@@ -326,10 +345,14 @@ def plan_step_memory(
     Args:
         build_model: makes the model on the meta device (`trainer_memcb.plan.whatif.build_meta_model`
             plus LoRA adapters); called once per trace, its parameters are replaced by fake ones.
-        batch_size, seq_len: the per-device micro-batch.
-        setup: world size, sharding, precision (as the model-states plan).
-        optimizer: the Trainer's `optim` name for the traced optimizer step.
-        args: `TrainingArguments` for the optimizer's hyperparameters.
+        batch_size, seq_len: the per-device micro-batch (None: `args.per_device_train_batch_size`).
+        setup: world size, sharding, precision (as the model-states plan); given, it overrides
+            `args` and `settings`.
+        optimizer: the Trainer's `optim` name for the traced optimizer step (None: `args.optim`,
+            else adamw_torch).
+        args: `TrainingArguments`: the optimizer's hyperparameters, and the settings the Trainer
+            reads from them (batch size, bf16/fp16, optim, gradient checkpointing, clipping, the
+            DeepSpeed and FSDP configs) unless given here explicitly.
         attn_implementation: "eager", "sdpa" or another transformers attention; None keeps the
             config's.
         gradient_checkpointing: the Trainer's `gradient_checkpointing=True` (non-reentrant).
@@ -338,6 +361,9 @@ def plan_step_memory(
         model_states: also plan the model states (the sharded setups need them).
         states_plan: a model-states plan made already for this model and setup (reused).
         dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
+        settings: settings resolved already (`trainer_memcb.plan.settings.resolve_settings`), the
+            engine's options among them (DDP's buckets, FSDP2's resharding and offload, ZeRO's config);
+            the explicit arguments above still override it.
         target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.step_inputs`):
             a seq2seq model's labels length, an image model's height and width, padded positions.
         quantization: a `trainer_memcb.plan.quantized.Quantization`: the base model's linear layers
@@ -351,6 +377,14 @@ def plan_step_memory(
     Raises:
         ValueError: a bad batch size, sequence length, attention path or device type.
     """
+    meta = build_model()
+    config = getattr(meta, "config", None)
+    hidden = getattr(getattr(config, "get_text_config", lambda: config)(), "hidden_size", None) if config is not None else None
+    settings = _resolve(settings, args, setup, batch_size=batch_size, optimizer=optimizer,
+                        gradient_checkpointing=gradient_checkpointing, hidden_size=hidden)
+    batch_size = settings.batch_size if settings.batch_size is not None else batch_size
+    optimizer, gradient_checkpointing = settings.optimizer, settings.gradient_checkpointing
+    setup = setup_of(settings, setup)
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("target_len", target_len),
                         ("image_size", image_size)):
         if value is None and name != "batch_size":
@@ -359,10 +393,8 @@ def plan_step_memory(
             raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type={device_type!r} is not one of: {', '.join(DEVICE_TYPES)}")
-    setup = setup or Setup()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    meta = build_model()
     if model_states and states_plan is None:
         states_plan = plan_model_states(meta, optimizer, setup, args=args, model_name=model_name)
     name = model_name or type(meta).__name__
@@ -378,8 +410,7 @@ def plan_step_memory(
     common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
                   device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
                   precision=precision, optimizer=optimizer, device_memory_bytes=device_memory)
-    sharded = setup.sharding not in ("none", "ddp")
-    deepspeed_precision = precision.startswith("deepspeed-")
+    engine = engine_for(settings)
     mode = FakeTensorMode()
     _MODE[0] = mode
     quantization_note = None
@@ -395,26 +426,30 @@ def plan_step_memory(
                 f"quantization state (buffers) as bitsandbytes stores them, their dequantized copies as temporaries; "
                 f"the model-states plan counts them unquantized")
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
-        build_optimizer = None if (sharded or deepspeed_precision) else _optimizer_builder(optimizer, args)
+        build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
         with grouped_mm_any_dtype(), unpadded:
-            traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
+            traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing, engine,
                                  input_options)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
+        engine.close()
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
                               problem=f"the step cannot run under fake tensors ({_one_line(error)})", **common), states_plan
     finally:
         _MODE[0] = None
         gc.collect()
     notes = list(traced.notes) + ([quantization_note] if quantization_note else [])
+    implementation = implementation[0]
+    if implementation:
+        notes.append(f"optimizer traced with its {implementation} implementation, as torch runs it on {device_type}")
     peak, parts, transient = traced.peak_bytes, dict(traced.peak_parts), {}
     fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
     phase = traced.peak_phase
     if traced.optimizer_failure is not None:
         # Its state, as its estimate rule plans it, is alive through every later step's forward
         # and backward; the update's own temporaries are not known.
-        rule_plan = states_plan if (states_plan is not None and setup.sharding == "none") else \
-            plan_model_states(build_model(), optimizer, Setup(precision=precision), args=args, model_name=model_name)
+        rule_plan = states_plan if states_plan is not None else \
+            plan_model_states(build_model(), optimizer, setup, args=args, model_name=model_name)
         estimated = rule_plan.optimizers[0].optimizer_state_bytes
         if estimated is None:
             return StepMemoryPlan(activations_bytes=traced.activations_bytes,
@@ -428,29 +463,19 @@ def plan_step_memory(
         notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({traced.optimizer_failure}); "
                      f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
                      f"and the optimizer step's own temporaries are not traced")
-    if (sharded or deepspeed_precision) and states_plan is not None:
-        row = states_plan.optimizers[0]
-        non_states = parts["activations"] + parts["batch_and_buffers"] + parts["other"]
-        parts = {"parameters": row.params_bytes, "gradients": row.grads_bytes,
-                 "optimizer_state": row.optimizer_state_bytes or 0, "master_weights": row.master_weights_bytes,
-                 "activations": parts["activations"], "batch_and_buffers": parts["batch_and_buffers"],
-                 "other": parts["other"]}
-        cpu = row.cpu_bytes or 0
-        transient = dict(row.transient_bytes)
-        peak = (row.device_bytes if row.device_bytes is not None else sum(parts[k] for k in ("parameters", "gradients"))) \
-            + non_states + sum(transient.values())
-        if cpu:
-            notes.append(f"{cpu} bytes of model states offloaded to the CPU are not in the device peak")
-        notes.append("peak composed: traced activations and temporaries (peak of forward and backward) plus the "
-                     "model-states plan's per-process states and the engine's known transient buffers")
-        fb_peak, optimizer_peak = peak, None
-        phase = traced.peak_phase
+    host = {part: parts.pop(part) for part in getattr(engine, "host_parts", ()) if parts.get(part)}
+    if host:
+        # Offloaded states: on the CPU in a real run; the trace holds them beside the device's bytes.
+        peak -= sum(host.values())
+        fb_peak -= sum(host.values())
+        optimizer_peak = None if optimizer_peak is None else optimizer_peak - sum(host.values())
+        notes.append(f"offloaded to the CPU, not in the device peak: {', '.join(f'{k} {v} bytes' for k, v in host.items())}")
     reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
     if reference:
         # A frozen reference model (DPO-style training) is alive through the whole step. Its own
         # forward's temporaries are not traced.
         parts["reference_model"] = reference
-        if not (sharded or deepspeed_precision):  # the composed peak's device bytes hold it already
+        if True:
             peak += reference
             fb_peak = fb_peak + reference
             optimizer_peak = None if optimizer_peak is None else optimizer_peak + reference
@@ -463,7 +488,40 @@ def plan_step_memory(
                           activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
                           peak_parts=parts, forward_backward_peak_bytes=fb_peak,
                           optimizer_step_peak_bytes=optimizer_peak, transient_bytes=transient, fits=fits, margin_bytes=margin, notes=notes,
-                          **common), states_plan
+                          engine=engine.name, optimizer_implementation=implementation, host_bytes=host,
+                          settings_used=[list(row) for row in settings.used()], **common), states_plan
+
+
+def _resolve(settings: Optional[StepSettings], args: Any, setup: Optional[Setup], **given: Any) -> StepSettings:
+    """The settings: those given (or resolved from `args`), the explicit arguments over them."""
+    hidden_size = given.pop("hidden_size")
+    flags = {key: value for key, value in given.items() if value is not None}
+    if setup is not None:
+        flags.update(world_size=setup.world_size, nodes=setup.nodes, sharding=setup.sharding, precision=setup.precision)
+        if setup.offload_params and setup.is_fsdp:
+            flags["fsdp_cpu_offload"] = True
+    if settings is None:
+        training_args = args if (args is not None and hasattr(args, "to_dict")) else None
+        return resolve_settings(training_args, hidden_size=hidden_size, **flags)
+    if not flags:
+        return settings
+    sources = dict(settings.sources)
+    sources.update({key: "flag" for key in flags})
+    if flags.get("sharding") == "fsdp-shard-grad-op":
+        flags["reshard_after_forward"] = False
+    elif flags.get("sharding") == "fsdp-full-shard":
+        flags["reshard_after_forward"] = True
+    return dataclasses.replace(settings, sources=sources, **flags)
+
+
+def setup_of(settings: StepSettings, setup: Optional[Setup] = None) -> Setup:
+    """The model-states plan's `Setup` of resolved settings (`setup` itself when given)."""
+    if setup is not None:
+        return setup
+    return Setup(world_size=settings.world_size, nodes=settings.nodes, sharding=settings.sharding,
+                 precision=settings.precision, offload_optimizer=settings.offload_optimizer and settings.zero_stage > 0,
+                 offload_params=settings.offload_params and settings.sharding in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"),
+                 sub_group_size=int(settings.zero.get("sub_group_size", 1_000_000_000)))
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -484,18 +542,37 @@ def _enable_checkpointing(model: nn.Module, name: str) -> None:
     enable_checkpointing(model)
 
 
-def _optimizer_builder(name: str, args: Any) -> Callable[[nn.Module], Any]:
+def _optimizer_builder(name: str, args: Any, device_type: str = "cpu") -> Tuple[Callable[[nn.Module], Any], List[Optional[str]]]:
+    """The Trainer's optimizer builder, and the implementation torch runs it with on `device_type`.
+
+    torch's `_default_to_fused_or_foreach` (torch/optim/optimizer.py) picks foreach when `foreach`
+    is None and every parameter is on CUDA, the single-tensor loop on the CPU; `fused=True` (the
+    Trainer's `adamw_torch_fused`) is fused on both. The trace runs on fake CPU tensors, so for
+    `device_type="cuda"` the groups get `foreach=True`, which runs on (fake) CPU tensors too."""
     from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
 
-    if args is None:
+    if args is None or not hasattr(args, "optim"):
         from transformers import TrainingArguments
 
         args = TrainingArguments(output_dir="trainer-memcb-plan", report_to=[])
+    implementation: List[Optional[str]] = [None]
 
     def build(model: nn.Module) -> Any:
-        return build_trainer_optimizer(name, args, model)
+        optimizer = build_trainer_optimizer(name, args, model)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        groups = getattr(inner, "param_groups", [])
+        if groups and all("foreach" in group for group in groups):
+            if any(group.get("fused") for group in groups):
+                implementation[0] = "fused"
+            elif all(group.get("foreach") is None for group in groups) and device_type == "cuda":
+                for group in groups:
+                    group["foreach"] = True
+                implementation[0] = "foreach"
+            else:
+                implementation[0] = "foreach" if all(group.get("foreach") for group in groups) else "single-tensor"
+        return optimizer
 
-    return build
+    return build, implementation
 
 
 def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int, limit: int = 1 << 20) -> Tuple[Optional[int], List[StepMemoryPlan]]:

@@ -1,0 +1,86 @@
+"""The engine plans for Llama-2-7B against torch's and DeepSpeed's own figures, and their times.
+
+- FSDP2 (full shard, bf16 parameters, AdamW, batch 1 x 512): the plan's peak per process against
+  `FSDPMemTracker` on the same fake step (tests/plan/fsdp_reference.py), at 4, 8 and 64 processes;
+- ZeRO-2 and ZeRO-3 (deepspeed-bf16, batch 1 x 512): the plan's model states at the step against
+  DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
+  (no offload; their 1.5 buffer factor applies to the CPU figure only).
+
+    python benchmarks/engine_references.py [WORLD ...]
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "plan"))
+
+import torch  # noqa: E402
+
+from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
+from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.whatif import build_meta_model  # noqa: E402
+
+MODEL = os.path.join(ROOT, "examples", "models", "llama-2-7b")
+
+
+def build():
+    return build_meta_model(MODEL, dtype=torch.bfloat16)
+
+
+def timed(function):
+    start = time.perf_counter()
+    value = function()
+    return value, time.perf_counter() - start
+
+
+def main() -> None:
+    stages = [int(a[1:]) for a in sys.argv[1:] if a.startswith("z")] or [2, 3]
+    worlds = [int(w) for w in sys.argv[1:] if not w.startswith(("z", "-"))] or [4, 8, 64]
+    fsdp = "--no-fsdp" not in sys.argv
+    from fsdp_reference import fsdp_memtracker_peak
+
+    print(f"{'engine':14} {'W':>3} {'plan peak':>16} {'reference':>16} {'diff':>6} {'plan s':>7}  parts")
+    for world in worlds if fsdp else []:
+        settings = resolve_settings(world_size=world, sharding="fsdp-full-shard", precision="bf16", batch_size=1,
+                                    optimizer="adamw_torch")
+        (plan, _), seconds = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
+                                                            model_states=False))
+        tracker = fsdp_memtracker_peak(build, settings, 1, 512, torch.bfloat16)
+        print(f"{'fsdp2':14} {world:3} {plan.peak_bytes:16,} {tracker['Total']:16,} {plan.peak_bytes - tracker['Total']:6} "
+              f"{seconds:7.1f}  {plan.peak_parts}")
+        print(f"{'':14} {'':3} tracker: {tracker}")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    numel = sum(p.numel() for p in build().parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in build().modules())
+    for stage in stages:
+        for world in worlds:
+            ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto",
+                  "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}
+            if stage == 2:
+                del ds["zero_optimization"]["stage3_prefetch_bucket_size"], ds["zero_optimization"]["stage3_param_persistence_threshold"]
+            settings = resolve_settings(deepspeed=ds, world_size=world, hidden_size=4096, batch_size=1, optimizer="adamw_torch")
+            (plan, _), seconds = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
+                                                                model_states=False))
+            if stage == 2:
+                _, gpu = estimate_zero2_model_states_mem_needs(numel, world, 1, cpu_offload=False)
+            else:
+                _, gpu, _ = estimate_zero3_model_states_mem_needs(numel, largest, world, 1, cpu_offload=False,
+                                                                  cpu_offload_params=False)
+            parts = plan.peak_parts
+            states = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer_state", "master_weights",
+                                                    "fp32_gradients", "unsharded_parameters"))
+            print(f"{'zero' + str(stage):14} {world:3} {plan.peak_bytes:16,} {gpu:16,} {'':6} {seconds:7.1f}  "
+                  f"states at the peak {states:,} ({plan.peak_phase}); {parts}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; numel {numel:,}, largest module {largest:,}")
+
+
+if __name__ == "__main__":
+    main()

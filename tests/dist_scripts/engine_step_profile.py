@@ -1,0 +1,98 @@
+"""One real training step per engine on the CPU (gloo), its live bytes as torch.profiler records them.
+
+Usage: torchrun --nproc_per_node 2 engine_step_profile.py OUT_DIR ENGINE...
+
+ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
+(reshard_after_forward=False). The engine's own loop, as the Trainer's would run it: the tiny Llama
+of tests/plan/test_engines.py in fp32 (sdpa), the Trainer's `adamw_torch`, forward with labels and
+`num_items_in_batch`, backward, clipping at 1.0, step, `zero_grad(set_to_none=True)`. The profiler
+records from before the model is made, so that what the engine allocates when it wraps the model
+(DDP's buckets) is in the running sum; the figure is the most bytes alive during the third step
+(the first made the optimizer state, the second rebuilt DDP's buckets in the order the gradients came). Each process writes `OUT_DIR/<engine>/rank<N>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import _common  # noqa: F401  (sets up the import path)
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              vocab_size=256)
+BATCH, SEQ = 2, 16
+
+
+def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
+    if engine.startswith("ddp"):
+        return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=engine == "ddp-view")
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=engine != "fsdp2-sgo")
+    fully_shard(model, reshard_after_forward=engine != "fsdp2-sgo")
+    return model
+
+
+def run(engine: str) -> dict:
+    torch.manual_seed(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        config = LlamaConfig(**CONFIG)
+        config._attn_implementation = "sdpa"
+        model = wrap(LlamaForCausalLM(config), engine)
+        model.train()
+        optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
+        ids = torch.randint(0, 100, (BATCH, SEQ))
+        inputs = {"input_ids": ids, "labels": ids.clone(), "num_items_in_batch": torch.tensor(float(ids.numel()))}
+        trainable = [p for p in model.parameters() if p.requires_grad]
+
+        def step() -> None:
+            loss = model(**inputs).loss
+            loss.backward()
+            del loss
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        step()  # DDP rebuilds its buckets once, at the second step's forward (`_rebuild_buckets`)
+        # gloo's finished work objects of the last step hold small tensors until collected.
+        dist.barrier()
+        gc.collect()
+        with record_function("measured step"):
+            step()
+    events = list(prof.profiler.kineto_results.events())
+    [window] = [e for e in events if e.name() == "measured step"]
+    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    alive = peak = 0
+    for record in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if record.start_ns() > end:
+            break
+        alive += record.nbytes()
+        if record.start_ns() >= start:
+            peak = max(peak, alive)
+        else:
+            at_start = alive
+    return {"peak_bytes": max(peak, at_start), "alive_at_start_bytes": at_start}
+
+
+def main() -> None:
+    parsed = argparse.ArgumentParser().parse_known_args()[1]
+    out_dir, engines = parsed[0], parsed[1:]
+    dist.init_process_group("gloo")
+    for engine in engines:
+        result = run(engine)
+        _common.write_result(os.path.join(out_dir, engine), dict(result, engine=engine, world_size=dist.get_world_size()))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

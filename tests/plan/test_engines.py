@@ -1,0 +1,150 @@
+"""The step plan per engine: FSDP2 against torch's FSDPMemTracker on the same fake step, DDP's
+buckets, DeepSpeed ZeRO's partitions and buffers, and the settings they are read from."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer_memcb.plan.settings import resolve_settings
+from trainer_memcb.plan.step_memory import plan_step_memory
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fsdp_reference import fsdp_memtracker_peak  # noqa: E402
+
+BATCH, SEQ = 2, 16
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              vocab_size=256)
+# The tiny Llama's parameters: embedding and head 2 x 16,384, two layers of 41,088, the final norm 64.
+NUMEL = 115_008
+
+
+def build():
+    config = LlamaConfig(**CONFIG)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def plan_with(settings):
+    plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
+    assert plan.problem is None, plan.problem
+    assert sum(plan.peak_parts.values()) == plan.peak_bytes  # one moment: the parts sum to the peak
+    return plan
+
+
+@pytest.mark.parametrize("sharding,replicate", [("fsdp-full-shard", 1), ("fsdp-shard-grad-op", 1), ("fsdp-full-shard", 2)])
+def test_fsdp2_peak_equals_fsdp_memtracker_on_the_same_fake_step(sharding, replicate):
+    settings = resolve_settings(world_size=4, sharding=sharding, replicate=replicate, batch_size=BATCH,
+                                optimizer="adamw_torch")
+    plan = plan_with(settings)
+    tracker = fsdp_memtracker_peak(build, settings, BATCH, SEQ)
+    assert plan.engine == "fsdp2"
+    # The same moment, the same bytes: the tracker's total and the plan's differ only by the
+    # 0-dim num_items_in_batch the plan passes as the Trainer does (4 bytes), which the tracker's
+    # step makes inside its own window too but files among the inputs it was not told of.
+    assert abs(plan.peak_bytes - tracker["Total"]) <= 4, (plan.peak_bytes, tracker)
+    parts = plan.peak_parts
+    assert parts["unsharded_parameters"] == tracker["_FSDPRefType.UNSHARDED_PARAM"]
+    assert parts["engine_buffers"] == tracker["_FSDPRefType.ALL_GATHER"] + tracker["_FSDPRefType.REDUCE_SCATTER"]
+    assert parts["optimizer_state"] == tracker["_FSDPRefType.OPT"]
+    assert parts["parameters"] == tracker["_FSDPRefType.SHARDED_PARAM"]
+
+
+def test_ddp_buckets_are_a_second_copy_of_the_gradients_unless_they_are_the_gradients():
+    beside = plan_with(resolve_settings(world_size=2, sharding="ddp", batch_size=BATCH, optimizer="adamw_torch"))
+    view = plan_with(resolve_settings(world_size=2, sharding="ddp", gradient_as_bucket_view=True, batch_size=BATCH,
+                                      optimizer="adamw_torch"))
+    single = plan_with(resolve_settings(batch_size=BATCH, optimizer="adamw_torch"))
+    assert beside.engine == view.engine == "ddp"
+    # gradient_as_bucket_view=False: the buckets (4 bytes x every trainable value) beside .grad.
+    assert beside.peak_parts["engine_buffers"] == 4 * NUMEL
+    assert beside.peak_bytes == single.peak_bytes + 4 * NUMEL
+    # True: the buckets are the gradients, alive from the wrapping on.
+    assert "engine_buffers" not in view.peak_parts or view.peak_parts["engine_buffers"] == 0
+    assert view.peak_parts["gradients"] == 4 * NUMEL
+
+
+@pytest.mark.parametrize("stage,overlap", [(1, False), (2, True), (3, True)])
+def test_zero_states_and_buffers_from_the_deepspeed_config(stage, overlap):
+    ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage, "overlap_comm": overlap,
+                                                            "reduce_bucket_size": "auto"}}
+    if stage == 3:  # the Trainer's "auto": 10 x hidden_size = 640 values; the five norms (64) stay whole
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = "auto"
+    settings = resolve_settings(deepspeed=ds, world_size=2, hidden_size=64, batch_size=BATCH, optimizer="adamw_torch")
+    assert settings.zero["reduce_bucket_size"] == 64 * 64  # the Trainer's "auto": hidden_size squared
+    plan = plan_with(settings)
+    parts = plan.peak_parts
+    assert plan.engine == "zero"
+    # fp32 master partition: half of the 115,008 values on each of two ranks; AdamW's two moments of
+    # it and one 4-byte step per param group (decay, no decay).
+    assert parts["master_weights"] == 4 * NUMEL // 2
+    assert parts["optimizer_state"] == 2 * 4 * NUMEL // 2 + 2 * 4
+    buckets = (2 if overlap and stage != 3 else 1) * 64 * 64 * 2  # bf16 values
+    assert parts["engine_buffers"] == buckets
+    if stage < 3:
+        assert parts["parameters"] == 2 * NUMEL  # ZeRO-1/2 keep every 16-bit parameter
+    else:
+        # Between steps every parameter of 640 values or more is its bf16 half; the norms whole.
+        assert parts["parameters"] == (NUMEL - 5 * 64) // 2 * 2 + 5 * 64 * 2
+
+
+def test_settings_from_training_args_json_and_deepspeed_config_with_flags_over_them(tmp_path):
+    args_file = tmp_path / "training_args.json"
+    args_file.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8, "bf16": True,
+                                     "optim": "adamw_torch_fused", "max_grad_norm": 0.5, "gradient_checkpointing": True}))
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                                   "bf16": {"enabled": "auto"},
+                                   "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                         "stage3_prefetch_bucket_size": "auto",
+                                                         "stage3_param_persistence_threshold": "auto"}}))
+    settings = resolve_settings(str(args_file), deepspeed=str(ds_file), hidden_size=4096, world_size=8, batch_size=2)
+    assert (settings.batch_size, settings.gradient_accumulation_steps, settings.precision, settings.optimizer,
+            settings.max_grad_norm, settings.gradient_checkpointing, settings.sharding) == (
+        2, 8, "deepspeed-bf16", "adamw_torch_fused", 0.5, True, "zero3")
+    assert settings.zero["reduce_bucket_size"] == 4096 * 4096
+    assert settings.zero["stage3_prefetch_bucket_size"] == int(0.9 * 4096 * 4096)
+    assert settings.zero["stage3_param_persistence_threshold"] == 40960
+    assert settings.overlap_comm is True  # DeepSpeed's default for stage 3
+    assert settings.sources["batch_size"] == "flag"
+    assert settings.sources["gradient_accumulation_steps"] == "training args"
+    assert settings.sources["sharding"] == "deepspeed config"
+    assert settings.sources["zero.reduce_bucket_size"] == "deepspeed config auto (Trainer: from hidden_size)"
+    assert settings.sources["zero.stage3_max_live_parameters"] if "zero.stage3_max_live_parameters" in settings.sources \
+        else dict((name, source) for name, _, source in settings.used())["zero.stage3_max_live_parameters"] == "default"
+
+
+def test_settings_refuse_pickles_unknown_flags_and_unfillable_autos(tmp_path):
+    with pytest.raises(ValueError, match="only JSON is read"):
+        resolve_settings(str(tmp_path / "training_args.bin"))
+    with pytest.raises(ValueError, match=r"unknown settings \['bucket_size'\]"):
+        resolve_settings(bucket_size=3)
+    with pytest.raises(ValueError, match="reduce_bucket_size=\"auto\""):
+        resolve_settings(deepspeed={"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}})
+
+
+def test_fsdp_config_as_the_trainer_takes_it():
+    settings = resolve_settings({"fsdp": "shard_grad_op offload"}, world_size=4)
+    assert (settings.sharding, settings.reshard_after_forward, settings.fsdp_cpu_offload) == (
+        "fsdp-shard-grad-op", False, True)
+    settings = resolve_settings(fsdp_config={"reshard_after_forward": True, "cpu_offload": False}, world_size=4)
+    assert (settings.sharding, settings.sources["sharding"]) == ("fsdp-full-shard", "fsdp config")
+
+
+def test_plan_step_memory_reads_the_trainers_arguments_and_explicit_arguments_win():
+    from transformers import TrainingArguments
+
+    args = TrainingArguments("unused", report_to=[], per_device_train_batch_size=3, optim="adamw_torch",
+                             max_grad_norm=0.0)
+    plan, _ = plan_step_memory(build, seq_len=SEQ, args=args, device_type="cpu", model_states=False)
+    used = {name: (value, source) for name, value, source in plan.settings_used}
+    assert plan.batch_size == 3 and used["batch_size"] == (3, "training args")
+    assert used["optimizer"] == ("adamw_torch", "training args") and used["max_grad_norm"] == (0.0, "training args")
+    plan, _ = plan_step_memory(build, seq_len=SEQ, args=args, batch_size=1, device_type="cpu", model_states=False)
+    assert plan.batch_size == 1 and dict((n, s) for n, _, s in plan.settings_used)["batch_size"] == "flag"

@@ -1,0 +1,74 @@
+"""The step plan per engine against real runs: torchrun on 2 CPU processes (gloo), one profiled
+step each (tests/dist_scripts/engine_step_profile.py), per process.
+
+One launch runs every engine (about a minute on this machine). The plan is rank 0's (the fullest:
+its shards hold the padded rows); the profiler's figure is the most bytes alive during the second
+real step, counted from before the model was made, so that what the engine allocates when it wraps
+the model (DDP's buckets) is in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plan"))
+from test_engines import build  # noqa: E402
+
+from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
+from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
+
+ENGINES = {"ddp": dict(sharding="ddp"), "ddp-view": dict(sharding="ddp", gradient_as_bucket_view=True)}
+
+
+@pytest.fixture(scope="module")
+def real_peaks(tmp_path_factory):
+    import test_distributed
+
+    out_dir = str(tmp_path_factory.mktemp("engine-runs"))
+    _launch("engine_step_profile.py", out_dir, list(ENGINES))
+    peaks = {}
+    for engine in ENGINES:
+        peaks[engine] = [json.load(open(os.path.join(out_dir, engine, f"rank{rank}.json")))["peak_bytes"]
+                         for rank in range(test_distributed.PROCESSES)]
+    return peaks
+
+
+def _launch(script, out_dir, engines):
+    import subprocess
+
+    import test_distributed
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [test_distributed.REPO_ROOT, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={test_distributed.PROCESSES}", os.path.join(test_distributed.SCRIPTS_DIR, script),
+               out_dir, *engines]
+    done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+
+
+def plan_of(engine):
+    settings = resolve_settings(world_size=2, batch_size=2, optimizer="adamw_torch", **ENGINES[engine])
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    return plan
+
+
+# Measured here over seven launches (plan; the profiler's per process): ddp 2,464,664; 2,464,740 to
+# 2,465,268. ddp with gradient_as_bucket_view 2,270,496; 2,270,496 to 2,271,220. The plan is never
+# above, and the gap moves from run to run: the fake trace does not see a few 0-dim scalars (as in
+# the one-process comparison, tests/plan/test_step_memory.py: 12 bytes on the quietest runs), and
+# gloo's asynchronous work keeps small tensors of the previous step alive for a while, by timing
+# (at most 724 bytes seen). Hence 1 KiB.
+TOLERANCE = 1024
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_ddp_peak_per_process_equals_the_profilers(real_peaks, engine):
+    plan = plan_of(engine)
+    assert plan.engine == "ddp"
+    for real in real_peaks[engine]:
+        assert 0 <= real - plan.peak_bytes <= TOLERANCE, (plan.peak_bytes, real_peaks[engine])

@@ -1,0 +1,33 @@
+"""One step tracer per engine, each with the same small interface (`StepEngine`).
+
+The plan runs one training step under fake tensors; an engine wraps the model as the real engine
+does, keeps what the engine holds beside the model, and runs the backward and the optimizer step
+its way, so that every byte one process holds is in the same timeline and the peak is the largest
+sum at one moment:
+
+- `StepEngine`: one process (also the base of the others);
+- `DDPEngine`: `DistributedDataParallel`'s reducer buckets;
+- `FSDP2Engine`: the real `fully_shard` on the fake process group of the job's world size;
+- `ZeroEngine`: DeepSpeed ZeRO-1/2/3's partitions and buffers, from its config.
+"""
+
+from typing import Any
+
+from trainer_memcb.plan.engines.base import StepEngine
+from trainer_memcb.plan.engines.ddp import DDPEngine
+from trainer_memcb.plan.engines.fsdp2 import FSDP2Engine
+from trainer_memcb.plan.engines.zero import ZeroEngine
+
+__all__ = ["StepEngine", "DDPEngine", "FSDP2Engine", "ZeroEngine", "engine_for"]
+
+
+def engine_for(settings: Any) -> StepEngine:
+    """The engine of resolved settings (`trainer_memcb.plan.settings.StepSettings`)."""
+    sharding = settings.sharding
+    if sharding == "ddp":
+        return DDPEngine(settings)
+    if sharding.startswith("fsdp-"):
+        return FSDP2Engine(settings)
+    if sharding.startswith("zero") or settings.precision.startswith("deepspeed-"):
+        return ZeroEngine(settings)
+    return StepEngine(settings.max_grad_norm)

@@ -1,0 +1,257 @@
+"""DeepSpeed ZeRO-1/2/3 modelled in the step's fake timeline, buffer by buffer, from the config.
+
+DeepSpeed's engine does not run under fake tensors (its optimizer flattens real storages and
+talks to an accelerator), so each buffer it allocates is made here as a fake tensor at the moment
+deepspeed 0.19.8 allocates it, and freed when it frees it; the model's own forward and backward
+run as traced. The Trainer's optimizer class and hyperparameters are kept, on DeepSpeed's flat
+fp32 partitions (the client optimizer DeepSpeed wraps).
+
+Rank 0's figures (its partition is the first one; with the group padding at the end the last
+rank's partition may hold zeros instead of values, the same bytes). Per param group of the
+Trainer's optimizer (decay, no decay):
+
+- ZeRO-1/2 (`runtime/zero/stage_1_and_2.py`, `DeepSpeedZeroOptimizer`):
+  - `__init__`: the fp32 master partition (`single_partition_of_fp32_groups`,
+    `zero12_partition_numel` values), on the CPU with `offload_optimizer`;
+    `initialize_optimizer_states` steps the optimizer once on zero gradients, so the optimizer
+    state exists before the first step (and lives where the master partition does);
+  - backward (`setup_buckets`): the reduce bucket, `reduce_bucket_size` values (a second one with
+    `overlap_comm`), in the gradients' dtype for ZeRO-2 and fp32 for ZeRO-1 (`_gradient_reduction_buffer_dtype`);
+  - ZeRO-2, or ZeRO-1 with `overlap_comm`: each gradient is copied into the bucket as soon as it is
+    accumulated and freed (`reduce_ready_partitions_and_remove_grads` from the grad hook); ZeRO-1
+    without `overlap_comm` keeps every gradient whole until the end of backward
+    (`reduce_gradients`, then the same per-parameter reduction);
+  - the gradients of the parameters that overlap the partition, copied whole into one buffer
+    (`copy_grads_in_partition`: `grads_in_partition`, `zero12_gradient_numel` values);
+  - the step (`step` → `_optimizer_step`): the fp32 gradient partition
+    (`flat_grad_partition.to(fp32)`, the partition's values) exists only inside it, on the CPU with
+    `offload_optimizer`; then the 16-bit partition is updated in place.
+- ZeRO-3 (`runtime/zero/stage3.py`, `DeepSpeedZeroOptimizer_Stage3`, `partition_parameters.py`):
+  - each parameter keeps its `ceil(numel / W)` 16-bit partition; parameters under
+    `stage3_param_persistence_threshold` values stay whole (`persistent_parameters`);
+  - a module's parameters are whole from its forward (backward) pre-hook to its post-hook
+    (`PartitionedParameterCoordinator.fetch_sub_module` / `release_sub_module`); the next module's
+    prefetch (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only;
+  - gradients go through the reduce bucket into the 16-bit gradient partition
+    (`grad_partitions_flat_buffer`, allocated at init); the fp32 master sub-groups
+    (`zero3_sub_group_numels`) and their optimizer state, on the CPU with `offload_optimizer`;
+    the fp32 gradient of one sub-group at a time inside the step.
+
+Not modelled (said in the notes): ZeRO-3's prefetching and `stage3_max_live_parameters`, the
+offload's pinned staging buffers, the all-gather of the updated 16-bit partitions (done in place
+in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, no new memory in
+0.19.8's `all_gather_dp_groups`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+from trainer_memcb.plan.engines.base import StepEngine
+from trainer_memcb.state.rules.deepspeed_zero import (
+    zero3_partition_numel,
+    zero3_sub_group_numels,
+    zero12_gradient_numel,
+    zero12_partition_numel,
+)
+
+__all__ = ["ZeroEngine"]
+
+
+class ZeroEngine(StepEngine):
+    """DeepSpeed ZeRO's buffers beside the traced step.
+
+    Args:
+        settings: resolved settings (`zero_stage`, `zero`, `world_size`, `overlap_comm`,
+            `offload_optimizer`, `max_grad_norm`).
+    """
+
+    name = "zero"
+    state_resident = True
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings.max_grad_norm)
+        self.settings = settings
+        self.stage = settings.zero_stage
+        # ZeRO-0 (DeepSpeed's precision without a ZeRO stage): one partition, the whole model.
+        self.world = settings.world_size if self.stage else 1
+        self.tracker_params: List[torch.Tensor] = []
+        self.optimizer_builder: Any = None
+        self.host_parts = ("master_weights", "optimizer_state", "fp32_gradients") if settings.offload_optimizer else ()
+        self._masters: List[torch.Tensor] = []
+        self._optimizer: Any = None
+        self._buckets: List[torch.Tensor] = []
+        self._grad_partition: List[torch.Tensor] = []
+        self._hooks: List[Any] = []
+        self._mode: Any = None
+        self._groups: List[List[torch.Tensor]] = []
+        self._trainable: List[torch.Tensor] = []
+        self._gathered: Dict[int, None] = {}
+
+    # -- construction (deepspeed.initialize) ------------------------------------------------------
+    def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
+        self._mode = mode
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        trainer_optimizer = self.optimizer_builder(model) if self.optimizer_builder is not None else None
+        if trainer_optimizer is not None:
+            inner = getattr(trainer_optimizer, "optimizer", trainer_optimizer)
+            self._groups = [[p for p in group["params"] if p.requires_grad] for group in inner.param_groups]
+            self._groups = [group for group in self._groups if group]
+        else:
+            self._groups = [self._trainable]
+        with mode:
+            if self.stage == 3:
+                numels = [zero3_sub_group_numels([p.numel() for p in group], self.world,
+                                                 int(self.settings.zero["sub_group_size"])) for group in self._groups]
+                self._masters = [torch.empty(n, dtype=torch.float32) for group in numels for n in group]
+                total16 = sum(zero3_partition_numel(p.numel(), self.world) for p in self._trainable)
+                dtype = self._trainable[0].dtype if self._trainable else torch.float32
+                # stage3.py: grad_partitions_flat_buffer, made at init.
+                self._grad_partition = [torch.empty(total16, dtype=dtype)]
+            else:
+                self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
+                                 for group in self._groups]
+            if trainer_optimizer is not None:
+                inner = getattr(trainer_optimizer, "optimizer", trainer_optimizer)
+                accepted = set(inspect.signature(type(inner).__init__).parameters)
+                options = [{key: value for key, value in group.items() if key in accepted and key != "params"}
+                           for group in inner.param_groups if any(p.requires_grad for p in group["params"])]
+                if self.stage == 3:  # sub-groups: each keeps its param group's options (the first's here)
+                    options = [options[0]] * len(self._masters)
+                self._optimizer = type(inner)([dict(option, params=[master]) for option, master in zip(options, self._masters)])
+                # initialize_optimizer_states: one step on zero gradients makes the state now.
+                for master in self._masters:
+                    master.grad = torch.zeros_like(master)
+                self._optimizer.step()
+                for master in self._masters:
+                    master.grad = None
+        if self.stage == 3:
+            self._partition_parameters(model)
+        else:
+            for param in self._trainable:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+        return model
+
+    def resident(self) -> Dict[str, List[torch.Tensor]]:
+        parts: Dict[str, List[torch.Tensor]] = {"master_weights": list(self._masters)}
+        if self._optimizer is not None:
+            parts["optimizer_state"] = [value for state in self._optimizer.state.values() for value in state.values()
+                                        if isinstance(value, torch.Tensor)]
+        if self._grad_partition:
+            parts["gradients"] = list(self._grad_partition)
+        return parts
+
+    def attach(self, tracker: Any, counter: Any) -> None:
+        super().attach(tracker, counter)
+        if self.stage == 3:
+            # Each parameter is its 16-bit partition outside its module's use.
+            for param in self.tracker_params:
+                self._set_whole(param, False)
+            tracker.restart_peak()  # the whole parameters counted a moment ago never coexist
+
+    # -- ZeRO-3's partitioned parameters -----------------------------------------------------------
+    def _partition_parameters(self, model: nn.Module) -> None:
+        threshold = int(self.settings.zero["stage3_param_persistence_threshold"])
+        self.tracker_params = [p for p in model.parameters() if p.numel() >= threshold]
+        self._persistent = [p for p in model.parameters() if p.numel() < threshold]
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p.numel() >= threshold]
+            if not own:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(lambda m, i, own=own: self._fetch(own)))
+            self._hooks.append(module.register_forward_hook(lambda m, i, o, own=own: self._release(own)))
+            self._hooks.append(module.register_full_backward_pre_hook(lambda m, g, own=own: self._fetch(own)))
+            self._hooks.append(module.register_full_backward_hook(lambda m, gi, go, own=own: self._release(own)))
+        for param in self._trainable:
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _set_whole(self, param: torch.Tensor, whole: bool) -> None:
+        storage = param.untyped_storage()
+        size = storage.nbytes() if whole else zero3_partition_numel(param.numel(), self.world) * param.element_size()
+        self.tracker.set_size(storage, size, "unsharded_parameters" if whole else "parameters")
+
+    def _fetch(self, params: List[torch.Tensor]) -> None:
+        if self.tracker is not None:
+            for param in params:
+                self._set_whole(param, True)
+
+    def _release(self, params: List[torch.Tensor]) -> None:
+        if self.tracker is not None:
+            for param in params:
+                self._set_whole(param, False)
+
+    # -- backward -------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        self._setup_buckets()  # under the trace's fake mode already
+        loss.backward()
+        if self.stage == 3:  # every module released by the end of backward (a module without an
+            self._release(self.tracker_params)  # input gradient never runs its backward hook)
+        if self.stage == 1 and not self.settings.overlap_comm:
+            # reduce_gradients: the whole gradients, reduced one by one at the end of backward.
+            for param in self._trainable:
+                if param.grad is not None:
+                    self._reduce(param)
+
+    def _setup_buckets(self) -> None:
+        if self._buckets:
+            return
+        if not self.settings.zero.get("contiguous_gradients", True):
+            return
+        # The gradients' dtype (`_gradient_reduction_buffer_dtype`: the model's unless
+        # data_types.grad_accum_dtype differs); two with overlap_comm for ZeRO-1/2, one for ZeRO-3
+        # (stage3.py makes it at init; the difference in time does not change a step's peak).
+        dtype = self._trainable[0].dtype if self._trainable else torch.float32
+        count = 2 if (self.settings.overlap_comm and self.stage != 3) else 1
+        self._buckets = [torch.empty(int(self.settings.zero["reduce_bucket_size"]), dtype=dtype) for _ in range(count)]
+        if self.tracker is not None:
+            self.tracker.tag(self._buckets, "engine_buffers")
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self.stage == 1 and not self.settings.overlap_comm:
+            return
+        self._reduce(param)
+
+    def _reduce(self, param: torch.Tensor) -> None:
+        if self.stage != 3 and not self._grad_partition:
+            numel = zero12_gradient_numel([[p.numel() for p in group] for group in self._groups], self.world, 0)
+            self._grad_partition = [torch.empty(numel, dtype=param.grad.dtype)]
+            self.tracker.tag(self._grad_partition, "gradients")
+        param.grad = None
+
+    def gradients(self, trainable: List[torch.Tensor]) -> List[torch.Tensor]:
+        return list(self._grad_partition) + [p.grad for p in trainable if p.grad is not None]
+
+    # -- the optimizer step ---------------------------------------------------------------------------
+    def step(self, build_optimizer: Any, model: nn.Module, trainable: List[torch.Tensor]) -> Any:
+        optimizer = self._optimizer
+        if optimizer is None:
+            return None
+        # One fp32 gradient partition (ZeRO-3: one sub-group) at a time, freed after its step.
+        for master in self._masters:
+            fp32 = torch.empty(master.numel(), dtype=torch.float32)
+            self.tracker.tag([fp32], "fp32_gradients")
+            master.grad = fp32
+            del fp32
+            if self.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_([master], self.max_grad_norm)
+            optimizer.step()
+            master.grad = None
+        return optimizer
+
+    def state_tensors(self, optimizer: Any) -> List[torch.Tensor]:
+        return [] if optimizer is None else super().state_tensors(optimizer)
+
+    def zero_grad(self, optimizer: Any) -> None:
+        for param in self._trainable:
+            param.grad = None
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._buckets = []
+        self._grad_partition = []
