@@ -186,7 +186,7 @@ def plan_of(kind: str, dtype: torch.dtype, attn: str = None, ckpt: bool = False,
         sizes["target_len"] = T
     plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=B, setup=Setup(
         precision="bf16" if dtype == torch.bfloat16 else "fp32"), optimizer="adamw_torch", attn_implementation=attn,
-        gradient_checkpointing=ckpt, model_states=False, **sizes)
+        gradient_checkpointing=ckpt, model_states=False, device_type="cpu", **sizes)  # the CPU optimizer loop
     assert plan.problem is None, plan.problem
     return plan
 

@@ -89,7 +89,7 @@ def test_a_qlora_steps_activations_equal_a_real_4bit_models(tmp_path) -> None:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
               "num_items_in_batch": torch.tensor(float(ids.numel()))}
     real = independent_saved_bytes(model, inputs)
-    plan, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="adamw_torch", model_states=False,
+    plan, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="adamw_torch", model_states=False, device_type="cpu",
                                quantization=Quantization(double_quant=True))
     assert plan.problem is None
     assert plan.activations_bytes == real == 226056
@@ -122,7 +122,7 @@ def test_a_qlora_steps_peak_against_the_profilers_live_bytes(tmp_path) -> None:
         quant = layer.weight.quant_state
         state += [quant.absmax, quant.code, quant.offset, quant.state2.absmax, quant.state2.code]
     real = profiled_peak(trainer, inputs) + sum(storages(state).values())
-    plan, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="adamw_torch", model_states=False,
+    plan, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="adamw_torch", model_states=False, device_type="cpu",
                                quantization=Quantization(double_quant=True))
     # Measured: 427,140 real, 408,412 planned (18,728 bytes, 4.4%, in the backward). bitsandbytes'
     # CPU dequantization (backends/default/ops.py, `_dequantize_4bit_compute`) makes int32 codes
