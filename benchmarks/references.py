@@ -1,6 +1,7 @@
 """The model-states plan beside the references: the ZeRO paper, DeepSpeed's estimators, accelerate.
 
     python benchmarks/references.py          # prints the guide's comparison tables (docs/will-it-fit.md) (about a minute)
+    python benchmarks/references.py --families   # the step plan per family (docs/step-memory.md), timed
 
 - The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
   Parameter Models", Table 1): per-device model states of a 7.5B-parameter model with mixed-precision
@@ -273,11 +274,70 @@ def korthikanti_row() -> Dict[str, int]:
     }
 
 
+# -- the step plan of one 7B-class config per family ------------------------------------------------
+# (folder under examples/models, batch, sequence length, target length, attention): each planned in
+# bf16 with the Trainer's AdamW, timed; the ratio is to the Llama-2-7B plan's time (the first row,
+# which also pays the first use of torch's and transformers' modules). Gemma 2's logit soft-capping
+# has no SDPA path in transformers: eager, as its model card says.
+FAMILY_CONFIGS = [
+    ("llama-2-7b", 1, 2048, None, "sdpa"),
+    ("mistral-7b", 1, 2048, None, "sdpa"),
+    ("qwen2-7b", 1, 2048, None, "sdpa"),
+    ("gemma-2-9b", 1, 2048, None, "eager"),
+    ("mixtral-8x7b", 1, 2048, None, "sdpa"),
+    ("t5-xl", 1, 512, 128, "sdpa"),
+    ("vit-large-patch16-224", 32, None, None, "sdpa"),
+]
+
+
+def family_rows() -> List[Dict[str, object]]:
+    """The step plan of each family's config (FAMILY_CONFIGS) and the seconds it took."""
+    import time
+
+    import torch
+
+    from trainer_memcb.plan.step_memory import plan_step_memory
+    from trainer_memcb.plan.whatif import build_meta_model
+
+    rows: List[Dict[str, object]] = []
+    for folder, batch, seq_len, target_len, attention in FAMILY_CONFIGS:
+        path = os.path.join(REPO_ROOT, "examples", "models", folder)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        plan, _ = plan_step_memory(lambda: build_meta_model(path, torch.bfloat16), batch_size=batch, seq_len=seq_len,
+                                   target_len=target_len, setup=Setup(precision="bf16"), optimizer="adamw_torch",
+                                   attn_implementation=attention, model_states=False)
+        rows.append({"model": folder, "attention": attention, "batch": batch, "seq_len": seq_len, "target_len": target_len, "plan": plan,
+                     "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start})
+    return rows
+
+
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f}"
 
 
+def print_families() -> None:
+    rows = family_rows()
+    base = rows[0]["cpu_seconds"]
+    print("\nThe step plan per family, bf16, AdamW (GiB; CPU seconds of the plan and their ratio to Llama-2-7B's, and wall seconds on this machine)\n")
+    print("| config | micro-batch | attention | parameters | activations | step peak | peak in | CPU s | ratio | wall s |")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|")
+    for row in rows:
+        plan = row["plan"]
+        size = f"{row['batch']} x {row['seq_len']}" if row["seq_len"] else f"{row['batch']} images"
+        if row["target_len"]:
+            size += f" -> {row['target_len']}"
+        if plan.problem is not None:
+            print(f"| {row['model']} | {size} | {row['attention']} | - | - | - | {plan.problem} | {row['cpu_seconds']:.1f} | - | {row['seconds']:.1f} |")
+            continue
+        print(f"| {row['model']} | {size} | {row['attention']} | {_gib(plan.peak_parts['parameters'])} | {_gib(plan.activations_bytes)} | "
+              f"{_gib(plan.peak_bytes)} | {plan.peak_phase} | {row['cpu_seconds']:.1f} | "
+              f"{row['cpu_seconds'] / base:.2f} | {row['seconds']:.1f} |")
+
+
 def main() -> None:
+    if "--families" in sys.argv[1:]:
+        print_families()
+        return
     print("ZeRO paper, Table 1, 7.5B model, GB per device (ours: rounded half up to the paper's digits)\n")
     print("| Nd | baseline (paper / ours) | P_os | P_os+g | P_os+g+p |")
     print("|---|---|---|---|---|")
@@ -320,6 +380,7 @@ def main() -> None:
     print(f"\naccelerate, bert-base-cased, float32 AdamW: accelerate {row['accelerate']:,} bytes, ours "
           f"{row['ours']:,} bytes ({row['params']:,} parameters in {row['param_tensors']} tensors, "
           f"{row['buffers_bytes']:,} bytes of buffers)")
+    print_families()
 
 
 if __name__ == "__main__":

@@ -46,11 +46,14 @@ def run(engine: str) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         config = LlamaConfig(**CONFIG)
         config._attn_implementation = "sdpa"
+        config.use_cache = False  # as the Trainer sets it (args.use_cache)
         model = wrap(LlamaForCausalLM(config), engine)
         model.train()
         optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
         ids = torch.randint(0, 100, (BATCH, SEQ))
-        inputs = {"input_ids": ids, "labels": ids.clone(), "num_items_in_batch": torch.tensor(float(ids.numel()))}
+        # The collator's batch: the tokenizer's all-ones attention mask included.
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+                  "num_items_in_batch": torch.tensor(float(ids.numel()))}
         trainable = [p for p in model.parameters() if p.requires_grad]
 
         def step() -> None:

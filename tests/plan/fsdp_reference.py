@@ -22,23 +22,28 @@ def fsdp_memtracker_peak(build_model: Callable[[], Any], settings: Any, batch_si
 
     from trainer_memcb.plan.engines.fsdp2 import FSDP2Engine
     from trainer_memcb.plan.step_memory import _num_items_in_batch, fake_copy
+    from trainer_memcb.plan.trainer_model import prepare_like_trainer
     from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+    from trainer_memcb.plan.value_reads import unpadded_batch
 
     mode = FakeTensorMode()
     engine = FSDP2Engine(settings)
     try:
         model = fake_copy(build_model(), mode, "cpu", dtype)
-        model.train()
+        prepare_like_trainer(model)  # use_cache=False and training mode, as the Trainer and the plan
         model = engine.wrap(model, mode)
         args = TrainingArguments(output_dir="fsdp-reference", report_to=[])
         with mode:
             optimizer = build_trainer_optimizer(settings.optimizer, args, model)
             input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
             labels = torch.zeros(batch_size, seq_len, dtype=torch.long)
+            mask = torch.ones(batch_size, seq_len, dtype=torch.long)  # the collator's, unpadded
             trainable = [p for p in model.parameters() if p.requires_grad]
 
             def step() -> None:
-                loss = model(input_ids=input_ids, labels=labels, num_items_in_batch=_num_items_in_batch(labels)).loss
+                with unpadded_batch():  # transformers' all-ones mask checks, answered as for a real batch
+                    loss = model(input_ids=input_ids, attention_mask=mask, labels=labels,
+                                 num_items_in_batch=_num_items_in_batch(labels)).loss
                 loss.backward()
                 del loss
                 torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
@@ -47,7 +52,7 @@ def fsdp_memtracker_peak(build_model: Callable[[], Any], settings: Any, batch_si
 
             step()
             tracker = FSDPMemTracker(mod=model, optm=optimizer)
-            tracker.track_inputs((input_ids, labels))
+            tracker.track_inputs((input_ids, mask, labels))
             with tracker:
                 step()
         snapshot = tracker.get_tracker_snapshot("peak")

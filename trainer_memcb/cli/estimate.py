@@ -17,6 +17,8 @@ from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.lora import add_lora_adapters
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
 from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, plan_model_states
+from trainer_memcb.plan.quantized import QUANT_TYPES, Quantization
+from trainer_memcb.plan.step_inputs import head_kind
 from trainer_memcb.plan.step_memory import DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
 from trainer_memcb.plan.whatif import (
@@ -110,6 +112,16 @@ def usable_memory(args: argparse.Namespace) -> Optional[int]:
         raise ValueError(f"{given} leaves nothing of --device-memory {format_bytes(args.device_memory)}: "
                          "give a smaller --reserve (0B for none)")
     return args.device_memory - reserve
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{text!r} is not a whole number of at least 0, e.g. 16")
+    return value
 
 
 def _optimizer_list(text: str) -> List[str]:
@@ -221,6 +233,23 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
     step.add_argument("--max-batch-size", action="store_true",
                       help="the largest per-device batch whose step fits in --device-memory at --seq-len")
+    # The batch of other task heads (trainer_memcb.plan.step_inputs): each refused, in one line, for
+    # a model that has no use for it.
+    step.add_argument("--target-len", type=_checked(_positive_int), metavar="T",
+                      help="a sequence-to-sequence model's labels length (default --seq-len; Whisper: needed)")
+    step.add_argument("--image-size", type=_checked(_positive_int), metavar="PIXELS",
+                      help="an image model's height and width (default: the config's image_size)")
+    step.add_argument("--padding", type=_checked(_non_negative_int), metavar="P", default=0,
+                      help="padded positions per row of the token batch (default 0: the attention mask all ones)")
+    # QLoRA: the base model loaded by bitsandbytes (transformers' BitsAndBytesConfig).
+    step.add_argument("--load-in-4bit", action="store_true",
+                      help="the base model's linear layers loaded in 4-bit by bitsandbytes (QLoRA), in the step plan")
+    step.add_argument("--load-in-8bit", action="store_true", help="8-bit loading (LLM.int8): not planned yet, refused")
+    step.add_argument("--bnb-4bit-quant-type", choices=list(QUANT_TYPES), default="nf4",
+                      help="bnb_4bit_quant_type (default nf4)")
+    step.add_argument("--bnb-4bit-use-double-quant", action="store_true", help="bnb_4bit_use_double_quant")
+    step.add_argument("--bnb-4bit-compute-dtype", choices=list(DTYPES), default="float32",
+                      help="bnb_4bit_compute_dtype (default float32, as transformers')")
     own = estimate.add_argument_group(
         "your own settings", "the Trainer's arguments and the engine's config as you train with them; the flags "
         "above, given explicitly, override them, and the step plan lists every setting and where it came from")
@@ -247,7 +276,10 @@ _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer",
 
 # Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
 _STEP_OPTIONS = (("seq_len", "--seq-len"), ("gradient_checkpointing", "--gradient-checkpointing"),
-                 ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"))
+                 ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
+                 ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
+                 ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
+                 ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"))
 _EVAL_OPTIONS = ("seq_len", "attn_implementation")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation")
 
@@ -325,22 +357,26 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         ValueError: --seq-len or --device-memory missing where needed, a bad setup.
         ModelConfigError: no model config, or no parameter left to train.
     """
-    if args.seq_len is None:
-        raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
     from trainer_memcb.plan.step_memory import setup_of
 
     memory = usable_memory(args)
     device_type = args.device_type or DEFAULT_DEVICE_TYPE
+    quantization = _quantization(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
+    if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
+        raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
     settings = step_settings(args, model)
     if settings.batch_size is None and not args.max_batch_size:
         raise ValueError("--batch-size is needed (or per_device_train_batch_size in --training-args)")
     setup = setup_of(settings)
-    states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
-                               reference_model=args.reference_model)
+    # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
+    # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
     explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
+    keep_dtypes = not explicit_dtype
+    states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
+                               reference_model=args.reference_model, keep_dtypes=keep_dtypes)
 
     def plan_at(batch: int) -> StepMemoryPlan:
         import dataclasses
@@ -349,7 +385,10 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         return plan_step_memory(lambda: estimate_model(args), seq_len=args.seq_len, settings=at,
                                 attn_implementation=args.attn_implementation, device_type=device_type,
                                 device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model, states_plan=states,
-                                dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"))[0]
+                                dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"),
+                                target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
+                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
+                                quantization=quantization)[0]
 
     found: Optional[int] = None
     searched: List[StepMemoryPlan] = []
@@ -361,6 +400,21 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     step = plan_at(settings.batch_size) if settings.batch_size is not None else None
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size, "max_batch_size_problem": problem}
+
+
+def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
+    """The base model's loading (QLoRA), or None.
+
+    Raises:
+        ValueError: --load-in-8bit, which the step plan does not trace yet.
+    """
+    if getattr(args, "load_in_8bit", False):
+        raise ValueError("--load-in-8bit: bitsandbytes' 8-bit loading (LLM.int8) is not planned yet; "
+                         "--load-in-4bit is")
+    if not getattr(args, "load_in_4bit", False):
+        return None
+    return Quantization(quant_type=args.bnb_4bit_quant_type, double_quant=args.bnb_4bit_use_double_quant,
+                        compute_dtype=resolve_dtype(args.bnb_4bit_compute_dtype))
 
 
 def plan_asked(args: argparse.Namespace) -> bool:

@@ -86,7 +86,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
     step = found.get("step")
     if step is not None:
         about = [
-            ["micro-batch", f"{step.batch_size} x {step.seq_len}"],
+            ["micro-batch", f"{step.batch_size} x {step.seq_len}" if step.seq_len is not None else str(step.batch_size)],
             ["attention traced", step.attn_implementation or "-"],
             ["device type", f"{step.device_type} (traced on fake {step.traced_on} tensors)"],
             ["gradient checkpointing", "on (non-reentrant)" if step.gradient_checkpointing else "off"],
@@ -105,7 +105,8 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             if step.fits is not None:
                 margin = bytes_cell(abs(step.margin_bytes))
                 about.append(["fits?", f"fits, {margin} to spare" if step.fits else f"does not fit, {margin} short"])
-            tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about))
+            tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about,
+                                    note="\n".join(f"Note, {note}." for note in step.notes)))
             parts = [[_PART_NAMES.get(name, name), bytes_cell(value)] for name, value in step.peak_parts.items()]
             parts += [[f"transient: {name}", bytes_cell(value)] for name, value in step.transient_bytes.items()]
             tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts,
@@ -120,7 +121,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
                  "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found["searched"]]
         best, problem = found.get("max_batch_size"), found.get("max_batch_size_problem")
         if problem is not None:
-            title = f"No largest batch: {problem}"
+            title = f"No largest batch: {problem}; only the model states are planned"
         elif best is not None:
             title = f"Largest per-device batch that fits: {best}"
         else:

@@ -42,7 +42,9 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.live_storages import LiveStorages
-from trainer_memcb.plan.step_memory import _accepts_loss_kwargs, _labels, _num_items_in_batch, fake_copy
+from trainer_memcb.plan.step_inputs import step_inputs
+from trainer_memcb.plan.step_memory import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
+from trainer_memcb.plan.value_reads import unpadded_batch
 from trainer_memcb.state.saved_tensors import storages_of
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
@@ -250,18 +252,17 @@ def _trace_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: O
     fake_copy(model, mode, "cpu")
     model.eval()
     with mode:
-        input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        labels = _labels(model, batch_size, seq_len)
-        kwargs: Dict[str, Any] = {"input_ids": input_ids}
+        inputs = step_inputs(model, batch_size, seq_len)  # the batch a collator makes, as for training
+        labels = inputs.labels
+        kwargs: Dict[str, Any] = dict(inputs.forward)
         if labels is not None:
-            kwargs["labels"] = labels
             if _accepts_loss_kwargs(model):
                 kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
     held = list(model.parameters()) + list(model.buffers())
     model_bytes = sum({key: nbytes for key, nbytes, _ in storages_of(held)}.values())
-    exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()))}
+    exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()) + list(inputs.held.values()))}
     tracker = LiveStorages(exclude=exclude)
-    with mode, torch.no_grad(), tracker:
+    with mode, torch.no_grad(), tracker, unpadded_batch():
         outputs = model(**kwargs)
     ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
     items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)

@@ -1,7 +1,9 @@
 """Will one training step fit? Its activations and its peak, from a step run under fake tensors.
 
-`plan_step_memory` runs one training step of the model as the Trainer runs it: `model.train()`,
-the forward with the labels and, for models that take loss keyword arguments, `num_items_in_batch`
+`plan_step_memory` runs one training step of the model as the Trainer runs it: the model prepared
+as the Trainer prepares it (`trainer_memcb.plan.trainer_model`: `use_cache=False`, checkpointing,
+`model.train()`), the forward with the batch a collator makes for its head
+(`trainer_memcb.plan.step_inputs`) and, for models that take loss keyword arguments, `num_items_in_batch`
 as the Trainer passes it (the loss computed by the model, in fp32 where the model upcasts its
 logits), `loss.backward()`, gradient clipping (`max_grad_norm=1.0`, the Trainer's default), the
 optimizer the Trainer builds for `optim`, and `zero_grad(set_to_none=True)`, all under
@@ -41,6 +43,7 @@ one process holds. The settings (`trainer_memcb.plan.settings`) are resolved onc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -51,8 +54,12 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.engines import StepEngine, engine_for
+from trainer_memcb.plan.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.live_storages import LiveStorages
+from trainer_memcb.plan.step_inputs import step_inputs
+from trainer_memcb.plan.trainer_model import prepare_like_trainer
+from trainer_memcb.plan.value_reads import unpadded_batch
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
@@ -62,8 +69,6 @@ ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
 # transformers' TrainingArguments.max_grad_norm default: the Trainer clips before each step.
 MAX_GRAD_NORM = 1.0
-# Heads whose labels are one per token; sequence classification takes one per sequence.
-_TOKEN_LABELS = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification", "LMHeadModel")
 _PARTS = ("parameters", "gradients", "optimizer_state", "activations", "batch_and_buffers", "other")
 # What a real process holds beyond the storages the trace counts, by device type: the reason for a
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
@@ -167,15 +172,6 @@ def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
     return None
 
 
-def _labels(model: nn.Module, batch_size: int, seq_len: int) -> Optional[torch.Tensor]:
-    name = type(getattr(model, "base_model", model).model).__name__ if hasattr(model, "peft_config") else type(model).__name__
-    if name.endswith(_TOKEN_LABELS):
-        return torch.zeros(batch_size, seq_len, dtype=torch.long)
-    if name.endswith("ForSequenceClassification"):
-        return torch.zeros(batch_size, dtype=torch.long)
-    return None
-
-
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:300]}"
@@ -192,11 +188,12 @@ class _Traced:
     notes: List[str]
     forward_backward_peak: int
     optimizer_peak: Optional[int]
+    optimizer_failure: Optional[str] = None
 
 
-def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
+def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
                 build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
-                engine: Optional[StepEngine] = None) -> _Traced:
+                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None) -> _Traced:
     """Run the step under fake tensors (the model already fake), counting as the module says;
     `engine` wraps the model and runs the backward and the optimizer step its way."""
     mode = _MODE[0]
@@ -209,9 +206,10 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     trainable = [p for p in params if p.requires_grad]
     tracker = LiveStorages()
     with mode:
-        input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        labels = _labels(model, batch_size, seq_len)
-    for tensor in params + list(model.buffers()) + [input_ids] + ([labels] if labels is not None else []):
+        inputs = step_inputs(model, batch_size, seq_len, **(input_options or {}))
+    labels = inputs.labels
+    batch_tensors = inputs.tensors()
+    for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
     for part, tensors in engine.resident().items():
         for tensor in tensors:
@@ -228,12 +226,12 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     optimizer_peak = 0
     optimizer_keys: List[int] = []
     optimizer_watch: List[int] = []
+    optimizer_failure: Optional[str] = None
     try:
         with mode, tracker:
             tracker.phase = "forward"
-            kwargs: Dict[str, Any] = {"input_ids": input_ids}
+            kwargs: Dict[str, Any] = dict(inputs.forward)
             if labels is not None:
-                kwargs["labels"] = labels
                 if _accepts_loss_kwargs(model):
                     kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
             with counter:
@@ -242,7 +240,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
                         outputs = model(**kwargs)
                 else:
                     outputs = model(**kwargs)
-            loss = outputs["loss"] if labels is not None else outputs[0].float().sum()
+            loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
             del outputs
             activations = counter.saved_bytes
             tracker.phase = "backward"
@@ -253,11 +251,18 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
             if build_optimizer is not None:
                 tracker.phase = "optimizer step"
                 tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
-                optimizer = engine.step(build_optimizer, model, trainable)
-                state_keys = tracker.serials(engine.state_tensors(optimizer))
-                optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
-                engine.zero_grad(optimizer)
-                del optimizer
+                try:
+                    optimizer = engine.step(build_optimizer, model, trainable)
+                except Exception as error:  # a constructor that reads values (bitsandbytes' 8-bit)
+                    optimizer_failure = _one_line(error)
+                    build_optimizer = None
+                    for p in trainable:
+                        p.grad = None
+                else:
+                    state_keys = tracker.serials(engine.state_tensors(optimizer))
+                    optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
+                    engine.zero_grad(optimizer)
+                    del optimizer
     finally:
         counter.close()
         engine.close()
@@ -278,7 +283,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
     else:
         peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, not_yet
     param_keys = set(tracker.serials(params))
-    other_fixed = set(tracker.serials(list(model.buffers()) + [input_ids] + ([labels] if labels is not None else [])))
+    other_fixed = set(tracker.serials(list(model.buffers()) + batch_tensors))
     groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
               ("activations", set(watch)), ("batch_and_buffers", other_fixed)]
     parts = {name: 0 for name in _PARTS}
@@ -296,7 +301,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: int, precision: str,
             parts["other"] += sizes[key]
     parts["optimizer_state"] += extra_state
     return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes, fb_bytes + state_bytes,
-                   optimizer_peak if build_optimizer is not None else None)
+                   optimizer_peak if build_optimizer is not None else None, optimizer_failure)
 
 
 def _accepts_loss_kwargs(model: nn.Module) -> bool:
@@ -329,7 +334,7 @@ def plan_step_memory(
     build_model: Callable[[], nn.Module],
     *,
     batch_size: Optional[int] = None,
-    seq_len: int,
+    seq_len: Optional[int] = None,
     setup: Optional[Setup] = None,
     optimizer: Optional[str] = None,
     args: Any = None,
@@ -343,6 +348,11 @@ def plan_step_memory(
     dtype: Optional[torch.dtype] = None,
     reserve_bytes: int = 0,
     settings: Optional[StepSettings] = None,
+    target_len: Optional[int] = None,
+    image_size: Optional[int] = None,
+    padding: int = 0,
+    keep_dtypes: bool = False,
+    quantization: Any = None,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
 
@@ -371,6 +381,12 @@ def plan_step_memory(
         settings: settings resolved already (`trainer_memcb.plan.settings.resolve_settings`), the
             engine's options among them (DDP's buckets, FSDP2's resharding and offload, ZeRO's config);
             the explicit arguments above still override it.
+        target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.step_inputs`):
+            a seq2seq model's labels length, an image model's height and width, padded positions.
+        quantization: a `trainer_memcb.plan.quantized.Quantization`: the base model's linear layers
+            loaded in 4-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
+        keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters
+            over a 16-bit base, as `get_peft_model` keeps them) rather than casting all to `dtype`.
 
     Returns:
         The step plan, and the model-states plan (or None).
@@ -388,7 +404,10 @@ def plan_step_memory(
     batch_size = settings.batch_size if settings.batch_size is not None else batch_size
     optimizer, gradient_checkpointing = settings.optimizer, settings.gradient_checkpointing
     setup = setup_of(settings, setup)
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("target_len", target_len),
+                        ("image_size", image_size)):
+        if value is None and name != "batch_size":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
     if device_type not in DEVICE_TYPES:
@@ -401,6 +420,9 @@ def plan_step_memory(
     config = getattr(meta, "config", None)
     if attn_implementation is not None and config is not None:
         config._attn_implementation = attn_implementation
+    input_options = dict(target_len=target_len, image_size=image_size, padding=padding)
+    with FakeTensorMode():  # the options the model has no use for are refused before anything runs
+        step_inputs(meta, 1, seq_len, **input_options)
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
     precision = setup.precision
     step_dtype = dtype or _step_dtype(precision, meta)
@@ -412,12 +434,24 @@ def plan_step_memory(
     engine = engine_for(settings)
     mode = FakeTensorMode()
     _MODE[0] = mode
+    quantization_note = None
     try:
-        model = fake_copy(meta, mode, "cpu", step_dtype)
-        if gradient_checkpointing:
-            _enable_checkpointing(model, name)
+        model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
+        if quantization is not None:
+            from trainer_memcb.plan.quantized import quantize_linear_layers
+
+            quantized = quantize_linear_layers(model, mode, quantization)
+            quantization_note = (
+                f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
+                f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) and "
+                f"quantization state (buffers) as bitsandbytes stores them, their dequantized copies as temporaries; "
+                f"the model-states plan counts them unquantized")
+        prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
-        traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing, engine)
+        unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
+        with grouped_mm_any_dtype(), unpadded:
+            traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing, engine,
+                                 input_options)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
@@ -425,13 +459,31 @@ def plan_step_memory(
     finally:
         _MODE[0] = None
         gc.collect()
-    notes = list(traced.notes)
+    notes = list(traced.notes) + ([quantization_note] if quantization_note else [])
     implementation = implementation[0]
     if implementation:
         notes.append(f"optimizer traced with its {implementation} implementation, as torch runs it on {device_type}")
     peak, parts, transient = traced.peak_bytes, dict(traced.peak_parts), {}
     fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
     phase = traced.peak_phase
+    if traced.optimizer_failure is not None:
+        # Its state, as its estimate rule plans it, is alive through every later step's forward
+        # and backward; the update's own temporaries are not known.
+        rule_plan = states_plan if states_plan is not None else \
+            plan_model_states(build_model(), optimizer, setup, args=args, model_name=model_name)
+        estimated = rule_plan.optimizers[0].optimizer_state_bytes
+        if estimated is None:
+            return StepMemoryPlan(activations_bytes=traced.activations_bytes,
+                                  activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=None,
+                                  peak_phase=None, problem=f"{optimizer}: its constructor cannot run under fake "
+                                  f"tensors ({traced.optimizer_failure}) and no rule estimates its state", **common), \
+                states_plan
+        peak, phase = fb_peak + estimated, traced.peak_phase
+        fb_peak, optimizer_peak = peak, None
+        parts["optimizer_state"] += estimated
+        notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({traced.optimizer_failure}); "
+                     f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
+                     f"and the optimizer step's own temporaries are not traced")
     host = {part: parts.pop(part) for part in getattr(engine, "host_parts", ()) if parts.get(part)}
     if host:
         # Offloaded states: on the CPU in a real run; the trace holds them beside the device's bytes.

@@ -1,0 +1,49 @@
+"""The model as the Trainer prepares it: each setting against what a real Trainer does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import requires_transformers, training_args
+from trainer_memcb.plan.trainer_model import checkpointing_kwargs, prepare_like_trainer
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
+
+
+def tiny() -> torch.nn.Module:
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         vocab_size=64, max_position_embeddings=32)
+    assert config.use_cache is True  # the config's default, which the Trainer overrides
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_use_cache_is_the_arguments_as_a_real_trainer_sets_it(tmp_path, use_cache: bool) -> None:
+    args = training_args(str(tmp_path), use_cache=use_cache)
+    real = Trainer(model=tiny(), args=args).model
+    planned = prepare_like_trainer(tiny(), args=args)
+    assert planned.config.use_cache is real.config.use_cache is use_cache
+
+
+def test_without_arguments_the_trainers_defaults_apply() -> None:
+    model = prepare_like_trainer(tiny(), attn_implementation="eager")
+    assert model.config.use_cache is False
+    assert model.config._attn_implementation == "eager"
+    assert model.training and all(module.training for module in model.modules())
+    assert model.model.layers[0].gradient_checkpointing is False
+
+
+@requires_transformers("5.0", "transformers 4.x names them gradient_checkpointing_kwargs only")
+def test_checkpointing_takes_the_arguments_keywords(tmp_path) -> None:
+    assert checkpointing_kwargs() == {"use_reentrant": False}
+    args = training_args(str(tmp_path), activation_checkpointing=True,
+                         activation_checkpointing_kwargs={"use_reentrant": True})
+    assert checkpointing_kwargs(args) == {"use_reentrant": True}
+    model = prepare_like_trainer(tiny(), args=args, gradient_checkpointing=True)
+    layer = model.model.layers[0]
+    assert layer.gradient_checkpointing is True
+    assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": True}
+    assert prepare_like_trainer(tiny(), gradient_checkpointing=True).model.layers[0] \
+        ._gradient_checkpointing_func.keywords == {"use_reentrant": False}

@@ -1,0 +1,142 @@
+"""QLoRA's base model in the step plan: linear layers loaded in 4-bit by bitsandbytes.
+
+`from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` replaces
+every `nn.Linear` but the output head (transformers' `replace_with_bnb_linear`, skipping
+`get_keys_to_not_convert`: the output embeddings) by bitsandbytes' `Linear4bit`, whose weight is a
+`Params4bit` holding what `bitsandbytes.functional.quantize_4bit` returns for the weight in the
+loading dtype:
+
+- the packed values: uint8, `(N + 1) // 2` bytes (two 4-bit codes per byte);
+- the absmax per block of `blocksize` (64) values: fp32, 4 bytes per block; with double
+  quantization (`bnb_4bit_use_double_quant=True`) uint8 instead (1 byte per block), plus the
+  nested state: an fp32 absmax per 256 blocks, an fp32 offset (0-dim), and the 256-entry fp32
+  dynamic map, one tensor shared by every layer (`name2qmap["dynamic"]`);
+- the 4-bit code: 16 fp32 values (`get_4bit_type`, one per layer).
+
+`quantize_linear_layers(model, mode, ...)` does the same to a fake model under the step plan: it
+runs `quantize_4bit` itself on each fake weight (so the shapes and dtypes are bitsandbytes' own;
+its one value read, making the dynamic map, is answered by a fake map of the same shape), and
+puts a `PlannedLinear4bit` in the layer's place. That stand-in exists because `Params4bit` cannot
+wrap a fake tensor (`_make_subclass` refuses a tensor already owned by `FakeTensor`): it holds the
+packed values as its (frozen) weight, the quantization state as non-persistent buffers (so the
+plan counts them, under "batch and buffers"), and its forward is `Linear4bit.forward`'s:
+`bnb.matmul_4bit(x in the compute dtype, weight, bias, quant_state)`, whose fake kernels are
+bitsandbytes' own (`bitsandbytes/_ops.py`). Forward dequantizes the weight (a temporary in the
+quantization's dtype), and `MatMul4Bit.backward` dequantizes it again for the input's gradient:
+those copies are counted where they are alive, as every other temporary is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["Quantization", "PlannedLinear4bit", "quantize_linear_layers", "QUANT_TYPES"]
+
+QUANT_TYPES = ("nf4", "fp4")
+# bitsandbytes' `quantize_4bit` default blocksize, which transformers' BitsAndBytesConfig keeps.
+BLOCKSIZE = 64
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the base model is loaded (transformers' `BitsAndBytesConfig`).
+
+    Attributes:
+        bits: 4 (`load_in_4bit`).
+        quant_type: `bnb_4bit_quant_type`, "nf4" or "fp4".
+        double_quant: `bnb_4bit_use_double_quant`.
+        compute_dtype: `bnb_4bit_compute_dtype` (transformers' default float32).
+    """
+
+    bits: int = 4
+    quant_type: str = "nf4"
+    double_quant: bool = False
+    compute_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.bits != 4:
+            raise ValueError(f"bits={self.bits!r}: the step plan loads linear layers in 4-bit only")
+        if self.quant_type not in QUANT_TYPES:
+            raise ValueError(f"quant_type={self.quant_type!r} is not one of: {', '.join(QUANT_TYPES)}")
+
+
+class PlannedLinear4bit(nn.Module):
+    """bitsandbytes' `Linear4bit` under fake tensors (see the module docstring)."""
+
+    def __init__(self, packed: torch.Tensor, quant_state: Any, bias: Optional[nn.Parameter],
+                 compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = bias
+        self.quant_state = quant_state
+        self.compute_dtype = compute_dtype
+        self.in_features, self.out_features = quant_state.shape[1], quant_state.shape[0]
+        for name, tensor in _state_tensors(quant_state).items():
+            self.register_buffer(name, tensor, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import bitsandbytes as bnb
+
+        inp_dtype = x.dtype
+        x = x.to(self.compute_dtype)
+        bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
+        return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state).to(inp_dtype)
+
+
+def _state_tensors(state: Any) -> Dict[str, torch.Tensor]:
+    tensors = {"quant_absmax": state.absmax, "quant_code": state.code}
+    if getattr(state, "offset", None) is not None:
+        tensors["quant_offset"] = state.offset
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        tensors["quant_nested_absmax"] = nested.absmax
+        tensors["quant_nested_code"] = nested.code
+    return tensors
+
+
+def _not_converted(model: nn.Module) -> Tuple[str, ...]:
+    """transformers' `get_keys_to_not_convert`: the output embeddings (and what they are tied to)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return tuple(name for name, module in model.named_modules() if head is not None and module is head)
+
+
+def quantize_linear_layers(model: nn.Module, mode: Any, quantization: Quantization) -> int:
+    """Load `model`'s linear layers in 4-bit, in place, as bitsandbytes does (module docstring).
+
+    Args:
+        model: a fake model (PEFT adapters and the output head are left in their dtype).
+        mode: the FakeTensorMode its tensors belong to.
+        quantization: the quantization settings.
+
+    Returns:
+        The number of layers quantized.
+    """
+    import bitsandbytes.functional as bnb_functional
+
+    skipped = set(_not_converted(model))
+    # PEFT's adapters (lora_A, lora_B) are linear layers too: they stay in their dtype.
+    targets = [name for name, module in model.named_modules()
+               if type(module) is nn.Linear and "lora_" not in name and name not in skipped]
+    maps = bnb_functional.name2qmap
+    saved = maps.get("dynamic")
+    with mode:
+        maps["dynamic"] = torch.empty(256, dtype=torch.float32)  # create_dynamic_map's shape; its values are read
+        try:
+            for name in targets:
+                parent_name, _, child = name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                linear = getattr(parent, child)
+                packed, state = bnb_functional.quantize_4bit(
+                    linear.weight.detach(), blocksize=BLOCKSIZE, compress_statistics=quantization.double_quant,
+                    quant_type=quantization.quant_type, quant_storage=torch.uint8)
+                setattr(parent, child, PlannedLinear4bit(packed, state, linear.bias, quantization.compute_dtype))
+        finally:
+            if saved is None:
+                maps.pop("dynamic", None)
+            else:
+                maps["dynamic"] = saved
+    return len(targets)

@@ -1,0 +1,181 @@
+"""The batch a Trainer hands a model of each task head, as transformers' collators make it.
+
+`step_inputs` returns the tensors of one micro-batch for the model's class (its name's suffix and
+its `main_input_name`), made in the current tensor mode (fake under the step plan):
+
+| head | forward gets | collator it follows |
+|---|---|---|
+| causal LM (`...ForCausalLM`, `...LMHeadModel`), masked LM | `input_ids`, `labels` (B, S) | `DataCollatorForLanguageModeling` |
+| sequence classification | `input_ids`, `labels` (B,) (fp32 with one label: regression) | `DataCollatorWithPadding` |
+| token classification | `input_ids`, `labels` (B, S) | `DataCollatorForTokenClassification` |
+| question answering | `input_ids`, `start_positions`, `end_positions` (B,) | `default_data_collator` |
+| seq2seq (`config.is_encoder_decoder`, token inputs) | `input_ids` (B, S), `labels` (B, T), `decoder_input_ids` (B, T) where the model has `prepare_decoder_input_ids_from_labels` | `DataCollatorForSeq2Seq(model=model)` |
+| speech seq2seq (`input_features`: Whisper) | `input_features` (B, mel bins, 2 x `max_source_positions`), `labels` (B, T) | the speech seq2seq collator of transformers' examples |
+| image models (`pixel_values`) | `pixel_values` (B, channels, H, W), `labels` (B,) | `default_data_collator` |
+
+S is `seq_len`, T `target_len` (default S), H and W `image_size` (default the config's). The
+floating inputs (pixel values, input features) are in the model's dtype, as a run must cast them.
+
+Masks. A tokenizer gives an attention mask and the collators carry it: every token batch holds
+one, (B, S) int64, and the forward gets it. Without padding it is all ones, and transformers then
+takes the mask-free path (it reads the mask's values, which a fake tensor has not: the step plan
+answers those reads as the real batch does, see `trainer_memcb.plan.value_reads`). With
+`padding=P` (P padded positions per row, as `padding="longest"` leaves them) the mask has zeros
+and the model builds its attention mask, in the real run as in the trace.
+
+Options a model has no use for (`seq_len` for an image model, `target_len` for a decoder-only one,
+`image_size` for a text model) raise `ValueError` naming the model and the option that applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["StepInputs", "step_inputs", "head_kind", "unwrap"]
+
+_TOKEN_LABELS = ("ForCausalLM", "ForMaskedLM", "LMHeadModel", "ForTokenClassification")
+
+
+@dataclass
+class StepInputs:
+    """One micro-batch.
+
+    Attributes:
+        forward: the keyword arguments of the forward (the loss's inputs included).
+        held: batch tensors the collator makes that the forward is not given (an all-ones mask).
+        labels: the tensor the Trainer counts `num_items_in_batch` from, or None.
+        kind: the head (see `head_kind`).
+    """
+
+    forward: Dict[str, torch.Tensor]
+    held: Dict[str, torch.Tensor] = field(default_factory=dict)
+    labels: Optional[torch.Tensor] = None
+    kind: str = "causal_lm"
+
+    def tensors(self) -> list:
+        return list(self.forward.values()) + list(self.held.values())
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT model (or the model itself)."""
+    if hasattr(model, "peft_config") and hasattr(model, "base_model"):
+        return getattr(model.base_model, "model", model.base_model)
+    return model
+
+
+def head_kind(model: nn.Module) -> str:
+    """The task head of `model`: causal_lm, masked_lm, sequence_classification,
+    token_classification, question_answering, seq2seq, speech_seq2seq, image or base."""
+    inner = unwrap(model)
+    name = type(inner).__name__
+    config = getattr(inner, "config", None)
+    main_input = getattr(inner, "main_input_name", "input_ids")
+    if main_input == "input_features":
+        return "speech_seq2seq"
+    if main_input == "pixel_values":
+        return "image"
+    if config is not None and getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    if name.endswith("ForMaskedLM"):
+        return "masked_lm"
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal_lm"
+    if name.endswith("ForSequenceClassification"):
+        return "sequence_classification"
+    if name.endswith("ForTokenClassification"):
+        return "token_classification"
+    if name.endswith("ForQuestionAnswering"):
+        return "question_answering"
+    return "base"
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+def _image_size(config: Any, image_size: Optional[int]) -> tuple:
+    if image_size is not None:
+        return image_size, image_size
+    size = getattr(config, "image_size", None)
+    if size is None and hasattr(config, "vision_config"):
+        size = getattr(config.vision_config, "image_size", None)
+    if size is None:
+        raise ValueError(f"{type(config).__name__} has no image_size: give --image-size")
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None, *, target_len: Optional[int] = None,
+                image_size: Optional[int] = None, padding: int = 0) -> StepInputs:
+    """The micro-batch a Trainer gives `model` (see the module docstring), made in the current mode.
+
+    Args:
+        model: the model (a PEFT model is looked through).
+        batch_size: B.
+        seq_len: S, the token inputs' length (refused for image and speech models).
+        target_len: T, the labels' length of a seq2seq model (default S).
+        image_size: the images' height and width (default the config's).
+        padding: padded positions per row of the token inputs.
+
+    Raises:
+        ValueError: an option the model has no use for, or one it needs that is missing.
+    """
+    inner = unwrap(model)
+    name = type(inner).__name__
+    config = getattr(inner, "config", None)
+    kind = head_kind(model)
+    takes_tokens = kind not in ("image", "speech_seq2seq")
+    if not takes_tokens and seq_len is not None:
+        applies = "--image-size (default: the config's)" if kind == "image" else "--target-len (the labels' length)"
+        raise ValueError(f"{name} takes {'images' if kind == 'image' else 'audio features'}, not tokens: "
+                         f"--seq-len has no meaning for it; {applies} applies")
+    if takes_tokens and seq_len is None:
+        raise ValueError(f"{name} takes tokens: give --seq-len (the sequence length)")
+    if target_len is not None and kind not in ("seq2seq", "speech_seq2seq"):
+        raise ValueError(f"{name} is not a sequence-to-sequence model: --target-len has no meaning for it; "
+                         f"--seq-len applies")
+    if image_size is not None and kind != "image":
+        raise ValueError(f"{name} takes no images: --image-size has no meaning for it")
+    if padding and not takes_tokens:
+        raise ValueError(f"{name} takes no tokens: --padding has no meaning for it")
+    if takes_tokens and not 0 <= padding < seq_len:
+        raise ValueError(f"padding={padding!r}: expected a whole number from 0 to seq_len - 1 ({seq_len - 1})")
+    long = dict(dtype=torch.long)
+    forward: Dict[str, torch.Tensor] = {}
+    held: Dict[str, torch.Tensor] = {}
+    labels = None
+    if takes_tokens:
+        forward["input_ids"] = torch.zeros(batch_size, seq_len, **long)
+        forward["attention_mask"] = torch.ones(batch_size, seq_len, **long)
+    if kind in ("causal_lm", "masked_lm", "token_classification"):
+        labels = forward["labels"] = torch.zeros(batch_size, seq_len, **long)
+    elif kind == "sequence_classification":
+        regression = getattr(config, "num_labels", 2) == 1
+        labels = forward["labels"] = torch.zeros(batch_size, dtype=torch.float32 if regression else torch.long)
+    elif kind == "question_answering":
+        forward["start_positions"] = torch.zeros(batch_size, **long)
+        forward["end_positions"] = torch.zeros(batch_size, **long)
+    elif kind in ("seq2seq", "speech_seq2seq"):
+        target = target_len if target_len is not None else seq_len
+        if target is None:
+            raise ValueError(f"{name} is a sequence-to-sequence model: give --target-len (the labels' length)")
+        labels = forward["labels"] = torch.zeros(batch_size, target, **long)
+        if hasattr(inner, "prepare_decoder_input_ids_from_labels"):
+            # DataCollatorForSeq2Seq(model=...): the decoder inputs are the labels shifted right.
+            forward["decoder_input_ids"] = torch.zeros(batch_size, target, **long)
+        if kind == "speech_seq2seq":
+            frames = 2 * config.max_source_positions  # Whisper's two convolutions, the second with stride 2
+            forward["input_features"] = torch.zeros(batch_size, config.num_mel_bins, frames, dtype=_float_dtype(model))
+    elif kind == "image":
+        height, width = _image_size(config, image_size)
+        channels = getattr(config, "num_channels", 3)
+        forward["pixel_values"] = torch.zeros(batch_size, channels, height, width, dtype=_float_dtype(model))
+        if name.endswith("ForImageClassification"):
+            labels = forward["labels"] = torch.zeros(batch_size, **long)
+    return StepInputs(forward=forward, held=held, labels=labels, kind=kind)

@@ -1,0 +1,115 @@
+"""transformers' value-dependent mask checks, answered as a real unpadded batch answers them.
+
+A few of transformers' mask helpers (`masking_utils`) read the batch's values to take a cheaper
+path, and take the general path when the tensor is being traced (`is_tracing`, which a fake
+tensor counts as). Under fake tensors the plan would then follow a path a real run never takes,
+and save what the real run never saves:
+
+- `_ignore_causal_mask_sdpa` and `_ignore_bidirectional_mask_sdpa` read whether the padding mask
+  is all ones (a collator's mask without padding; BART's decoder makes one when given none); a
+  real all-ones mask lets SDPA run with `is_causal` and no mask, a fake one builds a float mask
+  per attention (tried on a tiny BART: 2,304 bytes more saved);
+- `find_packed_sequence_indices(position_ids)`, reached with no attention mask and no cache (the
+  Trainer's `use_cache=False`), reads whether the positions restart inside a row (packed
+  sequences); a real batch of one sequence per row says no, a fake one builds a mask per layer
+  and SDPA repeats K and V for grouped-query attention (tried on a tiny Qwen2: 21,504 bytes more).
+
+transformers 4.x reads the same in `modeling_attn_mask_utils`: `_prepare_4d_attention_mask_for_sdpa`
+(and its causal twin) return None for an all-ones mask, after `torch.all(mask == 1)`, a value read
+a fake tensor cannot answer at all (`aten._local_scalar_dense`: BERT could not be planned). Models
+import these functions by name, so each module holding the original is patched.
+
+`unpadded_batch()` answers them, while it is active and for fake tensors only, as the real
+batch the step plan stands for answers them: one unpadded sequence per row (an all-ones mask is
+passed on as no mask, which both functions treat alike; positions are not packed). The step plan
+enters it only for a batch without padding (`padding=0`); with padding the general path is the
+real run's path too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Tuple
+
+__all__ = ["unpadded_batch"]
+
+
+def _is_fake(tensor: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _mask_as_all_ones(original: Any) -> Any:
+    def check(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(None if _is_fake(padding_mask) else padding_mask, *args, **kwargs)
+
+    return check
+
+
+def _unpacked(original: Any) -> Any:
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        return None if _is_fake(position_ids) else original(position_ids)
+
+    return find_packed_sequence_indices
+
+
+_PATCHES = (("_ignore_causal_mask_sdpa", _mask_as_all_ones), ("_ignore_bidirectional_mask_sdpa", _mask_as_all_ones),
+            ("find_packed_sequence_indices", _unpacked))
+
+
+@contextlib.contextmanager
+def unpadded_batch() -> Iterator[None]:
+    """While active, transformers' mask helpers see fake masks as all ones and fake positions as
+    one sequence per row (see the module docstring)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # an older transformers without the module: nothing to answer
+        yield
+        return
+    saved: List[Tuple[str, Any]] = []
+    for name, wrap in _PATCHES:
+        original = getattr(masking_utils, name, None)
+        if original is not None:
+            saved.append((name, original))
+            setattr(masking_utils, name, wrap(original))
+    patched = _patch_4x_mask_helpers()
+    try:
+        yield
+    finally:
+        for name, original in saved:
+            setattr(masking_utils, name, original)
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def _patch_4x_mask_helpers() -> List[Tuple[Any, str, Any]]:
+    """transformers 4.x: `_prepare_4d_attention_mask_for_sdpa(mask, ...)` and
+    `_prepare_4d_causal_attention_mask_for_sdpa(mask, ...)` return None for a fake (all-ones) mask,
+    in every loaded transformers module that imported them."""
+    import sys
+
+    try:
+        from transformers import modeling_attn_mask_utils as utils
+    except ImportError:
+        return []
+    wrappers = {}
+    for name in ("_prepare_4d_attention_mask_for_sdpa",):
+        original = getattr(utils, name, None)
+        if original is None or getattr(original, "_answers_fake_masks", False):
+            continue
+
+        def answer(mask: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            return None if _is_fake(mask) else _original(mask, *args, **kwargs)
+
+        answer._answers_fake_masks = True  # type: ignore[attr-defined]
+        wrappers[name] = (original, answer)
+    patched: List[Tuple[Any, str, Any]] = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("transformers"):
+            continue
+        for name, (original, answer) in wrappers.items():
+            if getattr(module, name, None) is original:
+                setattr(module, name, answer)
+                patched.append((module, name, original))
+    return patched
