@@ -31,6 +31,9 @@ ONE_PROCESS_KEYS = {
 # Training entries carry the activations too, where this torch measures them.
 TRAINING_KEYS = ONE_PROCESS_KEYS | (set(ACTIVATION_KEYS) - {"device_peak_allocated_bytes"} if ACTIVATIONS_SUPPORTED else set())
 OURS = set(key_names())
+# Evaluation entries carry evaluation's own memory beside the model states.
+EVALUATION_ENTRY_KEYS = ONE_PROCESS_KEYS | {"containers_device_bytes", "containers_host_bytes", "concat_peak_bytes",
+                                            "host_concat_peak_bytes", "forward_peak_bytes"}
 
 
 def accuracy(eval_prediction: Any) -> Dict[str, float]:
@@ -81,21 +84,23 @@ def test_by_default_training_entries_carry_every_figure(default_run):
         assert ours(entry) == TRAINING_KEYS
 
 
-def test_by_default_evaluation_entries_carry_the_measured_and_estimate_pair(default_run):
+def test_by_default_evaluation_entries_carry_the_measured_and_estimate_pair_and_the_containers(default_run):
     assert [entry["step"] for entry in default_run.eval] == [2, 4]
     for entry in default_run.eval:
-        assert ours(entry, "eval_") == {"optimizer_state_bytes", "optimizer_state_estimate_bytes"}
+        assert ours(entry, "eval_") == {"optimizer_state_bytes", "optimizer_state_estimate_bytes",
+                                        "containers_device_bytes", "containers_host_bytes"}
         assert entry["eval_optimizer_state_bytes"] == default_run.train[0]["optimizer_state_bytes"] == 2 * (
             entry["eval_optimizer_state_estimate_bytes"] // 2)
 
 
-def test_the_notebook_table_shows_the_metrics_and_two_memory_columns(default_run, tmp_path):
+def test_the_notebook_table_shows_the_metrics_and_four_memory_columns(default_run, tmp_path):
     table = default_run.tracker.kept.inner_table
-    assert table[0] == ["Step", "Training Loss", "Validation Loss", "Accuracy",
-                        "Optimizer State Bytes", "Optimizer State Estimate Bytes"]
+    assert table[0] == ["Step", "Training Loss", "Validation Loss", "Accuracy", "Containers Device Bytes",
+                        "Containers Host Bytes", "Optimizer State Bytes", "Optimizer State Estimate Bytes"]
     assert [row[0] for row in table[1:]] == [2, 4]
     measured = default_run.train[0]["optimizer_state_bytes"]
-    assert [row[4:] for row in table[1:]] == [[measured, measured]] * 2
+    for row, entry in zip(table[1:], default_run.eval):
+        assert row[4:] == [entry["eval_containers_device_bytes"], entry["eval_containers_host_bytes"], measured, measured]
 
 
 def test_without_the_callback_the_notebook_table_is_step_losses_and_accuracy(tmp_path):
@@ -106,7 +111,7 @@ def test_without_the_callback_the_notebook_table_is_step_losses_and_accuracy(tmp
 def test_eval_keys_all_puts_every_figure_in_evaluation_entries_too(tmp_path):
     result = run(str(tmp_path), eval_keys="all")
     for entry in result.eval:
-        assert ours(entry, "eval_") == ONE_PROCESS_KEYS
+        assert ours(entry, "eval_") == EVALUATION_ENTRY_KEYS
 
 
 def test_a_list_of_keys_and_a_breakdown_by_its_first_part(tmp_path):
