@@ -187,7 +187,7 @@ def test_tables_fold_in_a_narrow_terminal_and_keep_names_and_byte_counts_whole(r
     assert assert_whole(drawn, LONG_NAME, "loss_only", "torch.optim.adamw.AdamW", *counts) <= width
     estimate = on_a_terminal(columns, "estimate", "examples/models/llama-2-7b", "--world-size", "64", "--zero", "3",
                              "--precision", "deepspeed-bf16", "--optimizers", "adamw_torch_fused,adafactor,adamw_8bit",
-                             "--device-memory", "80GiB", env_columns=env_columns)
+                             "--device-memory", "80GiB", "--reserve", "0B", env_columns=env_columns)
     assert assert_whole(estimate, "adamw_torch_fused", "adafactor", "adamw_8bit", "(842,301,960)", "(210,575,488)",
                         "(84,214,742,008)") <= width
 
