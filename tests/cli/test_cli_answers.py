@@ -16,6 +16,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from helpers import requires_transformers
+
 from trainer_memcb.cli import main
 from trainer_memcb.plan.step_memory import NOT_COUNTED, StepMemoryPlan, max_batch_size
 from trainer_memcb.utils.name_lists import name_list
@@ -226,6 +228,7 @@ def test_a_missing_peft_exits_4_naming_the_extra(capsys, monkeypatch):
     assert err == 'trainer-memcb: LoRA adapters need the peft package, not installed here: pip install "trainer_memcb[peft]"\n'
 
 
+@requires_transformers("5.0", "transformers.trainer_optimizer, whose torchao check the test makes fail")
 def test_the_8bit_torchao_optimizer_gets_its_own_reason(monkeypatch):
     # torchao is installed here: its absence is simulated for transformers' check and for the import.
     import transformers.trainer_optimizer as handlers

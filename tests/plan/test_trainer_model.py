@@ -19,6 +19,7 @@ def tiny() -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+@requires_transformers("5.0", "TrainingArguments.use_cache, which the Trainer sets on the model's config")
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_use_cache_is_the_arguments_as_a_real_trainer_sets_it(tmp_path, use_cache: bool) -> None:
     args = training_args(str(tmp_path), use_cache=use_cache)

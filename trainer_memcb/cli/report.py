@@ -156,7 +156,6 @@ def logged_metrics(runs: Sequence[RunLog]) -> List[str]:
 
     Examples:
         >>> from trainer_memcb.runs.run_logs import RunLog
-from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
         >>> sft = RunLog(run_dir="sft", log_history=[{"step": 2, "eval_loss": 2.1, "eval_runtime": 0.5,
         ...                                          "eval_mean_token_accuracy": 0.4, "eval_optimizer_state_bytes": 88}])
         >>> logged_metrics([sft])

@@ -245,6 +245,10 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
     if isinstance(ds, (str, os.PathLike)):
         ds = read_json_file(os.fspath(ds), "deepspeed config")
     fsdp = fsdp_config if fsdp_config is not None else args.get("fsdp_config")
+    if fsdp_config is None and "fsdp" in args and not _fsdp_on(args.get("fsdp")):
+        # The Trainer shards only when `fsdp` is set; transformers 4.x fills `fsdp_config` with
+        # defaults ({"min_num_params": 0, "xla": False, ...}) even then, which must not turn FSDP on.
+        fsdp = None
     if isinstance(fsdp, (str, os.PathLike)):
         fsdp = read_json_file(os.fspath(fsdp), "fsdp config")
     put("precision", _precision(args, deepspeed=bool(ds)), arg)

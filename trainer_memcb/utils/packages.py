@@ -10,7 +10,7 @@ __all__ = ["MissingPackageError"]
 
 class MissingPackageError(ImportError):
     """`feature` needs `package`, which is not installed; `extra` is the trainer_memcb extra that
-    brings it (`pip install "trainer_memcb[extra]"`).
+    brings it (the message names `pip install "trainer_memcb[<extra>]"`).
 
     Args:
         feature: what was asked for, e.g. "LoRA adapters (--lora-r)".
