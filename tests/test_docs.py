@@ -267,11 +267,7 @@ import pytest  # noqa: E402  (the page runner above needs nothing but the standa
 
 # Pages whose examples meet a known bug, each with it; strict, so the page fails once it is fixed
 # and the entry must go.
-KNOWN_BUGS: Dict[str, str] = {
-    "docs/will-it-fit.md": "its output blocks are excerpts cut to the page's width and start inside the output "
-                           "(no `...` line), so they are not what the commands print: to be refreshed from "
-                           "`python tests/test_docs.py docs/will-it-fit.md --show`",
-}
+KNOWN_BUGS: Dict[str, str] = {}
 
 
 def _page_param(page: Path) -> object:
