@@ -283,8 +283,8 @@ EDITS: List[Edit] = [
     Edit("training/activations_probe.py", "        remove_stale_wrappers(model)\n", "", STALE_IN_A_LOOP),
     Edit("training/activations_probe.py", "        if owner is not None and owner._wrapper is current:\n            owner.disarm()\n",
          "", STALE_IN_A_LOOP),  # the stale wrapper's probe stays armed, its counter watching
-    Edit("training/activations_probe.py", "                model.__dict__[\"forward\"] = mark.replaced",
-         "                del model.__dict__[\"forward\"]", WRAPPER_UNITS),  # the user's own forward dropped
+    Edit("training/activations_probe.py", "        put_back_forward(model, current, mark.replaced)",
+         "        put_back_forward(model, current, NO_INSTANCE_FORWARD)", WRAPPER_UNITS),  # the user's own forward dropped
     Edit("training/activations_probe.py", "if compiled or is_compiled(model) or torch.compiler.is_compiling():",
          "if is_compiled(model) or torch.compiler.is_compiling():", FULLGRAPH),
     Edit("training/activations_probe.py", "            if torch.compiler.is_compiling():  # compiled after arming",

@@ -72,6 +72,7 @@ import torch
 
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 from trainer_memcb.utils.compiled import is_compiled
+from trainer_memcb.training.instance_forward import NO_INSTANCE_FORWARD, instance_forward, put_back_forward
 from trainer_memcb.training.figures import (
     ACTIVATIONS_BYTES,
     ACTIVATIONS_PEAK_BYTES,
@@ -102,14 +103,13 @@ logger = logging.getLogger(__name__)
 # An attribute on the wrapper that the model's `forward` is while armed, so that it can be told apart
 # from the user's own forward: a `_Mark` saying what it replaced and whose it is.
 WRAPPER_MARK = "__trainer_memcb_activations__"
-_MISSING = object()
 # How many wrappers of ours, one inside the other, `arm` takes off a model at most.
 _MAX_STALE_WRAPPERS = 8
 
 
 class _Mark:
     """Carried by the wrapper (as `WRAPPER_MARK`): the `forward` instance attribute it replaced
-    (`_MISSING`: none, the class's forward applied) and the probe it belongs to, weakly."""
+    (`NO_INSTANCE_FORWARD`: none, the class's forward applied) and the probe it belongs to, weakly."""
 
     __slots__ = ("replaced", "probe")
 
@@ -131,18 +131,14 @@ def remove_stale_wrappers(model: Any) -> None:
     probe must wrap the user's forward, never ours. Its probe, if alive, is disarmed too, so that
     its counters stop watching checkpoint's recomputation."""
     for _ in range(_MAX_STALE_WRAPPERS):
-        current = model.__dict__.get("forward", _MISSING)
+        current = instance_forward(model)
         if not is_activations_wrapper(current):
             return
         mark = getattr(current, WRAPPER_MARK)
         owner = mark.probe()
         if owner is not None and owner._wrapper is current:
             owner.disarm()
-        if model.__dict__.get("forward", _MISSING) is current:
-            if mark.replaced is _MISSING:
-                del model.__dict__["forward"]
-            else:
-                model.__dict__["forward"] = mark.replaced
+        put_back_forward(model, current, mark.replaced)
 
 
 def validate_activation_options(activations: Any, reset_device_peak: Any) -> None:
@@ -246,7 +242,7 @@ class ActivationsProbe:
         # parameters to exclude, the step the figures are for, the device of a CUDA model.
         self._model: Callable[[], Any] = _nothing
         self._wrapper: Any = None
-        self._replaced: Any = _MISSING
+        self._replaced: Any = NO_INSTANCE_FORWARD
         self._params: List[torch.Tensor] = []
         self._step: Optional[int] = None
         self._cuda_device: Optional[torch.device] = None
@@ -306,7 +302,7 @@ class ActivationsProbe:
             torch.cuda.reset_peak_memory_stats(self._cuda_device)  # asked for by the user
         self._step = step
         self._model = weakref.ref(model)
-        self._replaced = model.__dict__.get("forward", _MISSING)
+        self._replaced = instance_forward(model)
         self._wrapper = self._measuring(model.forward, self._replaced)
         model.forward = self._wrapper
 
@@ -402,20 +398,16 @@ class ActivationsProbe:
         model = self._model()
         wrapper, replaced = self._wrapper, self._replaced
         counters = (self._active, self._last)
-        self._model, self._wrapper, self._replaced = _nothing, None, _MISSING
+        self._model, self._wrapper, self._replaced = _nothing, None, NO_INSTANCE_FORWARD
         self._params, self._active, self._last = [], None, None
         for counter in counters:
             _close(counter)
         if model is None or wrapper is None:
             return
         try:
-            if model.__dict__.get("forward") is wrapper:
-                if replaced is _MISSING:
-                    del model.__dict__["forward"]
-                else:
-                    model.__dict__["forward"] = replaced
-            # Otherwise someone wrapped the forward again while armed: the wrapper stays inside
-            # theirs, and does nothing now that the probe is disarmed.
+            # If someone wrapped the forward again while armed, the wrapper stays inside theirs, and
+            # does nothing now that the probe is disarmed.
+            put_back_forward(model, wrapper, replaced)
         except Exception as error:  # never break training over a figure
             self._warn_once("activations", f"removing the activations wrapper failed ({error!r})")
 

@@ -41,6 +41,7 @@ import torch
 from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.state.eval_containers import device_blocks, host_blocks, numpified_bytes
 from trainer_memcb.state.saved_tensors import storages_of
+from trainer_memcb.training.instance_forward import NO_INSTANCE_FORWARD, instance_forward, put_back_forward
 from trainer_memcb.training.figures import (
     CONCAT_PEAK_BYTES,
     CONTAINERS_DEVICE_BYTES,
@@ -62,7 +63,6 @@ __all__ = [
 
 
 Blocks = Dict[Tuple[str, int], int]
-_MISSING = object()
 # The probes armed now (an evaluation inside an evaluation is rare, but each sees its own loop's calls).
 _ARMED: List["EvaluationProbe"] = []
 # What the container wrappers replaced, while any probe is armed.
@@ -176,7 +176,7 @@ class EvaluationProbe:
         # The model whose forward is wrapped (weakly held through the wrapper's closure only while armed).
         self._model: Any = None
         self._wrapper: Any = None
-        self._replaced: Any = _MISSING
+        self._replaced: Any = NO_INSTANCE_FORWARD
         self._forward_peak: Optional[int] = None
         # The figures of the last finished loop, by its prefix, until an entry takes them.
         self._figures: Dict[str, Dict[str, int]] = {}
@@ -326,20 +326,16 @@ class EvaluationProbe:
             self._forward_peak = int(tracker.peak_bytes)
             return output
 
-        self._model, self._replaced = model, model.__dict__.get("forward", _MISSING)
+        self._model, self._replaced = model, instance_forward(model)
         self._wrapper = measured_forward
         model.forward = measured_forward
 
     def _unwrap_forward(self) -> None:
         model, wrapper, replaced = self._model, self._wrapper, self._replaced
-        self._model, self._wrapper, self._replaced = None, None, _MISSING
+        self._model, self._wrapper, self._replaced = None, None, NO_INSTANCE_FORWARD
         if model is None or wrapper is None:
             return
         try:
-            if model.__dict__.get("forward") is wrapper:
-                if replaced is _MISSING:
-                    del model.__dict__["forward"]
-                else:
-                    model.__dict__["forward"] = replaced
+            put_back_forward(model, wrapper, replaced)
         except Exception as error:  # never break an evaluation over a figure
             self._warn_once("evaluation-unwrap", f"removing the evaluation forward wrapper failed ({error!r})")
