@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n N`), each worker takes an equal share of the cores for torch's
+    threads: N workers of torch's default (every core) would each fight the others for them."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 @pytest.fixture(autouse=True)

@@ -318,7 +318,7 @@ def test_the_readme_is_a_first_read_with_its_two_set_up_commands() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 200
     # Not run here (they make a venv); kept word for word, since people copy them.
-    for extra, then in (("examples", "python examples/compare_optimizers.py"), ("test", 'python -m pytest -q -m "not slow"')):
+    for extra, then in (("examples", "python examples/compare_optimizers.py"), ("test", 'python -m pytest -q -m "not slow" -n auto --dist loadfile')):
         command = (f'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && '
                    f'pip install -e ".[{extra}]" && {then}')
         assert f"```bash\n{command}\n```" in readme

@@ -92,6 +92,7 @@ def test_the_hand_written_shapes_are_llama_2_7b():
     assert len(shapes) == 291
 
 
+@pytest.mark.slow  # a 7B plan in a subprocess: half a minute here
 def test_estimate_command_on_a_7b_llama_config_takes_no_real_memory(llama_7b_dir, tmp_path):
     # The command as a user runs it, in a process of its own, waited for with os.wait4 to read
     # that one child's peak resident memory.

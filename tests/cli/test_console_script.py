@@ -45,6 +45,7 @@ def readme_commands(program: str, command: str) -> List[List[str]]:
     return commands
 
 
+@pytest.mark.slow  # a 7B plan with LoRA through the console script: half a minute here
 def test_lora_estimate_runs_through_the_console_script():
     # Before: the script kept peft out of every estimate, and this exited 2 ("need the peft package").
     done = run_script("estimate", LLAMA, "--lora-r", "16", "--json")
@@ -86,6 +87,7 @@ SHOWN_BEFORE = [
 ]
 
 
+@pytest.mark.slow  # a 7B plan per command through the console script: half a minute each here
 @pytest.mark.parametrize("argv", [shlex.split(line) for line in SHOWN_BEFORE] + readme_commands("trainer-memcb", "estimate"),
                          ids=lambda argv: " ".join(argv[:2]))
 def test_the_readme_estimate_commands_run_as_written(argv):
