@@ -139,7 +139,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     logger and the exact bytes to `<output_dir>/optimizer_memory.json`; when measured and estimate
     differ, one warning says by how much, where, and the likely cause (`trainer_memcb.state.judge`). When
     the Trainer reports to TensorBoard, the reporter's run folder also gets charts of measured and
-    estimate together and the summary in its Text tab (`trainer_memcb.training.tensorboard_view`). With several processes
+    estimate together, the summary in its Text tab and a table of each evaluation's figures there
+    (`trainer_memcb.training.tensorboard_view`). With several processes
     every process measures, per-process keys become the largest over the processes (one small
     exchange per logged step), and only the main process logs.
     Nothing here can stop a run: a failure warns once and leaves the figure out.
