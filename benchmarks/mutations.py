@@ -112,6 +112,17 @@ SAVED_TENSORS = ("tests/state/test_saved_tensors.py",)
 ZERO_TAP = (f"{MODEL_STATES}::test_zero12_gradients_are_measured_when_deepspeeds_step_begins",
             f"{MODEL_STATES}::test_zero12_gradients_are_measured_when_one_of_two_owners_wants_them")
 LIVE_STORAGES = ("tests/plan/test_live_storages.py",)
+# The step plan and its command: the command run in this process (seconds a case), the Python plan.
+CLI_ANSWERS = "tests/cli/test_cli_answers.py"
+CLI_STEP = "tests/cli/test_cli_step.py"
+STEP_ON_THE_COMMAND_LINE = (CLI_ANSWERS, CLI_STEP)
+OPTIMIZER_PHASE_PEAK = ("tests/plan/test_step_memory.py::test_a_peak_in_the_optimizer_step_holds_all_of_the_state_as_every_later_step",
+                        f"{CLI_ANSWERS}::test_the_step_plans_optimizer_state_is_the_model_states_tables")
+UNTRACEABLE_OPTIMIZER = ("tests/plan/test_step_untraceable_optimizers.py::test_an_8bit_optimizer_is_planned_with_its_rules_state",)
+SEARCH = (f"{CLI_STEP}::test_max_batch_size_finds_the_largest_batch_of_a_convex_peak",
+          f"{CLI_ANSWERS}::test_a_missing_peak_is_never_read_as_does_not_fit",
+          f"{CLI_ANSWERS}::test_max_batch_size_of_a_step_that_cannot_be_traced_says_so_and_why",
+          f"{CLI_ANSWERS}::test_max_batch_size_exits_3_when_no_batch_fits")
 
 EDITS: List[Edit] = [
     # -- state/estimate.py: the estimate's parameter walk and its sums --------------------------
@@ -335,6 +346,43 @@ EDITS: List[Edit] = [
     Edit("plan/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
     Edit("plan/live_storages.py", "            self.on_op(func, args, kwargs or {})\n        self._check_peak()",
          "            self.on_op(func, args, kwargs or {})", LIVE_STORAGES),  # the peak only where a tensor is added
+    # -- plan/step_memory.py: the step's peak, its parts, fits? and the largest batch ----------------
+    Edit("plan/step_memory.py", "    if fb_bytes + state_bytes >= optimizer_peak:", "    if fb_bytes + state_bytes < optimizer_peak:",
+         OPTIMIZER_PHASE_PEAK),  # the smaller of the two phases' peaks taken
+    Edit("plan/step_memory.py", "        optimizer_peak += not_yet", "        pass", OPTIMIZER_PHASE_PEAK),
+    # (the first fake step's peak, before the last parameters' state is made, taken as every step's)
+    Edit("plan/step_memory.py", "    parts[\"optimizer_state\"] += extra_state", "    pass", OPTIMIZER_PHASE_PEAK),
+    # (the peak's parts no longer sum to it)
+    Edit("plan/step_memory.py", "(\"activations\", set(watch))", "(\"activations\", set())", STEP_ON_THE_COMMAND_LINE),
+    # (the activations alive at the peak filed under "other")
+    Edit("plan/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
+         STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
+    Edit("plan/step_memory.py", "        return peak <= device_memory", "        return peak < device_memory", SEARCH),
+    Edit("plan/step_memory.py", "        if peak is None:\n            raise _CannotTrace()",
+         "        if peak is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
+    Edit("plan/step_memory.py", "    if not fits(1):\n        return done(None)", "    if not fits(1):\n        return done(1)",
+         SEARCH),  # batch 1 answered where nothing fits
+    Edit("plan/step_memory.py", "        peak, phase = fb_peak + estimated, traced.peak_phase",
+         "        peak, phase = fb_peak, traced.peak_phase", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
+    Edit("plan/step_memory.py", "            peak += reference", "            pass", STEP_ON_THE_COMMAND_LINE),
+    # -- cli/estimate.py: the command's reserve, refusals and search ------------------------------------
+    Edit("cli/estimate.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
+         "if plan.problem is not None),\n                       None)", "        problem = None", SEARCH),
+    # (the untraceable search reads as "no batch fits", exit 3)
+    Edit("cli/estimate.py", "    return DEFAULT_RESERVE_BYTES[args.device_type or DEFAULT_DEVICE_TYPE]", "    return 0",
+         STEP_ON_THE_COMMAND_LINE),  # no default reserve on CUDA
+    Edit("cli/estimate.py", "    if reserve >= args.device_memory:", "    if reserve > args.device_memory:",
+         STEP_ON_THE_COMMAND_LINE),  # a reserve equal to the memory leaves 0 bytes, taken
+    Edit("cli/estimate.py", "        if count is not None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
+         "        if count is None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
+         STEP_ON_THE_COMMAND_LINE),
+    Edit("cli/estimate.py", "        found, searched = max_batch_size(plan_at, memory)",
+         "        found, searched = max_batch_size(plan_at, args.device_memory)", STEP_ON_THE_COMMAND_LINE),
+    # (the largest batch searched against the memory with the reserve not taken off)
+    Edit("cli/estimate.py", "not (evaluation and name in _EVAL_OPTIONS)]", "not evaluation]",
+         (CLI_ANSWERS, "tests/cli/test_cli_eval.py")),  # with --eval-samples every step option let through
+    Edit("cli/estimate.py", "reserve_bytes=reserve_bytes(args) or 0,", "reserve_bytes=0,", STEP_ON_THE_COMMAND_LINE),
 ]
 
 

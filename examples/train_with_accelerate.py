@@ -2,7 +2,7 @@
 
     python examples/train_with_accelerate.py                   # distilbert-base-cased, random weights, offline
     python examples/train_with_accelerate.py --model tiny-distilbert --gradient-accumulation-steps 2
-    tensorboard --logdir output/train_with_accelerate/tensorboard
+    tensorboard --logdir output/train_with_accelerate/tensorboard   # one run per optimizer, named for it
 
 The loop is the lesson's (`accelerator.backward(loss)`, `optimizer.step()`, `lr_scheduler.step()`,
 `optimizer.zero_grad()`) plus three lines: `OptimizerMemoryLogger(optimizer, accelerator,
@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 import text_classification  # noqa: F401  (first: it drops bitsandbytes' import notice, see there)
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import ProjectConfiguration, set_seed
 from transformers import DataCollatorWithPadding, get_linear_schedule_with_warmup
 
 from text_classification import (
@@ -40,7 +40,9 @@ from text_classification import (
 from trainer_memcb import OptimizerMemoryLogger
 
 DEFAULT_OUTPUT_DIR = os.path.join("output", "train_with_accelerate")
-TRACKER_RUN_NAME = "tensorboard"
+# The tracker writes to <logging_dir>/<run name>: the run folders under <output-dir>/tensorboard,
+# each named for its optimizer, which is the run's name in TensorBoard (as compare_optimizers.py's).
+TENSORBOARD_DIR = "tensorboard"
 MAX_GRAD_NORM = 1.0
 
 
@@ -61,11 +63,12 @@ def evaluate(model: Any, loader: Any, accelerator: Accelerator, scores: Scores) 
 
 def train(args: argparse.Namespace) -> Dict[str, Any]:
     """The custom loop; returns the last evaluation and the last optimizer figures."""
+    project = ProjectConfiguration(project_dir=args.output_dir,
+                                   logging_dir=os.path.join(args.output_dir, TENSORBOARD_DIR))
     accelerator = Accelerator(
-        log_with="tensorboard", project_dir=args.output_dir,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with="tensorboard", project_config=project, gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
-    accelerator.init_trackers(TRACKER_RUN_NAME)  # events in <output-dir>/tensorboard
+    accelerator.init_trackers(args.optim)  # events in <output-dir>/tensorboard/<optim>
     set_seed(args.seed)
     reviews = load_reviews(eval_samples=args.eval_samples, train_samples=args.train_samples)
     loaded = load_model(args.model, reviews["train"]["text"], seed=args.seed)
@@ -133,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"After {result['steps']} steps: eval accuracy {result['metrics']['eval_accuracy']:.3f}, "
           f"eval F1 {result['metrics']['eval_f1']:.3f}")
     print(result["summary"])
-    print(f"TensorBoard: tensorboard --logdir {os.path.join(args.output_dir, TRACKER_RUN_NAME)}")
+    print(f"TensorBoard: tensorboard --logdir {os.path.join(args.output_dir, TENSORBOARD_DIR)}")
     return 0
 
 

@@ -6,7 +6,8 @@
 
 `OptimizerMemoryCallback` puts `optimizer_state_bytes`, `optimizer_state_estimate_bytes`, ... into
 the Trainer's own log entries, beside the loss and eval accuracy/F1; TensorBoard gets them under
-`<output-dir>/tensorboard`, and the callback writes `<output-dir>/optimizer_memory.json` at the end.
+`<output-dir>/tensorboard/<optim>` (a run named for its optimizer, as compare_optimizers.py's), and
+the callback writes `<output-dir>/optimizer_memory.json` at the end.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    run = train(args, args.optim, args.output_dir, os.path.join(args.output_dir, "tensorboard"))
+    run = train(args, args.optim, args.output_dir, os.path.join(args.output_dir, "tensorboard", args.optim))
     measured, estimate = run.memory["measured"], run.memory["estimate"]
     print(f"Model: {run.origin}")
     print(f"Parameters: {run.model_params:,}")

@@ -187,6 +187,16 @@ def test_a_config_json_path_is_read_as_its_folder(capsys):
     (["--device-memory", "512MiB"], "the default reserve of 1.00 GiB (the CUDA context and workspaces the plan does "
                                     "not count) leaves nothing of --device-memory 512.0 MiB: give a smaller --reserve "
                                     "(0B for none)"),
+    # A reserve exactly as large as the memory leaves 0 bytes: refused too, never "fits? against 0 B".
+    (["--device-memory", "1GiB"], "the default reserve of 1.00 GiB (the CUDA context and workspaces the plan does "
+                                  "not count) leaves nothing of --device-memory 1.00 GiB: give a smaller --reserve "
+                                  "(0B for none)"),
+    (["--device-memory", "4096B", "--reserve", "4KiB"], "--reserve 4.0 KiB leaves nothing of --device-memory 4.0 KiB: "
+                                                        "give a smaller --reserve (0B for none)"),
+    # With --eval-samples, --seq-len and --attn-implementation shape the evaluation's batches; the
+    # training step's own options still need the step plan.
+    (["--eval-samples", "8", "--seq-len", "8", "--gradient-checkpointing"],
+     "--gradient-checkpointing has no effect without --batch-size or --max-batch-size (the step plan)"),
 ])
 def test_options_without_effect_are_refused(argv, line, capsys):
     code, out, err = run(["estimate", TINY_DISTILBERT, *argv], capsys)
@@ -308,6 +318,22 @@ def test_max_batch_size_exits_3_when_no_batch_fits(tiny_llama_dir, capsys):
     assert (document["max_batch_size"], document["max_batch_size_problem"]) == (None, None)
     code, out, _ = run(argv, capsys)
     assert code == 3 and "No batch fits (not even 1)" in out.splitlines()
+
+
+def test_max_batch_size_is_answered_against_the_memory_less_the_reserve(tiny_llama_dir, capsys):
+    # At 8 tokens the peak is in the optimizer step and grows by the batch's 192 bytes per sample
+    # (input ids, labels and mask: 3 x 8 x int64): batch 2's peak plus a 1,000-byte reserve.
+    step = ["estimate", tiny_llama_dir, "--optimizers", "adamw", "--seq-len", "8", "--attn-implementation", "eager",
+            "--device-type", "cpu"]
+    two = run_json(step + ["--batch-size", "2"], capsys)["step"]["peak_bytes"]
+    three = run_json(step + ["--batch-size", "3"], capsys)["step"]["peak_bytes"]
+    assert three - two == 192
+    search = step + ["--max-batch-size", "--device-memory", f"{two + 1000}B"]
+    reserved = run_json(search + ["--reserve", "1000B"], capsys)
+    assert reserved["max_batch_size"] == 2
+    assert [(plan["batch_size"], plan["fits"]) for plan in reserved["searched"]][-2:] == [(2, True), (3, False)]
+    # Without the reserve the same memory holds 1,000 // 192 = 5 more samples.
+    assert run_json(search + ["--reserve", "0B"], capsys)["max_batch_size"] == 7
 
 
 def test_the_step_plans_optimizer_state_is_the_model_states_tables(tiny_llama_dir, capsys):

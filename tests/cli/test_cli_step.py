@@ -46,6 +46,21 @@ def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, ca
     assert step["reserve_bytes"] == 0
 
 
+def test_the_activations_alive_at_a_peak_in_backward_are_a_part_of_it(tiny_llama_dir):
+    # On the CPU (AdamW's single-tensor loop, no foreach intermediates) the peak of this step is in
+    # backward, at the loss's log_softmax, where two logits-sized fp32 gradients (4 x 16 x 128 x 4
+    # bytes each) are alive: every activation saved in forward is alive then but the loss's last
+    # ones, whose nodes have run: the shifted labels (4 x 16 int64, 512 bytes), nll_loss's
+    # total_weight and the num_items_in_batch divisor (4 bytes each).
+    plan, _ = plan_step_memory(lambda: build_meta_model(tiny_llama_dir, torch.float32), batch_size=4, seq_len=16,
+                               attn_implementation="eager", optimizer="adamw_torch", model_states=False,
+                               device_type="cpu")
+    assert (plan.peak_phase, plan.activations_bytes) == ("backward", 708872)
+    assert plan.peak_parts["activations"] == 708872 - 512 - 4 - 4
+    assert plan.peak_parts["other"] == 2 * 4 * 16 * 128 * 4 + 12
+    assert sum(plan.peak_parts.values()) == plan.peak_bytes
+
+
 def test_tables_say_what_was_traced_and_where(tiny_llama_dir, capsys):
     assert main(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "8",
                  "--gradient-checkpointing", "--attn-implementation", "sdpa"]) == 0

@@ -62,5 +62,7 @@ def test_an_8bit_optimizer_is_planned_with_its_rules_state(tmp_path) -> None:
     assert plan.peak_parts["optimizer_state"] == rule == real_state_bytes(tmp_path)
     assert plan.optimizer_step_peak_bytes is None
     assert plan.peak_bytes == plan.forward_backward_peak_bytes
+    # The rule's state is in the peak, not only in its parts: they sum to it.
+    assert sum(plan.peak_parts.values()) == plan.peak_bytes
     no_optimizer, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="sgd", model_states=False)
     assert plan.activations_bytes == no_optimizer.activations_bytes

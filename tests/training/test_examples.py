@@ -110,6 +110,7 @@ def test_comparison_rows_measured_equals_estimate_for_all_three(comparison):
 def test_comparison_tensorboard_runs_overlay_under_one_folder(comparison):
     tensorboard_dir = os.path.join(comparison["output_dir"], "tensorboard")
     assert sorted(os.listdir(tensorboard_dir)) == ["adafactor", "adamw", "adamw_8bit"]
+    assert tensorboard_runs(tensorboard_dir) == ["adafactor", "adamw", "adamw_8bit"]  # as TensorBoard lists them
     for row in comparison["rows"]:
         scalars = tensorboard_scalars(os.path.join(tensorboard_dir, row["optimizer"]))
         # Float32 in TensorBoard: these sizes are below 2**24, so they come back exact.
@@ -146,6 +147,14 @@ def test_comparison_table_prints_exact_bytes_and_mib(comparison):
     assert table[2].split()[:4] == ["adamw", "454,530", "3,636,400", "(3.5"]
 
 
+def tensorboard_runs(log_dir: str) -> List[str]:
+    """The runs TensorBoard lists for `--logdir log_dir`: its own discovery (each folder holding
+    event files, named by its path under `log_dir`, the folder itself ".")."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    return sorted(EventMultiplexer().AddRunsFromDirectory(log_dir).Runs())
+
+
 def test_trainer_example_logs_the_figures_to_tensorboard_and_the_summary(tmp_path):
     argv = TINY_RUN + ["--optim", "adafactor", "--max-steps", "2", "--output-dir", str(tmp_path)]
     assert train_with_trainer.main(argv) == 0
@@ -153,7 +162,10 @@ def test_trainer_example_logs_the_figures_to_tensorboard_and_the_summary(tmp_pat
         summary = json.load(handle)
     expected = expected_state_bytes(tiny_model())["adafactor"]
     assert summary["measured"]["num_bytes"] == summary["estimate"]["num_bytes"] == expected
-    scalars = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    # The run is named for its optimizer, under the printed --logdir and under the output folder.
+    assert tensorboard_runs(str(tmp_path / "tensorboard")) == ["adafactor"]
+    assert tensorboard_runs(str(tmp_path)) == ["tensorboard/adafactor"]
+    scalars = tensorboard_scalars(str(tmp_path / "tensorboard" / "adafactor"))
     assert scalars[f"train/{MEASURED_BYTES}"] == [(1, float(expected)), (2, float(expected))]
     assert scalars[f"train/{TRAINABLE_PARAMS}"] == [(1, 454_530.0), (2, 454_530.0)]
     assert [step for step, _ in scalars["eval/accuracy"]] == [2]
@@ -163,7 +175,10 @@ def test_accelerate_example_logs_the_figures_each_optimizer_step(tmp_path):
     argv = TINY_RUN + ["--max-steps", "3", "--gradient-accumulation-steps", "2", "--output-dir", str(tmp_path)]
     assert train_with_accelerate.main(argv) == 0
     expected = expected_state_bytes(tiny_model())["adamw"]
-    scalars = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    # The tracker's run is named for its optimizer (not "tensorboard"), as the Trainer example's.
+    assert tensorboard_runs(str(tmp_path / "tensorboard")) == ["adamw"]
+    assert tensorboard_runs(str(tmp_path)) == ["tensorboard/adamw"]
+    scalars = tensorboard_scalars(str(tmp_path / "tensorboard" / "adamw"))
     assert scalars[MEASURED_BYTES] == scalars[ESTIMATE_BYTES] == [(step, float(expected)) for step in (1, 2, 3)]
     assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
     assert [step for step, _ in scalars["eval_accuracy"]] == [step for step, _ in scalars["eval_f1"]] == [3]
@@ -177,7 +192,7 @@ def test_accelerate_example_logs_the_last_step_and_eval_figures_beside_eval_accu
     argv = TINY_RUN + ["--max-steps", "3", "--logging-steps", "5", "--output-dir", str(tmp_path)]
     assert train_with_accelerate.main(argv) == 0
     expected = expected_state_bytes(tiny_model())["adamw"]
-    scalars = tensorboard_scalars(str(tmp_path / "tensorboard"))
+    scalars = tensorboard_scalars(str(tmp_path / "tensorboard" / "adamw"))
     assert scalars[MEASURED_BYTES] == scalars[ESTIMATE_BYTES] == [(3, float(expected))]
     assert [step for step, _ in scalars["loss"]] == [3]
     assert [step for step, _ in scalars["eval_accuracy"]] == [3]

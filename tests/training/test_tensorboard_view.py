@@ -162,7 +162,7 @@ def test_docstring_examples_run():
     import doctest
 
     results = doctest.testmod(trainer_memcb.training.tensorboard_view, optionflags=doctest.ELLIPSIS)
-    assert (results.failed, results.attempted) == (0, 7)
+    assert (results.failed, results.attempted) == (0, 8)
 
 
 # -- what the Trainer run folders hold -------------------------------------------------------------
@@ -175,6 +175,36 @@ def test_the_view_is_written_into_the_reporters_own_run_folder(runs):
         events = read_events(os.path.join(runs.root, folder))
         assert set(layout_of(events)) == {"Optimizer memory"}
         assert "optimizer_memory/text_summary" in events.Tags()["tensors"]
+
+
+def test_one_evaluation_is_a_table_in_the_text_tab(runs):
+    # One evaluation (step 4): each eval/ card of the Time Series tab holds one point, which its line
+    # chart does not draw (seen in Chromium; the Custom Scalars charts mark single points).
+    # The table, written as the entry is logged, gives every figure of it.
+    for name, trainer in runs.trainers.items():
+        [entry] = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+        events = read_events(os.path.join(runs.root, runs.folders[name]))
+        [text] = events.Tensors("optimizer_memory_evaluation/text_summary")
+        assert text.step == 4
+        lines = text.tensor_proto.string_val[0].decode("utf-8").splitlines()
+        assert lines[:4] == [
+            "**Evaluation at step 4**: the figures of the `eval` entry (a Time Series card of one evaluation holds one "
+            "point, which its line chart does not draw); MiB and GiB are 1024-based.", "",
+            "| tag | value |", "|---|---|"]
+        rows = [line.split(" | ") for line in lines[4:]]
+        # The entry's order: the Trainer's metrics, then the memory figures.
+        assert [row[0][2:] for row in rows] == [f"eval/{key[5:]}" for key in entry if key.startswith("eval_")]
+        values = {row[0][2:]: row[1][:-2] for row in rows}
+        measured = {"adamw": ADAMW_BYTES, "adafactor": ADAFACTOR_BYTES, "adamw_frozen": ADAMW_BYTES}[name]
+        estimate = measured - (FROZEN_BYTES if name == "adamw_frozen" else 0)
+        assert values["eval/optimizer_state_bytes"] == f"{format_bytes(measured)} ({measured:,} bytes)"
+        assert values["eval/optimizer_state_estimate_bytes"] == f"{format_bytes(estimate)} ({estimate:,} bytes)"
+        device = entry["eval_containers_device_bytes"]
+        assert values["eval/containers_device_bytes"] == f"{format_bytes(device)} ({device:,} bytes)"
+        assert (values["eval/loss"], values["eval/accuracy"]) == (repr(entry["eval_loss"]), repr(entry["eval_accuracy"]))
+        # The Scalars tab has the same figures, one point each.
+        for tag in ("eval/optimizer_state_bytes", "eval/containers_device_bytes", "eval/loss"):
+            assert [event.step for event in events.Scalars(tag)] == [4], tag
 
 
 def activations_of_a_batch_of_4(model: torch.nn.Module) -> int:
@@ -342,6 +372,12 @@ def test_tensorboard_serves_the_view_and_chromium_shows_it(runs, tmp_path):
                                  tag="optimizer_memory/text_summary")
         assert "state for parameters that do not train (requires_grad=False)</td>\n<td>8.0 KiB (8,196 bytes)</td>" in (
             frozen_text["text"])
+        # The one evaluation's table, rendered: its values, where the eval/ cards hold one point each.
+        assert all("optimizer_memory_evaluation/text_summary" in text_tags[folder] for folder in folders.values())
+        [evaluation] = get_json(base, "/data/plugin/text/text", run=folders["adamw"],
+                                tag="optimizer_memory_evaluation/text_summary")
+        assert evaluation["step"] == 4
+        assert "<td>eval/optimizer_state_bytes</td>\n<td>29.1 KiB (29,808 bytes)</td>" in evaluation["text"]
 
         # The page, in a real browser: the Custom Scalars tab, and the Text tab.
         shots = {}
@@ -410,6 +446,14 @@ def test_the_loop_logger_writes_the_view_into_the_trackers_folder(tmp_path):
     [text] = events.Tensors("optimizer_memory/text_summary")
     markdown = text.tensor_proto.string_val[0].decode("utf-8")
     assert text.step == 2 and "| state measured | 29.1 KiB (29,808 bytes) |" in markdown
+    # The evaluation's entry, as a table under the tracker's own tags (the keys as logged).
+    [table] = events.Tensors("optimizer_memory_evaluation/text_summary")
+    assert table.step == 2
+    assert table.tensor_proto.string_val[0].decode("utf-8").splitlines()[2:] == [
+        "| tag | value |", "|---|---|", "| eval_accuracy | 0.5 |",
+        "| eval_optimizer_state_bytes | 29.1 KiB (29,808 bytes) |", "| eval_optimizer_state_elements | 7,452 |",
+        "| eval_optimizer_state_estimate_bytes | 29.1 KiB (29,808 bytes) |",
+        "| eval_optimizer_trainable_params | 3,714 |", "| eval_optimizer_state_unexpected_bytes | 0 B (0 bytes) |"]
 
 
 @measures

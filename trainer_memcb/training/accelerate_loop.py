@@ -239,11 +239,14 @@ class OptimizerMemoryLogger:
     def _is_main_process(self) -> bool:
         return self.accelerator is not None and getattr(self.accelerator, "is_main_process", True)
 
-    def _observe(self, figures: Dict[str, int], prefix: str, step: int) -> None:
+    def _observe(self, figures: Dict[str, int], prefix: str, step: int, entry: Optional[Dict[str, Any]] = None) -> None:
+        """The charts of the figures logged; for an evaluation's entry, also its table."""
         if self._tensorboard is None or not figures:
             return
         try:
             self._tensorboard.observe(figures, prefix, step)
+            if prefix and entry is not None:
+                self._tensorboard.write_evaluation(entry, prefix, step)
         except Exception as error:  # never break training over a chart
             self.monitor.warn_once("tensorboard", f"writing the TensorBoard layout failed ({error!r})")
 
@@ -269,7 +272,7 @@ class OptimizerMemoryLogger:
             figures = without_activation_keys(figures)
         entry.update(with_prefix(figures, prefix))
         if self._is_main_process():
-            self._observe(figures, prefix, self.optimizer_steps)
+            self._observe(figures, prefix, self.optimizer_steps, entry)
         return entry
 
     def summary(self) -> str:

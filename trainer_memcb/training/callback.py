@@ -139,7 +139,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     logger and the exact bytes to `<output_dir>/optimizer_memory.json`; when measured and estimate
     differ, one warning says by how much, where, and the likely cause (`trainer_memcb.state.judge`). When
     the Trainer reports to TensorBoard, the reporter's run folder also gets charts of measured and
-    estimate together and the summary in its Text tab (`trainer_memcb.training.tensorboard_view`). With several processes
+    estimate together, the summary in its Text tab and a table of each evaluation's figures there
+    (`trainer_memcb.training.tensorboard_view`). With several processes
     every process measures, per-process keys become the largest over the processes (one small
     exchange per logged step), and only the main process logs.
     Nothing here can stop a run: a failure warns once and leaves the figure out.
@@ -329,7 +330,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             if state.is_world_process_zero:
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
-                self._observe(run, trainer, {**figures, **evaluation}, prefix, state.global_step)
+                self._observe(run, trainer, {**figures, **evaluation}, prefix, state.global_step, logs)
         except Exception as error:  # never break training over a figure
             self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
 
@@ -340,7 +341,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             return keep_keys(without_activation_keys(figures), self.eval_keys)
         return keep_keys(figures, self.train_keys)
 
-    def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int) -> None:
+    def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int,
+                 entry: Dict[str, Any]) -> None:
+        """The charts of the figures an entry logged; for an evaluation's entry, also its table."""
         if not figures:
             return
         try:
@@ -352,6 +355,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
                     return
                 run.tensorboard = TensorBoardView(folder, trainer_tag)
             run.tensorboard.observe(figures, prefix, step)
+            if prefix:
+                run.tensorboard.write_evaluation(entry, prefix, step)
         except Exception as error:  # never break training over a chart
             self._warn_once("tensorboard", f"writing the TensorBoard charts failed ({error!r})")
 

@@ -14,7 +14,12 @@ cannot show:
   dir overlay on each chart. The layout lists only charts whose figures were logged, and is
   written again (a few times per run at most) when a new one appears;
 - a text summary (the "Text" tab) at the end: measured against estimate in MiB/GiB, by state key
-  and dtype, the judgement, the step's memory by part, and the what-if.
+  and dtype, the judgement, the step's memory by part, and the what-if;
+- a table of each evaluation's figures (the "Text" tab, `optimizer_memory_evaluation`), written as
+  the evaluation's entry is logged: every figure of the entry under its TensorBoard tag, the
+  Trainer's metrics beside the memory figures. A run with one evaluation has one point per
+  evaluation card, which the line charts of TensorBoard's Time Series tab (its first) do not draw;
+  the table shows its values.
 
 It writes its own event file (`events.out.tfevents.*.trainer_memcb`) beside the reporter's, which
 TensorBoard reads as one run. Writing never breaks training: the caller catches and warns.
@@ -53,12 +58,14 @@ from trainer_memcb.utils.units import format_bytes
 
 __all__ = [
     "EVENT_FILE_SUFFIX",
+    "EVALUATION_TEXT_TAG",
     "TEXT_TAG",
     "TensorBoardView",
     "loop_tag",
     "trainer_tag",
     "layout_charts",
     "summary_markdown",
+    "evaluation_markdown",
     "reporter_log_dir",
     "tracker_log_dir",
 ]
@@ -66,6 +73,8 @@ __all__ = [
 EVENT_FILE_SUFFIX = ".trainer_memcb"
 # The text summary's tag (torch's writer files it as `<tag>/text_summary`).
 TEXT_TAG = "optimizer_memory"
+# Each evaluation's table (`<tag>/text_summary` too), one text per evaluation, at its step.
+EVALUATION_TEXT_TAG = "optimizer_memory_evaluation"
 CATEGORY_TITLE = "Optimizer memory"
 
 # Charts, in the order shown: title (after the section), the figures drawn together.
@@ -295,6 +304,45 @@ def summary_markdown(document: Dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def _value_cell(key: str, value: Any) -> str:
+    """A logged value as the table shows it: bytes (the key's unit) in MiB/GiB with the exact
+    count, other whole numbers with thousands separators, floats as Python prints them (exact)."""
+    if isinstance(value, int):
+        return _cell(value) if "_bytes" in key else f"{value:,}"
+    return repr(value)
+
+
+def evaluation_markdown(entry: Dict[str, Any], prefix: str, step: int, tag: Callable[[str], str]) -> Optional[str]:
+    """One evaluation's entry as Markdown for the Text tab: each number the entry logs under
+    `prefix` (the Trainer's metrics and the memory figures), by the tag TensorBoard files it
+    under, in the entry's order; None when it has none.
+
+    Args:
+        entry: the evaluation's log entry (`eval_loss`, `eval_optimizer_state_bytes`, ...).
+        prefix: the entry's prefix (`eval`, `test`, or the `metric_key_prefix` given).
+        step: the global step the entry is logged at.
+        tag: how a logged key becomes a TensorBoard tag (`trainer_tag` or `loop_tag`).
+
+    Examples:
+        >>> print(evaluation_markdown({"eval_accuracy": 0.5, "eval_optimizer_state_bytes": 29808, "epoch": 1.0},
+        ...                           "eval", 4, trainer_tag))
+        **Evaluation at step 4**: the figures of the `eval` entry (a Time Series card of one evaluation holds one point, which its line chart does not draw); MiB and GiB are 1024-based.
+        <BLANKLINE>
+        | tag | value |
+        |---|---|
+        | eval/accuracy | 0.5 |
+        | eval/optimizer_state_bytes | 29.1 KiB (29,808 bytes) |
+    """
+    start = f"{prefix}_"
+    rows = [[tag(key), _value_cell(key, value)] for key, value in entry.items()
+            if key.startswith(start) and isinstance(value, (int, float)) and not isinstance(value, bool)]
+    if not rows:
+        return None
+    return (f"**Evaluation at step {step}**: the figures of the `{prefix}` entry (a Time Series card of one "
+            "evaluation holds one point, which its line chart does not draw); MiB and GiB are 1024-based.\n\n"
+            + _markdown_table(["tag", "value"], rows))
+
+
 class TensorBoardView:
     """The layout and the text summary, written into one run folder.
 
@@ -373,6 +421,21 @@ class TensorBoardView:
         from torch.utils.tensorboard.summary import text
 
         writer.add_summary(text(TEXT_TAG, markdown), step)
+        writer.flush()
+        return True
+
+    def write_evaluation(self, entry: Dict[str, Any], prefix: str, step: int) -> bool:
+        """An evaluation's figures as a table in the Text tab (`optimizer_memory_evaluation`), at
+        its step (`evaluation_markdown`); whether it wrote."""
+        markdown = evaluation_markdown(entry, prefix, step, self.tag)
+        if markdown is None:
+            return False
+        writer = self._file_writer()
+        if writer is None:
+            return False
+        from torch.utils.tensorboard.summary import text
+
+        writer.add_summary(text(EVALUATION_TEXT_TAG, markdown), step)
         writer.flush()
         return True
 
