@@ -6,9 +6,10 @@ stepped as the Trainer steps it (the batch a collator makes, with its all-ones a
 `num_items_in_batch` where the model takes loss keyword arguments; backward; clipping; the
 Trainer's own optimizer from `create_optimizer()`; `zero_grad`). Two figures are compared:
 
-- the activations: the storages autograd saved for backward during the real forward, counted
-  independently of the library's counter (`helpers.independent_saved_bytes`, a plain
-  `saved_tensors_hooks` walk, the parameters' storages left out): equal to the byte;
+- the activations: the storages autograd saved for backward during the real forward and still
+  saved when it returns, counted independently of the library's counter
+  (`helpers.independent_saved_bytes(alive_at_end=True)`, a plain `saved_tensors_hooks` walk, the
+  parameters' storages left out): equal to the byte;
 - the peak: the profiler's live bytes during a later real step (after a first one made the
   optimizer state), plus what was alive before it: within 64 bytes (a few 0-dim scalars that C++
   makes without the dispatcher, invisible to a fake trace), except where a row says why.
@@ -76,6 +77,14 @@ FAMILIES: Dict[str, Tuple[str, str, str, Dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "sdpa", dict(hidden_size=32, intermediate_size=64,
                   moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   vocab_size=V, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2)),
+    # A Llava: a CLIP vision tower of (32 / 8)^2 patches, a Llama; 16 image tokens in each row's text.
+    "llava": ("LlavaForConditionalGeneration", "LlavaConfig", "sdpa", dict(
+              vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
+                                 projection_dim=32),
+              text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=64),
+              image_token_id=V - 1)),
     "llama": ("LlamaForCausalLM", "LlamaConfig", "sdpa", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=64)),
 }
@@ -139,6 +148,10 @@ def collated_batch(kind: str, model: torch.nn.Module) -> Dict[str, torch.Tensor]
         labels = torch.randint(3, 100, (B, T), generator=generator)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "decoder_input_ids": model.prepare_decoder_input_ids_from_labels(labels=labels)}
+    if kind == "llava":  # LlavaProcessor's "USER: <image>..." ids: BOS, 16 image tokens, text
+        ids[:, 1:17] = V - 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone(),
+                "pixel_values": torch.randn(B, 3, 32, 32, generator=generator).to(floating)}
     if kind == "roberta-cls":
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(B, dtype=torch.long)}
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
@@ -222,7 +235,7 @@ def test_a_familys_planned_step_matches_a_real_trainer_step(kind: str, dtype: to
     trainer = real_trainer(kind, dtype, attn, ckpt, lora)
     assert trainer.model.config.use_cache is False  # what the Trainer set, and the plan traced
     inputs = trainer_inputs(trainer, collated_batch(kind, trainer.model))
-    real = independent_saved_bytes(trainer.model, inputs)
+    real = independent_saved_bytes(trainer.model, inputs, alive_at_end=True)
     assert real > 0
     assert plan.activations_bytes == real
     peak = profiled_peak(trainer, inputs)

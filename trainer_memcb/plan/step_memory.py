@@ -59,7 +59,7 @@ from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.plan.step_inputs import step_inputs
 from trainer_memcb.plan.trainer_model import prepare_like_trainer
-from trainer_memcb.plan.value_reads import unpadded_batch
+from trainer_memcb.plan.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
@@ -458,7 +458,7 @@ def plan_step_memory(
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
-        with grouped_mm_any_dtype(), unpadded:
+        with grouped_mm_any_dtype(), unpadded, passed_checks():
             traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing, engine,
                                  input_options)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
