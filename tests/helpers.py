@@ -6,6 +6,7 @@ import contextlib
 import importlib.metadata
 import os
 import re
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -67,25 +68,39 @@ def training_args(output_dir: str, **overrides: Any) -> TrainingArguments:
 
 
 def independent_saved_bytes(model: torch.nn.Module, inputs: Dict[str, Any],
-                            autocast: Optional[torch.dtype] = None) -> int:
+                            autocast: Optional[torch.dtype] = None, alive_at_end: bool = False) -> int:
     """Bytes of the distinct non-parameter storages that one forward of `model` on `inputs` saves
     for backward: a plain saved-tensors walk that keeps every saved tensor (so that no storage is
-    freed and its address reused before the count is done)."""
+    freed and its address reused before the count is done).
+
+    With `alive_at_end`, only the storages still saved when the forward returns: a saved tensor
+    whose graph the forward itself dropped (an output it computed and did not return: a Llava's
+    pooled vision output) is left out, as the step plan's figure leaves it out."""
     params = {(param.device, param.untyped_storage().data_ptr()) for param in model.parameters()}
     kept: List[torch.Tensor] = []
     sizes: Dict[Tuple[torch.device, int], int] = {}
+    holders: List[Tuple[Tuple[torch.device, int], Any]] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    class Holder:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+    def pack(tensor: torch.Tensor) -> Any:
         kept.append(tensor)
         key = (tensor.device, tensor.untyped_storage().data_ptr())
         if key not in params:
             sizes[key] = tensor.untyped_storage().nbytes()
-        return tensor
+        holder = Holder(tensor)
+        holders.append((key, weakref.ref(holder)))
+        return holder
 
     context: Any = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), context:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.tensor), context:
         output = model(**inputs)
     assert output.loss is not None and sizes  # a training forward, which saved something
+    if alive_at_end:
+        alive = {key for key, ref in holders if ref() is not None}
+        return sum(nbytes for key, nbytes in sizes.items() if key in alive)
     return sum(sizes.values())
 
 

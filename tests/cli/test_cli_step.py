@@ -197,9 +197,33 @@ def test_qlora_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
     assert note.startswith("14 linear layers loaded in 4-bit (nf4, double quantization)")
 
 
-def test_8bit_loading_is_refused_in_one_line(tiny_llama_dir, capsys):
-    code = main(["estimate", tiny_llama_dir, "--load-in-8bit", "--batch-size", "2", "--seq-len", "16"])
+def test_8bit_loading_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
+    pytest.importorskip("bitsandbytes")
+    from trainer_memcb.plan.lora import add_lora_adapters
+    from trainer_memcb.plan.quantized import Quantization
+
+    document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--lora-r", "4", "--load-in-8bit",
+                         "--batch-size", "2", "--seq-len", "16", "--json"], capsys)
+    plan, _ = plan_step_memory(lambda: add_lora_adapters(build_meta_model(tiny_llama_dir, torch.float32), 4, None),
+                               batch_size=2, seq_len=16, optimizer="adamw_torch", model_states=False, keep_dtypes=True,
+                               quantization=Quantization(bits=8))
+    step = document["step"]
+    assert step["problem"] is None
+    assert (step["activations_bytes"], step["peak_bytes"]) == (plan.activations_bytes, plan.peak_bytes)
+    [note] = [note for note in step["notes"] if "loaded in 8-bit" in note]
+    assert note.startswith("14 linear layers loaded in 8-bit (LLM.int8)")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--load-in-8bit", "--load-in-4bit"], "--load-in-8bit and --load-in-4bit: give one"),
+    (["--load-in-8bit", "--bnb-4bit-use-double-quant"],
+     "--bnb-4bit-use-double-quant is an option of --load-in-4bit, not of --load-in-8bit"),
+    (["--load-in-4bit", "--llm-int8-threshold", "4"], "--llm-int8-threshold is an option of --load-in-8bit"),
+    (["--load-in-8bit", "--llm-int8-threshold", "-1"], "--llm-int8-threshold -1.0: expected a number of at least 0"),
+])
+def test_mixed_quantization_options_are_refused_in_one_line(tiny_llama_dir, capsys, flags, message):
+    code = main(["estimate", tiny_llama_dir, *flags, "--batch-size", "2", "--seq-len", "16"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "--load-in-8bit: bitsandbytes' 8-bit loading (LLM.int8) is not planned yet; --load-in-4bit is" in err
+    assert message in err
     assert "Traceback" not in err

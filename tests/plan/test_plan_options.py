@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from helpers import requires_transformers
+from helpers import installed_version, requires_transformers
 
 import trainer_memcb.cli.estimate
 import trainer_memcb.plan.update_kinds
@@ -68,20 +68,34 @@ def test_the_plan_in_one_process_equals_the_what_if_for_every_optimizer_name(tin
     assert ours["lomo"] == 0 and ours["adamw_torch"] == 2 * 4 * TINY_VALUES + 4 * 40
 
 
-@requires_transformers("5.0", "with transformers 4.x (no per-name optimizer handlers) the plan's sharded rows do not get "
-                       "optim_args yet: SGD's momentum comes out as 0 bytes there")
-def test_optim_args_reach_the_plan_in_every_sharding(tiny):
-    # torch SGD with momentum: one fp32 momentum buffer per value, 4 x 454,530 bytes.
+def trainers_sgd_momentum(optim_args: str) -> float:
+    """The momentum of the SGD a real Trainer builds with `optim_args` (transformers 5's `_get_sgd`
+    reads it; 4.57's `get_optimizer_cls_and_kwargs` gives SGD the learning rate alone)."""
+    import transformers
+
+    from helpers import training_args
+
+    model = transformers.AutoModelForMaskedLM.from_config(transformers.AutoConfig.from_pretrained(TINY))
+    trainer = transformers.Trainer(model=model, args=training_args("unused-output", optim="sgd", optim_args=optim_args))
+    return trainer.create_optimizer().param_groups[0]["momentum"]
+
+
+def test_optim_args_reach_the_plan_in_every_sharding_as_the_trainer_reads_them(tiny):
+    # torch SGD with momentum: one fp32 momentum buffer per value, 4 x 454,530 bytes; without, none.
+    # The installed Trainer decides: 0.9 on transformers 5, 0 on 4.57 (which passes SGD no optim_args).
+    momentum = trainers_sgd_momentum("momentum=0.9")
+    assert momentum == (0.9 if installed_version("transformers") >= (5,) else 0)
     assert 4 * TINY_VALUES == 1_818_120
+    expected = 1_818_120 if momentum else 0
     (entry,) = what_if(tiny, "sgd", optim_args="momentum=0.9").optimizers
-    assert entry.estimate.num_bytes == 1_818_120
+    assert entry.estimate.num_bytes == expected
     for setup in (Setup(), Setup(world_size=2, sharding="ddp")):
         (row,) = plan_model_states(tiny, "sgd", setup, optim_args="momentum=0.9").optimizers
-        assert row.optimizer_state_bytes == 1_818_120
+        assert row.optimizer_state_bytes == expected
     (zero2,) = plan_model_states(tiny, "sgd", Setup(world_size=2, sharding="zero2"), optim_args="momentum=0.9").optimizers
     partition = zero12_partition_numel([TINY_VALUES], 2)
     assert partition == 227_266  # 454,530 padded to a multiple of 2 x 2, halved
-    assert zero2.optimizer_state_bytes == 4 * partition
+    assert zero2.optimizer_state_bytes == (4 * partition if momentum else 0)
     (no_momentum,) = plan_model_states(tiny, "sgd", Setup(world_size=2, sharding="ddp")).optimizers
     assert no_momentum.optimizer_state_bytes == 0
 

@@ -68,3 +68,31 @@ def test_options_a_model_has_no_use_for_are_refused_in_one_line() -> None:
         step_inputs(llama, 2)
     with pytest.raises(ValueError, match=r"^padding=16: expected a whole number from 0 to seq_len - 1 \(15\)$"):
         step_inputs(llama, 2, 16, padding=16)
+
+
+LLAVA = dict(vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8),
+             text_config=dict(model_type="llama", **TEXT), image_token_id=63)
+
+
+def test_a_vision_language_models_batch_holds_its_image_tokens_where_the_processor_puts_them() -> None:
+    llava = meta("LlavaForConditionalGeneration", "LlavaConfig", **LLAVA)
+    assert head_kind(llava) == "vision_language"
+    inputs = step_inputs(llava, 2, 24)
+    assert shapes(inputs) == {"input_ids": ((2, 24), "int64"), "attention_mask": ((2, 24), "int64"),
+                              "labels": ((2, 24), "int64"), "pixel_values": ((2, 3, 32, 32), "float32")}
+    # (32 / 8)^2 patches: 16 features once the CLS one is dropped ("default"), after a BOS token.
+    ids = inputs.forward["input_ids"]
+    assert (ids == 63).sum(dim=1).tolist() == [16, 16]
+    assert (ids[:, 1:17] == 63).all() and ids[:, 0].ne(63).all()
+    # --image-size applies: 48 x 48 makes 36 features; "full" keeps the CLS one.
+    assert (step_inputs(llava, 1, 40, image_size=48).forward["input_ids"] == 63).sum() == 36
+    full = meta("LlavaForConditionalGeneration", "LlavaConfig", **LLAVA, vision_feature_select_strategy="full")
+    assert (step_inputs(full, 1, 24).forward["input_ids"] == 63).sum() == 17
+
+
+def test_a_vision_language_models_text_must_hold_its_image_tokens() -> None:
+    llava = meta("LlavaForConditionalGeneration", "LlavaConfig", **LLAVA)
+    with pytest.raises(ValueError, match=r"^seq_len=16: LlavaForConditionalGeneration puts 16 image tokens and a BOS "
+                                         r"token in the text of each 32x32 image: give at least 17$"):
+        step_inputs(llava, 2, 16)

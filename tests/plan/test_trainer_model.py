@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import requires_transformers, training_args
+from helpers import installed_version, requires_transformers, training_args
 from trainer_memcb.plan.trainer_model import checkpointing_kwargs, prepare_like_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -28,9 +28,18 @@ def test_use_cache_is_the_arguments_as_a_real_trainer_sets_it(tmp_path, use_cach
     assert planned.config.use_cache is real.config.use_cache is use_cache
 
 
+def test_use_cache_is_what_the_installed_trainer_leaves(tmp_path) -> None:
+    # transformers 5 sets the arguments' (False by default); 4.57 keeps the config's (True).
+    args = training_args(str(tmp_path))
+    real = Trainer(model=tiny(), args=args).model
+    assert real.config.use_cache is (installed_version("transformers") < (5,))
+    assert prepare_like_trainer(tiny(), args=args).config.use_cache is real.config.use_cache
+    assert prepare_like_trainer(tiny()).config.use_cache is real.config.use_cache
+
+
 def test_without_arguments_the_trainers_defaults_apply() -> None:
     model = prepare_like_trainer(tiny(), attn_implementation="eager")
-    assert model.config.use_cache is False
+    assert model.config.use_cache is (installed_version("transformers") < (5,))
     assert model.config._attn_implementation == "eager"
     assert model.training and all(module.training for module in model.modules())
     assert model.model.layers[0].gradient_checkpointing is False

@@ -244,7 +244,10 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     # QLoRA: the base model loaded by bitsandbytes (transformers' BitsAndBytesConfig).
     step.add_argument("--load-in-4bit", action="store_true",
                       help="the base model's linear layers loaded in 4-bit by bitsandbytes (QLoRA), in the step plan")
-    step.add_argument("--load-in-8bit", action="store_true", help="8-bit loading (LLM.int8): not planned yet, refused")
+    step.add_argument("--load-in-8bit", action="store_true",
+                      help="the base model's linear layers loaded in 8-bit by bitsandbytes (LLM.int8), in the step plan")
+    step.add_argument("--llm-int8-threshold", type=float, metavar="T",
+                      help="llm_int8_threshold of --load-in-8bit (default 6.0, as transformers')")
     step.add_argument("--bnb-4bit-quant-type", choices=list(QUANT_TYPES), default="nf4",
                       help="bnb_4bit_quant_type (default nf4)")
     step.add_argument("--bnb-4bit-use-double-quant", action="store_true", help="bnb_4bit_use_double_quant")
@@ -279,7 +282,8 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("gradient_checkpointing", "--gradien
                  ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
-                 ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"))
+                 ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
+                 ("llm_int8_threshold", "--llm-int8-threshold"))
 _EVAL_OPTIONS = ("seq_len", "attn_implementation")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation")
 
@@ -406,11 +410,23 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
     """The base model's loading (QLoRA), or None.
 
     Raises:
-        ValueError: --load-in-8bit, which the step plan does not trace yet.
+        ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one.
     """
+    threshold = getattr(args, "llm_int8_threshold", None)
     if getattr(args, "load_in_8bit", False):
-        raise ValueError("--load-in-8bit: bitsandbytes' 8-bit loading (LLM.int8) is not planned yet; "
-                         "--load-in-4bit is")
+        if getattr(args, "load_in_4bit", False):
+            raise ValueError("--load-in-8bit and --load-in-4bit: give one (BitsAndBytesConfig loads in one of them)")
+        four_bit = [flag for flag, given in (("--bnb-4bit-use-double-quant", args.bnb_4bit_use_double_quant),
+                                             ("--bnb-4bit-quant-type", args.bnb_4bit_quant_type != "nf4"),
+                                             ("--bnb-4bit-compute-dtype", args.bnb_4bit_compute_dtype != "float32"))
+                    if given]
+        if four_bit:
+            raise ValueError(f"{four_bit[0]} is an option of --load-in-4bit, not of --load-in-8bit")
+        if threshold is not None and threshold < 0:
+            raise ValueError(f"--llm-int8-threshold {threshold!r}: expected a number of at least 0")
+        return Quantization(bits=8, threshold=6.0 if threshold is None else threshold)
+    if threshold is not None:
+        raise ValueError("--llm-int8-threshold is an option of --load-in-8bit")
     if not getattr(args, "load_in_4bit", False):
         return None
     return Quantization(quant_type=args.bnb_4bit_quant_type, double_quant=args.bnb_4bit_use_double_quant,

@@ -44,7 +44,7 @@ from torch import nn
 from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.plan.step_inputs import step_inputs
 from trainer_memcb.plan.step_memory import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
-from trainer_memcb.plan.value_reads import unpadded_batch
+from trainer_memcb.plan.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import storages_of
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
@@ -262,7 +262,7 @@ def _trace_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: O
     model_bytes = sum({key: nbytes for key, nbytes, _ in storages_of(held)}.values())
     exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()) + list(inputs.held.values()))}
     tracker = LiveStorages(exclude=exclude)
-    with mode, torch.no_grad(), tracker, unpadded_batch():
+    with mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
         outputs = model(**kwargs)
     ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
     items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)

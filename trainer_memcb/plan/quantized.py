@@ -1,4 +1,4 @@
-"""QLoRA's base model in the step plan: linear layers loaded in 4-bit by bitsandbytes.
+"""QLoRA's base model in the step plan: linear layers loaded in 4-bit or 8-bit by bitsandbytes.
 
 `from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` replaces
 every `nn.Linear` but the output head (transformers' `replace_with_bnb_linear`, skipping
@@ -24,6 +24,30 @@ plan counts them, under "batch and buffers"), and its forward is `Linear4bit.for
 bitsandbytes' own (`bitsandbytes/_ops.py`). Forward dequantizes the weight (a temporary in the
 quantization's dtype), and `MatMul4Bit.backward` dequantizes it again for the input's gradient:
 those copies are counted where they are alive, as every other temporary is.
+
+8-bit (`BitsAndBytesConfig(load_in_8bit=True)`, LLM.int8): transformers puts bitsandbytes'
+`Linear8bitLt(has_fp16_weights=False, threshold=llm_int8_threshold)` in the same places, whose
+weight is an `Int8Params` holding what `bitsandbytes.functional.int8_vectorwise_quant` returns
+for the weight in fp16 (`Int8Params._quantize`): int8 codes, one byte per value (the weight's
+data, and the layer's `state.CB` after its first forward), and `SCB`, one fp32 scale per output
+row. `PlannedLinear8bit` holds the codes as its frozen weight and the scales as a non-persistent
+buffer, and its forward is `Linear8bitLt.forward`'s, `bnb.matmul(x, weight, bias, state)`:
+
+- training on the CPU, `bnb.matmul` takes `MatMul8bitFp` (`bitsandbytes/autograd/_functions.py`):
+  forward dequantizes the weight to the input's dtype (`CB.to(A.dtype).mul_(SCB / 127)`), runs
+  `F.linear`, and keeps the input as `ctx.A`; backward dequantizes again for the input's gradient.
+  Traced as is: the same operations run on the fake tensors.
+- on CUDA it takes `MatMul8bitLt`: the input is quantized to int8 by rows
+  (`int8_vectorwise_quant` of an fp16 copy), multiplied by `int8_scaled_mm`, and kept as
+  `ctx.tensors`; with a threshold above 0 (transformers' default 6.0) the input's columns holding
+  a value above it (the outliers) are kept in fp16 besides (`int8_mixed_scaled_mm`'s `subA`),
+  a number of columns the values decide, which a fake tensor has not: the trace takes the
+  threshold-0 path, the outliers planned as none (each outlier column adds 2 bytes per input row
+  to what backward holds), and says so.
+
+The input that both keep for backward is a context attribute, not a tensor saved through
+autograd: it counts in the live bytes (the peak), not in the saved-for-backward figure, as in a
+real run's saved-tensor walk.
 """
 
 from __future__ import annotations
@@ -34,11 +58,14 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "PlannedLinear4bit", "quantize_linear_layers", "QUANT_TYPES"]
+__all__ = ["Quantization", "PlannedLinear4bit", "PlannedLinear8bit", "quantize_linear_layers", "QUANT_TYPES"]
 
 QUANT_TYPES = ("nf4", "fp4")
 # bitsandbytes' `quantize_4bit` default blocksize, which transformers' BitsAndBytesConfig keeps.
 BLOCKSIZE = 64
+# transformers' BitsAndBytesConfig default `llm_int8_threshold`.
+INT8_THRESHOLD = 6.0
+BITS = (4, 8)
 
 
 @dataclass(frozen=True)
@@ -46,20 +73,24 @@ class Quantization:
     """How the base model is loaded (transformers' `BitsAndBytesConfig`).
 
     Attributes:
-        bits: 4 (`load_in_4bit`).
-        quant_type: `bnb_4bit_quant_type`, "nf4" or "fp4".
-        double_quant: `bnb_4bit_use_double_quant`.
-        compute_dtype: `bnb_4bit_compute_dtype` (transformers' default float32).
+        bits: 4 (`load_in_4bit`) or 8 (`load_in_8bit`).
+        quant_type: `bnb_4bit_quant_type`, "nf4" or "fp4" (4-bit).
+        double_quant: `bnb_4bit_use_double_quant` (4-bit).
+        compute_dtype: `bnb_4bit_compute_dtype` (4-bit; transformers' default float32).
+        threshold: `llm_int8_threshold` (8-bit; transformers' default 6.0).
     """
 
     bits: int = 4
     quant_type: str = "nf4"
     double_quant: bool = False
     compute_dtype: torch.dtype = torch.float32
+    threshold: float = INT8_THRESHOLD
 
     def __post_init__(self) -> None:
-        if self.bits != 4:
-            raise ValueError(f"bits={self.bits!r}: the step plan loads linear layers in 4-bit only")
+        if self.bits not in BITS:
+            raise ValueError(f"bits={self.bits!r} is not one of: 4, 8")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold < 0:
+            raise ValueError(f"threshold={self.threshold!r}: expected a number of at least 0")
         if self.quant_type not in QUANT_TYPES:
             raise ValueError(f"quant_type={self.quant_type!r} is not one of: {', '.join(QUANT_TYPES)}")
 
@@ -87,6 +118,34 @@ class PlannedLinear4bit(nn.Module):
         return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state).to(inp_dtype)
 
 
+class PlannedLinear8bit(nn.Module):
+    """bitsandbytes' `Linear8bitLt` (has_fp16_weights=False) under fake tensors (module docstring)."""
+
+    def __init__(self, codes: torch.Tensor, row_scales: torch.Tensor, bias: Optional[nn.Parameter],
+                 threshold: float, device_type: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.register_buffer("SCB", row_scales, persistent=False)
+        self.bias = bias
+        self.threshold = threshold
+        self.device_type = device_type
+        self.out_features, self.in_features = codes.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import bitsandbytes as bnb
+        from bitsandbytes.autograd._functions import MatMul8bitFp, MatMul8bitLt
+
+        state = bnb.MatmulLtState()
+        state.CB, state.SCB = self.weight.data, self.SCB
+        state.has_fp16_weights, state.is_training = False, self.training
+        if self.bias is not None and self.bias.dtype != x.dtype:  # Linear8bitLt.forward casts its bias in place
+            self.bias.data = self.bias.data.to(x.dtype)
+        if self.device_type == "cpu" and self.training:  # bnb.matmul's choice for a CPU input in training
+            return MatMul8bitFp.apply(x, self.weight, None, self.bias, state)
+        state.threshold = 0.0  # the outlier columns are data (module docstring): planned as none
+        return MatMul8bitLt.apply(x, self.weight, None, self.bias, state)
+
+
 def _state_tensors(state: Any) -> Dict[str, torch.Tensor]:
     tensors = {"quant_absmax": state.absmax, "quant_code": state.code}
     if getattr(state, "offset", None) is not None:
@@ -104,13 +163,20 @@ def _not_converted(model: nn.Module) -> Tuple[str, ...]:
     return tuple(name for name, module in model.named_modules() if head is not None and module is head)
 
 
-def quantize_linear_layers(model: nn.Module, mode: Any, quantization: Quantization) -> int:
-    """Load `model`'s linear layers in 4-bit, in place, as bitsandbytes does (module docstring).
+def _parent(model: nn.Module, name: str) -> Tuple[nn.Module, str, nn.Module]:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return parent, child, getattr(parent, child)
+
+
+def quantize_linear_layers(model: nn.Module, mode: Any, quantization: Quantization, device_type: str = "cuda") -> int:
+    """Load `model`'s linear layers in 4-bit or 8-bit, in place, as bitsandbytes does (module docstring).
 
     Args:
         model: a fake model (PEFT adapters and the output head are left in their dtype).
         mode: the FakeTensorMode its tensors belong to.
         quantization: the quantization settings.
+        device_type: "cuda" or "cpu", the device the run will use (8-bit's matmul differs).
 
     Returns:
         The number of layers quantized.
@@ -121,15 +187,22 @@ def quantize_linear_layers(model: nn.Module, mode: Any, quantization: Quantizati
     # PEFT's adapters (lora_A, lora_B) are linear layers too: they stay in their dtype.
     targets = [name for name, module in model.named_modules()
                if type(module) is nn.Linear and "lora_" not in name and name not in skipped]
+    if quantization.bits == 8:
+        with mode:
+            for name in targets:
+                parent, child, linear = _parent(model, name)
+                # Int8Params._quantize: the weight in fp16, quantized by rows.
+                codes, row_scales, _ = bnb_functional.int8_vectorwise_quant(linear.weight.detach().to(torch.float16))
+                setattr(parent, child, PlannedLinear8bit(codes, row_scales, linear.bias, quantization.threshold,
+                                                         device_type))
+        return len(targets)
     maps = bnb_functional.name2qmap
     saved = maps.get("dynamic")
     with mode:
         maps["dynamic"] = torch.empty(256, dtype=torch.float32)  # create_dynamic_map's shape; its values are read
         try:
             for name in targets:
-                parent_name, _, child = name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                linear = getattr(parent, child)
+                parent, child, linear = _parent(model, name)
                 packed, state = bnb_functional.quantize_4bit(
                     linear.weight.detach(), blocksize=BLOCKSIZE, compress_statistics=quantization.double_quant,
                     quant_type=quantization.quant_type, quant_storage=torch.uint8)

@@ -12,8 +12,9 @@ its `main_input_name`), made in the current tensor mode (fake under the step pla
 | seq2seq (`config.is_encoder_decoder`, token inputs) | `input_ids` (B, S), `labels` (B, T), `decoder_input_ids` (B, T) where the model has `prepare_decoder_input_ids_from_labels` | `DataCollatorForSeq2Seq(model=model)` |
 | speech seq2seq (`input_features`: Whisper) | `input_features` (B, mel bins, 2 x `max_source_positions`), `labels` (B, T) | the speech seq2seq collator of transformers' examples |
 | image models (`pixel_values`) | `pixel_values` (B, channels, H, W), `labels` (B,) | `default_data_collator` |
+| vision-language (`config.vision_config` and `text_config`, an image token: Llava) | `input_ids` (B, S) holding one image's placeholder tokens after the first, `pixel_values` (B, channels, H, W), `labels` (B, S) | the processor (`LlavaProcessor`), then a causal LM collator |
 
-S is `seq_len`, T `target_len` (default S), H and W `image_size` (default the config's). The
+S is `seq_len`, T `target_len` (default S), H and W `image_size` (default the vision config's). The
 floating inputs (pixel values, input features) are in the model's dtype, as a run must cast them.
 
 Masks. A tokenizer gives an attention mask and the collators carry it: every token batch holds
@@ -22,6 +23,14 @@ takes the mask-free path (it reads the mask's values, which a fake tensor has no
 answers those reads as the real batch does, see `trainer_memcb.plan.value_reads`). With
 `padding=P` (P padded positions per row, as `padding="longest"` leaves them) the mask has zeros
 and the model builds its attention mask, in the real run as in the trace.
+
+A vision-language model's text holds, per image, as many placeholder tokens (`image_token_id`) as
+the vision tower makes features: `LlavaProcessor` (with `num_additional_image_tokens=1`, the CLS
+token, as the llava-hf checkpoints set it) expands `<image>` to `(H / patch) x (W / patch) + 1`
+tokens, less the CLS one under `vision_feature_select_strategy="default"`; S counts them. The forward
+checks that count against the features and scatters the features into their places, reading the
+ids' values: the plan's ids hold the placeholders where the processor puts them (after the BOS
+token of a "USER: <image>..." prompt), so that the trace answers as the real batch does.
 
 Options a model has no use for (`seq_len` for an image model, `target_len` for a decoder-only one,
 `image_size` for a text model) raise `ValueError` naming the model and the option that applies.
@@ -69,7 +78,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def head_kind(model: nn.Module) -> str:
     """The task head of `model`: causal_lm, masked_lm, sequence_classification,
-    token_classification, question_answering, seq2seq, speech_seq2seq, image or base."""
+    token_classification, question_answering, seq2seq, speech_seq2seq, image, vision_language or base."""
     inner = unwrap(model)
     name = type(inner).__name__
     config = getattr(inner, "config", None)
@@ -78,6 +87,9 @@ def head_kind(model: nn.Module) -> str:
         return "speech_seq2seq"
     if main_input == "pixel_values":
         return "image"
+    if config is not None and _image_token(config) is not None and hasattr(config, "vision_config") \
+            and hasattr(config, "text_config"):
+        return "vision_language"
     if config is not None and getattr(config, "is_encoder_decoder", False):
         return "seq2seq"
     if name.endswith("ForMaskedLM"):
@@ -91,6 +103,21 @@ def head_kind(model: nn.Module) -> str:
     if name.endswith("ForQuestionAnswering"):
         return "question_answering"
     return "base"
+
+
+def _image_token(config: Any) -> Optional[int]:
+    token = getattr(config, "image_token_id", None)
+    return token if token is not None else getattr(config, "image_token_index", None)
+
+
+def image_tokens(config: Any, height: int, width: int) -> int:
+    """The placeholder tokens a Llava processor puts in the text per image (module docstring)."""
+    vision = config.vision_config
+    patch = vision.patch_size
+    tokens = (height // patch) * (width // patch) + 1  # the patches and the CLS token
+    if getattr(config, "vision_feature_select_strategy", "default") == "default":
+        tokens -= 1  # the CLS token's feature is dropped
+    return tokens
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
@@ -140,7 +167,7 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
     if target_len is not None and kind not in ("seq2seq", "speech_seq2seq"):
         raise ValueError(f"{name} is not a sequence-to-sequence model: --target-len has no meaning for it; "
                          f"--seq-len applies")
-    if image_size is not None and kind != "image":
+    if image_size is not None and kind not in ("image", "vision_language"):
         raise ValueError(f"{name} takes no images: --image-size has no meaning for it")
     if padding and not takes_tokens:
         raise ValueError(f"{name} takes no tokens: --padding has no meaning for it")
@@ -172,6 +199,20 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
         if kind == "speech_seq2seq":
             frames = 2 * config.max_source_positions  # Whisper's two convolutions, the second with stride 2
             forward["input_features"] = torch.zeros(batch_size, config.num_mel_bins, frames, dtype=_float_dtype(model))
+    elif kind == "vision_language":
+        height, width = _image_size(config, image_size)
+        placeholders = image_tokens(config, height, width)
+        if placeholders + 1 > seq_len - padding:
+            raise ValueError(f"seq_len={seq_len!r}: {name} puts {placeholders} image tokens and a BOS token in the "
+                             f"text of each {height}x{width} image: give at least {placeholders + 1 + padding}")
+        # The processor's ids: BOS, the image's placeholders, then text (values of a fake tensor are
+        # not read, but these are: the placeholder mask and its count).
+        ids = forward["input_ids"]
+        ids[:, 1:1 + placeholders] = _image_token(config)
+        labels = forward["labels"] = torch.zeros(batch_size, seq_len, **long)
+        vision = config.vision_config
+        forward["pixel_values"] = torch.zeros(batch_size, getattr(vision, "num_channels", 3), height, width,
+                                              dtype=_float_dtype(model))
     elif kind == "image":
         height, width = _image_size(config, image_size)
         channels = getattr(config, "num_channels", 3)

@@ -59,7 +59,7 @@ from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.live_storages import LiveStorages
 from trainer_memcb.plan.step_inputs import step_inputs
 from trainer_memcb.plan.trainer_model import prepare_like_trainer
-from trainer_memcb.plan.value_reads import unpadded_batch
+from trainer_memcb.plan.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
@@ -384,7 +384,7 @@ def plan_step_memory(
         target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.step_inputs`):
             a seq2seq model's labels length, an image model's height and width, padded positions.
         quantization: a `trainer_memcb.plan.quantized.Quantization`: the base model's linear layers
-            loaded in 4-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
+            loaded in 4-bit or 8-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
         keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters
             over a 16-bit base, as `get_peft_model` keeps them) rather than casting all to `dtype`.
 
@@ -440,16 +440,25 @@ def plan_step_memory(
         if quantization is not None:
             from trainer_memcb.plan.quantized import quantize_linear_layers
 
-            quantized = quantize_linear_layers(model, mode, quantization)
-            quantization_note = (
-                f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
-                f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) and "
-                f"quantization state (buffers) as bitsandbytes stores them, their dequantized copies as temporaries; "
-                f"the model-states plan counts them unquantized")
+            quantized = quantize_linear_layers(model, mode, quantization, device_type)
+            if quantization.bits == 8:
+                path = ("MatMul8bitFp, as bitsandbytes trains on the CPU" if device_type == "cpu" else
+                        f"MatMul8bitLt with the outlier columns (llm_int8_threshold {quantization.threshold:g}) "
+                        f"planned as none: their number is data, each adds 2 bytes per input row")
+                quantization_note = (
+                    f"{quantized} linear layers loaded in 8-bit (LLM.int8): their int8 codes (parameters) and fp32 "
+                    f"row scales (buffers) as bitsandbytes stores them, their dequantized copies as temporaries, "
+                    f"traced through {path}; the model-states plan counts them unquantized")
+            else:
+                quantization_note = (
+                    f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
+                    f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) "
+                    f"and quantization state (buffers) as bitsandbytes stores them, their dequantized copies as "
+                    f"temporaries; the model-states plan counts them unquantized")
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
-        with grouped_mm_any_dtype(), unpadded:
+        with grouped_mm_any_dtype(), unpadded, passed_checks():
             traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing, engine,
                                  input_options)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)

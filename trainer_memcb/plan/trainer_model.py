@@ -6,7 +6,9 @@ and `prepare_like_trainer` applies them in the same order, in this one place:
 
 - `Trainer.__init__`, "Finalize": `self.model.config.use_cache = self.args.use_cache` (False by
   default). With a cache, a model with a fused QKV projection (GPT-NeoX, Phi-3) concatenates it
-  and SDPA saves a copy of V instead of a view of the fused output.
+  and SDPA saves a copy of V instead of a view of the fused output. transformers 4.x has no
+  `TrainingArguments.use_cache` and its Trainer leaves the config's (True by default) as it is:
+  the models then make a cache in training too, and so does the plan there.
 - `Trainer.__init__` / `_inner_training_loop`: `activation_checkpointing_enable(
   activation_checkpointing_kwargs=..., every_n_layers=..., offload=...)` when
   `args.activation_checkpointing` (`gradient_checkpointing` is its alias); transformers 4.x calls
@@ -57,6 +59,15 @@ def _enable_checkpointing(model: nn.Module, kwargs: Dict[str, Any]) -> None:
     enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def _trainer_sets_use_cache() -> bool:
+    """Whether the installed Trainer sets `config.use_cache` from its arguments (transformers 5)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return False
+    return "use_cache" in getattr(TrainingArguments, "__dataclass_fields__", {})
+
+
 def prepare_like_trainer(model: nn.Module, *, args: Any = None, attn_implementation: Optional[str] = None,
                          gradient_checkpointing: bool = False) -> nn.Module:
     """Set `model` up as the Trainer does before its first step (see the module docstring), in place.
@@ -64,7 +75,8 @@ def prepare_like_trainer(model: nn.Module, *, args: Any = None, attn_implementat
     Args:
         model: a transformers model (or a PEFT model around one), meta, fake or real.
         args: `TrainingArguments`: `use_cache` and the checkpointing keyword arguments come from
-            them; None takes their defaults (`use_cache=False`, non-reentrant checkpointing).
+            them; None takes their defaults (`use_cache=False` on transformers 5, non-reentrant
+            checkpointing).
         attn_implementation: "eager", "sdpa", ...; None keeps the config's.
         gradient_checkpointing: the Trainer's `gradient_checkpointing=True`.
 
@@ -75,7 +87,8 @@ def prepare_like_trainer(model: nn.Module, *, args: Any = None, attn_implementat
     if config is not None:
         if attn_implementation is not None:
             config._attn_implementation = attn_implementation
-        config.use_cache = bool(getattr(args, "use_cache", False)) if args is not None else False
+        if _trainer_sets_use_cache():
+            config.use_cache = bool(getattr(args, "use_cache", False)) if args is not None else False
     if gradient_checkpointing:
         _enable_checkpointing(model, checkpointing_kwargs(args))
     model.train()

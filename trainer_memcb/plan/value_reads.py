@@ -14,6 +14,12 @@ and save what the real run never saves:
   sequences); a real batch of one sequence per row says no, a fake one builds a mask per layer
   and SDPA repeats K and V for grouped-query attention (tried on a tiny Qwen2: 21,504 bytes more).
 
+- a vision-language model's `get_placeholder_mask` (Llava's and its kin's) checks, through
+  `torch_compilable_check`, that the text's image tokens are as many as the image features: a
+  value read. The plan's ids hold the placeholders where the processor puts them
+  (`trainer_memcb.plan.step_inputs`), so the real batch passes the check: a check of a fake
+  tensor is answered as passed (`passed_checks()`, entered with padding or without).
+
 transformers 4.x reads the same in `modeling_attn_mask_utils`: `_prepare_4d_attention_mask_for_sdpa`
 (and its causal twin) return None for an all-ones mask, after `torch.all(mask == 1)`, a value read
 a fake tensor cannot answer at all (`aten._local_scalar_dense`: BERT could not be planned). Models
@@ -31,7 +37,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Tuple
 
-__all__ = ["unpadded_batch"]
+__all__ = ["unpadded_batch", "passed_checks"]
 
 
 def _is_fake(tensor: Any) -> bool:
@@ -81,6 +87,44 @@ def unpadded_batch() -> Iterator[None]:
             setattr(masking_utils, name, original)
         for module, name, original in patched:
             setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def passed_checks() -> Iterator[None]:
+    """While active, transformers' `torch_compilable_check` passes a fake condition (module docstring)."""
+    patched = _patch_checks()
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def _patch_checks() -> List[Tuple[Any, str, Any]]:
+    """`torch_compilable_check(cond, ...)` passes a fake tensor condition (module docstring), in
+    every loaded transformers module that imported it."""
+    import sys
+
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        return []
+    original = getattr(import_utils, "torch_compilable_check", None)
+    if original is None:
+        return []
+
+    def check(cond: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_fake(cond):
+            return None
+        return original(cond, *args, **kwargs)
+
+    patched: List[Tuple[Any, str, Any]] = []
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and module_name.startswith("transformers") and \
+                getattr(module, "torch_compilable_check", None) is original:
+            setattr(module, "torch_compilable_check", check)
+            patched.append((module, "torch_compilable_check", original))
+    return patched
 
 
 def _patch_4x_mask_helpers() -> List[Tuple[Any, str, Any]]:
