@@ -15,8 +15,10 @@ Trainer's optimizer (decay, no decay):
     `zero12_partition_numel` values), on the CPU with `offload_optimizer`;
     `initialize_optimizer_states` steps the optimizer once on zero gradients, so the optimizer
     state exists before the first step (and lives where the master partition does);
-  - backward (`setup_buckets`): the reduce bucket, `reduce_bucket_size` values (a second one with
-    `overlap_comm`), in the gradients' dtype for ZeRO-2 and fp32 for ZeRO-1 (`_gradient_reduction_buffer_dtype`);
+  - backward (`setup_buckets`, from `engine.backward`): the reduce bucket, `reduce_bucket_size`
+    values (a second one with `overlap_comm`), in the gradients' dtype for ZeRO-2 and fp32 for
+    ZeRO-1 (`_gradient_reduction_buffer_dtype`); dropped at the end of backward
+    (`independent_gradient_partition_epilogue` → `_release_ipg_buffers`);
   - ZeRO-2, or ZeRO-1 with `overlap_comm`: each gradient is copied into the bucket as soon as it is
     accumulated and freed (`reduce_ready_partitions_and_remove_grads` from the grad hook); ZeRO-1
     without `overlap_comm` keeps every gradient whole until the end of backward
@@ -195,6 +197,11 @@ class ZeroEngine(StepEngine):
             for param in self._trainable:
                 if param.grad is not None:
                     self._reduce(param)
+        if self.stage != 3:
+            # independent_gradient_partition_epilogue → _release_ipg_buffers: the reduce buckets
+            # are dropped at the end of backward (setup_buckets makes them again at the next one),
+            # so they are not alive at the optimizer step.
+            self._buckets = []
 
     def _setup_buckets(self) -> None:
         if self._buckets:
