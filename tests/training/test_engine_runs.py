@@ -128,11 +128,13 @@ def test_zero12_peak_on_the_closer_process_equals_the_profilers(zero_runs, row):
     assert min(peaks) == plan + ZERO_SCALARS, (plan, peaks)
 
 
-@pytest.mark.xfail(strict=True, reason="not modelled yet: ZeRO-3 keeps a module's gathered parameters whole until "
-                   "their next use when it is within stage3_max_reuse_distance (default 1e9 values: the whole "
-                   "tiny model stays gathered from forward to backward), and its linear layers save for backward "
-                   "through LinearFunctionForZeroStage3; the offload keeps a 16-bit CPU copy of the partition, two "
-                   "largest-parameter staging buffers and the fp32 gradient partition between steps")
+@pytest.mark.xfail(strict=True, reason="ZeRO-3: the plan (2,056,404, in backward: every parameter whole beside its "
+                   "partition, kept from forward to backward within stage3_max_reuse_distance) is 66,705 to 423,000 "
+                   "bytes under the processes here (2,123,109 to 2,479,105, by launch): the prefetch is not modelled, "
+                   "and gloo's reduce_scatter_tensor fallback (reduce_scatter_single) makes temporaries whose frees the "
+                   "profiler misses where the ProcessGroup is called below the fenced functions. Offload: the plan lacks "
+                   "the 16-bit CPU copy of the partition, the two largest-parameter staging buffers and the fp32 gradient "
+                   "partition kept between steps (stage_1_and_2.py __init__, initialize_optimizer_states)")
 @pytest.mark.parametrize("row", ["zero3-no-overlap", "zero3", "zero2-offload"])
 def test_zero3_and_offload_peak_per_process_equals_the_profilers(zero_runs, row):
     plan = zero_plan_of(zero_runs[row][0])
