@@ -41,19 +41,51 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
     return model
 
 
+def tiny_llama() -> torch.nn.Module:
+    """The tiny Llama of tests/plan/test_engines.py, fp32, as the Trainer prepares it."""
+    config = LlamaConfig(**CONFIG)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False  # as the Trainer sets it (args.use_cache)
+    return LlamaForCausalLM(config)
+
+
+def batch() -> dict:
+    """The collator's batch (the tokenizer's all-ones attention mask included) and the Trainer's
+    `num_items_in_batch`."""
+    ids = torch.randint(0, 100, (BATCH, SEQ))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+            "num_items_in_batch": torch.tensor(float(ids.numel()))}
+
+
+def trainer_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
+
+
+def peak_of(prof: profile, window_name: str = "measured step") -> dict:
+    """The most bytes alive during the `record_function(window_name)` window, counted from the
+    profiler's start (every allocation and free it recorded, summed in time order)."""
+    events = list(prof.profiler.kineto_results.events())
+    [window] = [e for e in events if e.name() == window_name]
+    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    alive = peak = at_start = 0
+    for record in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if record.start_ns() > end:
+            break
+        alive += record.nbytes()
+        if record.start_ns() >= start:
+            peak = max(peak, alive)
+        else:
+            at_start = alive
+    return {"peak_bytes": max(peak, at_start), "alive_at_start_bytes": at_start}
+
+
 def run(engine: str) -> dict:
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        config = LlamaConfig(**CONFIG)
-        config._attn_implementation = "sdpa"
-        config.use_cache = False  # as the Trainer sets it (args.use_cache)
-        model = wrap(LlamaForCausalLM(config), engine)
+        model = wrap(tiny_llama(), engine)
         model.train()
-        optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
-        ids = torch.randint(0, 100, (BATCH, SEQ))
-        # The collator's batch: the tokenizer's all-ones attention mask included.
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
-                  "num_items_in_batch": torch.tensor(float(ids.numel()))}
+        optimizer = trainer_optimizer(model)
+        inputs = batch()
         trainable = [p for p in model.parameters() if p.requires_grad]
 
         def step() -> None:
@@ -71,19 +103,7 @@ def run(engine: str) -> dict:
         gc.collect()
         with record_function("measured step"):
             step()
-    events = list(prof.profiler.kineto_results.events())
-    [window] = [e for e in events if e.name() == "measured step"]
-    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
-    alive = peak = 0
-    for record in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        if record.start_ns() > end:
-            break
-        alive += record.nbytes()
-        if record.start_ns() >= start:
-            peak = max(peak, alive)
-        else:
-            at_start = alive
-    return {"peak_bytes": max(peak, at_start), "alive_at_start_bytes": at_start}
+    return peak_of(prof)
 
 
 def main() -> None:

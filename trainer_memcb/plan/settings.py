@@ -33,6 +33,7 @@ ZERO_DEFAULTS = {
     "stage3_prefetch_bucket_size": 50_000_000,
     "stage3_max_live_parameters": 1_000_000_000,
     "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
     "sub_group_size": 1_000_000_000,
 }
 # torch DistributedDataParallel's bucket_cap_mb default (None there means 25 MiB).
@@ -196,7 +197,7 @@ def _fill_auto(ds: Dict[str, Any], args: Mapping[str, Any], hidden_size: Optiona
     for key, value in ZERO_DEFAULTS.items():
         zero.setdefault(key, value)
     # Accepted under either name by DeepSpeedZeroConfig (aliases): keep the stage3_ spelling.
-    for short in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
+    for short in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold", "max_reuse_distance"):
         if short in zero:
             zero[f"stage3_{short}"] = zero.pop(short)
     return zero

@@ -15,8 +15,10 @@ Trainer's optimizer (decay, no decay):
     `zero12_partition_numel` values), on the CPU with `offload_optimizer`;
     `initialize_optimizer_states` steps the optimizer once on zero gradients, so the optimizer
     state exists before the first step (and lives where the master partition does);
-  - backward (`setup_buckets`): the reduce bucket, `reduce_bucket_size` values (a second one with
-    `overlap_comm`), in the gradients' dtype for ZeRO-2 and fp32 for ZeRO-1 (`_gradient_reduction_buffer_dtype`);
+  - backward (`setup_buckets`, from `engine.backward`): the reduce bucket, `reduce_bucket_size`
+    values (a second one with `overlap_comm`), in the gradients' dtype for ZeRO-2 and fp32 for
+    ZeRO-1 (`_gradient_reduction_buffer_dtype`); dropped at the end of backward
+    (`independent_gradient_partition_epilogue` → `_release_ipg_buffers`);
   - ZeRO-2, or ZeRO-1 with `overlap_comm`: each gradient is copied into the bucket as soon as it is
     accumulated and freed (`reduce_ready_partitions_and_remove_grads` from the grad hook); ZeRO-1
     without `overlap_comm` keeps every gradient whole until the end of backward
@@ -29,9 +31,11 @@ Trainer's optimizer (decay, no decay):
 - ZeRO-3 (`runtime/zero/stage3.py`, `DeepSpeedZeroOptimizer_Stage3`, `partition_parameters.py`):
   - each parameter keeps its `ceil(numel / W)` 16-bit partition; parameters under
     `stage3_param_persistence_threshold` values stay whole (`persistent_parameters`);
-  - a module's parameters are whole from its forward (backward) pre-hook to its post-hook
-    (`PartitionedParameterCoordinator.fetch_sub_module` / `release_sub_module`); the next module's
-    prefetch (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only;
+  - a module's parameters are whole, beside their partitions, from its forward (backward) pre-hook
+    to its post-hook (`PartitionedParameterCoordinator.fetch_sub_module` / `release_sub_module`),
+    and from its forward to its backward when the trace reaches them again within
+    `stage3_max_reuse_distance` values (`__params_to_release`); the next module's prefetch
+    (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only;
   - gradients go through the reduce bucket into the 16-bit gradient partition
     (`grad_partitions_flat_buffer`, allocated at init); the fp32 master sub-groups
     (`zero3_sub_group_numels`) and their optimizer state, on the CPU with `offload_optimizer`;
@@ -158,26 +162,48 @@ class ZeroEngine(StepEngine):
         threshold = int(self.settings.zero["stage3_param_persistence_threshold"])
         self.tracker_params = [p for p in model.parameters() if p.numel() >= threshold]
         self._persistent = [p for p in model.parameters() if p.numel() < threshold]
+        # PartitionedParameterCoordinator.__params_to_release (from the second step on, the trace
+        # complete): a module's parameters are kept whole at its release when the modules that come
+        # next in the step's trace reach them again before `stage3_max_reuse_distance` values are
+        # traversed. After a module's forward the next use is its backward, and between them come the
+        # forward of every later module and their backward: 2 x the values of the later modules'
+        # own parameters (persistent ones included, as `iter_params` counts them).
+        self._reuse_distance = int(self.settings.zero.get("stage3_max_reuse_distance", 1_000_000_000))
+        self._forward_values = 0
+        self._total_values = sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False))
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if p.numel() >= threshold]
             if not own:
                 continue
-            self._hooks.append(module.register_forward_pre_hook(lambda m, i, own=own: self._fetch(own)))
-            self._hooks.append(module.register_forward_hook(lambda m, i, o, own=own: self._release(own)))
+            values = sum(p.numel() for p in module.parameters(recurse=False))
+            self._hooks.append(module.register_forward_pre_hook(lambda m, i, own=own, values=values: self._fetch(own, values)))
+            self._hooks.append(module.register_forward_hook(lambda m, i, o, own=own: self._release_after_forward(own)))
             self._hooks.append(module.register_full_backward_pre_hook(lambda m, g, own=own: self._fetch(own)))
             self._hooks.append(module.register_full_backward_hook(lambda m, gi, go, own=own: self._release(own)))
         for param in self._trainable:
             self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready))
 
     def _set_whole(self, param: torch.Tensor, whole: bool) -> None:
+        # partition_parameters.py (`_allgather_param`, `all_gather_coalesced`): the gathered
+        # parameter is a new whole buffer (`param.data`) beside its partition (`param.ds_tensor`, a
+        # view of the flat `fp16_partitioned_groups_flat`), which stays: whole, both count.
         storage = param.untyped_storage()
-        size = storage.nbytes() if whole else zero3_partition_numel(param.numel(), self.world) * param.element_size()
+        partition = zero3_partition_numel(param.numel(), self.world) * param.element_size()
+        size = storage.nbytes() + partition if whole else partition
         self.tracker.set_size(storage, size, "unsharded_parameters" if whole else "parameters")
 
-    def _fetch(self, params: List[torch.Tensor]) -> None:
+    def _fetch(self, params: List[torch.Tensor], values: int = 0) -> None:
         if self.tracker is not None:
+            if self.tracker.phase == "forward":
+                self._forward_values += values
             for param in params:
                 self._set_whole(param, True)
+
+    def _release_after_forward(self, params: List[torch.Tensor]) -> None:
+        later = self._total_values - self._forward_values
+        if self.tracker is not None and self.tracker.phase == "forward" and 2 * later < self._reuse_distance:
+            return  # kept whole until its backward (a recomputation in backward releases as before)
+        self._release(params)
 
     def _release(self, params: List[torch.Tensor]) -> None:
         if self.tracker is not None:
@@ -195,6 +221,11 @@ class ZeroEngine(StepEngine):
             for param in self._trainable:
                 if param.grad is not None:
                     self._reduce(param)
+        if self.stage != 3:
+            # independent_gradient_partition_epilogue → _release_ipg_buffers: the reduce buckets
+            # are dropped at the end of backward (setup_buckets makes them again at the next one),
+            # so they are not alive at the optimizer step.
+            self._buckets = []
 
     def _setup_buckets(self) -> None:
         if self._buckets:

@@ -1,0 +1,183 @@
+"""One real DeepSpeed ZeRO training step per engine row on the CPU (gloo), its live bytes as
+torch.profiler records them, per process.
+
+Usage: torchrun --nproc_per_node 2 zero_step_profile.py OUT_DIR ROW...
+
+ROW: a name of `ROWS` below (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, and ZeRO-2
+with `offload_optimizer` to the CPU). The model, batch and client optimizer are those of
+engine_step_profile.py (the tiny Llama in fp32, the Trainer's `adamw_torch` in its two param groups),
+handed to `deepspeed.initialize` as the Trainer hands them when the DeepSpeed config has no
+optimizer section; the loop is the one accelerate runs for the Trainer: `engine(**batch).loss`,
+`engine.backward(loss)`, `engine.step()` (clipping at 1.0 inside, `gradient_clipping`). The config's
+bucket sizes are the Trainer's "auto" values for hidden_size 64 (`reduce_bucket_size` 64², the
+stage-3 prefetch 0.9 · 64², persistence 10 · 64), written out.
+
+DeepSpeed's CPU shared-memory all-reduce op (compiled on first use) is switched off as in
+deepspeed_zero.py, so that DeepSpeed talks to gloo. fp32: DeepSpeed's bf16 path on the CPU runs too
+(deepspeed_zero.py trains it), the plan's comparison here is the fp32 one.
+
+The profiler records from before the model is made, so that what `deepspeed.initialize` allocates
+(the flat 16-bit groups, the fp32 master partitions, the optimizer state that
+`initialize_optimizer_states` makes) is in the running sum; the figure is the most bytes alive
+during the third step. gloo's collectives are fenced (`_gloo_fence.py`), so that every free of a
+tensor that went through one is recorded (else, by timing, some are freed on gloo's worker thread,
+where the profiler records nothing, and the count stays high). Each process writes `OUT_DIR/<row>/rank<N>.json` with its DeepSpeed config.
+With TRAINER_MEMCB_PROFILE_DETAIL=1 it also lists what was alive at the peak, by the Python
+function that allocated it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib
+import os
+from collections import Counter
+from typing import Any, Dict, List
+
+import _common  # noqa: F401  (sets up the import path)
+import _gloo_fence
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from engine_step_profile import BATCH, CONFIG, batch, peak_of, tiny_llama, trainer_optimizer
+
+# deepspeed_zero.py's switch: `deepspeed.comm.torch` as an attribute is the torch package itself.
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+HIDDEN = CONFIG["hidden_size"]
+# The Trainer's "auto" values (transformers integrations/deepspeed.py, trainer_config_finalize).
+AUTO = {"reduce_bucket_size": HIDDEN * HIDDEN, "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),
+        "stage3_param_persistence_threshold": 10 * HIDDEN}
+
+
+def ds_config(stage: int, overlap_comm: bool, offload: bool = False) -> Dict[str, Any]:
+    zero: Dict[str, Any] = {"stage": stage, "overlap_comm": overlap_comm, "reduce_bucket_size": AUTO["reduce_bucket_size"]}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=AUTO["stage3_prefetch_bucket_size"],
+                    stage3_param_persistence_threshold=AUTO["stage3_param_persistence_threshold"])
+    config: Dict[str, Any] = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                              "gradient_clipping": 1.0, "zero_optimization": zero,
+                              "zero_allow_untested_optimizer": True, "steps_per_print": 1_000_000}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        # The Trainer's adamw_torch as the client optimizer: DeepSpeed otherwise insists on its
+        # DeepSpeedCPUAdam for offload (engine.py, _configure_basic_optimizer).
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+ROWS = {
+    "zero1": ds_config(1, False), "zero1-overlap": ds_config(1, True),
+    "zero2": ds_config(2, False), "zero2-overlap": ds_config(2, True),
+    "zero3-no-overlap": ds_config(3, False), "zero3": ds_config(3, True),
+    "zero2-offload": ds_config(2, False, offload=True),
+}
+
+
+def alive_at_peak(prof: profile, window_name: str = "measured step") -> Dict[str, Any]:
+    """The peak inside the window and what was alive then: [bytes, count, the allocating frames],
+    largest first."""
+    allocations = []
+
+    def name_of(node: Any) -> str:
+        try:
+            return node.name
+        except UnicodeDecodeError:  # with_stack=True garbles some names in torch 2.13
+            return "?"
+
+    def visit(node: Any, frames: List[str]) -> None:
+        fields = type(node.extra_fields).__name__
+        if fields.startswith("_ExtraFields_Allocation"):
+            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, tuple(frames)))
+        elif fields.startswith("_ExtraFields_PyCall") or name_of(node) == window_name:
+            frames = frames + [name_of(node).split("site-packages/")[-1]]
+        for child in node.children:
+            visit(child, frames)
+
+    windows = []
+
+    def find(node: Any) -> None:
+        if name_of(node) == window_name:
+            windows.append(node)
+        for child in node.children:
+            find(child)
+
+    roots = prof.profiler.kineto_results.experimental_event_tree()
+    for root in roots:
+        visit(root, [])
+        find(root)
+    allocations.sort()
+    [window] = windows
+    start, end = window.start_time_ns, window.end_time_ns
+    alive: Dict[int, Any] = {}
+    total = best = 0
+    best_alive: Dict[int, Any] = {}
+    for time, ptr, size, frames in allocations:
+        if time > end:
+            break
+        if size > 0:
+            alive[ptr] = (size, frames)
+        else:
+            alive.pop(ptr, None)
+        total += size
+        if time >= start and total >= best:
+            best, best_alive = total, dict(alive)
+    counts: Counter = Counter()
+    sizes: Counter = Counter()
+    for size, frames in best_alive.values():
+        key = " < ".join(reversed([f for f in frames if not f.startswith("<built-in")][-4:]))
+        counts[key] += 1
+        sizes[key] += size
+    return {"peak_bytes": best, "alive_at_peak": [[sizes[key], counts[key], key] for key, _ in sizes.most_common()]}
+
+
+def run(config: Dict[str, Any], detail: bool) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=detail) as prof:
+        model = tiny_llama()
+        model.train()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=trainer_optimizer(model),
+                                               config=copy.deepcopy(config))
+        inputs = batch()
+
+        def step() -> None:
+            loss = engine(**inputs).loss
+            engine.backward(loss)
+            del loss
+            engine.step()
+
+        step()
+        step()
+        dist.barrier()
+        gc.collect()
+        with record_function("measured step"):
+            step()
+    # with_stack=True garbles the kineto events' names (a UnicodeDecodeError here): the detail
+    # mode reads the event tree only.
+    result = dict(alive_at_peak(prof) if detail else peak_of(prof), zero_class=type(engine.optimizer).__name__)
+    engine.destroy()
+    del engine, model
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    parsed = argparse.ArgumentParser().parse_known_args()[1]
+    out_dir, rows = parsed[0], parsed[1:]
+    detail = os.environ.get("TRAINER_MEMCB_PROFILE_DETAIL") == "1"
+    _gloo_fence.install()  # before the process group is made: see _gloo_fence.py
+    deepspeed.init_distributed(dist_backend="gloo")
+    for row in rows:
+        result = run(ROWS[row], detail)
+        _common.write_result(os.path.join(out_dir, row), dict(result, row=row, deepspeed_config=ROWS[row],
+                                                                world_size=dist.get_world_size()))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
