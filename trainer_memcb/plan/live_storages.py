@@ -50,6 +50,8 @@ class LiveStorages(TorchDispatchMode):
         peak_label: the phase (`phase`, set by the caller) at the peak.
         sizes: serial number -> bytes, for every storage seen (alive or not). A storage's key (its
             address) may be reused once it is freed; its serial number never is.
+        events: with `keep_timeline=True`, the timeline: `s` when storage `s` (a serial number)
+            starts to count, `~s` when it stops; `most_by` replays it. Empty otherwise.
     """
 
     def __init__(self, exclude: Any = (), keep_timeline: bool = False) -> None:
