@@ -487,7 +487,10 @@ class ModelStatesPlan:
             "notes": list(self.notes),
             "reference_model": self.reference_model,
             "reference_model_note": self.reference_model_note,
-            "not_counted": "activations, temporary buffers, the CUDA context, allocator fragmentation",
+            # A step plan's table (`engine` set) holds the engine's buffers in its states' figures.
+            "not_counted": "activations, temporaries, the CUDA context, allocator fragmentation"
+            if any(entry.engine for entry in self.optimizers) else
+            "activations, temporary buffers, the CUDA context, allocator fragmentation",
         }
 
 
