@@ -97,6 +97,12 @@ FSDP2_ENGINES = {"fsdp2": dict(sharding="fsdp-full-shard"), "fsdp2-sgo": dict(sh
 # step reads 1,621,788 (the plan's 4-byte num_items_in_batch apart, as in tests/plan/test_engines.py),
 # so the 256 bytes are the real run's: the size of one (2, 16) int64 tensor, not identified yet.
 FSDP2_REAL_LESS_PLAN = {"fsdp2": 256, "fsdp2-sgo": 0}
+# The tensors a collective was handed are held by gloo's work until its worker thread is done with
+# them, so now and then one is freed later than in the fake step, which completes at once: in one
+# launch of six here one process of the full shard read 1,786,144, the plan and one layer's
+# collective buffer (41,088 fp32 values: 164,352 bytes). Real memory, held by timing: the lesser
+# process is held to the figure above, each process to at most one such buffer more.
+LATE_COLLECTIVE_BUFFER = 164_352
 
 
 @pytest.fixture(scope="module")
@@ -117,4 +123,6 @@ def test_fsdp2_peak_per_process_equals_fsdp_memtrackers_on_the_real_run(fsdp2_tr
     settings = resolve_settings(world_size=2, batch_size=2, optimizer="adamw_torch", **FSDP2_ENGINES[engine])
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
     assert plan.engine == "fsdp2"
-    assert fsdp2_tracked_peaks[engine] == [plan.peak_bytes + FSDP2_REAL_LESS_PLAN[engine]] * 2, plan.peak_bytes
+    peaks = fsdp2_tracked_peaks[engine]
+    assert min(peaks) == plan.peak_bytes + FSDP2_REAL_LESS_PLAN[engine], (plan.peak_bytes, peaks)
+    assert all(real - plan.peak_bytes <= LATE_COLLECTIVE_BUFFER for real in peaks), (plan.peak_bytes, peaks)
