@@ -95,7 +95,11 @@ FSDP2_ENGINES = {"fsdp2": dict(sharding="fsdp-full-shard"), "fsdp2-sgo": dict(sh
 # The real peak less the plan's, measured: shard-grad-op 0 (1,704,628 both); full shard 256 bytes
 # (1,622,048 against 1,621,792), from the first real step on. The same tracker on the plan's fake
 # step reads 1,621,788 (the plan's 4-byte num_items_in_batch apart, as in tests/plan/test_engines.py),
-# so the 256 bytes are the real run's: the size of one (2, 16) int64 tensor, not identified yet.
+# so the 256 bytes are the real run's. By storage sizes at the two peaks (the plan's own tracker run
+# over the real step reads 1,622,048 too): the real one holds one layer's flat all-gather buffer
+# (164,352 bytes) where the plan's holds that layer's unsharded parameters but one 64-value norm
+# weight (4 x 16,384 + 3 x 32,768 + 256 = 164,096): the same step, its peak a moment apart around
+# one all-gather, as gloo's and the fake group's collectives order their buffers' lives.
 FSDP2_REAL_LESS_PLAN = {"fsdp2": 256, "fsdp2-sgo": 0}
 # The tensors a collective was handed are held by gloo's work until its worker thread is done with
 # them, so now and then one is freed later than in the fake step, which completes at once: in one
