@@ -3,7 +3,8 @@
 Usage: torchrun --nproc_per_node 2 engine_step_profile.py OUT_DIR ENGINE...
 
 ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
-(reshard_after_forward=False). The engine's own loop, as the Trainer's would run it: the tiny Llama
+(reshard_after_forward=False); fsdp2-memtracker and fsdp2-sgo-memtracker: the same steps, the third
+under torch's FSDPMemTracker instead of the profiler (`memtracker_run`). The engine's own loop, as the Trainer's would run it: the tiny Llama
 of tests/plan/test_engines.py in fp32 (sdpa), the Trainer's `adamw_torch`, forward with labels and
 `num_items_in_batch`, backward, clipping at 1.0, step, `zero_grad(set_to_none=True)`. The profiler
 records from before the model is made, so that what the engine allocates when it wraps the model
@@ -106,12 +107,53 @@ def run(engine: str) -> dict:
     return peak_of(prof)
 
 
+def memtracker_run(engine: str) -> dict:
+    """The same steps with torch's `FSDPMemTracker` over the third instead of the profiler: on
+    the CPU, torch.profiler records the memory events of the threads it was started on only, so a
+    buffer that a gloo worker thread frees last (the collectives' tensors) stays alive in its sum,
+    by timing; the tracker follows every storage by its tensors' lifetimes (and FSDP2's resizes)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    model = wrap(LlamaForCausalLM(config), engine)
+    model.train()
+    optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
+    ids = torch.randint(0, 100, (BATCH, SEQ))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+              "num_items_in_batch": torch.tensor(float(ids.numel()))}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        loss = model(**inputs).loss
+        loss.backward()
+        del loss
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    dist.barrier()
+    gc.collect()
+    tracker = FSDPMemTracker(mod=model, optm=optimizer)
+    tracker.track_inputs(tuple(inputs.values()))
+    with tracker:
+        step()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    (stats,) = snapshot[model].values() if model in snapshot else snapshot.values()
+    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()}}
+
+
 def main() -> None:
     parsed = argparse.ArgumentParser().parse_known_args()[1]
     out_dir, engines = parsed[0], parsed[1:]
     dist.init_process_group("gloo")
     for engine in engines:
-        result = run(engine)
+        # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
+        result = memtracker_run(engine[:-len("-memtracker")]) if engine.endswith("-memtracker") else run(engine)
         _common.write_result(os.path.join(out_dir, engine), dict(result, engine=engine, world_size=dist.get_world_size()))
         dist.barrier()
     dist.destroy_process_group()

@@ -15,6 +15,7 @@ from helpers import requires_torch
 
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.utils.units import format_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fsdp_reference import fsdp_memtracker_peak  # noqa: E402
@@ -69,9 +70,10 @@ def test_ddp_buckets_are_a_second_copy_of_the_gradients_unless_they_are_the_grad
     # gradient_as_bucket_view=False: the buckets (4 bytes x every trainable value) beside .grad.
     assert beside.peak_parts["engine_buffers"] == 4 * NUMEL
     assert beside.peak_bytes == single.peak_bytes + 4 * NUMEL
-    # True: the buckets are the gradients, alive from the wrapping on.
+    # True: the buckets are the gradients, alive from the wrapping on; at the backward's peak the
+    # head's fresh gradient (256 x 64 values) is beside them, until it is copied into its view.
     assert "engine_buffers" not in view.peak_parts or view.peak_parts["engine_buffers"] == 0
-    assert view.peak_parts["gradients"] == 4 * NUMEL
+    assert view.peak_parts["gradients"] == 4 * NUMEL + 256 * 64 * 4
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, False), (2, True), (3, True)])
@@ -155,3 +157,126 @@ def test_plan_step_memory_reads_the_trainers_arguments_and_explicit_arguments_wi
     assert used["optimizer"] == ("adamw_torch", "training args") and used["max_grad_norm"] == (0.0, "training args")
     plan, _ = plan_step_memory(build, seq_len=SEQ, args=args, batch_size=1, device_type="cpu", model_states=False)
     assert plan.batch_size == 1 and dict((n, s) for n, _, s in plan.settings_used)["batch_size"] == "flag"
+
+
+# The model-states table of a step plan, per engine: each state's most during the step and its
+# figure at the optimizer step, from the same trace as the peak (4-byte fp32 values unless ZeRO's bf16).
+ZERO_DS = {stage: {"bf16": {"enabled": True}, "zero_optimization": dict(
+    {"stage": stage, "overlap_comm": stage > 1, "reduce_bucket_size": "auto"},
+    **({"stage3_param_persistence_threshold": "auto"} if stage == 3 else {}))} for stage in (1, 2, 3)}
+STATES_CASES = {
+    # name: (settings, the most each state holds, the figures at the optimizer step where they differ)
+    "none": (dict(), dict(parameters=4 * NUMEL, gradients=4 * NUMEL), {}),
+    # gradient_as_bucket_view=False: the gradients and the buckets' copy of them, to the end of the step.
+    "ddp": (dict(world_size=2, sharding="ddp"), dict(parameters=4 * NUMEL, gradients=8 * NUMEL), {}),
+    # True: the buckets are the gradients; the head's fresh gradient (256 x 64 values) lives beside
+    # them until it is copied into its bucket view.
+    "ddp-view": (dict(world_size=2, sharding="ddp", gradient_as_bucket_view=True),
+                 dict(parameters=4 * NUMEL, gradients=4 * NUMEL + 256 * 64 * 4), dict(gradients=4 * NUMEL)),
+    # FSDP2 on 4: the shards (115,008 bytes), then in forward the root's unsharded parameters
+    # (131,328: embedding, head, norm), both layers' (2 x 164,352, one prefetched) and one layer's
+    # all-gather buffer (164,352). Gradients at layer 0's reduce-scatter: its input (164,352) and the
+    # layer's unsharded gradients (164,352), the head's and the final norm's unsharded ones (65,792)
+    # and layer 1's sharded ones (41,088). The optimizer step holds the shards alone.
+    "fsdp-full-shard": (dict(world_size=4, sharding="fsdp-full-shard"),
+                        dict(parameters=NUMEL + 131_328 + 3 * 164_352, gradients=2 * 164_352 + 65_792 + 41_088),
+                        dict(parameters=NUMEL, gradients=NUMEL)),
+    # Shard-grad-op: every layer stays unsharded from its forward on (460,032), and two all-gather
+    # buffers meet.
+    "fsdp-shard-grad-op": (dict(world_size=4, sharding="fsdp-shard-grad-op"),
+                           dict(parameters=NUMEL + 4 * NUMEL + 2 * 164_352, gradients=2 * 164_352 + 65_792 + 41_088),
+                           dict(parameters=NUMEL, gradients=NUMEL)),
+    # ZeRO-1 on 2, no overlap_comm: every bf16 gradient whole (230,016) until the reduction, beside the
+    # reduce bucket (64 x 64 bf16: 8,192) and the 16-bit gradient partition the first reduction makes
+    # (115,072); at the step the partition and the decay group's fp32 gradient partition (57,344
+    # values): the buckets are gone by then (`_release_ipg_buffers` at the end of backward).
+    "zero1": (dict(deepspeed=ZERO_DS[1], world_size=2, hidden_size=64),
+              dict(parameters=2 * NUMEL, gradients=2 * NUMEL + 8_192 + 115_072),
+              dict(gradients=115_072 + 57_344 * 4)),
+    # ZeRO-2 with overlap_comm: the two buckets are released at the end of backward, before the fp32
+    # gradient partition is made; the most is at the step.
+    "zero2": (dict(deepspeed=ZERO_DS[2], world_size=2, hidden_size=64),
+              dict(parameters=2 * NUMEL, gradients=115_072 + 57_344 * 4), {}),
+    # ZeRO-3: the bf16 halves and the whole norms (115,328), and in backward every other parameter gathered
+    # beside its partition (229,376 bytes: each is reused within stage3_max_reuse_distance, so kept
+    # whole from its forward to its backward); the 16-bit gradient partition (115,008), the bucket
+    # and the fp32 gradient partition of one sub-group.
+    "zero3": (dict(deepspeed=ZERO_DS[3], world_size=2, hidden_size=64),
+              dict(parameters=115_328 + 229_376, gradients=115_008 + 8_192 + 57_344 * 4), dict(parameters=115_328)),
+}
+
+
+@requires_torch("2.13", "the FSDP2 rows need torch 2.13's fake collectives (see above)")
+@pytest.mark.parametrize("name", list(STATES_CASES))
+def test_the_model_states_table_of_a_step_is_each_states_most_during_that_engines_step(name):
+    from trainer_memcb.cli.plan_table import plan_tables
+    from trainer_memcb.plan.engines.base import MODEL_STATES
+    from trainer_memcb.plan.step_memory import states_during_step
+
+    given, most, at_step = STATES_CASES[name]
+    settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch", **given)
+    plan, rules = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu")
+    assert plan.problem is None and not hasattr(plan, "transient_bytes")
+    zero = name.startswith("zero")
+    # AdamW's two fp32 moments and a 4-byte step per tensor (21; ZeRO: per flat partition, 2) of
+    # what this process steps over; ZeRO's fp32 master partition, half of the values.
+    shards = {"fsdp-full-shard": 4, "fsdp-shard-grad-op": 4}.get(name, 2 if zero else 1)
+    expected = dict(most, optimizer_state=8 * NUMEL // shards + 4 * (2 if zero else 21),
+                    master_weights=4 * NUMEL // 2 if zero else 0)
+    assert plan.model_states_most_bytes == expected
+    assert plan.model_states_host_bytes == dict.fromkeys(MODEL_STATES, 0)
+    assert plan.model_states_at_optimizer_step_bytes == dict(expected, **at_step)
+    # The peak's parts, each in its state, never exceed the table's figures; a peak in the optimizer
+    # step is the table's figures at the optimizer step, to the byte.
+    peak = dict.fromkeys(MODEL_STATES, 0)
+    for part, state in (("parameters", "parameters"), ("unsharded_parameters", "parameters"),
+                        ("gradients", "gradients"), ("unsharded_gradients", "gradients"),
+                        ("fp32_gradients", "gradients"), ("optimizer_state", "optimizer_state"),
+                        ("master_weights", "master_weights")):
+        peak[state] += plan.peak_parts.get(part, 0)
+    buffers = plan.peak_parts.get("engine_buffers", 0)  # FSDP2's forward peak: one all-gather buffer
+    peak["parameters" if name.startswith("fsdp") else "gradients"] += buffers
+    assert all(peak[state] <= expected[state] for state in MODEL_STATES), (peak, expected)
+    if plan.peak_phase == "optimizer step":
+        assert peak == plan.model_states_at_optimizer_step_bytes
+    # The table's row: those figures, their sum, the device's share, fits? from them.
+    [row] = states_during_step(rules, plan).optimizers
+    assert (row.params_bytes, row.grads_bytes, row.optimizer_state_bytes, row.master_weights_bytes) == tuple(
+        expected[state] for state in MODEL_STATES)
+    assert row.model_states_bytes == row.device_bytes == sum(expected.values()) and row.cpu_bytes == 0
+    assert (row.engine, row.transient_bytes) == (plan.engine, {})
+    table = plan_tables(states_during_step(rules, plan))[1]
+    cell = table.rows[0][2]
+    if "gradients" in at_step:
+        assert cell == (f"{format_bytes(expected['gradients'])} ({expected['gradients']:,}); "
+                        f"{format_bytes(at_step['gradients'])} ({at_step['gradients']:,}) at the optimizer step")
+    else:
+        assert cell == f"{format_bytes(expected['gradients'])} ({expected['gradients']:,})"
+
+
+def test_the_model_states_table_of_an_offloaded_fsdp2_step_puts_the_shards_on_the_host():
+    from trainer_memcb.plan.step_memory import states_during_step
+
+    settings = resolve_settings(world_size=4, sharding="fsdp-full-shard", fsdp_cpu_offload=True, batch_size=BATCH,
+                                optimizer="adamw_torch")
+    plan, rules = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu")
+    # On the host: the shards, their gradients and the state; on the device what FSDP2 gathers
+    # (as the full shard's row above, less the shards) and the unsharded gradients with the
+    # reduce-scatter input.
+    assert plan.model_states_host_bytes == dict(parameters=NUMEL, gradients=NUMEL, optimizer_state=230_100,
+                                                master_weights=0)
+    assert plan.model_states_most_bytes == dict(parameters=131_328 + 3 * 164_352,
+                                                gradients=2 * 164_352 + 65_792, optimizer_state=0, master_weights=0)
+    [row] = states_during_step(rules, plan).optimizers
+    assert (row.cpu_bytes, row.device_bytes) == (2 * NUMEL + 230_100, 131_328 + 3 * 164_352 + 2 * 164_352 + 65_792)
+
+
+def test_states_during_step_docstring_example_runs():
+    import doctest
+
+    from trainer_memcb.plan import step_memory
+
+    [test] = doctest.DocTestFinder().find(step_memory.states_during_step, "states_during_step",
+                                          globs=vars(step_memory).copy())
+    result = doctest.DocTestRunner().run(test)
+    assert result.attempted >= 5 and result.failed == 0

@@ -51,3 +51,24 @@ def test_the_watched_storages_alive_at_the_peak_are_kept():
         b = torch.ones(2)
     assert (tracker.peak_bytes, tracker.peak_watch) == (96, [0])
     assert tracker.serials([b]) == [2]
+
+
+def test_the_timeline_replayed_gives_each_groups_most_at_one_moment():
+    tracker = LiveStorages(keep_timeline=True)
+    weight = torch.zeros(4)  # 16 bytes, serial 0: replaced by its shard when the step begins
+    tracker.add(weight)
+    tracker.set_size(weight.untyped_storage(), 4)  # serial 1
+    tracker.restart_peak()
+    with tracker:
+        a = torch.ones(8)  # 32, serial 2: group "x"
+        b = torch.ones(4)  # 16, serial 3: group "x"
+        del a
+        c = torch.ones(16)  # 64, serial 4: group "y"
+        d = torch.ones(2)  # 8, serial 5: group "x"
+    group = {1: "w", 2: "x", 3: "x", 4: "y", 5: "x"}
+    # "x" at most 48 (a and b together, before a was freed), not 56 (a, b and d never met); the
+    # weight whole (16) came before the step began.
+    assert tracker.most_by(group.get) == {"w": 4, "x": 48, "y": 64}
+    assert tracker.events == [0, ~0, 1, 2, 3, ~2, 4, 5]
+    assert LiveStorages().events == []  # kept only when asked: a real run's tracker keeps none
+    del b, c, d

@@ -19,7 +19,8 @@ from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_targe
 from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.plan.quantized import QUANT_TYPES, Quantization
 from trainer_memcb.plan.step_inputs import head_kind
-from trainer_memcb.plan.step_memory import DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory
+from trainer_memcb.plan.step_memory import (DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory,
+                                           states_during_step)
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
 from trainer_memcb.plan.whatif import (
     DEFAULT_OPTIMIZERS,
@@ -402,6 +403,11 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         problem = next((f"at batch {plan.batch_size} {plan.problem}" for plan in searched if plan.problem is not None),
                        None)
     step = plan_at(settings.batch_size) if settings.batch_size is not None else None
+    # The model-states table from the same trace: each state's most during the engine's step (the
+    # states do not depend on the batch, so the search's plan at the answer serves without one).
+    traced = step if step is not None else next((plan for plan in searched if plan.batch_size == found), None)
+    if traced is not None:
+        states = states_during_step(states, traced)
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size, "max_batch_size_problem": problem}
 

@@ -56,14 +56,25 @@ def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
             rows.append([entry.name, bytes_cell(entry.params_bytes), bytes_cell(entry.grads_bytes), "-",
                          bytes_cell(entry.master_weights_bytes), "-", "-", "-", entry.problem or "-"])
             continue
-        rows.append([entry.name, bytes_cell(entry.params_bytes), bytes_cell(entry.grads_bytes),
-                     bytes_cell(entry.optimizer_state_bytes), bytes_cell(entry.master_weights_bytes),
+        at = entry.at_optimizer_step_bytes
+        rows.append([entry.name, _state_cell(entry.params_bytes, at.get("parameters")),
+                     _state_cell(entry.grads_bytes, at.get("gradients")),
+                     _state_cell(entry.optimizer_state_bytes, at.get("optimizer_state")),
+                     _state_cell(entry.master_weights_bytes, at.get("master_weights")),
                      bytes_cell(entry.model_states_bytes), bytes_cell(entry.device_bytes),
                      bytes_cell(entry.cpu_bytes_per_node), _fits(plan, entry)])
+    engines = sorted({entry.engine for entry in plan.optimizers if entry.engine is not None})
+    if engines:
+        title = (f"Per process, the most each state holds during the step ({_ENGINE_NAMES.get(engines[0], engines[0])}, "
+                 "its buffers included; where the optimizer step holds less, its figure after ';')"
+                 + (" (model states include the reference model)" if plan.reference_model else "")
+                 + ". Not counted: activations, temporaries, CUDA context, fragmentation")
+    else:
+        title = ("Per process (the fullest): parameters, gradients, optimizer state, master weights"
+                 + (" (model states include the reference model)" if plan.reference_model else "")
+                 + ". Not counted: activations, temporary buffers, CUDA context, fragmentation")
     states = TextTable(
-        "Per process (the fullest): parameters, gradients, optimizer state, master weights"
-        + (" (model states include the reference model)" if plan.reference_model else "")
-        + ". Not counted: activations, temporary buffers, CUDA context, fragmentation",
+        title,
         ["optimizer", "parameters", "gradients", "optimizer state", "master weights", "model states",
          "on the device", "CPU per node", "fits?"],
         rows, text_columns=(0, 8), note="\n".join(f"Note, {note}." for note in plan.notes),
@@ -71,11 +82,23 @@ def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
     return [about, states]
 
 
+# How the model-states table names the engine whose step it read.
+_ENGINE_NAMES = {"none": "one process", "ddp": "DDP", "fsdp2": "FSDP2", "zero": "DeepSpeed ZeRO"}
+
+
+def _state_cell(most: Optional[int], at_step: Optional[int]) -> str:
+    """A state's most during the step, and its figure at the optimizer step after it where that differs."""
+    if at_step is None or at_step == most:
+        return bytes_cell(most)
+    return f"{bytes_cell(most)}; {bytes_cell(at_step)} at the optimizer step"
+
+
 _PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
                "master_weights": "master weights", "activations": "activations (saved for backward)",
                "batch_and_buffers": "batch and buffers", "other": "temporaries (logits, attention scores, ...)",
                "reference_model": "reference model (frozen)",
                "unsharded_parameters": "unsharded parameters (gathered)",
+               "unsharded_gradients": "unsharded gradients (before the reduce-scatter)",
                "engine_buffers": "engine buffers (all-gather, reduce-scatter, DDP/ZeRO buckets)",
                "fp32_gradients": "fp32 gradient partition (optimizer step only)"}
 
@@ -108,7 +131,6 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about,
                                     note="\n".join(f"Note, {note}." for note in step.notes)))
             parts = [[_PART_NAMES.get(name, name), bytes_cell(value)] for name, value in step.peak_parts.items()]
-            parts += [[f"transient: {name}", bytes_cell(value)] for name, value in step.transient_bytes.items()]
             tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts,
                                     note=_not_counted(step)))
         if step.settings_used:

@@ -16,6 +16,11 @@ re-allocates its unsharded parameters that way, `_fsdp_param.py` `free_storage`/
 is counted at its new size from then on, under a new serial number, while the tracker is entered:
 the method is patched for that time, as torch's own `MemTracker._track_resize` does.
 
+The timeline itself is kept too (`events`: each storage's birth and death, by serial number, in
+order), so that once the step is over and every storage's part is known, `most_by` replays it
+and gives the most bytes each part held at one moment (the model-states table's figures per
+engine: DDP's gradients with their buckets, ZeRO-1's whole gradients before the reduction).
+
 It reads metadata only, and is meant for fake tensors (`FakeTensorMode`): nothing is allocated,
 so the figures are what a caching-free allocator would hold, storage by storage, on the device the
 tensors claim.
@@ -45,9 +50,11 @@ class LiveStorages(TorchDispatchMode):
         peak_label: the phase (`phase`, set by the caller) at the peak.
         sizes: serial number -> bytes, for every storage seen (alive or not). A storage's key (its
             address) may be reused once it is freed; its serial number never is.
+        events: with `keep_timeline=True`, the timeline: `s` when storage `s` (a serial number)
+            starts to count, `~s` when it stops; `most_by` replays it. Empty otherwise.
     """
 
-    def __init__(self, exclude: Any = ()) -> None:
+    def __init__(self, exclude: Any = (), keep_timeline: bool = False) -> None:
         super().__init__()
         # Storage keys never counted (`storages_of`'s): a real model's parameters, buffers and
         # batch, when a real forward is measured for what it allocates itself.
@@ -70,6 +77,12 @@ class LiveStorages(TorchDispatchMode):
         # Called as on_op(func, args, kwargs) after each operation, its outputs tracked: an engine
         # tags the buffers its collectives use.
         self.on_op: Optional[Any] = None
+        # The timeline, with `keep_timeline` (a fake step's, bounded by it): a serial number s when
+        # its storage is counted, ~s when it no longer is; `_start` is where the step's state
+        # begins (`restart_peak`).
+        self.events: List[int] = []
+        self._record = self.events.append if keep_timeline else _ignore
+        self._start = 0
 
     def __enter__(self) -> "LiveStorages":
         self._original_resize = torch.UntypedStorage.resize_
@@ -91,7 +104,28 @@ class LiveStorages(TorchDispatchMode):
         """Take the bytes alive now as the peak so far (an engine that has just brought the
         model to its state between steps: ZeRO-3's partitioned parameters)."""
         self.peak_bytes = 0
+        self._start = len(self.events)
         self._check_peak()
+
+    def most_by(self, group_of: Any) -> Dict[str, int]:
+        """The most bytes each group held at one moment since the step began (`restart_peak`),
+        the timeline replayed with `group_of(serial)` naming each storage's group (None: none)."""
+        totals: Dict[str, int] = {}
+        most: Dict[str, int] = {}
+        groups: Dict[int, Optional[str]] = {}
+        for index, event in enumerate(self.events):
+            if index == self._start:
+                most = dict(totals)
+            serial = event if event >= 0 else ~event
+            group = groups[serial] if serial in groups else groups.setdefault(serial, group_of(serial))
+            if group is None:
+                continue
+            totals[group] = totals.get(group, 0) + (self.sizes[serial] if event >= 0 else -self.sizes[serial])
+            if index >= self._start and totals[group] > most.get(group, 0):
+                most[group] = totals[group]
+        if self._start >= len(self.events):
+            most = dict(totals)
+        return most
 
     def set_size(self, storage: Any, nbytes: int, part: Optional[str] = None) -> None:
         """Count a tracked storage at `nbytes` from now on (an engine's model of a buffer that is
@@ -101,8 +135,10 @@ class LiveStorages(TorchDispatchMode):
         if serial is None:
             return
         self.alive_bytes -= self.sizes[serial]
+        self._record(~serial)
         serial = self._serial[key] = len(self.sizes)
         self.sizes[serial] = nbytes
+        self._record(serial)
         if part is not None:
             self.tags[serial] = part
         self.alive_bytes += nbytes
@@ -114,11 +150,13 @@ class LiveStorages(TorchDispatchMode):
         if serial is None or self.sizes[serial] == storage.nbytes():
             return
         self.alive_bytes -= self.sizes[serial]
+        self._record(~serial)
         tag = self.tags.get(serial)
         serial = self._serial[key] = len(self.sizes)
         if tag is not None:
             self.tags[serial] = tag
         self.sizes[serial] = storage.nbytes()
+        self._record(serial)
         self.alive_bytes += self.sizes[serial]
         self._check_peak()
 
@@ -141,6 +179,7 @@ class LiveStorages(TorchDispatchMode):
                 serial = self._serial[key] = len(self.sizes)
                 self.sizes[serial] = nbytes
                 self.alive_bytes += nbytes
+                self._record(serial)
             else:
                 self._tensors[key] = count + 1
             weakref.finalize(tensor, self._release, key)
@@ -154,7 +193,9 @@ class LiveStorages(TorchDispatchMode):
         else:
             del self._tensors[key]
             del self._storages[key]
-            self.alive_bytes -= self.sizes[self._serial.pop(key)]
+            serial = self._serial.pop(key)
+            self.alive_bytes -= self.sizes[serial]
+            self._record(~serial)
 
     def _check_peak(self) -> None:
         if self.alive_bytes > self.peak_bytes:
@@ -189,3 +230,7 @@ class LiveStorages(TorchDispatchMode):
             self.on_op(func, args, kwargs or {})
         self._check_peak()
         return out
+
+
+def _ignore(event: int) -> None:
+    pass

@@ -429,6 +429,12 @@ class OptimizerPlan:
             gradient such an update holds at a time, the largest parameter's.
         reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
             included in `model_states_bytes`; 0 without one.
+        engine: None: the figures are the sharding rules' (above); an engine's name
+            (`trainer_memcb.plan.step_memory.states_during_step`): each state's figure is the
+            most it held at one moment of that engine's traced step, its buffers included, and
+            `transient_bytes` is empty (those buffers are in the figures).
+        at_optimizer_step_bytes: with an engine, what each state (`parameters`,
+            `gradients`, `optimizer_state`, `master_weights`) held at the optimizer step's peak.
     """
 
     name: str
@@ -448,6 +454,8 @@ class OptimizerPlan:
     source: Optional[str] = None
     updates_in_backward: bool = False
     reference_model_bytes: int = 0
+    engine: Optional[str] = None
+    at_optimizer_step_bytes: Dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -479,7 +487,10 @@ class ModelStatesPlan:
             "notes": list(self.notes),
             "reference_model": self.reference_model,
             "reference_model_note": self.reference_model_note,
-            "not_counted": "activations, temporary buffers, the CUDA context, allocator fragmentation",
+            # A step plan's table (`engine` set) holds the engine's buffers in its states' figures.
+            "not_counted": "activations, temporaries, the CUDA context, allocator fragmentation"
+            if any(entry.engine for entry in self.optimizers) else
+            "activations, temporary buffers, the CUDA context, allocator fragmentation",
         }
 
 

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.engines import StepEngine, engine_for
+from trainer_memcb.plan.engines.base import MODEL_STATES
 from trainer_memcb.plan.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.live_storages import LiveStorages
@@ -63,7 +64,7 @@ from trainer_memcb.plan.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
-__all__ = ["StepMemoryPlan", "plan_step_memory", "max_batch_size", "NOT_COUNTED", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
+__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "max_batch_size", "NOT_COUNTED", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
@@ -95,7 +96,14 @@ class StepMemoryPlan:
         peak_bytes: the step's peak; `peak_phase`: forward, backward or optimizer step;
             `peak_parts`: what was alive then, by part (they sum to `peak_bytes`).
         model_states_plan: the model-states plan of the same setup (per-process states).
-        transient_bytes: the sharded engine's short-lived buffers added to the peak.
+        model_states_most_bytes: per model state (parameters, gradients, optimizer_state,
+            master_weights), the most this process's device held at one moment of the step, the
+            engine's buffers for it included (DDP's buckets and ZeRO's reduce buckets as
+            gradients, FSDP2's all-gather buffers and gathered parameters as parameters);
+            `model_states_host_bytes`: the same, of what lives on the host (offload);
+            `model_states_at_optimizer_step_bytes`: what each held at the optimizer phase's peak,
+            device and host together ({} without an optimizer step). The model-states table of a
+            step plan shows these (`states_during_step`).
         device_memory_bytes, reserve_bytes: the device's memory and the part of it left out for
             what the plan does not count (`reserve_bytes`, see `not_counted`).
         fits, margin_bytes: against `device_memory_bytes - reserve_bytes`, from the peak.
@@ -120,7 +128,9 @@ class StepMemoryPlan:
     peak_parts: Dict[str, int] = field(default_factory=dict)
     forward_backward_peak_bytes: Optional[int] = None
     optimizer_step_peak_bytes: Optional[int] = None
-    transient_bytes: Dict[str, int] = field(default_factory=dict)
+    model_states_most_bytes: Dict[str, int] = field(default_factory=dict)
+    model_states_host_bytes: Dict[str, int] = field(default_factory=dict)
+    model_states_at_optimizer_step_bytes: Dict[str, int] = field(default_factory=dict)
     device_memory_bytes: Optional[int] = None
     fits: Optional[bool] = None
     margin_bytes: Optional[int] = None
@@ -189,6 +199,8 @@ class _Traced:
     forward_backward_peak: int
     optimizer_peak: Optional[int]
     optimizer_failure: Optional[str] = None
+    states_most: Dict[str, int] = field(default_factory=dict)
+    states_at_optimizer_step: Dict[str, int] = field(default_factory=dict)
 
 
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
@@ -204,7 +216,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     model = engine.wrap(model, mode)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    tracker = LiveStorages()
+    tracker = LiveStorages(keep_timeline=True)
     with mode:
         inputs = step_inputs(model, batch_size, seq_len, **(input_options or {}))
     labels = inputs.labels
@@ -286,22 +298,59 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     other_fixed = set(tracker.serials(list(model.buffers()) + batch_tensors))
     groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
               ("activations", set(watch)), ("batch_and_buffers", other_fixed)]
-    parts = {name: 0 for name in _PARTS}
     tags = tracker.tags
-    for key in keys:
+
+    def part_of(key: int) -> str:
         tag = tags.get(key)
         if tag is not None:
-            parts[tag] = parts.get(tag, 0) + sizes[key]
-            continue
+            return tag
         for name, members in groups:
             if key in members:
-                parts[name] += sizes[key]
-                break
-        else:
-            parts["other"] += sizes[key]
+                return name
+        return "other"
+
+    parts = {name: 0 for name in _PARTS}
+    for key in keys:
+        part = part_of(key)
+        parts[part] = parts.get(part, 0) + sizes[key]
     parts["optimizer_state"] += extra_state
+    most, at_step = _states_in_step(tracker, engine, part_of, state_bytes, optimizer_keys, not_yet,
+                                    build_optimizer is not None)
     return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes, fb_bytes + state_bytes,
-                   optimizer_peak if build_optimizer is not None else None, optimizer_failure)
+                   optimizer_peak if build_optimizer is not None else None, optimizer_failure, most, at_step)
+
+
+# A state's bytes on the host (offloaded) are kept apart from the device's under this suffix.
+_HOST = "@host"
+
+
+def _states_in_step(tracker: LiveStorages, engine: StepEngine, part_of: Callable[[int], str], state_bytes: int,
+                    optimizer_keys: List[int], not_yet: int, stepped: bool) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """Per model state (`MODEL_STATES`, `_HOST` added for what lives on the host): the most it
+    held at one moment of the step, the engine's buffers for it included (the timeline replayed,
+    each storage in the state `engine.state_of` gives its part), and what it held at the
+    optimizer phase's peak ({} without an optimizer step). The optimizer state of a step after
+    the first is alive from its start (`state_bytes`, 0 where the engine made it before the step,
+    as DeepSpeed does), and at the optimizer phase's peak the state not made yet (`not_yet`) is
+    alive too, as the peak counts them."""
+    host = set(getattr(engine, "host_parts", ()))
+
+    def state_of(key: int) -> Optional[str]:
+        part = part_of(key)
+        state = engine.state_of(part, key)
+        return None if state is None else state + (_HOST if part in host else "")
+
+    most = tracker.most_by(state_of)
+    optimizer = "optimizer_state" + (_HOST if "optimizer_state" in host else "")
+    most[optimizer] = max(most.get(optimizer, 0), state_bytes)
+    at_step: Dict[str, int] = {}
+    if stepped:
+        for key in optimizer_keys:
+            state = state_of(key)
+            if state is not None:
+                at_step[state] = at_step.get(state, 0) + tracker.sizes[key]
+        at_step[optimizer] = at_step.get(optimizer, 0) + not_yet
+    return most, at_step
 
 
 def _accepts_loss_kwargs(model: nn.Module) -> bool:
@@ -448,13 +497,13 @@ def plan_step_memory(
                 quantization_note = (
                     f"{quantized} linear layers loaded in 8-bit (LLM.int8): their int8 codes (parameters) and fp32 "
                     f"row scales (buffers) as bitsandbytes stores them, their dequantized copies as temporaries, "
-                    f"traced through {path}; the model-states plan counts them unquantized")
+                    f"traced through {path}; the model-states plan counts them so, and unquantized without a step")
             else:
                 quantization_note = (
                     f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
                     f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) "
                     f"and quantization state (buffers) as bitsandbytes stores them, their dequantized copies as "
-                    f"temporaries; the model-states plan counts them unquantized")
+                    f"temporaries; the model-states plan counts them so, and unquantized without a step")
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
@@ -472,7 +521,11 @@ def plan_step_memory(
     implementation = implementation[0]
     if implementation:
         notes.append(f"optimizer traced with its {implementation} implementation, as torch runs it on {device_type}")
-    peak, parts, transient = traced.peak_bytes, dict(traced.peak_parts), {}
+    peak, parts = traced.peak_bytes, dict(traced.peak_parts)
+    most = {state: traced.states_most.get(state, 0) for state in MODEL_STATES}
+    most_host = {state: traced.states_most.get(state + _HOST, 0) for state in MODEL_STATES}
+    at_step = {state: traced.states_at_optimizer_step.get(state, 0) + traced.states_at_optimizer_step.get(state + _HOST, 0)
+               for state in MODEL_STATES} if traced.states_at_optimizer_step else {}
     fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
     phase = traced.peak_phase
     if traced.optimizer_failure is not None:
@@ -490,6 +543,7 @@ def plan_step_memory(
         peak, phase = fb_peak + estimated, traced.peak_phase
         fb_peak, optimizer_peak = peak, None
         parts["optimizer_state"] += estimated
+        most["optimizer_state"], at_step = estimated, {}
         notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({traced.optimizer_failure}); "
                      f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
                      f"and the optimizer step's own temporaries are not traced")
@@ -517,9 +571,56 @@ def plan_step_memory(
     return StepMemoryPlan(activations_bytes=traced.activations_bytes,
                           activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
                           peak_parts=parts, forward_backward_peak_bytes=fb_peak,
-                          optimizer_step_peak_bytes=optimizer_peak, transient_bytes=transient, fits=fits, margin_bytes=margin, notes=notes,
+                          optimizer_step_peak_bytes=optimizer_peak, model_states_most_bytes=most,
+                          model_states_host_bytes=most_host, model_states_at_optimizer_step_bytes=at_step, fits=fits, margin_bytes=margin, notes=notes,
                           engine=engine.name, optimizer_implementation=implementation, host_bytes=host,
                           settings_used=[list(row) for row in settings.used()], **common), states_plan
+
+
+def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelStatesPlan:
+    """The model-states plan with the step's own figures in the row of its optimizer: each state
+    the most it held at one moment of the step as the engine ran it (`model_states_most_bytes`
+    and `model_states_host_bytes`: DDP's gradients with their buckets, ZeRO-1's whole gradients
+    before the reduction, FSDP2's shards with the gathered parameters), what it held at the
+    optimizer step beside it, and the sums, fits? and margin from them; so the table and the
+    step's peak come from one trace. `states` itself when the step has no figures (a step that
+    could not be traced) or `states` has no row for its optimizer alone.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from trainer_memcb.plan.settings import resolve_settings
+        >>> def build():
+        ...     with torch.device("meta"):
+        ...         return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                                             num_attention_heads=4, vocab_size=256))
+        >>> settings = resolve_settings(world_size=2, sharding="ddp", batch_size=1, optimizer="adamw_torch")
+        >>> step, states = plan_step_memory(build, seq_len=8, settings=settings, device_type="cpu")
+        >>> row = states_during_step(states, step).optimizers[0]
+        >>> row.grads_bytes == 2 * states.optimizers[0].grads_bytes  # the gradients and DDP's buckets
+        True
+    """
+    if step.problem is not None or not step.model_states_most_bytes or len(states.optimizers) != 1:
+        return states
+    [row] = states.optimizers
+    if row.model_states_bytes is None:
+        return states
+    device, host = step.model_states_most_bytes, step.model_states_host_bytes
+    figure = {state: device.get(state, 0) + host.get(state, 0) for state in MODEL_STATES}
+    reference = row.reference_model_bytes
+    # A frozen reference model lives where the parameters do (offloaded with them).
+    cpu = sum(host.values()) + (reference if states.setup.offload_params else 0)
+    total = sum(figure.values()) + reference
+    memory = states.device_memory_bytes
+    margin = None if memory is None else memory - (total - cpu)
+    row = dataclasses.replace(
+        row, params_bytes=figure["parameters"], grads_bytes=figure["gradients"],
+        optimizer_state_bytes=figure["optimizer_state"], master_weights_bytes=figure["master_weights"],
+        model_states_bytes=total, device_bytes=total - cpu, cpu_bytes=cpu,
+        cpu_bytes_per_node=cpu * states.setup.processes_per_node, transient_bytes={},
+        fits=None if margin is None else margin >= 0, margin_bytes=margin, engine=step.engine,
+        at_optimizer_step_bytes=dict(step.model_states_at_optimizer_step_bytes))
+    return dataclasses.replace(states, optimizers=[row])
 
 
 def _resolve(settings: Optional[StepSettings], args: Any, setup: Optional[Setup], **given: Any) -> StepSettings:

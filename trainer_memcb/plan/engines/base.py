@@ -11,6 +11,11 @@ An engine is made for one trace and used in this order by `plan.step_memory`:
 4. `backward(loss)`, then `step(build_optimizer, model, trainable)` (clip and step, returns the
    optimizer), then `zero_grad(optimizer)`;
 5. `close()`, always.
+
+After the step, `state_of(part, serial)` says which model state each part of the timeline belongs
+to, so that the model-states table gives, per engine, the most each state held during the step
+(`trainer_memcb.plan.live_storages.LiveStorages.most_by`): the gathered parameters count as
+parameters, the engine's buckets as the state they carry.
 """
 
 from __future__ import annotations
@@ -20,11 +25,19 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-__all__ = ["StepEngine"]
+__all__ = ["StepEngine", "MODEL_STATES"]
 
 # The parts an engine may name beside the plan's own (parameters, gradients, optimizer state,
 # activations, batch and buffers, other).
-ENGINE_PARTS = ("master_weights", "unsharded_parameters", "engine_buffers")
+ENGINE_PARTS = ("master_weights", "unsharded_parameters", "unsharded_gradients", "engine_buffers", "fp32_gradients")
+# The model states, as the model-states table names them.
+MODEL_STATES = ("parameters", "gradients", "optimizer_state", "master_weights")
+# The model state each part of a step belongs to; the activations, the batch and buffers and the
+# temporaries belong to none. An engine's buffers carry gradients (DDP's and ZeRO's buckets)
+# unless the engine says otherwise (FSDP2's all-gather buffers carry parameters).
+_STATE_OF_PART = {"parameters": "parameters", "unsharded_parameters": "parameters", "gradients": "gradients",
+                  "unsharded_gradients": "gradients", "fp32_gradients": "gradients", "engine_buffers": "gradients", "optimizer_state": "optimizer_state",
+                  "master_weights": "master_weights"}
 
 
 class StepEngine:
@@ -78,6 +91,10 @@ class StepEngine:
 
     def zero_grad(self, optimizer: Any) -> None:
         optimizer.zero_grad(set_to_none=True)
+
+    def state_of(self, part: str, serial: int) -> Optional[str]:
+        """The model state (`MODEL_STATES`) the storage `serial` of `part` belongs to, or None."""
+        return _STATE_OF_PART.get(part)
 
     def close(self) -> None:
         pass

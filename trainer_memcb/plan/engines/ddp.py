@@ -82,6 +82,8 @@ class DDPEngine(StepEngine):
         return model
 
     def _ready(self, param: torch.Tensor) -> None:
+        if self.tracker is not None:  # the fresh gradient, until the bucket view replaces it
+            self.tracker.tag([param.grad], "gradients")
         view = self._views[id(param)]
         view.copy_(param.grad)
         if self.settings.gradient_as_bucket_view:

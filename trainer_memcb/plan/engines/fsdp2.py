@@ -13,8 +13,9 @@ unsharded parameters by resizing their storages to 0 (`free_storage`), which the
 tracker follows.
 
 Parts named here: the unsharded parameters (`FSDPParam.all_gather_outputs`, tagged as each module's
-forward begins, also kept out of the activations though autograd saves them) and the engine's
-buffers (the tensors handed to the all-gather and reduce-scatter collectives).
+forward begins, also kept out of the activations though autograd saves them), the unsharded
+gradients (autograd's, until `foreach_reduce` copies them into the reduce-scatter input) and the
+engine's buffers (the tensors handed to the all-gather and reduce-scatter collectives).
 
 CPU offload (`CPUOffloadPolicy`): the sharded parameters, their gradients and the optimizer state
 live on the CPU; the trace runs on the CPU for both, so those storages are moved out of the
@@ -23,7 +24,7 @@ device's timeline by part when the peak is read (`host_parts`).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -58,6 +59,7 @@ class FSDP2Engine(StepEngine):
         self._owns_group = False
         self._states: List[Any] = []
         self._hooks: List[Any] = []
+        self._gather_serials: Set[int] = set()
         self.host_parts = ("parameters", "gradients", "optimizer_state") if settings.fsdp_cpu_offload else ()
 
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
@@ -114,18 +116,33 @@ class FSDP2Engine(StepEngine):
         # The flat buffers FSDP2 hands its collectives (`_fsdp_collectives.py`): the all-gather's
         # output (its input is a slice of it) and the reduce-scatter's input. The reduce-scatter's
         # output becomes the sharded gradients.
+        # The unsharded gradients that `foreach_reduce` copies into that input
+        # (`foreach_reduce_scatter_copy_in`: torch 2.13's `torch.ops.fsdp.chunk_cat(unsharded_grads,
+        # ...)`, `torch._chunk_cat` in older ones) are the unsharded gradients, on the device even
+        # with CPU offload, from autograd's making them until the copy frees them.
         name = getattr(func, "__name__", str(func))
         namespace = getattr(func, "namespace", "")
+        if namespace in ("fsdp", "aten") and name.lstrip("_").startswith("chunk_cat") and args:
+            self.tracker.tag(list(_tensors(args[0])), "unsharded_gradients")
+            return
         if namespace not in ("c10d", "_c10d_functional"):
             return
         if "allgather" in name or "all_gather" in name:
-            self.tracker.tag([a for a in _tensors(args)], "engine_buffers")
+            gathered = list(_tensors(args))
+            self.tracker.tag(gathered, "engine_buffers")
+            self._gather_serials.update(self.tracker.serials(gathered))
         elif "reduce_scatter" in name:
             tensors = list(_tensors(args))
             self.tracker.tag(tensors[1:2] if len(tensors) > 1 else tensors, "engine_buffers")
 
     def gradients(self, trainable: List[torch.Tensor]) -> List[torch.Tensor]:
         return [p.grad for p in trainable if p.grad is not None]
+
+    def state_of(self, part: str, serial: int) -> Optional[str]:
+        # The all-gather buffers carry parameters, the reduce-scatter inputs gradients.
+        if part == "engine_buffers" and serial in self._gather_serials:
+            return "parameters"
+        return super().state_of(part, serial)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -251,6 +251,7 @@ class ZeroEngine(StepEngine):
             numel = zero12_gradient_numel([[p.numel() for p in group] for group in self._groups], self.world, 0)
             self._grad_partition = [torch.empty(numel, dtype=param.grad.dtype)]
             self.tracker.tag(self._grad_partition, "gradients")
+        self.tracker.tag([param.grad], "gradients")  # the whole gradient, until its reduction frees it
         param.grad = None
 
     def gradients(self, trainable: List[torch.Tensor]) -> List[torch.Tensor]:
