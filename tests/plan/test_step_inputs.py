@@ -11,8 +11,11 @@ transformers = pytest.importorskip("transformers")
 
 
 def meta(class_name: str, config_name: str, **keywords) -> torch.nn.Module:
+    # The class first, outside the meta device: its lazy import may be the process's first of
+    # torch._dynamo, whose import-time code calls .item(), which torch 2.6 refuses on meta tensors.
+    model_class, config = getattr(transformers, class_name), getattr(transformers, config_name)(**keywords)
     with torch.device("meta"):
-        return getattr(transformers, class_name)(getattr(transformers, config_name)(**keywords))
+        return model_class(config)
 
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
