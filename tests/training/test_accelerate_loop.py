@@ -304,7 +304,7 @@ def test_the_guide_loop_runs_as_written_and_logs_exact_bytes(tmp_path, monkeypat
 
     state_bytes = adamw_bytes(model)[1]
     assert namespace["memory"].optimizer_steps == 10
-    logged = tensorboard_scalars(str(tmp_path / "output" / "my_run" / "tensorboard"))[MEASURED_BYTES]
+    logged = tensorboard_scalars(str(tmp_path / "output" / "my_run"))[MEASURED_BYTES]
     assert logged == [(10, float(state_bytes))]
     with open(tmp_path / "output" / "my_run" / SUMMARY_FILE_NAME, encoding="utf-8") as handle:
         assert json.load(handle)["measured"]["num_bytes"] == state_bytes
