@@ -80,28 +80,37 @@ def peak_of(prof: profile, window_name: str = "measured step") -> dict:
     return {"peak_bytes": max(peak, at_start), "alive_at_start_bytes": at_start}
 
 
+def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict):
+    """One training step as the Trainer's loop runs it, over the trainable parameters."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        loss = model(**inputs).loss
+        loss.backward()
+        del loss
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def warm_up(step) -> None:
+    step()
+    step()  # DDP rebuilds its buckets once, at the second step's forward (`_rebuild_buckets`)
+    # gloo's finished work objects of the last step hold small tensors until collected.
+    dist.barrier()
+    gc.collect()
+
+
 def run(engine: str) -> dict:
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = wrap(tiny_llama(), engine)
         model.train()
         optimizer = trainer_optimizer(model)
-        inputs = batch()
-        trainable = [p for p in model.parameters() if p.requires_grad]
-
-        def step() -> None:
-            loss = model(**inputs).loss
-            loss.backward()
-            del loss
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        step()
-        step()  # DDP rebuilds its buckets once, at the second step's forward (`_rebuild_buckets`)
-        # gloo's finished work objects of the last step hold small tensors until collected.
-        dist.barrier()
-        gc.collect()
+        step = steps_of(model, optimizer, batch())
+        warm_up(step)
         with record_function("measured step"):
             step()
     return peak_of(prof)
@@ -115,29 +124,12 @@ def memtracker_run(engine: str) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     torch.manual_seed(0)
-    config = LlamaConfig(**CONFIG)
-    config._attn_implementation = "sdpa"
-    config.use_cache = False
-    model = wrap(LlamaForCausalLM(config), engine)
+    model = wrap(tiny_llama(), engine)
     model.train()
-    optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
-    ids = torch.randint(0, 100, (BATCH, SEQ))
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
-              "num_items_in_batch": torch.tensor(float(ids.numel()))}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-
-    def step() -> None:
-        loss = model(**inputs).loss
-        loss.backward()
-        del loss
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    step()
-    dist.barrier()
-    gc.collect()
+    optimizer = trainer_optimizer(model)
+    inputs = batch()
+    step = steps_of(model, optimizer, inputs)
+    warm_up(step)
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
     tracker.track_inputs(tuple(inputs.values()))
     with tracker:

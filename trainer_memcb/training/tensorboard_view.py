@@ -415,27 +415,21 @@ class TensorBoardView:
 
     def write_text(self, markdown: str, step: int) -> bool:
         """The end-of-run summary, in the Text tab under `optimizer_memory`; whether it wrote."""
-        writer = self._file_writer()
-        if writer is None:
-            return False
-        from torch.utils.tensorboard.summary import text
-
-        writer.add_summary(text(TEXT_TAG, markdown), step)
-        writer.flush()
-        return True
+        return self._write_markdown(TEXT_TAG, markdown, step)
 
     def write_evaluation(self, entry: Dict[str, Any], prefix: str, step: int) -> bool:
         """An evaluation's figures as a table in the Text tab (`optimizer_memory_evaluation`), at
         its step (`evaluation_markdown`); whether it wrote."""
         markdown = evaluation_markdown(entry, prefix, step, self.tag)
-        if markdown is None:
-            return False
+        return markdown is not None and self._write_markdown(EVALUATION_TEXT_TAG, markdown, step)
+
+    def _write_markdown(self, tag: str, markdown: str, step: int) -> bool:
         writer = self._file_writer()
         if writer is None:
             return False
         from torch.utils.tensorboard.summary import text
 
-        writer.add_summary(text(EVALUATION_TEXT_TAG, markdown), step)
+        writer.add_summary(text(tag, markdown), step)
         writer.flush()
         return True
 
