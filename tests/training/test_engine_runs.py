@@ -134,14 +134,28 @@ def test_zero12_peak_on_the_closer_process_equals_the_profilers(zero_runs, row):
                    "partition, kept from forward to backward within stage3_max_reuse_distance) is 66,705 to 423,000 "
                    "bytes under the processes here (2,123,109 to 2,479,105, by launch): the prefetch is not modelled, "
                    "and gloo's reduce_scatter_tensor fallback (reduce_scatter_single) makes temporaries whose frees the "
-                   "profiler misses where the ProcessGroup is called below the fenced functions. Offload: the plan lacks "
-                   "the 16-bit CPU copy of the partition, the two largest-parameter staging buffers and the fp32 gradient "
-                   "partition kept between steps (stage_1_and_2.py __init__, initialize_optimizer_states)")
-@pytest.mark.parametrize("row", ["zero3-no-overlap", "zero3", "zero2-offload"])
-def test_zero3_and_offload_peak_per_process_equals_the_profilers(zero_runs, row):
+                   "profiler misses where the ProcessGroup is called below the fenced functions")
+@pytest.mark.parametrize("row", ["zero3-no-overlap", "zero3"])
+def test_zero3_peak_per_process_equals_the_profilers(zero_runs, row):
     plan = zero_plan_of(zero_runs[row][0])
     peaks = [run["peak_bytes"] for run in zero_runs[row]]
     assert min(peaks) - plan <= 1024, (plan, peaks)
+
+
+# ZeRO-2 with offload_optimizer (the Trainer's torch AdamW as the client optimizer): the peak is in
+# backward, when the lm_head's gradient (16,384 values, more than the 4,096-value bucket) is cloned
+# beside the one autograd made (`_offload_gradient_safety_enabled`). What the fake step does not
+# make there: three 0-dim scalars of DeepSpeed's (the loss scale's and the reduction's, 12 bytes).
+# Rank 0 only: the plan is its partition (embedding and the first layers); rank 1's holds the
+# lm_head, whose gradient's fp64 copy for its norm (`set_norm_for_param_grad_in_gpu`, 131,072
+# bytes) makes its peak 57,620 bytes higher, real and not planned.
+OFFLOAD_SCALARS = 12
+
+
+def test_zero2_offload_peak_on_rank0_equals_the_profilers(zero_runs):
+    runs = zero_runs["zero2-offload"]
+    plan = zero_plan_of(runs[0])
+    assert runs[0]["peak_bytes"] == plan + OFFLOAD_SCALARS, (plan, [run["peak_bytes"] for run in runs])
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------------
