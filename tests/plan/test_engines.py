@@ -99,8 +99,9 @@ def test_zero_states_and_buffers_from_the_deepspeed_config(stage, overlap):
     if stage < 3:
         assert parts["parameters"] == 2 * NUMEL  # ZeRO-1/2 keep every 16-bit parameter
     else:
-        # Between steps every parameter of 640 values or more is its bf16 half; the norms whole.
-        assert parts["parameters"] == (NUMEL - 5 * 64) // 2 * 2 + 5 * 64 * 2
+        # Between steps every parameter is its bf16 half (the flat `fp16_partitioned_groups_flat`),
+        # and the five 64-value norms, under the persistence threshold, are whole beside theirs.
+        assert parts["parameters"] == NUMEL // 2 * 2 + 5 * 64 * 2
 
 
 def test_settings_from_training_args_json_and_deepspeed_config_with_flags_over_them(tmp_path):
@@ -197,12 +198,12 @@ STATES_CASES = {
     # gradient partition is made; the most is at the step.
     "zero2": (dict(deepspeed=ZERO_DS[2], world_size=2, hidden_size=64),
               dict(parameters=2 * NUMEL, gradients=115_072 + 57_344 * 4), {}),
-    # ZeRO-3: the bf16 halves and the whole norms (115,328), and in backward every other parameter gathered
+    # ZeRO-3: the bf16 halves and the whole norms (115,648), and in backward every other parameter gathered
     # beside its partition (229,376 bytes: each is reused within stage3_max_reuse_distance, so kept
     # whole from its forward to its backward); the 16-bit gradient partition (115,008), the bucket
     # and the fp32 gradient partition of one sub-group.
     "zero3": (dict(deepspeed=ZERO_DS[3], world_size=2, hidden_size=64),
-              dict(parameters=115_328 + 229_376, gradients=115_008 + 8_192 + 57_344 * 4), dict(parameters=115_328)),
+              dict(parameters=115_648 + 229_376, gradients=115_008 + 8_192 + 57_344 * 4), dict(parameters=115_648)),
 }
 
 

@@ -30,12 +30,13 @@ Trainer's optimizer (decay, no decay):
     `offload_optimizer`; then the 16-bit partition is updated in place.
 - ZeRO-3 (`runtime/zero/stage3.py`, `DeepSpeedZeroOptimizer_Stage3`, `partition_parameters.py`):
   - each parameter keeps its `ceil(numel / W)` 16-bit partition; parameters under
-    `stage3_param_persistence_threshold` values stay whole (`persistent_parameters`);
+    `stage3_param_persistence_threshold` values stay whole (`persistent_parameters`) beside theirs;
   - a module's parameters are whole, beside their partitions, from its forward (backward) pre-hook
     to its post-hook (`PartitionedParameterCoordinator.fetch_sub_module` / `release_sub_module`),
     and from its forward to its backward when the trace reaches them again within
     `stage3_max_reuse_distance` values (`__params_to_release`); the next module's prefetch
-    (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only;
+    (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only (on the tiny
+    Llama's real runs it adds nothing at the peak, in backward, where every parameter is whole);
   - gradients go through the reduce bucket into the 16-bit gradient partition
     (`grad_partitions_flat_buffer`, allocated at init); the fp32 master sub-groups
     (`zero3_sub_group_numels`) and their optimizer state, on the CPU with `offload_optimizer`;
@@ -110,6 +111,7 @@ class ZeroEngine(StepEngine):
         self._held: Any = None  # ZeRO-1/2's `extra_large_param_to_reduce`
         self._in_partition: Dict[int, int] = {}  # id(param): its values in rank 0's partition
         self._norms: List[torch.Tensor] = []
+        self._persistent_partitions: List[torch.Tensor] = []  # ZeRO-3: the persistent parameters' partitions
         self._device_staging: List[torch.Tensor] = []
 
     # -- construction (deepspeed.initialize) ------------------------------------------------------
@@ -132,6 +134,14 @@ class ZeroEngine(StepEngine):
                 dtype = self._trainable[0].dtype if self._trainable else torch.float32
                 # stage3.py: grad_partitions_flat_buffer, made at init.
                 self._grad_partition = [torch.empty(total16, dtype=dtype)]
+                # The persistent parameters (under `stage3_param_persistence_threshold` values) stay
+                # whole, and keep their partition too: `fp16_partitioned_groups_flat` holds every
+                # parameter's `ds_tensor` (`_create_fp16_partitions_with_defragmentation`); the others'
+                # partitions are counted with their parameters (`_set_whole`).
+                threshold = int(self.settings.zero["stage3_param_persistence_threshold"])
+                persistent = sum(zero3_partition_numel(p.numel(), self.world) for p in model.parameters()
+                                 if p.numel() < threshold)
+                self._persistent_partitions = [torch.empty(persistent, dtype=dtype)] if persistent else []
             else:
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
                                  for group in self._groups]
@@ -196,6 +206,8 @@ class ZeroEngine(StepEngine):
                                         if isinstance(value, torch.Tensor)]
         if self._grad_partition:
             parts["gradients"] = list(self._grad_partition)
+        if self._persistent_partitions:
+            parts["parameters"] = list(self._persistent_partitions)
         return parts
 
     def attach(self, tracker: Any, counter: Any) -> None:
