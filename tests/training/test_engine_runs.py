@@ -62,7 +62,7 @@ def _tracked(script, tmp_path_factory, rows):
 # here: DDP 460,236 bytes above the plan on one process in half the launches; ZeRO-3 66,705 to
 # 423,000 above; ZeRO-2 with offload 33,036 above on rank 0 in one launch of three. The tracker
 # follows each storage made under it to its end by a weak reference, whichever thread drops it,
-# and read the same on both processes in every launch here (four for ZeRO, two for DDP).
+# and read the same on both processes in every launch here (three to five per ZeRO row, four for DDP).
 @pytest.fixture(scope="module")
 def ddp_tracked(tmp_path_factory):
     return _tracked("engine_step_profile.py", tmp_path_factory, list(ENGINES))
@@ -104,11 +104,13 @@ def zero_plan_of(run):
     return plan.peak_bytes + sum(plan.host_bytes.values())
 
 
-# What the fake step does not make, found by comparing the storages alive at the two peaks: a few
-# of DeepSpeed's 0-dim scalars. ZeRO-1/2 (peak in the optimizer step), with or without offload
-# (peak in backward): 16 bytes. ZeRO-3 (peak in backward): 21 bytes, one 8-byte and three 4-byte
-# scalars and the 1-byte `inf_or_nan_tracker` (stage3.py __init__). Every other storage is the
-# plan's, to the byte, on both processes.
+# What the fake step does not make, found by comparing the sizes of the storages alive at the
+# plan's peak and at the tracker's (zero2, zero2-offload, zero3; the other rows read the same
+# totals): a few of DeepSpeed's 0-dim scalars. ZeRO-2 (peak in the optimizer step) and ZeRO-2 with
+# offload (in backward): four fp32 ones, 16 bytes. ZeRO-3 (in backward): 21 bytes, one 8-byte and
+# three 4-byte scalars and the 1-byte `inf_or_nan_tracker` (stage3.py __init__). Every other byte is
+# the plan's (ZeRO-1/2's 16-bit parameters are views of two flat buffers there, 458,752 and 1,280
+# bytes, where the plan has one storage per parameter: the same bytes).
 ZERO_SCALARS = {"zero1": 16, "zero1-overlap": 16, "zero2": 16, "zero2-overlap": 16, "zero2-offload": 16,
                 "zero3-no-overlap": 21, "zero3": 21}
 # ZeRO-2 with offload: the plan is rank 0's partition (the embedding and the first layers); rank 1's
