@@ -47,7 +47,8 @@ Trainer's optimizer (decay, no decay):
   buffer (`engine_buffers`), the fp32 gradient partition kept on the host between steps instead of
   the device's 16-bit one; each gradient larger than the bucket kept whole to the next gradient's
   arrival (`extra_large_param_to_reduce`, with or without offload) and, with offload, cloned
-  beside itself; the fp64 copy of each gradient's slice for its norm.
+  beside itself; the fp64 copy of each gradient's slice for its norm; the optimizer step's own
+  temporaries on the host (`host_temporaries`), where it steps.
 
 Not modelled (said in the notes): ZeRO-3's prefetching and `stage3_max_live_parameters`, ZeRO-3's
 offload buffers, the all-gather of the updated 16-bit partitions (done in place
@@ -94,7 +95,8 @@ class ZeroEngine(StepEngine):
         self.tracker_params: List[torch.Tensor] = []
         self.optimizer_builder: Any = None
         self.offload = bool(settings.offload_optimizer)
-        self.host_parts = ("master_weights", "optimizer_state", "fp32_gradients", "offload_buffers") if self.offload else ()
+        self.host_parts = ("master_weights", "optimizer_state", "fp32_gradients", "offload_buffers",
+                           "host_temporaries") if self.offload else ()
         self._masters: List[torch.Tensor] = []
         self._optimizer: Any = None
         self._buckets: List[torch.Tensor] = []
@@ -358,6 +360,24 @@ class ZeroEngine(StepEngine):
         optimizer = self._optimizer
         if optimizer is None:
             return None
+        if self.offload:
+            # The optimizer steps on the host's partitions: what it makes there (its temporaries,
+            # the clipping's norms) is on the host too, out of the device's peak.
+            tracker, cursor = self.tracker, [len(self.tracker.sizes)]
+
+            def on_host(func: Any, args: Any, kwargs: Any) -> None:
+                for serial in range(cursor[0], len(tracker.sizes)):
+                    tracker.tags.setdefault(serial, "host_temporaries")
+                cursor[0] = len(tracker.sizes)
+
+            previous, tracker.on_op = tracker.on_op, on_host
+            try:
+                return self._step(optimizer)
+            finally:
+                tracker.on_op = previous
+        return self._step(optimizer)
+
+    def _step(self, optimizer: Any) -> Any:
         # One fp32 gradient partition (ZeRO-3: one sub-group) at a time, freed after its step;
         # ZeRO-1/2 with offload: the one kept on the host, read in place.
         for index, master in enumerate(self._masters):
