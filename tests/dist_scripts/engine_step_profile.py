@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node 2 engine_step_profile.py OUT_DIR ENGINE...
 
 ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
 (reshard_after_forward=False); fsdp2-memtracker and fsdp2-sgo-memtracker: the same steps, the third
-under torch's FSDPMemTracker instead of the profiler (`memtracker_run`). The engine's own loop, as the Trainer's would run it: the tiny Llama
+under torch's FSDPMemTracker instead of the profiler (`memtracker_run`); ddp-memtracker and
+ddp-view-memtracker: under torch's MemTracker (`ddp_memtracker_run`). The engine's own loop, as the Trainer's would run it: the tiny Llama
 of tests/plan/test_engines.py in fp32 (sdpa), the Trainer's `adamw_torch`, forward with labels and
 `num_items_in_batch`, backward, clipping at 1.0, step, `zero_grad(set_to_none=True)`. The profiler
 records from before the model is made, so that what the engine allocates when it wraps the model
@@ -139,13 +140,52 @@ def memtracker_run(engine: str) -> dict:
     return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()}}
 
 
+def ddp_memtracker_run(engine: str) -> dict:
+    """DDP's steps under torch's `MemTracker` instead of the profiler (FSDPMemTracker wants FSDP
+    modules): entered before the model is made, so that the reducer's buckets are counted, and left
+    and entered again before the third step, which restarts its peak from what is alive then. The
+    tracker follows each storage to its end by a weak reference, on whichever thread drops it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    tracker = MemTracker()
+    with tracker:
+        model = wrap(tiny_llama(), engine)
+        model.train()
+        optimizer = trainer_optimizer(model)
+        inputs = batch()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+
+        def step() -> None:
+            tracker.reset_mod_stats()  # its per-module figures hold one iteration; the peak is kept apart
+            loss = model(**inputs).loss
+            loss.backward()
+            del loss
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        step()
+        dist.barrier()
+        gc.collect()
+    with tracker:
+        step()
+    stats = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()}}
+
+
 def main() -> None:
     parsed = argparse.ArgumentParser().parse_known_args()[1]
     out_dir, engines = parsed[0], parsed[1:]
     dist.init_process_group("gloo")
     for engine in engines:
         # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
-        result = memtracker_run(engine[:-len("-memtracker")]) if engine.endswith("-memtracker") else run(engine)
+        if engine.endswith("-memtracker"):
+            name = engine[:-len("-memtracker")]
+            result = ddp_memtracker_run(name) if name.startswith("ddp") else memtracker_run(name)
+        else:
+            result = run(engine)
         _common.write_result(os.path.join(out_dir, engine), dict(result, engine=engine, world_size=dist.get_world_size()))
         dist.barrier()
     dist.destroy_process_group()

@@ -4,7 +4,9 @@ torch.profiler records them, per process.
 Usage: torchrun --nproc_per_node 2 zero_step_profile.py OUT_DIR ROW...
 
 ROW: a name of `ROWS` below (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, and ZeRO-2
-with `offload_optimizer` to the CPU). The model, batch and client optimizer are those of
+with `offload_optimizer` to the CPU); ROW-memtracker: the same steps under torch's MemTracker
+instead of the profiler (`memtracker_run`), the figure tests/training/test_engine_runs.py holds the
+plan to: the profiler, even fenced, misses frees on gloo's worker thread (see `memtracker_run`). The model, batch and client optimizer are those of
 engine_step_profile.py (the tiny Llama in fp32, the Trainer's `adamw_torch` in its two param groups),
 handed to `deepspeed.initialize` as the Trainer hands them when the DeepSpeed config has no
 optimizer section; the loop is the one accelerate runs for the Trainer: `engine(**batch).loss`,
@@ -165,6 +167,47 @@ def run(config: Dict[str, Any], detail: bool) -> Dict[str, Any]:
     return result
 
 
+def memtracker_run(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The same steps under torch's `MemTracker` instead of the profiler: it follows every storage
+    made under it (a dispatch mode on the main thread) to its end by a weak reference, whichever
+    thread drops the last one, so gloo's worker threads do not hide a free. Entered before the
+    model is made, so that what `deepspeed.initialize` allocates is counted; left and entered again
+    before the third step, which restarts its peak from what is alive then (`__enter__`)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    tracker = MemTracker()
+    with tracker:
+        model = tiny_llama()
+        model.train()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=trainer_optimizer(model),
+                                               config=copy.deepcopy(config))
+        inputs = batch()
+
+        def step() -> None:
+            tracker.reset_mod_stats()  # its per-module figures hold one iteration; the peak is kept apart
+            loss = engine(**inputs).loss
+            engine.backward(loss)
+            del loss
+            engine.step()
+
+        step()
+        step()
+        dist.barrier()
+        gc.collect()
+    with tracker:
+        step()
+    peaks = tracker.get_tracker_snapshot("peak")
+    stats = peaks[torch.device("cpu")]
+    result = {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
+              "other_devices": {str(device): int(snap["Total"]) for device, snap in peaks.items() if device.type != "cpu"},
+              "zero_class": type(engine.optimizer).__name__}
+    engine.destroy()
+    del engine, model
+    gc.collect()
+    return result
+
+
 def main() -> None:
     parsed = argparse.ArgumentParser().parse_known_args()[1]
     out_dir, rows = parsed[0], parsed[1:]
@@ -172,8 +215,10 @@ def main() -> None:
     _gloo_fence.install()  # before the process group is made: see _gloo_fence.py
     deepspeed.init_distributed(dist_backend="gloo")
     for row in rows:
-        result = run(ROWS[row], detail)
-        _common.write_result(os.path.join(out_dir, row), dict(result, row=row, deepspeed_config=ROWS[row],
+        # ROW-memtracker: MemTracker's peak of the same step (see memtracker_run).
+        config = ROWS[row[:-len("-memtracker")] if row.endswith("-memtracker") else row]
+        result = memtracker_run(config) if row.endswith("-memtracker") else run(config, detail)
+        _common.write_result(os.path.join(out_dir, row), dict(result, row=row, deepspeed_config=config,
                                                                 world_size=dist.get_world_size()))
         dist.barrier()
     dist.destroy_process_group()

@@ -99,8 +99,9 @@ def test_zero_states_and_buffers_from_the_deepspeed_config(stage, overlap):
     if stage < 3:
         assert parts["parameters"] == 2 * NUMEL  # ZeRO-1/2 keep every 16-bit parameter
     else:
-        # Between steps every parameter of 640 values or more is its bf16 half; the norms whole.
-        assert parts["parameters"] == (NUMEL - 5 * 64) // 2 * 2 + 5 * 64 * 2
+        # Between steps every parameter is its bf16 half (the flat `fp16_partitioned_groups_flat`),
+        # and the five 64-value norms, under the persistence threshold, are whole beside theirs.
+        assert parts["parameters"] == NUMEL // 2 * 2 + 5 * 64 * 2
 
 
 def test_settings_from_training_args_json_and_deepspeed_config_with_flags_over_them(tmp_path):
@@ -197,12 +198,12 @@ STATES_CASES = {
     # gradient partition is made; the most is at the step.
     "zero2": (dict(deepspeed=ZERO_DS[2], world_size=2, hidden_size=64),
               dict(parameters=2 * NUMEL, gradients=115_072 + 57_344 * 4), {}),
-    # ZeRO-3: the bf16 halves and the whole norms (115,328), and in backward every other parameter gathered
+    # ZeRO-3: the bf16 halves and the whole norms (115,648), and in backward every other parameter gathered
     # beside its partition (229,376 bytes: each is reused within stage3_max_reuse_distance, so kept
     # whole from its forward to its backward); the 16-bit gradient partition (115,008), the bucket
     # and the fp32 gradient partition of one sub-group.
     "zero3": (dict(deepspeed=ZERO_DS[3], world_size=2, hidden_size=64),
-              dict(parameters=115_328 + 229_376, gradients=115_008 + 8_192 + 57_344 * 4), dict(parameters=115_328)),
+              dict(parameters=115_648 + 229_376, gradients=115_008 + 8_192 + 57_344 * 4), dict(parameters=115_648)),
 }
 
 
@@ -280,3 +281,26 @@ def test_states_during_step_docstring_example_runs():
                                           globs=vars(step_memory).copy())
     result = doctest.DocTestRunner().run(test)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_zero2_offload_keeps_its_partitions_and_staging_on_the_host_and_the_peak_on_the_device():
+    # deepspeed 0.19.8's DeepSpeedZeroOptimizer with offload_optimizer (torch AdamW as the client
+    # optimizer): on the host the fp32 master partition, AdamW's state of it, the fp32 gradient
+    # partition kept between steps, and the offload buffers: the partition's bf16 copy (115,008) and
+    # a staging buffer of the largest parameter (16,384 bf16 values: 32,768).
+    ds = {"bf16": {"enabled": True}, "zero_force_ds_cpu_optimizer": False,
+          "zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": "auto",
+                                "offload_optimizer": {"device": "cpu"}}}
+    settings = resolve_settings(deepspeed=ds, world_size=2, hidden_size=64, batch_size=BATCH, optimizer="adamw_torch")
+    plan = plan_with(settings)
+    assert plan.host_bytes == {"master_weights": 4 * NUMEL // 2, "optimizer_state": 2 * 4 * NUMEL // 2 + 2 * 4,
+                               "fp32_gradients": 4 * NUMEL // 2, "offload_buffers": 2 * NUMEL // 2 + 32_768}
+    # The optimizer steps on the host, its temporaries there too: the device's peak is in backward,
+    # where the bf16 parameters, the activations, the bucket (8,192) and the device staging buffer
+    # (32,768) meet the head's gradient and its clone (`_offload_gradient_safety_enabled`), 2 x 32,768
+    # among the temporaries at that moment (the clone is counted as it is made, before it is named).
+    assert plan.peak_phase == "backward"
+    assert plan.peak_bytes == plan.forward_backward_peak_bytes > plan.optimizer_step_peak_bytes
+    assert plan.peak_parts["parameters"] == 2 * NUMEL and plan.peak_parts["engine_buffers"] == 8_192 + 32_768
+    assert plan.peak_parts["other"] >= 2 * 32_768
+    assert not set(plan.host_bytes) & set(plan.peak_parts)

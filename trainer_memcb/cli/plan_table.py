@@ -100,7 +100,9 @@ _PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_
                "unsharded_parameters": "unsharded parameters (gathered)",
                "unsharded_gradients": "unsharded gradients (before the reduce-scatter)",
                "engine_buffers": "engine buffers (all-gather, reduce-scatter, DDP/ZeRO buckets)",
-               "fp32_gradients": "fp32 gradient partition (optimizer step only)"}
+               "fp32_gradients": "fp32 gradient partition (optimizer step only, kept with ZeRO-1/2 offload)",
+               "offload_buffers": "offload buffers (16-bit host copy, gradient staging)",
+               "host_temporaries": "the offloaded optimizer step's temporaries (host)"}
 
 
 def step_tables(found: Dict[str, Any]) -> List[TextTable]:

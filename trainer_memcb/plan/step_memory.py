@@ -201,6 +201,9 @@ class _Traced:
     optimizer_failure: Optional[str] = None
     states_most: Dict[str, int] = field(default_factory=dict)
     states_at_optimizer_step: Dict[str, int] = field(default_factory=dict)
+    # Of forward_backward_peak and optimizer_peak: the bytes of the engine's host parts (offload).
+    forward_backward_host: int = 0
+    optimizer_host: int = 0
 
 
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
@@ -290,7 +293,18 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     not_yet = 0 if engine.state_resident else sum(sizes[key] for key in unique_state - set(optimizer_keys))
     if build_optimizer is not None:
         optimizer_peak += not_yet
-    if fb_bytes + state_bytes >= optimizer_peak:
+    # What of each phase's peak lives on the host (offload), so that the phases are compared by the
+    # device's bytes. Each phase's own moment is still its most bytes alive, host included.
+    host_parts = set(getattr(engine, "host_parts", ()))
+    tags = tracker.tags
+
+    def host_bytes_of(keys: List[int], state_extra: int) -> int:
+        found = sum(sizes[key] for key in set(keys) if tags.get(key) in host_parts)
+        return found + (state_extra if "optimizer_state" in host_parts else 0)
+
+    fb_host = host_bytes_of(fb_keys, state_bytes)
+    optimizer_host = host_bytes_of(optimizer_keys, not_yet) if build_optimizer is not None else 0
+    if fb_bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:
         peak, phase, keys, watch, extra_state = fb_bytes + state_bytes, fb_phase, fb_keys, fb_watch, state_bytes
     else:
         peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, not_yet
@@ -317,7 +331,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     most, at_step = _states_in_step(tracker, engine, part_of, state_bytes, optimizer_keys, not_yet,
                                     build_optimizer is not None)
     return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes, fb_bytes + state_bytes,
-                   optimizer_peak if build_optimizer is not None else None, optimizer_failure, most, at_step)
+                   optimizer_peak if build_optimizer is not None else None, optimizer_failure, most, at_step,
+                   fb_host, optimizer_host)
 
 
 # A state's bytes on the host (offloaded) are kept apart from the device's under this suffix.
@@ -551,8 +566,8 @@ def plan_step_memory(
     if host:
         # Offloaded states: on the CPU in a real run; the trace holds them beside the device's bytes.
         peak -= sum(host.values())
-        fb_peak -= sum(host.values())
-        optimizer_peak = None if optimizer_peak is None else optimizer_peak - sum(host.values())
+        fb_peak -= traced.forward_backward_host
+        optimizer_peak = None if optimizer_peak is None else optimizer_peak - traced.optimizer_host
         notes.append(f"offloaded to the CPU, not in the device peak: {', '.join(f'{k} {v} bytes' for k, v in host.items())}")
     reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
     if reference:

@@ -29,7 +29,8 @@ __all__ = ["StepEngine", "MODEL_STATES"]
 
 # The parts an engine may name beside the plan's own (parameters, gradients, optimizer state,
 # activations, batch and buffers, other).
-ENGINE_PARTS = ("master_weights", "unsharded_parameters", "unsharded_gradients", "engine_buffers", "fp32_gradients")
+ENGINE_PARTS = ("master_weights", "unsharded_parameters", "unsharded_gradients", "engine_buffers", "fp32_gradients",
+                "offload_buffers", "host_temporaries")
 # The model states, as the model-states table names them.
 MODEL_STATES = ("parameters", "gradients", "optimizer_state", "master_weights")
 # The model state each part of a step belongs to; the activations, the batch and buffers and the

@@ -30,19 +30,28 @@ Trainer's optimizer (decay, no decay):
     `offload_optimizer`; then the 16-bit partition is updated in place.
 - ZeRO-3 (`runtime/zero/stage3.py`, `DeepSpeedZeroOptimizer_Stage3`, `partition_parameters.py`):
   - each parameter keeps its `ceil(numel / W)` 16-bit partition; parameters under
-    `stage3_param_persistence_threshold` values stay whole (`persistent_parameters`);
+    `stage3_param_persistence_threshold` values stay whole (`persistent_parameters`) beside theirs;
   - a module's parameters are whole, beside their partitions, from its forward (backward) pre-hook
     to its post-hook (`PartitionedParameterCoordinator.fetch_sub_module` / `release_sub_module`),
     and from its forward to its backward when the trace reaches them again within
     `stage3_max_reuse_distance` values (`__params_to_release`); the next module's prefetch
-    (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only;
+    (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only (on the tiny
+    Llama's real runs it adds nothing at the peak, in backward, where every parameter is whole);
   - gradients go through the reduce bucket into the 16-bit gradient partition
     (`grad_partitions_flat_buffer`, allocated at init); the fp32 master sub-groups
     (`zero3_sub_group_numels`) and their optimizer state, on the CPU with `offload_optimizer`;
     the fp32 gradient of one sub-group at a time inside the step.
 
-Not modelled (said in the notes): ZeRO-3's prefetching and `stage3_max_live_parameters`, the
-offload's pinned staging buffers, the all-gather of the updated 16-bit partitions (done in place
+- ZeRO-1/2 with `offload_optimizer` (`_offload_zero12_buffers`): the partition's 16-bit host copy and
+  the largest parameter's host staging buffer (`offload_buffers`, on the host), its device staging
+  buffer (`engine_buffers`), the fp32 gradient partition kept on the host between steps instead of
+  the device's 16-bit one; each gradient larger than the bucket kept whole to the next gradient's
+  arrival (`extra_large_param_to_reduce`, with or without offload) and, with offload, cloned
+  beside itself; the fp64 copy of each gradient's slice for its norm; the optimizer step's own
+  temporaries on the host (`host_temporaries`), where it steps.
+
+Not modelled (said in the notes): ZeRO-3's prefetching and `stage3_max_live_parameters`, ZeRO-3's
+offload buffers, the all-gather of the updated 16-bit partitions (done in place
 in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, no new memory in
 0.19.8's `all_gather_dp_groups`).
 """
@@ -50,7 +59,7 @@ in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -85,7 +94,9 @@ class ZeroEngine(StepEngine):
         self.world = settings.world_size if self.stage else 1
         self.tracker_params: List[torch.Tensor] = []
         self.optimizer_builder: Any = None
-        self.host_parts = ("master_weights", "optimizer_state", "fp32_gradients") if settings.offload_optimizer else ()
+        self.offload = bool(settings.offload_optimizer)
+        self.host_parts = ("master_weights", "optimizer_state", "fp32_gradients", "offload_buffers",
+                           "host_temporaries") if self.offload else ()
         self._masters: List[torch.Tensor] = []
         self._optimizer: Any = None
         self._buckets: List[torch.Tensor] = []
@@ -95,6 +106,15 @@ class ZeroEngine(StepEngine):
         self._groups: List[List[torch.Tensor]] = []
         self._trainable: List[torch.Tensor] = []
         self._gathered: Dict[int, None] = {}
+        self._fp32_grads: List[torch.Tensor] = []  # ZeRO-1/2 offload: kept between steps, on the host
+        self._offload_buffers: List[torch.Tensor] = []  # host: the 16-bit copies and the gradient staging
+        self._host_bit16: List[torch.Tensor] = []
+        self._host_bit16_serials: set = set()
+        self._held: Any = None  # ZeRO-1/2's `extra_large_param_to_reduce`
+        self._in_partition: Dict[int, int] = {}  # id(param): its values in rank 0's partition
+        self._norms: List[torch.Tensor] = []
+        self._persistent_partitions: List[torch.Tensor] = []  # ZeRO-3: the persistent parameters' partitions
+        self._device_staging: List[torch.Tensor] = []
 
     # -- construction (deepspeed.initialize) ------------------------------------------------------
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
@@ -116,9 +136,19 @@ class ZeroEngine(StepEngine):
                 dtype = self._trainable[0].dtype if self._trainable else torch.float32
                 # stage3.py: grad_partitions_flat_buffer, made at init.
                 self._grad_partition = [torch.empty(total16, dtype=dtype)]
+                # The persistent parameters (under `stage3_param_persistence_threshold` values) stay
+                # whole, and keep their partition too: `fp16_partitioned_groups_flat` holds every
+                # parameter's `ds_tensor` (`_create_fp16_partitions_with_defragmentation`); the others'
+                # partitions are counted with their parameters (`_set_whole`).
+                threshold = int(self.settings.zero["stage3_param_persistence_threshold"])
+                persistent = sum(zero3_partition_numel(p.numel(), self.world) for p in model.parameters()
+                                 if p.numel() < threshold)
+                self._persistent_partitions = [torch.empty(persistent, dtype=dtype)] if persistent else []
             else:
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
                                  for group in self._groups]
+                if self.offload:
+                    self._offload_zero12_buffers()
             if trainer_optimizer is not None:
                 inner = getattr(trainer_optimizer, "optimizer", trainer_optimizer)
                 accepted = set(inspect.signature(type(inner).__init__).parameters)
@@ -140,17 +170,51 @@ class ZeroEngine(StepEngine):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready))
         return model
 
+    def _offload_zero12_buffers(self) -> None:
+        """What `offload_optimizer` adds to ZeRO-1/2, made at init and kept (deepspeed 0.19.8,
+        stage_1_and_2.py, `DeepSpeedZeroOptimizer`): all in the model's dtype but the fp32
+        gradient partition; "host" is `self.device`, the CPU with offload."""
+        dtype = self._trainable[0].dtype if self._trainable else torch.float32
+        largest = max((p.numel() for group in self._groups for p in group), default=0)
+        # __init__: per param group, `temp_buffer_bit16` (`param_buffer_of_bit16_for_cpu_offload_groups`),
+        # the partition's 16-bit copy on the host, the step's way back to the device's partition.
+        self._host_bit16 = [torch.empty(master.numel(), dtype=dtype) for master in self._masters]
+        # __init__: `temp_grad_buffer_for_cpu_offload` (host) and `temp_grad_buffer_for_gpu_offload`
+        # (the device, `current_device_name()`), the largest parameter's values each.
+        self._offload_buffers = self._host_bit16 + [torch.empty(largest, dtype=dtype)]
+        self._device_staging = [torch.empty(largest, dtype=dtype)]
+        # initialize_optimizer_states: the fp32 gradient partition (`single_partition_of_fp32_groups[i].grad`)
+        # is made on the host and, with offload, never set to None: backward copies each reduced
+        # gradient's slice into it (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`), and the
+        # step reads it in place; no 16-bit gradient partition on the device (`copy_grads_in_partition`
+        # returns before making `grads_in_partition`).
+        self._fp32_grads = [torch.empty(master.numel(), dtype=torch.float32) for master in self._masters]
+        # Rank 0's partition: the first `partition_size` values of each group's flat buffer, the
+        # parameters in the group's order (`get_partition_info`).
+        for group, master in zip(self._groups, self._masters):
+            offset = 0
+            for param in group:
+                self._in_partition[id(param)] = max(0, min(offset + param.numel(), master.numel()) - offset)
+                offset += param.numel()
+
     def resident(self) -> Dict[str, List[torch.Tensor]]:
         parts: Dict[str, List[torch.Tensor]] = {"master_weights": list(self._masters)}
+        if self._fp32_grads:
+            parts["fp32_gradients"] = list(self._fp32_grads)
+            parts["offload_buffers"] = list(self._offload_buffers)
+            parts["engine_buffers"] = list(self._device_staging)
         if self._optimizer is not None:
             parts["optimizer_state"] = [value for state in self._optimizer.state.values() for value in state.values()
                                         if isinstance(value, torch.Tensor)]
         if self._grad_partition:
             parts["gradients"] = list(self._grad_partition)
+        if self._persistent_partitions:
+            parts["parameters"] = list(self._persistent_partitions)
         return parts
 
     def attach(self, tracker: Any, counter: Any) -> None:
         super().attach(tracker, counter)
+        self._host_bit16_serials = set(tracker.serials(self._host_bit16))
         if self.stage == 3:
             # Each parameter is its 16-bit partition outside its module's use.
             for param in self.tracker_params:
@@ -221,6 +285,9 @@ class ZeroEngine(StepEngine):
             for param in self._trainable:
                 if param.grad is not None:
                     self._reduce(param)
+        if self._held is not None:  # independent_gradient_partition_epilogue → reduce_ipg_grads
+            held, self._held = self._held, None
+            self._reduce(held)
         if self.stage != 3:
             # independent_gradient_partition_epilogue → _release_ipg_buffers: the reduce buckets
             # are dropped at the end of backward (setup_buckets makes them again at the next one),
@@ -244,14 +311,45 @@ class ZeroEngine(StepEngine):
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self.stage == 1 and not self.settings.overlap_comm:
             return
+        if self.stage == 3:
+            self._reduce(param)
+            return
+        # reduce_independent_p_g_buckets_and_remove_grads: a gradient of more values than the
+        # bucket is not copied into it but kept whole (`extra_large_param_to_reduce`) and reduced
+        # when the next gradient arrives (its bucket then overflows) or at the end of backward.
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._reduce(held)
+        if param.numel() > int(self.settings.zero["reduce_bucket_size"]) and self._contiguous():
+            if self.offload:
+                # `_offload_gradient_safety_enabled`: `grad_reduc.data = grad_reduc.detach().clone()`,
+                # the copy made beside the gradient autograd made, which it then replaces.
+                param.grad = param.grad.clone()
+            self.tracker.tag([param.grad], "gradients")
+            self._held = param
+            return
         self._reduce(param)
 
+    def _contiguous(self) -> bool:
+        # stage_1_and_2.py __init__: `contiguous_gradients or cpu_offload`.
+        return bool(self.settings.zero.get("contiguous_gradients", True)) or self.offload
+
     def _reduce(self, param: torch.Tensor) -> None:
-        if self.stage != 3 and not self._grad_partition:
+        if self.stage != 3 and not self._grad_partition and not self._fp32_grads:
             numel = zero12_gradient_numel([[p.numel() for p in group] for group in self._groups], self.world, 0)
             self._grad_partition = [torch.empty(numel, dtype=param.grad.dtype)]
             self.tracker.tag(self._grad_partition, "gradients")
         self.tracker.tag([param.grad], "gradients")  # the whole gradient, until its reduction frees it
+        if self._fp32_grads:
+            # copy_grads_in_partition with offload (`set_norm_for_param_grad_in_gpu`): the norm of
+            # the gradient's slice in this partition, taken in fp64 (`get_norm_dtype()`): an fp64
+            # copy of the slice for a moment, its 0-dim norm kept until the step's
+            # `reset_cpu_buffers`; then the slice goes into the host's fp32 gradient partition.
+            values = self._in_partition.get(id(param), 0)
+            if values:
+                copy = torch.empty(values, dtype=torch.float64)
+                self._norms.append(torch.empty((), dtype=torch.float64))
+                del copy
         param.grad = None
 
     def gradients(self, trainable: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -262,17 +360,46 @@ class ZeroEngine(StepEngine):
         optimizer = self._optimizer
         if optimizer is None:
             return None
-        # One fp32 gradient partition (ZeRO-3: one sub-group) at a time, freed after its step.
-        for master in self._masters:
-            fp32 = torch.empty(master.numel(), dtype=torch.float32)
-            self.tracker.tag([fp32], "fp32_gradients")
+        if self.offload:
+            # The optimizer steps on the host's partitions: what it makes there (its temporaries,
+            # the clipping's norms) is on the host too, out of the device's peak.
+            tracker, cursor = self.tracker, [len(self.tracker.sizes)]
+
+            def on_host(func: Any, args: Any, kwargs: Any) -> None:
+                for serial in range(cursor[0], len(tracker.sizes)):
+                    tracker.tags.setdefault(serial, "host_temporaries")
+                cursor[0] = len(tracker.sizes)
+
+            previous, tracker.on_op = tracker.on_op, on_host
+            try:
+                return self._step(optimizer)
+            finally:
+                tracker.on_op = previous
+        return self._step(optimizer)
+
+    def _step(self, optimizer: Any) -> Any:
+        # One fp32 gradient partition (ZeRO-3: one sub-group) at a time, freed after its step;
+        # ZeRO-1/2 with offload: the one kept on the host, read in place.
+        for index, master in enumerate(self._masters):
+            if self._fp32_grads:
+                fp32 = self._fp32_grads[index]
+            else:
+                fp32 = torch.empty(master.numel(), dtype=torch.float32)
+                self.tracker.tag([fp32], "fp32_gradients")
             master.grad = fp32
             del fp32
             if self.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_([master], self.max_grad_norm)
             optimizer.step()
             master.grad = None
+        self._norms = []  # reset_cpu_buffers, after the last group's step
         return optimizer
+
+    def state_of(self, part: str, serial: int) -> Optional[str]:
+        # The offload's 16-bit host copies carry parameters, its staging buffers gradients.
+        if part == "offload_buffers":
+            return "parameters" if serial in self._host_bit16_serials else "gradients"
+        return super().state_of(part, serial)
 
     def state_tensors(self, optimizer: Any) -> List[torch.Tensor]:
         return [] if optimizer is None else super().state_tensors(optimizer)
@@ -287,3 +414,6 @@ class ZeroEngine(StepEngine):
         self._hooks.clear()
         self._buckets = []
         self._grad_partition = []
+        self._fp32_grads = []
+        self._offload_buffers = []
+        self._device_staging = []
