@@ -81,11 +81,13 @@ def peak_of(prof: profile, window_name: str = "measured step") -> dict:
     return {"peak_bytes": max(peak, at_start), "alive_at_start_bytes": at_start}
 
 
-def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict):
-    """One training step as the Trainer's loop runs it, over the trainable parameters."""
+def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, before=lambda: None):
+    """One training step as the Trainer's loop runs it, over the trainable parameters (`before`
+    called first)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> None:
+        before()
         loss = model(**inputs).loss
         loss.backward()
         del loss
@@ -153,22 +155,9 @@ def ddp_memtracker_run(engine: str) -> dict:
         model = wrap(tiny_llama(), engine)
         model.train()
         optimizer = trainer_optimizer(model)
-        inputs = batch()
-        trainable = [p for p in model.parameters() if p.requires_grad]
-
-        def step() -> None:
-            tracker.reset_mod_stats()  # its per-module figures hold one iteration; the peak is kept apart
-            loss = model(**inputs).loss
-            loss.backward()
-            del loss
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        step()
-        step()
-        dist.barrier()
-        gc.collect()
+        # Its per-module figures hold one iteration; the peak is kept apart.
+        step = steps_of(model, optimizer, batch(), before=tracker.reset_mod_stats)
+        warm_up(step)
     with tracker:
         step()
     stats = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
