@@ -6,6 +6,10 @@
   DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
   (no offload; their 1.5 buffer factor applies to the CPU figure only).
 
+Each plan's wall and CPU seconds are printed, and its CPU time as a ratio to that of the
+one-process plan of the same model and batch (timed first): the load of a shared machine cancels
+out of the ratio much more than out of the seconds.
+
     python benchmarks/engine_references.py [WORLD ...]
 """
 
@@ -34,9 +38,15 @@ def build():
 
 
 def timed(function):
-    start = time.perf_counter()
+    """The value, and the wall and CPU seconds it took."""
+    start, cpu = time.perf_counter(), time.process_time()
     value = function()
-    return value, time.perf_counter() - start
+    return value, (time.perf_counter() - start, time.process_time() - cpu)
+
+
+def seconds(spent, base_cpu: float) -> str:
+    wall, cpu = spent
+    return f"{wall:7.1f} {cpu:7.1f} {cpu / base_cpu:6.2f}"
 
 
 def main() -> None:
@@ -45,15 +55,19 @@ def main() -> None:
     fsdp = "--no-fsdp" not in sys.argv
     from fsdp_reference import fsdp_memtracker_peak
 
-    print(f"{'engine':14} {'W':>3} {'plan peak':>16} {'reference':>16} {'diff':>6} {'plan s':>7}  parts")
+    settings = resolve_settings(batch_size=1, precision="bf16", optimizer="adamw_torch")
+    (plan, _), (wall, base_cpu) = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings,
+                                                                 device_type="cpu", model_states=False))
+    print(f"one process, bf16, batch 1 x 512: peak {plan.peak_bytes:,}, {wall:.1f} s wall, {base_cpu:.1f} s CPU (ratio 1)")
+    print(f"{'engine':14} {'W':>3} {'plan peak':>16} {'reference':>16} {'diff':>6} {'wall s':>7} {'cpu s':>7} {'ratio':>6}  parts")
     for world in worlds if fsdp else []:
         settings = resolve_settings(world_size=world, sharding="fsdp-full-shard", precision="bf16", batch_size=1,
                                     optimizer="adamw_torch")
-        (plan, _), seconds = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
-                                                            model_states=False))
+        (plan, _), spent = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
+                                                          model_states=False))
         tracker = fsdp_memtracker_peak(build, settings, 1, 512, torch.bfloat16)
         print(f"{'fsdp2':14} {world:3} {plan.peak_bytes:16,} {tracker['Total']:16,} {plan.peak_bytes - tracker['Total']:6} "
-              f"{seconds:7.1f}  {plan.peak_parts}")
+              f"{seconds(spent, base_cpu)}  {plan.peak_parts}")
         print(f"{'':14} {'':3} tracker: {tracker}")
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -67,8 +81,8 @@ def main() -> None:
             if stage == 2:
                 del ds["zero_optimization"]["stage3_prefetch_bucket_size"], ds["zero_optimization"]["stage3_param_persistence_threshold"]
             settings = resolve_settings(deepspeed=ds, world_size=world, hidden_size=4096, batch_size=1, optimizer="adamw_torch")
-            (plan, _), seconds = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
-                                                                model_states=False))
+            (plan, _), spent = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
+                                                              model_states=False))
             if stage == 2:
                 _, gpu = estimate_zero2_model_states_mem_needs(numel, world, 1, cpu_offload=False)
             else:
@@ -77,7 +91,7 @@ def main() -> None:
             parts = plan.peak_parts
             states = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer_state", "master_weights",
                                                     "fp32_gradients", "unsharded_parameters"))
-            print(f"{'zero' + str(stage):14} {world:3} {plan.peak_bytes:16,} {gpu:16,} {'':6} {seconds:7.1f}  "
+            print(f"{'zero' + str(stage):14} {world:3} {plan.peak_bytes:16,} {gpu:16,} {'':6} {seconds(spent, base_cpu)}  "
                   f"states at the peak {states:,} ({plan.peak_phase}); {parts}")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; numel {numel:,}, largest module {largest:,}")
 

@@ -338,14 +338,13 @@ EDITS: List[Edit] = [
          "        tap = None\n        if tap is None:", ZERO_TAP),  # a second owner gets a second wrapper
     # -- plan/live_storages.py: the step plan's live bytes ----------------------------------------
     Edit("plan/live_storages.py", "                self._tensors[key] = count + 1", "                pass", LIVE_STORAGES),
-    Edit("plan/live_storages.py", "        if ident in self._seen:\n            return", "        pass", LIVE_STORAGES,
-         equivalent="a tensor object met again gets one more count and one more finalizer, which release it once "
-                    "more when it dies: the storage's bytes and lifetime are the same"),
+    Edit("plan/live_storages.py", "        if ident in self._seen:\n            return", "        pass", LIVE_STORAGES),
+    # (a tensor object met again counted again, its first weak reference replaced: released once, never freed)
     Edit("plan/live_storages.py", "            self.peak_keys = list(self._serial.values())",
          "            self.peak_keys = list(self._serial)", LIVE_STORAGES),  # storage addresses for serials
     Edit("plan/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
-    Edit("plan/live_storages.py", "            self.on_op(func, args, kwargs or {})\n        self._check_peak()",
-         "            self.on_op(func, args, kwargs or {})", LIVE_STORAGES),  # the peak only where a tensor is added
+    Edit("plan/live_storages.py", "            self.on_op(func, args, kwargs)\n        self._check_peak()",
+         "            self.on_op(func, args, kwargs)", LIVE_STORAGES),  # the peak only where a tensor is added
     # -- plan/step_memory.py: the step's peak, its parts, fits? and the largest batch ----------------
     Edit("plan/step_memory.py", "    if fb_bytes + state_bytes >= optimizer_peak:", "    if fb_bytes + state_bytes < optimizer_peak:",
          OPTIMIZER_PHASE_PEAK),  # the smaller of the two phases' peaks taken

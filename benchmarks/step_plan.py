@@ -2,7 +2,9 @@
 
 Each case runs `trainer-memcb estimate` in a process of its own (so that its peak RSS is its own)
 and prints the wall time, the CPU time (on a shared machine the wall time waits for other
-processes; the CPU time is the command's own) and the peak RSS, against the targets: the plan with
+processes; the CPU time is the command's own) and the peak RSS, each case's CPU time also as a
+ratio to the first case's, the Llama-2-7B plan at 8 x 512 (much of a machine's speed and load
+cancels out of the ratios), against the targets: the plan with
 activations at batch 8 x 512 within 10 s and 1 GiB, `--max-batch-size` within 60 s; and for
 Llama-2-7B, the same plan with the evaluation plan beside it (`--eval-samples 1000
 --eval-batch-size 8`), whose evaluation part adds at most 5 s of CPU time.
@@ -52,24 +54,33 @@ def run(model: str, extra: list) -> tuple:
 
 
 def main() -> None:
-    print(f"{'model':38} {'case':32} {'wall s':>8} {'cpu s':>8} {'target s':>8} {'cpu/target':>10} {'RSS MiB*':>12}")
+    print(f"{'model':38} {'case':32} {'wall s':>8} {'cpu s':>8} {'target s':>8} {'cpu/target':>10} {'RSS MiB*':>12} "
+          f"{'cpu/7B':>7}")
+    base: list = []  # the CPU seconds of the first case, Llama-2-7B's plan at 8 x 512
+
+    def ratio(cpu: float) -> str:
+        base[:] = base or [cpu]
+        return f"{cpu / base[0]:7.2f}"
+
     for model in MODELS:
         for name, extra, target in CASES:
             if "70b" in model and "max-batch" in name:
                 extra, name = extra + SHARDED, name + ", ZeRO-3 x 64"
             wall, cpu, rss = run(model, extra)
-            print(f"{model:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
+            print(f"{model:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f} "
+                  f"{ratio(cpu)}")
             if "70b" not in model and name == CASES[0][0]:
                 plain = cpu
                 wall, cpu, rss = run(model, extra + EVALUATION)
                 added = cpu - plain
                 print(f"{model:38} {'  + evaluation of 1000 x 512':32} {wall:8.1f} {cpu:8.1f} {target + 5:8.0f} "
-                      f"{cpu / (target + 5):10.2f} {rss / 2**20:12.0f}")
+                      f"{cpu / (target + 5):10.2f} {rss / 2**20:12.0f} {ratio(cpu)}")
                 print(f"{'':38} {'  the evaluation part adds':32} {'':8} {added:8.1f} {EVALUATION_ADDED_TARGET:8.0f} "
                       f"{added / EVALUATION_ADDED_TARGET:10.2f}   -> target {'met' if added <= EVALUATION_ADDED_TARGET else 'NOT met'}")
     for name, extra, target in ENGINE_CASES:
         wall, cpu, rss = run(MODELS[0], extra)
-        print(f"{MODELS[0]:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f}")
+        print(f"{MODELS[0]:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f} "
+              f"{ratio(cpu)}")
     print("* the largest peak RSS of the cases run so far (getrusage of the children): each case's own is at most that")
 
 

@@ -72,3 +72,14 @@ def test_the_timeline_replayed_gives_each_groups_most_at_one_moment():
     assert tracker.events == [0, ~0, 1, 2, 3, ~2, 4, 5]
     assert LiveStorages().events == []  # kept only when asked: a real run's tracker keeps none
     del b, c, d
+
+
+def test_a_tensor_an_operation_returns_again_is_freed_once_it_dies():
+    tracker = LiveStorages(keep_timeline=True)
+    with tracker:
+        x = torch.ones(10)  # 40 bytes, serial 0
+        same = x.add_(1)  # an in-place operation returns the same tensor object: met again
+        assert same is x and tracker.alive_bytes == 40
+        del same, x
+        assert tracker.alive_bytes == 0
+    assert tracker.events == [0, ~0]

@@ -2,9 +2,9 @@
 
 `LiveStorages` is a `TorchDispatchMode` that sees every tensor an operation returns. Each storage
 is counted once, with its full size (`untyped_storage().nbytes()`), from the moment an operation
-first returns a tensor on it until the last tensor object seen on it is collected (a
-`weakref.finalize` per tensor object; torch keeps a tensor's Python object alive as long as C++
-holds the tensor, so the finalizer runs when the tensor is really gone). Tensors that exist before
+first returns a tensor on it until the last tensor object seen on it is collected (a weak
+reference with a callback per tensor object, kept by the tracker; torch keeps a tensor's Python
+object alive as long as C++ holds the tensor, so the callback runs when the tensor is really gone). Tensors that exist before
 the step (parameters, buffers, the batch) are registered with `add`. The peak is the most bytes
 alive after any operation, and at that moment the tracker keeps which storages were alive, so that
 the plan can say what they were (parameters, gradients, optimizer state, activations, others).
@@ -68,7 +68,7 @@ class LiveStorages(TorchDispatchMode):
         self._tensors: Dict[int, int] = {}  # storage key -> live tensor objects seen on it
         self._storages: Dict[int, Any] = {}
         self._serial: Dict[int, int] = {}  # storage key -> serial number, while alive
-        self._seen: Dict[int, None] = {}  # id() of the tensor objects seen and alive
+        self._seen: Dict[int, Any] = {}  # id() of the tensor objects seen and alive -> a weak reference
         self.watch: Optional[Dict[int, Any]] = None  # storages whose keys are copied at the peak
         self.peak_watch: List[int] = []
         # serial number -> part, for storages an engine names (its buffers, unsharded parameters);
@@ -169,6 +169,7 @@ class LiveStorages(TorchDispatchMode):
         ident = id(tensor)
         if ident in self._seen:
             return
+        keys = []
         for key, nbytes, inner in storages_of(tensor):
             if key in self._exclude:
                 continue
@@ -182,9 +183,16 @@ class LiveStorages(TorchDispatchMode):
                 self._record(serial)
             else:
                 self._tensors[key] = count + 1
-            weakref.finalize(tensor, self._release, key)
-        self._seen[ident] = None
-        weakref.finalize(tensor, self._seen.pop, ident, None)
+            keys.append(key)
+        # One weak reference per tensor object, its callback run as the tensor dies: the object
+        # forgotten, then its storages released, the last one first (the order of a
+        # `weakref.finalize` per storage and one for the object, which cost more to make).
+        self._seen[ident] = weakref.ref(tensor, _Gone(self, ident, keys))
+
+    def _gone(self, ident: int, keys: List[int]) -> None:
+        self._seen.pop(ident, None)
+        for key in reversed(keys):
+            self._release(key)
 
     def _release(self, key: int) -> None:
         count = self._tensors[key] - 1
@@ -222,15 +230,31 @@ class LiveStorages(TorchDispatchMode):
         return found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._track(leaf)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):  # most operations: one tensor, no tree to walk
+            self._track(out)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._track(leaf)
         if self.on_op is not None:
-            self.on_op(func, args, kwargs or {})
+            self.on_op(func, args, kwargs)
         self._check_peak()
         return out
 
 
 def _ignore(event: int) -> None:
     pass
+
+
+class _Gone:
+    """A tracked tensor's weak-reference callback: `tracker._gone(ident, keys)`."""
+
+    __slots__ = ("tracker", "ident", "keys")
+
+    def __init__(self, tracker: "LiveStorages", ident: int, keys: List[int]) -> None:
+        self.tracker, self.ident, self.keys = tracker, ident, keys
+
+    def __call__(self, _: Any) -> None:
+        self.tracker._gone(self.ident, self.keys)

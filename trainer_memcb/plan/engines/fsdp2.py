@@ -24,7 +24,7 @@ device's timeline by part when the peak is read (`host_parts`).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ class FSDP2Engine(StepEngine):
         self._hooks: List[Any] = []
         self._gather_serials: Set[int] = set()
         self.host_parts = ("parameters", "gradients", "optimizer_state") if settings.fsdp_cpu_offload else ()
+        self._restore: Optional[Any] = None
 
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
         import torch.distributed as dist
@@ -81,6 +82,7 @@ class FSDP2Engine(StepEngine):
             self.notes.append(f"HSDP: replicated {replicate}x, sharded {world // replicate}-way")
         else:
             mesh = init_device_mesh("cpu", (world,))
+        self._restore = _quicker_fsdp2()
         policy = CPUOffloadPolicy(pin_memory=False) if self.settings.fsdp_cpu_offload else OffloadPolicy()
         kwargs = dict(mesh=mesh, reshard_after_forward=self.settings.reshard_after_forward, offload_policy=policy)
         with mode:
@@ -151,9 +153,122 @@ class FSDP2Engine(StepEngine):
             hook.remove()
         if self.tracker is not None:
             self.tracker.on_op = None
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+
+def _quicker_fsdp2() -> Callable[[], None]:
+    """The two speed-ups below, for the time of one trace; returns what undoes them."""
+    undo = [restore for restore in (_quicker_foreach_sharding(), _lazy_shard_chunks()) if restore is not None]
+
+    def restore() -> None:
+        for one in reversed(undo):
+            one()
+
+    return restore
+
+
+class _Chunks(Sequence):
+    """What `torch.chunk(tensor, n, dim)` gives, padded with empty tensors to `n` chunks as FSDP2's
+    `_chunk_with_empty` pads it, each chunk made only when it is read (`tensor.narrow`, the same
+    view `chunk` makes: same size, strides, offset and storage)."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int, size: int) -> None:
+        self._tensor, self._num_chunks, self._dim, self._size = tensor, num_chunks, dim, size
+        self._split = -(-size // num_chunks)  # torch.chunk's chunk size: the ceiling
+        self._count = -(-size // self._split)  # the chunks torch.chunk returns, the last one smaller
+        self._made: Dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self._num_chunks
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._num_chunks))]
+        if index < 0:
+            index += self._num_chunks
+        if not 0 <= index < self._num_chunks:
+            raise IndexError("chunk index out of range")
+        made = self._made.get(index)
+        if made is None:
+            if index < self._count:
+                start = index * self._split
+                made = self._tensor.narrow(self._dim, start, min(self._split, self._size - start))
+            else:
+                made = self[0].new_empty(0)
+            self._made[index] = made
+        return made
+
+
+def _lazy_shard_chunks() -> Optional[Callable[[], None]]:
+    """Let `fully_shard` chunk each parameter lazily; returns what puts torch's function back.
+
+    `FSDPParam` (`_fsdp_param.py`, `_init_sharded_param` and
+    `_init_sharded_post_forward_param_metadata`) calls `_chunk_with_empty(param, world_size,
+    dim)` and reads one or two of its chunks (this rank's, and chunk 0's size): on W processes
+    that made W fake views of every parameter, twice, the most of a 64-process plan's time. The
+    chunks read are the same views, made as they are read; nothing else changes."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        return None
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        return None
+
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+        size = tensor.size(dim)
+        if type(size) is not int or type(num_chunks) is not int or size <= 0 or num_chunks <= 1:
+            return original(tensor, num_chunks, dim)
+        return _Chunks(tensor, num_chunks, dim, size)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty
+
+    def restore() -> None:
+        _fsdp_param._chunk_with_empty = original
+
+    return restore
+
+
+def _quicker_foreach_sharding() -> Optional[Callable[[], None]]:
+    """Make DTensor's sharding propagation of a foreach operation linear in its tensors, not
+    quadratic; returns what puts torch's own function back (None: nothing was changed).
+
+    torch's `_sharding_prop.propagate_op_sharding_non_cached` calls
+    `_propagate_use_strided_shard_flag(strategy, op_schema)` once per tensor of a foreach
+    operation (AdamW's foreach step over every parameter, the gradient clipping's norms), and
+    each call walks the whole schema's `args_spec` (every tensor's spec) to see whether one of
+    them is a `_StridedShard`; where none is, the function does nothing. That answer is kept
+    here per schema, so the walk is made once per operation; a schema with one goes to torch's
+    function unchanged. The result is the same: the shards and so every byte traced."""
+    try:
+        from torch.distributed.tensor import _sharding_prop
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return None
+    original = getattr(_sharding_prop, "_propagate_use_strided_shard_flag", None)
+    if original is None:
+        return None
+    plain: List[Any] = [None]  # the last schema seen without a _StridedShard (compared by identity)
+
+    def propagate(op_strategy: Any, op_schema: Any) -> None:
+        if plain[0] is op_schema:
+            return
+        if any(isinstance(p, _StridedShard) for spec in op_schema.args_spec for p in spec.placements):
+            return original(op_strategy, op_schema)
+        plain[0] = op_schema
+        return None
+
+    _sharding_prop._propagate_use_strided_shard_flag = propagate
+
+    def restore() -> None:
+        _sharding_prop._propagate_use_strided_shard_flag = original
+
+    return restore
 
 
 def _tensors(value: Any) -> Any:
