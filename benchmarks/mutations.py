@@ -346,7 +346,8 @@ EDITS: List[Edit] = [
     Edit("plan/live_storages.py", "            self.on_op(func, args, kwargs)\n        self._check_peak()",
          "            self.on_op(func, args, kwargs)", LIVE_STORAGES),  # the peak only where a tensor is added
     # -- plan/step_memory.py: the step's peak, its parts, fits? and the largest batch ----------------
-    Edit("plan/step_memory.py", "    if fb_bytes + state_bytes >= optimizer_peak:", "    if fb_bytes + state_bytes < optimizer_peak:",
+    Edit("plan/step_memory.py", "    if fb_bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:",
+         "    if fb_bytes + state_bytes - fb_host < optimizer_peak - optimizer_host:",
          OPTIMIZER_PHASE_PEAK),  # the smaller of the two phases' peaks taken
     Edit("plan/step_memory.py", "        optimizer_peak += not_yet", "        pass", OPTIMIZER_PHASE_PEAK),
     # (the first fake step's peak, before the last parameters' state is made, taken as every step's)
