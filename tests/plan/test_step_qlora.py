@@ -134,6 +134,9 @@ def test_a_qlora_steps_peak_against_the_profilers_live_bytes(tmp_path) -> None:
     # not allocate; at most 8 bytes per value of the largest layer (8,192 values here).
     assert plan.peak_phase == "backward"
     assert 0 < real - plan.peak_bytes <= 8 * 8192
+    # And the plan says so, in its note.
+    [note] = [note for note in plan.notes if "loaded in 4-bit" in note]
+    assert note.endswith("which the trace cannot see: up to 8 bytes per value of the largest 4-bit layer, not counted")
 
 
 # -- 8-bit (LLM.int8) ---------------------------------------------------------------------------------

@@ -518,7 +518,11 @@ def plan_step_memory(
                     f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
                     f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) "
                     f"and quantization state (buffers) as bitsandbytes stores them, their dequantized copies as "
-                    f"temporaries; the model-states plan counts them so, and unquantized without a step")
+                    f"temporaries; the model-states plan counts them so, and unquantized without a step" + (
+                    "; on the CPU, bitsandbytes' dequantization also makes int32 codes and an fp32 lookup of the "
+                    "whole layer inside its kernel (backends/default/ops.py, _dequantize_4bit_compute), which the "
+                    "trace cannot see: up to 8 bytes per value of the largest 4-bit layer, not counted"
+                    if device_type == "cpu" else ""))
         prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
         build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
