@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine_step_profile import BATCH, CONFIG, batch, peak_of, tiny_llama, trainer_optimizer
+from engine_step_profile import BATCH, CONFIG, batch, peak_of, tiny_llama, trainer_optimizer, warm_up
 
 # deepspeed_zero.py's switch: `deepspeed.comm.torch` as an attribute is the torch package itself.
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -137,34 +137,48 @@ def alive_at_peak(prof: profile, window_name: str = "measured step") -> Dict[str
     return {"peak_bytes": best, "alive_at_peak": [[sizes[key], counts[key], key] for key, _ in sizes.most_common()]}
 
 
+def zero_engine(config: Dict[str, Any]):
+    """The tiny Llama wrapped by `deepspeed.initialize` with the Trainer's optimizer."""
+    model = tiny_llama()
+    model.train()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=trainer_optimizer(model), config=copy.deepcopy(config))
+    return engine
+
+
+def engine_steps(engine, before=lambda: None):
+    """One training step as the Trainer runs it under DeepSpeed (`before` called first)."""
+    inputs = batch()
+
+    def step() -> None:
+        before()
+        loss = engine(**inputs).loss
+        engine.backward(loss)
+        del loss
+        engine.step()
+
+    return step
+
+
+def closed(engine, result: Dict[str, Any]) -> Dict[str, Any]:
+    """The result, with the engine's class; the engine destroyed so the next row starts bare."""
+    result = dict(result, zero_class=type(engine.optimizer).__name__)
+    engine.destroy()
+    del engine
+    gc.collect()
+    return result
+
+
 def run(config: Dict[str, Any], detail: bool) -> Dict[str, Any]:
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=detail) as prof:
-        model = tiny_llama()
-        model.train()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=trainer_optimizer(model),
-                                               config=copy.deepcopy(config))
-        inputs = batch()
-
-        def step() -> None:
-            loss = engine(**inputs).loss
-            engine.backward(loss)
-            del loss
-            engine.step()
-
-        step()
-        step()
-        dist.barrier()
-        gc.collect()
+        engine = zero_engine(config)
+        step = engine_steps(engine)
+        warm_up(step)
         with record_function("measured step"):
             step()
     # with_stack=True garbles the kineto events' names (a UnicodeDecodeError here): the detail
     # mode reads the event tree only.
-    result = dict(alive_at_peak(prof) if detail else peak_of(prof), zero_class=type(engine.optimizer).__name__)
-    engine.destroy()
-    del engine, model
-    gc.collect()
-    return result
+    return closed(engine, alive_at_peak(prof) if detail else peak_of(prof))
 
 
 def memtracker_run(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -178,34 +192,17 @@ def memtracker_run(config: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
     tracker = MemTracker()
     with tracker:
-        model = tiny_llama()
-        model.train()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=trainer_optimizer(model),
-                                               config=copy.deepcopy(config))
-        inputs = batch()
-
-        def step() -> None:
-            tracker.reset_mod_stats()  # its per-module figures hold one iteration; the peak is kept apart
-            loss = engine(**inputs).loss
-            engine.backward(loss)
-            del loss
-            engine.step()
-
-        step()
-        step()
-        dist.barrier()
-        gc.collect()
+        engine = zero_engine(config)
+        # Its per-module figures hold one iteration; the peak is kept apart.
+        step = engine_steps(engine, before=tracker.reset_mod_stats)
+        warm_up(step)
     with tracker:
         step()
     peaks = tracker.get_tracker_snapshot("peak")
     stats = peaks[torch.device("cpu")]
-    result = {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
-              "other_devices": {str(device): int(snap["Total"]) for device, snap in peaks.items() if device.type != "cpu"},
-              "zero_class": type(engine.optimizer).__name__}
-    engine.destroy()
-    del engine, model
-    gc.collect()
-    return result
+    return closed(engine, {
+        "peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
+        "other_devices": {str(device): int(snap["Total"]) for device, snap in peaks.items() if device.type != "cpu"}})
 
 
 def main() -> None:
