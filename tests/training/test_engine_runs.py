@@ -153,8 +153,9 @@ FSDP2_REAL_LESS_PLAN = {"fsdp2": 256, "fsdp2-sgo": 0}
 # The tensors a collective was handed are held by gloo's work until its worker thread is done with
 # them, so now and then one is freed later than in the fake step, which completes at once: in one
 # launch of six here one process of the full shard read 1,786,144, the plan and one layer's
-# collective buffer (41,088 fp32 values: 164,352 bytes). Real memory, held by timing: the lesser
-# process is held to the figure above, each process to at most one such buffer more.
+# collective buffer (41,088 fp32 values: 164,352 bytes), and in about one launch of ten both did.
+# Real memory, held by timing: each process reads one of the two exact figures, the plan and the
+# difference above or the plan and one such buffer.
 LATE_COLLECTIVE_BUFFER = 164_352
 
 
@@ -177,5 +178,5 @@ def test_fsdp2_peak_per_process_equals_fsdp_memtrackers_on_the_real_run(fsdp2_tr
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
     assert plan.engine == "fsdp2"
     peaks = fsdp2_tracked_peaks[engine]
-    assert min(peaks) == plan.peak_bytes + FSDP2_REAL_LESS_PLAN[engine], (plan.peak_bytes, peaks)
-    assert all(real - plan.peak_bytes <= LATE_COLLECTIVE_BUFFER for real in peaks), (plan.peak_bytes, peaks)
+    on_time, late = plan.peak_bytes + FSDP2_REAL_LESS_PLAN[engine], plan.peak_bytes + LATE_COLLECTIVE_BUFFER
+    assert all(real in (on_time, late) for real in peaks), (plan.peak_bytes, peaks)
