@@ -263,3 +263,5 @@ def test_a_familys_planned_step_matches_a_real_trainer_step(kind: str, dtype: to
     peak = profiled_peak(trainer, inputs)
     assert torch.get_rng_state().numel() == CPU_RNG_STATE_BYTES
     assert abs(peak - plan.peak_bytes - (CPU_RNG_STATE_BYTES if ckpt else 0)) <= 64
+    # And the plan says what it leaves out.
+    assert any("keeps the CPU generator's state" in note for note in plan.notes) == ckpt

@@ -537,6 +537,10 @@ def plan_step_memory(
         _MODE[0] = None
         gc.collect()
     notes = list(traced.notes) + ([quantization_note] if quantization_note else [])
+    if gradient_checkpointing and device_type == "cpu":
+        notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "
+                     "(torch.get_rng_state(), 5,056 bytes) from a block's forward to its recomputation, outside "
+                     "autograd: the trace does not see it, not counted")
     implementation = implementation[0]
     if implementation:
         notes.append(f"optimizer traced with its {implementation} implementation, as torch runs it on {device_type}")
