@@ -1,11 +1,13 @@
 """One real training step per engine on the CPU (gloo), its live bytes as torch.profiler records them.
 
-Usage: torchrun --nproc_per_node 2 engine_step_profile.py OUT_DIR ENGINE...
+Usage: torchrun --nproc_per_node 2 (or 4) engine_step_profile.py OUT_DIR ENGINE...
 
 ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
-(reshard_after_forward=False); fsdp2-memtracker and fsdp2-sgo-memtracker: the same steps, the third
-under torch's FSDPMemTracker instead of the profiler (`memtracker_run`); ddp-memtracker and
-ddp-view-memtracker: under torch's MemTracker (`ddp_memtracker_run`). The engine's own loop, as the Trainer's would run it: the tiny Llama
+(reshard_after_forward=False), fsdp2-offload (full shard, `CPUOffloadPolicy(pin_memory=False)`),
+fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way); FSDP2's
+ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
+(`memtracker_run`); ddp-memtracker and ddp-view-memtracker: under torch's MemTracker
+(`ddp_memtracker_run`). The engine's own loop, as the Trainer's would run it: the tiny Llama
 of tests/plan/test_engines.py in fp32 (sdpa), the Trainer's `adamw_torch`, forward with labels and
 `num_items_in_batch`, backward, clipping at 1.0, step, `zero_grad(set_to_none=True)`. The profiler
 records from before the model is made, so that what the engine allocates when it wraps the model
@@ -35,11 +37,20 @@ BATCH, SEQ = 2, 16
 def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
     if engine.startswith("ddp"):
         return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=engine == "ddp-view")
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    kwargs = dict(reshard_after_forward=engine != "fsdp2-sgo")
+    if engine == "fsdp2-offload":
+        # Pinned host memory needs CUDA; on the CPU the host and the device are one memory.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif engine == "fsdp2-hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=engine != "fsdp2-sgo")
-    fully_shard(model, reshard_after_forward=engine != "fsdp2-sgo")
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 

@@ -30,28 +30,32 @@ pytestmark = pytest.mark.slow
 ENGINES = {"ddp": dict(sharding="ddp"), "ddp-view": dict(sharding="ddp", gradient_as_bucket_view=True)}
 
 
-def _launch(script, out_dir, engines):
+def _launch(script, out_dir, engines, processes=None):
+    """Run `script OUT_DIR ENGINE...` under torchrun on `processes` (test_distributed's 2 unless given)."""
     import subprocess
 
     import test_distributed
 
+    processes = processes or test_distributed.PROCESSES
+
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [test_distributed.REPO_ROOT, env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={test_distributed.PROCESSES}", os.path.join(test_distributed.SCRIPTS_DIR, script),
+               f"--nproc_per_node={processes}", os.path.join(test_distributed.SCRIPTS_DIR, script),
                out_dir, *engines]
     done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
 
 
-def _tracked(script, tmp_path_factory, rows):
+def _tracked(script, tmp_path_factory, rows, processes=None):
     """Each row's `ROW-memtracker` run: torch's MemTracker on the real step, per process."""
     import test_distributed
 
+    processes = processes or test_distributed.PROCESSES
     out_dir = str(tmp_path_factory.mktemp("tracked-runs"))
-    _launch(script, out_dir, [f"{row}-memtracker" for row in rows])
+    _launch(script, out_dir, [f"{row}-memtracker" for row in rows], processes)
     return {row: [json.load(open(os.path.join(out_dir, f"{row}-memtracker", f"rank{rank}.json")))
-                  for rank in range(test_distributed.PROCESSES)] for row in rows}
+                  for rank in range(processes)] for row in rows}
 
 
 # The judge of every real run below is torch's MemTracker (torch.distributed._tools.mem_tracker),
