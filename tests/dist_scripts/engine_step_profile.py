@@ -4,7 +4,9 @@ Usage: torchrun --nproc_per_node 2 (or 4) engine_step_profile.py OUT_DIR ENGINE.
 
 ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
 (reshard_after_forward=False), fsdp2-offload (full shard, `CPUOffloadPolicy(pin_memory=False)`),
-fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way); FSDP2's
+fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way), fsdp2-bf16 (full
+shard with the Trainer's bf16=True as accelerate runs it: `MixedPrecisionPolicy` of bf16
+parameters and reductions, the forward under CPU autocast); FSDP2's
 ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
 (`memtracker_run`); ddp-memtracker and ddp-view-memtracker: under torch's MemTracker
 (`ddp_memtracker_run`). The engine's own loop, as the Trainer's would run it: the tiny Llama
@@ -40,7 +42,12 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kwargs = dict(reshard_after_forward=engine != "fsdp2-sgo")
-    if engine == "fsdp2-offload":
+    if engine == "fsdp2-bf16":
+        # As accelerate prepares FSDP2 for the Trainer's bf16=True (`set_mixed_precision`).
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    elif engine == "fsdp2-offload":
         # Pinned host memory needs CUDA; on the CPU the host and the device are one memory.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     elif engine == "fsdp2-hsdp":
@@ -92,14 +99,16 @@ def peak_of(prof: profile, window_name: str = "measured step") -> dict:
     return {"peak_bytes": max(peak, at_start), "alive_at_start_bytes": at_start}
 
 
-def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, before=lambda: None):
+def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, before=lambda: None,
+             autocast: bool = False):
     """One training step as the Trainer's loop runs it, over the trainable parameters (`before`
-    called first)."""
+    called first; the forward under bf16 CPU autocast with `autocast`, as accelerate wraps it)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> None:
         before()
-        loss = model(**inputs).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**inputs).loss
         loss.backward()
         del loss
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -142,7 +151,7 @@ def memtracker_run(engine: str) -> dict:
     model.train()
     optimizer = trainer_optimizer(model)
     inputs = batch()
-    step = steps_of(model, optimizer, inputs)
+    step = steps_of(model, optimizer, inputs, autocast=engine == "fsdp2-bf16")
     warm_up(step)
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
     tracker.track_inputs(tuple(inputs.values()))

@@ -61,6 +61,25 @@ def test_fsdp2_peak_equals_fsdp_memtracker_on_the_same_fake_step(sharding, repli
     assert parts["parameters"] == tracker["_FSDPRefType.SHARDED_PARAM"]
 
 
+@requires_torch("2.13", "the FSDP2 rows need torch 2.13's fake collectives (see above)")
+def test_fsdp2_under_the_trainers_bf16_gathers_bf16_parameters_from_fp32_shards():
+    # The Trainer's bf16=True on FSDP2: accelerate's MixedPrecisionPolicy(param_dtype=bf16,
+    # reduce_dtype=bf16) beside autocast. Without the policy the plan gathered fp32 parameters:
+    # 1,289,056 where a real run on 4 processes peaks at 828,512 (tests/training/test_engine_runs_wide.py).
+    bf16 = plan_with(resolve_settings({"bf16": True, "fsdp": "full_shard"}, world_size=4, batch_size=BATCH,
+                                      optimizer="adamw_torch"))
+    fp32 = plan_with(resolve_settings(world_size=4, sharding="fsdp-full-shard", batch_size=BATCH,
+                                      optimizer="adamw_torch"))
+    assert (bf16.engine, bf16.precision) == ("fsdp2", "autocast-bf16")
+    # The shards and AdamW's state stay fp32; the all-gather buffer (a layer's 41,088 values) and
+    # the gathered parameters (the root's 32,832 values and a layer's) are bf16, half the fp32 row's.
+    assert (bf16.peak_parts["parameters"], bf16.peak_parts["optimizer_state"]) == (NUMEL, 230_100)
+    assert (fp32.peak_parts["engine_buffers"], bf16.peak_parts["engine_buffers"]) == (4 * 41_088, 2 * 41_088)
+    assert (fp32.peak_parts["unsharded_parameters"], bf16.peak_parts["unsharded_parameters"]) == (
+        4 * (32_832 + 41_088), 2 * (32_832 + 41_088))
+    assert bf16.peak_bytes == 828_512
+
+
 def test_ddp_buckets_are_a_second_copy_of_the_gradients_unless_they_are_the_gradients():
     beside = plan_with(resolve_settings(world_size=2, sharding="ddp", batch_size=BATCH, optimizer="adamw_torch"))
     view = plan_with(resolve_settings(world_size=2, sharding="ddp", gradient_as_bucket_view=True, batch_size=BATCH,

@@ -17,6 +17,11 @@ forward begins, also kept out of the activations though autograd saves them), th
 gradients (autograd's, until `foreach_reduce` copies them into the reduce-scatter input) and the
 engine's buffers (the tensors handed to the all-gather and reduce-scatter collectives).
 
+Mixed precision: the Trainer's bf16=True / fp16=True (autocast-bf16 / autocast-fp16) makes
+accelerate hand `fully_shard` a `MixedPrecisionPolicy` of 16-bit parameters and reductions
+(`mixed_precision_policy`): the shards and the optimizer state stay fp32, what is gathered and
+reduce-scattered is 16-bit.
+
 CPU offload (`CPUOffloadPolicy`): the sharded parameters, their gradients and the optimizer state
 live on the CPU; the trace runs on the CPU for both, so those storages are moved out of the
 device's timeline by part when the peak is read (`host_parts`).
@@ -84,7 +89,8 @@ class FSDP2Engine(StepEngine):
             mesh = init_device_mesh("cpu", (world,))
         self._restore = _quicker_fsdp2()
         policy = CPUOffloadPolicy(pin_memory=False) if self.settings.fsdp_cpu_offload else OffloadPolicy()
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.settings.reshard_after_forward, offload_policy=policy)
+        kwargs = dict(mesh=mesh, reshard_after_forward=self.settings.reshard_after_forward, offload_policy=policy,
+                      mp_policy=mixed_precision_policy(self.settings.precision))
         with mode:
             for layer in _layers(model):
                 fully_shard(layer, **kwargs)
@@ -159,6 +165,20 @@ class FSDP2Engine(StepEngine):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+
+def mixed_precision_policy(precision: str) -> Any:
+    """The `MixedPrecisionPolicy` accelerate hands `fully_shard` for the Trainer's precision.
+
+    accelerate's `FullyShardedDataParallelPlugin.set_mixed_precision` (called with the Trainer's
+    bf16=True / fp16=True, our autocast-bf16 / autocast-fp16): `param_dtype` and `reduce_dtype` both
+    the 16-bit type, so FSDP2 all-gathers 16-bit parameters and reduce-scatters 16-bit gradients from
+    fp32 shards (`fsdp2_prepare_model` keeps the trainable parameters fp32); the forward runs under
+    autocast as well. Any other precision: torch's default policy (the parameters' own dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(precision)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype is not None else MixedPrecisionPolicy()
 
 
 def _quicker_fsdp2() -> Callable[[], None]:
