@@ -63,11 +63,12 @@ def test_ddp_peak_on_four_processes_equals_memtrackers_on_each(runs, engine):
 # - CPU offload 0 (1,244,000, the full shard's figure): see the offload test.
 # - HSDP 256 (1,622,048 against 1,621,792), the 2-process full shard's difference: each process
 #   of the 2 x 2 mesh holds what a process of a 2-way full shard holds (the same shards and
-#   buffers; the replicas' all-reduce of the reduce-scatter output works in place), its plan is
-#   that one's to the byte, and by the tracker's parts at the real peak (the layer's all-gather
-#   and reduce-scatter buffers, 164,352 each, and only the root's 131,328 unsharded parameters,
-#   where the plan holds that layer's unsharded parameters but one norm weight) it is the same
-#   moment apart around one all-gather, by how gloo and the fake group order their buffers' lives.
+#   buffers; the replicas' all-reduce of the reduce-scatter output works in place). Measured: its
+#   plan is that one's, part by part, and the tracker's eleven parts at its real peak are those of
+#   a 2-process full-shard run, each to the byte (the layer's all-gather and reduce-scatter
+#   buffers, 164,352 each, beside only the root's 131,328 unsharded parameters). So it is the same
+#   moment apart around one all-gather that test_engine_runs.py traces by storage sizes, by how
+#   gloo and the fake group order their buffers' lives.
 # - bf16 mixed precision 0 (828,512): the plan gathers bf16 parameters as accelerate's policy
 #   makes FSDP2 do (before it gathered fp32 ones and said 1,289,056; tests/plan/test_engines.py).
 REAL_LESS_PLAN = {"fsdp2": 0, "fsdp2-sgo": 0, "fsdp2-offload": 0, "fsdp2-hsdp": FSDP2_REAL_LESS_PLAN["fsdp2"],
