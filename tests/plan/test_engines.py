@@ -78,6 +78,9 @@ def test_fsdp2_under_the_trainers_bf16_gathers_bf16_parameters_from_fp32_shards(
     assert (fp32.peak_parts["unsharded_parameters"], bf16.peak_parts["unsharded_parameters"]) == (
         4 * (32_832 + 41_088), 2 * (32_832 + 41_088))
     assert bf16.peak_bytes == 828_512
+    assert any(note.startswith("FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16)")
+               for note in bf16.notes), bf16.notes
+    assert not any("MixedPrecisionPolicy" in note for note in fp32.notes)
 
 
 def test_ddp_buckets_are_a_second_copy_of_the_gradients_unless_they_are_the_gradients():

@@ -89,8 +89,13 @@ class FSDP2Engine(StepEngine):
             mesh = init_device_mesh("cpu", (world,))
         self._restore = _quicker_fsdp2()
         policy = CPUOffloadPolicy(pin_memory=False) if self.settings.fsdp_cpu_offload else OffloadPolicy()
+        mixed = mixed_precision_policy(self.settings.precision)
+        if mixed.param_dtype is not None:
+            dtype = str(mixed.param_dtype).replace("torch.", "")
+            self.notes.append(f"FSDP2 MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={dtype}), as accelerate "
+                              "sets it for the Trainer's 16-bit training: fp32 shards, 16-bit gathers and reductions")
         kwargs = dict(mesh=mesh, reshard_after_forward=self.settings.reshard_after_forward, offload_policy=policy,
-                      mp_policy=mixed_precision_policy(self.settings.precision))
+                      mp_policy=mixed)
         with mode:
             for layer in _layers(model):
                 fully_shard(layer, **kwargs)
