@@ -3,7 +3,9 @@ optimizer step's peak per process as torch's MemTracker counts it.
 
 Usage: torchrun --nproc_per_node 2 trainer_engine_step.py OUT_DIR ROW...
 
-ROW: a name of `ROWS` below. The models are the tiny Llama of engine_step_profile.py (fp32, sdpa)
+ROW: a name of `ROWS` below (ddp-used and ddp-view-used: DDP with `ddp_find_unused_parameters=False`,
+which tells the reducer's used-parameter maps apart; fsdp2: what the Trainer does with an FSDP2
+config on the CPU, DDP). The models are the tiny Llama of engine_step_profile.py (fp32, sdpa)
 and a tiny BertForSequenceClassification (2 layers, hidden 64); the Trainer runs them as a user's
 script would: `TrainingArguments(use_cpu=True, ddp_backend="gloo", optim="adamw_torch", ...)`, a
 torch dataset of tokenized rows (Python lists, as a tokenizer gives them) and the Trainer's default

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plan"))
 from test_engines import build  # noqa: E402
-from test_engine_runs import ZERO_SCALARS, _launch  # noqa: E402
+from test_engine_runs import _launch  # noqa: E402
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
 from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
@@ -62,8 +62,10 @@ def plan_of(run, **flags):
     return plan
 
 
-# What the Trainer's loop holds that the engines' bare loops (and the plan) do not, measured here in
-# three launches or more, the same on both processes unless said:
+# What the Trainer's loop holds that the engines' bare loops (and the plan) do not, found storage by
+# storage (the storages alive at the two peaks, the Trainer's and the bare loop's, compared by size
+# and by the frame that first handed each to the tracker) and the same in three launches or more,
+# on both processes unless said:
 # - The dataloader's next batch: accelerate's `DataLoaderShard.__iter__` fetches one batch ahead
 #   (to know the last), so during every step but an epoch's last the next micro-batch is alive
 #   beside the current one. The Trainer's default collator (`default_data_collator`) makes int64
@@ -71,36 +73,38 @@ def plan_of(run, **flags):
 #   input_ids and attention_mask and its 2 labels (2 x 256 + 16 = 528). No pinned copies: the
 #   dataloader pins only where an accelerator exists (torch `_BaseDataLoaderIter`), none on the CPU.
 NEXT_BATCH = {"llama": 3 * BATCH * SEQ * 8, "bert": 2 * BATCH * SEQ * 8 + BATCH * 8}
+# - The Trainer's own copy of the batch: `Trainer._prepare_input` moves each tensor to `args.device`,
+#   which is `cpu:0` under use_cpu with a process group, while the collated tensors are on `cpu`:
+#   `Tensor.to` then copies. The copies die with `training_step`'s `del inputs`, but the copy of
+#   input_ids is saved by the embedding for its backward, the last to run: alive to the end of
+#   backward (2 x 16 x 8 = 256 bytes), so at a peak in backward (DDP with gradient_as_bucket_view,
+#   ZeRO-3), not at one in the optimizer step.
+INPUT_IDS_COPY = BATCH * SEQ * 8
 # - DDP: the Trainer sets `find_unused_parameters=True` for a PreTrainedModel without gradient
 #   checkpointing (`Trainer._build_accelerator_args`), and the reducer then keeps two int32 maps of
-#   the parameters it saw used (`local_used_map_` and `local_used_map_dev_`, reducer.hpp), 8 bytes
-#   per parameter tensor: 168 for the Llama's 21, 328 for BERT's 41. The same run with
-#   `ddp_find_unused_parameters=False` read exactly 168 bytes less (2,465,700 and 2,271,792).
+#   the parameters it saw used (`local_used_map_` and `local_used_map_dev_`, reducer.hpp; two
+#   84-byte storages at the Llama's peak), 8 bytes per parameter tensor: 168 for the Llama's 21, 328
+#   for BERT's 41. The same runs with `ddp_find_unused_parameters=False` read exactly 168 bytes less
+#   (2,465,700 and 2,271,792).
 USED_MAPS = {"llama": 8 * 21, "bert": 8 * 41}
-# - Three 4-byte fp32 scalars of the Trainer's loop (`_run_epoch`): the running `_tr_loss`, the
-#   last step's loss kept detached (`tr_loss_step`; its storage is the loss the bare loop frees
-#   after backward) and the clip's norm (`grad_norm`, a 0-dim tensor until logged). Under DeepSpeed
-#   the norm is a Python float (`_get_grad_norm` calls `.item()`): two, 8 bytes.
-TRAINER_SCALARS = {"ddp": 12, "zero": 8}
-# - With the peak in backward (DDP with gradient_as_bucket_view, ZeRO-3), a further 256-odd bytes
-#   (260 and 248), the same in every launch: the size of one of the collated batch's (2, 16) int64
-#   tensors, of which the plan's timeline holds two (576 bytes with the rotary buffer) at its
-#   backward peak and three (832) at its optimizer step's, while the Trainer's loop keeps all three
-#   to the step's end. Not yet found storage by storage: stated as measured.
-BACKWARD_PEAK_REST = {"ddp-view": 260, "zero3": 248}
-# - DeepSpeed's own 0-dim scalars, as in the bare loop (test_engine_runs.py ZERO_SCALARS: 16 bytes
-#   for ZeRO-2, 21 for ZeRO-3, on the Llama). For BERT's ZeRO-2 the bare loop was not run: 24 bytes
-#   on rank 0 and 40 on rank 1 beyond the next batch and the Trainer's scalars, every launch.
-ZERO_REST = {"zero2": [ZERO_SCALARS["zero2"]] * 2, "zero3": [ZERO_SCALARS["zero3"]] * 2, "bert-zero2": [24, 40]}
+# - 0-dim scalars, the only tolerance (at most 48 bytes), exact per row: DDP at the optimizer step,
+#   the Trainer's running `_tr_loss`, the step's loss kept detached (`tr_loss_step`; the bare loop
+#   frees it after backward) and the clip's norm (`grad_norm`, a tensor until logged): 12 bytes; in
+#   backward (ddp-view) the previous step's loss and norm, `_tr_loss` and accelerate's `loss /
+#   gradient_accumulation_steps` (`Accelerator.backward`): 16. DeepSpeed's own (test_engine_runs.py
+#   ZERO_SCALARS: 16 for ZeRO-2, 21 for ZeRO-3 on the Llama) with the Trainer's beside them: ZeRO-2
+#   24, ZeRO-3 21; BERT under ZeRO-2 (no bare run): 32 on rank 0 and 48 on rank 1.
+SCALARS = {"ddp": [12, 12], "ddp-view": [16, 16], "bert-ddp": [12, 12], "zero2": [24, 24], "zero3": [21, 21],
+           "bert-zero2": [32, 48]}
+BACKWARD_PEAK = ("ddp-view", "zero3")
 
 
 def trainer_extra(row):
     model = "bert" if row.startswith("bert") else "llama"
-    if "zero" in row:
-        return [NEXT_BATCH[model] + TRAINER_SCALARS["zero"] + rest + BACKWARD_PEAK_REST.get(row, 0)
-                for rest in ZERO_REST[row]]
-    extra = NEXT_BATCH[model] + USED_MAPS[model] + TRAINER_SCALARS["ddp"] + BACKWARD_PEAK_REST.get(row, 0)
-    return [extra, extra]
+    held = NEXT_BATCH[model] + (INPUT_IDS_COPY if row in BACKWARD_PEAK else 0)
+    if "zero" not in row:
+        held += USED_MAPS[model]
+    return [held + scalars for scalars in SCALARS[row]]
 
 
 @pytest.mark.parametrize("row", ["ddp", "ddp-view", "bert-ddp"])
