@@ -24,7 +24,8 @@ from test_engine_runs import _launch  # noqa: E402
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
 from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# The real runs (one torchrun launch) are slow; the plan's unit test at the end is not.
+slow = pytest.mark.slow
 
 BATCH, SEQ = 2, 16
 BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256,
@@ -80,13 +81,11 @@ NEXT_BATCH = {"llama": 3 * BATCH * SEQ * 8, "bert": 2 * BATCH * SEQ * 8 + BATCH 
 #   backward (2 x 16 x 8 = 256 bytes), so at a peak in backward (DDP with gradient_as_bucket_view,
 #   ZeRO-3), not at one in the optimizer step.
 INPUT_IDS_COPY = BATCH * SEQ * 8
-# - DDP: the Trainer sets `find_unused_parameters=True` for a PreTrainedModel without gradient
-#   checkpointing (`Trainer._build_accelerator_args`), and the reducer then keeps two int32 maps of
-#   the parameters it saw used (`local_used_map_` and `local_used_map_dev_`, reducer.hpp; two
-#   84-byte storages at the Llama's peak), 8 bytes per parameter tensor: 168 for the Llama's 21, 328
-#   for BERT's 41. The same runs with `ddp_find_unused_parameters=False` read exactly 168 bytes less
-#   (2,465,700 and 2,271,792).
-USED_MAPS = {"llama": 8 * 21, "bert": 8 * 41}
+# - (Planned, not a difference: DDP's used-parameter maps. The Trainer sets
+#   `find_unused_parameters=True` for a model without gradient checkpointing, and the reducer then
+#   keeps two int32 maps, 8 bytes per parameter tensor: 168 for the Llama's 21, 328 for BERT's 41.
+#   The plan reads it from the arguments (`resolve_settings`, the unit test below); the same runs
+#   with `ddp_find_unused_parameters=False` read exactly 168 bytes less, 2,465,700 and 2,271,792.)
 # - 0-dim scalars, the only tolerance (at most 48 bytes), exact per row: DDP at the optimizer step,
 #   the Trainer's running `_tr_loss`, the step's loss kept detached (`tr_loss_step`; the bare loop
 #   frees it after backward) and the clip's norm (`grad_norm`, a tensor until logged): 12 bytes; in
@@ -102,11 +101,10 @@ BACKWARD_PEAK = ("ddp-view", "zero3")
 def trainer_extra(row):
     model = "bert" if row.startswith("bert") else "llama"
     held = NEXT_BATCH[model] + (INPUT_IDS_COPY if row in BACKWARD_PEAK else 0)
-    if "zero" not in row:
-        held += USED_MAPS[model]
     return [held + scalars for scalars in SCALARS[row]]
 
 
+@slow
 @pytest.mark.parametrize("row", ["ddp", "ddp-view", "bert-ddp"])
 def test_trainers_ddp_peak_per_process_is_the_plan_and_what_the_trainers_loop_holds(runs, row):
     run = runs[row]
@@ -116,13 +114,15 @@ def test_trainers_ddp_peak_per_process_is_the_plan_and_what_the_trainers_loop_ho
     # given here as the flag it is; DDP itself is the Trainer's whenever world_size > 1 with no
     # DeepSpeed or FSDP, given as `sharding`.
     plan = plan_of(run[0], sharding="ddp", gradient_as_bucket_view=row == "ddp-view")
-    assert plan.engine == "ddp"
+    assert plan.engine == "ddp" and plan.settings_used[[r[0] for r in plan.settings_used].index(
+        "find_unused_parameters")][1:] == [True, "training args (Trainer: not gradient_checkpointing)"]
     peaks = [r["peak_bytes"] for r in run]
-    # ddp 2,464,920 + 948 = 2,465,868; ddp-view 2,270,752 + 1,208 = 2,271,960;
-    # bert-ddp 1,972,192 + 868 = 1,973,060.
+    # The plan with the maps, and the real: ddp 2,465,088 + 780 = 2,465,868; ddp-view
+    # 2,270,920 + 1,040 = 2,271,960; bert-ddp 1,972,520 + 540 = 1,973,060.
     assert peaks == [plan.peak_bytes + extra for extra in trainer_extra(row)], (plan.peak_bytes, peaks)
 
 
+@slow
 @pytest.mark.parametrize("row", ["zero2", "zero3", "bert-zero2"])
 def test_trainers_deepspeed_peak_per_process_is_the_plan_and_what_the_trainers_loop_holds(runs, row):
     run = runs[row]
@@ -139,6 +139,7 @@ def test_trainers_deepspeed_peak_per_process_is_the_plan_and_what_the_trainers_l
     assert peaks == [plan.peak_bytes + extra for extra in trainer_extra(row)], (plan.peak_bytes, peaks)
 
 
+@slow
 def test_the_trainer_runs_no_fsdp_on_the_cpu_it_runs_ddp(runs):
     # TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2, ...}) with use_cpu=True:
     # accelerate 1.16's AcceleratorState turns FSDP on only inside its branch for GPU-like
@@ -148,3 +149,28 @@ def test_the_trainer_runs_no_fsdp_on_the_cpu_it_runs_ddp(runs):
     # FSDP2's real runs are the engine's own loop (test_engine_runs.py).
     assert [r["model_wrapped"] for r in runs["fsdp2"]] == ["DistributedDataParallel"] * 2
     assert [r["peak_bytes"] for r in runs["fsdp2"]] == [r["peak_bytes"] for r in runs["ddp"]]
+
+
+def test_ddp_from_the_trainers_arguments_counts_the_reducers_used_parameter_maps():
+    from transformers import TrainingArguments
+
+    def plan(args=None, **flags):
+        settings = resolve_settings(args, world_size=2, sharding="ddp", batch_size=BATCH, optimizer="adamw_torch",
+                                    **flags)
+        plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
+        return settings, plan
+
+    bare_settings, bare = plan()
+    trainer_settings, trainer = plan(TrainingArguments("unused", report_to=[], use_cpu=True))
+    # The Trainer's default: find_unused_parameters=True without gradient checkpointing, and the
+    # reducer's two int32 maps, one value per parameter tensor (21), beside the buckets.
+    assert (bare_settings.find_unused_parameters, trainer_settings.find_unused_parameters) == (False, True)
+    assert trainer_settings.sources["find_unused_parameters"] == "training args (Trainer: not gradient_checkpointing)"
+    assert trainer.peak_bytes == bare.peak_bytes + 2 * 4 * 21
+    assert trainer.peak_parts["engine_buffers"] == bare.peak_parts["engine_buffers"] + 2 * 4 * 21
+    # Bookkeeping, no model state: the table's gradients (the buckets' copy of them) stay.
+    assert trainer.model_states_most_bytes == bare.model_states_most_bytes
+    _, given = plan(TrainingArguments("unused", report_to=[], use_cpu=True, ddp_find_unused_parameters=False))
+    assert given.peak_bytes == bare.peak_bytes
+    checkpointed, _ = plan(TrainingArguments("unused", report_to=[], use_cpu=True, gradient_checkpointing=True))
+    assert checkpointed.find_unused_parameters is False
