@@ -65,7 +65,7 @@ def plan_of(run, **flags):
 
 # What the Trainer's loop holds that the engines' bare loops (and the plan) do not, found storage by
 # storage (the storages alive at the two peaks, the Trainer's and the bare loop's, compared by size
-# and by the frame that first handed each to the tracker) and the same in three launches or more,
+# and by the frame that first handed each to the tracker) and the same in five launches (under loads of 2 to 13),
 # on both processes unless said:
 # - The dataloader's next batch: accelerate's `DataLoaderShard.__iter__` fetches one batch ahead
 #   (to know the last), so during every step but an epoch's last the next micro-batch is alive
@@ -81,6 +81,9 @@ NEXT_BATCH = {"llama": 3 * BATCH * SEQ * 8, "bert": 2 * BATCH * SEQ * 8 + BATCH 
 #   backward (2 x 16 x 8 = 256 bytes), so at a peak in backward (DDP with gradient_as_bucket_view,
 #   ZeRO-3), not at one in the optimizer step.
 INPUT_IDS_COPY = BATCH * SEQ * 8
+#   On a GPU neither of these two is on the device: the next batch waits on the host until it is
+#   moved, and the device holds the one copy `to(device)` makes, the plan's batch; so the plan
+#   leaves them out: they are the CPU's.
 # - (Planned, not a difference: DDP's used-parameter maps. The Trainer sets
 #   `find_unused_parameters=True` for a model without gradient checkpointing, and the reducer then
 #   keeps two int32 maps, 8 bytes per parameter tensor: 168 for the Llama's 21, 328 for BERT's 41.
