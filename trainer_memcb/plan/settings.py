@@ -50,7 +50,8 @@ class StepSettings:
         gradient_accumulation_steps: micro-batches per optimizer step (the peak is one micro-batch's).
         precision, optimizer, gradient_checkpointing, max_grad_norm: as the Trainer trains.
         world_size, nodes, sharding: the job (sharding one of `model_states.SHARDINGS`).
-        bucket_cap_mb, gradient_as_bucket_view: DDP's reducer.
+        bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters: DDP's reducer
+            (`find_unused_parameters` from the Trainer's arguments as the Trainer sets it).
         reshard_after_forward, fsdp_cpu_offload, replicate: FSDP2 (`replicate` > 1: HSDP, a 2-D mesh
             of `replicate` x `world_size // replicate`).
         zero: DeepSpeed's `zero_optimization` section, "auto" values filled and defaults added.
@@ -70,6 +71,7 @@ class StepSettings:
     sharding: str = "none"
     bucket_cap_mb: float = DDP_BUCKET_CAP_MB
     gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
     reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     replicate: int = 1
@@ -240,6 +242,12 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
     if "max_grad_norm" in args:
         put("max_grad_norm", float(args["max_grad_norm"] or 0.0), arg)
     put("bucket_cap_mb", args.get("ddp_bucket_cap_mb"), arg)
+    if "ddp_find_unused_parameters" in args:
+        # Trainer._build_accelerator_args: ddp_find_unused_parameters when set, otherwise True for a
+        # model without gradient checkpointing (a PreTrainedModel with it: False).
+        unused = args["ddp_find_unused_parameters"]
+        put("find_unused_parameters", bool(unused) if unused is not None else not checkpointing,
+            arg if unused is not None else "training args (Trainer: not gradient_checkpointing)")
 
     ds = deepspeed if deepspeed is not None else args.get("deepspeed")
     ds_source = "deepspeed config" if deepspeed is not None else "training args (deepspeed)"

@@ -8,7 +8,10 @@ up to `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB), the others up to `bucket_cap_m
 after each parameter's gradient is accumulated, `mark_variable_ready_dense` copies it into its
 bucket view; with `gradient_as_bucket_view=True` the parameter's `.grad` then becomes that view
 (the fresh gradient is freed), otherwise the gradient stays beside the bucket (a second copy of
-every gradient). The all-reduce works in place on the buckets.
+every gradient). The all-reduce works in place on the buckets. With `find_unused_parameters=True`
+(the Trainer's default for a model without gradient checkpointing) the constructor's
+`initialize_local_used_map` also makes two int32 maps of one value per parameter it reduces
+(`local_used_map_` and `local_used_map_dev_`, `reducer.hpp`), alive as long as the model is wrapped.
 
 The real `DistributedDataParallel` is not run under fake tensors: its C++ reducer allocates its
 buckets with real memory (13 GB for a 7B model in bf16) outside the fake mode.
@@ -16,7 +19,7 @@ buckets with real memory (13 GB for a 7B model in bf16) outside the fake mode.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -62,6 +65,7 @@ class DDPEngine(StepEngine):
         super().__init__(settings.max_grad_norm)
         self.settings = settings
         self.buckets: List[torch.Tensor] = []
+        self.used_maps: List[torch.Tensor] = []
         self._views: Dict[int, torch.Tensor] = {}
         self._hooks: List[Any] = []
 
@@ -77,6 +81,9 @@ class DDPEngine(StepEngine):
                     numel = trainable[i].numel()
                     self._views[id(trainable[i])] = flat[offset:offset + numel].view(trainable[i].shape)
                     offset += numel
+            if self.settings.find_unused_parameters:
+                self.used_maps = [torch.zeros(len(trainable), dtype=torch.int32, device=trainable[0].device)
+                                  for _ in range(2)] if trainable else []
         for param in trainable:
             self._hooks.append(param.register_post_accumulate_grad_hook(self._ready))
         return model
@@ -92,10 +99,24 @@ class DDPEngine(StepEngine):
     def resident(self) -> Dict[str, List[torch.Tensor]]:
         # With gradient_as_bucket_view the buckets are the gradients.
         part = "gradients" if self.settings.gradient_as_bucket_view else "engine_buffers"
-        return {part: list(self.buckets)}
+        parts = {part: list(self.buckets)}
+        if self.used_maps:
+            parts["engine_buffers"] = parts.get("engine_buffers", []) + list(self.used_maps)
+        return parts
+
+    def attach(self, tracker: Any, counter: Any) -> None:
+        super().attach(tracker, counter)
+        self._used_map_serials = set(tracker.serials(self.used_maps))
+
+    def state_of(self, part: str, serial: int) -> Optional[str]:
+        # The used-parameter maps are bookkeeping, of no model state; the buckets carry gradients.
+        if serial in getattr(self, "_used_map_serials", ()):
+            return None
+        return super().state_of(part, serial)
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._views.clear()
         self.buckets.clear()
+        self.used_maps = []
