@@ -152,6 +152,19 @@ def test_settings_from_training_args_json_and_deepspeed_config_with_flags_over_t
         else dict((name, source) for name, _, source in settings.used())["zero.stage3_max_live_parameters"] == "default"
 
 
+def test_the_trainers_arguments_on_several_processes_without_an_engine_config_run_ddp():
+    args = {"per_device_train_batch_size": 2, "fsdp": "", "deepspeed": None}
+    settings = resolve_settings(args, world_size=2)
+    assert (settings.sharding, settings.sources["sharding"]) == (
+        "ddp", "training args (Trainer: several processes, no deepspeed or fsdp)")
+    # One process, an engine named by a flag or a config, or no Trainer arguments: as before.
+    assert resolve_settings(args).sharding == "none"
+    assert resolve_settings(world_size=2).sharding == "none"
+    assert resolve_settings(args, world_size=2, sharding="fsdp-full-shard").sharding == "fsdp-full-shard"
+    assert resolve_settings(args, world_size=2, deepspeed={"zero_optimization": {"stage": 2}}).sharding == "zero2"
+    assert resolve_settings(args, world_size=2, fsdp_config={"reshard_after_forward": True}).sharding == "fsdp-full-shard"
+
+
 def test_settings_refuse_pickles_unknown_flags_and_unfillable_autos(tmp_path):
     with pytest.raises(ValueError, match="only JSON is read"):
         resolve_settings(str(tmp_path / "training_args.bin"))

@@ -114,9 +114,9 @@ def test_trainers_ddp_peak_per_process_is_the_plan_and_what_the_trainers_loop_ho
     assert [r["model_wrapped"] for r in run] == ["DistributedDataParallel"] * 2
     assert [r["global_step"] for r in run] == [3, 3]
     # The Trainer's arguments have no gradient_as_bucket_view (it is set on accelerate's handler):
-    # given here as the flag it is; DDP itself is the Trainer's whenever world_size > 1 with no
-    # DeepSpeed or FSDP, given as `sharding`.
-    plan = plan_of(run[0], sharding="ddp", gradient_as_bucket_view=row == "ddp-view")
+    # given here as the flag it is. DDP itself is read from the arguments: the Trainer's whenever
+    # world_size > 1 with no DeepSpeed or FSDP.
+    plan = plan_of(run[0], gradient_as_bucket_view=row == "ddp-view")
     assert plan.engine == "ddp" and plan.settings_used[[r[0] for r in plan.settings_used].index(
         "find_unused_parameters")][1:] == [True, "training args (Trainer: not gradient_checkpointing)"]
     peaks = [r["peak_bytes"] for r in run]

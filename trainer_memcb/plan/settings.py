@@ -305,6 +305,10 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         values["reshard_after_forward"] = True
         sources.setdefault("reshard_after_forward", sources["sharding"])
     world = values.get("world_size", 1)
+    if args and world > 1 and "sharding" not in values:
+        # The Trainer under torchrun with neither DeepSpeed nor FSDP wraps the model in DDP
+        # (accelerate's prepare_model, DistributedType.MULTI_*).
+        put("sharding", "ddp", "training args (Trainer: several processes, no deepspeed or fsdp)")
     replicate = values.get("replicate", 1)
     if world % replicate:
         raise ValueError(f"replicate={replicate} does not divide world_size={world}")
