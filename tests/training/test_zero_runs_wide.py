@@ -4,8 +4,8 @@ each process's peak as torch's MemTracker reads it (why not the profiler:
 tests/training/test_engine_runs.py), the plan made with world_size=4 from the run's own DeepSpeed
 config.
 
-One launch runs every row: 160 s on this machine under load (the whole file 236 s, 2m15 of CPU),
-most of it the four processes' imports (each row 20 to 30 s). ZeRO-3 is left out to keep it
+One launch runs every row: 113 to 160 s on this machine, shared (the whole file 150 to 236 s,
+2m15 of CPU), most of it the four processes' imports (each row 20 to 30 s). ZeRO-3 is left out to keep it
 short: on 4 processes every process read 1,482,025 in each of three launches, the plan and the 21
 bytes of scalars it reads on 2 (`ZERO_SCALARS`), since stage 3 splits each parameter
 `ceil(numel / 4)` ways, the same on every process.
@@ -26,7 +26,7 @@ from test_engine_runs import ZERO_SCALARS, _tracked, build
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step_memory import plan_step_memory
 
-# A torchrun job of 4 processes: about 4 minutes here under load with the plans, run by .ci/run.
+# A torchrun job of 4 processes: 2.5 to 4 minutes here with the plans, run by .ci/run.
 pytestmark = pytest.mark.slow
 
 PROCESSES = 4
