@@ -43,7 +43,8 @@ def _launch(script, out_dir, engines, processes=None):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={processes}", os.path.join(test_distributed.SCRIPTS_DIR, script),
                out_dir, *engines]
-    done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True, timeout=600)  # a 4-process launch took 300 s beside other jobs
+    # 600 s: a 4-process launch took 300 s here beside other jobs.
+    done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
 
 
