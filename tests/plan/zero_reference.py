@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["DeepSpeedFigures", "ZERO_ROWS", "deepspeed_figures", "largest_layer_params", "total_params"]
+__all__ = ["DeepSpeedFigures", "PlanFigures", "TERMS", "ZERO_ROWS", "deepspeed_config", "deepspeed_figures", "largest_layer_params",
+           "legend_lines", "plan_figures", "plan_row", "summary_lines", "term_lines", "total_params", "trainer_groups"]
 
 # (label, ZeRO stage, offload_optimizer, offload_param): the settings DeepSpeed's `..._all_cold`
 # functions print (stage 2: with and without `cpu_offload`; stage 3: each offload, `zero_init=1`).
@@ -82,6 +83,10 @@ TERMS = {
     "offload_copies": ("offload's 16-bit copies and staging", "ZeRO-1/2 offload: the partition's 16-bit host copy "
                        "and the largest parameter's staging buffers (`temp_buffer_bit16`, "
                        "`temp_grad_buffer_for_cpu_offload` / `_gpu_offload`); no term"),
+    "unfiled_host_grads32": ("fp32 gradient partition, filed as host temporaries", "ZeRO-3 with offload: on the "
+                             "host inside the step, but the plan files it among the host's temporaries, not its "
+                             "gradients (`ZeroEngine.step` tags what the optimizer makes there first), so the host "
+                             "figure leaves it out"),
     "loading": ("fp32 copies while loading", "DeepSpeed's CPU figure counts the model loaded in fp32 per process "
                 "(ZeRO-3 with zero_init: the largest layer), before training; the plan counts the step"),
     "buffer_factor": ("additional buffer factor", "DeepSpeed multiplies its CPU figure by 1.5 (`_all_cold`'s "
@@ -222,3 +227,94 @@ def plan_row(build: Any, label: str, stage: int, offload_optimizer: bool, offloa
     return {"label": label, "stage": stage, "offload_optimizer": offload_optimizer, "offload_param": offload_param,
             "world": world, "nodes": nodes, "psi": psi, "largest": largest, "groups": trainer_groups(model),
             "settings": settings, "plan": plan, "deepspeed": deepspeed}
+
+
+def plan_figures(row: Dict[str, Any]) -> PlanFigures:
+    """The plan's model states of a row (`plan_row`), split into `TERMS`: those the engine's rules
+    give (deepspeed 0.19.8, rank 0, as `trainer_memcb.plan.engines.zero` models them), and what the
+    traced step holds beyond them at each state's most, measured (`params16_gathered`,
+    `grads16_whole`)."""
+    from trainer_memcb.state.rules.deepspeed_zero import (
+        zero3_partition_numel,
+        zero3_sub_group_numels,
+        zero12_gradient_numel,
+        zero12_partition_numel,
+    )
+
+    plan, settings, groups, world = row["plan"], row["settings"], row["groups"], row["world"]
+    most, host, at_step = plan.model_states_most_bytes, plan.model_states_host_bytes, plan.model_states_at_optimizer_step_bytes
+    numels = [numel for group in groups for numel in group]
+    bucket = 2 * int(settings.zero["reduce_bucket_size"]) * (2 if settings.overlap_comm and row["stage"] != 3 else 1)
+    if row["stage"] == 3:
+        flat = [zero3_sub_group_numels(group, world, int(settings.zero["sub_group_size"])) for group in groups]
+        partitions = [numel for group in flat for numel in group]
+        threshold = int(settings.zero["stage3_param_persistence_threshold"])
+        params = {"params16_partition": 2 * sum(zero3_partition_numel(n, world) for n in numels),
+                  "params16_persistent": 2 * sum(n for n in numels if n < threshold)}
+        grads = {"grads16_partition": 2 * sum(zero3_partition_numel(n, world) for n in numels), "reduce_bucket": bucket}
+    else:
+        partitions = [zero12_partition_numel(group, world) for group in groups]
+        params = {"params16_whole": 2 * sum(numels)}
+        grads = {} if row["offload_optimizer"] else {"grads16_partition": 2 * zero12_gradient_numel(groups, world, 0)}
+    optimizer = {"moments32": 8 * sum(partitions), "adam_steps": 4 * len(partitions)}
+    master = {"master32": 4 * sum(partitions)}
+    grads32 = {"grads32_partition": 4 * (sum(partitions) if row["stage"] != 3 and row["offload_optimizer"] else max(partitions))}
+    device: Dict[str, int] = dict(params)
+    host_terms: Dict[str, int] = {}
+    if row["offload_optimizer"]:
+        host_terms.update(optimizer, **master, **grads32)
+        if row["stage"] != 3:
+            largest = max(numels)
+            host_terms["offload_copies"] = 2 * sum(partitions) + 2 * largest  # the host copy, the host staging
+            grads = {"offload_copies": 2 * largest}  # the device's staging buffer
+    else:
+        device.update(optimizer, **master, **grads32)
+    device.update(grads)
+    # What the trace holds beyond the rules' terms at the parameters' and the gradients' most.
+    rule_params = sum(params.values())
+    rule_grads = sum(grads.values()) + (0 if row["offload_optimizer"] else grads32["grads32_partition"])
+    device["params16_gathered"] = most["parameters"] - rule_params
+    device["grads16_whole"] = most["gradients"] - rule_grads
+    device = {key: value for key, value in device.items() if value}
+    host_terms["unfiled_host_grads32"] = sum(host.values()) - sum(host_terms.values())
+    processes = world // row["nodes"]
+    return PlanFigures(sum(most.values()), sum(at_step.values()), sum(host.values()) * processes, device,
+                       {key: value for key, value in host_terms.items() if value})
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f}"
+
+
+def summary_lines(rows: List[Dict[str, Any]]) -> List[str]:
+    """The guide's table: per row DeepSpeed's figures and the plan's (GiB, as DeepSpeed prints them)."""
+    lines = ["| GPUs | setting | DeepSpeed per GPU | plan: most on the device | plan: at the optimizer step, device and host | "
+             "DeepSpeed CPU per node | plan: host per node |", "|---|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        ds, ours = row["deepspeed"], plan_figures(row)
+        lines.append(f"| {row['world']} | {row['label']} | {_gib(ds.gpu_bytes)} | {_gib(ours.device_bytes)} | "
+                     f"{_gib(ours.at_optimizer_step_bytes)} | {_gib(ds.cpu_bytes_per_node)} | {_gib(ours.host_bytes_per_node)} |")
+    return lines
+
+
+def term_lines(rows: List[Dict[str, Any]]) -> List[str]:
+    """Per row and term, in bytes: DeepSpeed's and the plan's, each column summing to its figure."""
+    lines = ["| GPUs | setting | term | DeepSpeed per GPU | plan on the device | DeepSpeed CPU per node | "
+             "plan host per node |", "|---|---|---|---:|---:|---:|---:|"]
+    for row in rows:
+        ds, ours = row["deepspeed"], plan_figures(row)
+        processes = row["world"] // row["nodes"]
+        keys = [key for key in TERMS if key in ds.gpu_terms or key in ours.device_terms or key in ds.cpu_terms
+                or ours.host_terms.get(key)]
+        for key in keys:
+            cells = [ds.gpu_terms.get(key, 0), ours.device_terms.get(key, 0), ds.cpu_terms.get(key, 0),
+                     ours.host_terms.get(key, 0) * processes]
+            lines.append(f"| {row['world']} | {row['label']} | {TERMS[key][0]} | " + " | ".join(f"{c:,}" for c in cells) + " |")
+        totals = [ds.gpu_bytes, ours.device_bytes, ds.cpu_bytes_per_node, ours.host_bytes_per_node]
+        lines.append(f"| {row['world']} | {row['label']} | **total** | " + " | ".join(f"{c:,}" for c in totals) + " |")
+    return lines
+
+
+def legend_lines() -> List[str]:
+    """What each term is and why one side counts it and the other not."""
+    return [f"- **{name}**: {why}." for name, why in TERMS.values()]
