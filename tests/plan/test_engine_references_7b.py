@@ -85,18 +85,21 @@ P8, P64 = PSI // 8, PSI // 64  # Ψ/N: Llama-2-7B's parameters are a multiple of
 NO_DECAY = 65 * 4_096  # the Trainer's no-decay group: the 65 RMSNorm weights
 LM_HEAD_GRAD = 2 * LARGEST  # the head's bf16 gradient, whole
 BUCKET = 2 * 4_096**2  # reduce_bucket_size "auto" = hidden_size², bf16
-# What the traced step holds beyond the rules' terms, per (world, setting), measured: the 16-bit
-# parameters gathered at the parameters' most (ZeRO-3: the head and the last layers, kept whole from
-# their forward to their backward within stage3_max_reuse_distance) and the 16-bit gradients in
-# flight at the gradients' most.
+# ZeRO-3's 16-bit parameters gathered at the parameters' most: the modules after which fewer than
+# stage3_max_reuse_distance / 2 = 500,000,000 values follow, kept whole from their forward to their
+# backward: the head, the last decoder layer's seven projections and, of the layer before, its MLP
+# and two of its attention projections (16,777,216 values each; the norms are persistent).
+GATHERED = 2 * (LARGEST + (4 * 16_777_216 + 3 * 45_088_768) + (3 * 45_088_768 + 2 * 16_777_216))
+# What the traced step holds beyond the rules' terms, per setting, measured: the 16-bit parameters
+# gathered at the parameters' most and the 16-bit gradients in flight at the gradients' most.
 IN_FLIGHT = {  # the same at 8 and 64 processes
     "ZeRO-2": dict(params16_gathered=0, grads16_whole=0),  # the gradients' most: at the step's
     # the bucket, the head's gradient kept whole (more values than the bucket) and the final norm's
     # gradient (4,096 values) arriving, which releases it
     "ZeRO-2, offload optimizer": dict(params16_gathered=0, grads16_whole=BUCKET + LM_HEAD_GRAD + 2 * 4_096),
-    "ZeRO-3": dict(params16_gathered=1_004_535_808, grads16_whole=0),
-    "ZeRO-3, offload optimizer": dict(params16_gathered=1_004_535_808, grads16_whole=LM_HEAD_GRAD),
-    "ZeRO-3, offload optimizer and params": dict(params16_gathered=1_004_535_808, grads16_whole=LM_HEAD_GRAD),
+    "ZeRO-3": dict(params16_gathered=GATHERED, grads16_whole=0),
+    "ZeRO-3, offload optimizer": dict(params16_gathered=GATHERED, grads16_whole=LM_HEAD_GRAD),
+    "ZeRO-3, offload optimizer and params": dict(params16_gathered=GATHERED, grads16_whole=LM_HEAD_GRAD),
 }
 
 
