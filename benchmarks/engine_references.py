@@ -2,9 +2,10 @@
 
 - FSDP2 (full shard, bf16 parameters, AdamW, batch 1 x 512): the plan's peak per process against
   `FSDPMemTracker` on the same fake step (tests/plan/fsdp_reference.py), at 4, 8 and 64 processes;
-- ZeRO-2 and ZeRO-3 (deepspeed-bf16, batch 1 x 512): the plan's model states at the step against
-  DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
-  (no offload; their 1.5 buffer factor applies to the CPU figure only).
+- ZeRO-2 and ZeRO-3 (bf16, batch 1 x 512, each offload setting DeepSpeed's `..._all_cold` prints):
+  the plan's model states against the installed `estimate_zero2_model_states_mem_needs` /
+  `estimate_zero3_model_states_mem_needs`, term by term (tests/plan/zero_reference.py; their 1.5
+  buffer factor applies to the CPU figure only).
 
 Each plan's wall and CPU seconds are printed, and its CPU time as a ratio to that of the
 one-process plan of the same model and batch (timed first): the load of a shared machine cancels
@@ -69,31 +70,19 @@ def main() -> None:
         print(f"{'fsdp2':14} {world:3} {plan.peak_bytes:16,} {tracker['Total']:16,} {plan.peak_bytes - tracker['Total']:6} "
               f"{seconds(spent, base_cpu)}  {plan.peak_parts}")
         print(f"{'':14} {'':3} tracker: {tracker}")
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from zero_reference import ZERO_ROWS, plan_figures, plan_row
 
-    numel = sum(p.numel() for p in build().parameters())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in build().modules())
-    for stage in stages:
-        for world in worlds:
-            ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto",
-                  "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}
-            if stage == 2:
-                del ds["zero_optimization"]["stage3_prefetch_bucket_size"], ds["zero_optimization"]["stage3_param_persistence_threshold"]
-            settings = resolve_settings(deepspeed=ds, world_size=world, hidden_size=4096, batch_size=1, optimizer="adamw_torch")
-            (plan, _), spent = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
-                                                              model_states=False))
-            if stage == 2:
-                _, gpu = estimate_zero2_model_states_mem_needs(numel, world, 1, cpu_offload=False)
-            else:
-                _, gpu, _ = estimate_zero3_model_states_mem_needs(numel, largest, world, 1, cpu_offload=False,
-                                                                  cpu_offload_params=False)
-            parts = plan.peak_parts
-            states = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer_state", "master_weights",
-                                                    "fp32_gradients", "unsharded_parameters"))
-            print(f"{'zero' + str(stage):14} {world:3} {plan.peak_bytes:16,} {gpu:16,} {'':6} {seconds(spent, base_cpu)}  "
-                  f"states at the peak {states:,} ({plan.peak_phase}); {parts}")
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; numel {numel:,}, largest module {largest:,}")
+    for world in worlds:
+        for label, stage, offload_optimizer, offload_param in ZERO_ROWS:
+            if stage not in stages:
+                continue
+            row, spent = timed(lambda: plan_row(build, label, stage, offload_optimizer, offload_param, world))
+            ds, ours = row["deepspeed"], plan_figures(row)
+            print(f"{label:14} {world:3} {row['plan'].peak_bytes:16,} {ds.gpu_bytes:16,} {'':6} {seconds(spent, base_cpu)}  "
+                  f"model states: most on the device {ours.device_bytes:,}, at the optimizer step "
+                  f"{ours.at_optimizer_step_bytes:,}, host per node {ours.host_bytes_per_node:,} (DeepSpeed CPU per node "
+                  f"{ds.cpu_bytes_per_node:,}); plan terms {ours.device_terms}, DeepSpeed's {ds.gpu_terms}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
 if __name__ == "__main__":

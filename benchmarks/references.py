@@ -8,8 +8,8 @@
   Adam, (2 + 2 + K) Psi with K = 12, in GB (10**9 bytes), per data-parallel degree Nd.
 - DeepSpeed's `estimate_zero2_model_states_mem_needs` (deepspeed/runtime/zero/stage_1_and_2.py) and
   `estimate_zero3_model_states_mem_needs` (deepspeed/runtime/zero/stage3.py), which the
-  `..._all_cold` functions print for every offload setting with `additional_buffer_factor=1.5`. Their
-  formulas are restated here (deepspeed is not a dependency) from DeepSpeed's source.
+  `..._all_cold` functions print for every offload setting with `additional_buffer_factor=1.5`: the
+  installed functions, called by tests/plan/zero_reference.py, beside the engine-traced step plan.
 - LOMO (Lv et al. 2023, "Full Parameter Fine-tuning for Large Language Models with Limited
   Resources", Table 1): LLaMA-7B trained in fp16 with LOMO holds its parameters, one gradient at a
   time (the largest parameter's, the 32000 x 4096 embedding: 0.24 GB) and no optimizer state.
@@ -70,83 +70,22 @@ def paper_rows() -> List[Tuple[int, List[int], Tuple[str, ...]]]:
 
 
 # -- DeepSpeed's estimators ---------------------------------------------------------------------------
+# The installed DeepSpeed's own functions beside the engine-traced ZeRO step plan, term by term:
+# tests/plan/zero_reference.py (held by tests/plan/test_engine_references_7b.py).
 
 
-def deepspeed_zero2(total_params: int, gpus_per_node: int, nodes: int, cpu_offload: bool,
-                    buffer_factor: float = 1.5) -> Tuple[int, int]:
-    """(CPU bytes per node, GPU bytes per GPU), as `estimate_zero2_model_states_mem_needs` computes."""
-    total_gpus = nodes * gpus_per_node
-    if cpu_offload:
-        gpu = 2 * total_params
-        cpu = total_params * max(4 * total_gpus, 16) * buffer_factor
-    else:
-        gpu = 4 * total_params + int(16 * total_params / total_gpus)
-        cpu = total_params * 4 * gpus_per_node * buffer_factor
-    return int(cpu), int(gpu)
+def deepspeed_rows(worlds: Tuple[int, ...] = (8, 64)) -> List[Dict[str, object]]:
+    """For Llama-2-7B (bf16, batch 1 x 512) at 8 GPUs (1 node) and 64 GPUs (8 nodes of 8), each
+    ZeRO setting DeepSpeed's `..._all_cold` prints: the plan and DeepSpeed's figures, and their terms."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "plan"))
+    import torch
+    from zero_reference import ZERO_ROWS, plan_row
 
-
-def deepspeed_zero3(total_params: int, largest_layer_params: int, gpus_per_node: int, nodes: int, cpu_offload: bool,
-                    cpu_offload_params: bool, zero_init: bool, buffer_factor: float = 1.5) -> Tuple[int, int]:
-    """(CPU bytes per node, GPU bytes per GPU), as `estimate_zero3_model_states_mem_needs` computes."""
-    total_gpus = nodes * gpus_per_node
-    gpus_factor = 1 / nodes
-    largest_layer_memory = 4 * largest_layer_params
-    if cpu_offload:
-        if cpu_offload_params:
-            gpu = largest_layer_memory
-            cpu = total_params * (18 * gpus_factor if zero_init else max(4 * gpus_per_node, 18 * gpus_factor)) * buffer_factor
-        else:
-            gpu = largest_layer_memory + int(2 * total_params / total_gpus)
-            cpu = total_params * (16 * gpus_factor if zero_init else max(4 * gpus_per_node, 16 * gpus_factor)) * buffer_factor
-    else:
-        gpu = largest_layer_memory + int(18 * total_params / total_gpus)
-        cpu = (largest_layer_params if zero_init else total_params) * 4 * gpus_per_node * buffer_factor
-    return int(cpu), int(gpu)
-
-
-def llama_2_7b():
     from trainer_memcb.plan.whatif import build_meta_model
 
-    return build_meta_model(os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b"))
-
-
-def largest_layer_params(model) -> int:
-    """DeepSpeed's `model_to_params` in stage3.py: the most parameters one module holds itself."""
-    return max(sum(param.numel() for param in module.parameters(recurse=False)) for module in model.modules())
-
-
-# (label, sharding, offload_optimizer, offload_params, DeepSpeed's function and its options)
-DEEPSPEED_SETTINGS = (
-    ("ZeRO-2, offload optimizer", "zero2", True, False, ("zero2", {"cpu_offload": True})),
-    ("ZeRO-2", "zero2", False, False, ("zero2", {"cpu_offload": False})),
-    ("ZeRO-3, offload optimizer and params", "zero3", True, True,
-     ("zero3", {"cpu_offload": True, "cpu_offload_params": True, "zero_init": True})),
-    ("ZeRO-3, offload optimizer", "zero3", True, False,
-     ("zero3", {"cpu_offload": True, "cpu_offload_params": False, "zero_init": True})),
-    ("ZeRO-3", "zero3", False, False, ("zero3", {"cpu_offload": False, "cpu_offload_params": False, "zero_init": True})),
-)
-
-
-def deepspeed_rows(model=None) -> List[Dict[str, object]]:
-    """For Llama-2-7B at 8 GPUs (1 node) and 64 GPUs (8 nodes of 8): DeepSpeed's figures and ours
-    (mixed-precision Adam: DeepSpeed bf16, torch AdamW on the fp32 partitions)."""
-    model = model if model is not None else llama_2_7b()
-    total = sum(param.numel() for param in model.parameters())
-    largest = largest_layer_params(model)
-    rows = []
-    for gpus, nodes in ((8, 1), (64, 8)):
-        for label, sharding, offload_optimizer, offload_params, (function, options) in DEEPSPEED_SETTINGS:
-            if function == "zero2":
-                ds_cpu, ds_gpu = deepspeed_zero2(total, gpus // nodes, nodes, **options)
-            else:
-                ds_cpu, ds_gpu = deepspeed_zero3(total, largest, gpus // nodes, nodes, **options)
-            setup = Setup(world_size=gpus, nodes=nodes, sharding=sharding, precision="deepspeed-bf16",
-                          offload_optimizer=offload_optimizer, offload_params=offload_params)
-            ours = plan_model_states(model, "adamw", setup).optimizers[0]
-            rows.append({"gpus": gpus, "nodes": nodes, "setting": label, "deepspeed_gpu": ds_gpu,
-                         "deepspeed_cpu_per_node": ds_cpu, "ours": ours, "total_params": total,
-                         "largest_layer_params": largest})
-    return rows
+    path = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")
+    return [plan_row(lambda: build_meta_model(path, torch.bfloat16), label, stage, offload_optimizer, offload_param, world)
+            for world in worlds for label, stage, offload_optimizer, offload_param in ZERO_ROWS]
 
 
 # -- LOMO, Table 1 --------------------------------------------------------------------------------------
@@ -345,13 +284,17 @@ def main() -> None:
         cells = [f"{paper} / {as_printed(value, paper)}" for value, paper in zip(ours, printed)]
         print(f"| {nd} | " + " | ".join(cells) + " |")
 
-    print("\nDeepSpeed's estimators for Llama-2-7B (GiB; DeepSpeed prints GiB as 'GB')\n")
-    print("| GPUs | setting | DeepSpeed per GPU | ours on the device | DeepSpeed CPU per node | ours CPU per node |")
-    print("|---|---|---|---|---|---|")
-    for row in deepspeed_rows():
-        ours = row["ours"]
-        print(f"| {row['gpus']} | {row['setting']} | {_gib(row['deepspeed_gpu'])} | {_gib(ours.device_bytes)} | "
-              f"{_gib(row['deepspeed_cpu_per_node'])} | {_gib(ours.cpu_bytes_per_node)} |")
+    from zero_reference import legend_lines, summary_lines, term_lines  # put on the path by deepspeed_rows
+
+    rows = deepspeed_rows()
+    print("\nDeepSpeed's estimators for Llama-2-7B beside the engine-traced ZeRO plan (GiB; DeepSpeed prints GiB as 'GB')\n")
+    print("\n".join(summary_lines(rows)))
+    print("\nTerm by term, 8 GPUs (bytes)\n")
+    print("\n".join(term_lines([row for row in rows if row["world"] == 8])))
+    print()
+    print("\n".join(legend_lines()))
+    print("\nTerm by term, 64 GPUs (bytes)\n")
+    print("\n".join(term_lines([row for row in rows if row["world"] == 64])))
 
     print("\nLOMO Table 1, LLaMA-7B fp16, batch 8 x 512: activations (bytes; GB = 10**9 bytes)\n")
     print("| attention | checkpointing | outside the layers | per layer | 32 layers | GB | LOMO GB |")

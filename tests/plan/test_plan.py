@@ -1,5 +1,6 @@
-"""The model-states plan: hand-computed layouts, the ZeRO paper's Table 1, DeepSpeed's estimators,
-accelerate's estimate, the CLI, and ZeRO-3's partitioned parameters (item: ds_shape)."""
+"""The model-states plan: hand-computed layouts, the ZeRO paper's Table 1, accelerate's estimate, the CLI,
+and ZeRO-3's partitioned parameters (item: ds_shape). DeepSpeed's estimators stand beside the
+engine-traced step plan in tests/plan/test_engine_references_7b.py."""
 
 from __future__ import annotations
 
@@ -199,31 +200,6 @@ def test_the_zero_paper_table_1_from_a_raw_parameter_count():
     (row,) = [ours for nd, ours, _ in references.paper_rows() if nd == 64]
     partition = 7_500_000_000 // 64  # a multiple of 2: no padding
     assert row[1] == 2 * 7_500_000_000 + 2 * 7_500_000_000 + 12 * partition + 4 == 31_406_250_004
-
-
-def test_deepspeed_estimators_beside_the_plan_for_llama_2_7b():
-    references = load_references()
-    rows = references.deepspeed_rows()
-    psi = 6_738_415_616
-    assert rows[0]["total_params"] == psi and rows[0]["largest_layer_params"] == 32_000 * 4_096
-    by_key = {(row["gpus"], row["setting"]): row for row in rows}
-    zero2 = by_key[(8, "ZeRO-2")]
-    # DeepSpeed: 4 psi + 16 psi / N (whole 16-bit gradients, and an fp32 gradient partition).
-    assert zero2["deepspeed_gpu"] == 4 * psi + 16 * psi // 8
-    ours = zero2["ours"]  # bf16 parameters whole, gradient / optimizer / master partitions
-    partition = psi // 8  # psi is a multiple of 16: no padding
-    assert (ours.params_bytes, ours.master_weights_bytes) == (2 * psi, 4 * partition)
-    # The fullest process's 16-bit gradients: its partition (842,301,952 values), and more, since
-    # every parameter its partition touches is held whole (the runs' finding): 57,413,120 values more.
-    assert ours.grads_bytes == 2 * (partition + 57_413_120) == 1_799_430_144
-    assert ours.optimizer_state_bytes == 8 * partition + 8  # the Trainer's two groups: a `step` each
-    assert zero2["deepspeed_gpu"] - ours.device_bytes == 2 * psi - 2 * (partition + 57_413_120) + 4 * partition - 8
-    zero3 = by_key[(64, "ZeRO-3")]
-    assert zero3["deepspeed_gpu"] == 4 * 131_072_000 + int(18 * psi / 64)
-    partitions = 105_287_744  # the sum of ceil(numel / 64) over Llama-2-7B's 291 tensors
-    assert zero3["ours"].device_bytes == zero3["ours"].model_states_bytes == 16 * partitions + 8  # a `step` for each of the two groups
-    # DeepSpeed: 2 bytes a parameter more, and 4 bytes a value of the largest layer (gathered for use).
-    assert zero3["deepspeed_gpu"] - zero3["ours"].device_bytes == 4 * 131_072_000 + int(18 * psi / 64) - 16 * partitions - 8
 
 
 def test_accelerate_training_using_adam_for_bert_base_cased():
