@@ -144,6 +144,12 @@ class ZeroEngine(StepEngine):
                 persistent = sum(zero3_partition_numel(p.numel(), self.world) for p in model.parameters()
                                  if p.numel() < threshold)
                 self._persistent_partitions = [torch.empty(persistent, dtype=dtype)] if persistent else []
+                if self.offload:
+                    # stage3.py `initialize_optimizer_states`: with offload_optimizer each fp32
+                    # sub-group's gradient (`subgroup_gradient_buffer`) is made on the host and kept
+                    # (`_release_sub_group` drops it only without offload); the 16-bit gradient
+                    # partition is made as without offload (`self.device`, the host).
+                    self._fp32_grads = [torch.empty(master.numel(), dtype=torch.float32) for master in self._masters]
             else:
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
                                  for group in self._groups]
