@@ -34,9 +34,13 @@ Trainer's optimizer (decay, no decay):
   - a module's parameters are whole, beside their partitions, from its forward (backward) pre-hook
     to its post-hook (`PartitionedParameterCoordinator.fetch_sub_module` / `release_sub_module`),
     and from its forward to its backward when the trace reaches them again within
-    `stage3_max_reuse_distance` values (`__params_to_release`); the next module's prefetch
-    (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only (on the tiny
-    Llama's real runs it adds nothing at the peak, in backward, where every parameter is whole);
+    `stage3_max_reuse_distance` values (`__params_to_release`); in backward, the next uses'
+    parameters are prefetched, the queue passed over and released as
+    `PartitionedParameterCoordinator` does once its trace is complete (`fetch_sub_module`,
+    `__all_gather_params`, `release_sub_module`: zero3_fetch.py), up to
+    `stage3_prefetch_bucket_size` values a time and within `stage3_max_live_parameters`; forward's
+    own timeline fetches each module's parameters on demand (the next uses are known once it has
+    run), its decisions replayed at the start of backward;
   - gradients go through the reduce bucket into the 16-bit gradient partition
     (`grad_partitions_flat_buffer`, allocated at init); the fp32 master sub-groups
     (`zero3_sub_group_numels`) and their optimizer state, on the CPU with `offload_optimizer`;
@@ -50,8 +54,13 @@ Trainer's optimizer (decay, no decay):
   beside itself; the fp64 copy of each gradient's slice for its norm; the optimizer step's own
   temporaries on the host (`host_temporaries`), where it steps.
 
-Not modelled (said in the notes): ZeRO-3's prefetching and `stage3_max_live_parameters`, ZeRO-3's
-offload buffers, the all-gather of the updated 16-bit partitions (done in place
+- ZeRO-3 with `offload_optimizer` (`initialize_optimizer_states`): each fp32 sub-group's gradient
+  made on the host at init and kept (`_release_sub_group` drops it only without offload);
+  `offload_param` moves the 16-bit partitions to the host (`_create_param_groups_fp16_flat_cpu_memory`),
+  the same bytes, still counted in the device's peak here (on the CPU, where it is checked, one memory).
+
+Not modelled: ZeRO-3's prefetching in forward's own timeline, ZeRO-3's offload staging
+buffers on an accelerator, the all-gather of the updated 16-bit partitions (done in place
 in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, no new memory in
 0.19.8's `all_gather_dp_groups`).
 """
