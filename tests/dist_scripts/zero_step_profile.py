@@ -3,8 +3,9 @@ torch.profiler records them, per process.
 
 Usage: torchrun --nproc_per_node 2 zero_step_profile.py OUT_DIR ROW...
 
-ROW: a name of `ROWS` below (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, and ZeRO-2
-with `offload_optimizer` to the CPU); ROW-memtracker: the same steps under torch's MemTracker
+ROW: a name of `ROWS` below (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, ZeRO-2
+with `offload_optimizer` to the CPU, ZeRO-3 with its fetch limits binding at 128 tokens, with
+`offload_optimizer` and `offload_param` to the CPU, and in bf16); ROW-memtracker: the same steps under torch's MemTracker
 instead of the profiler (`memtracker_run`), the figure tests/training/test_engine_runs.py holds the
 plan to: the profiler, even fenced, misses frees on gloo's worker thread (see `memtracker_run`). The model, batch and client optimizer are those of
 engine_step_profile.py (the tiny Llama in fp32, the Trainer's `adamw_torch` in its two param groups),

@@ -19,7 +19,8 @@ from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
 pytestmark = pytest.mark.slow
 
 ROWS = ("zero3-limits", "zero3-offload")
-# The real peak less the plan's, the same on both processes in every launch here (five launches):
+# The real peak less the plan's, the same on both processes in every launch here (zero3-limits four
+# launches, zero3-offload seven):
 # zero3-limits 4,643,305 real, 4,643,284 planned: the 21 bytes of DeepSpeed's 0-dim scalars that
 # test_engine_runs.py's ZERO_SCALARS gives for zero3 (its peak in backward too). zero3-offload
 # (offload_optimizer and offload_param to the CPU) 2,287,077 real, 2,287,060 planned: 17 bytes,
