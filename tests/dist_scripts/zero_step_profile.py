@@ -3,8 +3,9 @@ torch.profiler records them, per process.
 
 Usage: torchrun --nproc_per_node 2 zero_step_profile.py OUT_DIR ROW...
 
-ROW: a name of `ROWS` below (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, and ZeRO-2
-with `offload_optimizer` to the CPU); ROW-memtracker: the same steps under torch's MemTracker
+ROW: a name of `ROWS` below (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, ZeRO-2
+with `offload_optimizer` to the CPU, ZeRO-3 with its fetch limits binding at 128 tokens, with
+`offload_optimizer` and `offload_param` to the CPU, and in bf16); ROW-memtracker: the same steps under torch's MemTracker
 instead of the profiler (`memtracker_run`), the figure tests/training/test_engine_runs.py holds the
 plan to: the profiler, even fenced, misses frees on gloo's worker thread (see `memtracker_run`). The model, batch and client optimizer are those of
 engine_step_profile.py (the tiny Llama in fp32, the Trainer's `adamw_torch` in its two param groups),
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine_step_profile import BATCH, CONFIG, batch, peak_of, tiny_llama, trainer_optimizer, warm_up
+from engine_step_profile import BATCH, CONFIG, SEQ, batch, peak_of, tiny_llama, trainer_optimizer, warm_up
 
 # deepspeed_zero.py's switch: `deepspeed.comm.torch` as an attribute is the torch package itself.
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -56,7 +57,8 @@ AUTO = {"reduce_bucket_size": HIDDEN * HIDDEN, "stage3_prefetch_bucket_size": in
         "stage3_param_persistence_threshold": 10 * HIDDEN}
 
 
-def ds_config(stage: int, overlap_comm: bool, offload: bool = False) -> Dict[str, Any]:
+def ds_config(stage: int, overlap_comm: bool, offload: bool = False, offload_param: bool = False,
+              bf16: bool = False, **zero_settings: Any) -> Dict[str, Any]:
     zero: Dict[str, Any] = {"stage": stage, "overlap_comm": overlap_comm, "reduce_bucket_size": AUTO["reduce_bucket_size"]}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=AUTO["stage3_prefetch_bucket_size"],
@@ -69,7 +71,21 @@ def ds_config(stage: int, overlap_comm: bool, offload: bool = False) -> Dict[str
         # The Trainer's adamw_torch as the client optimizer: DeepSpeed otherwise insists on its
         # DeepSpeedCPUAdam for offload (engine.py, _configure_basic_optimizer).
         config["zero_force_ds_cpu_optimizer"] = False
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    zero.update(zero_settings)
     return config
+
+
+# ZeRO-3 with its fetch limits binding on the tiny Llama (2 layers, 9 modules with parameters
+# each): every parameter partitioned (persistence 0), released after its forward and fetched again
+# in backward (`stage3_max_reuse_distance` 0), the next modules' parameters prefetched up to 8,192
+# values a time (one MLP projection; `fetch_sub_module`) while at most 20,000 values are whole
+# (`stage3_max_live_parameters`, which bounds the prefetch only).
+LIMITS = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+              stage3_prefetch_bucket_size=8192, stage3_max_live_parameters=20_000)
 
 
 ROWS = {
@@ -77,7 +93,13 @@ ROWS = {
     "zero2": ds_config(2, False), "zero2-overlap": ds_config(2, True),
     "zero3-no-overlap": ds_config(3, False), "zero3": ds_config(3, True),
     "zero2-offload": ds_config(2, False, offload=True),
+    "zero3-limits": ds_config(3, True, **LIMITS),
+    "zero3-offload": ds_config(3, True, offload=True, offload_param=True),
+    "zero3-bf16": ds_config(3, True, bf16=True),
 }
+# The sequence length per row where it is not engine_step_profile.py's: 128 tokens put ZeRO-3's
+# peak in backward, where the fetch limits act (at 16 it is in the optimizer step).
+ROW_SEQ = {"zero3-limits": 128}
 
 
 def alive_at_peak(prof: profile, window_name: str = "measured step") -> Dict[str, Any]:
@@ -145,9 +167,16 @@ def zero_engine(config: Dict[str, Any]):
     return engine
 
 
-def engine_steps(engine, before=lambda: None):
+def row_batch(seq: int) -> Dict[str, torch.Tensor]:
+    """engine_step_profile.py's batch at `seq` tokens."""
+    ids = torch.randint(0, 100, (BATCH, seq))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+            "num_items_in_batch": torch.tensor(float(ids.numel()))}
+
+
+def engine_steps(engine, before=lambda: None, seq: int = 0):
     """One training step as the Trainer runs it under DeepSpeed (`before` called first)."""
-    inputs = batch()
+    inputs = row_batch(seq) if seq else batch()
 
     def step() -> None:
         before()
@@ -168,11 +197,11 @@ def closed(engine, result: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
-def run(config: Dict[str, Any], detail: bool) -> Dict[str, Any]:
+def run(config: Dict[str, Any], detail: bool, seq: int = 0) -> Dict[str, Any]:
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=detail) as prof:
         engine = zero_engine(config)
-        step = engine_steps(engine)
+        step = engine_steps(engine, seq=seq)
         warm_up(step)
         with record_function("measured step"):
             step()
@@ -181,7 +210,7 @@ def run(config: Dict[str, Any], detail: bool) -> Dict[str, Any]:
     return closed(engine, alive_at_peak(prof) if detail else peak_of(prof))
 
 
-def memtracker_run(config: Dict[str, Any]) -> Dict[str, Any]:
+def memtracker_run(config: Dict[str, Any], seq: int = 0) -> Dict[str, Any]:
     """The same steps under torch's `MemTracker` instead of the profiler: it follows every storage
     made under it (a dispatch mode on the main thread) to its end by a weak reference, whichever
     thread drops the last one, so gloo's worker threads do not hide a free. Entered before the
@@ -194,7 +223,7 @@ def memtracker_run(config: Dict[str, Any]) -> Dict[str, Any]:
     with tracker:
         engine = zero_engine(config)
         # Its per-module figures hold one iteration; the peak is kept apart.
-        step = engine_steps(engine, before=tracker.reset_mod_stats)
+        step = engine_steps(engine, before=tracker.reset_mod_stats, seq=seq)
         warm_up(step)
     with tracker:
         step()
@@ -213,9 +242,10 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     for row in rows:
         # ROW-memtracker: MemTracker's peak of the same step (see memtracker_run).
-        config = ROWS[row[:-len("-memtracker")] if row.endswith("-memtracker") else row]
-        result = memtracker_run(config) if row.endswith("-memtracker") else run(config, detail)
-        _common.write_result(os.path.join(out_dir, row), dict(result, row=row, deepspeed_config=config,
+        name = row[:-len("-memtracker")] if row.endswith("-memtracker") else row
+        config, seq = ROWS[name], ROW_SEQ.get(name, 0)
+        result = memtracker_run(config, seq) if row.endswith("-memtracker") else run(config, detail, seq)
+        _common.write_result(os.path.join(out_dir, row), dict(result, row=row, deepspeed_config=config, seq_len=seq or SEQ,
                                                                 world_size=dist.get_world_size()))
         dist.barrier()
     dist.destroy_process_group()

@@ -34,9 +34,13 @@ Trainer's optimizer (decay, no decay):
   - a module's parameters are whole, beside their partitions, from its forward (backward) pre-hook
     to its post-hook (`PartitionedParameterCoordinator.fetch_sub_module` / `release_sub_module`),
     and from its forward to its backward when the trace reaches them again within
-    `stage3_max_reuse_distance` values (`__params_to_release`); the next module's prefetch
-    (`stage3_prefetch_bucket_size`) is not modelled: a module's own parameters only (on the tiny
-    Llama's real runs it adds nothing at the peak, in backward, where every parameter is whole);
+    `stage3_max_reuse_distance` values (`__params_to_release`); in backward, the next uses'
+    parameters are prefetched, the queue passed over and released as
+    `PartitionedParameterCoordinator` does once its trace is complete (`fetch_sub_module`,
+    `__all_gather_params`, `release_sub_module`: zero3_fetch.py), up to
+    `stage3_prefetch_bucket_size` values a time and within `stage3_max_live_parameters`; forward's
+    own timeline fetches each module's parameters on demand (the next uses are known once it has
+    run), its decisions replayed at the start of backward;
   - gradients go through the reduce bucket into the 16-bit gradient partition
     (`grad_partitions_flat_buffer`, allocated at init); the fp32 master sub-groups
     (`zero3_sub_group_numels`) and their optimizer state, on the CPU with `offload_optimizer`;
@@ -50,8 +54,13 @@ Trainer's optimizer (decay, no decay):
   beside itself; the fp64 copy of each gradient's slice for its norm; the optimizer step's own
   temporaries on the host (`host_temporaries`), where it steps.
 
-Not modelled (said in the notes): ZeRO-3's prefetching and `stage3_max_live_parameters`, ZeRO-3's
-offload buffers, the all-gather of the updated 16-bit partitions (done in place
+- ZeRO-3 with `offload_optimizer` (`initialize_optimizer_states`): each fp32 sub-group's gradient
+  made on the host at init and kept (`_release_sub_group` drops it only without offload);
+  `offload_param` moves the 16-bit partitions to the host (`_create_param_groups_fp16_flat_cpu_memory`),
+  the same bytes, still counted in the device's peak here (on the CPU, where it is checked, one memory).
+
+Not modelled: ZeRO-3's prefetching in forward's own timeline, ZeRO-3's offload staging
+buffers on an accelerator, the all-gather of the updated 16-bit partitions (done in place
 in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, no new memory in
 0.19.8's `all_gather_dp_groups`).
 """
@@ -65,6 +74,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.engines.base import StepEngine
+from trainer_memcb.plan.engines.zero3_fetch import FetchCoordinator
 from trainer_memcb.state.rules.deepspeed_zero import (
     zero3_partition_numel,
     zero3_sub_group_numels,
@@ -144,6 +154,12 @@ class ZeroEngine(StepEngine):
                 persistent = sum(zero3_partition_numel(p.numel(), self.world) for p in model.parameters()
                                  if p.numel() < threshold)
                 self._persistent_partitions = [torch.empty(persistent, dtype=dtype)] if persistent else []
+                if self.offload:
+                    # stage3.py `initialize_optimizer_states`: with offload_optimizer each fp32
+                    # sub-group's gradient (`subgroup_gradient_buffer`) is made on the host and kept
+                    # (`_release_sub_group` drops it only without offload); the 16-bit gradient
+                    # partition is made as without offload (`self.device`, the host).
+                    self._fp32_grads = [torch.empty(master.numel(), dtype=torch.float32) for master in self._masters]
             else:
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
                                  for group in self._groups]
@@ -225,6 +241,7 @@ class ZeroEngine(StepEngine):
     def _partition_parameters(self, model: nn.Module) -> None:
         threshold = int(self.settings.zero["stage3_param_persistence_threshold"])
         self.tracker_params = [p for p in model.parameters() if p.numel() >= threshold]
+        self._tracked = {id(p) for p in self.tracker_params}
         self._persistent = [p for p in model.parameters() if p.numel() < threshold]
         # PartitionedParameterCoordinator.__params_to_release (from the second step on, the trace
         # complete): a module's parameters are kept whole at its release when the modules that come
@@ -235,17 +252,95 @@ class ZeroEngine(StepEngine):
         self._reuse_distance = int(self.settings.zero.get("stage3_max_reuse_distance", 1_000_000_000))
         self._forward_values = 0
         self._total_values = sum(p.numel() for m in model.modules() for p in m.parameters(recurse=False))
+        # The coordinator's trace (PartitionedParameterCoordinator.record_module / record_parameters):
+        # each use of a module with parameters of its own, in `ds_id` order (the model's parameter
+        # order), recorded in forward; backward is taken to use them in the reverse order
+        # (`expects` checks it as it goes).
+        order = {id(p): index for index, p in enumerate(model.parameters())}
+        self._by_key = {order[id(p)]: p for p in model.parameters()}
+        self._forward_trace: List[Any] = []
+        self._coordinator: Optional[FetchCoordinator] = None
         for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if p.numel() >= threshold]
-            if not own:
+            mine = list(module.parameters(recurse=False))
+            if not mine:
                 continue
-            values = sum(p.numel() for p in module.parameters(recurse=False))
-            self._hooks.append(module.register_forward_pre_hook(lambda m, i, own=own, values=values: self._fetch(own, values)))
+            own = [p for p in mine if p.numel() >= threshold]
+            keys = sorted(order[id(p)] for p in mine)
+            values = sum(p.numel() for p in mine)
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda m, i, own=own, values=values, keys=keys: self._fetch_forward(m, own, values, keys)))
             self._hooks.append(module.register_forward_hook(lambda m, i, o, own=own: self._release_after_forward(own)))
-            self._hooks.append(module.register_full_backward_pre_hook(lambda m, g, own=own: self._fetch(own)))
-            self._hooks.append(module.register_full_backward_hook(lambda m, gi, go, own=own: self._release(own)))
+            self._hooks.append(module.register_full_backward_pre_hook(lambda m, g, own=own: self._fetch_backward(m, own)))
+            self._hooks.append(module.register_full_backward_hook(lambda m, gi, go, own=own: self._release_backward(m, own)))
         for param in self._trainable:
             self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _fetch_forward(self, module: nn.Module, own: List[torch.Tensor], values: int, keys: List[int]) -> None:
+        if self.tracker is not None and self.tracker.phase == "forward":
+            self._forward_trace.append((id(module), keys))
+        if own:  # forward's timeline as before: each module's own parameters, on demand
+            self._fetch(own, values)
+
+    def _start_backward_trace(self) -> None:
+        """The coordinator at the start of backward: its forward decisions replayed over the traced
+        forward (which fetched each module's own parameters only: the order of the next uses is
+        known once forward has run), and every parameter set whole or partitioned as it left them.
+        Forward's prefetches are therefore missing from forward's own timeline, not from backward's."""
+        if not self._forward_trace:
+            return
+        zero = self.settings.zero
+        threshold = int(zero["stage3_param_persistence_threshold"])
+        # The model itself is a use at the start of each pass with no parameters of its own: its
+        # forward pre-hook comes first in forward and, its output being the loss, its pre-backward
+        # first in backward (parameter_offload.py `_pre_backward_module_hook`). The one between the
+        # last module's forward and its backward keeps that module whole into backward when a
+        # prefetch passed over its backward use (__params_to_release: `most_recent > step_id`).
+        root = [("model", [])]
+        trace = root + self._forward_trace + root + self._forward_trace[::-1]
+        numel = {key: p.numel() for key, p in self._by_key.items()}
+        persistent = {key for key, p in self._by_key.items() if p.numel() < threshold}
+        self._coordinator = coordinator = FetchCoordinator(
+            trace, numel, persistent, int(zero["stage3_prefetch_bucket_size"]),
+            int(zero["stage3_max_live_parameters"]), int(zero["stage3_max_reuse_distance"]))
+        for index in range(len(self._forward_trace) + 1):
+            coordinator.fetch()
+            if index:  # the model's own post-hook comes after backward
+                coordinator.release(index)
+        coordinator.fetch()  # the model's pre-backward
+        for param in self.tracker_params:
+            self._set_whole(param, self._key(param) in coordinator.available)
+
+    def _key(self, param: torch.Tensor) -> int:
+        if not hasattr(self, "_keys"):
+            self._keys = {id(p): key for key, p in self._by_key.items()}
+        return self._keys[id(param)]
+
+    def _fetch_backward(self, module: nn.Module, own: List[torch.Tensor]) -> None:
+        coordinator = self._coordinator
+        if coordinator is None or not coordinator.expects(id(module)):
+            if coordinator is not None:  # DeepSpeed drops its trace then and fetches on demand
+                self.notes.append("ZeRO-3: backward did not use the modules in the reverse of forward's "
+                                  "order; its prefetching is not modelled from there on")
+                self._coordinator = None
+            self._fetch(own)
+            return
+        self._backward_index = getattr(self, "_backward_index", {})
+        self._backward_index[id(module)] = coordinator.step
+        for key in coordinator.fetch():
+            param = self._by_key[key]
+            if id(param) in self._tracked:
+                self._set_whole(param, True)
+
+    def _release_backward(self, module: nn.Module, own: List[torch.Tensor]) -> None:
+        coordinator = self._coordinator
+        index = getattr(self, "_backward_index", {}).pop(id(module), None)
+        if coordinator is None or index is None:
+            self._release(own)
+            return
+        for key in coordinator.release(index):
+            param = self._by_key[key]
+            if id(param) in self._tracked:
+                self._set_whole(param, False)
 
     def _set_whole(self, param: torch.Tensor, whole: bool) -> None:
         # partition_parameters.py (`_allgather_param`, `all_gather_coalesced`): the gathered
@@ -277,6 +372,8 @@ class ZeroEngine(StepEngine):
     # -- backward -------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         self._setup_buckets()  # under the trace's fake mode already
+        if self.stage == 3:
+            self._start_backward_trace()
         loss.backward()
         if self.stage == 3:  # every module released by the end of backward (a module without an
             self._release(self.tracker_params)  # input gradient never runs its backward hook)
