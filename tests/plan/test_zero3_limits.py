@@ -75,3 +75,15 @@ def test_zero3_offload_keeps_the_fp32_gradient_partition_on_the_host():
                  offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     assert plan.host_bytes == {"master_weights": 230_016, "optimizer_state": 460_040, "fp32_gradients": 230_016}
     assert plan.peak_bytes == 1_366_988
+
+
+def test_zero3_plan_warns_nothing_of_its_own_hooks():
+    # The release hooks sit on every module with parameters, the embedding among them, whose input
+    # (token ids) needs no gradient; torch warns for such a full backward hook, which is the plan's
+    # own probe and nothing the user did.
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _plan(16, **LIMITS)
+    assert [str(w.message) for w in caught if "Full backward hook" in str(w.message)] == []

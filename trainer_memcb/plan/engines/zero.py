@@ -68,6 +68,7 @@ in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -121,7 +122,7 @@ class ZeroEngine(StepEngine):
         self._host_bit16: List[torch.Tensor] = []
         self._host_bit16_serials: set = set()
         self._held: Any = None  # ZeRO-1/2's `extra_large_param_to_reduce`
-        self._in_partition: Dict[int, int] = {}  # id(param): its values in rank 0's partition
+        self._in_partition: Dict[int, int] = {}  # id(param): its values in rank 0's partition (ZeRO-1/2)
         self._norms: List[torch.Tensor] = []
         self._persistent_partitions: List[torch.Tensor] = []  # ZeRO-3: the persistent parameters' partitions
         self._device_staging: List[torch.Tensor] = []
@@ -163,6 +164,7 @@ class ZeroEngine(StepEngine):
             else:
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
                                  for group in self._groups]
+                self._find_rank0_partition()
                 if self.offload:
                     self._offload_zero12_buffers()
             if trainer_optimizer is not None:
@@ -205,8 +207,10 @@ class ZeroEngine(StepEngine):
         # step reads it in place; no 16-bit gradient partition on the device (`copy_grads_in_partition`
         # returns before making `grads_in_partition`).
         self._fp32_grads = [torch.empty(master.numel(), dtype=torch.float32) for master in self._masters]
-        # Rank 0's partition: the first `partition_size` values of each group's flat buffer, the
-        # parameters in the group's order (`get_partition_info`).
+
+    def _find_rank0_partition(self) -> None:
+        """Each parameter's values in rank 0's partition: the first `partition_size` values of each
+        group's flat buffer, the parameters in the group's order (`get_partition_info`)."""
         for group, master in zip(self._groups, self._masters):
             offset = 0
             for param in group:
@@ -374,7 +378,11 @@ class ZeroEngine(StepEngine):
         self._setup_buckets()  # under the trace's fake mode already
         if self.stage == 3:
             self._start_backward_trace()
-        loss.backward()
+        with warnings.catch_warnings():
+            # The release hooks on modules whose inputs need no gradient (the embedding's token
+            # ids): torch says their hook fires on the outputs' gradients, which is when it is wanted.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            loss.backward()
         if self.stage == 3:  # every module released by the end of backward (a module without an
             self._release(self.tracker_params)  # input gradient never runs its backward hook)
         if self.stage == 1 and not self.settings.overlap_comm:
@@ -432,7 +440,10 @@ class ZeroEngine(StepEngine):
         return bool(self.settings.zero.get("contiguous_gradients", True)) or self.offload
 
     def _reduce(self, param: torch.Tensor) -> None:
-        if self.stage != 3 and not self._grad_partition and not self._fp32_grads:
+        # copy_grads_in_partition makes `grads_in_partition` at the first reduction of a gradient
+        # of this rank's own partition (`is_param_in_current_partition`), not at the first one.
+        if (self.stage != 3 and not self._grad_partition and not self._fp32_grads
+                and self._in_partition.get(id(param), 0)):
             numel = zero12_gradient_numel([[p.numel() for p in group] for group in self._groups], self.world, 0)
             self._grad_partition = [torch.empty(numel, dtype=param.grad.dtype)]
             self.tracker.tag(self._grad_partition, "gradients")
