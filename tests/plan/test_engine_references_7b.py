@@ -87,11 +87,12 @@ P8, P64 = PSI // 8, PSI // 64  # Ψ/N: Llama-2-7B's parameters are a multiple of
 NO_DECAY = 65 * 4_096  # the Trainer's no-decay group: the 65 RMSNorm weights
 LM_HEAD_GRAD = 2 * LARGEST  # the head's bf16 gradient, whole
 BUCKET = 2 * 4_096**2  # reduce_bucket_size "auto" = hidden_size², bf16
-# ZeRO-3's 16-bit parameters gathered at the parameters' most: the modules after which fewer than
-# stage3_max_reuse_distance / 2 = 500,000,000 values follow, kept whole from their forward to their
-# backward: the head, the last decoder layer's seven projections and, of the layer before, its MLP
-# and two of its attention projections (16,777,216 values each; the norms are persistent).
-GATHERED = 2 * (LARGEST + (4 * 16_777_216 + 3 * 45_088_768) + (3 * 45_088_768 + 2 * 16_777_216))
+# ZeRO-3's 16-bit parameters gathered at the parameters' most (in backward), measured: what the
+# prefetch gathers up to stage3_max_live_parameters (10⁹ values by default: the bucket is filled
+# until at least the room left, so a module's fetch may pass it) and the modules kept whole from
+# their forward to their backward within stage3_max_reuse_distance; 1,097,859,072 values (with the
+# limit at 5 x 10⁸, 586,153,984: the limit binds).
+GATHERED = 2 * 1_097_859_072
 # What the traced step holds beyond the rules' terms, per setting, measured: the 16-bit parameters
 # gathered at the parameters' most and the 16-bit gradients in flight at the gradients' most.
 IN_FLIGHT = {  # the same at 8 and 64 processes
@@ -149,10 +150,10 @@ def test_zero_plan_of_llama_2_7b_beside_deepspeeds_estimators_term_by_term(world
     # no padding here), and torch AdamW's 4-byte step per flat partition, which DeepSpeed leaves out.
     states = ours.host_terms if offload_optimizer else terms
     assert states["master32"] == 4 * share and states["moments32"] == 8 * share and states["adam_steps"] == 4 * 2
-    # The fp32 gradient partition: one param group's at a time inside the step (ZeRO-1/2 offload
-    # keeps the whole partition on the host between steps); DeepSpeed counts it whole.
+    # The fp32 gradient partition: one param group's at a time inside the step (offload keeps the
+    # whole partition on the host between steps, ZeRO-3 each sub-group's); DeepSpeed counts it whole.
     one_group = 4 * (PSI - NO_DECAY) // n
-    assert states["grads32_partition"] == (4 * share if stage == 2 and offload_optimizer else one_group)
+    assert states["grads32_partition"] == (4 * share if offload_optimizer else one_group)
     if not offload_optimizer:
         assert ds.gpu_terms["grads32_partition"] - terms["grads32_partition"] == 4 * NO_DECAY // n
     if stage == 2:
@@ -182,9 +183,8 @@ def test_zero_plan_of_llama_2_7b_beside_deepspeeds_estimators_term_by_term(world
         assert ds.gpu_terms["params16_gathered"] == ds.gpu_terms["grads16_whole"] == 2 * LARGEST
         assert "grads16_partition" not in ds.gpu_terms
         if offload_optimizer:
-            # On the host the fp32 states; the plan files the fp32 gradient partition made on the
-            # host inside the step among the host's temporaries (see zero_reference.TERMS).
-            assert ours.host_terms["unfiled_host_grads32"] == -one_group
+            # On the host the fp32 states, each sub-group's fp32 gradient kept there between steps
+            # (held above by the host terms summing to the host figure).
             # offload_param: the plan's ZeRO engine keeps the 16-bit partitions on the device.
             assert plan.model_states_host_bytes["parameters"] == 0
         else:

@@ -67,7 +67,8 @@ TERMS = {
                             "has no term for them"),
     "params16_gathered": ("16-bit parameters gathered", "ZeRO-3: DeepSpeed 2 x the largest layer (its 4x: 2 bytes "
                           "for its parameters, 2 for its gradients); the plan what the traced step holds whole at "
-                          "the parameters' most (the modules kept whole within `stage3_max_reuse_distance`)"),
+                          "the parameters' most (prefetched up to `stage3_max_live_parameters`, and kept whole from forward to "
+                          "backward within `stage3_max_reuse_distance`)"),
     "grads16_whole": ("16-bit gradients in flight", "DeepSpeed's other 2 x the largest layer (ZeRO-3); the plan the "
                       "whole gradients and buckets the traced step holds at the gradients' most beyond the terms below"),
     "grads16_partition": ("16-bit gradient partition", "ZeRO-2: DeepSpeed 2Ψ/N, the plan the gradients of every "
@@ -76,17 +77,15 @@ TERMS = {
     "reduce_bucket": ("reduce bucket", "`reduce_bucket_size` 16-bit values (ZeRO-3 keeps it through the step); "
                       "no estimator term"),
     "grads32_partition": ("fp32 gradient partition", "DeepSpeed 4Ψ/N; the plan one param group's (ZeRO-3: one "
-                          "sub-group's) at a time, inside the step (`_optimizer_step`), where offload keeps it whole"),
+                          "sub-group's) at a time, inside the step (`_optimizer_step`); offload keeps it whole on "
+                          "the host between steps (ZeRO-1/2: `single_partition_of_fp32_groups[i].grad`; ZeRO-3: "
+                          "each sub-group's, `_release_sub_group`)"),
     "master32": ("fp32 master partition", "4 bytes a value of the partitions, padded per param group"),
     "moments32": ("AdamW's two moments", "8 bytes a value of the partitions"),
     "adam_steps": ("AdamW's `step` tensors", "4 bytes per flat partition (torch AdamW, the Trainer's); no term"),
     "offload_copies": ("offload's 16-bit copies and staging", "ZeRO-1/2 offload: the partition's 16-bit host copy "
                        "and the largest parameter's staging buffers (`temp_buffer_bit16`, "
                        "`temp_grad_buffer_for_cpu_offload` / `_gpu_offload`); no term"),
-    "unfiled_host_grads32": ("fp32 gradient partition, filed as host temporaries", "ZeRO-3 with offload: on the "
-                             "host inside the step, but the plan files it among the host's temporaries, not its "
-                             "gradients (`ZeroEngine.step` tags what the optimizer makes there first), so the host "
-                             "figure leaves it out"),
     "loading": ("fp32 copies while loading", "DeepSpeed's CPU figure counts the model loaded in fp32 per process "
                 "(ZeRO-3 with zero_init: the largest layer), before training; the plan counts the step"),
     "buffer_factor": ("additional buffer factor", "DeepSpeed multiplies its CPU figure by 1.5 (`_all_cold`'s "
@@ -258,7 +257,7 @@ def plan_figures(row: Dict[str, Any]) -> PlanFigures:
         grads = {} if row["offload_optimizer"] else {"grads16_partition": 2 * zero12_gradient_numel(groups, world, 0)}
     optimizer = {"moments32": 8 * sum(partitions), "adam_steps": 4 * len(partitions)}
     master = {"master32": 4 * sum(partitions)}
-    grads32 = {"grads32_partition": 4 * (sum(partitions) if row["stage"] != 3 and row["offload_optimizer"] else max(partitions))}
+    grads32 = {"grads32_partition": 4 * (sum(partitions) if row["offload_optimizer"] else max(partitions))}
     device: Dict[str, int] = dict(params)
     host_terms: Dict[str, int] = {}
     if row["offload_optimizer"]:
@@ -276,7 +275,6 @@ def plan_figures(row: Dict[str, Any]) -> PlanFigures:
     device["params16_gathered"] = most["parameters"] - rule_params
     device["grads16_whole"] = most["gradients"] - rule_grads
     device = {key: value for key, value in device.items() if value}
-    host_terms["unfiled_host_grads32"] = sum(host.values()) - sum(host_terms.values())
     processes = world // row["nodes"]
     return PlanFigures(sum(most.values()), sum(at_step.values()), sum(host.values()) * processes, device,
                        {key: value for key, value in host_terms.items() if value})
