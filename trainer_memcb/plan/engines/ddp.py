@@ -66,6 +66,7 @@ class DDPEngine(StepEngine):
         self.settings = settings
         self.buckets: List[torch.Tensor] = []
         self.used_maps: List[torch.Tensor] = []
+        self._used_map_serials: set = set()
         self._views: Dict[int, torch.Tensor] = {}
         self._hooks: List[Any] = []
 
@@ -110,7 +111,7 @@ class DDPEngine(StepEngine):
 
     def state_of(self, part: str, serial: int) -> Optional[str]:
         # The used-parameter maps are bookkeeping, of no model state; the buckets carry gradients.
-        if serial in getattr(self, "_used_map_serials", ()):
+        if serial in self._used_map_serials:
             return None
         return super().state_of(part, serial)
 

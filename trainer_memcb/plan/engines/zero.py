@@ -260,10 +260,11 @@ class ZeroEngine(StepEngine):
         # each use of a module with parameters of its own, in `ds_id` order (the model's parameter
         # order), recorded in forward; backward is taken to use them in the reverse order
         # (`expects` checks it as it goes).
-        order = {id(p): index for index, p in enumerate(model.parameters())}
-        self._by_key = {order[id(p)]: p for p in model.parameters()}
+        self._by_key = dict(enumerate(model.parameters()))
+        self._keys = order = {id(p): key for key, p in self._by_key.items()}
         self._forward_trace: List[Any] = []
         self._coordinator: Optional[FetchCoordinator] = None
+        self._backward_index: Dict[int, int] = {}  # id(module): its use's step in the trace
         for module in model.modules():
             mine = list(module.parameters(recurse=False))
             if not mine:
@@ -312,12 +313,7 @@ class ZeroEngine(StepEngine):
                 coordinator.release(index)
         coordinator.fetch()  # the model's pre-backward
         for param in self.tracker_params:
-            self._set_whole(param, self._key(param) in coordinator.available)
-
-    def _key(self, param: torch.Tensor) -> int:
-        if not hasattr(self, "_keys"):
-            self._keys = {id(p): key for key, p in self._by_key.items()}
-        return self._keys[id(param)]
+            self._set_whole(param, self._keys[id(param)] in coordinator.available)
 
     def _fetch_backward(self, module: nn.Module, own: List[torch.Tensor]) -> None:
         coordinator = self._coordinator
@@ -328,7 +324,6 @@ class ZeroEngine(StepEngine):
                 self._coordinator = None
             self._fetch(own)
             return
-        self._backward_index = getattr(self, "_backward_index", {})
         self._backward_index[id(module)] = coordinator.step
         for key in coordinator.fetch():
             param = self._by_key[key]
@@ -337,7 +332,7 @@ class ZeroEngine(StepEngine):
 
     def _release_backward(self, module: nn.Module, own: List[torch.Tensor]) -> None:
         coordinator = self._coordinator
-        index = getattr(self, "_backward_index", {}).pop(id(module), None)
+        index = self._backward_index.pop(id(module), None)
         if coordinator is None or index is None:
             self._release(own)
             return
