@@ -92,15 +92,17 @@ def device_and_host(plan):
 # that reduce-scatter had made (41,088), which the fake step makes after freeing it, in the next
 # layer's backward (activations 131,840 fewer than at the plan's peak). Without that buffer the
 # moment holds 1,235,680, below the plan's peak. In one bf16 launch of five rank 3 read 840,608, the
-# plan and 12,096, with a bf16 reduce-scatter input (82,176) alive at such a later moment. So a
-# process that does not read the exact figure reads at most the plan and one such buffer, with
-# that buffer more in the collectives' buffers than the plan's peak has: real memory, held by
-# timing, bounded, and said so.
+# plan and 12,096, with a bf16 reduce-scatter input (82,176) alive at such a later moment. In one
+# CPU-offload launch of about ten, one process read 1,342,816, the plan and 98,816 (164,352 less
+# 65,536), with no more in the tracker's collective parts than the plan's peak holds (164,352): the
+# late storage was filed under another part (what the tracker saw it made by, on gloo's side). So
+# a process that does not read the exact figure reads at most the plan and one such buffer, with
+# at least the plan's collective buffers alive: real memory, held by timing, bounded, and said so.
 def assert_late_collective_buffer(plan, run, buffer):
     real, parts = run["peak_bytes"], run["parts"]
     assert device_and_host(plan) < real <= device_and_host(plan) + buffer, (device_and_host(plan), real)
     buffers = parts["_FSDPRefType.ALL_GATHER"] + parts["_FSDPRefType.REDUCE_SCATTER"]
-    assert buffers >= plan.peak_parts["engine_buffers"] + buffer, (plan.peak_parts, parts)
+    assert buffers >= plan.peak_parts["engine_buffers"], (plan.peak_parts, parts)
 
 
 @requires_torch("2.13", "the FSDP2 plan needs torch 2.13's fake collectives (tests/plan/test_engines.py)")
