@@ -1,11 +1,12 @@
 """FSDP2 traced, not modelled: the real `fully_shard` on the fake process group of the job's size.
 
 As torchtitan's memory estimator runs it: `torch.distributed.init_process_group("fake",
-store=FakeStore(), rank=0, world_size=W)` (`torch.testing._internal.distributed.fake_pg`), a
+store=FakeStore(), rank=0, world_size=W)` (`torch.testing._internal.distributed.fake_pg`; here the
+settings' rank), a
 device mesh made before the fake mode (a mesh made under it reads fake values), each decoder
 layer sharded and then the root (`fully_shard` as the Trainer's accelerate wraps a transformers
 model: `_no_split_modules` layers, then the whole model). FSDP2 itself then allocates, during the
-fake step, what a real rank allocates: the sharded parameters (rank 0's padded shards), the root's
+fake step, what a real rank allocates: the sharded parameters (its padded shards: the same bytes on every rank), the root's
 parameters left unsharded after the forward's end only with `reshard_after_forward=False`, each
 layer's all-gather buffer and unsharded parameters as it runs (with the next layer's prefetched),
 the reduce-scatter input of each layer's gradients and the sharded gradients. FSDP2 frees the
@@ -79,7 +80,7 @@ class FSDP2Engine(StepEngine):
             if dist.get_backend() != "fake" or dist.get_world_size() != world:
                 raise ValueError("a process group is already initialized here: the FSDP2 plan needs its own fake one")
         else:
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+            dist.init_process_group("fake", store=FakeStore(), rank=self.settings.rank, world_size=world)
             self._owns_group = True
         replicate = self.settings.replicate
         if replicate > 1:
@@ -187,8 +188,10 @@ def mixed_precision_policy(precision: str) -> Any:
 
 
 def _quicker_fsdp2() -> Callable[[], None]:
-    """The two speed-ups below, for the time of one trace; returns what undoes them."""
-    undo = [restore for restore in (_quicker_foreach_sharding(), _lazy_shard_chunks()) if restore is not None]
+    """The two speed-ups below and the fake-storage fix, for the time of one trace; returns what
+    undoes them."""
+    undo = [restore for restore in (_quicker_foreach_sharding(), _lazy_shard_chunks(), _unchanged_shards_kept())
+            if restore is not None]
 
     def restore() -> None:
         for one in reversed(undo):
@@ -255,6 +258,45 @@ def _lazy_shard_chunks() -> Optional[Callable[[], None]]:
 
     def restore() -> None:
         _fsdp_param._chunk_with_empty = original
+
+    return restore
+
+
+def _unchanged_shards_kept() -> Optional[Callable[[], None]]:
+    """Let `FSDPParam.reset_sharded_param` see that a shard is unchanged under fake tensors.
+
+    FSDP2's lazy init (the first forward) re-pads a shard whose local tensor is not the padded size
+    unless the local tensor is a view of `_sharded_param_data`, which it tells by `data_ptr()`
+    (`_fsdp_param.py`, `same_local_tensor`, for a plain `torch.Tensor` only). A fake tensor is
+neither, and its storage's data pointer is 0, so on a rank whose
+    shards are shorter than chunk 0 (the last ones, where a dimension does not split evenly) every
+    shard was copied into a new padded tensor and the old one kept alive beside it: 156,088 bytes of
+    the tiny Llama's shards twice on rank 2 of 3, which a real run of that rank does not hold. The
+    same storage is told here by the storage itself, and the call left out, as a real run's check
+    finds it a no-op."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        return None
+    original = getattr(FSDPParam, "reset_sharded_param", None)
+    if original is None:
+        return None
+
+    def reset_sharded_param(self: Any) -> Any:
+        data = getattr(self, "_sharded_param_data", None)
+        module_info = getattr(self, "_module_info", None)
+        current = getattr(module_info.module, module_info.param_name, None) if module_info is not None else None
+        local = getattr(current, "_local_tensor", None)
+        if (current is getattr(self, "sharded_param", None) and type(data) in (torch.Tensor, FakeTensor) and local is not None
+                and not self.pin_memory and data.untyped_storage()._cdata == local.untyped_storage()._cdata):
+            return None
+        return original(self)
+
+    FSDPParam.reset_sharded_param = reset_sharded_param
+
+    def restore() -> None:
+        FSDPParam.reset_sharded_param = original
 
     return restore
 
