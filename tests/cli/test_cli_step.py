@@ -82,6 +82,10 @@ def test_without_batch_size_the_command_is_unchanged(tiny_llama_dir, capsys):
     (["--max-batch-size", "--seq-len", "8"], "--max-batch-size needs --device-memory"),
     (["--batch-size", "0", "--seq-len", "8"], "'0' is not a positive integer"),
     (["--batch-size", "2", "--seq-len", "8", "--device-type", "tpu"], "invalid choice: 'tpu'"),
+    (["--batch-size", "2", "--seq-len", "8", "--world-size", "4", "--zero", "2", "--rank", "4"],
+     "rank=4 is not a process of world_size=4: expected 0 to 3"),
+    (["--batch-size", "2", "--seq-len", "8", "--rank", "-1"], "argument --rank: '-1' is not a whole number of at least 0"),
+    (["--world-size", "4", "--zero", "2", "--rank", "1"], "--rank has no effect without --batch-size"),
 ])
 def test_bad_step_options_get_one_line_and_an_exit_code(tiny_llama_dir, capsys, argv, phrase):
     code = main(["estimate", tiny_llama_dir, *argv])

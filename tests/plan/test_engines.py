@@ -340,3 +340,23 @@ def test_zero2_offload_keeps_its_partitions_and_staging_on_the_host_and_the_peak
     assert plan.peak_parts["parameters"] == 2 * NUMEL and plan.peak_parts["engine_buffers"] == 8_192 + 32_768
     assert plan.peak_parts["other"] >= 2 * 32_768
     assert not set(plan.host_bytes) & set(plan.peak_parts)
+
+
+def test_zero3_offload_param_counts_every_16_bit_partition_on_the_host_and_a_gathered_parameter_on_the_device():
+    # deepspeed 0.19.8 stage 3 with offload_param (`_create_param_groups_fp16_flat_cpu_memory`): the
+    # flat 16-bit partitions live on the host; a parameter is on the device only while gathered.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_scripts"))
+    from zero_step_profile import ds_config  # the real runs' own configs
+
+    def zero3(offload_param):
+        ds = ds_config(3, True, offload=True, offload_param=offload_param)
+        return plan_with(resolve_settings(deepspeed=ds, world_size=2, batch_size=BATCH, optimizer="adamw_torch"))
+
+    both, optimizer_only = zero3(True), zero3(False)
+    # Every parameter's fp32 partition, ceil(numel / 2) values: 57,824 x 4 bytes.
+    assert both.host_bytes["parameters"] == 231_296 and "parameters" not in optimizer_only.host_bytes
+    assert both.peak_bytes == optimizer_only.peak_bytes - 231_296 == 1_135_692
+    # The same storages at the same moment, filed by where they live (on the CPU, one memory: the
+    # real run of the pair reads their sum, tests/training/test_zero_runs_more.py).
+    assert both.peak_bytes + sum(both.host_bytes.values()) == \
+        optimizer_only.peak_bytes + sum(optimizer_only.host_bytes.values()) == 2_287_060

@@ -201,6 +201,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
         "model-states plan", "with any of these, the parameters, gradients, optimizer state and master weights "
         "each process holds")
     plan.add_argument("--world-size", type=_checked(_positive_int), metavar="W", help="processes in the job (default 1)")
+    plan.add_argument("--rank", type=_checked(_non_negative_int), metavar="R",
+                      help="the process the step plan is for, 0 to W - 1 (default 0): under DeepSpeed ZeRO-1/2 each "
+                           "rank's partition keeps other gradients; DDP, FSDP2 and ZeRO-3 hold the same on every rank")
     plan.add_argument("--nodes", type=_checked(_positive_int), metavar="N",
                       help="machines; CPU figures are per node (default 1)")
     shard = plan.add_mutually_exclusive_group()
@@ -279,7 +282,7 @@ _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer",
 
 
 # Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
-_STEP_OPTIONS = (("seq_len", "--seq-len"), ("gradient_checkpointing", "--gradient-checkpointing"),
+_STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkpointing", "--gradient-checkpointing"),
                  ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
@@ -327,7 +330,7 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     from trainer_memcb.plan.settings import resolve_settings
 
     flags: Dict[str, Any] = {}
-    given = {"world_size": args.world_size, "nodes": args.nodes, "batch_size": args.batch_size,
+    given = {"world_size": args.world_size, "rank": getattr(args, "rank", None), "nodes": args.nodes, "batch_size": args.batch_size,
              "bucket_cap_mb": getattr(args, "bucket_cap_mb", None), "replicate": getattr(args, "replicate", None)}
     flags.update({key: value for key, value in given.items() if value is not None})
     if args.zero or args.sharding:

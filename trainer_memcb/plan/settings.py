@@ -50,6 +50,10 @@ class StepSettings:
         gradient_accumulation_steps: micro-batches per optimizer step (the peak is one micro-batch's).
         precision, optimizer, gradient_checkpointing, max_grad_norm: as the Trainer trains.
         world_size, nodes, sharding: the job (sharding one of `model_states.SHARDINGS`).
+        rank: the process the plan is for, 0 to world_size - 1. Under DeepSpeed ZeRO-1/2 each rank's
+            flat partition holds other parameters' values, so the gradients it keeps, and when it
+            makes its gradient partition, differ by rank; DDP, FSDP2 (even, padded shards) and
+            ZeRO-3 (`ceil(numel / world_size)` of every parameter) hold the same on every rank.
         bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters: DDP's reducer
             (`find_unused_parameters` from the Trainer's arguments as the Trainer sets it).
         reshard_after_forward, fsdp_cpu_offload, replicate: FSDP2 (`replicate` > 1: HSDP, a 2-D mesh
@@ -67,6 +71,7 @@ class StepSettings:
     gradient_checkpointing: bool = False
     max_grad_norm: Optional[float] = 1.0
     world_size: int = 1
+    rank: int = 0
     nodes: int = 1
     sharding: str = "none"
     bucket_cap_mb: float = DDP_BUCKET_CAP_MB
@@ -309,6 +314,9 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         # The Trainer under torchrun with neither DeepSpeed nor FSDP wraps the model in DDP
         # (accelerate's prepare_model, DistributedType.MULTI_*).
         put("sharding", "ddp", "training args (Trainer: several processes, no deepspeed or fsdp)")
+    rank = values.get("rank", 0)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} is not a process of world_size={world}: expected 0 to {world - 1}")
     replicate = values.get("replicate", 1)
     if world % replicate:
         raise ValueError(f"replicate={replicate} does not divide world_size={world}")

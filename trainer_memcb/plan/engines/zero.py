@@ -6,7 +6,9 @@ deepspeed 0.19.8 allocates it, and freed when it frees it; the model's own forwa
 run as traced. The Trainer's optimizer class and hyperparameters are kept, on DeepSpeed's flat
 fp32 partitions (the client optimizer DeepSpeed wraps).
 
-Rank 0's figures (its partition is the first one; with the group padding at the end the last
+The figures of the process `settings.rank` names (rank 0 unless given): under ZeRO-1/2 each rank's
+partition is its own range of each group's flat buffer, so which gradients overlap it, and when
+it makes its gradient partition, differ by rank (with the group padding at the end the last
 rank's partition may hold zeros instead of values, the same bytes). Per param group of the
 Trainer's optimizer (decay, no decay):
 
@@ -56,8 +58,8 @@ Trainer's optimizer (decay, no decay):
 
 - ZeRO-3 with `offload_optimizer` (`initialize_optimizer_states`): each fp32 sub-group's gradient
   made on the host at init and kept (`_release_sub_group` drops it only without offload);
-  `offload_param` moves the 16-bit partitions to the host (`_create_param_groups_fp16_flat_cpu_memory`),
-  the same bytes, still counted in the device's peak here (on the CPU, where it is checked, one memory).
+  `offload_param` moves the 16-bit partitions to the host (`_create_param_groups_fp16_flat_cpu_memory`):
+  counted there, a parameter on the device only while it is gathered whole.
 
 Not modelled: ZeRO-3's prefetching in forward's own timeline, ZeRO-3's offload staging
 buffers on an accelerator, the all-gather of the updated 16-bit partitions (done in place
@@ -106,8 +108,11 @@ class ZeroEngine(StepEngine):
         self.tracker_params: List[torch.Tensor] = []
         self.optimizer_builder: Any = None
         self.offload = bool(settings.offload_optimizer)
-        self.host_parts = ("master_weights", "optimizer_state", "fp32_gradients", "offload_buffers",
-                           "host_temporaries") if self.offload else ()
+        # ZeRO-3's offload_param: every 16-bit partition on the host, a parameter on the device
+        # only while it is gathered whole.
+        self.offload_params = self.stage == 3 and bool(settings.offload_params)
+        self.host_parts = (("master_weights", "optimizer_state", "fp32_gradients", "offload_buffers",
+                            "host_temporaries") if self.offload else ()) + (("parameters",) if self.offload_params else ())
         self._masters: List[torch.Tensor] = []
         self._optimizer: Any = None
         self._buckets: List[torch.Tensor] = []
@@ -121,8 +126,13 @@ class ZeroEngine(StepEngine):
         self._offload_buffers: List[torch.Tensor] = []  # host: the 16-bit copies and the gradient staging
         self._host_bit16: List[torch.Tensor] = []
         self._host_bit16_serials: set = set()
-        self._held: Any = None  # ZeRO-1/2's `extra_large_param_to_reduce`
-        self._in_partition: Dict[int, int] = {}  # id(param): its values in rank 0's partition (ZeRO-1/2)
+        # ZeRO-1/2's reduce bucket, as `reduce_independent_p_g_buckets_and_remove_grads` fills it:
+        # the parameters whose gradients it holds (one kept whole: `extra_large_param_to_reduce`)
+        # and their values.
+        self._bucket_params: List[torch.Tensor] = []
+        self._bucket_values = 0
+        self.rank = settings.rank
+        self._in_partition: Dict[int, int] = {}  # id(param): its values in this rank's partition (ZeRO-1/2)
         self._norms: List[torch.Tensor] = []
         self._persistent_partitions: List[torch.Tensor] = []  # ZeRO-3: the persistent parameters' partitions
         self._device_staging: List[torch.Tensor] = []
@@ -155,6 +165,12 @@ class ZeroEngine(StepEngine):
                 persistent = sum(zero3_partition_numel(p.numel(), self.world) for p in model.parameters()
                                  if p.numel() < threshold)
                 self._persistent_partitions = [torch.empty(persistent, dtype=dtype)] if persistent else []
+                if self.offload_params:
+                    # `_create_param_groups_fp16_flat_cpu_memory`: the flat 16-bit partitions of the
+                    # other parameters are one host buffer too, out of the device's peak.
+                    gathered = sum(zero3_partition_numel(p.numel(), self.world) for p in model.parameters()
+                                   if p.numel() >= threshold)
+                    self._persistent_partitions.append(torch.empty(gathered, dtype=dtype))
                 if self.offload:
                     # stage3.py `initialize_optimizer_states`: with offload_optimizer each fp32
                     # sub-group's gradient (`subgroup_gradient_buffer`) is made on the host and kept
@@ -164,7 +180,7 @@ class ZeroEngine(StepEngine):
             else:
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
                                  for group in self._groups]
-                self._find_rank0_partition()
+                self._find_partition()
                 if self.offload:
                     self._offload_zero12_buffers()
             if trainer_optimizer is not None:
@@ -208,13 +224,15 @@ class ZeroEngine(StepEngine):
         # returns before making `grads_in_partition`).
         self._fp32_grads = [torch.empty(master.numel(), dtype=torch.float32) for master in self._masters]
 
-    def _find_rank0_partition(self) -> None:
-        """Each parameter's values in rank 0's partition: the first `partition_size` values of each
-        group's flat buffer, the parameters in the group's order (`get_partition_info`)."""
+    def _find_partition(self) -> None:
+        """Each parameter's values in this rank's partition: values `rank * partition_size` to
+        `(rank + 1) * partition_size` of each group's flat buffer, the parameters in the group's
+        order (`get_partition_info`)."""
         for group, master in zip(self._groups, self._masters):
+            start, end = self.rank * master.numel(), (self.rank + 1) * master.numel()
             offset = 0
             for param in group:
-                self._in_partition[id(param)] = max(0, min(offset + param.numel(), master.numel()) - offset)
+                self._in_partition[id(param)] = max(0, min(offset + param.numel(), end) - max(offset, start))
                 offset += param.numel()
 
     def resident(self) -> Dict[str, List[torch.Tensor]]:
@@ -346,7 +364,8 @@ class ZeroEngine(StepEngine):
         # parameter is a new whole buffer (`param.data`) beside its partition (`param.ds_tensor`, a
         # view of the flat `fp16_partitioned_groups_flat`), which stays: whole, both count.
         storage = param.untyped_storage()
-        partition = zero3_partition_numel(param.numel(), self.world) * param.element_size()
+        # With offload_param the partition is in the host's flat buffer, counted there.
+        partition = 0 if self.offload_params else zero3_partition_numel(param.numel(), self.world) * param.element_size()
         size = storage.nbytes() + partition if whole else partition
         self.tracker.set_size(storage, size, "unsharded_parameters" if whole else "parameters")
 
@@ -381,13 +400,14 @@ class ZeroEngine(StepEngine):
         if self.stage == 3:  # every module released by the end of backward (a module without an
             self._release(self.tracker_params)  # input gradient never runs its backward hook)
         if self.stage == 1 and not self.settings.overlap_comm:
-            # reduce_gradients: the whole gradients, reduced one by one at the end of backward.
-            for param in self._trainable:
-                if param.grad is not None:
-                    self._reduce(param)
-        if self._held is not None:  # independent_gradient_partition_epilogue → reduce_ipg_grads
-            held, self._held = self._held, None
-            self._reduce(held)
+            # reduce_gradients: the whole gradients, walked at the end of backward group by group
+            # through the grad hook's own path (`reduce_ready_partitions_and_remove_grads`).
+            for group in self._groups:
+                for param in group:
+                    if param.grad is not None:
+                        self._bucket_or_hold(param)
+        if self._bucket_params:  # independent_gradient_partition_epilogue → reduce_ipg_grads
+            self._reduce_bucket()
         if self.stage != 3:
             # independent_gradient_partition_epilogue → _release_ipg_buffers: the reduce buckets
             # are dropped at the end of backward (setup_buckets makes them again at the next one),
@@ -414,45 +434,63 @@ class ZeroEngine(StepEngine):
         if self.stage == 3:
             self._reduce(param)
             return
-        # reduce_independent_p_g_buckets_and_remove_grads: a gradient of more values than the
-        # bucket is not copied into it but kept whole (`extra_large_param_to_reduce`) and reduced
-        # when the next gradient arrives (its bucket then overflows) or at the end of backward.
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._reduce(held)
-        if param.numel() > int(self.settings.zero["reduce_bucket_size"]) and self._contiguous():
+        self._bucket_or_hold(param)
+
+    def _bucket_or_hold(self, param: torch.Tensor) -> None:
+        # reduce_independent_p_g_buckets_and_remove_grads: the bucket is reduced first when this
+        # gradient would overflow it (`reduce_ipg_grads`); then a gradient of more values than the
+        # bucket is kept whole (`extra_large_param_to_reduce`), any other copied into the bucket,
+        # its own storage freed (the gradient becomes a view of the bucket).
+        size = int(self.settings.zero["reduce_bucket_size"])
+        if self._bucket_values + param.numel() > size:
+            self._reduce_bucket()
+        self.tracker.tag([param.grad], "gradients")  # the whole gradient, while it has its own storage
+        if param.numel() > size and self._contiguous():
             if self.offload:
                 # `_offload_gradient_safety_enabled`: `grad_reduc.data = grad_reduc.detach().clone()`,
                 # the copy made beside the gradient autograd made, which it then replaces.
                 param.grad = param.grad.clone()
-            self.tracker.tag([param.grad], "gradients")
-            self._held = param
-            return
-        self._reduce(param)
+                self.tracker.tag([param.grad], "gradients")
+        else:
+            param.grad = None
+        self._bucket_params.append(param)
+        self._bucket_values += param.numel()
+
+    def _reduce_bucket(self) -> None:
+        """`reduce_ipg_grads`: each gradient of the bucket reduced, in the order it came."""
+        params, self._bucket_params, self._bucket_values = self._bucket_params, [], 0
+        for param in params:
+            self._reduce(param)
 
     def _contiguous(self) -> bool:
         # stage_1_and_2.py __init__: `contiguous_gradients or cpu_offload`.
         return bool(self.settings.zero.get("contiguous_gradients", True)) or self.offload
 
     def _reduce(self, param: torch.Tensor) -> None:
+        """One gradient reduced: ZeRO-3's at once (its hook), ZeRO-1/2's at its bucket's reduction
+        (a gradient copied into the bucket no longer has a storage of its own by then)."""
+        in_partition = self._in_partition.get(id(param), 0)
         # copy_grads_in_partition makes `grads_in_partition` at the first reduction of a gradient
         # of this rank's own partition (`is_param_in_current_partition`), not at the first one.
-        if (self.stage != 3 and not self._grad_partition and not self._fp32_grads
-                and self._in_partition.get(id(param), 0)):
-            numel = zero12_gradient_numel([[p.numel() for p in group] for group in self._groups], self.world, 0)
-            self._grad_partition = [torch.empty(numel, dtype=param.grad.dtype)]
+        if self.stage != 3 and not self._grad_partition and not self._fp32_grads and in_partition:
+            numel = zero12_gradient_numel([[p.numel() for p in group] for group in self._groups], self.world, self.rank)
+            self._grad_partition = [torch.empty(numel, dtype=self._trainable[0].dtype)]
             self.tracker.tag(self._grad_partition, "gradients")
-        self.tracker.tag([param.grad], "gradients")  # the whole gradient, until its reduction frees it
-        if self._fp32_grads:
+        if param.grad is not None:
+            self.tracker.tag([param.grad], "gradients")  # the whole gradient, until its reduction frees it
+        if self._fp32_grads and in_partition:
             # copy_grads_in_partition with offload (`set_norm_for_param_grad_in_gpu`): the norm of
             # the gradient's slice in this partition, taken in fp64 (`get_norm_dtype()`): an fp64
             # copy of the slice for a moment, its 0-dim norm kept until the step's
             # `reset_cpu_buffers`; then the slice goes into the host's fp32 gradient partition.
-            values = self._in_partition.get(id(param), 0)
-            if values:
-                copy = torch.empty(values, dtype=torch.float64)
-                self._norms.append(torch.empty((), dtype=torch.float64))
-                del copy
+            copy = torch.empty(in_partition, dtype=torch.float64)
+            self._norms.append(torch.empty((), dtype=torch.float64))
+            del copy
+        if self.stage == 1 and not in_partition:
+            # reduce_ipg_grads clears the gradients of other partitions only when it partitions
+            # them (`partition_gradients`, ZeRO-2): ZeRO-1 keeps a whole gradient (one too large for
+            # the bucket) until its step frees it (`free_grad_in_param_list(params_not_in_partition)`).
+            return
         param.grad = None
 
     def gradients(self, trainable: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -484,6 +522,11 @@ class ZeroEngine(StepEngine):
         # One fp32 gradient partition (ZeRO-3: one sub-group) at a time, freed after its step;
         # ZeRO-1/2 with offload: the one kept on the host, read in place.
         for index, master in enumerate(self._masters):
+            if self.stage != 3:
+                # free_grad_in_param_list(params_not_in_partition[i]): ZeRO-1's kept whole gradients.
+                for param in self._groups[index]:
+                    if not self._in_partition.get(id(param), 0):
+                        param.grad = None
             if self._fp32_grads:
                 fp32 = self._fp32_grads[index]
             else:
