@@ -89,3 +89,4 @@ def test_a_rank_outside_the_world_is_refused_naming_what_is_allowed(rank):
 def test_the_rank_is_among_the_settings_the_plan_says_it_used():
     plan = plan_for("zero2", 3)
     assert ["rank", 3, "flag"] in [list(row) for row in plan.settings_used]
+    assert any(note.startswith("ZeRO-2: the figures of rank 3's process") for note in plan.notes), plan.notes

@@ -181,6 +181,9 @@ class ZeroEngine(StepEngine):
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
                                  for group in self._groups]
                 self._find_partition()
+                if self.world > 1:
+                    self.notes.append(f"ZeRO-{self.stage}: the figures of rank {self.rank}'s process; each rank's "
+                                      "partition keeps other gradients, so its peak may differ (--rank R for another)")
                 if self.offload:
                     self._offload_zero12_buffers()
             if trainer_optimizer is not None:
