@@ -180,6 +180,12 @@ def test_fsdp_config_as_the_trainer_takes_it():
         "fsdp-shard-grad-op", False, True)
     settings = resolve_settings(fsdp_config={"reshard_after_forward": True, "cpu_offload": False}, world_size=4)
     assert (settings.sharding, settings.sources["sharding"]) == ("fsdp-full-shard", "fsdp config")
+    assert (settings.gradient_checkpointing, settings.sources.get("gradient_checkpointing")) == (False, None)
+    # FSDP's own activation checkpointing (accelerate wraps each layer), as the Trainer passes it.
+    settings = resolve_settings(fsdp_config={"activation_checkpointing": "true", "version": 2}, world_size=4)
+    assert (settings.gradient_checkpointing, settings.sources["gradient_checkpointing"]) == (True, "fsdp config")
+    with pytest.raises(ValueError, match=r"fsdp config version=1: only FSDP2 \(version 2, the Trainer's default\)"):
+        resolve_settings(fsdp_config={"version": 1}, world_size=4)
 
 
 def test_plan_step_memory_reads_the_trainers_arguments_and_explicit_arguments_win():

@@ -301,6 +301,14 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         put("fsdp_cpu_offload", bool(offload) if offload is not None else None, src)
         if "hybrid_shard" in legacy or "hybrid_shard_zero2" in legacy:
             raise ValueError("fsdp hybrid_shard: give the replicate degree with replicate=N (HSDP mesh)")
+        # TrainingArguments._process_fsdp_args: `version` (`fsdp_version`) picks the plugin's FSDP,
+        # 2 when absent on transformers 5 (1 on 4.x); the plan traces FSDP2's fully_shard only.
+        version = fsdp.get("version", 2)
+        if str(version) != "2":
+            raise ValueError(f"fsdp config version={version!r}: only FSDP2 (version 2, the Trainer's default) is planned")
+        if "activation_checkpointing" in fsdp:
+            # accelerate's FSDP2 wraps each layer in a non-reentrant checkpoint (`fsdp2_apply_ac`).
+            put("gradient_checkpointing", str(fsdp["activation_checkpointing"]).lower() == "true", src)
     for name, value in flags.items():
         put(name, value, "flag")
     if values.get("sharding") == "fsdp-shard-grad-op" and sources.get("reshard_after_forward") != "flag":
