@@ -231,3 +231,20 @@ def test_mixed_quantization_options_are_refused_in_one_line(tiny_llama_dir, caps
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+def test_zero2_on_several_processes_answers_for_the_fuller_of_the_first_and_last_rank(tiny_llama_dir, tmp_path, capsys):
+    # Each ZeRO-1/2 rank's partition keeps other gradients; the last rank's holds the head, whose
+    # gradient is reduced first in backward, so its partition lives beside backward's activations.
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}))
+    base = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
+            "--world-size", "4", "--deepspeed", str(config), "--device-type", "cpu", "--json"]
+    first, last = (run_json(base + ["--rank", str(rank)], capsys)["step"] for rank in (0, 3))
+    default = run_json(base, capsys)["step"]
+    assert last["peak_bytes"] > first["peak_bytes"]
+    assert default["peak_bytes"] == last["peak_bytes"]
+    used = {name: (value, source) for name, value, source in default["settings_used"]}
+    assert used["rank"] == (3, "default: the fuller of ranks 0 and 3")
+    assert f"rank 3 holds the most of ranks 0 and 3 at its peak (rank 0 " in " ".join(default["notes"])
+    assert f"({first['peak_bytes']:,})" in " ".join(default["notes"])

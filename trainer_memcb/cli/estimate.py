@@ -202,8 +202,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
         "each process holds")
     plan.add_argument("--world-size", type=_checked(_positive_int), metavar="W", help="processes in the job (default 1)")
     plan.add_argument("--rank", type=_checked(_non_negative_int), metavar="R",
-                      help="the process the step plan is for, 0 to W - 1 (default 0): under DeepSpeed ZeRO-1/2 each "
-                           "rank's partition keeps other gradients; DDP, FSDP2 and ZeRO-3 hold the same on every rank")
+                      help="the process the step plan is for, 0 to W - 1: under DeepSpeed ZeRO-1/2 each rank's "
+                           "partition keeps other gradients (default: the fuller of ranks 0 and W - 1); DDP and ZeRO-3 "
+                           "hold the same on every rank (default 0)")
     plan.add_argument("--nodes", type=_checked(_positive_int), metavar="N",
                       help="machines; CPU figures are per node (default 1)")
     shard = plan.add_mutually_exclusive_group()
@@ -390,6 +391,14 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         import dataclasses
 
         at = dataclasses.replace(settings, batch_size=batch, sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
+        ranks = ranks_to_plan(at)
+        if len(ranks) == 1:
+            return plan_for(at)
+        source = f"default: the fuller of ranks {ranks[0]} and {ranks[-1]}"
+        return fullest_process([plan_for(dataclasses.replace(at, rank=rank, sources=dict(at.sources, rank=source)))
+                                for rank in ranks], ranks)
+
+    def plan_for(at: Any) -> StepMemoryPlan:
         return plan_step_memory(lambda: estimate_model(args), seq_len=args.seq_len, settings=at,
                                 attn_implementation=args.attn_implementation, device_type=device_type,
                                 device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model, states_plan=states,
@@ -413,6 +422,27 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         states = states_during_step(states, traced)
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size, "max_batch_size_problem": problem}
+
+
+def ranks_to_plan(settings: Any) -> List[int]:
+    """The processes the command plans: the one `--rank` names, else, where processes differ
+    (DeepSpeed ZeRO-1/2 on several: each rank's partition keeps other gradients), the first and the
+    last, whose partitions hold the embedding and the head; one process otherwise."""
+    if settings.sources.get("rank") == "flag" or settings.zero_stage not in (1, 2) or settings.world_size == 1:
+        return [settings.rank]
+    return [0, settings.world_size - 1]
+
+
+def fullest_process(plans: List[StepMemoryPlan], ranks: List[int]) -> StepMemoryPlan:
+    """The plan of the process that holds the most on the device at its peak (the first if equal),
+    with a note of the other's peak."""
+    import dataclasses
+
+    index = max(range(len(plans)), key=lambda i: (plans[i].peak_bytes or 0, -i))
+    others = ", ".join(f"rank {rank} {format_bytes(plan.peak_bytes or 0)} ({plan.peak_bytes or 0:,})"
+                       for rank, plan in zip(ranks, plans) if rank != ranks[index])
+    note = f"rank {ranks[index]} holds the most of ranks {' and '.join(map(str, ranks))} at its peak ({others})"
+    return dataclasses.replace(plans[index], notes=list(plans[index].notes) + [note])
 
 
 def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
