@@ -348,9 +348,11 @@ def test_zero2_offload_keeps_its_partitions_and_staging_on_the_host_and_the_peak
     assert not set(plan.host_bytes) & set(plan.peak_parts)
 
 
-def test_zero3_offload_param_counts_every_16_bit_partition_on_the_host_and_a_gathered_parameter_on_the_device():
-    # deepspeed 0.19.8 stage 3 with offload_param (`_create_param_groups_fp16_flat_cpu_memory`): the
-    # flat 16-bit partitions live on the host; a parameter is on the device only while gathered.
+def test_zero3_offload_counts_the_16_bit_partitions_where_deepspeed_makes_them():
+    # deepspeed 0.19.8 stage 3: with offload_optimizer, `grad_partitions_flat_buffer` is made on
+    # `self.device`, the CPU; with offload_param too, every 16-bit parameter partition lives in a flat
+    # host buffer (`_create_param_groups_fp16_flat_cpu_memory`), a parameter on the device only while
+    # gathered. Of the tiny Llama's 115,008 fp32 values each partition holds half: 57,504 x 4 bytes.
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_scripts"))
     from zero_step_profile import ds_config  # the real runs' own configs
 
@@ -359,9 +361,13 @@ def test_zero3_offload_param_counts_every_16_bit_partition_on_the_host_and_a_gat
         return plan_with(resolve_settings(deepspeed=ds, world_size=2, batch_size=BATCH, optimizer="adamw_torch"))
 
     both, optimizer_only = zero3(True), zero3(False)
-    # Every parameter's fp32 partition, ceil(numel / 2) values: 57,824 x 4 bytes.
-    assert both.host_bytes["parameters"] == 231_296 and "parameters" not in optimizer_only.host_bytes
-    assert both.peak_bytes == optimizer_only.peak_bytes - 231_296 == 1_135_692
+    partition = 4 * NUMEL // 2
+    assert optimizer_only.host_bytes["offload_buffers"] == partition  # the 16-bit gradient partition
+    assert both.host_bytes["offload_buffers"] == 2 * partition  # and the parameters' partitions
+    assert both.peak_bytes == optimizer_only.peak_bytes - partition == 906_956
+    # The model-states table files the host's partitions under their states.
+    assert both.model_states_host_bytes["parameters"] == partition
+    assert both.model_states_host_bytes["gradients"] == optimizer_only.model_states_host_bytes["gradients"] == 2 * partition
     # The same storages at the same moment, filed by where they live (on the CPU, one memory: the
     # real run of the pair reads their sum, tests/training/test_zero_runs_more.py).
     assert both.peak_bytes + sum(both.host_bytes.values()) == \

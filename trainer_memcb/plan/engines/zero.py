@@ -111,8 +111,8 @@ class ZeroEngine(StepEngine):
         # ZeRO-3's offload_param: every 16-bit partition on the host, a parameter on the device
         # only while it is gathered whole.
         self.offload_params = self.stage == 3 and bool(settings.offload_params)
-        self.host_parts = (("master_weights", "optimizer_state", "fp32_gradients", "offload_buffers",
-                            "host_temporaries") if self.offload else ()) + (("parameters",) if self.offload_params else ())
+        self.host_parts = ("master_weights", "optimizer_state", "fp32_gradients", "offload_buffers",
+                           "host_temporaries") if self.offload else (("offload_buffers",) if self.offload_params else ())
         self._masters: List[torch.Tensor] = []
         self._optimizer: Any = None
         self._buckets: List[torch.Tensor] = []
@@ -166,16 +166,17 @@ class ZeroEngine(StepEngine):
                                  if p.numel() < threshold)
                 self._persistent_partitions = [torch.empty(persistent, dtype=dtype)] if persistent else []
                 if self.offload_params:
-                    # `_create_param_groups_fp16_flat_cpu_memory`: the flat 16-bit partitions of the
-                    # other parameters are one host buffer too, out of the device's peak.
+                    # `_create_param_groups_fp16_flat_cpu_memory`: every 16-bit partition is in one
+                    # flat host buffer, the persistent parameters' too (counted as parameters).
                     gathered = sum(zero3_partition_numel(p.numel(), self.world) for p in model.parameters()
                                    if p.numel() >= threshold)
-                    self._persistent_partitions.append(torch.empty(gathered, dtype=dtype))
+                    self._host_bit16 = self._persistent_partitions + [torch.empty(gathered, dtype=dtype)]
+                    self._persistent_partitions = []
                 if self.offload:
                     # stage3.py `initialize_optimizer_states`: with offload_optimizer each fp32
                     # sub-group's gradient (`subgroup_gradient_buffer`) is made on the host and kept
                     # (`_release_sub_group` drops it only without offload); the 16-bit gradient
-                    # partition is made as without offload (`self.device`, the host).
+                    # partition is made on `self.device`, the host with offload (`resident`).
                     self._fp32_grads = [torch.empty(master.numel(), dtype=torch.float32) for master in self._masters]
             else:
                 self._masters = [torch.empty(zero12_partition_numel([p.numel() for p in group], self.world), dtype=torch.float32)
@@ -244,11 +245,16 @@ class ZeroEngine(StepEngine):
             parts["fp32_gradients"] = list(self._fp32_grads)
             parts["offload_buffers"] = list(self._offload_buffers)
             parts["engine_buffers"] = list(self._device_staging)
+        if self.offload_params:  # ZeRO-3's 16-bit partitions on the host
+            parts.setdefault("offload_buffers", []).extend(self._host_bit16)
         if self._optimizer is not None:
             parts["optimizer_state"] = [value for state in self._optimizer.state.values() for value in state.values()
                                         if isinstance(value, torch.Tensor)]
         if self._grad_partition:
-            parts["gradients"] = list(self._grad_partition)
+            # ZeRO-3 with offload_optimizer: `grad_partitions_flat_buffer` is made on `self.device`,
+            # the CPU (stage3.py `__init__`), so it is among the host's offload buffers.
+            part = "offload_buffers" if self.stage == 3 and self.offload else "gradients"
+            parts.setdefault(part, []).extend(self._grad_partition)
         if self._persistent_partitions:
             parts["parameters"] = list(self._persistent_partitions)
         return parts
