@@ -13,6 +13,7 @@ import re
 from decimal import Decimal
 from typing import Any, Dict, List, Optional
 
+from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.lora import add_lora_adapters
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
@@ -395,6 +396,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                                 padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
                                 quantization=quantization)[0]
 
+    freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
     found: Optional[int] = None
     searched: List[StepMemoryPlan] = []
     problem: Optional[str] = None
