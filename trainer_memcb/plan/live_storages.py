@@ -32,7 +32,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from trainer_memcb.state.saved_tensors import storages_of
@@ -169,14 +169,19 @@ class LiveStorages(TorchDispatchMode):
         ident = id(tensor)
         if ident in self._seen:
             return
+        if is_traceable_wrapper_subclass(tensor):
+            found = [(key, nbytes, inner.untyped_storage()) for key, nbytes, inner in storages_of(tensor)]
+        else:  # nearly every tensor: one storage, no generator to run (as `storages_of` finds it)
+            storage = tensor.untyped_storage()
+            found = [(storage._cdata, storage.nbytes(), storage)]
         keys = []
-        for key, nbytes, inner in storages_of(tensor):
+        for key, nbytes, storage in found:
             if key in self._exclude:
                 continue
             count = self._tensors.get(key)
             if count is None:
                 self._tensors[key] = 1
-                self._storages[key] = inner.untyped_storage()  # keeps the address unique while counted
+                self._storages[key] = storage  # keeps the address unique while counted
                 serial = self._serial[key] = len(self.sizes)
                 self.sizes[serial] = nbytes
                 self.alive_bytes += nbytes
