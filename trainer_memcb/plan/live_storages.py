@@ -47,6 +47,8 @@ class LiveStorages(TorchDispatchMode):
         alive_bytes: bytes alive now.
         peak_bytes: the most bytes alive after any operation so far.
         peak_keys: the storages alive at the peak, by serial number.
+        watch: None, or a dict whose keys are storage keys: `peak_watch` is then those of them
+            alive at the peak, by serial number, in no particular order.
         peak_label: the phase (`phase`, set by the caller) at the peak.
         sizes: serial number -> bytes, for every storage seen (alive or not). A storage's key (its
             address) may be reused once it is freed; its serial number never is.
@@ -216,7 +218,10 @@ class LiveStorages(TorchDispatchMode):
             self.peak_keys = list(self._serial.values())
             self.peak_label = self.phase
             if self.watch is not None:
-                self.peak_watch = [self._serial[key] for key in self.watch if key in self._serial]
+                # The watched storages alive now, found by intersecting the two key sets in C rather
+                # than by a Python loop over every watched one (a 70B step has 4,348 new peaks).
+                serial = self._serial
+                self.peak_watch = list(map(serial.__getitem__, self.watch.keys() & serial.keys()))
 
     def tag(self, tensors: Any, part: str, replace: bool = False) -> None:
         """Name the part the storages of `tensors` (tracked now) belong to; a storage already
