@@ -4,7 +4,8 @@ Importing torch and transformers makes hundreds of thousands of objects that liv
 process, and the collector's full passes walk all of them again and again: about 0.6 s of CPU in a
 70B step plan (seven passes while the modules load), for a few dozen objects freed. So in the
 command's own process the collector is paused from the package's first import until the command
-is parsed, and what exists then is frozen (`gc.freeze`: kept out of every later pass, as it lives
+is parsed (for a step plan: until its model is built and its model states planned, just before the
+traces, `estimate_step`, as that imports transformers' modeling modules), and what exists then is frozen (`gc.freeze`: kept out of every later pass, as it lives
 to the end anyway); the collector then runs as usual over what the command makes. Python code that
 imports `trainer_memcb.cli` keeps its collector as it is.
 """
