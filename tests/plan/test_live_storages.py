@@ -83,3 +83,19 @@ def test_a_tensor_an_operation_returns_again_is_freed_once_it_dies():
         del same, x
         assert tracker.alive_bytes == 0
     assert tracker.events == [0, ~0]
+
+
+def test_a_wrapper_subclass_counts_each_inner_storage_once():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.zeros(4), torch.zeros(2, 4)  # 16 and 32 bytes
+    pair = TwoTensor(a, b[0])  # a's storage and b's (all 32 bytes of it, a view's storage is whole)
+    tracker = LiveStorages()
+    tracker.add(pair)
+    assert (tracker.alive_bytes, sorted(tracker.sizes.values())) == (48, [16, 32])
+    tracker.add(a)  # a's storage again, through another tensor object: not twice
+    assert tracker.alive_bytes == 48
+    del pair  # b's storage had no other tracked tensor; a still holds its own
+    assert tracker.alive_bytes == 16
+    del a
+    assert tracker.alive_bytes == 0

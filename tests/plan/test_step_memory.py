@@ -229,3 +229,19 @@ def test_a_peak_in_the_optimizer_step_holds_all_of_the_state_as_every_later_step
     ids = torch.randint(0, 100, (1, 1))
     start, above = profiled_peak(model, {"input_ids": ids, "labels": ids.clone()})
     assert abs(plan.peak_bytes - (start + above)) <= 64
+
+
+def test_the_step_leaves_no_object_frozen_and_its_figures_as_they_were() -> None:
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    plan, _ = plan_step_memory(meta_builder("llama", "eager", False), batch_size=BATCH, seq_len=SEQ, model_states=False)
+    assert gc.get_freeze_count() == 0  # frozen for the trace only
+    gc.freeze()  # a program that froze its objects itself: its freeze is kept, the figures the same
+    try:
+        again, _ = plan_step_memory(meta_builder("llama", "eager", False), batch_size=BATCH, seq_len=SEQ,
+                                    model_states=False)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert plan.problem is None and (again.peak_bytes, again.activations_bytes) == (plan.peak_bytes, plan.activations_bytes)

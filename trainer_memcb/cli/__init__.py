@@ -34,6 +34,10 @@ from trainer_memcb.cli.interrupt import stop_on_ctrl_c
 
 stop_on_ctrl_c()  # first of all: Ctrl-C while torch and transformers load is one line too (see interrupt.py)
 
+from trainer_memcb.cli.collector import freeze_what_was_imported, pause_while_importing
+
+pause_while_importing()  # no full collection over torch's and transformers' modules (see collector.py)
+
 import argparse
 import os
 import sys
@@ -380,6 +384,8 @@ def console_main() -> int:
     """
     try:
         args = _parse(None)
+        if not (getattr(args, "command", None) == "estimate" and step_asked(args)):
+            freeze_what_was_imported()  # a step plan does it once its modules are in (estimate_step)
         if isinstance(args, int):
             return args
         if getattr(args, "command", None) == "estimate" and not needs_peft(args) and "peft" not in sys.modules:

@@ -32,7 +32,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from trainer_memcb.state.saved_tensors import storages_of
@@ -47,6 +47,8 @@ class LiveStorages(TorchDispatchMode):
         alive_bytes: bytes alive now.
         peak_bytes: the most bytes alive after any operation so far.
         peak_keys: the storages alive at the peak, by serial number.
+        watch: None, or a dict whose keys are storage keys: `peak_watch` is then those of them
+            alive at the peak, by serial number, in no particular order.
         peak_label: the phase (`phase`, set by the caller) at the peak.
         sizes: serial number -> bytes, for every storage seen (alive or not). A storage's key (its
             address) may be reused once it is freed; its serial number never is.
@@ -169,14 +171,19 @@ class LiveStorages(TorchDispatchMode):
         ident = id(tensor)
         if ident in self._seen:
             return
+        if is_traceable_wrapper_subclass(tensor):
+            found = [(key, nbytes, inner.untyped_storage()) for key, nbytes, inner in storages_of(tensor)]
+        else:  # nearly every tensor: one storage, no generator to run (as `storages_of` finds it)
+            storage = tensor.untyped_storage()
+            found = [(storage._cdata, storage.nbytes(), storage)]
         keys = []
-        for key, nbytes, inner in storages_of(tensor):
+        for key, nbytes, storage in found:
             if key in self._exclude:
                 continue
             count = self._tensors.get(key)
             if count is None:
                 self._tensors[key] = 1
-                self._storages[key] = inner.untyped_storage()  # keeps the address unique while counted
+                self._storages[key] = storage  # keeps the address unique while counted
                 serial = self._serial[key] = len(self.sizes)
                 self.sizes[serial] = nbytes
                 self.alive_bytes += nbytes
@@ -211,7 +218,10 @@ class LiveStorages(TorchDispatchMode):
             self.peak_keys = list(self._serial.values())
             self.peak_label = self.phase
             if self.watch is not None:
-                self.peak_watch = [self._serial[key] for key in self.watch if key in self._serial]
+                # The watched storages alive now, found by intersecting the two key sets in C rather
+                # than by a Python loop over every watched one (a 70B step has 4,348 new peaks).
+                serial = self._serial
+                self.peak_watch = list(map(serial.__getitem__, self.watch.keys() & serial.keys()))
 
     def tag(self, tensors: Any, part: str, replace: bool = False) -> None:
         """Name the part the storages of `tensors` (tracked now) belong to; a storage already

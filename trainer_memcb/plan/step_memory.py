@@ -172,6 +172,18 @@ def fake_copy(model: nn.Module, mode: Any, device: str = "cpu", dtype: Optional[
     return model
 
 
+def _freeze_older_objects() -> bool:
+    """Move every object alive now out of the collector's sight for the trace (`gc.freeze`):
+    a fake step makes cyclic garbage all along, and each full collection would otherwise walk the
+    whole heap (torch's and transformers' modules, the meta model), 0.8 s of a 70B step's 11 s.
+    Objects made during the trace are collected as before. False, and nothing done, when the
+    program has frozen objects itself (its freeze is left as it is)."""
+    if gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
+
+
 def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
     if precision in ("bf16", "deepspeed-bf16"):
         return torch.bfloat16
@@ -499,6 +511,7 @@ def plan_step_memory(
     mode = FakeTensorMode()
     _MODE[0] = mode
     quantization_note = None
+    frozen = _freeze_older_objects()
     try:
         model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
         if quantization is not None:
@@ -535,7 +548,9 @@ def plan_step_memory(
                               problem=f"the step cannot run under fake tensors ({_one_line(error)})", **common), states_plan
     finally:
         _MODE[0] = None
-        gc.collect()
+        gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
+        if frozen:
+            gc.unfreeze()
     notes = list(traced.notes) + ([quantization_note] if quantization_note else [])
     if gradient_checkpointing and device_type == "cpu":
         notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "

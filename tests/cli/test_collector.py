@@ -1,0 +1,61 @@
+"""The collector in the `trainer-memcb` process (`trainer_memcb.cli.collector`), and the step
+plan's freeze of the objects older than its trace."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from trainer_memcb.cli import collector
+from trainer_memcb.cli.estimate import _first_then_new
+from trainer_memcb.plan.step_memory import _freeze_older_objects
+
+
+@pytest.fixture
+def nothing_frozen():
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    yield
+    gc.unfreeze()
+    gc.enable()
+    collector._paused[0] = False
+
+
+def test_python_code_that_imports_the_cli_keeps_its_collector(nothing_frozen):
+    assert collector.pause_while_importing() is False  # pytest is not the command's own process
+    assert gc.isenabled()
+    collector.freeze_what_was_imported()  # nothing was paused: nothing frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_command_pauses_the_collector_then_freezes_what_it_imported(nothing_frozen, monkeypatch):
+    monkeypatch.setattr(collector, "this_process_is_the_command", lambda: True)
+    assert collector.pause_while_importing() is True
+    assert not gc.isenabled()
+    collector.freeze_what_was_imported()
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    frozen = gc.get_freeze_count()
+    collector.freeze_what_was_imported()  # once only
+    assert gc.get_freeze_count() == frozen
+
+
+def test_the_step_freezes_older_objects_only_when_the_program_froze_none(nothing_frozen):
+    assert _freeze_older_objects() is True
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    assert _freeze_older_objects() is False  # frozen already (by the program): left as it is
+    assert gc.get_freeze_count() == frozen
+
+
+def test_the_first_trace_gets_the_model_already_built_the_others_new_ones():
+    built = []
+
+    def build():
+        built.append(object())
+        return built[-1]
+
+    first = object()
+    builder = _first_then_new(first, build)
+    assert builder() is first and built == []
+    second, third = builder(), builder()
+    assert built == [second, third] and second is not third
