@@ -178,15 +178,17 @@ def test_zero_plan_of_llama_2_7b_beside_deepspeeds_estimators_term_by_term(world
         # ZeRO-3: the 16-bit partitions and the persistent norms whole; the 16-bit gradient partition
         # and the bucket, which DeepSpeed's 18Ψ/N leaves out; DeepSpeed's 4 x the largest layer
         # against what the step holds gathered and in flight.
-        assert terms["params16_partition"] == terms["grads16_partition"] == 2 * share
+        # With offload_optimizer the 16-bit gradient partition is on the host (DeepSpeed makes it on
+        # `self.device`, the CPU), with offload_param every 16-bit parameter partition too.
+        assert (ours.host_terms if offload_param else terms)["params16_partition"] == 2 * share
+        assert (ours.host_terms if offload_optimizer else terms)["grads16_partition"] == 2 * share
         assert terms["params16_persistent"] == 2 * NO_DECAY and terms["reduce_bucket"] == BUCKET
         assert ds.gpu_terms["params16_gathered"] == ds.gpu_terms["grads16_whole"] == 2 * LARGEST
         assert "grads16_partition" not in ds.gpu_terms
         if offload_optimizer:
             # On the host the fp32 states, each sub-group's fp32 gradient kept there between steps
-            # (held above by the host terms summing to the host figure).
-            # offload_param: the plan's ZeRO engine keeps the 16-bit partitions on the device.
-            assert plan.model_states_host_bytes["parameters"] == 0
+            # (held above by the host terms summing to the host figure), and the partitions above.
+            assert plan.model_states_host_bytes["parameters"] == (2 * share if offload_param else 0)
         else:
             assert ds.cpu_terms == {"loading": 4 * LARGEST * per_node, "buffer_factor": 2 * LARGEST * per_node}
 

@@ -251,15 +251,24 @@ def plan_figures(row: Dict[str, Any]) -> PlanFigures:
         params = {"params16_partition": 2 * sum(zero3_partition_numel(n, world) for n in numels),
                   "params16_persistent": 2 * sum(n for n in numels if n < threshold)}
         grads = {"grads16_partition": 2 * sum(zero3_partition_numel(n, world) for n in numels), "reduce_bucket": bucket}
+        # On the host where DeepSpeed makes them: the 16-bit gradient partition with offload_optimizer
+        # (`grad_partitions_flat_buffer` on `self.device`), every 16-bit parameter partition with
+        # offload_param (`_create_param_groups_fp16_flat_cpu_memory`).
+        host16 = {}
+        if row["offload_optimizer"]:
+            host16["grads16_partition"] = grads.pop("grads16_partition")
+        if row["offload_param"]:
+            host16["params16_partition"] = params.pop("params16_partition")
     else:
         partitions = [zero12_partition_numel(group, world) for group in groups]
         params = {"params16_whole": 2 * sum(numels)}
+        host16 = {}
         grads = {} if row["offload_optimizer"] else {"grads16_partition": 2 * zero12_gradient_numel(groups, world, 0)}
     optimizer = {"moments32": 8 * sum(partitions), "adam_steps": 4 * len(partitions)}
     master = {"master32": 4 * sum(partitions)}
     grads32 = {"grads32_partition": 4 * (sum(partitions) if row["offload_optimizer"] else max(partitions))}
     device: Dict[str, int] = dict(params)
-    host_terms: Dict[str, int] = {}
+    host_terms: Dict[str, int] = dict(host16)
     if row["offload_optimizer"]:
         host_terms.update(optimizer, **master, **grads32)
         if row["stage"] != 3:

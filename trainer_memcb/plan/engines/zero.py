@@ -453,14 +453,14 @@ class ZeroEngine(StepEngine):
         size = int(self.settings.zero["reduce_bucket_size"])
         if self._bucket_values + param.numel() > size:
             self._reduce_bucket()
-        self.tracker.tag([param.grad], "gradients")  # the whole gradient, while it has its own storage
         if param.numel() > size and self._contiguous():
             if self.offload:
                 # `_offload_gradient_safety_enabled`: `grad_reduc.data = grad_reduc.detach().clone()`,
                 # the copy made beside the gradient autograd made, which it then replaces.
                 param.grad = param.grad.clone()
-                self.tracker.tag([param.grad], "gradients")
+            self.tracker.tag([param.grad], "gradients")
         else:
+            self.tracker.tag([param.grad], "gradients")  # the whole gradient, until it is in the bucket
             param.grad = None
         self._bucket_params.append(param)
         self._bucket_values += param.numel()
