@@ -46,7 +46,9 @@ Trainer's optimizer (decay, no decay):
   - gradients go through the reduce bucket into the 16-bit gradient partition
     (`grad_partitions_flat_buffer`, allocated at init); the fp32 master sub-groups
     (`zero3_sub_group_numels`) and their optimizer state, on the CPU with `offload_optimizer`;
-    the fp32 gradient of one sub-group at a time inside the step.
+    the fp32 gradient of one sub-group at a time inside the step, every parameter released to its
+    partition for the step, the persistent ones too (`step` → `_partition_all_parameters`), and
+    the persistent ones gathered whole again at its end (`_post_step`).
 
 - ZeRO-1/2 with `offload_optimizer` (`_offload_zero12_buffers`): the partition's 16-bit host copy and
   the largest parameter's host staging buffer (`offload_buffers`, on the host), its device staging
@@ -510,6 +512,30 @@ class ZeroEngine(StepEngine):
         optimizer = self._optimizer
         if optimizer is None:
             return None
+        if self.stage != 3:
+            return self._step_where_it_runs(optimizer)
+        # stage3.py `step` → `_partition_all_parameters` → `release_and_reset_all` releases every
+        # parameter before the sub-groups step, the persistent ones too (`__release_param` does not
+        # look at `ds_persist`): their whole data is freed and only their partitions remain; the
+        # step's end (`_post_step`) gathers them whole again for the next forward.
+        self._persistent_whole(False)
+        try:
+            return self._step_where_it_runs(optimizer)
+        finally:
+            self._persistent_whole(True)
+
+    def _persistent_whole(self, whole: bool) -> None:
+        # Their partitions are counted apart (`_persistent_partitions`), so released they are none.
+        # Each resize gives the storage a new serial number: the one it had until now is named
+        # "parameters" too, as it was (a model parameter's), for the peaks before the step.
+        if self.tracker is None:
+            return
+        self.tracker.tag(self._persistent, "parameters")
+        for param in self._persistent:
+            storage = param.untyped_storage()
+            self.tracker.set_size(storage, storage.nbytes() if whole else 0, "parameters")
+
+    def _step_where_it_runs(self, optimizer: Any) -> Any:
         if self.offload:
             # The optimizer steps on the host's partitions: what it makes there (its temporaries,
             # the clipping's norms) is on the host too, out of the device's peak.
