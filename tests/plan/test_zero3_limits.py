@@ -77,11 +77,14 @@ def test_zero3_fetch_limits_set_the_whole_parameters_at_the_backward_peak(change
 
 def test_zero3_offload_keeps_the_fp32_gradient_partition_on_the_host():
     # zero_step_profile.py's zero3-offload (real: 2,287,077 on both processes, 17 bytes more): the
-    # fp32 sub-group gradient (57,504 values) is on the host beside the master and the state.
+    # fp32 sub-group gradient (57,504 values) is on the host beside the master and the state, and
+    # so are the 16-bit gradient partition and, with offload_param, the 16-bit parameter partitions
+    # (57,504 values each: `offload_buffers`).
     plan = _plan(16, stage3_prefetch_bucket_size=int(0.9 * 64 * 64), stage3_param_persistence_threshold=640,
                  offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
-    assert plan.host_bytes == {"master_weights": 230_016, "optimizer_state": 460_040, "fp32_gradients": 230_016}
-    assert plan.peak_bytes == 1_366_988 + _buffers_beyond_transformers_5s()
+    assert plan.host_bytes == {"master_weights": 230_016, "optimizer_state": 460_040, "fp32_gradients": 230_016,
+                               "offload_buffers": 2 * 230_016}
+    assert plan.peak_bytes == 1_366_988 - 2 * 230_016 + _buffers_beyond_transformers_5s()
 
 
 def test_zero3_plan_warns_nothing_of_its_own_hooks():
