@@ -244,22 +244,16 @@ def _lazy_shard_chunks() -> Optional[Callable[[], None]]:
         from torch.distributed.fsdp._fully_shard import _fsdp_param
     except ImportError:
         return None
-    original = getattr(_fsdp_param, "_chunk_with_empty", None)
-    if original is None:
-        return None
 
-    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
-        size = tensor.size(dim)
-        if type(size) is not int or type(num_chunks) is not int or size <= 0 or num_chunks <= 1:
-            return original(tensor, num_chunks, dim)
-        return _Chunks(tensor, num_chunks, dim, size)
+    def lazy(original: Callable[..., Any]) -> Callable[..., Any]:
+        def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+            size = tensor.size(dim)
+            if type(size) is not int or type(num_chunks) is not int or size <= 0 or num_chunks <= 1:
+                return original(tensor, num_chunks, dim)
+            return _Chunks(tensor, num_chunks, dim, size)
+        return chunk_with_empty
 
-    _fsdp_param._chunk_with_empty = chunk_with_empty
-
-    def restore() -> None:
-        _fsdp_param._chunk_with_empty = original
-
-    return restore
+    return _patch(_fsdp_param, "_chunk_with_empty", lazy)
 
 
 def _unchanged_shards_kept() -> Optional[Callable[[], None]]:
@@ -268,8 +262,7 @@ def _unchanged_shards_kept() -> Optional[Callable[[], None]]:
     FSDP2's lazy init (the first forward) re-pads a shard whose local tensor is not the padded size
     unless the local tensor is a view of `_sharded_param_data`, which it tells by `data_ptr()`
     (`_fsdp_param.py`, `same_local_tensor`, for a plain `torch.Tensor` only). A fake tensor is
-neither, and its storage's data pointer is 0, so on a rank whose
-    shards are shorter than chunk 0 (the last ones, where a dimension does not split evenly) every
+    neither, and its storage's data pointer is 0, so on a rank whose shards are shorter than chunk 0 (the last ones, where a dimension does not split evenly) every
     shard was copied into a new padded tensor and the old one kept alive beside it: 156,088 bytes of
     the tiny Llama's shards twice on rank 2 of 3, which a real run of that rank does not hold. The
     same storage is told here by the storage itself, and the call left out, as a real run's check
@@ -279,26 +272,21 @@ neither, and its storage's data pointer is 0, so on a rank whose
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     except ImportError:
         return None
-    original = getattr(FSDPParam, "reset_sharded_param", None)
-    if original is None:
-        return None
 
-    def reset_sharded_param(self: Any) -> Any:
-        data = getattr(self, "_sharded_param_data", None)
-        module_info = getattr(self, "_module_info", None)
-        current = getattr(module_info.module, module_info.param_name, None) if module_info is not None else None
-        local = getattr(current, "_local_tensor", None)
-        if (current is getattr(self, "sharded_param", None) and type(data) in (torch.Tensor, FakeTensor) and local is not None
-                and not self.pin_memory and data.untyped_storage()._cdata == local.untyped_storage()._cdata):
-            return None
-        return original(self)
+    def unless_unchanged(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_sharded_param(self: Any) -> Any:
+            data = getattr(self, "_sharded_param_data", None)
+            module_info = getattr(self, "_module_info", None)
+            current = getattr(module_info.module, module_info.param_name, None) if module_info is not None else None
+            local = getattr(current, "_local_tensor", None)
+            if (current is getattr(self, "sharded_param", None) and type(data) in (torch.Tensor, FakeTensor)
+                    and local is not None and not self.pin_memory
+                    and data.untyped_storage()._cdata == local.untyped_storage()._cdata):
+                return None
+            return original(self)
+        return reset_sharded_param
 
-    FSDPParam.reset_sharded_param = reset_sharded_param
-
-    def restore() -> None:
-        FSDPParam.reset_sharded_param = original
-
-    return restore
+    return _patch(FSDPParam, "reset_sharded_param", unless_unchanged)
 
 
 def _quicker_foreach_sharding() -> Optional[Callable[[], None]]:
@@ -317,23 +305,31 @@ def _quicker_foreach_sharding() -> Optional[Callable[[], None]]:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:
         return None
-    original = getattr(_sharding_prop, "_propagate_use_strided_shard_flag", None)
-    if original is None:
-        return None
     plain: List[Any] = [None]  # the last schema seen without a _StridedShard (compared by identity)
 
-    def propagate(op_strategy: Any, op_schema: Any) -> None:
-        if plain[0] is op_schema:
-            return
-        if any(isinstance(p, _StridedShard) for spec in op_schema.args_spec for p in spec.placements):
-            return original(op_strategy, op_schema)
-        plain[0] = op_schema
-        return None
+    def once_per_schema(original: Callable[..., Any]) -> Callable[..., Any]:
+        def propagate(op_strategy: Any, op_schema: Any) -> None:
+            if plain[0] is op_schema:
+                return
+            if any(isinstance(p, _StridedShard) for spec in op_schema.args_spec for p in spec.placements):
+                return original(op_strategy, op_schema)
+            plain[0] = op_schema
+            return None
+        return propagate
 
-    _sharding_prop._propagate_use_strided_shard_flag = propagate
+    return _patch(_sharding_prop, "_propagate_use_strided_shard_flag", once_per_schema)
+
+
+def _patch(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Optional[Callable[[], None]]:
+    """Replace `owner.name` with `make(original)` for the time of a trace; returns what puts the
+    original back, or None (and nothing changed) where this torch has no such attribute."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return None
+    setattr(owner, name, make(original))
 
     def restore() -> None:
-        _sharding_prop._propagate_use_strided_shard_flag = original
+        setattr(owner, name, original)
 
     return restore
 
