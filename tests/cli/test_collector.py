@@ -44,7 +44,8 @@ def test_the_step_freezes_older_objects_only_when_the_program_froze_none(nothing
     frozen = gc.get_freeze_count()
     assert frozen > 0
     assert _freeze_older_objects() is False  # frozen already (by the program): left as it is
-    assert gc.get_freeze_count() == frozen
+    # Nothing more frozen (a frozen object may still die by its reference count: fewer, on 3.10).
+    assert 0 < gc.get_freeze_count() <= frozen
 
 
 def test_the_first_trace_gets_the_model_already_built_the_others_new_ones():

@@ -366,11 +366,13 @@ def test_zero3_offload_counts_the_16_bit_partitions_where_deepspeed_makes_them()
     partition = 4 * NUMEL // 2
     assert optimizer_only.host_bytes["offload_buffers"] == partition  # the 16-bit gradient partition
     assert both.host_bytes["offload_buffers"] == 2 * partition  # and the parameters' partitions
-    assert both.peak_bytes == optimizer_only.peak_bytes - partition == 906_956
+    # (transformers 4.57 keeps 32 bytes more of the model's buffers than 5)
+    buffers = sum(b.numel() * b.element_size() for b in build().buffers()) - 64
+    assert both.peak_bytes == optimizer_only.peak_bytes - partition == 906_956 + buffers
     # The model-states table files the host's partitions under their states.
     assert both.model_states_host_bytes["parameters"] == partition
     assert both.model_states_host_bytes["gradients"] == optimizer_only.model_states_host_bytes["gradients"] == 2 * partition
     # The same storages at the same moment, filed by where they live (on the CPU, one memory: the
     # real run of the pair reads their sum, tests/training/test_zero_runs_more.py).
     assert both.peak_bytes + sum(both.host_bytes.values()) == \
-        optimizer_only.peak_bytes + sum(optimizer_only.host_bytes.values()) == 2_287_060
+        optimizer_only.peak_bytes + sum(optimizer_only.host_bytes.values()) == 2_287_060 + buffers

@@ -14,13 +14,17 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_scripts"))
+from helpers import requires_torch  # noqa: E402
 from test_engines import build  # noqa: E402
+from test_zero3_limits import _buffers_beyond_transformers_5s  # noqa: E402
 from zero_step_profile import ROWS  # noqa: E402  (the real runs' own DeepSpeed configs)
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
 from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
 
 WORLD = 4
+# The figures below are with transformers 5's model buffers; 4.57 keeps 32 bytes more of them.
+BUFFERS = _buffers_beyond_transformers_5s()
 ATTENTION_WEIGHT = 64 * 64 * 4  # q, k, v, o of the tiny Llama: 16,384 bytes each
 
 
@@ -46,7 +50,7 @@ def test_zero1_each_rank_peaks_at_its_own_partitions_first_bucket_reduction():
     # so late that it peaks at the end of backward, without its partition.
     # (Rank 2 reads rank 1's figure: tests/training/test_zero_runs_wide.py holds all four to runs.)
     peaks = [plan_for("zero1", rank).peak_bytes for rank in (0, 1, 3)]
-    assert peaks == [1_397_520, 1_331_984, 1_290_516]
+    assert peaks == [figure + BUFFERS for figure in (1_397_520, 1_331_984, 1_290_516)]
     assert peaks[0] - peaks[1] == 4 * ATTENTION_WEIGHT
 
 
@@ -54,7 +58,7 @@ def test_zero2_the_rank_holding_the_head_makes_its_partition_at_the_first_reduct
     # Rank 0 peaks in the optimizer step; rank 3's partition, made at the lm_head's reduction (the
     # first of backward), lives beside backward's activations, where it peaks.
     plans = [plan_for("zero2", rank) for rank in (0, 3)]
-    assert [plan.peak_bytes for plan in plans] == [1_265_164, 1_334_676]
+    assert [plan.peak_bytes for plan in plans] == [1_265_164 + BUFFERS, 1_334_676 + BUFFERS]
     assert [plan.peak_phase for plan in plans] == ["optimizer step", "backward"]
 
 
@@ -63,9 +67,10 @@ def test_zero2_with_offload_the_rank_holding_the_head_copies_its_gradient_slice_
     host = [plan.peak_bytes + sum(plan.host_bytes.values()) for plan in plans]
     # set_norm_for_param_grad_in_gpu: the lm_head's 16,384 values in fp64 (131,072 bytes) and the
     # 8-byte norm kept, at the moment of that reduction.
-    assert host == [1_637_652, 1_695_260]
+    assert host == [1_637_652 + BUFFERS, 1_695_260 + BUFFERS]
 
 
+@requires_torch("2.13", "the FSDP2 plan needs torch 2.13's fake collectives (tests/plan/test_engines.py)")
 def test_fsdp2_on_an_uneven_split_the_last_rank_holds_less_optimizer_state_and_no_second_copy_of_its_shards():
     # Over 3 processes the tiny Llama's 64- and 128-row weights split 22/22/20 and 43/43/42. Every
     # process's shard storage is padded to chunk 0's size, but AdamW makes its moments like the
@@ -75,7 +80,7 @@ def test_fsdp2_on_an_uneven_split_the_last_rank_holds_less_optimizer_state_and_n
     plans = [plan_step_memory(build, seq_len=16, settings=resolve_settings(
         world_size=3, rank=rank, batch_size=2, optimizer="adamw_torch", sharding="fsdp-full-shard"),
         device_type="cpu", model_states=False)[0] for rank in (0, 2)]
-    assert [plan.peak_bytes for plan in plans] == [1_385_648, 1_369_184]
+    assert [plan.peak_bytes for plan in plans] == [1_385_648 + BUFFERS, 1_369_184 + BUFFERS]
     assert plans[0].peak_parts["optimizer_state"] - plans[1].peak_parts["optimizer_state"] == 16_464
     assert plans[0].peak_parts["other"] == plans[1].peak_parts["other"] == 8_204
 
