@@ -17,8 +17,8 @@ Trainer's optimizer (decay, no decay):
     `zero12_partition_numel` values), on the CPU with `offload_optimizer`;
     `initialize_optimizer_states` steps the optimizer once on zero gradients, so the optimizer
     state exists before the first step (and lives where the master partition does);
-  - backward (`setup_buckets`, from `engine.backward`): the reduce bucket, `reduce_bucket_size`
-    values (a second one with `overlap_comm`), in the gradients' dtype for ZeRO-2 and fp32 for
+  - backward (`setup_buckets`, from the first gradient's hook, `process_gradients`): the reduce
+    bucket, `reduce_bucket_size` values (a second one with `overlap_comm`), in the gradients' dtype for ZeRO-2 and fp32 for
     ZeRO-1 (`_gradient_reduction_buffer_dtype`); dropped at the end of backward
     (`independent_gradient_partition_epilogue` → `_release_ipg_buffers`);
   - ZeRO-2, or ZeRO-1 with `overlap_comm`: each gradient is copied into the bucket as soon as it is
@@ -400,8 +400,8 @@ class ZeroEngine(StepEngine):
 
     # -- backward -------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
-        self._setup_buckets()  # under the trace's fake mode already
         if self.stage == 3:
+            self._setup_buckets()  # under the trace's fake mode already
             self._start_backward_trace()
         with warnings.catch_warnings():
             # The release hooks on modules whose inputs need no gradient (the embedding's token
@@ -440,6 +440,11 @@ class ZeroEngine(StepEngine):
             self.tracker.tag(self._buckets, "engine_buffers")
 
     def _grad_ready(self, param: torch.Tensor) -> None:
+        if self.stage != 3:
+            # stage_1_and_2.py `process_gradients` → `setup_buckets`: ZeRO-1/2 make their buckets at
+            # the first gradient's hook, not when backward starts, so the first gradient's own
+            # backward (the output layer's, whose input gradient is freed by then) runs without them.
+            self._setup_buckets()
         if self.stage == 1 and not self.settings.overlap_comm:
             return
         if self.stage == 3:
