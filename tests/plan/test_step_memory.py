@@ -245,3 +245,26 @@ def test_the_step_leaves_no_object_frozen_and_its_figures_as_they_were() -> None
     finally:
         gc.unfreeze()
     assert plan.problem is None and (again.peak_bytes, again.activations_bytes) == (plan.peak_bytes, plan.activations_bytes)
+
+
+def test_the_first_plan_of_a_process_is_the_later_ones():
+    # A module the optimizer's builder imports for the first time inside the fake trace would make
+    # its own module-level tensors there, counted in that plan only (transformers 4.57's
+    # `transformers.trainer` imports peft: 16 bytes of `torch.tensor(1)` default arguments). The
+    # builder's imports come before the trace, so a fresh process's first plan is its second.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path[:0] = [{plan!r}, {tests!r}]\n"
+        "from test_engines import plan_with, BATCH\n"
+        "from trainer_memcb.plan.settings import resolve_settings\n"
+        "import json; print(json.dumps([plan_with(resolve_settings(batch_size=BATCH, optimizer='adamw_torch')).peak_bytes "
+        "for _ in range(2)]))\n"
+    ).format(plan=os.path.dirname(os.path.abspath(__file__)), tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first == second, (first, second)

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 __all__ = [
+    "import_optimizer_source",
     "OptimizerUnavailable",
     "build_trainer_optimizer",
     "class_path",
@@ -153,6 +154,18 @@ def keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) ->
     for weight in embeddings:
         manager.register_module_override(_WeightHolder(weight), "weight", {"optim_bits": 32})
     optimizer.mng = manager
+
+
+def import_optimizer_source() -> None:
+    """Import what `trainer_optimizer_cls_and_kwargs` reads (`transformers.trainer_optimizer`, else
+    `transformers.trainer`) now, before a fake trace builds the optimizer: an import under the fake
+    mode makes the imported modules' own tensors there, and the trace counts them (on transformers
+    4.57, `transformers.trainer` imports peft, whose default arguments `torch.tensor(1)` were 16
+    bytes in the first plan of a process and in no later one)."""
+    try:
+        import transformers.trainer_optimizer  # noqa: F401
+    except ImportError:
+        import transformers.trainer  # noqa: F401
 
 
 def trainer_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module] = None) -> Tuple[Any, Dict[str, Any]]:
