@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_engines import build
+from test_engines import buffers_beyond_transformers_5s, build
 from trainer_memcb.plan.engines.zero3_fetch import FetchCoordinator
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step_memory import plan_step_memory
@@ -43,13 +43,6 @@ def _plan(seq_len, **zero):
     return plan
 
 
-# The model's buffers, in every plan's peak below: the rotary embedding's inv_freq (32 bytes), and
-# on transformers 5 its original_inv_freq too, a buffer there (an attribute on 4.57). The figures
-# below are transformers 5's, the real runs' (64 bytes).
-def _buffers_beyond_transformers_5s():
-    return sum(b.numel() * b.element_size() for b in build().buffers()) - 64
-
-
 # zero_step_profile.py's zero3-limits: every parameter partitioned, released after its forward.
 LIMITS = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=8192,
               stage3_max_live_parameters=20_000)
@@ -71,7 +64,7 @@ LIMITS = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
 ])
 def test_zero3_fetch_limits_set_the_whole_parameters_at_the_backward_peak(change, peak, whole):
     plan = _plan(128, **dict(LIMITS, **change))
-    assert plan.peak_bytes == peak + _buffers_beyond_transformers_5s()
+    assert plan.peak_bytes == peak + buffers_beyond_transformers_5s()
     assert plan.peak_parts.get("unsharded_parameters", 0) == whole
 
 
@@ -84,7 +77,7 @@ def test_zero3_offload_keeps_the_fp32_gradient_partition_on_the_host():
                  offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     assert plan.host_bytes == {"master_weights": 230_016, "optimizer_state": 460_040, "fp32_gradients": 230_016,
                                "offload_buffers": 2 * 230_016}
-    assert plan.peak_bytes == 1_366_988 - 2 * 230_016 + _buffers_beyond_transformers_5s()
+    assert plan.peak_bytes == 1_366_988 - 2 * 230_016 + buffers_beyond_transformers_5s()
 
 
 def test_zero3_plan_warns_nothing_of_its_own_hooks():

@@ -15,8 +15,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_scripts"))
 from helpers import requires_torch  # noqa: E402
-from test_engines import build  # noqa: E402
-from test_zero3_limits import _buffers_beyond_transformers_5s  # noqa: E402
+from test_engines import buffers_beyond_transformers_5s, build  # noqa: E402
 from zero_step_profile import ROWS  # noqa: E402  (the real runs' own DeepSpeed configs)
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
@@ -24,7 +23,7 @@ from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
 
 WORLD = 4
 # The figures below are with transformers 5's model buffers; 4.57 keeps 32 bytes more of them.
-BUFFERS = _buffers_beyond_transformers_5s()
+BUFFERS = buffers_beyond_transformers_5s()
 ATTENTION_WEIGHT = 64 * 64 * 4  # q, k, v, o of the tiny Llama: 16,384 bytes each
 
 
