@@ -120,7 +120,8 @@ def sdpa_backend(dtype: str, head_dim: int, *, has_mask: bool, dropout_p: float 
     Args:
         dtype: "float16", "bfloat16" or "float32" (a `torch.dtype`'s str works too).
         head_dim: the last dimension of q, k and v (taken equal).
-        has_mask: an `attn_mask` is passed (flash refuses any mask).
+        has_mask: an `attn_mask` is passed (flash refuses any mask; cuDNN is taken to accept
+            one, its layout and mask checks are not modelled).
         dropout_p, is_causal: as passed to `scaled_dot_product_attention`.
         compute_capability: the GPU's (major, minor), e.g. `gpu_preset("H100").compute_capability`.
         seq_len_q, seq_len_k: flash refuses `is_causal` when they differ.
