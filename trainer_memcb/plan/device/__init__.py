@@ -1,0 +1,1 @@
+"""The device the plan answers for: PyTorch's CUDA caching allocator, GPU presets and CUDA's kernels"""
