@@ -335,3 +335,49 @@ def test_public_names() -> None:
     assert trainer_memcb.replay_allocations is replay_allocations
     assert trainer_memcb.AllocatorReplay is AllocatorReplay
     assert {"replay_allocations", "AllocatorReplay"} <= set(trainer_memcb.__all__)
+
+
+@pytest.mark.parametrize("conf", [
+    "", "expandable_segments:True", "max_split_size_mb:24,roundup_power2_divisions:4",
+    "garbage_collection_threshold:0.6,per_process_memory_fraction:0.8,max_split_size_mb:30",
+    "expandable_segments:True,per_process_memory_fraction:0.9,garbage_collection_threshold:0.5",
+])
+def test_random_timelines_keep_the_books_straight(conf: str) -> None:
+    """On seeded random timelines (out-of-memory paths and empty_cache included): the segments
+    tile their address ranges without overlap, the reserved bytes are the segments' sizes,
+    the allocated bytes the allocated blocks', and every live key has its block."""
+    import random
+
+    for seed in range(12):
+        rng = random.Random(seed)
+        events, live, key = [], [], 0
+        for _ in range(400):
+            roll = rng.random()
+            if roll < 0.02:
+                events.append(("empty_cache",))
+            elif live and roll < 0.45:
+                events.append(("free", live.pop(rng.randrange(len(live)))))
+            else:
+                events.append(("alloc", key, int(2 ** rng.uniform(0, 26))))
+                live.append(key)
+                key += 1
+        replay = replay_allocations(events, alloc_conf=conf, device_memory=160 * MiB)
+        freed = {event[1] for event in events[:replay.events] if event[0] == "free"}
+        allocated_keys = {event[1] for event in events[:replay.events] if event[0] == "alloc"}
+        if replay.oom is not None:
+            allocated_keys.discard(replay.oom[1])
+        blocks = [block for segment in replay.segments for block in segment.blocks]
+        for segment in replay.segments:
+            end = segment.address
+            for block in segment.blocks:
+                assert block.address == end and block.size > 0
+                end += block.size
+            assert segment.total_size == end - segment.address
+        starts = sorted((s.address, s.address + s.total_size) for s in replay.segments)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(starts, starts[1:]))
+        assert replay.reserved_bytes == sum(s.total_size for s in replay.segments) <= 160 * MiB
+        assert replay.allocated_bytes == sum(b.size for b in blocks if b.allocated)
+        nonzero = {event[1] for event in events[:replay.events] if event[0] == "alloc" and event[2]}
+        assert {b.key for b in blocks if b.allocated} == (allocated_keys - freed) & nonzero
+        assert replay.reserved_peak_bytes >= replay.reserved_bytes
+        assert replay.allocated_peak_bytes <= replay.reserved_peak_bytes
