@@ -1,12 +1,12 @@
 """Will it fit? The model states each process holds: parameters, gradients, optimizer state and
 master weights, for a world size, a sharding, an offload and a precision setup.
 
-The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.whatif`: the
+The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.optimizers.whatif`: the
 Trainer's optimizer for each `optim` name, built over meta-device stand-ins shaped like what one
 process's optimizer steps over: the model with its whole parameters or FSDP shards, built as the
 what-if builds it, or ZeRO's flat fp32 partitions). Optimizers that update inside backward (LOMO,
 AdaLomo, the layer-wise variants) hold one gradient, the largest parameter's; which setups the
-plan covers for each kind is in `trainer_memcb.plan.update_kinds`. Parameters, gradients and master
+plan covers for each kind is in `trainer_memcb.plan.optimizers.update_kinds`. Parameters, gradients and master
 weights follow the libraries' partitioning (ZeRO's fp32 master copy exists in fp32 runs too):
 
 | sharding | parameters | gradients | optimizer steps over | master weights |
@@ -21,7 +21,7 @@ Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_shar
 0.19 `runtime/zero/stage_1_and_2.py` (`DeepSpeedZeroOptimizer.__init__`: `bit16_groups_flat`,
 `single_partition_of_fp32_groups`, `grads_in_partition` with `contiguous_gradients`),
 `runtime/zero/stage3.py` (`_create_fp32_partitions`, `grad_partitions_flat_buffer`) and
-`runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.plan.sharding`.
+`runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.plan.answers.sharding`.
 
 ZeRO-1/2 pad each param group to a multiple of 2W. `plan_model_states(param_groups="trainer")`
 splits the trainable parameters as the Trainer does (with and without weight decay), `"one"`
@@ -57,9 +57,9 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from trainer_memcb.plan.param_shapes import logical_shape
+from trainer_memcb.plan.model.param_shapes import logical_shape
 from trainer_memcb.utils.units import parse_size
-from trainer_memcb.plan.sharding import (
+from trainer_memcb.plan.answers.sharding import (
     fsdp_local_shape,
     fsdp_padded_shard_numel,
     zero3_partition_numel,
@@ -67,10 +67,10 @@ from trainer_memcb.plan.sharding import (
     zero12_gradient_numel,
     zero12_partition_numel,
 )
-from trainer_memcb.plan.trainer_optimizers import _decay_parameter_names
-from trainer_memcb.plan.stand_ins import meta_stand_in
-from trainer_memcb.plan.update_kinds import unplanned_reason, updates_in_backward
-from trainer_memcb.plan.whatif import (
+from trainer_memcb.plan.optimizers.trainer_optimizers import _decay_parameter_names
+from trainer_memcb.plan.model.stand_ins import meta_stand_in
+from trainer_memcb.plan.optimizers.update_kinds import unplanned_reason, updates_in_backward
+from trainer_memcb.plan.optimizers.whatif import (
     DEFAULT_OPTIMIZERS,
     model_optimizer_what_if,
     optimizer_what_if,
@@ -265,7 +265,7 @@ class ModelStatesLayout:
             False: over flat fp32 copies (ZeRO's partitions, DeepSpeed's mixed precision).
         largest_grad_bytes, largest_grad_param: the largest gradient one process holds for a
             single parameter, and that parameter's name: all an optimizer that updates inside
-            backward holds (`trainer_memcb.plan.update_kinds`).
+            backward holds (`trainer_memcb.plan.optimizers.update_kinds`).
         optimizer_embeddings: indices into `optimizer_shapes` that are embedding weights.
         transient_bytes: short-lived extras, by name, not in the model states.
     """
@@ -385,7 +385,7 @@ def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
     layout, whole except under zero3 (partitions) and FSDP (padded shards), as the policy's.
 
     Examples:
-        >>> from trainer_memcb.plan.model_states import ParamSpec, Setup, reference_model_bytes
+        >>> from trainer_memcb.plan.answers.model_states import ParamSpec, Setup, reference_model_bytes
         >>> reference_model_bytes([ParamSpec((1000,))], Setup(world_size=4, sharding="zero3"))  # 250 fp32 values
         1000
     """
@@ -430,7 +430,7 @@ class OptimizerPlan:
         reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
             included in `model_states_bytes`; 0 without one.
         engine: None: the figures are the sharding rules' (above); an engine's name
-            (`trainer_memcb.plan.step_memory.states_during_step`): each state's figure is the
+            (`trainer_memcb.plan.step.trace.states_during_step`): each state's figure is the
             most it held at one moment of that engine's traced step, its buffers included, and
             `transient_bytes` is empty (those buffers are in the figures).
         at_optimizer_step_bytes: with an engine, what each state (`parameters`,
@@ -606,7 +606,7 @@ def plan_model_states(
     groups, LOMO's model and the layer-wise variants included; over ZeRO's flat fp32 partitions the
     optimizer with its class and arguments. In one process the optimizer-state figure equals the
     what-if's to the byte. LOMO, AdaLomo and the layer-wise variants update inside backward: their
-    gradients are the largest parameter's alone (`trainer_memcb.plan.update_kinds`). A name the plan
+    gradients are the largest parameter's alone (`trainer_memcb.plan.optimizers.update_kinds`). A name the plan
     does not model in a setup (GaLore over ZeRO's flat partitions, layer-wise over several
     processes, which the Trainer refuses) gets a row that says why.
 
@@ -634,7 +634,7 @@ def plan_model_states(
             a malformed `optim_args` or `optim_target_modules`.
 
     Examples:
-        >>> from trainer_memcb.plan.model_states import Setup, plan_model_states
+        >>> from trainer_memcb.plan.answers.model_states import Setup, plan_model_states
         >>> plan = plan_model_states(7_500_000_000, "adamw", Setup(world_size=64, sharding="zero3",
         ...                          precision="deepspeed-fp16"))
         >>> round(plan.optimizers[0].model_states_bytes / 1e9, 1)  # the ZeRO paper's 1.9 GB

@@ -1,9 +1,9 @@
 """Will one training step fit? Its activations and its peak, from a step run under fake tensors.
 
 `plan_step_memory` runs one training step of the model as the Trainer runs it: the model prepared
-as the Trainer prepares it (`trainer_memcb.plan.trainer_model`: `use_cache=False`, checkpointing,
+as the Trainer prepares it (`trainer_memcb.plan.model.trainer_model`: `use_cache=False`, checkpointing,
 `model.train()`), the forward with the batch a collator makes for its head
-(`trainer_memcb.plan.step_inputs`) and, for models that take loss keyword arguments, `num_items_in_batch`
+(`trainer_memcb.plan.model.step_inputs`) and, for models that take loss keyword arguments, `num_items_in_batch`
 as the Trainer passes it (the loss computed by the model, in fp32 where the model upcasts its
 logits), `loss.backward()`, gradient clipping (`max_grad_norm=1.0`, the Trainer's default), the
 optimizer the Trainer builds for `optim`, and `zero_grad(set_to_none=True)`, all under
@@ -33,7 +33,7 @@ process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the fl
 which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
 eager path saves the same tensors on any device.
 
-Engines. The step runs under the engine the settings name (`trainer_memcb.plan.engines`): one
+Engines. The step runs under the engine the settings name (`trainer_memcb.plan.step.engines`): one
 process, DDP's buckets, FSDP2's real `fully_shard` on a fake process group, DeepSpeed ZeRO's
 buffers modelled from its source. Each wraps the model and runs the backward and the optimizer
 step its way inside the same timeline, so the peak is always the largest sum at one moment of what
@@ -53,15 +53,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from trainer_memcb.plan.engines import StepEngine, engine_for
-from trainer_memcb.plan.engines.base import MODEL_STATES
-from trainer_memcb.plan.fake_kernels import grouped_mm_any_dtype
+from trainer_memcb.plan.step.engines import StepEngine, engine_for
+from trainer_memcb.plan.step.engines.base import MODEL_STATES
+from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
-from trainer_memcb.plan.live_storages import LiveStorages
-from trainer_memcb.plan.step_inputs import step_inputs
-from trainer_memcb.plan.trainer_model import prepare_like_trainer
-from trainer_memcb.plan.value_reads import passed_checks, unpadded_batch
-from trainer_memcb.plan.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
+from trainer_memcb.plan.step.live_storages import LiveStorages
+from trainer_memcb.plan.model.step_inputs import step_inputs
+from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
+from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
+from trainer_memcb.plan.answers.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
 __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "max_batch_size", "NOT_COUNTED", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
@@ -433,7 +433,7 @@ def plan_step_memory(
     """Plan one training step's memory on one process.
 
     Args:
-        build_model: makes the model on the meta device (`trainer_memcb.plan.whatif.build_meta_model`
+        build_model: makes the model on the meta device (`trainer_memcb.plan.optimizers.whatif.build_meta_model`
             plus LoRA adapters); called once per trace, its parameters are replaced by fake ones.
         batch_size, seq_len: the per-device micro-batch (None: `args.per_device_train_batch_size`).
         setup: world size, sharding, precision (as the model-states plan); given, it overrides
@@ -457,9 +457,9 @@ def plan_step_memory(
         settings: settings resolved already (`trainer_memcb.plan.settings.resolve_settings`), the
             engine's options among them (DDP's buckets, FSDP2's resharding and offload, ZeRO's config);
             the explicit arguments above still override it.
-        target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.step_inputs`):
+        target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.model.step_inputs`):
             a seq2seq model's labels length, an image model's height and width, padded positions.
-        quantization: a `trainer_memcb.plan.quantized.Quantization`: the base model's linear layers
+        quantization: a `trainer_memcb.plan.model.quantized.Quantization`: the base model's linear layers
             loaded in 4-bit or 8-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
         keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters
             over a 16-bit base, as `get_peft_model` keeps them) rather than casting all to `dtype`.
@@ -515,7 +515,7 @@ def plan_step_memory(
     try:
         model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
         if quantization is not None:
-            from trainer_memcb.plan.quantized import quantize_linear_layers
+            from trainer_memcb.plan.model.quantized import quantize_linear_layers
 
             quantized = quantize_linear_layers(model, mode, quantization, device_type)
             if quantization.bits == 8:
@@ -718,7 +718,7 @@ def _optimizer_builder(name: str, args: Any, device_type: str = "cpu") -> Tuple[
     is None and every parameter is on CUDA, the single-tensor loop on the CPU; `fused=True` (the
     Trainer's `adamw_torch_fused`) is fused on both. The trace runs on fake CPU tensors, so for
     `device_type="cuda"` the groups get `foreach=True`, which runs on (fake) CPU tensors too."""
-    from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer, import_optimizer_source
+    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer, import_optimizer_source
 
     import_optimizer_source()  # outside the trace: what an import makes is no part of the step
     if args is None or not hasattr(args, "optim"):

@@ -41,10 +41,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from trainer_memcb.plan.live_storages import LiveStorages
-from trainer_memcb.plan.step_inputs import step_inputs
-from trainer_memcb.plan.step_memory import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
-from trainer_memcb.plan.value_reads import passed_checks, unpadded_batch
+from trainer_memcb.plan.step.live_storages import LiveStorages
+from trainer_memcb.plan.model.step_inputs import step_inputs
+from trainer_memcb.plan.step.trace import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
+from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import storages_of
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
@@ -305,7 +305,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
 
     Args:
         build_model: makes the model on the meta device, in the dtype it evaluates in
-            (`trainer_memcb.plan.whatif.build_meta_model`); its parameters become fake ones.
+            (`trainer_memcb.plan.optimizers.whatif.build_meta_model`); its parameters become fake ones.
         settings: `EvalSettings` (`eval_settings_from_args` reads them from `TrainingArguments`).
         device_memory, host_memory: bytes per process, for "fits?" and the advice.
         resident_bytes: device bytes alive beside the model while evaluating (the optimizer state,
