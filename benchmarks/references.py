@@ -35,7 +35,8 @@ from typing import Dict, List, Tuple
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from trainer_memcb.plan.answers.model_states import Setup, plan_model_states  # noqa: E402
+from trainer_memcb.plan.answers.model_states import plan_model_states  # noqa: E402
+from trainer_memcb.plan.settings.setup import Setup  # noqa: E402
 
 # -- the ZeRO paper, Table 1, 7.5B model column (GB) ------------------------------------------------
 PAPER_PSI = 7_500_000_000

@@ -117,7 +117,7 @@ def test_a_size_without_a_unit_or_out_of_range_is_one_line(option, text, line, c
 
 
 def test_every_size_follows_the_same_rule_in_python():
-    from trainer_memcb.plan.answers.model_states import parse_bytes
+    from trainer_memcb.utils.units import parse_bytes
 
     assert parse_size("80GiB") == parse_bytes("80GiB") == 80 * 2**30 and parse_size(4096) == parse_bytes(4096) == 4096
     assert parse_size("0.5KiB") == 512 and parse_size("1.1GiB") == 1_181_116_006  # fractions of a byte dropped

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 from trainer_memcb.cli import main
-from trainer_memcb.plan.answers.model_states import Setup
+from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.step.trace import StepMemoryPlan, max_batch_size, plan_step_memory
 from trainer_memcb.plan.optimizers.whatif import build_meta_model
 

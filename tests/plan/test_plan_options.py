@@ -17,7 +17,8 @@ import trainer_memcb.cli.estimate
 import trainer_memcb.plan.optimizers.update_kinds
 from trainer_memcb.cli import main
 from trainer_memcb.cli.estimate import parameter_count
-from trainer_memcb.plan.answers.model_states import Setup, plan_model_states
+from trainer_memcb.plan.answers.model_states import plan_model_states
+from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.sharding import zero12_partition_numel
 from trainer_memcb.plan.optimizers.whatif import build_meta_model, optimizer_names, resolve_optimizer_names, what_if
 

@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from helpers import independent_saved_bytes, installed_version
-from trainer_memcb.plan.answers.model_states import Setup
+from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.step.trace import plan_step_memory
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,8 @@ from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.plan.model.lora import add_lora_adapters
 from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.plan.answers.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, plan_model_states
+from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
+from trainer_memcb.plan.settings.setup import PRECISIONS, SHARDINGS, Setup
 from trainer_memcb.plan.model.quantized import QUANT_TYPES, Quantization
 from trainer_memcb.plan.model.step_inputs import head_kind
 from trainer_memcb.plan.step.trace import (DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory,
@@ -369,7 +370,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     """
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
-    from trainer_memcb.plan.step.trace import setup_of
+    from trainer_memcb.plan.settings.setup import setup_of
 
     memory = usable_memory(args)
     device_type = args.device_type or DEFAULT_DEVICE_TYPE

@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell
 from trainer_memcb.plan.answers.eval_memory import EVAL_LOGITS, EvalMemoryPlan, EvalSettings, eval_settings_from_args, plan_eval_memory
-from trainer_memcb.plan.answers.model_states import ModelStatesPlan, parse_bytes
+from trainer_memcb.plan.answers.model_states import ModelStatesPlan
+from trainer_memcb.utils.units import parse_bytes
 
 __all__ = ["add_eval_arguments", "eval_asked", "estimate_evaluation", "eval_tables", "training_arguments_from_file"]
 

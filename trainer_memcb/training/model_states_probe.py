@@ -56,7 +56,8 @@ from trainer_memcb.training.figures import (
     REFERENCE_MODEL_PARAMS_BYTES,
 )
 from trainer_memcb.state.measure import _plain_tensors
-from trainer_memcb.plan.answers.model_states import Setup, layout_model_states, param_specs, reference_model_bytes
+from trainer_memcb.plan.answers.model_states import layout_model_states, param_specs, reference_model_bytes
+from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer
 
 __all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_params_bytes",

@@ -58,7 +58,8 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.model.param_shapes import logical_shape
-from trainer_memcb.utils.units import parse_size
+from trainer_memcb.plan.settings.setup import PRECISION_DTYPES, PRECISIONS, Setup
+from trainer_memcb.utils.units import parse_bytes
 from trainer_memcb.plan.answers.sharding import (
     fsdp_local_shape,
     fsdp_padded_shard_numel,
@@ -80,17 +81,12 @@ from trainer_memcb.plan.optimizers.whatif import (
 
 __all__ = [
     "PARAM_GROUPINGS",
-    "PRECISIONS",
-    "PRECISION_DTYPES",
-    "SHARDINGS",
     "ModelStatesLayout",
     "ModelStatesPlan",
     "OptimizerPlan",
     "ParamSpec",
-    "Setup",
     "layout_model_states",
     "param_specs",
-    "parse_bytes",
     "plan_model_states",
     "reference_model_bytes",
     "trainer_param_groups",
@@ -98,107 +94,8 @@ __all__ = [
 
 # How `plan_model_states` groups the trainable parameters (see its `param_groups`).
 PARAM_GROUPINGS = ("trainer", "one")
-SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
-
-# Precision setups, as users name them -> bytes per parameter value and per gradient value.
-# - fp32: no mixed precision.
-# - autocast-bf16/fp16: the Trainer's bf16=True / fp16=True without DeepSpeed: torch autocast casts
-#   inside the forward; the weights, their gradients and the optimizer stay fp32, no master copy.
-# - bf16, fp16: the model loaded in bf16 / fp16 (`dtype=torch.bfloat16`) and trained so: everything
-#   in 16 bits (LOMO's setup: fp16 weights, no master copy).
-# - deepspeed-bf16/fp16: DeepSpeed's bf16/fp16 sections: 16-bit weights and gradients, fp32 master
-#   weights that the optimizer updates (ZeRO only).
-PRECISIONS: Dict[str, int] = {
-    "fp32": 4,
-    "autocast-bf16": 4,
-    "autocast-fp16": 4,
-    "bf16": 2,
-    "fp16": 2,
-    "deepspeed-bf16": 2,
-    "deepspeed-fp16": 2,
-}
-# Spellings people use for the same setups.
-PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "amp-bf16": "autocast-bf16",
-                     "amp-fp16": "autocast-fp16", "mixed-bf16": "deepspeed-bf16", "mixed-fp16": "deepspeed-fp16"}
-# The dtype of a 2- or 4-byte value in each precision setup.
-PRECISION_DTYPES: Dict[str, torch.dtype] = {
-    "fp32": torch.float32, "autocast-bf16": torch.float32, "autocast-fp16": torch.float32,
-    "bf16": torch.bfloat16, "fp16": torch.float16, "deepspeed-bf16": torch.bfloat16, "deepspeed-fp16": torch.float16,
-}
 # ZeRO keeps fp32 master partitions (4 bytes a value) and an fp32 gradient partition for the step.
 _FP32 = 4
-
-
-def parse_bytes(text: Union[str, int]) -> int:
-    """`"80GiB"` -> 85899345920; `"80GB"` -> 80000000000; an int is bytes; a number written
-    without a unit is refused (`trainer_memcb.utils.units.parse_size`, the one rule for sizes).
-
-    Raises:
-        ValueError: naming the text and the units allowed.
-
-    Examples:
-        >>> parse_bytes("80GiB"), parse_bytes("1.5 KiB"), parse_bytes(512)
-        (85899345920, 1536, 512)
-    """
-    return parse_size(text)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """How the job runs.
-
-    Attributes:
-        world_size: processes in the job (data-parallel degree), W.
-        nodes: machines; `world_size` must be a multiple of it (CPU figures are per node).
-        sharding: one of `SHARDINGS`.
-        precision: one of `PRECISIONS` (or an alias such as `mixed-bf16`).
-        offload_optimizer: ZeRO-Offload: optimizer state and master weights on the CPU.
-        offload_params: ZeRO-3 parameter offload, or FSDP's `CPUOffload(offload_params=True)`
-            (parameters, gradients and optimizer state on the CPU).
-        sub_group_size: ZeRO-3's `sub_group_size` (values per flat fp32 sub-group).
-    """
-
-    world_size: int = 1
-    nodes: int = 1
-    sharding: str = "none"
-    precision: str = "fp32"
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    sub_group_size: int = 1_000_000_000
-
-    def __post_init__(self) -> None:
-        for name in ("world_size", "nodes", "sub_group_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
-        if self.world_size % self.nodes:
-            raise ValueError(f"world_size={self.world_size} is not a multiple of nodes={self.nodes}")
-        if self.sharding not in SHARDINGS:
-            raise ValueError(f"sharding={self.sharding!r} is not one of: {', '.join(SHARDINGS)}")
-        precision = PRECISION_ALIASES.get(self.precision, self.precision)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not one of: {', '.join(PRECISIONS)}")
-        object.__setattr__(self, "precision", precision)
-        if precision.startswith("deepspeed-") and self.is_fsdp:
-            raise ValueError(f"precision={precision!r} is DeepSpeed's: use it with sharding none, ddp, zero1, zero2 or zero3")
-        if self.offload_optimizer and not self.is_zero:
-            raise ValueError("offload_optimizer is DeepSpeed ZeRO's: use it with sharding zero1, zero2 or zero3 "
-                             "(FSDP offloads the optimizer state with offload_params)")
-        if self.offload_params and self.sharding not in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"):
-            raise ValueError(f"offload_params needs sharding zero3 or fsdp-*, not {self.sharding!r}")
-
-    @property
-    def is_zero(self) -> bool:
-        return self.sharding in ZERO_STAGES
-
-    @property
-    def is_fsdp(self) -> bool:
-        return self.sharding.startswith("fsdp-")
-
-    @property
-    def processes_per_node(self) -> int:
-        return self.world_size // self.nodes
 
 
 @dataclass(frozen=True)
@@ -385,7 +282,8 @@ def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
     layout, whole except under zero3 (partitions) and FSDP (padded shards), as the policy's.
 
     Examples:
-        >>> from trainer_memcb.plan.answers.model_states import ParamSpec, Setup, reference_model_bytes
+        >>> from trainer_memcb.plan.answers.model_states import ParamSpec, reference_model_bytes
+        >>> from trainer_memcb.plan.settings.setup import Setup
         >>> reference_model_bytes([ParamSpec((1000,))], Setup(world_size=4, sharding="zero3"))  # 250 fp32 values
         1000
     """
@@ -634,7 +532,8 @@ def plan_model_states(
             a malformed `optim_args` or `optim_target_modules`.
 
     Examples:
-        >>> from trainer_memcb.plan.answers.model_states import Setup, plan_model_states
+        >>> from trainer_memcb.plan.answers.model_states import plan_model_states
+        >>> from trainer_memcb.plan.settings.setup import Setup
         >>> plan = plan_model_states(7_500_000_000, "adamw", Setup(world_size=64, sharding="zero3",
         ...                          precision="deepspeed-fp16"))
         >>> round(plan.optimizers[0].model_states_bytes / 1e9, 1)  # the ZeRO paper's 1.9 GB

@@ -61,7 +61,8 @@ from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
-from trainer_memcb.plan.answers.model_states import PRECISIONS, ModelStatesPlan, Setup, plan_model_states
+from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
+from trainer_memcb.plan.settings.setup import Setup, setup_of
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
 __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "max_batch_size", "NOT_COUNTED", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
@@ -681,16 +682,6 @@ def _resolve(settings: Optional[StepSettings], args: Any, setup: Optional[Setup]
     elif flags.get("sharding") == "fsdp-full-shard":
         flags["reshard_after_forward"] = True
     return dataclasses.replace(settings, sources=sources, **flags)
-
-
-def setup_of(settings: StepSettings, setup: Optional[Setup] = None) -> Setup:
-    """The model-states plan's `Setup` of resolved settings (`setup` itself when given)."""
-    if setup is not None:
-        return setup
-    return Setup(world_size=settings.world_size, nodes=settings.nodes, sharding=settings.sharding,
-                 precision=settings.precision, offload_optimizer=settings.offload_optimizer and settings.zero_stage > 0,
-                 offload_params=settings.offload_params and settings.sharding in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"),
-                 sub_group_size=int(settings.zero.get("sub_group_size", 1_000_000_000)))
 
 
 def enable_checkpointing(model: nn.Module) -> None:
