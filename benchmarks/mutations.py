@@ -355,17 +355,17 @@ EDITS: List[Edit] = [
     # (the peak's parts no longer sum to it)
     Edit("plan/step/trace.py", "(\"activations\", set(watch))", "(\"activations\", set())", STEP_ON_THE_COMMAND_LINE),
     # (the activations alive at the peak filed under "other")
-    Edit("plan/step/trace.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
-    Edit("plan/step/trace.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
+    Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
          STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
-    Edit("plan/step/trace.py", "        return peak <= device_memory", "        return peak < device_memory", SEARCH),
-    Edit("plan/step/trace.py", "        if peak is None:\n            raise _CannotTrace()",
+    Edit("plan/answers/max_batch.py", "        return peak <= device_memory", "        return peak < device_memory", SEARCH),
+    Edit("plan/answers/max_batch.py", "        if peak is None:\n            raise _CannotTrace()",
          "        if peak is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
-    Edit("plan/step/trace.py", "    if not fits(1):\n        return done(None)", "    if not fits(1):\n        return done(1)",
+    Edit("plan/answers/max_batch.py", "    if not fits(1):\n        return done(None)", "    if not fits(1):\n        return done(1)",
          SEARCH),  # batch 1 answered where nothing fits
-    Edit("plan/step/trace.py", "        peak, phase = fb_peak + estimated, traced.peak_phase",
+    Edit("plan/answers/step_memory.py", "        peak, phase = fb_peak + estimated, traced.peak_phase",
          "        peak, phase = fb_peak, traced.peak_phase", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
-    Edit("plan/step/trace.py", "            peak += reference", "            pass", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py", "            peak += reference", "            pass", STEP_ON_THE_COMMAND_LINE),
     # -- cli/estimate.py: the command's reserve, refusals and search ------------------------------------
     Edit("cli/estimate.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
          "if plan.problem is not None),\n                       None)", "        problem = None", SEARCH),

@@ -149,7 +149,7 @@ def step_activations(build, batch: int, seq: int, checkpointing: bool = False) -
     """The step plan's activations in fp16 (a model loaded in fp16 and trained so)."""
     import torch
 
-    from trainer_memcb.plan.step.trace import plan_step_memory
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
     plan, _ = plan_step_memory(build, batch_size=batch, seq_len=seq, setup=Setup(precision="bf16"),
                                dtype=torch.float16, gradient_checkpointing=checkpointing, model_states=False)
@@ -236,7 +236,7 @@ def family_rows() -> List[Dict[str, object]]:
 
     import torch
 
-    from trainer_memcb.plan.step.trace import plan_step_memory
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
     from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
     rows: List[Dict[str, object]] = []

@@ -19,7 +19,8 @@ from transformers import LlamaConfig
 from helpers import requires_transformers
 
 from trainer_memcb.cli import main
-from trainer_memcb.plan.step.trace import NOT_COUNTED, StepMemoryPlan, max_batch_size
+from trainer_memcb.plan.answers.step_memory import NOT_COUNTED, StepMemoryPlan
+from trainer_memcb.plan.answers.max_batch import max_batch_size
 from trainer_memcb.utils.name_lists import name_list
 from trainer_memcb.utils.units import parse_size
 

@@ -10,7 +10,8 @@ from transformers import LlamaConfig
 
 from trainer_memcb.cli import main
 from trainer_memcb.plan.settings.setup import Setup
-from trainer_memcb.plan.step.trace import StepMemoryPlan, max_batch_size, plan_step_memory
+from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
+from trainer_memcb.plan.answers.max_batch import max_batch_size
 from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
 

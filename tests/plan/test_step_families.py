@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from helpers import independent_saved_bytes, installed_version
 from trainer_memcb.plan.settings.setup import Setup
-from trainer_memcb.plan.step.trace import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from helpers import requires_transformers
 from trainer_memcb.plan.settings.setup import Setup
-from trainer_memcb.plan.step.trace import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 

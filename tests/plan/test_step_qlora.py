@@ -17,7 +17,8 @@ import torch
 
 from helpers import independent_saved_bytes, requires_transformers
 from trainer_memcb.plan.model.quantized import PlannedLinear4bit, PlannedLinear8bit, Quantization, quantize_linear_layers
-from trainer_memcb.plan.step.trace import fake_copy, plan_step_memory
+from trainer_memcb.plan.step.trace import fake_copy
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")

@@ -211,7 +211,7 @@ def plan_row(build: Any, label: str, stage: int, offload_optimizer: bool, offloa
              gpus_per_node: int = 8, batch_size: int = 1, seq_len: int = 512) -> Dict[str, Any]:
     """One row: the engine-traced step plan of the setting and DeepSpeed's figures for it."""
     from trainer_memcb.plan.settings import resolve_settings
-    from trainer_memcb.plan.step.trace import plan_step_memory
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
     model = build()
     config = model.config

@@ -21,8 +21,9 @@ from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_
 from trainer_memcb.plan.settings.setup import PRECISIONS, SHARDINGS, Setup
 from trainer_memcb.plan.model.quantized import QUANT_TYPES, Quantization
 from trainer_memcb.plan.model.step_inputs import head_kind
-from trainer_memcb.plan.step.trace import (DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory,
-                                           states_during_step)
+from trainer_memcb.plan.step.trace import DEVICE_TYPES
+from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory, states_during_step
+from trainer_memcb.plan.answers.max_batch import max_batch_size
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
 from trainer_memcb.plan.optimizers.whatif import (
     DEFAULT_OPTIMIZERS,

@@ -328,7 +328,7 @@ class OptimizerPlan:
         reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
             included in `model_states_bytes`; 0 without one.
         engine: None: the figures are the sharding rules' (above); an engine's name
-            (`trainer_memcb.plan.step.trace.states_during_step`): each state's figure is the
+            (`trainer_memcb.plan.answers.step_memory.states_during_step`): each state's figure is the
             most it held at one moment of that engine's traced step, its buffers included, and
             `transient_bytes` is empty (those buffers are in the figures).
         at_optimizer_step_bytes: with an engine, what each state (`parameters`,
