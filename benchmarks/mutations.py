@@ -345,15 +345,16 @@ EDITS: List[Edit] = [
     Edit("plan/step/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
     Edit("plan/step/live_storages.py", "            self.on_op(func, args, kwargs)\n        self._check_peak()",
          "            self.on_op(func, args, kwargs)", LIVE_STORAGES),  # the peak only where a tensor is added
-    # -- plan/step/trace.py: the step's peak, its parts, fits? and the largest batch ----------------
-    Edit("plan/step/trace.py", "    if fb_bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:",
-         "    if fb_bytes + state_bytes - fb_host < optimizer_peak - optimizer_host:",
+    # -- plan/answers/step_memory.py, max_batch.py: the step's peak, its parts, fits? and the largest batch
+    Edit("plan/answers/step_memory.py", "    if fb.bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:",
+         "    if fb.bytes + state_bytes - fb_host < optimizer_peak - optimizer_host:",
          OPTIMIZER_PHASE_PEAK),  # the smaller of the two phases' peaks taken
-    Edit("plan/step/trace.py", "        optimizer_peak += not_yet", "        pass", OPTIMIZER_PHASE_PEAK),
+    Edit("plan/answers/step_memory.py", "    optimizer_peak = optimizer.bytes + not_yet if stepped else 0",
+         "    optimizer_peak = optimizer.bytes if stepped else 0", OPTIMIZER_PHASE_PEAK),
     # (the first fake step's peak, before the last parameters' state is made, taken as every step's)
-    Edit("plan/step/trace.py", "    parts[\"optimizer_state\"] += extra_state", "    pass", OPTIMIZER_PHASE_PEAK),
+    Edit("plan/answers/step_memory.py", "    parts[\"optimizer_state\"] += extra_state", "    pass", OPTIMIZER_PHASE_PEAK),
     # (the peak's parts no longer sum to it)
-    Edit("plan/step/trace.py", "(\"activations\", set(watch))", "(\"activations\", set())", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py", "timeline.part_of(key, at.saved)", "timeline.part_of(key)", STEP_ON_THE_COMMAND_LINE),
     # (the activations alive at the peak filed under "other")
     Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
     Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",

@@ -23,9 +23,9 @@ from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.settings.setup import Setup, setup_of
-from trainer_memcb.plan.step.engines import engine_for
 from trainer_memcb.plan.step.engines.base import MODEL_STATES
-from trainer_memcb.plan.step.trace import _HOST, DEVICE_TYPES, one_line, trace_step
+from trainer_memcb.plan.step.timeline import HOST, PLAN_PARTS, PhasePeak, Timeline
+from trainer_memcb.plan.step.trace import DEVICE_TYPES, UntracedStep, trace_step
 
 __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED"]
 
@@ -113,6 +113,71 @@ def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
     if precision in ("fp32", "autocast-bf16", "autocast-fp16"):
         return torch.float32
     return None
+
+
+@dataclass(frozen=True)
+class _StepFigures:
+    """The step's figures read from its timeline, before the answer adds what the trace cannot see."""
+
+    peak_bytes: int
+    peak_phase: str
+    peak_parts: Dict[str, int]
+    forward_backward_peak: int
+    optimizer_peak: Optional[int]
+    states_most: Dict[str, int]
+    states_at_optimizer_step: Dict[str, int]
+    # Of forward_backward_peak and optimizer_peak: the bytes of the engine's host parts (offload).
+    forward_backward_host: int
+    optimizer_host: int
+
+
+def _read_peak(timeline: Timeline) -> _StepFigures:
+    """The step's peak, its phase and parts, and the most each model state held, from its timeline.
+
+    The fake step is the first: its optimizer makes each parameter's state as it reaches it. In
+    every later step the state is alive from the start, so it is added to forward and backward's
+    peak, and at the optimizer phase's peak the state of the parameters after it (not made yet in
+    the first step) is added too; the step's peak is the larger of the two phases', compared by
+    the device's bytes (what lives on the host, offloaded, left out of the comparison)."""
+    stepped = timeline.optimizer_step is not None
+    fb = timeline.forward_backward
+    optimizer = timeline.optimizer_step or PhasePeak("optimizer step", 0, ())
+    state_keys = timeline.groups["optimizer_state"]
+    # Optimizer state an engine makes before the step (DeepSpeed's) is in the timeline already.
+    state_bytes = 0 if timeline.state_resident else timeline.bytes_of(state_keys)
+    not_yet = 0 if timeline.state_resident else timeline.bytes_of(state_keys - set(optimizer.storages))
+    optimizer_peak = optimizer.bytes + not_yet if stepped else 0
+    host_parts, tags, sizes = timeline.host_parts, timeline.tags, timeline.sizes
+
+    def host_bytes_of(keys: Tuple[int, ...], state_extra: int) -> int:
+        found = sum(sizes[key] for key in set(keys) if tags.get(key) in host_parts)
+        return found + (state_extra if "optimizer_state" in host_parts else 0)
+
+    fb_host = host_bytes_of(fb.storages, state_bytes)
+    optimizer_host = host_bytes_of(optimizer.storages, not_yet) if stepped else 0
+    if fb.bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:
+        peak, at, extra_state = fb.bytes + state_bytes, fb, state_bytes
+    else:
+        peak, at, extra_state = optimizer_peak, optimizer, not_yet
+    parts = {name: 0 for name in PLAN_PARTS}
+    for key in at.storages:
+        part = timeline.part_of(key, at.saved)
+        parts[part] = parts.get(part, 0) + sizes[key]
+    parts["optimizer_state"] += extra_state
+    # The most each model state held at one moment (the engine's buffers for it included); the
+    # optimizer state of a later step is alive from its start (`state_bytes`).
+    most = timeline.most_by(timeline.states.get)
+    optimizer_state = "optimizer_state" + (HOST if "optimizer_state" in host_parts else "")
+    most[optimizer_state] = max(most.get(optimizer_state, 0), state_bytes)
+    at_step: Dict[str, int] = {}
+    if stepped:
+        for key in optimizer.storages:
+            state = timeline.states.get(key)
+            if state is not None:
+                at_step[state] = at_step.get(state, 0) + sizes[key]
+        at_step[optimizer_state] = at_step.get(optimizer_state, 0) + not_yet
+    return _StepFigures(peak, at.phase, parts, fb.bytes + state_bytes, optimizer_peak if stepped else None, most,
+                        at_step, fb_host, optimizer_host)
 
 
 def plan_step_memory(
@@ -216,49 +281,44 @@ def plan_step_memory(
                   precision=precision, optimizer=optimizer, device_memory_bytes=device_memory,
                   reserve_bytes=reserve_bytes if device_memory is not None else None,
                   not_counted=list(NOT_COUNTED[device_type]))
-    engine = engine_for(settings)
     try:
-        traced, implementation, quantization_note = trace_step(
-            meta, engine, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+        timeline = trace_step(
+            meta, settings, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             gradient_checkpointing=gradient_checkpointing, args=args, device_type=device_type, step_dtype=step_dtype,
             keep_dtypes=keep_dtypes, quantization=quantization, padding=padding, input_options=input_options)
-    except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
+    except UntracedStep as error:
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
-                              problem=f"the step cannot run under fake tensors ({one_line(error)})", **common), states_plan
-    notes = list(traced.notes) + ([quantization_note] if quantization_note else [])
-    if gradient_checkpointing and device_type == "cpu":
-        notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "
-                     "(torch.get_rng_state(), 5,056 bytes) from a block's forward to its recomputation, outside "
-                     "autograd: the trace does not see it, not counted")
-    if implementation:
-        notes.append(f"optimizer traced with its {implementation} implementation, as torch runs it on {device_type}")
+                              problem=f"the step cannot run under fake tensors ({error})", **common), states_plan
+    notes = list(timeline.notes)
+    implementation = timeline.optimizer_implementation
+    traced = _read_peak(timeline)
     peak, parts = traced.peak_bytes, dict(traced.peak_parts)
     most = {state: traced.states_most.get(state, 0) for state in MODEL_STATES}
-    most_host = {state: traced.states_most.get(state + _HOST, 0) for state in MODEL_STATES}
-    at_step = {state: traced.states_at_optimizer_step.get(state, 0) + traced.states_at_optimizer_step.get(state + _HOST, 0)
+    most_host = {state: traced.states_most.get(state + HOST, 0) for state in MODEL_STATES}
+    at_step = {state: traced.states_at_optimizer_step.get(state, 0) + traced.states_at_optimizer_step.get(state + HOST, 0)
                for state in MODEL_STATES} if traced.states_at_optimizer_step else {}
     fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
     phase = traced.peak_phase
-    if traced.optimizer_failure is not None:
+    if timeline.optimizer_failure is not None:
         # Its state, as its estimate rule plans it, is alive through every later step's forward
         # and backward; the update's own temporaries are not known.
         rule_plan = states_plan if states_plan is not None else \
             plan_model_states(build_model(), optimizer, setup, args=args, model_name=model_name)
         estimated = rule_plan.optimizers[0].optimizer_state_bytes
         if estimated is None:
-            return StepMemoryPlan(activations_bytes=traced.activations_bytes,
-                                  activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=None,
+            return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
+                                  activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=None,
                                   peak_phase=None, problem=f"{optimizer}: its constructor cannot run under fake "
-                                  f"tensors ({traced.optimizer_failure}) and no rule estimates its state", **common), \
+                                  f"tensors ({timeline.optimizer_failure}) and no rule estimates its state", **common), \
                 states_plan
         peak, phase = fb_peak + estimated, traced.peak_phase
         fb_peak, optimizer_peak = peak, None
         parts["optimizer_state"] += estimated
         most["optimizer_state"], at_step = estimated, {}
-        notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({traced.optimizer_failure}); "
+        notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({timeline.optimizer_failure}); "
                      f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
                      f"and the optimizer step's own temporaries are not traced")
-    host = {part: parts.pop(part) for part in getattr(engine, "host_parts", ()) if parts.get(part)}
+    host = {part: parts.pop(part) for part in timeline.host_parts if parts.get(part)}
     if host:
         # Offloaded states: on the CPU in a real run; the trace holds them beside the device's bytes.
         peak -= sum(host.values())
@@ -279,12 +339,12 @@ def plan_step_memory(
     if device_memory is not None:
         margin = device_memory - reserve_bytes - peak
         fits = margin >= 0
-    return StepMemoryPlan(activations_bytes=traced.activations_bytes,
-                          activations_peak_bytes=traced.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
+    return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
+                          activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
                           peak_parts=parts, forward_backward_peak_bytes=fb_peak,
                           optimizer_step_peak_bytes=optimizer_peak, model_states_most_bytes=most,
                           model_states_host_bytes=most_host, model_states_at_optimizer_step_bytes=at_step, fits=fits, margin_bytes=margin, notes=notes,
-                          engine=engine.name, optimizer_implementation=implementation, host_bytes=host,
+                          engine=timeline.engine, optimizer_implementation=implementation, host_bytes=host,
                           settings_used=[list(row) for row in settings.used()], **common), states_plan
 
 

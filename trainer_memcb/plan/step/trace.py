@@ -44,29 +44,32 @@ one process holds. The settings (`trainer_memcb.plan.settings`) are resolved onc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from trainer_memcb.plan.step.engines import StepEngine
+from trainer_memcb.plan.settings import StepSettings
+from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages
+from trainer_memcb.plan.step.timeline import HOST, PhasePeak, Timeline
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
-__all__ = ["trace_step", "one_line", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
+__all__ = ["trace_step", "UntracedStep", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
 # transformers' TrainingArguments.max_grad_norm default: the Trainer clips before each step.
 MAX_GRAD_NORM = 1.0
-_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "batch_and_buffers", "other")
+
+
 def fake_copy(model: nn.Module, mode: Any, device: str = "cpu", dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Give `model` (on the meta device) fake parameters and buffers, in place: same shapes,
     `requires_grad` and ties, on `device`, floating ones in `dtype` when given."""
@@ -109,28 +112,9 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}"
 
 
-@dataclass
-class _Traced:
-    activations_bytes: int
-    activations_peak_bytes: int
-    peak_bytes: int
-    peak_phase: str
-    peak_parts: Dict[str, int]
-    state_bytes: int
-    notes: List[str]
-    forward_backward_peak: int
-    optimizer_peak: Optional[int]
-    optimizer_failure: Optional[str] = None
-    states_most: Dict[str, int] = field(default_factory=dict)
-    states_at_optimizer_step: Dict[str, int] = field(default_factory=dict)
-    # Of forward_backward_peak and optimizer_peak: the bytes of the engine's host parts (offload).
-    forward_backward_host: int = 0
-    optimizer_host: int = 0
-
-
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
                 build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
-                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None) -> _Traced:
+                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None) -> Timeline:
     """Run the step under fake tensors (the model already fake), counting as the module says;
     `engine` wraps the model and runs the backward and the optimizer step its way."""
     mode = _MODE[0]
@@ -204,90 +188,35 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
         counter.close()
         engine.close()
     notes.extend(engine.notes)
-    sizes = tracker.sizes
-    # Optimizer state an engine makes before the step (DeepSpeed's) is in the timeline already.
-    state_bytes = 0 if engine.state_resident else sum(sizes[key] for key in set(state_keys))
     fb_bytes, fb_phase, fb_keys, fb_watch = forward_backward
-    # The fake step is the first: the optimizer makes each parameter's state as it reaches it, so at
-    # the optimizer phase's peak the state of the parameters after it is not alive yet; in every
-    # later step it is. Add it.
-    unique_state = set(state_keys)
-    not_yet = 0 if engine.state_resident else sum(sizes[key] for key in unique_state - set(optimizer_keys))
-    if build_optimizer is not None:
-        optimizer_peak += not_yet
-    # What of each phase's peak lives on the host (offload), so that the phases are compared by the
-    # device's bytes. Each phase's own moment is still its most bytes alive, host included.
-    host_parts = set(getattr(engine, "host_parts", ()))
-    tags = tracker.tags
-
-    def host_bytes_of(keys: List[int], state_extra: int) -> int:
-        found = sum(sizes[key] for key in set(keys) if tags.get(key) in host_parts)
-        return found + (state_extra if "optimizer_state" in host_parts else 0)
-
-    fb_host = host_bytes_of(fb_keys, state_bytes)
-    optimizer_host = host_bytes_of(optimizer_keys, not_yet) if build_optimizer is not None else 0
-    if fb_bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:
-        peak, phase, keys, watch, extra_state = fb_bytes + state_bytes, fb_phase, fb_keys, fb_watch, state_bytes
-    else:
-        peak, phase, keys, watch, extra_state = optimizer_peak, "optimizer step", optimizer_keys, optimizer_watch, not_yet
-    param_keys = set(tracker.serials(params))
-    other_fixed = set(tracker.serials(list(model.buffers()) + batch_tensors))
-    groups = [("parameters", param_keys), ("gradients", set(grads)), ("optimizer_state", set(state_keys)),
-              ("activations", set(watch)), ("batch_and_buffers", other_fixed)]
-    tags = tracker.tags
-
-    def part_of(key: int) -> str:
-        tag = tags.get(key)
-        if tag is not None:
-            return tag
-        for name, members in groups:
-            if key in members:
-                return name
-        return "other"
-
-    parts = {name: 0 for name in _PARTS}
-    for key in keys:
-        part = part_of(key)
-        parts[part] = parts.get(part, 0) + sizes[key]
-    parts["optimizer_state"] += extra_state
-    most, at_step = _states_in_step(tracker, engine, part_of, state_bytes, optimizer_keys, not_yet,
-                                    build_optimizer is not None)
-    return _Traced(activations, counter.peak_bytes, peak, phase, parts, state_bytes, notes, fb_bytes + state_bytes,
-                   optimizer_peak if build_optimizer is not None else None, optimizer_failure, most, at_step,
-                   fb_host, optimizer_host)
+    stepped = build_optimizer is not None
+    groups = {"parameters": frozenset(tracker.serials(params)), "gradients": frozenset(grads),
+              "optimizer_state": frozenset(state_keys),
+              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors))}
+    timeline = Timeline(
+        events=tuple(tracker.events), sizes=tracker.sizes, tags=tracker.tags, groups=groups, states={},
+        host_parts=tuple(getattr(engine, "host_parts", ())), step_start=tracker.step_start,
+        forward_backward=PhasePeak(fb_phase, fb_bytes, tuple(fb_keys), frozenset(fb_watch)),
+        optimizer_step=PhasePeak("optimizer step", optimizer_peak, tuple(optimizer_keys), frozenset(optimizer_watch))
+        if stepped else None,
+        state_resident=engine.state_resident, activations_bytes=activations, activations_peak_bytes=counter.peak_bytes,
+        optimizer_failure=optimizer_failure, notes=tuple(notes), engine=engine.name)
+    return dataclasses.replace(timeline, states=_states_of(timeline, engine))
 
 
-# A state's bytes on the host (offloaded) are kept apart from the device's under this suffix.
-_HOST = "@host"
-
-
-def _states_in_step(tracker: LiveStorages, engine: StepEngine, part_of: Callable[[int], str], state_bytes: int,
-                    optimizer_keys: List[int], not_yet: int, stepped: bool) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """Per model state (`MODEL_STATES`, `_HOST` added for what lives on the host): the most it
-    held at one moment of the step, the engine's buffers for it included (the timeline replayed,
-    each storage in the state `engine.state_of` gives its part), and what it held at the
-    optimizer phase's peak ({} without an optimizer step). The optimizer state of a step after
-    the first is alive from its start (`state_bytes`, 0 where the engine made it before the step,
-    as DeepSpeed does), and at the optimizer phase's peak the state not made yet (`not_yet`) is
-    alive too, as the peak counts them."""
-    host = set(getattr(engine, "host_parts", ()))
-
-    def state_of(key: int) -> Optional[str]:
-        part = part_of(key)
-        state = engine.state_of(part, key)
-        return None if state is None else state + (_HOST if part in host else "")
-
-    most = tracker.most_by(state_of)
-    optimizer = "optimizer_state" + (_HOST if "optimizer_state" in host else "")
-    most[optimizer] = max(most.get(optimizer, 0), state_bytes)
-    at_step: Dict[str, int] = {}
-    if stepped:
-        for key in optimizer_keys:
-            state = state_of(key)
-            if state is not None:
-                at_step[state] = at_step.get(state, 0) + tracker.sizes[key]
-        at_step[optimizer] = at_step.get(optimizer, 0) + not_yet
-    return most, at_step
+def _states_of(timeline: Timeline, engine: StepEngine) -> Dict[int, str]:
+    """Each storage's model state (`MODEL_STATES`, `HOST` added for what lives on the host), as
+    the engine files its part (`StepEngine.state_of`); storages of no state are left out. The
+    activations, the batch and the temporaries carry none, so a storage's state does not depend
+    on the moment."""
+    states: Dict[int, str] = {}
+    host = timeline.host_parts
+    for serial in timeline.sizes:
+        part = timeline.part_of(serial)
+        state = engine.state_of(part, serial)
+        if state is not None:
+            states[serial] = state + (HOST if part in host else "")
+    return states
 
 
 def _accepts_loss_kwargs(model: nn.Module) -> bool:
@@ -316,23 +245,29 @@ def _num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
 _MODE: List[Any] = [None]
 
 
-def trace_step(meta: nn.Module, engine: StepEngine, *, batch_size: int, seq_len: Optional[int], precision: str,
+class UntracedStep(Exception):
+    """The step could not run under fake tensors; the message is the error that stopped it, on one line."""
+
+
+def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_len: Optional[int], precision: str,
                optimizer: str, gradient_checkpointing: bool, args: Any, device_type: str,
                step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
-               input_options: Dict[str, Any]) -> Tuple[_Traced, Optional[str], Optional[str]]:
-    """Trace one training step of `meta` (a model on the meta device, made fake here) under
-    `engine`: the model prepared as the Trainer prepares it (quantized first when asked), the
+               input_options: Dict[str, Any]) -> Timeline:
+    """Trace one training step of `meta` (a model on the meta device, made fake here) under the
+    engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `optimizer`, the batch of `input_options`.
 
     Returns:
-        What the trace counted, the optimizer's implementation (foreach, fused, single-tensor or
-        None) and a note on the quantized layers (or None).
+        The step's timeline: every storage it created and freed, by part, each phase's peak, the
+        activations, and the trace's notes (the engine's, the quantized layers', the optimizer's
+        implementation).
 
     Raises:
-        Exception: whatever stopped the step under fake tensors (the engine closed first).
+        UntracedStep: the step could not run under fake tensors (data-dependent control flow, ...).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    engine = engine_for(settings)
     mode = FakeTensorMode()
     _MODE[0] = mode
     quantization_note = None
@@ -365,17 +300,24 @@ def trace_step(meta: nn.Module, engine: StepEngine, *, batch_size: int, seq_len:
         build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
         with grouped_mm_any_dtype(), unpadded, passed_checks():
-            traced = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing, engine,
-                                 input_options)
-    except Exception:  # a forward fake tensors cannot run (data-dependent control flow, ...)
+            timeline = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
+                                   engine, input_options)
+    except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
-        raise
+        raise UntracedStep(one_line(error)) from error
     finally:
         _MODE[0] = None
         gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
         if frozen:
             gc.unfreeze()
-    return traced, implementation[0], quantization_note
+    notes = list(timeline.notes) + ([quantization_note] if quantization_note else [])
+    if gradient_checkpointing and device_type == "cpu":
+        notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "
+                     "(torch.get_rng_state(), 5,056 bytes) from a block's forward to its recomputation, outside "
+                     "autograd: the trace does not see it, not counted")
+    if implementation[0]:
+        notes.append(f"optimizer traced with its {implementation[0]} implementation, as torch runs it on {device_type}")
+    return dataclasses.replace(timeline, notes=tuple(notes), optimizer_implementation=implementation[0])
 
 
 def enable_checkpointing(model: nn.Module) -> None:

@@ -14,7 +14,7 @@ An engine is made for one trace and used in this order by `plan.step_memory`:
 
 After the step, `state_of(part, serial)` says which model state each part of the timeline belongs
 to, so that the model-states table gives, per engine, the most each state held during the step
-(`trainer_memcb.plan.step.live_storages.LiveStorages.most_by`): the gathered parameters count as
+(`trainer_memcb.plan.step.timeline.Timeline.most_by`): the gathered parameters count as
 parameters, the engine's buckets as the state they carry.
 """
 

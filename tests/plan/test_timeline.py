@@ -1,0 +1,32 @@
+"""The traced step's timeline: each storage's part at a moment, and the replay of its events."""
+
+from __future__ import annotations
+
+from trainer_memcb.plan.step.timeline import PhasePeak, Timeline
+
+
+def timeline() -> Timeline:
+    # Serial 0: a parameter (16 bytes), 1: its gradient (16), 2: an engine's bucket (32), 3: a
+    # tensor saved for backward at the forward's peak (64), 4: the batch (8), 5: a temporary (4).
+    sizes = {0: 16, 1: 16, 2: 32, 3: 64, 4: 8, 5: 4}
+    groups = {"parameters": frozenset({0}), "gradients": frozenset({1}), "optimizer_state": frozenset(),
+              "batch_and_buffers": frozenset({4})}
+    return Timeline(events=(0, 4, 3, 5, ~5, ~3, 1, 2, ~2), sizes=sizes, tags={2: "engine_buffers"}, groups=groups,
+                    states={0: "parameters", 1: "gradients", 2: "gradients"}, host_parts=(), step_start=2,
+                    forward_backward=PhasePeak("forward", 92, (0, 4, 3, 5), frozenset({3})), optimizer_step=None,
+                    state_resident=False, activations_bytes=64, activations_peak_bytes=64)
+
+
+def test_a_storage_s_part_is_the_engine_s_name_then_the_plan_s_own_then_saved_at_that_moment():
+    line = timeline()
+    at = line.forward_backward
+    assert [line.part_of(serial, at.saved) for serial in range(6)] == [
+        "parameters", "gradients", "engine_buffers", "activations", "batch_and_buffers", "other"]
+    assert line.part_of(3) == "other"  # saved for backward only at the moment that says so
+    assert line.bytes_of([0, 0, 3]) == 80  # each storage once
+
+
+def test_the_replay_gives_each_state_s_most_from_the_step_s_start():
+    # The gradients: 16, then 16 + 32 with the bucket, then 16 (the bucket freed): at most 48.
+    # The parameter came before the step's start and counts from there.
+    assert timeline().most_by(timeline().states.get) == {"parameters": 16, "gradients": 48}
