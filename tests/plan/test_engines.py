@@ -261,7 +261,7 @@ STATES_CASES = {
 @pytest.mark.parametrize("name", list(STATES_CASES))
 def test_the_model_states_table_of_a_step_is_each_states_most_during_that_engines_step(name):
     from trainer_memcb.cli.plan_table import plan_tables
-    from trainer_memcb.plan.step.engines.base import MODEL_STATES
+    from trainer_memcb.plan.step.timeline import MODEL_STATES
     from trainer_memcb.plan.answers.step_memory import states_during_step
 
     given, most, at_step = STATES_CASES[name]

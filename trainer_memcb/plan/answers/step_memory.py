@@ -23,8 +23,7 @@ from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.settings.setup import Setup, setup_of
-from trainer_memcb.plan.step.engines.base import MODEL_STATES
-from trainer_memcb.plan.step.timeline import HOST, PLAN_PARTS, PhasePeak, Timeline
+from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
 from trainer_memcb.plan.step.trace import DEVICE_TYPES, UntracedStep, trace_step
 
 __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED"]

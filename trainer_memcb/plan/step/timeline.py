@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["PhasePeak", "Timeline", "PLAN_PARTS", "HOST", "most_by"]
+__all__ = ["PhasePeak", "Timeline", "PLAN_PARTS", "MODEL_STATES", "HOST", "most_by"]
 
 # The plan's own parts, in the order a storage is given the first that holds it (an engine's own
 # name for a storage comes before all of them; "activations" is a moment's: saved for backward then).
 PLAN_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "batch_and_buffers", "other")
+# The model states, as the model-states table names them.
+MODEL_STATES = ("parameters", "gradients", "optimizer_state", "master_weights")
 # A model state's bytes on the host (offloaded) are kept apart from the device's under this suffix.
 HOST = "@host"
 

@@ -25,14 +25,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from trainer_memcb.plan.step.timeline import MODEL_STATES
+
 __all__ = ["StepEngine", "MODEL_STATES"]
 
 # The parts an engine may name beside the plan's own (parameters, gradients, optimizer state,
 # activations, batch and buffers, other).
 ENGINE_PARTS = ("master_weights", "unsharded_parameters", "unsharded_gradients", "engine_buffers", "fp32_gradients",
                 "offload_buffers", "host_temporaries")
-# The model states, as the model-states table names them.
-MODEL_STATES = ("parameters", "gradients", "optimizer_state", "master_weights")
 # The model state each part of a step belongs to; the activations, the batch and buffers and the
 # temporaries belong to none. An engine's buffers carry gradients (DDP's and ZeRO's buckets)
 # unless the engine says otherwise (FSDP2's all-gather buffers carry parameters).
