@@ -1,6 +1,6 @@
 """The step tracer's interface, and the one-process engine that the others extend.
 
-An engine is made for one trace and used in this order by `plan.step_memory`:
+An engine is made for one trace and used in this order by `plan.step.trace`:
 
 1. `wrap(model, mode)`: under the fake mode, wrap the model as the engine does (`fully_shard`) and
    make what the engine keeps beside it (DDP's buckets, ZeRO's flat partitions);
