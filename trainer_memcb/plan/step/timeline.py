@@ -13,7 +13,7 @@ the tracker.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["PhasePeak", "Timeline", "PLAN_PARTS", "MODEL_STATES", "HOST", "most_by"]
 
@@ -99,6 +99,12 @@ class Timeline:
     def bytes_of(self, serials: Iterable[int]) -> int:
         """The bytes of the storages `serials`, each once."""
         return sum(self.sizes[serial] for serial in set(serials))
+
+    def allocations(self) -> Iterator[Union[Tuple[str, int, int], Tuple[str, int]]]:
+        """The events as an allocator sees them, in order: `("alloc", serial, nbytes)` and
+        `("free", serial)`; the storages of every part, those on the host (`host_parts`) too."""
+        for event in self.events:
+            yield ("alloc", event, self.sizes[event]) if event >= 0 else ("free", ~event)
 
     def most_by(self, group_of: Callable[[int], Optional[str]]) -> Dict[str, int]:
         """The most bytes each group held at one moment since the step began (`step_start`), the
