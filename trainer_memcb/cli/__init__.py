@@ -19,7 +19,7 @@ Tables in a terminal, plain text when piped, `--json` for machines (strict JSON:
 not finite is null). Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
 `--device-memory` asks, it fits), 1 nothing found (the message says where it looked), a file that
 cannot be read, or any other failure, 2 usage error, 3 it does not fit, 4 a package the options
-need is not installed, 5 the step cannot be traced (so fits? has no answer), 130 interrupted.
+need is not installed, 5 the step (or the evaluation forward) cannot be traced (so fits? has no answer), 130 interrupted.
 Every message is one line on stderr, `trainer-memcb: ...` (usage errors `trainer-memcb: error:
 ...`, the usage itself only with `--help`); a value of the wrong type in a file is left out with
 one line `trainer-memcb: warning: FILE: skipped N values ...`. `--debug` shows the traceback of a
@@ -261,7 +261,10 @@ def _step_status(found: Dict[str, Any]) -> int:
 
 
 def _evaluation_status(evaluation: Any) -> int:
-    """The exit code of an evaluation plan: 3 when it does not fit the device or the host, else 0."""
+    """The exit code of an evaluation plan: 5 when its forward cannot be traced (fits? has no
+    answer), 3 when it does not fit the device or the host, else 0."""
+    if evaluation.problem is not None:
+        return EXIT_UNTRACEABLE
     return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
 
 

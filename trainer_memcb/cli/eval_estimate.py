@@ -109,6 +109,9 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     if states is not None and states.optimizers:
         row = states.optimizers[0]
         resident = (row.optimizer_state_bytes or 0) + (row.master_weights_bytes or 0)
+    from trainer_memcb.cli.estimate import reserve_bytes, usable_memory
+
+    usable_memory(args)  # a reserve as large as the memory is refused, as for the step plan
     device = parse_bytes(args.device_memory) if args.device_memory is not None else None
     host = parse_bytes(args.host_memory) if args.host_memory is not None else None
     attention = getattr(args, "attn_implementation", None)
@@ -120,7 +123,7 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
         return model
 
     return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
-                            model_name=args.model)
+                            model_name=args.model, reserve_bytes=reserve_bytes(args) or 0)
 
 
 def _fits(fits: Optional[bool], peak: Optional[int], memory: Optional[int]) -> str:
@@ -154,7 +157,13 @@ def eval_tables(plan: EvalMemoryPlan) -> List[TextTable]:
         rows.append(["optimizer state alive from training", bytes_cell(plan.resident_bytes)])
     rows += [
         ["device peak (model + forward + concatenation)", bytes_cell(plan.device_peak_bytes)],
-        ["fits on the device?", _fits(plan.fits_device, plan.device_peak_bytes, plan.device_memory_bytes)],
+    ]
+    if plan.device_memory_bytes is not None:
+        rows.append(["reserve (not usable: CUDA context, workspaces)", bytes_cell(plan.reserve_bytes or 0)])
+    rows += [
+        ["fits on the device?", _fits(plan.fits_device, plan.device_peak_bytes,
+                                      None if plan.device_memory_bytes is None
+                                      else plan.device_memory_bytes - (plan.reserve_bytes or 0))],
         ["fits on the host?", _fits(plan.fits_host, plan.host_peak_bytes, plan.host_memory_bytes)],
     ]
     per_sample = ", ".join(f"{name} {value:,}" for name, value in plan.per_sample_bytes.items())

@@ -135,7 +135,10 @@ class EvalMemoryPlan:
         per_sample_bytes: per container, the bytes one sample adds (`losses`: per batch row).
         model_bytes: parameters and buffers; resident_bytes: what else stays alive (optimizer state).
         device_peak_bytes, host_peak_bytes: the peaks compared with the memories given.
-        fits_device, fits_host: against `device_memory_bytes`, `host_memory_bytes` (None: not given).
+        fits_device, fits_host: against `device_memory_bytes` less `reserve_bytes`, and
+            `host_memory_bytes` (None: not given).
+        reserve_bytes: the part of the device's memory evaluation cannot use (the CUDA context, the
+            libraries' workspaces), as the step plan takes it.
         advice: when something does not fit, one line: why, and what would make it fit.
         problem: why the forward could not be traced (then no figure), or None.
     """
@@ -156,6 +159,7 @@ class EvalMemoryPlan:
     host_memory_bytes: Optional[int] = None
     fits_device: Optional[bool] = None
     fits_host: Optional[bool] = None
+    reserve_bytes: Optional[int] = None
     advice: List[str] = field(default_factory=list)
     problem: Optional[str] = None
 
@@ -300,7 +304,8 @@ def _per_sample(forward: _Forward, settings: EvalSettings) -> Tuple[Dict[str, in
 
 def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSettings, *,
                      device_memory: Optional[int] = None, host_memory: Optional[int] = None,
-                     resident_bytes: int = 0, model_name: Optional[str] = None) -> EvalMemoryPlan:
+                     resident_bytes: int = 0, model_name: Optional[str] = None,
+                     reserve_bytes: int = 0) -> EvalMemoryPlan:
     """Plan evaluation's memory on one process.
 
     Args:
@@ -311,6 +316,12 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         resident_bytes: device bytes alive beside the model while evaluating (the optimizer state,
             when evaluation runs inside `train()`).
         model_name: for the plan's title.
+        reserve_bytes: the part of `device_memory` evaluation cannot use (the CUDA context, the
+            libraries' workspaces): "fits?" is answered against `device_memory - reserve_bytes`,
+            as the step plan's.
+
+    Raises:
+        ValueError: a reserve that is not a whole number of bytes, or as large as `device_memory`.
 
     Examples:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -324,6 +335,12 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         >>> plan.containers_device_bytes  # 4 samples of logits and int64 labels, 2 batches of 2 fp32 losses
         13072
     """
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
+    if device_memory is not None and reserve_bytes >= device_memory:
+        raise ValueError(f"reserve_bytes={reserve_bytes:,} leaves nothing of device_memory={device_memory:,}")
+    reserve = reserve_bytes if device_memory is not None else None
+    usable = device_memory - reserve_bytes if device_memory is not None else None
     meta = build_model()
     name = model_name or type(meta).__name__
     try:
@@ -331,7 +348,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         text = " ".join(str(error).split())[:300]
         return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,
-                              host_memory_bytes=host_memory,
+                              host_memory_bytes=host_memory, reserve_bytes=reserve,
                               problem=f"the evaluation forward cannot run under fake tensors "
                                       f"({type(error).__name__}: {text})")
     finally:
@@ -348,16 +365,16 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     figures = figures_for(settings)
     peak = device_peak(settings)
     host_peak = figures["host_concat_peak_bytes"]
-    fits_device = None if device_memory is None else peak <= device_memory
+    fits_device = None if usable is None else peak <= usable
     fits_host = None if host_memory is None else host_peak <= host_memory
     plan = EvalMemoryPlan(model=name, settings=settings, forward_peak_bytes=forward.peak_bytes,
                           per_sample_bytes={**per_sample, **({"losses": forward.loss_bytes} if forward.loss_bytes else {})},
                           model_bytes=forward.model_bytes, resident_bytes=resident_bytes, device_peak_bytes=peak,
                           host_peak_bytes=host_peak, device_memory_bytes=device_memory, host_memory_bytes=host_memory,
-                          fits_device=fits_device, fits_host=fits_host, **figures)
+                          fits_device=fits_device, fits_host=fits_host, reserve_bytes=reserve, **figures)
     advice = []
     if fits_device is False:
-        advice.append(_device_advice(plan, figures_for, device_peak, device_memory))
+        advice.append(_device_advice(plan, figures_for, device_peak, usable))
     if fits_host is False:
         advice.append(_host_advice(plan, figures_for, host_memory))
     return replace(plan, advice=advice)
