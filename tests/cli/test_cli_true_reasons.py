@@ -81,3 +81,76 @@ def test_an_evaluation_that_cannot_be_traced_exits_5_not_fits(tmp_path: Any, cap
     assert evaluation["problem"].startswith("the evaluation forward cannot run under fake tensors (")
     assert evaluation["fits_device"] is None
     assert code == 5
+
+
+# -- 6: settings never dropped or misread ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("file_name,content,phrase", [
+    ("args.json", {"per_device_train_batchsize": 4}, "did you mean 'per_device_train_batch_size'?"),
+    ("args.json", {"bf16": True, "fp16": True}, "bf16 and fp16 are both true"),
+    ("args.json", {"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
+    ("args.json", {"gradient_checkpointing": "false"}, "gradient_checkpointing='false' is a string"),
+    ("ds.json", {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True}},
+     "bf16.enabled and fp16.enabled are both true"),
+    ("ds.json", {"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}},
+     "zero_optimization.reduce_bucket_size=-5: expected a whole number of at least 1"),
+    ("fsdp.json", {"reshard_after_forward": "maybe"}, "reshard_after_forward='maybe': the Trainer reads it with str_to_bool"),
+])
+def test_a_config_file_value_the_trainer_refuses_is_one_line_and_exit_1(tiny_llama_dir: str, tmp_path: Any,
+                                                                        capsys: Any, file_name: str, content: Any,
+                                                                        phrase: str) -> None:
+    option = {"args.json": "--training-args", "ds.json": "--deepspeed", "fsdp.json": "--fsdp-config"}[file_name]
+    path = write_json(tmp_path / file_name, content)
+    code, _, err = run([tiny_llama_dir, "--batch-size", "2", "--seq-len", "8", "--world-size", "2", option, path],
+                       capsys)
+    assert phrase in one_line(err) and code == 1
+
+
+def test_the_evaluation_plans_training_args_refuse_a_typo_too(tiny_llama_dir: str, tmp_path: Any, capsys: Any) -> None:
+    path = write_json(tmp_path / "args.json", {"per_device_eval_batchsize": 4})
+    code, _, err = run([tiny_llama_dir, "--eval-samples", "8", "--seq-len", "8", "--training-args", path], capsys)
+    assert "'per_device_eval_batchsize' is not a TrainingArguments field" in one_line(err) and code == 1
+
+
+def test_fsdp_yes_and_1_are_true_as_the_trainer_reads_them(tiny_llama_dir: str, tmp_path: Any, capsys: Any) -> None:
+    path = write_json(tmp_path / "fsdp.json", {"reshard_after_forward": "yes", "cpu_offload": 1})
+    code, out, _ = run([tiny_llama_dir, "--batch-size", "2", "--seq-len", "8", "--world-size", "4", "--fsdp-config",
+                        path, "--json"], capsys)
+    used = {name: value for name, value, _ in json.loads(out)["step"]["settings_used"]}
+    assert code == 0
+    assert (used["sharding"], used["reshard_after_forward"], used["fsdp_cpu_offload"]) == ("fsdp-full-shard", True, True)
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["--eval-batch-size", "4"], "--eval-batch-size has no effect without --eval-samples (the evaluation plan)"),
+    (["--eval-logits", "argmax"], "--eval-logits has no effect without --eval-samples"),
+    (["--no-eval-concat"], "--no-eval-concat has no effect without --eval-samples"),
+    (["--eval-accumulation-steps", "2"], "--eval-accumulation-steps has no effect without --eval-samples"),
+    (["--eval-include-inputs"], "--eval-include-inputs has no effect without --eval-samples"),
+    (["--host-memory", "64GiB"], "--host-memory has no effect without --eval-samples"),
+    (["--device-memory", "0B"], "argument --device-memory: '0B' is no memory"),
+    (["--batch-size", "2", "--seq-len", "8", "--load-in-8bit", "--llm-int8-threshold", "nan", "--lora-r", "4"],
+     "--llm-int8-threshold nan: expected a number of at least 0"),
+    (["--batch-size", "2", "--seq-len", "8", "--load-in-4bit"],
+     "--load-in-4bit needs --lora-r: the Trainer refuses to train a purely quantized model"),
+    (["--batch-size", "2", "--seq-len", "8", "--load-in-8bit"], "--load-in-8bit needs --lora-r"),
+    (["--batch-size", "2", "--seq-len", "8", "--world-size", "2", "--sharding", "ddp", "--bucket-cap-mb", "nan"],
+     "--bucket-cap-mb nan: expected a finite number of megabytes above 0"),
+    (["--batch-size", "2", "--seq-len", "8", "--world-size", "2", "--sharding", "ddp", "--bucket-cap-mb", "-1"],
+     "--bucket-cap-mb -1.0: expected a finite number of megabytes above 0"),
+])
+def test_a_flag_that_would_be_ignored_or_misread_is_one_line_and_exit_2(tiny_llama_dir: str, capsys: Any,
+                                                                        argv: List[str], phrase: str) -> None:
+    code, _, err = run([tiny_llama_dir] + argv, capsys)
+    assert phrase in one_line(err) and code == 2
+
+
+def test_qlora_on_gpt2_loads_its_conv1d_layers_in_4bit(tiny_gpt2_dir: str, capsys: Any) -> None:
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    code, out, _ = run([tiny_gpt2_dir, "--batch-size", "2", "--seq-len", "8", "--load-in-4bit", "--lora-r", "4",
+                        "--device-type", "cpu", "--json"], capsys)
+    assert code == 0
+    # c_attn, attn.c_proj, c_fc and mlp.c_proj of the one block: Conv1D layers, as transformers loads them.
+    assert any(note.startswith("4 linear layers loaded in 4-bit (nf4)") for note in json.loads(out)["step"]["notes"])

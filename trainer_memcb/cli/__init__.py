@@ -79,6 +79,7 @@ from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
 from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
+from trainer_memcb.plan.settings import SettingsFileError
 from trainer_memcb.plan.whatif import ModelConfigError
 from trainer_memcb.utils.packages import MissingPackageError
 
@@ -293,6 +294,8 @@ def _estimate(args: argparse.Namespace) -> int:
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
+        except SettingsFileError:  # a value of --training-args or an engine's config: a bad file, exit 1
+            raise
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
     memory, reserve = args.device_memory, reserve_bytes(args)
@@ -328,7 +331,7 @@ def command(args: argparse.Namespace) -> int:
     if handler is None:
         say("error: choose a command: report, compare or estimate (trainer-memcb --help shows them)")
         return EXIT_USAGE
-    known = (RunLogError, ModelConfigError)
+    known = (RunLogError, ModelConfigError, SettingsFileError)
     return answer(lambda: _missing_package_is_its_own_answer(handler, args), known,
                   debug=getattr(args, "debug", False))
 

@@ -78,6 +78,14 @@ def _size(text: str) -> int:
     return parse_size(text, "size")
 
 
+def _memory(text: str) -> int:
+    """--device-memory: a size above 0 (no process trains in none)."""
+    size = parse_size(text, "size")
+    if size == 0:
+        raise ValueError(f"{text!r} is no memory: give the accelerator's memory per process, e.g. 80GiB")
+    return size
+
+
 # What --reserve takes when it is not given, on a CUDA device: the memory a training process holds
 # beside its tensors. A bare torch process that has made its CUDA context shows 781 MB in
 # nvidia-smi (pytorch/pytorch#34323); cuBLAS adds a workspace per stream and handle, NCCL its
@@ -216,7 +224,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default, or --dtype's), autocast-bf16/fp16 "
                       "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
                       "(fp32 master weights)")
-    plan.add_argument("--device-memory", metavar="SIZE", type=_checked(_size),
+    plan.add_argument("--device-memory", metavar="SIZE", type=_checked(_memory),
                       help="accelerator memory per process, with a unit, e.g. 80GiB or 40GB: says whether it fits")
     plan.add_argument("--reserve", metavar="SIZE", type=_checked(_size),
                       help="memory of the device that the plan does not count and training cannot use (the CUDA "
@@ -312,6 +320,15 @@ def check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"{given[0]} has no effect without {needs}")
     if getattr(args, "reserve", None) is not None and args.device_memory is None:
         raise ValueError("--reserve has no effect without --device-memory (the reserve is taken from it)")
+    from trainer_memcb.cli.eval_estimate import check_eval_options
+
+    check_eval_options(args)
+    quantized = next((flag for name, flag in (("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"))
+                      if getattr(args, name, False)), None)
+    if quantized is not None and getattr(args, "lora_r", None) is None:
+        # transformers trainer_utils.validate_quantization_for_training, called by Trainer.__init__.
+        raise ValueError(f"{quantized} needs --lora-r: the Trainer refuses to train a purely quantized model "
+                         "(\"You cannot perform fine-tuning on purely quantized models\"); QLoRA trains adapters on it")
     if step_asked(args):
         count = parameter_count(args.model)
         if count is not None:
@@ -479,8 +496,8 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
                     if given]
         if four_bit:
             raise ValueError(f"{four_bit[0]} is an option of --load-in-4bit, not of --load-in-8bit")
-        if threshold is not None and threshold < 0:
-            raise ValueError(f"--llm-int8-threshold {threshold!r}: expected a number of at least 0")
+        if threshold is not None and not threshold >= 0:  # NaN too: no outlier column would ever be found
+            raise ValueError(f"--llm-int8-threshold {threshold!r}: expected a number of at least 0 (default 6.0)")
         return Quantization(bits=8, threshold=6.0 if threshold is None else threshold)
     if threshold is not None:
         raise ValueError("--llm-int8-threshold is an option of --load-in-8bit")

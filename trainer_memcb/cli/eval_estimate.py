@@ -14,7 +14,8 @@ from trainer_memcb.cli.output import TextTable, bytes_cell
 from trainer_memcb.plan.eval_memory import EVAL_LOGITS, EvalMemoryPlan, EvalSettings, eval_settings_from_args, plan_eval_memory
 from trainer_memcb.plan.model_states import ModelStatesPlan, parse_bytes
 
-__all__ = ["add_eval_arguments", "eval_asked", "estimate_evaluation", "eval_tables", "training_arguments_from_file"]
+__all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_tables",
+           "training_arguments_from_file"]
 
 
 def _positive(text: str) -> int:
@@ -48,6 +49,25 @@ def add_eval_arguments(estimate: argparse.ArgumentParser) -> None:
                        "containers' arrays fit")
 
 
+# The evaluation plan's own options: without --eval-samples they would change nothing.
+_EVAL_ONLY = (("eval_batch_size", "--eval-batch-size"), ("eval_accumulation_steps", "--eval-accumulation-steps"),
+              ("no_eval_concat", "--no-eval-concat"), ("eval_logits", "--eval-logits"),
+              ("eval_include_inputs", "--eval-include-inputs"), ("host_memory", "--host-memory"))
+
+
+def check_eval_options(args: argparse.Namespace) -> None:
+    """Refuse the evaluation plan's options without `--eval-samples`, which asks for it.
+
+    Raises:
+        ValueError: one line naming the option.
+    """
+    if eval_asked(args):
+        return
+    given = [flag for name, flag in _EVAL_ONLY if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise ValueError(f"{given[0]} has no effect without --eval-samples (the evaluation plan)")
+
+
 def eval_asked(args: argparse.Namespace) -> bool:
     """Whether the options ask for the evaluation plan."""
     return getattr(args, "eval_samples", None) is not None
@@ -58,14 +78,16 @@ def training_arguments_from_file(path: Optional[str]) -> Any:
 
     Raises:
         ValueError: a file that cannot be read, is not a JSON object, or that TrainingArguments refuses.
+        SettingsFileError: a key that is not a TrainingArguments field, or a value it would misread
+            (`trainer_memcb.plan.settings.check_training_args`).
     """
     from transformers import TrainingArguments
 
-    from trainer_memcb.plan.settings import read_json_file
+    from trainer_memcb.plan.settings import check_training_args, read_json_file
 
     data: Dict[str, Any] = read_json_file(path, "--training-args") if path is not None else {}
-    known = set(TrainingArguments.__dataclass_fields__)
-    kept = {key: value for key, value in data.items() if key in known and key not in ("output_dir", "report_to")}
+    check_training_args(data, f"--training-args {path}")  # a key TrainingArguments has not is refused, as it refuses it
+    kept = {key: value for key, value in data.items() if key not in ("output_dir", "report_to")}
     try:
         return TrainingArguments(output_dir="trainer-memcb-plan", report_to=[], **kept)
     except Exception as error:  # TrainingArguments' own checks: one line
