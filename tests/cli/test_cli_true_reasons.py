@@ -51,6 +51,57 @@ def write_json(path: Any, value: Any) -> str:
     return str(path)
 
 
+# -- 4: the real cause, not "cannot run under fake tensors" -----------------------------------------
+
+
+@pytest.mark.parametrize("plan", [["--batch-size", "2"], ["--eval-samples", "4"]])
+def test_an_unknown_attention_implementation_is_named_with_the_allowed_ones(tiny_llama_dir: str, capsys: Any,
+                                                                           plan: List[str]) -> None:
+    code, _, err = run([tiny_llama_dir, "--seq-len", "8", "--attn-implementation", "bogus"] + plan, capsys)
+    line = one_line(err)
+    assert code == 2
+    assert "--attn-implementation 'bogus' is not one of transformers' attention implementations: give one of " \
+           "eager, " in line and "sdpa" in line and "fake tensors" not in line
+
+
+@pytest.mark.parametrize("plan", [["--batch-size", "2"], ["--eval-samples", "4"]])
+def test_a_config_with_no_token_is_a_bad_config(tmp_path: Any, capsys: Any, plan: List[str]) -> None:
+    llama(vocab_size=0).save_pretrained(tmp_path)
+    code, _, err = run([str(tmp_path), "--seq-len", "8"] + plan, capsys)
+    assert one_line(err) == ("trainer-memcb: LlamaForCausalLM's config has vocab_size=0: a model of token inputs "
+                             "needs at least 1 token (its ids are 0 to vocab_size - 1)")
+    assert code == 1
+
+
+@pytest.mark.parametrize("plan", [["--batch-size", "2"], ["--eval-samples", "4"]])
+def test_a_length_past_a_learned_position_table_names_the_table(tiny_gpt2_dir: str, capsys: Any,
+                                                                plan: List[str]) -> None:
+    code, _, err = run([tiny_gpt2_dir, "--seq-len", "65"] + plan, capsys)
+    assert one_line(err) == ("trainer-memcb: error: --seq-len 65 is past GPT2LMHeadModel's 64 positions (n_positions "
+                             "in its config; its learned position table transformer.wpe has no row beyond): give at most 64")
+    assert code == 2
+    code, out, _ = run([tiny_gpt2_dir, "--seq-len", "64", "--json"] + plan, capsys)
+    assert code == 0
+
+
+def test_rotary_positions_have_no_such_bound(tiny_llama_dir: str, capsys: Any) -> None:
+    # Llama's rotary embedding computes any position: a real run of 65 tokens runs (max_position_embeddings 64).
+    code, out, _ = run([tiny_llama_dir, "--batch-size", "1", "--seq-len", "65", "--json"], capsys)
+    assert code == 0 and json.loads(out)["step"]["problem"] is None
+
+
+@pytest.mark.parametrize("size", ["-5", "NaN"])
+def test_a_negative_or_nan_bucket_size_names_the_key(tiny_llama_dir: str, tmp_path: Any, capsys: Any, size: str) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "reduce_bucket_size": %s}}' % size)
+    code, _, err = run([tiny_llama_dir, "--batch-size", "2", "--seq-len", "8", "--world-size", "2", "--deepspeed",
+                        str(path)], capsys)
+    assert one_line(err) == (f"trainer-memcb: deepspeed config: zero_optimization.reduce_bucket_size={float(size)!r}"
+                             .replace("-5.0", "-5") + ": expected a whole number of at least 1, as "
+                             "DeepSpeedZeroConfig's reduce_bucket_size field takes")
+    assert code == 1
+
+
 # -- 7: the evaluation plan ------------------------------------------------------------------------
 
 

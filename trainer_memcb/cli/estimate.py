@@ -323,12 +323,6 @@ def check_options(args: argparse.Namespace) -> None:
     from trainer_memcb.cli.eval_estimate import check_eval_options
 
     check_eval_options(args)
-    quantized = next((flag for name, flag in (("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"))
-                      if getattr(args, name, False)), None)
-    if quantized is not None and getattr(args, "lora_r", None) is None:
-        # transformers trainer_utils.validate_quantization_for_training, called by Trainer.__init__.
-        raise ValueError(f"{quantized} needs --lora-r: the Trainer refuses to train a purely quantized model "
-                         "(\"You cannot perform fine-tuning on purely quantized models\"); QLoRA trains adapters on it")
     if step_asked(args):
         count = parameter_count(args.model)
         if count is not None:
@@ -484,8 +478,19 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
     """The base model's loading (QLoRA), or None.
 
     Raises:
-        ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one.
+        ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one, or
+            either without --lora-r.
     """
+    quantization = _loading(args)
+    if quantization is not None and getattr(args, "lora_r", None) is None:
+        # transformers trainer_utils.validate_quantization_for_training, called by Trainer.__init__.
+        flag = "--load-in-8bit" if quantization.bits == 8 else "--load-in-4bit"
+        raise ValueError(f"{flag} needs --lora-r: the Trainer refuses to train a purely quantized model "
+                         "(\"You cannot perform fine-tuning on purely quantized models\"); QLoRA trains adapters on it")
+    return quantization
+
+
+def _loading(args: argparse.Namespace) -> Optional[Quantization]:
     threshold = getattr(args, "llm_int8_threshold", None)
     if getattr(args, "load_in_8bit", False):
         if getattr(args, "load_in_4bit", False):

@@ -141,6 +141,9 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     def build() -> Any:
         model = build_model()
         if attention is not None and getattr(model, "config", None) is not None:
+            from trainer_memcb.plan.step_memory import check_attn_implementation
+
+            check_attn_implementation(model, attention)
             model.config._attn_implementation = attention  # as the step plan traces it
         return model
 

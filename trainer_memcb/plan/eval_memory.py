@@ -343,6 +343,10 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     usable = device_memory - reserve_bytes if device_memory is not None else None
     meta = build_model()
     name = model_name or type(meta).__name__
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # what the model refuses (a length past its positions) is said before tracing
+        step_inputs(meta, 1, settings.seq_len)
     try:
         forward = _trace_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)

@@ -2,9 +2,9 @@
 
 `from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` replaces
 every `nn.Linear` (and `Conv1D`, GPT-2's, its weight transposed) but the output head (transformers'
-`replace_with_bnb_linear`, skipping `get_keys_to_not_convert`: the output embeddings) by bitsandbytes' `Linear4bit`, whose weight is a
-`Params4bit` holding what `bitsandbytes.functional.quantize_4bit` returns for the weight in the
-loading dtype:
+`replace_with_bnb_linear`, skipping `get_keys_to_not_convert`: the output embeddings) by
+bitsandbytes' `Linear4bit`, whose weight is a `Params4bit` holding what
+`bitsandbytes.functional.quantize_4bit` returns for the weight in the loading dtype:
 
 - the packed values: uint8, `(N + 1) // 2` bytes (two 4-bit codes per byte);
 - the absmax per block of `blocksize` (64) values: fp32, 4 bytes per block; with double
