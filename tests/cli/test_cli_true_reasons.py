@@ -205,3 +205,86 @@ def test_qlora_on_gpt2_loads_its_conv1d_layers_in_4bit(tiny_gpt2_dir: str, capsy
     assert code == 0
     # c_attn, attn.c_proj, c_fc and mlp.c_proj of the one block: Conv1D layers, as transformers loads them.
     assert any(note.startswith("4 linear layers loaded in 4-bit (nf4)") for note in json.loads(out)["step"]["notes"])
+
+
+def test_the_search_limit_is_said_as_at_least(tiny_llama_dir: str, capsys: Any) -> None:
+    from trainer_memcb.cli.plan_table import step_tables
+    from trainer_memcb.plan.step_memory import MAX_BATCH_SEARCH_LIMIT, StepMemoryPlan
+
+    code, out, _ = run([tiny_llama_dir, "--max-batch-size", "--seq-len", "8", "--device-memory", "1000TiB",
+                        "--reserve", "0B", "--device-type", "cpu", "--json"], capsys)
+    document = json.loads(out)
+    assert code == 0
+    assert (document["max_batch_size"], document["max_batch_size_is_search_limit"]) == (MAX_BATCH_SEARCH_LIMIT, True)
+    assert document["searched"][-1] == {"batch_size": MAX_BATCH_SEARCH_LIMIT, "peak_bytes":
+                                        document["searched"][-1]["peak_bytes"], "fits": True}
+    plan = StepMemoryPlan(model="m", batch_size=MAX_BATCH_SEARCH_LIMIT, seq_len=8, attn_implementation=None,
+                          device_type="cpu", traced_on="cpu", gradient_checkpointing=False, precision="fp32",
+                          optimizer="adamw_torch", param_dtype="float32", activations_bytes=1, activations_peak_bytes=1,
+                          peak_bytes=1,
+                          peak_phase="backward", fits=True)
+    found = {"search": True, "searched": [plan], "max_batch_size": MAX_BATCH_SEARCH_LIMIT,
+             "max_batch_size_is_search_limit": True}
+    [table] = step_tables(found)
+    assert table.title == ("Largest per-device batch that fits: at least 1,048,576, the search's limit (it fits; no "
+                           "larger batch was tried)")
+
+
+def states(argv: List[str], capsys: Any) -> Any:
+    code, out, err = run(argv + ["--optimizers", "adamw_torch", "--json"], capsys)
+    assert code == 0, err
+    document = json.loads(out)
+    return document["setup"], document["optimizers"][0]
+
+
+def test_the_model_states_plan_reads_the_deepspeed_config_without_batch_size(tiny_llama_dir: str, tmp_path: Any,
+                                                                             capsys: Any) -> None:
+    path = write_json(tmp_path / "ds.json", {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
+    setup, row = states([tiny_llama_dir, "--deepspeed", path, "--world-size", "8"], capsys)
+    assert (setup["sharding"], setup["precision"], setup["world_size"]) == ("zero3", "deepspeed-bf16", 8)
+    _, flags_row = states([tiny_llama_dir, "--zero", "3", "--precision", "deepspeed-bf16", "--world-size", "8"], capsys)
+    assert row == flags_row
+    # 16,480 bf16 parameters in 8 ZeRO-3 partitions; fp32 master weights of the same partitions.
+    assert (row["params_bytes"], row["master_weights_bytes"]) == (16480 * 2 // 8, 16480 * 4 // 8)
+    # Alone, the config turns the what-if into the plan too (one process).
+    setup, _ = states([tiny_llama_dir, "--deepspeed", path], capsys)
+    assert (setup["sharding"], setup["world_size"]) == ("zero3", 1)
+
+
+def test_the_world_size_a_deepspeed_batch_implies_is_taken_or_checked(tiny_llama_dir: str, tmp_path: Any,
+                                                                      capsys: Any) -> None:
+    path = write_json(tmp_path / "ds.json", {"zero_optimization": {"stage": 2}, "train_batch_size": 32,
+                                             "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2})
+    setup, _ = states([tiny_llama_dir, "--deepspeed", path], capsys)
+    assert (setup["sharding"], setup["world_size"]) == ("zero2", 8)
+    code, _, err = run([tiny_llama_dir, "--deepspeed", path, "--world-size", "4"], capsys)
+    assert one_line(err) == ("trainer-memcb: deepspeed config: train_batch_size=32 is not "
+                             "train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 x world size 4: DeepSpeed "
+                             "refuses it (\"Check batch related parameters\")")
+    assert code == 1
+
+
+def test_the_model_states_plan_reads_the_fsdp_config_and_replicate(tiny_llama_dir: str, tmp_path: Any,
+                                                                    capsys: Any) -> None:
+    path = write_json(tmp_path / "fsdp.json", {"reshard_after_forward": "no"})
+    setup, hsdp = states([tiny_llama_dir, "--fsdp-config", path, "--world-size", "8", "--replicate", "2"], capsys)
+    assert (setup["sharding"], setup["replicate"]) == ("fsdp-shard-grad-op", 2)
+    # HSDP 2 x 4: each process holds a quarter, as plain FSDP over 4 processes does.
+    _, four = states([tiny_llama_dir, "--sharding", "fsdp-shard-grad-op", "--world-size", "4"], capsys)
+    _, eight = states([tiny_llama_dir, "--sharding", "fsdp-shard-grad-op", "--world-size", "8"], capsys)
+    assert (hsdp["params_bytes"], hsdp["grads_bytes"], hsdp["optimizer_state_bytes"]) == \
+        (four["params_bytes"], four["grads_bytes"], four["optimizer_state_bytes"])
+    assert hsdp["params_bytes"] > eight["params_bytes"]
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["--world-size", "8", "--replicate", "2", "--sharding", "ddp"],
+     "replicate=2 is FSDP2's HSDP: use it with sharding fsdp-full-shard or fsdp-shard-grad-op, not 'ddp'"),
+    (["--world-size", "8", "--replicate", "3", "--sharding", "fsdp-full-shard"], "replicate=3 does not divide world_size=8"),
+    (["--bucket-cap-mb", "50"], "--bucket-cap-mb has no effect without --batch-size or --max-batch-size"),
+    (["--gradient-as-bucket-view"], "--gradient-as-bucket-view has no effect without --batch-size or --max-batch-size"),
+])
+def test_replicate_and_ddp_flags_where_they_would_be_ignored_are_refused(tiny_llama_dir: str, capsys: Any,
+                                                                         argv: List[str], phrase: str) -> None:
+    code, _, err = run([tiny_llama_dir] + argv, capsys)
+    assert phrase in one_line(err) and code == 2

@@ -20,8 +20,8 @@ from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_targe
 from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, plan_model_states
 from trainer_memcb.plan.quantized import QUANT_TYPES, Quantization
 from trainer_memcb.plan.step_inputs import head_kind
-from trainer_memcb.plan.step_memory import (DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory,
-                                           states_during_step)
+from trainer_memcb.plan.step_memory import (DEVICE_TYPES, MAX_BATCH_SEARCH_LIMIT, StepMemoryPlan, max_batch_size,
+                                           plan_step_memory, states_during_step)
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
 from trainer_memcb.plan.whatif import (
     DEFAULT_OPTIMIZERS,
@@ -288,7 +288,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
 
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
-                 "device_memory", "reference_model")
+                 "device_memory", "reference_model", "replicate")
+# So do the engines' config files, read for the plan's setup as the step plan reads them.
+_ENGINE_FILES = ("deepspeed", "fsdp_config")
 
 
 # Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
@@ -297,7 +299,8 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
-                 ("llm_int8_threshold", "--llm-int8-threshold"))
+                 ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),
+                 ("gradient_as_bucket_view", "--gradient-as-bucket-view"))
 _EVAL_OPTIONS = ("seq_len", "attn_implementation")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation")
 
@@ -436,7 +439,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     if traced is not None:
         states = states_during_step(states, traced)
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
-            "search": args.max_batch_size, "max_batch_size_problem": problem}
+            "search": args.max_batch_size, "max_batch_size_problem": problem,
+            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT}
 
 
 def ranks_to_plan(settings: Any) -> List[int]:
@@ -513,8 +517,9 @@ def _loading(args: argparse.Namespace) -> Optional[Quantization]:
 
 
 def plan_asked(args: argparse.Namespace) -> bool:
-    """Whether the options ask for the model-states plan rather than the optimizer what-if."""
-    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS)
+    """Whether the options ask for the model-states plan rather than the optimizer what-if (an
+    engine's config does: its stage, precision and offload are the plan's)."""
+    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS + _ENGINE_FILES)
 
 
 # A parameter count given as MODEL: digits (`7500000000`, `7_500_000_000`, `7,500,000,000`) or a
@@ -556,15 +561,14 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
     The optimizers get `--optim-args` and `--optim-target-modules` as in the what-if. Without
     `--precision` the precision follows `--dtype`, and each parameter keeps the dtype the model
     was built in (PEFT's float32 adapters over a bfloat16 base), as the what-if counts them.
+    `--deepspeed` and `--fsdp-config` give the setup (ZeRO stage, precision, offload, resharding,
+    the world size `train_batch_size` implies) as the step plan reads them, the flags given
+    overriding them; `--replicate` shards FSDP's states within each replica.
 
     Raises:
         ValueError: options that do not fit (see `estimate_model`), a bad setup or memory size.
         ModelConfigError: no model config, or no parameter left to train.
     """
-    setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
-                  sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
-                  precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
-                  offload_params=args.offload_params)
     memory = usable_memory(args)
     count = parameter_count(args.model)
     if count is not None:
@@ -573,10 +577,23 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
             raise ValueError(f"{given[0]} needs a model's modules and names: give a folder holding config.json, "
                              f"not a parameter count")
     model = count if count is not None else estimate_model(args)
+    if any(getattr(args, name, None) is not None for name in _ENGINE_FILES) or (getattr(args, "replicate", None) or 1) > 1:
+        # The engine's config, then the flags given, as the step plan resolves them (`step_settings`).
+        from trainer_memcb.plan.step_memory import setup_of
+
+        settings = step_settings(args, model if count is None else None)
+        setup = setup_of(settings)
+        keep_dtypes = settings.sources.get("precision") == "flag" and args.precision is None
+    else:
+        setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
+                      sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
+                      precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
+                      offload_params=args.offload_params)
+        keep_dtypes = args.precision is None
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,
                              optim_args=args.optim_args, optim_target_modules=args.optim_target_modules,
-                             keep_dtypes=args.precision is None, reference_model=args.reference_model)
+                             keep_dtypes=keep_dtypes, reference_model=args.reference_model)
 
 
 def estimate_what_if(args: argparse.Namespace) -> WhatIf:

@@ -157,6 +157,8 @@ class Setup:
         offload_params: ZeRO-3 parameter offload, or FSDP's `CPUOffload(offload_params=True)`
             (parameters, gradients and optimizer state on the CPU).
         sub_group_size: ZeRO-3's `sub_group_size` (values per flat fp32 sub-group).
+        replicate: FSDP2's HSDP: the states sharded over `world_size // replicate` processes and
+            replicated `replicate` times (a 2-D mesh, `fully_shard(mesh=...)`).
     """
 
     world_size: int = 1
@@ -166,9 +168,10 @@ class Setup:
     offload_optimizer: bool = False
     offload_params: bool = False
     sub_group_size: int = 1_000_000_000
+    replicate: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "nodes", "sub_group_size"):
+        for name in ("world_size", "nodes", "sub_group_size", "replicate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
@@ -187,6 +190,11 @@ class Setup:
                              "(FSDP offloads the optimizer state with offload_params)")
         if self.offload_params and self.sharding not in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"):
             raise ValueError(f"offload_params needs sharding zero3 or fsdp-*, not {self.sharding!r}")
+        if self.replicate > 1 and not self.is_fsdp:
+            raise ValueError(f"replicate={self.replicate} is FSDP2's HSDP: use it with sharding fsdp-full-shard or "
+                             f"fsdp-shard-grad-op, not {self.sharding!r}")
+        if self.world_size % self.replicate:
+            raise ValueError(f"replicate={self.replicate} does not divide world_size={self.world_size}")
 
     @property
     def is_zero(self) -> bool:
@@ -322,6 +330,7 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optio
             embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
             optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
     elif setup.is_fsdp:
+        world = setup.world_size // setup.replicate  # HSDP: sharded within each replica
         params = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in range(len(specs)))
         grads = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in trainable)
         shapes = [fsdp_local_shape(specs[i].shape, world) for i in trainable]
@@ -393,7 +402,7 @@ def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
     if setup.sharding == "zero3":
         numels = [zero3_partition_numel(spec.numel, setup.world_size) for spec in specs]
     elif setup.is_fsdp:
-        numels = [fsdp_padded_shard_numel(spec.shape, setup.world_size) for spec in specs]
+        numels = [fsdp_padded_shard_numel(spec.shape, setup.world_size // setup.replicate) for spec in specs]
     else:
         numels = [spec.numel for spec in specs]
     return sum(numel * (spec.element_size or size) for numel, spec in zip(numels, specs))

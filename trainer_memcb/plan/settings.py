@@ -220,6 +220,25 @@ def _check_values(values: Mapping[str, Any], zero: Mapping[str, Any], sources: M
             refuse(f"zero.{key}", value, f"a whole number of at least {least}, as DeepSpeedZeroConfig's {key} field takes")
 
 
+def _world_of_batch(ds: Mapping[str, Any], source: str, values: Dict[str, Any], sources: Dict[str, str]) -> None:
+    """The world size a DeepSpeed config's numbers imply: `train_batch_size` = micro-batch x
+    accumulation x world size (deepspeed 0.19.8 runtime/config.py `_batch_assertion`), taken when
+    no flag gives it, refused when a flag gives another."""
+    numbers = [ds.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu")]
+    steps = ds.get("gradient_accumulation_steps", 1)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in numbers + [steps]):
+        return  # "auto" (the Trainer fills them from its arguments and the processes), or left out
+    total, micro = numbers
+    world, remainder = divmod(total, micro * steps)
+    given = values.get("world_size")
+    if remainder or world < 1 or (given is not None and given != world):
+        raise SettingsFileError(f"{source}: train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
+                                f"gradient_accumulation_steps={steps} x world size {given or 'W'}: DeepSpeed refuses it "
+                                "(\"Check batch related parameters\")")
+    if given is None:
+        values["world_size"], sources["world_size"] = world, f"{source} (train_batch_size)"
+
+
 def _offloaded(section: Any) -> bool:
     return isinstance(section, Mapping) and section.get("device", "none") not in ("none", None)
 
@@ -424,6 +443,8 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
                 src)
     for name, value in flags.items():
         put(name, value, "flag")
+    if ds:
+        _world_of_batch(ds, ds_source, values, sources)
     if values.get("sharding") == "fsdp-shard-grad-op" and sources.get("reshard_after_forward") != "flag":
         values["reshard_after_forward"] = False
         sources.setdefault("reshard_after_forward", sources["sharding"])

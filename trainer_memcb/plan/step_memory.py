@@ -713,7 +713,7 @@ def setup_of(settings: StepSettings, setup: Optional[Setup] = None) -> Setup:
     return Setup(world_size=settings.world_size, nodes=settings.nodes, sharding=settings.sharding,
                  precision=settings.precision, offload_optimizer=settings.offload_optimizer and settings.zero_stage > 0,
                  offload_params=settings.offload_params and settings.sharding in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"),
-                 sub_group_size=int(settings.zero.get("sub_group_size", 1_000_000_000)))
+                 sub_group_size=int(settings.zero.get("sub_group_size", 1_000_000_000)), replicate=settings.replicate)
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -768,7 +768,12 @@ def _optimizer_builder(name: str, args: Any, device_type: str = "cpu") -> Tuple[
     return build, implementation
 
 
-def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int, limit: int = 1 << 20) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+# The largest batch `max_batch_size` searches: an answer equal to it means "at least this many".
+MAX_BATCH_SEARCH_LIMIT = 1 << 20
+
+
+def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
+                   limit: int = MAX_BATCH_SEARCH_LIMIT) -> Tuple[Optional[int], List[StepMemoryPlan]]:
     """The largest per-device batch whose planned peak fits in `device_memory`, and the plans traced.
 
     The peak is the larger of forward/backward's, which grows by the same bytes per sample at a
@@ -782,7 +787,8 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
     Args:
         plan_at: the step plan at a batch size.
         device_memory: bytes per process the step may use (the device's memory less the reserve).
-        limit: the largest batch searched.
+        limit: the largest batch searched; an answer equal to it means that batch fits, and
+            larger ones were not tried.
     """
     plans: Dict[int, StepMemoryPlan] = {}
 
