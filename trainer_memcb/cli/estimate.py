@@ -273,8 +273,10 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     own.add_argument("--training-args", metavar="FILE",
                      help="TrainingArguments as JSON (TrainingArguments.to_json_string(), a run's training_args.json "
                           "dump); never a pickle such as training_args.bin")
-    own.add_argument("--deepspeed", metavar="FILE", help="the DeepSpeed config (ds_config.json), \"auto\" values filled as the Trainer fills them")
-    own.add_argument("--fsdp-config", metavar="FILE", help="the Trainer's fsdp_config JSON (FSDP2: reshard_after_forward, cpu_offload)")
+    own.add_argument("--deepspeed", metavar="FILE", help="the DeepSpeed config (ds_config.json), \"auto\" values filled as the "
+                     "Trainer fills them; without --batch-size, the model-states plan's stage, precision and offload")
+    own.add_argument("--fsdp-config", metavar="FILE", help="the Trainer's fsdp_config JSON (FSDP2: reshard_after_forward, "
+                     "cpu_offload); without --batch-size, the model-states plan's sharding")
     own.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
     own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
