@@ -287,9 +287,10 @@ def _estimate(args: argparse.Namespace) -> int:
             if step_asked(args):
                 found = estimate_step(args)
                 if eval_asked(args):
-                    evaluation = estimate_evaluation(args, lambda: estimate_model(args), found["model_states"])
+                    evaluation = estimate_evaluation(args, lambda: estimate_model(args), found["model_states"],
+                                                     reserve=reserve_bytes(args) or 0)
             elif eval_asked(args):
-                evaluation = estimate_evaluation(args, lambda: estimate_model(args))
+                evaluation = estimate_evaluation(args, lambda: estimate_model(args), reserve=reserve_bytes(args) or 0)
             elif plan_asked(args):
                 result = estimate_plan(args)
             else:

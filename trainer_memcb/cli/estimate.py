@@ -325,6 +325,7 @@ def check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"{given[0]} has no effect without {needs}")
     if getattr(args, "reserve", None) is not None and args.device_memory is None:
         raise ValueError("--reserve has no effect without --device-memory (the reserve is taken from it)")
+    usable_memory(args)  # a reserve as large as the memory, before anything is planned
     from trainer_memcb.cli.eval_estimate import check_eval_options
 
     check_eval_options(args)

@@ -112,7 +112,7 @@ def _settings(args: argparse.Namespace) -> EvalSettings:
 
 
 def estimate_evaluation(args: argparse.Namespace, build_model: Any,
-                        states: Optional[ModelStatesPlan] = None) -> EvalMemoryPlan:
+                        states: Optional[ModelStatesPlan] = None, reserve: int = 0) -> EvalMemoryPlan:
     """The evaluation plan for the options.
 
     Args:
@@ -120,6 +120,7 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
         build_model: makes the model the options describe on the meta device.
         states: the model-states plan, when planned too: its optimizer state (and master weights)
             stays alive while evaluation runs inside `train()`.
+        reserve: bytes of `--device-memory` evaluation cannot use (`--reserve`, or its default).
 
     Raises:
         ValueError: --seq-len missing, a bad size or settings file.
@@ -131,9 +132,6 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     if states is not None and states.optimizers:
         row = states.optimizers[0]
         resident = (row.optimizer_state_bytes or 0) + (row.master_weights_bytes or 0)
-    from trainer_memcb.cli.estimate import reserve_bytes, usable_memory
-
-    usable_memory(args)  # a reserve as large as the memory is refused, as for the step plan
     device = parse_bytes(args.device_memory) if args.device_memory is not None else None
     host = parse_bytes(args.host_memory) if args.host_memory is not None else None
     attention = getattr(args, "attn_implementation", None)
@@ -148,7 +146,7 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
         return model
 
     return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
-                            model_name=args.model, reserve_bytes=reserve_bytes(args) or 0)
+                            model_name=args.model, reserve_bytes=reserve)
 
 
 def _fits(fits: Optional[bool], peak: Optional[int], memory: Optional[int]) -> str:
