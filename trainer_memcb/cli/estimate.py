@@ -498,6 +498,7 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
 
 
 def _loading(args: argparse.Namespace) -> Optional[Quantization]:
+    """The loading the quantization flags describe, checked against each other."""
     threshold = getattr(args, "llm_int8_threshold", None)
     if getattr(args, "load_in_8bit", False):
         if getattr(args, "load_in_4bit", False):
