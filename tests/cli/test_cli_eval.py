@@ -66,17 +66,17 @@ def test_too_much_for_the_device_says_why_and_what_would_fit(tiny_llama_dir: str
     assert main(argv + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["evaluation"]
     memory = plan["device_peak_bytes"] - 1
-    assert main(argv + ["--device-memory", f"{memory}B", "--host-memory", "1GiB", "--json"]) == 3  # does not fit
+    assert main(argv + ["--device-memory", f"{memory}B", "--reserve", "0B", "--host-memory", "1GiB", "--json"]) == 3  # does not fit
     short = json.loads(capsys.readouterr().out)["evaluation"]
     assert (short["fits_device"], short["fits_host"]) == (False, True)
     assert short["device_peak_bytes"] - short["device_memory_bytes"] == 1
-    assert main(argv + ["--device-memory", f"{memory}B", "--host-memory", "1GiB"]) == 3
+    assert main(argv + ["--device-memory", f"{memory}B", "--reserve", "0B", "--host-memory", "1GiB"]) == 3
     out = capsys.readouterr().out
     assert "does not fit, " in out and "fits, " in out
     why = [line for line in out.splitlines() if line.startswith("Why: ")]
     assert len(why) == 1
     assert "eval_accumulation_steps=" in why[0] and "preprocess_logits_for_metrics" in why[0]
-    assert main(argv + ["--device-memory", f"{memory}B", "--eval-accumulation-steps", "1", "--json"]) == 0
+    assert main(argv + ["--device-memory", f"{memory}B", "--reserve", "0B", "--eval-accumulation-steps", "1", "--json"]) == 0
     fixed = json.loads(capsys.readouterr().out)["evaluation"]
     assert fixed["fits_device"] is True and fixed["advice"] == []
     # full logits: 64 x 12 x 96 x 4 bytes; argmax keeps 64 x 12 int64

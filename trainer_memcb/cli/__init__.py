@@ -19,7 +19,7 @@ Tables in a terminal, plain text when piped, `--json` for machines (strict JSON:
 not finite is null). Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
 `--device-memory` asks, it fits), 1 nothing found (the message says where it looked), a file that
 cannot be read, or any other failure, 2 usage error, 3 it does not fit, 4 a package the options
-need is not installed, 5 the step cannot be traced (so fits? has no answer), 130 interrupted.
+need is not installed, 5 the step (or the evaluation forward) cannot be traced (so fits? has no answer), 130 interrupted.
 Every message is one line on stderr, `trainer-memcb: ...` (usage errors `trainer-memcb: error:
 ...`, the usage itself only with `--help`); a value of the wrong type in a file is left out with
 one line `trainer-memcb: warning: FILE: skipped N values ...`. `--debug` shows the traceback of a
@@ -80,6 +80,7 @@ from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
 from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
 from trainer_memcb.plan.optimizers.whatif import ModelConfigError
+from trainer_memcb.plan.settings import SettingsFileError
 from trainer_memcb.utils.packages import MissingPackageError
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
@@ -261,7 +262,10 @@ def _step_status(found: Dict[str, Any]) -> int:
 
 
 def _evaluation_status(evaluation: Any) -> int:
-    """The exit code of an evaluation plan: 3 when it does not fit the device or the host, else 0."""
+    """The exit code of an evaluation plan: 5 when its forward cannot be traced (fits? has no
+    answer), 3 when it does not fit the device or the host, else 0."""
+    if evaluation.problem is not None:
+        return EXIT_UNTRACEABLE
     return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
 
 
@@ -283,13 +287,16 @@ def _estimate(args: argparse.Namespace) -> int:
             if step_asked(args):
                 found = estimate_step(args)
                 if eval_asked(args):
-                    evaluation = estimate_evaluation(args, lambda: estimate_model(args), found["model_states"])
+                    evaluation = estimate_evaluation(args, lambda: estimate_model(args), found["model_states"],
+                                                     reserve=reserve_bytes(args) or 0)
             elif eval_asked(args):
-                evaluation = estimate_evaluation(args, lambda: estimate_model(args))
+                evaluation = estimate_evaluation(args, lambda: estimate_model(args), reserve=reserve_bytes(args) or 0)
             elif plan_asked(args):
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
+        except SettingsFileError:  # a value of --training-args or an engine's config: a bad file, exit 1
+            raise
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
     memory, reserve = args.device_memory, reserve_bytes(args)
@@ -325,7 +332,7 @@ def command(args: argparse.Namespace) -> int:
     if handler is None:
         say("error: choose a command: report, compare or estimate (trainer-memcb --help shows them)")
         return EXIT_USAGE
-    known = (RunLogError, ModelConfigError)
+    known = (RunLogError, ModelConfigError, SettingsFileError)
     return answer(lambda: _missing_package_is_its_own_answer(handler, args), known,
                   debug=getattr(args, "debug", False))
 

@@ -23,7 +23,7 @@ from trainer_memcb.plan.model.quantized import QUANT_TYPES, Quantization
 from trainer_memcb.plan.model.step_inputs import head_kind
 from trainer_memcb.plan.step.trace import DEVICE_TYPES
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory, states_during_step
-from trainer_memcb.plan.answers.max_batch import max_batch_size
+from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
 from trainer_memcb.plan.optimizers.whatif import (
     DEFAULT_OPTIMIZERS,
@@ -78,6 +78,14 @@ def _positive_int(text: str) -> int:
 
 def _size(text: str) -> int:
     return parse_size(text, "size")
+
+
+def _memory(text: str) -> int:
+    """--device-memory: a size above 0 (no process trains in none)."""
+    size = parse_size(text, "size")
+    if size == 0:
+        raise ValueError(f"{text!r} is no memory: give the accelerator's memory per process, e.g. 80GiB")
+    return size
 
 
 # What --reserve takes when it is not given, on a CUDA device: the memory a training process holds
@@ -218,7 +226,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     plan.add_argument("--precision", choices=list(PRECISIONS), help="fp32 (default, or --dtype's), autocast-bf16/fp16 "
                       "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
                       "(fp32 master weights)")
-    plan.add_argument("--device-memory", metavar="SIZE", type=_checked(_size),
+    plan.add_argument("--device-memory", metavar="SIZE", type=_checked(_memory),
                       help="accelerator memory per process, with a unit, e.g. 80GiB or 40GB: says whether it fits")
     plan.add_argument("--reserve", metavar="SIZE", type=_checked(_size),
                       help="memory of the device that the plan does not count and training cannot use (the CUDA "
@@ -267,8 +275,10 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     own.add_argument("--training-args", metavar="FILE",
                      help="TrainingArguments as JSON (TrainingArguments.to_json_string(), a run's training_args.json "
                           "dump); never a pickle such as training_args.bin")
-    own.add_argument("--deepspeed", metavar="FILE", help="the DeepSpeed config (ds_config.json), \"auto\" values filled as the Trainer fills them")
-    own.add_argument("--fsdp-config", metavar="FILE", help="the Trainer's fsdp_config JSON (FSDP2: reshard_after_forward, cpu_offload)")
+    own.add_argument("--deepspeed", metavar="FILE", help="the DeepSpeed config (ds_config.json), \"auto\" values filled as the "
+                     "Trainer fills them; without --batch-size, the model-states plan's stage, precision and offload")
+    own.add_argument("--fsdp-config", metavar="FILE", help="the Trainer's fsdp_config JSON (FSDP2: reshard_after_forward, "
+                     "cpu_offload); without --batch-size, the model-states plan's sharding")
     own.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
     own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
@@ -282,7 +292,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
 
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
-                 "device_memory", "reference_model")
+                 "device_memory", "reference_model", "replicate")
+# So do the engines' config files, read for the plan's setup as the step plan reads them.
+_ENGINE_FILES = ("deepspeed", "fsdp_config")
 
 
 # Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
@@ -291,7 +303,8 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
-                 ("llm_int8_threshold", "--llm-int8-threshold"))
+                 ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),
+                 ("gradient_as_bucket_view", "--gradient-as-bucket-view"))
 _EVAL_OPTIONS = ("seq_len", "attn_implementation")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation")
 
@@ -314,6 +327,10 @@ def check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"{given[0]} has no effect without {needs}")
     if getattr(args, "reserve", None) is not None and args.device_memory is None:
         raise ValueError("--reserve has no effect without --device-memory (the reserve is taken from it)")
+    usable_memory(args)  # a reserve as large as the memory, before anything is planned
+    from trainer_memcb.cli.eval_estimate import check_eval_options
+
+    check_eval_options(args)
     if step_asked(args):
         count = parameter_count(args.model)
         if count is not None:
@@ -427,7 +444,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     if traced is not None:
         states = states_during_step(states, traced)
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
-            "search": args.max_batch_size, "max_batch_size_problem": problem}
+            "search": args.max_batch_size, "max_batch_size_problem": problem,
+            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT}
 
 
 def ranks_to_plan(settings: Any) -> List[int]:
@@ -469,8 +487,20 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
     """The base model's loading (QLoRA), or None.
 
     Raises:
-        ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one.
+        ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one, or
+            either without --lora-r.
     """
+    quantization = _loading(args)
+    if quantization is not None and getattr(args, "lora_r", None) is None:
+        # transformers trainer_utils.validate_quantization_for_training, called by Trainer.__init__.
+        flag = "--load-in-8bit" if quantization.bits == 8 else "--load-in-4bit"
+        raise ValueError(f"{flag} needs --lora-r: the Trainer refuses to train a purely quantized model "
+                         "(\"You cannot perform fine-tuning on purely quantized models\"); QLoRA trains adapters on it")
+    return quantization
+
+
+def _loading(args: argparse.Namespace) -> Optional[Quantization]:
+    """The loading the quantization flags describe, checked against each other."""
     threshold = getattr(args, "llm_int8_threshold", None)
     if getattr(args, "load_in_8bit", False):
         if getattr(args, "load_in_4bit", False):
@@ -481,8 +511,8 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
                     if given]
         if four_bit:
             raise ValueError(f"{four_bit[0]} is an option of --load-in-4bit, not of --load-in-8bit")
-        if threshold is not None and threshold < 0:
-            raise ValueError(f"--llm-int8-threshold {threshold!r}: expected a number of at least 0")
+        if threshold is not None and not threshold >= 0:  # NaN too: no outlier column would ever be found
+            raise ValueError(f"--llm-int8-threshold {threshold!r}: expected a number of at least 0 (default 6.0)")
         return Quantization(bits=8, threshold=6.0 if threshold is None else threshold)
     if threshold is not None:
         raise ValueError("--llm-int8-threshold is an option of --load-in-8bit")
@@ -493,8 +523,9 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
 
 
 def plan_asked(args: argparse.Namespace) -> bool:
-    """Whether the options ask for the model-states plan rather than the optimizer what-if."""
-    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS)
+    """Whether the options ask for the model-states plan rather than the optimizer what-if (an
+    engine's config does: its stage, precision and offload are the plan's)."""
+    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS + _ENGINE_FILES)
 
 
 # A parameter count given as MODEL: digits (`7500000000`, `7_500_000_000`, `7,500,000,000`) or a
@@ -536,15 +567,14 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
     The optimizers get `--optim-args` and `--optim-target-modules` as in the what-if. Without
     `--precision` the precision follows `--dtype`, and each parameter keeps the dtype the model
     was built in (PEFT's float32 adapters over a bfloat16 base), as the what-if counts them.
+    `--deepspeed` and `--fsdp-config` give the setup (ZeRO stage, precision, offload, resharding,
+    the world size `train_batch_size` implies) as the step plan reads them, the flags given
+    overriding them; `--replicate` shards FSDP's states within each replica.
 
     Raises:
         ValueError: options that do not fit (see `estimate_model`), a bad setup or memory size.
         ModelConfigError: no model config, or no parameter left to train.
     """
-    setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
-                  sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
-                  precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
-                  offload_params=args.offload_params)
     memory = usable_memory(args)
     count = parameter_count(args.model)
     if count is not None:
@@ -553,10 +583,23 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
             raise ValueError(f"{given[0]} needs a model's modules and names: give a folder holding config.json, "
                              f"not a parameter count")
     model = count if count is not None else estimate_model(args)
+    if any(getattr(args, name, None) is not None for name in _ENGINE_FILES) or (getattr(args, "replicate", None) or 1) > 1:
+        # The engine's config, then the flags given, as the step plan resolves them (`step_settings`).
+        from trainer_memcb.plan.settings.setup import setup_of
+
+        settings = step_settings(args, model if count is None else None)
+        setup = setup_of(settings)
+        keep_dtypes = settings.sources.get("precision") == "flag" and args.precision is None
+    else:
+        setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
+                      sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
+                      precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
+                      offload_params=args.offload_params)
+        keep_dtypes = args.precision is None
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,
                              optim_args=args.optim_args, optim_target_modules=args.optim_target_modules,
-                             keep_dtypes=args.precision is None, reference_model=args.reference_model)
+                             keep_dtypes=keep_dtypes, reference_model=args.reference_model)
 
 
 def estimate_what_if(args: argparse.Namespace) -> WhatIf:

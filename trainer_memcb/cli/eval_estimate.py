@@ -15,7 +15,8 @@ from trainer_memcb.plan.answers.eval_memory import EVAL_LOGITS, EvalMemoryPlan, 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan
 from trainer_memcb.utils.units import parse_bytes
 
-__all__ = ["add_eval_arguments", "eval_asked", "estimate_evaluation", "eval_tables", "training_arguments_from_file"]
+__all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_tables",
+           "training_arguments_from_file"]
 
 
 def _positive(text: str) -> int:
@@ -49,6 +50,25 @@ def add_eval_arguments(estimate: argparse.ArgumentParser) -> None:
                        "containers' arrays fit")
 
 
+# The evaluation plan's own options: without --eval-samples they would change nothing.
+_EVAL_ONLY = (("eval_batch_size", "--eval-batch-size"), ("eval_accumulation_steps", "--eval-accumulation-steps"),
+              ("no_eval_concat", "--no-eval-concat"), ("eval_logits", "--eval-logits"),
+              ("eval_include_inputs", "--eval-include-inputs"), ("host_memory", "--host-memory"))
+
+
+def check_eval_options(args: argparse.Namespace) -> None:
+    """Refuse the evaluation plan's options without `--eval-samples`, which asks for it.
+
+    Raises:
+        ValueError: one line naming the option.
+    """
+    if eval_asked(args):
+        return
+    given = [flag for name, flag in _EVAL_ONLY if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise ValueError(f"{given[0]} has no effect without --eval-samples (the evaluation plan)")
+
+
 def eval_asked(args: argparse.Namespace) -> bool:
     """Whether the options ask for the evaluation plan."""
     return getattr(args, "eval_samples", None) is not None
@@ -59,14 +79,16 @@ def training_arguments_from_file(path: Optional[str]) -> Any:
 
     Raises:
         ValueError: a file that cannot be read, is not a JSON object, or that TrainingArguments refuses.
+        SettingsFileError: a key that is not a TrainingArguments field, or a value it would misread
+            (`trainer_memcb.plan.settings.check_training_args`).
     """
     from transformers import TrainingArguments
 
-    from trainer_memcb.plan.settings import read_json_file
+    from trainer_memcb.plan.settings import check_training_args, read_json_file
 
     data: Dict[str, Any] = read_json_file(path, "--training-args") if path is not None else {}
-    known = set(TrainingArguments.__dataclass_fields__)
-    kept = {key: value for key, value in data.items() if key in known and key not in ("output_dir", "report_to")}
+    check_training_args(data, f"--training-args {path}")  # a key TrainingArguments has not is refused, as it refuses it
+    kept = {key: value for key, value in data.items() if key not in ("output_dir", "report_to")}
     try:
         return TrainingArguments(output_dir="trainer-memcb-plan", report_to=[], **kept)
     except Exception as error:  # TrainingArguments' own checks: one line
@@ -91,7 +113,7 @@ def _settings(args: argparse.Namespace) -> EvalSettings:
 
 
 def estimate_evaluation(args: argparse.Namespace, build_model: Any,
-                        states: Optional[ModelStatesPlan] = None) -> EvalMemoryPlan:
+                        states: Optional[ModelStatesPlan] = None, reserve: int = 0) -> EvalMemoryPlan:
     """The evaluation plan for the options.
 
     Args:
@@ -99,6 +121,7 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
         build_model: makes the model the options describe on the meta device.
         states: the model-states plan, when planned too: its optimizer state (and master weights)
             stays alive while evaluation runs inside `train()`.
+        reserve: bytes of `--device-memory` evaluation cannot use (`--reserve`, or its default).
 
     Raises:
         ValueError: --seq-len missing, a bad size or settings file.
@@ -117,11 +140,14 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     def build() -> Any:
         model = build_model()
         if attention is not None and getattr(model, "config", None) is not None:
+            from trainer_memcb.plan.answers.step_memory import check_attn_implementation
+
+            check_attn_implementation(model, attention)
             model.config._attn_implementation = attention  # as the step plan traces it
         return model
 
     return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
-                            model_name=args.model)
+                            model_name=args.model, reserve_bytes=reserve)
 
 
 def _fits(fits: Optional[bool], peak: Optional[int], memory: Optional[int]) -> str:
@@ -155,7 +181,13 @@ def eval_tables(plan: EvalMemoryPlan) -> List[TextTable]:
         rows.append(["optimizer state alive from training", bytes_cell(plan.resident_bytes)])
     rows += [
         ["device peak (model + forward + concatenation)", bytes_cell(plan.device_peak_bytes)],
-        ["fits on the device?", _fits(plan.fits_device, plan.device_peak_bytes, plan.device_memory_bytes)],
+    ]
+    if plan.device_memory_bytes is not None:
+        rows.append(["reserve (not usable: CUDA context, workspaces)", bytes_cell(plan.reserve_bytes or 0)])
+    rows += [
+        ["fits on the device?", _fits(plan.fits_device, plan.device_peak_bytes,
+                                      None if plan.device_memory_bytes is None
+                                      else plan.device_memory_bytes - (plan.reserve_bytes or 0))],
         ["fits on the host?", _fits(plan.fits_host, plan.host_peak_bytes, plan.host_memory_bytes)],
     ]
     per_sample = ", ".join(f"{name} {value:,}" for name, value in plan.per_sample_bytes.items())

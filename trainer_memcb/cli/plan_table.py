@@ -146,6 +146,9 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
         best, problem = found.get("max_batch_size"), found.get("max_batch_size_problem")
         if problem is not None:
             title = f"No largest batch: {problem}; only the model states are planned"
+        elif best is not None and found.get("max_batch_size_is_search_limit"):
+            title = (f"Largest per-device batch that fits: at least {best:,}, the search's limit (it fits; no larger "
+                     f"batch was tried)")
         elif best is not None:
             title = f"Largest per-device batch that fits: {best}"
         else:
@@ -168,6 +171,8 @@ def step_json(found: Dict[str, Any]) -> Dict[str, Any]:
     if found.get("search"):
         document["max_batch_size"] = found.get("max_batch_size")
         document["max_batch_size_problem"] = found.get("max_batch_size_problem")
+        # True: max_batch_size is the search's limit, which fits; larger batches were not tried.
+        document["max_batch_size_is_search_limit"] = bool(found.get("max_batch_size_is_search_limit"))
         document["searched"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes, "fits": p.fits}
                                 for p in found["searched"]]
     return document

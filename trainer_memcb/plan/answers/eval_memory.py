@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.step.eval_forward import EvalForward, trace_eval_forward
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
@@ -131,7 +132,10 @@ class EvalMemoryPlan:
         per_sample_bytes: per container, the bytes one sample adds (`losses`: per batch row).
         model_bytes: parameters and buffers; resident_bytes: what else stays alive (optimizer state).
         device_peak_bytes, host_peak_bytes: the peaks compared with the memories given.
-        fits_device, fits_host: against `device_memory_bytes`, `host_memory_bytes` (None: not given).
+        fits_device, fits_host: against `device_memory_bytes` less `reserve_bytes`, and
+            `host_memory_bytes` (None: not given).
+        reserve_bytes: the part of the device's memory evaluation cannot use (the CUDA context, the
+            libraries' workspaces), as the step plan takes it.
         advice: when something does not fit, one line: why, and what would make it fit.
         problem: why the forward could not be traced (then no figure), or None.
     """
@@ -152,6 +156,7 @@ class EvalMemoryPlan:
     host_memory_bytes: Optional[int] = None
     fits_device: Optional[bool] = None
     fits_host: Optional[bool] = None
+    reserve_bytes: Optional[int] = None
     advice: List[str] = field(default_factory=list)
     problem: Optional[str] = None
 
@@ -252,7 +257,8 @@ def _per_sample(forward: EvalForward, settings: EvalSettings) -> Tuple[Dict[str,
 
 def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSettings, *,
                      device_memory: Optional[int] = None, host_memory: Optional[int] = None,
-                     resident_bytes: int = 0, model_name: Optional[str] = None) -> EvalMemoryPlan:
+                     resident_bytes: int = 0, model_name: Optional[str] = None,
+                     reserve_bytes: int = 0) -> EvalMemoryPlan:
     """Plan evaluation's memory on one process.
 
     Args:
@@ -263,6 +269,12 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         resident_bytes: device bytes alive beside the model while evaluating (the optimizer state,
             when evaluation runs inside `train()`).
         model_name: for the plan's title.
+        reserve_bytes: the part of `device_memory` evaluation cannot use (the CUDA context, the
+            libraries' workspaces): "fits?" is answered against `device_memory - reserve_bytes`,
+            as the step plan's.
+
+    Raises:
+        ValueError: a reserve that is not a whole number of bytes, or as large as `device_memory`.
 
     Examples:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -276,14 +288,24 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         >>> plan.containers_device_bytes  # 4 samples of logits and int64 labels, 2 batches of 2 fp32 losses
         13072
     """
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
+    if device_memory is not None and reserve_bytes >= device_memory:
+        raise ValueError(f"reserve_bytes={reserve_bytes:,} leaves nothing of device_memory={device_memory:,}")
+    reserve = reserve_bytes if device_memory is not None else None
+    usable = device_memory - reserve_bytes if device_memory is not None else None
     meta = build_model()
     name = model_name or type(meta).__name__
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # what the model refuses (a length past its positions) is said before tracing
+        step_inputs(meta, 1, settings.seq_len)
     try:
         forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         text = " ".join(str(error).split())[:300]
         return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,
-                              host_memory_bytes=host_memory,
+                              host_memory_bytes=host_memory, reserve_bytes=reserve,
                               problem=f"the evaluation forward cannot run under fake tensors "
                                       f"({type(error).__name__}: {text})")
     finally:
@@ -300,16 +322,16 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     figures = figures_for(settings)
     peak = device_peak(settings)
     host_peak = figures["host_concat_peak_bytes"]
-    fits_device = None if device_memory is None else peak <= device_memory
+    fits_device = None if usable is None else peak <= usable
     fits_host = None if host_memory is None else host_peak <= host_memory
     plan = EvalMemoryPlan(model=name, settings=settings, forward_peak_bytes=forward.peak_bytes,
                           per_sample_bytes={**per_sample, **({"losses": forward.loss_bytes} if forward.loss_bytes else {})},
                           model_bytes=forward.model_bytes, resident_bytes=resident_bytes, device_peak_bytes=peak,
                           host_peak_bytes=host_peak, device_memory_bytes=device_memory, host_memory_bytes=host_memory,
-                          fits_device=fits_device, fits_host=fits_host, **figures)
+                          fits_device=fits_device, fits_host=fits_host, reserve_bytes=reserve, **figures)
     advice = []
     if fits_device is False:
-        advice.append(_device_advice(plan, figures_for, device_peak, device_memory))
+        advice.append(_device_advice(plan, figures_for, device_peak, usable))
     if fits_host is False:
         advice.append(_host_advice(plan, figures_for, host_memory))
     return replace(plan, advice=advice)

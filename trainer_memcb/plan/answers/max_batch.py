@@ -7,10 +7,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
 
-__all__ = ["max_batch_size"]
+__all__ = ["max_batch_size", "MAX_BATCH_SEARCH_LIMIT"]
 
 
-def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int, limit: int = 1 << 20) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+# The largest batch `max_batch_size` searches: an answer equal to it means "at least this many".
+MAX_BATCH_SEARCH_LIMIT = 1 << 20
+
+
+def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
+                   limit: int = MAX_BATCH_SEARCH_LIMIT) -> Tuple[Optional[int], List[StepMemoryPlan]]:
     """The largest per-device batch whose planned peak fits in `device_memory`, and the plans traced.
 
     The peak is the larger of forward/backward's, which grows by the same bytes per sample at a
@@ -24,7 +29,8 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
     Args:
         plan_at: the step plan at a batch size.
         device_memory: bytes per process the step may use (the device's memory less the reserve).
-        limit: the largest batch searched.
+        limit: the largest batch searched; an answer equal to it means that batch fits, and
+            larger ones were not tried.
     """
     plans: Dict[int, StepMemoryPlan] = {}
 

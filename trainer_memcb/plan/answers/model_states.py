@@ -219,6 +219,7 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optio
             embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
             optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
     elif setup.is_fsdp:
+        world = setup.world_size // setup.replicate  # HSDP: sharded within each replica
         params = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in range(len(specs)))
         grads = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in trainable)
         shapes = [fsdp_local_shape(specs[i].shape, world) for i in trainable]
@@ -291,7 +292,7 @@ def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
     if setup.sharding == "zero3":
         numels = [zero3_partition_numel(spec.numel, setup.world_size) for spec in specs]
     elif setup.is_fsdp:
-        numels = [fsdp_padded_shard_numel(spec.shape, setup.world_size) for spec in specs]
+        numels = [fsdp_padded_shard_numel(spec.shape, setup.world_size // setup.replicate) for spec in specs]
     else:
         numels = [spec.numel for spec in specs]
     return sum(numel * (spec.element_size or size) for numel, spec in zip(numels, specs))

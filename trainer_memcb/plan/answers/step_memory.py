@@ -26,7 +26,7 @@ from trainer_memcb.plan.settings.setup import Setup, setup_of
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
 from trainer_memcb.plan.step.trace import DEVICE_TYPES, UntracedStep, trace_step
 
-__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED"]
+__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "check_attn_implementation"]
 
 # What a real process holds beyond the storages the trace counts, by device type: the reason for a
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
@@ -268,6 +268,7 @@ def plan_step_memory(
     name = model_name or type(meta).__name__
     config = getattr(meta, "config", None)
     if attn_implementation is not None and config is not None:
+        check_attn_implementation(meta, attn_implementation)
         config._attn_implementation = attn_implementation
     input_options = dict(target_len=target_len, image_size=image_size, padding=padding)
     with FakeTensorMode():  # the options the model has no use for are refused before anything runs
@@ -413,3 +414,25 @@ def _resolve(settings: Optional[StepSettings], args: Any, setup: Optional[Setup]
     elif flags.get("sharding") == "fsdp-full-shard":
         flags["reshard_after_forward"] = True
     return dataclasses.replace(settings, sources=sources, **flags)
+
+
+def check_attn_implementation(model: nn.Module, name: str) -> None:
+    """Refuse an attention implementation transformers would refuse for `model`
+    (`PreTrainedModel.get_correct_attn_implementation`: "eager" or a key of `ALL_ATTENTION_FUNCTIONS`,
+    and "sdpa" / "flex_attention" only where the class supports them).
+
+    Raises:
+        ValueError: naming the implementation and the ones allowed.
+    """
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # an older transformers without the registry: the trace will say
+        return
+    inner = model.base_model.model if hasattr(model, "peft_config") and hasattr(model, "base_model") else model
+    allowed = ["eager"] + list(ALL_ATTENTION_FUNCTIONS.valid_keys())
+    unsupported = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+    allowed = [key for key in allowed if getattr(inner, unsupported.get(key, ""), True) is not False]
+    if name not in allowed:
+        why = "is not one of transformers' attention implementations" if name not in unsupported else \
+            f"is not supported by {type(inner).__name__}"
+        raise ValueError(f"--attn-implementation {name!r} {why}: give one of {', '.join(allowed)}")

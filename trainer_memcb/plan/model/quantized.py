@@ -1,10 +1,10 @@
 """QLoRA's base model in the step plan: linear layers loaded in 4-bit or 8-bit by bitsandbytes.
 
 `from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` replaces
-every `nn.Linear` but the output head (transformers' `replace_with_bnb_linear`, skipping
-`get_keys_to_not_convert`: the output embeddings) by bitsandbytes' `Linear4bit`, whose weight is a
-`Params4bit` holding what `bitsandbytes.functional.quantize_4bit` returns for the weight in the
-loading dtype:
+every `nn.Linear` (and `Conv1D`, GPT-2's, its weight transposed) but the output head (transformers'
+`replace_with_bnb_linear`, skipping `get_keys_to_not_convert`: the output embeddings) by
+bitsandbytes' `Linear4bit`, whose weight is a `Params4bit` holding what
+`bitsandbytes.functional.quantize_4bit` returns for the weight in the loading dtype:
 
 - the packed values: uint8, `(N + 1) // 2` bytes (two 4-bit codes per byte);
 - the absmax per block of `blocksize` (64) values: fp32, 4 bytes per block; with double
@@ -182,17 +182,26 @@ def quantize_linear_layers(model: nn.Module, mode: Any, quantization: Quantizati
         The number of layers quantized.
     """
     import bitsandbytes.functional as bnb_functional
+    from transformers.pytorch_utils import Conv1D
 
     skipped = set(_not_converted(model))
-    # PEFT's adapters (lora_A, lora_B) are linear layers too: they stay in their dtype.
+    # PEFT's adapters (lora_A, lora_B) are linear layers too: they stay in their dtype. transformers'
+    # `_replace_with_bnb_linear` (integrations/bitsandbytes.py) also loads `Conv1D` layers (GPT-2's),
+    # whose (in, out) weight it transposes to a linear layer's (out, in) before quantizing it.
     targets = [name for name, module in model.named_modules()
-               if type(module) is nn.Linear and "lora_" not in name and name not in skipped]
+               if (type(module) is nn.Linear or isinstance(module, Conv1D)) and "lora_" not in name
+               and name not in skipped]
+
+    def weight_of(layer: nn.Module) -> torch.Tensor:
+        weight = layer.weight.detach()
+        return weight.t().contiguous() if isinstance(layer, Conv1D) else weight
+
     if quantization.bits == 8:
         with mode:
             for name in targets:
                 parent, child, linear = _parent(model, name)
                 # Int8Params._quantize: the weight in fp16, quantized by rows.
-                codes, row_scales, _ = bnb_functional.int8_vectorwise_quant(linear.weight.detach().to(torch.float16))
+                codes, row_scales, _ = bnb_functional.int8_vectorwise_quant(weight_of(linear).to(torch.float16))
                 setattr(parent, child, PlannedLinear8bit(codes, row_scales, linear.bias, quantization.threshold,
                                                          device_type))
         return len(targets)
@@ -204,7 +213,7 @@ def quantize_linear_layers(model: nn.Module, mode: Any, quantization: Quantizati
             for name in targets:
                 parent, child, linear = _parent(model, name)
                 packed, state = bnb_functional.quantize_4bit(
-                    linear.weight.detach(), blocksize=BLOCKSIZE, compress_statistics=quantization.double_quant,
+                    weight_of(linear), blocksize=BLOCKSIZE, compress_statistics=quantization.double_quant,
                     quant_type=quantization.quant_type, quant_storage=torch.uint8)
                 setattr(parent, child, PlannedLinear4bit(packed, state, linear.bias, quantization.compute_dtype))
         finally:

@@ -33,7 +33,10 @@ ids' values: the plan's ids hold the placeholders where the processor puts them 
 token of a "USER: <image>..." prompt), so that the trace answers as the real batch does.
 
 Options a model has no use for (`seq_len` for an image model, `target_len` for a decoder-only one,
-`image_size` for a text model) raise `ValueError` naming the model and the option that applies.
+`image_size` for a text model) raise `ValueError` naming the model and the option that applies; so
+does a length past a learned position table (GPT-2's `wpe`, BERT's `position_embeddings`, BART's
+`embed_positions`: a real batch would index past its rows; rotary positions have no such bound).
+A token model whose config has no token (`vocab_size` below 1) raises `ModelConfigError`.
 """
 
 from __future__ import annotations
@@ -120,6 +123,36 @@ def image_tokens(config: Any, height: int, width: int) -> int:
     return tokens
 
 
+def _position_table(model: nn.Module) -> Optional[str]:
+    """The name of a learned absolute position table (an `nn.Embedding` named for positions), or None."""
+    for name, module in model.named_modules():
+        last = name.rpartition(".")[2]
+        if isinstance(module, nn.Embedding) and ("pos" in last or last == "wpe"):
+            return name
+    return None
+
+
+def _check_lengths(model: nn.Module, name: str, lengths: Dict[str, Optional[int]]) -> None:
+    """Token ids need a vocabulary, and a learned position table bounds the lengths."""
+    from trainer_memcb.plan.model.config_error import ModelConfigError
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and vocab < 1:
+        raise ModelConfigError(f"{name}'s config has vocab_size={vocab}: a model of token inputs needs at least 1 "
+                               "token (its ids are 0 to vocab_size - 1)")
+    limit = getattr(text, "max_position_embeddings", None)
+    table = _position_table(model)
+    if table is None or not isinstance(limit, int):
+        return
+    key = getattr(text, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")  # GPT-2: n_positions
+    for option, length in lengths.items():
+        if length is not None and length > limit:
+            raise ValueError(f"{option} {length} is past {name}'s {limit} positions ({key} in its config; its learned "
+                             f"position table {table} has no row beyond): give at most {limit}")
+
+
 def _float_dtype(model: nn.Module) -> torch.dtype:
     for param in model.parameters():
         if param.is_floating_point():
@@ -151,7 +184,9 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
         padding: padded positions per row of the token inputs.
 
     Raises:
-        ValueError: an option the model has no use for, or one it needs that is missing.
+        ValueError: an option the model has no use for, or one it needs that is missing, or a length
+            past a learned position table.
+        ModelConfigError: a token model whose config has no token (vocab_size below 1).
     """
     inner = unwrap(model)
     name = type(inner).__name__
@@ -173,6 +208,8 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
         raise ValueError(f"{name} takes no tokens: --padding has no meaning for it")
     if takes_tokens and not 0 <= padding < seq_len:
         raise ValueError(f"padding={padding!r}: expected a whole number from 0 to seq_len - 1 ({seq_len - 1})")
+    if takes_tokens:
+        _check_lengths(inner, name, {"--seq-len": seq_len, "--target-len": target_len if kind == "seq2seq" else None})
     long = dict(dtype=torch.long)
     forward: Dict[str, torch.Tensor] = {}
     held: Dict[str, torch.Tensor] = {}

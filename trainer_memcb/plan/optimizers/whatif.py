@@ -34,6 +34,7 @@ from trainer_memcb.utils.compiled import uncompiled
 from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
 from trainer_memcb.utils.units import MiB, format_bytes
 from trainer_memcb.state.unwrap import inner_optimizers
+from trainer_memcb.plan.model.config_error import ModelConfigError
 
 __all__ = [
     "DEFAULT_OPTIMIZERS",
@@ -64,10 +65,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_CONFIG_BYTES = 16 * MiB
 # `auto_map` names Python files beside the config that transformers would import: never done here.
 _ASKS_FOR_CODE = "{model}: its config.json asks to run code from the model's files (auto_map); that code is never run"
-
-
-class ModelConfigError(Exception):
-    """A model that cannot be built from its config; the message says where it looked."""
 
 
 @dataclass(frozen=True)

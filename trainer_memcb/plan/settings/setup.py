@@ -58,6 +58,8 @@ class Setup:
         offload_params: ZeRO-3 parameter offload, or FSDP's `CPUOffload(offload_params=True)`
             (parameters, gradients and optimizer state on the CPU).
         sub_group_size: ZeRO-3's `sub_group_size` (values per flat fp32 sub-group).
+        replicate: FSDP2's HSDP: the states sharded over `world_size // replicate` processes and
+            replicated `replicate` times (a 2-D mesh, `fully_shard(mesh=...)`).
     """
 
     world_size: int = 1
@@ -67,9 +69,10 @@ class Setup:
     offload_optimizer: bool = False
     offload_params: bool = False
     sub_group_size: int = 1_000_000_000
+    replicate: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "nodes", "sub_group_size"):
+        for name in ("world_size", "nodes", "sub_group_size", "replicate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
@@ -88,6 +91,11 @@ class Setup:
                              "(FSDP offloads the optimizer state with offload_params)")
         if self.offload_params and self.sharding not in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"):
             raise ValueError(f"offload_params needs sharding zero3 or fsdp-*, not {self.sharding!r}")
+        if self.replicate > 1 and not self.is_fsdp:
+            raise ValueError(f"replicate={self.replicate} is FSDP2's HSDP: use it with sharding fsdp-full-shard or "
+                             f"fsdp-shard-grad-op, not {self.sharding!r}")
+        if self.world_size % self.replicate:
+            raise ValueError(f"replicate={self.replicate} does not divide world_size={self.world_size}")
 
     @property
     def is_zero(self) -> bool:
@@ -109,4 +117,4 @@ def setup_of(settings: StepSettings, setup: Optional[Setup] = None) -> Setup:
     return Setup(world_size=settings.world_size, nodes=settings.nodes, sharding=settings.sharding,
                  precision=settings.precision, offload_optimizer=settings.offload_optimizer and settings.zero_stage > 0,
                  offload_params=settings.offload_params and settings.sharding in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"),
-                 sub_group_size=int(settings.zero.get("sub_group_size", 1_000_000_000)))
+                 sub_group_size=int(settings.zero.get("sub_group_size", 1_000_000_000)), replicate=settings.replicate)

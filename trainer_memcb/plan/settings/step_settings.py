@@ -13,17 +13,30 @@ gradient accumulation and clipping from the arguments, `reduce_bucket_size` = hi
 (deepspeed 0.19.8 `runtime/zero/config.py`).
 
 A pickled `training_args.bin` is never read: only JSON.
+
+Values are read with the rules of the code that reads them in a run, and a value that code would
+refuse (or read otherwise than it looks) is refused here with `SettingsFileError`, naming the key,
+the file and what is allowed: a key that is not a `TrainingArguments` field (`TrainingArguments(**d)`
+raises TypeError), `bf16` and `fp16` both true (`TrainingArguments.__post_init__`; DeepSpeed's
+`DeepSpeedConfig._do_error_check`), a string where `TrainingArguments` has a boolean (kept as given,
+so "false" is true to the Trainer), fewer than 1 accumulation step or micro-batch (DeepSpeed's
+`_batch_assertion`; the Trainer divides by them), a ZeRO size that DeepSpeedZeroConfig's fields
+refuse (negative, not whole, `reduce_bucket_size` 0), and an FSDP boolean that transformers'
+`str_to_bool` cannot read (`TrainingArguments._process_fsdp_args`: "yes", 1, "true" are true).
+The same values given as flags raise plain `ValueError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["StepSettings", "resolve_settings", "read_json_file"]
+__all__ = ["StepSettings", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args"]
 
 # DeepSpeed 0.19.8 runtime/zero/config.py, DeepSpeedZeroConfig's field defaults.
 ZERO_DEFAULTS = {
@@ -36,6 +49,12 @@ ZERO_DEFAULTS = {
     "stage3_max_reuse_distance": 1_000_000_000,
     "sub_group_size": 1_000_000_000,
 }
+# DeepSpeedZeroConfig's lower bounds (deepspeed 0.19.8 runtime/zero/config.py: `Field(..., gt=0)` for
+# reduce_bucket_size, `ge=0` for the others).
+ZERO_MINIMUMS = {"reduce_bucket_size": 1}
+# transformers' `str_to_bool` (training_args.py), which `_process_fsdp_args` applies to str(value).lower().
+_TRUE_WORDS = ("y", "yes", "t", "true", "on", "1")
+_FALSE_WORDS = ("n", "no", "f", "false", "off", "0")
 # torch DistributedDataParallel's bucket_cap_mb default (None there means 25 MiB).
 DDP_BUCKET_CAP_MB = 25
 _DEFAULT = "default"
@@ -120,6 +139,106 @@ class StepSettings:
         return tuple(rows)
 
 
+class SettingsFileError(ValueError):
+    """A value of the Trainer's arguments or an engine's config that the Trainer (or the engine)
+    would refuse or read otherwise than it looks; the message names the key and what is allowed."""
+
+
+def _str_to_bool(value: Any, what: str) -> bool:
+    """`value` read as transformers' `str_to_bool(str(value).lower())` reads it."""
+    word = str(value).lower()
+    if word in _TRUE_WORDS or word in _FALSE_WORDS:
+        return word in _TRUE_WORDS
+    raise SettingsFileError(f"{what}={value!r}: the Trainer reads it with str_to_bool, which takes "
+                            f"{'/'.join(_TRUE_WORDS)} (true) or {'/'.join(_FALSE_WORDS)} (false)")
+
+
+def check_training_args(values: Mapping[str, Any], where: str = "training args") -> None:
+    """Refuse what `TrainingArguments(**values)` and the Trainer would refuse or misread: a key that
+    is not a field, `bf16` and `fp16` both true, a string where a boolean is expected, fewer than 1
+    accumulation step.
+
+    Raises:
+        SettingsFileError: naming the key and what is allowed.
+    """
+    from transformers import TrainingArguments
+
+    fields = {item.name: item for item in dataclasses.fields(TrainingArguments) if item.init}
+    unknown = sorted(key for key in values if key not in fields)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        which = "is not a TrainingArguments field" if len(unknown) == 1 else "are not TrainingArguments fields"
+        raise SettingsFileError(f"{where}: {', '.join(map(repr, unknown))} {which} (TrainingArguments(**args) raises "
+                                f"TypeError)" + (f"; did you mean {close[0]!r}?" if close else ""))
+    for key, value in values.items():
+        annotation = str(fields[key].type)  # "bool", "bool | None": a boolean that takes no string
+        if isinstance(value, str) and "bool" in annotation and "str" not in annotation:
+            raise SettingsFileError(f"{where}: {key}={value!r} is a string: TrainingArguments keeps it as given and the "
+                                    f"Trainer takes any non-empty string as true; write true or false")
+    if values.get("bf16") and values.get("fp16"):
+        raise SettingsFileError(f"{where}: bf16 and fp16 are both true: TrainingArguments refuses it "
+                                "(\"At most one of fp16 and bf16 can be True\"); keep one")
+    steps = values.get("gradient_accumulation_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise SettingsFileError(f"{where}: gradient_accumulation_steps={steps!r}: expected a whole number of at least 1 "
+                                "(the Trainer divides the batches of an epoch by it)")
+
+
+# The name each setting has where it came from, for the messages.
+_KEYS = {
+    "flag": {"batch_size": "--batch-size", "bucket_cap_mb": "--bucket-cap-mb"},
+    "training args": {"batch_size": "per_device_train_batch_size", "bucket_cap_mb": "ddp_bucket_cap_mb"},
+    "deepspeed config": {"batch_size": "train_micro_batch_size_per_gpu"},
+}
+
+
+def _check_values(values: Mapping[str, Any], zero: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """The resolved values each within what the Trainer and the engines accept; a flag's bad value
+    raises ValueError, a file's SettingsFileError."""
+    def refuse(name: str, value: Any, allowed: str) -> None:
+        source = sources.get(name, _DEFAULT)
+        kind = "deepspeed config" if "deepspeed" in source else ("flag" if source == "flag" else "training args")
+        key = _KEYS[kind].get(name, name.replace("zero.", "zero_optimization.", 1))
+        if source == "flag":
+            raise ValueError(f"{key} {value!r}: expected {allowed}")
+        raise SettingsFileError(f"{source}: {key}={value!r}: expected {allowed}")
+
+    for name in ("batch_size", "gradient_accumulation_steps"):
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            refuse(name, value, "a whole number of at least 1")
+    cap = values.get("bucket_cap_mb")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0):
+        refuse("bucket_cap_mb", cap, "a finite number of megabytes above 0 (DDP makes buckets of "
+                                     "int(bucket_cap_mb * 2**20) bytes)")
+    for key in ZERO_DEFAULTS:
+        if key not in zero or isinstance(zero[key], bool):
+            continue
+        value, least = zero[key], ZERO_MINIMUMS.get(key, 0)
+        whole = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value == int(value))
+        if not whole or value < least:
+            refuse(f"zero.{key}", value, f"a whole number of at least {least}, as DeepSpeedZeroConfig's {key} field takes")
+
+
+def _world_of_batch(ds: Mapping[str, Any], source: str, values: Dict[str, Any], sources: Dict[str, str]) -> None:
+    """The world size a DeepSpeed config's numbers imply: `train_batch_size` = micro-batch x
+    accumulation x world size (deepspeed 0.19.8 runtime/config.py `_batch_assertion`), taken when
+    no flag gives it, refused when a flag gives another."""
+    numbers = [ds.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu")]
+    steps = ds.get("gradient_accumulation_steps", 1)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in numbers + [steps]):
+        return  # "auto" (the Trainer fills them from its arguments and the processes), or left out
+    total, micro = numbers
+    world, remainder = divmod(total, micro * steps)
+    given = values.get("world_size")
+    if remainder or world < 1 or (given is not None and given != world):
+        raise SettingsFileError(f"{source}: train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
+                                f"gradient_accumulation_steps={steps} x world size {given or 'W'}: DeepSpeed refuses it "
+                                "(\"Check batch related parameters\")")
+    if given is None:
+        values["world_size"], sources["world_size"] = world, f"{source} (train_batch_size)"
+
+
 def _offloaded(section: Any) -> bool:
     return isinstance(section, Mapping) and section.get("device", "none") not in ("none", None)
 
@@ -145,9 +264,13 @@ def _args_dict(training_args: Any) -> Dict[str, Any]:
     if training_args is None:
         return {}
     if isinstance(training_args, Mapping):
-        return dict(training_args)
+        values = dict(training_args)
+        check_training_args(values)
+        return values
     if isinstance(training_args, (str, os.PathLike)):
-        return read_json_file(os.fspath(training_args), "training args")
+        values = read_json_file(os.fspath(training_args), "training args")
+        check_training_args(values, f"training args {os.fspath(training_args)!r}")
+        return values
     to_dict = getattr(training_args, "to_dict", None)
     if to_dict is None:
         raise ValueError(f"training_args={type(training_args).__name__}: expected TrainingArguments, a dict or a JSON file")
@@ -223,7 +346,10 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         flags: settings given explicitly (a `StepSettings` field name each); None values are not given.
 
     Raises:
-        ValueError: an unknown flag, a file that is not JSON, an "auto" the Trainer cannot fill.
+        ValueError: an unknown flag, a file that is not JSON, an "auto" the Trainer cannot fill, a
+            flag's value out of range.
+        SettingsFileError: a value of the arguments or a config that the Trainer or the engine
+            would refuse or misread (the module's docstring lists them).
     """
     names = {item.name for item in dataclasses.fields(StepSettings)} - {"sources", "zero"}
     unknown = sorted(set(flags) - names)
@@ -275,6 +401,10 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
                              ("gradient_clipping", "max_grad_norm")):
             if key in ds and ds[key] != "auto":
                 put(setting, ds[key], ds_source)
+        if (ds.get("bf16") or {}).get("enabled") is True and (ds.get("fp16") or {}).get("enabled") is True:
+            # DeepSpeedConfig._do_error_check (deepspeed 0.19.8 runtime/config.py).
+            raise SettingsFileError(f"{ds_source}: bf16.enabled and fp16.enabled are both true: DeepSpeed refuses it "
+                                    "(\"bfloat16 and fp16 modes cannot be simultaneously enabled\"); keep one")
         if (ds.get("bf16") or {}).get("enabled") is True:
             put("precision", "deepspeed-bf16", ds_source)
         elif (ds.get("fp16") or {}).get("enabled") is True:
@@ -292,9 +422,10 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         if reshard is None and legacy:
             reshard = "shard_grad_op" not in legacy
             src = "training args (fsdp)"
-        reshard = True if reshard is None else (reshard if isinstance(reshard, bool) else str(reshard).lower() in ("true", "full_shard"))
+        reshard = True if reshard is None else _str_to_bool(reshard, f"{src}: reshard_after_forward")
         put("sharding", "fsdp-full-shard" if reshard else "fsdp-shard-grad-op", src)
         put("reshard_after_forward", reshard, src)
+        # `if self.fsdp_config.get("cpu_offload", False)` in `_process_fsdp_args`: any true value.
         offload = fsdp.get("cpu_offload", fsdp.get("offload_params"))
         if offload is None and "offload" in legacy:
             offload = True
@@ -308,9 +439,12 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
             raise ValueError(f"fsdp config version={version!r}: only FSDP2 (version 2, the Trainer's default) is planned")
         if "activation_checkpointing" in fsdp:
             # accelerate's FSDP2 wraps each layer in a non-reentrant checkpoint (`fsdp2_apply_ac`).
-            put("gradient_checkpointing", str(fsdp["activation_checkpointing"]).lower() == "true", src)
+            put("gradient_checkpointing", _str_to_bool(fsdp["activation_checkpointing"], f"{src}: activation_checkpointing"),
+                src)
     for name, value in flags.items():
         put(name, value, "flag")
+    if ds:
+        _world_of_batch(ds, ds_source, values, sources)
     if values.get("sharding") == "fsdp-shard-grad-op" and sources.get("reshard_after_forward") != "flag":
         values["reshard_after_forward"] = False
         sources.setdefault("reshard_after_forward", sources["sharding"])
@@ -328,4 +462,5 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
     replicate = values.get("replicate", 1)
     if world % replicate:
         raise ValueError(f"replicate={replicate} does not divide world_size={world}")
+    _check_values(values, zero, sources)
     return StepSettings(zero=zero, sources=sources, **values)
