@@ -6,6 +6,7 @@ tiny DistilBERT on the CPU."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 from typing import Any, List
 
@@ -20,6 +21,7 @@ from test_callback_logging import train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.plan.step_memory import plan_step_memory
 from trainer_memcb.training.activations_probe import ACTIVATIONS_SUPPORTED, ActivationsProbe
+from trainer_memcb.training.tensorboard_view import layout_charts, trainer_tag
 from trainer_memcb.training.figures import (
     DEVICE_PEAK_ALLOCATED_BYTES,
     DEVICE_PEAK_RESERVED_BYTES,
@@ -88,6 +90,18 @@ def test_plan_step_true_logs_the_plans_peak_from_the_first_logged_step_planned_o
     assert (plans.calls, watches.calls) == (1, 1)
     assert scalars(str(tmp_path), f"train/{STEP_PLAN_PEAK_BYTES}") == [(2, float(expected)), (4, float(expected))]
     assert not any(module._forward_pre_hooks for module in model.modules())
+    with open(tmp_path / "optimizer_memory.json", encoding="utf-8") as handle:
+        assert json.load(handle)["final_figures"][STEP_PLAN_PEAK_BYTES] == expected  # the summary has it too
+
+
+def test_the_custom_scalars_chart_the_plans_peak_beside_the_devices_peaks():
+    logged = {"": [STEP_PLAN_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES, DEVICE_PEAK_RESERVED_BYTES, "activations_bytes"]}
+    assert layout_charts(logged, trainer_tag)["Optimizer memory"]["the step's peak, planned and on the device (bytes)"] \
+        == ["Multiline", ["^train/step_plan_peak_bytes$", "^train/device_peak_allocated_bytes$",
+                          "^train/device_peak_reserved_bytes$"]]
+    # On the CPU with plan_step=True: the plan alone, still charted.
+    assert list(layout_charts({"": [STEP_PLAN_PEAK_BYTES]}, trainer_tag)["Optimizer memory"]) == [
+        "the step's peak, planned and on the device (bytes)"]
 
 
 def test_by_default_a_cpu_run_is_not_planned_and_nothing_is_installed(tmp_path, counted):
@@ -152,3 +166,32 @@ def test_on_cuda_the_reserved_peak_is_logged_beside_the_allocated_peak(tmp_path,
     assert read == [torch.device("cuda", 0)] * 4  # each read once per logged step, for the model's device
     assert scalars(str(tmp_path), f"train/{DEVICE_PEAK_RESERVED_BYTES}") == [(2, 6291456.0), (4, 6291456.0)]
     assert scalars(str(tmp_path), f"train/{DEVICE_PEAK_ALLOCATED_BYTES}") == [(2, 5000000.0), (4, 5000000.0)]
+
+
+def test_a_compiled_model_is_planned_from_max_length_or_left_out_with_one_warning(tmp_path):
+    """A compiled model gets no hook: the arguments' `max_length` (TRL's configs have one) gives
+    the length, the batch is the arguments' own; without it the plan is left out, said once."""
+    model = tiny_classifier()
+    args = training_args(str(tmp_path))
+    warned: List[str] = []
+    probe = step_plan_probe.StepPlanProbe(True, lambda kind, message: warned.append(message))
+    probe.start()
+    probe.arm(model, args, compiled=True)
+    probe.arm(model, args, compiled=True)
+    assert probe.figures(model, args) == {} and warned == [step_plan_probe.COMPILED_MESSAGE]
+    assert probe.left_out == "left out: " + step_plan_probe.COMPILED_MESSAGE
+    args.max_length = 8
+    probe.start()
+    probe.arm(model, args, compiled=True)
+    assert not model._forward_pre_hooks
+    assert probe.figures(model, args) == {STEP_PLAN_PEAK_BYTES: direct_peak(model, args.optim.value)}
+
+
+def test_only_the_main_process_plans(tmp_path):
+    model = tiny_classifier()
+    args = training_args(str(tmp_path))
+    probe = step_plan_probe.StepPlanProbe(True)
+    probe.start(main_process=False)
+    probe.arm(model, args)
+    assert not model._forward_pre_hooks and probe.figures(model, args) == {}
+    assert probe.left_out == "made by the main process only"

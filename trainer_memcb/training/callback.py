@@ -275,7 +275,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
             run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
         run.monitor.activations.forget()  # nothing left over from a run that raised
-        run.step_plan.start()  # planned once per run
+        run.step_plan.start(bool(state.is_world_process_zero))  # planned once per run, by the main process
         if state.is_world_process_zero:
             run.monitor.estimate()
             self._state_what_if(run, args, kwargs.get("model"))
@@ -508,7 +508,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             document = monitor.summary_document(
                 state.global_step,
                 stepped=stepped,
-                extra={"final_figures": final_figures,
+                extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys)},
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
             phases = judge_phases(step_memory_figures(document)[0], self._largest_evaluation)

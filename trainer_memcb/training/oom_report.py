@@ -118,7 +118,8 @@ def oom_report_text(error: BaseException, steps_done: int, plan: Any = None, no_
     if plan is None:
         lines.append(f"The step plan for this run's settings: {no_plan}")
     else:
-        lines.append(f"The step plan for this run's settings (batch {plan.batch_size} x {plan.seq_len}, "
+        batch = f"{plan.batch_size} x {plan.seq_len}" if plan.seq_len is not None else f"{plan.batch_size}"
+        lines.append(f"The step plan for this run's settings (batch {batch}, "
                      f"{plan.optimizer}, {plan.precision}, engine {plan.engine}, on {plan.device_type}) "
                      f"peaks in {plan.peak_phase} at {_bytes(plan.peak_bytes)}, holding:")
         parts = dict(plan.peak_parts)

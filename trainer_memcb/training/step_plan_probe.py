@@ -104,11 +104,13 @@ class StepPlanProbe:
         self._seq_len: Optional[int] = None
         self.left_out = NOT_YET  # why there is no plan (the out-of-memory report says it)
 
-    def start(self) -> None:
-        """A run begins: nothing planned yet, nothing installed."""
+    def start(self, main_process: bool = True) -> None:
+        """A run begins: nothing planned yet, nothing installed. Only the main process plans (it
+        alone logs)."""
         self.remove()
-        self.plan, self._figures, self._done, self._seq_len = None, {}, False, None
-        self._batch.shapes, self.left_out = None, NOT_YET
+        self.plan, self._figures, self._done, self._seq_len = None, {}, not main_process, None
+        self._batch.shapes = None
+        self.left_out = NOT_YET if main_process else "made by the main process only"
 
     def remove(self) -> None:
         """Take off the batch hook if it is still on; safe at any time."""
@@ -144,6 +146,11 @@ class StepPlanProbe:
         except Exception as error:  # never break training over a plan
             self.remove()
             self._failed(repr(error))
+
+    @property
+    def planned(self) -> Dict[str, int]:
+        """The figures planned so far (`{}` before the plan), never planning: the end-of-run summary's."""
+        return dict(self._figures)
 
     def figures(self, model: Any, args: Any) -> Dict[str, int]:
         """The plan's figures, planning now if a batch has been seen and nothing was planned yet."""
