@@ -96,4 +96,4 @@ def test_the_planned_reserved_bytes_wait_for_the_allocators_replay(tmp_path):
 
 def test_docstring_examples_run():
     results = doctest.testmod(run_plan)
-    assert (results.failed, results.attempted) == (0, 3)
+    assert (results.failed, results.attempted) == (0, 9)

@@ -156,6 +156,17 @@ def plan_for_trainer(model: Any, args: Any, batch: Optional[Mapping[str, Any]] =
 
     Raises:
         ValueError: a batch whose sizes the model has no use for, or settings the plan refuses.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                                      num_attention_heads=4, vocab_size=256))
+        >>> args = TrainingArguments("out", per_device_train_batch_size=2, optim="adamw_torch", use_cpu=True,
+        ...                          report_to=[])
+        >>> plan = plan_for_trainer(model, args, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+        >>> plan.batch_size, plan.seq_len, plan.engine, plan.peak_phase, plan.peak_bytes
+        (2, 16, 'none', 'optimizer step', 2004888)
     """
     resolve_settings, meta_stand_in, plan_step_memory = _plan()
     module = trained_module(model)
