@@ -198,3 +198,40 @@ def test_the_allocator_state_reads_one_devices_segments(monkeypatch):
 def test_docstring_examples_run():
     results = doctest.testmod(oom_report, optionflags=doctest.ELLIPSIS)
     assert (results.failed, results.attempted) == (0, 1)
+
+
+class OutOfMemoryInBackward(torch.autograd.Function):
+    """The identity, whose backward raises `torch.OutOfMemoryError`, as a CUDA backward can."""
+
+    raised: List[BaseException] = []
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        OutOfMemoryInBackward.raised.append(torch.OutOfMemoryError("CUDA out of memory in backward (on purpose)"))
+        raise OutOfMemoryInBackward.raised[-1]
+
+
+class BackwardOutOfMemoryTrainer(Trainer):
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+        return OutOfMemoryInBackward.apply(super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs))
+
+
+def test_the_first_steps_out_of_memory_in_backward_is_planned_then(tmp_path):
+    """The first logged step runs out of memory in its backward, before its entry: its batch was
+    seen in its forward, so the plan is made in the failure path, and the report has it."""
+    OutOfMemoryInBackward.raised.clear()
+    model = tiny_classifier()
+    args = training_args(str(tmp_path))
+    trainer = BackwardOutOfMemoryTrainer(model=model, args=args, train_dataset=TinyDataset(),
+                                         callbacks=[OptimizerMemoryCallback(what_if=(), plan_step=True)])
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        trainer.train()
+    assert caught.value is OutOfMemoryInBackward.raised[0] and caught.value.__context__ is None
+    head = REPORT_HEAD.format(optim=args.optim.value).replace("after 1 optimizer step", "after 0 optimizer steps")
+    head = head.replace(". Tried to allocate 2.00 GiB (on purpose)", " in backward (on purpose)")
+    assert report(str(tmp_path)) == head + NO_CUDA
+    assert not model._forward_pre_hooks and "forward" not in model.__dict__
