@@ -17,19 +17,35 @@ import trainer_memcb.training.oom_report as oom_report
 from helpers import TinyDataset, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.training.oom_report import OOM_REPORT_FILE_NAME, allocator_state, oom_report_path
+from trainer_memcb.utils.units import format_bytes
 
+# The report's head for the tiny model's run: its figures (those of transformers 5, in the comments)
+# come from the step plan asked for directly, `plan_step_memory` with the same settings.
 REPORT_HEAD = """Out of memory in Trainer.train after 1 optimizer step
 error: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (on purpose)
 
-The step plan for this run's settings (batch 4 x 8, {optim}, fp32, engine none, on cpu) peaks in backward at 90220 bytes (88.1 KiB), holding:
-  parameters: 14856 bytes (14.5 KiB)
-  gradients: 3464 bytes (3.4 KiB)
-  optimizer state: 29808 bytes (29.1 KiB)
-  activations: 33600 bytes (32.8 KiB)
-  batch and buffers: 288 bytes (288 B)
-  other: 8204 bytes (8.0 KiB)
+The step plan for this run's settings (batch 4 x 8, {optim}, fp32, engine none, on cpu) peaks in {phase} at {peak}, holding:
+  parameters: {parameters}
+  gradients: {gradients}
+  optimizer state: {optimizer_state}
+  activations: {activations}
+  batch and buffers: {batch_and_buffers}
+  other: {other}
 
 """
+# On transformers 5: 90220 bytes (88.1 KiB) in backward: parameters 14856 bytes (14.5 KiB), gradients
+# 3464 bytes (3.4 KiB), optimizer state 29808 bytes (29.1 KiB), activations 33600 bytes (32.8 KiB),
+# batch and buffers 288 bytes (288 B), other 8204 bytes (8.0 KiB).
+
+
+def report_head(optim: str) -> str:
+    """`REPORT_HEAD` with the figures of `plan_step_memory` for the run's settings, given directly."""
+    from test_run_plan import direct_plan
+
+    plan = direct_plan(tiny_classifier(), optim)
+    figures = {part: f"{value} bytes ({format_bytes(value)})" for part, value in plan.peak_parts.items()}
+    return REPORT_HEAD.format(optim=optim, phase=plan.peak_phase,
+                              peak=f"{plan.peak_bytes} bytes ({format_bytes(plan.peak_bytes)})", **figures)
 NO_CUDA = "The caching allocator: not read (no CUDA device: the model is not on one, and CUDA is not available)\n"
 ALLOCATOR = """The caching allocator on cuda:0, when the error reached Trainer.train:
   reserved: 27262976 bytes (26.0 MiB)
@@ -98,12 +114,13 @@ def assert_left_as_it_was(run: Dict[str, Any]) -> None:
     model = run["model"]
     assert "forward" not in model.__dict__
     assert {name: dict(module._forward_pre_hooks) for name, module in model.named_modules()} == run["hooks"]
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch 2.8 and newer
+    assert top_hooks is None or top_hooks(False) is None
 
 
 def test_an_out_of_memory_step_writes_the_plan_by_part_and_propagates_unchanged(tmp_path):
     run = train_until_out_of_memory(str(tmp_path), plan_step=True)
-    assert report(str(tmp_path)) == REPORT_HEAD.format(optim=run["optim"]) + NO_CUDA
+    assert report(str(tmp_path)) == report_head(run["optim"]) + NO_CUDA
     assert_left_as_it_was(run)
 
 
@@ -111,13 +128,14 @@ def test_the_allocators_state_is_in_the_report(tmp_path, monkeypatch):
     """CUDA cannot run here. Patched: `torch.cuda.is_available` (True), `current_device` (0),
     `memory_stats` and `memory_snapshot` (the figures above); they are read only now, in the failure
     path. The model, the step and its error are real."""
+    head = report_head(training_args(str(tmp_path)).optim.value)  # before CUDA is patched in
     read: List[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: read.append(f"stats {device}") or MEMORY_STATS)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kwargs: read.append("snapshot") or SNAPSHOT)
     run = train_until_out_of_memory(str(tmp_path), plan_step=True)
-    assert report(str(tmp_path)) == REPORT_HEAD.format(optim=run["optim"]) + ALLOCATOR
+    assert report(str(tmp_path)) == head + ALLOCATOR
     assert read == ["stats cuda:0", "snapshot"]  # once, after the error
     assert_left_as_it_was(run)
 
@@ -231,7 +249,7 @@ def test_the_first_steps_out_of_memory_in_backward_is_planned_then(tmp_path):
     with pytest.raises(torch.OutOfMemoryError) as caught:
         trainer.train()
     assert caught.value is OutOfMemoryInBackward.raised[0] and caught.value.__context__ is None
-    head = REPORT_HEAD.format(optim=args.optim.value).replace("after 1 optimizer step", "after 0 optimizer steps")
+    head = report_head(args.optim.value).replace("after 1 optimizer step", "after 0 optimizer steps")
     head = head.replace(". Tried to allocate 2.00 GiB (on purpose)", " in backward (on purpose)")
     assert report(str(tmp_path)) == head + NO_CUDA
     assert not model._forward_pre_hooks and "forward" not in model.__dict__

@@ -34,7 +34,7 @@ def test_the_runs_plan_equals_the_plan_asked_for_directly_to_the_byte(tmp_path):
     plan = plan_for_trainer(model, args, {"input_ids": torch.zeros(4, 8, dtype=torch.long), "labels": torch.zeros(4)})
     direct = direct_plan(model, args.optim.value)
     assert plan.problem is None and (plan.batch_size, plan.seq_len, plan.engine) == (4, 8, "none")
-    assert plan.peak_bytes == direct.peak_bytes == 90220
+    assert plan.peak_bytes == direct.peak_bytes
     assert plan.peak_parts == direct.peak_parts
 
 
@@ -96,4 +96,4 @@ def test_the_planned_reserved_bytes_wait_for_the_allocators_replay(tmp_path):
 
 def test_docstring_examples_run():
     results = doctest.testmod(run_plan)
-    assert (results.failed, results.attempted) == (0, 9)
+    assert (results.failed, results.attempted) == (0, 10)

@@ -78,7 +78,6 @@ def test_plan_step_true_logs_the_plans_peak_from_the_first_logged_step_planned_o
                       callbacks=[OptimizerMemoryCallback(plan_step=True, what_if=(), eval_keys="all")])
     assert train_recording_warnings(trainer) == []
     expected = direct_peak(model, args.optim.value)
-    assert expected == 90220
     training = entries_with(trainer.state.log_history, "loss")
     assert [(entry["step"], entry.get(STEP_PLAN_PEAK_BYTES)) for entry in training] == [(2, expected), (4, expected)]
     # No figure of the allocator's replay yet: the key is left out, never faked.

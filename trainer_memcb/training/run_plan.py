@@ -165,8 +165,10 @@ def plan_for_trainer(model: Any, args: Any, batch: Optional[Mapping[str, Any]] =
         >>> args = TrainingArguments("out", per_device_train_batch_size=2, optim="adamw_torch", use_cpu=True,
         ...                          report_to=[])
         >>> plan = plan_for_trainer(model, args, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
-        >>> plan.batch_size, plan.seq_len, plan.engine, plan.peak_phase, plan.peak_bytes
-        (2, 16, 'none', 'optimizer step', 2004888)
+        >>> plan.batch_size, plan.seq_len, plan.engine, plan.peak_phase
+        (2, 16, 'none', 'optimizer step')
+        >>> plan.peak_parts["parameters"] == 4 * sum(param.numel() for param in model.parameters())  # fp32, as loaded
+        True
     """
     resolve_settings, meta_stand_in, plan_step_memory = _plan()
     module = trained_module(model)
