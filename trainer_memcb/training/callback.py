@@ -26,6 +26,7 @@ from trainer_memcb.training.figures import (
     with_prefix,
 )
 from trainer_memcb.training.model_states_probe import tap_zero_gradients
+from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.oom_report import (
     OUT_OF_MEMORY_ERRORS,
     allocator_state,
@@ -34,7 +35,6 @@ from trainer_memcb.training.oom_report import (
     oom_report_text,
     write_oom_report,
 )
-from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
 from trainer_memcb.training.per_optimizer import PerOptimizer
 from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
 from trainer_memcb.training.step_plan_probe import StepPlanProbe, validate_plan_step
@@ -474,7 +474,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
 
     @staticmethod
     def _uninstall(run: _Run) -> None:
-        """Remove what the run installed: the ZeRO-1/2 step tap and any activations wrapper."""
+        """Remove what the run installed: the step plan's batch hook, the ZeRO-1/2 step tap and any
+        activations wrapper."""
         run.step_plan.remove()
         if run.untap is not None:
             run.untap, untap = None, run.untap
