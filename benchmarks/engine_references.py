@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "plan"))
 import torch  # noqa: E402
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
-from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
-from trainer_memcb.plan.whatif import build_meta_model  # noqa: E402
+from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.optimizers.whatif import build_meta_model  # noqa: E402
 
 MODEL = os.path.join(ROOT, "examples", "models", "llama-2-7b")
 

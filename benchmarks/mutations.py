@@ -203,30 +203,30 @@ EDITS: List[Edit] = [
          ZERO_ARITHMETIC),
     Edit("state/rules/deepspeed_zero.py", "        if current >= sub_group_size or index == len(partitions) - 1:",
          "        if current > sub_group_size or index == len(partitions) - 1:", ZERO_ARITHMETIC),
-    # -- plan/model_states.py: the model-states plan -------------------------------------------
-    Edit("plan/model_states.py", "        fits = margin >= 0", "        fits = margin > 0",
+    # -- plan/answers/model_states.py: the model-states plan -------------------------------------------
+    Edit("plan/answers/model_states.py", "        fits = margin >= 0", "        fits = margin > 0",
          (f"{PLAN[0]}::test_a_margin_of_exactly_zero_fits_and_one_byte_less_does_not",)),  # exactly 0 fits
-    Edit("plan/model_states.py",
+    Edit("plan/answers/model_states.py",
          "            grad_numel = sum(numels) if setup.sharding == \"zero1\" else sum(partitions)",
          "            grad_numel = sum(numels) if setup.sharding == \"zero2\" else sum(partitions)",
          PLAN),
-    Edit("plan/model_states.py", "        params = sum(specs[i].numel * size[i] for i in range(len(specs)))",
+    Edit("plan/answers/model_states.py", "        params = sum(specs[i].numel * size[i] for i in range(len(specs)))",
          "        params = sum(specs[i].numel * size[i] for i in trainable)", PLAN),
-    Edit("plan/model_states.py", "        cpu += optimizer_bytes + layout.master_weights_bytes", "        cpu += optimizer_bytes",
+    Edit("plan/answers/model_states.py", "        cpu += optimizer_bytes + layout.master_weights_bytes", "        cpu += optimizer_bytes",
          PLAN),
-    Edit("plan/model_states.py", "        optimizer_size, master = _FP32, sum(partitions) * _FP32",
+    Edit("plan/answers/model_states.py", "        optimizer_size, master = _FP32, sum(partitions) * _FP32",
          "        optimizer_size, master = _FP32, sum(partitions) * 2", PLAN),
-    Edit("plan/model_states.py", "layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,",
+    Edit("plan/answers/model_states.py", "layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,",
          "layout.master_weights_bytes, total, device, cpu, cpu * setup.world_size,", PLAN),
-    Edit("plan/model_states.py", "is_embedding=id(param) in embeddings, name=name,", "is_embedding=False, name=name,",
+    Edit("plan/answers/model_states.py", "is_embedding=id(param) in embeddings, name=name,", "is_embedding=False, name=name,",
          ("tests/plan/test_whatif_menu.py", *PLAN)),
-    Edit("plan/model_states.py", "margin_bytes=margin, fits=None if margin is None else margin >= 0)",
+    Edit("plan/answers/model_states.py", "margin_bytes=margin, fits=None if margin is None else margin >= 0)",
          "margin_bytes=margin, fits=None if margin is None else margin > 0)",
          (f"{PLAN[0]}::test_a_margin_of_exactly_zero_fits_and_one_byte_less_does_not",)),  # with a reference model
-    # -- plan/sharding.py: FSDP2's shards ------------------------------------------------------
-    Edit("plan/sharding.py", "    return -(-rows // world_size)", "    return rows // world_size", PLAN),
-    Edit("plan/sharding.py", "        return (1,)", "        return ()", PLAN),
-    Edit("plan/sharding.py", "tuple(shape[1:])", "tuple(shape[2:])", PLAN),
+    # -- plan/answers/sharding.py: FSDP2's shards ------------------------------------------------------
+    Edit("plan/answers/sharding.py", "    return -(-rows // world_size)", "    return rows // world_size", PLAN),
+    Edit("plan/answers/sharding.py", "        return (1,)", "        return ()", PLAN),
+    Edit("plan/answers/sharding.py", "tuple(shape[1:])", "tuple(shape[2:])", PLAN),
     # -- training/per_optimizer.py: one record per optimizer ----------------------------------
     Edit("training/per_optimizer.py", "        if found is None or found[0]() is not optimizer:",
          "        if found is None:", PER_OPTIMIZER),  # a record left under a reused id taken as the new one's
@@ -336,36 +336,37 @@ EDITS: List[Edit] = [
          ZERO_TAP),
     Edit("training/zero_gradients.py", "        tap = _TAPS.get(zero)\n        if tap is None:",
          "        tap = None\n        if tap is None:", ZERO_TAP),  # a second owner gets a second wrapper
-    # -- plan/live_storages.py: the step plan's live bytes ----------------------------------------
-    Edit("plan/live_storages.py", "                self._tensors[key] = count + 1", "                pass", LIVE_STORAGES),
-    Edit("plan/live_storages.py", "        if ident in self._seen:\n            return", "        pass", LIVE_STORAGES),
+    # -- plan/step/live_storages.py: the step plan's live bytes ----------------------------------------
+    Edit("plan/step/live_storages.py", "                self._tensors[key] = count + 1", "                pass", LIVE_STORAGES),
+    Edit("plan/step/live_storages.py", "        if ident in self._seen:\n            return", "        pass", LIVE_STORAGES),
     # (a tensor object met again counted again, its first weak reference replaced: released once, never freed)
-    Edit("plan/live_storages.py", "            self.peak_keys = list(self._serial.values())",
+    Edit("plan/step/live_storages.py", "            self.peak_keys = list(self._serial.values())",
          "            self.peak_keys = list(self._serial)", LIVE_STORAGES),  # storage addresses for serials
-    Edit("plan/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
-    Edit("plan/live_storages.py", "            self.on_op(func, args, kwargs)\n        self._check_peak()",
+    Edit("plan/step/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
+    Edit("plan/step/live_storages.py", "            self.on_op(func, args, kwargs)\n        self._check_peak()",
          "            self.on_op(func, args, kwargs)", LIVE_STORAGES),  # the peak only where a tensor is added
-    # -- plan/step_memory.py: the step's peak, its parts, fits? and the largest batch ----------------
-    Edit("plan/step_memory.py", "    if fb_bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:",
-         "    if fb_bytes + state_bytes - fb_host < optimizer_peak - optimizer_host:",
+    # -- plan/answers/step_memory.py, max_batch.py: the step's peak, its parts, fits? and the largest batch
+    Edit("plan/answers/step_memory.py", "    if fb.bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:",
+         "    if fb.bytes + state_bytes - fb_host < optimizer_peak - optimizer_host:",
          OPTIMIZER_PHASE_PEAK),  # the smaller of the two phases' peaks taken
-    Edit("plan/step_memory.py", "        optimizer_peak += not_yet", "        pass", OPTIMIZER_PHASE_PEAK),
+    Edit("plan/answers/step_memory.py", "    optimizer_peak = optimizer.bytes + not_yet if stepped else 0",
+         "    optimizer_peak = optimizer.bytes if stepped else 0", OPTIMIZER_PHASE_PEAK),
     # (the first fake step's peak, before the last parameters' state is made, taken as every step's)
-    Edit("plan/step_memory.py", "    parts[\"optimizer_state\"] += extra_state", "    pass", OPTIMIZER_PHASE_PEAK),
+    Edit("plan/answers/step_memory.py", "    parts[\"optimizer_state\"] += extra_state", "    pass", OPTIMIZER_PHASE_PEAK),
     # (the peak's parts no longer sum to it)
-    Edit("plan/step_memory.py", "(\"activations\", set(watch))", "(\"activations\", set())", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py", "timeline.part_of(key, at.saved)", "timeline.part_of(key)", STEP_ON_THE_COMMAND_LINE),
     # (the activations alive at the peak filed under "other")
-    Edit("plan/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
-    Edit("plan/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
+    Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
          STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
-    Edit("plan/step_memory.py", "        return peak <= device_memory", "        return peak < device_memory", SEARCH),
-    Edit("plan/step_memory.py", "        if peak is None:\n            raise _CannotTrace()",
+    Edit("plan/answers/max_batch.py", "        return peak <= device_memory", "        return peak < device_memory", SEARCH),
+    Edit("plan/answers/max_batch.py", "        if peak is None:\n            raise _CannotTrace()",
          "        if peak is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
-    Edit("plan/step_memory.py", "    if not fits(1):\n        return done(None)", "    if not fits(1):\n        return done(1)",
+    Edit("plan/answers/max_batch.py", "    if not fits(1):\n        return done(None)", "    if not fits(1):\n        return done(1)",
          SEARCH),  # batch 1 answered where nothing fits
-    Edit("plan/step_memory.py", "        peak, phase = fb_peak + estimated, traced.peak_phase",
+    Edit("plan/answers/step_memory.py", "        peak, phase = fb_peak + estimated, traced.peak_phase",
          "        peak, phase = fb_peak, traced.peak_phase", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
-    Edit("plan/step_memory.py", "            peak += reference", "            pass", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py", "            peak += reference", "            pass", STEP_ON_THE_COMMAND_LINE),
     # -- cli/estimate.py: the command's reserve, refusals and search ------------------------------------
     Edit("cli/estimate.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
          "if plan.problem is not None),\n                       None)", "        problem = None", SEARCH),

@@ -35,7 +35,8 @@ from typing import Dict, List, Tuple
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from trainer_memcb.plan.model_states import Setup, plan_model_states  # noqa: E402
+from trainer_memcb.plan.answers.model_states import plan_model_states  # noqa: E402
+from trainer_memcb.plan.settings.setup import Setup  # noqa: E402
 
 # -- the ZeRO paper, Table 1, 7.5B model column (GB) ------------------------------------------------
 PAPER_PSI = 7_500_000_000
@@ -81,7 +82,7 @@ def deepspeed_rows(worlds: Tuple[int, ...] = (8, 64)) -> List[Dict[str, object]]
     import torch
     from zero_reference import ZERO_ROWS, plan_row
 
-    from trainer_memcb.plan.whatif import build_meta_model
+    from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
     path = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")
     return [plan_row(lambda: build_meta_model(path, torch.bfloat16), label, stage, offload_optimizer, offload_param, world)
@@ -98,7 +99,7 @@ def lomo_row() -> Dict[str, object]:
     LOMO's Table 1."""
     import torch
 
-    from trainer_memcb.plan.whatif import build_meta_model
+    from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
     model = build_meta_model(os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b"), torch.float16)
     plan = plan_model_states(model, "lomo", Setup(precision="fp16"))
@@ -148,7 +149,7 @@ def step_activations(build, batch: int, seq: int, checkpointing: bool = False) -
     """The step plan's activations in fp16 (a model loaded in fp16 and trained so)."""
     import torch
 
-    from trainer_memcb.plan.step_memory import plan_step_memory
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
     plan, _ = plan_step_memory(build, batch_size=batch, seq_len=seq, setup=Setup(precision="bf16"),
                                dtype=torch.float16, gradient_checkpointing=checkpointing, model_states=False)
@@ -235,8 +236,8 @@ def family_rows() -> List[Dict[str, object]]:
 
     import torch
 
-    from trainer_memcb.plan.step_memory import plan_step_memory
-    from trainer_memcb.plan.whatif import build_meta_model
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
     rows: List[Dict[str, object]] = []
     for folder, batch, seq_len, target_len, attention in FAMILY_CONFIGS:

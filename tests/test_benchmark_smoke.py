@@ -1,4 +1,4 @@
-"""The overhead benchmark runs end to end and prints both ratios (`--quick`; no timing is judged)."""
+"""The benchmarks run end to end and print what they measure (`--quick`, a short timeline; no timing is judged)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,16 @@ def test_quick_benchmark_prints_both_ratios():
                      r"-> target (met|NOT met) \(<= 1\.02\)$", out, re.MULTILINE), out
     assert re.search(r"^  \(c\) small model, step time with / without measuring the activations: \d+\.\d{4} .*"
                      r"-> target (met|NOT met) \(<= 1\.02\)$", out, re.MULTILINE), out
+
+
+ALLOCATOR_SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "allocator_replay.py")
+
+
+def test_allocator_replay_benchmark_prints_a_rate_per_setting():
+    completed = subprocess.run([sys.executable, ALLOCATOR_SCRIPT, "--events", "2000"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    rates = re.findall(r"^(\S+) +([\d,]+) events/s  \(", completed.stdout, re.MULTILINE)
+    assert [setting for setting, _ in rates] == [
+        "defaults", "expandable_segments:True", "max_split_size_mb:128,roundup_power2_divisions:4"]
+    assert all(int(rate.replace(",", "")) > 0 for _, rate in rates)

@@ -1,6 +1,6 @@
-"""The package's layers, held statically: each subpackage imports only the layers below it, no
-module loads another by name, and the module import graph has no cycle (imports inside functions
-included)."""
+"""The package's layers, held statically: each subpackage imports only the layers below it, each
+stage of the plan only the stages before it, no module loads another by name, and the module
+import graph has no cycle (imports inside functions included)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,23 @@ ALLOWED: Dict[str, Set[str]] = {
     "runs": {"training", "utils"},  # a finished run's file and key names are the training layer's
     "cli": {"runs", "training", "plan", "state", "utils"},
 }
+
+
+# The plan's stages, each a subpackage of `trainer_memcb.plan`, in order -> the stages it may
+# import. `device` (the caching allocator, the GPU presets) imports no other stage; the step and
+# the answers may import it. The package `trainer_memcb.plan` itself imports no stage.
+PLAN_STAGES: Dict[str, Set[str]] = {
+    "settings": set(),
+    "device": set(),
+    "model": {"settings"},
+    "optimizers": {"model", "settings"},
+    "step": {"device", "optimizers", "model", "settings"},
+    "answers": {"step", "device", "optimizers", "model", "settings"},
+}
+# What the answers read of the step: its products (the timeline, the evaluation forward) and the
+# functions that trace it, never the tracker or the engines.
+STEP_PRODUCTS = {"trainer_memcb.plan.step.trace", "trainer_memcb.plan.step.timeline",
+                 "trainer_memcb.plan.step.eval_forward"}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -76,9 +93,45 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
 
 
 def test_the_allowed_edges_run_one_way() -> None:
-    order = list(ALLOWED)
-    for layer, below in ALLOWED.items():
-        assert all(order.index(other) < order.index(layer) for other in below), layer
+    for table in (ALLOWED, PLAN_STAGES):
+        order = list(table)
+        for layer, below in table.items():
+            assert all(order.index(other) < order.index(layer) for other in below), layer
+
+
+def stage_of(module: str) -> str:
+    """The plan stage of a module of `trainer_memcb.plan` ("<plan>" for the package itself)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "<plan>"
+
+
+def test_every_plan_module_is_in_a_stage() -> None:
+    plan = [module for module in MODULES if layer_of(module) == "plan"]
+    assert sorted(module for module in plan if stage_of(module) == "<plan>") == ["trainer_memcb.plan"]
+    assert {stage_of(module) for module in plan} - {"<plan>"} <= set(PLAN_STAGES)
+
+
+def test_each_plan_stage_imports_only_the_stages_before_it() -> None:
+    wrong = []
+    for module, path in MODULES.items():
+        if layer_of(module) != "plan":
+            continue
+        stage = stage_of(module)
+        for imported in package_imports(path):
+            if layer_of(imported) != "plan" or stage_of(imported) == stage:
+                continue
+            if stage == "<plan>" or stage_of(imported) not in PLAN_STAGES[stage]:
+                wrong.append(f"{module} -> {imported}")
+    assert wrong == []
+
+
+def test_the_answers_read_the_step_only_through_its_products() -> None:
+    wrong = []
+    for module, path in MODULES.items():
+        if layer_of(module) == "plan" and stage_of(module) == "answers":
+            wrong += [f"{module} -> {imported}" for imported in package_imports(path)
+                      if imported.startswith("trainer_memcb.plan.step.") and imported not in STEP_PRODUCTS]
+    assert wrong == []
 
 
 def test_no_module_loads_another_by_name() -> None:
@@ -123,3 +176,11 @@ def test_the_layer_test_sees_a_planted_upward_import(tmp_path) -> None:
     planted.write_text("def f():\n    from trainer_memcb.training import callback\n")
     assert "trainer_memcb.training.callback" in package_imports(planted)
     assert layer_of("trainer_memcb.training.callback") not in ALLOWED["state"]
+
+
+def test_the_stage_check_sees_a_planted_backward_import(tmp_path) -> None:
+    """A stage importing a later one (the trace reading an answer) is found."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("from trainer_memcb.plan.answers.model_states import plan_model_states\n")
+    assert package_imports(planted) == {imported := "trainer_memcb.plan.answers.model_states"}
+    assert stage_of(imported) == "answers" and "answers" not in PLAN_STAGES["step"]

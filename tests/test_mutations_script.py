@@ -13,7 +13,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "mutations.py")
 # A fast one: a tiny plan, no training. `fits` must hold at a margin of exactly 0.
-EDIT = "plan/model_states.py#1"
+EDIT = "plan/answers/model_states.py#1"
 
 
 def run_script(*argv: str) -> subprocess.CompletedProcess:
@@ -48,5 +48,5 @@ def test_one_edit_is_killed_in_a_copy_and_the_working_tree_is_untouched():
 
 
 def test_bad_arguments_are_refused_with_exit_2():
-    assert run_script("--edit", "plan/model_states.py#999").returncode == 2
+    assert run_script("--edit", "plan/answers/model_states.py#999").returncode == 2
     assert run_script("--jobs", "0").returncode == 2

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import requires_transformers
-from trainer_memcb.plan.trainer_optimizers import trainer_optimizer_cls_and_kwargs
+from trainer_memcb.plan.optimizers.trainer_optimizers import trainer_optimizer_cls_and_kwargs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert")

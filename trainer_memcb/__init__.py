@@ -11,6 +11,7 @@ answer a Ctrl-C with one line (`trainer_memcb.cli`).
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocatorReplay",
     "OptimizerMemoryCallback",
     "OptimizerMemoryLogger",
     "ParamInfo",
@@ -19,11 +20,13 @@ __all__ = [
     "estimate_optimizer_state",
     "measure_optimizer_state",
     "register_estimate_rule",
+    "replay_allocations",
     "__version__",
 ]
 
 # Public name -> the module that defines it, imported when the name is first asked for.
 _LAZY = {
+    "AllocatorReplay": "trainer_memcb.plan.device.caching_allocator",
     "OptimizerMemoryCallback": "trainer_memcb.training.callback",
     "OptimizerMemoryLogger": "trainer_memcb.training.accelerate_loop",
     "ParamInfo": "trainer_memcb.state.estimate",
@@ -32,6 +35,7 @@ _LAZY = {
     "register_estimate_rule": "trainer_memcb.state.estimate",
     "StateMeasurement": "trainer_memcb.state.measure",
     "measure_optimizer_state": "trainer_memcb.state.measure",
+    "replay_allocations": "trainer_memcb.plan.device.caching_allocator",
 }
 
 

@@ -296,8 +296,8 @@ def test_the_docstring_examples_run():
 
     import trainer_memcb.cli
     import trainer_memcb.runs.run_logs
-    import trainer_memcb.plan.whatif
+    import trainer_memcb.plan.optimizers.whatif
 
-    for module in (trainer_memcb.cli, trainer_memcb.runs.run_logs, trainer_memcb.plan.whatif):
+    for module in (trainer_memcb.cli, trainer_memcb.runs.run_logs, trainer_memcb.plan.optimizers.whatif):
         outcome = doctest.testmod(module)
         assert outcome.attempted > 0 and outcome.failed == 0, module.__name__

@@ -19,7 +19,8 @@ from transformers import LlamaConfig
 from helpers import requires_transformers
 
 from trainer_memcb.cli import main
-from trainer_memcb.plan.step_memory import NOT_COUNTED, StepMemoryPlan, max_batch_size
+from trainer_memcb.plan.answers.step_memory import NOT_COUNTED, StepMemoryPlan
+from trainer_memcb.plan.answers.max_batch import max_batch_size
 from trainer_memcb.utils.name_lists import name_list
 from trainer_memcb.utils.units import parse_size
 
@@ -117,7 +118,7 @@ def test_a_size_without_a_unit_or_out_of_range_is_one_line(option, text, line, c
 
 
 def test_every_size_follows_the_same_rule_in_python():
-    from trainer_memcb.plan.model_states import parse_bytes
+    from trainer_memcb.utils.units import parse_bytes
 
     assert parse_size("80GiB") == parse_bytes("80GiB") == 80 * 2**30 and parse_size(4096) == parse_bytes(4096) == 4096
     assert parse_size("0.5KiB") == 512 and parse_size("1.1GiB") == 1_181_116_006  # fractions of a byte dropped
@@ -221,7 +222,7 @@ def test_the_callback_refuses_a_dict_of_keys():
 
 
 def test_optimizer_names_refuse_a_dict():
-    from trainer_memcb.plan.whatif import resolve_optimizer_names
+    from trainer_memcb.plan.optimizers.whatif import resolve_optimizer_names
 
     with pytest.raises(ValueError, match=r"^optimizers=\{'adamw': 1\}: expected optimizer names"):
         resolve_optimizer_names({"adamw": 1})
@@ -244,8 +245,8 @@ def test_the_8bit_torchao_optimizer_gets_its_own_reason(monkeypatch):
     import transformers.trainer_optimizer as handlers
     from transformers import TrainingArguments
 
-    from trainer_memcb.plan.stand_ins import meta_stand_in
-    from trainer_memcb.plan.trainer_optimizers import OptimizerUnavailable, build_trainer_optimizer
+    from trainer_memcb.plan.model.stand_ins import meta_stand_in
+    from trainer_memcb.plan.optimizers.trainer_optimizers import OptimizerUnavailable, build_trainer_optimizer
 
     monkeypatch.setattr(handlers, "is_torchao_available", lambda *args, **kwargs: False)
     monkeypatch.setitem(sys.modules, "torchao", None)

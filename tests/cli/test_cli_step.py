@@ -9,9 +9,10 @@ import torch
 from transformers import LlamaConfig
 
 from trainer_memcb.cli import main
-from trainer_memcb.plan.model_states import Setup
-from trainer_memcb.plan.step_memory import StepMemoryPlan, max_batch_size, plan_step_memory
-from trainer_memcb.plan.whatif import build_meta_model
+from trainer_memcb.plan.settings.setup import Setup
+from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
+from trainer_memcb.plan.answers.max_batch import max_batch_size
+from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +188,8 @@ def test_loras_adapter_dtype_is_the_same_with_and_without_the_step_plan(tiny_lla
 
 def test_qlora_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
     pytest.importorskip("bitsandbytes")
-    from trainer_memcb.plan.lora import add_lora_adapters
-    from trainer_memcb.plan.quantized import Quantization
+    from trainer_memcb.plan.model.lora import add_lora_adapters
+    from trainer_memcb.plan.model.quantized import Quantization
 
     document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--lora-r", "4", "--load-in-4bit",
                          "--bnb-4bit-use-double-quant", "--batch-size", "2", "--seq-len", "16", "--json"], capsys)
@@ -203,8 +204,8 @@ def test_qlora_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
 
 def test_8bit_loading_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
     pytest.importorskip("bitsandbytes")
-    from trainer_memcb.plan.lora import add_lora_adapters
-    from trainer_memcb.plan.quantized import Quantization
+    from trainer_memcb.plan.model.lora import add_lora_adapters
+    from trainer_memcb.plan.model.quantized import Quantization
 
     document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--lora-r", "4", "--load-in-8bit",
                          "--batch-size", "2", "--seq-len", "16", "--json"], capsys)

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, Trainer
 from helpers import TinyDataset, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
-from trainer_memcb.plan.whatif import build_meta_model, resolve_optimizer_names, select_trainable, what_if
+from trainer_memcb.plan.optimizers.whatif import build_meta_model, resolve_optimizer_names, select_trainable, what_if
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1024**3

@@ -9,7 +9,7 @@ import pytest
 
 from trainer_memcb.cli import collector
 from trainer_memcb.cli.estimate import _first_then_new
-from trainer_memcb.plan.step_memory import _freeze_older_objects
+from trainer_memcb.plan.step.trace import _freeze_older_objects
 
 
 @pytest.fixture

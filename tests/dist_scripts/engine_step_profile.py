@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
               vocab_size=256)

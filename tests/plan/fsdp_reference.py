@@ -20,11 +20,11 @@ def fsdp_memtracker_peak(build_model: Callable[[], Any], settings: Any, batch_si
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import TrainingArguments
 
-    from trainer_memcb.plan.engines.fsdp2 import FSDP2Engine
-    from trainer_memcb.plan.step_memory import _num_items_in_batch, fake_copy
-    from trainer_memcb.plan.trainer_model import prepare_like_trainer
-    from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
-    from trainer_memcb.plan.value_reads import unpadded_batch
+    from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
+    from trainer_memcb.plan.step.trace import _num_items_in_batch, fake_copy
+    from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
+    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
+    from trainer_memcb.plan.model.value_reads import unpadded_batch
 
     mode = FakeTensorMode()
     engine = FSDP2Engine(settings)

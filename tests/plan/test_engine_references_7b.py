@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
-from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
-from trainer_memcb.plan.whatif import build_meta_model  # noqa: E402
+from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.optimizers.whatif import build_meta_model  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import requires_torch
 
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.utils.units import format_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -261,8 +261,8 @@ STATES_CASES = {
 @pytest.mark.parametrize("name", list(STATES_CASES))
 def test_the_model_states_table_of_a_step_is_each_states_most_during_that_engines_step(name):
     from trainer_memcb.cli.plan_table import plan_tables
-    from trainer_memcb.plan.engines.base import MODEL_STATES
-    from trainer_memcb.plan.step_memory import states_during_step
+    from trainer_memcb.plan.step.timeline import MODEL_STATES
+    from trainer_memcb.plan.answers.step_memory import states_during_step
 
     given, most, at_step = STATES_CASES[name]
     settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch", **given)
@@ -307,7 +307,7 @@ def test_the_model_states_table_of_a_step_is_each_states_most_during_that_engine
 
 @requires_torch("2.13", "the FSDP2 rows need torch 2.13's fake collectives (see above)")
 def test_the_model_states_table_of_an_offloaded_fsdp2_step_puts_the_shards_on_the_host():
-    from trainer_memcb.plan.step_memory import states_during_step
+    from trainer_memcb.plan.answers.step_memory import states_during_step
 
     settings = resolve_settings(world_size=4, sharding="fsdp-full-shard", fsdp_cpu_offload=True, batch_size=BATCH,
                                 optimizer="adamw_torch")
@@ -326,7 +326,7 @@ def test_the_model_states_table_of_an_offloaded_fsdp2_step_puts_the_shards_on_th
 def test_states_during_step_docstring_example_runs():
     import doctest
 
-    from trainer_memcb.plan import step_memory
+    from trainer_memcb.plan.answers import step_memory
 
     [test] = doctest.DocTestFinder().find(step_memory.states_during_step, "states_during_step",
                                           globs=vars(step_memory).copy())

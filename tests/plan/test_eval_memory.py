@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from helpers import requires_transformers
-from trainer_memcb.plan.eval_memory import EvalSettings, containers_figures, plan_eval_memory
+from trainer_memcb.plan.answers.eval_memory import EvalSettings, containers_figures, plan_eval_memory
 
 BATCH, SEQ = 4, 16
 
@@ -75,7 +75,7 @@ def test_the_planned_forward_peak_against_the_profilers_live_bytes(kind: str, at
     real = profiled_forward_peak(cls(make_config(attn)), eval_batch(kind))
     # Measured here: llama eager 186,496 and sdpa 166,016, bert eager 82,432 and sdpa 66,048, planned =
     # profiled. The batch is a collator's (an all-ones mask), and its mask reads are answered as a real
-    # unpadded batch's (trainer_memcb.plan.value_reads), so SDPA builds no causal mask in either.
+    # unpadded batch's (trainer_memcb.plan.model.value_reads), so SDPA builds no causal mask in either.
     assert plan.forward_peak_bytes == real, (plan.forward_peak_bytes, real)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer_memcb.plan.live_storages import LiveStorages
+from trainer_memcb.plan.step.live_storages import LiveStorages
 
 
 def test_each_storage_counts_once_from_its_first_tensor_to_its_last():

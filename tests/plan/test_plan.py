@@ -15,13 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-import trainer_memcb.plan.model_states
-import trainer_memcb.plan.param_shapes
-import trainer_memcb.plan.sharding
+import trainer_memcb.plan.answers.model_states
+import trainer_memcb.plan.model.param_shapes
+import trainer_memcb.plan.answers.sharding
 from trainer_memcb.cli import main
-from trainer_memcb.plan.model_states import Setup, layout_model_states, param_specs, parse_bytes, plan_model_states
-from trainer_memcb.plan.sharding import fsdp_local_shape, fsdp_padded_shard_numel, zero12_gradient_numel
-from trainer_memcb.plan.whatif import what_if
+from trainer_memcb.plan.answers.model_states import layout_model_states, param_specs, plan_model_states
+from trainer_memcb.plan.settings.setup import Setup
+from trainer_memcb.utils.units import parse_bytes
+from trainer_memcb.plan.answers.sharding import fsdp_local_shape, fsdp_padded_shard_numel, zero12_gradient_numel
+from trainer_memcb.plan.optimizers.whatif import what_if
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")
@@ -43,7 +45,8 @@ def adamw(values: int, tensors: int, element_size: int = 4) -> int:
     return 2 * values * element_size + 4 * tensors  # exp_avg, exp_avg_sq, a 4-byte step each
 
 
-@pytest.mark.parametrize("module", [trainer_memcb.plan.model_states, trainer_memcb.plan.param_shapes, trainer_memcb.plan.sharding])
+@pytest.mark.parametrize("module", [trainer_memcb.plan.answers.model_states, trainer_memcb.plan.model.param_shapes,
+                                    trainer_memcb.plan.answers.sharding, trainer_memcb.utils.units])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted >= 1 and result.failed == 0

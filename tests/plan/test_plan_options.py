@@ -14,12 +14,13 @@ import pytest
 from helpers import installed_version, requires_transformers
 
 import trainer_memcb.cli.estimate
-import trainer_memcb.plan.update_kinds
+import trainer_memcb.plan.optimizers.update_kinds
 from trainer_memcb.cli import main
 from trainer_memcb.cli.estimate import parameter_count
-from trainer_memcb.plan.model_states import Setup, plan_model_states
-from trainer_memcb.plan.sharding import zero12_partition_numel
-from trainer_memcb.plan.whatif import build_meta_model, optimizer_names, resolve_optimizer_names, what_if
+from trainer_memcb.plan.answers.model_states import plan_model_states
+from trainer_memcb.plan.settings.setup import Setup
+from trainer_memcb.plan.answers.sharding import zero12_partition_numel
+from trainer_memcb.plan.optimizers.whatif import build_meta_model, optimizer_names, resolve_optimizer_names, what_if
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert")
@@ -42,7 +43,7 @@ def tiny():
     return build_meta_model(TINY)
 
 
-@pytest.mark.parametrize("module", [trainer_memcb.plan.update_kinds, trainer_memcb.cli.estimate])
+@pytest.mark.parametrize("module", [trainer_memcb.plan.optimizers.update_kinds, trainer_memcb.cli.estimate])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted >= 1 and result.failed == 0

@@ -10,7 +10,8 @@ import pytest
 from torch import nn
 
 from trainer_memcb.cli import main
-from trainer_memcb.plan.model_states import PEFT_REFERENCE_NOTE, Setup, plan_model_states
+from trainer_memcb.plan.answers.model_states import PEFT_REFERENCE_NOTE, plan_model_states
+from trainer_memcb.plan.settings.setup import Setup
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = os.path.join(REPO_ROOT, "examples", "models", "llama-2-7b")

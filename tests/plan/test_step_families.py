@@ -24,8 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from helpers import independent_saved_bytes, installed_version
-from trainer_memcb.plan.model_states import Setup
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.settings.setup import Setup
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,7 +122,7 @@ def meta_builder(kind: str, attn: str = None, lora: bool = False) -> Callable[[]
         with torch.device("meta"):
             model = model_class(kind)(make_config(kind, attn))
         if lora:
-            from trainer_memcb.plan.lora import add_lora_adapters
+            from trainer_memcb.plan.model.lora import add_lora_adapters
 
             model = add_lora_adapters(model, 4, ["q_proj", "v_proj"])
         return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_memcb.plan.step_inputs import head_kind, step_inputs
+from trainer_memcb.plan.model.step_inputs import head_kind, step_inputs
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,9 +9,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from helpers import requires_transformers
-from trainer_memcb.plan.model_states import Setup
-from trainer_memcb.plan.step_memory import plan_step_memory
-from trainer_memcb.plan.trainer_model import prepare_like_trainer
+from trainer_memcb.plan.settings.setup import Setup
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
 transformers = pytest.importorskip("transformers")
@@ -62,7 +62,7 @@ def meta_builder(kind: str, attn: str, lora: bool) -> Callable[[], torch.nn.Modu
         with torch.device("meta"):
             model = cls(make_config(attn))
         if lora:
-            from trainer_memcb.plan.lora import add_lora_adapters
+            from trainer_memcb.plan.model.lora import add_lora_adapters
 
             model = add_lora_adapters(model, 4, ["q_proj", "v_proj", "query", "value"])
         return model
@@ -123,7 +123,7 @@ def profiled_peak(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tu
     during the step, from the profiler's allocation records in time order."""
     from transformers import TrainingArguments
 
-    from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
 
     optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
 
@@ -200,7 +200,7 @@ def test_a_real_trainer_run_logs_the_planned_activations_to_the_byte(tmp_path, a
     [entry] = entries_with(trainer.state.log_history, "activations_bytes")
     assert entry["activations_bytes"] == plan.activations_bytes
     # With checkpointing and SDPA the recomputation once saved a (4, 1, 16, 16) fp32 mask the real
-    # run never builds: the fake positions read as packed sequences (trainer_memcb.plan.value_reads).
+    # run never builds: the fake positions read as packed sequences (trainer_memcb.plan.model.value_reads).
     assert entry["activations_peak_bytes"] == plan.activations_peak_bytes
 
 

@@ -5,7 +5,7 @@ The real model: a tiny Llama's weights saved and loaded with
 or `BitsAndBytesConfig(load_in_8bit=True)` (bitsandbytes runs both on the CPU: 8-bit training
 through `MatMul8bitFp`), LoRA adapters on q_proj and v_proj. The plan builds the same config on
 the meta device and loads its linear layers in 4-bit or 8-bit under fake tensors
-(`trainer_memcb.plan.quantized`).
+(`trainer_memcb.plan.model.quantized`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from helpers import independent_saved_bytes, requires_transformers
-from trainer_memcb.plan.quantized import PlannedLinear4bit, PlannedLinear8bit, Quantization, quantize_linear_layers
-from trainer_memcb.plan.step_memory import fake_copy, plan_step_memory
+from trainer_memcb.plan.model.quantized import PlannedLinear4bit, PlannedLinear8bit, Quantization, quantize_linear_layers
+from trainer_memcb.plan.step.trace import fake_copy
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -50,7 +51,7 @@ def real_qlora(folder: str, double_quant: bool) -> torch.nn.Module:
 
 
 def build() -> torch.nn.Module:
-    from trainer_memcb.plan.lora import add_lora_adapters
+    from trainer_memcb.plan.model.lora import add_lora_adapters
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config())

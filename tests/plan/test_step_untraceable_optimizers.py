@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers import requires_transformers, training_args
-from trainer_memcb.plan.model_states import plan_model_states
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.model_states import plan_model_states
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 pytest.importorskip("bitsandbytes")
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import installed_version, requires_transformers, training_args
-from trainer_memcb.plan.trainer_model import checkpointing_kwargs, prepare_like_trainer
+from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs, prepare_like_trainer
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402

@@ -17,11 +17,11 @@ from transformers.training_args import OptimizerNames
 from helpers import requires_transformers, tiny_classifier, training_args
 from trainer_memcb import estimate_optimizer_state
 from trainer_memcb.cli import main
-from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.plan.stand_ins import meta_stand_in
-from trainer_memcb.plan.trainer_optimizers import OptimizerUnavailable, build_trainer_optimizer
+from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
+from trainer_memcb.plan.model.stand_ins import meta_stand_in
+from trainer_memcb.plan.optimizers.trainer_optimizers import OptimizerUnavailable, build_trainer_optimizer
 from trainer_memcb.state.unwrap import inner_optimizers
-from trainer_memcb.plan.whatif import what_if
+from trainer_memcb.plan.optimizers.whatif import what_if
 
 # GaLore and APOLLO need target modules; on the tiny DistilBERT these are its six attention and
 # feed-forward nn.Linear layers (q_lin, k_lin, v_lin, out_lin, lin1, lin2).
@@ -286,13 +286,13 @@ def test_the_estimate_command_takes_optim_args_and_target_modules(tmp_path, caps
 def test_the_docstring_examples_run():
     import doctest
 
-    import trainer_memcb.plan.lora
-    import trainer_memcb.plan.optim_options
-    import trainer_memcb.plan.stand_ins
-    import trainer_memcb.plan.trainer_optimizers
+    import trainer_memcb.plan.model.lora
+    import trainer_memcb.plan.settings.optim_options
+    import trainer_memcb.plan.model.stand_ins
+    import trainer_memcb.plan.optimizers.trainer_optimizers
 
-    for module in (trainer_memcb.plan.lora, trainer_memcb.plan.optim_options, trainer_memcb.plan.stand_ins,
-                   trainer_memcb.plan.trainer_optimizers):
+    for module in (trainer_memcb.plan.model.lora, trainer_memcb.plan.settings.optim_options, trainer_memcb.plan.model.stand_ins,
+                   trainer_memcb.plan.optimizers.trainer_optimizers):
         outcome = doctest.testmod(module)
         assert outcome.attempted > 0 and outcome.failed == 0, module.__name__
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from test_engines import buffers_beyond_transformers_5s, build
-from trainer_memcb.plan.engines.zero3_fetch import FetchCoordinator
+from trainer_memcb.plan.step.engines.zero3_fetch import FetchCoordinator
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 
 def test_coordinator_prefetches_within_the_live_limit_and_keeps_a_use_it_passed_over():

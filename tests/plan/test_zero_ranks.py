@@ -19,7 +19,7 @@ from test_engines import buffers_beyond_transformers_5s, build  # noqa: E402
 from zero_step_profile import ROWS  # noqa: E402  (the real runs' own DeepSpeed configs)
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
-from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
 
 WORLD = 4
 # The figures below are with transformers 5's model buffers; 4.57 keeps 32 bytes more of them.

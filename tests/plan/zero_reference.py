@@ -163,7 +163,7 @@ def trainer_groups(model: Any) -> List[List[int]]:
     no decay), in order: DeepSpeed flattens and partitions each group apart."""
     from transformers import TrainingArguments
 
-    from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
 
     optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments(output_dir="zero-reference", report_to=[]), model)
     groups = [[p.numel() for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
@@ -211,7 +211,7 @@ def plan_row(build: Any, label: str, stage: int, offload_optimizer: bool, offloa
              gpus_per_node: int = 8, batch_size: int = 1, seq_len: int = 512) -> Dict[str, Any]:
     """One row: the engine-traced step plan of the setting and DeepSpeed's figures for it."""
     from trainer_memcb.plan.settings import resolve_settings
-    from trainer_memcb.plan.step_memory import plan_step_memory
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
     model = build()
     config = model.config
@@ -230,7 +230,7 @@ def plan_row(build: Any, label: str, stage: int, offload_optimizer: bool, offloa
 
 def plan_figures(row: Dict[str, Any]) -> PlanFigures:
     """The plan's model states of a row (`plan_row`), split into `TERMS`: those the engine's rules
-    give (deepspeed 0.19.8, rank 0, as `trainer_memcb.plan.engines.zero` models them), and what the
+    give (deepspeed 0.19.8, rank 0, as `trainer_memcb.plan.step.engines.zero` models them), and what the
     traced step holds beyond them at each state's most, measured (`params16_gathered`,
     `grads16_whole`)."""
     from trainer_memcb.state.rules.deepspeed_zero import (

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from trainer_memcb import OptimizerMemoryCallback
-from trainer_memcb.plan.whatif import optimizer_names
+from trainer_memcb.plan.optimizers.whatif import optimizer_names
 from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, key_names
 from trainer_memcb.training.monitor import BREAKDOWNS
 

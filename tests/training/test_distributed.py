@@ -362,9 +362,10 @@ def deepspeed_job(tmp_path_factory):
 def planned_per_process(model: torch.nn.Module, sharding: str, precision: str, rank: int,
                         whole_zero_grads: bool = False) -> Dict[str, int]:
     """The plan's four model states for one process, the parameters in the Trainer's two groups."""
-    from trainer_memcb.plan.model_states import (
-        Setup, layout_model_states, param_specs, plan_model_states, trainer_param_groups,
+    from trainer_memcb.plan.answers.model_states import (
+        layout_model_states, param_specs, plan_model_states, trainer_param_groups,
     )
+    from trainer_memcb.plan.settings.setup import Setup
 
     setup = Setup(world_size=PROCESSES, sharding=sharding, precision=precision)
     layout = layout_model_states(param_specs(model, groups=trainer_param_groups(model)), setup, rank=rank,
@@ -458,7 +459,7 @@ TRAINER_ZERO_RUNS = {f"trainer_zero{stage}{'_bf16' if bf16 else ''}": (stage, bf
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINER_ZERO_RUNS)
 def test_trainer_with_deepspeed_logs_every_figure_equal_to_the_walk_and_the_plan(deepspeed_job, name):
-    from trainer_memcb.plan.model_states import trainer_param_groups
+    from trainer_memcb.plan.answers.model_states import trainer_param_groups
 
     stage, bf16 = TRAINER_ZERO_RUNS[name]
     main, other = results = per_process(os.path.join(deepspeed_job, name))
@@ -510,7 +511,8 @@ def model_states_in(entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 
 @pytest.mark.slow
 def test_ddp_trainer_logs_model_states_equal_to_the_plan_to_the_byte(ddp_job):
-    from trainer_memcb.plan.model_states import Setup, plan_model_states
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.settings.setup import Setup
 
     # The plan, from the model alone: 3,714 fp32 values whole on each of 2 processes, AdamW.
     (plan,) = plan_model_states(tiny_classifier(), "adamw", Setup(world_size=PROCESSES, sharding="ddp")).optimizers
@@ -534,7 +536,8 @@ def test_ddp_trainer_logs_model_states_equal_to_the_plan_to_the_byte(ddp_job):
                       "no record_event before 2.7")
 @pytest.mark.slow
 def test_fsdp2_logs_model_states_equal_to_the_plan_to_the_byte(fsdp2_job):
-    from trainer_memcb.plan.model_states import Setup, plan_model_states
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.settings.setup import Setup
 
     unsharded = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
     (plan,) = plan_model_states(unsharded, "adamw", Setup(world_size=PROCESSES, sharding="fsdp-full-shard")).optimizers
@@ -561,7 +564,8 @@ def test_fsdp2_logs_model_states_equal_to_the_plan_to_the_byte(fsdp2_job):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shard_grad_op", "cpu_offload"])
 def test_fsdp2_shard_grad_op_and_cpu_offload_run_and_hold_what_the_plan_says(fsdp2_job, mode):
-    from trainer_memcb.plan.model_states import Setup, plan_model_states
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.settings.setup import Setup
 
     unsharded = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
     setup = Setup(world_size=PROCESSES, sharding="fsdp-shard-grad-op" if mode == "shard_grad_op" else "fsdp-full-shard",

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from test_engines import build  # noqa: E402
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
-from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
 
 # Real runs (torchrun jobs, or a dozen Trainer evaluations): minutes here, run by .ci/run.
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from helpers import requires_torch
 from test_engine_runs import FSDP2_REAL_LESS_PLAN, _tracked, build
 
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from helpers import requires_torch
 from test_engine_runs import ENGINES, FSDP2_REAL_LESS_PLAN, LATE_COLLECTIVE_BUFFER, _tracked, build
 
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 # A torchrun job of 4 processes: 85 to 100 s here with the plans, run by .ci/run.
 pytestmark = pytest.mark.slow

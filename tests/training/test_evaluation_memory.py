@@ -21,7 +21,7 @@ from transformers import trainer_pt_utils
 
 from helpers import requires_transformers
 from trainer_memcb import OptimizerMemoryCallback
-from trainer_memcb.plan.eval_memory import eval_settings_from_args, plan_eval_memory
+from trainer_memcb.plan.answers.eval_memory import eval_settings_from_args, plan_eval_memory
 from trainer_memcb.training.figures import EVALUATION_KEYS
 
 # Real runs (torchrun jobs, or a dozen Trainer evaluations): minutes here, run by .ci/run.

@@ -53,7 +53,7 @@ def _is_ours(key: str) -> bool:
 
 
 def _planned_forward_peak(model: torch.nn.Module, batch_size: int) -> int:
-    from trainer_memcb.plan.eval_memory import EvalSettings, plan_eval_memory
+    from trainer_memcb.plan.answers.eval_memory import EvalSettings, plan_eval_memory
 
     def build() -> torch.nn.Module:
         with torch.device("meta"):

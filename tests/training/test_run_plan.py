@@ -12,7 +12,7 @@ from transformers import DistilBertForSequenceClassification
 
 import trainer_memcb.training.run_plan as run_plan
 from helpers import tiny_classifier, training_args
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.training.run_plan import batch_dims, plan_for_trainer, plan_reserved_bytes, trained_module
 
 

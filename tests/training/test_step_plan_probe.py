@@ -19,7 +19,7 @@ import trainer_memcb.training.step_plan_probe as step_plan_probe
 from helpers import TinyDataset, entries_with, tiny_classifier, training_args
 from test_callback_logging import train_recording_warnings
 from trainer_memcb import OptimizerMemoryCallback
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.training.activations_probe import ACTIVATIONS_SUPPORTED, ActivationsProbe
 from trainer_memcb.training.tensorboard_view import layout_charts, trainer_tag
 from trainer_memcb.training.figures import (

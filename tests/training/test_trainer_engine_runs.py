@@ -22,7 +22,7 @@ from test_engines import build  # noqa: E402
 from test_engine_runs import _launch  # noqa: E402
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
-from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
 
 # The real runs (one torchrun launch) are slow; the plan's unit test at the end is not.
 slow = pytest.mark.slow

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_engine_runs import _tracked, build  # noqa: E402
 
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
-from trainer_memcb.plan.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import pytest
 from test_engine_runs import ZERO_SCALARS, _tracked, build
 
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 # A torchrun job of 4 processes: 2.5 to 4 minutes here with the plans, run by .ci/run.
 pytestmark = pytest.mark.slow

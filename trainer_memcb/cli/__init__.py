@@ -79,7 +79,7 @@ from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
 from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
-from trainer_memcb.plan.whatif import ModelConfigError
+from trainer_memcb.plan.optimizers.whatif import ModelConfigError
 from trainer_memcb.utils.packages import MissingPackageError
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]

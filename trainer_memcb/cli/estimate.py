@@ -1,6 +1,6 @@
 """`trainer-memcb estimate MODEL`: the what-if before training, as a table.
 
-The figures come from `trainer_memcb.plan.whatif.what_if`; this module declares the command's options,
+The figures come from `trainer_memcb.plan.optimizers.whatif.what_if`; this module declares the command's options,
 builds the meta model they describe (LoRA adapters and trainable names included), and formats
 the result.
 """
@@ -15,15 +15,17 @@ from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
-from trainer_memcb.plan.lora import add_lora_adapters
-from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.plan.model_states import PRECISIONS, SHARDINGS, ModelStatesPlan, Setup, plan_model_states
-from trainer_memcb.plan.quantized import QUANT_TYPES, Quantization
-from trainer_memcb.plan.step_inputs import head_kind
-from trainer_memcb.plan.step_memory import (DEVICE_TYPES, StepMemoryPlan, max_batch_size, plan_step_memory,
-                                           states_during_step)
+from trainer_memcb.plan.model.lora import add_lora_adapters
+from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
+from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
+from trainer_memcb.plan.settings.setup import PRECISIONS, SHARDINGS, Setup
+from trainer_memcb.plan.model.quantized import QUANT_TYPES, Quantization
+from trainer_memcb.plan.model.step_inputs import head_kind
+from trainer_memcb.plan.step.trace import DEVICE_TYPES
+from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory, states_during_step
+from trainer_memcb.plan.answers.max_batch import max_batch_size
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
-from trainer_memcb.plan.whatif import (
+from trainer_memcb.plan.optimizers.whatif import (
     DEFAULT_OPTIMIZERS,
     DTYPES,
     ModelConfigError,
@@ -239,7 +241,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
     step.add_argument("--max-batch-size", action="store_true",
                       help="the largest per-device batch whose step fits in --device-memory at --seq-len")
-    # The batch of other task heads (trainer_memcb.plan.step_inputs): each refused, in one line, for
+    # The batch of other task heads (trainer_memcb.plan.model.step_inputs): each refused, in one line, for
     # a model that has no use for it.
     step.add_argument("--target-len", type=_checked(_positive_int), metavar="T",
                       help="a sequence-to-sequence model's labels length (default --seq-len; Whisper: needed)")
@@ -369,7 +371,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     """
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
-    from trainer_memcb.plan.step_memory import setup_of
+    from trainer_memcb.plan.settings.setup import setup_of
 
     memory = usable_memory(args)
     device_type = args.device_type or DEFAULT_DEVICE_TYPE

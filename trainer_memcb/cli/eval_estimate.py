@@ -2,7 +2,7 @@
 
 The options of the evaluation plan, the settings they give (flags over `--training-args FILE` over
 the installed `TrainingArguments`' defaults), and its table; the figures come from
-`trainer_memcb.plan.eval_memory.plan_eval_memory`.
+`trainer_memcb.plan.answers.eval_memory.plan_eval_memory`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import argparse
 from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell
-from trainer_memcb.plan.eval_memory import EVAL_LOGITS, EvalMemoryPlan, EvalSettings, eval_settings_from_args, plan_eval_memory
-from trainer_memcb.plan.model_states import ModelStatesPlan, parse_bytes
+from trainer_memcb.plan.answers.eval_memory import EVAL_LOGITS, EvalMemoryPlan, EvalSettings, eval_settings_from_args, plan_eval_memory
+from trainer_memcb.plan.answers.model_states import ModelStatesPlan
+from trainer_memcb.utils.units import parse_bytes
 
 __all__ = ["add_eval_arguments", "eval_asked", "estimate_evaluation", "eval_tables", "training_arguments_from_file"]
 

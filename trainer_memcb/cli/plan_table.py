@@ -1,6 +1,6 @@
 """`trainer-memcb estimate MODEL --world-size W --sharding ...`: the model-states plan, as tables.
 
-The figures come from `trainer_memcb.plan.model_states.plan_model_states`; this module only formats them.
+The figures come from `trainer_memcb.plan.answers.model_states.plan_model_states`; this module only formats them.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
-from trainer_memcb.plan.model_states import ModelStatesPlan
+from trainer_memcb.plan.answers.model_states import ModelStatesPlan
 
 __all__ = ["plan_tables", "step_tables", "step_json"]
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set, Union
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from trainer_memcb.plan import whatif
+from trainer_memcb.plan.optimizers import whatif
 from trainer_memcb.training.activations_probe import (
     ActivationsProbe,
     trainer_logs_step,

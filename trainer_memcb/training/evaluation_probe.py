@@ -15,7 +15,7 @@ arguments: nothing is copied, synced or changed. Evaluation entries then carry, 
 | `containers_host_bytes` | bytes | the most they held at once as numpy arrays, on the host (after `eval_accumulation_steps` batches, and at the loop's end) |
 | `concat_peak_bytes` | bytes | the most the containers held during an `add`: every container's tensors, the batch being added, and the concatenation's result, each storage once (with `eval_do_concat_batches=False`, no result: the list grows) |
 | `host_concat_peak_bytes` | bytes | the same on the host, during `to_cpu_and_numpy`: the arrays held, the new arrays (from the tensors' shapes: bf16 becomes fp32), and the concatenation's result |
-| `forward_peak_bytes` | bytes | the most bytes alive at once, of the storages the evaluation's first forward creates (its parameters, buffers and inputs excluded), counted by `trainer_memcb.plan.live_storages.LiveStorages` |
+| `forward_peak_bytes` | bytes | the most bytes alive at once, of the storages the evaluation's first forward creates (its parameters, buffers and inputs excluded), counted by `trainer_memcb.plan.step.live_storages.LiveStorages` |
 
 What `concat_peak_bytes` leaves out: the batch's tensors not yet added (the loop's `labels` while
 the logits are concatenated) belong to the forward, not to the containers. What
@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from trainer_memcb.plan.live_storages import LiveStorages
+from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.state.eval_containers import device_blocks, host_blocks, numpified_bytes
 from trainer_memcb.state.saved_tensors import storages_of
 from trainer_memcb.training.instance_forward import NO_INSTANCE_FORWARD, instance_forward, put_back_forward

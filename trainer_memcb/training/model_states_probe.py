@@ -11,13 +11,13 @@ already, it makes:
 | `model_params_bytes` | bytes | storage of the model's parameters on this process, each storage once |
 | `model_grads_bytes` | bytes | storage of their gradients, taken before the optimizer step |
 | `model_states_bytes` | bytes | parameters + gradients + optimizer state + master weights (+ the reference model) |
-| `model_states_estimate_bytes` | bytes | the plan's figure (`trainer_memcb.plan.model_states`) for the setup detected |
+| `model_states_estimate_bytes` | bytes | the plan's figure (`trainer_memcb.plan.answers.model_states`) for the setup detected |
 | `reference_model_params_bytes` | bytes | the frozen reference model's parameters, when the trainer holds one |
 
 A reference model (`trainer.ref_model` of TRL's DPO, KTO, RLOO, and GRPO with `beta > 0`) is part of
 the model states: its parameters' storages, each once and without those it shares with the policy
 (counted already), are added to `model_states_bytes`; the plan adds a frozen copy of its parameters
-(`trainer_memcb.plan.model_states.reference_model_bytes`: no gradients, no optimizer state) to
+(`trainer_memcb.plan.answers.model_states.reference_model_bytes`: no gradients, no optimizer state) to
 `model_states_estimate_bytes`. Measured once per reference model: it is frozen.
 
 Each storage counts once: tied weights once, a DTensor (FSDP2) by its local shard's storage (which
@@ -56,7 +56,8 @@ from trainer_memcb.training.figures import (
     REFERENCE_MODEL_PARAMS_BYTES,
 )
 from trainer_memcb.state.measure import _plain_tensors
-from trainer_memcb.plan.model_states import Setup, layout_model_states, param_specs, reference_model_bytes
+from trainer_memcb.plan.answers.model_states import layout_model_states, param_specs, reference_model_bytes
+from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.state.rules.deepspeed_zero import find_zero_optimizer
 
 __all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_params_bytes",

@@ -3,11 +3,11 @@ and its batch.
 
 `plan_for_trainer` is the building block of the callback's planned figures
 (`step_plan_peak_bytes`, `step_plan_reserved_bytes`) and of the out-of-memory report: it plans one
-training step (`trainer_memcb.plan.step_memory.plan_step_memory`, a step run under fake tensors)
+training step (`trainer_memcb.plan.answers.step_memory.plan_step_memory`, a step run under fake tensors)
 for exactly what the run trains:
 
 - the model as loaded, through a meta-device stand-in of the live model
-  (`trainer_memcb.plan.stand_ins.meta_stand_in`: the same module classes, shapes, dtypes and
+  (`trainer_memcb.plan.model.stand_ins.meta_stand_in`: the same module classes, shapes, dtypes and
   `requires_grad`, adapters included), so that nothing of the live model is touched or allocated;
   the stand-in gets its own copy of the model's config, since preparing it as the Trainer does
   sets `use_cache` and the attention path on the config;
@@ -49,8 +49,8 @@ _TARGET_INPUTS = ("decoder_input_ids", "labels")
 def _plan() -> Tuple[Any, Any, Any]:
     """The plan's three entry points: `resolve_settings`, `meta_stand_in`, `plan_step_memory`."""
     from trainer_memcb.plan.settings import resolve_settings
-    from trainer_memcb.plan.stand_ins import meta_stand_in
-    from trainer_memcb.plan.step_memory import plan_step_memory
+    from trainer_memcb.plan.model.stand_ins import meta_stand_in
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
     return resolve_settings, meta_stand_in, plan_step_memory
 

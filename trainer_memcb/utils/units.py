@@ -5,7 +5,7 @@ from __future__ import annotations
 from decimal import Decimal, InvalidOperation
 from typing import Union
 
-__all__ = ["KiB", "MiB", "GiB", "MAX_SIZE_BYTES", "SIZE_UNITS", "format_bytes", "parse_size"]
+__all__ = ["KiB", "MiB", "GiB", "MAX_SIZE_BYTES", "SIZE_UNITS", "format_bytes", "parse_bytes", "parse_size"]
 
 # Binary units, named as such (IEC 80000-13): a MiB is 1024**2 bytes, never called "MB".
 KiB = 1024
@@ -84,3 +84,17 @@ def parse_size(text: Union[str, int], what: str = "memory size") -> int:
     if number.adjusted() > 30 or number * SIZE_UNITS[unit] > MAX_SIZE_BYTES:
         raise ValueError(f"{what} {raw!r} is larger than any device: at most 16 EiB ({MAX_SIZE_BYTES:,} bytes)")
     return int(number * SIZE_UNITS[unit])
+
+
+def parse_bytes(text: Union[str, int]) -> int:
+    """`"80GiB"` -> 85899345920; `"80GB"` -> 80000000000; an int is bytes; a number written
+    without a unit is refused (`parse_size`, the one rule for sizes).
+
+    Raises:
+        ValueError: naming the text and the units allowed.
+
+    Examples:
+        >>> parse_bytes("80GiB"), parse_bytes("1.5 KiB"), parse_bytes(512)
+        (85899345920, 1536, 512)
+    """
+    return parse_size(text)

@@ -4,7 +4,7 @@ This follows `Trainer.create_optimizer` step by step: the two weight-decay group
 parameters, class and keyword arguments from `Trainer.get_optimizer_cls_and_kwargs`, the handlers'
 own `params` (GaLore, APOLLO), `model` (LOMO) and `optimizer_dict` (layer-wise) taking their
 place, optimizer factories called with the model, and `nn.Embedding` weights kept in 32-bit with
-an 8-bit bitsandbytes optimizer. The model given is a stand-in (`trainer_memcb.plan.stand_ins`), so
+an 8-bit bitsandbytes optimizer. The model given is a stand-in (`trainer_memcb.plan.model.stand_ins`), so
 hooks and state land on meta tensors and nothing is allocated.
 
 When the Trainer cannot build the optimizer here, `OptimizerUnavailable` says why, and names the
@@ -212,8 +212,8 @@ def build_trainer_optimizer(name: str, args: Any, model: nn.Module) -> Any:
     Examples:
         >>> import torch
         >>> from transformers import TrainingArguments
-        >>> from trainer_memcb.plan.stand_ins import meta_stand_in
-        >>> from trainer_memcb.plan.trainer_optimizers import build_trainer_optimizer
+        >>> from trainer_memcb.plan.model.stand_ins import meta_stand_in
+        >>> from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
         >>> model = meta_stand_in(torch.nn.Linear(4, 2))
         >>> optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("out", report_to=[]), model)
         >>> type(optimizer).__name__, [len(group["params"]) for group in optimizer.param_groups]

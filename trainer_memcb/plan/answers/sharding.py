@@ -54,7 +54,7 @@ def fsdp_padded_shard_numel(shape: Tuple[int, ...], world_size: int) -> int:
     """Values in each rank's padded shard storage of a parameter of `shape`.
 
     Examples:
-        >>> from trainer_memcb.plan.sharding import fsdp_padded_shard_numel
+        >>> from trainer_memcb.plan.answers.sharding import fsdp_padded_shard_numel
         >>> fsdp_padded_shard_numel((7, 4), world_size=2)  # 4 rows of 4 on every rank
         16
     """

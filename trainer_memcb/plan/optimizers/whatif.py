@@ -2,8 +2,8 @@
 
 The optimizers are the ones the Trainer would build for `TrainingArguments(optim=name)`, for any
 `OptimizerNames` value, built as `Trainer.create_optimizer` builds them
-(`trainer_memcb.plan.trainer_optimizers`) over a meta-device stand-in of the model
-(`trainer_memcb.plan.stand_ins`), so nothing is allocated and the model is never touched. Each estimate
+(`trainer_memcb.plan.optimizers.trainer_optimizers`) over a meta-device stand-in of the model
+(`trainer_memcb.plan.model.stand_ins`), so nothing is allocated and the model is never touched. Each estimate
 comes from the same registry as the callback's (`estimate_optimizer_state`).
 """
 
@@ -20,10 +20,10 @@ from torch import nn
 
 from trainer_memcb.state.estimate import StateEstimate, estimate_optimizer_state
 from trainer_memcb.state.measure import dtype_name
-from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.plan.param_shapes import logical_numel
-from trainer_memcb.plan.stand_ins import meta_stand_in
-from trainer_memcb.plan.trainer_optimizers import (
+from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
+from trainer_memcb.plan.model.param_shapes import logical_numel
+from trainer_memcb.plan.model.stand_ins import meta_stand_in
+from trainer_memcb.plan.optimizers.trainer_optimizers import (
     OptimizerUnavailable,
     build_trainer_optimizer,
     class_path,
@@ -277,7 +277,7 @@ def select_trainable(model: nn.Module, pattern: Optional[str], *, narrow: bool =
 
 def model_optimizer_what_if(name: str, args: Any, stand_in: nn.Module) -> OptimizerWhatIf:
     """One optimizer as the Trainer builds it for `optim=name` over a model's stand-in
-    (`trainer_memcb.plan.stand_ins.meta_stand_in`): weight-decay groups, GaLore's and APOLLO's
+    (`trainer_memcb.plan.model.stand_ins.meta_stand_in`): weight-decay groups, GaLore's and APOLLO's
     target groups, LOMO's model, the layer-wise variants' hooks. The what-if and the
     model-states plan both call this, so that they agree to the byte.
 
@@ -398,7 +398,7 @@ def what_if(model: nn.Module, optimizers: Union[str, Iterable[str]] = DEFAULT_OP
 
     Examples:
         >>> import torch
-        >>> from trainer_memcb.plan.whatif import what_if
+        >>> from trainer_memcb.plan.optimizers.whatif import what_if
         >>> result = what_if(torch.nn.Linear(4, 2), ["adamw"])
         >>> result.trainable_params, result.optimizers[0].estimate.num_bytes
         (10, 88)

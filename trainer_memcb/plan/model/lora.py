@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from trainer_memcb.plan.optim_options import parse_target_modules
+from trainer_memcb.plan.settings.optim_options import parse_target_modules
 from trainer_memcb.utils.packages import MissingPackageError
 
 __all__ = ["add_lora_adapters"]
@@ -29,7 +29,7 @@ def add_lora_adapters(model: nn.Module, r: int,
     As with `get_peft_model`, the adapters are injected into `model` itself.
 
     Args:
-        model: a model, best on the meta device (`trainer_memcb.plan.whatif.build_meta_model`); new
+        model: a model, best on the meta device (`trainer_memcb.plan.optimizers.whatif.build_meta_model`); new
             adapters are made on the meta device too.
         r: the adapters' rank (`LoraConfig.r`), a positive integer.
         target_modules: as `LoraConfig.target_modules`: one regular expression matched against
@@ -44,7 +44,7 @@ def add_lora_adapters(model: nn.Module, r: int,
 
     Examples:
         >>> import torch
-        >>> from trainer_memcb.plan.lora import add_lora_adapters
+        >>> from trainer_memcb.plan.model.lora import add_lora_adapters
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
         >>> adapted = add_lora_adapters(model, 4, target_modules="0", modules_to_save="1")
         >>> sorted((name, tuple(p.shape)) for name, p in adapted.named_parameters() if p.requires_grad)[:2]

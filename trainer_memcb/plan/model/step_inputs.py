@@ -20,7 +20,7 @@ floating inputs (pixel values, input features) are in the model's dtype, as a ru
 Masks. A tokenizer gives an attention mask and the collators carry it: every token batch holds
 one, (B, S) int64, and the forward gets it. Without padding it is all ones, and transformers then
 takes the mask-free path (it reads the mask's values, which a fake tensor has not: the step plan
-answers those reads as the real batch does, see `trainer_memcb.plan.value_reads`). With
+answers those reads as the real batch does, see `trainer_memcb.plan.model.value_reads`). With
 `padding=P` (P padded positions per row, as `padding="longest"` leaves them) the mask has zeros
 and the model builds its attention mask, in the real run as in the trace.
 

@@ -13,7 +13,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from trainer_memcb.plan.param_shapes import logical_shape
+from trainer_memcb.plan.model.param_shapes import logical_shape
 
 __all__ = ["meta_stand_in"]
 
@@ -58,7 +58,7 @@ def meta_stand_in(model: nn.Module) -> nn.Module:
 
     Examples:
         >>> import torch
-        >>> from trainer_memcb.plan.stand_ins import meta_stand_in
+        >>> from trainer_memcb.plan.model.stand_ins import meta_stand_in
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
         >>> twin = meta_stand_in(model)
         >>> type(twin[0]).__name__, twin[0].weight.device.type, tuple(twin[0].weight.shape)

@@ -32,7 +32,7 @@ def parse_optim_args(optim_args: Union[None, str, Mapping[str, Any]]) -> Optiona
         ValueError: a piece that is not `key=value`, naming it.
 
     Examples:
-        >>> from trainer_memcb.plan.optim_options import parse_optim_args
+        >>> from trainer_memcb.plan.settings.optim_options import parse_optim_args
         >>> parse_optim_args("rank=64, update_proj_gap=200")
         'rank=64,update_proj_gap=200'
         >>> parse_optim_args({"rank": 64, "proj_type": "left"})
@@ -83,7 +83,7 @@ def parse_target_modules(targets: Union[None, str, List[str], tuple],
         ValueError: an empty entry or one that is not a regular expression, naming it.
 
     Examples:
-        >>> from trainer_memcb.plan.optim_options import parse_target_modules
+        >>> from trainer_memcb.plan.settings.optim_options import parse_target_modules
         >>> parse_target_modules("attn, mlp")
         ['attn', 'mlp']
         >>> parse_target_modules(".*(q|v)_proj")
@@ -107,7 +107,7 @@ def parse_optim_target_modules(targets: Union[None, str, List[str], tuple]) -> U
     """`parse_target_modules` for `TrainingArguments.optim_target_modules` (GaLore, APOLLO).
 
     Examples:
-        >>> from trainer_memcb.plan.optim_options import parse_optim_target_modules
+        >>> from trainer_memcb.plan.settings.optim_options import parse_optim_target_modules
         >>> parse_optim_target_modules(".*(attn|mlp).*")
         '.*(attn|mlp).*'
     """

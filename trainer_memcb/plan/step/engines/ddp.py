@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from trainer_memcb.plan.engines.base import StepEngine
+from trainer_memcb.plan.step.engines.base import StepEngine
 
 __all__ = ["DDPEngine", "bucket_numels"]
 

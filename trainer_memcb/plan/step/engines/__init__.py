@@ -13,10 +13,10 @@ sum at one moment:
 
 from typing import Any
 
-from trainer_memcb.plan.engines.base import StepEngine
-from trainer_memcb.plan.engines.ddp import DDPEngine
-from trainer_memcb.plan.engines.fsdp2 import FSDP2Engine
-from trainer_memcb.plan.engines.zero import ZeroEngine
+from trainer_memcb.plan.step.engines.base import StepEngine
+from trainer_memcb.plan.step.engines.ddp import DDPEngine
+from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
+from trainer_memcb.plan.step.engines.zero import ZeroEngine
 
 __all__ = ["StepEngine", "DDPEngine", "FSDP2Engine", "ZeroEngine", "engine_for"]
 

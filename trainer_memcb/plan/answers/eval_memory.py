@@ -5,8 +5,8 @@
 
 - the forward's peak: one evaluation forward (`model.eval()`, `torch.no_grad()`, the batch with its
   labels, as `prediction_step` passes it) runs under `FakeTensorMode`, nothing allocated, and
-  `LiveStorages` counts the storages it creates (the parameters, buffers and batch excluded): the
-  figure a run logs as `eval_forward_peak_bytes`;
+  `LiveStorages` counts the storages it creates (`trainer_memcb.plan.step.eval_forward`; the
+  parameters, buffers and batch excluded): the figure a run logs as `eval_forward_peak_bytes`;
 - the containers: every batch adds its loss (repeated to the eval batch size, as the loop does, and
   cut to the last batch's samples by accelerate's `gather_for_metrics`),
   its logits (every tensor the model returns but the loss and the config's
@@ -41,11 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from trainer_memcb.plan.live_storages import LiveStorages
-from trainer_memcb.plan.step_inputs import step_inputs
-from trainer_memcb.plan.step_memory import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
-from trainer_memcb.plan.value_reads import passed_checks, unpadded_batch
-from trainer_memcb.state.saved_tensors import storages_of
+from trainer_memcb.plan.step.eval_forward import EvalForward, trace_eval_forward
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
            "containers_figures"]
@@ -230,51 +226,7 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
     return peaks
 
 
-# -- the forward, under fake tensors ----------------------------------------------------------------
-
-
-@dataclass
-class _Forward:
-    peak_bytes: int
-    model_bytes: int
-    loss_bytes: int
-    outputs: List[Tuple[Tuple[int, ...], torch.dtype]]
-    labels: Optional[Tuple[Tuple[int, ...], torch.dtype]]
-
-
-def _trace_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None) -> _Forward:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    config = getattr(model, "config", None)
-    if use_cache is not None and config is not None and hasattr(config, "use_cache"):
-        config.use_cache = use_cache  # as the Trainer sets it before evaluating
-    mode = FakeTensorMode()
-    fake_copy(model, mode, "cpu")
-    model.eval()
-    with mode:
-        inputs = step_inputs(model, batch_size, seq_len)  # the batch a collator makes, as for training
-        labels = inputs.labels
-        kwargs: Dict[str, Any] = dict(inputs.forward)
-        if labels is not None:
-            if _accepts_loss_kwargs(model):
-                kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
-    held = list(model.parameters()) + list(model.buffers())
-    model_bytes = sum({key: nbytes for key, nbytes, _ in storages_of(held)}.values())
-    exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()) + list(inputs.held.values()))}
-    tracker = LiveStorages(exclude=exclude)
-    with mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
-        outputs = model(**kwargs)
-    ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
-    items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)
-    kept = [(tuple(value.shape), value.dtype) for key, value in items
-            if key not in ignore and isinstance(value, torch.Tensor)]
-    loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if labels is not None else None)
-    loss_bytes = loss.element_size() if isinstance(loss, torch.Tensor) else 0
-    return _Forward(int(tracker.peak_bytes), int(model_bytes), loss_bytes, kept,
-                    (tuple(labels.shape), labels.dtype) if labels is not None else None)
-
-
-def _per_sample(forward: _Forward, settings: EvalSettings) -> Tuple[Dict[str, int], Tuple[str, ...]]:
+def _per_sample(forward: EvalForward, settings: EvalSettings) -> Tuple[Dict[str, int], Tuple[str, ...]]:
     per_sample: Dict[str, int] = {}
     bf16: List[str] = []
     rows = settings.batch_size
@@ -305,7 +257,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
 
     Args:
         build_model: makes the model on the meta device, in the dtype it evaluates in
-            (`trainer_memcb.plan.whatif.build_meta_model`); its parameters become fake ones.
+            (`trainer_memcb.plan.optimizers.whatif.build_meta_model`); its parameters become fake ones.
         settings: `EvalSettings` (`eval_settings_from_args` reads them from `TrainingArguments`).
         device_memory, host_memory: bytes per process, for "fits?" and the advice.
         resident_bytes: device bytes alive beside the model while evaluating (the optimizer state,
@@ -327,7 +279,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     meta = build_model()
     name = model_name or type(meta).__name__
     try:
-        forward = _trace_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache)
+        forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         text = " ".join(str(error).split())[:300]
         return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,

@@ -17,7 +17,7 @@ and save what the real run never saves:
 - a vision-language model's `get_placeholder_mask` (Llava's and its kin's) checks, through
   `torch_compilable_check`, that the text's image tokens are as many as the image features: a
   value read. The plan's ids hold the placeholders where the processor puts them
-  (`trainer_memcb.plan.step_inputs`), so the real batch passes the check: a check of a fake
+  (`trainer_memcb.plan.model.step_inputs`), so the real batch passes the check: a check of a fake
   tensor is answered as passed (`passed_checks()`, entered with padding or without).
 
 transformers 4.x reads the same in `modeling_attn_mask_utils`: `_prepare_4d_attention_mask_for_sdpa`

@@ -49,7 +49,7 @@ class StepSettings:
         batch_size, seq_len: the per-process micro-batch.
         gradient_accumulation_steps: micro-batches per optimizer step (the peak is one micro-batch's).
         precision, optimizer, gradient_checkpointing, max_grad_norm: as the Trainer trains.
-        world_size, nodes, sharding: the job (sharding one of `model_states.SHARDINGS`).
+        world_size, nodes, sharding: the job (sharding one of `setup.SHARDINGS`).
         rank: the process the plan is for, 0 to world_size - 1. Under DeepSpeed ZeRO-1/2 each rank's
             flat partition holds other parameters' values, so the gradients it keeps, and when it
             makes its gradient partition, differ by rank; DDP, FSDP2 (even, padded shards) and

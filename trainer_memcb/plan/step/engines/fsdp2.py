@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
-from trainer_memcb.plan.engines.base import StepEngine
+from trainer_memcb.plan.step.engines.base import StepEngine
 
 __all__ = ["FSDP2Engine"]
 

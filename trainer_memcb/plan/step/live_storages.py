@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from trainer_memcb.plan.step.timeline import most_by
 from trainer_memcb.state.saved_tensors import storages_of
 
 __all__ = ["LiveStorages"]
@@ -109,25 +110,15 @@ class LiveStorages(TorchDispatchMode):
         self._start = len(self.events)
         self._check_peak()
 
+    @property
+    def step_start(self) -> int:
+        """Where in `events` the step begins (`restart_peak`; 0 unless an engine restarted it)."""
+        return self._start
+
     def most_by(self, group_of: Any) -> Dict[str, int]:
         """The most bytes each group held at one moment since the step began (`restart_peak`),
         the timeline replayed with `group_of(serial)` naming each storage's group (None: none)."""
-        totals: Dict[str, int] = {}
-        most: Dict[str, int] = {}
-        groups: Dict[int, Optional[str]] = {}
-        for index, event in enumerate(self.events):
-            if index == self._start:
-                most = dict(totals)
-            serial = event if event >= 0 else ~event
-            group = groups[serial] if serial in groups else groups.setdefault(serial, group_of(serial))
-            if group is None:
-                continue
-            totals[group] = totals.get(group, 0) + (self.sizes[serial] if event >= 0 else -self.sizes[serial])
-            if index >= self._start and totals[group] > most.get(group, 0):
-                most[group] = totals[group]
-        if self._start >= len(self.events):
-            most = dict(totals)
-        return most
+        return most_by(self.events, self.sizes, self._start, group_of)
 
     def set_size(self, storage: Any, nbytes: int, part: Optional[str] = None) -> None:
         """Count a tracked storage at `nbytes` from now on (an engine's model of a buffer that is

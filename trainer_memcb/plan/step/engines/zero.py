@@ -78,8 +78,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from trainer_memcb.plan.engines.base import StepEngine
-from trainer_memcb.plan.engines.zero3_fetch import FetchCoordinator
+from trainer_memcb.plan.step.engines.base import StepEngine
+from trainer_memcb.plan.step.engines.zero3_fetch import FetchCoordinator
 from trainer_memcb.state.rules.deepspeed_zero import (
     zero3_partition_numel,
     zero3_sub_group_numels,

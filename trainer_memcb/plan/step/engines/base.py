@@ -1,6 +1,6 @@
 """The step tracer's interface, and the one-process engine that the others extend.
 
-An engine is made for one trace and used in this order by `plan.step_memory`:
+An engine is made for one trace and used in this order by `plan.step.trace`:
 
 1. `wrap(model, mode)`: under the fake mode, wrap the model as the engine does (`fully_shard`) and
    make what the engine keeps beside it (DDP's buckets, ZeRO's flat partitions);
@@ -14,7 +14,7 @@ An engine is made for one trace and used in this order by `plan.step_memory`:
 
 After the step, `state_of(part, serial)` says which model state each part of the timeline belongs
 to, so that the model-states table gives, per engine, the most each state held during the step
-(`trainer_memcb.plan.live_storages.LiveStorages.most_by`): the gathered parameters count as
+(`trainer_memcb.plan.step.timeline.Timeline.most_by`): the gathered parameters count as
 parameters, the engine's buckets as the state they carry.
 """
 
@@ -25,14 +25,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from trainer_memcb.plan.step.timeline import MODEL_STATES
+
 __all__ = ["StepEngine", "MODEL_STATES"]
 
 # The parts an engine may name beside the plan's own (parameters, gradients, optimizer state,
 # activations, batch and buffers, other).
 ENGINE_PARTS = ("master_weights", "unsharded_parameters", "unsharded_gradients", "engine_buffers", "fp32_gradients",
                 "offload_buffers", "host_temporaries")
-# The model states, as the model-states table names them.
-MODEL_STATES = ("parameters", "gradients", "optimizer_state", "master_weights")
 # The model state each part of a step belongs to; the activations, the batch and buffers and the
 # temporaries belong to none. An engine's buffers carry gradients (DDP's and ZeRO's buckets)
 # unless the engine says otherwise (FSDP2's all-gather buffers carry parameters).

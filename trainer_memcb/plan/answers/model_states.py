@@ -1,12 +1,12 @@
 """Will it fit? The model states each process holds: parameters, gradients, optimizer state and
 master weights, for a world size, a sharding, an offload and a precision setup.
 
-The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.whatif`: the
+The optimizer state comes from the same rules as everything else (`trainer_memcb.plan.optimizers.whatif`: the
 Trainer's optimizer for each `optim` name, built over meta-device stand-ins shaped like what one
 process's optimizer steps over: the model with its whole parameters or FSDP shards, built as the
 what-if builds it, or ZeRO's flat fp32 partitions). Optimizers that update inside backward (LOMO,
 AdaLomo, the layer-wise variants) hold one gradient, the largest parameter's; which setups the
-plan covers for each kind is in `trainer_memcb.plan.update_kinds`. Parameters, gradients and master
+plan covers for each kind is in `trainer_memcb.plan.optimizers.update_kinds`. Parameters, gradients and master
 weights follow the libraries' partitioning (ZeRO's fp32 master copy exists in fp32 runs too):
 
 | sharding | parameters | gradients | optimizer steps over | master weights |
@@ -21,7 +21,7 @@ Sources: FSDP2 `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` (`_init_shar
 0.19 `runtime/zero/stage_1_and_2.py` (`DeepSpeedZeroOptimizer.__init__`: `bit16_groups_flat`,
 `single_partition_of_fp32_groups`, `grads_in_partition` with `contiguous_gradients`),
 `runtime/zero/stage3.py` (`_create_fp32_partitions`, `grad_partitions_flat_buffer`) and
-`runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.plan.sharding`.
+`runtime/zero/partition_parameters.py` (`_padding_size`); see `trainer_memcb.plan.answers.sharding`.
 
 ZeRO-1/2 pad each param group to a multiple of 2W. `plan_model_states(param_groups="trainer")`
 splits the trainable parameters as the Trainer does (with and without weight decay), `"one"`
@@ -57,9 +57,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from trainer_memcb.plan.param_shapes import logical_shape
-from trainer_memcb.utils.units import parse_size
-from trainer_memcb.plan.sharding import (
+from trainer_memcb.plan.model.param_shapes import logical_shape
+from trainer_memcb.plan.settings.setup import PRECISION_DTYPES, PRECISIONS, Setup
+from trainer_memcb.utils.units import parse_bytes
+from trainer_memcb.plan.answers.sharding import (
     fsdp_local_shape,
     fsdp_padded_shard_numel,
     zero3_partition_numel,
@@ -67,10 +68,10 @@ from trainer_memcb.plan.sharding import (
     zero12_gradient_numel,
     zero12_partition_numel,
 )
-from trainer_memcb.plan.trainer_optimizers import _decay_parameter_names
-from trainer_memcb.plan.stand_ins import meta_stand_in
-from trainer_memcb.plan.update_kinds import unplanned_reason, updates_in_backward
-from trainer_memcb.plan.whatif import (
+from trainer_memcb.plan.optimizers.trainer_optimizers import _decay_parameter_names
+from trainer_memcb.plan.model.stand_ins import meta_stand_in
+from trainer_memcb.plan.optimizers.update_kinds import unplanned_reason, updates_in_backward
+from trainer_memcb.plan.optimizers.whatif import (
     DEFAULT_OPTIMIZERS,
     model_optimizer_what_if,
     optimizer_what_if,
@@ -80,17 +81,12 @@ from trainer_memcb.plan.whatif import (
 
 __all__ = [
     "PARAM_GROUPINGS",
-    "PRECISIONS",
-    "PRECISION_DTYPES",
-    "SHARDINGS",
     "ModelStatesLayout",
     "ModelStatesPlan",
     "OptimizerPlan",
     "ParamSpec",
-    "Setup",
     "layout_model_states",
     "param_specs",
-    "parse_bytes",
     "plan_model_states",
     "reference_model_bytes",
     "trainer_param_groups",
@@ -98,107 +94,8 @@ __all__ = [
 
 # How `plan_model_states` groups the trainable parameters (see its `param_groups`).
 PARAM_GROUPINGS = ("trainer", "one")
-SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
-
-# Precision setups, as users name them -> bytes per parameter value and per gradient value.
-# - fp32: no mixed precision.
-# - autocast-bf16/fp16: the Trainer's bf16=True / fp16=True without DeepSpeed: torch autocast casts
-#   inside the forward; the weights, their gradients and the optimizer stay fp32, no master copy.
-# - bf16, fp16: the model loaded in bf16 / fp16 (`dtype=torch.bfloat16`) and trained so: everything
-#   in 16 bits (LOMO's setup: fp16 weights, no master copy).
-# - deepspeed-bf16/fp16: DeepSpeed's bf16/fp16 sections: 16-bit weights and gradients, fp32 master
-#   weights that the optimizer updates (ZeRO only).
-PRECISIONS: Dict[str, int] = {
-    "fp32": 4,
-    "autocast-bf16": 4,
-    "autocast-fp16": 4,
-    "bf16": 2,
-    "fp16": 2,
-    "deepspeed-bf16": 2,
-    "deepspeed-fp16": 2,
-}
-# Spellings people use for the same setups.
-PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "amp-bf16": "autocast-bf16",
-                     "amp-fp16": "autocast-fp16", "mixed-bf16": "deepspeed-bf16", "mixed-fp16": "deepspeed-fp16"}
-# The dtype of a 2- or 4-byte value in each precision setup.
-PRECISION_DTYPES: Dict[str, torch.dtype] = {
-    "fp32": torch.float32, "autocast-bf16": torch.float32, "autocast-fp16": torch.float32,
-    "bf16": torch.bfloat16, "fp16": torch.float16, "deepspeed-bf16": torch.bfloat16, "deepspeed-fp16": torch.float16,
-}
 # ZeRO keeps fp32 master partitions (4 bytes a value) and an fp32 gradient partition for the step.
 _FP32 = 4
-
-
-def parse_bytes(text: Union[str, int]) -> int:
-    """`"80GiB"` -> 85899345920; `"80GB"` -> 80000000000; an int is bytes; a number written
-    without a unit is refused (`trainer_memcb.utils.units.parse_size`, the one rule for sizes).
-
-    Raises:
-        ValueError: naming the text and the units allowed.
-
-    Examples:
-        >>> parse_bytes("80GiB"), parse_bytes("1.5 KiB"), parse_bytes(512)
-        (85899345920, 1536, 512)
-    """
-    return parse_size(text)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """How the job runs.
-
-    Attributes:
-        world_size: processes in the job (data-parallel degree), W.
-        nodes: machines; `world_size` must be a multiple of it (CPU figures are per node).
-        sharding: one of `SHARDINGS`.
-        precision: one of `PRECISIONS` (or an alias such as `mixed-bf16`).
-        offload_optimizer: ZeRO-Offload: optimizer state and master weights on the CPU.
-        offload_params: ZeRO-3 parameter offload, or FSDP's `CPUOffload(offload_params=True)`
-            (parameters, gradients and optimizer state on the CPU).
-        sub_group_size: ZeRO-3's `sub_group_size` (values per flat fp32 sub-group).
-    """
-
-    world_size: int = 1
-    nodes: int = 1
-    sharding: str = "none"
-    precision: str = "fp32"
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    sub_group_size: int = 1_000_000_000
-
-    def __post_init__(self) -> None:
-        for name in ("world_size", "nodes", "sub_group_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
-        if self.world_size % self.nodes:
-            raise ValueError(f"world_size={self.world_size} is not a multiple of nodes={self.nodes}")
-        if self.sharding not in SHARDINGS:
-            raise ValueError(f"sharding={self.sharding!r} is not one of: {', '.join(SHARDINGS)}")
-        precision = PRECISION_ALIASES.get(self.precision, self.precision)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not one of: {', '.join(PRECISIONS)}")
-        object.__setattr__(self, "precision", precision)
-        if precision.startswith("deepspeed-") and self.is_fsdp:
-            raise ValueError(f"precision={precision!r} is DeepSpeed's: use it with sharding none, ddp, zero1, zero2 or zero3")
-        if self.offload_optimizer and not self.is_zero:
-            raise ValueError("offload_optimizer is DeepSpeed ZeRO's: use it with sharding zero1, zero2 or zero3 "
-                             "(FSDP offloads the optimizer state with offload_params)")
-        if self.offload_params and self.sharding not in ("zero3", "fsdp-full-shard", "fsdp-shard-grad-op"):
-            raise ValueError(f"offload_params needs sharding zero3 or fsdp-*, not {self.sharding!r}")
-
-    @property
-    def is_zero(self) -> bool:
-        return self.sharding in ZERO_STAGES
-
-    @property
-    def is_fsdp(self) -> bool:
-        return self.sharding.startswith("fsdp-")
-
-    @property
-    def processes_per_node(self) -> int:
-        return self.world_size // self.nodes
 
 
 @dataclass(frozen=True)
@@ -265,7 +162,7 @@ class ModelStatesLayout:
             False: over flat fp32 copies (ZeRO's partitions, DeepSpeed's mixed precision).
         largest_grad_bytes, largest_grad_param: the largest gradient one process holds for a
             single parameter, and that parameter's name: all an optimizer that updates inside
-            backward holds (`trainer_memcb.plan.update_kinds`).
+            backward holds (`trainer_memcb.plan.optimizers.update_kinds`).
         optimizer_embeddings: indices into `optimizer_shapes` that are embedding weights.
         transient_bytes: short-lived extras, by name, not in the model states.
     """
@@ -385,7 +282,8 @@ def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
     layout, whole except under zero3 (partitions) and FSDP (padded shards), as the policy's.
 
     Examples:
-        >>> from trainer_memcb.plan.model_states import ParamSpec, Setup, reference_model_bytes
+        >>> from trainer_memcb.plan.answers.model_states import ParamSpec, reference_model_bytes
+        >>> from trainer_memcb.plan.settings.setup import Setup
         >>> reference_model_bytes([ParamSpec((1000,))], Setup(world_size=4, sharding="zero3"))  # 250 fp32 values
         1000
     """
@@ -430,7 +328,7 @@ class OptimizerPlan:
         reference_model_bytes: a frozen reference model's parameters (`reference_model=True`),
             included in `model_states_bytes`; 0 without one.
         engine: None: the figures are the sharding rules' (above); an engine's name
-            (`trainer_memcb.plan.step_memory.states_during_step`): each state's figure is the
+            (`trainer_memcb.plan.answers.step_memory.states_during_step`): each state's figure is the
             most it held at one moment of that engine's traced step, its buffers included, and
             `transient_bytes` is empty (those buffers are in the figures).
         at_optimizer_step_bytes: with an engine, what each state (`parameters`,
@@ -606,7 +504,7 @@ def plan_model_states(
     groups, LOMO's model and the layer-wise variants included; over ZeRO's flat fp32 partitions the
     optimizer with its class and arguments. In one process the optimizer-state figure equals the
     what-if's to the byte. LOMO, AdaLomo and the layer-wise variants update inside backward: their
-    gradients are the largest parameter's alone (`trainer_memcb.plan.update_kinds`). A name the plan
+    gradients are the largest parameter's alone (`trainer_memcb.plan.optimizers.update_kinds`). A name the plan
     does not model in a setup (GaLore over ZeRO's flat partitions, layer-wise over several
     processes, which the Trainer refuses) gets a row that says why.
 
@@ -634,7 +532,8 @@ def plan_model_states(
             a malformed `optim_args` or `optim_target_modules`.
 
     Examples:
-        >>> from trainer_memcb.plan.model_states import Setup, plan_model_states
+        >>> from trainer_memcb.plan.answers.model_states import plan_model_states
+        >>> from trainer_memcb.plan.settings.setup import Setup
         >>> plan = plan_model_states(7_500_000_000, "adamw", Setup(world_size=64, sharding="zero3",
         ...                          precision="deepspeed-fp16"))
         >>> round(plan.optimizers[0].model_states_bytes / 1e9, 1)  # the ZeRO paper's 1.9 GB

@@ -1,0 +1,67 @@
+"""The traced step's timeline: each storage's part at a moment, and the replay of its events."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.settings import resolve_settings
+from trainer_memcb.plan.step.timeline import PhasePeak, Timeline
+from trainer_memcb.plan.step.trace import trace_step
+
+
+def timeline() -> Timeline:
+    # Serial 0: a parameter (16 bytes), 1: its gradient (16), 2: an engine's bucket (32), 3: a
+    # tensor saved for backward at the forward's peak (64), 4: the batch (8), 5: a temporary (4).
+    sizes = {0: 16, 1: 16, 2: 32, 3: 64, 4: 8, 5: 4}
+    groups = {"parameters": frozenset({0}), "gradients": frozenset({1}), "optimizer_state": frozenset(),
+              "batch_and_buffers": frozenset({4})}
+    return Timeline(events=(0, 4, 3, 5, ~5, ~3, 1, 2, ~2), sizes=sizes, tags={2: "engine_buffers"}, groups=groups,
+                    states={0: "parameters", 1: "gradients", 2: "gradients"}, host_parts=(), step_start=2,
+                    forward_backward=PhasePeak("forward", 92, (0, 4, 3, 5), frozenset({3})), optimizer_step=None,
+                    state_resident=False, activations_bytes=64, activations_peak_bytes=64)
+
+
+def test_a_storage_s_part_is_the_engine_s_name_then_the_plan_s_own_then_saved_at_that_moment():
+    line = timeline()
+    at = line.forward_backward
+    assert [line.part_of(serial, at.saved) for serial in range(6)] == [
+        "parameters", "gradients", "engine_buffers", "activations", "batch_and_buffers", "other"]
+    assert line.part_of(3) == "other"  # saved for backward only at the moment that says so
+    assert line.bytes_of([0, 0, 3]) == 80  # each storage once
+
+
+def test_the_replay_gives_each_state_s_most_from_the_step_s_start():
+    # The gradients: 16, then 16 + 32 with the bucket, then 16 (the bucket freed): at most 48.
+    # The parameter came before the step's start and counts from there.
+    assert timeline().most_by(timeline().states.get) == {"parameters": 16, "gradients": 48}
+
+
+def test_the_events_read_as_an_allocator_replays_them():
+    assert list(timeline().allocations())[:5] == [("alloc", 0, 16), ("alloc", 4, 8), ("alloc", 3, 64), ("alloc", 5, 4),
+                                                  ("free", 5)]
+    assert len(list(timeline().allocations())) == 9
+
+
+def test_a_traced_step_s_timeline_holds_each_phase_s_peak_and_the_answer_reads_it():
+    def build():
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             vocab_size=256)
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+
+    settings = resolve_settings(world_size=2, sharding="ddp", batch_size=2, optimizer="adamw_torch")
+    line = trace_step(build(), settings, batch_size=2, seq_len=16, precision="fp32", optimizer="adamw_torch",
+                      gradient_checkpointing=False, args=None, device_type="cpu", step_dtype=torch.float32,
+                      keep_dtypes=False, quantization=None, padding=0,
+                      input_options=dict(target_len=None, image_size=None, padding=0))
+    assert line.engine == "ddp" and line.optimizer_step is not None
+    for peak in (line.forward_backward, line.optimizer_step):
+        assert line.bytes_of(peak.storages) == peak.bytes  # the storages alive then, each once
+    # The parameters' whole fp32 bytes, filed as parameters; the buckets carry gradients.
+    assert line.bytes_of(line.groups["parameters"]) == sum(
+        p.numel() * 4 for p in {id(p): p for p in build().parameters()}.values())
+    assert "engine_buffers" in set(line.tags.values())
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    assert plan.forward_backward_peak_bytes == line.forward_backward.bytes + line.bytes_of(line.groups["optimizer_state"])

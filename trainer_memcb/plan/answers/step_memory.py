@@ -1,0 +1,415 @@
+"""Will one training step fit? Its activations, its peak and the peak's parts, the model states
+during the step, and fits? against the device's memory, read from the traced step.
+
+`plan_step_memory` resolves the settings once, traces one step of the model as the Trainer runs
+it (`trainer_memcb.plan.step.trace`: what is traced and how it is counted), and reads the answer:
+the step's peak is `max(peak of forward and backward + optimizer state, peak of the optimizer
+step)`, the peak of every step after the first; what lives on the host (offload) is left out of
+the device's peak; a frozen reference model is added; fits? is answered against the device's
+memory less the reserve. `states_during_step` puts the step's own figures in the model-states
+table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
+from trainer_memcb.plan.model.step_inputs import step_inputs
+from trainer_memcb.plan.settings import StepSettings, resolve_settings
+from trainer_memcb.plan.settings.setup import Setup, setup_of
+from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
+from trainer_memcb.plan.step.trace import DEVICE_TYPES, UntracedStep, trace_step
+
+__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED"]
+
+# What a real process holds beyond the storages the trace counts, by device type: the reason for a
+# reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
+NOT_COUNTED = {
+    "cuda": ("the CUDA context (hundreds of MiB per process)", "cuBLAS and NCCL workspaces",
+             "the caching allocator's rounding of each block up to 512 bytes, and the freed blocks it keeps "
+             "cached (fragmentation)"),
+    "cpu": ("the CPU allocator's own bookkeeping and rounding",),
+}
+
+
+@dataclass(frozen=True)
+class StepMemoryPlan:
+    """One training step's memory on one process.
+
+    Attributes:
+        batch_size, seq_len: the micro-batch.
+        attn_implementation: the attention path traced (`config._attn_implementation`).
+        device_type: the device type asked for; `traced_on`: the fake tensors' device.
+        gradient_checkpointing: non-reentrant activation checkpointing on the model's layers.
+        precision: the setup's precision; `param_dtype`: the traced parameters' dtype.
+        activations_bytes: saved for backward, alive at the end of forward (as `activations_bytes`).
+        activations_peak_bytes: the most saved bytes alive during forward and backward.
+        peak_bytes: the step's peak; `peak_phase`: forward, backward or optimizer step;
+            `peak_parts`: what was alive then, by part (they sum to `peak_bytes`).
+        model_states_plan: the model-states plan of the same setup (per-process states).
+        model_states_most_bytes: per model state (parameters, gradients, optimizer_state,
+            master_weights), the most this process's device held at one moment of the step, the
+            engine's buffers for it included (DDP's buckets and ZeRO's reduce buckets as
+            gradients, FSDP2's all-gather buffers and gathered parameters as parameters);
+            `model_states_host_bytes`: the same, of what lives on the host (offload);
+            `model_states_at_optimizer_step_bytes`: what each held at the optimizer phase's peak,
+            device and host together ({} without an optimizer step). The model-states table of a
+            step plan shows these (`states_during_step`).
+        device_memory_bytes, reserve_bytes: the device's memory and the part of it left out for
+            what the plan does not count (`reserve_bytes`, see `not_counted`).
+        fits, margin_bytes: against `device_memory_bytes - reserve_bytes`, from the peak.
+        not_counted: what a real process on `device_type` holds that the plan does not count.
+        problem: why no step could be traced (then only the model states are known), or None.
+    """
+
+    model: str
+    batch_size: int
+    seq_len: int
+    attn_implementation: Optional[str]
+    device_type: str
+    traced_on: str
+    gradient_checkpointing: bool
+    precision: str
+    optimizer: str
+    param_dtype: Optional[str]
+    activations_bytes: Optional[int]
+    activations_peak_bytes: Optional[int]
+    peak_bytes: Optional[int]
+    peak_phase: Optional[str]
+    peak_parts: Dict[str, int] = field(default_factory=dict)
+    forward_backward_peak_bytes: Optional[int] = None
+    optimizer_step_peak_bytes: Optional[int] = None
+    model_states_most_bytes: Dict[str, int] = field(default_factory=dict)
+    model_states_host_bytes: Dict[str, int] = field(default_factory=dict)
+    model_states_at_optimizer_step_bytes: Dict[str, int] = field(default_factory=dict)
+    device_memory_bytes: Optional[int] = None
+    fits: Optional[bool] = None
+    margin_bytes: Optional[int] = None
+    problem: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+    reserve_bytes: Optional[int] = None
+    not_counted: List[str] = field(default_factory=list)
+    engine: str = "none"
+    optimizer_implementation: Optional[str] = None
+    host_bytes: Dict[str, int] = field(default_factory=dict)
+    settings_used: List[List[Any]] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
+    if precision in ("bf16", "deepspeed-bf16"):
+        return torch.bfloat16
+    if precision in ("fp16", "deepspeed-fp16"):
+        return torch.float16
+    if precision in ("fp32", "autocast-bf16", "autocast-fp16"):
+        return torch.float32
+    return None
+
+
+@dataclass(frozen=True)
+class _StepFigures:
+    """The step's figures read from its timeline, before the answer adds what the trace cannot see."""
+
+    peak_bytes: int
+    peak_phase: str
+    peak_parts: Dict[str, int]
+    forward_backward_peak: int
+    optimizer_peak: Optional[int]
+    states_most: Dict[str, int]
+    states_at_optimizer_step: Dict[str, int]
+    # Of forward_backward_peak and optimizer_peak: the bytes of the engine's host parts (offload).
+    forward_backward_host: int
+    optimizer_host: int
+
+
+def _read_peak(timeline: Timeline) -> _StepFigures:
+    """The step's peak, its phase and parts, and the most each model state held, from its timeline.
+
+    The fake step is the first: its optimizer makes each parameter's state as it reaches it. In
+    every later step the state is alive from the start, so it is added to forward and backward's
+    peak, and at the optimizer phase's peak the state of the parameters after it (not made yet in
+    the first step) is added too; the step's peak is the larger of the two phases', compared by
+    the device's bytes (what lives on the host, offloaded, left out of the comparison)."""
+    stepped = timeline.optimizer_step is not None
+    fb = timeline.forward_backward
+    optimizer = timeline.optimizer_step or PhasePeak("optimizer step", 0, ())
+    state_keys = timeline.groups["optimizer_state"]
+    # Optimizer state an engine makes before the step (DeepSpeed's) is in the timeline already.
+    state_bytes = 0 if timeline.state_resident else timeline.bytes_of(state_keys)
+    not_yet = 0 if timeline.state_resident else timeline.bytes_of(state_keys - set(optimizer.storages))
+    optimizer_peak = optimizer.bytes + not_yet if stepped else 0
+    host_parts, tags, sizes = timeline.host_parts, timeline.tags, timeline.sizes
+
+    def host_bytes_of(keys: Tuple[int, ...], state_extra: int) -> int:
+        found = sum(sizes[key] for key in set(keys) if tags.get(key) in host_parts)
+        return found + (state_extra if "optimizer_state" in host_parts else 0)
+
+    fb_host = host_bytes_of(fb.storages, state_bytes)
+    optimizer_host = host_bytes_of(optimizer.storages, not_yet) if stepped else 0
+    if fb.bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:
+        peak, at, extra_state = fb.bytes + state_bytes, fb, state_bytes
+    else:
+        peak, at, extra_state = optimizer_peak, optimizer, not_yet
+    parts = {name: 0 for name in PLAN_PARTS}
+    for key in at.storages:
+        part = timeline.part_of(key, at.saved)
+        parts[part] = parts.get(part, 0) + sizes[key]
+    parts["optimizer_state"] += extra_state
+    # The most each model state held at one moment (the engine's buffers for it included); the
+    # optimizer state of a later step is alive from its start (`state_bytes`).
+    most = timeline.most_by(timeline.states.get)
+    optimizer_state = "optimizer_state" + (HOST if "optimizer_state" in host_parts else "")
+    most[optimizer_state] = max(most.get(optimizer_state, 0), state_bytes)
+    at_step: Dict[str, int] = {}
+    if stepped:
+        for key in optimizer.storages:
+            state = timeline.states.get(key)
+            if state is not None:
+                at_step[state] = at_step.get(state, 0) + sizes[key]
+        at_step[optimizer_state] = at_step.get(optimizer_state, 0) + not_yet
+    return _StepFigures(peak, at.phase, parts, fb.bytes + state_bytes, optimizer_peak if stepped else None, most,
+                        at_step, fb_host, optimizer_host)
+
+
+def plan_step_memory(
+    build_model: Callable[[], nn.Module],
+    *,
+    batch_size: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    setup: Optional[Setup] = None,
+    optimizer: Optional[str] = None,
+    args: Any = None,
+    attn_implementation: Optional[str] = None,
+    gradient_checkpointing: Optional[bool] = None,
+    device_type: str = "cuda",
+    device_memory: Optional[int] = None,
+    model_name: Optional[str] = None,
+    model_states: bool = True,
+    states_plan: Optional[ModelStatesPlan] = None,
+    dtype: Optional[torch.dtype] = None,
+    reserve_bytes: int = 0,
+    settings: Optional[StepSettings] = None,
+    target_len: Optional[int] = None,
+    image_size: Optional[int] = None,
+    padding: int = 0,
+    keep_dtypes: bool = False,
+    quantization: Any = None,
+) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
+    """Plan one training step's memory on one process.
+
+    Args:
+        build_model: makes the model on the meta device (`trainer_memcb.plan.optimizers.whatif.build_meta_model`
+            plus LoRA adapters); called once per trace, its parameters are replaced by fake ones.
+        batch_size, seq_len: the per-device micro-batch (None: `args.per_device_train_batch_size`).
+        setup: world size, sharding, precision (as the model-states plan); given, it overrides
+            `args` and `settings`.
+        optimizer: the Trainer's `optim` name for the traced optimizer step (None: `args.optim`,
+            else adamw_torch).
+        args: `TrainingArguments`: the optimizer's hyperparameters, and the settings the Trainer
+            reads from them (batch size, bf16/fp16, optim, gradient checkpointing, clipping, the
+            DeepSpeed and FSDP configs) unless given here explicitly.
+        attn_implementation: "eager", "sdpa" or another transformers attention; None keeps the
+            config's.
+        gradient_checkpointing: the Trainer's `gradient_checkpointing=True` (non-reentrant).
+        device_type: "cuda" or "cpu": the device the run will use (see the module docstring).
+        device_memory: bytes per process, for fits / margin.
+        reserve_bytes: the part of `device_memory` the step cannot use (the CUDA context, the
+            libraries' workspaces, the allocator's cache: `NOT_COUNTED`); fits? is answered
+            against `device_memory - reserve_bytes`.
+        model_states: also plan the model states (the sharded setups need them).
+        states_plan: a model-states plan made already for this model and setup (reused).
+        dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
+        settings: settings resolved already (`trainer_memcb.plan.settings.resolve_settings`), the
+            engine's options among them (DDP's buckets, FSDP2's resharding and offload, ZeRO's config);
+            the explicit arguments above still override it.
+        target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.model.step_inputs`):
+            a seq2seq model's labels length, an image model's height and width, padded positions.
+        quantization: a `trainer_memcb.plan.model.quantized.Quantization`: the base model's linear layers
+            loaded in 4-bit or 8-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
+        keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters
+            over a 16-bit base, as `get_peft_model` keeps them) rather than casting all to `dtype`.
+
+    Returns:
+        The step plan, and the model-states plan (or None).
+
+    Raises:
+        ValueError: a bad batch size, sequence length, attention path, device type or reserve.
+    """
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
+    meta = build_model()
+    config = getattr(meta, "config", None)
+    hidden = getattr(getattr(config, "get_text_config", lambda: config)(), "hidden_size", None) if config is not None else None
+    settings = _resolve(settings, args, setup, batch_size=batch_size, optimizer=optimizer,
+                        gradient_checkpointing=gradient_checkpointing, hidden_size=hidden)
+    batch_size = settings.batch_size if settings.batch_size is not None else batch_size
+    optimizer, gradient_checkpointing = settings.optimizer, settings.gradient_checkpointing
+    setup = setup_of(settings, setup)
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("target_len", target_len),
+                        ("image_size", image_size)):
+        if value is None and name != "batch_size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type={device_type!r} is not one of: {', '.join(DEVICE_TYPES)}")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if model_states and states_plan is None:
+        states_plan = plan_model_states(meta, optimizer, setup, args=args, model_name=model_name)
+    name = model_name or type(meta).__name__
+    config = getattr(meta, "config", None)
+    if attn_implementation is not None and config is not None:
+        config._attn_implementation = attn_implementation
+    input_options = dict(target_len=target_len, image_size=image_size, padding=padding)
+    with FakeTensorMode():  # the options the model has no use for are refused before anything runs
+        step_inputs(meta, 1, seq_len, **input_options)
+    attention = getattr(config, "_attn_implementation", None) if config is not None else None
+    precision = setup.precision
+    step_dtype = dtype or _step_dtype(precision, meta)
+    common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
+                  device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
+                  precision=precision, optimizer=optimizer, device_memory_bytes=device_memory,
+                  reserve_bytes=reserve_bytes if device_memory is not None else None,
+                  not_counted=list(NOT_COUNTED[device_type]))
+    try:
+        timeline = trace_step(
+            meta, settings, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+            gradient_checkpointing=gradient_checkpointing, args=args, device_type=device_type, step_dtype=step_dtype,
+            keep_dtypes=keep_dtypes, quantization=quantization, padding=padding, input_options=input_options)
+    except UntracedStep as error:
+        return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
+                              problem=f"the step cannot run under fake tensors ({error})", **common), states_plan
+    notes = list(timeline.notes)
+    implementation = timeline.optimizer_implementation
+    traced = _read_peak(timeline)
+    peak, parts = traced.peak_bytes, dict(traced.peak_parts)
+    most = {state: traced.states_most.get(state, 0) for state in MODEL_STATES}
+    most_host = {state: traced.states_most.get(state + HOST, 0) for state in MODEL_STATES}
+    at_step = {state: traced.states_at_optimizer_step.get(state, 0) + traced.states_at_optimizer_step.get(state + HOST, 0)
+               for state in MODEL_STATES} if traced.states_at_optimizer_step else {}
+    fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
+    phase = traced.peak_phase
+    if timeline.optimizer_failure is not None:
+        # Its state, as its estimate rule plans it, is alive through every later step's forward
+        # and backward; the update's own temporaries are not known.
+        rule_plan = states_plan if states_plan is not None else \
+            plan_model_states(build_model(), optimizer, setup, args=args, model_name=model_name)
+        estimated = rule_plan.optimizers[0].optimizer_state_bytes
+        if estimated is None:
+            return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
+                                  activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=None,
+                                  peak_phase=None, problem=f"{optimizer}: its constructor cannot run under fake "
+                                  f"tensors ({timeline.optimizer_failure}) and no rule estimates its state", **common), \
+                states_plan
+        peak, phase = fb_peak + estimated, traced.peak_phase
+        fb_peak, optimizer_peak = peak, None
+        parts["optimizer_state"] += estimated
+        most["optimizer_state"], at_step = estimated, {}
+        notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({timeline.optimizer_failure}); "
+                     f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
+                     f"and the optimizer step's own temporaries are not traced")
+    host = {part: parts.pop(part) for part in timeline.host_parts if parts.get(part)}
+    if host:
+        # Offloaded states: on the CPU in a real run; the trace holds them beside the device's bytes.
+        peak -= sum(host.values())
+        fb_peak -= traced.forward_backward_host
+        optimizer_peak = None if optimizer_peak is None else optimizer_peak - traced.optimizer_host
+        notes.append(f"offloaded to the CPU, not in the device peak: {', '.join(f'{k} {v} bytes' for k, v in host.items())}")
+    reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
+    if reference:
+        # A frozen reference model (DPO-style training) is alive through the whole step. Its own
+        # forward's temporaries are not traced.
+        parts["reference_model"] = reference
+        if True:
+            peak += reference
+            fb_peak = fb_peak + reference
+            optimizer_peak = None if optimizer_peak is None else optimizer_peak + reference
+        notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
+    fits = margin = None
+    if device_memory is not None:
+        margin = device_memory - reserve_bytes - peak
+        fits = margin >= 0
+    return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
+                          activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
+                          peak_parts=parts, forward_backward_peak_bytes=fb_peak,
+                          optimizer_step_peak_bytes=optimizer_peak, model_states_most_bytes=most,
+                          model_states_host_bytes=most_host, model_states_at_optimizer_step_bytes=at_step, fits=fits, margin_bytes=margin, notes=notes,
+                          engine=timeline.engine, optimizer_implementation=implementation, host_bytes=host,
+                          settings_used=[list(row) for row in settings.used()], **common), states_plan
+
+
+def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelStatesPlan:
+    """The model-states plan with the step's own figures in the row of its optimizer: each state
+    the most it held at one moment of the step as the engine ran it (`model_states_most_bytes`
+    and `model_states_host_bytes`: DDP's gradients with their buckets, ZeRO-1's whole gradients
+    before the reduction, FSDP2's shards with the gathered parameters), what it held at the
+    optimizer step beside it, and the sums, fits? and margin from them; so the table and the
+    step's peak come from one trace. `states` itself when the step has no figures (a step that
+    could not be traced) or `states` has no row for its optimizer alone.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from trainer_memcb.plan.settings import resolve_settings
+        >>> def build():
+        ...     with torch.device("meta"):
+        ...         return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                                             num_attention_heads=4, vocab_size=256))
+        >>> settings = resolve_settings(world_size=2, sharding="ddp", batch_size=1, optimizer="adamw_torch")
+        >>> step, states = plan_step_memory(build, seq_len=8, settings=settings, device_type="cpu")
+        >>> row = states_during_step(states, step).optimizers[0]
+        >>> row.grads_bytes == 2 * states.optimizers[0].grads_bytes  # the gradients and DDP's buckets
+        True
+    """
+    if step.problem is not None or not step.model_states_most_bytes or len(states.optimizers) != 1:
+        return states
+    [row] = states.optimizers
+    if row.model_states_bytes is None:
+        return states
+    device, host = step.model_states_most_bytes, step.model_states_host_bytes
+    figure = {state: device.get(state, 0) + host.get(state, 0) for state in MODEL_STATES}
+    reference = row.reference_model_bytes
+    # A frozen reference model lives where the parameters do (offloaded with them).
+    cpu = sum(host.values()) + (reference if states.setup.offload_params else 0)
+    total = sum(figure.values()) + reference
+    memory = states.device_memory_bytes
+    margin = None if memory is None else memory - (total - cpu)
+    row = dataclasses.replace(
+        row, params_bytes=figure["parameters"], grads_bytes=figure["gradients"],
+        optimizer_state_bytes=figure["optimizer_state"], master_weights_bytes=figure["master_weights"],
+        model_states_bytes=total, device_bytes=total - cpu, cpu_bytes=cpu,
+        cpu_bytes_per_node=cpu * states.setup.processes_per_node, transient_bytes={},
+        fits=None if margin is None else margin >= 0, margin_bytes=margin, engine=step.engine,
+        at_optimizer_step_bytes=dict(step.model_states_at_optimizer_step_bytes))
+    return dataclasses.replace(states, optimizers=[row])
+
+
+def _resolve(settings: Optional[StepSettings], args: Any, setup: Optional[Setup], **given: Any) -> StepSettings:
+    """The settings: those given (or resolved from `args`), the explicit arguments over them."""
+    hidden_size = given.pop("hidden_size")
+    flags = {key: value for key, value in given.items() if value is not None}
+    if setup is not None:
+        flags.update(world_size=setup.world_size, nodes=setup.nodes, sharding=setup.sharding, precision=setup.precision)
+        if setup.offload_params and setup.is_fsdp:
+            flags["fsdp_cpu_offload"] = True
+    if settings is None:
+        training_args = args if (args is not None and hasattr(args, "to_dict")) else None
+        return resolve_settings(training_args, hidden_size=hidden_size, **flags)
+    if not flags:
+        return settings
+    sources = dict(settings.sources)
+    sources.update({key: "flag" for key in flags})
+    if flags.get("sharding") == "fsdp-shard-grad-op":
+        flags["reshard_after_forward"] = False
+    elif flags.get("sharding") == "fsdp-full-shard":
+        flags["reshard_after_forward"] = True
+    return dataclasses.replace(settings, sources=sources, **flags)

@@ -1,0 +1,780 @@
+"""A model of PyTorch's CUDA caching allocator: what a timeline of allocations reserves.
+
+Followed from torch 2.13's `c10/cuda/CUDACachingAllocator.cpp`, class `DeviceCachingAllocator`
+(`malloc`, `free`, `round_size`, `roundup_power2_next_division`, `get_pool`,
+`get_allocation_size`, `get_free_block`, `should_split`, `alloc_found_block`, `free_block`,
+`try_merge_blocks`, `alloc_block`, `garbage_collect_cached_blocks`,
+`release_available_cached_blocks`, `release_cached_blocks`, `release_blocks`, `release_block`,
+and for expandable segments `find_expandable_block`, `try_allocate_expandable_block`,
+`map_block`, `unmap_block`, `release_expandable_segment`, `ExpandableSegment::map/unmap`), with
+the constants of `c10/core/AllocatorConfig.h`. Each rule below names the function it follows.
+
+What is modelled: one device, one stream (the default stream: the set's stream ordering never
+decides), no CUDA graphs, private pools, `record_stream` or events, no free-memory callbacks.
+`device_memory` is what the allocator may take from the device: a `cudaMalloc` (or the mapping
+of expandable pages) fails when the reserved bytes would exceed it.
+
+Addresses: real `cudaMalloc` addresses decide which of two free blocks of one size is taken
+(the pools are ordered by size, then address). Here each new segment is placed above every
+earlier one, so ties go to the older segment.
+
+Where releases differ in bytes (torch 2.6 to 2.13):
+- the 1-10 MiB segment and the large pool's expandable page are `large_segment_size_mb`
+  (20 MiB unless set) since that key appeared; before, the constant `kLargeBuffer` (20 MiB);
+- `max_non_split_rounding_mb` (how far above a request an unsplittable cached block may be)
+  defaults to the large segment's size; older releases used `kLargeBuffer`: the same 20 MiB;
+- torch 2.6 split blocks in the large pool with `remaining > kSmallSize` unless expandable
+  segments were on, as here; garbage collection needed `set_per_process_memory_fraction`,
+  `per_process_memory_fraction` in the config is the 2.13 way to set it;
+- `release_available_cached_blocks` skips blocks of expandable segments in 2.13 (older
+  releases could stop at one).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+from trainer_memcb.plan.device.alloc_conf import AllocConf, SIZE_MAX, as_alloc_conf
+
+__all__ = [
+    "AllocatorReplay",
+    "BlockState",
+    "CachingAllocatorModel",
+    "SegmentState",
+    "replay_allocations",
+]
+
+# c10/core/AllocatorConfig.h
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
+K_SMALL_SIZE = 1048576  # kSmallSize: the largest "small" allocation is 1 MiB
+K_SMALL_BUFFER = 2097152  # kSmallBuffer: "small" allocations are packed in 2 MiB segments
+K_MIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: 1 to 10 MiB requests may use the large segment
+K_ROUND_LARGE = 2097152  # kRoundLarge: larger segments are rounded up to 2 MiB
+# CUDACachingAllocator.cpp, NativeCachingAllocator::allocate: "Tried to allocate more than 1EB".
+ONE_EXABYTE = 1152921504606846976
+# No device limit given: the expandable segment's address space is sized for this much memory.
+_UNBOUNDED_DEVICE = 2 ** 50
+
+
+class _Block:
+    """`Block`: a piece of a segment, allocated or cached."""
+
+    __slots__ = ("size", "addr", "pool", "allocated", "prev", "next", "segment", "mapped",
+                 "requested", "gc_base", "key")
+
+    def __init__(self, size: int, addr: int, pool: "_Pool", segment: Optional["_Expandable"],
+                 mapped: bool = True) -> None:
+        self.size = size
+        self.addr = addr
+        self.pool = pool
+        self.allocated = False
+        self.prev: Optional[_Block] = None
+        self.next: Optional[_Block] = None
+        self.segment = segment  # the expandable segment it lies in, or None (a cudaMalloc)
+        self.mapped = mapped
+        self.requested = 0
+        self.gc_base = 0
+        self.key: Any = None  # the event's key while allocated
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+
+class _Expandable:
+    """`ExpandableSegment`: reserved address space, mapped in pages of `page` bytes."""
+
+    __slots__ = ("base", "page", "size")
+
+    def __init__(self, base: int, page: int, device_total: int) -> None:
+        self.base = base
+        self.page = page
+        # ExpandableSegment::init: max_handles_ = numSegments(getReservedVirtualMemorySize),
+        # the device's total memory and an eighth more (CUDAExpandableSegment).
+        reserved = device_total + device_total // 8
+        self.size = -(-reserved // page) * page
+
+
+class _Pool:
+    """`BlockPool`: the cached blocks of one pool, ordered as `BlockComparatorSize` orders them
+    (size, then address; one stream), and the unmapped tails of its expandable segments,
+    ordered by address (`BlockComparatorAddress`)."""
+
+    __slots__ = ("is_small", "keys", "blocks", "unmapped", "unmapped_blocks", "gc_calls")
+
+    def __init__(self, is_small: bool) -> None:
+        self.is_small = is_small
+        self.keys: List[Tuple[int, int]] = []  # sorted (size, addr) of the cached blocks
+        self.blocks: Dict[int, _Block] = {}  # addr -> cached block
+        self.unmapped: List[int] = []  # sorted addr of the unmapped blocks
+        self.unmapped_blocks: Dict[int, _Block] = {}
+        self.gc_calls = 0  # get_free_blocks_call_count
+
+    def insert(self, block: _Block) -> None:  # BlockPool::insert_into_blocks
+        block.gc_base = self.gc_calls
+        insort(self.keys, (block.size, block.addr))
+        self.blocks[block.addr] = block
+
+    def erase(self, block: _Block) -> None:
+        key = (block.size, block.addr)
+        index = bisect_left(self.keys, key)
+        del self.keys[index]
+        del self.blocks[block.addr]
+
+    def insert_unmapped(self, block: _Block) -> None:
+        insort(self.unmapped, block.addr)
+        self.unmapped_blocks[block.addr] = block
+
+    def erase_unmapped(self, block: _Block) -> None:
+        del self.unmapped[bisect_left(self.unmapped, block.addr)]
+        del self.unmapped_blocks[block.addr]
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """One block of a segment: its address, size (rounded), and whether it is allocated, with
+    the bytes asked for and the event key when it is."""
+
+    address: int
+    size: int
+    allocated: bool
+    requested_bytes: int = 0
+    key: Any = None
+
+
+@dataclass(frozen=True)
+class SegmentState:
+    """A segment as `torch.cuda.memory_snapshot()` lists it: one `cudaMalloc`, or one
+    contiguous mapped range of an expandable segment, with its blocks in address order."""
+
+    address: int
+    total_size: int
+    allocated_size: int
+    pool: str  # "small" or "large"
+    expandable: bool
+    blocks: Tuple[BlockState, ...]
+
+
+@dataclass(frozen=True)
+class AllocatorReplay:
+    """What a timeline of allocations does to the caching allocator.
+
+    Attributes:
+        reserved_peak_bytes: the most the allocator held from the device at once
+            (`torch.cuda.max_memory_reserved`).
+        allocated_peak_bytes: the most it handed out at once, in rounded blocks
+            (`torch.cuda.max_memory_allocated`).
+        requested_peak_bytes: the most asked for at once, before rounding.
+        reserved_bytes: held at the end (`torch.cuda.memory_reserved`).
+        allocated_bytes: handed out at the end (`torch.cuda.memory_allocated`).
+        segments: the segments at the end, each with its blocks.
+        oom: None, or the event at which a device of `device_memory` bytes ran out: the replay
+            stops there, as the program would, with the cache already released.
+        oom_index: the position of that event in the timeline (None without an OOM).
+        num_alloc_retries: allocations that needed the whole cache released first.
+        num_device_alloc: `cudaMalloc` calls (and mappings of expandable pages).
+        num_device_free: `cudaFree` calls (and unmappings).
+        events: the events replayed (up to and with the OOM one).
+    """
+
+    reserved_peak_bytes: int
+    allocated_peak_bytes: int
+    requested_peak_bytes: int
+    reserved_bytes: int
+    allocated_bytes: int
+    segments: Tuple[SegmentState, ...]
+    oom: Optional[tuple]
+    oom_index: Optional[int]
+    num_alloc_retries: int
+    num_device_alloc: int
+    num_device_free: int
+    events: int
+
+    @property
+    def largest_free_block_bytes(self) -> int:
+        """The largest cached block (`torch.cuda.memory.cache_info`'s largest, 0 if none)."""
+        return max((block.size for segment in self.segments for block in segment.blocks
+                    if not block.allocated), default=0)
+
+
+class OutOfMemory(Exception):
+    """The model's `torch.OutOfMemoryError`: no cached block fits and the device is full."""
+
+
+def roundup_power2_next_division(size: int, divisions: int) -> int:
+    """`DeviceCachingAllocator::roundup_power2_next_division`: `size` rounded up to the next of
+    `divisions` equal steps between the powers of two around it (1200 in 4 divisions: 1280)."""
+    if size & (size - 1) == 0:
+        return size
+    power2_floor = 1 << (size.bit_length() - 1)
+    step = power2_floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return power2_floor << 1
+    floor = size & ~(step - 1)
+    return size if floor == size else floor + step
+
+
+def round_size(size: int, conf: AllocConf) -> int:
+    """`DeviceCachingAllocator::round_size`: at least 512 bytes, then either a multiple of 512
+    or, with `roundup_power2_divisions` for the size's interval above 1 and a size above
+    512 times the divisions, the next power-of-two division."""
+    if size < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    divisions = conf.divisions_for(size)
+    if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
+        return roundup_power2_next_division(size, divisions)
+    return K_MIN_BLOCK_SIZE * ((size + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+
+
+def allocation_size(size: int, conf: AllocConf) -> int:
+    """`DeviceCachingAllocator::get_allocation_size`: the segment a rounded request that finds
+    no cached block asks `cudaMalloc` for."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return conf.large_segment_size_bytes
+    return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+class CachingAllocatorModel:
+    """One device's caching allocator, driven one call at a time (`malloc`, `free`,
+    `empty_cache`), its statistics kept as `DeviceStats` keeps them.
+
+    Args:
+        alloc_conf: None, a `PYTORCH_CUDA_ALLOC_CONF` string, or a parsed `AllocConf`.
+        device_memory: the bytes the allocator may take from the device; None for no limit.
+    """
+
+    def __init__(self, alloc_conf: Union[None, str, AllocConf] = None,
+                 device_memory: Optional[int] = None) -> None:
+        conf = as_alloc_conf(alloc_conf)
+        if conf.backend != "native":
+            raise ValueError(
+                f"backend:{conf.backend} is CUDA's own stream-ordered allocator, not the caching "
+                "allocator modelled here; allowed: backend:native (the default)"
+            )
+        if device_memory is not None and (
+                isinstance(device_memory, bool) or not isinstance(device_memory, int)
+                or device_memory < 0):
+            raise ValueError(f"device_memory must be a whole number of bytes >= 0 or None, "
+                             f"got {device_memory!r}")
+        self.conf = conf
+        self.device_memory = device_memory
+        # DeviceCachingAllocator::setMemoryFraction (called with per_process_memory_fraction):
+        # a fraction below 1 sets allowed_memory_maximum, which caps the reserved bytes and
+        # turns on garbage collection.
+        self.allowed_maximum: Optional[int] = None
+        if conf.per_process_memory_fraction < 1.0:
+            if device_memory is None:
+                raise ValueError(
+                    f"per_process_memory_fraction:{conf.per_process_memory_fraction} is a "
+                    "fraction of the device's memory: give device_memory too"
+                )
+            self.allowed_maximum = int(conf.per_process_memory_fraction * device_memory)
+        self.gc_active = self.allowed_maximum is not None and conf.garbage_collection_threshold > 0
+        self.small = _Pool(is_small=True)
+        self.large = _Pool(is_small=False)
+        self.live: Dict[Any, Optional[_Block]] = {}  # key -> block (None: a 0-byte tensor)
+        self.expandables: List[_Expandable] = []
+        self.next_addr = 1 << 21  # addresses of new segments and address ranges grow upward
+        self.reserved = 0  # total_allocated_memory == stats.reserved_bytes.current
+        self.reserved_peak = 0
+        self.allocated = 0
+        self.allocated_peak = 0
+        self.requested = 0
+        self.requested_peak = 0
+        self.num_alloc_retries = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+        self.num_ooms = 0
+        self.device_total = _UNBOUNDED_DEVICE if device_memory is None else device_memory
+        self._max_split = conf.max_split_size_bytes
+        self._max_rounding = conf.max_non_split_rounding_bytes
+
+    # -- the public calls ------------------------------------------------------------------
+
+    def malloc(self, key: Any, nbytes: int) -> None:
+        """`NativeCachingAllocator::allocate` then `DeviceCachingAllocator::malloc`.
+
+        Raises:
+            OutOfMemory: the device cannot hold it, the cache released first.
+        """
+        if nbytes == 0:
+            # NativeCachingAllocator::allocate: a 0-byte tensor gets no block.
+            self.live[key] = None
+            return
+        if nbytes >= ONE_EXABYTE:
+            self.num_ooms += 1
+            raise OutOfMemory(nbytes)
+        size = round_size(nbytes, self.conf)
+        pool = self.small if size <= K_SMALL_SIZE else self.large  # get_pool
+        alloc_size = allocation_size(size, self.conf)
+        block = self._get_free_block(pool, size)
+        if block is None:
+            if self.gc_active:
+                self._garbage_collect()
+            # alloc_block, then release enough oversize cached blocks and retry, then release
+            # every unsplit cached block and retry (malloc).
+            block = self._alloc_block(pool, size, alloc_size)
+            if block is None and self._release_available_cached_blocks(pool, size):
+                block = self._alloc_block(pool, size, alloc_size)
+            if block is None:
+                self._release_cached_blocks()
+                self.num_alloc_retries += 1
+                block = self._alloc_block(pool, size, alloc_size)
+            if block is None:
+                self.num_ooms += 1
+                raise OutOfMemory(nbytes)
+        if self._should_split(block, size):
+            block = self._split(block, size)
+        # alloc_found_block
+        block.allocated = True
+        block.requested = nbytes
+        block.key = key
+        self.live[key] = block
+        self.allocated += block.size
+        self.requested += nbytes
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
+        if self.requested > self.requested_peak:
+            self.requested_peak = self.requested
+
+    def free(self, key: Any) -> None:
+        """`DeviceCachingAllocator::free` and `free_block`: the block goes back to its pool,
+        merged with the free blocks on either side; the segment stays reserved."""
+        block = self.live.pop(key)
+        if block is None:
+            return
+        block.allocated = False
+        block.key = None
+        self.allocated -= block.size
+        self.requested -= block.requested
+        block.requested = 0
+        pool = block.pool
+        for neighbour in (block.prev, block.next):
+            self._try_merge(block, neighbour, pool)
+        pool.insert(block)
+
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()`: `emptyCache` -> `release_cached_blocks`."""
+        self._release_cached_blocks()
+
+    # -- finding a cached block --------------------------------------------------------------
+
+    def _get_free_block(self, pool: _Pool, size: int) -> Optional[_Block]:
+        """`get_free_block`: the smallest cached block of at least `size` bytes (best fit;
+        `lower_bound` over blocks ordered by size then address), within the max_split rules."""
+        if self.gc_active:
+            pool.gc_calls += 1  # the age garbage collection reads
+        keys = pool.keys
+        index = bisect_left(keys, (size, -1))
+        if index == len(keys):
+            return None
+        block = pool.blocks[keys[index][1]]
+        if block.segment is not None:
+            if self.conf.expandable_segments:
+                # A block followed by unmapped space counts as the size it can grow to, so the
+                # search walks on while the next block can grow to less.
+                def grown(candidate: _Block) -> int:
+                    following = candidate.next
+                    return candidate.size + (following.size if following is not None
+                                             and not following.mapped else 0)
+                while block.segment is not None and index + 1 < len(keys):
+                    following = pool.blocks[keys[index + 1][1]]
+                    if grown(following) >= grown(block):
+                        break
+                    index += 1
+                    block = following
+            else:
+                # Expandable segments switched off: only blocks of cudaMalloc segments serve.
+                index += 1
+                while index < len(keys) and pool.blocks[keys[index][1]].segment is not None:
+                    index += 1
+                if index == len(keys):
+                    return None
+                block = pool.blocks[keys[index][1]]
+        max_split = self._max_split
+        # Do not return an oversized block for a request below max_split_size ...
+        if size < max_split and block.size >= max_split:
+            return None
+        # ... and let an oversized one serve a large request only within max_non_split_rounding.
+        if size >= max_split and block.size >= size + self._max_rounding:
+            return None
+        pool.erase(block)
+        return block
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        """`should_split`: the small pool (and every pool with expandable segments) splits off
+        any remainder of 512 bytes or more; the large pool only a remainder above 1 MiB, and
+        never for a request of max_split_size or more."""
+        remaining = block.size - size
+        if block.pool.is_small or self.conf.expandable_segments:
+            return remaining >= K_MIN_BLOCK_SIZE
+        return size < self._max_split and remaining > K_SMALL_SIZE
+
+    def _split(self, block: _Block, size: int) -> _Block:
+        """`alloc_found_block` with split_remainder: the front `size` bytes are handed out, the
+        rest goes back to the pool as a cached block."""
+        front = _Block(size, block.addr, block.pool, block.segment)
+        front.prev = block.prev
+        if front.prev is not None:
+            front.prev.next = front
+        front.next = block
+        block.prev = front
+        block.addr += size
+        block.size -= size
+        block.pool.insert(block)
+        return front
+
+    def _try_merge(self, dst: _Block, src: Optional[_Block], pool: _Pool) -> int:
+        """`try_merge_blocks`: `src`, a free neighbour mapped as `dst` is, joins `dst`."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return 0
+        if src.mapped:
+            pool.erase(src)
+        else:
+            pool.erase_unmapped(src)
+        if dst.prev is src:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+        return src.size
+
+    # -- asking the device ------------------------------------------------------------------
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.device_memory is None or self.reserved + nbytes <= self.device_memory
+
+    def _grow(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        self.num_device_alloc += 1
+        if self.reserved > self.reserved_peak:
+            self.reserved_peak = self.reserved
+
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> Optional[_Block]:
+        """`alloc_block`: past the per-process limit it fails at once; with expandable segments
+        it maps pages (`try_allocate_expandable_block`); else one `cudaMalloc(alloc_size)`."""
+        if self.allowed_maximum is not None and self.reserved + alloc_size > self.allowed_maximum:
+            return None
+        if self.conf.expandable_segments:
+            return self._allocate_expandable(pool, size)
+        if not self._fits(alloc_size):
+            return None
+        block = _Block(alloc_size, self.next_addr, pool, None)
+        self.next_addr += alloc_size
+        self._grow(alloc_size)
+        return block
+
+    def _release_block(self, block: _Block) -> None:
+        """`release_block`: `cudaFree` of a whole cached segment."""
+        block.pool.erase(block)
+        self.reserved -= block.size
+        self.num_device_free += 1
+
+    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+        """`release_available_cached_blocks`: with max_split_size set, free the smallest
+        oversize cached block that covers the request, else the largest ones until enough."""
+        max_split = self._max_split
+        if max_split == SIZE_MAX:
+            return False
+        target = max(size, max_split)
+        keys = pool.keys
+        index = bisect_left(keys, (target, -1))
+        if index < len(keys) and pool.blocks[keys[index][1]].segment is None:
+            self._release_block(pool.blocks[keys[index][1]])
+            return True
+        if index == 0:
+            return False
+        released = 0
+        index -= 1
+        while released < target and keys[index][0] >= max_split:
+            current = pool.blocks[keys[index][1]]
+            is_first = index == 0
+            if current.segment is None:
+                released += current.size
+                self._release_block(current)
+            if is_first:
+                break
+            index -= 1
+        return released >= target
+
+    def _release_cached_blocks(self) -> None:
+        """`release_cached_blocks` -> `release_blocks` on the large pool, then the small one:
+        every cached block that is a whole segment is freed; expandable segments unmap the
+        whole pages inside their free blocks."""
+        for pool in (self.large, self.small):
+            to_unmap = []
+            for _, addr in list(pool.keys):
+                block = pool.blocks.get(addr)
+                if block is None:
+                    continue
+                if block.segment is not None:
+                    to_unmap.append(block)
+                elif block.prev is None and block.next is None:
+                    self._release_block(block)
+            for block in to_unmap:
+                self._unmap_block(block)
+                if not block.mapped and block.prev is None and block.next is None:
+                    # release_expandable_segment: the whole address range is unmapped
+                    pool.erase_unmapped(block)
+                    self.expandables.remove(block.segment)
+
+    def _garbage_collect(self) -> None:
+        """`garbage_collect_cached_blocks`: above the threshold of the allowed memory, free
+        unsplit cached large blocks whose age (free-block searches since they were cached) is
+        at least the average, until enough is reclaimed or none is left to free."""
+        threshold = int(self.conf.garbage_collection_threshold * self.allowed_maximum)
+        if self.reserved <= threshold:
+            return
+        target = self.reserved - threshold
+        pool = self.large
+        total_age = 0
+        count = 0
+        for _, addr in pool.keys:
+            block = pool.blocks[addr]
+            if not block.is_split():
+                total_age += pool.gc_calls - block.gc_base
+                count += 1
+        if count == 0:
+            return
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            for _, addr in list(pool.keys):
+                block = pool.blocks.get(addr)
+                if block is None or block.is_split() or block.segment is not None:
+                    continue
+                age = pool.gc_calls - block.gc_base
+                if age >= age_threshold:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(block)
+
+    # -- expandable segments ----------------------------------------------------------------
+
+    def _allocate_expandable(self, pool: _Pool, size: int) -> Optional[_Block]:
+        """`try_allocate_expandable_block`: the lowest address where free and unmapped space
+        together hold `size` (`find_expandable_block`, a new segment's address range if none),
+        mapped up to `size` a page at a time (`map_block`)."""
+        candidate = self._find_expandable_block(pool, size)
+        if not candidate.mapped:
+            if not self._map_block(candidate, min(candidate.size, size)):
+                return None
+        while candidate.size < size:
+            following = candidate.next
+            if not self._map_block(following, min(size - candidate.size, following.size)):
+                return None
+            candidate = following
+        pool.erase(candidate)
+        return candidate
+
+    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
+        def allocatable(block: Optional[_Block]) -> bool:
+            return block is not None and not block.allocated
+
+        for addr in pool.unmapped:
+            candidate = pool.unmapped_blocks[addr]
+            if allocatable(candidate.prev):
+                candidate = candidate.prev
+            room, walk = 0, candidate
+            while room < size and allocatable(walk):
+                room += walk.size
+                walk = walk.next
+            if room >= size:
+                return candidate
+        page = K_SMALL_BUFFER if pool.is_small else self.conf.large_segment_size_bytes
+        segment = _Expandable(self.next_addr, page, self.device_total)
+        self.next_addr += segment.size
+        self.expandables.append(segment)
+        candidate = _Block(segment.size, segment.base, pool, segment, mapped=False)
+        pool.insert_unmapped(candidate)
+        return candidate
+
+    def _map_block(self, block: _Block, size: int) -> bool:
+        """`map_block` with `ExpandableSegment::map`: the pages covering the first `size` bytes
+        are mapped (all or none: `cuMemCreate` failing rolls the others back)."""
+        page = block.segment.page
+        mapped = -(-size // page) * page  # the block starts on a page boundary
+        if not self._fits(mapped):
+            return False
+        pool = block.pool
+        pool.erase_unmapped(block)
+        block.mapped = True
+        if mapped < block.size:
+            rest = _Block(block.size - mapped, block.addr + mapped, pool, block.segment,
+                          mapped=False)
+            rest.prev = block
+            rest.next = block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            pool.insert_unmapped(rest)
+            block.size = mapped
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        pool.insert(block)
+        self._grow(mapped)
+        return True
+
+    def _unmap_block(self, block: _Block) -> None:
+        """`unmap_block` with `ExpandableSegment::unmap`: the whole pages inside a free block
+        are unmapped; the slivers before and after stay mapped and cached."""
+        segment = block.segment
+        page = segment.page
+        offset = block.addr - segment.base
+        begin = -(-offset // page)
+        end = (offset + block.size) // page
+        if begin >= end:
+            return
+        pool = block.pool
+        pool.erase(block)
+        start = segment.base + begin * page
+        length = (end - begin) * page
+        before = start - block.addr
+        if before > 0:
+            sliver = _Block(before, block.addr, pool, segment)
+            sliver.prev = block.prev
+            if block.prev is not None:
+                block.prev.next = sliver
+            sliver.next = block
+            block.prev = sliver
+            pool.insert(sliver)
+        after = block.size - before - length
+        if after > 0:
+            sliver = _Block(after, start + length, pool, segment)
+            sliver.next = block.next
+            if block.next is not None:
+                block.next.prev = sliver
+            sliver.prev = block
+            block.next = sliver
+            pool.insert(sliver)
+        block.addr = start
+        block.size = length
+        block.mapped = False
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        pool.insert_unmapped(block)
+        self.reserved -= length
+        self.num_device_free += 1
+
+    # -- reading the state --------------------------------------------------------------------
+
+    def segments(self) -> Tuple[SegmentState, ...]:
+        """The segments, as `DeviceCachingAllocator::snapshot` reports them, by address."""
+        heads: Dict[int, _Block] = {}
+        blocks = [block for pool in (self.small, self.large) for block in pool.blocks.values()]
+        blocks += [block for block in self.live.values() if block is not None]
+        for block in blocks:
+            if block.prev is not None and block.prev.mapped:
+                continue
+            heads[block.addr] = block
+        result = []
+        for addr in sorted(heads):
+            states = []
+            walk: Optional[_Block] = heads[addr]
+            while walk is not None and walk.mapped:
+                states.append(BlockState(walk.addr, walk.size, walk.allocated, walk.requested,
+                                         walk.key))
+                walk = walk.next
+            result.append(SegmentState(
+                address=addr,
+                total_size=sum(state.size for state in states),
+                allocated_size=sum(state.size for state in states if state.allocated),
+                pool="small" if heads[addr].pool.is_small else "large",
+                expandable=heads[addr].segment is not None,
+                blocks=tuple(states),
+            ))
+        return tuple(result)
+
+
+_EVENT_FORMS = "('alloc', key, nbytes), ('free', key) or ('empty_cache',)"
+
+
+def replay_allocations(events: Iterable[tuple], *,
+                       alloc_conf: Union[None, str, AllocConf] = None,
+                       device_memory: Optional[int] = None) -> AllocatorReplay:
+    """Replay allocations and frees through a model of PyTorch's CUDA caching allocator.
+
+    Args:
+        events: `("alloc", key, nbytes)`, `("free", key)` and `("empty_cache",)` in program
+            order; a key names one tensor's storage from its allocation to its free.
+        alloc_conf: None (torch's defaults), a `PYTORCH_CUDA_ALLOC_CONF` string such as
+            `"expandable_segments:True"`, or a parsed
+            `trainer_memcb.plan.device.alloc_conf.AllocConf`.
+        device_memory: the bytes the allocator may take from the device; with it, the replay
+            stops at the event that runs out (`oom`), as the program would.
+
+    Returns:
+        An `AllocatorReplay`: peaks, the state at the end, the segments, the OOM event.
+
+    Raises:
+        ValueError: a bad event (a free of an unknown key, a negative or non-integer size, a
+            key allocated twice, an unknown form), naming it and its position; a bad config.
+
+    Example:
+        >>> replay = replay_allocations([("alloc", "x", 1000), ("free", "x")])
+        >>> replay.allocated_peak_bytes, replay.reserved_peak_bytes, replay.reserved_bytes
+        (1024, 2097152, 2097152)
+    """
+    model = CachingAllocatorModel(alloc_conf, device_memory)
+    oom: Optional[tuple] = None
+    oom_index: Optional[int] = None
+    count = 0
+    live = model.live
+    for index, event in enumerate(events):
+        count = index + 1
+        form = event if isinstance(event, (tuple, list)) else ()
+        kind = form[0] if form else None
+        if (kind, len(form)) not in (("alloc", 3), ("free", 2), ("empty_cache", 1)):
+            raise ValueError(f"event {index} {event!r}: an event is {_EVENT_FORMS}")
+        if kind != "empty_cache":
+            try:
+                hash(form[1])
+            except TypeError:
+                raise ValueError(f"event {index} {event!r}: the key must be hashable "
+                                 "(a string, a number, a tuple of them)") from None
+        try:
+            if kind == "alloc":
+                key, nbytes = form[1], form[2]
+                if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+                    raise ValueError(f"event {index} {event!r}: nbytes must be a whole number "
+                                     "of bytes >= 0")
+                if key in live:
+                    raise ValueError(f"event {index} {event!r}: key {key!r} is allocated "
+                                     "already and not freed")
+                model.malloc(key, nbytes)
+            elif kind == "free":
+                if form[1] not in live:
+                    raise ValueError(f"event {index} {event!r}: key {form[1]!r} is not "
+                                     "allocated")
+                model.free(form[1])
+            else:
+                model.empty_cache()
+        except OutOfMemory:
+            oom, oom_index = tuple(form), index
+            break
+    return AllocatorReplay(
+        reserved_peak_bytes=model.reserved_peak,
+        allocated_peak_bytes=model.allocated_peak,
+        requested_peak_bytes=model.requested_peak,
+        reserved_bytes=model.reserved,
+        allocated_bytes=model.allocated,
+        segments=model.segments(),
+        oom=oom,
+        oom_index=oom_index,
+        num_alloc_retries=model.num_alloc_retries,
+        num_device_alloc=model.num_device_alloc,
+        num_device_free=model.num_device_free,
+        events=count,
+    )

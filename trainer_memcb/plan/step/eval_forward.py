@@ -1,0 +1,70 @@
+"""One evaluation forward run under fake tensors, counting the storages it creates.
+
+The forward of `Trainer.prediction_step` (`model.eval()`, `torch.no_grad()`, the batch with its
+labels), under `FakeTensorMode`, nothing allocated; `LiveStorages` counts the storages it creates,
+the parameters, buffers and batch excluded. What the containers keep is read from its outputs
+(`trainer_memcb.plan.answers.eval_memory`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from trainer_memcb.plan.model.step_inputs import step_inputs
+from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
+from trainer_memcb.plan.step.live_storages import LiveStorages
+from trainer_memcb.plan.step.trace import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
+from trainer_memcb.state.saved_tensors import storages_of
+
+__all__ = ["EvalForward", "trace_eval_forward"]
+
+
+@dataclass
+class EvalForward:
+    """One evaluation forward, traced: its peak (the storages it created, the model and the batch
+    left out), the model's bytes, the loss's, and the shapes and dtypes of the outputs the
+    containers keep and of the labels."""
+
+    peak_bytes: int
+    model_bytes: int
+    loss_bytes: int
+    outputs: List[Tuple[Tuple[int, ...], torch.dtype]]
+    labels: Optional[Tuple[Tuple[int, ...], torch.dtype]]
+
+
+def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None) -> EvalForward:
+    """Run one evaluation forward of `model` (on the meta device, made fake here) as
+    `Trainer.prediction_step` runs it: `model.eval()`, `torch.no_grad()`, the batch with its labels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = getattr(model, "config", None)
+    if use_cache is not None and config is not None and hasattr(config, "use_cache"):
+        config.use_cache = use_cache  # as the Trainer sets it before evaluating
+    mode = FakeTensorMode()
+    fake_copy(model, mode, "cpu")
+    model.eval()
+    with mode:
+        inputs = step_inputs(model, batch_size, seq_len)  # the batch a collator makes, as for training
+        labels = inputs.labels
+        kwargs: Dict[str, Any] = dict(inputs.forward)
+        if labels is not None:
+            if _accepts_loss_kwargs(model):
+                kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
+    held = list(model.parameters()) + list(model.buffers())
+    model_bytes = sum({key: nbytes for key, nbytes, _ in storages_of(held)}.values())
+    exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()) + list(inputs.held.values()))}
+    tracker = LiveStorages(exclude=exclude)
+    with mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
+        outputs = model(**kwargs)
+    ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
+    items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)
+    kept = [(tuple(value.shape), value.dtype) for key, value in items
+            if key not in ignore and isinstance(value, torch.Tensor)]
+    loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if labels is not None else None)
+    loss_bytes = loss.element_size() if isinstance(loss, torch.Tensor) else 0
+    return EvalForward(int(tracker.peak_bytes), int(model_bytes), loss_bytes, kept,
+                    (tuple(labels.shape), labels.dtype) if labels is not None else None)
