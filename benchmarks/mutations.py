@@ -304,12 +304,12 @@ EDITS: List[Edit] = [
     Edit("training/activations_probe.py", "        owner = weakref.ref(self)\n", "        owner = lambda: self  # noqa: E731\n",
          WRAPPER_UNITS),  # a stale wrapper keeps its probe alive (and measuring)
     # -- training/trainer_train_hook.py and callback.py: removed when train() leaves -----------------
-    Edit("training/trainer_train_hook.py", "                    callback.after_train(self)", "                    pass",
+    Edit("training/trainer_train_hook.py", "            callback.after_train(trainer, error)", "            pass",
          RAISING_BACKWARD),
     Edit("training/trainer_train_hook.py", "    if not is_train_hook_installed():", "    if True:",
          (f"{CONTRACT}::test_the_trainer_class_hooks_are_marked_and_pass_a_plain_trainer_through",)),
-    Edit("training/callback.py", "            if run is self._current:\n                self._current = None\n            self._uninstall(run)",
-         "            if run is self._current:\n                self._current = None", RAISING_BACKWARD),
+    Edit("training/callback.py", "                if run is self._current:\n                    self._current = None\n                self._uninstall(run)",
+         "                if run is self._current:\n                    self._current = None", RAISING_BACKWARD),
     Edit("training/callback.py", "compiled=bool(getattr(args, \"torch_compile\", False))", "compiled=False", FULLGRAPH),
     # -- state/saved_tensors.py: what autograd saves, each storage once --------------------------
     Edit("state/saved_tensors.py", "            if key in self._excluded:\n                continue\n            keys.append(key)",

@@ -28,8 +28,9 @@ ONE_PROCESS_KEYS = {
     "optimizer_trainable_params", "optimizer_state_unexpected_bytes", "model_params_bytes", "model_grads_bytes",
     "model_states_bytes", "model_states_estimate_bytes",
 }
-# Training entries carry the activations too, where this torch measures them.
-TRAINING_KEYS = ONE_PROCESS_KEYS | (set(ACTIVATION_KEYS) - {"device_peak_allocated_bytes"} if ACTIVATIONS_SUPPORTED else set())
+# Training entries carry the activations too, where this torch measures them (the device's peaks on CUDA only).
+TRAINING_KEYS = ONE_PROCESS_KEYS | (set(ACTIVATION_KEYS) - {"device_peak_allocated_bytes", "device_peak_reserved_bytes"}
+                                    if ACTIVATIONS_SUPPORTED else set())
 OURS = set(key_names())
 # Evaluation entries carry evaluation's own memory beside the model states.
 EVALUATION_ENTRY_KEYS = ONE_PROCESS_KEYS | {"containers_device_bytes", "containers_host_bytes", "concat_peak_bytes",

@@ -33,11 +33,11 @@ __all__ = [
 # No device holds 2**63 bytes; above it, a count cannot even be turned into a float for MiB.
 MAX_COUNT = 2**63 - 1
 # `optimizer_...bytes`, `model_...bytes`, `..._elements`, `..._params`, `activations_...bytes`,
-# `device_peak_...bytes`, with any metric prefix
+# `device_peak_...bytes`, `step_plan_...bytes`, with any metric prefix
 # (`eval_`, `eval_<dataset>_`) and breakdowns under either name (`..._bytes_by_key/<key>`, and
 # `.../by_key/<key>` as first written).
 _COUNT_KEY = re.compile(r"(?:^|_)(?:(?:optimizer|model)_\w*?(?:bytes|elements|params)(?:_by_\w+/.*|/by_\w+/.*)?"
-                        r"|activations_\w*?bytes|device_peak_\w*?bytes)$")
+                        r"|activations_\w*?bytes|device_peak_\w*?bytes|step_plan_\w*?bytes)$")
 # Signed: measured minus estimate.
 _SIGNED_KEY = re.compile(r"unexpected_bytes$")
 _METRIC_PREFIXES = ("eval_", "test_")

@@ -49,7 +49,7 @@ class OptimizerMemoryLogger:
     keys are left out when no rule knows the optimizer. With `model=`, on logged steps also
     `activations_bytes` (what the step's last micro-batch forward saved for backward),
     `activations_peak_bytes` (the most of it alive during that forward and backward) and, on CUDA,
-    `device_peak_allocated_bytes` (`trainer_memcb.training.activations_probe`).
+    `device_peak_allocated_bytes` and `device_peak_reserved_bytes` (`trainer_memcb.training.activations_probe`).
 
     With a TensorBoard tracker, its folder also gets charts of measured and estimate together and,
     at `save_summary`, the summary in its Text tab (`trainer_memcb.training.tensorboard_view`).

@@ -16,6 +16,7 @@ past its backward, `retain_graph=True`, keeps the next micro-batch in the same c
 | `activations_bytes` | bytes | storages saved for backward by the last micro-batch's forwards, still saved at the end of its last forward, each storage once, parameters excluded |
 | `activations_peak_bytes` | bytes | the most of those saved bytes alive at any moment of that micro-batch's forwards and backward |
 | `device_peak_allocated_bytes` | bytes | on CUDA only: `torch.cuda.max_memory_allocated` of the model's device, read when the step is logged |
+| `device_peak_reserved_bytes` | bytes | on CUDA only: `torch.cuda.max_memory_reserved` of that device, read with it |
 
 What is counted is the counter's business (`trainer_memcb.state.saved_tensors`, watching
 checkpoint's recomputation). With gradient checkpointing (non-reentrant, the Trainer's default in
@@ -78,6 +79,7 @@ from trainer_memcb.training.figures import (
     ACTIVATIONS_PEAK_BYTES,
     ACTIVATION_KEYS,
     DEVICE_PEAK_ALLOCATED_BYTES,
+    DEVICE_PEAK_RESERVED_BYTES,
 )
 
 __all__ = [
@@ -420,7 +422,11 @@ class ActivationsProbe:
             return {}
         if self._cuda_device is not None and DEVICE_PEAK_ALLOCATED_BYTES not in self._figures:
             try:
-                self._figures[DEVICE_PEAK_ALLOCATED_BYTES] = int(torch.cuda.max_memory_allocated(self._cuda_device))
+                # Host-side counters of the caching allocator: what tensors held, and what its
+                # segments held (what an out-of-memory error is about), both read together.
+                self._figures.update({
+                    DEVICE_PEAK_ALLOCATED_BYTES: int(torch.cuda.max_memory_allocated(self._cuda_device)),
+                    DEVICE_PEAK_RESERVED_BYTES: int(torch.cuda.max_memory_reserved(self._cuda_device))})
             except Exception as error:  # never break training over a figure
                 self._warn_once("device-peak", f"reading the CUDA peak failed ({error!r}); it is left out")
         return dict(self._figures)

@@ -27,8 +27,17 @@ from trainer_memcb.training.figures import (
 )
 from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
+from trainer_memcb.training.oom_report import (
+    OUT_OF_MEMORY_ERRORS,
+    allocator_state,
+    cuda_device_of,
+    oom_report_path,
+    oom_report_text,
+    write_oom_report,
+)
 from trainer_memcb.training.per_optimizer import PerOptimizer
 from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
+from trainer_memcb.training.step_plan_probe import StepPlanProbe, validate_plan_step
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
@@ -62,10 +71,12 @@ def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
 class _Run:
     """What the callback knows of one optimizer's training: its monitor and its what-if."""
 
-    __slots__ = ("monitor", "what_if", "tensorboard", "untap")
+    __slots__ = ("monitor", "what_if", "tensorboard", "untap", "step_plan")
 
-    def __init__(self, monitor: OptimizerStateMonitor) -> None:
+    def __init__(self, monitor: OptimizerStateMonitor, step_plan: StepPlanProbe) -> None:
         self.monitor = monitor
+        # The step plan of the run's own settings, made once, at its first logged step.
+        self.step_plan = step_plan
         self.what_if: Optional[whatif.WhatIf] = None
         # Charts and the text summary, in the folder of the Trainer's TensorBoard reporter.
         self.tensorboard: Optional[TensorBoardView] = None
@@ -107,6 +118,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     | `activations_bytes` | bytes | saved for backward by the logged step's last micro-batch forward (all its forwards, if several), training entries |
     | `activations_peak_bytes` | bytes | the most of those alive during that micro-batch's forward and backward |
     | `device_peak_allocated_bytes` | bytes | CUDA only: `torch.cuda.max_memory_allocated` of the model's device |
+    | `device_peak_reserved_bytes` | bytes | CUDA only: `torch.cuda.max_memory_reserved` of the model's device |
+    | `step_plan_peak_bytes` | bytes | training entries from the first logged step: the step plan's peak for the run's own settings, planned once per run (on CUDA, or with `plan_step=True`) |
+    | `step_plan_reserved_bytes` | bytes | the same plan's reserved bytes, once the plan replays the caching allocator (left out until then) |
     | `containers_device_bytes` | bytes | evaluation entries: the most the evaluation loop's containers held as torch tensors, each storage once |
     | `containers_host_bytes` | bytes | evaluation entries: the most they held as numpy arrays on the host |
     | `concat_peak_bytes` | bytes | evaluation entries: the most held during a batch's add (old, new and the concatenation's result) |
@@ -145,6 +159,11 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     exchange per logged step), and only the main process logs.
     Nothing here can stop a run: a failure warns once and leaves the figure out.
 
+    When `train()` raises a CUDA out-of-memory error (`torch.OutOfMemoryError`), the callback writes
+    `<output_dir>/out_of_memory_report.txt` (what the step plan holds at its peak, by part; the
+    caching allocator's segments, largest free block and reserved minus allocated bytes, read then)
+    and the error reaches the caller unchanged, the same object (`trainer_memcb.training.oom_report`).
+
     One instance may serve several Trainers, in turn or interleaved: each Trainer's entries get
     its own optimizer's figures. The callback holds an optimizer by a weak reference only, so it
     never keeps one (and its state) alive once its Trainer is gone.
@@ -167,6 +186,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             default they are never reset (they are global: other code may read them).
         evaluation: measure what each evaluation loop holds (`trainer_memcb.training.evaluation_probe`:
             its containers, and its first forward), in the evaluation's entry; False for none.
+        plan_step: plan the run's own step once, at its first logged step (its batch's shapes read
+            there), and log `step_plan_peak_bytes` from then on (`trainer_memcb.training.step_plan_probe`):
+            `"cuda"` (default) when the model trains on CUDA, True on any device, False never.
 
     Every argument that names things (`breakdown`, `what_if`, `eval_keys`, `train_keys`) takes a
     list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
@@ -187,7 +209,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
                  what_if: Iterable[str] = whatif.DEFAULT_OPTIMIZERS,
                  eval_keys: Union[str, Iterable[str], None] = "short",
                  train_keys: Union[str, Iterable[str], None] = "all", activations: bool = True,
-                 reset_device_peak: bool = False, evaluation: bool = True) -> None:
+                 reset_device_peak: bool = False, evaluation: bool = True,
+                 plan_step: Union[str, bool] = "cuda") -> None:
         if summary_file is not None and (
             not isinstance(summary_file, str) or summary_file in ("", ".", "..")
             or os.path.basename(summary_file) != summary_file
@@ -200,6 +223,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             raise ValueError(f"evaluation={evaluation!r}: expected True (measure what each evaluation holds) or "
                              "False (do not)")
         self.evaluation = evaluation
+        validate_plan_step(plan_step)
+        self.plan_step = plan_step
         self.activations, self.reset_device_peak = activations, reset_device_peak
         self.summary_file = summary_file
         chosen = name_list(what_if, "what_if", whatif.optimizer_names())
@@ -227,7 +252,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
         monitor.attach(optimizer)
         monitor.activations = ActivationsProbe(self.activations, self.reset_device_peak, monitor.warn_once)
-        return _Run(monitor)
+        return _Run(monitor, StepPlanProbe(self.plan_step, monitor.warn_once))
 
     def _run(self, optimizer: Any) -> Optional[_Run]:
         if optimizer is None:
@@ -250,6 +275,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
             run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
         run.monitor.activations.forget()  # nothing left over from a run that raised
+        run.step_plan.start(bool(state.is_world_process_zero))  # planned once per run, by the main process
         if state.is_world_process_zero:
             run.monitor.estimate()
             self._state_what_if(run, args, kwargs.get("model"))
@@ -270,11 +296,17 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         # The forwards of the step about to run are measured only if the Trainer will log it. With
         # `torch_compile` the Trainer runs a compiled wrapper of the model the callback is handed.
-        if self.activations and trainer_logs_step(args, state, state.global_step + 1, kwargs.get("train_dataloader")):
-            run = self._run(optimizer)
-            if run is not None:
-                run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1,
-                                            compiled=bool(getattr(args, "torch_compile", False)))
+        if not (self.activations or self.plan_step) or not trainer_logs_step(
+                args, state, state.global_step + 1, kwargs.get("train_dataloader")):
+            return
+        run = self._run(optimizer)
+        if run is None:
+            return
+        if self.activations:
+            run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1,
+                                        compiled=bool(getattr(args, "torch_compile", False)))
+        if state.is_world_process_zero:  # only the main process logs the plan: only it plans
+            run.step_plan.arm(kwargs.get("model"), args, bool(getattr(args, "torch_compile", False)))
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         run = self._run(optimizer)
@@ -282,6 +314,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             run.monitor.activations.before_optimizer_step()  # disarmed already, unless that event was missed
         # Measure only when this step will be logged: every hook returns early otherwise.
         if control.should_log and run is not None:
+            run.step_plan.remove()  # its batch hook, if the step ran no forward
             run.monitor.measure(state.global_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
@@ -328,6 +361,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             run.monitor.reference_model(getattr(trainer, "ref_model", None), getattr(trainer, "model", None))
             figures = self._kept(run.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
             if state.is_world_process_zero:
+                if not prefix:  # the step plan, made at the first logged step, beside the device's peaks
+                    figures.update(keep_keys(run.step_plan.figures(getattr(trainer, "model", None), trainer.args),
+                                             self.train_keys))
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
                 self._observe(run, trainer, {**figures, **evaluation}, prefix, state.global_step, logs)
@@ -400,24 +436,47 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         every = getattr(args, "logging_steps", 1) or 1
         return not run.monitor.model_states.measured or every < 1 or (state.global_step + 1) % int(every) == 0
 
-    def after_train(self, trainer: Any) -> None:
-        """Called by the hook on `Trainer.train` as it returns or raises: a step that raised (an
-        out-of-memory error in backward, say) left its activations wrapper and, under ZeRO-1/2, the
-        step tap installed; they are removed now. After `on_train_end` nothing is left to remove."""
+    def after_train(self, trainer: Any, error: Optional[BaseException] = None) -> None:
+        """Called by the hook on `Trainer.train` as it returns or raises `error`: a step that raised
+        (an out-of-memory error in backward, say) left its activations wrapper, the step plan's
+        batch hook and, under ZeRO-1/2, the step tap installed; they are removed now. After
+        `on_train_end` nothing is left to remove. An out-of-memory error gets its report
+        (`trainer_memcb.training.oom_report`); `error` itself is only read."""
+        run = None
         try:
             optimizer = getattr(trainer, "optimizer", None)
             run = self._runs.get(optimizer) if optimizer is not None else None
-            if run is None:
-                return  # it never began, or it ended and was released
-            if run is self._current:
-                self._current = None
-            self._uninstall(run)
-        except Exception as error:  # never break training, nor hide its own error
-            self._warn_once("cleanup", f"removing what a step installed failed ({error!r})")
+            if run is not None:  # else it never began, or it ended and was released
+                if run is self._current:
+                    self._current = None
+                self._uninstall(run)
+        except Exception as failure:  # never break training, nor hide its own error
+            self._warn_once("cleanup", f"removing what a step installed failed ({failure!r})")
+        if isinstance(error, OUT_OF_MEMORY_ERRORS):
+            self._report_out_of_memory(trainer, run, error)
+
+    def _report_out_of_memory(self, trainer: Any, run: Optional[_Run], error: BaseException) -> None:
+        """Write the out-of-memory report to the run's `output_dir`; never raises."""
+        try:
+            args, model = trainer.args, getattr(trainer, "model", None)
+            plan = run.step_plan.plan_if_ready(model, args) if run is not None else None
+            no_plan = run.step_plan.left_out if run is not None else "not made (no step began)"
+            device = cuda_device_of(model)
+            allocator = allocator_state(device) if device is not None else None
+            text = oom_report_text(error, int(getattr(trainer.state, "global_step", 0) or 0), plan, no_plan, device,
+                                   allocator, "no CUDA device: the model is not on one, and CUDA is not available")
+            path = oom_report_path(args.output_dir, int(getattr(args, "process_index", 0) or 0),
+                                   int(getattr(args, "world_size", 1) or 1))
+            write_oom_report(path, text)
+            logger.warning(f"trainer_memcb: out of memory; what the plan and the allocator held is in {path}")
+        except Exception as failure:  # never hide the run's own error
+            self._warn_once("oom-report", f"writing the out-of-memory report failed ({failure!r})")
 
     @staticmethod
     def _uninstall(run: _Run) -> None:
-        """Remove what the run installed: the ZeRO-1/2 step tap and any activations wrapper."""
+        """Remove what the run installed: the step plan's batch hook, the ZeRO-1/2 step tap and any
+        activations wrapper."""
+        run.step_plan.remove()
         if run.untap is not None:
             run.untap, untap = None, run.untap
             untap()
@@ -450,7 +509,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             document = monitor.summary_document(
                 state.global_step,
                 stepped=stepped,
-                extra={"final_figures": final_figures,
+                extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys)},
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
             phases = judge_phases(step_memory_figures(document)[0], self._largest_evaluation)

@@ -31,7 +31,11 @@ __all__ = [
     "ACTIVATIONS_BYTES",
     "ACTIVATIONS_PEAK_BYTES",
     "DEVICE_PEAK_ALLOCATED_BYTES",
+    "DEVICE_PEAK_RESERVED_BYTES",
     "ACTIVATION_KEYS",
+    "STEP_PLAN_PEAK_BYTES",
+    "STEP_PLAN_RESERVED_BYTES",
+    "STEP_PLAN_KEYS",
     "CONTAINERS_DEVICE_BYTES",
     "CONTAINERS_HOST_BYTES",
     "CONCAT_PEAK_BYTES",
@@ -85,7 +89,14 @@ REFERENCE_MODEL_PARAMS_BYTES = "reference_model_params_bytes"
 ACTIVATIONS_BYTES = "activations_bytes"
 ACTIVATIONS_PEAK_BYTES = "activations_peak_bytes"
 DEVICE_PEAK_ALLOCATED_BYTES = "device_peak_allocated_bytes"
-ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES)
+DEVICE_PEAK_RESERVED_BYTES = "device_peak_reserved_bytes"
+ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES, DEVICE_PEAK_RESERVED_BYTES)
+
+# The step plan of the run's own settings (trainer_memcb.training.run_plan), planned once per run
+# and carried by the training entries from the first logged step on, beside the device's peaks.
+STEP_PLAN_PEAK_BYTES = "step_plan_peak_bytes"
+STEP_PLAN_RESERVED_BYTES = "step_plan_reserved_bytes"
+STEP_PLAN_KEYS = (STEP_PLAN_PEAK_BYTES, STEP_PLAN_RESERVED_BYTES)
 
 # What an evaluation loop held (trainer_memcb.training.evaluation_probe): evaluation entries only,
 # with the evaluation's prefix (`eval_containers_device_bytes`).
@@ -107,7 +118,8 @@ STEP_MEMORY_PARTS: Tuple[Tuple[str, str, Optional[str]], ...] = (
     ("model states", MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES),
     ("activations", ACTIVATIONS_BYTES, None),
     ("activations, peak", ACTIVATIONS_PEAK_BYTES, None),
-    ("device peak allocated", DEVICE_PEAK_ALLOCATED_BYTES, None),
+    ("device peak allocated", DEVICE_PEAK_ALLOCATED_BYTES, STEP_PLAN_PEAK_BYTES),
+    ("device peak reserved", DEVICE_PEAK_RESERVED_BYTES, STEP_PLAN_RESERVED_BYTES),
 )
 
 # Every key, its unit and meaning: the guide's table (docs/trainer-callback.md) and the callback's docstring say the same.
@@ -142,6 +154,14 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     "forwards and backward",
     DEVICE_PEAK_ALLOCATED_BYTES: "bytes: on CUDA only, torch.cuda.max_memory_allocated of the model's device when "
     "the step is logged (since the process started, or since the start of the step with reset_device_peak=True)",
+    DEVICE_PEAK_RESERVED_BYTES: "bytes: on CUDA only, torch.cuda.max_memory_reserved of the model's device when "
+    "the step is logged: the caching allocator's segments, what an out-of-memory error is about (since the process "
+    "started, or since the start of the step with reset_device_peak=True)",
+    STEP_PLAN_PEAK_BYTES: "bytes: training entries, from the first logged step on: the step plan's peak for the run's "
+    "own settings (the model as loaded, its TrainingArguments, engine and batch), planned once per run; on CUDA, or "
+    "anywhere with plan_step=True",
+    STEP_PLAN_RESERVED_BYTES: "bytes: the same plan's bytes reserved by the caching allocator, once the plan replays "
+    "its allocations; left out until then",
     CONTAINERS_DEVICE_BYTES: "bytes: evaluation entries only: the most the evaluation loop's containers held at once "
     "as torch tensors on the model's device (losses, logits or what preprocess_logits_for_metrics returns, labels, "
     "inputs with include_for_metrics), each storage once",

@@ -39,6 +39,7 @@ from trainer_memcb.training.figures import (
     ACTIVATIONS_BYTES,
     ACTIVATIONS_PEAK_BYTES,
     DEVICE_PEAK_ALLOCATED_BYTES,
+    DEVICE_PEAK_RESERVED_BYTES,
     ESTIMATE_BYTES,
     ESTIMATE_TOTAL_BYTES,
     MASTER_WEIGHTS_BYTES,
@@ -49,6 +50,8 @@ from trainer_memcb.training.figures import (
     MODEL_PARAMS_BYTES,
     MODEL_STATES_BYTES,
     MODEL_STATES_ESTIMATE_BYTES,
+    STEP_PLAN_PEAK_BYTES,
+    STEP_PLAN_RESERVED_BYTES,
     TRAINABLE_PARAMS,
     UNEXPECTED_BYTES,
 )
@@ -91,6 +94,9 @@ _CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("model states and activations, measured and planned (bytes)",
      (MODEL_STATES_BYTES, MODEL_STATES_ESTIMATE_BYTES, ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES,
       DEVICE_PEAK_ALLOCATED_BYTES)),
+    # The step's peak as planned for the run's own settings beside the allocator's peaks (on CUDA).
+    ("the step's peak, planned and on the device (bytes)",
+     (STEP_PLAN_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES, STEP_PLAN_RESERVED_BYTES, DEVICE_PEAK_RESERVED_BYTES)),
     # Evaluation's own figures (evaluation entries only): what its containers gathered, and its forward.
     ("evaluation's containers and forward (bytes)",
      (CONTAINERS_DEVICE_BYTES, CONCAT_PEAK_BYTES, CONTAINERS_HOST_BYTES, HOST_CONCAT_PEAK_BYTES, FORWARD_PEAK_BYTES)),

@@ -8,15 +8,17 @@ recomputation (`activations_probe.py`), the ZeRO-1/2 tap on DeepSpeed's `step`
 (`zero_gradients.py`). A callback is never handed the Trainer, so, as for `Trainer.log`
 (`trainer_log_hook.py`), the hook is on the class: `Trainer.train` is wrapped once, idempotently,
 and when a call returns or raises, every callback in that Trainer's own `callback_handler` that is
-a `TrainExitListener` is told. The exception, if any, propagates unchanged (nothing is chained to
-it), and a Trainer without such a callback runs exactly as before. Subclasses whose `train` calls
+a `TrainExitListener` is told, with the exception `train()` raised, if any (an out-of-memory error
+gets its report there: `trainer_memcb.training.oom_report`). The exception propagates unchanged:
+the same object, re-raised as it came, nothing chained to it, and a Trainer without such a callback
+runs exactly as before. Subclasses whose `train` calls
 `super().train` (TRL's trainers) are covered.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["TrainExitListener", "install_train_hook", "is_train_hook_installed"]
 
@@ -31,21 +33,29 @@ class TrainExitListener:
 
     __slots__ = ()
 
-    def after_train(self, trainer: Any) -> None:
-        """`trainer.train()` returned or raised: remove anything still installed for its steps."""
+    def after_train(self, trainer: Any, error: Optional[BaseException] = None) -> None:
+        """`trainer.train()` returned (`error` None) or raised `error`: remove anything still
+        installed for its steps. `error` is only read: it propagates as it is once this returns."""
         raise NotImplementedError
+
+
+def _tell(trainer: Any, error: Optional[BaseException]) -> None:
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in list(getattr(handler, "callbacks", ())):
+        if isinstance(callback, TrainExitListener):
+            callback.after_train(trainer, error)  # fail-soft by contract: it never raises
 
 
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return original(self, *args, **kwargs)
-        finally:
-            handler = getattr(self, "callback_handler", None)
-            for callback in list(getattr(handler, "callbacks", ())):
-                if isinstance(callback, TrainExitListener):
-                    callback.after_train(self)  # fail-soft by contract: it never raises
+            result = original(self, *args, **kwargs)
+        except BaseException as error:
+            _tell(self, error)
+            raise  # the same object, its traceback and context as they came
+        _tell(self, None)
+        return result
 
     setattr(train, _MARK, True)
     return train
