@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -39,9 +40,11 @@ def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, ca
     assert step["peak_bytes"] == plan.peak_bytes
     assert sum(step["peak_parts"].values()) == step["peak_bytes"]
     assert (step["attn_implementation"], step["device_type"], step["traced_on"]) == ("eager", "cuda", "cpu")
-    # Fits? is answered from the step's peak, not from the model states, which would fit.
+    # Fits? is answered from the step's peak, not from the model states, which would fit: the
+    # model states carry no answer of their own beside it.
     states = document["model_states"]["optimizers"][0]
-    assert states["model_states_bytes"] == 1578068 and states["fits"] is True
+    assert states["model_states_bytes"] == 1578068 and states["fits"] is None and states["margin_bytes"] is None
+    assert document["model_states"]["device_memory_bytes"] is None
     assert step["fits"] is False and step["margin_bytes"] == 1800000 - step["peak_bytes"] < 0
     assert step["reserve_bytes"] == 0
 
@@ -248,3 +251,18 @@ def test_zero2_on_several_processes_answers_for_the_fuller_of_the_first_and_last
     assert used["rank"] == (3, "default: the fuller of ranks 0 and 3")
     assert f"rank 3 holds the most of ranks 0 and 3 at its peak (rank 0 " in " ".join(default["notes"])
     assert f"({first['peak_bytes']:,})" in " ".join(default["notes"])
+
+
+def test_the_step_command_gives_one_fits_answer_the_steps(tiny_llama_dir, capsys):
+    """The model states alone (1,578,068 bytes) would fit in 1,800,000; the step does not: the
+    output says so once, and the model-states table has no fits? column to say otherwise."""
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "4", "--seq-len", "16",
+            "--attn-implementation", "eager", "--device-memory", "1800000B", "--reserve", "0B"]
+    assert main(argv) == 3
+    out = capsys.readouterr().out
+    assert re.findall(r"to spare|short", out) == ["short"]
+    states_table = out[out.index("Model states plan for"):]
+    assert "fits" not in states_table and "device memory" not in states_table
+    # Without a step verdict (no --device-memory) neither plan answers.
+    assert main(argv[:-4]) == 0
+    assert re.findall(r"to spare|short", capsys.readouterr().out) == []

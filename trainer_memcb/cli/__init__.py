@@ -265,6 +265,24 @@ def _evaluation_status(evaluation: Any) -> int:
     return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
 
 
+def _step_answers(found: Dict[str, Any]) -> bool:
+    """Whether the step plan gives the output's fits? (a traced step against --device-memory, or
+    the search for the largest batch); then the model-states plan gives none beside it."""
+    step = found.get("step")
+    if step is not None and step.problem is None and step.fits is not None:
+        return True
+    return bool(found.get("search")) and found.get("max_batch_size_problem") is None
+
+
+def _without_verdict(states: Any) -> Any:
+    """The model-states plan with its fits? and margin left out: one verdict per output, the step's.
+    The states' figures stay; only the answer that would contradict the step's goes."""
+    import dataclasses
+
+    return dataclasses.replace(states, device_memory_bytes=None, optimizers=[
+        dataclasses.replace(entry, fits=None, margin_bytes=None) for entry in states.optimizers])
+
+
 def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
     """The model-states plan's JSON, with the device's memory and the reserve its fits? left out."""
     if args.device_memory is not None:
@@ -300,15 +318,20 @@ def _estimate(args: argparse.Namespace) -> int:
             print_tables(eval_tables(evaluation), sys.stdout)
         return _evaluation_status(evaluation)
     if step_asked(args):
+        one_verdict = _step_answers(found)
+        if one_verdict:
+            found = dict(found, model_states=_without_verdict(found["model_states"]))
         if args.json:
             document = step_json(found)
-            document["model_states"] = _with_memory(document["model_states"], args)
+            if not one_verdict:
+                document["model_states"] = _with_memory(document["model_states"], args)
             if evaluation is not None:
                 document["evaluation"] = evaluation.to_dict()
             print_json(document, sys.stdout)
         else:
-            print_tables(step_tables(found) + plan_tables(found["model_states"], memory, reserve)
-                         + (eval_tables(evaluation) if evaluation else []), sys.stdout)
+            states = (plan_tables(found["model_states"], verdict=False) if one_verdict
+                      else plan_tables(found["model_states"], memory, reserve))
+            print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else []), sys.stdout)
         status = _step_status(found)
         return _evaluation_status(evaluation) if status == EXIT_DONE and evaluation is not None else status
     if args.json:
