@@ -662,13 +662,13 @@ def test_the_check_for_unsafe_code_finds_each_kind():
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     # Mocked: the command has no known failure left to trigger for real, so one is planted.
-    import trainer_memcb.cli as cli
+    import trainer_memcb.cli.report as report  # the command imports it when it runs
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted\nsecond line")
 
     _write(tmp_path / "trainer_state.json", {"log_history": _history()})
-    monkeypatch.setattr(cli, "run_report", broken)
+    monkeypatch.setattr(report, "run_report", broken)
     code, out, err = _cli(["report", str(tmp_path), "--no-plot"], capsys)
     assert code == 1
     assert err == ("trainer-memcb: unexpected error: RuntimeError: planted second line "

@@ -57,30 +57,16 @@ from trainer_memcb.cli.failures import (
     quiet_libraries,
     say,
 )
-from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import (
-    add_estimate_arguments,
-    check_options,
-    estimate_model,
-    estimate_plan,
-    estimate_step,
-    estimate_tables,
-    estimate_what_if,
-    needs_peft,
-    plan_asked,
-    reserve_bytes,
-    resolve_optimizers,
-    step_asked,
-)
-from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_asked, eval_tables
+from trainer_memcb.cli.choices import DEFAULT_METRICS
+from trainer_memcb.cli.estimate import add_estimate_arguments, check_options, needs_peft, plan_asked, reserve_bytes, step_asked
+from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.output import print_json, print_tables
-from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
-from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
 from trainer_memcb.cli.quiet import quiet_output
-from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
-from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
-from trainer_memcb.plan.whatif import ModelConfigError
 from trainer_memcb.utils.packages import MissingPackageError
+
+# Nothing above imports torch or transformers: the command line is parsed and checked first, so
+# that a usage error is answered at once (`tests/cli/test_cli_fast_usage_errors.py`); each command
+# imports the modules it runs with inside its handler.
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
 
@@ -158,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
 def _write_plot(draw, *arguments, explicit: bool) -> Tuple[int, bool]:
     """Draw; on failure say why. Returns the exit code and whether the plot was written: a plot
     asked for by --plot that cannot be drawn fails the command, the default one only warns."""
+    from trainer_memcb.cli.plots import PlotError
+
     try:
         draw(*arguments)
     except PlotError as error:
@@ -168,6 +156,8 @@ def _write_plot(draw, *arguments, explicit: bool) -> Tuple[int, bool]:
 
 def _check_plot_path(path: Optional[str]) -> None:
     """An unknown extension is refused before any file is read or written."""
+    from trainer_memcb.cli.plots import plot_format
+
     if path is not None:
         try:
             plot_format(path)
@@ -175,19 +165,24 @@ def _check_plot_path(path: Optional[str]) -> None:
             raise UsageError(str(error)) from None
 
 
-def _load(run_dir: str, metrics: Sequence[str]) -> RunLog:
+def _load(run_dir: str, metrics: Sequence[str]) -> Any:
+    from trainer_memcb.runs.run_logs import load_run
+
     run = load_run(run_dir, metrics)
     for warning in run.warnings:
         say(f"warning: {warning}")
     return run
 
 
-def _load_runs(run_dirs: Sequence[str], asked: Optional[Sequence[str]]) -> Tuple[List[RunLog], List[str]]:
+def _load_runs(run_dirs: Sequence[str], asked: Optional[Sequence[str]]) -> Tuple[List[Any], List[str]]:
     """The runs, and the metrics to show: those asked for (`--metrics`), else those the runs
     logged (`logged_metrics`).
 
     Which values are checked depends on the metrics shown, so without `--metrics` the runs are
     read twice: once, checking no metric, to find which they logged, then as with `--metrics`."""
+    from trainer_memcb.cli.report import logged_metrics
+    from trainer_memcb.runs.run_logs import load_run
+
     metrics = list(asked) if asked is not None else logged_metrics([load_run(run_dir, ()) for run_dir in run_dirs])
     return [_load(run_dir, metrics) for run_dir in run_dirs], metrics
 
@@ -198,6 +193,19 @@ def _without_figures(run_dir: str, history_source: Optional[str]) -> str:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from trainer_memcb.runs.run_logs import RunLogError
+
+    try:
+        return _report_run(args)
+    except RunLogError as error:
+        raise _KnownFailure(str(error)) from None
+
+
+def _report_run(args: argparse.Namespace) -> int:
+    from trainer_memcb.cli.plots import report_plot
+    from trainer_memcb.cli.report import report_tables, run_report
+    from trainer_memcb.runs.run_logs import RunLogError
+
     _check_plot_path(args.plot)
     (run,), metrics = _load_runs([args.run_dir], args.metrics)
     report = run_report(run, metrics)
@@ -218,6 +226,20 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from trainer_memcb.runs.run_logs import RunLogError
+
+    try:
+        return _compare_runs(args)
+    except RunLogError as error:
+        raise _KnownFailure(str(error)) from None
+
+
+def _compare_runs(args: argparse.Namespace) -> int:
+    from trainer_memcb.cli.compare import compare_runs, compare_table
+    from trainer_memcb.cli.plots import compare_plot
+    from trainer_memcb.cli.report import run_report
+    from trainer_memcb.runs.run_logs import RunLogError
+
     _check_plot_path(args.plot)
     runs, metrics = _load_runs(args.run_dirs, args.metrics)
     kept = []
@@ -291,11 +313,28 @@ def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str
 
 
 def _estimate(args: argparse.Namespace) -> int:
+    try:  # the command line alone, before torch and transformers are imported
+        check_options(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    from trainer_memcb.plan.whatif import ModelConfigError
+
+    try:
+        return _estimate_plans(args)
+    except ModelConfigError as error:
+        raise _KnownFailure(str(error)) from None
+
+
+def _estimate_plans(args: argparse.Namespace) -> int:
+    from trainer_memcb.cli.estimate import (estimate_model, estimate_plan, estimate_step, estimate_tables,
+                                            estimate_what_if, resolve_optimizers)
+    from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_tables
+    from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+
     # Everything that imports transformers and the optimizers' libraries runs with their chatter
     # held back; the tables are printed afterwards.
     with quiet_output(enabled=not args.verbose):
         try:
-            check_options(args)
             resolve_optimizers(args)
             evaluation = None
             if step_asked(args):
@@ -348,9 +387,14 @@ def command(args: argparse.Namespace) -> int:
     if handler is None:
         say("error: choose a command: report, compare or estimate (trainer-memcb --help shows them)")
         return EXIT_USAGE
-    known = (RunLogError, ModelConfigError)
-    return answer(lambda: _missing_package_is_its_own_answer(handler, args), known,
+    return answer(lambda: _missing_package_is_its_own_answer(handler, args), _KnownFailure,
                   debug=getattr(args, "debug", False))
+
+
+class _KnownFailure(Exception):
+    """A failure whose message is the whole answer (exit 1): a run folder with nothing readable
+    (`RunLogError`), a model config that cannot be built (`ModelConfigError`). Each handler turns
+    its own into this one, as their classes come with torch, which a usage error never imports."""
 
 
 def _missing_package_is_its_own_answer(handler: Any, args: argparse.Namespace) -> int:
