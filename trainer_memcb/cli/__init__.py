@@ -61,6 +61,7 @@ from trainer_memcb.cli.choices import DEFAULT_METRICS
 from trainer_memcb.cli.estimate import add_estimate_arguments, check_options, needs_peft, plan_asked, reserve_bytes, step_asked
 from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.output import print_json, print_tables
+from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.utils.packages import MissingPackageError
 
@@ -317,23 +318,16 @@ def _estimate(args: argparse.Namespace) -> int:
         check_options(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    from trainer_memcb.plan.whatif import ModelConfigError
-
-    try:
-        return _estimate_plans(args)
-    except ModelConfigError as error:
-        raise _KnownFailure(str(error)) from None
-
-
-def _estimate_plans(args: argparse.Namespace) -> int:
-    from trainer_memcb.cli.estimate import (estimate_model, estimate_plan, estimate_step, estimate_tables,
-                                            estimate_what_if, resolve_optimizers)
-    from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_tables
-    from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
-
     # Everything that imports transformers and the optimizers' libraries runs with their chatter
-    # held back; the tables are printed afterwards.
-    with quiet_output(enabled=not args.verbose):
+    # held back, and a terminal shows what is being done (stderr only); the tables are printed
+    # afterwards.
+    with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
+        from trainer_memcb.cli.estimate import (estimate_model, estimate_plan, estimate_step, estimate_tables,
+                                                estimate_what_if, resolve_optimizers)
+        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_tables
+        from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+        from trainer_memcb.plan.whatif import ModelConfigError
+
         try:
             resolve_optimizers(args)
             evaluation = None
@@ -347,6 +341,8 @@ def _estimate_plans(args: argparse.Namespace) -> int:
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
+        except ModelConfigError as error:
+            raise _KnownFailure(str(error)) from None
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
     memory, reserve = args.device_memory, reserve_bytes(args)

@@ -19,6 +19,7 @@ from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN, add_eval_arguments
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
+from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.plan.optim_options import parse_optim_args, parse_optim_target_modules
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
 
@@ -430,6 +431,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
     explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
     keep_dtypes = not explicit_dtype
+    say_progress("planning the model states")
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
     build_model = _first_then_new(model, lambda: estimate_model(args))
@@ -447,6 +449,9 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                                 for rank in ranks], ranks)
 
     def plan_for(at: Any) -> StepMemoryPlan:
+        several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
+        say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
+                     + (" (searching the largest batch)" if args.max_batch_size else ""))
         return plan_step_memory(build_model, seq_len=args.seq_len, settings=at,
                                 attn_implementation=args.attn_implementation, device_type=device_type,
                                 device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model, states_plan=states,
@@ -633,6 +638,7 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
     if count is not None:
         _check_count_options(args)
     model = count if count is not None else estimate_model(args)
+    say_progress("planning the model states")
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,
                              optim_args=args.optim_args, optim_target_modules=args.optim_target_modules,
@@ -653,7 +659,9 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
     count = parameter_count(args.model)
     if count is not None:
         _refuse_what_if_of_a_count(count)
-    return what_if(estimate_model(args), args.optimizers, model_name=args.model,
+    model = estimate_model(args)
+    say_progress("estimating each optimizer's state")
+    return what_if(model, args.optimizers, model_name=args.model,
                    optim_args=args.optim_args, optim_target_modules=args.optim_target_modules)
 
 
@@ -669,6 +677,7 @@ def estimate_model(args: argparse.Namespace) -> Any:
     from trainer_memcb.plan.whatif import ModelConfigError, build_meta_model, resolve_dtype, select_trainable
 
     _check_lora_options(args)
+    say_progress(f"building {args.model} on the meta device")
     model = build_meta_model(args.model, resolve_dtype(args.dtype or "float32"), args.architecture)
     if args.lora_r is not None:
         model = add_lora_adapters(model, args.lora_r, args.lora_target_modules, args.lora_modules_to_save)

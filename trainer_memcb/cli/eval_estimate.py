@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 # inside the functions that use them.
 from trainer_memcb.cli.choices import EVAL_LOGITS
 from trainer_memcb.cli.output import TextTable, bytes_cell
+from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.utils.units import parse_size
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
 
     def build() -> Any:
         model = build_model()
+        say_progress(f"tracing the evaluation forward at batch {settings.batch_size}")
         if attention is not None and getattr(model, "config", None) is not None:
             model.config._attn_implementation = attention  # as the step plan traces it
         return model
