@@ -13,7 +13,7 @@
 
 `report` and `compare` show the evaluation metrics the runs logged (`--metrics` chooses); a run
 made without the callback has no figures: `report` says so and exits 1, `compare` leaves it out
-with a warning line, shows the others and exits 1.
+with a warning line, shows the others and exits 1; so does `compare` with a run it cannot read.
 
 Tables in a terminal, plain text when piped, `--json` for machines (strict JSON: a number that is
 not finite is null). Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
@@ -175,17 +175,28 @@ def _load(run_dir: str, metrics: Sequence[str]) -> Any:
     return run
 
 
-def _load_runs(run_dirs: Sequence[str], asked: Optional[Sequence[str]]) -> Tuple[List[Any], List[str]]:
+def _load_runs(run_dirs: Sequence[str], asked: Optional[Sequence[str]],
+               leave_out_unreadable: bool = False) -> Tuple[List[Any], List[str]]:
     """The runs, and the metrics to show: those asked for (`--metrics`), else those the runs
     logged (`logged_metrics`).
 
     Which values are checked depends on the metrics shown, so without `--metrics` the runs are
-    read twice: once, checking no metric, to find which they logged, then as with `--metrics`."""
+    read twice: once, checking no metric, to find which they logged, then as with `--metrics`.
+    With `leave_out_unreadable` (compare), a run that cannot be read is left out with a warning
+    line, unless none can be read: then its failure is the answer."""
     from trainer_memcb.cli.report import logged_metrics
-    from trainer_memcb.runs.run_logs import load_run
+    from trainer_memcb.runs.run_logs import RunLogError, load_run
 
-    metrics = list(asked) if asked is not None else logged_metrics([load_run(run_dir, ()) for run_dir in run_dirs])
-    return [_load(run_dir, metrics) for run_dir in run_dirs], metrics
+    first = []
+    for run_dir in run_dirs:
+        try:
+            first.append(load_run(run_dir, ()))
+        except RunLogError as error:
+            if not leave_out_unreadable or (not first and run_dir == run_dirs[-1]):
+                raise
+            say(f"warning: {error}; left out")
+    metrics = list(asked) if asked is not None else logged_metrics(first)
+    return [_load(run.run_dir, metrics) for run in first], metrics
 
 
 def _without_figures(run_dir: str, history_source: Optional[str]) -> str:
@@ -242,7 +253,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
     from trainer_memcb.runs.run_logs import RunLogError
 
     _check_plot_path(args.plot)
-    runs, metrics = _load_runs(args.run_dirs, args.metrics)
+    runs, metrics = _load_runs(args.run_dirs, args.metrics, leave_out_unreadable=True)
     kept = []
     for run in runs:
         if run_report(run, metrics).has_figures:
@@ -263,7 +274,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
         print_tables([compare_table(rows, metrics)], sys.stdout)
         if plot_path is not None:
             print(f"\nPlot: {plot_path}")
-    return EXIT_NOTHING_FOUND if len(kept) < len(runs) else status
+    return EXIT_NOTHING_FOUND if len(kept) < len(args.run_dirs) else status
 
 
 def _states_fit(plan: Any) -> Optional[bool]:
