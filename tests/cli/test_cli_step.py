@@ -266,3 +266,18 @@ def test_the_step_command_gives_one_fits_answer_the_steps(tiny_llama_dir, capsys
     # Without a step verdict (no --device-memory) neither plan answers.
     assert main(argv[:-4]) == 0
     assert re.findall(r"to spare|short", capsys.readouterr().out) == []
+
+
+def test_the_settings_table_names_a_flags_source_and_writes_whole_numbers_whole(tiny_llama_dir, tmp_path, capsys):
+    """--zero 2 over a config file's stage 1 is the flag's; a DeepSpeed config's 5e8 (a JSON
+    float) and --bucket-cap-mb 10 are shown as the whole numbers they are."""
+    ds = tmp_path / "ds_config.json"
+    ds.write_text('{"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}')
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "1", "--seq-len", "8",
+            "--world-size", "2", "--device-type", "cpu"]
+    assert main(argv + ["--zero", "2", "--deepspeed", str(ds)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["zero.stage", "2", "flag"] in rows
+    assert ["zero.reduce_bucket_size", "500,000,000", "deepspeed", "config"] in rows
+    assert main(argv + ["--sharding", "ddp", "--bucket-cap-mb", "10"]) == 0
+    assert ["bucket_cap_mb", "10", "flag"] in [line.split() for line in capsys.readouterr().out.splitlines()]

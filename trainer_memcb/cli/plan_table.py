@@ -142,7 +142,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts,
                                     note=_not_counted(step)))
         if step.settings_used:
-            rows = [[name, str(value), source] for name, value, source in step.settings_used]
+            rows = [[name, _setting_cell(value), source] for name, value, source in step.settings_used]
             tables.append(TextTable(f"Settings used (engine: {step.engine}; optimizer implementation: "
                                     f"{step.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
                                     text_columns=(0, 1, 2)))
@@ -158,6 +158,16 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             title = "No batch fits (not even 1)"
         tables.append(TextTable(title, ["batch", "step peak", "fits?"], rows))
     return tables
+
+
+def _setting_cell(value: Any) -> str:
+    """A setting as its reader wrote it: a whole number without a decimal point (a DeepSpeed
+    config's `5e8` is the JSON float 500000000.0), counts with thousands separators."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
 
 
 def _not_counted(step: Any) -> str:

@@ -120,7 +120,9 @@ class StepSettings:
                 continue
             rows.append((item.name, getattr(self, item.name), self.sources.get(item.name, _DEFAULT)))
         for key in sorted(self.zero):
-            rows.append((f"zero.{key}", self.zero[key], self.sources.get(f"zero.{key}", _DEFAULT)))
+            # The stage is the sharding's (`__post_init__`), wherever the config file put another.
+            source = self.sources.get("sharding", _DEFAULT) if key == "stage" else self.sources.get(f"zero.{key}", _DEFAULT)
+            rows.append((f"zero.{key}", self.zero[key], source))
         return tuple(rows)
 
 
