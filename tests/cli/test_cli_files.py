@@ -66,3 +66,14 @@ def test_a_run_file_that_is_a_named_pipe_is_refused_at_once(tmp_path) -> None:
         assert done.returncode == 1 and done.stdout == ""
         assert done.stderr.splitlines() == [f"trainer-memcb: {tmp_path}/trainer_state.json is not a regular file; not read"]
         assert time.perf_counter() - started < TIMEOUT_S
+
+
+def test_a_hub_name_that_cannot_be_read_offline_says_to_give_a_folder() -> None:
+    done = subprocess.run([sys.executable, "-m", "trainer_memcb", "estimate", "no-such-org/no-such-model"],
+                          cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1 and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith("trainer-memcb: no-such-org/no-such-model: could not read a model config (")
+    assert line.endswith("; without the hub, give a folder holding the model's config.json instead (its config.json "
+                         "alone is read; examples/models/ holds some)")
