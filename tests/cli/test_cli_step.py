@@ -281,3 +281,16 @@ def test_the_settings_table_names_a_flags_source_and_writes_whole_numbers_whole(
     assert ["zero.reduce_bucket_size", "500,000,000", "deepspeed", "config"] in rows
     assert main(argv + ["--sharding", "ddp", "--bucket-cap-mb", "10"]) == 0
     assert ["bucket_cap_mb", "10", "flag"] in [line.split() for line in capsys.readouterr().out.splitlines()]
+
+
+def test_beside_a_step_the_model_states_table_does_not_call_the_traced_parts_not_counted(tiny_llama_dir, capsys):
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "1", "--seq-len", "8",
+            "--device-type", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    states_title = next(line for line in out.splitlines() if line.startswith("Per process, the most each state holds"))
+    assert states_title.endswith(". The activations and temporaries are in the step's peak above")
+    assert "Not counted: activations" not in out and "activations (saved for backward)" in out
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_states"]["not_counted"] == (
+        "the CUDA context, allocator fragmentation (the activations and temporaries are in the step plan's peak)")

@@ -70,7 +70,7 @@ def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
         title = (f"Per process, the most each state holds during the step ({_ENGINE_NAMES.get(engines[0], engines[0])}, "
                  "its buffers included; where the optimizer step holds less, its figure after ';')"
                  + (" (model states include the reference model)" if plan.reference_model else "")
-                 + ". Not counted: activations, temporaries, CUDA context, fragmentation")
+                 + ". The activations and temporaries are in the step's peak above")
     else:
         title = ("Per process (the fullest): parameters, gradients, optimizer state, master weights"
                  + (" (model states include the reference model)" if plan.reference_model else "")
