@@ -294,3 +294,21 @@ def test_beside_a_step_the_model_states_table_does_not_call_the_traced_parts_not
     assert main(argv + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model_states"]["not_counted"] == (
         "the CUDA context, allocator fragmentation (the activations and temporaries are in the step plan's peak)")
+
+
+def test_a_training_args_dump_made_with_use_cpu_plans_the_device_asked_for(tiny_llama_dir, tmp_path, capsys):
+    """The guide's recipe (docs/step-memory.md): TrainingArguments(bf16=True) is refused on a
+    machine without a bf16 GPU, so the dump is made with use_cpu=True; the plan reads bf16 from it,
+    and neither use_cpu nor the machine decides the device: --device-type does (CUDA by default)."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(str(tmp_path / "plan"), bf16=True, use_cpu=True, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=8, report_to=[])
+    (tmp_path / "training_args.json").write_text(args.to_json_string())
+    document = run_json(["estimate", tiny_llama_dir, "--training-args", str(tmp_path / "training_args.json"),
+                         "--seq-len", "8", "--optimizers", "adamw", "--json"], capsys)
+    step = document["step"]
+    assert (step["device_type"], step["precision"], step["batch_size"]) == ("cuda", "autocast-bf16", 4)
+    used = {name: (value, source) for name, value, source in step["settings_used"]}
+    assert used["gradient_accumulation_steps"] == (8, "training args")
+    assert "use_cpu" not in used and used["fsdp_cpu_offload"] == (False, "default")
