@@ -339,6 +339,13 @@ def test_a_page_that_needs_an_optional_package_names_the_extra_that_installs_it(
     assert packages <= set().union(*(extras[extra] for extra in named)), (page, named)
 
 
+def test_no_page_promises_a_few_seconds() -> None:
+    """A wait is given as measured (the demo's short runs took 30-40 s where "a few seconds" was
+    promised), so that a reader knows whether it hangs."""
+    promising = [page.name for page in PAGES if "a few seconds" in page.read_text(encoding="utf-8")]
+    assert promising == []
+
+
 def test_a_block_in_another_language_fails_unless_marked() -> None:
     page = "Text.\n\n```bash\nls\n```\n\n<!-- not run: why -->\n```bash\nls\n```\n"
     blocks = parse_blocks(page)
