@@ -16,7 +16,8 @@ made without the callback has no figures: `report` says so and exits 1, `compare
 with a warning line, shows the others and exits 1; so does `compare` with a run it cannot read.
 
 Tables in a terminal, plain text when piped, `--json` for machines (strict JSON: a number that is
-not finite is null). Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
+not finite is null); while `estimate` works, a terminal's stderr shows the phase on one line
+(`progress.py`). The command line is checked before torch and transformers are imported. Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
 `--device-memory` asks, it fits), 1 nothing found (the message says where it looked), a file that
 cannot be read, or any other failure, 2 usage error, 3 it does not fit, 4 a package the options
 need is not installed, 5 the step cannot be traced (so fits? has no answer), 130 interrupted.
