@@ -194,9 +194,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\nThe lesson's numbers: one step on 8 reviews each, after which the state is final "
               "(the scores of one step mean nothing)")
         print_rows(document["lesson"], scores=False)
-    print(f"\nRows: {os.path.join(args.output_dir, COMPARISON_FILE_NAME)}")
-    print(f"TensorBoard: tensorboard --logdir {os.path.join(args.output_dir, 'tensorboard')}")
+    print()
+    print("\n".join(closing_lines(args.output_dir, document)))
     return 0
+
+
+def closing_lines(output_dir: str, document: Dict[str, Any]) -> List[str]:
+    """Where the figures are: the rows, and for the comparison's runs and the lesson's, the command
+    that compares them and TensorBoard's, each run's folder named as the command takes it."""
+    lines = [f"Rows: {os.path.join(output_dir, COMPARISON_FILE_NAME)}"]
+    for label, folder, part in (("The runs", output_dir, document),
+                                ("The lesson's runs", os.path.join(output_dir, "lesson"), document.get("lesson"))):
+        if part is None:
+            continue
+        runs = " ".join(os.path.join(folder, row["optimizer"]) for row in part["rows"])
+        lines += [f"{label}: trainer-memcb compare {runs}",
+                  f"{label} in TensorBoard: tensorboard --logdir {os.path.join(folder, 'tensorboard')}"]
+    return lines
 
 
 if __name__ == "__main__":

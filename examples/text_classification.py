@@ -39,20 +39,36 @@ NUM_LABELS = 2
 MAX_LENGTH = 64
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
-# bitsandbytes' CPU backend, on a CPU with AVX-512 BF16, tries to load a 4-bit matmul kernel from
-# the hub when it is imported (bitsandbytes/backends/cpu/ops.py) and logs this warning when it
-# cannot: on every example, since the Trainer imports peft and peft bitsandbytes. The examples
-# train no 4-bit model, so that one message is dropped; everything else the logger says passes.
-BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
-BITSANDBYTES_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward"
+# What other libraries log when they are imported on a machine without their compiled kernels, or
+# beside a newer torch: none of it concerns these examples, and it came first in every example's
+# output (the Trainer imports peft, and peft bitsandbytes and torchao). Each notice is dropped by
+# its logger and the start of its message; everything else those loggers say passes.
+IMPORT_NOTICES = (
+    # bitsandbytes/backends/cpu/ops.py, on a CPU with AVX-512 BF16: a 4-bit matmul kernel from the
+    # hub (the examples train no 4-bit model).
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+    # torchao/__init__.py: its optional compiled kernels (_C_mxfp8, _C_cutlass_90a), built for
+    # another Python or for CUDA.
+    ("torchao", "Failed to load "),
+    # torch/utils/_pytree.py register_constant: torchao registering its enums (KernelPreference,
+    # ScaleCalculationMode) as torch 2.13 deprecates it.
+    ("torch.utils._pytree", "%s is an Enum subclass"),
+    # deepspeed/accelerator/real_accelerator.py on a machine without a GPU (the DDP/ZeRO examples).
+    ("DeepSpeed", "Setting accelerator to CPU"),
+)
 
 
-def _not_the_kernel_notice(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(BITSANDBYTES_KERNEL_NOTICE)
+def _drops(prefix: str) -> Callable[[logging.LogRecord], bool]:
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(prefix)
+
+    return keep
 
 
-# Before transformers (and through it bitsandbytes) is imported: the logger is the same object then.
-logging.getLogger(BITSANDBYTES_CPU_LOGGER).addFilter(_not_the_kernel_notice)
+# Before transformers (and through it bitsandbytes and torchao) is imported: the loggers are the
+# same objects then.
+for _logger_name, _prefix in IMPORT_NOTICES:
+    logging.getLogger(_logger_name).addFilter(_drops(_prefix))
 
 __all__ = [
     "OPTIMIZERS",

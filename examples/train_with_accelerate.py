@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-import text_classification  # noqa: F401  (first: it drops bitsandbytes' import notice, see there)
+import text_classification  # noqa: F401  (first: it drops other libraries' import notices, see there)
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-import text_classification  # noqa: F401  (first: it drops bitsandbytes' import notice, see there)
+import text_classification  # noqa: F401  (first: it drops other libraries' import notices, see there)
 import torch
 from transformers import DataCollatorWithPadding, ProgressCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations import TensorBoardCallback

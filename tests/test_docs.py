@@ -324,6 +324,28 @@ def test_the_readme_is_a_first_read_with_its_two_set_up_commands() -> None:
         assert f"```bash\n{command}\n```" in readme
 
 
+@pytest.mark.parametrize("page,packages", [("docs/peft.md", {"peft", "bitsandbytes"}), ("docs/trl.md", {"trl"})])
+def test_a_page_that_needs_an_optional_package_names_the_extra_that_installs_it(page: str, packages: set) -> None:
+    import configparser
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg", encoding="utf-8")
+    extras = {name: {re.split(r"[<>=!~\[;\s]", line.strip())[0] for line in value.splitlines()
+                     if line.strip() and not line.strip().startswith("#")}
+              for name, value in setup["options.extras_require"].items()}
+    text = (REPO / page).read_text(encoding="utf-8")
+    named = {extra for group in re.findall(r'pip install -e "\.\[([\w,-]+)\]"', text) for extra in group.split(",")}
+    assert named <= set(extras), named - set(extras)
+    assert packages <= set().union(*(extras[extra] for extra in named)), (page, named)
+
+
+def test_no_page_promises_a_few_seconds() -> None:
+    """A wait is given as measured (the demo's short runs took 30-40 s where "a few seconds" was
+    promised), so that a reader knows whether it hangs."""
+    promising = [page.name for page in PAGES if "a few seconds" in page.read_text(encoding="utf-8")]
+    assert promising == []
+
+
 def test_a_block_in_another_language_fails_unless_marked() -> None:
     page = "Text.\n\n```bash\nls\n```\n\n<!-- not run: why -->\n```bash\nls\n```\n"
     blocks = parse_blocks(page)

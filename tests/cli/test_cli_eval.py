@@ -88,7 +88,7 @@ def test_too_much_for_the_device_says_why_and_what_would_fit(tiny_llama_dir: str
 
 @pytest.mark.parametrize("argv,message", [
     (["--eval-samples", "10"], "--eval-samples needs --seq-len"),
-    (["--eval-samples", "10", "--seq-len", "8", "--training-args", "no/such/file.json"], "no/such/file.json': cannot be read"),
+    (["--eval-samples", "10", "--seq-len", "8", "--training-args", "no/such/file.json"], "no/such/file.json could not be read"),
     (["--eval-samples", "10", "--seq-len", "8", "--host-memory", "lots"], "lots"),
 ])
 def test_bad_evaluation_options_are_one_line_and_exit_2(tiny_llama_dir: str, capsys: Any, argv: Any,

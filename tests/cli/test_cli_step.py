@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -40,9 +41,11 @@ def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, ca
     assert step["peak_bytes"] == plan.peak_bytes
     assert sum(step["peak_parts"].values()) == step["peak_bytes"]
     assert (step["attn_implementation"], step["device_type"], step["traced_on"]) == ("eager", "cuda", "cpu")
-    # Fits? is answered from the step's peak, not from the model states, which would fit.
+    # Fits? is answered from the step's peak, not from the model states, which would fit: the
+    # model states carry no answer of their own beside it.
     states = document["model_states"]["optimizers"][0]
-    assert states["model_states_bytes"] == 1578068 and states["fits"] is True
+    assert states["model_states_bytes"] == 1578068 and states["fits"] is None and states["margin_bytes"] is None
+    assert document["model_states"]["device_memory_bytes"] is None
     assert step["fits"] is False and step["margin_bytes"] == 1800000 - step["peak_bytes"] < 0
     assert step["reserve_bytes"] == 0
 
@@ -249,3 +252,64 @@ def test_zero2_on_several_processes_answers_for_the_fuller_of_the_first_and_last
     assert used["rank"] == (3, "default: the fuller of ranks 0 and 3")
     assert f"rank 3 holds the most of ranks 0 and 3 at its peak (rank 0 " in " ".join(default["notes"])
     assert f"({first['peak_bytes']:,})" in " ".join(default["notes"])
+
+
+def test_the_step_command_gives_one_fits_answer_the_steps(tiny_llama_dir, capsys):
+    """The model states alone (1,578,068 bytes) would fit in 1,800,000; the step does not: the
+    output says so once, and the model-states table has no fits? column to say otherwise."""
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "4", "--seq-len", "16",
+            "--attn-implementation", "eager", "--device-memory", "1800000B", "--reserve", "0B"]
+    assert main(argv) == 3
+    out = capsys.readouterr().out
+    assert re.findall(r"to spare|short", out) == ["short"]
+    states_table = out[out.index("Model states plan for"):]
+    assert "fits" not in states_table and "device memory" not in states_table
+    # Without a step verdict (no --device-memory) neither plan answers.
+    assert main(argv[:-4]) == 0
+    assert re.findall(r"to spare|short", capsys.readouterr().out) == []
+
+
+def test_the_settings_table_names_a_flags_source_and_writes_whole_numbers_whole(tiny_llama_dir, tmp_path, capsys):
+    """--zero 2 over a config file's stage 1 is the flag's; a DeepSpeed config's 5e8 (a JSON
+    float) and --bucket-cap-mb 10 are shown as the whole numbers they are."""
+    ds = tmp_path / "ds_config.json"
+    ds.write_text('{"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}')
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "1", "--seq-len", "8",
+            "--world-size", "2", "--device-type", "cpu"]
+    assert main(argv + ["--zero", "2", "--deepspeed", str(ds)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["zero.stage", "2", "flag"] in rows
+    assert ["zero.reduce_bucket_size", "500,000,000", "deepspeed", "config"] in rows
+    assert main(argv + ["--sharding", "ddp", "--bucket-cap-mb", "10"]) == 0
+    assert ["bucket_cap_mb", "10", "flag"] in [line.split() for line in capsys.readouterr().out.splitlines()]
+
+
+def test_beside_a_step_the_model_states_table_does_not_call_the_traced_parts_not_counted(tiny_llama_dir, capsys):
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "1", "--seq-len", "8",
+            "--device-type", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    states_title = next(line for line in out.splitlines() if line.startswith("Per process, the most each state holds"))
+    assert states_title.endswith(". The activations and temporaries are in the step's peak above")
+    assert "Not counted: activations" not in out and "activations (saved for backward)" in out
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_states"]["not_counted"] == (
+        "the CUDA context, allocator fragmentation (the activations and temporaries are in the step plan's peak)")
+
+
+def test_a_training_args_dump_made_with_use_cpu_plans_the_device_asked_for(tiny_llama_dir, tmp_path, capsys):
+    """The guide's recipe (docs/step-memory.md): TrainingArguments(bf16=True) is refused on a
+    machine without a bf16 GPU, so the dump is made with use_cpu=True; the plan reads bf16 from it,
+    and neither use_cpu nor the machine decides the device: --device-type does (CUDA by default)."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(str(tmp_path / "plan"), bf16=True, use_cpu=True, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=8, report_to=[])
+    (tmp_path / "training_args.json").write_text(args.to_json_string())
+    document = run_json(["estimate", tiny_llama_dir, "--training-args", str(tmp_path / "training_args.json"),
+                         "--seq-len", "8", "--optimizers", "adamw", "--json"], capsys)
+    step = document["step"]
+    assert (step["device_type"], step["precision"], step["batch_size"]) == ("cuda", "autocast-bf16", 4)
+    used = {name: (value, source) for name, value, source in step["settings_used"]}
+    assert used["gradient_accumulation_steps"] == (8, "training args")
+    assert "use_cpu" not in used and used["fsdp_cpu_offload"] == (False, "default")

@@ -134,10 +134,15 @@ def test_metrics_not_shown_may_hold_anything(tmp_path, capsys):
                    "does not log (log_history[1].eval_confusion_matrix = [[3, 1], [0, 4]]: not a number)\n")
 
 
-def test_compare_names_the_one_run_it_cannot_read(tmp_path, capsys):
+def test_compare_names_the_one_run_it_cannot_read_and_shows_the_others(tmp_path, capsys):
     _write(tmp_path / "good" / "trainer_state.json", {"log_history": _history()})
     bad = _write(tmp_path / "bad" / "trainer_state.json", "[" * 100_000)
     code, out, err = _cli(["compare", str(tmp_path / "good"), str(tmp_path / "bad"), "--json"], capsys)
+    assert code == 1  # a run left out
+    assert [row["run_dir"] for row in json.loads(out)["runs"]] == [str(tmp_path / "good")]
+    assert err == f"trainer-memcb: warning: {bad} is nested deeper than 64 levels; left out\n"
+    # When no run can be read, the failure is the answer, in one line.
+    code, out, err = _cli(["compare", str(tmp_path / "bad")], capsys)
     assert code == 1 and out == ""
     assert err == f"trainer-memcb: {bad} is nested deeper than 64 levels\n"
 
@@ -662,13 +667,13 @@ def test_the_check_for_unsafe_code_finds_each_kind():
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     # Mocked: the command has no known failure left to trigger for real, so one is planted.
-    import trainer_memcb.cli as cli
+    import trainer_memcb.cli.report as report  # the command imports it when it runs
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted\nsecond line")
 
     _write(tmp_path / "trainer_state.json", {"log_history": _history()})
-    monkeypatch.setattr(cli, "run_report", broken)
+    monkeypatch.setattr(report, "run_report", broken)
     code, out, err = _cli(["report", str(tmp_path), "--no-plot"], capsys)
     assert code == 1
     assert err == ("trainer-memcb: unexpected error: RuntimeError: planted second line "

@@ -140,6 +140,41 @@ def test_comparison_run_folders_feed_trainer_memcb_compare(comparison):
         assert compared.final_metrics == {"accuracy": row["eval_accuracy"], "f1": row["eval_f1"]}
 
 
+def test_the_closing_lines_name_the_runs_and_the_lessons_runs_as_the_command_takes_them(comparison, capsys):
+    from trainer_memcb.cli import main
+
+    output_dir = comparison["output_dir"]
+    names = [row["optimizer"] for row in comparison["rows"]]
+    assert names == ["adamw", "adafactor", "adamw_8bit"]
+    with_lesson = {**comparison, "lesson": {"rows": comparison["rows"]}}
+    folder, lesson = output_dir, os.path.join(output_dir, "lesson")
+    assert compare_optimizers.closing_lines(output_dir, with_lesson) == [
+        f"Rows: {os.path.join(output_dir, 'comparison.json')}",
+        f"The runs: trainer-memcb compare {' '.join(os.path.join(folder, name) for name in names)}",
+        f"The runs in TensorBoard: tensorboard --logdir {os.path.join(folder, 'tensorboard')}",
+        f"The lesson's runs: trainer-memcb compare {' '.join(os.path.join(lesson, name) for name in names)}",
+        f"The lesson's runs in TensorBoard: tensorboard --logdir {os.path.join(lesson, 'tensorboard')}",
+    ]
+    # The command as printed compares the runs the example made.
+    [runs_line] = [line for line in compare_optimizers.closing_lines(output_dir, comparison)
+                   if line.startswith("The runs: ")]
+    assert main(runs_line.split(": ", 1)[1].split()[1:] + ["--json"]) == 0
+    assert sorted(row["name"] for row in json.loads(capsys.readouterr().out)["runs"]) == sorted(names)
+
+
+def test_the_examples_import_without_other_libraries_import_notices():
+    """torchao's kernels built for another Python, torch's deprecation of registering enums, ...:
+    none of it is printed; another warning of the same loggers still is."""
+    code = ("import logging, sys\n"
+            f"sys.path.insert(0, {EXAMPLES!r})\n"
+            "import compare_optimizers, train_with_trainer, train_with_accelerate\n"
+            "logging.getLogger('torchao').warning('another torchao warning')\n")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == "another torchao warning\n"
+
+
 def test_comparison_table_prints_exact_bytes_and_mib(comparison):
     table = compare_optimizers.comparison_table(comparison["rows"]).splitlines()
     assert table[0].split() == ["optimizer", "trainable", "params", "measured", "state", "estimate", "eval",

@@ -13,10 +13,11 @@
 
 `report` and `compare` show the evaluation metrics the runs logged (`--metrics` chooses); a run
 made without the callback has no figures: `report` says so and exits 1, `compare` leaves it out
-with a warning line, shows the others and exits 1.
+with a warning line, shows the others and exits 1; so does `compare` with a run it cannot read.
 
 Tables in a terminal, plain text when piped, `--json` for machines (strict JSON: a number that is
-not finite is null). Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
+not finite is null); while `estimate` works, a terminal's stderr shows the phase on one line
+(`progress.py`). The command line is checked before torch and transformers are imported. Exit codes (`EXIT_*` in `trainer_memcb.cli.failures`): 0 done (and, where
 `--device-memory` asks, it fits), 1 nothing found (the message says where it looked), a file that
 cannot be read, or any other failure, 2 usage error, 3 it does not fit, 4 a package the options
 need is not installed, 5 the step (or the evaluation forward) cannot be traced (so fits? has no answer), 130 interrupted.
@@ -57,31 +58,17 @@ from trainer_memcb.cli.failures import (
     quiet_libraries,
     say,
 )
-from trainer_memcb.cli.compare import compare_runs, compare_table
-from trainer_memcb.cli.estimate import (
-    add_estimate_arguments,
-    check_options,
-    estimate_model,
-    estimate_plan,
-    estimate_step,
-    estimate_tables,
-    estimate_what_if,
-    needs_peft,
-    plan_asked,
-    reserve_bytes,
-    resolve_optimizers,
-    step_asked,
-)
-from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_asked, eval_tables
+from trainer_memcb.cli.choices import DEFAULT_METRICS
+from trainer_memcb.cli.estimate import add_estimate_arguments, check_options, needs_peft, plan_asked, reserve_bytes, step_asked
+from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.output import print_json, print_tables
-from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
-from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
+from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
-from trainer_memcb.cli.report import DEFAULT_METRICS, logged_metrics, report_tables, run_report
-from trainer_memcb.runs.run_logs import RunLog, RunLogError, load_run
-from trainer_memcb.plan.optimizers.whatif import ModelConfigError
-from trainer_memcb.plan.settings import SettingsFileError
 from trainer_memcb.utils.packages import MissingPackageError
+
+# Nothing above imports torch or transformers: the command line is parsed and checked first, so
+# that a usage error is answered at once (`tests/cli/test_cli_fast_usage_errors.py`); each command
+# imports the modules it runs with inside its handler.
 
 __all__ = ["PROGRAM", "REPORT_PLOT_FILE_NAME", "parser", "command", "main", "console_main"]
 
@@ -159,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
 def _write_plot(draw, *arguments, explicit: bool) -> Tuple[int, bool]:
     """Draw; on failure say why. Returns the exit code and whether the plot was written: a plot
     asked for by --plot that cannot be drawn fails the command, the default one only warns."""
+    from trainer_memcb.cli.plots import PlotError
+
     try:
         draw(*arguments)
     except PlotError as error:
@@ -169,6 +158,8 @@ def _write_plot(draw, *arguments, explicit: bool) -> Tuple[int, bool]:
 
 def _check_plot_path(path: Optional[str]) -> None:
     """An unknown extension is refused before any file is read or written."""
+    from trainer_memcb.cli.plots import plot_format
+
     if path is not None:
         try:
             plot_format(path)
@@ -176,21 +167,37 @@ def _check_plot_path(path: Optional[str]) -> None:
             raise UsageError(str(error)) from None
 
 
-def _load(run_dir: str, metrics: Sequence[str]) -> RunLog:
+def _load(run_dir: str, metrics: Sequence[str]) -> Any:
+    from trainer_memcb.runs.run_logs import load_run
+
     run = load_run(run_dir, metrics)
     for warning in run.warnings:
         say(f"warning: {warning}")
     return run
 
 
-def _load_runs(run_dirs: Sequence[str], asked: Optional[Sequence[str]]) -> Tuple[List[RunLog], List[str]]:
+def _load_runs(run_dirs: Sequence[str], asked: Optional[Sequence[str]],
+               leave_out_unreadable: bool = False) -> Tuple[List[Any], List[str]]:
     """The runs, and the metrics to show: those asked for (`--metrics`), else those the runs
     logged (`logged_metrics`).
 
     Which values are checked depends on the metrics shown, so without `--metrics` the runs are
-    read twice: once, checking no metric, to find which they logged, then as with `--metrics`."""
-    metrics = list(asked) if asked is not None else logged_metrics([load_run(run_dir, ()) for run_dir in run_dirs])
-    return [_load(run_dir, metrics) for run_dir in run_dirs], metrics
+    read twice: once, checking no metric, to find which they logged, then as with `--metrics`.
+    With `leave_out_unreadable` (compare), a run that cannot be read is left out with a warning
+    line, unless none can be read: then its failure is the answer."""
+    from trainer_memcb.cli.report import logged_metrics
+    from trainer_memcb.runs.run_logs import RunLogError, load_run
+
+    first = []
+    for run_dir in run_dirs:
+        try:
+            first.append(load_run(run_dir, ()))
+        except RunLogError as error:
+            if not leave_out_unreadable or (not first and run_dir == run_dirs[-1]):
+                raise
+            say(f"warning: {error}; left out")
+    metrics = list(asked) if asked is not None else logged_metrics(first)
+    return [_load(run.run_dir, metrics) for run in first], metrics
 
 
 def _without_figures(run_dir: str, history_source: Optional[str]) -> str:
@@ -199,6 +206,19 @@ def _without_figures(run_dir: str, history_source: Optional[str]) -> str:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from trainer_memcb.runs.run_logs import RunLogError
+
+    try:
+        return _report_run(args)
+    except RunLogError as error:
+        raise _KnownFailure(str(error)) from None
+
+
+def _report_run(args: argparse.Namespace) -> int:
+    from trainer_memcb.cli.plots import report_plot
+    from trainer_memcb.cli.report import report_tables, run_report
+    from trainer_memcb.runs.run_logs import RunLogError
+
     _check_plot_path(args.plot)
     (run,), metrics = _load_runs([args.run_dir], args.metrics)
     report = run_report(run, metrics)
@@ -219,8 +239,22 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from trainer_memcb.runs.run_logs import RunLogError
+
+    try:
+        return _compare_runs(args)
+    except RunLogError as error:
+        raise _KnownFailure(str(error)) from None
+
+
+def _compare_runs(args: argparse.Namespace) -> int:
+    from trainer_memcb.cli.compare import compare_runs, compare_table
+    from trainer_memcb.cli.plots import compare_plot
+    from trainer_memcb.cli.report import run_report
+    from trainer_memcb.runs.run_logs import RunLogError
+
     _check_plot_path(args.plot)
-    runs, metrics = _load_runs(args.run_dirs, args.metrics)
+    runs, metrics = _load_runs(args.run_dirs, args.metrics, leave_out_unreadable=True)
     kept = []
     for run in runs:
         if run_report(run, metrics).has_figures:
@@ -241,7 +275,7 @@ def _compare(args: argparse.Namespace) -> int:
         print_tables([compare_table(rows, metrics)], sys.stdout)
         if plot_path is not None:
             print(f"\nPlot: {plot_path}")
-    return EXIT_NOTHING_FOUND if len(kept) < len(runs) else status
+    return EXIT_NOTHING_FOUND if len(kept) < len(args.run_dirs) else status
 
 
 def _states_fit(plan: Any) -> Optional[bool]:
@@ -269,6 +303,24 @@ def _evaluation_status(evaluation: Any) -> int:
     return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
 
 
+def _step_answers(found: Dict[str, Any]) -> bool:
+    """Whether the step plan gives the output's fits? (a traced step against --device-memory, or
+    the search for the largest batch); then the model-states plan gives none beside it."""
+    step = found.get("step")
+    if step is not None and step.problem is None and step.fits is not None:
+        return True
+    return bool(found.get("search")) and found.get("max_batch_size_problem") is None
+
+
+def _without_verdict(states: Any) -> Any:
+    """The model-states plan with its fits? and margin left out: one verdict per output, the step's.
+    The states' figures stay; only the answer that would contradict the step's goes."""
+    import dataclasses
+
+    return dataclasses.replace(states, device_memory_bytes=None, optimizers=[
+        dataclasses.replace(entry, fits=None, margin_bytes=None) for entry in states.optimizers])
+
+
 def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
     """The model-states plan's JSON, with the device's memory and the reserve its fits? left out."""
     if args.device_memory is not None:
@@ -277,11 +329,22 @@ def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str
 
 
 def _estimate(args: argparse.Namespace) -> int:
+    try:  # the command line alone, before torch and transformers are imported
+        check_options(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     # Everything that imports transformers and the optimizers' libraries runs with their chatter
-    # held back; the tables are printed afterwards.
-    with quiet_output(enabled=not args.verbose):
+    # held back, and a terminal shows what is being done (stderr only); the tables are printed
+    # afterwards.
+    with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
+        from trainer_memcb.cli.estimate import (estimate_model, estimate_plan, estimate_step, estimate_tables,
+                                                estimate_what_if, resolve_optimizers)
+        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_tables
+        from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+        from trainer_memcb.plan.model.config_error import ModelConfigError
+        from trainer_memcb.plan.settings import SettingsFileError
+
         try:
-            check_options(args)
             resolve_optimizers(args)
             evaluation = None
             if step_asked(args):
@@ -295,8 +358,8 @@ def _estimate(args: argparse.Namespace) -> int:
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
-        except SettingsFileError:  # a value of --training-args or an engine's config: a bad file, exit 1
-            raise
+        except (ModelConfigError, SettingsFileError) as error:  # a bad config or settings file: exit 1
+            raise _KnownFailure(str(error)) from None
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
     memory, reserve = args.device_memory, reserve_bytes(args)
@@ -307,15 +370,20 @@ def _estimate(args: argparse.Namespace) -> int:
             print_tables(eval_tables(evaluation), sys.stdout)
         return _evaluation_status(evaluation)
     if step_asked(args):
+        one_verdict = _step_answers(found)
+        if one_verdict:
+            found = dict(found, model_states=_without_verdict(found["model_states"]))
         if args.json:
             document = step_json(found)
-            document["model_states"] = _with_memory(document["model_states"], args)
+            if not one_verdict:
+                document["model_states"] = _with_memory(document["model_states"], args)
             if evaluation is not None:
                 document["evaluation"] = evaluation.to_dict()
             print_json(document, sys.stdout)
         else:
-            print_tables(step_tables(found) + plan_tables(found["model_states"], memory, reserve)
-                         + (eval_tables(evaluation) if evaluation else []), sys.stdout)
+            states = (plan_tables(found["model_states"], verdict=False) if one_verdict
+                      else plan_tables(found["model_states"], memory, reserve))
+            print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else []), sys.stdout)
         status = _step_status(found)
         return _evaluation_status(evaluation) if status == EXIT_DONE and evaluation is not None else status
     if args.json:
@@ -332,9 +400,14 @@ def command(args: argparse.Namespace) -> int:
     if handler is None:
         say("error: choose a command: report, compare or estimate (trainer-memcb --help shows them)")
         return EXIT_USAGE
-    known = (RunLogError, ModelConfigError, SettingsFileError)
-    return answer(lambda: _missing_package_is_its_own_answer(handler, args), known,
+    return answer(lambda: _missing_package_is_its_own_answer(handler, args), _KnownFailure,
                   debug=getattr(args, "debug", False))
+
+
+class _KnownFailure(Exception):
+    """A failure whose message is the whole answer (exit 1): a run folder with nothing readable
+    (`RunLogError`), a model config that cannot be built (`ModelConfigError`). Each handler turns
+    its own into this one, as their classes come with torch, which a usage error never imports."""
 
 
 def _missing_package_is_its_own_answer(handler: Any, args: argparse.Namespace) -> int:

@@ -11,31 +11,23 @@ import argparse
 import os
 import re
 from decimal import Decimal
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+# Only modules that import no torch: the options are parsed and checked (`check_options`) before
+# the plan's modules are imported, inside the functions that use them.
+from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS
 from trainer_memcb.cli.collector import freeze_what_was_imported
+from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN, add_eval_arguments
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
-from trainer_memcb.plan.model.lora import add_lora_adapters
+from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.settings.setup import PRECISIONS, SHARDINGS, Setup
-from trainer_memcb.plan.model.quantized import QUANT_TYPES, Quantization
-from trainer_memcb.plan.model.step_inputs import head_kind
-from trainer_memcb.plan.step.trace import DEVICE_TYPES
-from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory, states_during_step
-from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
 from trainer_memcb.utils.units import GiB, format_bytes, parse_size
-from trainer_memcb.plan.optimizers.whatif import (
-    DEFAULT_OPTIMIZERS,
-    DTYPES,
-    ModelConfigError,
-    WhatIf,
-    build_meta_model,
-    resolve_dtype,
-    resolve_optimizer_names,
-    select_trainable,
-    what_if,
-)
+
+if TYPE_CHECKING:
+    from trainer_memcb.plan.answers.model_states import ModelStatesPlan
+    from trainer_memcb.plan.model.quantized import Quantization
+    from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
+    from trainer_memcb.plan.optimizers.whatif import WhatIf
 
 __all__ = [
     "add_estimate_arguments",
@@ -151,6 +143,8 @@ def resolve_optimizers(args: argparse.Namespace) -> None:
     Raises:
         ValueError: `argument --optimizers: optimizer 'x' is not one of: ...`.
     """
+    from trainer_memcb.plan.optimizers.whatif import resolve_optimizer_names
+
     try:
         args.optimizers = resolve_optimizer_names(args.optimizers)
     except ValueError as error:
@@ -283,8 +277,6 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
     own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
                      help="FSDP2 HSDP: replicate R times over a mesh of R x (world size / R)")
-    from trainer_memcb.cli.eval_estimate import add_eval_arguments
-
     add_eval_arguments(estimate)
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
@@ -331,12 +323,62 @@ def check_options(args: argparse.Namespace) -> None:
     from trainer_memcb.cli.eval_estimate import check_eval_options
 
     check_eval_options(args)
+    count = parameter_count(args.model)
     if step_asked(args):
-        count = parameter_count(args.model)
         if count is not None:
             raise ValueError(f"a parameter count ({count:,}) cannot be traced: the step plan (--batch-size, "
                              "--max-batch-size) runs the model's forward and backward, so it needs a model config, "
                              "a folder holding config.json")
+        _check_search_options(args)
+        if args.seq_len is None and _a_text_model(args):
+            raise ValueError(_NEEDS_SEQ_LEN)
+    if count is not None:
+        _check_count_options(args)
+        if not (step_asked(args) or plan_asked(args) or getattr(args, "eval_samples", None) is not None):
+            _refuse_what_if_of_a_count(count)
+    _check_lora_options(args)
+    _quantization_asked(args)
+    if step_asked(args) or (plan_asked(args) and getattr(args, "eval_samples", None) is None):
+        usable_memory(args)  # a reserve as large as the memory, where the plan takes it from the memory
+    if getattr(args, "eval_samples", None) is not None and args.seq_len is None:
+        raise ValueError(EVAL_NEEDS_SEQ_LEN)
+    _check_settings_files(args)
+
+
+# The keys of a config.json that name an input other than token ids (an image's pixels, speech's
+# features, a vision tower): the model's batch may then need no --seq-len (`head_kind`).
+_NOT_TEXT_KEYS = ("image_size", "num_channels", "vision_config", "num_mel_bins", "audio_config")
+
+
+def _a_text_model(args: argparse.Namespace) -> bool:
+    """Whether MODEL is a folder whose config.json is surely a text model's (token ids in, so its
+    step needs --seq-len), read before transformers is imported; False when in doubt (a hub name,
+    a config with an image, speech or vision key, --architecture), and the built model decides."""
+    from trainer_memcb.plan.settings import MAX_SETTINGS_FILE_BYTES
+    from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
+
+    if args.architecture is not None or not os.path.isdir(args.model):
+        return False
+    try:
+        config = read_json(os.path.join(args.model, "config.json"), MAX_SETTINGS_FILE_BYTES)
+    except UnsafeFileError:  # answered once the model is built, as the folder's own problem
+        return False
+    return isinstance(config, dict) and "vocab_size" in config and not any(key in config for key in _NOT_TEXT_KEYS)
+
+
+# The settings files the command reads, by option.
+_SETTINGS_FILES = (("training_args", "--training-args"), ("deepspeed", "--deepspeed"), ("fsdp_config", "--fsdp-config"))
+
+
+def _check_settings_files(args: argparse.Namespace) -> None:
+    """Read each settings file named once, before torch is imported: a named pipe, a device or an
+    oversized file, a pickle, or a file that is not a JSON object is refused at once."""
+    from trainer_memcb.plan.settings import read_json_file
+
+    for name, option in _SETTINGS_FILES:
+        path = getattr(args, name, None)
+        if path is not None:
+            read_json_file(path, option)
 
 
 def step_asked(args: argparse.Namespace) -> bool:
@@ -386,16 +428,20 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         ValueError: --seq-len or --device-memory missing where needed, a bad setup.
         ModelConfigError: no model config, or no parameter left to train.
     """
-    if args.max_batch_size and args.device_memory is None:
-        raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
+    _check_search_options(args)
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.model.step_inputs import head_kind
+    from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory, states_during_step
     from trainer_memcb.plan.settings.setup import setup_of
+    from trainer_memcb.plan.optimizers.whatif import resolve_dtype
 
     memory = usable_memory(args)
     device_type = args.device_type or DEFAULT_DEVICE_TYPE
     quantization = _quantization(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
     if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
-        raise ValueError("--batch-size and --max-batch-size need --seq-len (the sequence length)")
+        raise ValueError(_NEEDS_SEQ_LEN)
     settings = step_settings(args, model)
     if settings.batch_size is None and not args.max_batch_size:
         raise ValueError("--batch-size is needed (or per_device_train_batch_size in --training-args)")
@@ -404,6 +450,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
     explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
     keep_dtypes = not explicit_dtype
+    say_progress("planning the model states")
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
     build_model = _first_then_new(model, lambda: estimate_model(args))
@@ -421,6 +468,9 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                                 for rank in ranks], ranks)
 
     def plan_for(at: Any) -> StepMemoryPlan:
+        several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
+        say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
+                     + (" (searching the largest batch)" if args.max_batch_size else ""))
         return plan_step_memory(build_model, seq_len=args.seq_len, settings=at,
                                 attn_implementation=args.attn_implementation, device_type=device_type,
                                 device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model, states_plan=states,
@@ -446,6 +496,14 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size, "max_batch_size_problem": problem,
             "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT}
+
+
+def _check_search_options(args: argparse.Namespace) -> None:
+    if args.max_batch_size and args.device_memory is None:
+        raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
+
+
+_NEEDS_SEQ_LEN = "--batch-size and --max-batch-size need --seq-len (the sequence length)"
 
 
 def ranks_to_plan(settings: Any) -> List[int]:
@@ -490,17 +548,26 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
         ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one, or
             either without --lora-r.
     """
-    quantization = _loading(args)
-    if quantization is not None and getattr(args, "lora_r", None) is None:
-        # transformers trainer_utils.validate_quantization_for_training, called by Trainer.__init__.
-        flag = "--load-in-8bit" if quantization.bits == 8 else "--load-in-4bit"
-        raise ValueError(f"{flag} needs --lora-r: the Trainer refuses to train a purely quantized model "
-                         "(\"You cannot perform fine-tuning on purely quantized models\"); QLoRA trains adapters on it")
-    return quantization
+    if not _quantization_asked(args):
+        return None
+    from trainer_memcb.plan.model.quantized import Quantization
+    from trainer_memcb.plan.optimizers.whatif import resolve_dtype
+
+    if getattr(args, "load_in_8bit", False):
+        threshold = getattr(args, "llm_int8_threshold", None)
+        return Quantization(bits=8, threshold=6.0 if threshold is None else threshold)
+    return Quantization(quant_type=args.bnb_4bit_quant_type, double_quant=args.bnb_4bit_use_double_quant,
+                        compute_dtype=resolve_dtype(args.bnb_4bit_compute_dtype))
 
 
-def _loading(args: argparse.Namespace) -> Optional[Quantization]:
-    """The loading the quantization flags describe, checked against each other."""
+def _quantization_asked(args: argparse.Namespace) -> bool:
+    """Whether the options load the base model quantized, once its options are checked (from the
+    command line alone, before torch is imported).
+
+    Raises:
+        ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one, or
+            either without --lora-r.
+    """
     threshold = getattr(args, "llm_int8_threshold", None)
     if getattr(args, "load_in_8bit", False):
         if getattr(args, "load_in_4bit", False):
@@ -513,13 +580,22 @@ def _loading(args: argparse.Namespace) -> Optional[Quantization]:
             raise ValueError(f"{four_bit[0]} is an option of --load-in-4bit, not of --load-in-8bit")
         if threshold is not None and not threshold >= 0:  # NaN too: no outlier column would ever be found
             raise ValueError(f"--llm-int8-threshold {threshold!r}: expected a number of at least 0 (default 6.0)")
-        return Quantization(bits=8, threshold=6.0 if threshold is None else threshold)
+        _needs_adapters(args, "--load-in-8bit")
+        return True
     if threshold is not None:
         raise ValueError("--llm-int8-threshold is an option of --load-in-8bit")
     if not getattr(args, "load_in_4bit", False):
-        return None
-    return Quantization(quant_type=args.bnb_4bit_quant_type, double_quant=args.bnb_4bit_use_double_quant,
-                        compute_dtype=resolve_dtype(args.bnb_4bit_compute_dtype))
+        return False
+    _needs_adapters(args, "--load-in-4bit")
+    return True
+
+
+def _needs_adapters(args: argparse.Namespace, flag: str) -> None:
+    """transformers' trainer_utils.validate_quantization_for_training, called by Trainer.__init__:
+    a quantized base model trains only with adapters."""
+    if getattr(args, "lora_r", None) is None:
+        raise ValueError(f"{flag} needs --lora-r: the Trainer refuses to train a purely quantized model "
+                         "(\"You cannot perform fine-tuning on purely quantized models\"); QLoRA trains adapters on it")
 
 
 def plan_asked(args: argparse.Namespace) -> bool:
@@ -557,6 +633,20 @@ def parameter_count(text: str) -> Optional[int]:
     return int(value)
 
 
+def _check_count_options(args: argparse.Namespace) -> None:
+    """Refuse, for a parameter count, the options that need a model's modules and names."""
+    given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]
+    if given:
+        raise ValueError(f"{given[0]} needs a model's modules and names: give a folder holding config.json, "
+                         f"not a parameter count")
+
+
+def _refuse_what_if_of_a_count(count: int) -> None:
+    raise ValueError(f"a parameter count ({count:,}) answers the model-states plan only: add --world-size, "
+                     "--zero, --sharding or --precision (e.g. --zero 1 --world-size 64); the optimizer what-if "
+                     "needs a model config, a folder holding config.json")
+
+
 def _plan_precision(args: argparse.Namespace) -> str:
     return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
 
@@ -575,13 +665,13 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
         ValueError: options that do not fit (see `estimate_model`), a bad setup or memory size.
         ModelConfigError: no model config, or no parameter left to train.
     """
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.settings.setup import Setup
+
     memory = usable_memory(args)
     count = parameter_count(args.model)
     if count is not None:
-        given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]
-        if given:
-            raise ValueError(f"{given[0]} needs a model's modules and names: give a folder holding config.json, "
-                             f"not a parameter count")
+        _check_count_options(args)
     model = count if count is not None else estimate_model(args)
     if any(getattr(args, name, None) is not None for name in _ENGINE_FILES) or (getattr(args, "replicate", None) or 1) > 1:
         # The engine's config, then the flags given, as the step plan resolves them (`step_settings`).
@@ -596,6 +686,7 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
                       precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                       offload_params=args.offload_params)
         keep_dtypes = args.precision is None
+    say_progress("planning the model states")
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,
                              optim_args=args.optim_args, optim_target_modules=args.optim_target_modules,
@@ -611,12 +702,14 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
             parameter count, which answers the plan only.
         ModelConfigError: no model config, or no parameter left to train.
     """
+    from trainer_memcb.plan.optimizers.whatif import what_if
+
     count = parameter_count(args.model)
     if count is not None:
-        raise ValueError(f"a parameter count ({count:,}) answers the model-states plan only: add --world-size, "
-                         "--zero, --sharding or --precision (e.g. --zero 1 --world-size 64); the optimizer what-if "
-                         "needs a model config, a folder holding config.json")
-    return what_if(estimate_model(args), args.optimizers, model_name=args.model,
+        _refuse_what_if_of_a_count(count)
+    model = estimate_model(args)
+    say_progress("estimating each optimizer's state")
+    return what_if(model, args.optimizers, model_name=args.model,
                    optim_args=args.optim_args, optim_target_modules=args.optim_target_modules)
 
 
@@ -628,8 +721,11 @@ def estimate_model(args: argparse.Namespace) -> Any:
             --lora-r, LoRA modules PEFT cannot find.
         ModelConfigError: no model config, or no parameter left to train.
     """
-    if args.lora_r is None and (args.lora_target_modules is not None or args.lora_modules_to_save is not None):
-        raise ValueError("--lora-target-modules and --lora-modules-to-save need --lora-r (the adapters' rank)")
+    from trainer_memcb.plan.model.lora import add_lora_adapters
+    from trainer_memcb.plan.optimizers.whatif import ModelConfigError, build_meta_model, resolve_dtype, select_trainable
+
+    _check_lora_options(args)
+    say_progress(f"building {args.model} on the meta device")
     model = build_meta_model(args.model, resolve_dtype(args.dtype or "float32"), args.architecture)
     if args.lora_r is not None:
         model = add_lora_adapters(model, args.lora_r, args.lora_target_modules, args.lora_modules_to_save)
@@ -639,6 +735,11 @@ def estimate_model(args: argparse.Namespace) -> Any:
             raise ModelConfigError(f"no parameter name of {args.model} matches --trainable {args.trainable!r}; "
                                    f"names look like: {', '.join(names)}")
     return model
+
+
+def _check_lora_options(args: argparse.Namespace) -> None:
+    if args.lora_r is None and (args.lora_target_modules is not None or args.lora_modules_to_save is not None):
+        raise ValueError("--lora-target-modules and --lora-modules-to-save need --lora-r (the adapters' rank)")
 
 
 def _per_param(num_bytes: int, params: int) -> str:

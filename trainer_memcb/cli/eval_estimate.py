@@ -8,12 +8,18 @@ the installed `TrainingArguments`' defaults), and its table; the figures come fr
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+# The options are parsed and checked before torch is imported: the plan's modules are imported
+# inside the functions that use them.
+from trainer_memcb.cli.choices import EVAL_LOGITS
 from trainer_memcb.cli.output import TextTable, bytes_cell
-from trainer_memcb.plan.answers.eval_memory import EVAL_LOGITS, EvalMemoryPlan, EvalSettings, eval_settings_from_args, plan_eval_memory
-from trainer_memcb.plan.answers.model_states import ModelStatesPlan
-from trainer_memcb.utils.units import parse_bytes
+from trainer_memcb.cli.progress import say_progress
+from trainer_memcb.utils.units import parse_bytes, parse_size
+
+if TYPE_CHECKING:
+    from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan, EvalSettings
+    from trainer_memcb.plan.answers.model_states import ModelStatesPlan
 
 __all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_tables",
            "training_arguments_from_file"]
@@ -27,6 +33,16 @@ def _positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer, e.g. 8")
     return value
+
+
+EVAL_NEEDS_SEQ_LEN = "--eval-samples needs --seq-len (the sequence length)"
+
+
+def _host_size(text: str) -> int:
+    try:
+        return parse_size(text, "--host-memory")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_eval_arguments(estimate: argparse.ArgumentParser) -> None:
@@ -46,7 +62,7 @@ def add_eval_arguments(estimate: argparse.ArgumentParser) -> None:
                             "argmax (a preprocess_logits_for_metrics returning logits.argmax(-1)), none "
                             "(prediction_loss_only, or no compute_metrics)")
     group.add_argument("--eval-include-inputs", action="store_true", help="include_for_metrics=['inputs']")
-    group.add_argument("--host-memory", metavar="SIZE", help="host memory per process, e.g. 64GiB: says whether the "
+    group.add_argument("--host-memory", metavar="SIZE", type=_host_size, help="host memory per process, e.g. 64GiB: says whether the "
                        "containers' arrays fit")
 
 
@@ -96,6 +112,8 @@ def training_arguments_from_file(path: Optional[str]) -> Any:
 
 
 def _settings(args: argparse.Namespace) -> EvalSettings:
+    from trainer_memcb.plan.answers.eval_memory import eval_settings_from_args
+
     training = training_arguments_from_file(getattr(args, "training_args", None))
     settings = eval_settings_from_args(training, samples=args.eval_samples, seq_len=args.seq_len, logits=args.eval_logits)
     changes: Dict[str, Any] = {}
@@ -126,19 +144,22 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     Raises:
         ValueError: --seq-len missing, a bad size or settings file.
     """
+    from trainer_memcb.plan.answers.eval_memory import plan_eval_memory
+
     if args.seq_len is None:
-        raise ValueError("--eval-samples needs --seq-len (the sequence length)")
+        raise ValueError(EVAL_NEEDS_SEQ_LEN)
     settings = _settings(args)
     resident = 0
     if states is not None and states.optimizers:
         row = states.optimizers[0]
         resident = (row.optimizer_state_bytes or 0) + (row.master_weights_bytes or 0)
-    device = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    host = parse_bytes(args.host_memory) if args.host_memory is not None else None
+    device = parse_size(args.device_memory) if args.device_memory is not None else None
+    host = parse_size(args.host_memory) if args.host_memory is not None else None
     attention = getattr(args, "attn_implementation", None)
 
     def build() -> Any:
         model = build_model()
+        say_progress(f"tracing the evaluation forward at batch {settings.batch_size}")
         if attention is not None and getattr(model, "config", None) is not None:
             from trainer_memcb.plan.answers.step_memory import check_attn_implementation
 

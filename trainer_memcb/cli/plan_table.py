@@ -28,13 +28,15 @@ def _memory_rows(device_memory: Optional[int], reserve: Optional[int]) -> List[L
 
 
 def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
-                reserve: Optional[int] = None) -> List[TextTable]:
+                reserve: Optional[int] = None, verdict: bool = True) -> List[TextTable]:
     """The setup, then one row per optimizer: the four states of the fullest process and where they live.
 
     Args:
         plan: the model-states plan (its fits? answered against `device_memory - reserve`).
         device_memory, reserve: the device's memory and the reserve, shown; None shows the plan's
             own `device_memory_bytes`.
+        verdict: False beside a step plan that answers fits?: no memory rows and no fits? column,
+            so that the output holds one verdict, the step's.
     """
     setup = plan.setup
     if device_memory is None:
@@ -47,7 +49,7 @@ def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
         ["sharding", setup.sharding],
         ["precision", setup.precision],
         ["offload to CPU", ", ".join(offload) or "none"],
-    ] + _memory_rows(device_memory, reserve) + ([["reference model (frozen copy)", plan.reference_model_note
+    ] + (_memory_rows(device_memory, reserve) if verdict else []) + ([["reference model (frozen copy)", plan.reference_model_note
            or bytes_cell(plan.optimizers[0].reference_model_bytes if plan.optimizers else None)]]
          if plan.reference_model else []))
     rows = []
@@ -68,17 +70,21 @@ def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
         title = (f"Per process, the most each state holds during the step ({_ENGINE_NAMES.get(engines[0], engines[0])}, "
                  "its buffers included; where the optimizer step holds less, its figure after ';')"
                  + (" (model states include the reference model)" if plan.reference_model else "")
-                 + ". Not counted: activations, temporaries, CUDA context, fragmentation")
+                 + ". The activations and temporaries are in the step's peak above")
     else:
         title = ("Per process (the fullest): parameters, gradients, optimizer state, master weights"
                  + (" (model states include the reference model)" if plan.reference_model else "")
                  + ". Not counted: activations, temporary buffers, CUDA context, fragmentation")
-    states = TextTable(
-        title,
-        ["optimizer", "parameters", "gradients", "optimizer state", "master weights", "model states",
-         "on the device", "CPU per node", "fits?"],
-        rows, text_columns=(0, 8), note="\n".join(f"Note, {note}." for note in plan.notes),
-    )
+    columns = ["optimizer", "parameters", "gradients", "optimizer state", "master weights", "model states",
+               "on the device", "CPU per node", "fits?"]
+    if not verdict:  # the last column holds fits? or, in a row without figures, the problem
+        problems = [entry.problem if entry.model_states_bytes is None else None for entry in plan.optimizers]
+        if any(problems):
+            columns[-1], rows = "problem", [row[:-1] + [problem or "-"] for row, problem in zip(rows, problems)]
+        else:
+            columns, rows = columns[:-1], [row[:-1] for row in rows]
+    states = TextTable(title, columns, rows, text_columns=(0, 8) if verdict else (0,),
+                       note="\n".join(f"Note, {note}." for note in plan.notes))
     return [about, states]
 
 
@@ -136,7 +142,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts,
                                     note=_not_counted(step)))
         if step.settings_used:
-            rows = [[name, str(value), source] for name, value, source in step.settings_used]
+            rows = [[name, _setting_cell(value), source] for name, value, source in step.settings_used]
             tables.append(TextTable(f"Settings used (engine: {step.engine}; optimizer implementation: "
                                     f"{step.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
                                     text_columns=(0, 1, 2)))
@@ -155,6 +161,16 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             title = "No batch fits (not even 1)"
         tables.append(TextTable(title, ["batch", "step peak", "fits?"], rows))
     return tables
+
+
+def _setting_cell(value: Any) -> str:
+    """A setting as its reader wrote it: a whole number without a decimal point (a DeepSpeed
+    config's `5e8` is the JSON float 500000000.0), counts with thousands separators."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
 
 
 def _not_counted(step: Any) -> str:

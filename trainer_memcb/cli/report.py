@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from trainer_memcb.cli.choices import DEFAULT_METRICS
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
 from trainer_memcb.training.figures import (
     BREAKDOWN_KEY_PREFIXES,
@@ -27,9 +28,8 @@ from trainer_memcb.runs.run_values import is_count_key, real_number
 __all__ = ["DEFAULT_METRICS", "StepFigures", "EvalFigures", "RunReport", "logged_metrics", "run_report",
            "report_tables"]
 
-# The lesson's metrics: eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1"),
-# shown first when a run logged them.
-DEFAULT_METRICS = ("accuracy", "f1")
+# The lesson's metrics, eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1"),
+# shown first when a run logged them: `trainer_memcb.cli.choices.DEFAULT_METRICS`.
 # What the Trainer adds to every evaluation entry that is no metric (transformers trainer_utils.py
 # speed_metrics, and the epoch).
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch")

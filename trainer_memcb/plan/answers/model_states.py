@@ -387,8 +387,9 @@ class ModelStatesPlan:
             "reference_model": self.reference_model,
             "reference_model_note": self.reference_model_note,
             # A step plan's table (`engine` set) holds the engine's buffers in its states' figures.
-            "not_counted": "activations, temporaries, the CUDA context, allocator fragmentation"
-            if any(entry.engine for entry in self.optimizers) else
+            # The activations and temporaries of a traced step are in its peak, not here.
+            "not_counted": "the CUDA context, allocator fragmentation (the activations and temporaries are in the "
+            "step plan's peak)" if any(entry.engine for entry in self.optimizers) else
             "activations, temporary buffers, the CUDA context, allocator fragmentation",
         }
 

@@ -63,6 +63,10 @@ OPTIMIZER_ALIASES = {"adamw": "adamw_torch"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A model config is a few KiB.
 MAX_CONFIG_BYTES = 16 * MiB
+# What to do when a hub name cannot be read (offline, a gated or a mistyped model): only its
+# config.json is needed, and a folder holding it is read without the hub.
+_GIVE_A_FOLDER = ("without the hub, give a folder holding the model's config.json instead (its config.json alone "
+                  "is read; examples/models/ holds some)")
 # `auto_map` names Python files beside the config that transformers would import: never done here.
 _ASKS_FOR_CODE = "{model}: its config.json asks to run code from the model's files (auto_map); that code is never run"
 
@@ -232,7 +236,8 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
     try:
         config = AutoConfig.from_pretrained(config_file or model, trust_remote_code=False)
     except Exception as error:  # a corrupt config, an unknown model type, an unreachable hub, remote code
-        raise ModelConfigError(f"{model}: could not read a model config ({error})") from None
+        hint = "" if config_file is not None else f"; {_GIVE_A_FOLDER}"
+        raise ModelConfigError(f"{model}: could not read a model config ({error}){hint}") from None
     if getattr(config, "auto_map", None):  # a hub config, seen only now
         raise ModelConfigError(_ASKS_FOR_CODE.format(model=model))
     try:

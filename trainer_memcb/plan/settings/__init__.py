@@ -6,7 +6,8 @@ size, sharding, precision, offload) and the precisions; `optim_options` parses t
 `optim_args` and target-module lists.
 """
 
-from trainer_memcb.plan.settings.step_settings import (SettingsFileError, StepSettings, check_training_args, read_json_file,
-                                                      resolve_settings)
+from trainer_memcb.plan.settings.step_settings import (MAX_SETTINGS_FILE_BYTES, SettingsFileError, StepSettings,
+                                                      check_training_args, read_json_file, resolve_settings)
 
-__all__ = ["StepSettings", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args"]
+__all__ = ["StepSettings", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args",
+           "MAX_SETTINGS_FILE_BYTES"]

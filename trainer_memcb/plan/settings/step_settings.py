@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["StepSettings", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args"]
+from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
+from trainer_memcb.utils.units import MiB
 
+__all__ = ["StepSettings", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args",
+           "MAX_SETTINGS_FILE_BYTES"]
+
+# A TrainingArguments dump, a DeepSpeed or an FSDP config is a few KiB; a larger file is not one.
+MAX_SETTINGS_FILE_BYTES = 16 * MiB
 # DeepSpeed 0.19.8 runtime/zero/config.py, DeepSpeedZeroConfig's field defaults.
 ZERO_DEFAULTS = {
     "reduce_bucket_size": 500_000_000,
@@ -135,7 +140,9 @@ class StepSettings:
                 continue
             rows.append((item.name, getattr(self, item.name), self.sources.get(item.name, _DEFAULT)))
         for key in sorted(self.zero):
-            rows.append((f"zero.{key}", self.zero[key], self.sources.get(f"zero.{key}", _DEFAULT)))
+            # The stage is the sharding's (`__post_init__`), wherever the config file put another.
+            source = self.sources.get("sharding", _DEFAULT) if key == "stage" else self.sources.get(f"zero.{key}", _DEFAULT)
+            rows.append((f"zero.{key}", self.zero[key], source))
         return tuple(rows)
 
 
@@ -244,17 +251,17 @@ def _offloaded(section: Any) -> bool:
 
 
 def read_json_file(path: str, what: str) -> Dict[str, Any]:
-    """A JSON object from `path`; ValueError naming the file and what was expected otherwise."""
+    """A JSON object from `path`; ValueError naming the file and what was expected otherwise.
+
+    Read through `trainer_memcb.utils.safe_io.read_json`: a named pipe, a device (`/dev/zero`) or
+    a file over `MAX_SETTINGS_FILE_BYTES` is refused at once, never waited on or read to the end."""
     if str(path).endswith((".bin", ".pt", ".pkl", ".pickle")):
         raise ValueError(f"{what} {path!r}: only JSON is read (a pickle such as training_args.bin is never loaded); "
                          "save it with TrainingArguments.to_json_string()")
     try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle)
-    except OSError as error:
-        raise ValueError(f"{what} {path!r}: cannot be read ({error.strerror})") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{what} {path!r}: not JSON ({error.msg}, line {error.lineno})") from None
+        value = read_json(path, MAX_SETTINGS_FILE_BYTES)
+    except UnsafeFileError as error:
+        raise ValueError(f"{what}: {error}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{what} {path!r}: expected a JSON object, got {type(value).__name__}")
     return value

@@ -1,0 +1,30 @@
+"""The values the command's options take, importable without torch.
+
+The command line is parsed and checked before torch and transformers are imported (seconds), so
+that a usage error is answered in the time `--version` takes. The lists below are those of the
+modules that use them, which import torch: `tests/cli/test_cli_fast_usage_errors.py` holds each
+equal to its source.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
+           "DEFAULT_METRICS"]
+
+# trainer_memcb.plan.settings.setup.SHARDINGS
+SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
+# trainer_memcb.plan.settings.setup.PRECISIONS' names (the table of bytes per value is there)
+PRECISIONS = ("fp32", "autocast-bf16", "autocast-fp16", "bf16", "fp16", "deepspeed-bf16", "deepspeed-fp16")
+# trainer_memcb.plan.optimizers.whatif.DTYPES' names
+DTYPES = ("float32", "bfloat16", "float16")
+# trainer_memcb.plan.step.trace.DEVICE_TYPES
+DEVICE_TYPES = ("cuda", "cpu")
+# trainer_memcb.plan.model.quantized.QUANT_TYPES
+QUANT_TYPES = ("nf4", "fp4")
+# trainer_memcb.plan.optimizers.whatif.DEFAULT_OPTIMIZERS
+DEFAULT_OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_bnb_8bit")
+# trainer_memcb.plan.answers.eval_memory.EVAL_LOGITS
+EVAL_LOGITS = ("full", "argmax", "none")
+# The lesson's metrics, eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1"), that
+# `report` and `compare` show first when the runs logged them.
+DEFAULT_METRICS = ("accuracy", "f1")
