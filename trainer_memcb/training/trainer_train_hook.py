@@ -11,16 +11,39 @@ and when a call returns or raises, every callback in that Trainer's own `callbac
 a `TrainExitListener` is told. The exception, if any, propagates unchanged (nothing is chained to
 it), and a Trainer without such a callback runs exactly as before. Subclasses whose `train` calls
 `super().train` (TRL's trainers) are covered.
+
+The hook also keeps which `train()` calls are under way, innermost last (`current_train_call`,
+`is_running`): a Trainer may train or evaluate another inside its own step (a `training_step`
+that trains a second Trainer). What the outer step installed stays, and measures only while its
+own call is the innermost one (`activations_probe.py`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, List, Optional
 
-__all__ = ["TrainExitListener", "install_train_hook", "is_train_hook_installed"]
+__all__ = ["TrainExitListener", "current_train_call", "install_train_hook", "is_running", "is_train_hook_installed"]
 
 _MARK = "__trainer_memcb_train_hook__"
+# One token per `Trainer.train` call under way, innermost last.
+_RUNNING: List[object] = []
+
+
+class _TrainCall:
+    """A `Trainer.train` call, as a token: compared by identity only."""
+
+    __slots__ = ("__weakref__",)
+
+
+def current_train_call() -> Optional[object]:
+    """The innermost `Trainer.train` call under way (of any Trainer), or None outside any."""
+    return _RUNNING[-1] if _RUNNING else None
+
+
+def is_running(call: object) -> bool:
+    """Whether `call` (from `current_train_call`) has not returned or raised yet."""
+    return any(running is call for running in _RUNNING)
 
 
 class TrainExitListener:
@@ -39,9 +62,15 @@ class TrainExitListener:
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _TrainCall()
+        _RUNNING.append(call)
         try:
             return original(self, *args, **kwargs)
         finally:
+            for index in range(len(_RUNNING) - 1, -1, -1):
+                if _RUNNING[index] is call:
+                    del _RUNNING[index]
+                    break
             handler = getattr(self, "callback_handler", None)
             for callback in list(getattr(handler, "callbacks", ())):
                 if isinstance(callback, TrainExitListener):
