@@ -213,6 +213,11 @@ class SavedTensorsCounter:
         # activation while the counter lives; parameters are alive for the step anyway.
         self._excluded: Dict[int, Any] = {}
         for tensor in exclude:
+            kind = type(tensor)
+            if kind is torch.nn.Parameter or kind is torch.Tensor:  # the common case: no walk, nbytes unread
+                storage = tensor.untyped_storage()
+                self._excluded[storage._cdata] = storage
+                continue
             for key, _, inner in storages_of(tensor):
                 self._excluded[key] = inner.untyped_storage()
         self.other_hooks = other_hooks
@@ -336,7 +341,10 @@ class _RecomputationWatch:
             cls.books[id(book)] = (book, excluded)
             if cls.original is None:
                 cls.original = checkpoint._recomputation_hook
-                checkpoint._recomputation_hook = _make_watching_hook(cls.original)
+                watching = _WATCHING_HOOKS.get(cls.original)
+                if watching is None:  # a class made once per original, not at every logged step
+                    watching = _WATCHING_HOOKS[cls.original] = _make_watching_hook(cls.original)
+                checkpoint._recomputation_hook = watching
 
     @classmethod
     def remove(cls, book: _Book) -> None:
@@ -347,6 +355,11 @@ class _RecomputationWatch:
             if not cls.books and cls.original is not None:
                 checkpoint._recomputation_hook = cls.original
                 cls.original = None
+
+
+# The watching subclass of each original `_recomputation_hook` class seen (one, unless the class
+# is replaced by someone else).
+_WATCHING_HOOKS: Dict[Any, Any] = {}
 
 
 def _make_watching_hook(original: Any) -> Any:
