@@ -143,3 +143,29 @@ def test_a_model_holding_a_compiled_module_keeps_it_compiled_and_is_not_measured
     assert compiled_with == compiled_without == FORWARDS
     assert losses(trainer, "loss") == losses(without, "loss")
     assert found_warnings == [f"trainer_memcb: {COMPILED_MESSAGE}", f"trainer_memcb: {COMPILED_FORWARD_MESSAGE}"]
+
+
+def scaled_relu(hidden: torch.Tensor) -> torch.Tensor:
+    return torch.relu(hidden) * 2.0
+
+
+def test_a_compiled_function_inside_the_forward_stays_compiled_and_the_forward_is_measured(tmp_path, monkeypatch):
+    """A `torch.compile`d function that the forward calls: no module shows it, so the evaluation's
+    forward is measured, under a counter that lets dynamo compile what it meets."""
+    activation = torch.compile(scaled_relu, backend=BACKEND_NAME)
+
+    class CallsACompiledFunction(TinyClassifier):
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Dict[str, torch.Tensor]:
+            logits = self.head.linear(activation(self.embedding(input_ids).mean(1)))
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    def build(how: str) -> torch.nn.Module:
+        return CallsACompiledFunction()
+
+    without, compiled_without, _ = run(tmp_path / "without", "function", [], monkeypatch, build)
+    trainer, compiled_with, found_warnings = run(tmp_path / "with", "function",
+                                                 [OptimizerMemoryCallback(what_if=(), eval_keys="all")], monkeypatch, build)
+    assert compiled_with == compiled_without == FORWARDS  # before: the evaluations' compiled runs were skipped
+    assert losses(trainer, "loss") == losses(without, "loss") and found_warnings == []
+    evaluations = entries_with(trainer.state.log_history, "eval_loss")
+    assert [entry["eval_forward_peak_bytes"] > 0 for entry in evaluations] == [True] * 3

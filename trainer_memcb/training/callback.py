@@ -347,7 +347,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
 
     def _evaluation_figures(self, trainer: Any, logs: Dict[str, Any], prefix: str) -> Dict[str, int]:
         """The figures of the evaluation loop whose entry `logs` is, kept by `eval_keys`, unprefixed."""
-        finished = self._evaluations.get(trainer)
+        try:
+            finished = self._evaluations.get(trainer)
+        except TypeError:  # a Trainer that cannot be held weakly had none kept
+            finished = None
         measured = finished.pop(prefix, {}) if finished else {}
         if measured:
             self._largest_evaluation = largest_evaluation([self._largest_evaluation, measured])
