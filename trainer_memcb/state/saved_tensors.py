@@ -213,6 +213,11 @@ class SavedTensorsCounter:
         # activation while the counter lives; parameters are alive for the step anyway.
         self._excluded: Dict[int, Any] = {}
         for tensor in exclude:
+            kind = type(tensor)
+            if kind is torch.nn.Parameter or kind is torch.Tensor:  # the common case: no walk, nbytes unread
+                storage = tensor.untyped_storage()
+                self._excluded[storage._cdata] = storage
+                continue
             for key, _, inner in storages_of(tensor):
                 self._excluded[key] = inner.untyped_storage()
         self.other_hooks = other_hooks
@@ -236,6 +241,15 @@ class SavedTensorsCounter:
 
     # The hooks ------------------------------------------------------------------------------------
     def _keys_of(self, value: Any) -> Tuple[int, ...]:
+        if type(value) is torch.Tensor:
+            # The common case, a plain tensor (what `detach()` gives): the reads `storages_of`
+            # makes, without its generator. This runs for every tensor a measured forward saves.
+            storage = value.untyped_storage()
+            key = storage._cdata
+            if key in self._excluded:
+                return ()
+            self._book.hold(key, storage.nbytes(), storage)
+            return (key,)
         keys = []
         book = self._book
         for key, nbytes, tensor in storages_of(value):
@@ -249,7 +263,7 @@ class SavedTensorsCounter:
         if self._chained is not None:
             packed = self._chained[0](tensor)
         else:
-            packed = _detached(tensor)
+            packed = tensor.detach()  # `_detached`, inline: this runs for every tensor saved
         return _Saved(packed, self._keys_of(packed), self._book)
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
@@ -336,7 +350,10 @@ class _RecomputationWatch:
             cls.books[id(book)] = (book, excluded)
             if cls.original is None:
                 cls.original = checkpoint._recomputation_hook
-                checkpoint._recomputation_hook = _make_watching_hook(cls.original)
+                watching = _WATCHING_HOOKS.get(cls.original)
+                if watching is None:  # a class made once per original, not at every logged step
+                    watching = _WATCHING_HOOKS[cls.original] = _make_watching_hook(cls.original)
+                checkpoint._recomputation_hook = watching
 
     @classmethod
     def remove(cls, book: _Book) -> None:
@@ -347,6 +364,11 @@ class _RecomputationWatch:
             if not cls.books and cls.original is not None:
                 checkpoint._recomputation_hook = cls.original
                 cls.original = None
+
+
+# The watching subclass of each original `_recomputation_hook` class seen (one, unless the class
+# is replaced by someone else).
+_WATCHING_HOOKS: Dict[Any, Any] = {}
 
 
 def _make_watching_hook(original: Any) -> Any:

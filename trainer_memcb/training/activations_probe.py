@@ -47,9 +47,17 @@ model anyway is recognised as ours and taken off when any probe arms on that mod
 (`remove_stale_wrappers`): the forward wrapped is always the user's own, and a stale wrapper, or
 one left inside someone else's, only calls through.
 
+A Trainer nested in another's step (a `training_step` or a callback that trains another Trainer,
+on the same model or not): each probe is armed with the `Trainer.train` call it measures for
+(`trainer_train_hook.current_train_call`) and counts only the forwards that run while that call
+is the innermost one under way, so the nested run's forwards never enter the outer step's figures.
+A wrapper of a probe whose call is still under way is not stale: a nested probe arming on the same
+model wraps on top of it, and puts it back when it disarms.
+
 A compiled model is not measured: with the Trainer's `torch_compile` (the callback is handed the
 model, but the Trainer runs its compiled wrapper), a `torch.compile(model)`, or `model.compile()`,
-the probe installs nothing and one warning says that the keys are left out. Dynamo would have to
+or a model holding a compiled module, the probe installs nothing and one warning says that the
+keys are left out. Dynamo would have to
 trace the wrapper and the counter's Python hooks: under `fullgraph` it cannot (the run would
 fail), without it the graph splits around them, and every change of `model.forward` recompiles.
 A forward reached while dynamo traces (a model compiled inside another after arming) calls
@@ -72,8 +80,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
-from trainer_memcb.utils.compiled import is_compiled
+from trainer_memcb.utils.compiled import has_compiled_part, is_compiled
 from trainer_memcb.training.instance_forward import NO_INSTANCE_FORWARD, instance_forward, put_back_forward
+from trainer_memcb.training.trainer_train_hook import current_train_call, is_running
 from trainer_memcb.training.figures import (
     ACTIVATIONS_BYTES,
     ACTIVATIONS_PEAK_BYTES,
@@ -130,7 +139,8 @@ def remove_stale_wrappers(model: Any) -> None:
 
     A wrapper is left behind only where no code of ours ran after a failure (a step that raised
     in a loop that never called `close()`, a Trainer whose `train` bypasses the hook): the next
-    probe must wrap the user's forward, never ours. Its probe, if alive, is disarmed too, so that
+    probe must wrap the user's forward, never ours. A wrapper whose probe's `Trainer.train` call
+    is still under way is not stale (a Trainer nested in that step): it and those inside it stay. Its probe, if alive, is disarmed too, so that
     its counters stop watching checkpoint's recomputation."""
     for _ in range(_MAX_STALE_WRAPPERS):
         current = instance_forward(model)
@@ -139,6 +149,8 @@ def remove_stale_wrappers(model: Any) -> None:
         mark = getattr(current, WRAPPER_MARK)
         owner = mark.probe()
         if owner is not None and owner._wrapper is current:
+            if owner._call is not None and is_running(owner._call):
+                return  # the step of a Trainer still training (this one is nested in it): not stale
             owner.disarm()
         put_back_forward(model, current, mark.replaced)
 
@@ -248,6 +260,10 @@ class ActivationsProbe:
         self._params: List[torch.Tensor] = []
         self._step: Optional[int] = None
         self._cuda_device: Optional[torch.device] = None
+        # The `Trainer.train` call the step belongs to (None: no Trainer, a custom loop).
+        self._call: Optional[object] = None
+        # Whether the model measured last holds a compiled module, found with its parameters.
+        self._param_compiled = False
         # The counter of a forward under way, and of the last forward that finished.
         self._active: Optional[SavedTensorsCounter] = None
         self._last: Optional[SavedTensorsCounter] = None
@@ -265,7 +281,7 @@ class ActivationsProbe:
 
     # -- the step's life -------------------------------------------------------------------------
 
-    def arm(self, model: Any, step: int, compiled: bool = False) -> None:
+    def arm(self, model: Any, step: int, compiled: bool = False, in_train_call: bool = False) -> None:
         """Measure the forwards of the model until `before_optimizer_step`, for step `step`.
 
         Args:
@@ -273,11 +289,14 @@ class ActivationsProbe:
             step: the optimizer step the figures are for.
             compiled: the caller knows the model runs compiled (the Trainer's `torch_compile`,
                 which compiles a wrapper the callback never sees): nothing is measured.
+            in_train_call: the step belongs to the innermost `Trainer.train` call under way (the
+                callback's steps): only forwards while that call is the innermost are measured.
         """
         self.disarm()
         if not self.enabled or model is None:
             return
         try:
+            self._call = current_train_call() if in_train_call else None
             self._arm(model, step, compiled)
         except Exception as error:  # never break training over a figure
             self.disarm()
@@ -298,6 +317,10 @@ class ActivationsProbe:
             self._warn_once("activations-compiled", COMPILED_MESSAGE)
             return
         self._params = self._parameters(model)
+        if self._param_compiled:  # a compiled module inside: dynamo would trace the counter's hooks
+            self._params = []
+            self._warn_once("activations-compiled", COMPILED_MESSAGE)
+            return
         device = self._params[0].device if self._params else torch.device("cpu")
         self._cuda_device = device if device.type == "cuda" else None
         if self._cuda_device is not None and self.reset_device_peak:
@@ -316,6 +339,7 @@ class ActivationsProbe:
                 return params  # type: ignore[return-value]
         params = list(model.parameters())
         self._param_owner, self._param_refs = weakref.ref(model), [weakref.ref(param) for param in params]
+        self._param_compiled = has_compiled_part(model)
         return params
 
     def forget(self) -> None:
@@ -349,6 +373,8 @@ class ActivationsProbe:
     def _start(self, wrapper: Any) -> Optional[SavedTensorsCounter]:
         if self._wrapper is not wrapper or self._active is not None or not torch.is_grad_enabled():
             return None  # disarmed (or a stale wrapper), a nested call, or a forward saving nothing
+        if self._call is not None and current_train_call() is not self._call:
+            return None  # a Trainer nested in this step runs the forward: not this step's
         # A forward while what an earlier one saved is still alive belongs to the same micro-batch
         # (R-Drop, a contrastive loss: backward has not run yet): counted together, in its counter.
         # After a backward everything saved is released, and the next forward starts afresh.
@@ -401,7 +427,7 @@ class ActivationsProbe:
         wrapper, replaced = self._wrapper, self._replaced
         counters = (self._active, self._last)
         self._model, self._wrapper, self._replaced = _nothing, None, NO_INSTANCE_FORWARD
-        self._params, self._active, self._last = [], None, None
+        self._params, self._active, self._last, self._call = [], None, None, None
         for counter in counters:
             _close(counter)
         if model is None or wrapper is None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Dict, Iterable, Optional, Set, Union
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Union
 
 from transformers import TrainerCallback
 from transformers.utils import logging
@@ -42,6 +43,7 @@ from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figure
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
 from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
 from trainer_memcb.training.trainer_train_hook import TrainExitListener, install_train_hook
+from trainer_memcb.utils.compiled import is_compiled
 from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
@@ -82,6 +84,24 @@ class _Run:
         self.tensorboard: Optional[TensorBoardView] = None
         # Stops measuring ZeRO-1/2's gradients inside DeepSpeed's step (zero_gradients.py).
         self.untap: Optional[Callable[[], None]] = None
+
+
+class _Loop:
+    """An evaluation loop under way: its Trainer (weakly), its prefix, and the probe measuring it."""
+
+    __slots__ = ("trainer", "prefix", "probe")
+
+    def __init__(self, trainer: Any, prefix: str, probe: EvaluationProbe) -> None:
+        self.trainer = weakref.ref(trainer)
+        self.prefix = prefix
+        self.probe = probe
+
+
+def _runs_compiled(trainer: Any) -> bool:
+    """Whether `trainer` runs its model compiled where the callback is not handed the compiled module:
+    the Trainer's own `torch_compile` compiles a wrapper (`model_wrapped`), not `trainer.model`."""
+    return bool(getattr(getattr(trainer, "args", None), "torch_compile", False)) or \
+        is_compiled(getattr(trainer, "model_wrapped", None))
 
 
 class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher, TrainExitListener):
@@ -239,8 +259,11 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         self._current: Optional[_Run] = None
         # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
         self._contributed_entry: Optional[Dict[str, Any]] = None
-        # What the evaluation loops hold, measured while they run (any Trainer this callback serves).
-        self._evaluation = EvaluationProbe(lambda kind, message: self._warn_once(kind, message))
+        # The evaluation loops under way, innermost last: one probe each, so that a loop run inside
+        # another (a `compute_metrics` that evaluates a second Trainer) leaves the outer one's alone.
+        self._loops: List[_Loop] = []
+        # The figures of each finished loop, by its Trainer (held weakly) and prefix, until its entry.
+        self._evaluations: "weakref.WeakKeyDictionary[Any, Dict[str, Dict[str, int]]]" = weakref.WeakKeyDictionary()
         # The evaluation that held the most since training began, every figure (for the summary).
         self._largest_evaluation: Dict[str, int] = {}
         install_log_hook()
@@ -304,7 +327,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             return
         if self.activations:
             run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1,
-                                        compiled=bool(getattr(args, "torch_compile", False)))
+                                        compiled=bool(getattr(args, "torch_compile", False)), in_train_call=True)
         if state.is_world_process_zero:  # only the main process logs the plan: only it plans
             run.step_plan.arm(kwargs.get("model"), args, bool(getattr(args, "torch_compile", False)))
 
@@ -323,17 +346,45 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             run.monitor.measure(state.global_step)
 
     def evaluation_loop_started(self, trainer: Any, prefix: str) -> None:
-        """Called by the hook on `Trainer.evaluation_loop` as a loop starts: arm the probe."""
-        if self.evaluation:
-            self._evaluation.arm(getattr(trainer, "model", None), prefix)  # fail-soft: it never raises
+        """Called by the hook on `Trainer.evaluation_loop` as a loop starts: arm a probe for it."""
+        if not self.evaluation:
+            return
+        try:
+            probe = EvaluationProbe(lambda kind, message: self._warn_once(kind, message))
+            self._loops.append(_Loop(trainer, prefix, probe))
+            probe.arm(getattr(trainer, "model", None), prefix, compiled=_runs_compiled(trainer))  # never raises
+        except Exception as error:  # never break an evaluation over a figure
+            self._warn_once("evaluation", f"measuring the evaluation failed ({error!r}); its figures are left out")
 
     def evaluation_loop_ended(self, trainer: Any, prefix: str, failed: bool) -> None:
-        """Called by the hook as that loop ends, returning or raising: disarm, remove every wrapper."""
-        self._evaluation.disarm(failed)
+        """Called by the hook as that loop ends, returning or raising: disarm, remove every wrapper,
+        and keep its figures for its Trainer's entry."""
+        for index in range(len(self._loops) - 1, -1, -1):  # the innermost loop of this Trainer
+            loop = self._loops[index]
+            if loop.trainer() is trainer and loop.prefix == prefix:
+                del self._loops[index]
+                loop.probe.disarm(failed)
+                figures = loop.probe.take(prefix)
+                if figures:
+                    try:
+                        self._evaluations.setdefault(trainer, {})[prefix] = figures
+                    except TypeError:  # a Trainer that cannot be held weakly: its figures are left out
+                        pass
+                return
+
+    def _end_loops(self, model: Any) -> None:
+        """Disarm the loops still under way on `model` (None: every loop), keeping no figures."""
+        for loop in [loop for loop in self._loops if model is None or getattr(loop.trainer(), "model", None) is model]:
+            self._loops.remove(loop)
+            loop.probe.disarm(failed=True)
 
     def _evaluation_figures(self, trainer: Any, logs: Dict[str, Any], prefix: str) -> Dict[str, int]:
         """The figures of the evaluation loop whose entry `logs` is, kept by `eval_keys`, unprefixed."""
-        measured = self._evaluation.take(prefix)
+        try:
+            finished = self._evaluations.get(trainer)
+        except TypeError:  # a Trainer that cannot be held weakly had none kept
+            finished = None
+        measured = finished.pop(prefix, {}) if finished else {}
         if measured:
             self._largest_evaluation = largest_evaluation([self._largest_evaluation, measured])
         figures = keep_keys(measured, self.eval_keys)
@@ -483,7 +534,9 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         run.monitor.activations.forget()
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self._evaluation.disarm(failed=True)  # nothing installed outlives training, even a loop left unfinished
+        # Nothing installed outlives training, even a loop left unfinished; the loops of a Trainer
+        # that runs this one (an evaluation that trains another model) go on.
+        self._end_loops(kwargs.get("model"))
         run = self._run(optimizer)
         self._current = None
         if run is None:

@@ -27,6 +27,19 @@ each evaluation runs under that counter (a dispatch mode, some microseconds per 
 others run as they are. The legacy `prediction_loop` (`use_legacy_prediction_loop=True`) has no
 containers and is not measured.
 
+A compiled model's forward is not measured (`forward_peak_bytes` is left out, with one warning):
+with the Trainer's `torch_compile`, a `torch.compile(model)`, `model.compile()`, or a compiled
+module inside the model. The counter is a dispatch mode, and dynamo skips a frame it meets under
+one, for good: the model would run uncompiled for the rest of the run
+(`trainer_memcb.utils.compiled`). The counter also declares that it ignores compile internals
+(`TorchDispatchMode.ignore_compile_internals`), so that a compiled function that no module shows
+(called from inside the forward) is compiled and run as without it; what that function allocates
+is then not seen. The containers are measured as for any model: their wrappers are on the
+containers' class, outside the forward.
+
+Nested loops (a `compute_metrics`, or a callback, that evaluates another model inside this loop):
+the container calls belong to the innermost loop running, and each loop's figures are its own.
+
 Nothing is measured outside an evaluation loop. A failure warns once (through the caller's
 `warn_once`) and its keys are left out; the loop itself is never affected.
 """
@@ -42,6 +55,7 @@ from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.state.eval_containers import device_blocks, host_blocks, numpified_bytes
 from trainer_memcb.state.saved_tensors import storages_of
 from trainer_memcb.training.instance_forward import NO_INSTANCE_FORWARD, instance_forward, put_back_forward
+from trainer_memcb.utils.compiled import has_compiled_part
 from trainer_memcb.training.figures import (
     CONCAT_PEAK_BYTES,
     CONTAINERS_DEVICE_BYTES,
@@ -59,11 +73,17 @@ __all__ = [
     "FORWARD_PEAK_BYTES",
     "EVALUATION_KEYS",
     "EvaluationProbe",
+    "COMPILED_FORWARD_MESSAGE",
 ]
+
+COMPILED_FORWARD_MESSAGE = ("the evaluation's forward peak of a compiled model (torch.compile) is not measured; "
+                            "forward_peak_bytes is left out")
 
 
 Blocks = Dict[Tuple[str, int], int]
-# The probes armed now (an evaluation inside an evaluation is rare, but each sees its own loop's calls).
+# The probes armed now, in the order their loops started. Loops nest (an evaluation run from inside
+# another's `compute_metrics`): the innermost loop running, the last armed, is the one whose
+# containers are being filled, so only it is told.
 _ARMED: List["EvaluationProbe"] = []
 # What the container wrappers replaced, while any probe is armed.
 _REPLACED: Dict[str, Any] = {}
@@ -117,19 +137,21 @@ def _install() -> None:
 
     @functools.wraps(add)
     def measured_add(self: Any, tensors: Any) -> None:
-        probes = list(_ARMED)
-        before = [probe._before_add(self, tensors) for probe in probes]
+        probe = _ARMED[-1] if _ARMED else None
+        if probe is None:
+            return add(self, tensors)
+        pending = probe._before_add(self, tensors)
         add(self, tensors)
-        for probe, pending in zip(probes, before):
-            probe._after_add(self, pending)
+        probe._after_add(self, pending)
 
     @functools.wraps(flush)
     def measured_flush(self: Any) -> None:
-        probes = list(_ARMED)
-        before = [probe._before_flush(self) for probe in probes]
+        probe = _ARMED[-1] if _ARMED else None
+        if probe is None:
+            return flush(self)
+        pending = probe._before_flush(self)
         flush(self)
-        for probe, pending in zip(probes, before):
-            probe._after_flush(self, pending)
+        probe._after_flush(self, pending)
 
     _REPLACED.update(add=add, to_cpu_and_numpy=flush, cls=EvalLoopContainer)
     EvalLoopContainer.add, EvalLoopContainer.to_cpu_and_numpy = measured_add, measured_flush
@@ -143,6 +165,14 @@ def _remove() -> None:
 
 def _nothing() -> None:
     return None
+
+
+class _ForwardStorages(LiveStorages):
+    """The counter of a real forward: it lets dynamo compile what it meets (see the module docstring)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
 
 class EvaluationProbe:
@@ -187,8 +217,11 @@ class EvaluationProbe:
 
     # -- the loop's life -----------------------------------------------------------------------
 
-    def arm(self, model: Any, prefix: str) -> None:
-        """Measure the loop about to run, whose metrics take `prefix` (`metric_key_prefix`)."""
+    def arm(self, model: Any, prefix: str, compiled: bool = False) -> None:
+        """Measure the loop about to run, whose metrics take `prefix` (`metric_key_prefix`).
+
+        `compiled`: the caller knows that the model runs compiled (the Trainer's `torch_compile`,
+        which compiles a wrapper the probe is not handed): its forward is not measured."""
         self.disarm(failed=True)
         self._prefix = prefix
         self._containers, self._device, self._host = {}, _Held(), _Held()
@@ -204,6 +237,9 @@ class EvaluationProbe:
             return
         if self.forward and isinstance(model, torch.nn.Module):
             try:
+                if compiled or has_compiled_part(model):
+                    self._warn_once("evaluation-compiled", COMPILED_FORWARD_MESSAGE)
+                    return
                 self._wrap_forward(model)
             except Exception as error:  # never break an evaluation over a figure
                 self._unwrap_forward()
@@ -316,7 +352,7 @@ class EvaluationProbe:
             self._unwrap_forward()  # the first one only: later batches run as they are
             try:
                 inputs = {key for key, _, _ in storages_of((list(args), dict(kwargs)))}
-                tracker = LiveStorages(exclude=exclude | inputs)
+                tracker = _ForwardStorages(exclude=exclude | inputs)
             except Exception as error:  # never break an evaluation over a figure
                 self._warn_once("evaluation-forward", f"measuring the evaluation's forward failed ({error!r}); "
                                 "it is left out")

@@ -80,8 +80,11 @@ def _count_bytes(tensors: Iterable[Optional[torch.Tensor]],
     for tensor in tensors:
         if tensor is None:
             continue
-        for plain in _plain_tensors(tensor):
-            if plain.device.type == "meta":
+        # A parameter or a gradient is almost always a plain tensor: no generator for it, and its
+        # device read once (each read makes a new `torch.device`).
+        kind = type(tensor)
+        for plain in (tensor,) if kind is torch.nn.Parameter or kind is torch.Tensor else _plain_tensors(tensor):
+            if plain.is_meta:
                 continue
             storage = plain.untyped_storage()
             identity = (plain.device, storage.data_ptr())

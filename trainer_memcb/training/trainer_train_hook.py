@@ -13,16 +13,39 @@ gets its report there: `trainer_memcb.training.oom_report`). The exception propa
 the same object, re-raised as it came, nothing chained to it, and a Trainer without such a callback
 runs exactly as before. Subclasses whose `train` calls
 `super().train` (TRL's trainers) are covered.
+
+The hook also keeps which `train()` calls are under way, innermost last (`current_train_call`,
+`is_running`): a Trainer may train or evaluate another inside its own step (a `training_step`
+that trains a second Trainer). What the outer step installed stays, and measures only while its
+own call is the innermost one (`activations_probe.py`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, List, Optional
 
-__all__ = ["TrainExitListener", "install_train_hook", "is_train_hook_installed"]
+__all__ = ["TrainExitListener", "current_train_call", "install_train_hook", "is_running", "is_train_hook_installed"]
 
 _MARK = "__trainer_memcb_train_hook__"
+# One token per `Trainer.train` call under way, innermost last.
+_RUNNING: List[object] = []
+
+
+class _TrainCall:
+    """A `Trainer.train` call, as a token: compared by identity only."""
+
+    __slots__ = ("__weakref__",)
+
+
+def current_train_call() -> Optional[object]:
+    """The innermost `Trainer.train` call under way (of any Trainer), or None outside any."""
+    return _RUNNING[-1] if _RUNNING else None
+
+
+def is_running(call: object) -> bool:
+    """Whether `call` (from `current_train_call`) has not returned or raised yet."""
+    return any(running is call for running in _RUNNING)
 
 
 class TrainExitListener:
@@ -46,14 +69,25 @@ def _tell(trainer: Any, error: Optional[BaseException]) -> None:
             callback.after_train(trainer, error)  # fail-soft by contract: it never raises
 
 
+def _forget(call: object) -> None:
+    for index in range(len(_RUNNING) - 1, -1, -1):
+        if _RUNNING[index] is call:
+            del _RUNNING[index]
+            break
+
+
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _TrainCall()
+        _RUNNING.append(call)
         try:
             result = original(self, *args, **kwargs)
         except BaseException as error:
+            _forget(call)
             _tell(self, error)
             raise  # the same object, its traceback and context as they came
+        _forget(call)
         _tell(self, None)
         return result
 

@@ -4,13 +4,19 @@
 forwards attribute reads to it, so walking it like a plain module can recurse without end);
 `model.compile()` compiles in place and keeps the compiled call as `_compiled_call_impl`. Both are
 read by attribute, not by class, so that nothing here imports dynamo.
+
+Why it matters to a measurement: a dispatch mode or saved-tensor hooks of ours around a compiled
+call change how it runs. Dynamo skips a frame it meets under a dispatch mode that does not ignore
+compile internals (`torch/_dynamo/convert_frame.py`, `ConvertFrame.__call__`: "non-infra torch
+dispatch mode present"), and that skip is kept for the frame's code, so the model runs eagerly for
+the rest of the process; saved-tensor hooks are traced into the graph, or split it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_compiled", "uncompiled"]
+__all__ = ["has_compiled_part", "is_compiled", "uncompiled"]
 
 # How many `torch.compile` wrappers around one model are followed (a model compiled twice has two).
 _MAX_WRAPPERS = 8
@@ -47,3 +53,24 @@ def is_compiled(model: Any) -> bool:
     if uncompiled(model) is not model:
         return True
     return getattr(model, "_compiled_call_impl", None) is not None
+
+
+def has_compiled_part(model: Any) -> bool:
+    """Whether calling `model` runs a compiled graph anywhere: the model itself, or any module inside it
+    (`model.encoder.compile()`, a `torch.compile`d layer). A walk of the modules: call it once per
+    run or per evaluation, not per step.
+
+    Examples:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> has_compiled_part(model)
+        False
+        >>> model[0].compile(); is_compiled(model), has_compiled_part(model)
+        (False, True)
+    """
+    if is_compiled(model):
+        return True
+    modules = getattr(model, "modules", None)
+    if not callable(modules):
+        return False
+    return any(is_compiled(module) for module in modules())
