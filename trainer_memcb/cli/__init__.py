@@ -73,6 +73,7 @@ from trainer_memcb.cli.estimate import (
     step_asked,
 )
 from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_asked, eval_tables
+from trainer_memcb.cli.fit_table import check_fit_options, fit_failure, fit_json, fit_tables, write_first_proposal
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
 from trainer_memcb.cli.plots import PlotError, compare_plot, plot_format, report_plot
@@ -260,6 +261,24 @@ def _step_status(found: Dict[str, Any]) -> int:
     return EXIT_DONE
 
 
+def _fit_status(search: Any, args: argparse.Namespace, status: int) -> int:
+    """With --fit: write the first proposal where asked; 0 when the step fits as is or a proposal
+    fits, else 3 with the nearest miss named in one line (an untraceable own step stays 5)."""
+    if status == EXIT_UNTRACEABLE:
+        return status
+    try:
+        for line in write_first_proposal(search, args):
+            say(line)
+    except ValueError as error:
+        say(f"error: {error}")
+        return EXIT_NOTHING_FOUND
+    failure = fit_failure(search)
+    if failure is not None:
+        say(failure)
+        return EXIT_DOES_NOT_FIT
+    return EXIT_DONE
+
+
 def _evaluation_status(evaluation: Any) -> int:
     """The exit code of an evaluation plan: 3 when it does not fit the device or the host, else 0."""
     return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
@@ -278,6 +297,7 @@ def _estimate(args: argparse.Namespace) -> int:
     with quiet_output(enabled=not args.verbose):
         try:
             check_options(args)
+            check_fit_options(args)
             resolve_optimizers(args)
             evaluation = None
             if step_asked(args):
@@ -305,11 +325,16 @@ def _estimate(args: argparse.Namespace) -> int:
             document["model_states"] = _with_memory(document["model_states"], args)
             if evaluation is not None:
                 document["evaluation"] = evaluation.to_dict()
+            if found.get("fit") is not None:
+                document["fit"] = fit_json(found["fit"])
             print_json(document, sys.stdout)
         else:
             print_tables(step_tables(found) + plan_tables(found["model_states"], memory, reserve)
-                         + (eval_tables(evaluation) if evaluation else []), sys.stdout)
+                         + (eval_tables(evaluation) if evaluation else [])
+                         + (fit_tables(found["fit"]) if found.get("fit") is not None else []), sys.stdout)
         status = _step_status(found)
+        if found.get("fit") is not None:
+            status = _fit_status(found["fit"], args, status)
         return _evaluation_status(evaluation) if status == EXIT_DONE and evaluation is not None else status
     if args.json:
         print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)
