@@ -615,6 +615,8 @@ def fit_batch_size(model: Any, args: Any, *, seq_len: int, device_memory: int, r
     if reserve_bytes >= device_memory:
         raise ValueError(f"reserve_bytes={reserve_bytes} leaves nothing of device_memory={device_memory}")
     build = model if callable(model) and not isinstance(model, torch.nn.Module) else (lambda: meta_stand_in(model))
+    if hasattr(args, "to_dict"):  # the optimizers' hyperparameters; a new TrainingArguments would reset accelerate's state
+        plan_options.setdefault("args", args)
     settings = resolve_settings(args, world_size=world_size)
     own_args = training_args_of(settings, _args_dict(args))
     planner = step_planner(build, seq_len, device_type=device_type, world_size=world_size, **plan_options)
