@@ -178,8 +178,7 @@ def _accumulation_planned() -> bool:
     return planned[0] != planned[1]
 
 
-# The 5,056 bytes of the CPU generator's state that checkpointing keeps per block outside autograd
-# (tests/plan/test_step_memory.py), and a few 0-dim scalars the fake trace does not see.
+# A few 0-dim scalars the fake trace does not see (tests/plan/test_step_memory.py).
 TOLERANCE = 64
 
 
@@ -192,9 +191,11 @@ def test_a_proposal_said_to_fit_stays_under_the_limit_in_a_real_step(searched, k
     changes = {"gradient_checkpointing": ("gradient_checkpointing",), "optim": ("optim",),
                "batch": ("gradient_accumulation_steps", "per_device_train_batch_size")}[kind]
     candidate = next(c for c in searched.candidates if tuple(sorted(c.changes)) == changes
-                     and (c.fits or kind != "batch"))
+                     and c.changes.get("optim") in (None, "adafactor") and (c.fits or kind != "batch"))
     start, above = real_step_peak(candidate.training_args)
-    rng_state = torch.get_rng_state().numel() if candidate.training_args["gradient_checkpointing"] else 0
+    # Each checkpointed layer keeps the CPU generator's state from its forward to its recomputation,
+    # outside autograd (the plan's note): both layers' at this peak, 2 x 5,056 bytes.
+    rng_state = 2 * torch.get_rng_state().numel() if candidate.training_args["gradient_checkpointing"] else 0
     assert abs(candidate.peak_bytes + rng_state - (start + above)) <= TOLERANCE, candidate.label
     if candidate.fits:
         assert start + above <= LIMIT
