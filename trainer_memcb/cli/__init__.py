@@ -297,7 +297,7 @@ def _estimate(args: argparse.Namespace) -> int:
     with quiet_output(enabled=not args.verbose):
         try:
             check_options(args)
-            check_fit_options(args)
+            check_fit_options(args, step_asked(args))
             resolve_optimizers(args)
             evaluation = None
             if step_asked(args):

@@ -441,7 +441,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
 
         fit = estimate_fit(args, settings, memory, plan_ranks, plan_for_states=lambda at: plan_model_states(
             estimate_model(args), at.optimizer, setup_of(at), model_name=args.model,
-            reference_model=args.reference_model, keep_dtypes=keep_dtypes))
+            reference_model=args.reference_model, keep_dtypes=keep_dtypes), estimate_model=estimate_model,
+            step_settings=step_settings)
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size, "max_batch_size_problem": problem, "fit": fit}
 

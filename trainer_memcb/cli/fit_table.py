@@ -58,7 +58,7 @@ def add_fit_arguments(estimate: argparse.ArgumentParser) -> None:
     group.add_argument("--force", action="store_true", help="replace files that --write-* name")
 
 
-def check_fit_options(args: argparse.Namespace) -> None:
+def check_fit_options(args: argparse.Namespace, step_asked: bool) -> None:
     """Refuse --fit's options where they cannot act, and a destination that cannot be written,
     before anything is planned.
 
@@ -74,9 +74,7 @@ def check_fit_options(args: argparse.Namespace) -> None:
             raise ValueError(f"{option} has no effect without --fit")
     if not fit:
         return
-    from trainer_memcb.cli.estimate import step_asked
-
-    if not step_asked(args):
+    if not step_asked:
         raise ValueError("--fit needs the step plan: --batch-size (or per_device_train_batch_size in --training-args)")
     if args.device_memory is None:
         raise ValueError("--fit needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
@@ -128,10 +126,11 @@ def own_setting(settings: Any, args: argparse.Namespace) -> tuple:
 
 
 def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_ranks: Callable[..., StepMemoryPlan],
-                 plan_for_states: Callable[[Any], Any]) -> FitSearch:
+                 plan_for_states: Callable[[Any], Any], estimate_model: Callable[[argparse.Namespace], Any],
+                 step_settings: Callable[[argparse.Namespace, Any], Any]) -> FitSearch:
     """The search for the options, each proposal planned as `--training-args` and `--deepspeed`
-    files holding it would be planned with the command's other flags."""
-    from trainer_memcb.cli.estimate import estimate_model, step_settings
+    files holding it would be planned with the command's other flags (`step_settings`, the
+    command's own reading of them; `estimate_model` builds the model the options describe)."""
     from trainer_memcb.plan.optimizers.whatif import DEFAULT_OPTIMIZERS
 
     model = estimate_model(args)  # its hidden size fills the DeepSpeed config's "auto" values
