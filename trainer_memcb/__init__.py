@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllocatorReplay",
+    "FitBatch",
     "OptimizerMemoryCallback",
     "OptimizerMemoryLogger",
     "ParamInfo",
@@ -34,6 +35,7 @@ _LAZY = {
     "StateEstimate": "trainer_memcb.state.estimate",
     "estimate_optimizer_state": "trainer_memcb.state.estimate",
     "fit_batch_size": "trainer_memcb.plan.answers.fit",
+    "FitBatch": "trainer_memcb.plan.answers.fit",
     "register_estimate_rule": "trainer_memcb.state.estimate",
     "StateMeasurement": "trainer_memcb.state.measure",
     "measure_optimizer_state": "trainer_memcb.state.measure",
