@@ -12,12 +12,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllocatorReplay",
+    "FitBatch",
     "OptimizerMemoryCallback",
     "OptimizerMemoryLogger",
     "ParamInfo",
     "StateEstimate",
     "StateMeasurement",
     "estimate_optimizer_state",
+    "fit_batch_size",
     "measure_optimizer_state",
     "register_estimate_rule",
     "replay_allocations",
@@ -32,6 +34,8 @@ _LAZY = {
     "ParamInfo": "trainer_memcb.state.estimate",
     "StateEstimate": "trainer_memcb.state.estimate",
     "estimate_optimizer_state": "trainer_memcb.state.estimate",
+    "fit_batch_size": "trainer_memcb.plan.answers.fit",
+    "FitBatch": "trainer_memcb.plan.answers.fit",
     "register_estimate_rule": "trainer_memcb.state.estimate",
     "StateMeasurement": "trainer_memcb.state.measure",
     "measure_optimizer_state": "trainer_memcb.state.measure",

@@ -61,6 +61,7 @@ from trainer_memcb.cli.failures import (
 from trainer_memcb.cli.choices import DEFAULT_METRICS
 from trainer_memcb.cli.estimate import add_estimate_arguments, check_options, needs_peft, plan_asked, reserve_bytes, step_asked
 from trainer_memcb.cli.eval_estimate import eval_asked
+from trainer_memcb.cli.fit_options import check_fit_options
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
@@ -295,6 +296,26 @@ def _step_status(found: Dict[str, Any]) -> int:
     return EXIT_DONE
 
 
+def _fit_status(search: Any, args: argparse.Namespace, status: int) -> int:
+    """With --fit: write the first proposal where asked; 0 when the step fits as is or a proposal
+    fits, else 3 with the nearest miss named in one line (an untraceable own step stays 5)."""
+    if status == EXIT_UNTRACEABLE:
+        return status
+    from trainer_memcb.cli.fit_table import fit_failure, write_first_proposal
+
+    try:
+        for line in write_first_proposal(search, args):
+            say(line)
+    except ValueError as error:
+        say(f"error: {error}")
+        return EXIT_NOTHING_FOUND
+    failure = fit_failure(search)
+    if failure is not None:
+        say(failure)
+        return EXIT_DOES_NOT_FIT
+    return EXIT_DONE
+
+
 def _evaluation_status(evaluation: Any) -> int:
     """The exit code of an evaluation plan: 5 when its forward cannot be traced (fits? has no
     answer), 3 when it does not fit the device or the host, else 0."""
@@ -331,6 +352,7 @@ def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str
 def _estimate(args: argparse.Namespace) -> int:
     try:  # the command line alone, before torch and transformers are imported
         check_options(args)
+        check_fit_options(args, step_asked(args))
     except ValueError as error:
         raise UsageError(str(error)) from None
     # Everything that imports transformers and the optimizers' libraries runs with their chatter
@@ -340,6 +362,7 @@ def _estimate(args: argparse.Namespace) -> int:
         from trainer_memcb.cli.estimate import (estimate_model, estimate_plan, estimate_step, estimate_tables,
                                                 estimate_what_if, resolve_optimizers)
         from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_tables
+        from trainer_memcb.cli.fit_table import fit_json, fit_tables
         from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
         from trainer_memcb.plan.model.config_error import ModelConfigError
         from trainer_memcb.plan.settings import SettingsFileError
@@ -379,12 +402,17 @@ def _estimate(args: argparse.Namespace) -> int:
                 document["model_states"] = _with_memory(document["model_states"], args)
             if evaluation is not None:
                 document["evaluation"] = evaluation.to_dict()
+            if found.get("fit") is not None:
+                document["fit"] = fit_json(found["fit"])
             print_json(document, sys.stdout)
         else:
             states = (plan_tables(found["model_states"], verdict=False) if one_verdict
                       else plan_tables(found["model_states"], memory, reserve))
-            print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else []), sys.stdout)
+            print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else [])
+                         + (fit_tables(found["fit"]) if found.get("fit") is not None else []), sys.stdout)
         status = _step_status(found)
+        if found.get("fit") is not None:
+            status = _fit_status(found["fit"], args, status)
         return _evaluation_status(evaluation) if status == EXIT_DONE and evaluation is not None else status
     if args.json:
         print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)

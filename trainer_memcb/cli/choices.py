@@ -9,7 +9,7 @@ equal to its source.
 from __future__ import annotations
 
 __all__ = ["SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
-           "DEFAULT_METRICS"]
+           "DEFAULT_METRICS", "ALLOWED_CHANGES"]
 
 # trainer_memcb.plan.settings.setup.SHARDINGS
 SHARDINGS = ("none", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "zero1", "zero2", "zero3")
@@ -28,3 +28,5 @@ EVAL_LOGITS = ("full", "argmax", "none")
 # The lesson's metrics, eval accuracy and F1 (`compute_metrics` returning "accuracy" and "f1"), that
 # `report` and `compare` show first when the runs logged them.
 DEFAULT_METRICS = ("accuracy", "f1")
+# trainer_memcb.plan.answers.fit.ALLOWED_CHANGES: the changes `--allow` opens, that alter the training
+ALLOWED_CHANGES = ("lora", "qlora", "seq-len")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN, add_eval_arguments
+from trainer_memcb.cli.fit_options import add_fit_arguments
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
@@ -278,6 +279,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
                      help="FSDP2 HSDP: replicate R times over a mesh of R x (world size / R)")
     add_eval_arguments(estimate)
+    add_fit_arguments(estimate)
     estimate.add_argument("--verbose", action="store_true",
                           help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
 
@@ -460,24 +462,31 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         import dataclasses
 
         at = dataclasses.replace(settings, batch_size=batch, sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
+        return plan_ranks(at)
+
+    def plan_ranks(at: Any, **more: Any) -> StepMemoryPlan:
+        import dataclasses
+
         ranks = ranks_to_plan(at)
         if len(ranks) == 1:
-            return plan_for(at)
+            return plan_for(at, **more)
         source = f"default: the fuller of ranks {ranks[0]} and {ranks[-1]}"
-        return fullest_process([plan_for(dataclasses.replace(at, rank=rank, sources=dict(at.sources, rank=source)))
+        return fullest_process([plan_for(dataclasses.replace(at, rank=rank, sources=dict(at.sources, rank=source)), **more)
                                 for rank in ranks], ranks)
 
-    def plan_for(at: Any) -> StepMemoryPlan:
+    def plan_for(at: Any, build: Any = None, states_plan: Any = None, **more: Any) -> StepMemoryPlan:
         several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
         say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
                      + (" (searching the largest batch)" if args.max_batch_size else ""))
-        return plan_step_memory(build_model, seq_len=args.seq_len, settings=at,
+        options = dict(seq_len=args.seq_len, quantization=quantization)
+        options.update(more)
+        return plan_step_memory(build or build_model, settings=at, **options,
                                 attn_implementation=args.attn_implementation, device_type=device_type,
-                                device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model, states_plan=states,
+                                device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model,
+                                states_plan=states_plan or states,
                                 dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"),
                                 target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
-                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
-                                quantization=quantization)[0]
+                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes)[0]
 
     freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
     found: Optional[int] = None
@@ -493,9 +502,17 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     traced = step if step is not None else next((plan for plan in searched if plan.batch_size == found), None)
     if traced is not None:
         states = states_during_step(states, traced)
+    fit = None
+    if getattr(args, "fit", False) and step is not None:
+        from trainer_memcb.cli.fit_table import estimate_fit
+
+        fit = estimate_fit(args, settings, memory, plan_ranks, plan_for_states=lambda at: plan_model_states(
+            estimate_model(args), at.optimizer, setup_of(at), model_name=args.model,
+            reference_model=args.reference_model, keep_dtypes=keep_dtypes), estimate_model=estimate_model,
+            step_settings=step_settings)
     return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
             "search": args.max_batch_size, "max_batch_size_problem": problem,
-            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT}
+            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT, "fit": fit}
 
 
 def _check_search_options(args: argparse.Namespace) -> None:

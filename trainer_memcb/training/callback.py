@@ -209,6 +209,10 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         plan_step: plan the run's own step once, at its first logged step (its batch's shapes read
             there), and log `step_plan_peak_bytes` from then on (`trainer_memcb.training.step_plan_probe`):
             `"cuda"` (default) when the model trains on CUDA, True on any device, False never.
+        preflight: at `on_train_begin`, plan the run's own step (`trainer_memcb.training.preflight`)
+            and, on CUDA, compare it with the device's free memory: if it will not fit, one warning
+            before the first step names the best proposal of the settings that fit. A number of
+            bytes compares with that instead (on any device). The run itself is never changed.
 
     Every argument that names things (`breakdown`, `what_if`, `eval_keys`, `train_keys`) takes a
     list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
@@ -230,7 +234,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
                  eval_keys: Union[str, Iterable[str], None] = "short",
                  train_keys: Union[str, Iterable[str], None] = "all", activations: bool = True,
                  reset_device_peak: bool = False, evaluation: bool = True,
-                 plan_step: Union[str, bool] = "cuda") -> None:
+                 plan_step: Union[str, bool] = "cuda",
+                 preflight: Union[bool, int] = False) -> None:
         if summary_file is not None and (
             not isinstance(summary_file, str) or summary_file in ("", ".", "..")
             or os.path.basename(summary_file) != summary_file
@@ -245,6 +250,12 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         self.evaluation = evaluation
         validate_plan_step(plan_step)
         self.plan_step = plan_step
+        if not (isinstance(preflight, bool) or (isinstance(preflight, int) and preflight > 0)):
+            raise ValueError(f"preflight={preflight!r}: expected True (plan the step against the CUDA device's free "
+                             "memory), False, or the bytes the step may use")
+        self.preflight = preflight
+        # What the preflight found (`trainer_memcb.training.preflight.Preflight`), or None.
+        self.preflight_result: Any = None
         self.activations, self.reset_device_peak = activations, reset_device_peak
         self.summary_file = summary_file
         chosen = name_list(what_if, "what_if", whatif.optimizer_names())
@@ -290,6 +301,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     # -- Trainer events ------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if self.preflight is not False and state.is_world_process_zero and self.preflight_result is None:
+            self._preflight(args, kwargs.get("model"), kwargs.get("processing_class"))
         run = self._current = self._run(optimizer)
         if run is None:
             return
@@ -302,6 +315,22 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         if state.is_world_process_zero:
             run.monitor.estimate()
             self._state_what_if(run, args, kwargs.get("model"))
+
+    def _preflight(self, args: Any, model: Any, processing_class: Any) -> None:
+        # The run's own step planned before the first step: one warning if it will not fit. The run
+        # is never changed, and a plan that fails only warns.
+        from trainer_memcb.training.preflight import preflight
+
+        if model is None:
+            return
+        try:
+            memory = None if self.preflight is True else int(self.preflight)
+            self.preflight_result = preflight(model, args, processing_class=processing_class, device_memory=memory)
+        except Exception as error:  # never break training over a plan
+            self._warn_once("preflight", f"the preflight plan failed ({error!r}); it is left out")
+            return
+        if self.preflight_result is not None and self.preflight_result.warning:
+            self._warn_once("preflight", self.preflight_result.warning)
 
     def _state_what_if(self, run: _Run, args: Any, model: Any) -> None:
         # Once per optimizer: a few optimizers built over meta-device stand-ins, nothing allocated.

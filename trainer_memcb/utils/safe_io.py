@@ -183,13 +183,17 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> None:
+def atomic_write(path: str, write: Callable[[IO[bytes]], Any], overwrite: bool = True) -> None:
     """Write `path` through `write(handle)`, all or nothing, never through a symbolic link.
 
-    The file gets the mode a plain `open(path, "w")` would give it (0o666 less the umask).
+    The file gets the mode a plain `open(path, "w")` would give it (0o666 less the umask). With
+    `overwrite=False` an existing `path` (a file, a link, anything) is never replaced: the finished
+    file is linked in under its name (`os.link`, which fails when the name exists), so a file made
+    meanwhile is not replaced either.
 
     Raises:
         UnsafeFileError: `path` is a symbolic link or not a regular file.
+        FileExistsError: `path` exists and `overwrite` is False.
         OSError (or what `write` raises): nothing was written and no temporary file is left.
 
     Examples:
@@ -200,6 +204,8 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> None:
         ['out.txt']
     """
     refuse_unsafe_destination(path)
+    if not overwrite and os.path.lexists(path):
+        raise FileExistsError(f"{path} exists")
     folder = os.path.dirname(os.path.abspath(path))
     descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".partial")
     try:
@@ -212,7 +218,11 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> None:
         # Checked again just before: a link planted meanwhile is refused. Were one planted after
         # this check, os.replace would replace the link itself, never write its target.
         refuse_unsafe_destination(path)
-        os.replace(temporary, path)
+        if overwrite:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)  # FileExistsError when the name exists, whatever it is
+            os.unlink(temporary)
     except BaseException:
         try:
             os.unlink(temporary)

@@ -62,7 +62,8 @@ from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
-__all__ = ["trace_step", "UntracedStep", "fake_copy", "enable_checkpointing", "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
+__all__ = ["trace_step", "UntracedStep", "fake_copy", "enable_checkpointing", "observing_steps", "ATTENTION_PATHS",
+           "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
@@ -149,7 +150,9 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     optimizer_watch: List[int] = []
     optimizer_failure: Optional[str] = None
     try:
-        with mode, tracker:
+        with mode, tracker, contextlib.ExitStack() as observed:
+            for observer in _OBSERVERS:
+                observed.enter_context(observer())
             tracker.phase = "forward"
             kwargs: Dict[str, Any] = dict(inputs.forward)
             if labels is not None:
@@ -239,6 +242,23 @@ def _num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
     parallel sizes, a true division, so a 0-dim float32 tensor. The loss is then a sum divided by
     it, and the division saves it for backward (4 bytes); the value does not matter here."""
     return torch.tensor(float(labels.numel()))
+
+
+# Context managers entered around each step traced while `observing_steps` holds them.
+_OBSERVERS: List[Callable[[], Any]] = []
+
+
+@contextlib.contextmanager
+def observing_steps(observer: Callable[[], Any]) -> Any:
+    """Enter `observer()` around forward, backward and the optimizer step of every step traced
+    inside this block, inside the fake mode and the storage tracker, so that a dispatch mode there
+    (a FLOP counter, `trainer_memcb.plan.answers.fit`) sees each op of the step as it runs. An
+    observer must leave the step as it is: it sees the ops, and the trace counts the same storages."""
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
 
 
 # One FakeTensorMode per trace, set by `trace_step`.

@@ -1,0 +1,105 @@
+"""`trainer-memcb estimate --fit` on Llama-2-7B: how long the search of up to 12 proposals takes,
+and, on a small Llama on this CPU, each proposal's relative step time against the real one.
+
+    python benchmarks/fit_search.py            # both parts (the 7B search: a minute or two here)
+    python benchmarks/fit_search.py --times    # the step times only
+
+(1) The 7B search: bf16, batch 8 x 2048, 80 GiB per process, one process: the own step does not
+fit; wall and CPU time of `main([... "--fit"])`, target at most 60 s.
+
+(2) Relative step times: a Llama of hidden 256, 2 layers, seq 256, batch 8, on one CPU thread; each
+proposal of the batch (with accumulation), checkpointing and Adafactor timed as a real step
+(median of 5 after 2 warm-up steps, forward, backward, clipping, the optimizer), the ratio to the
+own step's real time beside the plan's `relative_step_time`; target: within 25 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def search_7b() -> None:
+    from trainer_memcb.cli import main
+
+    model = os.path.join(ROOT, "examples", "models", "llama-2-7b")
+    wall, cpu = time.perf_counter(), time.process_time()
+    code = main(["estimate", model, "--optimizers", "adamw_torch", "--batch-size", "8", "--seq-len", "2048",
+                 "--precision", "bf16", "--device-memory", "80GiB", "--fit", "--max-proposals", "12"])
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(f"(1) --fit on Llama-2-7B, up to 12 proposals: {wall:.1f} s wall, {cpu:.1f} s CPU (exit {code}) "
+          f"-> target {'met' if wall <= 60 else 'NOT met'} (<= 60 s)")
+
+
+def step_times() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from trainer_memcb.plan.answers.fit import search_fits, step_planner
+    from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
+    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
+
+    torch.set_num_threads(1)
+    seq = 256
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=1024, max_position_embeddings=seq)
+    config._attn_implementation = "sdpa"
+
+    def build():
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+
+    own = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optim": "adamw_torch",
+           "gradient_checkpointing": False, "max_grad_norm": 1.0, "bf16": False, "fp16": False}
+    found = search_fits(step_planner(build, seq, device_type="cpu"), own, 1 << 40, device_type="cpu",
+                        optimizers=("adafactor",), max_candidates=6)
+    chosen = [c for c in found.candidates if set(c.changes) <= {"per_device_train_batch_size",
+                                                                 "gradient_accumulation_steps", "gradient_checkpointing",
+                                                                 "optim"}]
+
+    def real_seconds(args) -> float:
+        torch.manual_seed(0)
+        model = prepare_like_trainer(LlamaForCausalLM(config), gradient_checkpointing=args["gradient_checkpointing"])
+        optimizer = build_trainer_optimizer(args["optim"], TrainingArguments("unused", report_to=[]), model)
+        batch, micro = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
+        batches = [torch.randint(0, 1024, (batch, seq)) for _ in range(micro)]
+
+        def step():
+            for ids in batches:
+                model(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        times = []
+        for index in range(7):
+            start = time.perf_counter()
+            step()
+            if index >= 2:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    base = real_seconds(own)
+    print(f"(2) relative step times, a Llama of hidden 256 at batch 8 x {seq} on one CPU thread "
+          f"(own: {base:.3f} s per step)")
+    for candidate in chosen[:6]:
+        real = real_seconds(candidate.training_args) / base
+        ratio = candidate.relative_step_time / real
+        print(f"    {candidate.label:<50} planned {candidate.relative_step_time:.2f}x, real {real:.2f}x: "
+              f"ratio {ratio:.2f} -> target {'met' if 0.75 <= ratio <= 1.25 else 'NOT met'} (within 25 %)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--times", action="store_true", help="the relative step times only")
+    options = parser.parse_args()
+    if not options.times:
+        search_7b()
+    step_times()

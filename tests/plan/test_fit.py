@@ -1,0 +1,204 @@
+"""The settings that fit (plan/answers/fit.py): each proposal planned by the same trace as the
+user's own, its FLOPs counted inside that trace without changing its figures, and the proposals
+against real CPU steps: the profiled peak equal to the plan's, under a limit the own setting
+exceeds."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from trainer_memcb.plan.answers.fit import (
+    StepFlops,
+    expandable_segments_option,
+    fit_batch_size,
+    search_fits,
+    step_planner,
+)
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.settings import resolve_settings
+from trainer_memcb.plan.step.trace import observing_steps
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+SEQ = 64
+LIMIT = 6 * 2**20  # bytes: the own setting below (batch 16) needs 14,835,616
+
+
+def config() -> Any:
+    made = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=256, max_position_embeddings=SEQ)
+    made._attn_implementation = "sdpa"
+    return made
+
+
+def build() -> torch.nn.Module:
+    with torch.device("meta"):
+        return LlamaForCausalLM(config())
+
+
+OWN = {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "optim": "adamw_torch",
+       "gradient_checkpointing": False, "max_grad_norm": 1.0, "bf16": False, "fp16": False}
+
+
+@pytest.fixture(scope="module")
+def searched():
+    planner = step_planner(build, SEQ, device_type="cpu")
+    return search_fits(planner, OWN, LIMIT, device_type="cpu", max_candidates=8)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointing):
+    settings = resolve_settings(batch_size=4, optimizer="adamw_torch", gradient_checkpointing=checkpointing)
+    plain, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
+    flops = StepFlops()
+    with observing_steps(flops.observer):
+        counted, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
+    assert counted.problem is None
+    assert (counted.peak_bytes, counted.peak_parts, counted.activations_peak_bytes) == \
+        (plain.peak_bytes, plain.peak_parts, plain.activations_peak_bytes)
+    # 4 x 32 = 128 tokens through 98,304 linear weights (2 layers x 40,960 and the 16,384 of the head):
+    # 2 x 128 x 98,304 = 25,165,824 forward, twice that backward (the inputs' and the weights'
+    # gradients), and the CPU flash attention, 2,097,152 forward and 5,242,880 backward. With
+    # checkpointing the layers' forward runs again in backward, up to the last tensor it must
+    # recompute (non-reentrant checkpointing stops there: not the down projection, 2 x 8,192 weights):
+    # 2 x 128 x 65,536 = 16,777,216, and the attention's 2,097,152.
+    assert flops.totals == [101_711_872 if checkpointing else 82_837_504]
+
+
+def test_the_own_setting_and_each_proposal_are_planned_by_the_same_trace(searched):
+    assert searched.fits_as_is is False
+    assert searched.own.peak_bytes == 14_835_616 and searched.own.relative_step_time == 1.0
+    assert searched.found and searched.best is searched.candidates[0]
+    for candidate in searched.candidates:
+        assert candidate.effective_batch == 16  # batch x accumulation x processes kept
+        settings = resolve_settings(candidate.training_args)
+        plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
+        assert plan.peak_bytes == candidate.peak_bytes, candidate.label
+        assert candidate.fits == (candidate.peak_bytes <= LIMIT)
+        assert candidate.margin_bytes == LIMIT - candidate.peak_bytes
+    kinds = {tuple(sorted(c.changes)) for c in searched.candidates}
+    assert ("gradient_checkpointing",) in kinds and ("optim",) in kinds
+    assert ("gradient_accumulation_steps", "per_device_train_batch_size") in kinds
+    assert all(c.changes_optimizer == ("optim" in c.changes) for c in searched.candidates)
+    fitting = [c.relative_step_time for c in searched.candidates if c.fits]
+    assert fitting == sorted(fitting)
+
+
+def test_the_json_object_carries_every_key(searched):
+    document = searched.to_dict()
+    assert document["fits_as_is"] is False
+    for candidate in document["candidates"]:
+        assert {"changes", "training_args", "peak_bytes", "fits", "margin_bytes", "relative_step_time",
+                "effective_batch"} <= set(candidate)
+
+
+def test_fit_batch_size_keeps_the_effective_batch():
+    found = fit_batch_size(build, OWN, seq_len=SEQ, device_memory=LIMIT, device_type="cpu")
+    assert (found.batch_size, found.gradient_accumulation_steps, found.effective_batch) == (4, 4, 16)
+    assert found.own_peak_bytes == 14_835_616 and found.peak_bytes <= LIMIT
+    settings = resolve_settings(dict(OWN, per_device_train_batch_size=8, gradient_accumulation_steps=2))
+    above, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
+    assert above.peak_bytes > LIMIT  # the next larger batch does not fit
+    with pytest.raises(ValueError, match="reserve_bytes"):
+        fit_batch_size(build, OWN, seq_len=SEQ, device_memory=LIMIT, reserve_bytes=LIMIT)
+
+
+def test_expandable_segments_are_proposed_only_where_the_plan_takes_an_allocator_option():
+    def with_allocator(build_model, *, alloc_conf=None):
+        return None
+
+    assert expandable_segments_option(with_allocator) == {"alloc_conf": "expandable_segments:True"}
+    assert expandable_segments_option(lambda build_model: None) is None
+
+
+def test_bad_input_is_refused():
+    planner = step_planner(build, SEQ, device_type="cpu")
+    with pytest.raises(ValueError, match="allow='adapters' is not one of: lora, qlora, seq-len"):
+        search_fits(planner, OWN, LIMIT, allow=["adapters"])
+    with pytest.raises(ValueError, match="max_candidates=0"):
+        search_fits(planner, OWN, LIMIT, max_candidates=0)
+
+
+# -- real CPU steps -----------------------------------------------------------------------------
+
+
+def real_step_peak(training_args: Dict[str, Any]) -> Tuple[int, int]:
+    """The most bytes alive during a real step after a first (the optimizer state made), with the
+    Trainer's optimizer for `optim`, checkpointing and accumulation as the arguments say: the
+    bytes alive before it plus the most the profiler records above them, in time order."""
+    from transformers import TrainingArguments
+
+    from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
+    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
+
+    torch.manual_seed(0)
+    model = prepare_like_trainer(LlamaForCausalLM(config()), gradient_checkpointing=training_args["gradient_checkpointing"])
+    optimizer = build_trainer_optimizer(training_args["optim"], TrainingArguments("unused", report_to=[]), model)
+    batch, micro = training_args["per_device_train_batch_size"], training_args["gradient_accumulation_steps"]
+    batches = []
+    for _ in range(micro):
+        ids = torch.randint(0, 256, (batch, SEQ))
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+                        "num_items_in_batch": torch.tensor(float(ids.numel() * micro))})
+
+    def step() -> None:
+        for inputs in batches:
+            loss = model(**inputs).loss
+            loss.backward()
+            del loss
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tensors = list(model.parameters()) + list(model.buffers()) + [t for b in batches for t in b.values()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    start = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    alive = peak = 0
+    for record in records:
+        alive += record.nbytes()
+        peak = max(peak, alive)
+    return start, peak
+
+
+def _accumulation_planned() -> bool:
+    one = resolve_settings(dict(OWN, per_device_train_batch_size=4, gradient_accumulation_steps=1))
+    four = resolve_settings(dict(OWN, per_device_train_batch_size=4, gradient_accumulation_steps=4))
+    planned = [plan_step_memory(build, seq_len=SEQ, settings=s, device_type="cpu", model_states=False)[0].peak_bytes
+               for s in (one, four)]
+    return planned[0] != planned[1]
+
+
+# A few 0-dim scalars the fake trace does not see (tests/plan/test_step_memory.py).
+TOLERANCE = 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gradient_checkpointing", "optim", "batch"])
+def test_a_proposal_said_to_fit_stays_under_the_limit_in_a_real_step(searched, kind):
+    if kind == "batch" and not _accumulation_planned():
+        pytest.skip("the step plan does not trace gradient accumulation yet: a batch with accumulation above 1 "
+                    "is planned as one micro-batch")
+    changes = {"gradient_checkpointing": ("gradient_checkpointing",), "optim": ("optim",),
+               "batch": ("gradient_accumulation_steps", "per_device_train_batch_size")}[kind]
+    candidate = next(c for c in searched.candidates if tuple(sorted(c.changes)) == changes
+                     and c.changes.get("optim") in (None, "adafactor") and (c.fits or kind != "batch"))
+    start, above = real_step_peak(candidate.training_args)
+    # Each checkpointed layer keeps the CPU generator's state from its forward to its recomputation,
+    # outside autograd (the plan's note): both layers' at this peak, 2 x 5,056 bytes.
+    rng_state = 2 * torch.get_rng_state().numel() if candidate.training_args["gradient_checkpointing"] else 0
+    assert abs(candidate.peak_bytes + rng_state - (start + above)) <= TOLERANCE, candidate.label
+    if candidate.fits:
+        assert start + above <= LIMIT
+    own_start, own_above = real_step_peak(OWN)
+    assert abs(searched.own.peak_bytes - (own_start + own_above)) <= TOLERANCE
+    assert own_start + own_above > LIMIT  # the user's own setting really does not fit

@@ -1,0 +1,182 @@
+"""`trainer-memcb estimate ... --fit`: the settings that fit, as a table, and the first one written
+as `TrainingArguments` JSON and a DeepSpeed config.
+
+The search and its figures are `trainer_memcb.plan.answers.fit.search_fits`'s; this module gives
+it the command's own planner (each proposal's `TrainingArguments` dict and DeepSpeed config
+resolved exactly as `--training-args FILE --deepspeed FILE` would be, the other flags kept), and
+prints and writes the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from typing import Any, Callable, Dict, List, Optional
+
+from trainer_memcb.cli.output import TextTable, bytes_cell
+from trainer_memcb.plan.answers.fit import (
+    FitCandidate,
+    FitSearch,
+    expandable_segments_option,
+    search_fits,
+    training_args_of,
+)
+from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
+from trainer_memcb.utils.units import format_bytes
+
+__all__ = ["estimate_fit", "fit_tables", "fit_json", "fit_failure", "write_first_proposal"]
+
+
+def _user_files(args: argparse.Namespace) -> tuple:
+    from trainer_memcb.plan.settings.step_settings import read_json_file
+
+    user_args = read_json_file(args.training_args, "training args") if args.training_args else {}
+    deepspeed = args.deepspeed if args.deepspeed is not None else user_args.get("deepspeed")
+    if isinstance(deepspeed, str):
+        deepspeed = read_json_file(deepspeed, "deepspeed config")
+    return user_args, deepspeed
+
+
+def own_setting(settings: Any, args: argparse.Namespace) -> tuple:
+    """The user's own setting as a `TrainingArguments` dict and a DeepSpeed config (or None),
+    whatever gave it (their files, the flags)."""
+    user_args, deepspeed = _user_files(args)
+    own = training_args_of(settings, user_args)
+    if settings.zero_stage:
+        deepspeed = dict(deepspeed or {})
+        deepspeed["zero_optimization"] = dict(settings.zero)  # the resolved values: flags and "auto" filled
+        if settings.precision.startswith("deepspeed-"):
+            deepspeed.setdefault(settings.precision[len("deepspeed-"):], {"enabled": "auto"})
+        own["deepspeed"] = deepspeed
+    else:
+        deepspeed = None
+        own.pop("deepspeed", None)
+    if settings.sharding.startswith("fsdp") and not own.get("fsdp"):
+        own["fsdp"] = "full_shard" if settings.reshard_after_forward else "shard_grad_op"
+        own["fsdp_config"] = {"version": 2, "reshard_after_forward": settings.reshard_after_forward,
+                              "cpu_offload": settings.fsdp_cpu_offload}
+    return own, deepspeed
+
+
+def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_ranks: Callable[..., StepMemoryPlan],
+                 plan_for_states: Callable[[Any], Any], estimate_model: Callable[[argparse.Namespace], Any],
+                 step_settings: Callable[[argparse.Namespace, Any], Any]) -> FitSearch:
+    """The search for the options, each proposal planned as `--training-args` and `--deepspeed`
+    files holding it would be planned with the command's other flags (`step_settings`, the
+    command's own reading of them; `estimate_model` builds the model the options describe)."""
+    from trainer_memcb.plan.optimizers.whatif import DEFAULT_OPTIMIZERS
+
+    model = estimate_model(args)  # its hidden size fills the DeepSpeed config's "auto" values
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    own, own_deepspeed = own_setting(settings, args)
+
+    def planner(training_args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]], **extra: Any) -> StepMemoryPlan:
+        given = copy.copy(args)
+        given.training_args, given.deepspeed, given.fsdp_config = training_args, deepspeed, None
+        given.batch_size, given.gradient_checkpointing, given.optimizers = None, False, list(DEFAULT_OPTIMIZERS)
+        given.zero = given.sharding = None
+        given.offload_optimizer = given.offload_params = False
+        # The file says bf16/fp16 (autocast or DeepSpeed's); a model loaded in 16 bits stays a flag.
+        given.precision = settings.precision if settings.precision in ("bf16", "fp16") else None
+        more: Dict[str, Any] = {}
+        if "seq_len" in extra:
+            more["seq_len"] = extra["seq_len"]
+        if "alloc_conf" in extra:
+            more["alloc_conf"] = extra["alloc_conf"]
+        if extra.get("lora_r"):
+            given.lora_r = extra["lora_r"]
+            more["build"] = lambda: estimate_model(given)
+        if extra.get("load_in_4bit"):
+            from trainer_memcb.plan.model.quantized import Quantization
+
+            more["quantization"] = Quantization()
+        at = step_settings(given, model)
+        return plan_ranks(at, states_plan=plan_for_states(at), **more)
+
+    precision = settings.precision
+    return search_fits(planner, own, usable, own_deepspeed=own_deepspeed, world_size=settings.world_size,
+                       device_type=args.device_type or "cuda", trainable_values=trainable,
+                       value_bytes=2 if precision not in ("fp32", "autocast-bf16", "autocast-fp16") else 4,
+                       allow=args.allow, seq_len=args.seq_len, max_candidates=args.max_proposals,
+                       expandable_segments=expandable_segments_option(plan_step_memory))
+
+
+def _time_cell(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _row(name: str, candidate: FitCandidate) -> List[str]:
+    marks = []
+    if candidate.changes_optimizer:
+        marks.append("changes the optimizer")
+    if candidate.alters_training:
+        marks.append("changes the training")
+    fits = "-" if candidate.fits is None else ("yes" if candidate.fits else "no")
+    margin = "-" if candidate.margin_bytes is None else (
+        bytes_cell(candidate.margin_bytes) if candidate.margin_bytes >= 0 else f"-{bytes_cell(-candidate.margin_bytes)}")
+    return [name, candidate.label + (f" ({'; '.join(marks)})" if marks else ""), bytes_cell(candidate.peak_bytes),
+            fits, margin, _time_cell(candidate.relative_step_time), str(candidate.effective_batch)]
+
+
+def fit_tables(search: FitSearch) -> List[TextTable]:
+    """The user's own setting, then each proposal: its changes, peak, fits?, margin, relative step time."""
+    rows = [_row("own", search.own)] + [_row(str(index), c) for index, c in enumerate(search.candidates, 1)]
+    title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less the "
+             f"reserve), fastest first; step time relative to your own")
+    return [TextTable(title, ["", "changes", "peak", "fits", "margin", "step time", "effective batch"], rows,
+                      text_columns=(0, 1, 3))]
+
+
+def fit_json(search: FitSearch) -> Dict[str, Any]:
+    """The `fit` object of `--json`."""
+    return search.to_dict()
+
+
+def fit_failure(search: FitSearch) -> Optional[str]:
+    """The one line said when nothing fits, naming the nearest miss; None when something fits."""
+    if search.found:
+        return None
+    nearest = search.nearest_miss()
+    if nearest is None:
+        return "nothing fits: no setting could be planned"
+    return (f"nothing fits: the nearest is {nearest.label}, at {format_bytes(nearest.peak_bytes)} per process, "
+            f"{format_bytes(-nearest.margin_bytes)} over {format_bytes(search.usable_bytes)}")
+
+
+def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[str]:
+    """Write the first proposal that fits (`--write-training-args`, `--write-deepspeed`); the lines
+    to say about it. The TrainingArguments JSON names the DeepSpeed file when both are written.
+
+    Raises:
+        ValueError: a destination refused (a link, a file without --force), one line.
+    """
+    from trainer_memcb.utils.safe_io import UnsafeFileError, atomic_write
+
+    said: List[str] = []
+    if not (args.write_training_args or args.write_deepspeed):
+        return said
+    first = search.best
+    if first is None:
+        return ["nothing written: no proposal fits"]
+    training_args = dict(first.training_args)
+
+    def write(path: str, document: Dict[str, Any]) -> None:
+        data = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        try:
+            atomic_write(path, lambda handle: handle.write(data), overwrite=args.force)
+        except (UnsafeFileError, FileExistsError) as error:
+            text = str(error) if isinstance(error, UnsafeFileError) else f"{path} exists; not replacing it without --force"
+            raise ValueError(text) from None
+
+    if args.write_deepspeed:
+        if first.deepspeed is None:
+            said.append(f"{args.write_deepspeed} not written: the first proposal ({first.label}) uses no DeepSpeed")
+        else:
+            write(args.write_deepspeed, first.deepspeed)
+            said.append(f"wrote {args.write_deepspeed}: the DeepSpeed config of {first.label}")
+            training_args["deepspeed"] = args.write_deepspeed
+    if args.write_training_args:
+        write(args.write_training_args, training_args)
+        said.append(f"wrote {args.write_training_args}: TrainingArguments of {first.label}")
+    return said

@@ -1,0 +1,638 @@
+"""Make it fit: the settings a user can change without changing what is learned, each planned by
+the traced step, ranked by what they cost in step time.
+
+`search_fits` plans the user's own settings and a set of proposals, each a `TrainingArguments`
+dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as the user's own
+(`plan_step_memory`, through the caller's `planner`): no formula, no shortcut.
+
+- the per-device batch, with the gradient accumulation that keeps the effective batch
+  (batch x accumulation x processes) equal to the user's: the largest batch that fits, found among
+  the divisors of batch x accumulation by bisection (the peak grows with the batch);
+- gradient checkpointing (non-reentrant, as the Trainer turns it on), alone and with the batch;
+- the optimizers the Trainer offers that hold less (`LEANER_OPTIMIZERS`: 8-bit, paged 8-bit,
+  Adafactor), marked as changing the optimizer;
+- with several processes: DeepSpeed ZeRO-1, 2 and 3, ZeRO-3 with the optimizer offloaded to the
+  CPU, and FSDP2;
+- expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`), only where the plan
+  models the caching allocator (`expandable_segments_option`);
+- with `allow`: a shorter sequence (`seq-len`) and LoRA adapters (`lora`), which change the training.
+
+Step time. Each proposal's time relative to the user's own setting is read from the same trace:
+its FLOPs as torch's FLOP counter counts them (`torch.utils.flop_counter`: its formulas, in a
+dispatch mode inside the trace, recomputation under checkpointing included), per micro-batch,
+times the number of micro-batches; a fixed cost per micro-batch (`MICRO_BATCH_SECONDS`: the
+launches and Python of one forward and backward); and the host transfers of offload at the host
+link's bandwidth (`HOST_BANDWIDTH`). The optimizer step's own arithmetic (elementwise, no FLOPs in
+the counter's registry) and communication are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
+from trainer_memcb.plan.settings.step_settings import StepSettings
+from trainer_memcb.plan.step.trace import observing_steps
+
+__all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "search_fits", "largest_fitting_batch", "fit_batch_size",
+           "step_planner", "training_args_of",
+           "deepspeed_config_of", "expandable_segments_option", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
+           "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS", "HOST_BANDWIDTH"]
+
+# Changes that alter what is learned, opened by `allow` (the command's --allow).
+ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
+# The Trainer's optimizers that hold less than AdamW (transformers' OptimizerNames): bitsandbytes'
+# 8-bit AdamW (2 bytes of state per value), its paged variant (the same bytes, pages moved to the
+# host under pressure), transformers' Adafactor (factored second moment, no first moment).
+LEANER_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
+# Sustained dense FLOP/s of one process, by device type: what the step time is read against. CUDA:
+# a third of an H100 SXM's 989 TFLOP/s dense bf16 (NVIDIA's H100 datasheet), the model FLOPs
+# utilisation large-model training reaches (PaLM, Chowdhery et al. 2022, table 3: 46%; 30-40% is
+# common in fine-tuning). CPU: one core's order of magnitude with AVX2 fp32 GEMMs.
+FLOPS_PER_SECOND = {"cuda": 330e12, "cpu": 50e9}
+# The fixed cost of one micro-batch (kernel launches, Python, the loss): what a smaller batch with
+# more accumulation pays. CUDA: a few thousand kernel launches of ~5 us per forward and backward of a
+# transformer; CPU: the Python and dispatch of a small model's forward and backward, measured here
+# (benchmarks/fit_step_times.py).
+MICRO_BATCH_SECONDS = {"cuda": 0.01, "cpu": 0.004}
+# Host <-> device bytes per second for offload: PCIe 4.0 x16 as CUDA's bandwidthTest measures it
+# with pinned memory (~25 GB/s of 32); 0 on the CPU (no transfer: the host is the device).
+HOST_BANDWIDTH = {"cuda": 25e9, "cpu": None}
+
+_ATEN = torch.ops.aten
+
+
+def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_cpu_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
+                       **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+class StepFlops:
+    """The FLOPs of each traced step, as torch's FLOP counter counts them.
+
+    `torch.utils.flop_counter.FlopCounterMode` holds the formulas (its `flop_registry`: matmuls,
+    convolutions, the CUDA attention kernels) and counts them in a dispatch mode; the fake step runs
+    attention through the CPU flash kernel, given the CUDA flash kernel's formula here. Only its
+    counting is used, in a dispatch mode of its own: FlopCounterMode's own mode decomposes the ops
+    its registry lacks and its module tracker hooks every module's outputs, and both change the
+    storages a step with checkpointing keeps alive; this one runs each op as it is.
+    """
+
+    def __init__(self) -> None:
+        self.totals: List[int] = []
+
+    def observer(self) -> Any:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False, custom_mapping={
+            _ATEN._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+            _ATEN._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward})
+        totals = self.totals
+
+        class _Counting(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                # FlopCounterMode._count_flops: the formula of the op's packet, filed under "Global"
+                # (its module tracker is never entered here).
+                return counter._count_flops(func._overloadpacket, out, args, kwargs)
+
+            def __exit__(self, *exc: Any) -> Any:
+                result = super().__exit__(*exc)
+                totals.append(counter.get_total_flops())
+                return result
+
+        return _Counting()
+
+
+@dataclass(frozen=True)
+class FitCandidate:
+    """One setting planned: the user's own, or a proposal.
+
+    Attributes:
+        changes: what differs from the user's own setting (TrainingArguments names, `deepspeed`,
+            `PYTORCH_CUDA_ALLOC_CONF`, `seq_len`, `lora_r`) -> the new value; {} for the own.
+        training_args: a `TrainingArguments` dict that reproduces it (with `deepspeed` as a dict
+            where it uses ZeRO).
+        deepspeed: its DeepSpeed config, or None.
+        peak_bytes, fits, margin_bytes: the planned step's peak per process, against the usable bytes.
+        relative_step_time: its estimated step time over the user's own (1.0 for the own).
+        effective_batch: per-device batch x accumulation x processes.
+        micro_batches: the accumulation steps; step_flops: one micro-batch's FLOPs (traced).
+        host_transfer_bytes: bytes moved between host and device per step (offload).
+        changes_optimizer, alters_training: a different optimizer; a change that alters what is
+            learned (`allow`).
+        problem: why it could not be planned, or None.
+    """
+
+    changes: Dict[str, Any]
+    training_args: Dict[str, Any]
+    deepspeed: Optional[Dict[str, Any]]
+    peak_bytes: Optional[int]
+    fits: Optional[bool]
+    margin_bytes: Optional[int]
+    relative_step_time: Optional[float]
+    effective_batch: int
+    micro_batches: int
+    step_flops: Optional[int]
+    host_transfer_bytes: int = 0
+    changes_optimizer: bool = False
+    alters_training: bool = False
+    problem: Optional[str] = None
+    plan: Optional[StepMemoryPlan] = field(default=None, repr=False, compare=False)
+    seconds: Optional[float] = field(default=None, repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        """The changes in a few words."""
+        return describe_changes(self.changes)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"changes": dict(self.changes), "training_args": dict(self.training_args),
+                "deepspeed": self.deepspeed, "peak_bytes": self.peak_bytes, "fits": self.fits,
+                "margin_bytes": self.margin_bytes, "relative_step_time": self.relative_step_time,
+                "effective_batch": self.effective_batch, "micro_batches": self.micro_batches,
+                "step_flops": self.step_flops, "host_transfer_bytes": self.host_transfer_bytes,
+                "changes_optimizer": self.changes_optimizer, "alters_training": self.alters_training,
+                "problem": self.problem}
+
+
+@dataclass(frozen=True)
+class FitSearch:
+    """The search's answer.
+
+    Attributes:
+        fits_as_is: the user's own step fits.
+        own: the user's own setting, planned.
+        candidates: the proposals, those that fit first, fastest first, then the others, nearest
+            miss first.
+        usable_bytes: what fits? is answered against (the device's memory less the reserve).
+    """
+
+    fits_as_is: bool
+    own: FitCandidate
+    candidates: List[FitCandidate]
+    usable_bytes: int
+
+    @property
+    def best(self) -> Optional[FitCandidate]:
+        """The first proposal that fits, or None."""
+        return next((c for c in self.candidates if c.fits), None)
+
+    @property
+    def found(self) -> bool:
+        return self.fits_as_is or self.best is not None
+
+    def nearest_miss(self) -> Optional[FitCandidate]:
+        """Of the settings planned (the own among them), the one whose peak exceeds the least."""
+        missed = [c for c in [self.own] + self.candidates if c.fits is False and c.margin_bytes is not None]
+        return max(missed, key=lambda c: c.margin_bytes) if missed else None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"fits_as_is": self.fits_as_is, "usable_bytes": self.usable_bytes, "own": self.own.to_dict(),
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+
+def describe_changes(changes: Dict[str, Any]) -> str:
+    """`changes` in a few words, e.g. "batch 2 x accumulation 8, gradient checkpointing"."""
+    if not changes:
+        return "your own setting"
+    words = []
+    if "per_device_train_batch_size" in changes or "gradient_accumulation_steps" in changes:
+        words.append(f"batch {changes.get('per_device_train_batch_size', '?')} x accumulation "
+                     f"{changes.get('gradient_accumulation_steps', '?')}")
+    if changes.get("gradient_checkpointing"):
+        words.append("gradient checkpointing")
+    if "optim" in changes:
+        words.append(f"optim {changes['optim']}")
+    if "deepspeed" in changes:
+        words.append(changes["deepspeed"])
+    if "fsdp" in changes:
+        words.append("FSDP2 full shard")
+    if "PYTORCH_CUDA_ALLOC_CONF" in changes:
+        words.append(f"PYTORCH_CUDA_ALLOC_CONF={changes['PYTORCH_CUDA_ALLOC_CONF']}")
+    if "seq_len" in changes:
+        words.append(f"sequence length {changes['seq_len']}")
+    if "lora_r" in changes:
+        words.append(f"LoRA r={changes['lora_r']}")
+    return ", ".join(words)
+
+
+def expandable_segments_option(planner: Callable[..., Any] = plan_step_memory) -> Optional[Dict[str, str]]:
+    """The keyword that plans a step with expandable segments, where the plan models the caching
+    allocator: `{"alloc_conf": "expandable_segments:True"}` when `planner` takes an `alloc_conf`
+    argument, else None (the proposal is left out: without the allocator modelled, the plan's peak
+    does not depend on it)."""
+    try:
+        parameters = inspect.signature(planner).parameters
+    except (TypeError, ValueError):
+        return None
+    return {"alloc_conf": "expandable_segments:True"} if "alloc_conf" in parameters else None
+
+
+# The precision of a setting -> the TrainingArguments flags that give it (a model loaded in 16 bits,
+# "bf16"/"fp16", is the model's dtype, not an argument: the flags are then left out).
+_PRECISION_FLAGS = {"fp32": {"bf16": False, "fp16": False}, "autocast-bf16": {"bf16": True, "fp16": False},
+                    "autocast-fp16": {"bf16": False, "fp16": True}, "deepspeed-bf16": {"bf16": True, "fp16": False},
+                    "deepspeed-fp16": {"bf16": False, "fp16": True}}
+
+
+def training_args_of(settings: StepSettings, base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A `TrainingArguments` dict of the settings the step plan reads: `base` (the user's own
+    arguments, when given) with the batch, accumulation, optimizer, checkpointing, clipping and
+    precision of `settings` over it."""
+    args = dict(base or {})
+    args.update(per_device_train_batch_size=settings.batch_size,
+                gradient_accumulation_steps=settings.gradient_accumulation_steps, optim=settings.optimizer,
+                gradient_checkpointing=settings.gradient_checkpointing,
+                max_grad_norm=settings.max_grad_norm if settings.max_grad_norm is not None else 0.0)
+    args.update(_PRECISION_FLAGS.get(settings.precision, {}))
+    return args
+
+
+def deepspeed_config_of(stage: int, offload_optimizer: bool = False, precision: str = "fp32") -> Dict[str, Any]:
+    """A DeepSpeed config for the Trainer: ZeRO `stage`, the optimizer offloaded to the CPU when
+    asked, and the sizes the Trainer fills from its own arguments left "auto"
+    (transformers' integrations/deepspeed.py, `trainer_config_process`)."""
+    # "auto": the Trainer fills the bucket sizes from the model's hidden size.
+    zero: Dict[str, Any] = {"stage": stage, "reduce_bucket_size": "auto"}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config: Dict[str, Any] = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+                              "gradient_clipping": "auto"}
+    if precision.endswith("bf16"):
+        config["bf16"] = {"enabled": "auto"}
+    elif precision.endswith("fp16"):
+        config["fp16"] = {"enabled": "auto"}
+    return config
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class _Search:
+    """The search's state: the planner, the limit, the cost model, the proposals planned so far."""
+
+    planner: Callable[..., StepMemoryPlan]
+    usable: int
+    world_size: int
+    device_type: str
+    trainable_values: int
+    value_bytes: int
+    budget: int
+    own_args: Dict[str, Any] = field(default_factory=dict)
+    own_deepspeed: Optional[Dict[str, Any]] = None
+    planned: Dict[str, FitCandidate] = field(default_factory=dict)
+    traces: int = 0
+
+    def seconds(self, flops: Optional[int], micro_batches: int, transfer: int) -> Optional[float]:
+        if flops is None:
+            return None
+        bandwidth = HOST_BANDWIDTH[self.device_type]
+        return (micro_batches * (flops / FLOPS_PER_SECOND[self.device_type] + MICRO_BATCH_SECONDS[self.device_type])
+                + (transfer / bandwidth if bandwidth else 0.0))
+
+    def transfers(self, deepspeed: Optional[Dict[str, Any]]) -> int:
+        """Host <-> device bytes per step of ZeRO-Offload: the process's partition of the gradients
+        down and of the updated parameters up (stage_1_and_2.py / stage3.py with offload_optimizer)."""
+        zero = (deepspeed or {}).get("zero_optimization") or {}
+        if not ((zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")) or self.device_type == "cpu":
+            return 0
+        return 2 * self.trainable_values * self.value_bytes // self.world_size
+
+    def plan(self, changes: Dict[str, Any], args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
+             extra: Optional[Dict[str, Any]] = None, own: bool = False) -> Optional[FitCandidate]:
+        """Plan one setting (once per distinct setting), or None when the budget is spent."""
+        key = repr((sorted(args.items(), key=str), deepspeed, sorted((extra or {}).items())))
+        if key in self.planned:
+            return self.planned[key]
+        if not own and self.traces >= self.budget:
+            return None
+        self.traces += 0 if own else 1
+        flops = StepFlops()
+        with observing_steps(flops.observer):
+            plan = self.planner(args, deepspeed, **(extra or {}))
+        micro = int(args.get("gradient_accumulation_steps") or 1)
+        batch = int(args.get("per_device_train_batch_size") or 1)
+        transfer = self.transfers(deepspeed)
+        step_flops = flops.totals[0] if flops.totals and plan.problem is None else None
+        margin = None if plan.peak_bytes is None else self.usable - plan.peak_bytes
+        optim = args.get("optim")
+        candidate = FitCandidate(
+            changes=changes, training_args=args, deepspeed=deepspeed, peak_bytes=plan.peak_bytes,
+            fits=None if margin is None else margin >= 0, margin_bytes=margin, relative_step_time=None,
+            effective_batch=batch * micro * self.world_size, micro_batches=micro, step_flops=step_flops,
+            host_transfer_bytes=transfer, changes_optimizer=optim != self.own_args.get("optim"),
+            alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.problem, plan=plan,
+            seconds=self.seconds(step_flops, micro, transfer))
+        self.planned[key] = candidate
+        return candidate
+
+
+def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any], usable_bytes: int, *,
+                own_deepspeed: Optional[Dict[str, Any]] = None, world_size: int = 1, device_type: str = "cuda",
+                trainable_values: int = 0, value_bytes: int = 2, allow: Iterable[str] = (),
+                seq_len: Optional[int] = None, max_candidates: int = 12,
+                optimizers: Sequence[str] = LEANER_OPTIMIZERS,
+                expandable_segments: Optional[Dict[str, str]] = None) -> FitSearch:
+    """Plan the user's own settings and the proposals that may fit, ranked by step time.
+
+    Args:
+        planner: `planner(training_args, deepspeed, **extra) -> StepMemoryPlan`: the step plan of
+            a `TrainingArguments` dict and a DeepSpeed config (or None), the user's other settings
+            (sequence length, processes, precision flags) kept; `extra` is `seq_len=`, `lora_r=`
+            or the allocator option of `expandable_segments`.
+        own_args: the user's own settings as a `TrainingArguments` dict (`training_args_of`).
+        usable_bytes: the device's memory less the reserve, per process.
+        own_deepspeed: the user's DeepSpeed config, if any.
+        world_size: processes (the effective batch counts them; ZeRO and FSDP2 need 2 or more).
+        device_type: "cuda" or "cpu": the step time's device (`FLOPS_PER_SECOND`, ...).
+        trainable_values, value_bytes: the trainable parameter values and their bytes each on the
+            device, for the host transfers of offload.
+        allow: changes that alter the training (`ALLOWED_CHANGES`): "seq-len" halves the sequence
+            (`seq_len` needed), "lora" trains LoRA adapters of rank 16, "qlora" the same over a
+            4-bit base (both through `extra`'s `lora_r`, `load_in_4bit`).
+        max_candidates: the most proposals planned (the own setting not counted).
+        optimizers: the leaner optimizers tried.
+        expandable_segments: `expandable_segments_option(...)` of the planner (None: not proposed).
+
+    Raises:
+        ValueError: an unknown change in `allow`, a bad `max_candidates`.
+    """
+    allow = tuple(allow)
+    unknown = [name for name in allow if name not in ALLOWED_CHANGES]
+    if unknown:
+        raise ValueError(f"allow={unknown[0]!r} is not one of: {', '.join(ALLOWED_CHANGES)}")
+    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
+        raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
+    search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
+                     own_args=dict(own_args), own_deepspeed=own_deepspeed)
+    own = search.plan({}, dict(own_args), own_deepspeed, own=True)
+    batch = int(own_args.get("per_device_train_batch_size") or 1)
+    accumulation = int(own_args.get("gradient_accumulation_steps") or 1)
+    samples = batch * accumulation  # per process and optimizer step: kept by every proposal
+
+    def with_args(base: Dict[str, Any], **changes: Any) -> Dict[str, Any]:
+        return dict(base, **changes)
+
+    def batch_search(base_changes: Dict[str, Any], base: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
+                     below: bool) -> Optional[FitCandidate]:
+        """The largest batch (a divisor of `samples`) whose step fits, with the accumulation that
+        keeps the effective batch; `below`: only batches under the user's."""
+        divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
+        chosen: Optional[FitCandidate] = None
+        low, high = 0, len(divisors) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            d = divisors[middle]
+            changes = dict(base_changes, per_device_train_batch_size=d, gradient_accumulation_steps=samples // d)
+            candidate = search.plan(changes, with_args(base, per_device_train_batch_size=d,
+                                                       gradient_accumulation_steps=samples // d), deepspeed)
+            if candidate is None or candidate.peak_bytes is None:
+                break
+            if candidate.fits:
+                chosen, low = candidate, middle + 1
+            else:
+                high = middle - 1
+        return chosen
+
+    base = dict(own_args)
+    # Gradient checkpointing at the user's batch; the leaner optimizers; the engines that shard.
+    checkpointed = with_args(base, gradient_checkpointing=True)
+    first = None
+    if not own_args.get("gradient_checkpointing"):
+        first = search.plan({"gradient_checkpointing": True}, checkpointed, own_deepspeed)
+    for name in optimizers:
+        if name != own_args.get("optim"):
+            search.plan({"optim": name}, with_args(base, optim=name), own_deepspeed)
+    if world_size > 1:
+        precision = "bf16" if own_args.get("bf16") else ("fp16" if own_args.get("fp16") else "fp32")
+        own_stage = ((own_deepspeed or {}).get("zero_optimization") or {}).get("stage", 0) if own_deepspeed else 0
+        for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
+            if own_deepspeed is not None and stage == own_stage and not offload:
+                continue
+            config = deepspeed_config_of(stage, offload, precision)
+            name = f"DeepSpeed ZeRO-{stage}" + (" with the optimizer on the CPU" if offload else "")
+            args = {key: value for key, value in base.items() if key not in ("fsdp", "fsdp_config")}
+            search.plan({"deepspeed": name}, with_args(args, deepspeed=config), config)
+        if not base.get("fsdp"):
+            args = with_args({k: v for k, v in base.items() if k != "deepspeed"}, fsdp="full_shard",
+                             fsdp_config={"version": 2, "reshard_after_forward": True})
+            search.plan({"fsdp": "full_shard"}, args, None)
+    if expandable_segments:
+        search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
+                    dict(expandable_segments))
+    if "seq-len" in allow and seq_len is not None and seq_len > 1:
+        search.plan({"seq_len": seq_len // 2}, dict(base), own_deepspeed, {"seq_len": seq_len // 2})
+    if "lora" in allow:
+        search.plan({"lora_r": 16}, dict(base), own_deepspeed, {"lora_r": 16})
+    if "qlora" in allow:
+        search.plan({"lora_r": 16, "load_in_4bit": True}, dict(base), own_deepspeed, {"lora_r": 16, "load_in_4bit": True})
+    # The batch: the largest that fits, below the user's when the own does not fit, any other else;
+    # with checkpointing too where checkpointing alone does not fit.
+    batch_search({}, base, own_deepspeed, below=not own.fits)
+    if first is not None and first.fits is False:
+        batch_search({"gradient_checkpointing": True}, checkpointed, own_deepspeed, below=True)
+    # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
+    if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
+        one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples)
+        for name in ("adafactor",) if "adafactor" != own_args.get("optim") else ():
+            changes = dict(one, gradient_checkpointing=True, optim=name)
+            search.plan(changes, with_args(base, **changes), own_deepspeed)
+        if world_size > 1:
+            config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
+            changes = dict(one, gradient_checkpointing=True)
+            search.plan(dict(changes, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
+                        with_args(base, deepspeed=config, **changes), config)
+    return _ranked(search, own)
+
+
+def _ranked(search: _Search, own: FitCandidate) -> FitSearch:
+    own_seconds = own.seconds
+
+    def relative(candidate: FitCandidate) -> FitCandidate:
+        ratio = None
+        if candidate.seconds is not None and own_seconds:
+            ratio = round(candidate.seconds / own_seconds, 4)
+        return dataclasses.replace(candidate, relative_step_time=ratio)
+
+    own = relative(own)
+    proposals = [relative(c) for c in search.planned.values() if c.changes]
+    # Fastest first among those that fit; a change that alters the training (`allow`) after all
+    # that keep it.
+    fitting = sorted((c for c in proposals if c.fits),
+                     key=lambda c: (c.alters_training, c.relative_step_time or float("inf")))
+    missed = sorted((c for c in proposals if not c.fits), key=lambda c: -(c.margin_bytes if c.margin_bytes is not None
+                                                                         else -float("inf")))
+    return FitSearch(fits_as_is=bool(own.fits), own=own, candidates=fitting + missed, usable_bytes=search.usable)
+
+
+def largest_fitting_batch(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any], usable_bytes: int,
+                          world_size: int = 1, device_type: str = "cuda") -> Tuple[Optional[FitCandidate], FitCandidate]:
+    """The largest per-device batch (a divisor of batch x accumulation) whose step fits, with the
+    accumulation that keeps the effective batch; and the user's own setting, planned. The first is
+    the own itself when no larger batch fits but it does, None when not even batch 1 fits."""
+    search = _Search(planner, usable_bytes, world_size, device_type, 0, 2, budget=64, own_args=dict(own_args))
+    own = search.plan({}, dict(own_args), None, own=True)
+    samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
+    divisors = _divisors(samples)
+    best: Optional[FitCandidate] = None
+    low, high = 0, len(divisors) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        d = divisors[middle]
+        changes = dict(per_device_train_batch_size=d, gradient_accumulation_steps=samples // d)
+        candidate = search.plan(changes, dict(own_args, **changes), None)
+        if candidate is None or candidate.peak_bytes is None:
+            break
+        if candidate.fits:
+            best, low = candidate, middle + 1
+        else:
+            high = middle - 1
+    return best, own
+
+
+def step_planner(build_model: Callable[[], torch.nn.Module], seq_len: Optional[int], *, device_type: str = "cuda",
+                 world_size: int = 1, **plan_options: Any) -> Callable[..., StepMemoryPlan]:
+    """A `planner` for `search_fits`: each `TrainingArguments` dict and DeepSpeed config resolved
+    into settings (`resolve_settings`, `world_size` processes) and its step planned with
+    `plan_step_memory(build_model, ...)` (`plan_options`: `attn_implementation`, `dtype`, ...).
+    `extra` may change the sequence (`seq_len`), add LoRA adapters (`lora_r`, over a 4-bit base
+    with `load_in_4bit`) or pass an allocator option (`alloc_conf`)."""
+    from trainer_memcb.plan.settings import resolve_settings
+
+    def plan(training_args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]], **extra: Any) -> StepMemoryPlan:
+        build = build_model
+        options = dict(plan_options)
+        if extra.get("lora_r"):
+            from trainer_memcb.plan.model.lora import add_lora_adapters
+
+            rank = extra["lora_r"]
+
+            def build() -> torch.nn.Module:
+                return add_lora_adapters(build_model(), rank, None, None)
+
+            options["keep_dtypes"] = True
+        if extra.get("load_in_4bit"):
+            from trainer_memcb.plan.model.quantized import Quantization
+
+            options["quantization"] = Quantization()
+        if "alloc_conf" in extra:
+            options["alloc_conf"] = extra["alloc_conf"]
+        meta = build()
+        config = getattr(meta, "config", None)
+        hidden = getattr(config, "hidden_size", None) if config is not None else None
+        settings = resolve_settings(training_args, deepspeed=deepspeed, hidden_size=hidden, world_size=world_size)
+        unused = [meta]
+
+        def first_then_new() -> torch.nn.Module:
+            return unused.pop() if unused else build()
+
+        return plan_step_memory(first_then_new, seq_len=extra.get("seq_len", seq_len), settings=settings,
+                                device_type=device_type, model_states=False, **options)[0]
+
+    return plan
+
+
+@dataclass(frozen=True)
+class FitBatch:
+    """`fit_batch_size`'s answer.
+
+    Attributes:
+        batch_size, gradient_accumulation_steps: the largest per-device batch whose step fits and
+            the accumulation that keeps the effective batch (None, None when not even 1 fits).
+        effective_batch: batch x accumulation x processes, the user's.
+        peak_bytes: the planned step's peak at that batch; `usable_bytes`: the limit.
+        own_peak_bytes: the peak of the user's own setting.
+    """
+
+    batch_size: Optional[int]
+    gradient_accumulation_steps: Optional[int]
+    effective_batch: int
+    peak_bytes: Optional[int]
+    own_peak_bytes: Optional[int]
+    usable_bytes: int
+
+
+def fit_batch_size(model: Any, args: Any, *, seq_len: int, device_memory: int, reserve_bytes: int = 0,
+                   device_type: str = "cuda", world_size: int = 1, **plan_options: Any) -> FitBatch:
+    """The largest per-device batch whose training step fits, and the gradient accumulation that
+    keeps the effective batch: a planned alternative to the Trainer's `auto_find_batch_size`,
+    which runs out of memory, halves the batch and leaves the accumulation (so the effective batch)
+    changed without a word. Nothing is allocated: each batch is one fake step.
+
+    Args:
+        model: the model (any device; a meta-device stand-in is traced, the model is untouched),
+            or a function that builds it on the meta device.
+        args: `TrainingArguments` (or a dict of them): the batch and accumulation whose product is
+            kept, the optimizer, checkpointing, precision, the DeepSpeed or FSDP config.
+        seq_len: the sequence length of the longest batch.
+        device_memory, reserve_bytes: bytes per process, and the part the step cannot use.
+        device_type: "cuda" or "cpu"; world_size: processes.
+        plan_options: passed to `plan_step_memory` (`attn_implementation`, ...).
+
+    Raises:
+        ValueError: a bad memory size or reserve, a bad sequence length.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from trainer_memcb import fit_batch_size
+        >>> def build():
+        ...     with torch.device("meta"):
+        ...         return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...                                             num_attention_heads=4, vocab_size=256))
+        >>> args = {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 1, "optim": "adamw_torch"}
+        >>> found = fit_batch_size(build, args, seq_len=64, device_memory=6 * 2**20, device_type="cpu")
+        >>> found.batch_size * found.gradient_accumulation_steps
+        16
+    """
+    from trainer_memcb.plan.model.stand_ins import meta_stand_in
+    from trainer_memcb.plan.settings import resolve_settings
+
+    for name, value in (("device_memory", device_memory), ("reserve_bytes", reserve_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected a whole number of bytes, at least 0")
+    if reserve_bytes >= device_memory:
+        raise ValueError(f"reserve_bytes={reserve_bytes} leaves nothing of device_memory={device_memory}")
+    build = model if callable(model) and not isinstance(model, torch.nn.Module) else (lambda: meta_stand_in(model))
+    if hasattr(args, "to_dict"):  # the optimizers' hyperparameters; a new TrainingArguments would reset accelerate's state
+        plan_options.setdefault("args", args)
+    settings = resolve_settings(args, world_size=world_size)
+    own_args = training_args_of(settings, _args_dict(args))
+    planner = step_planner(build, seq_len, device_type=device_type, world_size=world_size, **plan_options)
+    best, own = largest_fitting_batch(planner, own_args, device_memory - reserve_bytes, world_size, device_type)
+    return FitBatch(batch_size=best.training_args["per_device_train_batch_size"] if best else None,
+                    gradient_accumulation_steps=best.training_args["gradient_accumulation_steps"] if best else None,
+                    effective_batch=own.effective_batch, peak_bytes=best.peak_bytes if best else None,
+                    own_peak_bytes=own.peak_bytes, usable_bytes=device_memory - reserve_bytes)
+
+
+def _args_dict(args: Any) -> Dict[str, Any]:
+    """The user's arguments as a dict of what the plan reads (the deepspeed and FSDP configs kept)."""
+    if args is None:
+        return {}
+    if isinstance(args, dict):
+        return dict(args)
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "optim", "gradient_checkpointing",
+            "max_grad_norm", "bf16", "fp16", "deepspeed", "fsdp", "fsdp_config")
+    return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
