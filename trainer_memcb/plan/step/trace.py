@@ -155,20 +155,18 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     optimizer_failure: Optional[str] = None
     numbers = traced_micro_batches(accumulation)
     micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
-    if len(numbers) > 1:
-        # Each micro-batch's batch is freed before the next is made (the Trainer's `del inputs`).
-        tracker.tag(batch_tensors, "batch_and_buffers")
+    batch_serials = set(tracker.serials(batch_tensors))  # every micro-batch's, each freed before the next is made
     try:
         with mode, tracker:
             for number in numbers:
                 if len(numbers) > 1:
                     engine.micro_batch(number, last=number == accumulation)
                 if number > 1:
-                    del kwargs, inputs, labels, batch_tensors  # the last micro-batch's batch, freed
+                    del kwargs, inputs, labels, batch_tensors  # the micro-batch before's batch (the Trainer's `del inputs`)
                     tracker.peak_bytes = 0  # this micro-batch's own peak, from here
                     inputs = step_inputs(model, batch_size, seq_len, **(input_options or {}))
                     labels, batch_tensors = inputs.labels, inputs.tensors()
-                    tracker.tag(batch_tensors, "batch_and_buffers")
+                    batch_serials.update(tracker.serials(batch_tensors))
                 tracker.phase = "forward"
                 kwargs: Dict[str, Any] = dict(inputs.forward)
                 if labels is not None:
@@ -214,7 +212,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     stepped = build_optimizer is not None
     groups = {"parameters": frozenset(tracker.serials(params)), "gradients": frozenset(grads),
               "optimizer_state": frozenset(state_keys),
-              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors))}
+              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)) | batch_serials}
     timeline = Timeline(
         events=tuple(tracker.events), sizes=tracker.sizes, tags=tracker.tags, groups=groups, states={},
         host_parts=tuple(getattr(engine, "host_parts", ())), step_start=tracker.step_start,
