@@ -128,3 +128,6 @@ def test_the_command_line_flag(tiny_llama_dir, capsys):
         error = capsys.readouterr().err
         assert f"--gradient-accumulation-steps: {bad!r} is not a positive integer" in error
         assert "Traceback" not in error
+    # A step-plan option: refused without the step plan.
+    assert main(["estimate", tiny_llama_dir, "--gradient-accumulation-steps", "4"]) == 2
+    assert "--gradient-accumulation-steps has no effect without --batch-size or --max-batch-size" in capsys.readouterr().err
