@@ -28,6 +28,12 @@ last tensor is gone: that is the memory a caching-free allocator holds (on CPU, 
 records, see the tests); a CUDA caching allocator rounds each block up to 512 bytes and may hold
 freed blocks (fragmentation), which is not counted.
 
+Gradient accumulation. With `gradient_accumulation_steps` above 1 the step's micro-batches run in
+turn before the optimizer step, each with a batch of its own: the trace runs the first, the second
+(the first's gradients alive, as the engine keeps them) and the last (where the engines reduce), in
+that order in one timeline (`traced_micro_batches`); forward and backward's peak is the worst
+micro-batch's (`Timeline.peak_micro_batch`), each one's kept in `Timeline.micro_batch_peaks`.
+
 Device. The trace runs on fake CPU tensors: on a CPU-only build of torch, autograd aborts the
 process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the flash kernel for CPU,
 which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
