@@ -96,6 +96,7 @@ def accumulating(config: Dict[str, Any], steps: int) -> Dict[str, Any]:
 ROWS = {
     "zero1-acc2": accumulating(ds_config(1, False), 2), "zero2-acc2": accumulating(ds_config(2, False), 2),
     "zero3-acc2": accumulating(ds_config(3, True), 2),
+    "zero2-offload-acc2": accumulating(ds_config(2, False, offload=True), 2),
     "zero1": ds_config(1, False), "zero1-overlap": ds_config(1, True),
     "zero2": ds_config(2, False), "zero2-overlap": ds_config(2, True),
     "zero3-no-overlap": ds_config(3, False), "zero3": ds_config(3, True),
@@ -106,7 +107,8 @@ ROWS = {
 }
 # The sequence length per row where it is not engine_step_profile.py's: 128 tokens put ZeRO-3's
 # peak in backward, where the fetch limits act (at 16 it is in the optimizer step).
-ROW_SEQ = {"zero3-limits": 128, "zero1-acc2": 64, "zero2-acc2": 64, "zero3-acc2": 64}
+ROW_SEQ = {"zero3-limits": 128, "zero1-acc2": 64, "zero2-acc2": 64, "zero3-acc2": 64,
+           "zero2-offload-acc2": 64}
 
 
 def alive_at_peak(prof: profile, window_name: str = "measured step") -> Dict[str, Any]:

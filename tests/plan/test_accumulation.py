@@ -131,3 +131,14 @@ def test_the_command_line_flag(tiny_llama_dir, capsys):
     # A step-plan option: refused without the step plan.
     assert main(["estimate", tiny_llama_dir, "--gradient-accumulation-steps", "4"]) == 2
     assert "--gradient-accumulation-steps has no effect without --batch-size or --max-batch-size" in capsys.readouterr().err
+
+
+def test_zero2_with_offload_accumulates_in_host_buffers_of_the_partitions_parameters():
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 2, "reduce_bucket_size": "auto", "offload_optimizer": {"device": "cpu"}}}
+    single = plan(seq_len=64, world_size=2, deepspeed=dict(config, gradient_accumulation_steps=1))
+    step = plan(seq_len=64, world_size=2, deepspeed=dict(config, gradient_accumulation_steps=2))
+    # `accumulated_grads_in_cpu`: each of rank 0's partition's parameters whole (230,144 bytes), on
+    # the host; the device's peak is the same (the gradients leave for the host as they are reduced).
+    assert step.host_bytes["offload_buffers"] - single.host_bytes["offload_buffers"] == 230_144
+    assert step.peak_bytes == single.peak_bytes == 2_214_732
