@@ -9,7 +9,12 @@ shard with the Trainer's bf16=True as accelerate runs it: `MixedPrecisionPolicy`
 parameters and reductions, the forward under CPU autocast); FSDP2's
 ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
 (`memtracker_run`); ddp-memtracker and ddp-view-memtracker: under torch's MemTracker
-(`ddp_memtracker_run`). The engine's own loop, as the Trainer's would run it: the tiny Llama
+(`ddp_memtracker_run`); ENGINE-accN (with -memtracker): the same engine with gradient accumulation
+over N micro-batches, each with its own batch (made as the micro-batch starts, as the Trainer
+moves it to the device, and dropped after its backward), every one but the last inside accelerate's
+`Accelerator.no_sync` as the Trainer enters it (`model.no_sync()` for DDP,
+`model.set_requires_gradient_sync(False)` for FSDP2), then clipping, the step and `zero_grad`.
+The engine's own loop, as the Trainer's would run it: the tiny Llama
 of tests/plan/test_engines.py in fp32 (sdpa), the Trainer's `adamw_torch`, forward with labels and
 `num_items_in_batch`, backward, clipping at 1.0, step, `zero_grad(set_to_none=True)`. The profiler
 records from before the model is made, so that what the engine allocates when it wraps the model
@@ -20,6 +25,7 @@ records from before the model is made, so that what the engine allocates when it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 
@@ -99,18 +105,51 @@ def peak_of(prof: profile, window_name: str = "measured step") -> dict:
     return {"peak_bytes": max(peak, at_start), "alive_at_start_bytes": at_start}
 
 
+def split_accumulation(engine: str) -> tuple:
+    """`ddp-acc2` -> ("ddp", 2); an engine without the suffix accumulates over 1."""
+    name, _, count = engine.rpartition("-acc")
+    return (name, int(count)) if name and count.isdigit() else (engine, 1)
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module):
+    """accelerate's `Accelerator.no_sync` (accelerator.py): FSDP2's `set_requires_gradient_sync(False)`
+    for the time of the block, DDP's own `no_sync()`."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
+
+
 def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict, before=lambda: None,
-             autocast: bool = False):
+             autocast: bool = False, accumulation: int = 1):
     """One training step as the Trainer's loop runs it, over the trainable parameters (`before`
-    called first; the forward under bf16 CPU autocast with `autocast`, as accelerate wraps it)."""
+    called first; the forward under bf16 CPU autocast with `autocast`, as accelerate wraps it).
+    With `accumulation` above 1, that many micro-batches, each with a batch of its own made as it
+    starts, all but the last under `no_sync`."""
     trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def micro_batch(batch_inputs: dict) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch_inputs).loss
+        loss.backward()
+        del loss
 
     def step() -> None:
         before()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(**inputs).loss
-        loss.backward()
-        del loss
+        if accumulation == 1:
+            micro_batch(inputs)
+        else:
+            for index in range(accumulation):
+                if index:
+                    before()  # the trackers' per-module figures hold one forward each
+                with (no_sync(model) if index < accumulation - 1 else contextlib.nullcontext()):
+                    micro_batch(batch())
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -146,14 +185,18 @@ def memtracker_run(engine: str) -> dict:
     by timing; the tracker follows every storage by its tensors' lifetimes (and FSDP2's resizes)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    engine, accumulation = split_accumulation(engine)
     torch.manual_seed(0)
     model = wrap(tiny_llama(), engine)
     model.train()
     optimizer = trainer_optimizer(model)
-    inputs = batch()
-    step = steps_of(model, optimizer, inputs, autocast=engine == "fsdp2-bf16")
+    inputs = batch() if accumulation == 1 else {}  # else each micro-batch makes its own
+    trackers: list = []  # the tracker, made after the warm-up: its per-module figures reset per micro-batch
+    step = steps_of(model, optimizer, inputs, autocast=engine == "fsdp2-bf16", accumulation=accumulation,
+                    before=lambda: trackers and trackers[0].reset_mod_stats())
     warm_up(step)
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
+    trackers.append(tracker)
     tracker.track_inputs(tuple(inputs.values()))
     with tracker:
         step()
@@ -169,6 +212,7 @@ def ddp_memtracker_run(engine: str) -> dict:
     tracker follows each storage to its end by a weak reference, on whichever thread drops it."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    engine, accumulation = split_accumulation(engine)
     torch.manual_seed(0)
     tracker = MemTracker()
     with tracker:
@@ -176,7 +220,8 @@ def ddp_memtracker_run(engine: str) -> dict:
         model.train()
         optimizer = trainer_optimizer(model)
         # Its per-module figures hold one iteration; the peak is kept apart.
-        step = steps_of(model, optimizer, batch(), before=tracker.reset_mod_stats)
+        step = steps_of(model, optimizer, batch() if accumulation == 1 else {}, before=tracker.reset_mod_stats,
+                        accumulation=accumulation)
         warm_up(step)
     with tracker:
         step()

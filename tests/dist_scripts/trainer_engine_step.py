@@ -2,6 +2,7 @@
 optimizer step's peak per process as torch's MemTracker counts it.
 
 Usage: torchrun --nproc_per_node 2 trainer_engine_step.py OUT_DIR ROW...
+(`--nproc_per_node 1` for the one-process rows: the Trainer then makes no process group)
 
 ROW: a name of `ROWS` below (ddp-used and ddp-view-used: DDP with `ddp_find_unused_parameters=False`,
 which tells the reducer's used-parameter maps apart; fsdp2: what the Trainer does with an FSDP2
@@ -75,6 +76,9 @@ ROWS = {
     "zero2": ("llama", {"deepspeed": ds_config(2)}, False),
     "zero3": ("llama", {"deepspeed": ds_config(3)}, False),
     "bert-zero2": ("bert", {"deepspeed": ds_config(2)}, False),
+    # One process (launched with --nproc_per_node 1), 4 micro-batches per optimizer step.
+    "one-acc4": ("llama", {"gradient_accumulation_steps": 4}, False),
+    "ddp-acc2": ("llama", {"gradient_accumulation_steps": 2}, False),
     "fsdp2": ("llama", {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True,
                                                               "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
               False),
@@ -120,6 +124,11 @@ class ThirdStepWindow(TrainerCallback):
             self.tracker.__enter__()
         self.tracker.reset_mod_stats()  # its per-module figures hold one step; the peak is kept apart
 
+    def on_substep_end(self, args, state, control, **kwargs):
+        # With gradient accumulation, after each micro-batch but the last: the next forward's
+        # per-module figures start afresh (the peak is kept apart).
+        self.tracker.reset_mod_stats()
+
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == MEASURED_STEP:
             stats = self.tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
@@ -128,7 +137,9 @@ class ThirdStepWindow(TrainerCallback):
 
 def run(row: str, scratch: str) -> Dict[str, Any]:
     kind, extra, bucket_view = ROWS[row]
-    args = TrainingArguments(os.path.join(scratch, row), use_cpu=True, ddp_backend="gloo", optim="adamw_torch",
+    # One process (WORLD_SIZE=1, no torchrun): no backend, else accelerate looks for a process group.
+    backend = "gloo" if _common.world_size() > 1 else None
+    args = TrainingArguments(os.path.join(scratch, row), use_cpu=True, ddp_backend=backend, optim="adamw_torch",
                              per_device_train_batch_size=BATCH, max_steps=MEASURED_STEP, report_to=[],
                              save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, **extra)
     tracker = MemTracker()
@@ -136,15 +147,17 @@ def run(row: str, scratch: str) -> Dict[str, Any]:
     with tracker:
         torch.manual_seed(0)
         model = tiny_llama() if kind == "llama" else tiny_bert()
-        trainer = Trainer(model=model, args=args, train_dataset=TokenRows(kind, ROWS_PER_PROCESS * _common.world_size()),
-                          callbacks=[window])
+        # A next batch in hand during the third step with accumulation too.
+        rows = ROWS_PER_PROCESS * args.gradient_accumulation_steps * _common.world_size()
+        trainer = Trainer(model=model, args=args, train_dataset=TokenRows(kind, rows), callbacks=[window])
         if bucket_view:
             trainer.accelerator.ddp_handler.gradient_as_bucket_view = True
         trainer.train()
     wrapped = type(trainer.model_wrapped).__name__
     result = {"peak_bytes": window.peak.get("Total"), "parts": window.peak, "model_wrapped": wrapped,
               "global_step": trainer.state.global_step, "training_args": json.loads(args.to_json_string()),
-              "deepspeed_config": extra.get("deepspeed"), "world_size": dist.get_world_size()}
+              "deepspeed_config": extra.get("deepspeed"),
+              "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     if extra.get("deepspeed"):
         result["zero_class"] = type(trainer.model_wrapped.optimizer).__name__
         trainer.model_wrapped.destroy()

@@ -88,7 +88,15 @@ LIMITS = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
               stage3_prefetch_bucket_size=8192, stage3_max_live_parameters=20_000)
 
 
+def accumulating(config: Dict[str, Any], steps: int) -> Dict[str, Any]:
+    """`config` with `gradient_accumulation_steps`."""
+    return dict(copy.deepcopy(config), gradient_accumulation_steps=steps)
+
+
 ROWS = {
+    "zero1-acc2": accumulating(ds_config(1, False), 2), "zero2-acc2": accumulating(ds_config(2, False), 2),
+    "zero3-acc2": accumulating(ds_config(3, True), 2),
+    "zero2-offload-acc2": accumulating(ds_config(2, False, offload=True), 2),
     "zero1": ds_config(1, False), "zero1-overlap": ds_config(1, True),
     "zero2": ds_config(2, False), "zero2-overlap": ds_config(2, True),
     "zero3-no-overlap": ds_config(3, False), "zero3": ds_config(3, True),
@@ -99,7 +107,8 @@ ROWS = {
 }
 # The sequence length per row where it is not engine_step_profile.py's: 128 tokens put ZeRO-3's
 # peak in backward, where the fetch limits act (at 16 it is in the optimizer step).
-ROW_SEQ = {"zero3-limits": 128}
+ROW_SEQ = {"zero3-limits": 128, "zero1-acc2": 64, "zero2-acc2": 64, "zero3-acc2": 64,
+           "zero2-offload-acc2": 64}
 
 
 def alive_at_peak(prof: profile, window_name: str = "measured step") -> Dict[str, Any]:
@@ -175,15 +184,32 @@ def row_batch(seq: int) -> Dict[str, torch.Tensor]:
 
 
 def engine_steps(engine, before=lambda: None, seq: int = 0):
-    """One training step as the Trainer runs it under DeepSpeed (`before` called first)."""
-    inputs = row_batch(seq) if seq else batch()
+    """One training step as the Trainer runs it under DeepSpeed (`before` called first). With the
+    config's `gradient_accumulation_steps` above 1, as accelerate runs each micro-batch
+    (`DeepSpeedEngineWrapper.backward`): the boundary set (true on the last only), `backward`, and
+    `step` after the last; each micro-batch with a batch of its own, made as it starts."""
+    accumulation = engine.gradient_accumulation_steps()
+    inputs = (row_batch(seq) if seq else batch()) if accumulation == 1 else {}
 
     def step() -> None:
         before()
-        loss = engine(**inputs).loss
-        engine.backward(loss)
-        del loss
-        engine.step()
+        if accumulation == 1:
+            loss = engine(**inputs).loss
+            engine.backward(loss)
+            del loss
+            engine.step()
+            return
+        for index in range(accumulation):
+            last = index == accumulation - 1
+            if index:
+                before()  # the tracker's per-module figures hold one forward each
+            engine.set_gradient_accumulation_boundary(is_boundary=last)
+            micro_inputs = row_batch(seq or SEQ)  # alive through its backward, as the Trainer's `inputs`
+            loss = engine(**micro_inputs).loss
+            engine.backward(loss)
+            del loss, micro_inputs
+            if last:
+                engine.step()
 
     return step
 

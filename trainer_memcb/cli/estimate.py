@@ -236,6 +236,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
         "activations and the step's peak per process, and --device-memory answers from that peak")
     step.add_argument("--batch-size", type=_checked(_positive_int), metavar="B", help="per-device micro-batch")
     step.add_argument("--seq-len", type=_checked(_positive_int), metavar="S", help="sequence length (needed with --batch-size)")
+    step.add_argument("--gradient-accumulation-steps", type=_checked(_positive_int), metavar="N",
+                      help="micro-batches per optimizer step (default: --training-args' or the DeepSpeed config's, else 1); "
+                           "each after the first runs with the gradients alive")
     step.add_argument("--gradient-checkpointing", action="store_true",
                       help="the Trainer's gradient_checkpointing=True (non-reentrant)")
     step.add_argument("--attn-implementation", metavar="NAME",
@@ -293,6 +296,7 @@ _ENGINE_FILES = ("deepspeed", "fsdp_config")
 
 # Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
 _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkpointing", "--gradient-checkpointing"),
+                 ("gradient_accumulation_steps", "--gradient-accumulation-steps"),
                  ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
@@ -396,7 +400,8 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
 
     flags: Dict[str, Any] = {}
     given = {"world_size": args.world_size, "rank": getattr(args, "rank", None), "nodes": args.nodes, "batch_size": args.batch_size,
-             "bucket_cap_mb": getattr(args, "bucket_cap_mb", None), "replicate": getattr(args, "replicate", None)}
+             "bucket_cap_mb": getattr(args, "bucket_cap_mb", None), "replicate": getattr(args, "replicate", None),
+             "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None)}
     flags.update({key: value for key, value in given.items() if value is not None})
     if args.zero or args.sharding:
         flags["sharding"] = f"zero{args.zero}" if args.zero else args.sharding

@@ -132,7 +132,11 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
         else:
             about += [["activations", bytes_cell(step.activations_bytes)],
                       ["activations peak", bytes_cell(step.activations_peak_bytes)],
-                      ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}"]]
+                      ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}" + (
+                          f" of micro-batch {step.peak_micro_batch} of {step.gradient_accumulation_steps}"
+                          if step.gradient_accumulation_steps > 1 and step.peak_micro_batch is not None else
+                          f" (after {step.gradient_accumulation_steps} micro-batches)"
+                          if step.gradient_accumulation_steps > 1 else "")]]
             if step.fits is not None:
                 margin = bytes_cell(abs(step.margin_bytes))
                 about.append(["fits?", f"fits, {margin} to spare" if step.fits else f"does not fit, {margin} short"])

@@ -37,7 +37,7 @@ import torch
 
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
 from trainer_memcb.plan.settings.step_settings import StepSettings
-from trainer_memcb.plan.step.trace import observing_steps
+from trainer_memcb.plan.step.trace import observing_steps, traced_micro_batches
 
 __all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "search_fits", "largest_fitting_batch", "fit_batch_size",
            "step_planner", "training_args_of",
@@ -334,7 +334,10 @@ class _Search:
         micro = int(args.get("gradient_accumulation_steps") or 1)
         batch = int(args.get("per_device_train_batch_size") or 1)
         transfer = self.transfers(deepspeed)
-        step_flops = flops.totals[0] if flops.totals and plan.problem is None else None
+        # The trace runs up to three micro-batches (the first, the second, the last: each the same
+        # forward and backward), so one micro-batch's FLOPs are the trace's over their number.
+        step_flops = (flops.totals[0] // len(traced_micro_batches(micro))
+                      if flops.totals and plan.problem is None else None)
         margin = None if plan.peak_bytes is None else self.usable - plan.peak_bytes
         optim = args.get("optim")
         candidate = FitCandidate(

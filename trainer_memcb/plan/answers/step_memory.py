@@ -66,6 +66,13 @@ class StepMemoryPlan:
         fits, margin_bytes: against `device_memory_bytes - reserve_bytes`, from the peak.
         not_counted: what a real process on `device_type` holds that the plan does not count.
         problem: why no step could be traced (then only the model states are known), or None.
+        gradient_accumulation_steps: the micro-batches of one optimizer step; every one after the
+            first runs its forward and backward with the gradients the ones before it left, as the
+            engine keeps them. `peak_micro_batch`: the micro-batch whose forward and backward hold
+            the peak (1 to gradient_accumulation_steps), None when the peak is the optimizer
+            step's; `micro_batch_peak_bytes`: with accumulation, [number, peak bytes] of each
+            micro-batch traced (the first, the second and the last: those between are the
+            second's), the optimizer state and the frozen reference model included as in `peak_bytes`.
     """
 
     model: str
@@ -99,6 +106,9 @@ class StepMemoryPlan:
     optimizer_implementation: Optional[str] = None
     host_bytes: Dict[str, int] = field(default_factory=dict)
     settings_used: List[List[Any]] = field(default_factory=list)
+    gradient_accumulation_steps: int = 1
+    peak_micro_batch: Optional[int] = None
+    micro_batch_peak_bytes: List[List[int]] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -128,6 +138,8 @@ class _StepFigures:
     # Of forward_backward_peak and optimizer_peak: the bytes of the engine's host parts (offload).
     forward_backward_host: int
     optimizer_host: int
+    # With accumulation: (micro-batch, its peak with the optimizer state, its host bytes) per traced one.
+    micro_batches: Tuple[Tuple[int, int, int], ...] = ()
 
 
 def _read_peak(timeline: Timeline) -> _StepFigures:
@@ -175,8 +187,10 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
             if state is not None:
                 at_step[state] = at_step.get(state, 0) + sizes[key]
         at_step[optimizer_state] = at_step.get(optimizer_state, 0) + not_yet
+    micro_batches = tuple((number, one.bytes + state_bytes, host_bytes_of(one.storages, state_bytes))
+                          for number, one in timeline.micro_batch_peaks)
     return _StepFigures(peak, at.phase, parts, fb.bytes + state_bytes, optimizer_peak if stepped else None, most,
-                        at_step, fb_host, optimizer_host)
+                        at_step, fb_host, optimizer_host, micro_batches)
 
 
 def plan_step_memory(
@@ -335,6 +349,10 @@ def plan_step_memory(
             fb_peak = fb_peak + reference
             optimizer_peak = None if optimizer_peak is None else optimizer_peak + reference
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
+    # The micro-batches' own peaks, read as the forward and backward's is (host parts out, the
+    # reference model in); that of the micro-batch holding the peak is `forward_backward_peak_bytes`.
+    micro_batch_peaks = [[number, bytes_ - host_bytes + reference] for number, bytes_, host_bytes in traced.micro_batches] \
+        if timeline.optimizer_failure is None else []
     fits = margin = None
     if device_memory is not None:
         margin = device_memory - reserve_bytes - peak
@@ -345,7 +363,10 @@ def plan_step_memory(
                           optimizer_step_peak_bytes=optimizer_peak, model_states_most_bytes=most,
                           model_states_host_bytes=most_host, model_states_at_optimizer_step_bytes=at_step, fits=fits, margin_bytes=margin, notes=notes,
                           engine=timeline.engine, optimizer_implementation=implementation, host_bytes=host,
-                          settings_used=[list(row) for row in settings.used()], **common), states_plan
+                          settings_used=[list(row) for row in settings.used()],
+                          gradient_accumulation_steps=timeline.gradient_accumulation_steps,
+                          peak_micro_batch=timeline.peak_micro_batch if phase != "optimizer step" else None,
+                          micro_batch_peak_bytes=micro_batch_peaks, **common), states_plan
 
 
 def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelStatesPlan:

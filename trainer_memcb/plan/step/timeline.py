@@ -67,6 +67,10 @@ class Timeline:
         optimizer_failure: why the optimizer could not be built under fake tensors, or None.
         notes: what the trace says of itself (the engine's, the model's).
         engine: the engine's name; optimizer_implementation: foreach, fused or single-tensor.
+        gradient_accumulation_steps: the micro-batches of the step; `peak_micro_batch`: the one
+            whose forward and backward hold `forward_backward` (1 to gradient_accumulation_steps);
+            `micro_batch_peaks`: with accumulation, each traced micro-batch's number and its own
+            peak (the first, the second and the last: those between run as the second), in order.
     """
 
     events: Tuple[int, ...]
@@ -85,6 +89,9 @@ class Timeline:
     notes: Tuple[str, ...] = ()
     engine: str = "none"
     optimizer_implementation: Optional[str] = None
+    gradient_accumulation_steps: int = 1
+    peak_micro_batch: int = 1
+    micro_batch_peaks: Tuple[Tuple[int, PhasePeak], ...] = ()
 
     def part_of(self, serial: int, saved: FrozenSet[int] = frozenset()) -> str:
         """The part of a storage at a moment when `saved` were saved for backward."""

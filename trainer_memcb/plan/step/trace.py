@@ -28,6 +28,12 @@ last tensor is gone: that is the memory a caching-free allocator holds (on CPU, 
 records, see the tests); a CUDA caching allocator rounds each block up to 512 bytes and may hold
 freed blocks (fragmentation), which is not counted.
 
+Gradient accumulation. With `gradient_accumulation_steps` above 1 the step's micro-batches run in
+turn before the optimizer step, each with a batch of its own: the trace runs the first, the second
+(the first's gradients alive, as the engine keeps them) and the last (where the engines reduce), in
+that order in one timeline (`traced_micro_batches`); forward and backward's peak is the worst
+micro-batch's (`Timeline.peak_micro_batch`), each one's kept in `Timeline.micro_batch_peaks`.
+
 Device. The trace runs on fake CPU tensors: on a CPU-only build of torch, autograd aborts the
 process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the flash kernel for CPU,
 which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
@@ -62,8 +68,8 @@ from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
 
-__all__ = ["trace_step", "UntracedStep", "fake_copy", "enable_checkpointing", "observing_steps", "ATTENTION_PATHS",
-           "DEVICE_TYPES", "MAX_GRAD_NORM"]
+__all__ = ["trace_step", "traced_micro_batches", "UntracedStep", "fake_copy", "enable_checkpointing", "observing_steps",
+           "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
@@ -115,9 +121,13 @@ def one_line(error: BaseException) -> str:
 
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
                 build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
-                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None) -> Timeline:
+                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
+                accumulation: int = 1) -> Timeline:
     """Run the step under fake tensors (the model already fake), counting as the module says;
-    `engine` wraps the model and runs the backward and the optimizer step its way."""
+    `engine` wraps the model and runs the backward and the optimizer step its way. With
+    `accumulation` above 1, the micro-batches of `traced_micro_batches(accumulation)` run their
+    forward and backward in turn before the optimizer step, each after the gradients the ones
+    before it left (`StepEngine.micro_batch` tells the engine which one runs)."""
     mode = _MODE[0]
     engine = engine or StepEngine()
     notes: List[str] = []
@@ -137,6 +147,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
         for tensor in tensors:
             tracker.add(tensor)
         tracker.tag(tensors, part)
+    tensor = tensors = None  # the loops' last: a batch's tensor, freed with its micro-batch
     counter = SavedTensorsCounter(exclude=params, watch_recomputation=gradient_checkpointing)
     tracker.watch = counter._book.live
     engine.attach(tracker, counter)
@@ -149,29 +160,44 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     optimizer_keys: List[int] = []
     optimizer_watch: List[int] = []
     optimizer_failure: Optional[str] = None
+    numbers = traced_micro_batches(accumulation)
+    micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
+    batch_serials = set(tracker.serials(batch_tensors))  # every micro-batch's, each freed before the next is made
     try:
         with mode, tracker, contextlib.ExitStack() as observed:
             for observer in _OBSERVERS:
                 observed.enter_context(observer())
-            tracker.phase = "forward"
-            kwargs: Dict[str, Any] = dict(inputs.forward)
-            if labels is not None:
-                if _accepts_loss_kwargs(model):
-                    kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
-            with counter:
-                if autocast is not None:
-                    with autocast:
+            for number in numbers:
+                if len(numbers) > 1:
+                    engine.micro_batch(number, last=number == accumulation)
+                if number > 1:
+                    del kwargs, inputs, labels, batch_tensors  # the micro-batch before's batch (the Trainer's `del inputs`)
+                    tracker.peak_bytes = 0  # this micro-batch's own peak, from here
+                    inputs = step_inputs(model, batch_size, seq_len, **(input_options or {}))
+                    labels, batch_tensors = inputs.labels, inputs.tensors()
+                    batch_serials.update(tracker.serials(batch_tensors))
+                tracker.phase = "forward"
+                kwargs: Dict[str, Any] = dict(inputs.forward)
+                if labels is not None:
+                    if _accepts_loss_kwargs(model):
+                        kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
+                with counter:
+                    if autocast is not None:
+                        with autocast:
+                            outputs = model(**kwargs)
+                    else:
                         outputs = model(**kwargs)
-                else:
-                    outputs = model(**kwargs)
-            loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
-            del outputs
-            activations = counter.saved_bytes
-            tracker.phase = "backward"
-            engine.backward(loss)
-            del loss
+                loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
+                del outputs
+                if number == 1:
+                    activations = counter.saved_bytes
+                tracker.phase = "backward"
+                engine.backward(loss)
+                del loss
+                micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
             grads = tracker.serials(engine.gradients(trainable))
-            forward_backward = (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)
+            # The worst micro-batch's (the first of equal ones).
+            peak_micro_batch, forward_backward = max(micro_peaks, key=lambda item: item[1][0])
             if build_optimizer is not None:
                 tracker.phase = "optimizer step"
                 tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
@@ -195,7 +221,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     stepped = build_optimizer is not None
     groups = {"parameters": frozenset(tracker.serials(params)), "gradients": frozenset(grads),
               "optimizer_state": frozenset(state_keys),
-              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors))}
+              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)) | batch_serials}
     timeline = Timeline(
         events=tuple(tracker.events), sizes=tracker.sizes, tags=tracker.tags, groups=groups, states={},
         host_parts=tuple(getattr(engine, "host_parts", ())), step_start=tracker.step_start,
@@ -203,8 +229,21 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
         optimizer_step=PhasePeak("optimizer step", optimizer_peak, tuple(optimizer_keys), frozenset(optimizer_watch))
         if stepped else None,
         state_resident=engine.state_resident, activations_bytes=activations, activations_peak_bytes=counter.peak_bytes,
-        optimizer_failure=optimizer_failure, notes=tuple(notes), engine=engine.name)
+        optimizer_failure=optimizer_failure, notes=tuple(notes), engine=engine.name,
+        gradient_accumulation_steps=accumulation, peak_micro_batch=peak_micro_batch,
+        micro_batch_peaks=tuple((number, PhasePeak(label, peak, tuple(keys), frozenset(watch)))
+                                for number, (peak, label, keys, watch) in micro_peaks) if len(numbers) > 1 else ())
     return dataclasses.replace(timeline, states=_states_of(timeline, engine))
+
+
+def traced_micro_batches(accumulation: int) -> Tuple[int, ...]:
+    """The micro-batches of an optimizer step that the trace runs, by number (1 to `accumulation`):
+    the first (no gradient alive before it), the second (the first's gradients alive: every one
+    up to the last runs as it does) and the last (where the engines reduce: DDP's all-reduce,
+    FSDP2's reduce-scatter, DeepSpeed's accumulation boundary)."""
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"gradient_accumulation_steps={accumulation!r}: expected a whole number of at least 1")
+    return tuple(sorted({1, min(2, accumulation), accumulation}))
 
 
 def _states_of(timeline: Timeline, engine: StepEngine) -> Dict[int, str]:
@@ -321,7 +360,7 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
         with grouped_mm_any_dtype(), unpadded, passed_checks():
             timeline = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
-                                   engine, input_options)
+                                   engine, input_options, settings.gradient_accumulation_steps)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         raise UntracedStep(one_line(error)) from error

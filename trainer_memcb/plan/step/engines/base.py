@@ -8,7 +8,8 @@ An engine is made for one trace and used in this order by `plan.step.trace`:
 3. `attach(tracker, counter)`: the live-storage tracker and the saved-tensor counter, so that the
    engine can name its buffers (`tracker.tag`) and keep its unsharded parameters out of the
    activations;
-4. `backward(loss)`, then `step(build_optimizer, model, trainable)` (clip and step, returns the
+4. with gradient accumulation, `micro_batch(number, last)` before each traced micro-batch's
+   forward, and `backward(loss)` after it; then `step(build_optimizer, model, trainable)` (clip and step, returns the
    optimizer), then `zero_grad(optimizer)`;
 5. `close()`, always.
 
@@ -72,6 +73,12 @@ class StepEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def micro_batch(self, number: int, last: bool) -> None:
+        """Micro-batch `number` of the optimizer step runs next; `last`: the one after which the
+        engine reduces and the optimizer steps (accelerate's `sync_gradients`). One process has
+        nothing to do: autograd adds each micro-batch's gradient into `param.grad` in place
+        (`AccumulateGrad`), the new one alive until it is added."""
 
     def gradients(self, trainable: List[torch.Tensor]) -> List[torch.Tensor]:
         """The gradients held at the end of backward."""

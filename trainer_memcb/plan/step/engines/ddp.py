@@ -13,6 +13,14 @@ every gradient). The all-reduce works in place on the buckets. With `find_unused
 `initialize_local_used_map` also makes two int32 maps of one value per parameter it reduces
 (`local_used_map_` and `local_used_map_dev_`, `reducer.hpp`), alive as long as the model is wrapped.
 
+Gradient accumulation: accelerate runs every micro-batch but the last under `model.no_sync()`
+(transformers' `Trainer._inner_training_loop`, `Accelerator.no_sync`), so its forward does not call
+`prepare_for_backward` and the reducer's autograd hooks return at once (`expect_autograd_hooks_`
+false): the gradients accumulate in `param.grad`, beside the buckets, and are copied into them only
+in the last micro-batch's backward; with `gradient_as_bucket_view=True` the gradients left by
+`zero_grad(set_to_none=True)` are therefore fresh tensors until then, beside the buckets, and
+become the bucket views there (`mark_variable_ready_dense`: `grad = bucket_view`).
+
 The real `DistributedDataParallel` is not run under fake tensors: its C++ reducer allocates its
 buckets with real memory (13 GB for a 7B model in bf16) outside the fake mode.
 """
@@ -69,6 +77,10 @@ class DDPEngine(StepEngine):
         self._used_map_serials: set = set()
         self._views: Dict[int, torch.Tensor] = {}
         self._hooks: List[Any] = []
+        self._sync = True  # False inside `no_sync` (a micro-batch before the last)
+
+    def micro_batch(self, number: int, last: bool) -> None:
+        self._sync = last
 
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -92,6 +104,8 @@ class DDPEngine(StepEngine):
     def _ready(self, param: torch.Tensor) -> None:
         if self.tracker is not None:  # the fresh gradient, until the bucket view replaces it
             self.tracker.tag([param.grad], "gradients")
+        if not self._sync:  # under no_sync: the reducer's hook returns at once
+            return
         view = self._views[id(param)]
         view.copy_(param.grad)
         if self.settings.gradient_as_bucket_view:

@@ -18,6 +18,16 @@ forward begins, also kept out of the activations though autograd saves them), th
 gradients (autograd's, until `foreach_reduce` copies them into the reduce-scatter input) and the
 engine's buffers (the tensors handed to the all-gather and reduce-scatter collectives).
 
+Gradient accumulation: accelerate runs every micro-batch but the last inside `Accelerator.no_sync`,
+which for FSDP2 is `model.set_requires_gradient_sync(False)` (accelerate 1.x `no_sync`; transformers'
+`Trainer._inner_training_loop` enters it for all but the last of `batch_samples`): each group's
+`post_backward` then reshards the parameters but keeps the unsharded gradients
+(`_fsdp_param_group.py`: `if not self.reduce_grads: ... to_accumulated_grad_if_needed()`; in the
+reduce dtype, `unsharded_accumulated_grad`, where it differs from the parameters'), and the later
+micro-batches add into them (`accumulate_unsharded_grad_if_needed`); the last one reduce-scatters
+them. The real `fully_shard` does all this here too; the engine only says which micro-batch runs
+and names the unsharded gradients kept between micro-batches.
+
 Mixed precision: the Trainer's bf16=True / fp16=True (autocast-bf16 / autocast-fp16) makes
 accelerate hand `fully_shard` a `MixedPrecisionPolicy` of 16-bit parameters and reductions
 (`mixed_precision_policy`): the shards and the optimizer state stay fp32, what is gathered and
@@ -68,6 +78,24 @@ class FSDP2Engine(StepEngine):
         self._gather_serials: Set[int] = set()
         self.host_parts = ("parameters", "gradients", "optimizer_state") if settings.fsdp_cpu_offload else ()
         self._restore: Optional[Any] = None
+        self._model: Optional[nn.Module] = None
+        self._sync = True
+
+    def micro_batch(self, number: int, last: bool) -> None:
+        # accelerate's `no_sync` for FSDP2: every micro-batch but the last keeps its gradients unsharded.
+        self._sync = last
+        if self._model is not None:
+            self._model.set_requires_gradient_sync(last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._sync and self.tracker is not None:
+            kept = [tensor for state in self._states for group in _param_groups(state)
+                    for param in group.fsdp_params
+                    for tensor in (getattr(param, "unsharded_accumulated_grad", None),
+                                   getattr(getattr(param, "_unsharded_param", None), "grad", None))
+                    if tensor is not None]
+            self.tracker.tag(kept, "unsharded_gradients", replace=True)
 
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
         import torch.distributed as dist
@@ -101,6 +129,7 @@ class FSDP2Engine(StepEngine):
             for layer in _layers(model):
                 fully_shard(layer, **kwargs)
             fully_shard(model, **kwargs)
+        self._model = model
         for module in model.modules():
             state = getattr(module, "_get_fsdp_state", None)
             if state is not None:
@@ -168,9 +197,19 @@ class FSDP2Engine(StepEngine):
         if self._restore is not None:
             self._restore()
             self._restore = None
+        self._model = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+
+def _param_groups(state: Any) -> List[Any]:
+    """An FSDP state's parameter groups (`_fsdp_param_groups` in torch 2.13, `_fsdp_param_group` before)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def mixed_precision_policy(precision: str) -> Any:

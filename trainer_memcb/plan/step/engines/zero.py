@@ -63,6 +63,24 @@ Trainer's optimizer (decay, no decay):
   `offload_param` moves the 16-bit partitions to the host (`_create_param_groups_fp16_flat_cpu_memory`):
   counted there, a parameter on the device only while it is gathered whole.
 
+Gradient accumulation (accelerate's `DeepSpeedEngineWrapper.backward`: `set_gradient_accumulation_boundary`
+true on the last micro-batch only, `engine.step()` after it only; no `no_sync`):
+- ZeRO-1 (`reduce_ready_partitions_and_remove_grads` reduces only at the boundary, and
+  `DeepSpeedEngine.allreduce_gradients` calls `reduce_gradients` only there): before the last
+  micro-batch nothing is reduced; the whole gradients accumulate in `param.grad` and the reduce
+  bucket made at the first gradient's hook (`setup_buckets`) stays until the boundary's epilogue;
+- ZeRO-2 (reduces every micro-batch, `overlapping_partition_gradients_reduce_epilogue`): each
+  micro-batch's gradients go through the bucket into a new `grads_in_partition`; the first
+  micro-batch's is kept by the epilogue (`all_grad_tensors`, views of it, while
+  `_release_ipg_buffers` drops the attribute), each later one is added into it
+  (`accumulated_grad.add_`) and freed, and at the boundary the kept one becomes the step's
+  `averaged_gradients`; with `offload_optimizer`, each gradient of the partition is accumulated in
+  a host buffer of the parameter's size made once and kept (`async_accumulate_grad_in_cpu_via_gpu`:
+  `accumulated_grads_in_cpu`), its fp64 norm copy made at the boundary only;
+- ZeRO-3 (`partition_grads`): each micro-batch's gradient partition is added into the 16-bit
+  gradient partition in place (`micro_step_id > 0`), and each micro-batch's forward and backward
+  fetch and release the parameters as the first's.
+
 Not modelled: ZeRO-3's prefetching in forward's own timeline, ZeRO-3's offload staging
 buffers on an accelerator, the all-gather of the updated 16-bit partitions (done in place
 in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, no new memory in
@@ -138,6 +156,11 @@ class ZeroEngine(StepEngine):
         self._norms: List[torch.Tensor] = []
         self._persistent_partitions: List[torch.Tensor] = []  # ZeRO-3: the persistent parameters' partitions
         self._device_staging: List[torch.Tensor] = []
+        # Gradient accumulation: the last micro-batch is DeepSpeed's accumulation boundary.
+        self.accumulation = int(getattr(settings, "gradient_accumulation_steps", 1) or 1)
+        self._boundary = True
+        self._accumulated: List[torch.Tensor] = []  # ZeRO-2: the first micro-batch's grads_in_partition
+        self._host_accumulation: List[torch.Tensor] = []  # ZeRO-1/2 offload: accumulated_grads_in_cpu
 
     # -- construction (deepspeed.initialize) ------------------------------------------------------
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
@@ -189,6 +212,12 @@ class ZeroEngine(StepEngine):
                                       "partition keeps other gradients, so its peak may differ (--rank R for another)")
                 if self.offload:
                     self._offload_zero12_buffers()
+                    if self.accumulation > 1:
+                        # async_accumulate_grad_in_cpu_via_gpu: one host buffer per parameter of the
+                        # partition, of its whole size in its dtype, made at its first accumulation, kept.
+                        self._host_accumulation = [torch.empty(p.numel(), dtype=p.dtype) for p in self._trainable
+                                                   if self._in_partition.get(id(p), 0)]
+                        self._offload_buffers = self._offload_buffers + self._host_accumulation
             if trainer_optimizer is not None:
                 inner = getattr(trainer_optimizer, "optimizer", trainer_optimizer)
                 accepted = set(inspect.signature(type(inner).__init__).parameters)
@@ -399,7 +428,21 @@ class ZeroEngine(StepEngine):
                 self._set_whole(param, False)
 
     # -- backward -------------------------------------------------------------------------------------
+    def micro_batch(self, number: int, last: bool) -> None:
+        self._boundary = last
+        if self.stage == 3:  # each micro-batch's forward records the trace its backward replays
+            self._forward_trace = []
+            self._forward_values = 0
+            self._coordinator = None
+            self._backward_index = {}
+
     def backward(self, loss: torch.Tensor) -> None:
+        if self.stage == 1 and not self._boundary:
+            # Before the boundary ZeRO-1 reduces nothing: the hooks make the bucket only, and the
+            # gradients accumulate whole in `param.grad`.
+            loss.backward()
+            self.tracker.tag([p.grad for p in self._trainable if p.grad is not None], "gradients")
+            return
         if self.stage == 3:
             self._setup_buckets()  # under the trace's fake mode already
             self._start_backward_trace()
@@ -424,6 +467,15 @@ class ZeroEngine(StepEngine):
             # are dropped at the end of backward (setup_buckets makes them again at the next one),
             # so they are not alive at the optimizer step.
             self._buckets = []
+        if self.stage == 2 and self.accumulation > 1 and not self._fp32_grads:
+            # The epilogue keeps the first micro-batch's gradient partition (`all_grad_tensors`);
+            # a later one's is added into it and freed; at the boundary the kept one is the step's.
+            if not self._accumulated:
+                self._accumulated, self._grad_partition = self._grad_partition, []
+            else:
+                self._grad_partition = []
+            if self._boundary:
+                self._grad_partition, self._accumulated = self._accumulated, []
 
     def _setup_buckets(self) -> None:
         if self._buckets:
@@ -445,7 +497,7 @@ class ZeroEngine(StepEngine):
             # the first gradient's hook, not when backward starts, so the first gradient's own
             # backward (the output layer's, whose input gradient is freed by then) runs without them.
             self._setup_buckets()
-        if self.stage == 1 and not self.settings.overlap_comm:
+        if self.stage == 1 and (not self.settings.overlap_comm or not self._boundary):
             return
         if self.stage == 3:
             self._reduce(param)
@@ -494,7 +546,7 @@ class ZeroEngine(StepEngine):
             self.tracker.tag(self._grad_partition, "gradients")
         if param.grad is not None:
             self.tracker.tag([param.grad], "gradients")  # the whole gradient, until its reduction frees it
-        if self._fp32_grads and in_partition:
+        if self._fp32_grads and in_partition and self._boundary:
             # copy_grads_in_partition with offload (`set_norm_for_param_grad_in_gpu`): the norm of
             # the gradient's slice in this partition, taken in fp64 (`get_norm_dtype()`): an fp64
             # copy of the slice for a moment, its 0-dim norm kept until the step's
@@ -600,6 +652,8 @@ class ZeroEngine(StepEngine):
         self._hooks.clear()
         self._buckets = []
         self._grad_partition = []
+        self._accumulated = []
+        self._host_accumulation = []
         self._fp32_grads = []
         self._offload_buffers = []
         self._device_staging = []
