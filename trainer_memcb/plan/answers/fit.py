@@ -229,6 +229,10 @@ def describe_changes(changes: Dict[str, Any]) -> str:
         words.append(f"sequence length {changes['seq_len']}")
     if "lora_r" in changes:
         words.append(f"LoRA r={changes['lora_r']}")
+    if "per_device_eval_batch_size" in changes:
+        words.append(f"eval batch {changes['per_device_eval_batch_size']}")
+    if "eval_accumulation_steps" in changes:
+        words.append(f"eval_accumulation_steps {changes['eval_accumulation_steps']}")
     return ", ".join(words)
 
 
