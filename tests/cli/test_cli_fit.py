@@ -74,3 +74,15 @@ def test_bad_fit_options_are_one_line(tiny_llama_dir, capsys, argv, message):
     code = main(["estimate", tiny_llama_dir, *COMMON, *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_fit_with_the_evaluation_plan_proposes_eval_batches_and_accumulation(tiny_llama_dir, capsys):
+    code = main(["estimate", tiny_llama_dir, "--eval-samples", "64", "--seq-len", "64", "--eval-batch-size", "16",
+                 "--device-memory", "3MiB", "--reserve", "0B", "--fit", "--max-proposals", "4", "--json"])
+    document = json.loads(capsys.readouterr().out)
+    assert code == 0  # the own evaluation does not fit, a proposal does
+    fit = document["fit"]["evaluation"]
+    assert fit["fits_as_is"] is False and fit["own"]["peak_bytes"] == document["evaluation"]["device_peak_bytes"]
+    first = fit["candidates"][0]
+    assert first["training_args"] == {"per_device_eval_batch_size": 8, "eval_accumulation_steps": 1}
+    assert (first["peak_bytes"], first["fits"]) == (2_307_936, True) and len(fit["candidates"]) == 4

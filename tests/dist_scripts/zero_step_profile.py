@@ -3,7 +3,9 @@ torch.profiler records them, per process.
 
 Usage: torchrun --nproc_per_node 2 zero_step_profile.py OUT_DIR ROW...
 
-ROW: a name of `ROWS` below (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, ZeRO-2
+ROW: a name of `ROWS` below, or NAME where OUT_DIR/NAME.json holds a DeepSpeed config as the
+Trainer is handed it ("auto" values filled as the Trainer fills them, `trainer_filled`; a
+proposal of `trainer-memcb estimate --fit`), (ZeRO-1, 2 and 3, each with `overlap_comm` false and true, ZeRO-2
 with `offload_optimizer` to the CPU, ZeRO-3 with its fetch limits binding at 128 tokens, with
 `offload_optimizer` and `offload_param` to the CPU, and in bf16); ROW-memtracker: the same steps under torch's MemTracker
 instead of the profiler (`memtracker_run`), the figure tests/training/test_engine_runs.py holds the
@@ -35,6 +37,7 @@ import argparse
 import copy
 import gc
 import importlib
+import json
 import os
 from collections import Counter
 from typing import Any, Dict, List
@@ -109,6 +112,27 @@ ROWS = {
 # peak in backward, where the fetch limits act (at 16 it is in the optimizer step).
 ROW_SEQ = {"zero3-limits": 128, "zero1-acc2": 64, "zero2-acc2": 64, "zero3-acc2": 64,
            "zero2-offload-acc2": 64}
+
+
+def trainer_filled(config: Dict[str, Any]) -> Dict[str, Any]:
+    """A Trainer's DeepSpeed config with its "auto" values filled as the Trainer fills them for this
+    model, batch and `max_grad_norm` 1.0 on `world_size` processes (transformers'
+    integrations/deepspeed.py, `trainer_config_process` and `trainer_config_finalize`), the client
+    optimizer kept with offload as `ds_config` keeps it."""
+    filled = copy.deepcopy(config)
+    values = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+              "train_batch_size": BATCH * dist.get_world_size(), "gradient_clipping": 1.0}
+    for key, value in values.items():
+        if filled.get(key) == "auto":
+            filled[key] = value
+    zero = filled.get("zero_optimization", {})
+    for key, value in AUTO.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    filled.update(zero_allow_untested_optimizer=True, steps_per_print=1_000_000)
+    if "offload_optimizer" in zero:
+        filled["zero_force_ds_cpu_optimizer"] = False
+    return filled
 
 
 def alive_at_peak(prof: profile, window_name: str = "measured step") -> Dict[str, Any]:
@@ -269,6 +293,10 @@ def main() -> None:
     for row in rows:
         # ROW-memtracker: MemTracker's peak of the same step (see memtracker_run).
         name = row[:-len("-memtracker")] if row.endswith("-memtracker") else row
+        given = os.path.join(out_dir, f"{name}.json")
+        if name not in ROWS and os.path.isfile(given):
+            with open(given) as handle:
+                ROWS[name] = trainer_filled(json.load(handle))
         config, seq = ROWS[name], ROW_SEQ.get(name, 0)
         result = memtracker_run(config, seq) if row.endswith("-memtracker") else run(config, detail, seq)
         _common.write_result(os.path.join(out_dir, row), dict(result, row=row, deepspeed_config=config, seq_len=seq or SEQ,

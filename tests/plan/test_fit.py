@@ -202,3 +202,12 @@ def test_a_proposal_said_to_fit_stays_under_the_limit_in_a_real_step(searched, k
     own_start, own_above = real_step_peak(OWN)
     assert abs(searched.own.peak_bytes - (own_start + own_above)) <= TOLERANCE
     assert own_start + own_above > LIMIT  # the user's own setting really does not fit
+
+
+def test_activation_offloading_is_not_proposed_as_trl_cannot_build_it_for_the_trace(searched):
+    # The trace runs on the host; TRL's manager needs an accelerator to be built (see fit.py's docstring).
+    assert not any("activation_offloading" in c.training_args for c in [searched.own] + searched.candidates)
+    offloading = pytest.importorskip("trl.models.activation_offloading")
+    if torch.accelerator.current_accelerator() is None:
+        with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'type'"):
+            offloading.OffloadActivations(use_streams=False)

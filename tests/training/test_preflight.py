@@ -58,3 +58,37 @@ def test_a_step_that_fits_says_nothing(tmp_path):
 def test_a_bad_preflight_is_refused():
     with pytest.raises(ValueError, match="preflight=-1"):
         OptimizerMemoryCallback(preflight=-1)
+
+
+def test_the_sequence_planned_is_the_longest_batch_the_collator_makes(tmp_path):
+    from datasets import Dataset
+    from tests.training.test_trl import char_tokenizer
+    from transformers import DataCollatorForLanguageModeling
+
+    # Lengths 5, 20, 9, 7; the run trains on three of them (select), so 20 is never seen: the
+    # longest is 9, padded to a multiple of 8 by the collator: 16 (not the model's 64).
+    rows = [{"input_ids": [3] * length} for length in (5, 20, 9, 7)]
+    dataset = Dataset.from_list(rows).select([0, 2, 3])
+    collator = DataCollatorForLanguageModeling(char_tokenizer(), mlm=False, pad_to_multiple_of=8)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=256, max_position_embeddings=SEQ)
+    model = LlamaForCausalLM(config)
+    callback = OptimizerMemoryCallback(what_if=(), preflight=64 * 2**20)
+    args = TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=3, optim="adamw_torch",
+                             report_to=[], use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[callback])
+    trainer.train()
+    result = callback.preflight_result
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert result.seq_len == 16 == batch["input_ids"].shape[1]
+    assert (result.plan.batch_size, result.plan.seq_len) == (3, 16)
+
+
+def test_the_longest_example_is_read_from_lengths_only():
+    from trainer_memcb.training.preflight import longest_batch_len
+
+    rows = [{"input_ids": [1] * 5}, {"input_ids": [1] * 11}]
+    assert longest_batch_len(rows) == 11
+    assert longest_batch_len(rows, type("Pads", (), {"pad_to_multiple_of": 4})()) == 12
+    # A dataset that would have to make its items to say their lengths: not read (max_length instead).
+    assert longest_batch_len(_Tokens()) is None

@@ -352,7 +352,7 @@ def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str
 def _estimate(args: argparse.Namespace) -> int:
     try:  # the command line alone, before torch and transformers are imported
         check_options(args)
-        check_fit_options(args, step_asked(args))
+        check_fit_options(args, step_asked(args), eval_asked(args))
     except ValueError as error:
         raise UsageError(str(error)) from None
     # Everything that imports transformers and the optimizers' libraries runs with their chatter
@@ -361,8 +361,8 @@ def _estimate(args: argparse.Namespace) -> int:
     with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
         from trainer_memcb.cli.estimate import (estimate_model, estimate_plan, estimate_step, estimate_tables,
                                                 estimate_what_if, resolve_optimizers)
-        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_tables
-        from trainer_memcb.cli.fit_table import fit_json, fit_tables
+        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit, eval_tables
+        from trainer_memcb.cli.fit_table import fit_failure, fit_json, fit_tables
         from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
         from trainer_memcb.plan.model.config_error import ModelConfigError
         from trainer_memcb.plan.settings import SettingsFileError
@@ -381,6 +381,9 @@ def _estimate(args: argparse.Namespace) -> int:
                 result = estimate_plan(args)
             else:
                 result = estimate_what_if(args)
+            evaluation_fit = (eval_fit(args, lambda: estimate_model(args), evaluation,
+                                       found["model_states"] if step_asked(args) else None, reserve_bytes(args) or 0)
+                              if evaluation is not None and args.fit else None)
         except (ModelConfigError, SettingsFileError) as error:  # a bad config or settings file: exit 1
             raise _KnownFailure(str(error)) from None
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
@@ -388,10 +391,12 @@ def _estimate(args: argparse.Namespace) -> int:
     memory, reserve = args.device_memory, reserve_bytes(args)
     if evaluation is not None and not step_asked(args):  # the evaluation plan alone
         if args.json:
-            print_json({"evaluation": evaluation.to_dict()}, sys.stdout)
+            print_json({"evaluation": evaluation.to_dict(),
+                        **({"fit": {"evaluation": fit_json(evaluation_fit)}} if evaluation_fit else {})}, sys.stdout)
         else:
-            print_tables(eval_tables(evaluation), sys.stdout)
-        return _evaluation_status(evaluation)
+            print_tables(eval_tables(evaluation) + (fit_tables(evaluation_fit, evaluation=True) if evaluation_fit else []), sys.stdout)
+        return _evaluation_status(evaluation) if evaluation_fit is None else _fit_status(
+            evaluation_fit, args, _evaluation_status(evaluation))
     if step_asked(args):
         one_verdict = _step_answers(found)
         if one_verdict:
@@ -404,16 +409,27 @@ def _estimate(args: argparse.Namespace) -> int:
                 document["evaluation"] = evaluation.to_dict()
             if found.get("fit") is not None:
                 document["fit"] = fit_json(found["fit"])
+            if evaluation_fit is not None:
+                document.setdefault("fit", {})["evaluation"] = fit_json(evaluation_fit)
             print_json(document, sys.stdout)
         else:
             states = (plan_tables(found["model_states"], verdict=False) if one_verdict
                       else plan_tables(found["model_states"], memory, reserve))
             print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else [])
-                         + (fit_tables(found["fit"]) if found.get("fit") is not None else []), sys.stdout)
+                         + (fit_tables(found["fit"]) if found.get("fit") is not None else [])
+                         + (fit_tables(evaluation_fit, evaluation=True) if evaluation_fit else []), sys.stdout)
         status = _step_status(found)
         if found.get("fit") is not None:
             status = _fit_status(found["fit"], args, status)
-        return _evaluation_status(evaluation) if status == EXIT_DONE and evaluation is not None else status
+        if status != EXIT_DONE or evaluation is None:
+            return status
+        status = _evaluation_status(evaluation)
+        if status == EXIT_DOES_NOT_FIT and evaluation_fit is not None:  # a proposal fits: 0; else the nearest miss
+            failure = fit_failure(evaluation_fit)
+            if failure is None:
+                return EXIT_DONE
+            say(failure)
+        return status
     if args.json:
         print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)
     else:

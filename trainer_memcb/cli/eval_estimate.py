@@ -8,7 +8,7 @@ the installed `TrainingArguments`' defaults), and its table; the figures come fr
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 # The options are parsed and checked before torch is imported: the plan's modules are imported
 # inside the functions that use them.
@@ -19,9 +19,10 @@ from trainer_memcb.utils.units import parse_bytes, parse_size
 
 if TYPE_CHECKING:
     from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan, EvalSettings
+    from trainer_memcb.plan.answers.fit import FitSearch
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
 
-__all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_tables",
+__all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_fit", "eval_planner", "eval_tables",
            "training_arguments_from_file"]
 
 
@@ -132,7 +133,20 @@ def _settings(args: argparse.Namespace) -> EvalSettings:
 
 def estimate_evaluation(args: argparse.Namespace, build_model: Any,
                         states: Optional[ModelStatesPlan] = None, reserve: int = 0) -> EvalMemoryPlan:
-    """The evaluation plan for the options.
+    """The evaluation plan for the options (`eval_planner`'s, at the options' settings).
+
+    Raises:
+        ValueError: --seq-len missing, a bad size or settings file.
+    """
+    if args.seq_len is None:
+        raise ValueError(EVAL_NEEDS_SEQ_LEN)
+    return eval_planner(args, build_model, states, reserve)(_settings(args))
+
+
+def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[ModelStatesPlan] = None,
+                 reserve: int = 0) -> Callable[[EvalSettings], EvalMemoryPlan]:
+    """`plan(settings) -> EvalMemoryPlan`: the evaluation plan of the options' model and memory at
+    any `EvalSettings` (`--fit`'s proposals are planned by it).
 
     Args:
         args: the parsed options.
@@ -140,15 +154,9 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
         states: the model-states plan, when planned too: its optimizer state (and master weights)
             stays alive while evaluation runs inside `train()`.
         reserve: bytes of `--device-memory` evaluation cannot use (`--reserve`, or its default).
-
-    Raises:
-        ValueError: --seq-len missing, a bad size or settings file.
     """
     from trainer_memcb.plan.answers.eval_memory import plan_eval_memory
 
-    if args.seq_len is None:
-        raise ValueError(EVAL_NEEDS_SEQ_LEN)
-    settings = _settings(args)
     resident = 0
     if states is not None and states.optimizers:
         row = states.optimizers[0]
@@ -157,18 +165,39 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     host = parse_size(args.host_memory) if args.host_memory is not None else None
     attention = getattr(args, "attn_implementation", None)
 
-    def build() -> Any:
-        model = build_model()
-        say_progress(f"tracing the evaluation forward at batch {settings.batch_size}")
-        if attention is not None and getattr(model, "config", None) is not None:
-            from trainer_memcb.plan.answers.step_memory import check_attn_implementation
+    def plan(settings: EvalSettings) -> EvalMemoryPlan:
+        def build() -> Any:
+            return _traced_model(build_model, attention, settings)
 
-            check_attn_implementation(model, attention)
-            model.config._attn_implementation = attention  # as the step plan traces it
-        return model
+        return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
+                                model_name=args.model, reserve_bytes=reserve)
 
-    return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
-                            model_name=args.model, reserve_bytes=reserve)
+    return plan
+
+
+def eval_fit(args: argparse.Namespace, build_model: Any, evaluation: EvalMemoryPlan,
+             states: Optional[ModelStatesPlan] = None, reserve: int = 0) -> Optional[FitSearch]:
+    """With --fit: smaller eval batches and `eval_accumulation_steps`, each planned by `eval_planner`
+    (`trainer_memcb.plan.answers.eval_fit.search_eval_fits`); None when the own could not be planned."""
+    from trainer_memcb.plan.answers.eval_fit import search_eval_fits
+
+    if evaluation.problem is not None or evaluation.device_memory_bytes is None:
+        return None
+    usable = evaluation.device_memory_bytes - (evaluation.reserve_bytes or 0)
+    return search_eval_fits(eval_planner(args, build_model, states, reserve), evaluation.settings, usable,
+                            max_candidates=args.max_proposals)
+
+
+def _traced_model(build_model: Any, attention: Optional[str], settings: EvalSettings) -> Any:
+    """The meta model for an evaluation forward, with the options' attention implementation."""
+    model = build_model()
+    say_progress(f"tracing the evaluation forward at batch {settings.batch_size}")
+    if attention is not None and getattr(model, "config", None) is not None:
+        from trainer_memcb.plan.answers.step_memory import check_attn_implementation
+
+        check_attn_implementation(model, attention)
+        model.config._attn_implementation = attention  # as the step plan traces it
+    return model
 
 
 def _fits(fits: Optional[bool], peak: Optional[int], memory: Optional[int]) -> str:

@@ -42,7 +42,7 @@ def add_fit_arguments(estimate: argparse.ArgumentParser) -> None:
     group.add_argument("--force", action="store_true", help="replace files that --write-* name")
 
 
-def check_fit_options(args: argparse.Namespace, step_asked: bool) -> None:
+def check_fit_options(args: argparse.Namespace, step_asked: bool, eval_asked: bool = False) -> None:
     """Refuse --fit's options where they cannot act, and a destination that cannot be written,
     before anything is planned.
 
@@ -58,8 +58,9 @@ def check_fit_options(args: argparse.Namespace, step_asked: bool) -> None:
             raise ValueError(f"{option} has no effect without --fit")
     if not fit:
         return
-    if not step_asked:
-        raise ValueError("--fit needs the step plan: --batch-size (or per_device_train_batch_size in --training-args)")
+    if not (step_asked or eval_asked):
+        raise ValueError("--fit needs the step plan: --batch-size (or per_device_train_batch_size in --training-args), "
+                         "or the evaluation plan: --eval-samples")
     if args.device_memory is None:
         raise ValueError("--fit needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
     if args.max_proposals < 1:

@@ -302,7 +302,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if self.preflight is not False and state.is_world_process_zero and self.preflight_result is None:
-            self._preflight(args, kwargs.get("model"), kwargs.get("processing_class"))
+            self._preflight(args, kwargs.get("model"), kwargs.get("processing_class"), kwargs.get("train_dataloader"))
         run = self._current = self._run(optimizer)
         if run is None:
             return
@@ -316,7 +316,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             run.monitor.estimate()
             self._state_what_if(run, args, kwargs.get("model"))
 
-    def _preflight(self, args: Any, model: Any, processing_class: Any) -> None:
+    def _preflight(self, args: Any, model: Any, processing_class: Any, train_dataloader: Any = None) -> None:
         # The run's own step planned before the first step: one warning if it will not fit. The run
         # is never changed, and a plan that fails only warns.
         from trainer_memcb.training.preflight import preflight
@@ -325,7 +325,8 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
             return
         try:
             memory = None if self.preflight is True else int(self.preflight)
-            self.preflight_result = preflight(model, args, processing_class=processing_class, device_memory=memory)
+            self.preflight_result = preflight(model, args, processing_class=processing_class, device_memory=memory,
+                                              train_dataloader=train_dataloader)
         except Exception as error:  # never break training over a plan
             self._warn_once("preflight", f"the preflight plan failed ({error!r}); it is left out")
             return

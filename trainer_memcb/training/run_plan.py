@@ -31,14 +31,15 @@ plan's modules are named in one place (`_plan`).
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from trainer_memcb.utils.compiled import uncompiled
 
-__all__ = ["batch_dims", "plan_for_trainer", "plan_reserved_bytes", "trained_module"]
+__all__ = ["batch_dims", "plan_for_trainer", "plan_reserved_bytes", "run_world_size", "stand_in_builder",
+           "trained_module"]
 
 # The batch's token inputs (their first two sizes: rows, length), in the order looked for.
 _TOKEN_INPUTS = ("input_ids", "inputs_embeds")
@@ -132,6 +133,20 @@ def _process_group() -> Tuple[Optional[int], int]:
     return None, 0
 
 
+def stand_in_builder(model: Any) -> Callable[[], nn.Module]:
+    """What builds the run's model for the trace: a meta-device stand-in of the trained module
+    (`trained_module`) with its own copy of the config, a new one each call."""
+    _, meta_stand_in, _ = _plan()
+    module = trained_module(model)
+    return lambda: _own_config(meta_stand_in(module))
+
+
+def run_world_size(args: Any) -> int:
+    """Processes in the job: the process group's when one is initialised, else `args.world_size`."""
+    group_size, _ = _process_group()
+    return group_size or int(getattr(args, "world_size", 1) or 1)
+
+
 def _device_type(module: nn.Module) -> str:
     """Where the run trains: "cuda" for a model on a CUDA device, otherwise "cpu" (the plan's two)."""
     for param in module.parameters():
@@ -170,21 +185,21 @@ def plan_for_trainer(model: Any, args: Any, batch: Optional[Mapping[str, Any]] =
         >>> plan.peak_parts["parameters"] == 4 * sum(param.numel() for param in model.parameters())  # fp32, as loaded
         True
     """
-    resolve_settings, meta_stand_in, plan_step_memory = _plan()
+    resolve_settings, _, plan_step_memory = _plan()
     module = trained_module(model)
     dims = batch_dims(batch) if batch is not None else {}
     if seq_len is not None and "seq_len" not in dims:
         dims["seq_len"] = seq_len
-    group_size, rank = _process_group()
+    _, rank = _process_group()
     if world_size is None:
-        world_size = group_size or int(getattr(args, "world_size", 1) or 1)
+        world_size = run_world_size(args)
     config = getattr(module, "config", None)
     text_config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     flags: Dict[str, Any] = {"world_size": world_size, "rank": rank if rank < world_size else 0}
     if "batch_size" in dims:
         flags["batch_size"] = dims["batch_size"]
     settings = resolve_settings(args, hidden_size=getattr(text_config, "hidden_size", None), **flags)
-    plan, _ = plan_step_memory(lambda: _own_config(meta_stand_in(module)), settings=settings, args=args,
+    plan, _ = plan_step_memory(stand_in_builder(module), settings=settings, args=args,
                                seq_len=dims.get("seq_len"), target_len=dims.get("target_len"),
                                image_size=dims.get("image_size"), device_type=device_type or _device_type(module),
                                model_name=type(module).__name__, keep_dtypes=True)

@@ -17,6 +17,13 @@ dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as th
   models the caching allocator (`expandable_segments_option`);
 - with `allow`: a shorter sequence (`seq-len`) and LoRA adapters (`lora`), which change the training.
 
+Activation offloading is not proposed. transformers (5.x) has none of its own; TRL's
+(`SFTConfig.activation_offloading`, `trl.models.activation_offloading.get_act_offloading_ctx_manager`)
+is an `SFTConfig` field, not a `TrainingArguments` one, and its `OffloadActivations` cannot be built
+without an accelerator (its `__init__` reads `torch.accelerator.current_accelerator().type` and
+makes that device's streams and pinned host memory), while the step is traced on the host under
+fake tensors: running the trace under it is not possible there, and a formula would not be the trace.
+
 Step time. Each proposal's time relative to the user's own setting is read from the same trace:
 its FLOPs as torch's FLOP counter counts them (`torch.utils.flop_counter`: its formulas, in a
 dispatch mode inside the trace, recomputation under checkpointing included), per micro-batch,
@@ -229,6 +236,10 @@ def describe_changes(changes: Dict[str, Any]) -> str:
         words.append(f"sequence length {changes['seq_len']}")
     if "lora_r" in changes:
         words.append(f"LoRA r={changes['lora_r']}")
+    if "per_device_eval_batch_size" in changes:
+        words.append(f"eval batch {changes['per_device_eval_batch_size']}")
+    if "eval_accumulation_steps" in changes:
+        words.append(f"eval_accumulation_steps {changes['eval_accumulation_steps']}")
     return ", ".join(words)
 
 

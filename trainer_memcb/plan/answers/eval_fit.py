@@ -1,0 +1,97 @@
+"""Make evaluation fit: smaller eval batches and `eval_accumulation_steps`, each planned by
+`plan_eval_memory`.
+
+What `Trainer.evaluate()` holds on the device is its forward's peak, which grows with
+`per_device_eval_batch_size`, and its containers (logits, labels, losses), which grow batch after
+batch until `eval_accumulation_steps` batches have been gathered and they move to the host
+(`Trainer.evaluation_loop`, `EvalLoopContainer.to_cpu_and_numpy` in `trainer_pt_utils.py`). Neither
+changes what is evaluated. `search_eval_fits` plans:
+
+- `eval_accumulation_steps` of 1, 2, 4 and 8 below the own (or below the number of batches, when
+  the own keeps everything on the device until the end), with the own batch;
+- the eval batch halved, down to 1, with the own accumulation and with `eval_accumulation_steps=1`;
+
+in that order, up to `max_candidates`.
+
+A proposal fits when its device peak fits the usable bytes and its host peak is not over
+`host_memory` (the containers grow on the host as they leave the device). Ranking: those that fit
+first, the fewest forward batches first (their arithmetic is the same for the same samples; each
+batch adds a fixed cost), then the fewest moves to the host; then the misses, nearest first. No
+time is estimated (`relative_step_time` is None).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional
+
+from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan, EvalSettings
+from trainer_memcb.plan.answers.fit import FitCandidate, FitSearch
+
+__all__ = ["search_eval_fits"]
+
+# The `eval_accumulation_steps` values proposed (those below the own, or below the number of batches).
+_ACCUMULATIONS = (1, 2, 4, 8)
+
+
+def _training_args(settings: EvalSettings) -> Dict[str, Any]:
+    args: Dict[str, Any] = {"per_device_eval_batch_size": settings.batch_size}
+    if settings.accumulation_steps is not None:
+        args["eval_accumulation_steps"] = settings.accumulation_steps
+    return args
+
+
+def _candidate(plan: EvalMemoryPlan, own: EvalSettings, usable: int) -> FitCandidate:
+    settings = plan.settings
+    changes = {key: value for key, value in _training_args(settings).items() if _training_args(own).get(key) != value}
+    peak = plan.device_peak_bytes
+    fits = None if peak is None else (peak <= usable and plan.fits_host is not False)
+    return FitCandidate(changes=changes, training_args=_training_args(settings), deepspeed=None, peak_bytes=peak,
+                        fits=fits, margin_bytes=None if peak is None else usable - peak, relative_step_time=None,
+                        effective_batch=settings.batch_size,
+                        micro_batches=math.ceil(settings.samples / settings.batch_size), step_flops=None,
+                        problem=plan.problem)
+
+
+def _proposals(own: EvalSettings, max_candidates: int) -> List[EvalSettings]:
+    batches = []
+    batch = own.batch_size // 2
+    while batch >= 1:
+        batches.append(batch)
+        batch //= 2
+    below = own.accumulation_steps or math.ceil(own.samples / own.batch_size)
+    # The accumulation first (no more batches), then each smaller batch, alone and moved every batch.
+    proposals = [replace(own, accumulation_steps=k) for k in _ACCUMULATIONS if k < below]
+    for b in batches:
+        proposals += [replace(own, batch_size=b), replace(own, batch_size=b, accumulation_steps=1)]
+    unique: List[EvalSettings] = []
+    for settings in proposals:
+        if settings not in unique:
+            unique.append(settings)
+    return unique[:max_candidates]
+
+
+def search_eval_fits(plan_eval: Callable[[EvalSettings], EvalMemoryPlan], own: EvalSettings, usable_bytes: int, *,
+                     max_candidates: int = 12) -> FitSearch:
+    """Plan the own evaluation settings and the proposals (see the module docstring).
+
+    Args:
+        plan_eval: `plan_eval(settings) -> EvalMemoryPlan`, `plan_eval_memory` with the run's model,
+            memory and resident bytes.
+        own: the user's `EvalSettings`.
+        usable_bytes: the device's memory less the reserve, per process.
+        max_candidates: the most proposals planned.
+
+    Raises:
+        ValueError: a bad `max_candidates`.
+    """
+    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
+        raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
+    mine = _candidate(plan_eval(own), own, usable_bytes)
+    proposals = [_candidate(plan_eval(settings), own, usable_bytes) for settings in _proposals(own, max_candidates)]
+    fitting = sorted((c for c in proposals if c.fits),
+                     key=lambda c: (c.micro_batches, -c.training_args.get("eval_accumulation_steps", math.inf)))
+    missed = sorted((c for c in proposals if not c.fits),
+                    key=lambda c: -(c.margin_bytes if c.margin_bytes is not None else -math.inf))
+    return FitSearch(fits_as_is=bool(mine.fits), own=mine, candidates=fitting + missed, usable_bytes=usable_bytes)
