@@ -256,7 +256,7 @@ def _summarise(parts: Sequence[Tuple[str, torch.dtype, str, int, int, int]],
 # throughout (bitsandbytes' quantization maps, shared by every 8-bit state). Such a state is read a
 # column at a time, each metadata read mapped over the whole column by C code rather than stepped
 # through by the interpreter: the same reads as `_count` (every tensor's storage, its size and
-# address, its dtype and device, at every call: nothing is remembered between calls), with the
+# address, its dtype and device, at every call: nothing about a tensor is remembered between calls), with the
 # same figures in the same order. Anything else returns None and goes to `_count`, which handles
 # every case.
 
