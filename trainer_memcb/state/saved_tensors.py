@@ -14,8 +14,9 @@ figures it keeps:
 - `peak_bytes` (-> `activations_peak_bytes`): the most saved bytes alive at any moment so far,
   updated during backward too (recomputed checkpoint tensors, see below, can raise it there).
 
-How the release is seen. The pack hook returns a `_Saved` holder that holds `tensor.detach()`: a
-new tensor object on the same storage (no copy), so the holder keeps no reference to the graph
+How the release is seen. The pack hook returns a `_Saved` holder that holds `tensor.detach()` (for a
+plain tensor `tensor.data`, the same without the dispatcher): a new tensor object on the same
+storage (no copy), so the holder keeps no reference to the graph
 (torch's documentation warns that a pack hook returning the input tensor itself makes a reference
 cycle). Autograd keeps the holder inside the saved variable and drops it when backward has used it
 (or when the graph is freed); the holder's `__del__` then lowers the storage's reference count,
@@ -262,9 +263,33 @@ class SavedTensorsCounter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._chained is not None:
             packed = self._chained[0](tensor)
-        else:
+            return _Saved(packed, self._keys_of(packed), self._book)
+        if type(tensor) is not torch.Tensor:
             packed = tensor.detach()  # `_detached`, inline: this runs for every tensor saved
-        return _Saved(packed, self._keys_of(packed), self._book)
+            return _Saved(packed, self._keys_of(packed), self._book)
+        # A plain tensor: `.data` is the same as `detach()` here (a new tensor object on the same
+        # storage, no copy, no grad_fn) without a trip through the dispatcher, a third of its cost.
+        # It has a version counter of its own; autograd checks a saved tensor against the counter
+        # of the original (`SavedVariable::unpack`), which this does not touch.
+        packed = tensor.data
+        # The common case, a plain tensor, with `_keys_of` and `_Book.hold` inline (a call each
+        # less per saved tensor), and a storage's size read only when the storage is new.
+        book = self._book
+        storage = packed.untyped_storage()
+        key = storage._cdata
+        if key in self._excluded:
+            return _Saved(packed, (), book)
+        with book.lock:
+            entry = book.live.get(key)
+            if entry is None:
+                nbytes = storage.nbytes()
+                book.live[key] = [nbytes, 1, storage]
+                book.alive_bytes += nbytes
+                if book.alive_bytes > book.peak_bytes:
+                    book.peak_bytes = book.alive_bytes
+            else:
+                entry[1] += 1
+        return _Saved(packed, (key,), book)
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         if self._chained is not None:

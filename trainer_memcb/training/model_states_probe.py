@@ -67,6 +67,8 @@ __all__ = ["ModelStatesProbe", "detect_setup", "measure_grads_bytes", "measure_p
 # its gradients inside its step: they are measured when it begins (zero_gradients.py).
 _ZERO_GRAD_BUFFERS = {3: "grad_partitions_flat_buffer"}
 
+_CPU = torch.device("cpu")
+
 
 def _count_bytes(tensors: Iterable[Optional[torch.Tensor]],
                  seen: Optional[Set[Tuple[torch.device, int]]] = None) -> int:
@@ -84,10 +86,14 @@ def _count_bytes(tensors: Iterable[Optional[torch.Tensor]],
         # device read once (each read makes a new `torch.device`).
         kind = type(tensor)
         for plain in (tensor,) if kind is torch.nn.Parameter or kind is torch.Tensor else _plain_tensors(tensor):
-            if plain.is_meta:
+            if plain.is_cpu:
+                device = _CPU  # no new `torch.device` made for the common case
+            elif plain.is_meta:
                 continue
+            else:
+                device = plain.device
             storage = plain.untyped_storage()
-            identity = (plain.device, storage.data_ptr())
+            identity = (device, storage.data_ptr())
             if identity[1] and identity in seen:
                 continue
             seen.add(identity)
