@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.settings import StepSettings
+from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages
@@ -114,9 +115,12 @@ def one_line(error: BaseException) -> str:
 
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
                 build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
-                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None) -> Timeline:
+                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
+                device_type: str = "cpu") -> Timeline:
     """Run the step under fake tensors (the model already fake), counting as the module says;
-    `engine` wraps the model and runs the backward and the optimizer step its way."""
+    `engine` wraps the model and runs the backward and the optimizer step its way. With autocast
+    on "cuda", the casts are CUDA autocast's (`trainer_memcb.plan.step.cuda_autocast`), for the
+    whole step, so that checkpointing's recomputation casts as the forward did."""
     mode = _MODE[0]
     engine = engine or StepEngine()
     notes: List[str] = []
@@ -140,8 +144,12 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     tracker.watch = counter._book.live
     engine.attach(tracker, counter)
     autocast = None
+    cast_policy: Any = contextlib.nullcontext()
     if precision.startswith("autocast-"):
         autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision.endswith("bf16") else torch.float16)
+        policy = autocast_policy_for(device_type)
+        if policy is not None:
+            cast_policy = autocast_as(policy)
     grads: List[int] = []
     state_keys: List[int] = []
     optimizer_peak = 0
@@ -149,7 +157,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     optimizer_watch: List[int] = []
     optimizer_failure: Optional[str] = None
     try:
-        with mode, tracker:
+        with cast_policy, mode, tracker:
             tracker.phase = "forward"
             kwargs: Dict[str, Any] = dict(inputs.forward)
             if labels is not None:
@@ -301,7 +309,7 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
         with grouped_mm_any_dtype(), unpadded, passed_checks():
             timeline = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
-                                   engine, input_options)
+                                   engine, input_options, device_type)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         raise UntracedStep(one_line(error)) from error
