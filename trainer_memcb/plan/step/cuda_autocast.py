@@ -29,8 +29,8 @@ policy of each. The policies below are copied from torch 2.13's `aten/src/ATen/a
 `aten/src/ATen/autocast_mode.cpp` (`TORCH_LIBRARY_IMPL(aten, AutocastCUDA, m)`: the same macros
 plus `cudnn_convolution`, `cudnn_convolution_transpose` in lower precision and
 `binary_cross_entropy` banned); `cuda_autocast_policy()` keeps those the running torch registers
-for `AutocastCUDA`, so a release without an op (torch 2.6 has no `rms_norm` kernel in autocast)
-does not cast it. The tests hold the copy against the dispatcher's registrations and against
+for `AutocastCUDA`, so a release without an op does not cast it (`rms_norm` joined the fp32
+list in torch 2.12, pytorch/pytorch#174824; before, it ran in its input's type). The tests hold the copy against the dispatcher's registrations and against
 torch's own `AutocastCUDA` kernels run on fake CUDA tensors (a forward needs no GPU).
 """
 
