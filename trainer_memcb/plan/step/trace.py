@@ -54,6 +54,7 @@ from torch import nn
 
 from trainer_memcb.plan.settings import StepSettings
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
+from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages
@@ -118,9 +119,10 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
                 engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
                 device_type: str = "cpu") -> Timeline:
     """Run the step under fake tensors (the model already fake), counting as the module says;
-    `engine` wraps the model and runs the backward and the optimizer step its way. With autocast
-    on "cuda", the casts are CUDA autocast's (`trainer_memcb.plan.step.cuda_autocast`), for the
-    whole step, so that checkpointing's recomputation casts as the forward did."""
+    `engine` wraps the model and runs the backward and the optimizer step its way. On "cuda", the
+    casts of autocast are CUDA autocast's (`trainer_memcb.plan.step.cuda_autocast`) and dropout
+    saves CUDA's 1-byte mask (`trainer_memcb.plan.step.cuda_dropout`), for the whole step, so
+    that checkpointing's recomputation runs as the forward did."""
     mode = _MODE[0]
     engine = engine or StepEngine()
     notes: List[str] = []
@@ -145,6 +147,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     engine.attach(tracker, counter)
     autocast = None
     cast_policy: Any = contextlib.nullcontext()
+    dropout_kernels = dropout_as_cuda() if device_type == "cuda" else contextlib.nullcontext()
     if precision.startswith("autocast-"):
         autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision.endswith("bf16") else torch.float16)
         policy = autocast_policy_for(device_type)
@@ -157,7 +160,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     optimizer_watch: List[int] = []
     optimizer_failure: Optional[str] = None
     try:
-        with cast_policy, mode, tracker:
+        with cast_policy, dropout_kernels, mode, tracker:
             tracker.phase = "forward"
             kwargs: Dict[str, Any] = dict(inputs.forward)
             if labels is not None:
