@@ -30,7 +30,8 @@ policy of each. The policies below are copied from torch 2.13's `aten/src/ATen/a
 plus `cudnn_convolution`, `cudnn_convolution_transpose` in lower precision and
 `binary_cross_entropy` banned); `cuda_autocast_policy()` keeps those the running torch registers
 for `AutocastCUDA`, so a release without an op does not cast it (`rms_norm` joined the fp32
-list in torch 2.12, pytorch/pytorch#174824; before, it ran in its input's type). The tests hold the copy against the dispatcher's registrations and against
+list in torch 2.12, pytorch/pytorch#174824; before, it ran in its input's type). The tests hold
+the copy against the dispatcher's registrations and against
 torch's own `AutocastCUDA` kernels run on fake CUDA tensors (a forward needs no GPU).
 """
 
@@ -43,7 +44,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 __all__ = ["CAST_POLICIES", "CUDA_LOWER_PRECISION_FP", "CUDA_FP32", "CUDA_FP32_SET_OPT_DTYPE", "CUDA_FP32_APPEND_DTYPE",
-           "CUDA_PROMOTE", "CUDA_BANNED", "CUDA_AUTOCAST_TABLE", "cuda_autocast_policy", "autocast_as", "autocast_policy_for", "registered_ops"]
+           "CUDA_PROMOTE", "CUDA_BANNED", "CUDA_AUTOCAST_TABLE", "cuda_autocast_policy", "autocast_as",
+           "autocast_policy_for", "registered_ops"]
 
 CAST_POLICIES = ("lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote")
 
@@ -130,7 +132,8 @@ class _Casts:
             if hit is not None and hit[0] is tensor:
                 return hit[1]
             cast = tensor.to(to)
-            self.cache[id(tensor)] = (tensor, cast)  # the source kept alive, as the cache's weakref keeps its TensorImpl
+            # The source is kept alive with its cast, as the cache's weakref keeps its TensorImpl.
+            self.cache[id(tensor)] = (tensor, cast)
             return cast
         return tensor.to(to)
 
@@ -167,7 +170,8 @@ class _Kernel:
         out = []
         for argument, value in zip(self.arguments, values):
             kind = argument.type
-            if _is_tensor_type(kind) or (isinstance(kind, torch._C.OptionalType) and _is_tensor_type(kind.getElementType())):
+            optional = isinstance(kind, torch._C.OptionalType) and _is_tensor_type(kind.getElementType())
+            if _is_tensor_type(kind) or optional:
                 value = self.casts.cast(to, value)
             elif isinstance(kind, torch._C.ListType) and _is_tensor_type(kind.getElementType()):
                 value = [self.casts.cast(to, item) for item in value]
