@@ -67,8 +67,7 @@ import torch
 from torch import nn
 
 __all__ = ["Quantization", "PlannedLinear4bit", "cuda_gemm_scratch", "CUDA_GEMM_4BIT_FUSED_MAX_ROWS",
-           "PlannedLinear8bit",
-           "quantize_linear_layers", "QUANT_TYPES"]
+           "PlannedLinear8bit", "quantize_linear_layers", "QUANT_TYPES"]
 
 QUANT_TYPES = ("nf4", "fp4")
 # bitsandbytes' `quantize_4bit` default blocksize, which transformers' BitsAndBytesConfig keeps.
