@@ -31,7 +31,9 @@ freed blocks (fragmentation), which is not counted.
 Device. The trace runs on fake CPU tensors: on a CPU-only build of torch, autograd aborts the
 process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the flash kernel for CPU,
 which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
-eager path saves the same tensors on any device.
+eager path saves the same tensors on any device. For a run on CUDA, autocast casts by CUDA's op
+lists (`trainer_memcb.plan.step.cuda_autocast`) and dropout saves CUDA's 1-byte mask
+(`trainer_memcb.plan.step.cuda_dropout`), not the CPU kernels' choices.
 
 Engines. The step runs under the engine the settings name (`trainer_memcb.plan.step.engines`): one
 process, DDP's buckets, FSDP2's real `fully_shard` on a fake process group, DeepSpeed ZeRO's
