@@ -195,8 +195,8 @@ def _gpt2_layers(layers: int):
 
 
 def korthikanti_row() -> Dict[str, int]:
-    """One GPT-2-style layer in fp16, eager attention, dropout on: the plan against the formula, and
-    the difference split into its three parts (see the guide)."""
+    """One GPT-2-style layer in fp16, eager attention, dropout on, planned for CUDA: the plan against
+    the formula, and the difference (see the guide)."""
     k = KORTHIKANTI
     s, b, h, a = k["s"], k["b"], k["h"], k["a"]
     one = step_activations(_gpt2_layers(1), b, s)
@@ -204,10 +204,8 @@ def korthikanti_row() -> Dict[str, int]:
     return {
         "per_layer": two - one,
         "formula": s * b * h * 34 + 5 * a * s * s * b,
-        # The CPU kernels' dropout saves its mask in the input's dtype (2 bytes), the formula counts
-        # 1 byte (CUDA's fused dropout saves a bool mask): the attention dropout's a*s*s*b more, the
-        # two residual dropouts' s*b*h each.
-        "dropout_masks_in_16_bits": a * s * s * b + 2 * s * b * h,
+        # The dropout masks: 1 byte in the formula and in the plan (CUDA's native_dropout saves a
+        # bool mask, trainer_memcb.plan.step.cuda_dropout); the CPU kernels' would be 2 bytes.
         # Each LayerNorm saves its mean and reciprocal standard deviation, (b, s, 1) in 16 bits here;
         # the formula leaves them out: 2 norms x 2 tensors x 2 bytes x s*b.
         "layer_norm_statistics": 8 * s * b,
@@ -306,11 +304,10 @@ def main() -> None:
               f"{row['total']:,} | {row['total'] / 1e9:.2f} | {lomo} |")
     k = korthikanti_row()
     print("\nKorthikanti et al. 2022, one GPT-2-style layer (s=512, b=4, h=1024, a=16), fp16, dropout on (bytes)\n")
-    print(f"| plan per layer | formula s*b*h*(34 + 5*a*s/h) | dropout masks in 16 bits | LayerNorm mean and rstd | "
-          f"formula + both |")
-    print("|---:|---:|---:|---:|---:|")
-    print(f"| {k['per_layer']:,} | {k['formula']:,} | {k['dropout_masks_in_16_bits']:,} | {k['layer_norm_statistics']:,} | "
-          f"{k['formula'] + k['dropout_masks_in_16_bits'] + k['layer_norm_statistics']:,} |")
+    print("| plan per layer | formula s*b*h*(34 + 5*a*s/h) | LayerNorm mean and rstd | formula + them |")
+    print("|---:|---:|---:|---:|")
+    print(f"| {k['per_layer']:,} | {k['formula']:,} | {k['layer_norm_statistics']:,} | "
+          f"{k['formula'] + k['layer_norm_statistics']:,} |")
 
     row = lomo_row()
     print("\nLOMO, Table 1, LLaMA-7B in fp16 with LOMO (GiB; the paper prints GiB as 'GB')\n")

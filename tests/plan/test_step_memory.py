@@ -110,7 +110,7 @@ def test_planned_activations_equal_a_real_forward_to_the_byte(kind: str, attn: s
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=BATCH, seq_len=SEQ,
                                setup=Setup(precision=precision), attn_implementation=attn,
-                               gradient_checkpointing=ckpt, model_states=False)
+                               gradient_checkpointing=ckpt, model_states=False, device_type="cpu")
     assert plan.problem is None
     assert plan.attn_implementation == attn
     real = real_activations(real_model(kind, attn, dtype, ckpt, lora), batch(kind))

@@ -25,6 +25,14 @@ bitsandbytes' own (`bitsandbytes/_ops.py`). Forward dequantizes the weight (a te
 quantization's dtype), and `MatMul4Bit.backward` dequantizes it again for the input's gradient:
 those copies are counted where they are alive, as every other temporary is.
 
+On CUDA, the kernel behind `gemm_4bit` (bitsandbytes 0.50, `backends/cuda/ops.py`) multiplies
+more than `_gemm_4bit_custom_max_m` (1536) input rows, as a training step's batch always has,
+by `_dequant_linear_fallback`: the weight dequantized into a temporary in the input's dtype (with
+double quantization, after two fp32 temporaries of the absmax per block), then `F.linear`. The
+fake kernel makes the output only, so for a CUDA run `PlannedLinear4bit` holds those temporaries
+(`cuda_gemm_scratch`) while the product is made. At 1536 rows and fewer a per-architecture rule
+picks the fused kernel or the same fallback: planned as the fused kernel, with no temporary.
+
 8-bit (`BitsAndBytesConfig(load_in_8bit=True)`, LLM.int8): transformers puts bitsandbytes'
 `Linear8bitLt(has_fp16_weights=False, threshold=llm_int8_threshold)` in the same places, whose
 weight is an `Int8Params` holding what `bitsandbytes.functional.int8_vectorwise_quant` returns
@@ -53,12 +61,13 @@ real run's saved-tensor walk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "PlannedLinear4bit", "PlannedLinear8bit", "quantize_linear_layers", "QUANT_TYPES"]
+__all__ = ["Quantization", "PlannedLinear4bit", "cuda_gemm_scratch", "CUDA_GEMM_4BIT_FUSED_MAX_ROWS",
+           "PlannedLinear8bit", "quantize_linear_layers", "QUANT_TYPES"]
 
 QUANT_TYPES = ("nf4", "fp4")
 # bitsandbytes' `quantize_4bit` default blocksize, which transformers' BitsAndBytesConfig keeps.
@@ -66,6 +75,9 @@ BLOCKSIZE = 64
 # transformers' BitsAndBytesConfig default `llm_int8_threshold`.
 INT8_THRESHOLD = 6.0
 BITS = (4, 8)
+# bitsandbytes' backends/cuda/ops.py, `_gemm_4bit_custom_max_m` (CUDA; 256 on ROCm): above it,
+# gemm_4bit dequantizes the weight and calls F.linear.
+CUDA_GEMM_4BIT_FUSED_MAX_ROWS = 1536
 
 
 @dataclass(frozen=True)
@@ -99,8 +111,9 @@ class PlannedLinear4bit(nn.Module):
     """bitsandbytes' `Linear4bit` under fake tensors (see the module docstring)."""
 
     def __init__(self, packed: torch.Tensor, quant_state: Any, bias: Optional[nn.Parameter],
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, device_type: str = "cpu") -> None:
         super().__init__()
+        self.device_type = device_type
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = bias
         self.quant_state = quant_state
@@ -115,7 +128,28 @@ class PlannedLinear4bit(nn.Module):
         inp_dtype = x.dtype
         x = x.to(self.compute_dtype)
         bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
-        return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state).to(inp_dtype)
+        scratch = cuda_gemm_scratch(x, self.quant_state) if self.device_type == "cuda" else []
+        out = bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state)
+        del scratch  # freed as the kernel returns
+        return out.to(inp_dtype)
+
+
+def cuda_gemm_scratch(x: torch.Tensor, quant_state: Any) -> List[torch.Tensor]:
+    """The temporaries bitsandbytes' CUDA `gemm_4bit` holds while it multiplies `x` by a 4-bit
+    weight (`backends/cuda/ops.py`: the `gemm_4bit` kernel for "cuda", `_dequant_linear_fallback`):
+    above `CUDA_GEMM_4BIT_FUSED_MAX_ROWS` rows of `x`, or with an inner dimension that is not a
+    multiple of the block size, the absmax dequantized to fp32 and that plus the offset (double
+    quantization), and the weight dequantized in `x`'s dtype; none for the fused kernel."""
+    inner = x.shape[-1]
+    rows = x.numel() // inner if inner else 0
+    if rows <= CUDA_GEMM_4BIT_FUSED_MAX_ROWS and inner % quant_state.blocksize == 0:
+        return []
+    scratch = []
+    if getattr(quant_state, "nested", False):
+        absmax = torch.empty(quant_state.absmax.shape, dtype=torch.float32, device=x.device)
+        scratch += [absmax, torch.empty_like(absmax)]  # absmax_dq, then absmax_dq + absmax_offset
+    scratch.append(torch.empty(tuple(quant_state.shape), dtype=x.dtype, device=x.device))
+    return scratch
 
 
 class PlannedLinear8bit(nn.Module):
@@ -215,7 +249,8 @@ def quantize_linear_layers(model: nn.Module, mode: Any, quantization: Quantizati
                 packed, state = bnb_functional.quantize_4bit(
                     weight_of(linear), blocksize=BLOCKSIZE, compress_statistics=quantization.double_quant,
                     quant_type=quantization.quant_type, quant_storage=torch.uint8)
-                setattr(parent, child, PlannedLinear4bit(packed, state, linear.bias, quantization.compute_dtype))
+                setattr(parent, child, PlannedLinear4bit(packed, state, linear.bias, quantization.compute_dtype,
+                                                         device_type))
         finally:
             if saved is None:
                 maps.pop("dynamic", None)

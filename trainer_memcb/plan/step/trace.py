@@ -37,7 +37,9 @@ micro-batch's (`Timeline.peak_micro_batch`), each one's kept in `Timeline.micro_
 Device. The trace runs on fake CPU tensors: on a CPU-only build of torch, autograd aborts the
 process on fake CUDA tensors. On CPU, `scaled_dot_product_attention` runs the flash kernel for CPU,
 which saves the output and an fp32 logsumexp, as CUDA's flash and memory-efficient kernels do; the
-eager path saves the same tensors on any device.
+eager path saves the same tensors on any device. For a run on CUDA, autocast casts by CUDA's op
+lists (`trainer_memcb.plan.step.cuda_autocast`) and dropout saves CUDA's 1-byte mask
+(`trainer_memcb.plan.step.cuda_dropout`), not the CPU kernels' choices.
 
 Engines. The step runs under the engine the settings name (`trainer_memcb.plan.step.engines`): one
 process, DDP's buckets, FSDP2's real `fully_shard` on a fake process group, DeepSpeed ZeRO's
@@ -59,6 +61,8 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.settings import StepSettings
+from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
+from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages
@@ -122,12 +126,15 @@ def one_line(error: BaseException) -> str:
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
                 build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
                 engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
-                accumulation: int = 1) -> Timeline:
+                accumulation: int = 1, device_type: str = "cpu") -> Timeline:
     """Run the step under fake tensors (the model already fake), counting as the module says;
     `engine` wraps the model and runs the backward and the optimizer step its way. With
     `accumulation` above 1, the micro-batches of `traced_micro_batches(accumulation)` run their
     forward and backward in turn before the optimizer step, each after the gradients the ones
-    before it left (`StepEngine.micro_batch` tells the engine which one runs)."""
+    before it left (`StepEngine.micro_batch` tells the engine which one runs). On "cuda", the
+    casts of autocast are CUDA autocast's (`trainer_memcb.plan.step.cuda_autocast`) and dropout
+    saves CUDA's 1-byte mask (`trainer_memcb.plan.step.cuda_dropout`), for the whole step, so
+    that checkpointing's recomputation runs as the forward did."""
     mode = _MODE[0]
     engine = engine or StepEngine()
     notes: List[str] = []
@@ -152,8 +159,13 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     tracker.watch = counter._book.live
     engine.attach(tracker, counter)
     autocast = None
+    cast_policy: Any = contextlib.nullcontext()
+    dropout_kernels = dropout_as_cuda() if device_type == "cuda" else contextlib.nullcontext()
     if precision.startswith("autocast-"):
         autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision.endswith("bf16") else torch.float16)
+        policy = autocast_policy_for(device_type)
+        if policy is not None:
+            cast_policy = autocast_as(policy)
     grads: List[int] = []
     state_keys: List[int] = []
     optimizer_peak = 0
@@ -164,7 +176,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
     batch_serials = set(tracker.serials(batch_tensors))  # every micro-batch's, each freed before the next is made
     try:
-        with mode, tracker, contextlib.ExitStack() as observed:
+        with cast_policy, dropout_kernels, mode, tracker, contextlib.ExitStack() as observed:
             for observer in _OBSERVERS:
                 observed.enter_context(observer())
             for number in numbers:
@@ -360,7 +372,7 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
         with grouped_mm_any_dtype(), unpadded, passed_checks():
             timeline = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
-                                   engine, input_options, settings.gradient_accumulation_steps)
+                                   engine, input_options, settings.gradient_accumulation_steps, device_type)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         raise UntracedStep(one_line(error)) from error
