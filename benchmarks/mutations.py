@@ -269,8 +269,8 @@ EDITS: List[Edit] = [
          "            self._layout_bytes = layout.params_bytes + layout.grads_bytes + layout.master_weights_bytes",
          "            self._layout_bytes = layout.params_bytes + layout.master_weights_bytes",
          (f"{MODEL_STATES}::test_docstring_examples_run", f"{MODEL_STATES}::test_trainer_logs_model_states_equal_to_the_plan")),
-    Edit("training/model_states_probe.py", "            if plain.is_meta:\n                continue",
-         "            if plain.is_meta and False:\n                continue", (MODEL_STATES, "-k", "not trainer")),
+    Edit("training/model_states_probe.py", "            elif plain.is_meta:\n                continue",
+         "            elif plain.is_meta and False:\n                continue", (MODEL_STATES, "-k", "not trainer")),
     Edit("training/model_states_probe.py", "        sharding = \"ddp\" if processes > 1 else \"none\"",
          "        sharding = \"none\"", (MODEL_STATES,),
          equivalent="the plan lays out `none` and `ddp` alike (every process holds the whole model), so the "
@@ -327,7 +327,8 @@ EDITS: List[Edit] = [
     # -- state/saved_tensors.py: what autograd saves, each storage once --------------------------
     Edit("state/saved_tensors.py", "            if key in self._excluded:\n                return ()\n", "",
          SAVED_TENSORS),  # the parameters counted
-    Edit("state/saved_tensors.py", "                entry[1] += 1", "                entry[1] += 2", SAVED_TENSORS),
+    Edit("state/saved_tensors.py", "            else:\n                entry[1] += 1\n        return _Saved",
+         "            else:\n                entry[1] += 2\n        return _Saved", SAVED_TENSORS),
     Edit("state/saved_tensors.py", "            if entry[1] == 0:", "            if entry[1] <= 1:", SAVED_TENSORS),
     Edit("state/saved_tensors.py", "            torch._C._autograd._pop_saved_tensors_default_hooks()", "            pass",
          SAVED_TENSORS),
