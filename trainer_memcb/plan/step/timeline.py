@@ -12,6 +12,7 @@ the tracker.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
@@ -67,6 +68,11 @@ class Timeline:
         optimizer_failure: why the optimizer could not be built under fake tensors, or None.
         notes: what the trace says of itself (the engine's, the model's).
         engine: the engine's name; optimizer_implementation: foreach, fused or single-tensor.
+        phase_starts: phase (forward, backward, optimizer step) -> the position in `events` where
+            it begins; what comes before the forward's is the model, its batch and the engine's
+            resident buffers made before the step.
+        first_matmul: phase -> the position in `events` of its first matrix multiply (where CUDA
+            makes a cuBLAS handle's workspaces); `groups["batch"]` holds the batch's storages alone.
     """
 
     events: Tuple[int, ...]
@@ -85,6 +91,8 @@ class Timeline:
     notes: Tuple[str, ...] = ()
     engine: str = "none"
     optimizer_implementation: Optional[str] = None
+    phase_starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    first_matmul: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def part_of(self, serial: int, saved: FrozenSet[int] = frozenset()) -> str:
         """The part of a storage at a moment when `saved` were saved for backward."""

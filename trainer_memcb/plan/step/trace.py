@@ -151,6 +151,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     try:
         with mode, tracker:
             tracker.phase = "forward"
+            phase_starts = {"forward": len(tracker.events)}
             kwargs: Dict[str, Any] = dict(inputs.forward)
             if labels is not None:
                 if _accepts_loss_kwargs(model):
@@ -165,12 +166,14 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
             del outputs
             activations = counter.saved_bytes
             tracker.phase = "backward"
+            phase_starts["backward"] = len(tracker.events)
             engine.backward(loss)
             del loss
             grads = tracker.serials(engine.gradients(trainable))
             forward_backward = (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)
             if build_optimizer is not None:
                 tracker.phase = "optimizer step"
+                phase_starts["optimizer step"] = len(tracker.events)
                 tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
                 try:
                     optimizer = engine.step(build_optimizer, model, trainable)
@@ -192,7 +195,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     stepped = build_optimizer is not None
     groups = {"parameters": frozenset(tracker.serials(params)), "gradients": frozenset(grads),
               "optimizer_state": frozenset(state_keys),
-              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors))}
+              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)),
+              "batch": frozenset(tracker.serials(batch_tensors))}
     timeline = Timeline(
         events=tuple(tracker.events), sizes=tracker.sizes, tags=tracker.tags, groups=groups, states={},
         host_parts=tuple(getattr(engine, "host_parts", ())), step_start=tracker.step_start,
@@ -200,7 +204,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
         optimizer_step=PhasePeak("optimizer step", optimizer_peak, tuple(optimizer_keys), frozenset(optimizer_watch))
         if stepped else None,
         state_resident=engine.state_resident, activations_bytes=activations, activations_peak_bytes=counter.peak_bytes,
-        optimizer_failure=optimizer_failure, notes=tuple(notes), engine=engine.name)
+        optimizer_failure=optimizer_failure, notes=tuple(notes), engine=engine.name,
+        phase_starts=phase_starts, first_matmul=dict(tracker.first_matmul))
     return dataclasses.replace(timeline, states=_states_of(timeline, engine))
 
 
