@@ -60,6 +60,8 @@ from trainer_memcb.cli.failures import (
 from trainer_memcb.cli.compare import compare_runs, compare_table
 from trainer_memcb.cli.estimate import (
     add_estimate_arguments,
+    apply_gpu,
+    cuda_context_bytes,
     check_options,
     estimate_model,
     estimate_plan,
@@ -268,7 +270,8 @@ def _evaluation_status(evaluation: Any) -> int:
 def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
     """The model-states plan's JSON, with the device's memory and the reserve its fits? left out."""
     if args.device_memory is not None:
-        document = {**document, "device_memory_bytes": args.device_memory, "reserve_bytes": reserve_bytes(args)}
+        document = {**document, "device_memory_bytes": args.device_memory, "reserve_bytes": reserve_bytes(args),
+                    "cuda_context_bytes": cuda_context_bytes(args)}
     return document
 
 
@@ -277,6 +280,7 @@ def _estimate(args: argparse.Namespace) -> int:
     # held back; the tables are printed afterwards.
     with quiet_output(enabled=not args.verbose):
         try:
+            apply_gpu(args)
             check_options(args)
             resolve_optimizers(args)
             evaluation = None
@@ -293,6 +297,7 @@ def _estimate(args: argparse.Namespace) -> int:
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
     memory, reserve = args.device_memory, reserve_bytes(args)
+    context = cuda_context_bytes(args) if memory is not None else 0
     if evaluation is not None and not step_asked(args):  # the evaluation plan alone
         if args.json:
             print_json({"evaluation": evaluation.to_dict()}, sys.stdout)
@@ -307,14 +312,14 @@ def _estimate(args: argparse.Namespace) -> int:
                 document["evaluation"] = evaluation.to_dict()
             print_json(document, sys.stdout)
         else:
-            print_tables(step_tables(found) + plan_tables(found["model_states"], memory, reserve)
+            print_tables(step_tables(found) + plan_tables(found["model_states"], memory, reserve, context)
                          + (eval_tables(evaluation) if evaluation else []), sys.stdout)
         status = _step_status(found)
         return _evaluation_status(evaluation) if status == EXIT_DONE and evaluation is not None else status
     if args.json:
         print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)
     else:
-        print_tables(plan_tables(result, memory, reserve) if plan_asked(args) else estimate_tables(result), sys.stdout)
+        print_tables(plan_tables(result, memory, reserve, context) if plan_asked(args) else estimate_tables(result), sys.stdout)
     return EXIT_DOES_NOT_FIT if plan_asked(args) and _states_fit(result) is False else EXIT_DONE
 
 

@@ -39,6 +39,9 @@ from trainer_memcb.plan.optimizers.whatif import (
 
 __all__ = [
     "add_estimate_arguments",
+    "alloc_conf_of",
+    "apply_gpu",
+    "cuda_context_bytes",
     "check_options",
     "reserve_bytes",
     "usable_memory",
@@ -80,14 +83,14 @@ def _size(text: str) -> int:
     return parse_size(text, "size")
 
 
-# What --reserve takes when it is not given, on a CUDA device: the memory a training process holds
-# beside its tensors. A bare torch process that has made its CUDA context shows 781 MB in
-# nvidia-smi (pytorch/pytorch#34323); cuBLAS adds a workspace per stream and handle, NCCL its
-# buffers, and the caching allocator rounds every block up to 512 bytes and keeps freed blocks.
-# 1 GiB covers the context with room for the workspaces; measure yours (`nvidia-smi` minus
-# `torch.cuda.memory_reserved()`) and give it with --reserve.
-DEFAULT_RESERVE_BYTES = {"cuda": GiB, "cpu": 0}
-DEFAULT_RESERVE_TEXT = "1GiB"
+# What --reserve takes when it is not given: nothing. On CUDA the plan models what the process holds
+# beside its tensors: the caching allocator's blocks and cache (the step's allocations replayed over
+# two steps), the cuBLAS workspaces and the CUDA context (the GPU preset's, else 426 MiB). --reserve
+# is the user's own margin for what is not modelled: NCCL's buffers with several processes,
+# scaled_dot_product_attention's CUDA workspaces, another program on the card, and the run-to-run
+# spread of the allocator's cache (published runs of one setting differ by up to 4% in nvidia-smi).
+DEFAULT_RESERVE_BYTES = {"cuda": 0, "cpu": 0}
+DEFAULT_RESERVE_TEXT = "0B"
 # --device-type's default: the step plans for a CUDA device.
 DEFAULT_DEVICE_TYPE = "cuda"
 
@@ -101,8 +104,44 @@ def reserve_bytes(args: argparse.Namespace) -> Optional[int]:
     return DEFAULT_RESERVE_BYTES[args.device_type or DEFAULT_DEVICE_TYPE]
 
 
+def cuda_context_bytes(args: argparse.Namespace) -> int:
+    """The CUDA context the process holds outside the allocator: --gpu's preset's, else the default
+    (`trainer_memcb.plan.device.gpus.DEFAULT_CUDA_CONTEXT_BYTES`); 0 with --device-type cpu."""
+    from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
+
+    if (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) != "cuda":
+        return 0
+    gpu = getattr(args, "gpu", None)
+    return gpu_preset(gpu).cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES
+
+
+def apply_gpu(args: argparse.Namespace) -> None:
+    """--gpu's memory as --device-memory when that is not given (it overrides the preset's), in place."""
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    if getattr(args, "gpu", None) is not None and args.device_memory is None:
+        args.device_memory = gpu_preset(args.gpu).total_bytes
+
+
+def alloc_conf_of(args: argparse.Namespace) -> Any:
+    """--alloc-conf, else `PYTORCH_CUDA_ALLOC_CONF` (or `PYTORCH_ALLOC_CONF`) from the environment.
+
+    Raises:
+        ValueError: the environment's setting does not parse (naming the variable and the fault).
+    """
+    from trainer_memcb.plan.device.alloc_conf import alloc_conf_from_environment
+
+    if getattr(args, "alloc_conf", None) is not None:
+        return args.alloc_conf
+    try:
+        return alloc_conf_from_environment()
+    except ValueError as error:
+        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF in the environment: {error}") from None
+
+
 def usable_memory(args: argparse.Namespace) -> Optional[int]:
-    """--device-memory less the reserve: what fits? is answered against (None without --device-memory).
+    """--device-memory less the CUDA context and the reserve: what the model states' fits? is
+    answered against and the largest batch searched in (None without --device-memory).
 
     Raises:
         ValueError: a reserve as large as the memory.
@@ -110,12 +149,43 @@ def usable_memory(args: argparse.Namespace) -> Optional[int]:
     reserve = reserve_bytes(args)
     if reserve is None:
         return None
+    reserve += cuda_context_bytes(args)
     if reserve >= args.device_memory:
-        given = (f"--reserve {format_bytes(reserve)}" if args.reserve is not None else
-                 f"the default reserve of {format_bytes(reserve)} (the CUDA context and workspaces the plan does not count)")
+        given = (f"--reserve {format_bytes(args.reserve)} with the CUDA context" if args.reserve is not None else
+                 f"the CUDA context of {format_bytes(reserve)}")
         raise ValueError(f"{given} leaves nothing of --device-memory {format_bytes(args.device_memory)}: "
                          "give a smaller --reserve (0B for none)")
     return args.device_memory - reserve
+
+
+def _alloc_conf(text: str) -> Any:
+    from trainer_memcb.plan.device.alloc_conf import parse_alloc_conf
+
+    return parse_alloc_conf(text)
+
+
+class _GpuAction(argparse.Action):
+    """--gpu NAME: the preset's name, checked as parsed; `--gpu list` prints the presets and exits 0."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
+                 option_string: Optional[str] = None) -> None:
+        from trainer_memcb.plan.device.gpus import gpu_preset, gpu_presets
+
+        if str(value).strip().lower() == "list":
+            rows = [[p.name, p.torch_name, bytes_cell(p.total_bytes), f"{p.compute_capability[0]}.{p.compute_capability[1]}",
+                     p.architecture, bytes_cell(p.cuda_context_bytes)] for p in gpu_presets()]
+            table = TextTable("GPU presets (--gpu NAME, any case)",
+                              ["name", "torch.cuda.get_device_name()", "memory (mem_get_info total)",
+                               "compute capability", "architecture", "CUDA context"], rows, text_columns=(0, 1, 4))
+            from trainer_memcb.cli.output import print_tables
+            import sys
+
+            print_tables([table], sys.stdout)
+            parser.exit(0)
+        try:
+            setattr(namespace, self.dest, gpu_preset(value).name)
+        except ValueError as error:
+            raise argparse.ArgumentError(self, str(error)) from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -219,11 +289,19 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
                       "(fp32 master weights)")
     plan.add_argument("--device-memory", metavar="SIZE", type=_checked(_size),
-                      help="accelerator memory per process, with a unit, e.g. 80GiB or 40GB: says whether it fits")
+                      help="accelerator memory per process, with a unit, e.g. 80GiB or 40GB, as "
+                           "torch.cuda.mem_get_info reports it: says whether it fits (overrides --gpu's)")
+    plan.add_argument("--gpu", metavar="NAME", action=_GpuAction,
+                      help="the GPU: its memory, CUDA context and architecture, e.g. h100, a100-80gb, rtx-4090, t4 "
+                           "(any case); '--gpu list' prints them")
+    plan.add_argument("--alloc-conf", metavar="CONF", type=_checked(_alloc_conf),
+                      help="PYTORCH_CUDA_ALLOC_CONF for the allocator replay, e.g. expandable_segments:True "
+                           "(default: the environment's PYTORCH_CUDA_ALLOC_CONF, else torch's defaults)")
     plan.add_argument("--reserve", metavar="SIZE", type=_checked(_size),
-                      help="memory of the device that the plan does not count and training cannot use (the CUDA "
-                           "context, cuBLAS and NCCL workspaces, the allocator's cache), taken from --device-memory "
-                           f"before fits? is answered (default {DEFAULT_RESERVE_TEXT} with --device-type cuda, 0B with cpu)"),
+                      help="your own margin beyond what the plan models (NCCL's buffers with several processes, "
+                           "attention's CUDA workspaces, another program on the GPU), taken from --device-memory "
+                           "with the CUDA context before fits? is answered (default 0B: the allocator's cache, the "
+                           "cuBLAS workspaces and the CUDA context are modelled)"),
     plan.add_argument("--reference-model", action="store_true",
                       help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
                            "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
@@ -282,7 +360,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
 
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
-                 "device_memory", "reference_model")
+                 "device_memory", "reference_model", "gpu")
 
 
 # Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
@@ -375,6 +453,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
 
     memory = usable_memory(args)
     device_type = args.device_type or DEFAULT_DEVICE_TYPE
+    alloc_conf = alloc_conf_of(args) if device_type == "cuda" else None
     quantization = _quantization(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
     if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
@@ -410,7 +489,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                                 dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"),
                                 target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
                                 padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
-                                quantization=quantization)[0]
+                                quantization=quantization, alloc_conf=alloc_conf, gpu=getattr(args, "gpu", None))[0]
 
     freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
     found: Optional[int] = None
