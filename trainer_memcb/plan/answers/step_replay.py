@@ -9,7 +9,9 @@ of that allocator (`trainer_memcb.plan.device.caching_allocator.CachingAllocator
   engine's resident buffers made first, in order, then the forward, the backward and the optimizer
   step, whose optimizer state (and any buffer an engine makes lazily) is made as the step reaches it.
 - **Step 2** keeps what step 1 left alive (the cache is never emptied between steps by the
-  Trainer): the optimizer state and the engine's buffers are not made again. Its batch is new: in
+  Trainer): the optimizer state and the engine's buffers are not made again. The optimizer state
+  (and ZeRO's master weights) is never freed: the trace drops its optimizer after the step, a run
+  keeps it to the end. Its batch is new: in
   transformers' `Trainer._inner_training_loop` the next batch is moved to the device by
   `get_batch_samples` (accelerate's `DataLoaderShard` sends each batch as it is yielded) while the
   list that holds the previous batch (`batch_samples`) is still alive, so the new batch's
@@ -111,6 +113,10 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
     append = calls.append
     for name, nbytes in resident.items():
         append((("alloc", ("resident", name), nbytes), "step 1, setup"))
+    # The optimizer's state (and ZeRO's master weights) lives from the step that makes it to the end
+    # of training; the trace frees it when it drops its optimizer after the step, which a run never does.
+    kept = set(timeline.groups.get("optimizer_state", ())) | {
+        serial for serial, state in timeline.states.items() if state in ("optimizer_state", "master_weights")}
     alive: Dict[int, None] = {}
     phase = "step 1, setup"
     starts = {index: f"step 1, {name}" for name, index in timeline.phase_starts.items()}
@@ -129,7 +135,7 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
         if event >= 0:
             alive[serial] = None
             append((("alloc", serial, sizes[serial]), phase))
-        else:
+        elif serial not in kept:
             del alive[serial]
             append((("free", serial), phase))
     step1_end = len(calls)
@@ -158,7 +164,7 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
                 continue
             key = live2[serial] = (2, serial)
             append((("alloc", key, sizes[serial]), phase))
-        else:
+        elif serial not in kept:
             key = live2.pop(serial, None)
             if key is not None:
                 append((("free", key), phase))
