@@ -179,3 +179,25 @@ def test_alloc_conf_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:1")
     with pytest.raises(ValueError, match="max_split_size_mb"):
         plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False)
+
+
+def test_the_evaluation_plan_uses_the_same_rule():
+    """On CUDA the evaluation's allocations are replayed too: a tiny Llama's device peak of 65,160
+    bytes needs one 2 MiB small-pool segment, so 2 MiB beside the context fits and a byte less does
+    not, though the device peak would fit."""
+    from trainer_memcb.plan.answers.eval_memory import EvalSettings, plan_eval_memory
+
+    def build():
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                num_attention_heads=2, vocab_size=100))
+
+    settings = EvalSettings(batch_size=2, samples=4, seq_len=8)
+    context = DEFAULT_CUDA_CONTEXT_BYTES
+    fits = plan_eval_memory(build, settings, device_memory=context + 2 * MiB, cuda_context_bytes=context, alloc_conf="")
+    short = plan_eval_memory(build, settings, device_memory=context + 2 * MiB - 1, cuda_context_bytes=context,
+                             alloc_conf="")
+    assert (fits.device_peak_bytes, fits.reserved_peak_bytes, fits.device_total_bytes) == (65_160, 2 * MiB,
+                                                                                           2 * MiB + context)
+    assert (fits.fits_device, short.fits_device) == (True, False)
+    assert plan_eval_memory(build, settings, device_memory=2 * MiB - 1).fits_device is True  # no CUDA: the peak

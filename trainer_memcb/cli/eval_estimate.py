@@ -120,8 +120,14 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
             model.config._attn_implementation = attention  # as the step plan traces it
         return model
 
+    from trainer_memcb.cli.estimate import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes, reserve_bytes
+
+    cuda = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
+    if device is not None:
+        device -= reserve_bytes(args) or 0  # the user's own margin
     return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
-                            model_name=args.model)
+                            model_name=args.model, cuda_context_bytes=cuda_context_bytes(args) if cuda else None,
+                            alloc_conf=alloc_conf_of(args) if cuda else None)
 
 
 def _fits(fits: Optional[bool], peak: Optional[int], memory: Optional[int]) -> str:
@@ -155,7 +161,16 @@ def eval_tables(plan: EvalMemoryPlan) -> List[TextTable]:
         rows.append(["optimizer state alive from training", bytes_cell(plan.resident_bytes)])
     rows += [
         ["device peak (model + forward + concatenation)", bytes_cell(plan.device_peak_bytes)],
-        ["fits on the device?", _fits(plan.fits_device, plan.device_peak_bytes, plan.device_memory_bytes)],
+    ]
+    if plan.reserved_peak_bytes is not None:
+        rows += [["reserved peak (caching allocator)", bytes_cell(plan.reserved_peak_bytes)],
+                 ["device total (nvidia-smi, with the CUDA context)", bytes_cell(plan.device_total_bytes)]]
+    # On CUDA the margin is what the allocator may take (the memory less the context) less the reserved peak.
+    device_figure, device_room = plan.device_peak_bytes, plan.device_memory_bytes
+    if plan.reserved_peak_bytes is not None and device_room is not None:
+        device_figure, device_room = plan.reserved_peak_bytes, device_room - plan.cuda_context_bytes
+    rows += [
+        ["fits on the device?", _fits(plan.fits_device, device_figure, device_room)],
         ["fits on the host?", _fits(plan.fits_host, plan.host_peak_bytes, plan.host_memory_bytes)],
     ]
     per_sample = ", ".join(f"{name} {value:,}" for name, value in plan.per_sample_bytes.items())
