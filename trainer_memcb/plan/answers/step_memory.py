@@ -5,9 +5,11 @@ during the step, and fits? against the device's memory, read from the traced ste
 it (`trainer_memcb.plan.step.trace`: what is traced and how it is counted), and reads the answer:
 the step's peak is `max(peak of forward and backward + optimizer state, peak of the optimizer
 step)`, the peak of every step after the first; what lives on the host (offload) is left out of
-the device's peak; a frozen reference model is added; fits? is answered against the device's
-memory less the reserve. `states_during_step` puts the step's own figures in the model-states
-table.
+the device's peak; a frozen reference model is added. On CUDA the step's allocations are replayed
+over two steps through the caching allocator (`trainer_memcb.plan.answers.step_replay`): the
+reserved peak, the fragmentation and the device total, and fits? from that replay on the device's
+memory less the CUDA context and the reserve; on the CPU, fits? is the peak against the memory less
+the reserve. `states_during_step` puts the step's own figures in the model-states table.
 """
 
 from __future__ import annotations
