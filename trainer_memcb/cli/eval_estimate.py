@@ -120,7 +120,7 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
             model.config._attn_implementation = attention  # as the step plan traces it
         return model
 
-    from trainer_memcb.cli.estimate import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes, reserve_bytes
+    from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes, reserve_bytes
 
     cuda = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
     if device is not None:
