@@ -182,7 +182,8 @@ def test_a_config_json_path_is_read_as_its_folder(capsys):
                                    "(the step plan)"),
     (["--attn-implementation", "eager"], "--attn-implementation has no effect without --batch-size, "
                                          "--max-batch-size (the step plan) or --eval-samples"),
-    (["--device-type", "cpu"], "--device-type has no effect without --batch-size or --max-batch-size (the step plan)"),
+    (["--device-type", "cpu"], "--device-type has no effect without --batch-size, --max-batch-size (the step plan) "
+                               "or --eval-samples"),
     (["--reserve", "1GiB"], "--reserve has no effect without --device-memory (the reserve is taken from it)"),
     (["--world-size", "2", "--reserve", "1GiB"], "--reserve has no effect without --device-memory (the reserve is "
                                                  "taken from it)"),
