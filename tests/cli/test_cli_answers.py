@@ -72,7 +72,8 @@ def test_max_batch_size_of_a_step_that_cannot_be_traced_says_so_and_why(untracea
     assert problem.startswith("at batch 1 the step cannot run under fake tensors (DataDependentOutputException: "
                               "aten._local_scalar_dense.default)")
     assert document["max_batch_size"] is None
-    assert document["searched"] == [{"batch_size": 1, "peak_bytes": None, "fits": None}]
+    assert document["searched"] == [{"batch_size": 1, "peak_bytes": None, "reserved_peak_bytes": None,
+                                     "device_total_bytes": None, "fits": None}]
     code, out, err = run(argv, capsys)
     assert (code, err) == (5, "")
     assert f"No largest batch: {problem}; only the model states are planned" in out.splitlines()
@@ -181,19 +182,19 @@ def test_a_config_json_path_is_read_as_its_folder(capsys):
                                    "(the step plan)"),
     (["--attn-implementation", "eager"], "--attn-implementation has no effect without --batch-size, "
                                          "--max-batch-size (the step plan) or --eval-samples"),
-    (["--device-type", "cpu"], "--device-type has no effect without --batch-size or --max-batch-size (the step plan)"),
+    (["--device-type", "cpu"], "--device-type has no effect without --batch-size, --max-batch-size (the step plan) "
+                               "or --eval-samples"),
     (["--reserve", "1GiB"], "--reserve has no effect without --device-memory (the reserve is taken from it)"),
     (["--world-size", "2", "--reserve", "1GiB"], "--reserve has no effect without --device-memory (the reserve is "
                                                  "taken from it)"),
-    (["--device-memory", "512MiB"], "the default reserve of 1.00 GiB (the CUDA context and workspaces the plan does "
-                                    "not count) leaves nothing of --device-memory 512.0 MiB: give a smaller --reserve "
-                                    "(0B for none)"),
-    # A reserve exactly as large as the memory leaves 0 bytes: refused too, never "fits? against 0 B".
-    (["--device-memory", "1GiB"], "the default reserve of 1.00 GiB (the CUDA context and workspaces the plan does "
-                                  "not count) leaves nothing of --device-memory 1.00 GiB: give a smaller --reserve "
-                                  "(0B for none)"),
-    (["--device-memory", "4096B", "--reserve", "4KiB"], "--reserve 4.0 KiB leaves nothing of --device-memory 4.0 KiB: "
-                                                        "give a smaller --reserve (0B for none)"),
+    (["--device-memory", "256MiB"], "the CUDA context of 426.0 MiB leaves nothing of --device-memory 256.0 MiB: give "
+                                    "a smaller --reserve (0B for none)"),
+    # A context exactly as large as the memory leaves 0 bytes: refused too, never "fits? against 0 B".
+    (["--device-memory", "426MiB"], "the CUDA context of 426.0 MiB leaves nothing of --device-memory 426.0 MiB: give "
+                                    "a smaller --reserve (0B for none)"),
+    (["--device-memory", "430MiB", "--reserve", "4MiB"], "--reserve 4.0 MiB with the CUDA context leaves nothing of "
+                                                          "--device-memory 430.0 MiB: give a smaller --reserve (0B for "
+                                                          "none)"),
     # With --eval-samples, --seq-len and --attn-implementation shape the evaluation's batches; the
     # training step's own options still need the step plan.
     (["--eval-samples", "8", "--seq-len", "8", "--gradient-checkpointing"],
@@ -262,15 +263,18 @@ def test_the_8bit_torchao_optimizer_gets_its_own_reason(monkeypatch):
 
 
 def test_the_exit_status_answers_fits_for_the_model_states(capsys):
-    # tiny-distilbert with AdamW: 7,272,640 bytes of model states; Adafactor 3,673,536.
+    # tiny-distilbert with AdamW: 7,272,640 bytes of model states; Adafactor 3,673,536. The CUDA
+    # context (426 MiB without --gpu, 446,693,376 bytes) is taken from the memory first.
+    context = 446_693_376
     base = ["estimate", TINY_DISTILBERT, "--optimizers", "adamw", "--device-memory"]
-    assert run_json(base + ["7272640B", "--reserve", "0B"], capsys)["optimizers"][0]["margin_bytes"] == 0
-    document = run_json(base + ["7272640B", "--reserve", "1B"], capsys, expected_code=3)
-    assert (document["device_memory_bytes"], document["reserve_bytes"]) == (7_272_640, 1)
+    assert run_json(base + [f"{context + 7272640}B"], capsys)["optimizers"][0]["margin_bytes"] == 0
+    document = run_json(base + [f"{context + 7272640}B", "--reserve", "1B"], capsys, expected_code=3)
+    assert (document["device_memory_bytes"], document["reserve_bytes"]) == (context + 7_272_640, 1)
+    assert document["cuda_context_bytes"] == context
     assert document["optimizers"][0]["margin_bytes"] == -1
     # Several optimizers: 3 when any of them does not fit.
-    code, out, _ = run(["estimate", TINY_DISTILBERT, "--optimizers", "adamw,adafactor", "--device-memory", "5MiB",
-                        "--reserve", "0B"], capsys)
+    code, out, _ = run(["estimate", TINY_DISTILBERT, "--optimizers", "adamw,adafactor", "--device-memory", "431MiB"],
+                       capsys)
     assert code == 3 and "fits, 1.5 MiB (1,569,344) to spare" in out and "does not fit, 1.9 MiB (2,029,760) short" in out
     # Without --device-memory no question is asked: 0.
     assert run(["estimate", TINY_DISTILBERT, "--world-size", "2"], capsys)[0] == 0
@@ -295,26 +299,22 @@ def test_the_default_reserve_on_cuda_and_the_step_table_say_what_is_not_counted(
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw", "--batch-size", "1", "--seq-len", "1",
             "--device-memory", "2GiB"]
     step = run_json(argv, capsys)["step"]
-    assert (step["device_type"], step["reserve_bytes"]) == ("cuda", 2**30)
-    assert step["margin_bytes"] == 2**30 - step["peak_bytes"]
-    assert step["not_counted"] == [
-        "the CUDA context (hundreds of MiB per process)", "cuBLAS and NCCL workspaces",
-        "the caching allocator's rounding of each block up to 512 bytes, and the freed blocks it keeps cached "
-        "(fragmentation)"]
+    assert (step["device_type"], step["reserve_bytes"], step["cuda_context_bytes"]) == ("cuda", 0, 446_693_376)
+    assert step["margin_bytes"] == 2**30 * 2 - 446_693_376 - step["reserved_peak_bytes"]
+    assert step["not_counted"] == list(NOT_COUNTED["cuda"])
     code, out, _ = run(argv, capsys)
     lines = out.splitlines()
     assert code == 0
-    assert ("Not counted, left to --reserve: the CUDA context (hundreds of MiB per process); cuBLAS and NCCL "
-            "workspaces; the caching allocator's rounding of each block up to 512 bytes, and the freed blocks it keeps "
-            "cached (fragmentation)") in lines
-    assert [line.split() for line in lines if line.startswith(("reserve", "fits? against", "device memory"))][:3] == [
-        ["device", "memory", "2.00", "GiB", "(2,147,483,648)"], ["reserve", "(--reserve)", "1.00", "GiB", "(1,073,741,824)"],
-        ["fits?", "against", "1.00", "GiB", "(1,073,741,824)"]]
+    assert ("Not counted, left to --reserve: " + "; ".join(NOT_COUNTED["cuda"])) in lines
+    assert [line.split() for line in lines if line.startswith(("reserve", "fits? against", "device memory",
+                                                               "CUDA context"))][:4] == [
+        ["device", "memory", "2.00", "GiB", "(2,147,483,648)"], ["CUDA", "context", "426.0", "MiB", "(446,693,376)"],
+        ["reserve", "(--reserve)", "0", "B", "(0)"], ["fits?", "against", "1.58", "GiB", "(1,700,790,272)"]]
 
 
 def test_max_batch_size_exits_3_when_no_batch_fits(tiny_llama_dir, capsys):
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw", "--max-batch-size", "--seq-len", "1",
-            "--device-memory", "1MiB", "--reserve", "0B"]
+            "--device-memory", "427MiB"]  # 1 MiB beside the CUDA context: not the cuBLAS workspaces
     document = run_json(argv, capsys, expected_code=3)
     assert (document["max_batch_size"], document["max_batch_size_problem"]) == (None, None)
     code, out, _ = run(argv, capsys)

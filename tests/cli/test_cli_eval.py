@@ -61,8 +61,10 @@ def test_the_plan_through_training_args_equals_a_real_run_to_the_byte(tiny_llama
 
 
 def test_too_much_for_the_device_says_why_and_what_would_fit(tiny_llama_dir: str, capsys: Any) -> None:
+    # --device-type cpu: fits? from the device peak itself (on CUDA, from the allocator replay:
+    # test_the_evaluation_on_cuda_is_answered_by_the_allocator_replay).
     argv = ["estimate", tiny_llama_dir, "--eval-samples", "64", "--seq-len", "12", "--eval-batch-size", "4",
-            "--attn-implementation", "eager"]
+            "--attn-implementation", "eager", "--device-type", "cpu"]
     assert main(argv + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["evaluation"]
     memory = plan["device_peak_bytes"] - 1
@@ -96,3 +98,19 @@ def test_bad_evaluation_options_are_one_line_and_exit_2(tiny_llama_dir: str, cap
     assert main(["estimate", tiny_llama_dir] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_evaluation_on_cuda_is_answered_by_the_allocator_replay(tiny_llama_dir: str, capsys: Any) -> None:
+    argv = ["estimate", tiny_llama_dir, "--eval-samples", "64", "--seq-len", "12", "--eval-batch-size", "4",
+            "--attn-implementation", "eager", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["evaluation"]
+    context = plan["cuda_context_bytes"]
+    assert context == 446_693_376 and plan["device_total_bytes"] == plan["reserved_peak_bytes"] + context
+    room = context + plan["reserved_peak_bytes"]
+    assert main(argv + ["--device-memory", f"{room}B"]) == 0
+    assert json.loads(capsys.readouterr().out)["evaluation"]["fits_device"] is True
+    # Room for the device peak beside the context, not for the segments it needs: does not fit.
+    assert plan["device_peak_bytes"] < 2 * 1024 ** 2 <= plan["reserved_peak_bytes"]
+    assert main(argv + ["--device-memory", f"{context + plan['device_peak_bytes']}B"]) == 3
+    assert json.loads(capsys.readouterr().out)["evaluation"]["fits_device"] is False

@@ -59,6 +59,7 @@ from trainer_memcb.cli.failures import (
     say,
 )
 from trainer_memcb.cli.choices import DEFAULT_METRICS
+from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes
 from trainer_memcb.cli.estimate import add_estimate_arguments, check_options, needs_peft, plan_asked, reserve_bytes, step_asked
 from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.fit_options import check_fit_options
@@ -345,12 +346,14 @@ def _without_verdict(states: Any) -> Any:
 def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
     """The model-states plan's JSON, with the device's memory and the reserve its fits? left out."""
     if args.device_memory is not None:
-        document = {**document, "device_memory_bytes": args.device_memory, "reserve_bytes": reserve_bytes(args)}
+        document = {**document, "device_memory_bytes": args.device_memory, "reserve_bytes": reserve_bytes(args),
+                    "cuda_context_bytes": cuda_context_bytes(args)}
     return document
 
 
 def _estimate(args: argparse.Namespace) -> int:
     try:  # the command line alone, before torch and transformers are imported
+        apply_gpu(args)  # the preset's memory, unless --device-memory gives it
         check_options(args)
         check_fit_options(args, step_asked(args), eval_asked(args))
     except ValueError as error:
@@ -389,6 +392,7 @@ def _estimate(args: argparse.Namespace) -> int:
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
     memory, reserve = args.device_memory, reserve_bytes(args)
+    context = cuda_context_bytes(args) if memory is not None else 0
     if evaluation is not None and not step_asked(args):  # the evaluation plan alone
         if args.json:
             print_json({"evaluation": evaluation.to_dict(),
@@ -414,7 +418,7 @@ def _estimate(args: argparse.Namespace) -> int:
             print_json(document, sys.stdout)
         else:
             states = (plan_tables(found["model_states"], verdict=False) if one_verdict
-                      else plan_tables(found["model_states"], memory, reserve))
+                      else plan_tables(found["model_states"], memory, reserve, context=context))
             print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else [])
                          + (fit_tables(found["fit"]) if found.get("fit") is not None else [])
                          + (fit_tables(evaluation_fit, evaluation=True) if evaluation_fit else []), sys.stdout)
@@ -433,7 +437,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.json:
         print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)
     else:
-        print_tables(plan_tables(result, memory, reserve) if plan_asked(args) else estimate_tables(result), sys.stdout)
+        print_tables(plan_tables(result, memory, reserve, context) if plan_asked(args) else estimate_tables(result), sys.stdout)
     return EXIT_DOES_NOT_FIT if plan_asked(args) and _states_fit(result) is False else EXIT_DONE
 
 

@@ -19,10 +19,17 @@ from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN, add_eval_arguments
 from trainer_memcb.cli.fit_options import add_fit_arguments
+from trainer_memcb.cli.device_options import (
+    DEFAULT_DEVICE_TYPE,
+    alloc_conf_of,
+    apply_gpu,
+    cuda_context_bytes,
+    reserve_bytes,
+)
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
-from trainer_memcb.utils.units import GiB, format_bytes, parse_size
+from trainer_memcb.utils.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
@@ -32,6 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_estimate_arguments",
+    "alloc_conf_of",
+    "apply_gpu",
+    "cuda_context_bytes",
     "check_options",
     "reserve_bytes",
     "usable_memory",
@@ -81,29 +91,9 @@ def _memory(text: str) -> int:
     return size
 
 
-# What --reserve takes when it is not given, on a CUDA device: the memory a training process holds
-# beside its tensors. A bare torch process that has made its CUDA context shows 781 MB in
-# nvidia-smi (pytorch/pytorch#34323); cuBLAS adds a workspace per stream and handle, NCCL its
-# buffers, and the caching allocator rounds every block up to 512 bytes and keeps freed blocks.
-# 1 GiB covers the context with room for the workspaces; measure yours (`nvidia-smi` minus
-# `torch.cuda.memory_reserved()`) and give it with --reserve.
-DEFAULT_RESERVE_BYTES = {"cuda": GiB, "cpu": 0}
-DEFAULT_RESERVE_TEXT = "1GiB"
-# --device-type's default: the step plans for a CUDA device.
-DEFAULT_DEVICE_TYPE = "cuda"
-
-
-def reserve_bytes(args: argparse.Namespace) -> Optional[int]:
-    """The reserve taken from --device-memory (None without --device-memory)."""
-    if args.device_memory is None:
-        return None
-    if args.reserve is not None:
-        return args.reserve
-    return DEFAULT_RESERVE_BYTES[args.device_type or DEFAULT_DEVICE_TYPE]
-
-
 def usable_memory(args: argparse.Namespace) -> Optional[int]:
-    """--device-memory less the reserve: what fits? is answered against (None without --device-memory).
+    """--device-memory less the CUDA context and the reserve: what the model states' fits? is
+    answered against and the largest batch searched in (None without --device-memory).
 
     Raises:
         ValueError: a reserve as large as the memory.
@@ -111,12 +101,43 @@ def usable_memory(args: argparse.Namespace) -> Optional[int]:
     reserve = reserve_bytes(args)
     if reserve is None:
         return None
+    reserve += cuda_context_bytes(args)
     if reserve >= args.device_memory:
-        given = (f"--reserve {format_bytes(reserve)}" if args.reserve is not None else
-                 f"the default reserve of {format_bytes(reserve)} (the CUDA context and workspaces the plan does not count)")
+        given = (f"--reserve {format_bytes(args.reserve)} with the CUDA context" if args.reserve is not None else
+                 f"the CUDA context of {format_bytes(reserve)}")
         raise ValueError(f"{given} leaves nothing of --device-memory {format_bytes(args.device_memory)}: "
                          "give a smaller --reserve (0B for none)")
     return args.device_memory - reserve
+
+
+def _alloc_conf(text: str) -> Any:
+    from trainer_memcb.plan.device.alloc_conf import parse_alloc_conf
+
+    return parse_alloc_conf(text)
+
+
+class _GpuAction(argparse.Action):
+    """--gpu NAME: the preset's name, checked as parsed; `--gpu list` prints the presets and exits 0."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
+                 option_string: Optional[str] = None) -> None:
+        from trainer_memcb.plan.device.gpus import gpu_preset, gpu_presets
+
+        if str(value).strip().lower() == "list":
+            rows = [[p.name, p.torch_name, bytes_cell(p.total_bytes), f"{p.compute_capability[0]}.{p.compute_capability[1]}",
+                     p.architecture, bytes_cell(p.cuda_context_bytes)] for p in gpu_presets()]
+            table = TextTable("GPU presets (--gpu NAME, any case)",
+                              ["name", "torch.cuda.get_device_name()", "memory (mem_get_info total)",
+                               "compute capability", "architecture", "CUDA context"], rows, text_columns=(0, 1, 4))
+            from trainer_memcb.cli.output import print_tables
+            import sys
+
+            print_tables([table], sys.stdout)
+            parser.exit(0)
+        try:
+            setattr(namespace, self.dest, gpu_preset(value).name)
+        except ValueError as error:
+            raise argparse.ArgumentError(self, str(error)) from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -222,11 +243,19 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       "(Trainer bf16=True/fp16=True), bf16/fp16 (model loaded in bf16/fp16), deepspeed-bf16/fp16 "
                       "(fp32 master weights)")
     plan.add_argument("--device-memory", metavar="SIZE", type=_checked(_memory),
-                      help="accelerator memory per process, with a unit, e.g. 80GiB or 40GB: says whether it fits")
+                      help="accelerator memory per process, with a unit, e.g. 80GiB or 40GB, as "
+                           "torch.cuda.mem_get_info reports it: says whether it fits (overrides --gpu's)")
+    plan.add_argument("--gpu", metavar="NAME", action=_GpuAction,
+                      help="the GPU: its memory, CUDA context and architecture, e.g. h100, a100-80gb, rtx-4090, t4 "
+                           "(any case); '--gpu list' prints them")
+    plan.add_argument("--alloc-conf", metavar="CONF", type=_checked(_alloc_conf),
+                      help="PYTORCH_CUDA_ALLOC_CONF for the allocator replay, e.g. expandable_segments:True "
+                           "(default: the environment's PYTORCH_CUDA_ALLOC_CONF, else torch's defaults)")
     plan.add_argument("--reserve", metavar="SIZE", type=_checked(_size),
-                      help="memory of the device that the plan does not count and training cannot use (the CUDA "
-                           "context, cuBLAS and NCCL workspaces, the allocator's cache), taken from --device-memory "
-                           f"before fits? is answered (default {DEFAULT_RESERVE_TEXT} with --device-type cuda, 0B with cpu)"),
+                      help="your own margin beyond what the plan models (NCCL's buffers with several processes, "
+                           "attention's CUDA workspaces, another program on the GPU), taken from --device-memory "
+                           "with the CUDA context before fits? is answered (default 0B: the allocator's cache, the "
+                           "cuBLAS workspaces and the CUDA context are modelled)"),
     plan.add_argument("--reference-model", action="store_true",
                       help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
                            "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
@@ -289,7 +318,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
 
 # Any of these turns `estimate` into the model-states plan.
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
-                 "device_memory", "reference_model", "replicate")
+                 "device_memory", "reference_model", "replicate", "gpu")
 # So do the engines' config files, read for the plan's setup as the step plan reads them.
 _ENGINE_FILES = ("deepspeed", "fsdp_config")
 
@@ -303,8 +332,8 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
                  ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),
                  ("gradient_as_bucket_view", "--gradient-as-bucket-view"))
-_EVAL_OPTIONS = ("seq_len", "attn_implementation")
-_EVAL_FLAGS = ("--seq-len", "--attn-implementation")
+_EVAL_OPTIONS = ("seq_len", "attn_implementation", "device_type")
+_EVAL_FLAGS = ("--seq-len", "--attn-implementation", "--device-type")
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -445,6 +474,7 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
 
     memory = usable_memory(args)
     device_type = args.device_type or DEFAULT_DEVICE_TYPE
+    alloc_conf = alloc_conf_of(args) if device_type == "cuda" else None
     quantization = _quantization(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
     if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
@@ -491,7 +521,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
                                 states_plan=states_plan or states,
                                 dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"),
                                 target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
-                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes)[0]
+                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
+                                alloc_conf=alloc_conf, gpu=getattr(args, "gpu", None))[0]
 
     freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
     found: Optional[int] = None

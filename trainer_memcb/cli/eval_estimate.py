@@ -164,13 +164,18 @@ def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[Mo
     device = parse_size(args.device_memory) if args.device_memory is not None else None
     host = parse_size(args.host_memory) if args.host_memory is not None else None
     attention = getattr(args, "attn_implementation", None)
+    from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes
+
+    cuda = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
 
     def plan(settings: EvalSettings) -> EvalMemoryPlan:
         def build() -> Any:
             return _traced_model(build_model, attention, settings)
 
         return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
-                                model_name=args.model, reserve_bytes=reserve)
+                                model_name=args.model, reserve_bytes=reserve,
+                                cuda_context_bytes=cuda_context_bytes(args) if cuda else None,
+                                alloc_conf=alloc_conf_of(args) if cuda else None)
 
     return plan
 
@@ -233,11 +238,18 @@ def eval_tables(plan: EvalMemoryPlan) -> List[TextTable]:
         ["device peak (model + forward + concatenation)", bytes_cell(plan.device_peak_bytes)],
     ]
     if plan.device_memory_bytes is not None:
-        rows.append(["reserve (not usable: CUDA context, workspaces)", bytes_cell(plan.reserve_bytes or 0)])
+        rows.append(["reserve (your own margin)", bytes_cell(plan.reserve_bytes or 0)])
+    if plan.reserved_peak_bytes is not None:
+        rows += [["reserved peak (caching allocator)", bytes_cell(plan.reserved_peak_bytes)],
+                 ["device total (nvidia-smi, with the CUDA context)", bytes_cell(plan.device_total_bytes)]]
+    # On CUDA the margin is what the allocator may take (the memory less the reserve and the
+    # context) less the reserved peak.
+    device_figure = plan.device_peak_bytes
+    device_room = None if plan.device_memory_bytes is None else plan.device_memory_bytes - (plan.reserve_bytes or 0)
+    if plan.reserved_peak_bytes is not None and device_room is not None:
+        device_figure, device_room = plan.reserved_peak_bytes, device_room - plan.cuda_context_bytes
     rows += [
-        ["fits on the device?", _fits(plan.fits_device, plan.device_peak_bytes,
-                                      None if plan.device_memory_bytes is None
-                                      else plan.device_memory_bytes - (plan.reserve_bytes or 0))],
+        ["fits on the device?", _fits(plan.fits_device, device_figure, device_room)],
         ["fits on the host?", _fits(plan.fits_host, plan.host_peak_bytes, plan.host_memory_bytes)],
     ]
     per_sample = ", ".join(f"{name} {value:,}" for name, value in plan.per_sample_bytes.items())

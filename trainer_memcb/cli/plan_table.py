@@ -20,21 +20,24 @@ def _fits(plan: ModelStatesPlan, entry) -> str:
     return f"fits, {margin} to spare" if entry.fits else f"does not fit, {margin} short"
 
 
-def _memory_rows(device_memory: Optional[int], reserve: Optional[int]) -> List[List[str]]:
+def _memory_rows(device_memory: Optional[int], reserve: Optional[int], context: int = 0) -> List[List[str]]:
     rows = [["device memory", bytes_cell(device_memory)]]
     if device_memory is not None and reserve is not None:
-        rows += [["reserve (--reserve)", bytes_cell(reserve)], ["fits? against", bytes_cell(device_memory - reserve)]]
+        if context:
+            rows.append(["CUDA context", bytes_cell(context)])
+        rows += [["reserve (--reserve)", bytes_cell(reserve)],
+                 ["fits? against", bytes_cell(device_memory - context - reserve)]]
     return rows
 
 
 def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
-                reserve: Optional[int] = None, verdict: bool = True) -> List[TextTable]:
+                reserve: Optional[int] = None, verdict: bool = True, context: int = 0) -> List[TextTable]:
     """The setup, then one row per optimizer: the four states of the fullest process and where they live.
 
     Args:
         plan: the model-states plan (its fits? answered against `device_memory - reserve`).
-        device_memory, reserve: the device's memory and the reserve, shown; None shows the plan's
-            own `device_memory_bytes`.
+        device_memory, reserve, context: the device's memory, the reserve and the CUDA context,
+            shown; None shows the plan's own `device_memory_bytes`.
         verdict: False beside a step plan that answers fits?: no memory rows and no fits? column,
             so that the output holds one verdict, the step's.
     """
@@ -49,7 +52,7 @@ def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
         ["sharding", setup.sharding],
         ["precision", setup.precision],
         ["offload to CPU", ", ".join(offload) or "none"],
-    ] + (_memory_rows(device_memory, reserve) if verdict else []) + ([["reference model (frozen copy)", plan.reference_model_note
+    ] + (_memory_rows(device_memory, reserve, context) if verdict else []) + ([["reference model (frozen copy)", plan.reference_model_note
            or bytes_cell(plan.optimizers[0].reference_model_bytes if plan.optimizers else None)]]
          if plan.reference_model else []))
     rows = []
@@ -125,7 +128,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             ["optimizer step", step.optimizer],
         ]
         if step.device_memory_bytes is not None:
-            about += _memory_rows(step.device_memory_bytes, step.reserve_bytes)
+            about += _memory_rows(step.device_memory_bytes, step.reserve_bytes, step.cuda_context_bytes or 0)
         if step.problem is not None:
             about.append(["problem", step.problem + "; only the model states are planned"])
             tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about))
@@ -137,6 +140,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
                           if step.gradient_accumulation_steps > 1 and step.peak_micro_batch is not None else
                           f" (after {step.gradient_accumulation_steps} micro-batches)"
                           if step.gradient_accumulation_steps > 1 else "")]]
+            about += _allocator_rows(step)
             if step.fits is not None:
                 margin = bytes_cell(abs(step.margin_bytes))
                 about.append(["fits?", f"fits, {margin} to spare" if step.fits else f"does not fit, {margin} short"])
@@ -151,7 +155,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
                                     f"{step.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
                                     text_columns=(0, 1, 2)))
     if found.get("search"):
-        rows = [[str(plan.batch_size), bytes_cell(plan.peak_bytes),
+        rows = [[str(plan.batch_size), bytes_cell(plan.peak_bytes), bytes_cell(plan.reserved_peak_bytes),
                  "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found["searched"]]
         best, problem = found.get("max_batch_size"), found.get("max_batch_size_problem")
         if problem is not None:
@@ -163,7 +167,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             title = f"Largest per-device batch that fits: {best}"
         else:
             title = "No batch fits (not even 1)"
-        tables.append(TextTable(title, ["batch", "step peak", "fits?"], rows))
+        tables.append(TextTable(title, ["batch", "step peak", "reserved peak", "fits?"], rows))
     return tables
 
 
@@ -175,6 +179,21 @@ def _setting_cell(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     return str(value)
+
+
+def _allocator_rows(step: Any) -> List[List[str]]:
+    """The allocator replay's figures beside the allocated peak (CUDA only)."""
+    if step.reserved_peak_bytes is None:
+        return []
+    rows = [["allocated peak (caching allocator)",
+             f"{bytes_cell(step.allocator_allocated_peak_bytes)} (blocks rounded, cuBLAS workspaces "
+             f"{bytes_cell(step.cuda_workspace_bytes)})"],
+            ["reserved peak (two steps replayed)", f"{bytes_cell(step.reserved_peak_bytes)}, fragmentation "
+             f"{bytes_cell(step.fragmentation_bytes)} at that peak"
+             + (f", PYTORCH_CUDA_ALLOC_CONF={step.alloc_conf}" if step.alloc_conf else "")],
+            ["device total (nvidia-smi)", f"{bytes_cell(step.device_total_bytes)} (CUDA context "
+             f"{bytes_cell(step.cuda_context_bytes)}{', ' + step.gpu if step.gpu else ''})"]]
+    return rows
 
 
 def _not_counted(step: Any) -> str:
@@ -193,6 +212,8 @@ def step_json(found: Dict[str, Any]) -> Dict[str, Any]:
         document["max_batch_size_problem"] = found.get("max_batch_size_problem")
         # True: max_batch_size is the search's limit, which fits; larger batches were not tried.
         document["max_batch_size_is_search_limit"] = bool(found.get("max_batch_size_is_search_limit"))
-        document["searched"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes, "fits": p.fits}
+        document["searched"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes,
+                                 "reserved_peak_bytes": p.reserved_peak_bytes,
+                                 "device_total_bytes": p.device_total_bytes, "fits": p.fits}
                                 for p in found["searched"]]
     return document

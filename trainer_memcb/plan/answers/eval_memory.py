@@ -133,9 +133,14 @@ class EvalMemoryPlan:
         model_bytes: parameters and buffers; resident_bytes: what else stays alive (optimizer state).
         device_peak_bytes, host_peak_bytes: the peaks compared with the memories given.
         fits_device, fits_host: against `device_memory_bytes` less `reserve_bytes`, and
-            `host_memory_bytes` (None: not given).
-        reserve_bytes: the part of the device's memory evaluation cannot use (the CUDA context, the
-            libraries' workspaces), as the step plan takes it.
+            `host_memory_bytes` (None: not given). With `cuda_context_bytes` (a CUDA device),
+            fits_device is the allocator replay's answer: the model, the resident bytes, the batch,
+            the containers at their concatenation peak and the forward's storages replayed through the
+            caching allocator with the device's memory less the context and the reserve; it does not
+            fit when the replay runs out.
+        reserve_bytes: the user's own margin of the device's memory, beyond what is modelled.
+        reserved_peak_bytes, cuda_context_bytes, device_total_bytes: that replay's reserved peak,
+            the context, and their sum (what nvidia-smi shows); None without a CUDA context.
         advice: when something does not fit, one line: why, and what would make it fit.
         problem: why the forward could not be traced (then no figure), or None.
     """
@@ -159,6 +164,9 @@ class EvalMemoryPlan:
     reserve_bytes: Optional[int] = None
     advice: List[str] = field(default_factory=list)
     problem: Optional[str] = None
+    reserved_peak_bytes: Optional[int] = None
+    cuda_context_bytes: Optional[int] = None
+    device_total_bytes: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -258,7 +266,8 @@ def _per_sample(forward: EvalForward, settings: EvalSettings) -> Tuple[Dict[str,
 def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSettings, *,
                      device_memory: Optional[int] = None, host_memory: Optional[int] = None,
                      resident_bytes: int = 0, model_name: Optional[str] = None,
-                     reserve_bytes: int = 0) -> EvalMemoryPlan:
+                     reserve_bytes: int = 0, cuda_context_bytes: Optional[int] = None,
+                     alloc_conf: Any = None) -> EvalMemoryPlan:
     """Plan evaluation's memory on one process.
 
     Args:
@@ -269,9 +278,14 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         resident_bytes: device bytes alive beside the model while evaluating (the optimizer state,
             when evaluation runs inside `train()`).
         model_name: for the plan's title.
-        reserve_bytes: the part of `device_memory` evaluation cannot use (the CUDA context, the
-            libraries' workspaces): "fits?" is answered against `device_memory - reserve_bytes`,
-            as the step plan's.
+        reserve_bytes: the user's own margin of `device_memory`, beyond what is modelled: "fits?"
+            is answered against `device_memory - reserve_bytes` (less the context on CUDA), as the
+            step plan's.
+
+        cuda_context_bytes: on a CUDA device, the context the process holds outside the allocator:
+            fits_device then comes from the allocator replay (see `EvalMemoryPlan`); None: the
+            device peak against `device_memory`.
+        alloc_conf: `PYTORCH_CUDA_ALLOC_CONF` for that replay (None: torch's defaults).
 
     Raises:
         ValueError: a reserve that is not a whole number of bytes, or as large as `device_memory`.
@@ -323,18 +337,57 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     peak = device_peak(settings)
     host_peak = figures["host_concat_peak_bytes"]
     fits_device = None if usable is None else peak <= usable
+    allocator: Dict[str, Any] = {}
+    if cuda_context_bytes is not None:
+        limit = None if usable is None else max(0, usable - cuda_context_bytes)
+        replayed = _replay(forward, resident_bytes, figures["concat_peak_bytes"], alloc_conf, limit)
+        allocator = dict(reserved_peak_bytes=replayed.reserved_peak_bytes, cuda_context_bytes=cuda_context_bytes,
+                         device_total_bytes=replayed.reserved_peak_bytes + cuda_context_bytes)
+        if limit is not None:
+            fits_device = replayed.oom is None
     fits_host = None if host_memory is None else host_peak <= host_memory
     plan = EvalMemoryPlan(model=name, settings=settings, forward_peak_bytes=forward.peak_bytes,
                           per_sample_bytes={**per_sample, **({"losses": forward.loss_bytes} if forward.loss_bytes else {})},
                           model_bytes=forward.model_bytes, resident_bytes=resident_bytes, device_peak_bytes=peak,
                           host_peak_bytes=host_peak, device_memory_bytes=device_memory, host_memory_bytes=host_memory,
-                          fits_device=fits_device, fits_host=fits_host, reserve_bytes=reserve, **figures)
+                          fits_device=fits_device, fits_host=fits_host, reserve_bytes=reserve, **allocator, **figures)
     advice = []
     if fits_device is False:
-        advice.append(_device_advice(plan, figures_for, device_peak, usable))
+        room = usable
+        if allocator:
+            # What the allocator leaves for the peak's bytes: the memory less the reserve, the
+            # context and the replay's overhead (reserved beyond the device peak).
+            room = usable - cuda_context_bytes - max(0, allocator["reserved_peak_bytes"] - peak)
+        advice.append(_device_advice(plan, figures_for, device_peak, room))
     if fits_host is False:
         advice.append(_host_advice(plan, figures_for, host_memory))
     return replace(plan, advice=advice)
+
+
+def _replay(forward: EvalForward, resident_bytes: int, concat_peak_bytes: int, alloc_conf: Any,
+            limit: Optional[int]) -> Any:
+    """The evaluation's allocations through the caching allocator: the model's storages, what stays
+    alive from training (one block), the containers at their concatenation peak (one block, alive
+    through the forward, as the device peak adds them), the batch, then the forward's storages in
+    order. Replayed first with no limit; with `limit`, again under it when the first replay's
+    reserved peak is above it (the allocator frees its cache before it fails)."""
+    from trainer_memcb.plan.device.caching_allocator import replay_allocations
+
+    calls: List[Tuple[Any, ...]] = [("alloc", ("model", index), nbytes) for index, nbytes in enumerate(forward.model_storages)]
+    if resident_bytes:
+        calls.append(("alloc", "resident", resident_bytes))
+    if concat_peak_bytes:
+        calls.append(("alloc", "containers", concat_peak_bytes))
+    calls += [("alloc", ("batch", index), nbytes) for index, nbytes in enumerate(forward.batch_storages)]
+    sizes = forward.sizes
+    calls += [("alloc", event, sizes[event]) if event >= 0 else ("free", ~event) for event in forward.events]
+    replay = replay_allocations(calls, alloc_conf=alloc_conf)
+    if limit is not None and replay.reserved_peak_bytes > limit:
+        limited = replay_allocations(calls, alloc_conf=alloc_conf, device_memory=limit)
+        if limited.oom is not None:
+            return replace(limited, reserved_peak_bytes=replay.reserved_peak_bytes)
+        return limited
+    return replay
 
 
 def _gib(nbytes: int) -> str:

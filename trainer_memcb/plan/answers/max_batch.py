@@ -16,7 +16,9 @@ MAX_BATCH_SEARCH_LIMIT = 1 << 20
 
 def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
                    limit: int = MAX_BATCH_SEARCH_LIMIT) -> Tuple[Optional[int], List[StepMemoryPlan]]:
-    """The largest per-device batch whose planned peak fits in `device_memory`, and the plans traced.
+    """The largest per-device batch whose planned step fits, and the plans traced: a plan's own
+    `fits` where it has one (on CUDA, the allocator replay on the device's memory), else its peak
+    against `device_memory`.
 
     The peak is the larger of forward/backward's, which grows by the same bytes per sample at a
     given sequence length (activations and temporaries are proportional to the batch), and the
@@ -28,7 +30,8 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
 
     Args:
         plan_at: the step plan at a batch size.
-        device_memory: bytes per process the step may use (the device's memory less the reserve).
+        device_memory: bytes per process the step may use (the device's memory less the CUDA context
+            and the reserve): the search's guesses, and the answer for plans without their own.
         limit: the largest batch searched; an answer equal to it means that batch fits, and
             larger ones were not tried.
     """
@@ -43,7 +46,9 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
         peak = plans[batch].peak_bytes
         if peak is None:
             raise _CannotTrace()
-        return peak <= device_memory
+        # The plan's own answer where it has one (on CUDA: the allocator replay runs out or not).
+        fits_there = plans[batch].fits
+        return fits_there if fits_there is not None else peak <= device_memory
 
     def done(best: Optional[int]) -> Tuple[Optional[int], List[StepMemoryPlan]]:
         return best, [plans[b] for b in sorted(plans)]

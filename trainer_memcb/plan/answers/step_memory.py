@@ -5,21 +5,26 @@ during the step, and fits? against the device's memory, read from the traced ste
 it (`trainer_memcb.plan.step.trace`: what is traced and how it is counted), and reads the answer:
 the step's peak is `max(peak of forward and backward + optimizer state, peak of the optimizer
 step)`, the peak of every step after the first; what lives on the host (offload) is left out of
-the device's peak; a frozen reference model is added; fits? is answered against the device's
-memory less the reserve. `states_during_step` puts the step's own figures in the model-states
-table.
+the device's peak; a frozen reference model is added. On CUDA the step's allocations are replayed
+over two steps through the caching allocator (`trainer_memcb.plan.answers.step_replay`): the
+reserved peak, the fragmentation and the device total, and fits? from that replay on the device's
+memory less the CUDA context and the reserve; on the CPU, fits? is the peak against the memory less
+the reserve. `states_during_step` puts the step's own figures in the model-states table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
+from trainer_memcb.plan.answers.step_replay import DEFAULT_COMPUTE_CAPABILITY, StepReplay, replay_step
+from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
+from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES, GpuPreset, gpu_preset
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.settings.setup import Setup, setup_of
@@ -31,9 +36,9 @@ __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUN
 # What a real process holds beyond the storages the trace counts, by device type: the reason for a
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
 NOT_COUNTED = {
-    "cuda": ("the CUDA context (hundreds of MiB per process)", "cuBLAS and NCCL workspaces",
-             "the caching allocator's rounding of each block up to 512 bytes, and the freed blocks it keeps "
-             "cached (fragmentation)"),
+    "cuda": ("NCCL's communicators and buffers (several processes), outside the caching allocator",
+             "scaled_dot_product_attention's CUDA workspaces (FlashAttention-2's backward buffers, the "
+             "memory-efficient kernel's padded logsumexp)", "gradient accumulation's other micro-batches"),
     "cpu": ("the CPU allocator's own bookkeeping and rounding",),
 }
 
@@ -63,7 +68,25 @@ class StepMemoryPlan:
             step plan shows these (`states_during_step`).
         device_memory_bytes, reserve_bytes: the device's memory and the part of it left out for
             what the plan does not count (`reserve_bytes`, see `not_counted`).
-        fits, margin_bytes: against `device_memory_bytes - reserve_bytes`, from the peak.
+        fits, margin_bytes: on CUDA, from the allocator replay: the step's allocations over two
+            steps replayed with `device_memory_bytes - cuda_context_bytes - reserve_bytes` for the
+            allocator (`trainer_memcb.plan.answers.step_replay`); it does not fit when the replay
+            runs out of memory, and the margin is that memory less the reserved peak. On the CPU,
+            against `device_memory_bytes - reserve_bytes`, from the peak.
+        reserved_peak_bytes: on CUDA, the most the caching allocator reserves over two steps
+            (`torch.cuda.max_memory_reserved`); with `device_memory_bytes` and a step that fits, as
+            a device of that memory holds it (the allocator frees its cache before it fails).
+        allocator_allocated_peak_bytes: the replay's allocated peak (`torch.cuda.max_memory_allocated`):
+            `peak_bytes` with every block rounded up to 512 bytes and CUDA's cuBLAS/cuBLASLt
+            workspaces (`cuda_workspace_bytes`), which the CPU trace does not make.
+        fragmentation_bytes: reserved minus allocated at the moment of the reserved peak.
+        cuda_context_bytes: the CUDA context the process holds outside the allocator (the GPU
+            preset's, else `DEFAULT_CUDA_CONTEXT_BYTES`).
+        device_total_bytes: `reserved_peak_bytes + cuda_context_bytes`: what nvidia-smi shows for
+            the process at the step's peak.
+        gpu: the GPU preset's name, or None; `alloc_conf`: the `PYTORCH_CUDA_ALLOC_CONF` replayed
+            ("" for torch's defaults); `out_of_memory_at`: where the replay ran out ("step 2,
+            backward"), or None.
         not_counted: what a real process on `device_type` holds that the plan does not count.
         problem: why no step could be traced (then only the model states are known), or None.
         gradient_accumulation_steps: the micro-batches of one optimizer step; every one after the
@@ -109,6 +132,15 @@ class StepMemoryPlan:
     gradient_accumulation_steps: int = 1
     peak_micro_batch: Optional[int] = None
     micro_batch_peak_bytes: List[List[int]] = field(default_factory=list)
+    reserved_peak_bytes: Optional[int] = None
+    allocator_allocated_peak_bytes: Optional[int] = None
+    fragmentation_bytes: Optional[int] = None
+    cuda_workspace_bytes: Optional[int] = None
+    cuda_context_bytes: Optional[int] = None
+    device_total_bytes: Optional[int] = None
+    gpu: Optional[str] = None
+    alloc_conf: Optional[str] = None
+    out_of_memory_at: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -216,6 +248,8 @@ def plan_step_memory(
     padding: int = 0,
     keep_dtypes: bool = False,
     quantization: Any = None,
+    alloc_conf: Union[None, str, AllocConf] = None,
+    gpu: Union[None, str, GpuPreset] = None,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
 
@@ -234,10 +268,14 @@ def plan_step_memory(
             config's.
         gradient_checkpointing: the Trainer's `gradient_checkpointing=True` (non-reentrant).
         device_type: "cuda" or "cpu": the device the run will use (see the module docstring).
-        device_memory: bytes per process, for fits / margin.
-        reserve_bytes: the part of `device_memory` the step cannot use (the CUDA context, the
-            libraries' workspaces, the allocator's cache: `NOT_COUNTED`); fits? is answered
-            against `device_memory - reserve_bytes`.
+        device_memory: bytes per process, for fits / margin (None with `gpu`: the preset's
+            `total_bytes`, what `torch.cuda.mem_get_info` reports there).
+        reserve_bytes: the user's own margin, beyond what the plan models (`NOT_COUNTED`): on CUDA
+            taken with the CUDA context from `device_memory` before the allocator replay.
+        alloc_conf: `PYTORCH_CUDA_ALLOC_CONF` for the replay, a string or an `AllocConf`; None
+            reads the environment (`PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`), as torch does.
+        gpu: a GPU preset (`trainer_memcb.plan.device.gpus`) or its name: its memory, its CUDA
+            context and its compute capability (the cuBLAS workspaces).
         model_states: also plan the model states (the sharded setups need them).
         states_plan: a model-states plan made already for this model and setup (reused).
         dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
@@ -255,10 +293,15 @@ def plan_step_memory(
         The step plan, and the model-states plan (or None).
 
     Raises:
-        ValueError: a bad batch size, sequence length, attention path, device type or reserve.
+        ValueError: a bad batch size, sequence length, attention path, device type, reserve,
+            `alloc_conf` or `gpu`.
     """
     if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
         raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
+    preset = gpu if isinstance(gpu, GpuPreset) or gpu is None else gpu_preset(gpu)
+    conf = alloc_conf_from_environment() if alloc_conf is None else as_alloc_conf(alloc_conf)
+    if device_memory is None and preset is not None:
+        device_memory = preset.total_bytes
     meta = build_model()
     config = getattr(meta, "config", None)
     hidden = getattr(getattr(config, "get_text_config", lambda: config)(), "hidden_size", None) if config is not None else None
@@ -354,7 +397,18 @@ def plan_step_memory(
     micro_batch_peaks = [[number, bytes_ - host_bytes + reference] for number, bytes_, host_bytes in traced.micro_batches] \
         if timeline.optimizer_failure is None else []
     fits = margin = None
-    if device_memory is not None:
+    allocator: Dict[str, Any] = {}
+    if device_type == "cuda":
+        resident = {}
+        if reference:
+            resident["reference_model"] = reference
+        if timeline.optimizer_failure is not None and "optimizer_state" not in timeline.host_parts:
+            resident["optimizer_state_estimated"] = parts["optimizer_state"]
+        fits, margin, allocator = _replayed(timeline, conf, preset, device_memory, reserve_bytes, resident,
+                                            settings.torch_empty_cache_steps)
+        if allocator["out_of_memory_at"] is not None:
+            notes.append(f"the allocator replay runs out of memory in {allocator['out_of_memory_at']}")
+    elif device_memory is not None:
         margin = device_memory - reserve_bytes - peak
         fits = margin >= 0
     return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
@@ -366,7 +420,50 @@ def plan_step_memory(
                           settings_used=[list(row) for row in settings.used()],
                           gradient_accumulation_steps=timeline.gradient_accumulation_steps,
                           peak_micro_batch=timeline.peak_micro_batch if phase != "optimizer step" else None,
-                          micro_batch_peak_bytes=micro_batch_peaks, **common), states_plan
+                          micro_batch_peak_bytes=micro_batch_peaks, **allocator, **common), states_plan
+
+
+def _replayed(timeline: Timeline, conf: AllocConf, preset: Optional[GpuPreset], device_memory: Optional[int],
+              reserve: int, resident: Dict[str, int], empty_cache_steps: Optional[int]
+              ) -> Tuple[Optional[bool], Optional[int], Dict[str, Any]]:
+    """fits?, the margin and the allocator's figures, from the step's allocations replayed over two
+    steps (`replay_step`): first with no limit; when its reserved peak exceeds what the allocator
+    may take (`device_memory` less the CUDA context and `reserve`), again with that limit, where the
+    allocator frees its cache and retries before it fails, as torch does."""
+    context = preset.cuda_context_bytes if preset is not None else DEFAULT_CUDA_CONTEXT_BYTES
+    capability = preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
+    options = dict(alloc_conf=conf, compute_capability=capability, empty_cache_steps=empty_cache_steps,
+                   resident=resident)
+    fraction = conf.per_process_memory_fraction < 1.0
+    if fraction and device_memory is None:
+        raise ValueError(f"alloc_conf {conf.text!r}: per_process_memory_fraction is a fraction of the device's "
+                         "memory: give device_memory or gpu too")
+    limit = None if device_memory is None else max(0, device_memory - context - reserve)
+    # A memory fraction caps the allocator below the device: replayed with the limit from the start.
+    replay: StepReplay = replay_step(timeline, device_memory=limit if fraction else None, **options)
+    fits = margin = None
+    out_of_memory = None
+    if limit is not None and fraction:
+        fits = replay.oom is None
+        margin = limit - replay.reserved_peak_bytes
+        out_of_memory = replay.oom
+    elif limit is not None:
+        if replay.reserved_peak_bytes <= limit:
+            fits, margin = True, limit - replay.reserved_peak_bytes
+        else:
+            limited = replay_step(timeline, device_memory=limit, **options)
+            if limited.oom is None:
+                replay = limited
+                fits, margin = True, limit - limited.reserved_peak_bytes
+            else:
+                fits, margin, out_of_memory = False, limit - replay.reserved_peak_bytes, limited.oom
+    figures = dict(reserved_peak_bytes=replay.reserved_peak_bytes,
+                   allocator_allocated_peak_bytes=replay.allocated_peak_bytes,
+                   fragmentation_bytes=replay.fragmentation_bytes, cuda_workspace_bytes=replay.cuda_workspace_bytes,
+                   cuda_context_bytes=context, device_total_bytes=replay.reserved_peak_bytes + context,
+                   gpu=preset.name if preset is not None else None, alloc_conf=conf.text,
+                   out_of_memory_at=out_of_memory)
+    return fits, margin, figures
 
 
 def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelStatesPlan:

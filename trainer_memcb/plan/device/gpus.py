@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-__all__ = ["GpuPreset", "gpu_preset", "gpu_presets", "GPU_PRESETS"]
+__all__ = ["GpuPreset", "gpu_preset", "gpu_presets", "GPU_PRESETS", "DEFAULT_CUDA_CONTEXT_BYTES"]
 
 MiB = 1024**2  # bytes
 
@@ -45,6 +45,9 @@ _CONTEXT_RTX3090_MIB = 256
 # (https://github.com/pytorch/pytorch/issues/109888) and "~300MB"
 # (https://github.com/pytorch/pytorch/issues/107667).
 _CONTEXT_UNMEASURED_MIB = _CONTEXT_ADA_MIB
+# Without a GPU named: the CUDA context taken as the unmeasured cards' (426 MiB), so that a plan
+# for an unnamed card does not promise room that the context takes.
+DEFAULT_CUDA_CONTEXT_BYTES = _CONTEXT_UNMEASURED_MIB * MiB
 
 
 @dataclass(frozen=True)

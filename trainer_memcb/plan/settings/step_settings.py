@@ -82,6 +82,8 @@ class StepSettings:
             (`find_unused_parameters` from the Trainer's arguments as the Trainer sets it).
         reshard_after_forward, fsdp_cpu_offload, replicate: FSDP2 (`replicate` > 1: HSDP, a 2-D mesh
             of `replicate` x `world_size // replicate`).
+        torch_empty_cache_steps: the Trainer's `torch_empty_cache_steps`: `torch.cuda.empty_cache()`
+            after the forward of each step whose `global_step` it divides (the allocator replay).
         zero: DeepSpeed's `zero_optimization` section, "auto" values filled and defaults added.
         sources: setting name -> where its value came from ("default", "training args", "deepspeed
             config", "fsdp config", "flag").
@@ -104,6 +106,7 @@ class StepSettings:
     reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     replicate: int = 1
+    torch_empty_cache_steps: Optional[int] = None
     zero: Dict[str, Any] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
 
@@ -380,6 +383,7 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
     if "max_grad_norm" in args:
         put("max_grad_norm", float(args["max_grad_norm"] or 0.0), arg)
     put("bucket_cap_mb", args.get("ddp_bucket_cap_mb"), arg)
+    put("torch_empty_cache_steps", args.get("torch_empty_cache_steps"), arg)
     if "ddp_find_unused_parameters" in args:
         # Trainer._build_accelerator_args: ddp_find_unused_parameters when set, otherwise True for a
         # model without gradient checkpointing (a PreTrainedModel with it: False).

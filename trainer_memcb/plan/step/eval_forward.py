@@ -8,7 +8,7 @@ the parameters, buffers and batch excluded. What the containers keep is read fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -34,6 +34,12 @@ class EvalForward:
     loss_bytes: int
     outputs: List[Tuple[Tuple[int, ...], torch.dtype]]
     labels: Optional[Tuple[Tuple[int, ...], torch.dtype]]
+    # The forward's timeline (`LiveStorages.events` and `sizes`), and the bytes of each storage of
+    # the model (parameters, buffers) and of the batch, for the allocator replay.
+    events: Tuple[int, ...] = ()
+    sizes: Dict[int, int] = field(default_factory=dict)
+    model_storages: Tuple[int, ...] = ()
+    batch_storages: Tuple[int, ...] = ()
 
 
 def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None) -> EvalForward:
@@ -55,9 +61,12 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
             if _accepts_loss_kwargs(model):
                 kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
     held = list(model.parameters()) + list(model.buffers())
-    model_bytes = sum({key: nbytes for key, nbytes, _ in storages_of(held)}.values())
+    model_storages = {key: nbytes for key, nbytes, _ in storages_of(held)}
+    model_bytes = sum(model_storages.values())
+    batch = [value for value in list(kwargs.values()) + list(inputs.held.values()) if isinstance(value, torch.Tensor)]
+    batch_storages = {key: nbytes for key, nbytes, _ in storages_of(batch) if key not in model_storages}
     exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()) + list(inputs.held.values()))}
-    tracker = LiveStorages(exclude=exclude)
+    tracker = LiveStorages(exclude=exclude, keep_timeline=True)
     with mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
         outputs = model(**kwargs)
     ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
@@ -67,4 +76,6 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
     loss = outputs.get("loss") if isinstance(outputs, dict) else (outputs[0] if labels is not None else None)
     loss_bytes = loss.element_size() if isinstance(loss, torch.Tensor) else 0
     return EvalForward(int(tracker.peak_bytes), int(model_bytes), loss_bytes, kept,
-                    (tuple(labels.shape), labels.dtype) if labels is not None else None)
+                       (tuple(labels.shape), labels.dtype) if labels is not None else None,
+                       events=tuple(tracker.events), sizes=dict(tracker.sizes),
+                       model_storages=tuple(model_storages.values()), batch_storages=tuple(batch_storages.values()))

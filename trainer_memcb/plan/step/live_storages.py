@@ -86,6 +86,9 @@ class LiveStorages(TorchDispatchMode):
         self.events: List[int] = []
         self._record = self.events.append if keep_timeline else _ignore
         self._start = 0
+        # phase -> the position in `events` where its first matrix multiply ran (its outputs
+        # recorded from there): where CUDA makes a cuBLAS handle's workspaces (the allocator replay).
+        self.first_matmul: Dict[str, int] = {}
 
     def __enter__(self) -> "LiveStorages":
         self._original_resize = torch.UntypedStorage.resize_
@@ -232,6 +235,8 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if func in _MATMULS and self.phase not in self.first_matmul:
+            self.first_matmul[self.phase] = len(self.events)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):  # most operations: one tensor, no tree to walk
             self._track(out)
@@ -243,6 +248,11 @@ class LiveStorages(TorchDispatchMode):
             self.on_op(func, args, kwargs)
         self._check_peak()
         return out
+
+
+# The aten operations a linear layer or a batched product dispatches to (cuBLAS / cuBLASLt on CUDA).
+_MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                      torch.ops.aten.baddbmm.default))
 
 
 def _ignore(event: int) -> None:

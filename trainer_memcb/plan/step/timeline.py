@@ -12,6 +12,7 @@ the tracker.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
@@ -71,6 +72,11 @@ class Timeline:
             whose forward and backward hold `forward_backward` (1 to gradient_accumulation_steps);
             `micro_batch_peaks`: with accumulation, each traced micro-batch's number and its own
             peak (the first, the second and the last: those between run as the second), in order.
+        phase_starts: phase (forward, backward, optimizer step) -> the position in `events` where
+            it begins; what comes before the forward's is the model, its batch and the engine's
+            resident buffers made before the step.
+        first_matmul: phase -> the position in `events` of its first matrix multiply (where CUDA
+            makes a cuBLAS handle's workspaces); `groups["batch"]` holds the batch's storages alone.
     """
 
     events: Tuple[int, ...]
@@ -92,6 +98,8 @@ class Timeline:
     gradient_accumulation_steps: int = 1
     peak_micro_batch: int = 1
     micro_batch_peaks: Tuple[Tuple[int, PhasePeak], ...] = ()
+    phase_starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    first_matmul: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def part_of(self, serial: int, saved: FrozenSet[int] = frozenset()) -> str:
         """The part of a storage at a moment when `saved` were saved for backward."""

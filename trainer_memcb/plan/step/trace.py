@@ -189,6 +189,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
                     labels, batch_tensors = inputs.labels, inputs.tensors()
                     batch_serials.update(tracker.serials(batch_tensors))
                 tracker.phase = "forward"
+                if number == 1:
+                    phase_starts = {"forward": len(tracker.events)}
                 kwargs: Dict[str, Any] = dict(inputs.forward)
                 if labels is not None:
                     if _accepts_loss_kwargs(model):
@@ -204,6 +206,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
                 if number == 1:
                     activations = counter.saved_bytes
                 tracker.phase = "backward"
+                if number == 1:
+                    phase_starts["backward"] = len(tracker.events)
                 engine.backward(loss)
                 del loss
                 micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
@@ -212,6 +216,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
             peak_micro_batch, forward_backward = max(micro_peaks, key=lambda item: item[1][0])
             if build_optimizer is not None:
                 tracker.phase = "optimizer step"
+                phase_starts["optimizer step"] = len(tracker.events)
                 tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
                 try:
                     optimizer = engine.step(build_optimizer, model, trainable)
@@ -233,7 +238,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     stepped = build_optimizer is not None
     groups = {"parameters": frozenset(tracker.serials(params)), "gradients": frozenset(grads),
               "optimizer_state": frozenset(state_keys),
-              "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)) | batch_serials}
+               "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)) | batch_serials,
+               "batch": frozenset(tracker.serials(batch_tensors)) | batch_serials}
     timeline = Timeline(
         events=tuple(tracker.events), sizes=tracker.sizes, tags=tracker.tags, groups=groups, states={},
         host_parts=tuple(getattr(engine, "host_parts", ())), step_start=tracker.step_start,
@@ -244,7 +250,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
         optimizer_failure=optimizer_failure, notes=tuple(notes), engine=engine.name,
         gradient_accumulation_steps=accumulation, peak_micro_batch=peak_micro_batch,
         micro_batch_peaks=tuple((number, PhasePeak(label, peak, tuple(keys), frozenset(watch)))
-                                for number, (peak, label, keys, watch) in micro_peaks) if len(numbers) > 1 else ())
+                                for number, (peak, label, keys, watch) in micro_peaks) if len(numbers) > 1 else (),
+        phase_starts=phase_starts, first_matmul=dict(tracker.first_matmul))
     return dataclasses.replace(timeline, states=_states_of(timeline, engine))
 
 

@@ -1,0 +1,95 @@
+"""`trainer-memcb estimate --gpu NAME --alloc-conf CONF`: the GPU presets and the allocator replay,
+through the console script in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import LlamaConfig
+
+from trainer_memcb.plan.device.gpus import gpu_presets
+
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "trainer-memcb")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_script(*argv: str, env=None) -> subprocess.CompletedProcess:
+    assert os.path.isfile(SCRIPT), f"{SCRIPT}: the console script is not installed (pip install -e .)"
+    environment = dict(os.environ, HF_HUB_OFFLINE="1")
+    environment.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    environment.update(env or {})
+    return subprocess.run([SCRIPT, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=environment)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
+                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    return str(folder)
+
+
+def test_gpu_list_prints_every_preset():
+    done = run_script("estimate", "--gpu", "LIST")
+    assert done.returncode == 0, done.stderr
+    names = [line.split()[0] for line in done.stdout.splitlines()[3:] if line.strip()]
+    assert names == [preset.name for preset in gpu_presets()]
+    assert "85,045,477,376" in done.stdout  # H100's total, as mem_get_info reports it
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--gpu", "h1000"], "argument --gpu: unknown GPU 'h1000'; choose one of H100, H200,"),
+    (["--gpu", "A100"], "argument --gpu: GPU 'A100' is ambiguous: choose one of A100-40GB, A100-80GB"),
+    (["--alloc-conf", "expandable_segments:maybe"], "argument --alloc-conf:"),
+])
+def test_a_bad_gpu_or_alloc_conf_is_one_line_and_exit_2(tiny_llama_dir, argv, said):
+    done = run_script("estimate", tiny_llama_dir, "--batch-size", "2", "--seq-len", "16", *argv)
+    assert done.returncode == 2
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and said in done.stderr
+
+
+def test_a_bad_alloc_conf_in_the_environment_is_one_line_and_exit_2(tiny_llama_dir):
+    done = run_script("estimate", tiny_llama_dir, "--batch-size", "2", "--seq-len", "16",
+                      env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:1"})
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "PYTORCH_CUDA_ALLOC_CONF in the environment" in done.stderr
+
+
+def test_gpu_h100_json_has_the_allocator_figures(tiny_llama_dir):
+    done = run_script("estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
+                      "--gpu", "h100", "--json")
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout)["step"]
+    assert (step["gpu"], step["device_memory_bytes"], step["cuda_context_bytes"]) == ("H100", 85_045_477_376, 446_693_376)
+    assert step["reserved_peak_bytes"] == 73_400_320  # 2 x (32 MiB cuBLAS + 1 MiB cuBLASLt) on sm90, in 2 segments
+    assert step["device_total_bytes"] == 73_400_320 + 446_693_376
+    assert (step["allocator_allocated_peak_bytes"], step["fragmentation_bytes"]) == (71_523_840, 2_113_536)
+    assert step["margin_bytes"] == 85_045_477_376 - 446_693_376 - 73_400_320 and step["fits"] is True
+    assert step["alloc_conf"] == "" and step["out_of_memory_at"] is None
+
+
+def test_device_memory_overrides_the_gpu_and_alloc_conf_changes_the_replay(tiny_llama_dir):
+    done = run_script("estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
+                      "--gpu", "h100", "--device-memory", "600MiB", "--alloc-conf", "expandable_segments:True", "--json")
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout)["step"]
+    assert (step["device_memory_bytes"], step["gpu"], step["alloc_conf"]) == (600 * 2 ** 20, "H100",
+                                                                            "expandable_segments:True")
+    assert step["margin_bytes"] == 600 * 2 ** 20 - 446_693_376 - step["reserved_peak_bytes"]
+
+
+def test_the_table_shows_reserved_and_total_beside_the_allocated_peak(tiny_llama_dir):
+    done = run_script("estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
+                      "--gpu", "rtx-3090")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    labels = [line.split("  ")[0] for line in lines]
+    at = labels.index("step peak")
+    assert labels[at + 1:at + 4] == ["allocated peak (caching allocator)", "reserved peak (two steps replayed)",
+                                     "device total (nvidia-smi)"]
+    assert "CUDA context 256.0 MiB (268,435,456), RTX-3090" in lines[at + 3]

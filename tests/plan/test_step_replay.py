@@ -1,0 +1,203 @@
+"""The step plan's allocations replayed through the caching allocator over two steps: exact bytes
+on tiny Llamas under every engine, torch_empty_cache_steps, expandable segments, fits? from the
+replay, and the CUDA workspaces."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.answers.step_replay import replay_step, step_allocations
+from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel, replay_allocations
+from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES
+from trainer_memcb.plan.settings import resolve_settings
+from trainer_memcb.plan.step.trace import trace_step
+
+MiB = 1024 ** 2
+
+
+def _build(hidden=64, vocab=256):
+    def build():
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                                                num_attention_heads=4, vocab_size=vocab))
+    return build
+
+
+def _timeline(sharding="none", hidden=64, vocab=256, seq_len=16):
+    settings = resolve_settings(world_size=1 if sharding == "none" else 2, sharding=sharding, batch_size=2,
+                                optimizer="adamw_torch")
+    return trace_step(_build(hidden, vocab)(), settings, batch_size=2, seq_len=seq_len, precision="fp32",
+                      optimizer="adamw_torch", gradient_checkpointing=False, args=None, device_type="cuda",
+                      step_dtype=torch.float32, keep_dtypes=False, quantization=None, padding=0, input_options={})
+
+
+ENGINES = ["none", "ddp", "fsdp-full-shard", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def timelines():
+    return {sharding: _timeline(sharding) for sharding in ENGINES}
+
+
+# (reserved peak, allocated peak, fragmentation at the reserved peak) of two steps of a tiny Llama
+# (hidden 64, 2 layers, vocab 256, batch 2 x 16, fp32, AdamW foreach) per process; the cuBLAS and
+# cuBLASLt workspaces of sm80 (8,519,680 + 1,048,576 bytes, two handles) are 19,136,512 of them.
+# ZeRO's reduce and all-gather buckets (500M elements by default) make its figures.
+EXPECTED = {
+    "none": (27_262_976, 21_454_336, 6_045_696),
+    "ddp": (27_262_976, 21_914_624, 6_045_184),
+    "fsdp-full-shard": (25_165_824, 20_780_032, 14_706_688),
+    "zero2": (2_025_848_832, 2_021_367_808, 4_481_024),
+    "zero3": (2_025_848_832, 2_021_869_568, 13_620_736),
+}
+
+
+@pytest.mark.parametrize("sharding", ENGINES)
+def test_reserved_figures_per_engine(timelines, sharding):
+    replay = replay_step(timelines[sharding], alloc_conf="")
+    assert (replay.reserved_peak_bytes, replay.allocated_peak_bytes, replay.fragmentation_bytes) == EXPECTED[sharding]
+    assert replay.cuda_workspace_bytes == 2 * (8_519_680 + 1_048_576)
+    assert replay.oom is None
+
+
+@pytest.mark.parametrize("sharding", ENGINES)
+def test_second_step_ends_where_the_first_ended(timelines, sharding):
+    """Step 2 makes no optimizer state or engine buffer again and frees what it makes: the bytes
+    allocated at its end are those at the end of step 1 (the steady state of every later step)."""
+    calls = step_allocations(timelines[sharding])
+    first = [call for call, where in calls if where.startswith("step 1")]
+    assert replay_allocations(first).allocated_bytes == replay_allocations([call for call, _ in calls]).allocated_bytes
+    # The batch is made anew before the old one is freed, as the Trainer's loop holds it.
+    second = [call for call, where in calls if where == "step 2, setup"]
+    batch = sorted(timelines[sharding].groups["batch"])
+    assert second == [("alloc", (2, s), timelines[sharding].sizes[s]) for s in batch] + [("free", s) for s in batch]
+
+
+@pytest.mark.parametrize("sharding", ["none", "ddp", "fsdp-full-shard", "zero3"])
+def test_the_replayed_peak_holds_the_traced_peak(sharding):
+    """The second step holds at its peak every storage the trace holds at the plan's peak (the
+    optimizer state alive from the first step), each in a block of at least its bytes, beside the
+    cuBLAS workspaces."""
+    settings = resolve_settings(world_size=1 if sharding == "none" else 2, sharding=sharding, batch_size=2,
+                                optimizer="adamw_torch")
+    step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False, alloc_conf="")
+    assert step.allocator_allocated_peak_bytes >= step.peak_bytes + step.cuda_workspace_bytes
+
+
+def test_cublas_workspaces_at_the_first_matmul_of_forward_and_backward(timelines):
+    calls = step_allocations(timelines["none"], compute_capability=(9, 0))
+    workspaces = [(call, where) for call, where in calls if call[0] == "alloc" and isinstance(call[1], tuple)
+                  and call[1][0] in ("cublas", "cublaslt")]
+    assert workspaces == [(("alloc", ("cublas", "forward"), 33_554_432), "step 1, forward"),
+                          (("alloc", ("cublaslt", "forward"), 1_048_576), "step 1, forward"),
+                          (("alloc", ("cublas", "backward"), 33_554_432), "step 1, backward"),
+                          (("alloc", ("cublaslt", "backward"), 1_048_576), "step 1, backward")]
+
+
+def test_empty_cache_steps_release_the_cache_after_the_forward():
+    """torch_empty_cache_steps: empty_cache() where Trainer.training_step calls it (after the
+    forward, before the backward) in step 1 (global step 0) always, in step 2 only for N = 1; there
+    the reserved bytes drop by the segments the forward freed whole (the fp32 logits), the optimizer state
+    staying in step 2."""
+    timeline = _timeline(hidden=128, vocab=32000, seq_len=64)
+    backward = timeline.phase_starts["backward"]
+    for steps, expected in ((1, ["step 1, backward", "step 2, backward"]), (2, ["step 1, backward"])):
+        calls = step_allocations(timeline, empty_cache_steps=steps)
+        assert [where for call, where in calls if call == ("empty_cache",)] == expected
+    assert [where for call, where in step_allocations(timeline) if call == ("empty_cache",)] == []
+    model = CachingAllocatorModel("")
+    dropped = []
+    for call, where in step_allocations(timeline, empty_cache_steps=1):
+        if call[0] == "alloc":
+            model.malloc(call[1], call[2])
+        elif call[0] == "free":
+            model.free(call[1])
+        else:
+            before = model.reserved
+            model.empty_cache()
+            dropped.append((where, before, model.reserved))
+    assert dropped == [("step 1, backward", 94_371_840, 77_594_624), ("step 2, backward", 199_229_440, 148_897_792)]
+    assert backward > timeline.phase_starts["forward"]
+
+
+def test_expandable_segments_change_the_reserved_figure(timelines):
+    default = replay_step(timelines["zero2"], alloc_conf="")
+    expandable = replay_step(timelines["zero2"], alloc_conf="expandable_segments:True")
+    assert (default.reserved_peak_bytes, expandable.reserved_peak_bytes) == (2_025_848_832, 2_038_431_744)
+    assert expandable.allocated_peak_bytes == 2_020_684_800
+
+
+def test_fits_allocated_but_not_reserved_does_not_fit():
+    """22 MiB for the allocator holds the 21,454,336 bytes allocated at the peak, but not the
+    segments they need: the replay runs out of memory, so the step does not fit; 26 MiB (the
+    reserved peak) fits with nothing to spare."""
+    settings = resolve_settings(batch_size=2, optimizer="adamw_torch")
+    plans = {}
+    for room in (22 * MiB, 26 * MiB):
+        plans[room], _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False,
+                                          device_memory=DEFAULT_CUDA_CONTEXT_BYTES + room, alloc_conf="")
+    short, enough = plans[22 * MiB], plans[26 * MiB]
+    assert short.allocator_allocated_peak_bytes == 21_454_336 < 22 * MiB < short.reserved_peak_bytes == 27_262_976
+    assert (short.fits, short.margin_bytes, short.out_of_memory_at) == (False, -4 * MiB, "step 1, backward")
+    assert (enough.fits, enough.margin_bytes, enough.out_of_memory_at) == (True, 0, None)
+    assert enough.device_total_bytes == 27_262_976 + DEFAULT_CUDA_CONTEXT_BYTES
+    assert enough.peak_bytes == 2_299_800  # the trace's own figure is unchanged
+
+
+def test_gpu_preset_gives_memory_context_and_workspaces():
+    settings = resolve_settings(batch_size=2, optimizer="adamw_torch")
+    step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False, gpu="h100", alloc_conf="")
+    assert (step.gpu, step.device_memory_bytes, step.cuda_context_bytes) == ("H100", 85_045_477_376, 446_693_376)
+    assert step.cuda_workspace_bytes == 2 * (33_554_432 + 1_048_576)
+    assert step.reserved_peak_bytes == 73_400_320
+    assert step.margin_bytes == 85_045_477_376 - 446_693_376 - 73_400_320 and step.fits is True
+
+
+def test_cpu_plans_have_no_allocator_figures():
+    settings = resolve_settings(batch_size=2, optimizer="adamw_torch")
+    step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False, device_type="cpu",
+                               device_memory=10_000_000)
+    assert step.reserved_peak_bytes is None and step.device_total_bytes is None
+    assert (step.fits, step.margin_bytes) == (True, 10_000_000 - step.peak_bytes)
+    assert step.margin_bytes == 7_995_112
+
+
+@pytest.mark.parametrize("option, value, named", [("gpu", "a200", "'a200'"), ("alloc_conf", "foo:1", "'foo'"),
+                                                  ("gpu", "v100", "V100-16GB")])
+def test_bad_gpu_or_alloc_conf_is_refused(option, value, named):
+    settings = resolve_settings(batch_size=1, optimizer="adamw_torch")
+    with pytest.raises(ValueError, match=named):
+        plan_step_memory(_build(), seq_len=8, settings=settings, model_states=False, **{option: value})
+
+
+def test_alloc_conf_is_read_from_the_environment(monkeypatch):
+    settings = resolve_settings(batch_size=2, optimizer="adamw_torch")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False)
+    assert step.alloc_conf == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:1")
+    with pytest.raises(ValueError, match="max_split_size_mb"):
+        plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False)
+
+
+def test_the_evaluation_plan_uses_the_same_rule():
+    """On CUDA the evaluation's allocations are replayed too: a tiny Llama's device peak of 65,160
+    bytes needs one 2 MiB small-pool segment, so 2 MiB beside the context fits and a byte less does
+    not, though the device peak would fit."""
+    from trainer_memcb.plan.answers.eval_memory import EvalSettings, plan_eval_memory
+
+    def build():
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                num_attention_heads=2, vocab_size=100))
+
+    settings = EvalSettings(batch_size=2, samples=4, seq_len=8)
+    context = DEFAULT_CUDA_CONTEXT_BYTES
+    fits = plan_eval_memory(build, settings, device_memory=context + 2 * MiB, cuda_context_bytes=context, alloc_conf="")
+    short = plan_eval_memory(build, settings, device_memory=context + 2 * MiB - 1, cuda_context_bytes=context,
+                             alloc_conf="")
+    assert (fits.device_peak_bytes, fits.reserved_peak_bytes, fits.device_total_bytes) == (65_160, 2 * MiB,
+                                                                                           2 * MiB + context)
+    assert (fits.fits_device, short.fits_device) == (True, False)
+    assert plan_eval_memory(build, settings, device_memory=2 * MiB - 1).fits_device is True  # no CUDA: the peak

@@ -1,0 +1,67 @@
+"""The device options of `trainer-memcb estimate` as the plans read them: the reserve, the CUDA
+context and the allocator config (`--reserve`, `--gpu`, `--device-type`, `--alloc-conf`), shared by
+the step plan and the evaluation plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+__all__ = ["DEFAULT_RESERVE_BYTES", "DEFAULT_RESERVE_TEXT", "DEFAULT_DEVICE_TYPE", "reserve_bytes",
+           "cuda_context_bytes", "apply_gpu", "alloc_conf_of"]
+
+# What --reserve takes when it is not given: nothing. On CUDA the plan models what the process holds
+# beside its tensors: the caching allocator's blocks and cache (the step's allocations replayed over
+# two steps), the cuBLAS workspaces and the CUDA context (the GPU preset's, else 426 MiB). --reserve
+# is the user's own margin for what is not modelled: NCCL's buffers with several processes,
+# scaled_dot_product_attention's CUDA workspaces, another program on the card, and the run-to-run
+# spread of the allocator's cache (published runs of one setting differ by up to 4% in nvidia-smi).
+DEFAULT_RESERVE_BYTES = {"cuda": 0, "cpu": 0}
+DEFAULT_RESERVE_TEXT = "0B"
+# --device-type's default: the step plans for a CUDA device.
+DEFAULT_DEVICE_TYPE = "cuda"
+
+
+def reserve_bytes(args: argparse.Namespace) -> Optional[int]:
+    """The reserve taken from --device-memory (None without --device-memory)."""
+    if args.device_memory is None:
+        return None
+    if args.reserve is not None:
+        return args.reserve
+    return DEFAULT_RESERVE_BYTES[args.device_type or DEFAULT_DEVICE_TYPE]
+
+
+def cuda_context_bytes(args: argparse.Namespace) -> int:
+    """The CUDA context the process holds outside the allocator: --gpu's preset's, else the default
+    (`trainer_memcb.plan.device.gpus.DEFAULT_CUDA_CONTEXT_BYTES`); 0 with --device-type cpu."""
+    from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
+
+    if (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) != "cuda":
+        return 0
+    gpu = getattr(args, "gpu", None)
+    return gpu_preset(gpu).cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES
+
+
+def apply_gpu(args: argparse.Namespace) -> None:
+    """--gpu's memory as --device-memory when that is not given (it overrides the preset's), in place."""
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    if getattr(args, "gpu", None) is not None and args.device_memory is None:
+        args.device_memory = gpu_preset(args.gpu).total_bytes
+
+
+def alloc_conf_of(args: argparse.Namespace) -> Any:
+    """--alloc-conf, else `PYTORCH_CUDA_ALLOC_CONF` (or `PYTORCH_ALLOC_CONF`) from the environment.
+
+    Raises:
+        ValueError: the environment's setting does not parse (naming the variable and the fault).
+    """
+    from trainer_memcb.plan.device.alloc_conf import alloc_conf_from_environment
+
+    if getattr(args, "alloc_conf", None) is not None:
+        return args.alloc_conf
+    try:
+        return alloc_conf_from_environment()
+    except ValueError as error:
+        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF in the environment: {error}") from None
