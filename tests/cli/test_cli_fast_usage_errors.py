@@ -25,7 +25,7 @@ USAGE_ERRORS = [
     ([TINY, "--max-batch-size", "--seq-len", "8"], "--max-batch-size needs --device-memory"),
     ([TINY, "--seq-len", "8"], "--seq-len has no effect without"),
     ([TINY, "--reserve", "1GiB"], "--reserve has no effect without --device-memory"),
-    ([TINY, "--device-memory", "1GiB", "--batch-size", "1", "--seq-len", "4"], "the default reserve of 1.00 GiB"),
+    ([TINY, "--device-memory", "1GiB", "--reserve", "1GiB", "--batch-size", "1", "--seq-len", "4"], "leaves nothing of --device-memory"),
     ([TINY, "--lora-target-modules", "q_lin"], "--lora-target-modules and --lora-modules-to-save need --lora-r"),
     ([TINY, "--batch-size", "1", "--seq-len", "4", "--load-in-8bit", "--load-in-4bit"], "--load-in-8bit and --load-in-4bit"),
     ([TINY, "--eval-samples", "8"], "--eval-samples needs --seq-len"),

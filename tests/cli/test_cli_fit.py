@@ -78,7 +78,7 @@ def test_bad_fit_options_are_one_line(tiny_llama_dir, capsys, argv, message):
 
 def test_fit_with_the_evaluation_plan_proposes_eval_batches_and_accumulation(tiny_llama_dir, capsys):
     code = main(["estimate", tiny_llama_dir, "--eval-samples", "64", "--seq-len", "64", "--eval-batch-size", "16",
-                 "--device-memory", "3MiB", "--reserve", "0B", "--fit", "--max-proposals", "4", "--json"])
+                 "--device-type", "cpu", "--device-memory", "3MiB", "--reserve", "0B", "--fit", "--max-proposals", "4", "--json"])
     document = json.loads(capsys.readouterr().out)
     assert code == 0  # the own evaluation does not fit, a proposal does
     fit = document["fit"]["evaluation"]

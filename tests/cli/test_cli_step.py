@@ -257,10 +257,10 @@ def test_zero2_on_several_processes_answers_for_the_fuller_of_the_first_and_last
 
 
 def test_the_step_command_gives_one_fits_answer_the_steps(tiny_llama_dir, capsys):
-    """The model states alone (1,578,068 bytes) would fit in 1,800,000; the step does not: the
-    output says so once, and the model-states table has no fits? column to say otherwise."""
+    """The model states alone (1,578,068 bytes) would fit in 1,800,000 (a CPU device: no CUDA
+    context to take from so little); the step does not: the output says so once, and the model-states table has no fits? column to say otherwise."""
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "4", "--seq-len", "16",
-            "--attn-implementation", "eager", "--device-memory", "1800000B", "--reserve", "0B"]
+            "--attn-implementation", "eager", "--device-type", "cpu", "--device-memory", "1800000B", "--reserve", "0B"]
     assert main(argv) == 3
     out = capsys.readouterr().out
     assert re.findall(r"to spare|short", out) == ["short"]

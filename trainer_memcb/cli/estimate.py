@@ -513,16 +513,16 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
         say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
                      + (" (searching the largest batch)" if args.max_batch_size else ""))
-        options = dict(seq_len=args.seq_len, quantization=quantization)
-        options.update(more)
+        options = dict(seq_len=args.seq_len, quantization=quantization, alloc_conf=alloc_conf,
+                       gpu=getattr(args, "gpu", None))
+        options.update(more)  # --fit's proposals: expandable segments among them
         return plan_step_memory(build or build_model, settings=at, **options,
                                 attn_implementation=args.attn_implementation, device_type=device_type,
                                 device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model,
                                 states_plan=states_plan or states,
                                 dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"),
                                 target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
-                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes,
-                                alloc_conf=alloc_conf, gpu=getattr(args, "gpu", None))[0]
+                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes)[0]
 
     freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
     found: Optional[int] = None
