@@ -32,7 +32,7 @@ def test_list_names_every_edit_and_its_tests_and_finds_each_text_once():
 
 @pytest.mark.slow
 def test_one_edit_is_killed_in_a_copy_and_the_working_tree_is_untouched():
-    path = os.path.join(REPO_ROOT, "trainer_memcb", "plan", "model_states.py")
+    path = os.path.join(REPO_ROOT, "trainer_memcb", "plan", "answers", "model_states.py")
     with open(path, encoding="utf-8") as handle:
         before = handle.read()
     ran = subprocess.run(

@@ -21,7 +21,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 TINY = os.path.join("examples", "models", "tiny-distilbert")
 # The step plan's batch search on a tiny model, as JSON: every phase of a long estimate.
 SEARCH = ["estimate", TINY, "--optimizers", "adamw", "--max-batch-size", "--seq-len", "16",
-          "--device-memory", "40MiB", "--reserve", "0B", "--eval-samples", "16", "--json"]
+          "--device-type", "cpu", "--device-memory", "40MiB", "--reserve", "0B", "--eval-samples", "16", "--json"]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT, COLUMNS="200", TERM="xterm")
 # Erasing the line, moving the cursor, colours: what a terminal gets beside the text.
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
