@@ -373,7 +373,7 @@ EDITS: List[Edit] = [
     Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
     Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
          STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
-    Edit("plan/answers/max_batch.py", "        return peak <= device_memory", "        return peak < device_memory", SEARCH),
+    Edit("plan/answers/max_batch.py", "else peak <= device_memory", "else peak < device_memory", SEARCH),
     Edit("plan/answers/max_batch.py", "        if peak is None:\n            raise _CannotTrace()",
          "        if peak is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
     Edit("plan/answers/max_batch.py", "    if not fits(1):\n        return done(None)", "    if not fits(1):\n        return done(1)",
@@ -385,8 +385,8 @@ EDITS: List[Edit] = [
     Edit("cli/estimate.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
          "if plan.problem is not None),\n                       None)", "        problem = None", SEARCH),
     # (the untraceable search reads as "no batch fits", exit 3)
-    Edit("cli/estimate.py", "    return DEFAULT_RESERVE_BYTES[args.device_type or DEFAULT_DEVICE_TYPE]", "    return 0",
-         STEP_ON_THE_COMMAND_LINE),  # no default reserve on CUDA
+    Edit("cli/device_options.py", "    return gpu_preset(gpu).cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES",
+         "    return 0", STEP_ON_THE_COMMAND_LINE),  # no CUDA context taken from the device's memory
     Edit("cli/estimate.py", "    if reserve >= args.device_memory:", "    if reserve > args.device_memory:",
          STEP_ON_THE_COMMAND_LINE),  # a reserve equal to the memory leaves 0 bytes, taken
     Edit("cli/estimate.py", "        if count is not None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
