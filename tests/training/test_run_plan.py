@@ -89,9 +89,13 @@ def test_the_trained_module_is_found_inside_the_compile_wrapper():
     assert trained_module(holder) is model
 
 
-def test_the_planned_reserved_bytes_wait_for_the_allocators_replay(tmp_path):
-    plan = plan_for_trainer(tiny_classifier(), training_args(str(tmp_path)), {"input_ids": (4, 8)})
-    assert plan_reserved_bytes(plan) is None
+def test_the_planned_reserved_bytes_are_the_allocators_replay_on_cuda_and_none_on_the_cpu(tmp_path):
+    args, batch = training_args(str(tmp_path)), {"input_ids": (4, 8)}
+    assert plan_reserved_bytes(plan_for_trainer(tiny_classifier(), args, batch, device_type="cpu")) is None
+    cuda = plan_for_trainer(tiny_classifier(), args, batch, device_type="cuda")
+    # The replay reserves whole segments (2 MiB small-pool ones at least), above the allocated peak.
+    assert cuda.reserved_peak_bytes % (2 * 1024 ** 2) == 0 and cuda.reserved_peak_bytes >= cuda.peak_bytes
+    assert plan_reserved_bytes(cuda) == cuda.reserved_peak_bytes
 
 
 def test_docstring_examples_run():

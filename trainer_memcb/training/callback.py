@@ -140,7 +140,7 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
     | `device_peak_allocated_bytes` | bytes | CUDA only: `torch.cuda.max_memory_allocated` of the model's device |
     | `device_peak_reserved_bytes` | bytes | CUDA only: `torch.cuda.max_memory_reserved` of the model's device |
     | `step_plan_peak_bytes` | bytes | training entries from the first logged step: the step plan's peak for the run's own settings, planned once per run (on CUDA, or with `plan_step=True`) |
-    | `step_plan_reserved_bytes` | bytes | the same plan's reserved bytes, once the plan replays the caching allocator (left out until then) |
+    | `step_plan_reserved_bytes` | bytes | CUDA only: the same plan's reserved bytes, its allocations replayed through the caching allocator over two steps |
     | `containers_device_bytes` | bytes | evaluation entries: the most the evaluation loop's containers held as torch tensors, each storage once |
     | `containers_host_bytes` | bytes | evaluation entries: the most they held as numpy arrays on the host |
     | `concat_peak_bytes` | bytes | evaluation entries: the most held during a batch's add (old, new and the concatenation's result) |

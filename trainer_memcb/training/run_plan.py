@@ -21,8 +21,8 @@ for exactly what the run trains:
 - the batch's sizes read from the shapes of one real batch (`batch_dims`: metadata only), or a
   sequence length given (`max_length`, when known).
 
-`plan_reserved_bytes` is where the caching allocator's replay of the plan will give the reserved
-bytes; until that replay exists it answers None, and the callback leaves the key out.
+`plan_reserved_bytes` is where the caching allocator's replay of the plan gives the reserved
+bytes of a plan for CUDA; for a plan on the CPU it answers None, and the callback leaves the key out.
 
 All of the plan is imported inside the functions: importing this module costs nothing, and the
 plan's modules are named in one place (`_plan`).
@@ -207,9 +207,8 @@ def plan_for_trainer(model: Any, args: Any, batch: Optional[Mapping[str, Any]] =
 
 
 def plan_reserved_bytes(plan: Any) -> Optional[int]:
-    """The bytes the caching allocator would reserve for `plan`'s step, or None while unknown.
-
-    The allocator's replay of the plan's allocations (`trainer_memcb.replay_allocations`) fills
-    this in; until it exists the answer is None, and `step_plan_reserved_bytes` is left out.
+    """The bytes the caching allocator reserves for `plan`'s step: the replay of its allocations
+    over two steps (`StepMemoryPlan.reserved_peak_bytes`, a plan for a CUDA device); None for a
+    plan on the CPU, which has no caching allocator, and then `step_plan_reserved_bytes` is left out.
     """
-    return None
+    return getattr(plan, "reserved_peak_bytes", None)
