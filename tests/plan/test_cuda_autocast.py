@@ -37,7 +37,10 @@ def test_every_op_of_the_table_is_an_aten_op() -> None:
         packet, _, overload = name.partition(".")
         assert isinstance(getattr(getattr(torch.ops.aten, packet), overload or "default"), torch._ops.OpOverload), name
     assert set(CUDA_AUTOCAST_TABLE.values()) == set(cuda_autocast.CAST_POLICIES) | {"banned"}
-    assert len(CUDA_AUTOCAST_TABLE) == 119
+    # torch 2.13's AutocastCUDA registers 119 ops; other releases register their own set, which
+    # the next test holds the table to.
+    if torch.__version__.startswith("2.13."):
+        assert len(CUDA_AUTOCAST_TABLE) == 119
 
 
 def test_the_table_names_exactly_the_ops_torch_registers_for_autocast_cuda() -> None:
