@@ -9,9 +9,21 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import transformers
 from transformers import LlamaConfig
 
 from trainer_memcb.plan.device.gpus import gpu_presets
+
+# The exact figures here were counted on torch 2.13 and transformers 5. On transformers 4.57 the
+# models hold 16 to 32 bytes of buffers more or less (rotary's original_inv_freq is an attribute
+# there) and torch 2.6's fake process group cannot run FSDP2's all-gather, so the oldest pass does
+# not hold these figures (tests/plan/test_engines.py computes that difference for its own).
+pytestmark = pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
+    or int(transformers.__version__.split(".")[0]) < 5,
+    reason="figures counted on torch 2.13 and transformers 5; the oldest releases differ by model buffers")
+
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "trainer-memcb")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 import torch
 from transformers import LlamaConfig, TrainingArguments
 
@@ -17,6 +18,16 @@ from trainer_memcb.cli import main
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step.trace import traced_micro_batches
+
+# The exact figures here were counted on torch 2.13 and transformers 5. On transformers 4.57 the
+# models hold 16 to 32 bytes of buffers more or less (rotary's original_inv_freq is an attribute
+# there) and torch 2.6's fake process group cannot run FSDP2's all-gather, so the oldest pass does
+# not hold these figures (tests/plan/test_engines.py computes that difference for its own).
+pytestmark = pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
+    or int(transformers.__version__.split(".")[0]) < 5,
+    reason="figures counted on torch 2.13 and transformers 5; the oldest releases differ by model buffers")
+
 
 GRADIENTS = 460_032  # the tiny Llama's fp32 gradients, every parameter's
 AUTO_ZERO = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",

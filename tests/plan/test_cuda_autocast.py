@@ -26,6 +26,12 @@ CPU_LOWER_PRECISION_FP = {
     "scaled_dot_product_attention", "_native_multi_head_attention"}
 CPU_PROMOTE = {"stack", "cat", "index_copy"}
 
+# The lists are torch 2.13's (autocast_mode.h/.cpp); releases before 2.12 register other ops for
+# AutocastCUDA (rms_norm joined the fp32 list in 2.12, and SDPA's casts differ), which the table
+# does not follow: there the plan's CUDA casts are 2.13's, and these tests do not hold them.
+pytestmark = pytest.mark.skipif(tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 12),
+                                reason="CUDA autocast's lists were read from torch 2.13; this torch registers others")
+
 
 def cpu_autocast_table() -> Dict[str, str]:
     return {name: "lower_precision_fp" if name in CPU_LOWER_PRECISION_FP else "promote" if name in CPU_PROMOTE

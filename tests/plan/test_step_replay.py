@@ -3,6 +3,7 @@ on tiny Llamas under every engine, torch_empty_cache_steps, expandable segments,
 replay, and the CUDA workspaces."""
 
 import pytest
+import transformers
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -12,6 +13,16 @@ from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel, r
 from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step.trace import trace_step
+
+# The exact figures here were counted on torch 2.13 and transformers 5. On transformers 4.57 the
+# models hold 16 to 32 bytes of buffers more or less (rotary's original_inv_freq is an attribute
+# there) and torch 2.6's fake process group cannot run FSDP2's all-gather, so the oldest pass does
+# not hold these figures (tests/plan/test_engines.py computes that difference for its own).
+pytestmark = pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
+    or int(transformers.__version__.split(".")[0]) < 5,
+    reason="figures counted on torch 2.13 and transformers 5; the oldest releases differ by model buffers")
+
 
 MiB = 1024 ** 2
 
