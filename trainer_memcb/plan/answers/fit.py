@@ -380,8 +380,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         own_deepspeed: the user's DeepSpeed config, if any.
         world_size: processes (the effective batch counts them; ZeRO and FSDP2 need 2 or more).
         device_type: "cuda" or "cpu": the step time's device (`FLOPS_PER_SECOND`, ...).
-        trainable_values, value_bytes: the trainable parameter values and their bytes each on the
-            device, for the host transfers of offload.
+        trainable_values: the trainable parameter values, for the host transfers of offload.
+        value_bytes: the bytes of each trainable value on the device.
         allow: changes that alter the training (`ALLOWED_CHANGES`): "seq-len" halves the sequence
             (`seq_len` needed), "lora" trains LoRA adapters of rank 16, "qlora" the same over a
             4-bit base (both through `extra`'s `lora_r`, `load_in_4bit`).
@@ -600,8 +600,10 @@ def fit_batch_size(model: Any, args: Any, *, seq_len: int, device_memory: int, r
         args: `TrainingArguments` (or a dict of them): the batch and accumulation whose product is
             kept, the optimizer, checkpointing, precision, the DeepSpeed or FSDP config.
         seq_len: the sequence length of the longest batch.
-        device_memory, reserve_bytes: bytes per process, and the part the step cannot use.
-        device_type: "cuda" or "cpu"; world_size: processes.
+        device_memory: bytes per process.
+        reserve_bytes: the part of `device_memory` the step cannot use.
+        device_type: "cuda" or "cpu".
+        world_size: processes.
         plan_options: passed to `plan_step_memory` (`attn_implementation`, ...).
 
     Raises:

@@ -256,7 +256,8 @@ def plan_step_memory(
     Args:
         build_model: makes the model on the meta device (`trainer_memcb.plan.optimizers.whatif.build_meta_model`
             plus LoRA adapters); called once per trace, its parameters are replaced by fake ones.
-        batch_size, seq_len: the per-device micro-batch (None: `args.per_device_train_batch_size`).
+        batch_size: the per-device micro-batch (None: `args.per_device_train_batch_size`).
+        seq_len: the sequence length of the micro-batch.
         setup: world size, sharding, precision (as the model-states plan); given, it overrides
             `args` and `settings`.
         optimizer: the Trainer's `optim` name for the traced optimizer step (None: `args.optim`,
@@ -282,8 +283,9 @@ def plan_step_memory(
         settings: settings resolved already (`trainer_memcb.plan.settings.resolve_settings`), the
             engine's options among them (DDP's buckets, FSDP2's resharding and offload, ZeRO's config);
             the explicit arguments above still override it.
-        target_len, image_size, padding: the batch's other sizes (`trainer_memcb.plan.model.step_inputs`):
-            a seq2seq model's labels length, an image model's height and width, padded positions.
+        target_len: a seq2seq model's labels length (`trainer_memcb.plan.model.step_inputs`).
+        image_size: an image model's height and width.
+        padding: the batch's padded positions.
         quantization: a `trainer_memcb.plan.model.quantized.Quantization`: the base model's linear layers
             loaded in 4-bit or 8-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
         keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters

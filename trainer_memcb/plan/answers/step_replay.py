@@ -185,7 +185,10 @@ def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] =
         alloc_conf: `PYTORCH_CUDA_ALLOC_CONF` (a string or a parsed `AllocConf`; None: torch's defaults).
         device_memory: what the allocator may take from the device (its memory less the CUDA
             context and any reserve); None: no limit.
-        compute_capability, empty_cache_steps, resident, env: as `step_allocations`.
+        compute_capability: as `step_allocations`.
+        empty_cache_steps: as `step_allocations`.
+        resident: as `step_allocations`.
+        env: as `step_allocations`.
     """
     conf = as_alloc_conf(alloc_conf)
     calls, step1_end = _calls(timeline, compute_capability, empty_cache_steps, resident, env)
