@@ -35,6 +35,19 @@ def fresh_bitsandbytes_overrides():
     reset()
 
 
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """`TrainingArguments` of transformers 4.x writes accelerate's settings into `os.environ`
+    (`ACCELERATE_MIXED_PRECISION=bf16` after `bf16=True`), and every later `Accelerator` in the
+    process reads them: a Trainer of a later test would then wrap its model's forward in autocast.
+    Each test ends with the environment it started with."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of many tiny optimizer steps (`pytestmark = pytest.mark.usefixtures(...)`):

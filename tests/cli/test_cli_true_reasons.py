@@ -9,6 +9,7 @@ from typing import Any, List
 import pytest
 from transformers import GPT2Config, LlamaConfig
 
+from helpers import requires_torch
 from trainer_memcb.cli import main
 
 
@@ -167,6 +168,7 @@ def test_the_evaluation_plans_training_args_refuse_a_typo_too(tiny_llama_dir: st
     assert "'per_device_eval_batchsize' is not a TrainingArguments field" in one_line(err) and code == 1
 
 
+@requires_torch("2.13", "the FSDP2 plan needs torch 2.13's fake collectives (tests/plan/test_engines.py)")
 def test_fsdp_yes_and_1_are_true_as_the_trainer_reads_them(tiny_llama_dir: str, tmp_path: Any, capsys: Any) -> None:
     path = write_json(tmp_path / "fsdp.json", {"reshard_after_forward": "yes", "cpu_offload": 1})
     code, out, _ = run([tiny_llama_dir, "--batch-size", "2", "--seq-len", "8", "--world-size", "4", "--fsdp-config",
