@@ -146,8 +146,10 @@ def preflight(model: Any, args: Any, *, processing_class: Any = None, device_mem
     usable = device_memory if device_memory is not None else usable_device_memory(device)
     world_size = run_world_size(args)
     settings = resolve_settings(args, world_size=world_size)
-    own = training_args_of(settings, {key: getattr(args, key) for key in ("deepspeed", "fsdp", "fsdp_config")
-                                      if getattr(args, key, None)})
+    # The engine's own arguments, as the Trainer reads them: `fsdp_config` only with `fsdp` set
+    # (transformers 4.x fills `fsdp_config` with its defaults in every run, sharded or not).
+    engine_keys = ("deepspeed", "fsdp", "fsdp_config") if getattr(args, "fsdp", None) else ("deepspeed",)
+    own = training_args_of(settings, {key: getattr(args, key) for key in engine_keys if getattr(args, key, None)})
     plan = plan_for_trainer(model, args, seq_len=seq_len, device_type=device_type, world_size=world_size)
     if usable is None or plan.peak_bytes is None or plan.peak_bytes <= usable:
         return Preflight(plan, seq_len, usable, None, None)
