@@ -34,8 +34,11 @@ one, for good: the model would run uncompiled for the rest of the run
 (`trainer_memcb.utils.compiled`). The counter also declares that it ignores compile internals
 (`TorchDispatchMode.ignore_compile_internals`), so that a compiled function that no module shows
 (called from inside the forward) is compiled and run as without it; what that function allocates
-is then not seen. The containers are measured as for any model: their wrappers are on the
-containers' class, outside the forward.
+is then not seen. A torch that cannot declare it (torch 2.6) would still skip such a function:
+there, once dynamo has compiled anything in the process, the forward is not measured either (one
+warning); a compiled function first called inside an evaluation is not known to it, and runs
+uncompiled after that evaluation. The containers are measured as for any model: their wrappers are
+on the containers' class, outside the forward.
 
 Nested loops (a `compute_metrics`, or a callback, that evaluates another model inside this loop):
 the container calls belong to the innermost loop running, and each loop's figures are its own.
@@ -55,7 +58,7 @@ from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.state.eval_containers import device_blocks, host_blocks, numpified_bytes
 from trainer_memcb.state.saved_tensors import storages_of
 from trainer_memcb.training.instance_forward import NO_INSTANCE_FORWARD, instance_forward, put_back_forward
-from trainer_memcb.utils.compiled import has_compiled_part
+from trainer_memcb.utils.compiled import dispatch_modes_stop_compiling, has_compiled_part
 from trainer_memcb.training.figures import (
     CONCAT_PEAK_BYTES,
     CONTAINERS_DEVICE_BYTES,
@@ -76,6 +79,9 @@ __all__ = [
     "COMPILED_FORWARD_MESSAGE",
 ]
 
+COMPILING_FORWARD_MESSAGE = (f"this torch ({torch.__version__}) cannot measure the evaluation's forward without "
+                             "keeping the torch.compile'd code it may call from compiling (newer torch can); "
+                             "forward_peak_bytes is left out")
 COMPILED_FORWARD_MESSAGE = ("the evaluation's forward peak of a compiled model (torch.compile) is not measured; "
                             "forward_peak_bytes is left out")
 
@@ -239,6 +245,9 @@ class EvaluationProbe:
             try:
                 if compiled or has_compiled_part(model):
                     self._warn_once("evaluation-compiled", COMPILED_FORWARD_MESSAGE)
+                    return
+                if dispatch_modes_stop_compiling():
+                    self._warn_once("evaluation-compiling", COMPILING_FORWARD_MESSAGE)
                     return
                 self._wrap_forward(model)
             except Exception as error:  # never break an evaluation over a figure

@@ -14,9 +14,10 @@ the rest of the process; saved-tensor hooks are traced into the graph, or split 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-__all__ = ["has_compiled_part", "is_compiled", "uncompiled"]
+__all__ = ["dispatch_modes_stop_compiling", "has_compiled_part", "is_compiled", "uncompiled"]
 
 # How many `torch.compile` wrappers around one model are followed (a model compiled twice has two).
 _MAX_WRAPPERS = 8
@@ -74,3 +75,24 @@ def has_compiled_part(model: Any) -> bool:
     if not callable(modules):
         return False
     return any(is_compiled(module) for module in modules())
+
+
+def dispatch_modes_stop_compiling() -> bool:
+    """Whether a dispatch mode of ours, around code that calls a `torch.compile`d function no module
+    shows, would keep that function from compiling for the rest of the process: on a torch whose
+    dispatch modes cannot declare that they ignore compile internals
+    (`TorchDispatchMode.ignore_compile_internals`, which torch 2.6 lacks), once dynamo has compiled
+    anything in this process. Nothing is imported: dynamo is asked only when already loaded.
+
+    Examples:
+        >>> from torch.utils._python_dispatch import TorchDispatchMode
+        >>> dispatch_modes_stop_compiling() if hasattr(TorchDispatchMode, "ignore_compile_internals") else False
+        False
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if hasattr(TorchDispatchMode, "ignore_compile_internals"):
+        return False
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(dynamo_utils, "counters", None)
+    return counters is not None and counters["frames"]["total"] > 0
