@@ -140,6 +140,28 @@ def requires_version(distribution: str, minimum: str, why: str) -> pytest.MarkDe
     )
 
 
+TRANSFORMERS_4 = (installed_version("transformers") or (5,)) < (5,)
+
+
+def rotary_buffers_beyond_transformers_5s(model: Any) -> int:
+    """A plan's peak counts the model's buffers. transformers 5 keeps a rotary embedding's
+    `original_inv_freq` as a buffer beside `inv_freq`; 4.x keeps it as a plain attribute. A figure
+    counted on transformers 5 is this many bytes off on the installed release: 0, or minus the
+    `inv_freq` bytes on 4.x."""
+    if not TRANSFORMERS_4:
+        return 0
+    return -sum(buffer.numel() * buffer.element_size() for name, buffer in model.named_buffers()
+                if name.endswith("inv_freq"))
+
+
+def rotary_matmul_flops_of_transformers_4(batch_rows: int, seq_len: int, inv_freq_values: int) -> int:
+    """transformers 4.x computes a rotary embedding's angles as a batched matmul,
+    `inv_freq[None, :, None] @ position_ids[:, None, :]` (one row of positions per batch row it is
+    given), which torch's FLOP counter counts; transformers 5 multiplies by broadcasting (no FLOPs).
+    The FLOPs a figure counted on transformers 5 lacks on the installed release."""
+    return 2 * batch_rows * inv_freq_values * seq_len if TRANSFORMERS_4 else 0
+
+
 def requires_torch(minimum: str, why: str) -> pytest.MarkDecorator:
     """`@requires_torch("2.7", "what it added")`: skip on an older torch, saying why."""
     return requires_version("torch", minimum, why)

@@ -172,7 +172,9 @@ def test_the_examples_import_without_other_libraries_import_notices():
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stderr == "another torchao warning\n"
+    # Printed by logging's last-resort handler, or by the handler of a library that configured
+    # logging (`logging.basicConfig`) on import, as the oldest releases' pass meets.
+    assert done.stderr in ("another torchao warning\n", "WARNING:torchao:another torchao warning\n")
 
 
 def test_comparison_table_prints_exact_bytes_and_mib(comparison):

@@ -127,11 +127,14 @@ def test_an_out_of_memory_step_writes_the_plan_by_part_and_propagates_unchanged(
 def test_the_allocators_state_is_in_the_report(tmp_path, monkeypatch):
     """CUDA cannot run here. Patched: `torch.cuda.is_available` (True), `current_device` (0),
     `memory_stats` and `memory_snapshot` (the figures above); they are read only now, in the failure
-    path. The model, the step and its error are real."""
+    path. Also `is_current_stream_capturing` (False), which the optimizer asks once CUDA is said to
+    be there, and which a CUDA build of torch without a driver answers with an error. The model,
+    the step and its error are real."""
     head = report_head(training_args(str(tmp_path)).optim.value)  # before CUDA is patched in
     read: List[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: read.append(f"stats {device}") or MEMORY_STATS)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda **kwargs: read.append("snapshot") or SNAPSHOT)
     run = train_until_out_of_memory(str(tmp_path), plan_step=True)
