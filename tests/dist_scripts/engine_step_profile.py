@@ -10,8 +10,8 @@ parameters and reductions, the forward under CPU autocast); FSDP2's
 ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
 (`memtracker_run`); ddp-memtracker and ddp-view-memtracker: under torch's MemTracker
 (`ddp_memtracker_run`); ENGINE-accN (with -memtracker): the same engine with gradient accumulation
-over N micro-batches, each with its own batch (made as the micro-batch starts, as the Trainer
-moves it to the device, and dropped after its backward), every one but the last inside accelerate's
+over N micro-batches, each with its own batch (all made at the step's start and kept to its end, as
+the Trainer's `get_batch_samples` fetches them to the device), every one but the last inside accelerate's
 `Accelerator.no_sync` as the Trainer enters it (`model.no_sync()` for DDP,
 `model.set_requires_gradient_sync(False)` for FSDP2), then clipping, the step and `zero_grad`.
 The engine's own loop, as the Trainer's would run it: the tiny Llama
@@ -83,6 +83,15 @@ def batch() -> dict:
             "num_items_in_batch": torch.tensor(float(ids.numel()))}
 
 
+def one_count(batches) -> list:
+    """The micro-batches of a step as `Trainer.get_batch_samples` hands them out: one
+    `num_items_in_batch` tensor for them all."""
+    batch_samples = list(batches)
+    for each in batch_samples[1:]:
+        each["num_items_in_batch"] = batch_samples[0]["num_items_in_batch"]
+    return batch_samples
+
+
 def trainer_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
 
@@ -130,8 +139,9 @@ def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: d
              autocast: bool = False, accumulation: int = 1):
     """One training step as the Trainer's loop runs it, over the trainable parameters (`before`
     called first; the forward under bf16 CPU autocast with `autocast`, as accelerate wraps it).
-    With `accumulation` above 1, that many micro-batches, each with a batch of its own made as it
-    starts, all but the last under `no_sync`."""
+    With `accumulation` above 1, that many micro-batches, each with a batch of its own, all made
+    at the step's start and kept to its end (the Trainer's `get_batch_samples`), all but the last
+    under `no_sync`."""
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def micro_batch(batch_inputs: dict) -> None:
@@ -145,11 +155,13 @@ def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: d
         if accumulation == 1:
             micro_batch(inputs)
         else:
-            for index in range(accumulation):
+            batch_samples = one_count(batch() for _ in range(accumulation))
+            for index, batch_inputs in enumerate(batch_samples):
                 if index:
                     before()  # the trackers' per-module figures hold one forward each
                 with (no_sync(model) if index < accumulation - 1 else contextlib.nullcontext()):
-                    micro_batch(batch())
+                    micro_batch(batch_inputs)
+            del batch_samples, batch_inputs
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine_step_profile import BATCH, CONFIG, SEQ, batch, peak_of, tiny_llama, trainer_optimizer, warm_up
+from engine_step_profile import BATCH, CONFIG, SEQ, batch, one_count, peak_of, tiny_llama, trainer_optimizer, warm_up
 
 # deepspeed_zero.py's switch: `deepspeed.comm.torch` as an attribute is the torch package itself.
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -211,7 +211,8 @@ def engine_steps(engine, before=lambda: None, seq: int = 0):
     """One training step as the Trainer runs it under DeepSpeed (`before` called first). With the
     config's `gradient_accumulation_steps` above 1, as accelerate runs each micro-batch
     (`DeepSpeedEngineWrapper.backward`): the boundary set (true on the last only), `backward`, and
-    `step` after the last; each micro-batch with a batch of its own, made as it starts."""
+    `step` after the last; each micro-batch with a batch of its own, all made at the step's start
+    and kept to its end (the Trainer's `get_batch_samples`)."""
     accumulation = engine.gradient_accumulation_steps()
     inputs = (row_batch(seq) if seq else batch()) if accumulation == 1 else {}
 
@@ -223,17 +224,18 @@ def engine_steps(engine, before=lambda: None, seq: int = 0):
             del loss
             engine.step()
             return
-        for index in range(accumulation):
+        batch_samples = one_count(row_batch(seq or SEQ) for _ in range(accumulation))
+        for index, micro_inputs in enumerate(batch_samples):
             last = index == accumulation - 1
             if index:
                 before()  # the tracker's per-module figures hold one forward each
             engine.set_gradient_accumulation_boundary(is_boundary=last)
-            micro_inputs = row_batch(seq or SEQ)  # alive through its backward, as the Trainer's `inputs`
             loss = engine(**micro_inputs).loss
             engine.backward(loss)
-            del loss, micro_inputs
+            del loss
             if last:
                 engine.step()
+        del batch_samples, micro_inputs
 
     return step
 

@@ -30,6 +30,10 @@ pytestmark = pytest.mark.skipif(
 
 
 GRADIENTS = 460_032  # the tiny Llama's fp32 gradients, every parameter's
+# One micro-batch's batch: int64 input_ids, attention_mask and labels, 2 x 16 (x 4 at 64 tokens).
+# The Trainer fetches every micro-batch of a step before the first runs and keeps them to its end
+# (`get_batch_samples`), so each micro-batch after the first adds one to every peak of the step.
+MICRO_BATCH, MICRO_BATCH_64 = 3 * 2 * 16 * 8, 3 * 2 * 64 * 8
 AUTO_ZERO = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
              "stage3_param_persistence_threshold": "auto"}
 
@@ -57,15 +61,18 @@ def test_one_process_peaks_in_the_second_micro_batch_with_every_gradient_alive()
     two, four = plan(gradient_accumulation_steps=2), plan(gradient_accumulation_steps=4)
     # The first micro-batch is the step without accumulation (its forward and backward, the
     # optimizer state alive); the second and every later one holds every gradient beside it.
-    assert two.micro_batch_peak_bytes == [[1, 1_849_248], [2, 2_270_752]]
-    assert four.micro_batch_peak_bytes == [[1, 1_849_248], [2, 2_270_752], [4, 2_270_752]]
+    assert two.micro_batch_peak_bytes == [[1, 1_849_248 + MICRO_BATCH], [2, 2_270_752 + MICRO_BATCH]]
+    assert four.micro_batch_peak_bytes == [[1, 1_849_248 + 3 * MICRO_BATCH], [2, 2_270_752 + 3 * MICRO_BATCH],
+                                           [4, 2_270_752 + 3 * MICRO_BATCH]]
     assert single.forward_backward_peak_bytes == 1_849_248
-    for step in (two, four):
-        assert (step.peak_bytes, step.peak_phase, step.peak_micro_batch) == (2_270_752, "backward", 2)
+    for step, others in ((two, 1), (four, 3)):
+        assert (step.peak_bytes, step.peak_phase, step.peak_micro_batch) == (2_270_752 + others * MICRO_BATCH,
+                                                                             "backward", 2)
         assert step.peak_parts["gradients"] == GRADIENTS
-        # One micro-batch's batch at a time (input_ids saved for backward are activations then).
-        assert step.peak_parts["batch_and_buffers"] == 2 * 256 + 64
-    assert four.optimizer_step_peak_bytes == single.optimizer_step_peak_bytes
+        # Every micro-batch's batch (the running one's input_ids, saved for backward, are
+        # activations then) and the model's buffers (64 bytes).
+        assert step.peak_parts["batch_and_buffers"] == 2 * 256 + others * MICRO_BATCH + 64
+    assert four.optimizer_step_peak_bytes == single.optimizer_step_peak_bytes + 3 * MICRO_BATCH
 
 
 def test_ddp_accumulates_beside_its_buckets_with_or_without_the_bucket_view():
@@ -73,7 +80,7 @@ def test_ddp_accumulates_beside_its_buckets_with_or_without_the_bucket_view():
     # buckets until the last micro-batch copies them in (the view then makes them the buckets).
     plain = plan(world_size=2, sharding="ddp", gradient_accumulation_steps=2)
     view = plan(world_size=2, sharding="ddp", gradient_as_bucket_view=True, gradient_accumulation_steps=2)
-    assert plain.peak_bytes == view.peak_bytes == 2_730_784
+    assert plain.peak_bytes == view.peak_bytes == 2_730_784 + MICRO_BATCH
     assert plan(world_size=2, sharding="ddp", gradient_as_bucket_view=True).peak_bytes == 2_270_752
     assert plain.peak_micro_batch == view.peak_micro_batch == 2
     assert view.peak_parts["gradients"] == 2 * GRADIENTS  # the buckets and the gradients beside them
@@ -83,16 +90,16 @@ def test_ddp_accumulates_beside_its_buckets_with_or_without_the_bucket_view():
 def test_fsdp2_keeps_the_first_micro_batchs_gradients_unsharded():
     single = plan(world_size=2, sharding="fsdp-full-shard")
     step = plan(world_size=2, sharding="fsdp-full-shard", gradient_accumulation_steps=2)
-    assert (single.peak_bytes, step.peak_bytes, step.peak_micro_batch) == (1_621_792, 1_966_880, 2)
+    assert (single.peak_bytes, step.peak_bytes, step.peak_micro_batch) == (1_621_792, 1_966_880 + MICRO_BATCH, 2)
     # The first micro-batch reduce-scatters nothing (set_requires_gradient_sync(False)).
-    assert step.micro_batch_peak_bytes == [[1, 1_589_024], [2, 1_966_880]]
+    assert step.micro_batch_peak_bytes == [[1, 1_589_024 + MICRO_BATCH], [2, 1_966_880 + MICRO_BATCH]]
     assert step.peak_parts["unsharded_gradients"] == GRADIENTS
 
 
 @pytest.mark.parametrize("stage, single, accumulating, micro_batch", [
-    (1, 2_839_252, 3_315_668, 2),  # whole gradients until the boundary, and the bucket kept
-    (2, 2_839_252, 3_069_396, 2),  # the first micro-batch's gradient partition kept
-    (3, 3_315_668, 3_315_668, 1),  # accumulated in place in the gradient partition
+    (1, 2_839_252, 3_315_668 + MICRO_BATCH_64, 2),  # whole gradients until the boundary, and the bucket kept
+    (2, 2_839_252, 3_069_396 + MICRO_BATCH_64, 2),  # the first micro-batch's gradient partition kept
+    (3, 3_315_668, 3_315_668 + MICRO_BATCH_64, 1),  # accumulated in place in the gradient partition
 ])
 def test_zero_keeps_the_gradients_between_micro_batches_its_way(stage, single, accumulating, micro_batch):
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -130,7 +137,7 @@ def test_the_command_line_flag(tiny_llama_dir, capsys):
               "--attn-implementation", "sdpa", "--device-type", "cpu"]
     assert main(common + ["--gradient-accumulation-steps", "4", "--json"]) == 0
     step = json.loads(capsys.readouterr().out)["step"]
-    assert (step["gradient_accumulation_steps"], step["peak_micro_batch"], step["peak_bytes"]) == (4, 2, 2_270_752)
+    assert (step["gradient_accumulation_steps"], step["peak_micro_batch"], step["peak_bytes"]) == (4, 2, 2_270_752 + 3 * MICRO_BATCH)
     assert ["gradient_accumulation_steps", 4, "flag"] in step["settings_used"]
     assert main(common + ["--gradient-accumulation-steps", "4"]) == 0
     assert "in the backward of micro-batch 2 of 4" in capsys.readouterr().out
@@ -150,6 +157,7 @@ def test_zero2_with_offload_accumulates_in_host_buffers_of_the_partitions_parame
     single = plan(seq_len=64, world_size=2, deepspeed=dict(config, gradient_accumulation_steps=1))
     step = plan(seq_len=64, world_size=2, deepspeed=dict(config, gradient_accumulation_steps=2))
     # `accumulated_grads_in_cpu`: each of rank 0's partition's parameters whole (230,144 bytes), on
-    # the host; the device's peak is the same (the gradients leave for the host as they are reduced).
+    # the host; the device's peak is the same but for the second micro-batch's batch (the gradients
+    # leave for the host as they are reduced).
     assert step.host_bytes["offload_buffers"] - single.host_bytes["offload_buffers"] == 230_144
-    assert step.peak_bytes == single.peak_bytes == 2_214_732
+    assert (single.peak_bytes, step.peak_bytes) == (2_214_732, 2_214_732 + MICRO_BATCH_64)

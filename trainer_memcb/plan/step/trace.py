@@ -29,7 +29,8 @@ records, see the tests); a CUDA caching allocator rounds each block up to 512 by
 freed blocks (fragmentation), which is not counted.
 
 Gradient accumulation. With `gradient_accumulation_steps` above 1 the step's micro-batches run in
-turn before the optimizer step, each with a batch of its own: the trace runs the first, the second
+turn before the optimizer step, each with a batch of its own, all on the device from the step's
+start to its end (as the Trainer fetches and keeps them): the trace runs the first, the second
 (the first's gradients alive, as the engine keeps them) and the last (where the engines reduce), in
 that order in one timeline (`traced_micro_batches`); forward and backward's peak is the worst
 micro-batch's (`Timeline.peak_micro_batch`), each one's kept in `Timeline.micro_batch_peaks`.
@@ -144,17 +145,22 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     tracker = LiveStorages(keep_timeline=True)
+    # Every micro-batch of the step is on the device before the first runs, and stays to the end:
+    # `Trainer.get_batch_samples` fetches them all (accelerate's dataloader sends each to the
+    # device as it is yielded) into the list `batch_samples`, which the micro-batches' loop keeps.
     with mode:
-        inputs = step_inputs(model, batch_size, seq_len, **(input_options or {}))
+        micro_batch_inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {}))
+                              for _ in range(accumulation)]
+    inputs = micro_batch_inputs[0]
     labels = inputs.labels
-    batch_tensors = inputs.tensors()
+    batch_tensors = [tensor for each in micro_batch_inputs for tensor in each.tensors()]
     for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
     for part, tensors in engine.resident().items():
         for tensor in tensors:
             tracker.add(tensor)
         tracker.tag(tensors, part)
-    tensor = tensors = None  # the loops' last: a batch's tensor, freed with its micro-batch
+    tensor = tensors = None  # the loops' last: no loop variable keeps a tensor alive
     counter = SavedTensorsCounter(exclude=params, watch_recomputation=gradient_checkpointing)
     tracker.watch = counter._book.live
     engine.attach(tracker, counter)
@@ -174,7 +180,6 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     optimizer_failure: Optional[str] = None
     numbers = traced_micro_batches(accumulation)
     micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
-    batch_serials = set(tracker.serials(batch_tensors))  # every micro-batch's, each freed before the next is made
     try:
         with cast_policy, dropout_kernels, mode, tracker, contextlib.ExitStack() as observed:
             for observer in _OBSERVERS:
@@ -183,11 +188,9 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
                 if len(numbers) > 1:
                     engine.micro_batch(number, last=number == accumulation)
                 if number > 1:
-                    del kwargs, inputs, labels, batch_tensors  # the micro-batch before's batch (the Trainer's `del inputs`)
                     tracker.peak_bytes = 0  # this micro-batch's own peak, from here
-                    inputs = step_inputs(model, batch_size, seq_len, **(input_options or {}))
-                    labels, batch_tensors = inputs.labels, inputs.tensors()
-                    batch_serials.update(tracker.serials(batch_tensors))
+                    inputs = micro_batch_inputs[number - 1]
+                    labels = inputs.labels
                 tracker.phase = "forward"
                 if number == 1:
                     phase_starts = {"forward": len(tracker.events)}
@@ -238,8 +241,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     stepped = build_optimizer is not None
     groups = {"parameters": frozenset(tracker.serials(params)), "gradients": frozenset(grads),
               "optimizer_state": frozenset(state_keys),
-               "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)) | batch_serials,
-               "batch": frozenset(tracker.serials(batch_tensors)) | batch_serials}
+               "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)),
+               "batch": frozenset(tracker.serials(batch_tensors))}
     timeline = Timeline(
         events=tuple(tracker.events), sizes=tracker.sizes, tags=tracker.tags, groups=groups, states={},
         host_parts=tuple(getattr(engine, "host_parts", ())), step_start=tracker.step_start,
