@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.answers.step_replay import DEFAULT_COMPUTE_CAPABILITY, StepReplay, replay_step
+from trainer_memcb.plan.answers.step_replay import StepReplay, replay_step
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
-from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES, GpuPreset, gpu_preset
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, GpuPreset, gpu_preset
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.settings.setup import Setup, setup_of
@@ -344,7 +344,8 @@ def plan_step_memory(
         timeline = trace_step(
             meta, settings, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             gradient_checkpointing=gradient_checkpointing, args=args, device_type=device_type, step_dtype=step_dtype,
-            keep_dtypes=keep_dtypes, quantization=quantization, padding=padding, input_options=input_options)
+            keep_dtypes=keep_dtypes, quantization=quantization, padding=padding, input_options=input_options,
+            compute_capability=preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY)
     except UntracedStep as error:
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
                               problem=f"the step cannot run under fake tensors ({error})", **common), states_plan

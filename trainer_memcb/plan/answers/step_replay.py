@@ -43,13 +43,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from trainer_memcb.plan.device.alloc_conf import AllocConf, as_alloc_conf
 from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel, OutOfMemory
 from trainer_memcb.plan.device.cuda_kernels import cublas_workspace_bytes, cublaslt_workspace_bytes
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.step.timeline import Timeline
 
 __all__ = ["StepReplay", "step_allocations", "replay_step", "DEFAULT_COMPUTE_CAPABILITY"]
 
-# Without a GPU named, the cuBLAS workspaces are those of compute capability 8.0 (A100), the
-# 8,519,680-byte default of every card but Hopper's (`cublas_workspace_bytes`).
-DEFAULT_COMPUTE_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-__all__ = ["GpuPreset", "gpu_preset", "gpu_presets", "GPU_PRESETS", "DEFAULT_CUDA_CONTEXT_BYTES"]
+__all__ = ["GpuPreset", "gpu_preset", "gpu_presets", "GPU_PRESETS", "DEFAULT_CUDA_CONTEXT_BYTES",
+           "DEFAULT_COMPUTE_CAPABILITY"]
 
 MiB = 1024**2  # bytes
 
@@ -48,6 +49,10 @@ _CONTEXT_UNMEASURED_MIB = _CONTEXT_ADA_MIB
 # Without a GPU named: the CUDA context taken as the unmeasured cards' (426 MiB), so that a plan
 # for an unnamed card does not promise room that the context takes.
 DEFAULT_CUDA_CONTEXT_BYTES = _CONTEXT_UNMEASURED_MIB * MiB
+# Without a GPU named, the kernels are those of compute capability 8.0 (A100): the cuBLAS
+# workspaces of every card but Hopper's (`cublas_workspace_bytes`), and the attention backends
+# of an Ampere card (`sdpa_backend`).
+DEFAULT_COMPUTE_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
