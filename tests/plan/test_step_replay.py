@@ -54,13 +54,15 @@ def timelines():
 # (reserved peak, allocated peak, fragmentation at the reserved peak) of two steps of a tiny Llama
 # (hidden 64, 2 layers, vocab 256, batch 2 x 16, fp32, AdamW foreach) per process; the cuBLAS and
 # cuBLASLt workspaces of sm80 (8,519,680 + 1,048,576 bytes, two handles) are 19,136,512 of them.
-# ZeRO's reduce and all-gather buckets (500M elements by default) make its figures.
+# ZeRO's reduce and all-gather buckets (500M elements by default) make its figures. fp32 attention
+# takes the memory-efficient kernel on an sm80 card, whose logsumexp is padded to 32 rows: 512 bytes
+# a layer more than the CPU kernel's, alive at the sharded engines' peaks.
 EXPECTED = {
     "none": (27_262_976, 21_454_336, 6_045_696),
     "ddp": (27_262_976, 21_906_944, 6_045_184),
-    "fsdp-full-shard": (25_165_824, 20_780_032, 14_706_688),
-    "zero2": (2_025_848_832, 2_021_367_808, 4_481_024),
-    "zero3": (2_025_848_832, 2_021_869_568, 13_620_736),
+    "fsdp-full-shard": (25_165_824, 20_780_544, 14_705_664),
+    "zero2": (2_025_848_832, 2_021_368_832, 4_480_000),
+    "zero3": (2_025_848_832, 2_021_870_592, 13_619_712),
 }
 
 
@@ -136,7 +138,7 @@ def test_expandable_segments_change_the_reserved_figure(timelines):
     default = replay_step(timelines["zero2"], alloc_conf="")
     expandable = replay_step(timelines["zero2"], alloc_conf="expandable_segments:True")
     assert (default.reserved_peak_bytes, expandable.reserved_peak_bytes) == (2_025_848_832, 2_038_431_744)
-    assert expandable.allocated_peak_bytes == 2_020_684_800
+    assert expandable.allocated_peak_bytes == 2_020_685_824
 
 
 def test_fits_allocated_but_not_reserved_does_not_fit():

@@ -55,15 +55,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.settings import StepSettings
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
+from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages
@@ -71,7 +72,7 @@ from trainer_memcb.plan.step.timeline import HOST, PhasePeak, Timeline
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
-from trainer_memcb.state.saved_tensors import SavedTensorsCounter, storages_of
+from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
 __all__ = ["trace_step", "traced_micro_batches", "UntracedStep", "fake_copy", "enable_checkpointing", "observing_steps",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
@@ -127,15 +128,17 @@ def one_line(error: BaseException) -> str:
 def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
                 build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
                 engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
-                accumulation: int = 1, device_type: str = "cpu") -> Timeline:
+                accumulation: int = 1, device_type: str = "cpu",
+                compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
     """Run the step under fake tensors (the model already fake), counting as the module says;
     `engine` wraps the model and runs the backward and the optimizer step its way. With
     `accumulation` above 1, the micro-batches of `traced_micro_batches(accumulation)` run their
     forward and backward in turn before the optimizer step, each after the gradients the ones
     before it left (`StepEngine.micro_batch` tells the engine which one runs). On "cuda", the
     casts of autocast are CUDA autocast's (`trainer_memcb.plan.step.cuda_autocast`) and dropout
-    saves CUDA's 1-byte mask (`trainer_memcb.plan.step.cuda_dropout`), for the whole step, so
-    that checkpointing's recomputation runs as the forward did."""
+    saves CUDA's 1-byte mask (`trainer_memcb.plan.step.cuda_dropout`), and attention runs the
+    backend a GPU of `compute_capability` takes (`trainer_memcb.plan.step.cuda_sdpa`), for the
+    whole step, so that checkpointing's recomputation runs as the forward did."""
     mode = _MODE[0]
     engine = engine or StepEngine()
     notes: List[str] = []
@@ -167,6 +170,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     autocast = None
     cast_policy: Any = contextlib.nullcontext()
     dropout_kernels = dropout_as_cuda() if device_type == "cuda" else contextlib.nullcontext()
+    attention_kernels = sdpa_as_cuda(compute_capability) if device_type == "cuda" else contextlib.nullcontext()
     if precision.startswith("autocast-"):
         autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision.endswith("bf16") else torch.float16)
         policy = autocast_policy_for(device_type)
@@ -181,7 +185,7 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     numbers = traced_micro_batches(accumulation)
     micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
     try:
-        with cast_policy, dropout_kernels, mode, tracker, contextlib.ExitStack() as observed:
+        with cast_policy, dropout_kernels, attention_kernels, mode, tracker, contextlib.ExitStack() as observed:
             for observer in _OBSERVERS:
                 observed.enter_context(observer())
             for number in numbers:
@@ -333,7 +337,8 @@ class UntracedStep(Exception):
 def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_len: Optional[int], precision: str,
                optimizer: str, gradient_checkpointing: bool, args: Any, device_type: str,
                step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
-               input_options: Dict[str, Any]) -> Timeline:
+               input_options: Dict[str, Any],
+               compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
     """Trace one training step of `meta` (a model on the meta device, made fake here) under the
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `optimizer`, the batch of `input_options`.
@@ -382,7 +387,8 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
         with grouped_mm_any_dtype(), unpadded, passed_checks():
             timeline = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
-                                   engine, input_options, settings.gradient_accumulation_steps, device_type)
+                                   engine, input_options, settings.gradient_accumulation_steps, device_type,
+                                   compute_capability)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         raise UntracedStep(one_line(error)) from error
