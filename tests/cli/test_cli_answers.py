@@ -312,6 +312,15 @@ def test_the_default_reserve_on_cuda_and_the_step_table_say_what_is_not_counted(
         ["reserve", "(--reserve)", "0", "B", "(0)"], ["fits?", "against", "1.58", "GiB", "(1,700,790,272)"]]
 
 
+def test_the_model_states_table_alone_shows_the_cuda_context_its_fits_is_answered_without(tiny_llama_dir, capsys):
+    code, out, _ = run(["estimate", tiny_llama_dir, "--optimizers", "adamw", "--device-memory", "2GiB"], capsys)
+    assert code == 0
+    assert [line.split() for line in out.splitlines() if line.startswith(("reserve", "fits? against", "device memory",
+                                                                          "CUDA context"))] == [
+        ["device", "memory", "2.00", "GiB", "(2,147,483,648)"], ["CUDA", "context", "426.0", "MiB", "(446,693,376)"],
+        ["reserve", "(--reserve)", "0", "B", "(0)"], ["fits?", "against", "1.58", "GiB", "(1,700,790,272)"]]
+
+
 def test_max_batch_size_exits_3_when_no_batch_fits(tiny_llama_dir, capsys):
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw", "--max-batch-size", "--seq-len", "1",
             "--device-memory", "427MiB"]  # 1 MiB beside the CUDA context: not the cuBLAS workspaces

@@ -437,7 +437,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.json:
         print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)
     else:
-        print_tables(plan_tables(result, memory, reserve, context) if plan_asked(args) else estimate_tables(result), sys.stdout)
+        print_tables(plan_tables(result, memory, reserve, context=context) if plan_asked(args) else estimate_tables(result), sys.stdout)
     return EXIT_DOES_NOT_FIT if plan_asked(args) and _states_fit(result) is False else EXIT_DONE
 
 
