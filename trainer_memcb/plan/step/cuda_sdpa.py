@@ -27,7 +27,10 @@ the backend as a GPU of that compute capability would, and then:
 Not modelled: cuDNN's own workspace, the memory-efficient backward's float32 `delta` and its
 accumulation workspace, and the philox seed and offset a GPU kernel keeps with dropout (16 bytes).
 Memory-efficient does not take grouped heads (`enable_gqa` with fewer key/value heads): math is
-taken there, as transformers avoids by repeating the keys and values when it passes a mask.
+taken there, as transformers avoids by repeating the keys and values when it passes a mask. A torch
+whose CPU flash kernel does not take grouped heads either (2.6 takes math for them) gets the keys
+and values repeated around the kernel call, in forward and in backward: the plan then also holds
+those copies while the kernel runs.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import torch
 
 from trainer_memcb.plan.device.cuda_kernels import K_ALIGN_LSE, flash_backward_workspace_bytes, sdpa_backend
 
-__all__ = ["gpu_sdpa_backend", "sdpa_as_cuda"]
+__all__ = ["cpu_flash_takes_grouped_heads", "gpu_sdpa_backend", "sdpa_as_cuda"]
 
 
 def gpu_sdpa_backend(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
@@ -68,6 +71,27 @@ def _additive_mask(attn_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Opt
     return torch.where(attn_mask, zero, torch.full((), float("-inf"), dtype=dtype, device=attn_mask.device))
 
 
+def cpu_flash_takes_grouped_heads() -> bool:
+    """Whether this torch's CPU flash kernel takes fewer key/value heads than query heads (asked of
+    `torch._fused_sdp_choice` on tiny real tensors; call it outside a fake mode)."""
+    query, grouped = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+    try:
+        return int(torch._fused_sdp_choice(query, grouped, grouped, None, 0.0, False, enable_gqa=True)) == 1
+    except Exception:  # a torch without enable_gqa
+        return False
+
+
+def _repeated(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key or value heads repeated to `heads`, as grouped-query attention pairs them (head h with h // group)."""
+    return tensor.repeat_interleave(heads // tensor.shape[-3], dim=-3)
+
+
+def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of `_repeated`: each group's heads summed back into its key or value head."""
+    shape = grad.shape
+    return grad.view(*shape[:-3], heads, shape[-3] // heads, *shape[-2:]).sum(-3)
+
+
 class _FusedAttention(torch.autograd.Function):
     """A fused GPU kernel's forward and backward, as bytes: the CPU flash kernel's tensors, the
     logsumexp padded for memory-efficient, flash's backward workspace."""
@@ -75,9 +99,12 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
-                backend: str) -> torch.Tensor:
+                backend: str, repeat_heads: bool) -> torch.Tensor:
+        heads = int(query.shape[-3])
+        repeat = repeat_heads and key.shape[-3] != heads
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+            query, _repeated(key, heads) if repeat else key, _repeated(value, heads) if repeat else value,
+            0.0, is_causal, attn_mask=attn_mask, scale=scale)
         rows = lse.shape[-1]
         padded_rows = -(-rows // K_ALIGN_LSE) * K_ALIGN_LSE
         if backend == "efficient" and padded_rows != rows:
@@ -88,7 +115,7 @@ class _FusedAttention(torch.autograd.Function):
             padded.copy_(lse)
             lse = padded
         ctx.save_for_backward(query, key, value, out, lse, attn_mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.is_causal, ctx.scale, ctx.repeat = is_causal, scale, repeat
         ctx.workspace_bytes = 0
         if backend == "flash":
             ctx.workspace_bytes = flash_backward_workspace_bytes(
@@ -103,13 +130,20 @@ class _FusedAttention(torch.autograd.Function):
         # flash_api.cpp mha_bwd: softmax_d and dq_accum (and dk/dv expanded) are allocated before
         # the kernel runs and freed when it returns.
         workspace = grad_out.new_empty(ctx.workspace_bytes, dtype=torch.uint8) if ctx.workspace_bytes else None
+        heads = int(query.shape[-3])
+        kv_heads = int(key.shape[-3])
+        if ctx.repeat:
+            key, value = _repeated(key, heads), _repeated(value, heads)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
-        del workspace
-        return grads[0], grads[1], grads[2], None, None, None, None
+        del workspace, key, value
+        grad_key, grad_value = grads[1], grads[2]
+        if ctx.repeat:
+            grad_key, grad_value = _grouped(grad_key, kv_heads), _grouped(grad_value, kv_heads)
+        return grads[0], grad_key, grad_value, None, None, None, None, None
 
 
-def _sdpa(compute_capability: Tuple[int, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
           scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
     backend = gpu_sdpa_backend(query, key, attn_mask, dropout_p, is_causal, enable_gqa, compute_capability)
@@ -117,18 +151,19 @@ def _sdpa(compute_capability: Tuple[int, int], query: torch.Tensor, key: torch.T
     if backend == "math":
         return torch.ops.aten._scaled_dot_product_attention_math.default(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
-    return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, backend)
+    return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, backend, repeat_heads)
 
 
 @contextlib.contextmanager
 def sdpa_as_cuda(compute_capability: Tuple[int, int]) -> Iterator[None]:
     """Within: `aten::scaled_dot_product_attention` runs as on a GPU of `compute_capability`
     (the module docstring)."""
+    repeat_heads = not cpu_flash_takes_grouped_heads()
     library = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-            library.impl("scaled_dot_product_attention", functools.partial(_sdpa, compute_capability),
+            library.impl("scaled_dot_product_attention", functools.partial(_sdpa, compute_capability, repeat_heads),
                          "CompositeImplicitAutograd")
         yield
     finally:
