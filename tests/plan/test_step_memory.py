@@ -190,7 +190,8 @@ def test_a_real_trainer_run_logs_the_planned_activations_to_the_byte(tmp_path, a
     from trainer_memcb import OptimizerMemoryCallback
 
     plan, _ = plan_step_memory(meta_builder("llama", attn, False), batch_size=BATCH, seq_len=SEQ,
-                               attn_implementation=attn, gradient_checkpointing=ckpt, model_states=False)
+                               attn_implementation=attn, gradient_checkpointing=ckpt, model_states=False,
+                               device_type="cpu")  # the run below is on the CPU
     model = real_model("llama", attn, torch.float32, False, False)
     trainer = Trainer(model=model, args=training_args(str(tmp_path), max_steps=1, logging_steps=1,
                                                       per_device_train_batch_size=BATCH, gradient_checkpointing=ckpt,
