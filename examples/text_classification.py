@@ -47,6 +47,9 @@ IMPORT_NOTICES = (
     # bitsandbytes/backends/cpu/ops.py, on a CPU with AVX-512 BF16: a 4-bit matmul kernel from the
     # hub (the examples train no 4-bit model).
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+    # kernels/_internals/hf_hub.py (transformers 5.25 and later install `kernels`): the same
+    # kernel's publisher, not checked while the hub is offline.
+    ("kernels._internals.hf_hub", "Skipping publisher trust check"),
     # torchao/__init__.py: its optional compiled kernels (_C_mxfp8, _C_cutlass_90a), built for
     # another Python or for CUDA.
     ("torchao", "Failed to load "),
