@@ -37,8 +37,9 @@ __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUN
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
 NOT_COUNTED = {
     "cuda": ("NCCL's communicators and buffers (several processes), outside the caching allocator",
-             "scaled_dot_product_attention's CUDA workspaces (FlashAttention-2's backward buffers, the "
-             "memory-efficient kernel's padded logsumexp)", "gradient accumulation's other micro-batches"),
+             "cuDNN attention's workspaces, and the memory-efficient attention backward's own buffers "
+             "(the flash backward's and the padded logsumexp are counted)",
+             "the kernels' own temporaries where they differ from the CPU's (cross-entropy's)"),
     "cpu": ("the CPU allocator's own bookkeeping and rounding",),
 }
 
