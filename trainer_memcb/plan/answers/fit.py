@@ -299,6 +299,27 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _largest_that_fits(search: "_Search", divisors: List[int], samples: int, base: Dict[str, Any],
+                       base_changes: Dict[str, Any], deepspeed: Optional[Dict[str, Any]]) -> Optional[FitCandidate]:
+    """The largest of `divisors` (ascending) whose step fits as the per-device batch, with the
+    accumulation that keeps `samples` per process, searched by halving (a larger batch never
+    holds less); None when none fits or the search's budget runs out first."""
+    chosen: Optional[FitCandidate] = None
+    low, high = 0, len(divisors) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        batch = divisors[middle]
+        sizes = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // batch)
+        candidate = search.plan(dict(base_changes, **sizes), dict(base, **sizes), deepspeed)
+        if candidate is None or candidate.peak_bytes is None:
+            break
+        if candidate.fits:
+            chosen, low = candidate, middle + 1
+        else:
+            high = middle - 1
+    return chosen
+
+
 @dataclass
 class _Search:
     """The search's state: the planner, the limit, the cost model, the proposals planned so far."""
@@ -413,21 +434,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         """The largest batch (a divisor of `samples`) whose step fits, with the accumulation that
         keeps the effective batch; `below`: only batches under the user's."""
         divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
-        chosen: Optional[FitCandidate] = None
-        low, high = 0, len(divisors) - 1
-        while low <= high:
-            middle = (low + high) // 2
-            d = divisors[middle]
-            changes = dict(base_changes, per_device_train_batch_size=d, gradient_accumulation_steps=samples // d)
-            candidate = search.plan(changes, with_args(base, per_device_train_batch_size=d,
-                                                       gradient_accumulation_steps=samples // d), deepspeed)
-            if candidate is None or candidate.peak_bytes is None:
-                break
-            if candidate.fits:
-                chosen, low = candidate, middle + 1
-            else:
-                high = middle - 1
-        return chosen
+        return _largest_that_fits(search, divisors, samples, base, base_changes, deepspeed)
 
     base = dict(own_args)
     # Gradient checkpointing at the user's batch; the leaner optimizers; the engines that shard.
@@ -508,21 +515,7 @@ def largest_fitting_batch(planner: Callable[..., StepMemoryPlan], own_args: Dict
     search = _Search(planner, usable_bytes, world_size, device_type, 0, 2, budget=64, own_args=dict(own_args))
     own = search.plan({}, dict(own_args), None, own=True)
     samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
-    divisors = _divisors(samples)
-    best: Optional[FitCandidate] = None
-    low, high = 0, len(divisors) - 1
-    while low <= high:
-        middle = (low + high) // 2
-        d = divisors[middle]
-        changes = dict(per_device_train_batch_size=d, gradient_accumulation_steps=samples // d)
-        candidate = search.plan(changes, dict(own_args, **changes), None)
-        if candidate is None or candidate.peak_bytes is None:
-            break
-        if candidate.fits:
-            best, low = candidate, middle + 1
-        else:
-            high = middle - 1
-    return best, own
+    return _largest_that_fits(search, _divisors(samples), samples, dict(own_args), {}, None), own
 
 
 def step_planner(build_model: Callable[[], torch.nn.Module], seq_len: Optional[int], *, device_type: str = "cuda",
