@@ -140,6 +140,27 @@ def requires_version(distribution: str, minimum: str, why: str) -> pytest.MarkDe
     )
 
 
+def profiled_run_peak(run: Callable[[], Any]) -> int:
+    """The most bytes the profiler records alive above what was alive before `run()`: its memory
+    records replayed in time order (a CPU run's allocations and frees, each storage's whole size)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    alive = peak = 0
+    for record in records:
+        alive += record.nbytes()
+        peak = max(peak, alive)
+    return peak
+
+
+def storage_bytes(tensors: List[torch.Tensor]) -> int:
+    """The bytes of the storages behind `tensors`, each storage once."""
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 TRANSFORMERS_4 = (installed_version("transformers") or (5,)) < (5,)
 
 

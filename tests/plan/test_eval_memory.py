@@ -7,10 +7,9 @@ from typing import Any, Dict
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
-from helpers import requires_transformers
+from helpers import profiled_run_peak, requires_transformers
 from trainer_memcb.plan.answers.eval_memory import EvalSettings, containers_figures, plan_eval_memory
 
 BATCH, SEQ = 4, 16
@@ -47,16 +46,7 @@ def profiled_forward_peak(model: torch.nn.Module, inputs: Dict[str, Any]) -> int
     model.eval()
     with torch.no_grad():
         model(**inputs)  # lazy buffers made on a first call are not the batch's
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            output = model(**inputs)
-    del output
-    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                     key=lambda e: e.start_ns())
-    alive = peak = 0
-    for record in records:
-        alive += record.nbytes()
-        peak = max(peak, alive)
-    return peak
+        return profiled_run_peak(lambda: model(**inputs))  # freed at the end: after its peak
 
 
 @requires_transformers("5.0", "the forward's differences were measured on transformers 5.24 (its attention-mask "

@@ -9,9 +9,9 @@ from typing import Any, Dict, Tuple
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from helpers import rotary_buffers_beyond_transformers_5s, rotary_matmul_flops_of_transformers_4
+from helpers import (profiled_run_peak, rotary_buffers_beyond_transformers_5s, rotary_matmul_flops_of_transformers_4,
+                     storage_bytes)
 from trainer_memcb.plan.answers.fit import (
     StepFlops,
     expandable_segments_option,
@@ -164,15 +164,8 @@ def real_step_peak(training_args: Dict[str, Any]) -> Tuple[int, int]:
     step()
     tensors = list(model.parameters()) + list(model.buffers()) + [t for b in batches for t in b.values()]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    start = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                     key=lambda e: e.start_ns())
-    alive = peak = 0
-    for record in records:
-        alive += record.nbytes()
-        peak = max(peak, alive)
+    start = storage_bytes(tensors)
+    peak = profiled_run_peak(step)
     return start, peak
 
 

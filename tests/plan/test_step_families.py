@@ -21,9 +21,8 @@ from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from helpers import independent_saved_bytes, installed_version
+from helpers import independent_saved_bytes, installed_version, profiled_run_peak, storage_bytes
 from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
@@ -200,15 +199,8 @@ def profiled_peak(trainer: Any, inputs: Dict[str, torch.Tensor]) -> int:
     step()
     tensors = list(model.parameters()) + list(model.buffers()) + list(inputs.values())
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    start = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                     key=lambda e: e.start_ns())
-    alive = peak = 0
-    for record in records:
-        alive += record.nbytes()
-        peak = max(peak, alive)
+    start = storage_bytes(tensors)
+    peak = profiled_run_peak(step)
     return start + peak
 
 

@@ -6,9 +6,8 @@ from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from helpers import requires_transformers
+from helpers import profiled_run_peak, requires_transformers, storage_bytes
 from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
@@ -138,15 +137,8 @@ def profiled_peak(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tu
     step()  # the optimizer state exists from here on, as in every later step
     tensors = list(model.parameters()) + list(model.buffers()) + list(inputs.values())
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    start = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                     key=lambda e: e.start_ns())
-    alive = peak = 0
-    for record in records:
-        alive += record.nbytes()
-        peak = max(peak, alive)
+    start = storage_bytes(tensors)
+    peak = profiled_run_peak(step)
     return start, peak
 
 
