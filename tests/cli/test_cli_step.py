@@ -7,12 +7,15 @@ import re
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from helpers import rotary_buffers_beyond_transformers_5s
 
 from trainer_memcb.cli import main
 from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
 from trainer_memcb.plan.answers.max_batch import max_batch_size
+from trainer_memcb.plan.model.trainer_model import reentrant_by_default
 from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
 
@@ -73,9 +76,28 @@ def test_tables_say_what_was_traced_and_where(tiny_llama_dir, capsys):
     out = capsys.readouterr().out
     assert "attention traced" in out and "sdpa" in out
     assert "cuda (traced on fake cpu tensors)" in out
-    assert "on (non-reentrant)" in out
+    # Without keywords, as the installed transformers checkpoints (reentrant in 4.x).
+    assert f"on ({'reentrant' if reentrant_by_default() else 'non-reentrant'})" in out
     assert "fp32 (parameters in float32)" in out
     assert "Alive at the step's peak" in out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_training_args_checkpointing_keywords_reach_the_trace(tiny_llama_dir, tmp_path, capsys, reentrant):
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"gradient_checkpointing": True, "per_device_train_batch_size": 4,
+                                "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}))
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--training-args", str(path), "--seq-len", "16",
+            "--attn-implementation", "sdpa", "--device-type", "cpu"]
+    step = run_json(argv + ["--json"], capsys)["step"]
+    assert step["checkpointing_kwargs"] == {"use_reentrant": reentrant}
+    # Reentrant checkpointing holds more at this step's peak in backward: each block's recomputed
+    # forward keeps its saved tensors until the block's own backward has run, where the non-reentrant
+    # one frees each as it is unpacked. Both held to real steps in tests/plan/test_step_memory.py.
+    assert step["peak_bytes"] == (1812256 if reentrant else 1795872) + rotary_buffers_beyond_transformers_5s(
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_llama_dir)))
+    assert main(argv) == 0
+    assert f"on ({'reentrant' if reentrant else 'non-reentrant'})" in capsys.readouterr().out
 
 
 def test_without_batch_size_the_command_is_unchanged(tiny_llama_dir, capsys):

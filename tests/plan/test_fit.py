@@ -20,6 +20,7 @@ from trainer_memcb.plan.answers.fit import (
     step_planner,
 )
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.model.trainer_model import reentrant_by_default
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step.trace import observing_steps
 
@@ -69,11 +70,13 @@ def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointi
     # gradients), and the CPU flash attention, 2,097,152 forward and 5,242,880 backward. With
     # checkpointing the layers' forward runs again in backward, up to the last tensor it must
     # recompute (non-reentrant checkpointing stops there: not the down projection, 2 x 8,192 weights):
-    # 2 x 128 x 65,536 = 16,777,216, and the attention's 2,097,152.
+    # 2 x 128 x 65,536 = 16,777,216, and the attention's 2,097,152. Reentrant checkpointing
+    # (transformers 4.x's without keywords) runs the whole forward of each layer again: 2 x 128 x 81,920.
     # On transformers 4.x the rotary angles' matmul (one row of 32 positions, 8 frequencies) adds,
     # once: it runs before the layers, outside what checkpointing recomputes.
     rotary = rotary_matmul_flops_of_transformers_4(1, 32, 8)
-    assert flops.totals == [(101_711_872 if checkpointing else 82_837_504) + rotary]
+    recomputed = 2 * 128 * (81_920 if reentrant_by_default() else 65_536) + 2_097_152
+    assert flops.totals == [82_837_504 + (recomputed if checkpointing else 0) + rotary]
 
 
 def test_the_own_setting_and_each_proposal_are_planned_by_the_same_trace(searched):

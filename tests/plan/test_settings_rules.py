@@ -22,6 +22,11 @@ from trainer_memcb.plan.settings import SettingsFileError, resolve_settings
                                           "as given and the Trainer takes any non-empty string as true"),
     ({"ddp_bucket_cap_mb": -3}, "ddp_bucket_cap_mb=-3: expected a finite number of megabytes above 0"),
     ({"per_device_train_batch_size": 0}, "per_device_train_batch_size=0: expected a whole number of at least 1"),
+    ({"gradient_checkpointing_kwargs": {"use_reentrant": "false"}},
+     "gradient_checkpointing_kwargs: use_reentrant='false': expected true or false"),
+    ({"gradient_checkpointing_kwargs": "{use_reentrant: false}"},
+     "gradient_checkpointing_kwargs='{use_reentrant: false}' is neither a JSON object nor a dict"),
+    ({"gradient_checkpointing_kwargs": "[1]"}, "gradient_checkpointing_kwargs=[1]: expected a dict of keywords"),
 ])
 def test_training_args_the_trainer_would_refuse_or_misread_are_refused(args, phrase, tmp_path) -> None:
     with pytest.raises(SettingsFileError, match="^training args: ") as caught:
@@ -87,3 +92,15 @@ def test_a_flags_bad_bucket_size_is_a_plain_value_error(cap) -> None:
     with pytest.raises(ValueError, match=r"^--bucket-cap-mb .*: expected a finite number of megabytes above 0") as caught:
         resolve_settings(bucket_cap_mb=cap, world_size=2, sharding="ddp")
     assert not isinstance(caught.value, SettingsFileError)
+
+
+@pytest.mark.parametrize("given", [{"use_reentrant": True}, '{"use_reentrant": true}'])
+def test_checkpointing_keywords_are_read_as_training_arguments_reads_them(given, tmp_path) -> None:
+    # TrainingArguments parses a string of JSON into the dict (its `_VALID_DICT_FIELDS`).
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": given}))
+    settings = resolve_settings(str(path))
+    assert settings.checkpointing_kwargs == {"use_reentrant": True}
+    assert settings.sources["checkpointing_kwargs"] == "training args"
+    assert ("checkpointing_kwargs", {"use_reentrant": True}, "training args") in settings.used()
+    assert resolve_settings({"gradient_checkpointing": True}).checkpointing_kwargs is None

@@ -143,8 +143,8 @@ def real_trainer(kind: str, dtype: torch.dtype, attn: str = None, ckpt: bool = F
     if ckpt:  # as Trainer.train() turns it on: activation_checkpointing_kwargs None
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=None)
-        else:  # transformers 4.x: the plan's non-reentrant default, as transformers 5's
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:  # transformers 4.x, as its Trainer calls it: gradient_checkpointing_kwargs None (reentrant)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None)
     model.train()
     trainer.create_optimizer()
     return trainer
@@ -254,6 +254,10 @@ def test_a_familys_planned_step_matches_a_real_trainer_step(kind: str, dtype: to
     assert plan.activations_bytes == real
     peak = profiled_peak(trainer, inputs)
     assert torch.get_rng_state().numel() == CPU_RNG_STATE_BYTES
-    assert abs(peak - plan.peak_bytes - (CPU_RNG_STATE_BYTES if ckpt else 0)) <= 64
+    # The CPU generator's state, kept outside autograd: once at this peak with non-reentrant
+    # checkpointing; reentrant checkpointing (transformers 4.x's) keeps it in each of the two
+    # blocks' contexts (`ctx.fwd_cpu_state`) until the block's backward, so twice.
+    kept = (2 if plan.checkpointing_kwargs["use_reentrant"] else 1) if ckpt else 0
+    assert abs(peak - plan.peak_bytes - kept * CPU_RNG_STATE_BYTES) <= 64
     # And the plan says what it leaves out.
     assert any("keeps the CPU generator's state" in note for note in plan.notes) == ckpt

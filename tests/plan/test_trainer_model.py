@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import installed_version, requires_transformers, training_args
-from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs, prepare_like_trainer
+from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs, prepare_like_trainer, reentrant_by_default
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
@@ -57,3 +57,33 @@ def test_checkpointing_takes_the_arguments_keywords(tmp_path) -> None:
     assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": True}
     assert prepare_like_trainer(tiny(), gradient_checkpointing=True).model.layers[0] \
         ._gradient_checkpointing_func.keywords == {"use_reentrant": False}
+
+
+def test_without_keywords_checkpointing_is_what_the_installed_trainer_turns_on() -> None:
+    # As `Trainer` calls it with the arguments' default (None): transformers 5
+    # `activation_checkpointing_enable(activation_checkpointing_kwargs=None)`, 4.x
+    # `gradient_checkpointing_enable(gradient_checkpointing_kwargs=None)`.
+    real = tiny()
+    if hasattr(real, "activation_checkpointing_enable"):
+        real.activation_checkpointing_enable(activation_checkpointing_kwargs=None)
+    else:
+        real.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None)
+    real_keywords = real.model.layers[0]._gradient_checkpointing_func.keywords
+    assert real_keywords == {"use_reentrant": installed_version("transformers") < (5,)}
+    assert checkpointing_kwargs() == real_keywords == {"use_reentrant": reentrant_by_default()}
+    planned = prepare_like_trainer(tiny(), gradient_checkpointing=True)
+    assert planned.model.layers[0]._gradient_checkpointing_func.keywords == real_keywords
+
+
+def test_keywords_for_torch_without_use_reentrant_leave_it_to_torchs_default() -> None:
+    # `checkpoint(use_reentrant=None)` warns and runs reentrantly (torch 2.6 to 2.13), whatever the
+    # release of transformers; transformers 5's own keys are not torch's.
+    assert checkpointing_kwargs(given={"preserve_rng_state": False}) == {"preserve_rng_state": False,
+                                                                        "use_reentrant": True}
+    assert checkpointing_kwargs(given={"every_n_layers": 2}) == {"every_n_layers": 2,
+                                                                 "use_reentrant": reentrant_by_default()}
+    assert checkpointing_kwargs(given={"use_reentrant": False}) == {"use_reentrant": False}
+    # The keywords given win over the arguments'.
+    assert checkpointing_kwargs({"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+                                given={"use_reentrant": False}) == {"use_reentrant": False}
+    assert checkpointing_kwargs({"gradient_checkpointing_kwargs": {"use_reentrant": True}}) == {"use_reentrant": True}

@@ -269,7 +269,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="micro-batches per optimizer step (default: --training-args' or the DeepSpeed config's, else 1); "
                            "each after the first runs with the gradients alive")
     step.add_argument("--gradient-checkpointing", action="store_true",
-                      help="the Trainer's gradient_checkpointing=True (non-reentrant)")
+                      help="the Trainer's gradient_checkpointing=True, with --training-args' "
+                           "gradient_checkpointing_kwargs, else as the installed transformers checkpoints "
+                           "(non-reentrant from 5 on, reentrant in 4.x)")
     step.add_argument("--attn-implementation", metavar="NAME",
                       help="the attention path to trace: eager, sdpa, ... (default: the config's)")
     step.add_argument("--device-type", choices=list(DEVICE_TYPES),

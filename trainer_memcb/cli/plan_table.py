@@ -114,6 +114,21 @@ _PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_
                "host_temporaries": "the offloaded optimizer step's temporaries (host)"}
 
 
+def _checkpointing_words(step: Any) -> str:
+    """"off", or "on (non-reentrant)" with the keywords that change what is held."""
+    if not step.gradient_checkpointing:
+        return "off"
+    kwargs = getattr(step, "checkpointing_kwargs", None) or {}
+    words = ["reentrant" if kwargs.get("use_reentrant") else "non-reentrant"]
+    if kwargs.get("every_n_layers", 1) != 1:
+        words.append(f"every {kwargs['every_n_layers']} layers")
+    if kwargs.get("offload"):
+        words.append("saved tensors offloaded to the host")
+    if kwargs.get("preserve_rng_state") is False:
+        words.append("no RNG state kept")
+    return f"on ({', '.join(words)})"
+
+
 def step_tables(found: Dict[str, Any]) -> List[TextTable]:
     """The step plan: what was traced, the activations, the peak by part, fits?; the search."""
     tables: List[TextTable] = []
@@ -123,7 +138,7 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             ["micro-batch", f"{step.batch_size} x {step.seq_len}" if step.seq_len is not None else str(step.batch_size)],
             ["attention traced", step.attn_implementation or "-"],
             ["device type", f"{step.device_type} (traced on fake {step.traced_on} tensors)"],
-            ["gradient checkpointing", "on (non-reentrant)" if step.gradient_checkpointing else "off"],
+            ["gradient checkpointing", _checkpointing_words(step)],
             ["precision", f"{step.precision} (parameters in {step.param_dtype})" if step.param_dtype else step.precision],
             ["optimizer step", step.optimizer],
         ]

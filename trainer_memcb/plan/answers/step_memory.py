@@ -26,6 +26,7 @@ from trainer_memcb.plan.answers.step_replay import StepReplay, replay_step
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, GpuPreset, gpu_preset
 from trainer_memcb.plan.model.step_inputs import step_inputs
+from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.settings.setup import Setup, setup_of
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
@@ -52,7 +53,9 @@ class StepMemoryPlan:
         batch_size, seq_len: the micro-batch.
         attn_implementation: the attention path traced (`config._attn_implementation`).
         device_type: the device type asked for; `traced_on`: the fake tensors' device.
-        gradient_checkpointing: non-reentrant activation checkpointing on the model's layers.
+        gradient_checkpointing: activation checkpointing on the model's layers;
+            `checkpointing_kwargs`: its keywords as traced, `use_reentrant` always among them
+            (`trainer_memcb.plan.model.trainer_model.checkpointing_kwargs`), {} without it.
         precision: the setup's precision; `param_dtype`: the traced parameters' dtype.
         activations_bytes: saved for backward, alive at the end of forward (as `activations_bytes`).
         activations_peak_bytes: the most saved bytes alive during forward and backward.
@@ -138,6 +141,7 @@ class StepMemoryPlan:
     fragmentation_bytes: Optional[int] = None
     cuda_workspace_bytes: Optional[int] = None
     cuda_context_bytes: Optional[int] = None
+    checkpointing_kwargs: Dict[str, Any] = field(default_factory=dict)
     device_total_bytes: Optional[int] = None
     gpu: Optional[str] = None
     alloc_conf: Optional[str] = None
@@ -268,7 +272,9 @@ def plan_step_memory(
             DeepSpeed and FSDP configs) unless given here explicitly.
         attn_implementation: "eager", "sdpa" or another transformers attention; None keeps the
             config's.
-        gradient_checkpointing: the Trainer's `gradient_checkpointing=True` (non-reentrant).
+        gradient_checkpointing: the Trainer's `gradient_checkpointing=True`, with the keywords of
+            `args` or `settings` (`checkpointing_kwargs`), else as the installed transformers
+            checkpoints without them (non-reentrant from transformers 5 on, reentrant in 4.x).
         device_type: "cuda" or "cpu": the device the run will use (see the module docstring).
         device_memory: bytes per process, for fits / margin (None with `gpu`: the preset's
             `total_bytes`, what `torch.cuda.mem_get_info` reports there).
@@ -338,6 +344,8 @@ def plan_step_memory(
     step_dtype = dtype or _step_dtype(precision, meta)
     common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
                   device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
+                  checkpointing_kwargs=(checkpointing_kwargs(args, settings.checkpointing_kwargs)
+                                        if gradient_checkpointing else {}),
                   precision=precision, optimizer=optimizer, device_memory_bytes=device_memory,
                   reserve_bytes=reserve_bytes if device_memory is not None else None,
                   not_counted=list(NOT_COUNTED[device_type]))

@@ -22,7 +22,9 @@ raises TypeError), `bf16` and `fp16` both true (`TrainingArguments.__post_init__
 so "false" is true to the Trainer), fewer than 1 accumulation step or micro-batch (DeepSpeed's
 `_batch_assertion`; the Trainer divides by them), a ZeRO size that DeepSpeedZeroConfig's fields
 refuse (negative, not whole, `reduce_bucket_size` 0), and an FSDP boolean that transformers'
-`str_to_bool` cannot read (`TrainingArguments._process_fsdp_args`: "yes", 1, "true" are true).
+`str_to_bool` cannot read (`TrainingArguments._process_fsdp_args`: "yes", 1, "true" are true),
+and checkpointing keywords that are not a dict (or a JSON object), a `use_reentrant` that is not a
+boolean or an `every_n_layers` below 1.
 The same values given as flags raise plain `ValueError`.
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -73,6 +76,9 @@ class StepSettings:
         batch_size, seq_len: the per-process micro-batch.
         gradient_accumulation_steps: micro-batches per optimizer step (the peak is one micro-batch's).
         precision, optimizer, gradient_checkpointing, max_grad_norm: as the Trainer trains.
+        checkpointing_kwargs: the Trainer's `activation_checkpointing_kwargs` (or
+            `gradient_checkpointing_kwargs`) as given, None when not given: `use_reentrant` and
+            torch's other `checkpoint` keywords, transformers 5's `every_n_layers` and `offload`.
         world_size, nodes, sharding: the job (sharding one of `setup.SHARDINGS`).
         rank: the process the plan is for, 0 to world_size - 1. Under DeepSpeed ZeRO-1/2 each rank's
             flat partition holds other parameters' values, so the gradients it keeps, and when it
@@ -95,6 +101,7 @@ class StepSettings:
     precision: str = "fp32"
     optimizer: str = "adamw_torch"
     gradient_checkpointing: bool = False
+    checkpointing_kwargs: Optional[Dict[str, Any]] = None
     max_grad_norm: Optional[float] = 1.0
     world_size: int = 1
     rank: int = 0
@@ -292,6 +299,34 @@ def _args_dict(training_args: Any) -> Dict[str, Any]:
     return values
 
 
+def _checkpointing_kwargs(args: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """The checkpointing keywords of the Trainer's arguments, read as `TrainingArguments` reads them
+    (a JSON string is parsed into a dict), or None; SettingsFileError for what it or torch refuses."""
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        value = args.get(name)
+        if not value:
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise SettingsFileError(f"training args: {name}={value!r} is neither a JSON object nor a dict "
+                                        "(TrainingArguments parses a string as JSON)") from None
+        if not isinstance(value, dict):
+            raise SettingsFileError(f"training args: {name}={value!r}: expected a dict of keywords for "
+                                    "torch.utils.checkpoint.checkpoint, such as {\"use_reentrant\": false}")
+        reentrant = value.get("use_reentrant", False)
+        if not isinstance(reentrant, bool):
+            raise SettingsFileError(f"training args: {name}: use_reentrant={reentrant!r}: expected true or false "
+                                    "(checkpoint takes any other value as true)")
+        layers = value.get("every_n_layers", 1)
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise SettingsFileError(f"training args: {name}: every_n_layers={layers!r}: expected a whole number "
+                                    "of at least 1")
+        return dict(value)
+    return None
+
+
 def _precision(args: Mapping[str, Any], deepspeed: bool) -> Optional[str]:
     if args.get("bf16"):
         return "deepspeed-bf16" if deepspeed else "autocast-bf16"
@@ -380,6 +415,7 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
     put("optimizer", str(args["optim"]).split(".")[-1].lower() if args.get("optim") is not None else None, arg)
     checkpointing = args.get("gradient_checkpointing", args.get("activation_checkpointing"))
     put("gradient_checkpointing", bool(checkpointing) if checkpointing is not None else None, arg)
+    put("checkpointing_kwargs", _checkpointing_kwargs(args), arg)
     if "max_grad_norm" in args:
         put("max_grad_norm", float(args["max_grad_norm"] or 0.0), arg)
     put("bucket_cap_mb", args.get("ddp_bucket_cap_mb"), arg)

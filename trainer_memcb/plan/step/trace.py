@@ -382,7 +382,8 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
                     "whole layer inside its kernel (backends/default/ops.py, _dequantize_4bit_compute), which the "
                     "trace cannot see: up to 8 bytes per value of the largest 4-bit layer, not counted"
                     if device_type == "cpu" else ""))
-        prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing)
+        prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing,
+                             checkpointing=settings.checkpointing_kwargs)
         build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
         unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
         with grouped_mm_any_dtype(), unpadded, passed_checks():
