@@ -74,7 +74,7 @@ from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
-__all__ = ["trace_step", "traced_micro_batches", "UntracedStep", "fake_copy", "enable_checkpointing", "observing_steps",
+__all__ = ["trace_step", "traced_micro_batches", "UntracedStep", "fake_copy", "observing_steps",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
@@ -406,24 +406,6 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
     if implementation[0]:
         notes.append(f"optimizer traced with its {implementation[0]} implementation, as torch runs it on {device_type}")
     return dataclasses.replace(timeline, notes=tuple(notes), optimizer_implementation=implementation[0])
-
-
-def enable_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing, as the Trainer's `gradient_checkpointing=True`
-    turns it on (transformers 5: `activation_checkpointing_enable`; 4.x:
-    `gradient_checkpointing_enable`)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        return
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _enable_checkpointing(model: nn.Module, name: str) -> None:
-    enable_checkpointing(model)
 
 
 def _optimizer_builder(name: str, args: Any, device_type: str = "cpu") -> Tuple[Callable[[nn.Module], Any], List[Optional[str]]]:
