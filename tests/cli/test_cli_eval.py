@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+from helpers import TRANSFORMERS_4
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.cli import main
 
@@ -41,10 +42,14 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_plan_through_training_args_equals_a_real_run_to_the_byte(tiny_llama_dir: str, tmp_path: Any,
-                                                                      capsys: Any) -> None:
+                                                                      capsys: Any, precision: str) -> None:
+    # bf16: accelerate runs the evaluation forward under autocast too (its casts are the forward's
+    # storages) and hands the containers float32 logits; fp16: not on the CPU (no native amp there).
+    mixed = {precision: True} if precision != "fp32" else {}
     args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_eval_batch_size=4,
-                             eval_accumulation_steps=2, report_to=[], disable_tqdm=True)
+                             eval_accumulation_steps=2, report_to=[], disable_tqdm=True, **mixed)
     (tmp_path / "args.json").write_text(args.to_json_string())
     model_config = config()
     model_config._attn_implementation = "eager"
@@ -54,10 +59,16 @@ def test_the_plan_through_training_args_equals_a_real_run_to_the_byte(tiny_llama
     logged = trainer.evaluate()
     capsys.readouterr()  # what the run printed (accelerate, DeepSpeed's accelerator line)
     assert main(["estimate", tiny_llama_dir, "--eval-samples", "10", "--seq-len", "12", "--attn-implementation",
-                 "eager", "--training-args", str(tmp_path / "args.json"), "--json"]) == 0
+                 "eager", "--training-args", str(tmp_path / "args.json"), "--device-type", "cpu", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["evaluation"]
     assert planned["settings"]["batch_size"] == 4 and planned["settings"]["accumulation_steps"] == 2
+    assert planned["settings"]["autocast"] == (precision if mixed else None)
     assert {key: planned[key] for key in KEYS} == {key: logged[f"eval_{key}"] for key in KEYS}
+    # Measured here: the forward's peak is 63,840 bytes in fp32 and in fp16 on the CPU, 79,656
+    # under bf16 autocast (the bf16 copies of the weights and of the activations it casts); on
+    # transformers 4.57, whose forward builds its masks otherwise, 76,128 and 91,944.
+    fp32_peak = 76128 if TRANSFORMERS_4 else 63840
+    assert planned["forward_peak_bytes"] == fp32_peak + (15816 if precision == "bf16" else 0)
 
 
 def test_too_much_for_the_device_says_why_and_what_would_fit(tiny_llama_dir: str, capsys: Any) -> None:

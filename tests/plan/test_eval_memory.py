@@ -94,3 +94,34 @@ def test_bad_settings_are_value_errors_that_name_them() -> None:
         EvalSettings(batch_size=1, samples=1, seq_len=1, logits="top5")
     with pytest.raises(ValueError, match="accumulation_steps=0"):
         EvalSettings(batch_size=1, samples=1, seq_len=1, accumulation_steps=0)
+    with pytest.raises(ValueError, match="autocast='bfloat16' is not one of: None, 'bf16', 'fp16'"):
+        EvalSettings(batch_size=1, samples=1, seq_len=1, autocast="bfloat16")
+
+
+@pytest.mark.skipif(tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 12),
+                    reason="CUDA autocast's lists were read from torch 2.13; this torch registers others "
+                           "(tests/plan/test_cuda_autocast.py)")
+def test_a_cuda_evaluation_casts_by_cuda_autocasts_lists() -> None:
+    # No GPU here: the CPU plans under autocast are held to real runs (tests/cli/test_cli_eval.py);
+    # a CUDA plan differs from them only by the op lists it casts by, which tests/plan/test_cuda_autocast.py
+    # holds against torch's own AutocastCUDA kernels.
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return BertForSequenceClassification(bert("eager"))
+
+    def peak(autocast: Any, cuda: bool) -> int:
+        settings = EvalSettings(batch_size=BATCH, samples=BATCH, seq_len=SEQ, autocast=autocast)
+        plan = plan_eval_memory(build, settings, cuda_context_bytes=0 if cuda else None)
+        assert plan.problem is None
+        return plan.forward_peak_bytes
+
+    plain = peak(None, cuda=False)
+    assert peak(None, cuda=True) == plain
+    # CUDA's softmax policy (fp32_set_opt_dtype) keeps the attention probabilities, 4 x 4 heads x
+    # 16 x 16, in float32 where CPU autocast leaves them in bf16: 2 bytes more each.
+    cuda_bf16 = peak("bf16", cuda=True)
+    assert cuda_bf16 == peak("bf16", cuda=False) + 4 * 4 * 16 * 16 * 2
+    assert cuda_bf16 > plain  # the weights' bf16 copies, for one
+    # fp16 autocasts on CUDA as bf16 does; accelerate runs no fp16 autocast on the CPU.
+    assert peak("fp16", cuda=True) == cuda_bf16
+    assert peak("fp16", cuda=False) == plain

@@ -87,3 +87,19 @@ def test_keywords_for_torch_without_use_reentrant_leave_it_to_torchs_default() -
     assert checkpointing_kwargs({"gradient_checkpointing_kwargs": {"use_reentrant": True}},
                                 given={"use_reentrant": False}) == {"use_reentrant": False}
     assert checkpointing_kwargs({"gradient_checkpointing_kwargs": {"use_reentrant": True}}) == {"use_reentrant": True}
+
+
+@requires_transformers("5.0", "every_n_layers is a key of transformers 5's activation_checkpointing_kwargs")
+def test_every_n_layers_checkpoints_the_layers_the_trainer_checkpoints(tmp_path) -> None:
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         vocab_size=64, max_position_embeddings=32)
+    args = training_args(str(tmp_path), activation_checkpointing=True,
+                         activation_checkpointing_kwargs={"every_n_layers": 2, "use_reentrant": False})
+    real = Trainer(model=LlamaForCausalLM(config), args=args).model
+    trainer_kwargs = dict(args.activation_checkpointing_kwargs)  # as Trainer.train() splits them
+    real.activation_checkpointing_enable(every_n_layers=trainer_kwargs.pop("every_n_layers"),
+                                         activation_checkpointing_kwargs=trainer_kwargs)
+    planned = prepare_like_trainer(LlamaForCausalLM(config), args=args, gradient_checkpointing=True)
+    flags = [layer.gradient_checkpointing for layer in planned.model.layers]
+    assert flags == [layer.gradient_checkpointing for layer in real.model.layers]
+    assert flags.count(True) == 2

@@ -167,6 +167,13 @@ def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[Mo
     from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes
 
     cuda = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
+    gpu = getattr(args, "gpu", None)
+    if gpu is not None:
+        from trainer_memcb.plan.device.gpus import gpu_preset
+
+        capability = gpu_preset(gpu).compute_capability
+    else:
+        capability = None
 
     def plan(settings: EvalSettings) -> EvalMemoryPlan:
         def build() -> Any:
@@ -175,7 +182,7 @@ def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[Mo
         return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
                                 model_name=args.model, reserve_bytes=reserve,
                                 cuda_context_bytes=cuda_context_bytes(args) if cuda else None,
-                                alloc_conf=alloc_conf_of(args) if cuda else None)
+                                alloc_conf=alloc_conf_of(args) if cuda else None, compute_capability=capability)
 
     return plan
 

@@ -51,6 +51,8 @@ __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_
 # `preprocess_logits_for_metrics` such as `lambda logits, labels: logits.argmax(-1)`), or nothing
 # (`prediction_loss_only`, or no `compute_metrics`).
 EVAL_LOGITS = ("full", "argmax", "none")
+# The Trainer's mixed precision around the evaluation forward: none, bf16 or fp16 autocast.
+EVAL_AUTOCAST = (None, "bf16", "fp16")
 # The order in which `evaluation_loop` adds a batch to its containers.
 _CONTAINERS = ("losses", "inputs", "preds", "labels")
 # numpy has no bfloat16: `nested_numpify` converts to float32.
@@ -72,6 +74,9 @@ class EvalSettings:
         use_cache: the model config's `use_cache` during evaluation (transformers 5's Trainer sets it
             from `TrainingArguments.use_cache`, False by default: a cache holds every layer's keys
             and values through the forward); None keeps the config's (transformers 4).
+        autocast: "bf16" or "fp16": the Trainer's mixed precision (`bf16=True`, `fp16=True`), which
+            accelerate's `prepare_model` puts around the model's forward for evaluation too, with
+            the outputs converted to float32 (`convert_outputs_to_fp32`); None: no autocast.
     """
 
     batch_size: int
@@ -82,6 +87,7 @@ class EvalSettings:
     logits: str = "full"
     include_inputs: bool = False
     use_cache: Optional[bool] = None
+    autocast: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "samples", "seq_len"):
@@ -93,6 +99,8 @@ class EvalSettings:
             raise ValueError(f"accumulation_steps={steps!r}: expected a whole number of at least 1, or None")
         if self.logits not in EVAL_LOGITS:
             raise ValueError(f"logits={self.logits!r} is not one of: {', '.join(EVAL_LOGITS)}")
+        if self.autocast not in EVAL_AUTOCAST:
+            raise ValueError(f"autocast={self.autocast!r} is not one of: {', '.join(map(repr, EVAL_AUTOCAST))}")
 
 
 def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optional[str] = None) -> EvalSettings:
@@ -100,8 +108,9 @@ def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optio
 
     Args:
         args: `per_device_eval_batch_size`, `eval_accumulation_steps`, `eval_do_concat_batches`,
-            `prediction_loss_only` and `include_for_metrics` are read; a missing one takes the
-            Trainer's default.
+            `prediction_loss_only`, `include_for_metrics`, `bf16` and `fp16` are read (with a
+            DeepSpeed config, no autocast: the engine runs the model in its 16-bit dtype); a missing
+            one takes the Trainer's default.
         samples, seq_len: the evaluation set's size and sequence length.
         logits: `EVAL_LOGITS`; None: `"none"` with `prediction_loss_only`, else `"full"`.
 
@@ -109,7 +118,7 @@ def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optio
         >>> from types import SimpleNamespace
         >>> eval_settings_from_args(SimpleNamespace(per_device_eval_batch_size=4, eval_accumulation_steps=2),
         ...                         samples=10, seq_len=16)
-        EvalSettings(batch_size=4, samples=10, seq_len=16, accumulation_steps=2, concat_batches=True, logits='full', include_inputs=False, use_cache=None)
+        EvalSettings(batch_size=4, samples=10, seq_len=16, accumulation_steps=2, concat_batches=True, logits='full', include_inputs=False, use_cache=None, autocast=None)
     """
     include = getattr(args, "include_for_metrics", None) or []
     if logits is None:
@@ -117,7 +126,16 @@ def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optio
     return EvalSettings(batch_size=int(getattr(args, "per_device_eval_batch_size", 8)), samples=samples,
                         seq_len=seq_len, accumulation_steps=getattr(args, "eval_accumulation_steps", None),
                         concat_batches=bool(getattr(args, "eval_do_concat_batches", True)), logits=logits,
-                        include_inputs="inputs" in include, use_cache=getattr(args, "use_cache", None))
+                        include_inputs="inputs" in include, use_cache=getattr(args, "use_cache", None),
+                        autocast=_autocast_of(args))
+
+
+def _autocast_of(args: Any) -> Optional[str]:
+    if getattr(args, "deepspeed", None):
+        return None
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "fp16" if getattr(args, "fp16", False) else None
 
 
 @dataclass(frozen=True)
@@ -267,7 +285,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
                      device_memory: Optional[int] = None, host_memory: Optional[int] = None,
                      resident_bytes: int = 0, model_name: Optional[str] = None,
                      reserve_bytes: int = 0, cuda_context_bytes: Optional[int] = None,
-                     alloc_conf: Any = None) -> EvalMemoryPlan:
+                     alloc_conf: Any = None, compute_capability: Optional[Tuple[int, int]] = None) -> EvalMemoryPlan:
     """Plan evaluation's memory on one process.
 
     Args:
@@ -286,6 +304,9 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
             fits_device then comes from the allocator replay (see `EvalMemoryPlan`); None: the
             device peak against `device_memory`.
         alloc_conf: `PYTORCH_CUDA_ALLOC_CONF` for that replay (None: torch's defaults).
+        compute_capability: with `cuda_context_bytes`, the GPU's, for the attention backend it
+            picks (None: `trainer_memcb.plan.device.gpus.DEFAULT_COMPUTE_CAPABILITY`). A CUDA plan
+            also casts by CUDA autocast's op lists under `settings.autocast`.
 
     Raises:
         ValueError: a reserve that is not a whole number of bytes, or as large as `device_memory`.
@@ -315,7 +336,10 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     with FakeTensorMode():  # what the model refuses (a length past its positions) is said before tracing
         step_inputs(meta, 1, settings.seq_len)
     try:
-        forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache)
+        forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache,
+                                     autocast=settings.autocast,
+                                     device_type="cuda" if cuda_context_bytes is not None else "cpu",
+                                     compute_capability=compute_capability)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         text = " ".join(str(error).split())[:300]
         return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,

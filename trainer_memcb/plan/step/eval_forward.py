@@ -4,17 +4,28 @@ The forward of `Trainer.prediction_step` (`model.eval()`, `torch.no_grad()`, the
 labels), under `FakeTensorMode`, nothing allocated; `LiveStorages` counts the storages it creates,
 the parameters, buffers and batch excluded. What the containers keep is read from its outputs
 (`trainer_memcb.plan.answers.eval_memory`).
+
+With the Trainer's mixed precision the forward runs as accelerate's `prepare_model` wraps it, for
+evaluation as for training: under `torch.autocast` (the casts and their cache are the forward's
+storages), its 16-bit outputs then converted to float32 (`convert_outputs_to_fp32`), which is what
+the containers keep. For a CUDA run the casts follow CUDA autocast's op lists
+(`trainer_memcb.plan.step.cuda_autocast`) and attention runs as a GPU runs it
+(`trainer_memcb.plan.step.cuda_sdpa`), as in the step's trace.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.model.step_inputs import step_inputs
+from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
+from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.plan.step.trace import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
@@ -42,9 +53,16 @@ class EvalForward:
     batch_storages: Tuple[int, ...] = ()
 
 
-def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None) -> EvalForward:
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None, *,
+                       autocast: Optional[str] = None, device_type: str = "cpu",
+                       compute_capability: Optional[Tuple[int, int]] = None) -> EvalForward:
     """Run one evaluation forward of `model` (on the meta device, made fake here) as
-    `Trainer.prediction_step` runs it: `model.eval()`, `torch.no_grad()`, the batch with its labels."""
+    `Trainer.prediction_step` runs it: `model.eval()`, `torch.no_grad()`, the batch with its labels;
+    under `autocast` ("bf16", "fp16" or None) as the module docstring says, on `device_type`'s
+    autocast lists and attention kernels ("cpu" or "cuda")."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = getattr(model, "config", None)
@@ -67,8 +85,19 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
     batch_storages = {key: nbytes for key, nbytes, _ in storages_of(batch) if key not in model_storages}
     exclude = {key for key, _, _ in storages_of(held + list(kwargs.values()) + list(inputs.held.values()))}
     tracker = LiveStorages(exclude=exclude, keep_timeline=True)
-    with mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
-        outputs = model(**kwargs)
+    if autocast == "fp16" and device_type == "cpu":
+        autocast = None  # accelerate's `native_amp` is off for fp16 on the CPU: no autocast there
+    policy = autocast_policy_for(device_type) if autocast is not None else None
+    cast_policy = autocast_as(policy) if policy is not None else contextlib.nullcontext()
+    attention = (sdpa_as_cuda(compute_capability or DEFAULT_COMPUTE_CAPABILITY) if device_type == "cuda"
+                 else contextlib.nullcontext())
+    casting = (torch.autocast("cpu", dtype=_AUTOCAST_DTYPES[autocast]) if autocast is not None
+               else contextlib.nullcontext())
+    with cast_policy, attention, mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
+        with casting:
+            outputs = model(**kwargs)
+        if autocast is not None:
+            outputs = _outputs_in_float32(outputs)
     ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
     items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)
     kept = [(tuple(value.shape), value.dtype) for key, value in items
@@ -79,3 +108,20 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
                        (tuple(labels.shape), labels.dtype) if labels is not None else None,
                        events=tuple(tracker.events), sizes=dict(tracker.sizes),
                        model_storages=tuple(model_storages.values()), batch_storages=tuple(batch_storages.values()))
+
+
+def _outputs_in_float32(outputs: Any) -> Any:
+    """accelerate's `convert_to_fp32`: every fp16 and bf16 tensor of the outputs as float32 (a copy
+    each; the 16-bit one is freed once nothing holds it), the rest as they are."""
+    def convert(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            return value.float()
+        return value
+
+    if isinstance(outputs, dict):
+        for key in list(outputs.keys()):
+            outputs[key] = convert(outputs[key])
+        return outputs
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(convert(value) for value in outputs)
+    return convert(outputs)
