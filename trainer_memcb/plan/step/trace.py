@@ -68,6 +68,7 @@ from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages
+from trainer_memcb.plan.step.rng_states import rng_states_counted
 from trainer_memcb.plan.step.timeline import HOST, PhasePeak, Timeline
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
@@ -185,7 +186,10 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     numbers = traced_micro_batches(accumulation)
     micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
     try:
-        with cast_policy, dropout_kernels, attention_kernels, mode, tracker, contextlib.ExitStack() as observed:
+        # On the CPU, checkpointing's generator states are in the step's memory (`rng_states`).
+        rng_states = rng_states_counted() if device_type == "cpu" else contextlib.nullcontext()
+        with cast_policy, dropout_kernels, attention_kernels, rng_states, mode, tracker, \
+                contextlib.ExitStack() as observed:
             for observer in _OBSERVERS:
                 observed.enter_context(observer())
             for number in numbers:
@@ -399,10 +403,10 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
         if frozen:
             gc.unfreeze()
     notes = list(timeline.notes) + ([quantization_note] if quantization_note else [])
-    if gradient_checkpointing and device_type == "cpu":
+    if gradient_checkpointing and device_type == "cuda":
         notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "
-                     "(torch.get_rng_state(), 5,056 bytes) from a block's forward to its recomputation, outside "
-                     "autograd: the trace does not see it, not counted")
+                     "(torch.get_rng_state(), 5,056 bytes) per block from its forward to its recomputation: "
+                     "host memory on a CUDA run, not counted")
     if implementation[0]:
         notes.append(f"optimizer traced with its {implementation[0]} implementation, as torch runs it on {device_type}")
     return dataclasses.replace(timeline, notes=tuple(notes), optimizer_implementation=implementation[0])
