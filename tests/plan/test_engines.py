@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import requires_torch
+from helpers import installed_version, requires_torch
 
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
@@ -66,6 +66,18 @@ def test_fsdp2_peak_equals_fsdp_memtracker_on_the_same_fake_step(sharding, repli
     assert parts["engine_buffers"] == tracker["_FSDPRefType.ALL_GATHER"] + tracker["_FSDPRefType.REDUCE_SCATTER"]
     assert parts["optimizer_state"] == tracker["_FSDPRefType.OPT"]
     assert parts["parameters"] == tracker["_FSDPRefType.SHARDED_PARAM"]
+
+
+def test_a_torch_without_the_fake_collective_is_named_as_the_reason():
+    # torch 2.6's fake process group has no fake kernel for the all-gather FSDP2 runs; 2.13's has.
+    settings = resolve_settings(world_size=4, sharding="fsdp-full-shard", batch_size=BATCH, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
+    if installed_version("torch") >= (2, 13):
+        assert plan.problem is None
+    else:
+        assert plan.problem == (f"the step cannot run under fake tensors (this torch ({torch.__version__}) has no "
+                                "fake kernel for the collective c10d._allgather_base_.default, which the "
+                                "fsdp-full-shard step runs; torch 2.13 has one)")
 
 
 @requires_torch("2.13", "the FSDP2 rows need torch 2.13's fake collectives (see above)")

@@ -338,6 +338,19 @@ class UntracedStep(Exception):
     """The step could not run under fake tensors; the message is the error that stopped it, on one line."""
 
 
+def _untraced_reason(error: BaseException, sharding: str) -> str:
+    """What stopped the trace, on one line; for a collective this torch's fake process group cannot
+    run (torch 2.6 has no fake kernel for `c10d._allgather_base_`, which FSDP2 and ZeRO-3 gather
+    with), the torch that lacks it and one that has it."""
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    name = str(getattr(error, "func", ""))
+    if isinstance(error, UnsupportedOperatorException) and name.startswith(("c10d.", "_c10d_functional.")):
+        return (f"this torch ({torch.__version__}) has no fake kernel for the collective {name}, which the "
+                f"{sharding} step runs; torch 2.13 has one")
+    return one_line(error)
+
+
 def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_len: Optional[int], precision: str,
                optimizer: str, gradient_checkpointing: bool, args: Any, device_type: str,
                step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
@@ -396,7 +409,7 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
                                    compute_capability)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
-        raise UntracedStep(one_line(error)) from error
+        raise UntracedStep(_untraced_reason(error, settings.sharding)) from error
     finally:
         _MODE[0] = None
         gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
