@@ -42,11 +42,15 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_full_eval"])
 def test_the_plan_through_training_args_equals_a_real_run_to_the_byte(tiny_llama_dir: str, tmp_path: Any,
                                                                       capsys: Any, precision: str) -> None:
     # bf16: accelerate runs the evaluation forward under autocast too (its casts are the forward's
-    # storages) and hands the containers float32 logits; fp16: not on the CPU (no native amp there).
+    # storages) and hands the containers float32 logits; fp16: not on the CPU (no native amp there);
+    # bf16_full_eval: only an evaluate() outside train() casts the model to bf16 first; with
+    # --training-args the command plans the training step too, and evaluation inside train(), where
+    # the model keeps its dtype: the run below is planned from the file without the cast
+    # (tests/plan/test_eval_memory.py holds the cast against a real evaluate()).
     mixed = {precision: True} if precision != "fp32" else {}
     args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_eval_batch_size=4,
                              eval_accumulation_steps=2, report_to=[], disable_tqdm=True, **mixed)
@@ -62,7 +66,12 @@ def test_the_plan_through_training_args_equals_a_real_run_to_the_byte(tiny_llama
                  "eager", "--training-args", str(tmp_path / "args.json"), "--device-type", "cpu", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["evaluation"]
     assert planned["settings"]["batch_size"] == 4 and planned["settings"]["accumulation_steps"] == 2
-    assert planned["settings"]["autocast"] == (precision if mixed else None)
+    assert planned["settings"]["autocast"] == (precision if precision in ("bf16", "fp16") else None)
+    assert planned["settings"]["model_dtype"] is None
+    if precision == "bf16_full_eval":
+        # The real evaluate() here runs outside train(): the cast model holds about half.
+        assert logged["eval_forward_peak_bytes"] < planned["forward_peak_bytes"]
+        return
     assert {key: planned[key] for key in KEYS} == {key: logged[f"eval_{key}"] for key in KEYS}
     # Measured here: the forward's peak is 63,840 bytes in fp32 and in fp16 on the CPU, 79,656
     # under bf16 autocast (the bf16 copies of the weights and of the activations it casts); on

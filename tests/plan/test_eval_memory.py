@@ -125,3 +125,46 @@ def test_a_cuda_evaluation_casts_by_cuda_autocasts_lists() -> None:
     # fp16 autocasts on CUDA as bf16 does; accelerate runs no fp16 autocast on the CPU.
     assert peak("fp16", cuda=True) == cuda_bf16
     assert peak("fp16", cuda=False) == plain
+
+
+@pytest.mark.parametrize("full_eval", ["bf16_full_eval", "fp16_full_eval"])
+def test_a_full_16_bit_evaluation_outside_train_is_planned_on_the_cast_model(tmp_path: Any, full_eval: str) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from trainer_memcb import OptimizerMemoryCallback
+    from trainer_memcb.plan.answers.eval_memory import eval_settings_from_args
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+            ids = (torch.arange(SEQ) + index) % 100
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_eval_batch_size=BATCH, report_to=[],
+                             disable_tqdm=True, **{full_eval: True})
+    torch.manual_seed(0)
+    trainer = Trainer(model=LlamaForCausalLM(llama("sdpa")), args=args, eval_dataset=Tokens(),
+                      compute_metrics=lambda p: {"seen": float(len(p.label_ids))},
+                      callbacks=[OptimizerMemoryCallback(eval_keys="all", what_if=())])
+    logged = trainer.evaluate()  # outside train(): evaluation_loop casts the model first
+    assert next(trainer.model.parameters()).dtype == (torch.bfloat16 if full_eval == "bf16_full_eval" else torch.float16)
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return LlamaForCausalLM(llama("sdpa"))
+
+    settings = eval_settings_from_args(args, samples=6, seq_len=SEQ)
+    assert settings.model_dtype == full_eval[:4] and settings.autocast is None
+    assert eval_settings_from_args(args, samples=6, seq_len=SEQ, in_train=True).model_dtype is None
+    plan = plan_eval_memory(build, settings)
+    keys = ("containers_device_bytes", "containers_host_bytes", "concat_peak_bytes", "host_concat_peak_bytes")
+    assert {key: getattr(plan, key) for key in keys} == {key: logged[f"eval_{key}"] for key in keys}
+    # The forward of the cast model: the plan's 91,176 bytes (bf16 and fp16) is the most a real one
+    # logged here, but real ones logged less now and then, differently from run to run (66,688 to
+    # 91,176 in 24 evaluations of one script, with one thread or two; fp32 forwards log the same
+    # every time): its cause is not found, so the plan is held as the bound it was in every run.
+    assert logged["eval_forward_peak_bytes"] <= plan.forward_peak_bytes == 91176
+    # 16-bit logits on the device (6 x 16 x 128 x 2 bytes), float32 arrays on the host.
+    assert plan.per_sample_bytes["preds"] == SEQ * 128 * 2

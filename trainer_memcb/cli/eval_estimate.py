@@ -112,11 +112,12 @@ def training_arguments_from_file(path: Optional[str]) -> Any:
         raise ValueError(f"--training-args {path}: {' '.join(str(error).split())[:300]}") from None
 
 
-def _settings(args: argparse.Namespace) -> EvalSettings:
+def _settings(args: argparse.Namespace, in_train: bool = False) -> EvalSettings:
     from trainer_memcb.plan.answers.eval_memory import eval_settings_from_args
 
     training = training_arguments_from_file(getattr(args, "training_args", None))
-    settings = eval_settings_from_args(training, samples=args.eval_samples, seq_len=args.seq_len, logits=args.eval_logits)
+    settings = eval_settings_from_args(training, samples=args.eval_samples, seq_len=args.seq_len, logits=args.eval_logits,
+                                       in_train=in_train)
     changes: Dict[str, Any] = {}
     if args.eval_batch_size is not None:
         changes["batch_size"] = args.eval_batch_size
@@ -140,7 +141,8 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     """
     if args.seq_len is None:
         raise ValueError(EVAL_NEEDS_SEQ_LEN)
-    return eval_planner(args, build_model, states, reserve)(_settings(args))
+    # With the step plan, evaluation runs inside train(): the model keeps its training dtype.
+    return eval_planner(args, build_model, states, reserve)(_settings(args, in_train=states is not None))
 
 
 def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[ModelStatesPlan] = None,

@@ -53,6 +53,7 @@ __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_
 EVAL_LOGITS = ("full", "argmax", "none")
 # The Trainer's mixed precision around the evaluation forward: none, bf16 or fp16 autocast.
 EVAL_AUTOCAST = (None, "bf16", "fp16")
+_FULL_EVAL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The order in which `evaluation_loop` adds a batch to its containers.
 _CONTAINERS = ("losses", "inputs", "preds", "labels")
 # numpy has no bfloat16: `nested_numpify` converts to float32.
@@ -77,6 +78,8 @@ class EvalSettings:
         autocast: "bf16" or "fp16": the Trainer's mixed precision (`bf16=True`, `fp16=True`), which
             accelerate's `prepare_model` puts around the model's forward for evaluation too, with
             the outputs converted to float32 (`convert_outputs_to_fp32`); None: no autocast.
+        model_dtype: "bf16" or "fp16": the dtype `evaluation_loop` casts the model to for an
+            evaluation outside `train()` (`bf16_full_eval`, `fp16_full_eval`); None keeps the model's.
     """
 
     batch_size: int
@@ -88,6 +91,7 @@ class EvalSettings:
     include_inputs: bool = False
     use_cache: Optional[bool] = None
     autocast: Optional[str] = None
+    model_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "samples", "seq_len"):
@@ -99,26 +103,30 @@ class EvalSettings:
             raise ValueError(f"accumulation_steps={steps!r}: expected a whole number of at least 1, or None")
         if self.logits not in EVAL_LOGITS:
             raise ValueError(f"logits={self.logits!r} is not one of: {', '.join(EVAL_LOGITS)}")
-        if self.autocast not in EVAL_AUTOCAST:
-            raise ValueError(f"autocast={self.autocast!r} is not one of: {', '.join(map(repr, EVAL_AUTOCAST))}")
+        for name in ("autocast", "model_dtype"):
+            if getattr(self, name) not in EVAL_AUTOCAST:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of: {', '.join(map(repr, EVAL_AUTOCAST))}")
 
 
-def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optional[str] = None) -> EvalSettings:
+def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optional[str] = None,
+                            in_train: bool = False) -> EvalSettings:
     """The evaluation settings a `TrainingArguments` (or any object with its names) gives.
 
     Args:
         args: `per_device_eval_batch_size`, `eval_accumulation_steps`, `eval_do_concat_batches`,
             `prediction_loss_only`, `include_for_metrics`, `bf16` and `fp16` are read (with a
             DeepSpeed config, no autocast: the engine runs the model in its 16-bit dtype); a missing
-            one takes the Trainer's default.
+            one takes the Trainer's default. `bf16_full_eval` and `fp16_full_eval` cast the model for
+            an evaluation outside `train()` only.
         samples, seq_len: the evaluation set's size and sequence length.
         logits: `EVAL_LOGITS`; None: `"none"` with `prediction_loss_only`, else `"full"`.
+        in_train: the evaluation runs inside `train()` (the model keeps its training dtype).
 
     Examples:
         >>> from types import SimpleNamespace
         >>> eval_settings_from_args(SimpleNamespace(per_device_eval_batch_size=4, eval_accumulation_steps=2),
         ...                         samples=10, seq_len=16)
-        EvalSettings(batch_size=4, samples=10, seq_len=16, accumulation_steps=2, concat_batches=True, logits='full', include_inputs=False, use_cache=None, autocast=None)
+        EvalSettings(batch_size=4, samples=10, seq_len=16, accumulation_steps=2, concat_batches=True, logits='full', include_inputs=False, use_cache=None, autocast=None, model_dtype=None)
     """
     include = getattr(args, "include_for_metrics", None) or []
     if logits is None:
@@ -127,7 +135,14 @@ def eval_settings_from_args(args: Any, samples: int, seq_len: int, logits: Optio
                         seq_len=seq_len, accumulation_steps=getattr(args, "eval_accumulation_steps", None),
                         concat_batches=bool(getattr(args, "eval_do_concat_batches", True)), logits=logits,
                         include_inputs="inputs" in include, use_cache=getattr(args, "use_cache", None),
-                        autocast=_autocast_of(args))
+                        autocast=_autocast_of(args), model_dtype=None if in_train else _full_eval_of(args))
+
+
+def _full_eval_of(args: Any) -> Optional[str]:
+    # evaluation_loop: `if args.fp16_full_eval: ... elif args.bf16_full_eval: ...`
+    if getattr(args, "fp16_full_eval", False):
+        return "fp16"
+    return "bf16" if getattr(args, "bf16_full_eval", False) else None
 
 
 def _autocast_of(args: Any) -> Optional[str]:
@@ -330,6 +345,8 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     reserve = reserve_bytes if device_memory is not None else None
     usable = device_memory - reserve_bytes if device_memory is not None else None
     meta = build_model()
+    if settings.model_dtype is not None:  # `model.to(dtype)` in evaluation_loop, outside train()
+        meta.to(dtype=_FULL_EVAL_DTYPES[settings.model_dtype])
     name = model_name or type(meta).__name__
     from torch._subclasses.fake_tensor import FakeTensorMode
 
