@@ -352,7 +352,6 @@ class EvaluationProbe:
 
     def _wrap_forward(self, model: torch.nn.Module) -> None:
         forward = model.forward
-        exclude = {key for tensor in list(model.parameters()) + list(model.buffers()) for key, _, _ in storages_of(tensor)}
 
         @functools.wraps(forward)
         def measured_forward(*args: Any, **kwargs: Any) -> Any:
@@ -360,8 +359,11 @@ class EvaluationProbe:
                 return forward(*args, **kwargs)  # measured already, or not an evaluation forward
             self._unwrap_forward()  # the first one only: later batches run as they are
             try:
-                inputs = {key for key, _, _ in storages_of((list(args), dict(kwargs)))}
-                tracker = _ForwardStorages(exclude=exclude | inputs)
+                # The model's storages as this forward uses them, read now: `evaluation_loop` may
+                # have cast the model since it was wrapped (`bf16_full_eval`), freeing the storages
+                # there were then, whose keys (their addresses) the forward's own can take again.
+                held = list(model.parameters()) + list(model.buffers()) + [list(args), dict(kwargs)]
+                tracker = _ForwardStorages(exclude={key for key, _, _ in storages_of(held)})
             except Exception as error:  # never break an evaluation over a figure
                 self._warn_once("evaluation-forward", f"measuring the evaluation's forward failed ({error!r}); "
                                 "it is left out")
