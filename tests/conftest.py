@@ -48,6 +48,22 @@ def restored_environment():
         os.environ.update(before)
 
 
+@pytest.fixture(autouse=True)
+def forgotten_compilations():
+    """On torch 2.6 a dispatch mode stops a compiled function from compiling, so the callback leaves
+    the evaluation's forward unmeasured once dynamo has compiled anything in the process
+    (`trainer_memcb.utils.compiled.dispatch_modes_stop_compiling`). A test that compiled ends with
+    dynamo's caches and counters cleared, as a fresh process would start the next test."""
+    yield
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is not None and counters["frames"]["total"] > 0:
+        import torch
+
+        torch._dynamo.reset()
+        counters.clear()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of many tiny optimizer steps (`pytestmark = pytest.mark.usefixtures(...)`):
