@@ -9,11 +9,11 @@ the context, after the block's backward). The recomputation also stashes the sta
 without the dispatcher, so a fake trace never sees them, while a real CPU step holds them in the
 same memory as everything else.
 
-`rng_states_counted()` makes them visible: within it, `torch.get_rng_state()` returns an
-uninitialized uint8 tensor of the state's size, made by `torch.empty` under the trace's fake mode
-(so the trace counts its storage from the moment checkpoint takes it until checkpoint drops it),
-and `torch.set_rng_state` passes over such a fake state (there is no generator to restore in a fake
-step; a real state still restores the real generator). On a CUDA run these states are host
+`rng_states_counted()` makes them visible: within it, under a fake mode, `torch.get_rng_state()`
+returns a fake uint8 tensor of the state's size, made by `torch.empty` (so the trace counts its
+storage from the moment checkpoint takes it until checkpoint drops it), and `torch.set_rng_state`
+passes over such a fake state (there is no generator to restore in a fake step). With no fake mode
+active on the calling thread (the dispatch modes are per thread), both are torch's own. On a CUDA run these states are host
 memory, and the trace leaves them out.
 """
 
@@ -27,7 +27,7 @@ import torch
 
 __all__ = ["rng_states_counted", "cpu_rng_state_bytes"]
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # a trace inside a trace (same thread) restores what it found
 
 
 def cpu_rng_state_bytes() -> int:
@@ -45,6 +45,8 @@ def rng_states_counted() -> Iterator[None]:
     original_get, original_set = torch.get_rng_state, torch.set_rng_state
 
     def get_rng_state() -> torch.Tensor:
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+            return original_get()  # not inside a fake trace: the real generator's state
         return torch.empty(size, dtype=torch.uint8, device="cpu")
 
     def set_rng_state(new_state: torch.Tensor) -> None:
