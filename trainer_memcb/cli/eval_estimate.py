@@ -169,13 +169,10 @@ def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[Mo
     from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes
 
     cuda = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
-    gpu = getattr(args, "gpu", None)
-    if gpu is not None:
-        from trainer_memcb.plan.device.gpus import gpu_preset
+    from trainer_memcb.plan.device.gpus import gpu_preset
 
-        capability = gpu_preset(gpu).compute_capability
-    else:
-        capability = None
+    gpu = getattr(args, "gpu", None)
+    capability = gpu_preset(gpu).compute_capability if gpu is not None else None
 
     def plan(settings: EvalSettings) -> EvalMemoryPlan:
         def build() -> Any:

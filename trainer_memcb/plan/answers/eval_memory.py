@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.model.step_inputs import step_inputs
-from trainer_memcb.plan.step.eval_forward import EvalForward, trace_eval_forward
+from trainer_memcb.plan.step.eval_forward import SIXTEEN_BIT_DTYPES, EvalForward, trace_eval_forward
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
            "containers_figures"]
@@ -53,7 +53,6 @@ __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_
 EVAL_LOGITS = ("full", "argmax", "none")
 # The Trainer's mixed precision around the evaluation forward: none, bf16 or fp16 autocast.
 EVAL_AUTOCAST = (None, "bf16", "fp16")
-_FULL_EVAL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The order in which `evaluation_loop` adds a batch to its containers.
 _CONTAINERS = ("losses", "inputs", "preds", "labels")
 # numpy has no bfloat16: `nested_numpify` converts to float32.
@@ -346,7 +345,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     usable = device_memory - reserve_bytes if device_memory is not None else None
     meta = build_model()
     if settings.model_dtype is not None:  # `model.to(dtype)` in evaluation_loop, outside train()
-        meta.to(dtype=_FULL_EVAL_DTYPES[settings.model_dtype])
+        meta.to(dtype=SIXTEEN_BIT_DTYPES[settings.model_dtype])
     name = model_name or type(meta).__name__
     from torch._subclasses.fake_tensor import FakeTensorMode
 

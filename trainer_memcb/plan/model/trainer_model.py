@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 
 from torch import nn
 
-__all__ = ["prepare_like_trainer", "checkpointing_kwargs", "given_checkpointing_kwargs", "reentrant_by_default", "LAYER_KEYS"]
+__all__ = ["prepare_like_trainer", "checkpointing_kwargs", "reentrant_by_default"]
 
 
 # The keys of the checkpointing keywords that transformers 5 takes for itself (which layers, and
@@ -46,7 +46,7 @@ def reentrant_by_default() -> bool:
     return not hasattr(PreTrainedModel, "activation_checkpointing_enable")
 
 
-def given_checkpointing_kwargs(args: Any) -> Optional[Dict[str, Any]]:
+def _given_checkpointing_kwargs(args: Any) -> Optional[Dict[str, Any]]:
     """The checkpointing keywords `TrainingArguments` (or a dict of them) hold: their
     `activation_checkpointing_kwargs`, else `gradient_checkpointing_kwargs`; None without any."""
     if args is None:
@@ -63,7 +63,7 @@ def checkpointing_kwargs(args: Any = None, given: Optional[Dict[str, Any]] = Non
         args: `TrainingArguments` (or a dict of their values), or None.
         given: the keywords themselves, which take the place of `args`' when not None.
     """
-    kwargs = dict((given if given is not None else given_checkpointing_kwargs(args)) or {})
+    kwargs = dict((given if given is not None else _given_checkpointing_kwargs(args)) or {})
     if "use_reentrant" not in kwargs:
         for_torch = [key for key in kwargs if key not in LAYER_KEYS]
         # No keyword for torch: the Trainer passes None and the model's method fills its default.

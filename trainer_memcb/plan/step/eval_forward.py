@@ -31,7 +31,7 @@ from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.plan.step.trace import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
 from trainer_memcb.state.saved_tensors import storages_of
 
-__all__ = ["EvalForward", "trace_eval_forward"]
+__all__ = ["EvalForward", "trace_eval_forward", "SIXTEEN_BIT_DTYPES"]
 
 
 @dataclass
@@ -53,7 +53,8 @@ class EvalForward:
     batch_storages: Tuple[int, ...] = ()
 
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The Trainer's 16-bit precisions by name (autocast, `bf16_full_eval` and `fp16_full_eval`).
+SIXTEEN_BIT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None, *,
@@ -91,13 +92,15 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
     cast_policy = autocast_as(policy) if policy is not None else contextlib.nullcontext()
     attention = (sdpa_as_cuda(compute_capability or DEFAULT_COMPUTE_CAPABILITY) if device_type == "cuda"
                  else contextlib.nullcontext())
-    casting = (torch.autocast("cpu", dtype=_AUTOCAST_DTYPES[autocast]) if autocast is not None
+    casting = (torch.autocast("cpu", dtype=SIXTEEN_BIT_DTYPES[autocast]) if autocast is not None
                else contextlib.nullcontext())
     with cast_policy, attention, mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
         with casting:
             outputs = model(**kwargs)
         if autocast is not None:
-            outputs = _outputs_in_float32(outputs)
+            from accelerate.utils import convert_to_fp32
+
+            outputs = convert_to_fp32(outputs)  # what accelerate's forward wrapper returns
     ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
     items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)
     kept = [(tuple(value.shape), value.dtype) for key, value in items
@@ -109,19 +112,3 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
                        events=tuple(tracker.events), sizes=dict(tracker.sizes),
                        model_storages=tuple(model_storages.values()), batch_storages=tuple(batch_storages.values()))
 
-
-def _outputs_in_float32(outputs: Any) -> Any:
-    """accelerate's `convert_to_fp32`: every fp16 and bf16 tensor of the outputs as float32 (a copy
-    each; the 16-bit one is freed once nothing holds it), the rest as they are."""
-    def convert(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
-            return value.float()
-        return value
-
-    if isinstance(outputs, dict):
-        for key in list(outputs.keys()):
-            outputs[key] = convert(outputs[key])
-        return outputs
-    if isinstance(outputs, (tuple, list)):
-        return type(outputs)(convert(value) for value in outputs)
-    return convert(outputs)
