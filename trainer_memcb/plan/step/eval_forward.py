@@ -98,9 +98,7 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
         with casting:
             outputs = model(**kwargs)
         if autocast is not None:
-            from accelerate.utils import convert_to_fp32
-
-            outputs = convert_to_fp32(outputs)  # what accelerate's forward wrapper returns
+            outputs = _outputs_in_float32(outputs)  # what accelerate's forward wrapper returns
     ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ["cache"]) + ["loss"]
     items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1:] if labels is not None else outputs)
     kept = [(tuple(value.shape), value.dtype) for key, value in items
@@ -112,3 +110,17 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
                        events=tuple(tracker.events), sizes=dict(tracker.sizes),
                        model_storages=tuple(model_storages.values()), batch_storages=tuple(batch_storages.values()))
 
+
+def _outputs_in_float32(outputs: Any) -> Any:
+    """accelerate's `convert_to_fp32` (utils/operations.py), which the package does not import (it
+    needs accelerate only through transformers, tests/test_package.py): every fp16 and bf16 tensor
+    of the outputs, nested in tuples, lists and mappings, as a float32 copy; the rest as it is."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
+    if isinstance(outputs, dict):  # a ModelOutput too: its keys kept in place
+        for key in list(outputs.keys()):
+            outputs[key] = _outputs_in_float32(outputs[key])
+        return outputs
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_outputs_in_float32(value) for value in outputs)
+    return outputs
