@@ -38,7 +38,7 @@ PLAN_STAGES: Dict[str, Set[str]] = {
 # What the answers read of the step: its products (the timeline, the evaluation forward) and the
 # functions that trace it, never the tracker or the engines.
 STEP_PRODUCTS = {"trainer_memcb.plan.step.trace", "trainer_memcb.plan.step.timeline",
-                 "trainer_memcb.plan.step.eval_forward"}
+                 "trainer_memcb.plan.step.eval_forward", "trainer_memcb.plan.step.flops"}
 
 
 def module_name(path: pathlib.Path) -> str:

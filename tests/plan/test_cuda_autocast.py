@@ -3,7 +3,6 @@ AutocastCUDA kernels, the saved tensors op by op, and the mechanism against CPU 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -285,7 +284,7 @@ def test_the_kernels_given_cpus_own_lists_plan_what_cpu_autocast_plans(monkeypat
     real = _tiny_plan(kind, attn, precision, ckpt)
     monkeypatch.setattr(trace, "autocast_policy_for", lambda device_type: cpu_autocast_table())
     emulated = _tiny_plan(kind, attn, precision, ckpt)
-    assert dataclasses.asdict(emulated) == dataclasses.asdict(real)
+    assert emulated.to_dict() == real.to_dict()
     assert real.activations_bytes > 0
     monkeypatch.setattr(trace, "autocast_policy_for", lambda device_type: cuda_autocast_policy())
     as_on_cuda = _tiny_plan(kind, attn, precision, ckpt)

@@ -77,6 +77,32 @@ def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointi
     rotary = rotary_matmul_flops_of_transformers_4(1, 32, 8)
     recomputed = 2 * 128 * (81_920 if reentrant_by_default() else 65_536) + 2_097_152
     assert flops.totals == [82_837_504 + (recomputed if checkpointing else 0) + rotary]
+    # The trace counts the same on its own, observed or not.
+    assert counted.timeline.flops == plain.timeline.flops == flops.totals[0]
+
+
+def test_a_step_traced_again_for_another_allocator_is_answered_from_the_first_trace(monkeypatch):
+    import trainer_memcb.plan.step.trace as trace
+
+    traced = []
+    once = trace.trace_step_once
+    monkeypatch.setattr(trace, "trace_step_once", lambda *a, **k: traced.append(1) or once(*a, **k))
+    settings = resolve_settings(batch_size=4, optimizer="adamw_torch")
+    with trace.sharing_traces():
+        plans = [plan_step_memory(build, seq_len=32, settings=settings, model_states=False, alloc_conf=conf,
+                                  device_memory=memory)[0]
+                 for conf, memory in (("", 2**30), ("expandable_segments:True", 2**30), ("", 2**31))]
+        # What changes the step (the batch) is traced anew.
+        other = plan_step_memory(build, seq_len=32, settings=resolve_settings(batch_size=2, optimizer="adamw_torch"),
+                                 model_states=False)[0]
+    assert len(traced) == 2
+    assert plans[0].timeline is plans[1].timeline is plans[2].timeline is not other.timeline
+    assert len({plan.peak_bytes for plan in plans}) == 1
+    assert (plans[0].alloc_conf, plans[1].alloc_conf) == ("", "expandable_segments:True")
+    assert (plans[0].margin_bytes, plans[2].margin_bytes) == (plans[2].margin_bytes - 2**30, plans[2].margin_bytes)
+    # Outside the block every plan traces its step.
+    plan_step_memory(build, seq_len=32, settings=settings, model_states=False)
+    assert len(traced) == 3
 
 
 def test_the_own_setting_and_each_proposal_are_planned_by_the_same_trace(searched):

@@ -466,6 +466,13 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         ValueError: --seq-len or --device-memory missing where needed, a bad setup.
         ModelConfigError: no model config, or no parameter left to train.
     """
+    from trainer_memcb.plan.step.trace import sharing_traces
+
+    with sharing_traces():  # each distinct step traced once: the search, the own step and --fit's
+        return _estimate_step(args)
+
+
+def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     _check_search_options(args)
     from trainer_memcb.plan.answers.model_states import plan_model_states
     from trainer_memcb.plan.model.step_inputs import head_kind

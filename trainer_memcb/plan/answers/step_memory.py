@@ -146,9 +146,13 @@ class StepMemoryPlan:
     gpu: Optional[str] = None
     alloc_conf: Optional[str] = None
     out_of_memory_at: Optional[str] = None
+    # The traced step every figure above is read from; not serialized.
+    timeline: Optional[Timeline] = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        document = asdict(dataclasses.replace(self, timeline=None))
+        del document["timeline"]
+        return document
 
 
 def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
@@ -432,7 +436,7 @@ def plan_step_memory(
                           settings_used=[list(row) for row in settings.used()],
                           gradient_accumulation_steps=timeline.gradient_accumulation_steps,
                           peak_micro_batch=timeline.peak_micro_batch if phase != "optimizer step" else None,
-                          micro_batch_peak_bytes=micro_batch_peaks, **allocator, **common), states_plan
+                          micro_batch_peak_bytes=micro_batch_peaks, timeline=timeline, **allocator, **common), states_plan
 
 
 def _replayed(timeline: Timeline, conf: AllocConf, preset: Optional[GpuPreset], device_memory: Optional[int],

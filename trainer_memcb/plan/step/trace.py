@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -66,6 +66,7 @@ from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_f
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
+from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.plan.step.rng_states import rng_states_counted
@@ -75,7 +76,7 @@ from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
-__all__ = ["trace_step", "traced_micro_batches", "UntracedStep", "fake_copy", "observing_steps",
+__all__ = ["trace_step", "trace_step_once", "sharing_traces", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy", "observing_steps",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
@@ -185,11 +186,13 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     optimizer_failure: Optional[str] = None
     numbers = traced_micro_batches(accumulation)
     micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
+    flop_totals: List[int] = []
     try:
         # On the CPU, checkpointing's generator states are in the step's memory (`rng_states`).
         rng_states = rng_states_counted() if device_type == "cpu" else contextlib.nullcontext()
         with cast_policy, dropout_kernels, attention_kernels, rng_states, mode, tracker, \
                 contextlib.ExitStack() as observed:
+            observed.enter_context(FlopCounting(flop_totals))
             for observer in _OBSERVERS:
                 observed.enter_context(observer())
             for number in numbers:
@@ -262,7 +265,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
         gradient_accumulation_steps=accumulation, peak_micro_batch=peak_micro_batch,
         micro_batch_peaks=tuple((number, PhasePeak(label, peak, tuple(keys), frozenset(watch)))
                                 for number, (peak, label, keys, watch) in micro_peaks) if len(numbers) > 1 else (),
-        phase_starts=phase_starts, first_matmul=dict(tracker.first_matmul))
+        phase_starts=phase_starts, first_matmul=dict(tracker.first_matmul),
+        flops=flop_totals[0] if flop_totals else None)
     return dataclasses.replace(timeline, states=_states_of(timeline, engine))
 
 
@@ -351,11 +355,71 @@ def _untraced_reason(error: BaseException, sharding: str) -> str:
     return one_line(error)
 
 
+# The traces shared inside `sharing_traces`: what changes the step -> its timeline, or the reason
+# it could not be traced. None outside the block.
+_SHARED: List[Optional[Dict[Tuple[Any, ...], Union[Timeline, UntracedStep]]]] = [None]
+
+
+@contextlib.contextmanager
+def sharing_traces() -> Iterator[None]:
+    """Trace each distinct step once inside this block: a step traced again with what changes it
+    unchanged (the model, its settings, batch, sequence, precision, optimizer, checkpointing, device
+    type and the GPU's compute capability) returns the first trace's timeline, so that what the
+    trace does not read (the allocator's settings, the device's memory, the reserve) is answered
+    again from the same timeline without a new trace. Nested blocks share the outermost's traces.
+    Steps traced while `observing_steps` holds an observer are traced anew: the observer sees them."""
+    if _SHARED[0] is not None:
+        yield
+        return
+    _SHARED[0] = {}
+    try:
+        yield
+    finally:
+        _SHARED[0] = None
+
+
+def model_fingerprint(meta: nn.Module) -> Tuple[Any, ...]:
+    """What of the model changes its step: its class, its config (the attention path among it),
+    and each parameter's and buffer's name, shape, dtype and whether it trains."""
+    config = getattr(meta, "config", None)
+    return (type(meta).__qualname__, repr(config), getattr(config, "_attn_implementation", None),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in meta.named_parameters()),
+            tuple((name, tuple(b.shape), b.dtype) for name, b in meta.named_buffers()))
+
+
 def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_len: Optional[int], precision: str,
                optimizer: str, gradient_checkpointing: bool, args: Any, device_type: str,
                step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
                input_options: Dict[str, Any],
                compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
+    """`trace_step_once`, or inside `sharing_traces` the timeline of the same step traced before."""
+    shared = _SHARED[0]
+    options = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+                   gradient_checkpointing=gradient_checkpointing, args=args, device_type=device_type,
+                   step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization, padding=padding,
+                   input_options=input_options, compute_capability=compute_capability)
+    if shared is None or _OBSERVERS:
+        return trace_step_once(meta, settings, **options)
+    # Where each setting came from changes nothing of the step.
+    key = (model_fingerprint(meta), repr(dataclasses.replace(settings, sources={})),
+           repr(sorted(((name, repr(value)) for name, value in options.items()))))
+    found = shared.get(key)
+    if found is None:
+        try:
+            found = trace_step_once(meta, settings, **options)
+        except UntracedStep as error:
+            found = error
+        shared[key] = found
+    if isinstance(found, UntracedStep):
+        raise UntracedStep(str(found))
+    return found
+
+
+def trace_step_once(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_len: Optional[int],
+                    precision: str, optimizer: str, gradient_checkpointing: bool, args: Any, device_type: str,
+                    step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
+                    input_options: Dict[str, Any],
+                    compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
     """Trace one training step of `meta` (a model on the meta device, made fake here) under the
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `optimizer`, the batch of `input_options`.
