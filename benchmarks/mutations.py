@@ -373,10 +373,10 @@ EDITS: List[Edit] = [
     Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
     Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
          STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
-    Edit("plan/answers/max_batch.py", "else peak <= device_memory", "else peak < device_memory", SEARCH),
-    Edit("plan/answers/max_batch.py", "        if peak is None:\n            raise _CannotTrace()",
-         "        if peak is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
-    Edit("plan/answers/max_batch.py", "    if not fits(1):\n        return done(None)", "    if not fits(1):\n        return done(1)",
+    Edit("plan/answers/fit.py", "    return margin >= 0, margin", "    return margin > 0, margin", SEARCH),
+    Edit("plan/answers/max_batch.py", "        if verdict is None:\n            raise _CannotTrace()",
+         "        if verdict is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
+    Edit("plan/answers/max_batch.py", "    if not fits(1):\n        return None", "    if not fits(1):\n        return 1",
          SEARCH),  # batch 1 answered where nothing fits
     Edit("plan/answers/step_memory.py", "        peak, phase = fb_peak + estimated, traced.peak_phase",
          "        peak, phase = fb_peak, traced.peak_phase", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak

@@ -106,7 +106,7 @@ def _time_cell(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _row(name: str, candidate: FitCandidate) -> List[str]:
+def _row(name: str, candidate: FitCandidate, reserved: bool) -> List[str]:
     marks = []
     if candidate.changes_optimizer:
         marks.append("changes the optimizer")
@@ -115,21 +115,31 @@ def _row(name: str, candidate: FitCandidate) -> List[str]:
     fits = "-" if candidate.fits is None else ("yes" if candidate.fits else "no")
     margin = "-" if candidate.margin_bytes is None else (
         bytes_cell(candidate.margin_bytes) if candidate.margin_bytes >= 0 else f"-{bytes_cell(-candidate.margin_bytes)}")
-    return [name, candidate.label + (f" ({'; '.join(marks)})" if marks else ""), bytes_cell(candidate.peak_bytes),
-            fits, margin, _time_cell(candidate.relative_step_time), str(candidate.effective_batch)]
+    row = [name, candidate.label + (f" ({'; '.join(marks)})" if marks else ""), bytes_cell(candidate.peak_bytes),
+           fits, margin, _time_cell(candidate.relative_step_time), str(candidate.effective_batch)]
+    if reserved:
+        row.insert(3, "-" if candidate.reserved_peak_bytes is None else bytes_cell(candidate.reserved_peak_bytes))
+    return row
 
 
 def fit_tables(search: FitSearch, evaluation: bool = False) -> List[TextTable]:
     """The user's own setting, then each proposal: its changes, peak, fits?, margin, relative step
     time (`evaluation`: the evaluation's proposals, fewest batches first, no time estimated)."""
-    rows = [_row("own", search.own)] + [_row(str(index), c) for index, c in enumerate(search.candidates, 1)]
-    title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less the "
-             f"reserve), fastest first; step time relative to your own")
+    # On CUDA fits? is the allocator replay's: its reserved peak is what the margin is taken from.
+    reserved = any(c.reserved_peak_bytes is not None for c in [search.own] + search.candidates)
+    rows = [_row("own", search.own, reserved)] + [_row(str(index), c, reserved)
+                                                 for index, c in enumerate(search.candidates, 1)]
+    limit = "the CUDA context and the reserve" if reserved else "the reserve"
+    title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less "
+             f"{limit}), fastest first; step time relative to your own"
+             + ("; fits? and the margin by what the caching allocator reserves over two steps" if reserved else ""))
     if evaluation:
         title = (f"Evaluation settings that fit in {format_bytes(search.usable_bytes)} per process (the device's "
                  f"memory less the reserve), fewest batches first; effective batch: the eval batch")
-    return [TextTable(title, ["", "changes", "peak", "fits", "margin", "step time", "effective batch"], rows,
-                      text_columns=(0, 1, 3))]
+    columns = ["", "changes", "peak", "fits", "margin", "step time", "effective batch"]
+    if reserved:
+        columns.insert(3, "reserved")
+    return [TextTable(title, columns, rows, text_columns=(0, 1, 4 if reserved else 3))]
 
 
 def fit_json(search: FitSearch) -> Dict[str, Any]:
@@ -144,13 +154,16 @@ def fit_failure(search: FitSearch) -> Optional[str]:
     nearest = search.nearest_miss()
     if nearest is None:
         return "nothing fits: no setting could be planned"
-    return (f"nothing fits: the nearest is {nearest.label}, at {format_bytes(nearest.peak_bytes)} per process, "
+    held = (f"reserving {format_bytes(nearest.reserved_peak_bytes)}" if nearest.reserved_peak_bytes is not None
+            else f"at {format_bytes(nearest.peak_bytes)}")
+    return (f"nothing fits: the nearest is {nearest.label}, {held} per process, "
             f"{format_bytes(-nearest.margin_bytes)} over {format_bytes(search.usable_bytes)}")
 
 
 def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[str]:
-    """Write the first proposal that fits (`--write-training-args`, `--write-deepspeed`); the lines
-    to say about it. The TrainingArguments JSON names the DeepSpeed file when both are written.
+    """Write the user's own setting when it fits, else the first proposal that fits
+    (`--write-training-args`, `--write-deepspeed`); the lines to say about it. The
+    TrainingArguments JSON names the DeepSpeed file when both are written.
 
     Raises:
         ValueError: a destination refused (a link, a file without --force), one line.
@@ -160,7 +173,9 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
     said: List[str] = []
     if not (args.write_training_args or args.write_deepspeed):
         return said
-    first = search.best
+    # The user's own setting when it fits as it is: a re-run with the file written plans the same
+    # setting, and nothing changes that did not need to.
+    first = search.own if search.fits_as_is else search.best
     if first is None:
         return ["nothing written: no proposal fits"]
     training_args = dict(first.training_args)
@@ -175,7 +190,7 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
 
     if args.write_deepspeed:
         if first.deepspeed is None:
-            said.append(f"{args.write_deepspeed} not written: the first proposal ({first.label}) uses no DeepSpeed")
+            said.append(f"{args.write_deepspeed} not written: {first.label} uses no DeepSpeed")
         else:
             write(args.write_deepspeed, first.deepspeed)
             said.append(f"wrote {args.write_deepspeed}: the DeepSpeed config of {first.label}")

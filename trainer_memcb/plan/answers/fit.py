@@ -44,9 +44,10 @@ import torch
 
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
 from trainer_memcb.plan.settings.step_settings import StepSettings
-from trainer_memcb.plan.step.trace import observing_steps, traced_micro_batches
+from trainer_memcb.plan.step.flops import FlopCounting
+from trainer_memcb.plan.step.trace import traced_micro_batches
 
-__all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "search_fits", "largest_fitting_batch", "fit_batch_size",
+__all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "step_verdict", "search_fits", "largest_fitting_batch", "fit_batch_size",
            "step_planner", "training_args_of",
            "deepspeed_config_of", "expandable_segments_option", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
            "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS", "HOST_BANDWIDTH"]
@@ -71,59 +72,16 @@ MICRO_BATCH_SECONDS = {"cuda": 0.01, "cpu": 0.004}
 # with pinned memory (~25 GB/s of 32); 0 on the CPU (no transfer: the host is the device).
 HOST_BANDWIDTH = {"cuda": 25e9, "cpu": None}
 
-_ATEN = torch.ops.aten
-
-
-def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query, key, value)
-
-
-def _sdpa_cpu_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
-                       **kwargs: Any) -> int:
-    from torch.utils.flop_counter import sdpa_backward_flop_count
-
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
 class StepFlops:
-    """The FLOPs of each traced step, as torch's FLOP counter counts them.
-
-    `torch.utils.flop_counter.FlopCounterMode` holds the formulas (its `flop_registry`: matmuls,
-    convolutions, the CUDA attention kernels) and counts them in a dispatch mode; the fake step runs
-    attention through the CPU flash kernel, given the CUDA flash kernel's formula here. Only its
-    counting is used, in a dispatch mode of its own: FlopCounterMode's own mode decomposes the ops
-    its registry lacks and its module tracker hooks every module's outputs, and both change the
-    storages a step with checkpointing keeps alive; this one runs each op as it is.
-    """
+    """The FLOPs of each step traced while its `observer` is observed (`observing_steps`): each
+    trace counts its own too (`Timeline.flops`), this counts them apart, in the same dispatch mode
+    (`trainer_memcb.plan.step.flops`)."""
 
     def __init__(self) -> None:
         self.totals: List[int] = []
 
     def observer(self) -> Any:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False, custom_mapping={
-            _ATEN._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
-            _ATEN._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward})
-        totals = self.totals
-
-        class _Counting(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                # FlopCounterMode._count_flops: the formula of the op's packet, filed under "Global"
-                # (its module tracker is never entered here).
-                return counter._count_flops(func._overloadpacket, out, args, kwargs)
-
-            def __exit__(self, *exc: Any) -> Any:
-                result = super().__exit__(*exc)
-                totals.append(counter.get_total_flops())
-                return result
-
-        return _Counting()
+        return FlopCounting(self.totals)
 
 
 @dataclass(frozen=True)
@@ -136,7 +94,9 @@ class FitCandidate:
         training_args: a `TrainingArguments` dict that reproduces it (with `deepspeed` as a dict
             where it uses ZeRO).
         deepspeed: its DeepSpeed config, or None.
-        peak_bytes, fits, margin_bytes: the planned step's peak per process, against the usable bytes.
+        peak_bytes, fits, margin_bytes: the planned step's peak per process; fits? and the margin
+            as the step plan answers them (`step_verdict`): on CUDA from the allocator replay, whose
+            reserved peak is `reserved_peak_bytes`, else from the peak against the usable bytes.
         relative_step_time: its estimated step time over the user's own (1.0 for the own).
         effective_batch: per-device batch x accumulation x processes.
         micro_batches: the accumulation steps; step_flops: one micro-batch's FLOPs (traced).
@@ -157,6 +117,7 @@ class FitCandidate:
     micro_batches: int
     step_flops: Optional[int]
     host_transfer_bytes: int = 0
+    reserved_peak_bytes: Optional[int] = None
     changes_optimizer: bool = False
     alters_training: bool = False
     problem: Optional[str] = None
@@ -174,6 +135,7 @@ class FitCandidate:
                 "margin_bytes": self.margin_bytes, "relative_step_time": self.relative_step_time,
                 "effective_batch": self.effective_batch, "micro_batches": self.micro_batches,
                 "step_flops": self.step_flops, "host_transfer_bytes": self.host_transfer_bytes,
+                "reserved_peak_bytes": self.reserved_peak_bytes,
                 "changes_optimizer": self.changes_optimizer, "alters_training": self.alters_training,
                 "problem": self.problem}
 
@@ -212,6 +174,19 @@ class FitSearch:
     def to_dict(self) -> Dict[str, Any]:
         return {"fits_as_is": self.fits_as_is, "usable_bytes": self.usable_bytes, "own": self.own.to_dict(),
                 "candidates": [c.to_dict() for c in self.candidates]}
+
+
+def step_verdict(plan: StepMemoryPlan, usable_bytes: int) -> Tuple[Optional[bool], Optional[int]]:
+    """fits? and the margin of a step plan, as the step plan itself answers them: its own where it
+    has one (on CUDA, the allocator replay on the device's memory less the CUDA context and the
+    reserve, which is `usable_bytes`), else its peak against `usable_bytes`; (None, None) for a
+    step that could not be planned."""
+    if plan.fits is not None:
+        return plan.fits, plan.margin_bytes
+    if plan.peak_bytes is None:
+        return None, None
+    margin = usable_bytes - plan.peak_bytes
+    return margin >= 0, margin
 
 
 def describe_changes(changes: Dict[str, Any]) -> str:
@@ -360,21 +335,20 @@ class _Search:
         if not own and self.traces >= self.budget:
             return None
         self.traces += 0 if own else 1
-        flops = StepFlops()
-        with observing_steps(flops.observer):
-            plan = self.planner(args, deepspeed, **(extra or {}))
+        plan = self.planner(args, deepspeed, **(extra or {}))
         micro = int(args.get("gradient_accumulation_steps") or 1)
         batch = int(args.get("per_device_train_batch_size") or 1)
         transfer = self.transfers(deepspeed)
         # The trace runs up to three micro-batches (the first, the second, the last: each the same
         # forward and backward), so one micro-batch's FLOPs are the trace's over their number.
-        step_flops = (flops.totals[0] // len(traced_micro_batches(micro))
-                      if flops.totals and plan.problem is None else None)
-        margin = None if plan.peak_bytes is None else self.usable - plan.peak_bytes
+        flops = plan.timeline.flops if plan.timeline is not None else None
+        step_flops = flops // len(traced_micro_batches(micro)) if flops is not None and plan.problem is None else None
+        fits, margin = step_verdict(plan, self.usable)
         optim = args.get("optim")
         candidate = FitCandidate(
             changes=changes, training_args=args, deepspeed=deepspeed, peak_bytes=plan.peak_bytes,
-            fits=None if margin is None else margin >= 0, margin_bytes=margin, relative_step_time=None,
+            reserved_peak_bytes=plan.reserved_peak_bytes,
+            fits=fits, margin_bytes=margin, relative_step_time=None,
             effective_batch=batch * micro * self.world_size, micro_batches=micro, step_flops=step_flops,
             host_transfer_bytes=transfer, changes_optimizer=optim != self.own_args.get("optim"),
             alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.problem, plan=plan,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
 
+from trainer_memcb.plan.answers.fit import step_verdict
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
 
 __all__ = ["max_batch_size", "MAX_BATCH_SEARCH_LIMIT"]
@@ -16,17 +17,19 @@ MAX_BATCH_SEARCH_LIMIT = 1 << 20
 
 def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
                    limit: int = MAX_BATCH_SEARCH_LIMIT) -> Tuple[Optional[int], List[StepMemoryPlan]]:
-    """The largest per-device batch whose planned step fits, and the plans traced: a plan's own
-    `fits` where it has one (on CUDA, the allocator replay on the device's memory), else its peak
-    against `device_memory`.
+    """The largest per-device batch whose planned step fits, and the plans traced. Each batch is
+    decided by the verdict its step plan reports (`step_verdict`: on CUDA the allocator replay on
+    the device's memory, else the peak against `device_memory`), so the answer is the one the step
+    plan gives at that batch and at the one above it.
 
-    The peak is the larger of forward/backward's, which grows by the same bytes per sample at a
-    given sequence length (activations and temporaries are proportional to the batch), and the
-    optimizer step's, which does not depend on the batch. Two traces (batches 1 and 2) therefore
-    predict the answer; fake steps at the predicted batch and one above check it, and doubling
-    and bisection take over wherever the prediction misses. None when batch 1 does not fit, or
-    when a step cannot be traced: then the last plan searched has a `problem` that says why (a
-    missing peak is never read as "does not fit"), and the search stops.
+    The search only guesses from the figures: the peak grows by the same bytes per sample at a
+    given sequence length (activations and temporaries are proportional to the batch), so the
+    batch where the peak, with what the replay adds to it at the batch below, reaches the memory is
+    tried first, then the one above it; where a guess misses, the search gallops up until a batch
+    does not fit, then bisects between the largest that fits and the smallest that does not,
+    taking a guess only while guesses halve that interval. None when batch 1 does not fit, or when
+    a step cannot be traced: then the last plan searched has a `problem` that says why (a missing
+    peak is never read as "does not fit"), and the search stops.
 
     Args:
         plan_at: the step plan at a batch size.
@@ -43,54 +46,98 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
     def fits(batch: int) -> bool:
         if batch not in plans:
             plans[batch] = plan_at(batch)
-        peak = plans[batch].peak_bytes
-        if peak is None:
+        verdict, _ = step_verdict(plans[batch], device_memory)
+        if verdict is None:
             raise _CannotTrace()
-        # The plan's own answer where it has one (on CUDA: the allocator replay runs out or not).
-        fits_there = plans[batch].fits
-        return fits_there if fits_there is not None else peak <= device_memory
-
-    def done(best: Optional[int]) -> Tuple[Optional[int], List[StepMemoryPlan]]:
-        return best, [plans[b] for b in sorted(plans)]
+        return verdict
 
     try:
-        return _search(fits, plans, device_memory, limit, done)
+        best = _search(fits, plans, device_memory, limit)
     except _CannotTrace:
-        return done(None)
+        best = None
+    return best, [plans[b] for b in sorted(plans)]
 
 
-def _search(fits: Callable[[int], bool], plans: Dict[int, StepMemoryPlan], device_memory: int, limit: int,
-            done: Callable[[Optional[int]], Tuple[Optional[int], List[StepMemoryPlan]]]
-            ) -> Tuple[Optional[int], List[StepMemoryPlan]]:
-    """`max_batch_size`'s search, over `fits` (which traces and records each batch in `plans`)."""
+def _guess(plans: Dict[int, StepMemoryPlan], low: int, other: int, device_memory: int) -> int:
+    """The batch where the line of forward and backward's peak through `low` and `other` (two
+    batches planned) reaches the memory less what the verdict's figure adds to the step's peak at
+    `low` (the replay's rounding, cache and cuBLAS workspaces). Forward and backward's peak is the
+    part that grows with the batch; the optimizer step's does not."""
+    def growing(batch: int) -> int:
+        plan = plans[batch]
+        return plan.forward_backward_peak_bytes or plan.peak_bytes or 0
+
+    slope = (growing(other) - growing(low)) / (other - low)
+    # At small batches forward and backward's peak may be a moment the batch hardly changes (the
+    # gradients' accumulation); what is saved for backward grows by at least its bytes per sample.
+    saved = ((plans[other].activations_peak_bytes or 0) - (plans[low].activations_peak_bytes or 0)) / (other - low)
+    slope = max(slope, saved)
+    held, peak = plans[low].reserved_peak_bytes, plans[low].peak_bytes or 0
+    overhead = max(0, held - peak) if held is not None else 0
+    if slope <= 0:
+        return 2 * low
+    return low + int((device_memory - overhead - growing(low)) // slope)
+
+
+def _search(fits: Callable[[int], bool], plans: Dict[int, StepMemoryPlan], device_memory: int,
+            limit: int) -> Optional[int]:
+    """`max_batch_size`'s search, over `fits` (which plans each batch once and records it in `plans`)."""
     if not fits(1):
-        return done(None)
+        return None
     if limit == 1 or not fits(2):
-        return done(1)
-    low, high = 2, None  # low fits; high (when known) does not
-    # A first guess from the activations' bytes per sample (the peak grows at least that fast once
-    # the activations dominate it).
-    per_sample = (plans[2].activations_peak_bytes or 0) - (plans[1].activations_peak_bytes or 0)
-    guess = min(limit, max(3, 1 + (device_memory - plans[1].peak_bytes) // max(1, per_sample)))
-    while high is None:
-        if guess <= low:
-            guess = low + 1
-        if guess > limit:
-            return done(low)
-        if fits(guess):
-            low, guess = guess, min(guess * 2, limit + 1) if guess < limit else limit + 1
-        else:
+        return 1
+    low, high, step = 2, limit + 1, 1  # low fits; high does not (limit + 1 stands for "not tried")
+    # Up: the guess and the batch above it, while they fit; each guess at least 1, 2, 4, ... above
+    # the last batch that fit, so that guesses that fall short still get there.
+    while high == limit + 1:
+        guess = min(limit, max(low + step, _guess(plans, low, 1, device_memory)))
+        if not fits(guess):
             high = guess
-    # The peak is the larger of affine functions of the batch (convex): the chord from low to high
-    # lies above it, so the batch where the chord reaches the memory fits; check one above it.
+            break
+        step, low = 2 * step, guess
+        if low == limit:
+            return low
+        if not fits(low + 1):
+            return low
+        low += 1
+    # Down: the batch where the verdict's own figure (the reserved peak, else the peak) reaches the
+    # memory on its line between low and high, and the one above it, while such guesses at least
+    # halve the interval; bisection after.
+    guessing = True
     while high - low > 1:
-        slope = (plans[high].peak_bytes - plans[low].peak_bytes) / (high - low)
-        candidate = low + int((device_memory - plans[low].peak_bytes) // slope) if slope > 0 else (low + high) // 2
-        candidate = min(max(candidate, low + 1), high - 1)
-        if fits(candidate):
-            low = candidate
-            if low + 1 < high and not fits(low + 1):
-                high = low + 1
+        before = high - low
+        if guessing:
+            candidate = min(max(_between(plans, low, high, device_memory), low + 1), high - 1)
+            if fits(candidate):
+                low = candidate
+                if low + 1 < high and not fits(low + 1):
+                    high = low + 1
+                elif low + 1 < high:
+                    low += 1
+            else:
+                high = candidate
+                if high - 1 > low and fits(high - 1):
+                    low = high - 1
+                elif high - 1 > low:
+                    high -= 1
+            guessing = (high - low) * 2 <= before
+        elif fits((low + high) // 2):
+            low = (low + high) // 2
         else:
-            high = candidate
-    return done(low)
+            high = (low + high) // 2
+    return low
+
+
+def _between(plans: Dict[int, StepMemoryPlan], low: int, high: int, device_memory: int) -> int:
+    """The batch where the peak's line through `low` and `high` reaches the memory less what the
+    verdict's figure (the replay's reserved peak) adds to the peak there, read at both ends and
+    taken as their mean: the peak grows linearly with the batch, the replay's rounding and cache
+    slowly."""
+    def overhead(batch: int) -> int:
+        plan = plans[batch]
+        return 0 if plan.reserved_peak_bytes is None else plan.reserved_peak_bytes - (plan.peak_bytes or 0)
+
+    peak_low, peak_high = plans[low].peak_bytes or 0, plans[high].peak_bytes or 0
+    slope = (peak_high - peak_low) / (high - low)
+    target = device_memory - (overhead(low) + overhead(high)) / 2
+    return (low + high) // 2 if slope <= 0 else low + int((target - peak_low) // slope)
