@@ -1,0 +1,59 @@
+"""`trainer-memcb estimate` on inputs found by probing the command: each is refused in one line
+with the value and what is allowed (exit 2 for a flag, 1 for a config file), or planned as the
+Trainer would run it, and answered before any heavy work where the refusal needs none."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, List
+
+import pytest
+from transformers import LlamaConfig
+
+from trainer_memcb.cli import main
+
+SAMPLES_MAX = 2**31 - 1  # trainer_memcb.utils.units.MAX_WHOLE_NUMBER
+
+
+def llama(**overrides: Any) -> LlamaConfig:
+    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: Any) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama-probed")
+    llama().save_pretrained(folder)
+    return str(folder)
+
+
+def run(argv: List[str], capsys: Any) -> Any:
+    code = main(["estimate"] + argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# -- the evaluation's containers are computed without a step per batch ------------------------------
+
+
+def test_the_most_evaluation_samples_are_planned_at_once(tiny_llama_dir: str, capsys: Any) -> None:
+    # 2**31 - 1 samples in 268,435,456 batches of 8 (the last of 7): planned without a step per batch.
+    code, out, _ = run([tiny_llama_dir, "--eval-samples", str(SAMPLES_MAX), "--seq-len", "8", "--device-type", "cpu",
+                        "--json"], capsys)
+    evaluation = json.loads(out)["evaluation"]
+    assert code == 0
+    # Per sample: float32 logits 8 x 96 x 4 = 3,072 bytes, int64 labels 8 x 8 = 64, a float32 loss 4.
+    assert evaluation["per_sample_bytes"] == {"preds": 3072, "labels": 64, "losses": 4}
+    n = SAMPLES_MAX
+    assert evaluation["containers_device_bytes"] == evaluation["containers_host_bytes"] == 3140 * n
+    # The last batch's logits concatenation: the losses done (4n), the labels before it (64 x (n - 7)),
+    # and the logits before it (n - 7 samples), the last batch's (7) and their concatenation (n).
+    assert evaluation["concat_peak_bytes"] == 4 * n + 64 * (n - 7) + 3072 * ((n - 7) + 7 + n) == 13_340_168_414_716
