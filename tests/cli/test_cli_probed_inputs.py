@@ -57,3 +57,48 @@ def test_the_most_evaluation_samples_are_planned_at_once(tiny_llama_dir: str, ca
     # The last batch's logits concatenation: the losses done (4n), the labels before it (64 x (n - 7)),
     # and the logits before it (n - 7 samples), the last batch's (7) and their concatenation (n).
     assert evaluation["concat_peak_bytes"] == 4 * n + 64 * (n - 7) + 3072 * ((n - 7) + 7 + n) == 13_340_168_414_716
+
+
+# -- one parser, one range for every whole-number option --------------------------------------------
+
+
+@pytest.mark.parametrize("option,least", [("--batch-size", 1), ("--seq-len", 1), ("--eval-samples", 1),
+                                          ("--eval-batch-size", 1), ("--eval-accumulation-steps", 1),
+                                          ("--gradient-accumulation-steps", 1), ("--world-size", 1), ("--nodes", 1),
+                                          ("--lora-r", 1), ("--target-len", 1), ("--image-size", 1),
+                                          ("--replicate", 1), ("--max-proposals", 1), ("--rank", 0),
+                                          ("--padding", 0)])
+def test_a_whole_number_past_the_range_is_a_usage_error(tiny_llama_dir: str, capsys: Any, option: str,
+                                                        least: int) -> None:
+    code, out, err = run([tiny_llama_dir, "--seq-len", "8", option, "99999999999999999999999"], capsys)
+    assert one_line(err) == (f"trainer-memcb: error: argument {option}: '99999999999999999999999' is too large: give a "
+                             f"whole number from {least} to 2,147,483,647")
+    assert (code, out) == (2, "")
+
+
+def test_the_largest_batch_taken_is_planned_and_one_more_refused(tiny_llama_dir: str, capsys: Any) -> None:
+    code, _, err = run([tiny_llama_dir, "--seq-len", "8", "--batch-size", str(2**31)], capsys)
+    assert (code, one_line(err)) == (2, "trainer-memcb: error: argument --batch-size: '2147483648' is too large: give "
+                                        "a whole number from 1 to 2,147,483,647")
+    code, _, err = run([tiny_llama_dir, "--seq-len", "8", "--batch-size", "0"], capsys)
+    assert (code, one_line(err)) == (2, "trainer-memcb: error: argument --batch-size: '0' is not a positive integer, "
+                                        "e.g. 8")
+
+
+def test_the_package_has_one_whole_number_parser() -> None:
+    import inspect
+
+    import trainer_memcb.cli.estimate as estimate
+    import trainer_memcb.cli.eval_estimate as eval_estimate
+    import trainer_memcb.cli.fit_options as fit_options
+    from trainer_memcb.cli.choices import non_negative_int, positive_int
+
+    for module in (estimate, eval_estimate, fit_options):
+        assert "int(text)" not in inspect.getsource(module)  # no parser of its own
+    parser = estimate.argparse.ArgumentParser()
+    estimate.add_estimate_arguments(parser)
+    types = {action.dest: action.type for action in parser._actions}
+    assert {name for name, kind in types.items() if kind in (positive_int, non_negative_int)} == {
+        "batch_size", "seq_len", "eval_samples", "eval_batch_size", "eval_accumulation_steps",
+        "gradient_accumulation_steps", "world_size", "nodes", "lora_r", "target_len", "image_size", "replicate",
+        "max_proposals", "rank", "padding"}

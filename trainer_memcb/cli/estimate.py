@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 # Only modules that import no torch: the options are parsed and checked (`check_options`) before
 # the plan's modules are imported, inside the functions that use them.
-from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS
+from trainer_memcb.cli.choices import (DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS,
+                                      non_negative_int, positive_int)
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN, add_eval_arguments
 from trainer_memcb.cli.fit_options import add_fit_arguments
@@ -67,16 +68,6 @@ def _checked(parse):
             raise argparse.ArgumentTypeError(str(error)) from None
     convert.__name__ = parse.__name__
     return convert
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{text!r} is not a positive integer, e.g. 8")
-    return value
 
 
 def _size(text: str) -> int:
@@ -140,16 +131,6 @@ class _GpuAction(argparse.Action):
             raise argparse.ArgumentError(self, str(error)) from None
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{text!r} is not a whole number of at least 0, e.g. 16")
-    return value
-
-
 def _optimizer_list(text: str) -> List[str]:
     """The names as given; they are checked against the Trainer's after parsing (`resolve_optimizers`),
     since the list of names comes from transformers, which parsing does not import."""
@@ -205,7 +186,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                           help="the parameters' dtype (default: float32); for the plan, also the precision when "
                                "--precision is not given (bfloat16: bf16, float16: fp16)")
     estimate.add_argument(
-        "--lora-r", metavar="R", type=_checked(_positive_int),
+        "--lora-r", metavar="R", type=positive_int,
         help="add PEFT LoRA adapters of this rank; then only the adapters (and --lora-modules-to-save) train",
     )
     estimate.add_argument(
@@ -227,12 +208,12 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     plan = estimate.add_argument_group(
         "model-states plan", "with any of these, the parameters, gradients, optimizer state and master weights "
         "each process holds")
-    plan.add_argument("--world-size", type=_checked(_positive_int), metavar="W", help="processes in the job (default 1)")
-    plan.add_argument("--rank", type=_checked(_non_negative_int), metavar="R",
+    plan.add_argument("--world-size", type=positive_int, metavar="W", help="processes in the job (default 1)")
+    plan.add_argument("--rank", type=non_negative_int, metavar="R",
                       help="the process the step plan is for, 0 to W - 1: under DeepSpeed ZeRO-1/2 each rank's "
                            "partition keeps other gradients (default: the fuller of ranks 0 and W - 1); DDP and ZeRO-3 "
                            "hold the same on every rank (default 0)")
-    plan.add_argument("--nodes", type=_checked(_positive_int), metavar="N",
+    plan.add_argument("--nodes", type=positive_int, metavar="N",
                       help="machines; CPU figures are per node (default 1)")
     shard = plan.add_mutually_exclusive_group()
     shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
@@ -263,9 +244,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     step = estimate.add_argument_group(
         "step plan", "with --batch-size, one training step is run under fake tensors (nothing allocated): the "
         "activations and the step's peak per process, and --device-memory answers from that peak")
-    step.add_argument("--batch-size", type=_checked(_positive_int), metavar="B", help="per-device micro-batch")
-    step.add_argument("--seq-len", type=_checked(_positive_int), metavar="S", help="sequence length (needed with --batch-size)")
-    step.add_argument("--gradient-accumulation-steps", type=_checked(_positive_int), metavar="N",
+    step.add_argument("--batch-size", type=positive_int, metavar="B", help="per-device micro-batch")
+    step.add_argument("--seq-len", type=positive_int, metavar="S", help="sequence length (needed with --batch-size)")
+    step.add_argument("--gradient-accumulation-steps", type=positive_int, metavar="N",
                       help="micro-batches per optimizer step (default: --training-args' or the DeepSpeed config's, else 1); "
                            "each after the first runs with the gradients alive")
     step.add_argument("--gradient-checkpointing", action="store_true",
@@ -280,11 +261,11 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="the largest per-device batch whose step fits in --device-memory at --seq-len")
     # The batch of other task heads (trainer_memcb.plan.model.step_inputs): each refused, in one line, for
     # a model that has no use for it.
-    step.add_argument("--target-len", type=_checked(_positive_int), metavar="T",
+    step.add_argument("--target-len", type=positive_int, metavar="T",
                       help="a sequence-to-sequence model's labels length (default --seq-len; Whisper: needed)")
-    step.add_argument("--image-size", type=_checked(_positive_int), metavar="PIXELS",
+    step.add_argument("--image-size", type=positive_int, metavar="PIXELS",
                       help="an image model's height and width (default: the config's image_size)")
-    step.add_argument("--padding", type=_checked(_non_negative_int), metavar="P", default=0,
+    step.add_argument("--padding", type=non_negative_int, metavar="P", default=0,
                       help="padded positions per row of the token batch (default 0: the attention mask all ones)")
     # QLoRA: the base model loaded by bitsandbytes (transformers' BitsAndBytesConfig).
     step.add_argument("--load-in-4bit", action="store_true",
@@ -310,7 +291,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                      "cpu_offload); without --batch-size, the model-states plan's sharding")
     own.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
-    own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
+    own.add_argument("--replicate", type=positive_int, metavar="R",
                      help="FSDP2 HSDP: replicate R times over a mesh of R x (world size / R)")
     add_eval_arguments(estimate)
     add_fit_arguments(estimate)

@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import List
 
-from trainer_memcb.cli.choices import ALLOWED_CHANGES
+from trainer_memcb.cli.choices import ALLOWED_CHANGES, positive_int
 
 __all__ = ["add_fit_arguments", "check_fit_options"]
 
@@ -33,7 +33,7 @@ def add_fit_arguments(estimate: argparse.ArgumentParser) -> None:
     group.add_argument("--fit", action="store_true", help="search the settings that fit (needs --device-memory)")
     group.add_argument("--allow", type=_allowed, metavar="CHANGES", default=[],
                        help=f"also changes that alter the training: {','.join(ALLOWED_CHANGES)}")
-    group.add_argument("--max-proposals", type=int, default=12, metavar="N",
+    group.add_argument("--max-proposals", type=positive_int, default=12, metavar="N",
                        help="the most proposals planned (default 12)")
     group.add_argument("--write-training-args", metavar="FILE",
                        help="write the first proposal that fits as TrainingArguments JSON")
