@@ -102,3 +102,24 @@ def test_the_package_has_one_whole_number_parser() -> None:
         "batch_size", "seq_len", "eval_samples", "eval_batch_size", "eval_accumulation_steps",
         "gradient_accumulation_steps", "world_size", "nodes", "lora_r", "target_len", "image_size", "replicate",
         "max_proposals", "rank", "padding"}
+
+
+# -- sizes: a byte count is whole -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option,text", [("--device-memory", "1.5B"), ("--reserve", "0.5B"), ("--device-memory", "1.5 b")])
+def test_a_fraction_of_a_byte_is_refused(tiny_llama_dir: str, capsys: Any, option: str, text: str) -> None:
+    argv = [tiny_llama_dir, "--device-memory", "80GiB", option, text] if option == "--reserve" else [tiny_llama_dir, option, text]
+    code, out, err = run(argv, capsys)
+    assert one_line(err) == (f"trainer-memcb: error: argument {option}: size {text!r} is not a whole number of bytes: "
+                             "write a whole count of B, or a larger unit such as 1.5GiB, 40GB or 512KiB (units: B, KiB, "
+                             "MiB, GiB, TiB, KB, MB, GB, TB)")
+    assert (code, out) == (2, "")
+
+
+def test_a_fraction_of_a_larger_unit_keeps_working(tiny_llama_dir: str, capsys: Any) -> None:
+    code, out, _ = run([tiny_llama_dir, "--device-memory", "1.5GiB", "--reserve", "12B", "--optimizers", "adamw",
+                        "--json"], capsys)
+    document = json.loads(out)
+    assert code == 0
+    assert (document["device_memory_bytes"], document["reserve_bytes"]) == (1_610_612_736, 12)

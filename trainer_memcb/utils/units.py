@@ -48,8 +48,9 @@ def parse_size(text: Union[str, int], what: str = "memory size") -> int:
     """A size in bytes from text with a unit: `"80GiB"` -> 85899345920, `"40 GB"` -> 40000000000.
 
     A number without a unit is refused (`"80"` is more likely 80 GiB than 80 bytes): write
-    `80GiB`, or `80B` for bytes. An `int` is bytes. Fractions of a byte are dropped (`"0.5KiB"` is
-    512, `"1.1GiB"` 1181116006). The number is read exactly (decimal, never a float), so no size
+    `80GiB`, or `80B` for bytes. An `int` is bytes. A count of bytes is whole (`"1.5B"` is refused);
+    a fraction of a byte that a larger unit leaves is dropped (`"0.5KiB"` is 512, `"1.1GiB"`
+    1181116006). The number is read exactly (decimal, never a float), so no size
     overflows; one above `MAX_SIZE_BYTES` (16 EiB), negative, or not finite is refused.
 
     Args:
@@ -85,6 +86,9 @@ def parse_size(text: Union[str, int], what: str = "memory size") -> int:
         raise ValueError(f"{what} {raw!r} is not a finite size")
     if number < 0:
         raise ValueError(f"{what} {raw!r} is negative: give a size of at least 0B")
+    if unit == "b" and number != number.to_integral_value():
+        raise ValueError(f"{what} {raw!r} is not a whole number of bytes: write a whole count of B, or a larger unit "
+                         f"such as 1.5GiB, 40GB or 512KiB (units: {_UNIT_NAMES})")
     # `adjusted()` is the decimal exponent: checked first, so that 1e999999GiB is never multiplied out.
     if number.adjusted() > 30 or number * SIZE_UNITS[unit] > MAX_SIZE_BYTES:
         raise ValueError(f"{what} {raw!r} is larger than any device: at most 16 EiB ({MAX_SIZE_BYTES:,} bytes)")
