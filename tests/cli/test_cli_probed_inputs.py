@@ -123,3 +123,23 @@ def test_a_fraction_of_a_larger_unit_keeps_working(tiny_llama_dir: str, capsys: 
     document = json.loads(out)
     assert code == 0
     assert (document["device_memory_bytes"], document["reserve_bytes"]) == (1_610_612_736, 12)
+
+
+# -- a config's architectures entry: the class it names, or a refusal ---------------------------------
+
+
+@pytest.mark.parametrize("plan", [[], ["--batch-size", "2", "--seq-len", "8"], ["--eval-samples", "4", "--seq-len", "8"]])
+def test_a_misspelled_architecture_is_refused_with_the_close_classes(tmp_path: Any, capsys: Any,
+                                                                     plan: List[str]) -> None:
+    import transformers
+
+    llama(architectures=["LlamaForCausalLN"]).save_pretrained(tmp_path)
+    code, out, err = run([str(tmp_path)] + plan, capsys)
+    line = one_line(err)
+    assert line.startswith(f"trainer-memcb: {tmp_path}: the config's architectures names 'LlamaForCausalLN', which "
+                           f"transformers {transformers.__version__} has no class of (close: LlamaForCausalLM")
+    assert line.endswith("): correct it, or give --architecture CLASS")
+    assert (code, out) == (1, "")
+    # --architecture names the class instead; the config's own is then not read.
+    code, out, _ = run([str(tmp_path), "--architecture", "LlamaForCausalLM", "--json"], capsys)
+    assert code == 0 and json.loads(out)["total_params"] == 16480

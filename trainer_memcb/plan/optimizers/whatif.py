@@ -172,6 +172,18 @@ def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return DTYPES[name]
 
 
+def _close_classes(name: Any, transformers: Any) -> str:
+    """`"; close: LlamaForCausalLM, ..."` from the model classes transformers exports (their names
+    only, nothing imported), or `""` when none is close."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    classes = [item for item in dir(transformers) if item[:1].isupper() and ("For" in item or item.endswith("Model"))]
+    close = difflib.get_close_matches(name, classes, n=3)
+    return f" (close: {', '.join(close)})" if close else ""
+
+
 def _model_class(config: Any, architecture: Optional[str] = None) -> Any:
     """`architecture`, else the class named in `config.architectures`, else a causal LM, else
     the bare model."""
@@ -184,13 +196,18 @@ def _model_class(config: Any, architecture: Optional[str] = None) -> Any:
                              "(e.g. LlamaForCausalLM, DistilBertForSequenceClassification)")
         return cls
     for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type):
-            if not issubclass(cls, transformers.PreTrainedModel):
-                raise ModelConfigError(f"the config's architectures names {name}, which is not a model class (a "
-                                       "subclass of transformers.PreTrainedModel): give --architecture CLASS, e.g. "
-                                       "LlamaForCausalLM")
-            return cls
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if not isinstance(cls, type):
+            # A misspelled or unknown class (code of the model's own is never run): refused, rather
+            # than another class planned in its place.
+            raise ModelConfigError(f"the config's architectures names {name!r}, which transformers "
+                                   f"{transformers.__version__} has no class of{_close_classes(name, transformers)}: "
+                                   "correct it, or give --architecture CLASS")
+        if not issubclass(cls, transformers.PreTrainedModel):
+            raise ModelConfigError(f"the config's architectures names {name}, which is not a model class (a "
+                                   "subclass of transformers.PreTrainedModel): give --architecture CLASS, e.g. "
+                                   "LlamaForCausalLM")
+        return cls
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         if type(config) in auto._model_mapping:
             return auto
