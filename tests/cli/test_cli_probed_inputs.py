@@ -143,3 +143,23 @@ def test_a_misspelled_architecture_is_refused_with_the_close_classes(tmp_path: A
     # --architecture names the class instead; the config's own is then not read.
     code, out, _ = run([str(tmp_path), "--architecture", "LlamaForCausalLM", "--json"], capsys)
     assert code == 0 and json.loads(out)["total_params"] == 16480
+
+
+# -- a config's counts and sizes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key,value,least", [("num_hidden_layers", -2, 1), ("num_hidden_layers", 0, 1),
+                                             ("num_attention_heads", -1, 1), ("intermediate_size", -64, 0)])
+@pytest.mark.parametrize("plan", [[], ["--batch-size", "2", "--seq-len", "8"]])
+def test_a_config_of_no_layers_or_a_negative_size_is_refused(tmp_path: Any, capsys: Any, key: str, value: int,
+                                                             least: int, plan: List[str]) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    document = llama().to_dict()
+    document[key] = value
+    (folder / "config.json").write_text(json.dumps(document))
+    code, out, err = run([str(folder)] + plan, capsys)
+    why = " (a model of no layers, heads or width is no model)" if least else " (a count or a size is never negative)"
+    assert one_line(err) == (f"trainer-memcb: {folder}: its config has {key}={value}: expected a whole number of at "
+                             f"least {least}{why}")
+    assert (code, out) == (1, "")

@@ -172,6 +172,38 @@ def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return DTYPES[name]
 
 
+# Counts and sizes of a config.json that build the model: a layer count or a width below 1 builds a
+# model with no layers (`range(-2)` is empty) or fails inside torch; a table of negative rows is no
+# table. Names as the configs spell them (GPT-2's n_layer, DistilBERT's n_layers, T5's d_model).
+_AT_LEAST_ONE = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "encoder_layers",
+                 "decoder_layers", "hidden_size", "num_attention_heads", "n_head", "n_heads", "n_embd", "dim",
+                 "d_model")
+# Others where 0 may mean "none" (no experts, a head_dim taken from hidden_size), never a negative.
+_AT_LEAST_ZERO = ("vocab_size", "max_position_embeddings", "n_positions", "intermediate_size", "num_key_value_heads",
+                  "hidden_dim", "d_ff", "d_kv", "n_inner", "head_dim", "num_local_experts", "num_experts",
+                  "num_experts_per_tok", "image_size", "patch_size", "num_channels")
+
+
+def _check_sizes(document: Any, where: str = "") -> None:
+    """Refuse a count or size of `_AT_LEAST_ONE` below 1, or of `_AT_LEAST_ZERO` below 0, in a
+    config's values (nested configs too: `text_config.num_hidden_layers`).
+
+    Raises:
+        ModelConfigError: naming the key, its value and what is allowed.
+    """
+    if not isinstance(document, dict):
+        return
+    for key, value in document.items():
+        if isinstance(value, dict):
+            _check_sizes(value, f"{where}{key}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            least = 1 if key in _AT_LEAST_ONE else (0 if key in _AT_LEAST_ZERO else None)
+            if least is not None and value < least:
+                raise ModelConfigError(f"its config has {where}{key}={value}: expected a whole number of at least "
+                                       f"{least}" + (" (a model of no layers, heads or width is no model)" if least else
+                                                     " (a count or a size is never negative)"))
+
+
 def _close_classes(name: Any, transformers: Any) -> str:
     """`"; close: LlamaForCausalLM, ..."` from the model classes transformers exports (their names
     only, nothing imported), or `""` when none is close."""
@@ -257,6 +289,10 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
         raise ModelConfigError(f"{model}: could not read a model config ({error}){hint}") from None
     if getattr(config, "auto_map", None):  # a hub config, seen only now
         raise ModelConfigError(_ASKS_FOR_CODE.format(model=model))
+    try:
+        _check_sizes(config.to_dict())
+    except ModelConfigError as error:
+        raise ModelConfigError(f"{model}: {error}") from None
     try:
         cls = _model_class(config, architecture)
     except ModelConfigError as error:
