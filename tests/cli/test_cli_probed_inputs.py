@@ -163,3 +163,23 @@ def test_a_config_of_no_layers_or_a_negative_size_is_refused(tmp_path: Any, caps
     assert one_line(err) == (f"trainer-memcb: {folder}: its config has {key}={value}: expected a whole number of at "
                              f"least {least}{why}")
     assert (code, out) == (1, "")
+
+
+# -- a negative margin keeps its sign in both figures -------------------------------------------------
+
+
+def test_the_fit_tables_negative_margin_is_signed_in_both_figures(tiny_llama_dir: str, capsys: Any) -> None:
+    from trainer_memcb.cli.fit_table import fit_tables
+
+    argv = [tiny_llama_dir, "--optimizers", "adamw_torch", "--seq-len", "8", "--device-type", "cpu", "--batch-size", "2",
+            "--device-memory", "100KiB", "--fit", "--max-proposals", "2"]
+    code, out, _ = run(argv + ["--json"], capsys)
+    own = json.loads(out)["fit"]["own"]
+    assert own["fits"] is False and own["margin_bytes"] < 0
+    code, out, _ = run(argv, capsys)
+    [row] = [line for line in out.splitlines() if line.startswith("own ")]
+    margin = own["margin_bytes"]
+    from trainer_memcb.utils.units import format_bytes
+
+    assert f"{format_bytes(margin)} ({margin:,})" in row and format_bytes(margin).startswith("-")
+    assert f"({-margin:,})" not in row
