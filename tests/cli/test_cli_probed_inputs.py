@@ -169,7 +169,6 @@ def test_a_config_of_no_layers_or_a_negative_size_is_refused(tmp_path: Any, caps
 
 
 def test_the_fit_tables_negative_margin_is_signed_in_both_figures(tiny_llama_dir: str, capsys: Any) -> None:
-    from trainer_memcb.cli.fit_table import fit_tables
 
     argv = [tiny_llama_dir, "--optimizers", "adamw_torch", "--seq-len", "8", "--device-type", "cpu", "--batch-size", "2",
             "--device-memory", "100KiB", "--fit", "--max-proposals", "2"]
@@ -183,3 +182,49 @@ def test_the_fit_tables_negative_margin_is_signed_in_both_figures(tiny_llama_dir
 
     assert f"{format_bytes(margin)} ({margin:,})" in row and format_bytes(margin).startswith("-")
     assert f"({-margin:,})" not in row
+
+
+# -- where --write-training-args cannot write is found before any planning ----------------------------
+
+
+def _no_planning(monkeypatch: Any) -> None:
+    import trainer_memcb.cli.estimate as estimate
+
+    def planned(*_: Any, **__: Any) -> Any:
+        raise AssertionError("planned before the destination was checked")
+
+    monkeypatch.setattr(estimate, "estimate_step", planned)
+    monkeypatch.setattr(estimate, "estimate_model", planned)
+
+
+@pytest.mark.parametrize("option", ["--write-training-args", "--write-deepspeed"])
+def test_a_folder_that_refuses_files_is_a_usage_error_before_planning(tiny_llama_dir: str, capsys: Any,
+                                                                      monkeypatch: Any, option: str) -> None:
+    import os
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc, a folder no file can be made in")
+    _no_planning(monkeypatch)
+    code, out, err = run([tiny_llama_dir, "--seq-len", "8", "--batch-size", "2", "--device-memory", "1GiB", "--fit",
+                          option, "/proc/args.json"], capsys)
+    assert one_line(err) == ("trainer-memcb: error: /proc/args.json: cannot write in the folder /proc (No such file or "
+                             "directory)")
+    assert (code, out) == (2, "")
+
+
+def test_a_folder_without_write_permission_is_a_usage_error_before_planning(tiny_llama_dir: str, tmp_path: Any,
+                                                                            capsys: Any, monkeypatch: Any) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes in any folder")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    _no_planning(monkeypatch)
+    code, _, err = run([tiny_llama_dir, "--seq-len", "8", "--batch-size", "2", "--device-memory", "1GiB", "--fit",
+                        "--write-training-args", str(folder / "args.json")], capsys)
+    assert one_line(err) == (f"trainer-memcb: error: {folder / 'args.json'}: cannot write in the folder {folder} "
+                             "(Permission denied)")
+    assert code == 2
+    assert os.listdir(folder) == []
