@@ -228,3 +228,40 @@ def test_a_folder_without_write_permission_is_a_usage_error_before_planning(tiny
                              "(Permission denied)")
     assert code == 2
     assert os.listdir(folder) == []
+
+
+# -- the settings files' values are checked before the model is built ---------------------------------
+
+
+@pytest.mark.parametrize("content,plan,line", [
+    ({"per_device_train_batch_size": -3}, ["--world-size", "2"],
+     "training args {path!r}: per_device_train_batch_size=-3: expected a whole number of at least 1"),
+    ({"per_device_train_batch_size": 2, "ddp_bucket_cap_mb": -1}, ["--world-size", "2"],
+     "training args: ddp_bucket_cap_mb=-1: expected a finite number of megabytes above 0 (DDP makes buckets of "
+     "int(bucket_cap_mb * 2**20) bytes)"),
+    ({"per_device_train_batch_size": 2, "per_device_eval_batch_size": 0}, ["--eval-samples", "4"],
+     "training args {path!r}: per_device_eval_batch_size=0: expected a whole number of at least 1"),
+    ({"per_device_train_batch_size": 2, "eval_accumulation_steps": 0}, ["--eval-samples", "4"],
+     "training args {path!r}: eval_accumulation_steps=0: expected a whole number of at least 1"),
+])
+def test_a_bad_training_args_value_is_refused_before_the_model_is_built(tiny_llama_dir: str, tmp_path: Any,
+                                                                        capsys: Any, monkeypatch: Any, content: Any,
+                                                                        plan: List[str], line: str) -> None:
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(content))
+    _no_planning(monkeypatch)
+    code, out, err = run([tiny_llama_dir, "--seq-len", "8", "--training-args", str(path)] + plan, capsys)
+    assert one_line(err) == "trainer-memcb: " + line.format(path=str(path))
+    assert (code, out) == (1, "")
+
+
+def test_a_bad_deepspeed_value_is_refused_before_the_model_is_built(tiny_llama_dir: str, tmp_path: Any, capsys: Any,
+                                                                    monkeypatch: Any) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}}))
+    _no_planning(monkeypatch)
+    code, _, err = run([tiny_llama_dir, "--batch-size", "2", "--seq-len", "8", "--world-size", "2", "--deepspeed",
+                        str(path)], capsys)
+    assert one_line(err) == ("trainer-memcb: deepspeed config: zero_optimization.reduce_bucket_size=-5: expected a whole "
+                             "number of at least 1, as DeepSpeedZeroConfig's reduce_bucket_size field takes")
+    assert code == 1

@@ -399,6 +399,30 @@ def _check_settings_files(args: argparse.Namespace) -> None:
             read_json_file(path, option)
 
 
+# A model width for the DeepSpeed config's "auto" bucket sizes while the files are checked before the
+# model is built (`check_settings_values`); the plan fills them from the model's own hidden_size.
+_STAND_IN_HIDDEN_SIZE = 1024
+
+
+def check_settings_values(args: argparse.Namespace) -> None:
+    """The values of `--training-args`, `--deepspeed` and `--fsdp-config`, checked as the plan will
+    resolve them but before the model is built or anything is traced (seconds for a large config).
+
+    Raises:
+        SettingsFileError: a value the Trainer or the engine would refuse or misread (exit 1).
+        ValueError: a flag that contradicts a file (exit 2).
+    """
+    if not any(getattr(args, name, None) is not None for name, _ in _SETTINGS_FILES):
+        return
+    from types import SimpleNamespace
+
+    step_settings(args, SimpleNamespace(config=SimpleNamespace(hidden_size=_STAND_IN_HIDDEN_SIZE)))
+    if getattr(args, "eval_samples", None) is not None:
+        from trainer_memcb.cli.eval_estimate import training_arguments_from_file
+
+        training_arguments_from_file(getattr(args, "training_args", None))
+
+
 def step_asked(args: argparse.Namespace) -> bool:
     """Whether the options ask for the step plan (activations and the step's peak)."""
     return (getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False))
