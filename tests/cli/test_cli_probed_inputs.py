@@ -265,3 +265,31 @@ def test_a_bad_deepspeed_value_is_refused_before_the_model_is_built(tiny_llama_d
     assert one_line(err) == ("trainer-memcb: deepspeed config: zero_optimization.reduce_bucket_size=-5: expected a whole "
                              "number of at least 1, as DeepSpeedZeroConfig's reduce_bucket_size field takes")
     assert code == 1
+
+
+# -- a 16-bit model under the Trainer's autocast keeps its 16-bit parameters ---------------------------
+
+
+def test_a_float16_model_under_bf16_autocast_keeps_float16_parameters(tiny_llama_dir: str, capsys: Any) -> None:
+    # accelerate's prepare_model casts no parameter under autocast (DDP or one process): 16,480
+    # float16 parameters, their float16 gradients and AdamW's float16 moments.
+    argv = [tiny_llama_dir, "--dtype", "float16", "--precision", "autocast-bf16", "--optimizers", "adamw_torch"]
+    code, out, _ = run(argv + ["--json"], capsys)
+    row = json.loads(out)["optimizers"][0]
+    assert code == 0
+    assert (row["params_bytes"], row["grads_bytes"], row["master_weights_bytes"]) == (16480 * 2, 16480 * 2, 0)
+    code, out, _ = run(argv + ["--batch-size", "2", "--seq-len", "8", "--device-type", "cpu", "--json"], capsys)
+    assert code == 0 and json.loads(out)["step"]["param_dtype"] == "float16"
+    # Under FSDP the Trainer's accelerate upcasts them to float32 ("FSDP upcast of low precision parameters").
+    code, out, _ = run(argv + ["--world-size", "2", "--sharding", "fsdp-full-shard", "--json"], capsys)
+    assert json.loads(out)["optimizers"][0]["params_bytes"] == 16480 * 4 // 2
+
+
+def test_a_float16_model_under_fp16_autocast_is_refused_as_the_grad_scaler_refuses_it(tiny_llama_dir: str,
+                                                                                       capsys: Any) -> None:
+    code, out, err = run([tiny_llama_dir, "--dtype", "float16", "--precision", "autocast-fp16"], capsys)
+    assert one_line(err) == ("trainer-memcb: error: --dtype float16 with --precision autocast-fp16: the Trainer's "
+                             "GradScaler refuses float16 gradients (\"Attempting to unscale FP16 gradients.\"); give "
+                             "--dtype float32 or bfloat16, --precision autocast-bf16, or --precision fp16 (trained in "
+                             "float16 without autocast)")
+    assert (code, out) == (2, "")

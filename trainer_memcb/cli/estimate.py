@@ -356,6 +356,7 @@ def check_options(args: argparse.Namespace) -> None:
             _refuse_what_if_of_a_count(count)
     _check_lora_options(args)
     _quantization_asked(args)
+    _refuse_fp16_gradients(args)
     if step_asked(args) or (plan_asked(args) and getattr(args, "eval_samples", None) is None):
         usable_memory(args)  # a reserve as large as the memory, where the plan takes it from the memory
     if getattr(args, "eval_samples", None) is not None and args.seq_len is None:
@@ -493,7 +494,8 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
     # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
     explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
-    keep_dtypes = not explicit_dtype
+    keep_dtypes = not explicit_dtype or _autocast_keeps_dtype(args, settings.precision, settings.sharding)
+    explicit_dtype = explicit_dtype and not keep_dtypes
     say_progress("planning the model states")
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
@@ -707,6 +709,28 @@ def _refuse_what_if_of_a_count(count: int) -> None:
                      "needs a model config, a folder holding config.json")
 
 
+def _autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str) -> bool:
+    """Whether the parameters keep --dtype under the Trainer's autocast (bf16=True / fp16=True).
+
+    accelerate's `prepare_model` wraps the forward in autocast and casts no parameter, so a model
+    loaded in 16 bits (`--dtype float16 --precision autocast-bf16`) trains its 16-bit parameters;
+    only FSDP upcasts them to float32 (`fsdp2_prepare_model`: "FSDP upcast of low precision
+    parameters"), and a quantized base is laid out by its own rules."""
+    return (args.dtype in ("bfloat16", "float16") and precision in ("autocast-bf16", "autocast-fp16")
+            and not str(sharding).startswith("fsdp") and not _quantization_asked(args))
+
+
+def _refuse_fp16_gradients(args: argparse.Namespace) -> None:
+    """fp16 autocast over a float16 model: the Trainer's GradScaler refuses the float16 gradients
+    at the first step (torch/amp/grad_scaler.py `_unscale_grads_`), unless only float32 adapters
+    train (`--lora-r`: PEFT keeps them float32)."""
+    if (args.dtype == "float16" and args.precision == "autocast-fp16" and getattr(args, "lora_r", None) is None
+            and not str(args.sharding or "").startswith("fsdp")):
+        raise ValueError("--dtype float16 with --precision autocast-fp16: the Trainer's GradScaler refuses float16 "
+                         "gradients (\"Attempting to unscale FP16 gradients.\"); give --dtype float32 or bfloat16, "
+                         "--precision autocast-bf16, or --precision fp16 (trained in float16 without autocast)")
+
+
 def _plan_precision(args: argparse.Namespace) -> str:
     return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
 
@@ -739,13 +763,14 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
 
         settings = step_settings(args, model if count is None else None)
         setup = setup_of(settings)
-        keep_dtypes = settings.sources.get("precision") == "flag" and args.precision is None
+        keep_dtypes = (settings.sources.get("precision") == "flag" and args.precision is None) or \
+            _autocast_keeps_dtype(args, settings.precision, settings.sharding)
     else:
         setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
                       sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
                       precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                       offload_params=args.offload_params)
-        keep_dtypes = args.precision is None
+        keep_dtypes = args.precision is None or _autocast_keeps_dtype(args, setup.precision, setup.sharding)
     say_progress("planning the model states")
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,
