@@ -213,3 +213,67 @@ def test_the_probe_leaves_out_the_storages_the_model_has_at_its_forward(tmp_path
     assert next(model.parameters()).dtype == torch.bfloat16
     cast = {key for key, _, _ in storages_of(list(model.parameters()) + list(model.buffers()))}
     assert cast <= exclude
+
+
+def _containers_batch_by_batch(settings: EvalSettings, per_sample: Dict[str, int], loss_bytes: int,
+                               bf16: Any = ()) -> Dict[str, int]:
+    """The containers' figures one batch at a time, as the evaluation loop takes them: the reference
+    `containers_figures` must equal without a step per batch."""
+    import math
+
+    names = ("losses", "inputs", "preds", "labels")
+    batches = math.ceil(settings.samples / settings.batch_size)
+    last = settings.samples - (batches - 1) * settings.batch_size
+    device, values, host = ({name: 0 for name in names} for _ in range(3))
+    peaks = dict(containers_device_bytes=0, containers_host_bytes=0, concat_peak_bytes=0, host_concat_peak_bytes=0)
+
+    def flush() -> None:
+        for name in names:
+            if device[name]:
+                new = values[name] * (2 if name in bf16 else 1)
+                moment = sum(host.values()) + new + (host[name] + new if settings.concat_batches and host[name] else 0)
+                host[name] += new
+                device[name] = values[name] = 0
+                peaks["host_concat_peak_bytes"] = max(peaks["host_concat_peak_bytes"], moment)
+                peaks["containers_host_bytes"] = max(peaks["containers_host_bytes"], sum(host.values()))
+
+    for step in range(batches):
+        rows = last if step == batches - 1 else settings.batch_size
+        for name in names:
+            if name == "losses":
+                if not loss_bytes:
+                    continue
+                stored, new = loss_bytes * settings.batch_size, loss_bytes * rows
+            elif name in per_sample:
+                stored = new = per_sample[name] * rows
+            else:
+                continue
+            if settings.concat_batches and device[name] > 0:
+                moment = sum(device.values()) + stored + values[name] + new
+                device[name] = values[name] = values[name] + new
+            else:
+                moment = sum(device.values()) + stored
+                device[name] += stored
+                values[name] += new
+            peaks["concat_peak_bytes"] = max(peaks["concat_peak_bytes"], moment)
+            peaks["containers_device_bytes"] = max(peaks["containers_device_bytes"], sum(device.values()))
+        if settings.accumulation_steps is not None and (step + 1) % settings.accumulation_steps == 0:
+            flush()
+    flush()
+    return peaks
+
+
+def test_the_containers_without_a_step_per_batch_equal_them_batch_by_batch() -> None:
+    import random
+
+    chooser = random.Random(0)
+    for _ in range(3000):
+        settings = EvalSettings(batch_size=chooser.randint(1, 9), samples=chooser.randint(1, 120), seq_len=4,
+                                accumulation_steps=chooser.choice([None, None, 1, 2, 3, 5, 7, 20]),
+                                concat_batches=chooser.random() < 0.6)
+        per_sample = {name: chooser.choice([3, 16, 40]) for name in ("inputs", "preds", "labels")
+                      if chooser.random() < 0.7}
+        loss = chooser.choice([0, 4])
+        bf16 = tuple(name for name in per_sample if chooser.random() < 0.3)
+        assert containers_figures(settings, per_sample, loss, bf16) == \
+            _containers_batch_by_batch(settings, per_sample, loss, bf16), (settings, per_sample, loss, bf16)

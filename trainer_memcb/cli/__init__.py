@@ -362,8 +362,8 @@ def _estimate(args: argparse.Namespace) -> int:
     # held back, and a terminal shows what is being done (stderr only); the tables are printed
     # afterwards.
     with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
-        from trainer_memcb.cli.estimate import (estimate_model, estimate_plan, estimate_step, estimate_tables,
-                                                estimate_what_if, resolve_optimizers)
+        from trainer_memcb.cli.estimate import (check_settings_values, estimate_model, estimate_plan, estimate_step,
+                                                estimate_tables, estimate_what_if, resolve_optimizers)
         from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit, eval_tables
         from trainer_memcb.cli.fit_table import fit_failure, fit_json, fit_tables
         from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
@@ -372,6 +372,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
         try:
             resolve_optimizers(args)
+            check_settings_values(args)  # the settings files' values, before the model is built
             evaluation = None
             if step_asked(args):
                 found = estimate_step(args)

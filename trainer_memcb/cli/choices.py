@@ -8,7 +8,11 @@ equal to its source.
 
 from __future__ import annotations
 
-__all__ = ["SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
+import argparse
+
+from trainer_memcb.utils.units import parse_whole_number
+
+__all__ = ["positive_int", "non_negative_int", "SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
            "DEFAULT_METRICS", "ALLOWED_CHANGES"]
 
 # trainer_memcb.plan.settings.setup.SHARDINGS
@@ -30,3 +34,20 @@ EVAL_LOGITS = ("full", "argmax", "none")
 DEFAULT_METRICS = ("accuracy", "f1")
 # trainer_memcb.plan.answers.fit.ALLOWED_CHANGES: the changes `--allow` opens, that alter the training
 ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
+
+
+def positive_int(text: str) -> int:
+    """The argparse type of every whole-number option counted from 1 (`--batch-size`, `--seq-len`,
+    `--eval-samples`, ...): 1 to `trainer_memcb.utils.units.MAX_WHOLE_NUMBER`, one line otherwise."""
+    try:
+        return parse_whole_number(text, least=1)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def non_negative_int(text: str) -> int:
+    """The argparse type of the whole-number options counted from 0 (`--rank`, `--padding`)."""
+    try:
+        return parse_whole_number(text, least=0, example=16)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

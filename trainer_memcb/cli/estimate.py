@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 # Only modules that import no torch: the options are parsed and checked (`check_options`) before
 # the plan's modules are imported, inside the functions that use them.
-from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS
+from trainer_memcb.cli.choices import (DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS,
+                                      non_negative_int, positive_int)
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN, add_eval_arguments
 from trainer_memcb.cli.fit_options import add_fit_arguments
@@ -67,16 +68,6 @@ def _checked(parse):
             raise argparse.ArgumentTypeError(str(error)) from None
     convert.__name__ = parse.__name__
     return convert
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{text!r} is not a positive integer, e.g. 8")
-    return value
 
 
 def _size(text: str) -> int:
@@ -140,16 +131,6 @@ class _GpuAction(argparse.Action):
             raise argparse.ArgumentError(self, str(error)) from None
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{text!r} is not a whole number of at least 0, e.g. 16")
-    return value
-
-
 def _optimizer_list(text: str) -> List[str]:
     """The names as given; they are checked against the Trainer's after parsing (`resolve_optimizers`),
     since the list of names comes from transformers, which parsing does not import."""
@@ -205,7 +186,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                           help="the parameters' dtype (default: float32); for the plan, also the precision when "
                                "--precision is not given (bfloat16: bf16, float16: fp16)")
     estimate.add_argument(
-        "--lora-r", metavar="R", type=_checked(_positive_int),
+        "--lora-r", metavar="R", type=positive_int,
         help="add PEFT LoRA adapters of this rank; then only the adapters (and --lora-modules-to-save) train",
     )
     estimate.add_argument(
@@ -227,12 +208,12 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     plan = estimate.add_argument_group(
         "model-states plan", "with any of these, the parameters, gradients, optimizer state and master weights "
         "each process holds")
-    plan.add_argument("--world-size", type=_checked(_positive_int), metavar="W", help="processes in the job (default 1)")
-    plan.add_argument("--rank", type=_checked(_non_negative_int), metavar="R",
+    plan.add_argument("--world-size", type=positive_int, metavar="W", help="processes in the job (default 1)")
+    plan.add_argument("--rank", type=non_negative_int, metavar="R",
                       help="the process the step plan is for, 0 to W - 1: under DeepSpeed ZeRO-1/2 each rank's "
                            "partition keeps other gradients (default: the fuller of ranks 0 and W - 1); DDP and ZeRO-3 "
                            "hold the same on every rank (default 0)")
-    plan.add_argument("--nodes", type=_checked(_positive_int), metavar="N",
+    plan.add_argument("--nodes", type=positive_int, metavar="N",
                       help="machines; CPU figures are per node (default 1)")
     shard = plan.add_mutually_exclusive_group()
     shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
@@ -263,9 +244,9 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     step = estimate.add_argument_group(
         "step plan", "with --batch-size, one training step is run under fake tensors (nothing allocated): the "
         "activations and the step's peak per process, and --device-memory answers from that peak")
-    step.add_argument("--batch-size", type=_checked(_positive_int), metavar="B", help="per-device micro-batch")
-    step.add_argument("--seq-len", type=_checked(_positive_int), metavar="S", help="sequence length (needed with --batch-size)")
-    step.add_argument("--gradient-accumulation-steps", type=_checked(_positive_int), metavar="N",
+    step.add_argument("--batch-size", type=positive_int, metavar="B", help="per-device micro-batch")
+    step.add_argument("--seq-len", type=positive_int, metavar="S", help="sequence length (needed with --batch-size)")
+    step.add_argument("--gradient-accumulation-steps", type=positive_int, metavar="N",
                       help="micro-batches per optimizer step (default: --training-args' or the DeepSpeed config's, else 1); "
                            "each after the first runs with the gradients alive")
     step.add_argument("--gradient-checkpointing", action="store_true",
@@ -280,11 +261,11 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="the largest per-device batch whose step fits in --device-memory at --seq-len")
     # The batch of other task heads (trainer_memcb.plan.model.step_inputs): each refused, in one line, for
     # a model that has no use for it.
-    step.add_argument("--target-len", type=_checked(_positive_int), metavar="T",
+    step.add_argument("--target-len", type=positive_int, metavar="T",
                       help="a sequence-to-sequence model's labels length (default --seq-len; Whisper: needed)")
-    step.add_argument("--image-size", type=_checked(_positive_int), metavar="PIXELS",
+    step.add_argument("--image-size", type=positive_int, metavar="PIXELS",
                       help="an image model's height and width (default: the config's image_size)")
-    step.add_argument("--padding", type=_checked(_non_negative_int), metavar="P", default=0,
+    step.add_argument("--padding", type=non_negative_int, metavar="P", default=0,
                       help="padded positions per row of the token batch (default 0: the attention mask all ones)")
     # QLoRA: the base model loaded by bitsandbytes (transformers' BitsAndBytesConfig).
     step.add_argument("--load-in-4bit", action="store_true",
@@ -310,7 +291,7 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                      "cpu_offload); without --batch-size, the model-states plan's sharding")
     own.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
-    own.add_argument("--replicate", type=_checked(_positive_int), metavar="R",
+    own.add_argument("--replicate", type=positive_int, metavar="R",
                      help="FSDP2 HSDP: replicate R times over a mesh of R x (world size / R)")
     add_eval_arguments(estimate)
     add_fit_arguments(estimate)
@@ -375,6 +356,7 @@ def check_options(args: argparse.Namespace) -> None:
             _refuse_what_if_of_a_count(count)
     _check_lora_options(args)
     _quantization_asked(args)
+    _refuse_fp16_gradients(args)
     if step_asked(args) or (plan_asked(args) and getattr(args, "eval_samples", None) is None):
         usable_memory(args)  # a reserve as large as the memory, where the plan takes it from the memory
     if getattr(args, "eval_samples", None) is not None and args.seq_len is None:
@@ -416,6 +398,30 @@ def _check_settings_files(args: argparse.Namespace) -> None:
         path = getattr(args, name, None)
         if path is not None:
             read_json_file(path, option)
+
+
+# A model width for the DeepSpeed config's "auto" bucket sizes while the files are checked before the
+# model is built (`check_settings_values`); the plan fills them from the model's own hidden_size.
+_STAND_IN_HIDDEN_SIZE = 1024
+
+
+def check_settings_values(args: argparse.Namespace) -> None:
+    """The values of `--training-args`, `--deepspeed` and `--fsdp-config`, checked as the plan will
+    resolve them but before the model is built or anything is traced (seconds for a large config).
+
+    Raises:
+        SettingsFileError: a value the Trainer or the engine would refuse or misread (exit 1).
+        ValueError: a flag that contradicts a file (exit 2).
+    """
+    if not any(getattr(args, name, None) is not None for name, _ in _SETTINGS_FILES):
+        return
+    from types import SimpleNamespace
+
+    step_settings(args, SimpleNamespace(config=SimpleNamespace(hidden_size=_STAND_IN_HIDDEN_SIZE)))
+    if getattr(args, "eval_samples", None) is not None:
+        from trainer_memcb.cli.eval_estimate import training_arguments_from_file
+
+        training_arguments_from_file(getattr(args, "training_args", None))
 
 
 def step_asked(args: argparse.Namespace) -> bool:
@@ -495,7 +501,8 @@ def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
     # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
     explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
-    keep_dtypes = not explicit_dtype
+    keep_dtypes = not explicit_dtype or _autocast_keeps_dtype(args, settings.precision, settings.sharding)
+    explicit_dtype = explicit_dtype and not keep_dtypes
     say_progress("planning the model states")
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
@@ -709,6 +716,28 @@ def _refuse_what_if_of_a_count(count: int) -> None:
                      "needs a model config, a folder holding config.json")
 
 
+def _autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str) -> bool:
+    """Whether the parameters keep --dtype under the Trainer's autocast (bf16=True / fp16=True).
+
+    accelerate's `prepare_model` wraps the forward in autocast and casts no parameter, so a model
+    loaded in 16 bits (`--dtype float16 --precision autocast-bf16`) trains its 16-bit parameters;
+    only FSDP upcasts them to float32 (`fsdp2_prepare_model`: "FSDP upcast of low precision
+    parameters"), and a quantized base is laid out by its own rules."""
+    return (args.dtype in ("bfloat16", "float16") and precision in ("autocast-bf16", "autocast-fp16")
+            and not str(sharding).startswith("fsdp") and not _quantization_asked(args))
+
+
+def _refuse_fp16_gradients(args: argparse.Namespace) -> None:
+    """fp16 autocast over a float16 model: the Trainer's GradScaler refuses the float16 gradients
+    at the first step (torch/amp/grad_scaler.py `_unscale_grads_`), unless only float32 adapters
+    train (`--lora-r`: PEFT keeps them float32)."""
+    if (args.dtype == "float16" and args.precision == "autocast-fp16" and getattr(args, "lora_r", None) is None
+            and not str(args.sharding or "").startswith("fsdp")):
+        raise ValueError("--dtype float16 with --precision autocast-fp16: the Trainer's GradScaler refuses float16 "
+                         "gradients (\"Attempting to unscale FP16 gradients.\"); give --dtype float32 or bfloat16, "
+                         "--precision autocast-bf16, or --precision fp16 (trained in float16 without autocast)")
+
+
 def _plan_precision(args: argparse.Namespace) -> str:
     return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
 
@@ -741,13 +770,14 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
 
         settings = step_settings(args, model if count is None else None)
         setup = setup_of(settings)
-        keep_dtypes = settings.sources.get("precision") == "flag" and args.precision is None
+        keep_dtypes = (settings.sources.get("precision") == "flag" and args.precision is None) or \
+            _autocast_keeps_dtype(args, settings.precision, settings.sharding)
     else:
         setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
                       sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
                       precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
                       offload_params=args.offload_params)
-        keep_dtypes = args.precision is None
+        keep_dtypes = args.precision is None or _autocast_keeps_dtype(args, setup.precision, setup.sharding)
     say_progress("planning the model states")
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 # The options are parsed and checked before torch is imported: the plan's modules are imported
 # inside the functions that use them.
-from trainer_memcb.cli.choices import EVAL_LOGITS
+from trainer_memcb.cli.choices import EVAL_LOGITS, positive_int
 from trainer_memcb.cli.output import TextTable, bytes_cell
 from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.utils.units import parse_bytes, parse_size
@@ -24,16 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_fit", "eval_planner", "eval_tables",
            "training_arguments_from_file"]
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer, e.g. 8")
-    return value
 
 
 EVAL_NEEDS_SEQ_LEN = "--eval-samples needs --seq-len (the sequence length)"
@@ -51,10 +41,10 @@ def add_eval_arguments(estimate: argparse.ArgumentParser) -> None:
     group = estimate.add_argument_group(
         "evaluation plan", "with --eval-samples, what Trainer.evaluate() holds per process: its forward under fake "
         "tensors, and the logits, labels and losses its containers gather on the device and on the host")
-    group.add_argument("--eval-samples", type=_positive, metavar="N", help="evaluation samples per process")
-    group.add_argument("--eval-batch-size", type=_positive, metavar="B",
+    group.add_argument("--eval-samples", type=positive_int, metavar="N", help="evaluation samples per process")
+    group.add_argument("--eval-batch-size", type=positive_int, metavar="B",
                        help="per_device_eval_batch_size (default: --training-args', else the Trainer's, 8)")
-    group.add_argument("--eval-accumulation-steps", type=_positive, metavar="K",
+    group.add_argument("--eval-accumulation-steps", type=positive_int, metavar="K",
                        help="eval_accumulation_steps: move the containers to the host every K batches")
     group.add_argument("--no-eval-concat", action="store_true",
                        help="eval_do_concat_batches=False: batches kept in lists, not concatenated")

@@ -10,7 +10,7 @@ import argparse
 import os
 from typing import List
 
-from trainer_memcb.cli.choices import ALLOWED_CHANGES
+from trainer_memcb.cli.choices import ALLOWED_CHANGES, positive_int
 
 __all__ = ["add_fit_arguments", "check_fit_options"]
 
@@ -33,7 +33,7 @@ def add_fit_arguments(estimate: argparse.ArgumentParser) -> None:
     group.add_argument("--fit", action="store_true", help="search the settings that fit (needs --device-memory)")
     group.add_argument("--allow", type=_allowed, metavar="CHANGES", default=[],
                        help=f"also changes that alter the training: {','.join(ALLOWED_CHANGES)}")
-    group.add_argument("--max-proposals", type=int, default=12, metavar="N",
+    group.add_argument("--max-proposals", type=positive_int, default=12, metavar="N",
                        help="the most proposals planned (default 12)")
     group.add_argument("--write-training-args", metavar="FILE",
                        help="write the first proposal that fits as TrainingArguments JSON")
@@ -77,3 +77,18 @@ def check_fit_options(args: argparse.Namespace, step_asked: bool, eval_asked: bo
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise ValueError(f"{path}: the folder {folder} does not exist")
+        _check_writable(path, folder)
+
+
+def _check_writable(path: str, folder: str) -> None:
+    """Make and remove an empty temporary file where `atomic_write` will make its own, so that a
+    folder that refuses files (no write permission, a read-only or virtual file system such as
+    /proc) is found before the search, not after it."""
+    import tempfile
+
+    try:
+        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".check")
+    except OSError as error:
+        raise ValueError(f"{path}: cannot write in the folder {folder} ({error.strerror or error})") from None
+    os.close(descriptor)
+    os.unlink(temporary)

@@ -114,7 +114,7 @@ def _row(name: str, candidate: FitCandidate, reserved: bool) -> List[str]:
         marks.append("changes the training")
     fits = "-" if candidate.fits is None else ("yes" if candidate.fits else "no")
     margin = "-" if candidate.margin_bytes is None else (
-        bytes_cell(candidate.margin_bytes) if candidate.margin_bytes >= 0 else f"-{bytes_cell(-candidate.margin_bytes)}")
+        bytes_cell(candidate.margin_bytes))  # signed: short is negative, in both figures
     row = [name, candidate.label + (f" ({'; '.join(marks)})" if marks else ""), bytes_cell(candidate.peak_bytes),
            fits, margin, _time_cell(candidate.relative_step_time), str(candidate.effective_batch)]
     if reserved:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from decimal import Decimal, InvalidOperation
 from typing import Union
 
-__all__ = ["KiB", "MiB", "GiB", "MAX_SIZE_BYTES", "SIZE_UNITS", "format_bytes", "parse_bytes", "parse_size"]
+__all__ = ["KiB", "MiB", "GiB", "MAX_SIZE_BYTES", "MAX_WHOLE_NUMBER", "SIZE_UNITS", "format_bytes", "parse_bytes", "parse_size",
+           "parse_whole_number"]
 
 # Binary units, named as such (IEC 80000-13): a MiB is 1024**2 bytes, never called "MB".
 KiB = 1024
@@ -20,6 +21,10 @@ SIZE_UNITS = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
 # and the figures would no longer fit a float for printing.
 MAX_SIZE_BYTES = 2**64
 _UNIT_NAMES = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
+# The largest count a whole-number option takes (a batch, a length, a number of processes or of
+# samples): 2**31 - 1. No training holds more of any of them, and two such counts multiplied (a
+# batch of rows times their length) still fit torch's int64 sizes.
+MAX_WHOLE_NUMBER = 2**31 - 1
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -43,8 +48,9 @@ def parse_size(text: Union[str, int], what: str = "memory size") -> int:
     """A size in bytes from text with a unit: `"80GiB"` -> 85899345920, `"40 GB"` -> 40000000000.
 
     A number without a unit is refused (`"80"` is more likely 80 GiB than 80 bytes): write
-    `80GiB`, or `80B` for bytes. An `int` is bytes. Fractions of a byte are dropped (`"0.5KiB"` is
-    512, `"1.1GiB"` 1181116006). The number is read exactly (decimal, never a float), so no size
+    `80GiB`, or `80B` for bytes. An `int` is bytes. A count of bytes is whole (`"1.5B"` is refused);
+    a fraction of a byte that a larger unit leaves is dropped (`"0.5KiB"` is 512, `"1.1GiB"`
+    1181116006). The number is read exactly (decimal, never a float), so no size
     overflows; one above `MAX_SIZE_BYTES` (16 EiB), negative, or not finite is refused.
 
     Args:
@@ -80,10 +86,35 @@ def parse_size(text: Union[str, int], what: str = "memory size") -> int:
         raise ValueError(f"{what} {raw!r} is not a finite size")
     if number < 0:
         raise ValueError(f"{what} {raw!r} is negative: give a size of at least 0B")
+    if unit == "b" and number != number.to_integral_value():
+        raise ValueError(f"{what} {raw!r} is not a whole number of bytes: write a whole count of B, or a larger unit "
+                         f"such as 1.5GiB, 40GB or 512KiB (units: {_UNIT_NAMES})")
     # `adjusted()` is the decimal exponent: checked first, so that 1e999999GiB is never multiplied out.
     if number.adjusted() > 30 or number * SIZE_UNITS[unit] > MAX_SIZE_BYTES:
         raise ValueError(f"{what} {raw!r} is larger than any device: at most 16 EiB ({MAX_SIZE_BYTES:,} bytes)")
     return int(number * SIZE_UNITS[unit])
+
+
+def parse_whole_number(text: str, least: int = 1, example: int = 8) -> int:
+    """A whole number from `least` to `MAX_WHOLE_NUMBER` from text, for every whole-number option.
+
+    Raises:
+        ValueError: one line naming the text and the range allowed.
+
+    Examples:
+        >>> parse_whole_number("8"), parse_whole_number("0", least=0)
+        (8, 0)
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        allowed = "a positive integer" if least == 1 else f"a whole number of at least {least}"
+        raise ValueError(f"{text!r} is not {allowed}, e.g. {example}")
+    if value > MAX_WHOLE_NUMBER:
+        raise ValueError(f"{text!r} is too large: give a whole number from {least} to {MAX_WHOLE_NUMBER:,}")
+    return value
 
 
 def parse_bytes(text: Union[str, int]) -> int:

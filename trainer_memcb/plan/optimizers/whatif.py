@@ -172,6 +172,50 @@ def resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return DTYPES[name]
 
 
+# Counts and sizes of a config.json that build the model: a layer count or a width below 1 builds a
+# model with no layers (`range(-2)` is empty) or fails inside torch; a table of negative rows is no
+# table. Names as the configs spell them (GPT-2's n_layer, DistilBERT's n_layers, T5's d_model).
+_AT_LEAST_ONE = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "encoder_layers",
+                 "decoder_layers", "hidden_size", "num_attention_heads", "n_head", "n_heads", "n_embd", "dim",
+                 "d_model")
+# Others where 0 may mean "none" (no experts, a head_dim taken from hidden_size), never a negative.
+_AT_LEAST_ZERO = ("vocab_size", "max_position_embeddings", "n_positions", "intermediate_size", "num_key_value_heads",
+                  "hidden_dim", "d_ff", "d_kv", "n_inner", "head_dim", "num_local_experts", "num_experts",
+                  "num_experts_per_tok", "image_size", "patch_size", "num_channels")
+
+
+def _check_sizes(document: Any, where: str = "") -> None:
+    """Refuse a count or size of `_AT_LEAST_ONE` below 1, or of `_AT_LEAST_ZERO` below 0, in a
+    config's values (nested configs too: `text_config.num_hidden_layers`).
+
+    Raises:
+        ModelConfigError: naming the key, its value and what is allowed.
+    """
+    if not isinstance(document, dict):
+        return
+    for key, value in document.items():
+        if isinstance(value, dict):
+            _check_sizes(value, f"{where}{key}.")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            least = 1 if key in _AT_LEAST_ONE else (0 if key in _AT_LEAST_ZERO else None)
+            if least is not None and value < least:
+                raise ModelConfigError(f"its config has {where}{key}={value}: expected a whole number of at least "
+                                       f"{least}" + (" (a model of no layers, heads or width is no model)" if least else
+                                                     " (a count or a size is never negative)"))
+
+
+def _close_classes(name: Any, transformers: Any) -> str:
+    """`"; close: LlamaForCausalLM, ..."` from the model classes transformers exports (their names
+    only, nothing imported), or `""` when none is close."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    classes = [item for item in dir(transformers) if item[:1].isupper() and ("For" in item or item.endswith("Model"))]
+    close = difflib.get_close_matches(name, classes, n=3)
+    return f" (close: {', '.join(close)})" if close else ""
+
+
 def _model_class(config: Any, architecture: Optional[str] = None) -> Any:
     """`architecture`, else the class named in `config.architectures`, else a causal LM, else
     the bare model."""
@@ -184,13 +228,18 @@ def _model_class(config: Any, architecture: Optional[str] = None) -> Any:
                              "(e.g. LlamaForCausalLM, DistilBertForSequenceClassification)")
         return cls
     for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type):
-            if not issubclass(cls, transformers.PreTrainedModel):
-                raise ModelConfigError(f"the config's architectures names {name}, which is not a model class (a "
-                                       "subclass of transformers.PreTrainedModel): give --architecture CLASS, e.g. "
-                                       "LlamaForCausalLM")
-            return cls
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if not isinstance(cls, type):
+            # A misspelled or unknown class (code of the model's own is never run): refused, rather
+            # than another class planned in its place.
+            raise ModelConfigError(f"the config's architectures names {name!r}, which transformers "
+                                   f"{transformers.__version__} has no class of{_close_classes(name, transformers)}: "
+                                   "correct it, or give --architecture CLASS")
+        if not issubclass(cls, transformers.PreTrainedModel):
+            raise ModelConfigError(f"the config's architectures names {name}, which is not a model class (a "
+                                   "subclass of transformers.PreTrainedModel): give --architecture CLASS, e.g. "
+                                   "LlamaForCausalLM")
+        return cls
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         if type(config) in auto._model_mapping:
             return auto
@@ -240,6 +289,10 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
         raise ModelConfigError(f"{model}: could not read a model config ({error}){hint}") from None
     if getattr(config, "auto_map", None):  # a hub config, seen only now
         raise ModelConfigError(_ASKS_FOR_CODE.format(model=model))
+    try:
+        _check_sizes(config.to_dict())
+    except ModelConfigError as error:
+        raise ModelConfigError(f"{model}: {error}") from None
     try:
         cls = _model_class(config, architecture)
     except ModelConfigError as error:

@@ -199,6 +199,10 @@ def check_training_args(values: Mapping[str, Any], where: str = "training args")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise SettingsFileError(f"{where}: gradient_accumulation_steps={steps!r}: expected a whole number of at least 1 "
                                 "(the Trainer divides the batches of an epoch by it)")
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "eval_accumulation_steps"):
+        value = values.get(key)  # eval_accumulation_steps: None (the default) keeps all on the device
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SettingsFileError(f"{where}: {key}={value!r}: expected a whole number of at least 1")
 
 
 # The name each setting has where it came from, for the messages.
