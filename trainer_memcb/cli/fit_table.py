@@ -119,15 +119,17 @@ def _row(name: str, candidate: FitCandidate) -> List[str]:
             fits, margin, _time_cell(candidate.relative_step_time), str(candidate.effective_batch)]
 
 
-def fit_tables(search: FitSearch, evaluation: bool = False) -> List[TextTable]:
+def fit_tables(search: FitSearch, evaluation: bool = False, title: Optional[str] = None) -> List[TextTable]:
     """The user's own setting, then each proposal: its changes, peak, fits?, margin, relative step
-    time (`evaluation`: the evaluation's proposals, fewest batches first, no time estimated)."""
+    time (`evaluation`: the evaluation's proposals, fewest batches first, no time estimated;
+    `title`: the table's, in place of the default)."""
     rows = [_row("own", search.own)] + [_row(str(index), c) for index, c in enumerate(search.candidates, 1)]
-    title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less the "
-             f"reserve), fastest first; step time relative to your own")
-    if evaluation:
-        title = (f"Evaluation settings that fit in {format_bytes(search.usable_bytes)} per process (the device's "
-                 f"memory less the reserve), fewest batches first; effective batch: the eval batch")
+    if title is None and evaluation:
+        title = (f"Evaluation settings that fit in {format_bytes(search.usable_bytes)} per process, fewest batches "
+                 f"first; effective batch: the eval batch")
+    if title is None:
+        title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less the "
+                 f"reserve), fastest first; step time relative to your own")
     return [TextTable(title, ["", "changes", "peak", "fits", "margin", "step time", "effective batch"], rows,
                       text_columns=(0, 1, 3))]
 
