@@ -4,7 +4,7 @@ line, equal to what a real Trainer run with the same settings logs."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -134,3 +134,121 @@ def test_the_evaluation_on_cuda_is_answered_by_the_allocator_replay(tiny_llama_d
     assert plan["device_peak_bytes"] < 2 * 1024 ** 2 <= plan["reserved_peak_bytes"]
     assert main(argv + ["--device-memory", f"{context + plan['device_peak_bytes']}B"]) == 3
     assert json.loads(capsys.readouterr().out)["evaluation"]["fits_device"] is False
+
+
+# -- one answer to fits?: the evaluation plan, its Why: line and --fit's table ---------------------
+
+# 2,000 samples of 12 tokens at eval batch 16 (18,946,912 bytes at the device peak; the allocator
+# reserves 20,971,520) on a device of 440 MiB: 14,680,064 bytes left beside the CUDA context
+# (446,693,376, the default's).
+FIT = ["--eval-samples", "2000", "--seq-len", "12", "--attn-implementation", "eager", "--eval-batch-size", "16"]
+USABLE_440 = 440 * 2**20 - 446_693_376
+
+
+def _json(argv: Any, capsys: Any, code: Optional[int]) -> Any:
+    returned = main(argv + ["--json"])
+    assert code is None or returned == code
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_fit_tables_own_row_is_the_evaluation_plans_fits(tiny_llama_dir: str, capsys: Any) -> None:
+    # Before, --fit's own row compared the device peak with the memory less the reserve only:
+    # "yes", 442,413,568 bytes to spare, where the plan said does not fit, 6,291,456 short.
+    argv = ["estimate", tiny_llama_dir] + FIT + ["--device-memory", "440MiB", "--fit"]
+    found = _json(argv, capsys, 0)
+    plan, fit = found["evaluation"], found["fit"]["evaluation"]
+    assert USABLE_440 == 14_680_064
+    assert (plan["fits_device"], plan["usable_device_bytes"], plan["reserved_peak_bytes"]) == (False, USABLE_440, 20_971_520)
+    assert plan["device_margin_bytes"] == USABLE_440 - 20_971_520 == -6_291_456
+    assert fit["usable_bytes"] == USABLE_440
+    assert (fit["own"]["fits"], fit["own"]["peak_bytes"], fit["own"]["margin_bytes"]) == (False, 20_971_520, -6_291_456)
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.startswith("fits on the device?")).endswith(
+        "does not fit, 6.0 MiB (6,291,456) short")
+    assert next(line for line in lines if line.startswith("own ")).split()[-6:-2] == [
+        "no", "-6.0", "MiB", "(6,291,456)"]
+
+
+@pytest.mark.parametrize("step", [[], ["--batch-size", "1"]], ids=["alone", "inside-train"])
+def test_each_proposal_said_to_fit_fits_when_planned_on_its_own(tiny_llama_dir: str, capsys: Any, step: Any) -> None:
+    # Before, on 440 MiB every proposal was "yes" (its device peak under the memory, the context
+    # ignored); now each row is its own evaluation plan's answer, inside train() too (--batch-size:
+    # the optimizer state stays alive beside it).
+    argv = ["estimate", tiny_llama_dir] + FIT + ["--device-memory", "440MiB"] + step
+    fit = _json(argv + ["--fit"], capsys, 0)["fit"]["evaluation"]
+    said = {json.dumps(c["training_args"], sort_keys=True): (c["fits"], c["margin_bytes"]) for c in fit["candidates"]}
+    assert sum(fits for fits, _ in said.values()) == 7 and len(said) == 12
+    for candidate in fit["candidates"]:
+        settings = candidate["training_args"]
+        flags = ["--eval-batch-size", str(settings["per_device_eval_batch_size"])]
+        if "eval_accumulation_steps" in settings:
+            flags += ["--eval-accumulation-steps", str(settings["eval_accumulation_steps"])]
+        # Inside train() the exit status is the training step's too (it does not fit 14 MiB).
+        plan = _json(argv + flags, capsys, (0 if candidate["fits"] else 3) if not step else 3)["evaluation"]
+        assert (plan["fits_device"], plan["device_margin_bytes"]) == (candidate["fits"], candidate["margin_bytes"])
+    first = fit["candidates"][0]
+    assert (first["changes"], first["fits"], first["peak_bytes"], first["margin_bytes"]) == (
+        {"eval_accumulation_steps": 4}, True, 2_097_152, USABLE_440 - 2_097_152)
+
+
+def test_when_nothing_fits_it_says_so_and_writes_nothing(tiny_llama_dir: str, capsys: Any, tmp_path: Any) -> None:
+    # 427 MiB leaves 1 MiB beside the context: not even one 2 MiB segment. Before, every proposal
+    # was "yes" and the first was written.
+    written = tmp_path / "eval-args.json"
+    argv = ["estimate", tiny_llama_dir] + FIT + ["--device-memory", "427MiB", "--fit", "--write-training-args", str(written)]
+    assert main(argv) == 3
+    captured = capsys.readouterr()
+    assert "  yes  " not in captured.out and not written.exists()
+    assert captured.err.splitlines() == [
+        "trainer-memcb: nothing written: no proposal fits",
+        "trainer-memcb: nothing fits: the nearest is eval_accumulation_steps 1, at 2.0 MiB per process, 1.0 MiB over "
+        "1.0 MiB"]
+    why = next(line for line in captured.out.splitlines() if line.startswith("Why: "))
+    assert why.endswith("; no eval setting alone makes it fit.")
+
+
+def test_the_why_line_names_the_figures_the_table_shows(tiny_llama_dir: str, capsys: Any) -> None:
+    # Before: "evaluation needs 18.07 MiB ..., more than 12.07 MiB", a limit shown nowhere.
+    assert main(["estimate", tiny_llama_dir] + FIT + ["--device-memory", "440MiB", "--fit"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line.split("  ")[-1].strip() for line in out.splitlines() if "  " in line}
+    assert rows["device memory"] == "440.0 MiB (461,373,440)"
+    assert rows["CUDA context"] == "426.0 MiB (446,693,376)"
+    assert rows["reserve (your own margin)"] == "0 B (0)"
+    assert rows["reserved peak (caching allocator)"] == "20.0 MiB (20,971,520)"
+    assert rows["usable (device memory less CUDA context and reserve)"] == "14.0 MiB (14,680,064)"
+    why = next(line for line in out.splitlines() if line.startswith("Why: "))
+    assert why.startswith("Why: evaluation's reserved peak is 20.0 MiB, 6.0 MiB more than the 14.0 MiB usable (device "
+                          "memory less CUDA context and reserve): ")
+    assert ("Evaluation settings that fit in 14.0 MiB per process, the usable (device memory less CUDA context and "
+            "reserve); peak: the reserved peak (caching allocator)") in out
+    # On the CPU: the device peak against the memory less the reserve.
+    memory = 18_946_912 - 1
+    assert main(["estimate", tiny_llama_dir] + FIT + ["--device-type", "cpu", "--device-memory", f"{memory}B",
+                                                       "--reserve", "0B"]) == 3
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("usable (device memory less reserve)  "))
+    assert row.endswith(f"18.1 MiB ({memory:,})")
+    assert "Why: evaluation's device peak is 18.1 MiB, 1 B more than the 18.1 MiB usable (device memory less reserve): " in out
+
+
+def test_the_written_training_args_given_back_alone_plan_the_proposal(tiny_llama_dir: str, capsys: Any,
+                                                                       tmp_path: Any) -> None:
+    # Before, the written file held no per_device_train_batch_size, and --training-args asked for
+    # the step plan: "--batch-size is needed", exit 2. The user's own file's other keys are kept.
+    mine, written = tmp_path / "mine.json", tmp_path / "eval-args.json"
+    mine.write_text(json.dumps({"per_device_eval_batch_size": 16, "eval_do_concat_batches": True}))
+    common = ["estimate", tiny_llama_dir, "--eval-samples", "2000", "--seq-len", "12", "--attn-implementation", "eager",
+              "--device-memory", "440MiB"]
+    fit = _json(common + ["--training-args", str(mine), "--fit", "--write-training-args", str(written)], capsys,
+                0)["fit"]["evaluation"]
+    first = fit["candidates"][0]
+    assert json.loads(written.read_text()) == first["training_args"] == {
+        "per_device_eval_batch_size": 16, "eval_do_concat_batches": True, "eval_accumulation_steps": 4}
+    again = _json(common + ["--training-args", str(written)], capsys, 0)
+    assert "step" not in again
+    plan = again["evaluation"]
+    assert (plan["settings"]["batch_size"], plan["settings"]["accumulation_steps"]) == (16, 4)
+    assert (plan["fits_device"], plan["device_figure_bytes"], plan["device_margin_bytes"]) == (
+        True, first["peak_bytes"], first["margin_bytes"]) == (True, 2_097_152, USABLE_440 - 2_097_152)

@@ -80,9 +80,26 @@ def test_gpu_h100_json_has_the_allocator_figures(tiny_llama_dir):
     assert (step["gpu"], step["device_memory_bytes"], step["cuda_context_bytes"]) == ("H100", 85_045_477_376, 446_693_376)
     assert step["reserved_peak_bytes"] == 73_400_320  # 2 x (32 MiB cuBLAS + 1 MiB cuBLASLt) on sm90, in 2 segments
     assert step["device_total_bytes"] == 73_400_320 + 446_693_376
-    assert (step["allocator_allocated_peak_bytes"], step["fragmentation_bytes"]) == (71_523_840, 2_113_536)
+    assert (step["allocator_allocated_peak_bytes"], step["fragmentation_bytes"]) == (71_523_840, 1_876_480)  # fragmentation: reserved peak less allocated peak
     assert step["margin_bytes"] == 85_045_477_376 - 446_693_376 - 73_400_320 and step["fits"] is True
     assert step["alloc_conf"] == "" and step["out_of_memory_at"] is None
+
+
+def test_fragmentation_is_the_reserved_peak_less_the_allocated_peak(tiny_llama_dir, capsys):
+    # Peak against peak: what the cache holds beyond the most ever allocated (2,113,536 bytes, reserved
+    # less allocated at the first moment of the reserved peak, was said before).
+    from trainer_memcb.cli import main
+
+    argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
+            "--gpu", "h100"]
+    assert main(argv + ["--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["step"]
+    assert (step["reserved_peak_bytes"], step["allocator_allocated_peak_bytes"]) == (73_400_320, 71_523_840)
+    assert step["fragmentation_bytes"] == 73_400_320 - 71_523_840 == 1_876_480
+    assert main(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("reserved peak"))
+    assert row.endswith("70.0 MiB (73,400,320), 1.8 MiB (1,876,480) of it cached, not allocated (reserved peak less "
+                        "allocated peak)")
 
 
 def test_device_memory_overrides_the_gpu_and_alloc_conf_changes_the_replay(tiny_llama_dir):

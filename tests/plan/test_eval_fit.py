@@ -38,7 +38,7 @@ def _plan(settings):
 @pytest.fixture(scope="module")
 def search():
     # use_cache=False: transformers 5's Trainer evaluates without a cache (TrainingArguments.use_cache).
-    return search_eval_fits(_plan, EvalSettings(batch_size=16, samples=64, seq_len=64, use_cache=False), USABLE)
+    return search_eval_fits(_plan, EvalSettings(batch_size=16, samples=64, seq_len=64, use_cache=False))
 
 
 def test_the_own_evaluation_misses_and_smaller_batches_moved_each_batch_fit(search):
@@ -62,4 +62,4 @@ def test_moving_the_containers_every_batch_alone_halves_the_peak_but_misses(sear
 
 def test_a_bad_max_candidates_is_refused():
     with pytest.raises(ValueError, match="max_candidates=0"):
-        search_eval_fits(_plan, EvalSettings(batch_size=2, samples=4, seq_len=8), USABLE, max_candidates=0)
+        search_eval_fits(_plan, EvalSettings(batch_size=2, samples=4, seq_len=8), max_candidates=0)

@@ -364,7 +364,7 @@ def _estimate(args: argparse.Namespace) -> int:
     with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
         from trainer_memcb.cli.estimate import (check_settings_values, estimate_model, estimate_plan, estimate_step,
                                                 estimate_tables, estimate_what_if, resolve_optimizers)
-        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit, eval_tables
+        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit, eval_fit_tables, eval_tables
         from trainer_memcb.cli.fit_table import fit_failure, fit_json, fit_tables
         from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
         from trainer_memcb.plan.model.config_error import ModelConfigError
@@ -399,7 +399,8 @@ def _estimate(args: argparse.Namespace) -> int:
             print_json({"evaluation": evaluation.to_dict(),
                         **({"fit": {"evaluation": fit_json(evaluation_fit)}} if evaluation_fit else {})}, sys.stdout)
         else:
-            print_tables(eval_tables(evaluation) + (fit_tables(evaluation_fit, evaluation=True) if evaluation_fit else []), sys.stdout)
+            print_tables(eval_tables(evaluation) + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []),
+                         sys.stdout)
         return _evaluation_status(evaluation) if evaluation_fit is None else _fit_status(
             evaluation_fit, args, _evaluation_status(evaluation))
     if step_asked(args):
@@ -422,7 +423,7 @@ def _estimate(args: argparse.Namespace) -> int:
                       else plan_tables(found["model_states"], memory, reserve, context=context))
             print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else [])
                          + (fit_tables(found["fit"]) if found.get("fit") is not None else [])
-                         + (fit_tables(evaluation_fit, evaluation=True) if evaluation_fit else []), sys.stdout)
+                         + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []), sys.stdout)
         status = _step_status(found)
         if found.get("fit") is not None:
             status = _fit_status(found["fit"], args, status)

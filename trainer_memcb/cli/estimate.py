@@ -425,9 +425,31 @@ def check_settings_values(args: argparse.Namespace) -> None:
 
 
 def step_asked(args: argparse.Namespace) -> bool:
-    """Whether the options ask for the step plan (activations and the step's peak)."""
-    return (getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False))
-            or getattr(args, "training_args", None) is not None)
+    """Whether the options ask for the step plan (activations and the step's peak): --batch-size,
+    --max-batch-size, or --training-args, unless the evaluation plan is asked and the file gives no
+    per_device_train_batch_size (as the evaluation's --fit writes it): then the file gives the
+    evaluation's settings alone."""
+    if getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False)):
+        return True
+    path = getattr(args, "training_args", None)
+    if path is None:
+        return False
+    if getattr(args, "eval_samples", None) is not None and isinstance(path, (str, os.PathLike)):
+        return _file_gives_train_batch(os.fspath(path))
+    return True
+
+
+def _file_gives_train_batch(path: str) -> bool:
+    """Whether a --training-args file names per_device_train_batch_size; a file that cannot be read
+    as a JSON object answers yes, so that the step plan's reading of it says why."""
+    from trainer_memcb.utils.safe_io import read_json
+    from trainer_memcb.utils.units import MiB
+
+    try:
+        value = read_json(path, 16 * MiB)  # `MAX_SETTINGS_FILE_BYTES`, without importing the plan
+    except Exception:  # any refusal is said by the step plan's own reading
+        return True
+    return not isinstance(value, dict) or value.get("per_device_train_batch_size") is not None
 
 
 def step_settings(args: argparse.Namespace, model: Any) -> Any:

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from trainer_memcb.plan.answers.fit import FitSearch
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
 
-__all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_fit", "eval_planner", "eval_tables",
-           "training_arguments_from_file"]
+__all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_fit", "eval_fit_tables",
+           "eval_planner", "eval_tables", "training_arguments_from_file"]
 
 
 EVAL_NEEDS_SEQ_LEN = "--eval-samples needs --seq-len (the sequence length)"
@@ -182,11 +182,39 @@ def eval_fit(args: argparse.Namespace, build_model: Any, evaluation: EvalMemoryP
     (`trainer_memcb.plan.answers.eval_fit.search_eval_fits`); None when the own could not be planned."""
     from trainer_memcb.plan.answers.eval_fit import search_eval_fits
 
-    if evaluation.problem is not None or evaluation.device_memory_bytes is None:
+    if evaluation.problem is not None or evaluation.usable_device_bytes is None:
         return None
-    usable = evaluation.device_memory_bytes - (evaluation.reserve_bytes or 0)
-    return search_eval_fits(eval_planner(args, build_model, states, reserve), evaluation.settings, usable,
-                            max_candidates=args.max_proposals)
+    search = search_eval_fits(eval_planner(args, build_model, states, reserve), evaluation.settings,
+                              max_candidates=args.max_proposals)
+    path = getattr(args, "training_args", None)
+    if path is None:
+        return search
+    # Each proposal's TrainingArguments are the user's file with its evaluation keys replaced:
+    # written by --write-training-args, the file given back alone plans the same evaluation.
+    from dataclasses import replace
+
+    from trainer_memcb.plan.settings import read_json_file
+
+    given = read_json_file(path, "--training-args")
+
+    def complete(candidate: Any) -> Any:
+        return replace(candidate, training_args={**given, **candidate.training_args})
+
+    return replace(search, own=complete(search.own), candidates=[complete(c) for c in search.candidates])
+
+
+def eval_fit_tables(search: FitSearch, evaluation: EvalMemoryPlan) -> List[TextTable]:
+    """`--fit`'s table of the evaluation's proposals, titled with the usable bytes as the
+    evaluation plan's table names them, and the figure its peak column holds."""
+    from trainer_memcb.cli.fit_table import fit_tables
+    from trainer_memcb.plan.answers.eval_memory import USABLE_LABELS
+    from trainer_memcb.utils.units import format_bytes
+
+    cuda = evaluation.reserved_peak_bytes is not None
+    title = (f"Evaluation settings that fit in {format_bytes(search.usable_bytes)} per process, the "
+             f"{USABLE_LABELS[cuda]}; peak: the {'reserved peak (caching allocator)' if cuda else 'device peak'}; "
+             f"fewest batches first; effective batch: the eval batch")
+    return fit_tables(search, evaluation=True, title=title)
 
 
 def _traced_model(build_model: Any, attention: Optional[str], settings: EvalSettings) -> Any:
@@ -234,20 +262,24 @@ def eval_tables(plan: EvalMemoryPlan) -> List[TextTable]:
         ["device peak (model + forward + concatenation)", bytes_cell(plan.device_peak_bytes)],
     ]
     if plan.device_memory_bytes is not None:
-        rows.append(["reserve (your own margin)", bytes_cell(plan.reserve_bytes or 0)])
-    if plan.reserved_peak_bytes is not None:
+        rows += [["device memory", bytes_cell(plan.device_memory_bytes)],
+                 ["reserve (your own margin)", bytes_cell(plan.reserve_bytes or 0)]]
+    cuda = plan.reserved_peak_bytes is not None
+    if cuda:
         rows += [["reserved peak (caching allocator)", bytes_cell(plan.reserved_peak_bytes)],
-                 ["device total (nvidia-smi, with the CUDA context)", bytes_cell(plan.device_total_bytes)]]
-    # On CUDA the margin is what the allocator may take (the memory less the reserve and the
-    # context) less the reserved peak.
-    device_figure = plan.device_peak_bytes
-    device_room = None if plan.device_memory_bytes is None else plan.device_memory_bytes - (plan.reserve_bytes or 0)
-    if plan.reserved_peak_bytes is not None and device_room is not None:
-        device_figure, device_room = plan.reserved_peak_bytes, device_room - plan.cuda_context_bytes
-    rows += [
-        ["fits on the device?", _fits(plan.fits_device, device_figure, device_room)],
-        ["fits on the host?", _fits(plan.fits_host, plan.host_peak_bytes, plan.host_memory_bytes)],
-    ]
+                 ["device total (nvidia-smi, with the CUDA context)", bytes_cell(plan.device_total_bytes)],
+                 ["CUDA context", bytes_cell(plan.cuda_context_bytes)]]
+    # fits? compares the plan's figure (the reserved peak on CUDA, else the device peak) with the
+    # usable bytes (the memory less the reserve, and less the context on CUDA): the figures --fit's
+    # own row and the Why: line say too.
+    if plan.usable_device_bytes is not None:
+        from trainer_memcb.plan.answers.eval_memory import USABLE_LABELS
+
+        rows.append([USABLE_LABELS[cuda], bytes_cell(plan.usable_device_bytes)])
+    rows.append(["fits on the device?", _fits(plan.fits_device, plan.device_figure_bytes, plan.usable_device_bytes)])
+    if plan.host_memory_bytes is not None:
+        rows.append(["host memory", bytes_cell(plan.host_memory_bytes)])
+    rows.append(["fits on the host?", _fits(plan.fits_host, plan.host_peak_bytes, plan.host_memory_bytes)])
     per_sample = ", ".join(f"{name} {value:,}" for name, value in plan.per_sample_bytes.items())
     note = "\n".join([f"Bytes per sample: {per_sample}."] + [f"Why: {line}." for line in plan.advice])
     return [TextTable(f"Evaluation plan for {plan.model}", ["", "value"], about),

@@ -122,20 +122,22 @@ def _row(name: str, candidate: FitCandidate, reserved: bool) -> List[str]:
     return row
 
 
-def fit_tables(search: FitSearch, evaluation: bool = False) -> List[TextTable]:
+def fit_tables(search: FitSearch, evaluation: bool = False, title: Optional[str] = None) -> List[TextTable]:
     """The user's own setting, then each proposal: its changes, peak, fits?, margin, relative step
-    time (`evaluation`: the evaluation's proposals, fewest batches first, no time estimated)."""
+    time (`evaluation`: the evaluation's proposals, fewest batches first, no time estimated;
+    `title`: the table's, in place of the default)."""
     # On CUDA fits? is the allocator replay's: its reserved peak is what the margin is taken from.
     reserved = any(c.reserved_peak_bytes is not None for c in [search.own] + search.candidates)
     rows = [_row("own", search.own, reserved)] + [_row(str(index), c, reserved)
                                                  for index, c in enumerate(search.candidates, 1)]
-    limit = "the CUDA context and the reserve" if reserved else "the reserve"
-    title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less "
-             f"{limit}), fastest first; step time relative to your own"
-             + ("; fits? and the margin by what the caching allocator reserves over two steps" if reserved else ""))
-    if evaluation:
-        title = (f"Evaluation settings that fit in {format_bytes(search.usable_bytes)} per process (the device's "
-                 f"memory less the reserve), fewest batches first; effective batch: the eval batch")
+    if title is None and evaluation:
+        title = (f"Evaluation settings that fit in {format_bytes(search.usable_bytes)} per process, fewest batches "
+                 f"first; effective batch: the eval batch")
+    if title is None:
+        limit = "the CUDA context and the reserve" if reserved else "the reserve"
+        title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less "
+                 f"{limit}), fastest first; step time relative to your own"
+                 + ("; fits? and the margin by what the caching allocator reserves over two steps" if reserved else ""))
     columns = ["", "changes", "peak", "fits", "margin", "step time", "effective batch"]
     if reserved:
         columns.insert(3, "reserved")

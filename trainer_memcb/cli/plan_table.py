@@ -203,8 +203,8 @@ def _allocator_rows(step: Any) -> List[List[str]]:
     rows = [["allocated peak (caching allocator)",
              f"{bytes_cell(step.allocator_allocated_peak_bytes)} (blocks rounded, cuBLAS workspaces "
              f"{bytes_cell(step.cuda_workspace_bytes)})"],
-            ["reserved peak (two steps replayed)", f"{bytes_cell(step.reserved_peak_bytes)}, fragmentation "
-             f"{bytes_cell(step.fragmentation_bytes)} at that peak"
+            ["reserved peak (two steps replayed)", f"{bytes_cell(step.reserved_peak_bytes)}, "
+             f"{bytes_cell(step.fragmentation_bytes)} of it cached, not allocated (reserved peak less allocated peak)"
              + (f", PYTORCH_CUDA_ALLOC_CONF={step.alloc_conf}" if step.alloc_conf else "")],
             ["device total (nvidia-smi)", f"{bytes_cell(step.device_total_bytes)} (CUDA context "
              f"{bytes_cell(step.cuda_context_bytes)}{', ' + step.gpu if step.gpu else ''})"]]

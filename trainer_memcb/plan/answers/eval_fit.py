@@ -13,8 +13,11 @@ changes what is evaluated. `search_eval_fits` plans:
 
 in that order, up to `max_candidates`.
 
-A proposal fits when its device peak fits the usable bytes and its host peak is not over
-`host_memory` (the containers grow on the host as they leave the device). Ranking: those that fit
+A proposal fits when its evaluation plan says it fits on the device (`EvalMemoryPlan.fits_device`:
+on CUDA the allocator replay against the device's memory less the CUDA context and the reserve)
+and its host peak is not over `host_memory` (the containers grow on the host as they leave the
+device); its peak and margin are the plan's `device_figure_bytes` (the reserved peak on CUDA) and
+`device_margin_bytes`, so the own row says what the evaluation plan's fits? says. Ranking: those that fit
 first, the fewest forward batches first (their arithmetic is the same for the same samples; each
 batch adds a fixed cost), then the fewest moves to the host; then the misses, nearest first. No
 time is estimated (`relative_step_time` is None).
@@ -36,19 +39,25 @@ _ACCUMULATIONS = (1, 2, 4, 8)
 
 
 def _training_args(settings: EvalSettings) -> Dict[str, Any]:
+    """The `TrainingArguments` keys that give `settings` (`eval_settings_from_args` reads them back);
+    the logits kept have none (a `preprocess_logits_for_metrics` or `compute_metrics` of the code)."""
     args: Dict[str, Any] = {"per_device_eval_batch_size": settings.batch_size}
     if settings.accumulation_steps is not None:
         args["eval_accumulation_steps"] = settings.accumulation_steps
+    if not settings.concat_batches:
+        args["eval_do_concat_batches"] = False
+    if settings.include_inputs:
+        args["include_for_metrics"] = ["inputs"]
     return args
 
 
-def _candidate(plan: EvalMemoryPlan, own: EvalSettings, usable: int) -> FitCandidate:
+def _candidate(plan: EvalMemoryPlan, own: EvalSettings) -> FitCandidate:
     settings = plan.settings
     changes = {key: value for key, value in _training_args(settings).items() if _training_args(own).get(key) != value}
-    peak = plan.device_peak_bytes
-    fits = None if peak is None else (peak <= usable and plan.fits_host is not False)
-    return FitCandidate(changes=changes, training_args=_training_args(settings), deepspeed=None, peak_bytes=peak,
-                        fits=fits, margin_bytes=None if peak is None else usable - peak, relative_step_time=None,
+    fits = None if plan.fits_device is None else (plan.fits_device and plan.fits_host is not False)
+    return FitCandidate(changes=changes, training_args=_training_args(settings), deepspeed=None,
+                        peak_bytes=plan.device_figure_bytes, fits=fits, margin_bytes=plan.device_margin_bytes,
+                        relative_step_time=None,
                         effective_batch=settings.batch_size,
                         micro_batches=math.ceil(settings.samples / settings.batch_size), step_flops=None,
                         problem=plan.problem)
@@ -72,26 +81,32 @@ def _proposals(own: EvalSettings, max_candidates: int) -> List[EvalSettings]:
     return unique[:max_candidates]
 
 
-def search_eval_fits(plan_eval: Callable[[EvalSettings], EvalMemoryPlan], own: EvalSettings, usable_bytes: int, *,
+def search_eval_fits(plan_eval: Callable[[EvalSettings], EvalMemoryPlan], own: EvalSettings, *,
                      max_candidates: int = 12) -> FitSearch:
     """Plan the own evaluation settings and the proposals (see the module docstring).
 
     Args:
         plan_eval: `plan_eval(settings) -> EvalMemoryPlan`, `plan_eval_memory` with the run's model,
-            memory and resident bytes.
+            device memory (and reserve, context), and resident bytes.
         own: the user's `EvalSettings`.
-        usable_bytes: the device's memory less the reserve, per process.
         max_candidates: the most proposals planned.
 
+    The search's `usable_bytes` is the own plan's `usable_device_bytes`: the device's memory less
+    the reserve, and less the CUDA context on CUDA.
+
     Raises:
-        ValueError: a bad `max_candidates`.
+        ValueError: a bad `max_candidates`; an own plan with no device memory or no figure.
     """
     if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
         raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
-    mine = _candidate(plan_eval(own), own, usable_bytes)
-    proposals = [_candidate(plan_eval(settings), own, usable_bytes) for settings in _proposals(own, max_candidates)]
+    planned = plan_eval(own)
+    if planned.usable_device_bytes is None:
+        raise ValueError("the own evaluation plan has no device memory or no figure: nothing to fit in")
+    mine = _candidate(planned, own)
+    proposals = [_candidate(plan_eval(settings), own) for settings in _proposals(own, max_candidates)]
     fitting = sorted((c for c in proposals if c.fits),
                      key=lambda c: (c.micro_batches, -c.training_args.get("eval_accumulation_steps", math.inf)))
     missed = sorted((c for c in proposals if not c.fits),
                     key=lambda c: -(c.margin_bytes if c.margin_bytes is not None else -math.inf))
-    return FitSearch(fits_as_is=bool(mine.fits), own=mine, candidates=fitting + missed, usable_bytes=usable_bytes)
+    return FitSearch(fits_as_is=bool(mine.fits), own=mine, candidates=fitting + missed,
+                     usable_bytes=planned.usable_device_bytes)

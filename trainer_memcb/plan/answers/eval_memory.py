@@ -43,6 +43,7 @@ from torch import nn
 
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.step.eval_forward import SIXTEEN_BIT_DTYPES, EvalForward, trace_eval_forward
+from trainer_memcb.utils.units import format_bytes
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
            "containers_figures"]
@@ -175,6 +176,12 @@ class EvalMemoryPlan:
             the context, and their sum (what nvidia-smi shows); None without a CUDA context.
         advice: when something does not fit, one line: why, and what would make it fit.
         problem: why the forward could not be traced (then no figure), or None.
+
+    Properties (in `to_dict` too): `usable_device_bytes`, what fits on the device is answered
+    against (the device's memory less the reserve, and less the CUDA context on CUDA);
+    `device_figure_bytes`, the figure compared with it (the reserved peak on CUDA, else the device
+    peak); `device_margin_bytes`, the first less the second (negative: short). The table's fits?,
+    its Why: line and `--fit`'s own row all say these.
     """
 
     model: str
@@ -200,8 +207,33 @@ class EvalMemoryPlan:
     cuda_context_bytes: Optional[int] = None
     device_total_bytes: Optional[int] = None
 
+    @property
+    def usable_device_bytes(self) -> Optional[int]:
+        """The device's memory less the reserve and (on CUDA) the context; None without a memory."""
+        if self.device_memory_bytes is None or self.device_peak_bytes is None:
+            return None
+        return self.device_memory_bytes - (self.reserve_bytes or 0) - (self.cuda_context_bytes or 0)
+
+    @property
+    def device_figure_bytes(self) -> Optional[int]:
+        """What is compared with `usable_device_bytes`: the reserved peak on CUDA, else the device peak."""
+        return self.reserved_peak_bytes if self.reserved_peak_bytes is not None else self.device_peak_bytes
+
+    @property
+    def device_margin_bytes(self) -> Optional[int]:
+        """`usable_device_bytes - device_figure_bytes` (negative: that much short); None without a memory."""
+        usable, figure = self.usable_device_bytes, self.device_figure_bytes
+        return None if usable is None or figure is None else usable - figure
+
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "usable_device_bytes": self.usable_device_bytes,
+                "device_figure_bytes": self.device_figure_bytes, "device_margin_bytes": self.device_margin_bytes}
+
+
+# The names the output gives the usable bytes, on CUDA and on the CPU (the table's row, the Why:
+# line and --fit's title say the same).
+USABLE_LABELS = {True: "usable (device memory less CUDA context and reserve)",
+                 False: "usable (device memory less reserve)"}
 
 
 # -- the containers, batch by batch ----------------------------------------------------------------
@@ -425,9 +457,19 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         room = usable
         if allocator:
             # What the allocator leaves for the peak's bytes: the memory less the reserve, the
-            # context and the replay's overhead (reserved beyond the device peak).
+            # context and the replay's overhead (reserved beyond the device peak): the batch
+            # option's guess only, said "about".
             room = usable - cuda_context_bytes - max(0, allocator["reserved_peak_bytes"] - peak)
-        advice.append(_device_advice(plan, figures_for, device_peak, room))
+
+        def fits(candidate: EvalSettings) -> bool:
+            """The plan's own answer for settings that run the same forward (another accumulation,
+            other logits kept): the replay under the same limit on CUDA, else the device peak."""
+            if cuda_context_bytes is None:
+                return device_peak(candidate) <= usable
+            concat = figures_for(candidate)["concat_peak_bytes"]
+            return _replay(forward, resident_bytes, concat, alloc_conf, max(0, usable - cuda_context_bytes)).oom is None
+
+        advice.append(_device_advice(plan, figures_for, device_peak, room, fits))
     if fits_host is False:
         advice.append(_host_advice(plan, figures_for, host_memory))
     return replace(plan, advice=advice)
@@ -459,32 +501,36 @@ def _replay(forward: EvalForward, resident_bytes: int, concat_peak_bytes: int, a
     return replay
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"  # GiB is 1024**3
-
-
 def _device_advice(plan: EvalMemoryPlan, figures_for: Callable[[EvalSettings], Dict[str, int]],
-                   device_peak: Callable[..., int], memory: int) -> str:
+                   device_peak: Callable[..., int], memory: int, fits: Callable[[EvalSettings], bool]) -> str:
+    """Why evaluation does not fit, against the figures the table shows (the reserved or device
+    peak, the usable bytes, named as the table names them), and what would make it fit: the
+    accumulation and the logits kept only where the plan's own answer for them is "fits"; the
+    batch, which needs another forward, a guess from `memory` said "about"."""
     settings = plan.settings
-    why = (f"evaluation needs {_gib(plan.device_peak_bytes)} on the device, {_gib(plan.device_peak_bytes - memory)} "
-           f"more than {_gib(memory)}: the containers' {_gib(plan.concat_peak_bytes)} at their concatenation peak "
+    figure = "reserved peak" if plan.reserved_peak_bytes is not None else "device peak"
+    usable = USABLE_LABELS[plan.reserved_peak_bytes is not None]
+    why = (f"evaluation's {figure} is {format_bytes(plan.device_figure_bytes)}, "
+           f"{format_bytes(-plan.device_margin_bytes)} more than the {format_bytes(plan.usable_device_bytes)} {usable}: "
+           f"the containers' {format_bytes(plan.concat_peak_bytes)} at their concatenation peak "
            f"(logits {plan.per_sample_bytes.get('preds', 0):,} bytes per sample) and the forward's "
-           f"{_gib(plan.forward_peak_bytes)}")
+           f"{format_bytes(plan.forward_peak_bytes)}")
     options = []
     batches = math.ceil(settings.samples / settings.batch_size)
     for steps in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         if steps > batches:
             break
         candidate = replace(settings, accumulation_steps=steps)
-        if device_peak(candidate) <= memory:
+        if fits(candidate):
             if settings.accumulation_steps is None or steps < settings.accumulation_steps:
                 host = figures_for(candidate)["host_concat_peak_bytes"]
-                options.append(f"eval_accumulation_steps={steps} (then {_gib(host)} on the host)")
+                options.append(f"eval_accumulation_steps={steps} (then {format_bytes(host)} on the host)")
             break
     if settings.logits == "full" and "preds" in plan.per_sample_bytes:
-        saved = plan.concat_peak_bytes - figures_for(replace(settings, logits="argmax"))["concat_peak_bytes"]
-        if saved > 0:
-            options.append(f"preprocess_logits_for_metrics returning logits.argmax(-1) (saves {_gib(saved)})")
+        argmax = replace(settings, logits="argmax")
+        saved = plan.concat_peak_bytes - figures_for(argmax)["concat_peak_bytes"]
+        if saved > 0 and fits(argmax):
+            options.append(f"preprocess_logits_for_metrics returning logits.argmax(-1) (saves {format_bytes(saved)})")
     if settings.batch_size > 1:
         # The forward's peak grows with the batch: about proportionally, which this assumes.
         for batch in range(settings.batch_size - 1, 0, -1):
@@ -497,14 +543,15 @@ def _device_advice(plan: EvalMemoryPlan, figures_for: Callable[[EvalSettings], D
 
 def _host_advice(plan: EvalMemoryPlan, figures_for: Callable[[EvalSettings], Dict[str, int]], memory: int) -> str:
     settings = plan.settings
-    why = (f"evaluation needs {_gib(plan.host_peak_bytes)} on the host, {_gib(plan.host_peak_bytes - memory)} more "
-           f"than {_gib(memory)}: the containers' arrays at their concatenation peak")
+    why = (f"evaluation needs {format_bytes(plan.host_peak_bytes)} on the host, "
+           f"{format_bytes(plan.host_peak_bytes - memory)} more than the host memory {format_bytes(memory)}: the "
+           f"containers' arrays at their concatenation peak")
     options = []
     if settings.concat_batches:
         flat = figures_for(replace(settings, concat_batches=False))["host_concat_peak_bytes"]
         if flat <= memory:
-            options.append(f"eval_do_concat_batches=False (then {_gib(flat)}; compute_metrics gets lists)")
+            options.append(f"eval_do_concat_batches=False (then {format_bytes(flat)}; compute_metrics gets lists)")
     if settings.logits == "full" and "preds" in plan.per_sample_bytes:
         argmax = figures_for(replace(settings, logits="argmax"))["host_concat_peak_bytes"]
-        options.append(f"preprocess_logits_for_metrics returning logits.argmax(-1) (then {_gib(argmax)})")
+        options.append(f"preprocess_logits_for_metrics returning logits.argmax(-1) (then {format_bytes(argmax)})")
     return why + (": try " + ", or ".join(options) if options else "; fewer evaluation samples per call")

@@ -83,7 +83,8 @@ class StepMemoryPlan:
         allocator_allocated_peak_bytes: the replay's allocated peak (`torch.cuda.max_memory_allocated`):
             `peak_bytes` with every block rounded up to 512 bytes and CUDA's cuBLAS/cuBLASLt
             workspaces (`cuda_workspace_bytes`), which the CPU trace does not make.
-        fragmentation_bytes: reserved minus allocated at the moment of the reserved peak.
+        fragmentation_bytes: `reserved_peak_bytes - allocator_allocated_peak_bytes`: cached, not
+            allocated, peak against peak (`StepReplay.fragmentation_bytes`).
         cuda_context_bytes: the CUDA context the process holds outside the allocator (the GPU
             preset's, else `DEFAULT_CUDA_CONTEXT_BYTES`).
         device_total_bytes: `reserved_peak_bytes + cuda_context_bytes`: what nvidia-smi shows for

@@ -59,8 +59,9 @@ class StepReplay:
         allocated_peak_bytes: the most it handed out, blocks rounded up to 512 bytes and CUDA's
             workspaces included (`torch.cuda.max_memory_allocated`).
         allocated_at_reserved_peak_bytes: handed out at the moment of the reserved peak.
-        fragmentation_bytes: `reserved_peak_bytes - allocated_at_reserved_peak_bytes`: reserved and
-            not in use at the reserved peak (cached blocks, the unused ends of segments).
+        fragmentation_bytes: `reserved_peak_bytes - allocated_peak_bytes`: what the allocator
+            holds beyond the most it ever hands out (cached blocks, the unused ends of segments),
+            peak against peak: what the caching costs on top of the allocated peak.
         reserved_after_step_bytes: reserved at the end of each step (steps 1 and 2).
         cuda_workspace_bytes: the cuBLAS and cuBLASLt workspaces allocated (both handles).
         oom: None, or where a device of `device_memory` bytes runs out: "step N, PHASE".
@@ -222,6 +223,7 @@ def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] =
     if best_reserved < reserved:  # reached inside a retry; the allocated bytes of then are unknown
         at_peak = model.allocated
     return StepReplay(reserved_peak_bytes=reserved, allocated_peak_bytes=model.allocated_peak,
-                      allocated_at_reserved_peak_bytes=at_peak, fragmentation_bytes=reserved - at_peak,
+                      allocated_at_reserved_peak_bytes=at_peak,
+                      fragmentation_bytes=reserved - model.allocated_peak,
                       reserved_after_step_bytes=(reserved_after[0], reserved_after[1]),
                       cuda_workspace_bytes=workspace, oom=oom, events=done)
