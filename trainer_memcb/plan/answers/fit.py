@@ -165,69 +165,78 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
     search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
                      own_args=dict(own_args), own_deepspeed=own_deepspeed)
     own = search.plan({}, dict(own_args), own_deepspeed, own=True)
-    batch = int(own_args.get("per_device_train_batch_size") or 1)
-    accumulation = int(own_args.get("gradient_accumulation_steps") or 1)
-    samples = batch * accumulation  # per process and optimizer step: kept by every proposal
-
-    def with_args(base: Dict[str, Any], **changes: Any) -> Dict[str, Any]:
-        return dict(base, **changes)
-
-    def batch_search(base_changes: Dict[str, Any], base: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
-                     below: bool) -> Optional[FitCandidate]:
-        """The largest batch (a divisor of `samples`) whose step fits, with the accumulation that
-        keeps the effective batch; `below`: only batches under the user's."""
-        divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
-        return _largest_that_fits(search, divisors, samples, base, base_changes, deepspeed)
-
     base = dict(own_args)
-    # Gradient checkpointing at the user's batch; the leaner optimizers; the engines that shard.
-    checkpointed = with_args(base, gradient_checkpointing=True)
-    first = None
-    if not own_args.get("gradient_checkpointing"):
-        first = search.plan({"gradient_checkpointing": True}, checkpointed, own_deepspeed)
-    for name in optimizers:
-        if name != own_args.get("optim"):
-            search.plan({"optim": name}, with_args(base, optim=name), own_deepspeed)
-    if world_size > 1:
-        precision = "bf16" if own_args.get("bf16") else ("fp16" if own_args.get("fp16") else "fp32")
-        own_stage = ((own_deepspeed or {}).get("zero_optimization") or {}).get("stage", 0) if own_deepspeed else 0
-        for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
-            if own_deepspeed is not None and stage == own_stage and not offload:
-                continue
-            config = deepspeed_config_of(stage, offload, precision)
-            name = f"DeepSpeed ZeRO-{stage}" + (" with the optimizer on the CPU" if offload else "")
-            args = {key: value for key, value in base.items() if key not in ("fsdp", "fsdp_config")}
-            search.plan({"deepspeed": name}, with_args(args, deepspeed=config), config)
-        if not base.get("fsdp"):
-            args = with_args({k: v for k, v in base.items() if k != "deepspeed"}, fsdp="full_shard",
-                             fsdp_config={"version": 2, "reshard_after_forward": True})
-            search.plan({"fsdp": "full_shard"}, args, None)
+    checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
     if expandable_segments:
         search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
                     dict(expandable_segments))
+    _propose_allowed(search, base, own_deepspeed, allow, seq_len)
+    samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
+    # The batch: the largest that fits, below the user's when the own does not fit, any other else;
+    # with checkpointing too where checkpointing alone does not fit.
+    _batch_search(search, {}, base, own_deepspeed, below=not own.fits)
+    if checkpointed is not None and checkpointed.fits is False:
+        _batch_search(search, {"gradient_checkpointing": True}, checkpointed.training_args, own_deepspeed, below=True)
+    # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
+    if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
+        one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples, gradient_checkpointing=True)
+        if own_args.get("optim") != "adafactor":
+            search.plan(dict(one, optim="adafactor"), dict(base, **one, optim="adafactor"), own_deepspeed)
+        if world_size > 1:
+            config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
+            search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
+                        dict(base, deepspeed=config, **one), config)
+    return _ranked(search, own)
+
+
+def _propose_each_change(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],
+                         optimizers: Sequence[str], world_size: int) -> Optional[FitCandidate]:
+    """Gradient checkpointing at the user's batch, the leaner optimizers, and with several processes
+    the engines that shard; the checkpointing proposal, or None where the user's own checkpoints."""
+    checkpointed = None
+    if not base.get("gradient_checkpointing"):
+        checkpointed = search.plan({"gradient_checkpointing": True}, dict(base, gradient_checkpointing=True),
+                                   own_deepspeed)
+    for name in optimizers:
+        if name != base.get("optim"):
+            search.plan({"optim": name}, dict(base, optim=name), own_deepspeed)
+    if world_size == 1:
+        return checkpointed
+    precision = "bf16" if base.get("bf16") else ("fp16" if base.get("fp16") else "fp32")
+    own_stage = ((own_deepspeed or {}).get("zero_optimization") or {}).get("stage", 0) if own_deepspeed else 0
+    for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
+        if own_deepspeed is not None and stage == own_stage and not offload:
+            continue
+        config = deepspeed_config_of(stage, offload, precision)
+        name = f"DeepSpeed ZeRO-{stage}" + (" with the optimizer on the CPU" if offload else "")
+        args = {key: value for key, value in base.items() if key not in ("fsdp", "fsdp_config")}
+        search.plan({"deepspeed": name}, dict(args, deepspeed=config), config)
+    if not base.get("fsdp"):
+        args = dict({k: v for k, v in base.items() if k != "deepspeed"}, fsdp="full_shard",
+                    fsdp_config={"version": 2, "reshard_after_forward": True})
+        search.plan({"fsdp": "full_shard"}, args, None)
+    return checkpointed
+
+
+def _propose_allowed(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],
+                     allow: Sequence[str], seq_len: Optional[int]) -> None:
+    """The changes that alter the training, where `allow` opens them."""
     if "seq-len" in allow and seq_len is not None and seq_len > 1:
         search.plan({"seq_len": seq_len // 2}, dict(base), own_deepspeed, {"seq_len": seq_len // 2})
     if "lora" in allow:
         search.plan({"lora_r": 16}, dict(base), own_deepspeed, {"lora_r": 16})
     if "qlora" in allow:
         search.plan({"lora_r": 16, "load_in_4bit": True}, dict(base), own_deepspeed, {"lora_r": 16, "load_in_4bit": True})
-    # The batch: the largest that fits, below the user's when the own does not fit, any other else;
-    # with checkpointing too where checkpointing alone does not fit.
-    batch_search({}, base, own_deepspeed, below=not own.fits)
-    if first is not None and first.fits is False:
-        batch_search({"gradient_checkpointing": True}, checkpointed, own_deepspeed, below=True)
-    # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
-    if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
-        one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples)
-        for name in ("adafactor",) if "adafactor" != own_args.get("optim") else ():
-            changes = dict(one, gradient_checkpointing=True, optim=name)
-            search.plan(changes, with_args(base, **changes), own_deepspeed)
-        if world_size > 1:
-            config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
-            changes = dict(one, gradient_checkpointing=True)
-            search.plan(dict(changes, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
-                        with_args(base, deepspeed=config, **changes), config)
-    return _ranked(search, own)
+
+
+def _batch_search(search: "_Search", base_changes: Dict[str, Any], base: Dict[str, Any],
+                  deepspeed: Optional[Dict[str, Any]], below: bool) -> Optional[FitCandidate]:
+    """The largest batch (a divisor of the user's batch x accumulation) whose step fits, with the
+    accumulation that keeps the effective batch; `below`: only batches under the user's."""
+    batch = int(search.own_args.get("per_device_train_batch_size") or 1)
+    samples = batch * int(search.own_args.get("gradient_accumulation_steps") or 1)
+    divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
+    return _largest_that_fits(search, divisors, samples, base, base_changes, deepspeed)
 
 
 def _ranked(search: _Search, own: FitCandidate) -> FitSearch:
