@@ -373,7 +373,7 @@ EDITS: List[Edit] = [
     Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
     Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
          STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
-    Edit("plan/answers/fit.py", "    return margin >= 0, margin", "    return margin > 0, margin", SEARCH),
+    Edit("plan/answers/fit_candidates.py", "    return margin >= 0, margin", "    return margin > 0, margin", SEARCH),
     Edit("plan/answers/max_batch.py", "        if verdict is None:\n            raise _CannotTrace()",
          "        if verdict is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
     Edit("plan/answers/max_batch.py", "    if not fits(1):\n        return None", "    if not fits(1):\n        return 1",

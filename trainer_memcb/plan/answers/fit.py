@@ -24,250 +24,33 @@ without an accelerator (its `__init__` reads `torch.accelerator.current_accelera
 makes that device's streams and pinned host memory), while the step is traced on the host under
 fake tensors: running the trace under it is not possible there, and a formula would not be the trace.
 
-Step time. Each proposal's time relative to the user's own setting is read from the same trace:
-its FLOPs as torch's FLOP counter counts them (`torch.utils.flop_counter`: its formulas, in a
-dispatch mode inside the trace, recomputation under checkpointing included), per micro-batch,
-times the number of micro-batches; a fixed cost per micro-batch (`MICRO_BATCH_SECONDS`: the
-launches and Python of one forward and backward); and the host transfers of offload at the host
-link's bandwidth (`HOST_BANDWIDTH`). The optimizer step's own arithmetic (elementwise, no FLOPs in
-the counter's registry) and communication are not counted.
+Its three parts: the cost model (`trainer_memcb.plan.answers.fit_cost`: each proposal's step time
+relative to the user's own, from the FLOPs its trace counted), the candidates
+(`trainer_memcb.plan.answers.fit_candidates`: one setting planned, its verdict, the settings it
+writes) and the search, here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, LEANER_OPTIMIZERS, FitCandidate, FitSearch,
+                                                       deepspeed_config_of, describe_changes,
+                                                       expandable_segments_option, step_verdict, training_args_of)
+from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS, StepFlops,
+                                                 offload_transfer_bytes, step_seconds)
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
-from trainer_memcb.plan.settings.step_settings import StepSettings
-from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.step.trace import traced_micro_batches
 
-__all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "step_verdict", "search_fits", "largest_fitting_batch", "fit_batch_size",
-           "step_planner", "training_args_of",
+# The cost model and the candidates are modules of their own; their names stay importable here.
+__all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "step_verdict", "search_fits", "largest_fitting_batch",
+           "fit_batch_size", "step_planner", "training_args_of", "describe_changes",
            "deepspeed_config_of", "expandable_segments_option", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
            "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS", "HOST_BANDWIDTH"]
-
-# Changes that alter what is learned, opened by `allow` (the command's --allow).
-ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
-# The Trainer's optimizers that hold less than AdamW (transformers' OptimizerNames): bitsandbytes'
-# 8-bit AdamW (2 bytes of state per value), its paged variant (the same bytes, pages moved to the
-# host under pressure), transformers' Adafactor (factored second moment, no first moment).
-LEANER_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
-# Sustained dense FLOP/s of one process, by device type: what the step time is read against. CUDA:
-# a third of an H100 SXM's 989 TFLOP/s dense bf16 (NVIDIA's H100 datasheet), the model FLOPs
-# utilisation large-model training reaches (PaLM, Chowdhery et al. 2022, table 3: 46%; 30-40% is
-# common in fine-tuning). CPU: one core's order of magnitude with AVX2 fp32 GEMMs.
-FLOPS_PER_SECOND = {"cuda": 330e12, "cpu": 50e9}
-# The fixed cost of one micro-batch (kernel launches, Python, the loss): what a smaller batch with
-# more accumulation pays. CUDA: a few thousand kernel launches of ~5 us per forward and backward of a
-# transformer; CPU: the Python and dispatch of a small model's forward and backward, measured here
-# (benchmarks/fit_step_times.py).
-MICRO_BATCH_SECONDS = {"cuda": 0.01, "cpu": 0.004}
-# Host <-> device bytes per second for offload: PCIe 4.0 x16 as CUDA's bandwidthTest measures it
-# with pinned memory (~25 GB/s of 32); 0 on the CPU (no transfer: the host is the device).
-HOST_BANDWIDTH = {"cuda": 25e9, "cpu": None}
-
-class StepFlops:
-    """The FLOPs of each step traced while its `observer` is observed (`observing_steps`): each
-    trace counts its own too (`Timeline.flops`), this counts them apart, in the same dispatch mode
-    (`trainer_memcb.plan.step.flops`)."""
-
-    def __init__(self) -> None:
-        self.totals: List[int] = []
-
-    def observer(self) -> Any:
-        return FlopCounting(self.totals)
-
-
-@dataclass(frozen=True)
-class FitCandidate:
-    """One setting planned: the user's own, or a proposal.
-
-    Attributes:
-        changes: what differs from the user's own setting (TrainingArguments names, `deepspeed`,
-            `PYTORCH_CUDA_ALLOC_CONF`, `seq_len`, `lora_r`) -> the new value; {} for the own.
-        training_args: a `TrainingArguments` dict that reproduces it (with `deepspeed` as a dict
-            where it uses ZeRO).
-        deepspeed: its DeepSpeed config, or None.
-        peak_bytes, fits, margin_bytes: the planned step's peak per process; fits? and the margin
-            as the step plan answers them (`step_verdict`): on CUDA from the allocator replay, whose
-            reserved peak is `reserved_peak_bytes`, else from the peak against the usable bytes.
-        relative_step_time: its estimated step time over the user's own (1.0 for the own).
-        effective_batch: per-device batch x accumulation x processes.
-        micro_batches: the accumulation steps; step_flops: one micro-batch's FLOPs (traced).
-        host_transfer_bytes: bytes moved between host and device per step (offload).
-        changes_optimizer, alters_training: a different optimizer; a change that alters what is
-            learned (`allow`).
-        problem: why it could not be planned, or None.
-    """
-
-    changes: Dict[str, Any]
-    training_args: Dict[str, Any]
-    deepspeed: Optional[Dict[str, Any]]
-    peak_bytes: Optional[int]
-    fits: Optional[bool]
-    margin_bytes: Optional[int]
-    relative_step_time: Optional[float]
-    effective_batch: int
-    micro_batches: int
-    step_flops: Optional[int]
-    host_transfer_bytes: int = 0
-    reserved_peak_bytes: Optional[int] = None
-    changes_optimizer: bool = False
-    alters_training: bool = False
-    problem: Optional[str] = None
-    plan: Optional[StepMemoryPlan] = field(default=None, repr=False, compare=False)
-    seconds: Optional[float] = field(default=None, repr=False, compare=False)
-
-    @property
-    def label(self) -> str:
-        """The changes in a few words."""
-        return describe_changes(self.changes)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"changes": dict(self.changes), "training_args": dict(self.training_args),
-                "deepspeed": self.deepspeed, "peak_bytes": self.peak_bytes, "fits": self.fits,
-                "margin_bytes": self.margin_bytes, "relative_step_time": self.relative_step_time,
-                "effective_batch": self.effective_batch, "micro_batches": self.micro_batches,
-                "step_flops": self.step_flops, "host_transfer_bytes": self.host_transfer_bytes,
-                "reserved_peak_bytes": self.reserved_peak_bytes,
-                "changes_optimizer": self.changes_optimizer, "alters_training": self.alters_training,
-                "problem": self.problem}
-
-
-@dataclass(frozen=True)
-class FitSearch:
-    """The search's answer.
-
-    Attributes:
-        fits_as_is: the user's own step fits.
-        own: the user's own setting, planned.
-        candidates: the proposals, those that fit first, fastest first, then the others, nearest
-            miss first.
-        usable_bytes: what fits? is answered against (the device's memory less the reserve).
-    """
-
-    fits_as_is: bool
-    own: FitCandidate
-    candidates: List[FitCandidate]
-    usable_bytes: int
-
-    @property
-    def best(self) -> Optional[FitCandidate]:
-        """The first proposal that fits, or None."""
-        return next((c for c in self.candidates if c.fits), None)
-
-    @property
-    def found(self) -> bool:
-        return self.fits_as_is or self.best is not None
-
-    def nearest_miss(self) -> Optional[FitCandidate]:
-        """Of the settings planned (the own among them), the one whose peak exceeds the least."""
-        missed = [c for c in [self.own] + self.candidates if c.fits is False and c.margin_bytes is not None]
-        return max(missed, key=lambda c: c.margin_bytes) if missed else None
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"fits_as_is": self.fits_as_is, "usable_bytes": self.usable_bytes, "own": self.own.to_dict(),
-                "candidates": [c.to_dict() for c in self.candidates]}
-
-
-def step_verdict(plan: StepMemoryPlan, usable_bytes: int) -> Tuple[Optional[bool], Optional[int]]:
-    """fits? and the margin of a step plan, as the step plan itself answers them: its own where it
-    has one (on CUDA, the allocator replay on the device's memory less the CUDA context and the
-    reserve, which is `usable_bytes`), else its peak against `usable_bytes`; (None, None) for a
-    step that could not be planned."""
-    if plan.fits is not None:
-        return plan.fits, plan.margin_bytes
-    if plan.peak_bytes is None:
-        return None, None
-    margin = usable_bytes - plan.peak_bytes
-    return margin >= 0, margin
-
-
-def describe_changes(changes: Dict[str, Any]) -> str:
-    """`changes` in a few words, e.g. "batch 2 x accumulation 8, gradient checkpointing"."""
-    if not changes:
-        return "your own setting"
-    words = []
-    if "per_device_train_batch_size" in changes or "gradient_accumulation_steps" in changes:
-        words.append(f"batch {changes.get('per_device_train_batch_size', '?')} x accumulation "
-                     f"{changes.get('gradient_accumulation_steps', '?')}")
-    if changes.get("gradient_checkpointing"):
-        words.append("gradient checkpointing")
-    if "optim" in changes:
-        words.append(f"optim {changes['optim']}")
-    if "deepspeed" in changes:
-        words.append(changes["deepspeed"])
-    if "fsdp" in changes:
-        words.append("FSDP2 full shard")
-    if "PYTORCH_CUDA_ALLOC_CONF" in changes:
-        words.append(f"PYTORCH_CUDA_ALLOC_CONF={changes['PYTORCH_CUDA_ALLOC_CONF']}")
-    if "seq_len" in changes:
-        words.append(f"sequence length {changes['seq_len']}")
-    if "lora_r" in changes:
-        words.append(f"LoRA r={changes['lora_r']}")
-    if "per_device_eval_batch_size" in changes:
-        words.append(f"eval batch {changes['per_device_eval_batch_size']}")
-    if "eval_accumulation_steps" in changes:
-        words.append(f"eval_accumulation_steps {changes['eval_accumulation_steps']}")
-    return ", ".join(words)
-
-
-def expandable_segments_option(planner: Callable[..., Any] = plan_step_memory) -> Optional[Dict[str, str]]:
-    """The keyword that plans a step with expandable segments, where the plan models the caching
-    allocator: `{"alloc_conf": "expandable_segments:True"}` when `planner` takes an `alloc_conf`
-    argument, else None (the proposal is left out: without the allocator modelled, the plan's peak
-    does not depend on it)."""
-    try:
-        parameters = inspect.signature(planner).parameters
-    except (TypeError, ValueError):
-        return None
-    return {"alloc_conf": "expandable_segments:True"} if "alloc_conf" in parameters else None
-
-
-# The precision of a setting -> the TrainingArguments flags that give it (a model loaded in 16 bits,
-# "bf16"/"fp16", is the model's dtype, not an argument: the flags are then left out).
-_PRECISION_FLAGS = {"fp32": {"bf16": False, "fp16": False}, "autocast-bf16": {"bf16": True, "fp16": False},
-                    "autocast-fp16": {"bf16": False, "fp16": True}, "deepspeed-bf16": {"bf16": True, "fp16": False},
-                    "deepspeed-fp16": {"bf16": False, "fp16": True}}
-
-
-def training_args_of(settings: StepSettings, base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """A `TrainingArguments` dict of the settings the step plan reads: `base` (the user's own
-    arguments, when given) with the batch, accumulation, optimizer, checkpointing, clipping and
-    precision of `settings` over it."""
-    args = dict(base or {})
-    args.update(per_device_train_batch_size=settings.batch_size,
-                gradient_accumulation_steps=settings.gradient_accumulation_steps, optim=settings.optimizer,
-                gradient_checkpointing=settings.gradient_checkpointing,
-                max_grad_norm=settings.max_grad_norm if settings.max_grad_norm is not None else 0.0)
-    args.update(_PRECISION_FLAGS.get(settings.precision, {}))
-    return args
-
-
-def deepspeed_config_of(stage: int, offload_optimizer: bool = False, precision: str = "fp32") -> Dict[str, Any]:
-    """A DeepSpeed config for the Trainer: ZeRO `stage`, the optimizer offloaded to the CPU when
-    asked, and the sizes the Trainer fills from its own arguments left "auto"
-    (transformers' integrations/deepspeed.py, `trainer_config_process`)."""
-    # "auto": the Trainer fills the bucket sizes from the model's hidden size.
-    zero: Dict[str, Any] = {"stage": stage, "reduce_bucket_size": "auto"}
-    if stage == 3:
-        zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    config: Dict[str, Any] = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
-                              "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-                              "gradient_clipping": "auto"}
-    if precision.endswith("bf16"):
-        config["bf16"] = {"enabled": "auto"}
-    elif precision.endswith("fp16"):
-        config["fp16"] = {"enabled": "auto"}
-    return config
 
 
 def _divisors(n: int) -> List[int]:
@@ -311,21 +94,6 @@ class _Search:
     planned: Dict[str, FitCandidate] = field(default_factory=dict)
     traces: int = 0
 
-    def seconds(self, flops: Optional[int], micro_batches: int, transfer: int) -> Optional[float]:
-        if flops is None:
-            return None
-        bandwidth = HOST_BANDWIDTH[self.device_type]
-        return (micro_batches * (flops / FLOPS_PER_SECOND[self.device_type] + MICRO_BATCH_SECONDS[self.device_type])
-                + (transfer / bandwidth if bandwidth else 0.0))
-
-    def transfers(self, deepspeed: Optional[Dict[str, Any]]) -> int:
-        """Host <-> device bytes per step of ZeRO-Offload: the process's partition of the gradients
-        down and of the updated parameters up (stage_1_and_2.py / stage3.py with offload_optimizer)."""
-        zero = (deepspeed or {}).get("zero_optimization") or {}
-        if not ((zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")) or self.device_type == "cpu":
-            return 0
-        return 2 * self.trainable_values * self.value_bytes // self.world_size
-
     def plan(self, changes: Dict[str, Any], args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
              extra: Optional[Dict[str, Any]] = None, own: bool = False) -> Optional[FitCandidate]:
         """Plan one setting (once per distinct setting), or None when the budget is spent."""
@@ -338,7 +106,8 @@ class _Search:
         plan = self.planner(args, deepspeed, **(extra or {}))
         micro = int(args.get("gradient_accumulation_steps") or 1)
         batch = int(args.get("per_device_train_batch_size") or 1)
-        transfer = self.transfers(deepspeed)
+        transfer = offload_transfer_bytes(deepspeed, self.trainable_values, self.value_bytes, self.world_size,
+                                          self.device_type)
         # The trace runs up to three micro-batches (the first, the second, the last: each the same
         # forward and backward), so one micro-batch's FLOPs are the trace's over their number.
         flops = plan.timeline.flops if plan.timeline is not None else None
@@ -352,7 +121,7 @@ class _Search:
             effective_batch=batch * micro * self.world_size, micro_batches=micro, step_flops=step_flops,
             host_transfer_bytes=transfer, changes_optimizer=optim != self.own_args.get("optim"),
             alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.problem, plan=plan,
-            seconds=self.seconds(step_flops, micro, transfer))
+            seconds=step_seconds(step_flops, micro, transfer, self.device_type))
         self.planned[key] = candidate
         return candidate
 
@@ -396,69 +165,78 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
     search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
                      own_args=dict(own_args), own_deepspeed=own_deepspeed)
     own = search.plan({}, dict(own_args), own_deepspeed, own=True)
-    batch = int(own_args.get("per_device_train_batch_size") or 1)
-    accumulation = int(own_args.get("gradient_accumulation_steps") or 1)
-    samples = batch * accumulation  # per process and optimizer step: kept by every proposal
-
-    def with_args(base: Dict[str, Any], **changes: Any) -> Dict[str, Any]:
-        return dict(base, **changes)
-
-    def batch_search(base_changes: Dict[str, Any], base: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
-                     below: bool) -> Optional[FitCandidate]:
-        """The largest batch (a divisor of `samples`) whose step fits, with the accumulation that
-        keeps the effective batch; `below`: only batches under the user's."""
-        divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
-        return _largest_that_fits(search, divisors, samples, base, base_changes, deepspeed)
-
     base = dict(own_args)
-    # Gradient checkpointing at the user's batch; the leaner optimizers; the engines that shard.
-    checkpointed = with_args(base, gradient_checkpointing=True)
-    first = None
-    if not own_args.get("gradient_checkpointing"):
-        first = search.plan({"gradient_checkpointing": True}, checkpointed, own_deepspeed)
-    for name in optimizers:
-        if name != own_args.get("optim"):
-            search.plan({"optim": name}, with_args(base, optim=name), own_deepspeed)
-    if world_size > 1:
-        precision = "bf16" if own_args.get("bf16") else ("fp16" if own_args.get("fp16") else "fp32")
-        own_stage = ((own_deepspeed or {}).get("zero_optimization") or {}).get("stage", 0) if own_deepspeed else 0
-        for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
-            if own_deepspeed is not None and stage == own_stage and not offload:
-                continue
-            config = deepspeed_config_of(stage, offload, precision)
-            name = f"DeepSpeed ZeRO-{stage}" + (" with the optimizer on the CPU" if offload else "")
-            args = {key: value for key, value in base.items() if key not in ("fsdp", "fsdp_config")}
-            search.plan({"deepspeed": name}, with_args(args, deepspeed=config), config)
-        if not base.get("fsdp"):
-            args = with_args({k: v for k, v in base.items() if k != "deepspeed"}, fsdp="full_shard",
-                             fsdp_config={"version": 2, "reshard_after_forward": True})
-            search.plan({"fsdp": "full_shard"}, args, None)
+    checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
     if expandable_segments:
         search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
                     dict(expandable_segments))
+    _propose_allowed(search, base, own_deepspeed, allow, seq_len)
+    samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
+    # The batch: the largest that fits, below the user's when the own does not fit, any other else;
+    # with checkpointing too where checkpointing alone does not fit.
+    _batch_search(search, {}, base, own_deepspeed, below=not own.fits)
+    if checkpointed is not None and checkpointed.fits is False:
+        _batch_search(search, {"gradient_checkpointing": True}, checkpointed.training_args, own_deepspeed, below=True)
+    # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
+    if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
+        one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples, gradient_checkpointing=True)
+        if own_args.get("optim") != "adafactor":
+            search.plan(dict(one, optim="adafactor"), dict(base, **one, optim="adafactor"), own_deepspeed)
+        if world_size > 1:
+            config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
+            search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
+                        dict(base, deepspeed=config, **one), config)
+    return _ranked(search, own)
+
+
+def _propose_each_change(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],
+                         optimizers: Sequence[str], world_size: int) -> Optional[FitCandidate]:
+    """Gradient checkpointing at the user's batch, the leaner optimizers, and with several processes
+    the engines that shard; the checkpointing proposal, or None where the user's own checkpoints."""
+    checkpointed = None
+    if not base.get("gradient_checkpointing"):
+        checkpointed = search.plan({"gradient_checkpointing": True}, dict(base, gradient_checkpointing=True),
+                                   own_deepspeed)
+    for name in optimizers:
+        if name != base.get("optim"):
+            search.plan({"optim": name}, dict(base, optim=name), own_deepspeed)
+    if world_size == 1:
+        return checkpointed
+    precision = "bf16" if base.get("bf16") else ("fp16" if base.get("fp16") else "fp32")
+    own_stage = ((own_deepspeed or {}).get("zero_optimization") or {}).get("stage", 0) if own_deepspeed else 0
+    for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
+        if own_deepspeed is not None and stage == own_stage and not offload:
+            continue
+        config = deepspeed_config_of(stage, offload, precision)
+        name = f"DeepSpeed ZeRO-{stage}" + (" with the optimizer on the CPU" if offload else "")
+        args = {key: value for key, value in base.items() if key not in ("fsdp", "fsdp_config")}
+        search.plan({"deepspeed": name}, dict(args, deepspeed=config), config)
+    if not base.get("fsdp"):
+        args = dict({k: v for k, v in base.items() if k != "deepspeed"}, fsdp="full_shard",
+                    fsdp_config={"version": 2, "reshard_after_forward": True})
+        search.plan({"fsdp": "full_shard"}, args, None)
+    return checkpointed
+
+
+def _propose_allowed(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],
+                     allow: Sequence[str], seq_len: Optional[int]) -> None:
+    """The changes that alter the training, where `allow` opens them."""
     if "seq-len" in allow and seq_len is not None and seq_len > 1:
         search.plan({"seq_len": seq_len // 2}, dict(base), own_deepspeed, {"seq_len": seq_len // 2})
     if "lora" in allow:
         search.plan({"lora_r": 16}, dict(base), own_deepspeed, {"lora_r": 16})
     if "qlora" in allow:
         search.plan({"lora_r": 16, "load_in_4bit": True}, dict(base), own_deepspeed, {"lora_r": 16, "load_in_4bit": True})
-    # The batch: the largest that fits, below the user's when the own does not fit, any other else;
-    # with checkpointing too where checkpointing alone does not fit.
-    batch_search({}, base, own_deepspeed, below=not own.fits)
-    if first is not None and first.fits is False:
-        batch_search({"gradient_checkpointing": True}, checkpointed, own_deepspeed, below=True)
-    # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
-    if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
-        one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples)
-        for name in ("adafactor",) if "adafactor" != own_args.get("optim") else ():
-            changes = dict(one, gradient_checkpointing=True, optim=name)
-            search.plan(changes, with_args(base, **changes), own_deepspeed)
-        if world_size > 1:
-            config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
-            changes = dict(one, gradient_checkpointing=True)
-            search.plan(dict(changes, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
-                        with_args(base, deepspeed=config, **changes), config)
-    return _ranked(search, own)
+
+
+def _batch_search(search: "_Search", base_changes: Dict[str, Any], base: Dict[str, Any],
+                  deepspeed: Optional[Dict[str, Any]], below: bool) -> Optional[FitCandidate]:
+    """The largest batch (a divisor of the user's batch x accumulation) whose step fits, with the
+    accumulation that keeps the effective batch; `below`: only batches under the user's."""
+    batch = int(search.own_args.get("per_device_train_batch_size") or 1)
+    samples = batch * int(search.own_args.get("gradient_accumulation_steps") or 1)
+    divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
+    return _largest_that_fits(search, divisors, samples, base, base_changes, deepspeed)
 
 
 def _ranked(search: _Search, own: FitCandidate) -> FitSearch:

@@ -325,7 +325,7 @@ _OBSERVERS: List[Callable[[], Any]] = []
 def observing_steps(observer: Callable[[], Any]) -> Any:
     """Enter `observer()` around forward, backward and the optimizer step of every step traced
     inside this block, inside the fake mode and the storage tracker, so that a dispatch mode there
-    (a FLOP counter, `trainer_memcb.plan.answers.fit`) sees each op of the step as it runs. An
+    (a FLOP counter, `trainer_memcb.plan.answers.fit_cost.StepFlops`) sees each op of the step as it runs. An
     observer must leave the step as it is: it sees the ops, and the trace counts the same storages."""
     _OBSERVERS.append(observer)
     try:
