@@ -318,8 +318,8 @@ EDITS: List[Edit] = [
     # -- training/trainer_train_hook.py and the callback's parts: removed when train() leaves -----------------
     Edit("training/trainer_train_hook.py", "        callback.after_train(trainer, error)", "        pass",
          RAISING_BACKWARD),
-    Edit("training/callback_hooks.py", "                if run is self._current:\n                    self._current = None\n                self._uninstall(run)",
-         "                if run is self._current:\n                    self._current = None", RAISING_BACKWARD),
+    Edit("training/callback_measuring.py", "                if run is self.current:\n                    self.current = None\n                self.uninstall(run)",
+         "                if run is self.current:\n                    self.current = None", RAISING_BACKWARD),
     Edit("training/callback_measuring.py", "compiled=bool(getattr(args, \"torch_compile\", False))", "compiled=False", FULLGRAPH),
     Edit("training/evaluation_probe.py", "if compiled or has_compiled_part(model):", "if compiled:",
          COMPILED_RUNS),  # a compiled model's frames skipped by dynamo for good after the first evaluation

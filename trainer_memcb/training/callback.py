@@ -1,36 +1,42 @@
-"""`OptimizerMemoryCallback`: the Trainer glue. Thin: measuring and estimating live elsewhere."""
+"""`OptimizerMemoryCallback`: the Trainer glue. Thin: it composes its parts, one module each.
+
+`callback_measuring` (what is measured of each optimizer's run, on the logged steps),
+`callback_logging` (what goes into the Trainer's log entries, the charts and the summary),
+`callback_hooks` (the hooks on the Trainer's methods, installed by one installer, and the
+evaluation loops they report) and `callback_preflight` (the run's step planned before it starts).
+Measuring and estimating themselves live further down (`monitor`, `trainer_memcb.state`, `.plan`).
+"""
 
 from __future__ import annotations
 
-import os
 import warnings
-import weakref
-from typing import Any, Dict, Iterable, List, Optional, Set, Union
+from typing import Any, Dict, Iterable, Optional, Set, Union
 
 from transformers import TrainerCallback
 
 from trainer_memcb.plan.optimizers import whatif
 from trainer_memcb.training.activations_probe import validate_activation_options
-from trainer_memcb.training.callback_hooks import _HookEventsPart, _Loop
-from trainer_memcb.training.callback_logging import _LoggingPart, log_entry_prefix
-from trainer_memcb.training.callback_measuring import _MeasuringPart, _Run
-from trainer_memcb.training.callback_preflight import _PreflightPart
-from trainer_memcb.training.evaluation_hook import EvaluationWatcher, install_evaluation_hook
+from trainer_memcb.training.callback_hooks import (
+    EvaluationLoops,
+    HookedCallback,
+    check_evaluation,
+    install_trainer_hooks,
+    report_out_of_memory,
+)
+from trainer_memcb.training.callback_logging import EntryLogging, check_summary_file, log_entry_prefix
+from trainer_memcb.training.callback_measuring import Runs
+from trainer_memcb.training.callback_preflight import check_preflight, run_preflight
 from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, select_keys
-from trainer_memcb.training.model_states_probe import tap_zero_gradients
 from trainer_memcb.training.monitor import validate_breakdown
-from trainer_memcb.training.per_optimizer import PerOptimizer
+from trainer_memcb.training.oom_report import OUT_OF_MEMORY_ERRORS
 from trainer_memcb.training.step_plan_probe import validate_plan_step
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME
-from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
-from trainer_memcb.training.trainer_train_hook import TrainExitListener, install_train_hook
 from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
 
 
-class OptimizerMemoryCallback(_MeasuringPart, _LoggingPart, _HookEventsPart, _PreflightPart, TrainerCallback,
-                              LogContributor, EvaluationWatcher, TrainExitListener):
+class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
     """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
 
     `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
@@ -162,28 +168,17 @@ class OptimizerMemoryCallback(_MeasuringPart, _LoggingPart, _HookEventsPart, _Pr
                  reset_device_peak: bool = False, evaluation: bool = True,
                  plan_step: Union[str, bool] = "cuda",
                  preflight: Union[bool, int] = False) -> None:
-        if summary_file is not None and (
-            not isinstance(summary_file, str) or summary_file in ("", ".", "..")
-            or os.path.basename(summary_file) != summary_file
-        ):
-            raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
-                             f"{SUMMARY_FILE_NAME!r}, or None for no file")
+        # Each argument checked where its part lives, in the order they always were: a ValueError names it.
+        self.summary_file = check_summary_file(summary_file)
         self.breakdown = validate_breakdown(breakdown)
         validate_activation_options(activations, reset_device_peak)
-        if not isinstance(evaluation, bool):
-            raise ValueError(f"evaluation={evaluation!r}: expected True (measure what each evaluation holds) or "
-                             "False (do not)")
-        self.evaluation = evaluation
+        self.evaluation = check_evaluation(evaluation)
         validate_plan_step(plan_step)
         self.plan_step = plan_step
-        if not (isinstance(preflight, bool) or (isinstance(preflight, int) and preflight > 0)):
-            raise ValueError(f"preflight={preflight!r}: expected True (plan the step against the CUDA device's free "
-                             "memory), False, or the bytes the step may use")
-        self.preflight = preflight
+        self.preflight = check_preflight(preflight)
         # What the preflight found (`trainer_memcb.training.preflight.Preflight`), or None.
         self.preflight_result: Any = None
         self.activations, self.reset_device_peak = activations, reset_device_peak
-        self.summary_file = summary_file
         chosen = name_list(what_if, "what_if", whatif.optimizer_names())
         self.what_if_optimizers = whatif.resolve_optimizer_names(chosen) if chosen else ()
         # None: every key; else the names kept (`trainer_memcb.training.figures.select_keys`).
@@ -191,22 +186,12 @@ class OptimizerMemoryCallback(_MeasuringPart, _LoggingPart, _HookEventsPart, _Pr
         self.train_keys = select_keys(train_keys, "train_keys")
         # Warnings given, shared by every run's monitor: each kind of fault warns once per callback.
         self._warned: Set[str] = set()
-        self._runs: PerOptimizer[_Run] = PerOptimizer(self._new_run)
-        # The run of the training under way, for the rare event that comes without an optimizer.
-        self._current: Optional[_Run] = None
-        # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
-        self._contributed_entry: Optional[Dict[str, Any]] = None
-        # The evaluation loops under way, innermost last: one probe each, so that a loop run inside
-        # another (a `compute_metrics` that evaluates a second Trainer) leaves the outer one's alone.
-        self._loops: List[_Loop] = []
-        # The figures of each finished loop, by its Trainer (held weakly) and prefix, until its entry.
-        self._evaluations: "weakref.WeakKeyDictionary[Any, Dict[str, Dict[str, int]]]" = weakref.WeakKeyDictionary()
-        # The evaluation that held the most since training began, every figure (for the summary).
-        self._largest_evaluation: Dict[str, int] = {}
-        install_log_hook()
-        install_train_hook()
-        if evaluation:
-            install_evaluation_hook()
+        # The parts: what is measured, what is logged, and the evaluation loops the hooks report.
+        self._runs = Runs(self.breakdown, activations, reset_device_peak, plan_step, self.what_if_optimizers,
+                          self._warned, self._warn_once)
+        self._entries = EntryLogging(self.eval_keys, self.train_keys, summary_file, self._warn_once)
+        self._evaluations = EvaluationLoops(evaluation, self._warn_once)
+        install_trainer_hooks(evaluation)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -217,33 +202,64 @@ class OptimizerMemoryCallback(_MeasuringPart, _LoggingPart, _HookEventsPart, _Pr
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if self.preflight is not False and state.is_world_process_zero and self.preflight_result is None:
-            self._preflight(args, kwargs.get("model"), kwargs.get("processing_class"), kwargs.get("train_dataloader"))
-        run = self._current = self._run(optimizer)
-        if run is None:
-            return
-        run.monitor.start_run()  # global_step restarts with each train() call
-        self._largest_evaluation = {}
-        if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
-            run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
-        run.monitor.activations.forget()  # nothing left over from a run that raised
-        run.step_plan.start(bool(state.is_world_process_zero))  # planned once per run, by the main process
-        if state.is_world_process_zero:
-            run.monitor.estimate()
-            self._state_what_if(run, args, kwargs.get("model"))
+            self.preflight_result = run_preflight(self.preflight, args, kwargs.get("model"),
+                                                  kwargs.get("processing_class"), kwargs.get("train_dataloader"),
+                                                  self._warn_once)
+        if self._runs.begin(args, state, optimizer, kwargs.get("model")) is not None:
+            self._evaluations.largest = {}
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._runs.step_begin(args, state, optimizer, kwargs.get("model"), kwargs.get("train_dataloader"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._runs.step_end(state, control, optimizer)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._runs.epoch_end(state, optimizer)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._runs.pre_optimizer_step(args, state, kwargs.get("optimizer"), model)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
+               optimizer: Any = None, **kwargs: Any) -> None:
+        self._entries.late(logs, state, self._runs, optimizer)
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         # Nothing installed outlives training, even a loop left unfinished; the loops of a Trainer
         # that runs this one (an evaluation that trains another model) go on.
-        self._end_loops(kwargs.get("model"))
-        run = self._run(optimizer)
-        self._current = None
+        self._evaluations.end(kwargs.get("model"))
+        run = self._runs.run(optimizer)
+        self._runs.current = None
         if run is None:
             return
-        self._uninstall(run)
+        self._runs.uninstall(run)
         try:
-            self._end(run, args, state)
+            self._entries.end(run, args, state, self._evaluations.largest)
         finally:
             # Training is over: hold nothing of this optimizer (most are held weakly anyway).
             self._runs.release(optimizer)
 
+    # -- what the hooks on the Trainer's methods call (`callback_hooks.py`) ---------------------
 
+    def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
+        """Called by the hook on `Trainer.log` just before `trainer` stores and reports `logs`."""
+        self._entries.contribute(trainer, logs, self._runs, self._evaluations)
+
+    def evaluation_loop_started(self, trainer: Any, prefix: str) -> None:
+        """Called by the hook on `Trainer.evaluation_loop` as a loop starts: arm a probe for it."""
+        self._evaluations.started(trainer, prefix)
+
+    def evaluation_loop_ended(self, trainer: Any, prefix: str, failed: bool) -> None:
+        """Called by the hook as that loop ends, returning or raising: disarm, remove every wrapper,
+        and keep its figures for its Trainer's entry."""
+        self._evaluations.ended(trainer, prefix, failed)
+
+    def after_train(self, trainer: Any, error: Optional[BaseException] = None) -> None:
+        """Called by the hook on `Trainer.train` as it returns or raises `error`: a step that raised
+        (an out-of-memory error in backward, say) left its activations wrapper, the step plan's
+        batch hook and, under ZeRO-1/2, the step tap installed; they are removed now. After
+        `on_train_end` nothing is left to remove. An out-of-memory error gets its report
+        (`trainer_memcb.training.oom_report`); `error` itself is only read."""
+        run = self._runs.leave(trainer)
+        if isinstance(error, OUT_OF_MEMORY_ERRORS):
+            report_out_of_memory(trainer, run, error, self._warn_once)

@@ -1,21 +1,27 @@
 """The callback's logging: what goes into the Trainer's log entries, its charts and its summary.
 
-Moved out of `callback.py`.
+The hook on `Trainer.log` (`trainer_log_hook.py`) hands each entry to `EntryLogging.contribute`
+before the Trainer stores and reports it; `late` catches the entries of a Trainer whose `log`
+bypasses the hook; `end` writes the end-of-training summary. What the figures are is measured
+elsewhere (`callback_measuring.py`, and `callback_hooks.py` for the evaluation loops).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from transformers.utils import logging
 
 from trainer_memcb.training.activations_probe import without_activation_keys
-from trainer_memcb.training.callback_measuring import _Run
+from trainer_memcb.training.callback_hooks import EvaluationLoops
+from trainer_memcb.training.callback_measuring import Run, Runs
 from trainer_memcb.training.figures import keep_keys, with_prefix
-from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
-from trainer_memcb.training.summary import step_memory_figures, summary_text, write_summary
+from trainer_memcb.training.phase_judgement import judge_phases
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
 from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
+
+__all__ = ["EntryLogging", "check_summary_file", "log_entry_prefix"]
 
 # The callback's own logger, as before its parts had modules of their own: the name users configure.
 logger = logging.get_logger(f"{__package__}.callback")
@@ -40,38 +46,54 @@ def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-class _LoggingPart:
-    """The callback's logging: the entries, the charts, the summary."""
+def check_summary_file(summary_file: Optional[str]) -> Optional[str]:
+    """`summary_file` if it is a plain file name or None; else a `ValueError`."""
+    if summary_file is not None and (
+        not isinstance(summary_file, str) or summary_file in ("", ".", "..")
+        or os.path.basename(summary_file) != summary_file
+    ):
+        raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
+                         f"{SUMMARY_FILE_NAME!r}, or None for no file")
+    return summary_file
 
-    def _evaluation_figures(self, trainer: Any, logs: Dict[str, Any], prefix: str) -> Dict[str, int]:
+
+class EntryLogging:
+    """What the callback puts into the Trainer's log entries, its charts and its summary.
+
+    Args: the callback's own `eval_keys`, `train_keys` (None: every key) and `summary_file`, and
+    `warn` (warn once per kind of fault).
+    """
+
+    def __init__(self, eval_keys: Optional[Tuple[str, ...]], train_keys: Optional[Tuple[str, ...]],
+                 summary_file: Optional[str], warn: Callable[[str, str], None]) -> None:
+        self.eval_keys, self.train_keys, self.summary_file = eval_keys, train_keys, summary_file
+        self._warn = warn
+        # The entry the hook filled last, so that `late` can tell whether the hook ran for it.
+        self._contributed_entry: Optional[Dict[str, Any]] = None
+
+    def _evaluation_figures(self, trainer: Any, logs: Dict[str, Any], prefix: str,
+                            evaluations: EvaluationLoops) -> Dict[str, int]:
         """The figures of the evaluation loop whose entry `logs` is, kept by `eval_keys`, unprefixed."""
-        try:
-            finished = self._evaluations.get(trainer)
-        except TypeError:  # a Trainer that cannot be held weakly had none kept
-            finished = None
-        measured = finished.pop(prefix, {}) if finished else {}
-        if measured:
-            self._largest_evaluation = largest_evaluation([self._largest_evaluation, measured])
-        figures = keep_keys(measured, self.eval_keys)
+        figures = keep_keys(evaluations.take(trainer, prefix), self.eval_keys)
         if figures and getattr(trainer.state, "is_world_process_zero", True):
             logs.update(with_prefix(figures, prefix))
         return figures
 
-    def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
-        """Called by the hook on `Trainer.log` just before `trainer` stores and reports `logs`."""
+    def contribute(self, trainer: Any, logs: Dict[str, Any], runs: Runs, evaluations: EvaluationLoops) -> None:
+        """Add the figures to `logs`, which `trainer` is about to store and report; never raises."""
         try:
             prefix = log_entry_prefix(logs)
             if prefix is None:
                 return
             self._contributed_entry = logs
             # Evaluation's own figures, whether or not the Trainer has trained yet.
-            evaluation = self._evaluation_figures(trainer, logs, prefix) if prefix else {}
+            evaluation = self._evaluation_figures(trainer, logs, prefix, evaluations) if prefix else {}
             # This Trainer's own optimizer: the callback may serve others, before or in between.
             optimizer = getattr(trainer, "optimizer", None)
             if optimizer is None:
                 return  # not trained yet: no optimizer to measure, on any process
             state = trainer.state
-            run = self._runs.setdefault(optimizer)
+            run = runs.run(optimizer)
             # The frozen reference model, if the trainer holds one (TRL): every process, before
             # the figures (a collective with several processes).
             run.monitor.reference_model(getattr(trainer, "ref_model", None), getattr(trainer, "model", None))
@@ -84,7 +106,7 @@ class _LoggingPart:
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
                 self._observe(run, trainer, {**figures, **evaluation}, prefix, state.global_step, logs)
         except Exception as error:  # never break training over a figure
-            self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
+            self._warn("log", f"adding the optimizer figures to the log failed ({error!r})")
 
     def _kept(self, figures: Dict[str, int], prefix: str) -> Dict[str, int]:
         """The figures an entry of this kind carries (`train_keys`, `eval_keys`); an evaluation
@@ -93,7 +115,7 @@ class _LoggingPart:
             return keep_keys(without_activation_keys(figures), self.eval_keys)
         return keep_keys(figures, self.train_keys)
 
-    def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int,
+    def _observe(self, run: Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int,
                  entry: Dict[str, Any]) -> None:
         """The charts of the figures an entry logged; for an evaluation's entry, also its table."""
         if not figures:
@@ -110,24 +132,24 @@ class _LoggingPart:
             if prefix:
                 run.tensorboard.write_evaluation(entry, prefix, step)
         except Exception as error:  # never break training over a chart
-            self._warn_once("tensorboard", f"writing the TensorBoard charts failed ({error!r})")
+            self._warn("tensorboard", f"writing the TensorBoard charts failed ({error!r})")
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
-               optimizer: Any = None, **kwargs: Any) -> None:
+    def late(self, logs: Optional[Dict[str, Any]], state: Any, runs: Runs, optimizer: Any) -> None:
+        """`on_log`: the figures of an entry the hook did not see, added to it and to `log_history`."""
         # A Trainer subclass whose `log` never calls `Trainer.log` bypasses the hook. Then the
         # figures still reach `log_history` (the entry appended just now) and the reporters after
         # this callback; the ones before it miss them, which the warning says.
         if logs is None or logs is self._contributed_entry:
             return
         prefix = log_entry_prefix(logs)
-        run = self._run(optimizer)
+        run = runs.run(optimizer)
         if prefix is None or run is None:
             return
         figures = with_prefix(self._kept(run.monitor.figures(state.global_step, stepped=state.global_step > 0),
                                          prefix), prefix)
         if not figures or not state.is_world_process_zero:
             return
-        self._warn_once(
+        self._warn(
             "hook-bypassed",
             "this Trainer's log() does not call transformers.Trainer.log; the optimizer figures are added "
             "to log_history late and miss the report_to reporters",
@@ -136,7 +158,8 @@ class _LoggingPart:
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(figures)
 
-    def _end(self, run: _Run, args: Any, state: Any) -> None:
+    def end(self, run: Run, args: Any, state: Any, largest_evaluation: Dict[str, int]) -> None:
+        """`on_train_end`: the summary (logger, JSON file, TensorBoard); every process takes part."""
         monitor = run.monitor
         stepped = state.global_step > 0  # an optimizer step has run: the state is a claim, even empty
         final_figures = monitor.figures(state.global_step, stepped=stepped)  # every process takes part
@@ -153,9 +176,9 @@ class _LoggingPart:
                 extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys)},
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
-            phases = judge_phases(step_memory_figures(document)[0], self._largest_evaluation)
+            phases = judge_phases(step_memory_figures(document)[0], largest_evaluation)
             if phases is not None:
-                document["evaluation"] = dict(self._largest_evaluation)
+                document["evaluation"] = dict(largest_evaluation)
                 document["phases"] = {**phases.to_dict(), "text": phases.text()}
             logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step),
                                      *step_memory_figures(document))
@@ -163,11 +186,11 @@ class _LoggingPart:
             if self.summary_file is not None:
                 write_summary(document, os.path.join(args.output_dir, self.summary_file))
         except Exception as error:  # never break training over a summary
-            self._warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
+            self._warn("summary", f"writing the optimizer memory summary failed ({error!r})")
             document = None
         self._write_tensorboard_summary(run, document, state.global_step)
 
-    def _write_tensorboard_summary(self, run: _Run, document: Optional[Dict[str, Any]], step: int) -> None:
+    def _write_tensorboard_summary(self, run: Run, document: Optional[Dict[str, Any]], step: int) -> None:
         view, run.tensorboard = run.tensorboard, None
         if view is None:
             return
@@ -176,4 +199,4 @@ class _LoggingPart:
                 view.write_text(summary_markdown(document), step)
             view.close()
         except Exception as error:  # never break training over a summary
-            self._warn_once("tensorboard", f"writing the TensorBoard summary failed ({error!r})")
+            self._warn("tensorboard", f"writing the TensorBoard summary failed ({error!r})")
