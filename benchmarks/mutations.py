@@ -275,14 +275,18 @@ EDITS: List[Edit] = [
          "        sharding = \"none\"", (MODEL_STATES,),
          equivalent="the plan lays out `none` and `ddp` alike (every process holds the whole model), so the "
                     "figures do not change; only `detect_setup`'s answer would"),
-    # -- training/trainer_log_hook.py and callback.py: which log entries get the figures ------
-    Edit("training/trainer_log_hook.py", "                if isinstance(callback, LogContributor):",
-         "                if hasattr(callback, \"contribute_to_trainer_log\"):",
+    # -- training/trainer_log_hook.py and callback_logging.py: which log entries get the figures ------
+    Edit("training/trainer_log_hook.py", "            for callback in callbacks_of(self, LogContributor):",
+         "            for callback in [callback for callback in self.callback_handler.callbacks\n"
+         "                             if hasattr(callback, \"contribute_to_trainer_log\")]:",
          (f"{FAULTS}::test_a_foreign_callback_with_the_old_method_name_is_never_called_and_its_run_is_untouched",)),
-    Edit("training/trainer_log_hook.py", "    if not is_log_hook_installed():", "    if True:", (f"{LIFECYCLE}::test_the_log_hook_wraps_trainer_log_exactly_once",)),
-    Edit("training/callback.py", "            if prefix and prefix != \"train\":", "            if prefix:",
+    # -- training/trainer_method_hook.py: each Trainer method wrapped once, for the log and train hooks --
+    Edit("training/trainer_method_hook.py", "        if not self.is_installed():", "        if True:",
+         (f"{LIFECYCLE}::test_the_log_hook_wraps_trainer_log_exactly_once",
+          f"{CONTRACT}::test_the_trainer_class_hooks_are_marked_and_pass_a_plain_trainer_through")),
+    Edit("training/callback_logging.py", "            if prefix and prefix != \"train\":", "            if prefix:",
          (CLOSING,)),  # the closing train_runtime entry gets train_-prefixed figures
-    Edit("training/callback.py", "    if \"loss\" in logs:\n        return \"\"", "    if \"loss\" in logs:\n        return None",
+    Edit("training/callback_logging.py", "    if \"loss\" in logs:\n        return \"\"", "    if \"loss\" in logs:\n        return None",
          (CLOSING,)),
     # -- training/activations_probe.py: the wrapper of the model's forward ----------------------
     Edit("training/activations_probe.py",
@@ -311,14 +315,12 @@ EDITS: List[Edit] = [
     Edit("training/activations_probe.py", "        elif counter is not self._last:", "        else:", SEVERAL_FORWARDS),
     Edit("training/activations_probe.py", "        owner = weakref.ref(self)\n", "        owner = lambda: self  # noqa: E731\n",
          WRAPPER_UNITS),  # a stale wrapper keeps its probe alive (and measuring)
-    # -- training/trainer_train_hook.py and callback.py: removed when train() leaves -----------------
-    Edit("training/trainer_train_hook.py", "            callback.after_train(trainer, error)", "            pass",
+    # -- training/trainer_train_hook.py and the callback's parts: removed when train() leaves -----------------
+    Edit("training/trainer_train_hook.py", "        callback.after_train(trainer, error)", "        pass",
          RAISING_BACKWARD),
-    Edit("training/trainer_train_hook.py", "    if not is_train_hook_installed():", "    if True:",
-         (f"{CONTRACT}::test_the_trainer_class_hooks_are_marked_and_pass_a_plain_trainer_through",)),
-    Edit("training/callback.py", "                if run is self._current:\n                    self._current = None\n                self._uninstall(run)",
-         "                if run is self._current:\n                    self._current = None", RAISING_BACKWARD),
-    Edit("training/callback.py", "compiled=bool(getattr(args, \"torch_compile\", False))", "compiled=False", FULLGRAPH),
+    Edit("training/callback_measuring.py", "                if run is self.current:\n                    self.current = None\n                self.uninstall(run)",
+         "                if run is self.current:\n                    self.current = None", RAISING_BACKWARD),
+    Edit("training/callback_measuring.py", "compiled=bool(getattr(args, \"torch_compile\", False))", "compiled=False", FULLGRAPH),
     Edit("training/evaluation_probe.py", "if compiled or has_compiled_part(model):", "if compiled:",
          COMPILED_RUNS),  # a compiled model's frames skipped by dynamo for good after the first evaluation
     Edit("training/evaluation_probe.py", "        probe = _ARMED[-1] if _ARMED else None\n        if probe is None:\n            return add(",

@@ -154,4 +154,4 @@ def test_a_nested_evaluation_that_raises_leaves_the_outer_measured_and_nothing_i
     from transformers.trainer_pt_utils import EvalLoopContainer
     assert not hasattr(EvalLoopContainer.add, "__wrapped__")  # the container wrappers are gone
     assert "forward" not in outer.model.__dict__ and "forward" not in nested.model.__dict__
-    assert callback._loops == []
+    assert callback._evaluations.loops == []

@@ -1,110 +1,42 @@
-"""`OptimizerMemoryCallback`: the Trainer glue. Thin: measuring and estimating live elsewhere."""
+"""`OptimizerMemoryCallback`: the Trainer glue. Thin: it composes its parts, one module each.
+
+`callback_measuring` (what is measured of each optimizer's run, on the logged steps),
+`callback_logging` (what goes into the Trainer's log entries, the charts and the summary),
+`callback_hooks` (the hooks on the Trainer's methods, installed by one installer, and the
+evaluation loops they report) and `callback_preflight` (the run's step planned before it starts).
+Measuring and estimating themselves live further down (`monitor`, `trainer_memcb.state`, `.plan`).
+"""
 
 from __future__ import annotations
 
-import os
 import warnings
-import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Union
+from typing import Any, Dict, Iterable, Optional, Set, Union
 
 from transformers import TrainerCallback
-from transformers.utils import logging
 
 from trainer_memcb.plan.optimizers import whatif
-from trainer_memcb.training.activations_probe import (
-    ActivationsProbe,
-    trainer_logs_step,
-    validate_activation_options,
-    without_activation_keys,
+from trainer_memcb.training.activations_probe import validate_activation_options
+from trainer_memcb.training.callback_hooks import (
+    EvaluationLoops,
+    HookedCallback,
+    check_evaluation,
+    install_trainer_hooks,
+    report_out_of_memory,
 )
-from trainer_memcb.training.evaluation_hook import EvaluationWatcher, install_evaluation_hook
-from trainer_memcb.training.evaluation_probe import EvaluationProbe
-from trainer_memcb.training.figures import (
-    BREAKDOWN_KEY_DESCRIPTIONS,
-    KEY_DESCRIPTIONS,
-    keep_keys,
-    select_keys,
-    with_prefix,
-)
-from trainer_memcb.training.model_states_probe import tap_zero_gradients
-from trainer_memcb.training.monitor import OptimizerStateMonitor, validate_breakdown
-from trainer_memcb.training.oom_report import (
-    OUT_OF_MEMORY_ERRORS,
-    allocator_state,
-    cuda_device_of,
-    oom_report_path,
-    oom_report_text,
-    write_oom_report,
-)
-from trainer_memcb.training.per_optimizer import PerOptimizer
-from trainer_memcb.training.phase_judgement import judge_phases, largest_evaluation
-from trainer_memcb.training.step_plan_probe import StepPlanProbe, validate_plan_step
-from trainer_memcb.training.summary import SUMMARY_FILE_NAME, step_memory_figures, summary_text, write_summary
-from trainer_memcb.training.tensorboard_view import TensorBoardView, reporter_log_dir, summary_markdown, trainer_tag
-from trainer_memcb.training.trainer_log_hook import LogContributor, install_log_hook
-from trainer_memcb.training.trainer_train_hook import TrainExitListener, install_train_hook
-from trainer_memcb.utils.compiled import is_compiled
+from trainer_memcb.training.callback_logging import EntryLogging, check_summary_file, log_entry_prefix
+from trainer_memcb.training.callback_measuring import Runs
+from trainer_memcb.training.callback_preflight import check_preflight, run_preflight
+from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, select_keys
+from trainer_memcb.training.monitor import validate_breakdown
+from trainer_memcb.training.oom_report import OUT_OF_MEMORY_ERRORS
+from trainer_memcb.training.step_plan_probe import validate_plan_step
+from trainer_memcb.training.summary import SUMMARY_FILE_NAME
 from trainer_memcb.utils.name_lists import name_list
 
 __all__ = ["OptimizerMemoryCallback", "log_entry_prefix"]
 
-logger = logging.get_logger(__name__)
 
-_RUNTIME_SUFFIX = "_runtime"
-
-
-def log_entry_prefix(logs: Dict[str, Any]) -> Optional[str]:
-    """Which kind of Trainer log entry `logs` is, as the prefix its keys take.
-
-    `""` for a training entry (it holds `loss`); `"eval"`, `"test"`, `"eval_<name>"` for an
-    evaluation entry (`evaluate()` adds `<prefix>_runtime`); None for anything else, such as the
-    closing `train_runtime` summary, which gets no figures.
-    """
-    if "loss" in logs:
-        return ""
-    for key in logs:
-        if isinstance(key, str) and key.endswith(_RUNTIME_SUFFIX):
-            prefix = key[: -len(_RUNTIME_SUFFIX)]
-            if prefix and prefix != "train":
-                return prefix
-    return None
-
-
-class _Run:
-    """What the callback knows of one optimizer's training: its monitor and its what-if."""
-
-    __slots__ = ("monitor", "what_if", "tensorboard", "untap", "step_plan")
-
-    def __init__(self, monitor: OptimizerStateMonitor, step_plan: StepPlanProbe) -> None:
-        self.monitor = monitor
-        # The step plan of the run's own settings, made once, at its first logged step.
-        self.step_plan = step_plan
-        self.what_if: Optional[whatif.WhatIf] = None
-        # Charts and the text summary, in the folder of the Trainer's TensorBoard reporter.
-        self.tensorboard: Optional[TensorBoardView] = None
-        # Stops measuring ZeRO-1/2's gradients inside DeepSpeed's step (zero_gradients.py).
-        self.untap: Optional[Callable[[], None]] = None
-
-
-class _Loop:
-    """An evaluation loop under way: its Trainer (weakly), its prefix, and the probe measuring it."""
-
-    __slots__ = ("trainer", "prefix", "probe")
-
-    def __init__(self, trainer: Any, prefix: str, probe: EvaluationProbe) -> None:
-        self.trainer = weakref.ref(trainer)
-        self.prefix = prefix
-        self.probe = probe
-
-
-def _runs_compiled(trainer: Any) -> bool:
-    """Whether `trainer` runs its model compiled where the callback is not handed the compiled module:
-    the Trainer's own `torch_compile` compiles a wrapper (`model_wrapped`), not `trainer.model`."""
-    return bool(getattr(getattr(trainer, "args", None), "torch_compile", False)) or \
-        is_compiled(getattr(trainer, "model_wrapped", None))
-
-
-class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher, TrainExitListener):
+class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
     """Logs what the optimizer state really holds, and what it should hold, in the Trainer's logs.
 
     `Trainer(..., callbacks=[OptimizerMemoryCallback()])` is all it takes. The figures go into the
@@ -236,28 +168,17 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
                  reset_device_peak: bool = False, evaluation: bool = True,
                  plan_step: Union[str, bool] = "cuda",
                  preflight: Union[bool, int] = False) -> None:
-        if summary_file is not None and (
-            not isinstance(summary_file, str) or summary_file in ("", ".", "..")
-            or os.path.basename(summary_file) != summary_file
-        ):
-            raise ValueError(f"summary_file={summary_file!r}: expected a plain file name such as "
-                             f"{SUMMARY_FILE_NAME!r}, or None for no file")
+        # Each argument checked where its part lives, in the order they always were: a ValueError names it.
+        self.summary_file = check_summary_file(summary_file)
         self.breakdown = validate_breakdown(breakdown)
         validate_activation_options(activations, reset_device_peak)
-        if not isinstance(evaluation, bool):
-            raise ValueError(f"evaluation={evaluation!r}: expected True (measure what each evaluation holds) or "
-                             "False (do not)")
-        self.evaluation = evaluation
+        self.evaluation = check_evaluation(evaluation)
         validate_plan_step(plan_step)
         self.plan_step = plan_step
-        if not (isinstance(preflight, bool) or (isinstance(preflight, int) and preflight > 0)):
-            raise ValueError(f"preflight={preflight!r}: expected True (plan the step against the CUDA device's free "
-                             "memory), False, or the bytes the step may use")
-        self.preflight = preflight
+        self.preflight = check_preflight(preflight)
         # What the preflight found (`trainer_memcb.training.preflight.Preflight`), or None.
         self.preflight_result: Any = None
         self.activations, self.reset_device_peak = activations, reset_device_peak
-        self.summary_file = summary_file
         chosen = name_list(what_if, "what_if", whatif.optimizer_names())
         self.what_if_optimizers = whatif.resolve_optimizer_names(chosen) if chosen else ()
         # None: every key; else the names kept (`trainer_memcb.training.figures.select_keys`).
@@ -265,33 +186,12 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         self.train_keys = select_keys(train_keys, "train_keys")
         # Warnings given, shared by every run's monitor: each kind of fault warns once per callback.
         self._warned: Set[str] = set()
-        self._runs: PerOptimizer[_Run] = PerOptimizer(self._new_run)
-        # The run of the training under way, for the rare event that comes without an optimizer.
-        self._current: Optional[_Run] = None
-        # The entry the hook filled last, so that `on_log` can tell whether the hook ran for it.
-        self._contributed_entry: Optional[Dict[str, Any]] = None
-        # The evaluation loops under way, innermost last: one probe each, so that a loop run inside
-        # another (a `compute_metrics` that evaluates a second Trainer) leaves the outer one's alone.
-        self._loops: List[_Loop] = []
-        # The figures of each finished loop, by its Trainer (held weakly) and prefix, until its entry.
-        self._evaluations: "weakref.WeakKeyDictionary[Any, Dict[str, Dict[str, int]]]" = weakref.WeakKeyDictionary()
-        # The evaluation that held the most since training began, every figure (for the summary).
-        self._largest_evaluation: Dict[str, int] = {}
-        install_log_hook()
-        install_train_hook()
-        if evaluation:
-            install_evaluation_hook()
-
-    def _new_run(self, optimizer: Any) -> _Run:
-        monitor = OptimizerStateMonitor(breakdown=self.breakdown, keep_alive=False, warned=self._warned)
-        monitor.attach(optimizer)
-        monitor.activations = ActivationsProbe(self.activations, self.reset_device_peak, monitor.warn_once)
-        return _Run(monitor, StepPlanProbe(self.plan_step, monitor.warn_once))
-
-    def _run(self, optimizer: Any) -> Optional[_Run]:
-        if optimizer is None:
-            return self._current
-        return self._runs.setdefault(optimizer)
+        # The parts: what is measured, what is logged, and the evaluation loops the hooks report.
+        self._runs = Runs(self.breakdown, activations, reset_device_peak, plan_step, self.what_if_optimizers,
+                          self._warned, self._warn_once)
+        self._entries = EntryLogging(self.eval_keys, self.train_keys, summary_file, self._warn_once)
+        self._evaluations = EvaluationLoops(evaluation, self._warn_once)
+        install_trainer_hooks(evaluation)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -302,220 +202,57 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if self.preflight is not False and state.is_world_process_zero and self.preflight_result is None:
-            self._preflight(args, kwargs.get("model"), kwargs.get("processing_class"), kwargs.get("train_dataloader"))
-        run = self._current = self._run(optimizer)
-        if run is None:
-            return
-        run.monitor.start_run()  # global_step restarts with each train() call
-        self._largest_evaluation = {}
-        if run.untap is None:  # ZeRO-1/2 frees its gradients before on_pre_optimizer_step
-            run.untap = tap_zero_gradients(optimizer, lambda: self._measures_model_states(run, args, state))
-        run.monitor.activations.forget()  # nothing left over from a run that raised
-        run.step_plan.start(bool(state.is_world_process_zero))  # planned once per run, by the main process
-        if state.is_world_process_zero:
-            run.monitor.estimate()
-            self._state_what_if(run, args, kwargs.get("model"))
-
-    def _preflight(self, args: Any, model: Any, processing_class: Any, train_dataloader: Any = None) -> None:
-        # The run's own step planned before the first step: one warning if it will not fit. The run
-        # is never changed, and a plan that fails only warns.
-        from trainer_memcb.training.preflight import preflight
-
-        if model is None:
-            return
-        try:
-            memory = None if self.preflight is True else int(self.preflight)
-            self.preflight_result = preflight(model, args, processing_class=processing_class, device_memory=memory,
-                                              train_dataloader=train_dataloader)
-        except Exception as error:  # never break training over a plan
-            self._warn_once("preflight", f"the preflight plan failed ({error!r}); it is left out")
-            return
-        if self.preflight_result is not None and self.preflight_result.warning:
-            self._warn_once("preflight", self.preflight_result.warning)
-
-    def _state_what_if(self, run: _Run, args: Any, model: Any) -> None:
-        # Once per optimizer: a few optimizers built over meta-device stand-ins, nothing allocated.
-        if not self.what_if_optimizers or model is None or run.what_if is not None:
-            return
-        try:
-            run.what_if = whatif.what_if(model, self.what_if_optimizers, args=args)
-            logger.info(whatif.what_if_text(run.what_if))
-        except Exception as error:  # never break training over a what-if
-            self._warn_once("what-if", f"the optimizer what-if failed ({error!r}); it is left out")
-
-    # Every process measures and takes part in the figures, in the same order: with several
-    # processes they are combined (a collective), and then only the main process logs them.
+            self.preflight_result = run_preflight(self.preflight, args, kwargs.get("model"),
+                                                  kwargs.get("processing_class"), kwargs.get("train_dataloader"),
+                                                  self._warn_once)
+        if self._runs.begin(args, state, optimizer, kwargs.get("model")) is not None:
+            self._evaluations.largest = {}
 
     def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        # The forwards of the step about to run are measured only if the Trainer will log it. With
-        # `torch_compile` the Trainer runs a compiled wrapper of the model the callback is handed.
-        if not (self.activations or self.plan_step) or not trainer_logs_step(
-                args, state, state.global_step + 1, kwargs.get("train_dataloader")):
-            return
-        run = self._run(optimizer)
-        if run is None:
-            return
-        if self.activations:
-            run.monitor.activations.arm(kwargs.get("model"), state.global_step + 1,
-                                        compiled=bool(getattr(args, "torch_compile", False)), in_train_call=True)
-        if state.is_world_process_zero:  # only the main process logs the plan: only it plans
-            run.step_plan.arm(kwargs.get("model"), args, bool(getattr(args, "torch_compile", False)))
+        self._runs.step_begin(args, state, optimizer, kwargs.get("model"), kwargs.get("train_dataloader"))
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        run = self._run(optimizer)
-        if run is not None:
-            run.monitor.activations.before_optimizer_step()  # disarmed already, unless that event was missed
-        # Measure only when this step will be logged: every hook returns early otherwise.
-        if control.should_log and run is not None:
-            run.step_plan.remove()  # its batch hook, if the step ran no forward
-            run.monitor.measure(state.global_step)
+        self._runs.step_end(state, control, optimizer)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        run = self._run(optimizer)
-        if run is not None:
-            run.monitor.measure(state.global_step)
+        self._runs.epoch_end(state, optimizer)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._runs.pre_optimizer_step(args, state, kwargs.get("optimizer"), model)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
+               optimizer: Any = None, **kwargs: Any) -> None:
+        self._entries.late(logs, state, self._runs, optimizer)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        # Nothing installed outlives training, even a loop left unfinished; the loops of a Trainer
+        # that runs this one (an evaluation that trains another model) go on.
+        self._evaluations.end(kwargs.get("model"))
+        run = self._runs.run(optimizer)
+        self._runs.current = None
+        if run is None:
+            return
+        self._runs.uninstall(run)
+        try:
+            self._entries.end(run, args, state, self._evaluations.largest)
+        finally:
+            # Training is over: hold nothing of this optimizer (most are held weakly anyway).
+            self._runs.release(optimizer)
+
+    # -- what the hooks on the Trainer's methods call (`callback_hooks.py`) ---------------------
+
+    def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
+        """Called by the hook on `Trainer.log` just before `trainer` stores and reports `logs`."""
+        self._entries.contribute(trainer, logs, self._runs, self._evaluations)
 
     def evaluation_loop_started(self, trainer: Any, prefix: str) -> None:
         """Called by the hook on `Trainer.evaluation_loop` as a loop starts: arm a probe for it."""
-        if not self.evaluation:
-            return
-        try:
-            probe = EvaluationProbe(lambda kind, message: self._warn_once(kind, message))
-            self._loops.append(_Loop(trainer, prefix, probe))
-            probe.arm(getattr(trainer, "model", None), prefix, compiled=_runs_compiled(trainer))  # never raises
-        except Exception as error:  # never break an evaluation over a figure
-            self._warn_once("evaluation", f"measuring the evaluation failed ({error!r}); its figures are left out")
+        self._evaluations.started(trainer, prefix)
 
     def evaluation_loop_ended(self, trainer: Any, prefix: str, failed: bool) -> None:
         """Called by the hook as that loop ends, returning or raising: disarm, remove every wrapper,
         and keep its figures for its Trainer's entry."""
-        for index in range(len(self._loops) - 1, -1, -1):  # the innermost loop of this Trainer
-            loop = self._loops[index]
-            if loop.trainer() is trainer and loop.prefix == prefix:
-                del self._loops[index]
-                loop.probe.disarm(failed)
-                figures = loop.probe.take(prefix)
-                if figures:
-                    try:
-                        self._evaluations.setdefault(trainer, {})[prefix] = figures
-                    except TypeError:  # a Trainer that cannot be held weakly: its figures are left out
-                        pass
-                return
-
-    def _end_loops(self, model: Any) -> None:
-        """Disarm the loops still under way on `model` (None: every loop), keeping no figures."""
-        for loop in [loop for loop in self._loops if model is None or getattr(loop.trainer(), "model", None) is model]:
-            self._loops.remove(loop)
-            loop.probe.disarm(failed=True)
-
-    def _evaluation_figures(self, trainer: Any, logs: Dict[str, Any], prefix: str) -> Dict[str, int]:
-        """The figures of the evaluation loop whose entry `logs` is, kept by `eval_keys`, unprefixed."""
-        try:
-            finished = self._evaluations.get(trainer)
-        except TypeError:  # a Trainer that cannot be held weakly had none kept
-            finished = None
-        measured = finished.pop(prefix, {}) if finished else {}
-        if measured:
-            self._largest_evaluation = largest_evaluation([self._largest_evaluation, measured])
-        figures = keep_keys(measured, self.eval_keys)
-        if figures and getattr(trainer.state, "is_world_process_zero", True):
-            logs.update(with_prefix(figures, prefix))
-        return figures
-
-    def contribute_to_trainer_log(self, trainer: Any, logs: Dict[str, Any]) -> None:
-        """Called by the hook on `Trainer.log` just before `trainer` stores and reports `logs`."""
-        try:
-            prefix = log_entry_prefix(logs)
-            if prefix is None:
-                return
-            self._contributed_entry = logs
-            # Evaluation's own figures, whether or not the Trainer has trained yet.
-            evaluation = self._evaluation_figures(trainer, logs, prefix) if prefix else {}
-            # This Trainer's own optimizer: the callback may serve others, before or in between.
-            optimizer = getattr(trainer, "optimizer", None)
-            if optimizer is None:
-                return  # not trained yet: no optimizer to measure, on any process
-            state = trainer.state
-            run = self._runs.setdefault(optimizer)
-            # The frozen reference model, if the trainer holds one (TRL): every process, before
-            # the figures (a collective with several processes).
-            run.monitor.reference_model(getattr(trainer, "ref_model", None), getattr(trainer, "model", None))
-            figures = self._kept(run.monitor.figures(state.global_step, stepped=state.global_step > 0), prefix)
-            if state.is_world_process_zero:
-                if not prefix:  # the step plan, made at the first logged step, beside the device's peaks
-                    figures.update(keep_keys(run.step_plan.figures(getattr(trainer, "model", None), trainer.args),
-                                             self.train_keys))
-                # A training entry (no prefix) takes the monitor's fresh dict as it is.
-                logs.update(with_prefix(figures, prefix) if prefix else figures)
-                self._observe(run, trainer, {**figures, **evaluation}, prefix, state.global_step, logs)
-        except Exception as error:  # never break training over a figure
-            self._warn_once("log", f"adding the optimizer figures to the log failed ({error!r})")
-
-    def _kept(self, figures: Dict[str, int], prefix: str) -> Dict[str, int]:
-        """The figures an entry of this kind carries (`train_keys`, `eval_keys`); an evaluation
-        entry never the activations, which belong to training steps."""
-        if prefix:
-            return keep_keys(without_activation_keys(figures), self.eval_keys)
-        return keep_keys(figures, self.train_keys)
-
-    def _observe(self, run: _Run, trainer: Any, figures: Dict[str, int], prefix: str, step: int,
-                 entry: Dict[str, Any]) -> None:
-        """The charts of the figures an entry logged; for an evaluation's entry, also its table."""
-        if not figures:
-            return
-        try:
-            if run.tensorboard is None:
-                # The reporter names its folder in its own on_train_begin, before any entry. The
-                # folder, not the Trainer, is kept: the run must not hold its optimizer alive.
-                folder = reporter_log_dir(getattr(getattr(trainer, "callback_handler", None), "callbacks", None))
-                if folder is None:
-                    return
-                run.tensorboard = TensorBoardView(folder, trainer_tag)
-            run.tensorboard.observe(figures, prefix, step)
-            if prefix:
-                run.tensorboard.write_evaluation(entry, prefix, step)
-        except Exception as error:  # never break training over a chart
-            self._warn_once("tensorboard", f"writing the TensorBoard charts failed ({error!r})")
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
-               optimizer: Any = None, **kwargs: Any) -> None:
-        # A Trainer subclass whose `log` never calls `Trainer.log` bypasses the hook. Then the
-        # figures still reach `log_history` (the entry appended just now) and the reporters after
-        # this callback; the ones before it miss them, which the warning says.
-        if logs is None or logs is self._contributed_entry:
-            return
-        prefix = log_entry_prefix(logs)
-        run = self._run(optimizer)
-        if prefix is None or run is None:
-            return
-        figures = with_prefix(self._kept(run.monitor.figures(state.global_step, stepped=state.global_step > 0),
-                                         prefix), prefix)
-        if not figures or not state.is_world_process_zero:
-            return
-        self._warn_once(
-            "hook-bypassed",
-            "this Trainer's log() does not call transformers.Trainer.log; the optimizer figures are added "
-            "to log_history late and miss the report_to reporters",
-        )
-        logs.update(figures)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(figures)
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        # The gradients exist now; the step is followed by zero_grad. Metadata only, every process,
-        # on the first step and on the steps that will be logged (their sizes do not change between).
-        run = self._run(kwargs.get("optimizer"))
-        if run is None:
-            return
-        run.monitor.activations.before_optimizer_step()  # the last micro-batch's backward is done
-        if self._measures_model_states(run, args, state):
-            run.monitor.before_optimizer_step(model)
-
-    @staticmethod
-    def _measures_model_states(run: _Run, args: Any, state: Any) -> bool:
-        """Whether the coming optimizer step is one whose parameters and gradients are measured."""
-        every = getattr(args, "logging_steps", 1) or 1
-        return not run.monitor.model_states.measured or every < 1 or (state.global_step + 1) % int(every) == 0
+        self._evaluations.ended(trainer, prefix, failed)
 
     def after_train(self, trainer: Any, error: Optional[BaseException] = None) -> None:
         """Called by the hook on `Trainer.train` as it returns or raises `error`: a step that raised
@@ -523,99 +260,6 @@ class OptimizerMemoryCallback(TrainerCallback, LogContributor, EvaluationWatcher
         batch hook and, under ZeRO-1/2, the step tap installed; they are removed now. After
         `on_train_end` nothing is left to remove. An out-of-memory error gets its report
         (`trainer_memcb.training.oom_report`); `error` itself is only read."""
-        run = None
-        try:
-            optimizer = getattr(trainer, "optimizer", None)
-            run = self._runs.get(optimizer) if optimizer is not None else None
-            if run is not None:  # else it never began, or it ended and was released
-                if run is self._current:
-                    self._current = None
-                self._uninstall(run)
-        except Exception as failure:  # never break training, nor hide its own error
-            self._warn_once("cleanup", f"removing what a step installed failed ({failure!r})")
+        run = self._runs.leave(trainer)
         if isinstance(error, OUT_OF_MEMORY_ERRORS):
-            self._report_out_of_memory(trainer, run, error)
-
-    def _report_out_of_memory(self, trainer: Any, run: Optional[_Run], error: BaseException) -> None:
-        """Write the out-of-memory report to the run's `output_dir`; never raises."""
-        try:
-            args, model = trainer.args, getattr(trainer, "model", None)
-            plan = run.step_plan.plan_if_ready(model, args) if run is not None else None
-            no_plan = run.step_plan.left_out if run is not None else "not made (no step began)"
-            device = cuda_device_of(model)
-            allocator = allocator_state(device) if device is not None else None
-            text = oom_report_text(error, int(getattr(trainer.state, "global_step", 0) or 0), plan, no_plan, device,
-                                   allocator, "no CUDA device: the model is not on one, and CUDA is not available")
-            path = oom_report_path(args.output_dir, int(getattr(args, "process_index", 0) or 0),
-                                   int(getattr(args, "world_size", 1) or 1))
-            write_oom_report(path, text)
-            logger.warning(f"trainer_memcb: out of memory; what the plan and the allocator held is in {path}")
-        except Exception as failure:  # never hide the run's own error
-            self._warn_once("oom-report", f"writing the out-of-memory report failed ({failure!r})")
-
-    @staticmethod
-    def _uninstall(run: _Run) -> None:
-        """Remove what the run installed: the step plan's batch hook, the ZeRO-1/2 step tap and any
-        activations wrapper."""
-        run.step_plan.remove()
-        if run.untap is not None:
-            run.untap, untap = None, run.untap
-            untap()
-        run.monitor.activations.forget()
-
-    def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        # Nothing installed outlives training, even a loop left unfinished; the loops of a Trainer
-        # that runs this one (an evaluation that trains another model) go on.
-        self._end_loops(kwargs.get("model"))
-        run = self._run(optimizer)
-        self._current = None
-        if run is None:
-            return
-        self._uninstall(run)
-        try:
-            self._end(run, args, state)
-        finally:
-            # Training is over: hold nothing of this optimizer (most are held weakly anyway).
-            self._runs.release(optimizer)
-
-    def _end(self, run: _Run, args: Any, state: Any) -> None:
-        monitor = run.monitor
-        stepped = state.global_step > 0  # an optimizer step has run: the state is a claim, even empty
-        final_figures = monitor.figures(state.global_step, stepped=stepped)  # every process takes part
-        if not state.is_world_process_zero:
-            return
-        try:
-            measurement = monitor.claimed_measurement(state.global_step, stepped)
-            estimate = monitor.estimate()
-            if measurement is None and estimate is None:
-                return
-            document = monitor.summary_document(
-                state.global_step,
-                stepped=stepped,
-                extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys)},
-                       **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
-            )
-            phases = judge_phases(step_memory_figures(document)[0], self._largest_evaluation)
-            if phases is not None:
-                document["evaluation"] = dict(self._largest_evaluation)
-                document["phases"] = {**phases.to_dict(), "text": phases.text()}
-            logger.info(summary_text(measurement, estimate, monitor.judgement(state.global_step),
-                                     *step_memory_figures(document))
-                        + (f"\n{phases.text()}" if phases is not None else ""))
-            if self.summary_file is not None:
-                write_summary(document, os.path.join(args.output_dir, self.summary_file))
-        except Exception as error:  # never break training over a summary
-            self._warn_once("summary", f"writing the optimizer memory summary failed ({error!r})")
-            document = None
-        self._write_tensorboard_summary(run, document, state.global_step)
-
-    def _write_tensorboard_summary(self, run: _Run, document: Optional[Dict[str, Any]], step: int) -> None:
-        view, run.tensorboard = run.tensorboard, None
-        if view is None:
-            return
-        try:
-            if document is not None:
-                view.write_text(summary_markdown(document), step)
-            view.close()
-        except Exception as error:  # never break training over a summary
-            self._warn_once("tensorboard", f"writing the TensorBoard summary failed ({error!r})")
+            report_out_of_memory(trainer, run, error, self._warn_once)

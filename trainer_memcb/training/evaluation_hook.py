@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 from typing import Any, List
 
+from trainer_memcb.training.trainer_method_hook import TrainerMethodHook, callbacks_of
+
 __all__ = ["EvaluationWatcher", "install_evaluation_hook", "is_evaluation_hook_installed"]
 
 _MARK = "__trainer_memcb_evaluation_hook__"
@@ -44,9 +46,7 @@ class EvaluationWatcher:
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def evaluation_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handler = getattr(self, "callback_handler", None)
-        watchers: List[EvaluationWatcher] = [callback for callback in getattr(handler, "callbacks", ())
-                                             if isinstance(callback, EvaluationWatcher)]
+        watchers: List[EvaluationWatcher] = callbacks_of(self, EvaluationWatcher)
         if not watchers:
             return original(self, *args, **kwargs)
         prefix = kwargs.get("metric_key_prefix", args[_PREFIX_POSITION] if len(args) > _PREFIX_POSITION
@@ -63,19 +63,10 @@ def _wrap(original: Any) -> Any:
             watcher.evaluation_loop_ended(self, prefix, failed=False)
         return output
 
-    setattr(evaluation_loop, _MARK, True)
     return evaluation_loop
 
 
-def is_evaluation_hook_installed() -> bool:
-    from transformers import Trainer
-
-    return getattr(Trainer.evaluation_loop, _MARK, False)
-
-
-def install_evaluation_hook() -> None:
-    """Wrap `transformers.Trainer.evaluation_loop` once; later calls do nothing."""
-    from transformers import Trainer
-
-    if not is_evaluation_hook_installed():
-        Trainer.evaluation_loop = _wrap(Trainer.evaluation_loop)
+_HOOK = TrainerMethodHook("evaluation_loop", _MARK, _wrap)
+# Whether `transformers.Trainer.evaluation_loop` is wrapped; wrap it once (later calls do nothing).
+is_evaluation_hook_installed = _HOOK.is_installed
+install_evaluation_hook = _HOOK.install

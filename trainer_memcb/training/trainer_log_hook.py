@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict
 
+from trainer_memcb.training.trainer_method_hook import TrainerMethodHook, callbacks_of
+
 __all__ = ["LogContributor", "install_log_hook", "is_log_hook_installed"]
 
 _MARK = "__trainer_memcb_log_hook__"
@@ -43,25 +45,14 @@ def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def log(self: Any, logs: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         if isinstance(logs, dict):
-            handler = getattr(self, "callback_handler", None)
-            for callback in getattr(handler, "callbacks", ()):
-                if isinstance(callback, LogContributor):
-                    callback.contribute_to_trainer_log(self, logs)  # fail-soft by contract: it never raises
+            for callback in callbacks_of(self, LogContributor):
+                callback.contribute_to_trainer_log(self, logs)  # fail-soft by contract: it never raises
         return original(self, logs, *args, **kwargs)
 
-    setattr(log, _MARK, True)
     return log
 
 
-def is_log_hook_installed() -> bool:
-    from transformers import Trainer
-
-    return getattr(Trainer.log, _MARK, False)
-
-
-def install_log_hook() -> None:
-    """Wrap `transformers.Trainer.log` once; later calls do nothing."""
-    from transformers import Trainer
-
-    if not is_log_hook_installed():
-        Trainer.log = _wrap(Trainer.log)
+_HOOK = TrainerMethodHook("log", _MARK, _wrap)
+# Whether `transformers.Trainer.log` is wrapped; wrap it once (later calls do nothing).
+is_log_hook_installed = _HOOK.is_installed
+install_log_hook = _HOOK.install

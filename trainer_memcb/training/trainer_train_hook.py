@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 from typing import Any, List, Optional
 
+from trainer_memcb.training.trainer_method_hook import TrainerMethodHook, callbacks_of
+
 __all__ = ["TrainExitListener", "current_train_call", "install_train_hook", "is_running", "is_train_hook_installed"]
 
 _MARK = "__trainer_memcb_train_hook__"
@@ -63,10 +65,8 @@ class TrainExitListener:
 
 
 def _tell(trainer: Any, error: Optional[BaseException]) -> None:
-    handler = getattr(trainer, "callback_handler", None)
-    for callback in list(getattr(handler, "callbacks", ())):
-        if isinstance(callback, TrainExitListener):
-            callback.after_train(trainer, error)  # fail-soft by contract: it never raises
+    for callback in callbacks_of(trainer, TrainExitListener):
+        callback.after_train(trainer, error)  # fail-soft by contract: it never raises
 
 
 def _forget(call: object) -> None:
@@ -91,19 +91,10 @@ def _wrap(original: Any) -> Any:
         _tell(self, None)
         return result
 
-    setattr(train, _MARK, True)
     return train
 
 
-def is_train_hook_installed() -> bool:
-    from transformers import Trainer
-
-    return getattr(Trainer.train, _MARK, False)
-
-
-def install_train_hook() -> None:
-    """Wrap `transformers.Trainer.train` once; later calls do nothing."""
-    from transformers import Trainer
-
-    if not is_train_hook_installed():
-        Trainer.train = _wrap(Trainer.train)
+_HOOK = TrainerMethodHook("train", _MARK, _wrap)
+# Whether `transformers.Trainer.train` is wrapped; wrap it once (later calls do nothing).
+is_train_hook_installed = _HOOK.is_installed
+install_train_hook = _HOOK.install
