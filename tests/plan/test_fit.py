@@ -22,7 +22,7 @@ from trainer_memcb.plan.answers.fit import (
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import reentrant_by_default
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step.trace import observing_steps
+from trainer_memcb.plan.step.trace import counting_flops, observing_steps
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -77,8 +77,12 @@ def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointi
     rotary = rotary_matmul_flops_of_transformers_4(1, 32, 8)
     recomputed = 2 * 128 * (81_920 if reentrant_by_default() else 65_536) + 2_097_152
     assert flops.totals == [82_837_504 + (recomputed if checkpointing else 0) + rotary]
-    # The trace counts the same on its own, observed or not.
-    assert counted.timeline.flops == plain.timeline.flops == flops.totals[0]
+    # The trace counts the same on its own where asked, observed or not; unasked, it counts none.
+    assert plain.timeline.flops is None
+    with counting_flops():
+        asked, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
+    assert asked.timeline.flops == flops.totals[0]
+    assert (asked.peak_bytes, asked.peak_parts) == (plain.peak_bytes, plain.peak_parts)
 
 
 def test_a_step_traced_again_for_another_allocator_is_answered_from_the_first_trace(monkeypatch):
@@ -95,14 +99,21 @@ def test_a_step_traced_again_for_another_allocator_is_answered_from_the_first_tr
         # What changes the step (the batch) is traced anew.
         other = plan_step_memory(build, seq_len=32, settings=resolve_settings(batch_size=2, optimizer="adamw_torch"),
                                  model_states=False)[0]
-    assert len(traced) == 2
+        assert len(traced) == 2
+        # A step first traced without its FLOPs is traced again, once, where they are asked.
+        with counting_flops():
+            counted = [plan_step_memory(build, seq_len=32, settings=settings, model_states=False)[0] for _ in range(2)]
+        assert len(traced) == 3 and counted[0].timeline is counted[1].timeline
+        assert counted[0].timeline.flops > 0 and plans[0].timeline.flops is None
+        assert counted[0].peak_bytes == plans[0].peak_bytes
+    traced.clear()
     assert plans[0].timeline is plans[1].timeline is plans[2].timeline is not other.timeline
     assert len({plan.peak_bytes for plan in plans}) == 1
     assert (plans[0].alloc_conf, plans[1].alloc_conf) == ("", "expandable_segments:True")
     assert (plans[0].margin_bytes, plans[2].margin_bytes) == (plans[2].margin_bytes - 2**30, plans[2].margin_bytes)
     # Outside the block every plan traces its step.
     plan_step_memory(build, seq_len=32, settings=settings, model_states=False)
-    assert len(traced) == 3
+    assert len(traced) == 1
 
 
 def test_the_own_setting_and_each_proposal_are_planned_by_the_same_trace(searched):

@@ -8,6 +8,7 @@ the result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 from decimal import Decimal
@@ -494,9 +495,10 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         ValueError: --seq-len or --device-memory missing where needed, a bad setup.
         ModelConfigError: no model config, or no parameter left to train.
     """
-    from trainer_memcb.plan.step.trace import sharing_traces
+    from trainer_memcb.plan.step.trace import counting_flops, sharing_traces
 
-    with sharing_traces():  # each distinct step traced once: the search, the own step and --fit's
+    # Each distinct step traced once: the search, the own step and --fit's, which reads the FLOPs.
+    with sharing_traces(), counting_flops() if getattr(args, "fit", False) else contextlib.nullcontext():
         return _estimate_step(args)
 
 

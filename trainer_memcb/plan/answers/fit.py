@@ -44,7 +44,7 @@ from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, LEANER_O
 from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS, StepFlops,
                                                  offload_transfer_bytes, step_seconds)
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
-from trainer_memcb.plan.step.trace import traced_micro_batches
+from trainer_memcb.plan.step.trace import counting_flops, traced_micro_batches
 
 # The cost model and the candidates are modules of their own; their names stay importable here.
 __all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "step_verdict", "search_fits", "largest_fitting_batch",
@@ -103,7 +103,8 @@ class _Search:
         if not own and self.traces >= self.budget:
             return None
         self.traces += 0 if own else 1
-        plan = self.planner(args, deepspeed, **(extra or {}))
+        with counting_flops():  # the step time is read from them
+            plan = self.planner(args, deepspeed, **(extra or {}))
         micro = int(args.get("gradient_accumulation_steps") or 1)
         batch = int(args.get("per_device_train_batch_size") or 1)
         transfer = offload_transfer_bytes(deepspeed, self.trainable_values, self.value_bytes, self.world_size,

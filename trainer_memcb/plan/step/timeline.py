@@ -98,7 +98,8 @@ class Timeline:
     gradient_accumulation_steps: int = 1
     peak_micro_batch: int = 1
     micro_batch_peaks: Tuple[Tuple[int, PhasePeak], ...] = ()
-    # The FLOPs of the micro-batches traced and the optimizer step (`trainer_memcb.plan.step.flops`).
+    # The FLOPs of the micro-batches traced and the optimizer step (`trainer_memcb.plan.step.flops`),
+    # counted inside `counting_flops`; None where not counted.
     flops: Optional[int] = None
     phase_starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     first_matmul: Mapping[str, int] = dataclasses.field(default_factory=dict)

@@ -76,7 +76,7 @@ from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
-__all__ = ["trace_step", "trace_step_once", "sharing_traces", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy", "observing_steps",
+__all__ = ["trace_step", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy", "observing_steps",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
@@ -192,7 +192,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
         rng_states = rng_states_counted() if device_type == "cpu" else contextlib.nullcontext()
         with cast_policy, dropout_kernels, attention_kernels, rng_states, mode, tracker, \
                 contextlib.ExitStack() as observed:
-            observed.enter_context(FlopCounting(flop_totals))
+            if _COUNT_FLOPS[0]:
+                observed.enter_context(FlopCounting(flop_totals))
             for observer in _OBSERVERS:
                 observed.enter_context(observer())
             for number in numbers:
@@ -378,6 +379,24 @@ def sharing_traces() -> Iterator[None]:
         _SHARED[0] = None
 
 
+# Whether the steps traced now count their FLOPs (`counting_flops`).
+_COUNT_FLOPS = [False]
+
+
+@contextlib.contextmanager
+def counting_flops() -> Iterator[None]:
+    """Count each traced step's FLOPs inside this block (`Timeline.flops`; None outside it): what
+    the fit search's step times are read from. Counting costs about a sixth of a trace's time, so
+    a plan that does not need them does not count them. A step shared from an earlier trace
+    (`sharing_traces`) that did not count them is traced again."""
+    before = _COUNT_FLOPS[0]
+    _COUNT_FLOPS[0] = True
+    try:
+        yield
+    finally:
+        _COUNT_FLOPS[0] = before
+
+
 def model_fingerprint(meta: nn.Module) -> Tuple[Any, ...]:
     """What of the model changes its step: its class, its config (the attention path among it),
     and each parameter's and buffer's name, shape, dtype and whether it trains."""
@@ -404,7 +423,7 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
     key = (model_fingerprint(meta), repr(dataclasses.replace(settings, sources={})),
            repr(sorted(((name, repr(value)) for name, value in options.items()))))
     found = shared.get(key)
-    if found is None:
+    if found is None or (_COUNT_FLOPS[0] and isinstance(found, Timeline) and found.flops is None):
         try:
             found = trace_step_once(meta, settings, **options)
         except UntracedStep as error:
