@@ -57,7 +57,7 @@ def estimate_schema() -> Dict[str, Any]:
         ['fits_as_is', 'own', 'candidates', 'usable_bytes']
     """
     from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan
-    from trainer_memcb.plan.answers.fit import FitCandidate, FitSearch
+    from trainer_memcb.plan.answers.fit_candidates import FitCandidate, FitSearch
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
     from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
     from trainer_memcb.plan.optimizers.whatif import WhatIf
