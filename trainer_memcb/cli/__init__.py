@@ -364,6 +364,7 @@ def _estimate(args: argparse.Namespace) -> int:
     with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
         from trainer_memcb.cli.estimate import (check_settings_values, estimate_model, estimate_plan, estimate_step,
                                                 estimate_tables, estimate_what_if, resolve_optimizers)
+        from trainer_memcb.cli.estimate_schema import with_schema
         from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit, eval_fit_tables, eval_tables
         from trainer_memcb.cli.fit_table import fit_failure, fit_json, fit_tables
         from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
@@ -396,8 +397,9 @@ def _estimate(args: argparse.Namespace) -> int:
     context = cuda_context_bytes(args) if memory is not None else 0
     if evaluation is not None and not step_asked(args):  # the evaluation plan alone
         if args.json:
-            print_json({"evaluation": evaluation.to_dict(),
-                        **({"fit": {"evaluation": fit_json(evaluation_fit)}} if evaluation_fit else {})}, sys.stdout)
+            print_json(with_schema({"evaluation": evaluation.to_dict(),
+                                    **({"fit": {"evaluation": fit_json(evaluation_fit)}} if evaluation_fit else {})}),
+                       sys.stdout)
         else:
             print_tables(eval_tables(evaluation) + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []),
                          sys.stdout)
@@ -417,7 +419,7 @@ def _estimate(args: argparse.Namespace) -> int:
                 document["fit"] = fit_json(found["fit"])
             if evaluation_fit is not None:
                 document.setdefault("fit", {})["evaluation"] = fit_json(evaluation_fit)
-            print_json(document, sys.stdout)
+            print_json(with_schema(document), sys.stdout)
         else:
             states = (plan_tables(found["model_states"], verdict=False) if one_verdict
                       else plan_tables(found["model_states"], memory, reserve, context=context))
@@ -437,7 +439,7 @@ def _estimate(args: argparse.Namespace) -> int:
             say(failure)
         return status
     if args.json:
-        print_json(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict(), sys.stdout)
+        print_json(with_schema(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict()), sys.stdout)
     else:
         print_tables(plan_tables(result, memory, reserve, context=context) if plan_asked(args) else estimate_tables(result), sys.stdout)
     return EXIT_DOES_NOT_FIT if plan_asked(args) and _states_fit(result) is False else EXIT_DONE
