@@ -231,3 +231,47 @@ def optimi_picks_triton() -> bool:
     except ImportError:
         return False
     return bool(optimi.utils.HAS_TRITON)
+
+
+def tiny_llama_folder(tmp_path_factory: Any, label: str, **overrides: Any) -> str:
+    """A folder holding a tiny Llama's config.json, as `estimate` reads a model: hidden 64, 2 layers of
+    4 heads, a vocabulary of 256 and 64 positions, unless `overrides` say otherwise."""
+    from transformers import LlamaConfig
+
+    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
+                  architectures=["LlamaForCausalLM"])
+    values.update(overrides)
+    folder = tmp_path_factory.mktemp(label)
+    LlamaConfig(**values).save_pretrained(folder)
+    return str(folder)
+
+
+# The smallest Llama of the command-line refusal tests: one layer of two heads.
+SMALLEST_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=96)
+
+
+def run_estimate(argv: List[str], capsys: Any) -> Tuple[int, str, str]:
+    """`trainer-memcb estimate ARGV` in this process: its exit code, stdout and stderr."""
+    from trainer_memcb.cli import main
+
+    code = main(["estimate"] + list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line(err: str) -> str:
+    """The one line a refusal says (an assertion error where it says more or less)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def smallest_llama(**overrides: Any) -> Any:
+    """The `LlamaConfig` of `SMALLEST_LLAMA` (64 positions), with `overrides`."""
+    from transformers import LlamaConfig
+
+    values = dict(SMALLEST_LLAMA, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
+    values.update(overrides)
+    return LlamaConfig(**values)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from helpers import requires_transformers
+from helpers import requires_transformers, tiny_llama_folder
 
 from trainer_memcb.cli import main
 from trainer_memcb.plan.answers.step_memory import NOT_COUNTED, StepMemoryPlan
@@ -30,11 +30,7 @@ TINY_DISTILBERT = "examples/models/tiny-distilbert"
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> str:
     # A vocabulary large beside the rest: at one token the step's peak is in the optimizer step.
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=1024, max_position_embeddings=64,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    return str(folder)
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama", vocab_size=1024)
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,16 @@ import json
 import os
 
 import pytest
-from transformers import LlamaConfig
 
-from helpers import requires_transformers, rotary_buffers_beyond_transformers_5s
+from helpers import requires_transformers, rotary_buffers_beyond_transformers_5s, tiny_llama_folder
 from trainer_memcb.cli import main
 
 COMMON = ["--optimizers", "adamw_torch", "--seq-len", "64", "--device-type", "cpu"]
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-fit")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    return str(folder)
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama-fit")
 
 
 def rotary_buffers(folder: str) -> int:

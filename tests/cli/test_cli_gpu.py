@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 import transformers
-from transformers import LlamaConfig
 
 from trainer_memcb.plan.device.gpus import gpu_presets
+from helpers import tiny_llama_folder
 
 # The exact figures here were counted on torch 2.13 and transformers 5. On transformers 4.57 the
 # models hold 16 to 32 bytes of buffers more or less (rotary's original_inv_freq is an attribute
@@ -38,12 +38,8 @@ def run_script(*argv: str, env=None) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    return str(folder)
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama")
 
 
 def test_gpu_list_prints_every_preset():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from helpers import rotary_buffers_beyond_transformers_5s
+from helpers import rotary_buffers_beyond_transformers_5s, tiny_llama_folder
 
 from trainer_memcb.cli import main
 from trainer_memcb.plan.settings.setup import Setup
@@ -20,12 +20,8 @@ from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=128, max_position_embeddings=64,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    return str(folder)
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama", vocab_size=128)
 
 
 def run_json(argv, capsys, expected_code=0):

@@ -7,24 +7,17 @@ import json
 from typing import Any, List
 
 import pytest
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config
 
-from helpers import requires_torch
-from trainer_memcb.cli import main
+from helpers import SMALLEST_LLAMA, one_line, smallest_llama, requires_torch, run_estimate, tiny_llama_folder
 
 
-def llama(**overrides: Any) -> LlamaConfig:
-    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
-    values.update(overrides)
-    return LlamaConfig(**values)
+llama = smallest_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory: Any) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama-reasons")
-    llama().save_pretrained(folder)
-    return str(folder)
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama-reasons", **SMALLEST_LLAMA)
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +28,7 @@ def tiny_gpt2_dir(tmp_path_factory: Any) -> str:
     return str(folder)
 
 
-def run(argv: List[str], capsys: Any) -> Any:
-    code = main(["estimate"] + argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
+run = run_estimate
 
 
 def write_json(path: Any, value: Any) -> str:

@@ -9,9 +9,9 @@ import json
 import pytest
 import transformers
 import torch
-from transformers import LlamaConfig, TrainingArguments
+from transformers import TrainingArguments
 
-from helpers import requires_torch
+from helpers import requires_torch, tiny_llama_folder
 from test_engines import build
 
 from trainer_memcb.cli import main
@@ -124,12 +124,8 @@ def test_the_accumulation_is_read_from_the_trainers_arguments_and_the_deepspeed_
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
-    return str(folder)
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama")
 
 
 def test_the_command_line_flag(tiny_llama_dir, capsys):
