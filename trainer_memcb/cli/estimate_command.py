@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes
@@ -17,7 +18,7 @@ from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
 
-__all__ = ["estimate_command"]
+__all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status"]
 
 
 def _states_fit(plan: Any) -> Optional[bool]:
@@ -91,52 +92,91 @@ def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str
     return document
 
 
+@dataclass(frozen=True)
+class EstimateAnswer:
+    """What `estimate` gathered for the options, before it is printed.
+
+    Attributes:
+        kind: "step" (a step plan, with the evaluation where asked), "evaluation" (the evaluation
+            plan alone), "model states" or "what-if".
+        found: the step plan's answers (`estimate_step`), for "step".
+        evaluation, evaluation_fit: the evaluation plan and its --fit search, or None.
+        result: the model-states plan or the what-if.
+    """
+
+    kind: str
+    found: Optional[Dict[str, Any]] = None
+    evaluation: Any = None
+    evaluation_fit: Any = None
+    result: Any = None
+
+
 def estimate_command(args: argparse.Namespace) -> int:
-    """`trainer-memcb estimate`: the options checked, the plans gathered, printed, and the exit code."""
+    """`trainer-memcb estimate`: the options checked (before torch is imported), the plans
+    gathered, printed as tables or JSON, and the exit code of their verdict."""
     try:  # the command line alone, before torch and transformers are imported
         apply_gpu(args)  # the preset's memory, unless --device-memory gives it
         check_options(args)
         check_fit_options(args, step_asked(args), eval_asked(args))
     except ValueError as error:
         raise UsageError(str(error)) from None
-    # Everything that imports transformers and the optimizers' libraries runs with their chatter
-    # held back, and a terminal shows what is being done (stderr only); the tables are printed
-    # afterwards.
+    answer = gather(args)
+    render(answer, args)
+    return exit_status(answer, args)
+
+
+def gather(args: argparse.Namespace) -> EstimateAnswer:
+    """The plans the options ask for. Everything that imports transformers and the optimizers'
+    libraries runs with their chatter held back, and a terminal shows what is being done (stderr
+    only).
+
+    Raises:
+        KnownFailure: a bad model config or settings file (exit 1).
+        UsageError: a value the plan refuses (exit 2).
+    """
     with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
         from trainer_memcb.cli.estimate import (check_settings_values, estimate_model, estimate_plan, estimate_step,
-                                                estimate_tables, estimate_what_if, resolve_optimizers)
-        from trainer_memcb.cli.estimate_schema import with_schema
-        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit, eval_fit_tables, eval_tables
-        from trainer_memcb.cli.fit_table import fit_failure, fit_json, fit_tables
-        from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+                                                estimate_what_if, resolve_optimizers)
+        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit
         from trainer_memcb.plan.model.config_error import ModelConfigError
         from trainer_memcb.plan.settings import SettingsFileError
 
         try:
             resolve_optimizers(args)
             check_settings_values(args)  # the settings files' values, before the model is built
+            if not (step_asked(args) or eval_asked(args)):
+                if plan_asked(args):
+                    return EstimateAnswer("model states", result=estimate_plan(args))
+                return EstimateAnswer("what-if", result=estimate_what_if(args))
+            found = estimate_step(args) if step_asked(args) else None
             evaluation = None
-            if step_asked(args):
-                found = estimate_step(args)
-                if eval_asked(args):
-                    evaluation = estimate_evaluation(args, lambda: estimate_model(args), found["model_states"],
-                                                     reserve=reserve_bytes(args) or 0)
-            elif eval_asked(args):
-                evaluation = estimate_evaluation(args, lambda: estimate_model(args), reserve=reserve_bytes(args) or 0)
-            elif plan_asked(args):
-                result = estimate_plan(args)
-            else:
-                result = estimate_what_if(args)
+            if eval_asked(args):
+                evaluation = estimate_evaluation(args, lambda: estimate_model(args),
+                                                 found["model_states"] if found is not None else None,
+                                                 reserve=reserve_bytes(args) or 0)
             evaluation_fit = (eval_fit(args, lambda: estimate_model(args), evaluation,
-                                       found["model_states"] if step_asked(args) else None, reserve_bytes(args) or 0)
+                                       found["model_states"] if found is not None else None, reserve_bytes(args) or 0)
                               if evaluation is not None and args.fit else None)
         except (ModelConfigError, SettingsFileError) as error:  # a bad config or settings file: exit 1
             raise KnownFailure(str(error)) from None
         except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
             raise UsageError(str(error)) from None
+    return EstimateAnswer("step" if found is not None else "evaluation", found=found, evaluation=evaluation,
+                          evaluation_fit=evaluation_fit)
+
+
+def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
+    """Print the answer: tables, or with --json one document in the schema's version."""
+    from trainer_memcb.cli.estimate import estimate_tables
+    from trainer_memcb.cli.estimate_schema import with_schema
+    from trainer_memcb.cli.eval_estimate import eval_fit_tables, eval_tables
+    from trainer_memcb.cli.fit_table import fit_json, fit_tables
+    from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+
     memory, reserve = args.device_memory, reserve_bytes(args)
     context = cuda_context_bytes(args) if memory is not None else 0
-    if evaluation is not None and not step_asked(args):  # the evaluation plan alone
+    evaluation, evaluation_fit = answer.evaluation, answer.evaluation_fit
+    if answer.kind == "evaluation":
         if args.json:
             print_json(with_schema({"evaluation": evaluation.to_dict(),
                                     **({"fit": {"evaluation": fit_json(evaluation_fit)}} if evaluation_fit else {})}),
@@ -144,9 +184,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         else:
             print_tables(eval_tables(evaluation) + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []),
                          sys.stdout)
-        return _evaluation_status(evaluation) if evaluation_fit is None else _fit_status(
-            evaluation_fit, args, _evaluation_status(evaluation))
-    if step_asked(args):
+    elif answer.kind == "step":
+        found = answer.found
         one_verdict = _step_answers(found)
         if one_verdict:
             found = dict(found, model_states=_without_verdict(found["model_states"]))
@@ -167,20 +206,34 @@ def estimate_command(args: argparse.Namespace) -> int:
             print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else [])
                          + (fit_tables(found["fit"]) if found.get("fit") is not None else [])
                          + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []), sys.stdout)
-        status = _step_status(found)
-        if found.get("fit") is not None:
-            status = _fit_status(found["fit"], args, status)
-        if status != EXIT_DONE or evaluation is None:
-            return status
-        status = _evaluation_status(evaluation)
-        if status == EXIT_DOES_NOT_FIT and evaluation_fit is not None:  # a proposal fits: 0; else the nearest miss
-            failure = fit_failure(evaluation_fit)
-            if failure is None:
-                return EXIT_DONE
-            say(failure)
-        return status
-    if args.json:
-        print_json(with_schema(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict()), sys.stdout)
+    elif args.json:
+        result = answer.result
+        print_json(with_schema(_with_memory(result.to_dict(), args) if answer.kind == "model states"
+                               else result.to_dict()), sys.stdout)
     else:
-        print_tables(plan_tables(result, memory, reserve, context=context) if plan_asked(args) else estimate_tables(result), sys.stdout)
-    return EXIT_DOES_NOT_FIT if plan_asked(args) and _states_fit(result) is False else EXIT_DONE
+        print_tables(plan_tables(answer.result, memory, reserve, context=context) if answer.kind == "model states"
+                     else estimate_tables(answer.result), sys.stdout)
+
+
+def exit_status(answer: EstimateAnswer, args: argparse.Namespace) -> int:
+    """The exit code of the answer's one verdict, after --fit's files are written where asked."""
+    from trainer_memcb.cli.fit_table import fit_failure
+
+    evaluation, evaluation_fit = answer.evaluation, answer.evaluation_fit
+    if answer.kind == "evaluation":
+        return _evaluation_status(evaluation) if evaluation_fit is None else _fit_status(
+            evaluation_fit, args, _evaluation_status(evaluation))
+    if answer.kind != "step":
+        return EXIT_DOES_NOT_FIT if answer.kind == "model states" and _states_fit(answer.result) is False else EXIT_DONE
+    status = _step_status(answer.found)
+    if answer.found.get("fit") is not None:
+        status = _fit_status(answer.found["fit"], args, status)
+    if status != EXIT_DONE or evaluation is None:
+        return status
+    status = _evaluation_status(evaluation)
+    if status == EXIT_DOES_NOT_FIT and evaluation_fit is not None:  # a proposal fits: 0; else the nearest miss
+        failure = fit_failure(evaluation_fit)
+        if failure is None:
+            return EXIT_DONE
+        say(failure)
+    return status
