@@ -38,8 +38,7 @@ def main(argv=None) -> int:
     settings = resolve_settings(batch_size=args.batch_size, optimizer="adamw_torch", precision="bf16")
     meta = build_meta_model(args.model, torch.bfloat16)
     start = time.process_time()
-    timeline = trace_step(meta, settings, batch_size=args.batch_size, seq_len=args.seq_len, precision="bf16",
-                          optimizer="adamw_torch", gradient_checkpointing=False, args=None, device_type="cuda",
+    timeline = trace_step(meta, settings, seq_len=args.seq_len, args=None, device_type="cuda",
                           step_dtype=torch.bfloat16, keep_dtypes=False, quantization=None, padding=0,
                           input_options={})
     traced = time.process_time() - start

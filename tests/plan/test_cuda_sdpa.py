@@ -95,9 +95,8 @@ def test_memory_efficient_saves_its_logsumexp_padded_to_32_rows():
 
 
 def test_flash_backward_holds_its_workspace_while_it_runs():
-    settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch")
-    lines = {device: trace_step(llama(), settings, batch_size=BATCH, seq_len=SEQ, precision="bf16",
-                                optimizer="adamw_torch", gradient_checkpointing=False, args=None,
+    settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch", precision="bf16")
+    lines = {device: trace_step(llama(), settings, seq_len=SEQ, args=None,
                                 device_type=device, step_dtype=torch.bfloat16, keep_dtypes=False, quantization=None,
                                 padding=0, input_options={}) for device in ("cuda", "cpu")}
     workspace = flash_backward_workspace_bytes(batch=BATCH, heads=HEADS, heads_kv=HEADS, seq_len_q=SEQ,

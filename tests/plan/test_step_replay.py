@@ -38,8 +38,7 @@ def _build(hidden=64, vocab=256):
 def _timeline(sharding="none", hidden=64, vocab=256, seq_len=16):
     settings = resolve_settings(world_size=1 if sharding == "none" else 2, sharding=sharding, batch_size=2,
                                 optimizer="adamw_torch")
-    return trace_step(_build(hidden, vocab)(), settings, batch_size=2, seq_len=seq_len, precision="fp32",
-                      optimizer="adamw_torch", gradient_checkpointing=False, args=None, device_type="cuda",
+    return trace_step(_build(hidden, vocab)(), settings, seq_len=seq_len, args=None, device_type="cuda",
                       step_dtype=torch.float32, keep_dtypes=False, quantization=None, padding=0, input_options={})
 
 

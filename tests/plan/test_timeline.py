@@ -52,8 +52,7 @@ def test_a_traced_step_s_timeline_holds_each_phase_s_peak_and_the_answer_reads_i
             return LlamaForCausalLM(config)
 
     settings = resolve_settings(world_size=2, sharding="ddp", batch_size=2, optimizer="adamw_torch")
-    line = trace_step(build(), settings, batch_size=2, seq_len=16, precision="fp32", optimizer="adamw_torch",
-                      gradient_checkpointing=False, args=None, device_type="cpu", step_dtype=torch.float32,
+    line = trace_step(build(), settings, seq_len=16, args=None, device_type="cpu", step_dtype=torch.float32,
                       keep_dtypes=False, quantization=None, padding=0,
                       input_options=dict(target_len=None, image_size=None, padding=0))
     assert line.engine == "ddp" and line.optimizer_step is not None

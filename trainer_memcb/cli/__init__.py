@@ -42,30 +42,25 @@ pause_while_importing()  # no full collection over torch's and transformers' mod
 import argparse
 import os
 import sys
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, List, NoReturn, Optional, Sequence, Tuple
 
 from trainer_memcb.cli.failures import (
     EXIT_DONE,
-    EXIT_DOES_NOT_FIT,
     EXIT_INTERRUPTED,
     EXIT_MISSING_PACKAGE,
     EXIT_NOTHING_FOUND,
-    EXIT_UNTRACEABLE,
     EXIT_USAGE,
     PROGRAM,
+    KnownFailure as _KnownFailure,
     UsageError,
     answer,
     quiet_libraries,
     say,
 )
 from trainer_memcb.cli.choices import DEFAULT_METRICS
-from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes
-from trainer_memcb.cli.estimate import add_estimate_arguments, check_options, needs_peft, plan_asked, reserve_bytes, step_asked
-from trainer_memcb.cli.eval_estimate import eval_asked
-from trainer_memcb.cli.fit_options import check_fit_options
+from trainer_memcb.cli.estimate import add_estimate_arguments, needs_peft, step_asked
+from trainer_memcb.cli.estimate_command import estimate_command
 from trainer_memcb.cli.output import print_json, print_tables
-from trainer_memcb.cli.progress import showing_progress
-from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.utils.packages import MissingPackageError
 
 # Nothing above imports torch or transformers: the command line is parsed and checked first, so
@@ -141,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
 
     estimate = commands.add_parser("estimate", parents=[debug], help="the what-if before training, from a model config")
     add_estimate_arguments(estimate)
-    estimate.set_defaults(handler=_estimate)
+    estimate.set_defaults(handler=estimate_command)
     return main_parser
 
 
@@ -280,171 +275,6 @@ def _compare_runs(args: argparse.Namespace) -> int:
     return EXIT_NOTHING_FOUND if len(kept) < len(args.run_dirs) else status
 
 
-def _states_fit(plan: Any) -> Optional[bool]:
-    """The model-states plan's answer: None unasked, False when any optimizer with a figure does not fit."""
-    answers = [entry.fits for entry in plan.optimizers if entry.fits is not None]
-    return None if not answers else all(answers)
-
-
-def _step_status(found: Dict[str, Any]) -> int:
-    """The exit code of a step plan: untraceable 5, does not fit 3 (the step's answer, or no
-    batch fitting for --max-batch-size), else 0."""
-    step = found.get("step")
-    if (step is not None and step.problem is not None) or found.get("max_batch_size_problem") is not None:
-        return EXIT_UNTRACEABLE
-    if (step is not None and step.fits is False) or (found.get("search") and found.get("max_batch_size") is None):
-        return EXIT_DOES_NOT_FIT
-    return EXIT_DONE
-
-
-def _fit_status(search: Any, args: argparse.Namespace, status: int) -> int:
-    """With --fit: write the first proposal where asked; 0 when the step fits as is or a proposal
-    fits, else 3 with the nearest miss named in one line (an untraceable own step stays 5)."""
-    if status == EXIT_UNTRACEABLE:
-        return status
-    from trainer_memcb.cli.fit_table import fit_failure, write_first_proposal
-
-    try:
-        for line in write_first_proposal(search, args):
-            say(line)
-    except ValueError as error:
-        say(f"error: {error}")
-        return EXIT_NOTHING_FOUND
-    failure = fit_failure(search)
-    if failure is not None:
-        say(failure)
-        return EXIT_DOES_NOT_FIT
-    return EXIT_DONE
-
-
-def _evaluation_status(evaluation: Any) -> int:
-    """The exit code of an evaluation plan: 5 when its forward cannot be traced (fits? has no
-    answer), 3 when it does not fit the device or the host, else 0."""
-    if evaluation.problem is not None:
-        return EXIT_UNTRACEABLE
-    return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
-
-
-def _step_answers(found: Dict[str, Any]) -> bool:
-    """Whether the step plan gives the output's fits? (a traced step against --device-memory, or
-    the search for the largest batch); then the model-states plan gives none beside it."""
-    step = found.get("step")
-    if step is not None and step.problem is None and step.fits is not None:
-        return True
-    return bool(found.get("search")) and found.get("max_batch_size_problem") is None
-
-
-def _without_verdict(states: Any) -> Any:
-    """The model-states plan with its fits? and margin left out: one verdict per output, the step's.
-    The states' figures stay; only the answer that would contradict the step's goes."""
-    import dataclasses
-
-    return dataclasses.replace(states, device_memory_bytes=None, optimizers=[
-        dataclasses.replace(entry, fits=None, margin_bytes=None) for entry in states.optimizers])
-
-
-def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
-    """The model-states plan's JSON, with the device's memory and the reserve its fits? left out."""
-    if args.device_memory is not None:
-        document = {**document, "device_memory_bytes": args.device_memory, "reserve_bytes": reserve_bytes(args),
-                    "cuda_context_bytes": cuda_context_bytes(args)}
-    return document
-
-
-def _estimate(args: argparse.Namespace) -> int:
-    try:  # the command line alone, before torch and transformers are imported
-        apply_gpu(args)  # the preset's memory, unless --device-memory gives it
-        check_options(args)
-        check_fit_options(args, step_asked(args), eval_asked(args))
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    # Everything that imports transformers and the optimizers' libraries runs with their chatter
-    # held back, and a terminal shows what is being done (stderr only); the tables are printed
-    # afterwards.
-    with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
-        from trainer_memcb.cli.estimate import (check_settings_values, estimate_model, estimate_plan, estimate_step,
-                                                estimate_tables, estimate_what_if, resolve_optimizers)
-        from trainer_memcb.cli.estimate_schema import with_schema
-        from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit, eval_fit_tables, eval_tables
-        from trainer_memcb.cli.fit_table import fit_failure, fit_json, fit_tables
-        from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
-        from trainer_memcb.plan.model.config_error import ModelConfigError
-        from trainer_memcb.plan.settings import SettingsFileError
-
-        try:
-            resolve_optimizers(args)
-            check_settings_values(args)  # the settings files' values, before the model is built
-            evaluation = None
-            if step_asked(args):
-                found = estimate_step(args)
-                if eval_asked(args):
-                    evaluation = estimate_evaluation(args, lambda: estimate_model(args), found["model_states"],
-                                                     reserve=reserve_bytes(args) or 0)
-            elif eval_asked(args):
-                evaluation = estimate_evaluation(args, lambda: estimate_model(args), reserve=reserve_bytes(args) or 0)
-            elif plan_asked(args):
-                result = estimate_plan(args)
-            else:
-                result = estimate_what_if(args)
-            evaluation_fit = (eval_fit(args, lambda: estimate_model(args), evaluation,
-                                       found["model_states"] if step_asked(args) else None, reserve_bytes(args) or 0)
-                              if evaluation is not None and args.fit else None)
-        except (ModelConfigError, SettingsFileError) as error:  # a bad config or settings file: exit 1
-            raise _KnownFailure(str(error)) from None
-        except ValueError as error:  # an unknown architecture, a bad regular expression, LoRA modules not found
-            raise UsageError(str(error)) from None
-    memory, reserve = args.device_memory, reserve_bytes(args)
-    context = cuda_context_bytes(args) if memory is not None else 0
-    if evaluation is not None and not step_asked(args):  # the evaluation plan alone
-        if args.json:
-            print_json(with_schema({"evaluation": evaluation.to_dict(),
-                                    **({"fit": {"evaluation": fit_json(evaluation_fit)}} if evaluation_fit else {})}),
-                       sys.stdout)
-        else:
-            print_tables(eval_tables(evaluation) + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []),
-                         sys.stdout)
-        return _evaluation_status(evaluation) if evaluation_fit is None else _fit_status(
-            evaluation_fit, args, _evaluation_status(evaluation))
-    if step_asked(args):
-        one_verdict = _step_answers(found)
-        if one_verdict:
-            found = dict(found, model_states=_without_verdict(found["model_states"]))
-        if args.json:
-            document = step_json(found)
-            if not one_verdict:
-                document["model_states"] = _with_memory(document["model_states"], args)
-            if evaluation is not None:
-                document["evaluation"] = evaluation.to_dict()
-            if found.get("fit") is not None:
-                document["fit"] = fit_json(found["fit"])
-            if evaluation_fit is not None:
-                document.setdefault("fit", {})["evaluation"] = fit_json(evaluation_fit)
-            print_json(with_schema(document), sys.stdout)
-        else:
-            states = (plan_tables(found["model_states"], verdict=False) if one_verdict
-                      else plan_tables(found["model_states"], memory, reserve, context=context))
-            print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else [])
-                         + (fit_tables(found["fit"]) if found.get("fit") is not None else [])
-                         + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []), sys.stdout)
-        status = _step_status(found)
-        if found.get("fit") is not None:
-            status = _fit_status(found["fit"], args, status)
-        if status != EXIT_DONE or evaluation is None:
-            return status
-        status = _evaluation_status(evaluation)
-        if status == EXIT_DOES_NOT_FIT and evaluation_fit is not None:  # a proposal fits: 0; else the nearest miss
-            failure = fit_failure(evaluation_fit)
-            if failure is None:
-                return EXIT_DONE
-            say(failure)
-        return status
-    if args.json:
-        print_json(with_schema(_with_memory(result.to_dict(), args) if plan_asked(args) else result.to_dict()), sys.stdout)
-    else:
-        print_tables(plan_tables(result, memory, reserve, context=context) if plan_asked(args) else estimate_tables(result), sys.stdout)
-    return EXIT_DOES_NOT_FIT if plan_asked(args) and _states_fit(result) is False else EXIT_DONE
-
-
 def command(args: argparse.Namespace) -> int:
     """Run the parsed command; any failure becomes one line on stderr and an exit code, never a
     traceback (unless `args.debug`)."""
@@ -454,12 +284,6 @@ def command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     return answer(lambda: _missing_package_is_its_own_answer(handler, args), _KnownFailure,
                   debug=getattr(args, "debug", False))
-
-
-class _KnownFailure(Exception):
-    """A failure whose message is the whole answer (exit 1): a run folder with nothing readable
-    (`RunLogError`), a model config that cannot be built (`ModelConfigError`). Each handler turns
-    its own into this one, as their classes come with torch, which a usage error never imports."""
 
 
 def _missing_package_is_its_own_answer(handler: Any, args: argparse.Namespace) -> int:

@@ -61,7 +61,7 @@ def estimate_schema() -> Dict[str, Any]:
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
     from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
     from trainer_memcb.plan.optimizers.whatif import WhatIf
-    from trainer_memcb.utils.json_schema import JSON_SCHEMA_DIALECT, object_schema, type_schema
+    from trainer_memcb.utils.json_schema import JSON_SCHEMA_DIALECT, object_schema
 
     defs: Dict[str, Any] = {}
     # The classes whose JSON form is not their fields alone come first; the others as their fields
@@ -87,6 +87,36 @@ def estimate_schema() -> Dict[str, Any]:
                                                          "device_total_bytes", "fits")],
         description="One batch size the search for the largest planned, with the step plan's figures for it.")
     searched["title"] = "searched batch"
+    step_plan = _step_plan_document(defs, searched)
+    evaluation_plan = _document(
+        "evaluation plan", "The evaluation alone (--eval-samples without a step): the evaluation loop's peaks on "
+        "the device and the host; with --fit, the search for an evaluation setting that fits.",
+        {"evaluation": _ref("EvalMemoryPlan"),
+         "fit": {"type": "object", "properties": {"evaluation": _ref("FitSearch")}, "required": ["evaluation"],
+                 "additionalProperties": False}},
+        ["evaluation"])
+    return {
+        "$schema": JSON_SCHEMA_DIALECT,
+        "title": "trainer-memcb estimate --json",
+        "description": f"Every document `trainer-memcb estimate ... --json` prints, version {ESTIMATE_SCHEMA} (its "
+                       "`schema` key). Written by `python -m trainer_memcb.cli.estimate_schema`; do not edit.",
+        "oneOf": [
+            _with_version(defs["WhatIf"], "what-if", "Each optimizer's state for the model (no setup option given)."),
+            _with_version(defs["ModelStatesPlan"], "model-states plan",
+                          "The model-states plan alone (--world-size, --sharding, --zero, --precision, "
+                          "--device-memory ... without a step)."),
+            step_plan,
+            evaluation_plan,
+        ],
+        "$defs": dict(sorted(defs.items())),
+    }
+
+
+def _step_plan_document(defs: Dict[str, Any], searched: Dict[str, Any]) -> Dict[str, Any]:
+    """The step plan's document: the step, the model states beside it, and where asked the
+    evaluation, --fit's search and the largest batch (`searched`: the schema of one batch planned)."""
+    from trainer_memcb.utils.json_schema import type_schema
+
     fit_search = defs["FitSearch"]
     step_fit = {
         "description": "--fit: the search for a setting that fits; with an evaluation asked and --fit, "
@@ -117,28 +147,7 @@ def estimate_schema() -> Dict[str, Any]:
         ["model_states"],
         # --max-batch-size writes its four keys together.
         dependentRequired={key: [other for other in search_keys if other != key] for key in search_keys})
-    evaluation_plan = _document(
-        "evaluation plan", "The evaluation alone (--eval-samples without a step): the evaluation loop's peaks on "
-        "the device and the host; with --fit, the search for an evaluation setting that fits.",
-        {"evaluation": _ref("EvalMemoryPlan"),
-         "fit": {"type": "object", "properties": {"evaluation": _ref("FitSearch")}, "required": ["evaluation"],
-                 "additionalProperties": False}},
-        ["evaluation"])
-    return {
-        "$schema": JSON_SCHEMA_DIALECT,
-        "title": "trainer-memcb estimate --json",
-        "description": f"Every document `trainer-memcb estimate ... --json` prints, version {ESTIMATE_SCHEMA} (its "
-                       "`schema` key). Written by `python -m trainer_memcb.cli.estimate_schema`; do not edit.",
-        "oneOf": [
-            _with_version(defs["WhatIf"], "what-if", "Each optimizer's state for the model (no setup option given)."),
-            _with_version(defs["ModelStatesPlan"], "model-states plan",
-                          "The model-states plan alone (--world-size, --sharding, --zero, --precision, "
-                          "--device-memory ... without a step)."),
-            step_plan,
-            evaluation_plan,
-        ],
-        "$defs": dict(sorted(defs.items())),
-    }
+    return step_plan
 
 
 def schema_json() -> str:

@@ -19,7 +19,7 @@ from trainer_memcb.cli.output import one_line
 
 __all__ = [
     "PROGRAM", "EXIT_DONE", "EXIT_NOTHING_FOUND", "EXIT_USAGE", "EXIT_DOES_NOT_FIT", "EXIT_MISSING_PACKAGE",
-    "EXIT_UNTRACEABLE", "EXIT_INTERRUPTED", "UsageError", "say", "quiet_libraries", "answer",
+    "EXIT_UNTRACEABLE", "EXIT_INTERRUPTED", "UsageError", "KnownFailure", "say", "quiet_libraries", "answer",
 ]
 
 PROGRAM = "trainer-memcb"
@@ -103,3 +103,8 @@ def answer(run: Callable[[], int], known: Tuple[Type[BaseException], ...], debug
             say(f"unexpected error: {type(error).__name__}: {error} (run with --debug for the traceback)")
         return EXIT_NOTHING_FOUND
 
+
+class KnownFailure(Exception):
+    """A failure whose message is the whole answer (exit 1): a run folder with nothing readable
+    (`RunLogError`), a model config that cannot be built (`ModelConfigError`). Each handler turns
+    its own into this one, as their classes come with torch, which a usage error never imports."""

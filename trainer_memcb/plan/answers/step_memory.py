@@ -324,6 +324,9 @@ def plan_step_memory(
     batch_size = settings.batch_size if settings.batch_size is not None else batch_size
     optimizer, gradient_checkpointing = settings.optimizer, settings.gradient_checkpointing
     setup = setup_of(settings, setup)
+    # The trace reads the settings alone: they carry the batch and the precision resolved here.
+    if (settings.batch_size, settings.precision) != (batch_size, setup.precision):
+        settings = dataclasses.replace(settings, batch_size=batch_size, precision=setup.precision)
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("target_len", target_len),
                         ("image_size", image_size)):
         if value is None and name != "batch_size":
@@ -356,8 +359,7 @@ def plan_step_memory(
                   not_counted=list(NOT_COUNTED[device_type]))
     try:
         timeline = trace_step(
-            meta, settings, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-            gradient_checkpointing=gradient_checkpointing, args=args, device_type=device_type, step_dtype=step_dtype,
+            meta, settings, seq_len=seq_len, args=args, device_type=device_type, step_dtype=step_dtype,
             keep_dtypes=keep_dtypes, quantization=quantization, padding=padding, input_options=input_options,
             compute_capability=preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY)
     except UntracedStep as error:

@@ -406,15 +406,13 @@ def model_fingerprint(meta: nn.Module) -> Tuple[Any, ...]:
             tuple((name, tuple(b.shape), b.dtype) for name, b in meta.named_buffers()))
 
 
-def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_len: Optional[int], precision: str,
-               optimizer: str, gradient_checkpointing: bool, args: Any, device_type: str,
+def trace_step(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int], args: Any, device_type: str,
                step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
                input_options: Dict[str, Any],
                compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
     """`trace_step_once`, or inside `sharing_traces` the timeline of the same step traced before."""
     shared = _SHARED[0]
-    options = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-                   gradient_checkpointing=gradient_checkpointing, args=args, device_type=device_type,
+    options = dict(seq_len=seq_len, args=args, device_type=device_type,
                    step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization, padding=padding,
                    input_options=input_options, compute_capability=compute_capability)
     if shared is None or _OBSERVERS:
@@ -434,14 +432,15 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_
     return found
 
 
-def trace_step_once(meta: nn.Module, settings: StepSettings, *, batch_size: int, seq_len: Optional[int],
-                    precision: str, optimizer: str, gradient_checkpointing: bool, args: Any, device_type: str,
+def trace_step_once(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int], args: Any, device_type: str,
                     step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
                     input_options: Dict[str, Any],
                     compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
     """Trace one training step of `meta` (a model on the meta device, made fake here) under the
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
-    Trainer's optimizer for `optimizer`, the batch of `input_options`.
+    Trainer's optimizer for `settings.optimizer`, in `settings.precision`, with checkpointing where
+    `settings.gradient_checkpointing`, a micro-batch of `settings.batch_size` and `input_options`.
+    The settings are the one source of what they hold: no keyword repeats them.
 
     Returns:
         The step's timeline: every storage it created and freed, by part, each phase's peak, the
@@ -453,6 +452,8 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, batch_size: int,
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    batch_size, precision = settings.batch_size, settings.precision
+    optimizer, gradient_checkpointing = settings.optimizer, settings.gradient_checkpointing
     engine = engine_for(settings)
     mode = FakeTensorMode()
     _MODE[0] = mode
