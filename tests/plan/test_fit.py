@@ -13,7 +13,6 @@ import torch
 from helpers import (profiled_run_peak, rotary_buffers_beyond_transformers_5s, rotary_matmul_flops_of_transformers_4,
                      storage_bytes)
 from trainer_memcb.plan.answers.fit import (
-    StepFlops,
     expandable_segments_option,
     fit_batch_size,
     search_fits,
@@ -22,7 +21,7 @@ from trainer_memcb.plan.answers.fit import (
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import reentrant_by_default
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step.trace import counting_flops, observing_steps
+from trainer_memcb.plan.step.trace import counting_flops
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -59,8 +58,7 @@ def searched():
 def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointing):
     settings = resolve_settings(batch_size=4, optimizer="adamw_torch", gradient_checkpointing=checkpointing)
     plain, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
-    flops = StepFlops()
-    with observing_steps(flops.observer):
+    with counting_flops():
         counted, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
     assert counted.problem is None
     assert (counted.peak_bytes, counted.peak_parts, counted.activations_peak_bytes) == \
@@ -76,13 +74,9 @@ def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointi
     # once: it runs before the layers, outside what checkpointing recomputes.
     rotary = rotary_matmul_flops_of_transformers_4(1, 32, 8)
     recomputed = 2 * 128 * (81_920 if reentrant_by_default() else 65_536) + 2_097_152
-    assert flops.totals == [82_837_504 + (recomputed if checkpointing else 0) + rotary]
-    # The trace counts the same on its own where asked, observed or not; unasked, it counts none.
+    assert counted.timeline.flops == 82_837_504 + (recomputed if checkpointing else 0) + rotary
+    # Unasked, the trace counts none.
     assert plain.timeline.flops is None
-    with counting_flops():
-        asked, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
-    assert asked.timeline.flops == flops.totals[0]
-    assert (asked.peak_bytes, asked.peak_parts) == (plain.peak_bytes, plain.peak_parts)
 
 
 def test_a_step_traced_again_for_another_allocator_is_answered_from_the_first_trace(monkeypatch):

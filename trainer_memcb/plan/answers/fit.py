@@ -41,13 +41,13 @@ import torch
 from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, LEANER_OPTIMIZERS, FitCandidate, FitSearch,
                                                        deepspeed_config_of, describe_changes,
                                                        expandable_segments_option, step_verdict, training_args_of)
-from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS, StepFlops,
+from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS,
                                                  offload_transfer_bytes, step_seconds)
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
 from trainer_memcb.plan.step.trace import counting_flops, traced_micro_batches
 
 # The cost model and the candidates are modules of their own; their names stay importable here.
-__all__ = ["FitCandidate", "FitSearch", "FitBatch", "StepFlops", "step_verdict", "search_fits", "largest_fitting_batch",
+__all__ = ["FitCandidate", "FitSearch", "FitBatch", "step_verdict", "search_fits", "largest_fitting_batch",
            "fit_batch_size", "step_planner", "training_args_of", "describe_changes",
            "deepspeed_config_of", "expandable_segments_option", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
            "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS", "HOST_BANDWIDTH"]

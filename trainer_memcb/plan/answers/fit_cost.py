@@ -11,11 +11,10 @@ are not counted.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
-from trainer_memcb.plan.step.flops import FlopCounting
 
-__all__ = ["StepFlops", "step_seconds", "offload_transfer_bytes", "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS",
+__all__ = ["step_seconds", "offload_transfer_bytes", "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS",
            "HOST_BANDWIDTH"]
 
 # Sustained dense FLOP/s of one process, by device type: what the step time is read against. CUDA:
@@ -31,18 +30,6 @@ MICRO_BATCH_SECONDS = {"cuda": 0.01, "cpu": 0.004}
 # Host <-> device bytes per second for offload: PCIe 4.0 x16 as CUDA's bandwidthTest measures it
 # with pinned memory (~25 GB/s of 32); 0 on the CPU (no transfer: the host is the device).
 HOST_BANDWIDTH = {"cuda": 25e9, "cpu": None}
-
-class StepFlops:
-    """The FLOPs of each step traced while its `observer` is observed (`observing_steps`): each
-    trace counts its own too (`Timeline.flops`), this counts them apart, in the same dispatch mode
-    (`trainer_memcb.plan.step.flops`)."""
-
-    def __init__(self) -> None:
-        self.totals: List[int] = []
-
-    def observer(self) -> Any:
-        return FlopCounting(self.totals)
-
 
 def step_seconds(flops: Optional[int], micro_batches: int, transfer: int, device_type: str) -> Optional[float]:
     """A step's estimated seconds: `micro_batches` of `flops` each, their fixed cost, and `transfer`

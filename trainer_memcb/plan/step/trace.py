@@ -76,7 +76,7 @@ from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
-__all__ = ["trace_step", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy", "observing_steps",
+__all__ = ["trace_step", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
@@ -190,12 +190,8 @@ def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], preci
     try:
         # On the CPU, checkpointing's generator states are in the step's memory (`rng_states`).
         rng_states = rng_states_counted() if device_type == "cpu" else contextlib.nullcontext()
-        with cast_policy, dropout_kernels, attention_kernels, rng_states, mode, tracker, \
-                contextlib.ExitStack() as observed:
-            if _COUNT_FLOPS[0]:
-                observed.enter_context(FlopCounting(flop_totals))
-            for observer in _OBSERVERS:
-                observed.enter_context(observer())
+        flops = FlopCounting(flop_totals) if _COUNT_FLOPS[0] else contextlib.nullcontext()
+        with cast_policy, dropout_kernels, attention_kernels, rng_states, mode, tracker, flops:
             for number in numbers:
                 if len(numbers) > 1:
                     engine.micro_batch(number, last=number == accumulation)
@@ -318,23 +314,6 @@ def _num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(labels.numel()))
 
 
-# Context managers entered around each step traced while `observing_steps` holds them.
-_OBSERVERS: List[Callable[[], Any]] = []
-
-
-@contextlib.contextmanager
-def observing_steps(observer: Callable[[], Any]) -> Any:
-    """Enter `observer()` around forward, backward and the optimizer step of every step traced
-    inside this block, inside the fake mode and the storage tracker, so that a dispatch mode there
-    (a FLOP counter, `trainer_memcb.plan.answers.fit_cost.StepFlops`) sees each op of the step as it runs. An
-    observer must leave the step as it is: it sees the ops, and the trace counts the same storages."""
-    _OBSERVERS.append(observer)
-    try:
-        yield
-    finally:
-        _OBSERVERS.remove(observer)
-
-
 # One FakeTensorMode per trace, set by `trace_step`.
 _MODE: List[Any] = [None]
 
@@ -367,8 +346,7 @@ def sharing_traces() -> Iterator[None]:
     unchanged (the model, its settings, batch, sequence, precision, optimizer, checkpointing, device
     type and the GPU's compute capability) returns the first trace's timeline, so that what the
     trace does not read (the allocator's settings, the device's memory, the reserve) is answered
-    again from the same timeline without a new trace. Nested blocks share the outermost's traces.
-    Steps traced while `observing_steps` holds an observer are traced anew: the observer sees them."""
+    again from the same timeline without a new trace. Nested blocks share the outermost's traces."""
     if _SHARED[0] is not None:
         yield
         return
@@ -415,11 +393,11 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int
     options = dict(seq_len=seq_len, args=args, device_type=device_type,
                    step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization, padding=padding,
                    input_options=input_options, compute_capability=compute_capability)
-    if shared is None or _OBSERVERS:
+    if shared is None:
         return trace_step_once(meta, settings, **options)
     # Where each setting came from changes nothing of the step.
     key = (model_fingerprint(meta), repr(dataclasses.replace(settings, sources={})),
-           repr(sorted(((name, repr(value)) for name, value in options.items()))))
+           repr(sorted(options.items())))
     found = shared.get(key)
     if found is None or (_COUNT_FLOPS[0] and isinstance(found, Timeline) and found.flops is None):
         try:
