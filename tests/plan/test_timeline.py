@@ -64,3 +64,27 @@ def test_a_traced_step_s_timeline_holds_each_phase_s_peak_and_the_answer_reads_i
     assert "engine_buffers" in set(line.tags.values())
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
     assert plan.forward_backward_peak_bytes == line.forward_backward.bytes + line.bytes_of(line.groups["optimizer_state"])
+
+
+def test_what_the_plan_adds_for_the_whole_step_is_a_storage_of_the_timeline():
+    # A 100-byte optimizer state estimated by rule, then a 1000-byte reference model: each made
+    # first, alive at every phase's peak, never freed; the state is a model state and resident.
+    line = timeline().with_resident("optimizer_state", 100, state="optimizer_state", group="optimizer_state")
+    line = line.with_resident("reference_model", 1000)
+    assert line.events[:3] == (7, 6, 0) and line.step_start == 4
+    assert (line.sizes[6], line.sizes[7]) == (100, 1000)
+    assert (line.part_of(6), line.part_of(7)) == ("optimizer_state", "reference_model")
+    assert line.groups["optimizer_state"] == frozenset({6}) and line.state_resident
+    assert line.forward_backward.bytes == 92 + 1100 and line.bytes_of(line.forward_backward.storages) == 1192
+    assert line.most_by(line.states.get) == {"parameters": 16, "gradients": 48, "optimizer_state": 100}
+    assert list(line.allocations())[:3] == [("alloc", 7, 1000), ("alloc", 6, 100), ("alloc", 0, 16)]
+    assert not any(event == ("free", 6) or event == ("free", 7) for event in line.allocations())
+    assert timeline().forward_backward.bytes == 92  # the timeline it grew from is unchanged
+
+
+def test_a_resident_part_that_lives_on_the_host_carries_its_state_there():
+    import dataclasses
+
+    line = dataclasses.replace(timeline(), host_parts=("optimizer_state",))
+    line = line.with_resident("optimizer_state", 100, state="optimizer_state", group="optimizer_state")
+    assert line.states[6] == "optimizer_state@host"

@@ -5,7 +5,11 @@ during the step, and fits? against the device's memory, read from the traced ste
 it (`trainer_memcb.plan.step.trace`: what is traced and how it is counted), and reads the answer:
 the step's peak is `max(peak of forward and backward + optimizer state, peak of the optimizer
 step)`, the peak of every step after the first; what lives on the host (offload) is left out of
-the device's peak; a frozen reference model is added. On CUDA the step's allocations are replayed
+the device's peak. What a run holds through the whole step that the trace does not make (a frozen
+reference model; the optimizer state its estimate rule gives, where the optimizer cannot be built
+under fake tensors) enters the timeline as a storage of its own (`Timeline.with_resident`) before
+anything is read, so the peak, its parts, the model states and the allocator replay are each read
+from one timeline, and no figure is patched after it. On CUDA the step's allocations are replayed
 over two steps through the caching allocator (`trainer_memcb.plan.answers.step_replay`): the
 reserved peak, the fragmentation and the device total, and fits? from that replay on the device's
 memory less the CUDA context and the reserve; on the CPU, fits? is the peak against the memory less
@@ -168,20 +172,20 @@ def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
 
 @dataclass(frozen=True)
 class _StepFigures:
-    """The step's figures read from its timeline, before the answer adds what the trace cannot see."""
+    """The step's figures, each read from its timeline: the device's peak and its parts, what lives
+    on the host beside them, and the most each model state held."""
 
     peak_bytes: int
     peak_phase: str
     peak_parts: Dict[str, int]
+    host_bytes: Dict[str, int]
     forward_backward_peak: int
     optimizer_peak: Optional[int]
     states_most: Dict[str, int]
+    states_host: Dict[str, int]
     states_at_optimizer_step: Dict[str, int]
-    # Of forward_backward_peak and optimizer_peak: the bytes of the engine's host parts (offload).
-    forward_backward_host: int
-    optimizer_host: int
-    # With accumulation: (micro-batch, its peak with the optimizer state, its host bytes) per traced one.
-    micro_batches: Tuple[Tuple[int, int, int], ...] = ()
+    # With accumulation: [micro-batch, its device peak with the optimizer state] per traced one.
+    micro_batches: List[List[int]]
 
 
 def _read_peak(timeline: Timeline) -> _StepFigures:
@@ -191,32 +195,34 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
     every later step the state is alive from the start, so it is added to forward and backward's
     peak, and at the optimizer phase's peak the state of the parameters after it (not made yet in
     the first step) is added too; the step's peak is the larger of the two phases', compared by
-    the device's bytes (what lives on the host, offloaded, left out of the comparison)."""
+    the device's bytes. What lives on the host (offloaded, the timeline's `host_parts`) is left out
+    of the device's figures and reported apart."""
     stepped = timeline.optimizer_step is not None
     fb = timeline.forward_backward
     optimizer = timeline.optimizer_step or PhasePeak("optimizer step", 0, ())
     state_keys = timeline.groups["optimizer_state"]
-    # Optimizer state an engine makes before the step (DeepSpeed's) is in the timeline already.
+    # Optimizer state made before the step (DeepSpeed's, one estimated by rule) is in the timeline already.
     state_bytes = 0 if timeline.state_resident else timeline.bytes_of(state_keys)
     not_yet = 0 if timeline.state_resident else timeline.bytes_of(state_keys - set(optimizer.storages))
-    optimizer_peak = optimizer.bytes + not_yet if stepped else 0
     host_parts, tags, sizes = timeline.host_parts, timeline.tags, timeline.sizes
 
     def host_bytes_of(keys: Tuple[int, ...], state_extra: int) -> int:
         found = sum(sizes[key] for key in set(keys) if tags.get(key) in host_parts)
         return found + (state_extra if "optimizer_state" in host_parts else 0)
 
-    fb_host = host_bytes_of(fb.storages, state_bytes)
-    optimizer_host = host_bytes_of(optimizer.storages, not_yet) if stepped else 0
-    if fb.bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:
-        peak, at, extra_state = fb.bytes + state_bytes, fb, state_bytes
+    fb_peak = fb.bytes + state_bytes - host_bytes_of(fb.storages, state_bytes)
+    optimizer_peak = optimizer.bytes + not_yet - host_bytes_of(optimizer.storages, not_yet) if stepped else None
+    if optimizer_peak is None or fb_peak >= optimizer_peak:
+        at, extra_state = fb, state_bytes
     else:
-        peak, at, extra_state = optimizer_peak, optimizer, not_yet
+        at, extra_state = optimizer, not_yet
     parts = {name: 0 for name in PLAN_PARTS}
     for key in at.storages:
         part = timeline.part_of(key, at.saved)
         parts[part] = parts.get(part, 0) + sizes[key]
     parts["optimizer_state"] += extra_state
+    host = {part: parts.pop(part) for part in host_parts if parts.get(part)}
+    peak = at.bytes + extra_state - sum(host.values())
     # The most each model state held at one moment (the engine's buffers for it included); the
     # optimizer state of a later step is alive from its start (`state_bytes`).
     most = timeline.most_by(timeline.states.get)
@@ -229,10 +235,15 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
             if state is not None:
                 at_step[state] = at_step.get(state, 0) + sizes[key]
         at_step[optimizer_state] = at_step.get(optimizer_state, 0) + not_yet
-    micro_batches = tuple((number, one.bytes + state_bytes, host_bytes_of(one.storages, state_bytes))
-                          for number, one in timeline.micro_batch_peaks)
-    return _StepFigures(peak, at.phase, parts, fb.bytes + state_bytes, optimizer_peak if stepped else None, most,
-                        at_step, fb_host, optimizer_host, micro_batches)
+    micro_batches = [[number, one.bytes + state_bytes - host_bytes_of(one.storages, state_bytes)]
+                     for number, one in timeline.micro_batch_peaks]
+    return _StepFigures(
+        peak, at.phase, parts, host, fb_peak, optimizer_peak,
+        states_most={state: most.get(state, 0) for state in MODEL_STATES},
+        states_host={state: most.get(state + HOST, 0) for state in MODEL_STATES},
+        states_at_optimizer_step={state: at_step.get(state, 0) + at_step.get(state + HOST, 0)
+                                  for state in MODEL_STATES} if at_step else {},
+        micro_batches=micro_batches)
 
 
 def plan_step_memory(
@@ -366,15 +377,6 @@ def plan_step_memory(
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
                               problem=f"the step cannot run under fake tensors ({error})", **common), states_plan
     notes = list(timeline.notes)
-    implementation = timeline.optimizer_implementation
-    traced = _read_peak(timeline)
-    peak, parts = traced.peak_bytes, dict(traced.peak_parts)
-    most = {state: traced.states_most.get(state, 0) for state in MODEL_STATES}
-    most_host = {state: traced.states_most.get(state + HOST, 0) for state in MODEL_STATES}
-    at_step = {state: traced.states_at_optimizer_step.get(state, 0) + traced.states_at_optimizer_step.get(state + HOST, 0)
-               for state in MODEL_STATES} if traced.states_at_optimizer_step else {}
-    fb_peak, optimizer_peak = traced.forward_backward_peak, traced.optimizer_peak
-    phase = traced.peak_phase
     if timeline.optimizer_failure is not None:
         # Its state, as its estimate rule plans it, is alive through every later step's forward
         # and backward; the update's own temporaries are not known.
@@ -387,72 +389,56 @@ def plan_step_memory(
                                   peak_phase=None, problem=f"{optimizer}: its constructor cannot run under fake "
                                   f"tensors ({timeline.optimizer_failure}) and no rule estimates its state", **common), \
                 states_plan
-        peak, phase = fb_peak + estimated, traced.peak_phase
-        fb_peak, optimizer_peak = peak, None
-        parts["optimizer_state"] += estimated
-        most["optimizer_state"], at_step = estimated, {}
+        timeline = timeline.with_resident("optimizer_state", estimated, state="optimizer_state", group="optimizer_state")
         notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({timeline.optimizer_failure}); "
                      f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
                      f"and the optimizer step's own temporaries are not traced")
-    host = {part: parts.pop(part) for part in timeline.host_parts if parts.get(part)}
-    if host:
-        # Offloaded states: on the CPU in a real run; the trace holds them beside the device's bytes.
-        peak -= sum(host.values())
-        fb_peak -= traced.forward_backward_host
-        optimizer_peak = None if optimizer_peak is None else optimizer_peak - traced.optimizer_host
-        notes.append(f"offloaded to the CPU, not in the device peak: {', '.join(f'{k} {v} bytes' for k, v in host.items())}")
     reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
     if reference:
         # A frozen reference model (DPO-style training) is alive through the whole step. Its own
         # forward's temporaries are not traced.
-        parts["reference_model"] = reference
-        if True:
-            peak += reference
-            fb_peak = fb_peak + reference
-            optimizer_peak = None if optimizer_peak is None else optimizer_peak + reference
+        timeline = timeline.with_resident("reference_model", reference)
+    traced = _read_peak(timeline)
+    if traced.host_bytes:
+        notes.append("offloaded to the CPU, not in the device peak: "
+                     + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
+    if reference:
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
-    # The micro-batches' own peaks, read as the forward and backward's is (host parts out, the
-    # reference model in); that of the micro-batch holding the peak is `forward_backward_peak_bytes`.
-    micro_batch_peaks = [[number, bytes_ - host_bytes + reference] for number, bytes_, host_bytes in traced.micro_batches] \
-        if timeline.optimizer_failure is None else []
     fits = margin = None
     allocator: Dict[str, Any] = {}
     if device_type == "cuda":
-        resident = {}
-        if reference:
-            resident["reference_model"] = reference
-        if timeline.optimizer_failure is not None and "optimizer_state" not in timeline.host_parts:
-            resident["optimizer_state_estimated"] = parts["optimizer_state"]
-        fits, margin, allocator = _replayed(timeline, conf, preset, device_memory, reserve_bytes, resident,
+        fits, margin, allocator = _replayed(timeline, conf, preset, device_memory, reserve_bytes,
                                             settings.torch_empty_cache_steps)
         if allocator["out_of_memory_at"] is not None:
             notes.append(f"the allocator replay runs out of memory in {allocator['out_of_memory_at']}")
     elif device_memory is not None:
-        margin = device_memory - reserve_bytes - peak
+        margin = device_memory - reserve_bytes - traced.peak_bytes
         fits = margin >= 0
     return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
-                          activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=peak, peak_phase=phase,
-                          peak_parts=parts, forward_backward_peak_bytes=fb_peak,
-                          optimizer_step_peak_bytes=optimizer_peak, model_states_most_bytes=most,
-                          model_states_host_bytes=most_host, model_states_at_optimizer_step_bytes=at_step, fits=fits, margin_bytes=margin, notes=notes,
-                          engine=timeline.engine, optimizer_implementation=implementation, host_bytes=host,
+                          activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=traced.peak_bytes,
+                          peak_phase=traced.peak_phase, peak_parts=traced.peak_parts,
+                          forward_backward_peak_bytes=traced.forward_backward_peak,
+                          optimizer_step_peak_bytes=traced.optimizer_peak, model_states_most_bytes=traced.states_most,
+                          model_states_host_bytes=traced.states_host,
+                          model_states_at_optimizer_step_bytes=traced.states_at_optimizer_step, fits=fits,
+                          margin_bytes=margin, notes=notes, engine=timeline.engine,
+                          optimizer_implementation=timeline.optimizer_implementation, host_bytes=traced.host_bytes,
                           settings_used=[list(row) for row in settings.used()],
                           gradient_accumulation_steps=timeline.gradient_accumulation_steps,
-                          peak_micro_batch=timeline.peak_micro_batch if phase != "optimizer step" else None,
-                          micro_batch_peak_bytes=micro_batch_peaks, timeline=timeline, **allocator, **common), states_plan
+                          peak_micro_batch=timeline.peak_micro_batch if traced.peak_phase != "optimizer step" else None,
+                          micro_batch_peak_bytes=traced.micro_batches, timeline=timeline, **allocator, **common), \
+        states_plan
 
 
 def _replayed(timeline: Timeline, conf: AllocConf, preset: Optional[GpuPreset], device_memory: Optional[int],
-              reserve: int, resident: Dict[str, int], empty_cache_steps: Optional[int]
-              ) -> Tuple[Optional[bool], Optional[int], Dict[str, Any]]:
+              reserve: int, empty_cache_steps: Optional[int]) -> Tuple[Optional[bool], Optional[int], Dict[str, Any]]:
     """fits?, the margin and the allocator's figures, from the step's allocations replayed over two
     steps (`replay_step`): first with no limit; when its reserved peak exceeds what the allocator
     may take (`device_memory` less the CUDA context and `reserve`), again with that limit, where the
     allocator frees its cache and retries before it fails, as torch does."""
     context = preset.cuda_context_bytes if preset is not None else DEFAULT_CUDA_CONTEXT_BYTES
     capability = preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
-    options = dict(alloc_conf=conf, compute_capability=capability, empty_cache_steps=empty_cache_steps,
-                   resident=resident)
+    options = dict(alloc_conf=conf, compute_capability=capability, empty_cache_steps=empty_cache_steps)
     fraction = conf.per_process_memory_fraction < 1.0
     if fraction and device_memory is None:
         raise ValueError(f"alloc_conf {conf.text!r}: per_process_memory_fraction is a fraction of the device's "

@@ -5,8 +5,9 @@ and freed, in order. `step_allocations` turns it into the calls a CUDA process m
 caching allocator over its first two training steps, and `replay_step` runs them through the model
 of that allocator (`trainer_memcb.plan.device.caching_allocator.CachingAllocatorModel`):
 
-- **Step 1** is the timeline from its start: the model's parameters and buffers, the batch and an
-  engine's resident buffers made first, in order, then the forward, the backward and the optimizer
+- **Step 1** is the timeline from its start: what the plan adds for the whole step (a frozen
+  reference model, an optimizer state estimated by rule: `Timeline.with_resident`), the model's
+  parameters and buffers, the batch and an engine's resident buffers made first, in order, then the forward, the backward and the optimizer
   step, whose optimizer state (and any buffer an engine makes lazily) is made as the step reaches it.
 - **Step 2** keeps what step 1 left alive (the cache is never emptied between steps by the
   Trainer): the optimizer state and the engine's buffers are not made again. The optimizer state
@@ -82,7 +83,7 @@ _Event = Union[Tuple[str, Any, int], Tuple[str, Any], Tuple[str]]
 
 
 def step_allocations(timeline: Timeline, *, compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
-                     empty_cache_steps: Optional[int] = None, resident: Mapping[str, int] = {},
+                     empty_cache_steps: Optional[int] = None,
                      env: Optional[Mapping[str, str]] = None) -> List[Tuple[_Event, str]]:
     """The allocator calls of two steps of `timeline` (see the module docstring), each with where
     it happens ("step N, PHASE").
@@ -91,15 +92,13 @@ def step_allocations(timeline: Timeline, *, compute_capability: Tuple[int, int] 
         timeline: the traced step.
         compute_capability: the GPU's, for the cuBLAS workspaces' size.
         empty_cache_steps: the Trainer's `torch_empty_cache_steps` (None: never).
-        resident: blocks alive through both steps that the trace does not hold (a frozen
-            reference model, an optimizer state estimated by rule), by name, allocated first.
         env: the environment the workspaces' sizes read (`CUBLAS_WORKSPACE_CONFIG`, ...).
     """
-    return _calls(timeline, compute_capability, empty_cache_steps, resident, env)[0]
+    return _calls(timeline, compute_capability, empty_cache_steps, env)[0]
 
 
 def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_steps: Optional[int],
-           resident: Mapping[str, int], env: Optional[Mapping[str, str]]) -> Tuple[List[Tuple[_Event, str]], int]:
+           env: Optional[Mapping[str, str]]) -> Tuple[List[Tuple[_Event, str]], int]:
     events, sizes = timeline.events, timeline.sizes
     host_parts = set(timeline.host_parts)
     tags = timeline.tags
@@ -110,8 +109,6 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
     workspaces = (cublas_workspace_bytes(compute_capability, env), cublaslt_workspace_bytes(compute_capability, env))
     calls: List[Tuple[_Event, str]] = []
     append = calls.append
-    for name, nbytes in resident.items():
-        append((("alloc", ("resident", name), nbytes), "step 1, setup"))
     # The optimizer's state (and ZeRO's master weights) lives from the step that makes it to the end
     # of training; the trace frees it when it drops its optimizer after the step, which a run never does.
     kept = set(timeline.groups.get("optimizer_state", ())) | {
@@ -176,7 +173,7 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
 def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] = None,
                 device_memory: Optional[int] = None,
                 compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
-                empty_cache_steps: Optional[int] = None, resident: Mapping[str, int] = {},
+                empty_cache_steps: Optional[int] = None,
                 env: Optional[Mapping[str, str]] = None) -> StepReplay:
     """Replay two steps of `timeline` through the caching allocator (`step_allocations`).
 
@@ -186,11 +183,10 @@ def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] =
             context and any reserve); None: no limit.
         compute_capability: as `step_allocations`.
         empty_cache_steps: as `step_allocations`.
-        resident: as `step_allocations`.
         env: as `step_allocations`.
     """
     conf = as_alloc_conf(alloc_conf)
-    calls, step1_end = _calls(timeline, compute_capability, empty_cache_steps, resident, env)
+    calls, step1_end = _calls(timeline, compute_capability, empty_cache_steps, env)
     model = CachingAllocatorModel(conf, device_memory)
     best_reserved = -1
     at_peak = 0

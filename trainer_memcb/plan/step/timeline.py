@@ -104,6 +104,37 @@ class Timeline:
     phase_starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     first_matmul: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
+    def with_resident(self, part: str, nbytes: int, *, state: Optional[str] = None,
+                      group: Optional[str] = None) -> "Timeline":
+        """This timeline with one storage more, of `nbytes`, tagged `part`, alive from before the
+        step's first event to its end: what a run holds through the whole step that the trace does
+        not make, such as a frozen reference model, or the optimizer state its estimate rule gives
+        where the optimizer cannot be built under fake tensors. It is allocated first (before the
+        model's parameters), never freed, and alive at every phase's peak; `state` is the model
+        state it carries (`HOST` appended where `part` lives on the host), `group` the plan's own
+        part it joins (an optimizer state that joins "optimizer_state" is then resident: made
+        before the step, as `state_resident` says)."""
+        serial = max(self.sizes, default=-1) + 1
+
+        def grown(peak: PhasePeak) -> PhasePeak:
+            return dataclasses.replace(peak, bytes=peak.bytes + nbytes, storages=peak.storages + (serial,))
+
+        groups = dict(self.groups)
+        if group is not None:
+            groups[group] = groups.get(group, frozenset()) | {serial}
+        states = dict(self.states)
+        if state is not None:
+            states[serial] = state + (HOST if part in self.host_parts else "")
+        return dataclasses.replace(
+            self, events=(serial,) + tuple(self.events), sizes={**self.sizes, serial: nbytes},
+            tags={**self.tags, serial: part}, groups=groups, states=states, step_start=self.step_start + 1,
+            forward_backward=grown(self.forward_backward),
+            optimizer_step=None if self.optimizer_step is None else grown(self.optimizer_step),
+            micro_batch_peaks=tuple((number, grown(peak)) for number, peak in self.micro_batch_peaks),
+            state_resident=self.state_resident or group == "optimizer_state",
+            phase_starts={phase: index + 1 for phase, index in self.phase_starts.items()},
+            first_matmul={phase: index + 1 for phase, index in self.first_matmul.items()})
+
     def part_of(self, serial: int, saved: FrozenSet[int] = frozenset()) -> str:
         """The part of a storage at a moment when `saved` were saved for backward."""
         tag = self.tags.get(serial)
