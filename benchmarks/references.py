@@ -151,7 +151,7 @@ def step_activations(build, batch: int, seq: int, checkpointing: bool = False) -
 
     from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
-    plan, _ = plan_step_memory(build, batch_size=batch, seq_len=seq, setup=Setup(precision="bf16"),
+    plan, _ = plan_step_memory(build, batch_size=batch, seq_len=seq, precision="bf16",
                                dtype=torch.float16, gradient_checkpointing=checkpointing, model_states=False)
     if plan.problem:
         raise RuntimeError(plan.problem)
@@ -242,7 +242,7 @@ def family_rows() -> List[Dict[str, object]]:
         path = os.path.join(REPO_ROOT, "examples", "models", folder)
         start, cpu_start = time.perf_counter(), time.process_time()
         plan, _ = plan_step_memory(lambda: build_meta_model(path, torch.bfloat16), batch_size=batch, seq_len=seq_len,
-                                   target_len=target_len, setup=Setup(precision="bf16"), optimizer="adamw_torch",
+                                   target_len=target_len, precision="bf16", optimizer="adamw_torch",
                                    attn_implementation=attention, model_states=False)
         rows.append({"model": folder, "attention": attention, "batch": batch, "seq_len": seq_len, "target_len": target_len, "plan": plan,
                      "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start})

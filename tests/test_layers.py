@@ -25,11 +25,11 @@ ALLOWED: Dict[str, Set[str]] = {
 
 
 # The plan's stages, each a subpackage of `trainer_memcb.plan`, in order -> the stages it may
-# import. `device` (the caching allocator, the GPU presets) imports no other stage; the step and
-# the answers may import it. The package `trainer_memcb.plan` itself imports no stage.
+# import. `device` (the caching allocator, the GPU presets) imports no other stage; the settings, the
+# step and the answers may import it. The package `trainer_memcb.plan` itself imports no stage.
 PLAN_STAGES: Dict[str, Set[str]] = {
-    "settings": set(),
     "device": set(),
+    "settings": {"device"},  # a GPU preset's name and the allocator's settings are checked where they are given
     "model": {"settings"},
     "optimizers": {"model", "settings"},
     "step": {"device", "optimizers", "model", "settings"},

@@ -12,7 +12,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from helpers import rotary_buffers_beyond_transformers_5s, tiny_llama_folder
 
 from trainer_memcb.cli import main
-from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
 from trainer_memcb.plan.answers.max_batch import max_batch_size
 from trainer_memcb.plan.model.trainer_model import reentrant_by_default
@@ -171,7 +170,7 @@ def test_sharded_setups_trace_the_peak_at_one_moment(tiny_llama_dir):
     whole, _ = plan_step_memory(build, batch_size=4, seq_len=16, attn_implementation="eager", optimizer="adamw_torch",
                                 model_states=False)
     plan, states = plan_step_memory(build, batch_size=4, seq_len=16, attn_implementation="eager", optimizer="adamw_torch",
-                                    setup=Setup(world_size=4, sharding="zero3", precision="deepspeed-bf16"))
+                                    world_size=4, sharding="zero3", precision="deepspeed-bf16")
     row = states.optimizers[0]
     # Activations do not depend on the sharding (the trace in 16 bits saves half of fp32's floats).
     assert plan.activations_bytes is not None and plan.activations_bytes < whole.activations_bytes

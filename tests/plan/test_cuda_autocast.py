@@ -263,13 +263,12 @@ def test_a_llama_saves_what_cuda_autocast_saves(attn: str) -> None:
 
 def _tiny_plan(kind: str, attn: str, precision: str, ckpt: bool) -> Any:
     from trainer_memcb.plan.answers.step_memory import plan_step_memory
-    from trainer_memcb.plan.settings.setup import Setup
 
     def build() -> torch.nn.Module:
         with torch.device("meta"):
             return _tiny_bert() if kind == "bert" else _tiny_llama(attn)
 
-    plan, _ = plan_step_memory(build, batch_size=2, seq_len=16, setup=Setup(precision=precision),
+    plan, _ = plan_step_memory(build, batch_size=2, seq_len=16, precision=precision,
                                attn_implementation=attn, gradient_checkpointing=ckpt, model_states=False,
                                device_type="cpu")
     assert plan.problem is None

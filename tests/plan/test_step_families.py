@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from helpers import independent_saved_bytes, installed_version, profiled_run_peak, storage_bytes
-from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 transformers = pytest.importorskip("transformers")
@@ -208,8 +207,8 @@ def plan_of(kind: str, dtype: torch.dtype, attn: str = None, ckpt: bool = False,
     sizes = {"seq_len": None} if kind in ("vit", "whisper") else {"seq_len": S}
     if kind in ("bart", "t5", "whisper"):
         sizes["target_len"] = T
-    plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=B, setup=Setup(
-        precision="bf16" if dtype == torch.bfloat16 else "fp32"), optimizer="adamw_torch", attn_implementation=attn,
+    plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=B, 
+        precision="bf16" if dtype == torch.bfloat16 else "fp32", optimizer="adamw_torch", attn_implementation=attn,
         gradient_checkpointing=ckpt, model_states=False, device_type="cpu", **sizes)  # the CPU optimizer loop
     assert plan.problem is None, plan.problem
     return plan

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from helpers import profiled_run_peak, requires_transformers, storage_bytes
-from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
@@ -110,7 +109,7 @@ def test_planned_activations_equal_a_real_forward_to_the_byte(kind: str, attn: s
                                                               lora: bool) -> None:
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=BATCH, seq_len=SEQ,
-                               setup=Setup(precision=precision), attn_implementation=attn,
+                               precision=precision, attn_implementation=attn,
                                gradient_checkpointing=ckpt, model_states=False, device_type="cpu")
     assert plan.problem is None
     assert plan.attn_implementation == attn

@@ -160,13 +160,14 @@ def describe_changes(changes: Dict[str, Any]) -> str:
 def expandable_segments_option(planner: Callable[..., Any] = plan_step_memory) -> Optional[Dict[str, str]]:
     """The keyword that plans a step with expandable segments, where the plan models the caching
     allocator: `{"alloc_conf": "expandable_segments:True"}` when `planner` takes an `alloc_conf`
-    argument, else None (the proposal is left out: without the allocator modelled, the plan's peak
-    does not depend on it)."""
+    argument (`plan_step_memory` takes it among its settings' flags), else None (the proposal is left
+    out: without the allocator modelled, the plan's peak does not depend on it)."""
     try:
         parameters = inspect.signature(planner).parameters
     except (TypeError, ValueError):
         return None
-    return {"alloc_conf": "expandable_segments:True"} if "alloc_conf" in parameters else None
+    takes = "alloc_conf" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return {"alloc_conf": "expandable_segments:True"} if takes else None
 
 
 # The precision of a setting -> the TrainingArguments flags that give it (a model loaded in 16 bits,

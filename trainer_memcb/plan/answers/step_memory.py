@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,9 +32,9 @@ from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_C
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
-from trainer_memcb.plan.settings.setup import Setup, setup_of
+from trainer_memcb.plan.settings.setup import setup_of
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
-from trainer_memcb.plan.step.trace import DEVICE_TYPES, UntracedStep, trace_step
+from trainer_memcb.plan.step.trace import UntracedStep, trace_step
 
 __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "check_attn_implementation"]
 
@@ -248,171 +248,117 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
 
 def plan_step_memory(
     build_model: Callable[[], nn.Module],
+    settings: Optional[StepSettings] = None,
     *,
-    batch_size: Optional[int] = None,
-    seq_len: Optional[int] = None,
-    setup: Optional[Setup] = None,
-    optimizer: Optional[str] = None,
     args: Any = None,
-    attn_implementation: Optional[str] = None,
-    gradient_checkpointing: Optional[bool] = None,
-    device_type: str = "cuda",
-    device_memory: Optional[int] = None,
     model_name: Optional[str] = None,
     model_states: bool = True,
     states_plan: Optional[ModelStatesPlan] = None,
     dtype: Optional[torch.dtype] = None,
-    reserve_bytes: int = 0,
-    settings: Optional[StepSettings] = None,
-    target_len: Optional[int] = None,
-    image_size: Optional[int] = None,
-    padding: int = 0,
     keep_dtypes: bool = False,
     quantization: Any = None,
-    alloc_conf: Union[None, str, AllocConf] = None,
-    gpu: Union[None, str, GpuPreset] = None,
+    **flags: Any,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
+
+    The settings are resolved once (`trainer_memcb.plan.settings.resolve_settings`): `settings`
+    when given, else those `args` holds; the `flags` over them. The trace, the engines and the
+    answers read nothing else of the setup.
 
     Args:
         build_model: makes the model on the meta device (`trainer_memcb.plan.optimizers.whatif.build_meta_model`
             plus LoRA adapters); called once per trace, its parameters are replaced by fake ones.
-        batch_size: the per-device micro-batch (None: `args.per_device_train_batch_size`).
-        seq_len: the sequence length of the micro-batch.
-        setup: world size, sharding, precision (as the model-states plan); given, it overrides
-            `args` and `settings`.
-        optimizer: the Trainer's `optim` name for the traced optimizer step (None: `args.optim`,
-            else adamw_torch).
-        args: `TrainingArguments`: the optimizer's hyperparameters, and the settings the Trainer
-            reads from them (batch size, bf16/fp16, optim, gradient checkpointing, clipping, the
-            DeepSpeed and FSDP configs) unless given here explicitly.
-        attn_implementation: "eager", "sdpa" or another transformers attention; None keeps the
-            config's.
-        gradient_checkpointing: the Trainer's `gradient_checkpointing=True`, with the keywords of
-            `args` or `settings` (`checkpointing_kwargs`), else as the installed transformers
-            checkpoints without them (non-reentrant from transformers 5 on, reentrant in 4.x).
-        device_type: "cuda" or "cpu": the device the run will use (see the module docstring).
-        device_memory: bytes per process, for fits / margin (None with `gpu`: the preset's
-            `total_bytes`, what `torch.cuda.mem_get_info` reports there).
-        reserve_bytes: the user's own margin, beyond what the plan models (`NOT_COUNTED`): on CUDA
-            taken with the CUDA context from `device_memory` before the allocator replay.
-        alloc_conf: `PYTORCH_CUDA_ALLOC_CONF` for the replay, a string or an `AllocConf`; None
-            reads the environment (`PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`), as torch does.
-        gpu: a GPU preset (`trainer_memcb.plan.device.gpus`) or its name: its memory, its CUDA
-            context and its compute capability (the cuBLAS workspaces).
+        settings: settings resolved already, the engine's options among them (DDP's buckets,
+            FSDP2's resharding and offload, ZeRO's config).
+        args: `TrainingArguments`: the optimizer's hyperparameters, and (without `settings`) the
+            settings the Trainer reads from them (batch size, bf16/fp16, optim, gradient
+            checkpointing, clipping, the DeepSpeed and FSDP configs).
+        model_name: the name the plan gives the model (None: its class's).
         model_states: also plan the model states (the sharded setups need them).
         states_plan: a model-states plan made already for this model and setup (reused).
         dtype: the parameters' dtype; None takes the precision's (fp32, bf16; 16-bit for DeepSpeed's).
-        settings: settings resolved already (`trainer_memcb.plan.settings.resolve_settings`), the
-            engine's options among them (DDP's buckets, FSDP2's resharding and offload, ZeRO's config);
-            the explicit arguments above still override it.
-        target_len: a seq2seq model's labels length (`trainer_memcb.plan.model.step_inputs`).
-        image_size: an image model's height and width.
-        padding: the batch's padded positions.
-        quantization: a `trainer_memcb.plan.model.quantized.Quantization`: the base model's linear layers
-            loaded in 4-bit or 8-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
         keep_dtypes: trace each parameter in the dtype `build_model` made it (PEFT's float32 adapters
             over a 16-bit base, as `get_peft_model` keeps them) rather than casting all to `dtype`.
+        quantization: a `trainer_memcb.plan.model.quantized.Quantization`: the base model's linear layers
+            loaded in 4-bit or 8-bit by bitsandbytes (QLoRA), as `BitsAndBytesConfig` loads them.
+        flags: `StepSettings` fields given explicitly (`batch_size`, `seq_len`, `optimizer`,
+            `device_type`, `device_memory`, `reserve_bytes`, `alloc_conf`, `gpu`, ...), their
+            source "flag". `device_memory` defaults to the GPU preset's `total_bytes`; the reserve is
+            taken with the CUDA context from it before the allocator replay (see the module docstring).
 
     Returns:
         The step plan, and the model-states plan (or None).
 
     Raises:
-        ValueError: a bad batch size, sequence length, attention path, device type, reserve,
-            `alloc_conf` or `gpu`.
+        ValueError: an unknown setting, or a bad batch size, sequence length, attention path,
+            device type, reserve, `alloc_conf` or `gpu`.
     """
-    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
-        raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
-    preset = gpu if isinstance(gpu, GpuPreset) or gpu is None else gpu_preset(gpu)
-    conf = alloc_conf_from_environment() if alloc_conf is None else as_alloc_conf(alloc_conf)
-    if device_memory is None and preset is not None:
-        device_memory = preset.total_bytes
     meta = build_model()
-    config = getattr(meta, "config", None)
-    hidden = getattr(getattr(config, "get_text_config", lambda: config)(), "hidden_size", None) if config is not None else None
-    settings = _resolve(settings, args, setup, batch_size=batch_size, optimizer=optimizer,
-                        gradient_checkpointing=gradient_checkpointing, hidden_size=hidden)
-    batch_size = settings.batch_size if settings.batch_size is not None else batch_size
-    optimizer, gradient_checkpointing = settings.optimizer, settings.gradient_checkpointing
-    setup = setup_of(settings, setup)
-    # The trace reads the settings alone: they carry the batch and the precision resolved here.
-    if (settings.batch_size, settings.precision) != (batch_size, setup.precision):
-        settings = dataclasses.replace(settings, batch_size=batch_size, precision=setup.precision)
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("target_len", target_len),
-                        ("image_size", image_size)):
-        if value is None and name != "batch_size":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
-    if device_type not in DEVICE_TYPES:
-        raise ValueError(f"device_type={device_type!r} is not one of: {', '.join(DEVICE_TYPES)}")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    settings = _resolve(settings, args, meta, flags)
+    if settings.batch_size is None:
+        raise ValueError("batch_size=None: expected a whole number of at least 1")
+    setup = setup_of(settings)
     if model_states and states_plan is None:
-        states_plan = plan_model_states(meta, optimizer, setup, args=args, model_name=model_name)
-    name = model_name or type(meta).__name__
-    config = getattr(meta, "config", None)
-    if attn_implementation is not None and config is not None:
-        check_attn_implementation(meta, attn_implementation)
-        config._attn_implementation = attn_implementation
-    input_options = dict(target_len=target_len, image_size=image_size, padding=padding)
-    with FakeTensorMode():  # the options the model has no use for are refused before anything runs
-        step_inputs(meta, 1, seq_len, **input_options)
-    attention = getattr(config, "_attn_implementation", None) if config is not None else None
-    precision = setup.precision
-    step_dtype = dtype or _step_dtype(precision, meta)
-    common = dict(param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None, model=name, batch_size=batch_size, seq_len=seq_len, attn_implementation=attention,
-                  device_type=device_type, traced_on="cpu", gradient_checkpointing=gradient_checkpointing,
-                  checkpointing_kwargs=(checkpointing_kwargs(args, settings.checkpointing_kwargs)
-                                        if gradient_checkpointing else {}),
-                  precision=precision, optimizer=optimizer, device_memory_bytes=device_memory,
-                  reserve_bytes=reserve_bytes if device_memory is not None else None,
-                  not_counted=list(NOT_COUNTED[device_type]))
+        states_plan = plan_model_states(meta, settings.optimizer, setup, args=args, model_name=model_name)
+    _check_model_inputs(meta, settings)
+    step_dtype = dtype or _step_dtype(settings.precision, meta)
+    common = _common_fields(meta, settings, args, model_name, step_dtype)
+    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
     try:
         timeline = trace_step(
-            meta, settings, seq_len=seq_len, args=args, device_type=device_type, step_dtype=step_dtype,
-            keep_dtypes=keep_dtypes, quantization=quantization, padding=padding, input_options=input_options,
+            meta, settings, seq_len=settings.seq_len, args=args, device_type=settings.device_type,
+            step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization, padding=settings.padding,
+            input_options=_input_options(settings),
             compute_capability=preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY)
     except UntracedStep as error:
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
                               problem=f"the step cannot run under fake tensors ({error})", **common), states_plan
     notes = list(timeline.notes)
     if timeline.optimizer_failure is not None:
-        # Its state, as its estimate rule plans it, is alive through every later step's forward
-        # and backward; the update's own temporaries are not known.
         rule_plan = states_plan if states_plan is not None else \
-            plan_model_states(build_model(), optimizer, setup, args=args, model_name=model_name)
+            plan_model_states(build_model(), settings.optimizer, setup, args=args, model_name=model_name)
         estimated = rule_plan.optimizers[0].optimizer_state_bytes
         if estimated is None:
             return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
                                   activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=None,
-                                  peak_phase=None, problem=f"{optimizer}: its constructor cannot run under fake "
-                                  f"tensors ({timeline.optimizer_failure}) and no rule estimates its state", **common), \
-                states_plan
+                                  peak_phase=None, problem=f"{settings.optimizer}: its constructor cannot run under "
+                                  f"fake tensors ({timeline.optimizer_failure}) and no rule estimates its state",
+                                  **common), states_plan
+        # Its state, as its estimate rule plans it, is alive through every later step's forward
+        # and backward; the update's own temporaries are not known.
         timeline = timeline.with_resident("optimizer_state", estimated, state="optimizer_state", group="optimizer_state")
-        notes.append(f"{optimizer}: its constructor cannot run under fake tensors ({timeline.optimizer_failure}); "
-                     f"its state ({estimated} bytes) is its estimate rule's, alive through forward and backward, "
-                     f"and the optimizer step's own temporaries are not traced")
+        notes.append(f"{settings.optimizer}: its constructor cannot run under fake tensors "
+                     f"({timeline.optimizer_failure}); its state ({estimated} bytes) is its estimate rule's, alive "
+                     f"through forward and backward, and the optimizer step's own temporaries are not traced")
     reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
     if reference:
         # A frozen reference model (DPO-style training) is alive through the whole step. Its own
         # forward's temporaries are not traced.
         timeline = timeline.with_resident("reference_model", reference)
+    return _answer(timeline, settings, preset, notes, common), states_plan
+
+
+def _answer(timeline: Timeline, settings: StepSettings, preset: Optional[GpuPreset], notes: List[str],
+            common: Dict[str, Any]) -> StepMemoryPlan:
+    """The step plan, every figure read from `timeline`: the peak and its parts, the model states,
+    and fits? from the allocator replay on CUDA, from the peak on the CPU."""
     traced = _read_peak(timeline)
     if traced.host_bytes:
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
-    if reference:
+    if "reference_model" in traced.peak_parts:
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
     fits = margin = None
     allocator: Dict[str, Any] = {}
-    if device_type == "cuda":
-        fits, margin, allocator = _replayed(timeline, conf, preset, device_memory, reserve_bytes,
+    device_memory, reserve = common["device_memory_bytes"], settings.reserve_bytes
+    if settings.device_type == "cuda":
+        conf = alloc_conf_from_environment() if settings.alloc_conf is None else as_alloc_conf(settings.alloc_conf)
+        fits, margin, allocator = _replayed(timeline, conf, preset, device_memory, reserve,
                                             settings.torch_empty_cache_steps)
         if allocator["out_of_memory_at"] is not None:
             notes.append(f"the allocator replay runs out of memory in {allocator['out_of_memory_at']}")
     elif device_memory is not None:
-        margin = device_memory - reserve_bytes - traced.peak_bytes
+        margin = device_memory - reserve - traced.peak_bytes
         fits = margin >= 0
     return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
                           activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=traced.peak_bytes,
@@ -426,8 +372,44 @@ def plan_step_memory(
                           settings_used=[list(row) for row in settings.used()],
                           gradient_accumulation_steps=timeline.gradient_accumulation_steps,
                           peak_micro_batch=timeline.peak_micro_batch if traced.peak_phase != "optimizer step" else None,
-                          micro_batch_peak_bytes=traced.micro_batches, timeline=timeline, **allocator, **common), \
-        states_plan
+                          micro_batch_peak_bytes=traced.micro_batches, timeline=timeline, **allocator, **common)
+
+
+def _input_options(settings: StepSettings) -> Dict[str, Any]:
+    return dict(target_len=settings.target_len, image_size=settings.image_size, padding=settings.padding)
+
+
+def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
+    """Set the attention path asked for, after checking that transformers would take it for this
+    model, and refuse the batch options the model has no use for, before anything is traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = getattr(meta, "config", None)
+    if settings.attn_implementation is not None and config is not None:
+        check_attn_implementation(meta, settings.attn_implementation)
+        config._attn_implementation = settings.attn_implementation
+    with FakeTensorMode():
+        step_inputs(meta, 1, settings.seq_len, **_input_options(settings))
+
+
+def _common_fields(meta: nn.Module, settings: StepSettings, args: Any, model_name: Optional[str],
+                   step_dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+    """The plan's fields known before the trace: the setup it plans, as the settings resolved it."""
+    config = getattr(meta, "config", None)
+    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
+    device_memory = settings.device_memory
+    if device_memory is None and preset is not None:
+        device_memory = preset.total_bytes
+    return dict(
+        param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
+        model=model_name or type(meta).__name__, batch_size=settings.batch_size, seq_len=settings.seq_len,
+        attn_implementation=getattr(config, "_attn_implementation", None) if config is not None else None,
+        device_type=settings.device_type, traced_on="cpu", gradient_checkpointing=settings.gradient_checkpointing,
+        checkpointing_kwargs=(checkpointing_kwargs(args, settings.checkpointing_kwargs)
+                              if settings.gradient_checkpointing else {}),
+        precision=settings.precision, optimizer=settings.optimizer, device_memory_bytes=device_memory,
+        reserve_bytes=settings.reserve_bytes if device_memory is not None else None,
+        not_counted=list(NOT_COUNTED[settings.device_type]))
 
 
 def _replayed(timeline: Timeline, conf: AllocConf, preset: Optional[GpuPreset], device_memory: Optional[int],
@@ -517,26 +499,29 @@ def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelSt
     return dataclasses.replace(states, optimizers=[row])
 
 
-def _resolve(settings: Optional[StepSettings], args: Any, setup: Optional[Setup], **given: Any) -> StepSettings:
-    """The settings: those given (or resolved from `args`), the explicit arguments over them."""
-    hidden_size = given.pop("hidden_size")
-    flags = {key: value for key, value in given.items() if value is not None}
-    if setup is not None:
-        flags.update(world_size=setup.world_size, nodes=setup.nodes, sharding=setup.sharding, precision=setup.precision)
-        if setup.offload_params and setup.is_fsdp:
-            flags["fsdp_cpu_offload"] = True
+def _resolve(settings: Optional[StepSettings], args: Any, meta: nn.Module, flags: Dict[str, Any]) -> StepSettings:
+    """The settings: those given (or resolved from `args`, with the model's hidden size for
+    DeepSpeed's "auto" buckets), the explicit flags over them; the precision as the setup names it."""
+    flags = {key: value for key, value in flags.items() if value is not None}
     if settings is None:
+        config = getattr(meta, "config", None)
+        text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
         training_args = args if (args is not None and hasattr(args, "to_dict")) else None
-        return resolve_settings(training_args, hidden_size=hidden_size, **flags)
-    if not flags:
-        return settings
-    sources = dict(settings.sources)
-    sources.update({key: "flag" for key in flags})
-    if flags.get("sharding") == "fsdp-shard-grad-op":
-        flags["reshard_after_forward"] = False
-    elif flags.get("sharding") == "fsdp-full-shard":
-        flags["reshard_after_forward"] = True
-    return dataclasses.replace(settings, sources=sources, **flags)
+        settings = resolve_settings(training_args, hidden_size=getattr(text, "hidden_size", None), **flags)
+    elif flags:
+        known = {item.name for item in dataclasses.fields(StepSettings)} - {"sources", "zero"}
+        unknown = sorted(set(flags) - known)
+        if unknown:
+            raise ValueError(f"unknown settings {unknown}: expected some of {sorted(known)}")
+        sources = dict(settings.sources)
+        sources.update({key: "flag" for key in flags})
+        if flags.get("sharding") == "fsdp-shard-grad-op":
+            flags["reshard_after_forward"] = False
+        elif flags.get("sharding") == "fsdp-full-shard":
+            flags["reshard_after_forward"] = True
+        settings = dataclasses.replace(settings, sources=sources, **flags)
+    precision = setup_of(settings).precision
+    return settings if precision == settings.precision else dataclasses.replace(settings, precision=precision)
 
 
 def check_attn_implementation(model: nn.Module, name: str) -> None:

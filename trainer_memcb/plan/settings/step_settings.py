@@ -41,7 +41,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
 from trainer_memcb.utils.units import MiB
 
-__all__ = ["StepSettings", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args",
+__all__ = ["StepSettings", "DEVICE_TYPES", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args",
            "MAX_SETTINGS_FILE_BYTES"]
 
 # A TrainingArguments dump, a DeepSpeed or an FSDP config is a few KiB; a larger file is not one.
@@ -66,6 +66,8 @@ _FALSE_WORDS = ("n", "no", "f", "false", "off", "0")
 # torch DistributedDataParallel's bucket_cap_mb default (None there means 25 MiB).
 DDP_BUCKET_CAP_MB = 25
 _DEFAULT = "default"
+# The devices a step is planned for.
+DEVICE_TYPES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,17 @@ class StepSettings:
             of `replicate` x `world_size // replicate`).
         torch_empty_cache_steps: the Trainer's `torch_empty_cache_steps`: `torch.cuda.empty_cache()`
             after the forward of each step whose `global_step` it divides (the allocator replay).
+        target_len, image_size, padding: the rest of the micro-batch's shape: a seq2seq model's
+            labels length, an image model's height and width, the padded positions of the batch.
+        attn_implementation: the attention path to trace ("eager", "sdpa", ...); None keeps the
+            model config's.
+        device_type: the device the run uses ("cuda" or "cpu", `DEVICE_TYPES`).
+        device_memory, reserve_bytes: the device's memory per process (None: not asked, or the GPU
+            preset's), and the part of it left out for what the plan does not count.
+        alloc_conf: `PYTORCH_CUDA_ALLOC_CONF` for the allocator replay ("" for torch's defaults;
+            None reads the environment when the plan is made, as torch does).
+        gpu: a GPU preset's name (`trainer_memcb.plan.device.gpus`): its memory, CUDA context and
+            compute capability.
         zero: DeepSpeed's `zero_optimization` section, "auto" values filled and defaults added.
         sources: setting name -> where its value came from ("default", "training args", "deepspeed
             config", "fsdp config", "flag").
@@ -114,10 +127,20 @@ class StepSettings:
     fsdp_cpu_offload: bool = False
     replicate: int = 1
     torch_empty_cache_steps: Optional[int] = None
+    target_len: Optional[int] = None
+    image_size: Optional[int] = None
+    padding: int = 0
+    attn_implementation: Optional[str] = None
+    device_type: str = "cuda"
+    device_memory: Optional[int] = None
+    reserve_bytes: int = 0
+    alloc_conf: Optional[str] = None
+    gpu: Optional[str] = None
     zero: Dict[str, Any] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check_step_shape(self)
         if self.sharding.startswith("zero") or self.precision.startswith("deepspeed-"):
             zero = dict(ZERO_DEFAULTS)
             zero.update(self.zero)
@@ -154,6 +177,41 @@ class StepSettings:
             source = self.sources.get("sharding", _DEFAULT) if key == "stage" else self.sources.get(f"zero.{key}", _DEFAULT)
             rows.append((f"zero.{key}", self.zero[key], source))
         return tuple(rows)
+
+
+def _whole(value: Any, least: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
+
+
+def _check_step_shape(settings: "StepSettings") -> None:
+    """The micro-batch's shape and the device within what a step can be planned for; a preset or
+    parsed allocator settings given as objects are kept by name and text.
+
+    Raises:
+        ValueError: naming the setting, its value and what is allowed.
+    """
+    from trainer_memcb.plan.device.alloc_conf import AllocConf, as_alloc_conf
+    from trainer_memcb.plan.device.gpus import GpuPreset, gpu_preset
+
+    for name in ("batch_size", "seq_len", "target_len", "image_size"):
+        value = getattr(settings, name)
+        if value is not None and not _whole(value, 1):
+            raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
+    for name, least in (("padding", 0), ("reserve_bytes", 0), ("device_memory", 1)):
+        value = getattr(settings, name)
+        if value is not None and not _whole(value, least):
+            what = "a whole number of bytes" if name != "padding" else "a whole number"
+            raise ValueError(f"{name}={value!r}: expected {what}, at least {least}")
+    if settings.device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type={settings.device_type!r} is not one of: {', '.join(DEVICE_TYPES)}")
+    if isinstance(settings.gpu, GpuPreset):
+        object.__setattr__(settings, "gpu", settings.gpu.name)
+    elif settings.gpu is not None:
+        object.__setattr__(settings, "gpu", gpu_preset(settings.gpu).name)
+    if isinstance(settings.alloc_conf, AllocConf):
+        object.__setattr__(settings, "alloc_conf", settings.alloc_conf.text)
+    elif settings.alloc_conf is not None:
+        as_alloc_conf(settings.alloc_conf)
 
 
 class SettingsFileError(ValueError):

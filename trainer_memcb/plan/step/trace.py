@@ -62,6 +62,7 @@ from torch import nn
 
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.settings import StepSettings
+from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
@@ -80,7 +81,6 @@ __all__ = ["trace_step", "trace_step_once", "sharing_traces", "counting_flops", 
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
-DEVICE_TYPES = ("cuda", "cpu")
 # transformers' TrainingArguments.max_grad_norm default: the Trainer clips before each step.
 MAX_GRAD_NORM = 1.0
 
@@ -395,8 +395,10 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int
                    input_options=input_options, compute_capability=compute_capability)
     if shared is None:
         return trace_step_once(meta, settings, **options)
-    # Where each setting came from changes nothing of the step.
-    key = (model_fingerprint(meta), repr(dataclasses.replace(settings, sources={})),
+    # Where each setting came from changes nothing of the step, nor do the device's memory, the
+    # reserve, the allocator's settings and the GPU (its compute capability is among the options).
+    step_only = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
+    key = (model_fingerprint(meta), repr(step_only),
            repr(sorted(options.items())))
     found = shared.get(key)
     if found is None or (_COUNT_FLOPS[0] and isinstance(found, Timeline) and found.flops is None):
