@@ -247,17 +247,9 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
 
 
 def plan_step_memory(
-    build_model: Callable[[], nn.Module],
-    settings: Optional[StepSettings] = None,
-    *,
-    args: Any = None,
-    model_name: Optional[str] = None,
-    model_states: bool = True,
-    states_plan: Optional[ModelStatesPlan] = None,
-    dtype: Optional[torch.dtype] = None,
-    keep_dtypes: bool = False,
-    quantization: Any = None,
-    **flags: Any,
+    build_model: Callable[[], nn.Module], settings: Optional[StepSettings] = None, *, args: Any = None,
+    model_name: Optional[str] = None, model_states: bool = True, states_plan: Optional[ModelStatesPlan] = None,
+    dtype: Optional[torch.dtype] = None, keep_dtypes: bool = False, quantization: Any = None, **flags: Any,
 ) -> Tuple[StepMemoryPlan, Optional[ModelStatesPlan]]:
     """Plan one training step's memory on one process.
 
@@ -286,8 +278,7 @@ def plan_step_memory(
             source "flag". `device_memory` defaults to the GPU preset's `total_bytes`; the reserve is
             taken with the CUDA context from it before the allocator replay (see the module docstring).
 
-    Returns:
-        The step plan, and the model-states plan (or None).
+    Returns the step plan, and the model-states plan (or None).
 
     Raises:
         ValueError: an unknown setting, or a bad batch size, sequence length, attention path,
@@ -304,12 +295,12 @@ def plan_step_memory(
     step_dtype = dtype or _step_dtype(settings.precision, meta)
     common = _common_fields(meta, settings, args, model_name, step_dtype)
     preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
+    capability = preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
     try:
-        timeline = trace_step(
-            meta, settings, seq_len=settings.seq_len, args=args, device_type=settings.device_type,
-            step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization, padding=settings.padding,
-            input_options=_input_options(settings),
-            compute_capability=preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY)
+        timeline = trace_step(meta, settings, seq_len=settings.seq_len, args=args, device_type=settings.device_type,
+                              step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization,
+                              padding=settings.padding, input_options=_input_options(settings),
+                              compute_capability=capability)
     except UntracedStep as error:
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
                               problem=f"the step cannot run under fake tensors ({error})", **common), states_plan
@@ -317,25 +308,34 @@ def plan_step_memory(
     if timeline.optimizer_failure is not None:
         rule_plan = states_plan if states_plan is not None else \
             plan_model_states(build_model(), settings.optimizer, setup, args=args, model_name=model_name)
-        estimated = rule_plan.optimizers[0].optimizer_state_bytes
+        estimated = _with_rule_estimated_state(timeline, settings.optimizer, rule_plan, notes)
         if estimated is None:
             return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
                                   activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=None,
-                                  peak_phase=None, problem=f"{settings.optimizer}: its constructor cannot run under "
-                                  f"fake tensors ({timeline.optimizer_failure}) and no rule estimates its state",
-                                  **common), states_plan
-        # Its state, as its estimate rule plans it, is alive through every later step's forward
-        # and backward; the update's own temporaries are not known.
-        timeline = timeline.with_resident("optimizer_state", estimated, state="optimizer_state", group="optimizer_state")
-        notes.append(f"{settings.optimizer}: its constructor cannot run under fake tensors "
-                     f"({timeline.optimizer_failure}); its state ({estimated} bytes) is its estimate rule's, alive "
-                     f"through forward and backward, and the optimizer step's own temporaries are not traced")
+                                  peak_phase=None, problem=notes.pop(), **common), states_plan
+        timeline = estimated
     reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
     if reference:
         # A frozen reference model (DPO-style training) is alive through the whole step. Its own
         # forward's temporaries are not traced.
         timeline = timeline.with_resident("reference_model", reference)
     return _answer(timeline, settings, preset, notes, common), states_plan
+
+
+def _with_rule_estimated_state(timeline: Timeline, optimizer: str, rule_plan: ModelStatesPlan,
+                               notes: List[str]) -> Optional[Timeline]:
+    """The timeline of a step whose optimizer cannot be built under fake tensors, with its state as
+    its estimate rule plans it, alive through every later step's forward and backward (the
+    update's own temporaries are not known), and a note that says so; None, with the reason as the
+    last note, where no rule estimates it."""
+    estimated = rule_plan.optimizers[0].optimizer_state_bytes
+    failure = f"{optimizer}: its constructor cannot run under fake tensors ({timeline.optimizer_failure})"
+    if estimated is None:
+        notes.append(f"{failure} and no rule estimates its state")
+        return None
+    notes.append(f"{failure}; its state ({estimated} bytes) is its estimate rule's, alive through forward and "
+                 f"backward, and the optimizer step's own temporaries are not traced")
+    return timeline.with_resident("optimizer_state", estimated, state="optimizer_state", group="optimizer_state")
 
 
 def _answer(timeline: Timeline, settings: StepSettings, preset: Optional[GpuPreset], notes: List[str],
