@@ -239,6 +239,71 @@ USABLE_LABELS = {True: "usable (device memory less CUDA context and reserve)",
 # -- the containers, batch by batch ----------------------------------------------------------------
 
 
+class _ContainersLoop:
+    """The containers of `evaluation_loop`, filled batch by batch and moved to the host every
+    `eval_accumulation_steps` batches, with the peaks a run's probe logs. Its state is shared by
+    the batches taken one by one and the stretches `containers_figures` adds at once, so it lives
+    in one object rather than in closures over loose dicts."""
+
+    def __init__(self, settings: EvalSettings, per_sample: Dict[str, int], loss_bytes: int,
+                 bf16: Tuple[str, ...]) -> None:
+        self.settings, self.per_sample, self.loss_bytes, self.bf16 = settings, per_sample, loss_bytes, bf16
+        self.batches = math.ceil(settings.samples / settings.batch_size)
+        self.last = settings.samples - (self.batches - 1) * settings.batch_size
+        # Per container: the bytes of the storages its tensors hold, and of the values in them (they differ
+        # by the last batch's losses, a view of the eval batch size's repeat); and the arrays' bytes.
+        self.device = {name: 0 for name in _CONTAINERS}
+        self.values = {name: 0 for name in _CONTAINERS}
+        self.host = {name: 0 for name in _CONTAINERS}
+        self.peaks = dict(containers_device_bytes=0, containers_host_bytes=0, concat_peak_bytes=0,
+                          host_concat_peak_bytes=0)
+
+    def host_bytes(self, name: str, values: int) -> int:
+        """The bytes of `values` bytes of device tensors once numpy arrays (bfloat16 becomes float32)."""
+        return values * (2 if name in self.bf16 else 1)
+
+    def flush(self) -> None:
+        """Move every container to the host, concatenated to what it holds there."""
+        device, values, host, peaks = self.device, self.values, self.host, self.peaks
+        for name in _CONTAINERS:
+            if not device[name]:
+                continue  # `tensors is None`: nothing to move
+            new = self.host_bytes(name, values[name])
+            concatenates = self.settings.concat_batches and host[name] > 0
+            moment = sum(host.values()) + new + (host[name] + new if concatenates else 0)
+            host[name] += new
+            device[name] = values[name] = 0
+            peaks["host_concat_peak_bytes"] = max(peaks["host_concat_peak_bytes"], moment)
+            peaks["containers_host_bytes"] = max(peaks["containers_host_bytes"], sum(host.values()))
+
+    def take(self, step: int) -> None:
+        """Add batch `step`'s outputs to the containers, then flush them at the end of a cycle."""
+        settings, device, values, peaks = self.settings, self.device, self.values, self.peaks
+        rows = self.last if step == self.batches - 1 else settings.batch_size
+        for name in _CONTAINERS:
+            if name == "losses":
+                if not self.loss_bytes:
+                    continue
+                # `losses.repeat(eval batch size)`, which accelerate's `gather_for_metrics` cuts to
+                # the last batch's own samples: a view, whose storage keeps them all.
+                stored, new = self.loss_bytes * settings.batch_size, self.loss_bytes * rows
+            elif name in self.per_sample:
+                stored = new = self.per_sample[name] * rows
+            else:
+                continue
+            if settings.concat_batches and device[name] > 0:  # old, new and the result together
+                moment = sum(device.values()) + stored + values[name] + new
+                device[name] = values[name] = values[name] + new
+            else:  # the first batch is kept as it is; without concatenation, the list grows
+                moment = sum(device.values()) + stored
+                device[name] += stored
+                values[name] += new
+            peaks["concat_peak_bytes"] = max(peaks["concat_peak_bytes"], moment)
+            peaks["containers_device_bytes"] = max(peaks["containers_device_bytes"], sum(device.values()))
+        if settings.accumulation_steps is not None and (step + 1) % settings.accumulation_steps == 0:
+            self.flush()
+
+
 def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_bytes: int,
                        bf16: Tuple[str, ...] = ()) -> Dict[str, int]:
     """The four container figures for `settings`, from the bytes a sample adds to each container.
@@ -254,52 +319,8 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
         >>> containers_figures(EvalSettings(batch_size=2, samples=3, seq_len=4), {"preds": 16}, 0)
         {'containers_device_bytes': 48, 'containers_host_bytes': 48, 'concat_peak_bytes': 96, 'host_concat_peak_bytes': 48}
     """
-    batches = math.ceil(settings.samples / settings.batch_size)
-    last = settings.samples - (batches - 1) * settings.batch_size
-    # Per container: the bytes of the storages its tensors hold, and of the values in them (they differ
-    # by the last batch's losses, a view of the eval batch size's repeat); and the arrays' bytes.
-    device = {name: 0 for name in _CONTAINERS}
-    values = {name: 0 for name in _CONTAINERS}
-    host = {name: 0 for name in _CONTAINERS}
-    peaks = dict(containers_device_bytes=0, containers_host_bytes=0, concat_peak_bytes=0, host_concat_peak_bytes=0)
-
-    def flush() -> None:
-        for name in _CONTAINERS:
-            if not device[name]:
-                continue  # `tensors is None`: nothing to move
-            new = values[name] * (2 if name in bf16 else 1)
-            concatenates = settings.concat_batches and host[name] > 0
-            moment = sum(host.values()) + new + (host[name] + new if concatenates else 0)
-            host[name] += new
-            device[name] = values[name] = 0
-            peaks["host_concat_peak_bytes"] = max(peaks["host_concat_peak_bytes"], moment)
-            peaks["containers_host_bytes"] = max(peaks["containers_host_bytes"], sum(host.values()))
-
-    def take(step: int) -> None:
-        rows = last if step == batches - 1 else settings.batch_size
-        for name in _CONTAINERS:
-            if name == "losses":
-                if not loss_bytes:
-                    continue
-                # `losses.repeat(eval batch size)`, which accelerate's `gather_for_metrics` cuts to
-                # the last batch's own samples: a view, whose storage keeps them all.
-                stored, new = loss_bytes * settings.batch_size, loss_bytes * rows
-            elif name in per_sample:
-                stored = new = per_sample[name] * rows
-            else:
-                continue
-            if settings.concat_batches and device[name] > 0:  # old, new and the result together
-                moment = sum(device.values()) + stored + values[name] + new
-                device[name] = values[name] = values[name] + new
-            else:  # the first batch is kept as it is; without concatenation, the list grows
-                moment = sum(device.values()) + stored
-                device[name] += stored
-                values[name] += new
-            peaks["concat_peak_bytes"] = max(peaks["concat_peak_bytes"], moment)
-            peaks["containers_device_bytes"] = max(peaks["containers_device_bytes"], sum(device.values()))
-        if settings.accumulation_steps is not None and (step + 1) % settings.accumulation_steps == 0:
-            flush()
-
+    loop = _ContainersLoop(settings, per_sample, loss_bytes, bf16)
+    batches = loop.batches
     # Batches are taken one by one only near where a peak can be: every full batch adds the same
     # bytes to each container (`grows`), so each figure only grows from one full batch to the next
     # within a cycle of `eval_accumulation_steps` (or the whole evaluation), and on the host from
@@ -307,7 +328,7 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
     # time does not grow with the sample count (99,999,999,999,999,999,999 samples as fast as 8).
     grows = {name: (loss_bytes if name == "losses" else per_sample.get(name, 0)) * settings.batch_size
              for name in _CONTAINERS}
-    full = batches if last == settings.batch_size else batches - 1  # batches 0 to full - 1 are full
+    full = batches if loop.last == settings.batch_size else batches - 1  # batches 0 to full - 1 are full
     cycle = settings.accumulation_steps or batches
     step = 0
     while step < batches:
@@ -316,20 +337,20 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
             skipped = (full - step) // cycle - 2  # whole full cycles, the last two of them taken
             if skipped > 0:
                 for name in _CONTAINERS:  # what a full cycle moves to the host
-                    host[name] += skipped * cycle * grows[name] * (2 if name in bf16 else 1)
+                    loop.host[name] += loop.host_bytes(name, skipped * cycle * grows[name])
                 step += skipped * cycle
                 continue
         skipped = min(full, step - within + cycle) - step - 2  # full batches of this cycle, the last two taken
         if within >= 1 and skipped > 0:  # after the cycle's first batch, which starts its containers
             for name in _CONTAINERS:
-                device[name] += skipped * grows[name]
-                values[name] += skipped * grows[name]
+                loop.device[name] += skipped * grows[name]
+                loop.values[name] += skipped * grows[name]
             step += skipped
             continue
-        take(step)
+        loop.take(step)
         step += 1
-    flush()
-    return peaks
+    loop.flush()
+    return loop.peaks
 
 
 def _per_sample(forward: EvalForward, settings: EvalSettings) -> Tuple[Dict[str, int], Tuple[str, ...]]:
