@@ -536,6 +536,59 @@ def _notes(layout: ModelStatesLayout, setup: Setup, specs: Sequence[ParamSpec], 
     return notes
 
 
+def _model_specs(model: Union[nn.Module, int], model_name: Optional[str], keep_dtypes: bool,
+                 param_groups: str) -> Tuple[List[ParamSpec], str, Optional[nn.Module]]:
+    """(the parameters, the model's name, the module or None for a raw count): a model is read
+    parameter by parameter in the Trainer's groups (or one), a count becomes one flat tensor; a
+    model with nothing to train is refused, since there would be no optimizer to plan."""
+    if isinstance(model, nn.Module):
+        specs = param_specs(model, keep_dtypes=keep_dtypes,
+                            groups=trainer_param_groups(model) if param_groups == "trainer" else None)
+        name = model_name or type(model).__name__
+        module: Optional[nn.Module] = model
+    elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
+        specs = [ParamSpec(shape=(model,), is_count=True, name="(one flat tensor)")]
+        name = model_name or f"{model:,} parameters"
+        module = None
+    else:
+        raise ValueError(f"model={model!r}: expected an nn.Module or a positive parameter count")
+    if not any(spec.trainable for spec in specs):
+        raise ValueError(f"{name} has no trainable parameter")
+    return specs, name, module
+
+
+def _reference_of(reference_model: bool, module: Optional[nn.Module], specs: Sequence[ParamSpec],
+                  setup: Setup) -> Tuple[int, Optional[str]]:
+    """(a frozen reference model's bytes per process, the note that says why they are 0): a PEFT
+    model is its own reference, its adapters disabled, so it adds nothing."""
+    if not reference_model:
+        return 0, None
+    if _is_peft_model(module):
+        return 0, PEFT_REFERENCE_NOTE
+    return reference_model_bytes(specs, setup), None
+
+
+def _optimizer_row(optimizer_name: str, layout: ModelStatesLayout, setup: Setup, args: Any,
+                   module: Optional[nn.Module], stand_in: Optional[nn.Module], memory: Optional[int]) -> OptimizerPlan:
+    """One optimizer's row, its state built as the what-if builds it: over the model's stand-in when
+    it steps over the model's parameters, else over ZeRO's (or DeepSpeed's) flat fp32 stand-ins; a
+    name the plan does not model in this setup gets a row that says why."""
+    deepspeed = setup.is_zero or setup.precision.startswith("deepspeed-")
+    refused = unplanned_reason(optimizer_name, world_size=setup.world_size, sharding=setup.sharding,
+                               deepspeed=deepspeed)
+    if refused is not None:  # not planned: its gradients as a plain optimizer's, no note
+        return _combine(optimizer_name, layout, setup, None, None, refused, None, memory)
+    if stand_in is not None:
+        found = model_optimizer_what_if(optimizer_name, args, stand_in)
+    else:
+        params, embeddings = _stand_ins(layout)
+        found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
+    estimate = found.estimate
+    return _combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
+                    found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
+                    updates_in_backward(optimizer_name))
+
+
 def plan_model_states(
     model: Union[nn.Module, int],
     optimizers: Union[str, Iterable[str]] = DEFAULT_OPTIMIZERS,
@@ -598,45 +651,11 @@ def plan_model_states(
     if param_groups not in PARAM_GROUPINGS:
         raise ValueError(f"param_groups={param_groups!r} is not one of: {', '.join(PARAM_GROUPINGS)}")
     args = training_args_with(args, optim_args=optim_args, optim_target_modules=optim_target_modules)
-    if isinstance(model, nn.Module):
-        specs = param_specs(model, keep_dtypes=keep_dtypes,
-                            groups=trainer_param_groups(model) if param_groups == "trainer" else None)
-        name = model_name or type(model).__name__
-        module: Optional[nn.Module] = model
-    elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
-        specs = [ParamSpec(shape=(model,), is_count=True, name="(one flat tensor)")]
-        name = model_name or f"{model:,} parameters"
-        module = None
-    else:
-        raise ValueError(f"model={model!r}: expected an nn.Module or a positive parameter count")
-    if not any(spec.trainable for spec in specs):
-        raise ValueError(f"{name} has no trainable parameter")
+    specs, name, module = _model_specs(model, model_name, keep_dtypes, param_groups)
     layout = layout_model_states(specs, setup)
     stand_in = _model_stand_in(module, layout, setup, keep_dtypes) if layout.optimizer_over_model else None
-    deepspeed = setup.is_zero or setup.precision.startswith("deepspeed-")
-    reference, note = 0, None
-    if reference_model:
-        if _is_peft_model(module):
-            note = PEFT_REFERENCE_NOTE
-        else:
-            reference = reference_model_bytes(specs, setup)
-    rows = []
-    for optimizer_name in names:
-        in_backward = updates_in_backward(optimizer_name)
-        refused = unplanned_reason(optimizer_name, world_size=setup.world_size, sharding=setup.sharding,
-                                   deepspeed=deepspeed)
-        if refused is not None:  # not planned: its gradients as a plain optimizer's, no note
-            rows.append(_combine(optimizer_name, layout, setup, None, None, refused, None, memory))
-            continue
-        if stand_in is not None:
-            found = model_optimizer_what_if(optimizer_name, args, stand_in)
-        else:
-            params, embeddings = _stand_ins(layout)
-            found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
-        estimate = found.estimate
-        rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
-                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
-                             in_backward))
+    reference, note = _reference_of(reference_model, module, specs, setup)
+    rows = [_optimizer_row(optimizer_name, layout, setup, args, module, stand_in, memory) for optimizer_name in names]
     rows = [_with_reference(row, reference, layout, setup, memory) for row in rows]
     return ModelStatesPlan(
         model=name, setup=setup,
