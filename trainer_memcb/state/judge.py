@@ -334,11 +334,33 @@ def judge_state(optimizer: Any, measurement: StateMeasurement, estimate: StateEs
     if difference == 0 and not changed:
         return StateJudgement(measurement.num_bytes, estimate.num_bytes, 0)
 
-    causes = _Causes()
-    dtypes_by_key: Dict[str, Dict[str, int]] = {}
-    shared = expectation.shared_bytes_by_key
-    eight_bit_params = set()
+    judging = _Judging(expectation, changed)
     for param, entry in _states(optimizer):
+        judging.entry(param, entry)
+    judging.shared_keys(measurement)
+    causes = judging.causes
+    accounted = sum(found["bytes"] for found in causes.by_kind.values())
+    if accounted != difference:
+        causes.add("unexplained", difference - accounted)
+    return StateJudgement(measurement.num_bytes, estimate.num_bytes, difference, changed, judging.dtypes_by_key,
+                          causes.causes())
+
+
+class _Judging:
+    """One judging's running state, shared by the walk over the parameters' entries and the keys
+    held once per optimizer: the causes found, the dtypes of the keys that differ, and the
+    parameters whose state is 32-bit where 8-bit was expected (their missing 8-bit scales, and a
+    shared key's difference, are then put down to that same cause)."""
+
+    def __init__(self, expectation: StateExpectation, changed: Mapping) -> None:
+        self.expectation, self.changed = expectation, changed
+        self.causes = _Causes()
+        self.dtypes_by_key: Dict[str, Dict[str, int]] = {}
+        self.eight_bit_params: set = set()
+
+    def entry(self, param: Any, entry: Mapping) -> None:
+        """One parameter's state entry, key by key, then the keys its rule expects that it lacks."""
+        expectation = self.expectation
         expected = expectation.params.get(id(param))
         requires_grad = expected.requires_grad if expected is not None else bool(getattr(param, "requires_grad", True))
         frozen = not requires_grad and not expectation.includes_frozen
@@ -346,51 +368,61 @@ def judge_state(optimizer: Any, measurement: StateMeasurement, estimate: StateEs
         wanted = dict(expected.bytes_by_key) if expected is not None and not frozen else {}
         for key, value in list(entry.items()):
             name = key if isinstance(key, str) else str(key)
-            if name in shared:
-                continue  # held once per optimizer: judged below, over all parameters
+            if name in expectation.shared_bytes_by_key:
+                continue  # held once per optimizer: judged in `shared_keys`, over all parameters
             held = measure_optimizer_state(_OneEntry({param: {name: value}}))
             if held.num_bytes == 0 and name not in wanted:
                 continue  # a plain Python value (bitsandbytes' int `step`): no tensor memory
-            for dtype, num_bytes in held.bytes_by_dtype.items():
-                if name in changed:
-                    dtypes_by_key.setdefault(name, {})
-                    dtypes_by_key[name][dtype] = dtypes_by_key[name].get(dtype, 0) + num_bytes
-            dtype = max(held.bytes_by_dtype, key=held.bytes_by_dtype.get) if held.bytes_by_dtype else None
-            want = wanted.pop(name, None)
-            if expected is None and expectation.params:
-                causes.add("state_for_other_tensors", held.num_bytes, name, dtype, None, id(param))
-            elif frozen:
-                causes.add("frozen_param_state", held.num_bytes, name, dtype, param_dtype, id(param))
-            elif want is None:
-                causes.add("unknown_state_key", held.num_bytes, name, dtype, param_dtype, id(param))
-            elif held.num_bytes != want:
-                numel = expected.numel if expected is not None else -1
-                itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size() if dtype else 0
-                if held.num_elements == numel and want == numel and itemsize == 4:
-                    kind = "32bit_where_8bit"
-                    eight_bit_params.add(id(param))
-                elif (expected is not None and held.num_elements == numel and dtype != param_dtype
-                      and want == numel * expected.dtype.itemsize):
-                    kind = "dtype_differs_from_param"
-                else:
-                    kind = "unexplained"
-                causes.add(kind, held.num_bytes - want, name, dtype, param_dtype, id(param))
+            self._key(param, expected, frozen, param_dtype, name, held, wanted.pop(name, None))
         for name, want in wanted.items():
-            if name in shared or not want:
+            if name in expectation.shared_bytes_by_key or not want:
                 continue
             # 8-bit state's scales (`absmax1`) go with the 8-bit state that did not come.
-            kind = "32bit_where_8bit" if id(param) in eight_bit_params else "missing_state_key"
-            causes.add(kind, -want, name, None, param_dtype, id(param))
-    for name, want in shared.items():
-        held = measurement.bytes_by_key.get(name, 0)
-        if held != want:
-            kind = "32bit_where_8bit" if eight_bit_params else "missing_state_key" if not held else "unexplained"
-            causes.add(kind, held - want, name)
-    accounted = sum(found["bytes"] for found in causes.by_kind.values())
-    if accounted != difference:
-        causes.add("unexplained", difference - accounted)
-    return StateJudgement(measurement.num_bytes, estimate.num_bytes, difference, changed, dtypes_by_key,
-                          causes.causes())
+            kind = "32bit_where_8bit" if id(param) in self.eight_bit_params else "missing_state_key"
+            self.causes.add(kind, -want, name, None, param_dtype, id(param))
+
+    def _key(self, param: Any, expected: Optional[ParamExpectation], frozen: bool, param_dtype: Optional[str],
+             name: str, held: StateMeasurement, want: Optional[int]) -> None:
+        """One key of a parameter's entry, holding `held`, against the bytes its rule wants (None: a
+        key the rule does not know)."""
+        for dtype, num_bytes in held.bytes_by_dtype.items():
+            if name in self.changed:
+                self.dtypes_by_key.setdefault(name, {})
+                self.dtypes_by_key[name][dtype] = self.dtypes_by_key[name].get(dtype, 0) + num_bytes
+        dtype = max(held.bytes_by_dtype, key=held.bytes_by_dtype.get) if held.bytes_by_dtype else None
+        if expected is None and self.expectation.params:
+            self.causes.add("state_for_other_tensors", held.num_bytes, name, dtype, None, id(param))
+        elif frozen:
+            self.causes.add("frozen_param_state", held.num_bytes, name, dtype, param_dtype, id(param))
+        elif want is None:
+            self.causes.add("unknown_state_key", held.num_bytes, name, dtype, param_dtype, id(param))
+        elif held.num_bytes != want:
+            kind = _mismatch_kind(expected, held, dtype, param_dtype, want)
+            if kind == "32bit_where_8bit":
+                self.eight_bit_params.add(id(param))
+            self.causes.add(kind, held.num_bytes - want, name, dtype, param_dtype, id(param))
+
+    def shared_keys(self, measurement: StateMeasurement) -> None:
+        """The keys held once per optimizer, judged over all parameters at once."""
+        for name, want in self.expectation.shared_bytes_by_key.items():
+            held = measurement.bytes_by_key.get(name, 0)
+            if held != want:
+                kind = "32bit_where_8bit" if self.eight_bit_params else "missing_state_key" if not held else "unexplained"
+                self.causes.add(kind, held - want, name)
+
+
+def _mismatch_kind(expected: Optional[ParamExpectation], held: StateMeasurement, dtype: Optional[str],
+                   param_dtype: Optional[str], want: int) -> str:
+    """Why a known key holds other bytes than its rule wants, where the element counts can tell: 4-byte
+    values where the rule counted one byte a value, or the parameter's size in another dtype."""
+    numel = expected.numel if expected is not None else -1
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size() if dtype else 0
+    if held.num_elements == numel and want == numel and itemsize == 4:
+        return "32bit_where_8bit"
+    if (expected is not None and held.num_elements == numel and dtype != param_dtype
+            and want == numel * expected.dtype.itemsize):
+        return "dtype_differs_from_param"
+    return "unexplained"
 
 
 class StateJudge:

@@ -239,6 +239,71 @@ USABLE_LABELS = {True: "usable (device memory less CUDA context and reserve)",
 # -- the containers, batch by batch ----------------------------------------------------------------
 
 
+class _ContainersLoop:
+    """The containers of `evaluation_loop`, filled batch by batch and moved to the host every
+    `eval_accumulation_steps` batches, with the peaks a run's probe logs. Its state is shared by
+    the batches taken one by one and the stretches `containers_figures` adds at once, so it lives
+    in one object rather than in closures over loose dicts."""
+
+    def __init__(self, settings: EvalSettings, per_sample: Dict[str, int], loss_bytes: int,
+                 bf16: Tuple[str, ...]) -> None:
+        self.settings, self.per_sample, self.loss_bytes, self.bf16 = settings, per_sample, loss_bytes, bf16
+        self.batches = math.ceil(settings.samples / settings.batch_size)
+        self.last = settings.samples - (self.batches - 1) * settings.batch_size
+        # Per container: the bytes of the storages its tensors hold, and of the values in them (they differ
+        # by the last batch's losses, a view of the eval batch size's repeat); and the arrays' bytes.
+        self.device = {name: 0 for name in _CONTAINERS}
+        self.values = {name: 0 for name in _CONTAINERS}
+        self.host = {name: 0 for name in _CONTAINERS}
+        self.peaks = dict(containers_device_bytes=0, containers_host_bytes=0, concat_peak_bytes=0,
+                          host_concat_peak_bytes=0)
+
+    def host_bytes(self, name: str, values: int) -> int:
+        """The bytes of `values` bytes of device tensors once numpy arrays (bfloat16 becomes float32)."""
+        return values * (2 if name in self.bf16 else 1)
+
+    def flush(self) -> None:
+        """Move every container to the host, concatenated to what it holds there."""
+        device, values, host, peaks = self.device, self.values, self.host, self.peaks
+        for name in _CONTAINERS:
+            if not device[name]:
+                continue  # `tensors is None`: nothing to move
+            new = self.host_bytes(name, values[name])
+            concatenates = self.settings.concat_batches and host[name] > 0
+            moment = sum(host.values()) + new + (host[name] + new if concatenates else 0)
+            host[name] += new
+            device[name] = values[name] = 0
+            peaks["host_concat_peak_bytes"] = max(peaks["host_concat_peak_bytes"], moment)
+            peaks["containers_host_bytes"] = max(peaks["containers_host_bytes"], sum(host.values()))
+
+    def take(self, step: int) -> None:
+        """Add batch `step`'s outputs to the containers, then flush them at the end of a cycle."""
+        settings, device, values, peaks = self.settings, self.device, self.values, self.peaks
+        rows = self.last if step == self.batches - 1 else settings.batch_size
+        for name in _CONTAINERS:
+            if name == "losses":
+                if not self.loss_bytes:
+                    continue
+                # `losses.repeat(eval batch size)`, which accelerate's `gather_for_metrics` cuts to
+                # the last batch's own samples: a view, whose storage keeps them all.
+                stored, new = self.loss_bytes * settings.batch_size, self.loss_bytes * rows
+            elif name in self.per_sample:
+                stored = new = self.per_sample[name] * rows
+            else:
+                continue
+            if settings.concat_batches and device[name] > 0:  # old, new and the result together
+                moment = sum(device.values()) + stored + values[name] + new
+                device[name] = values[name] = values[name] + new
+            else:  # the first batch is kept as it is; without concatenation, the list grows
+                moment = sum(device.values()) + stored
+                device[name] += stored
+                values[name] += new
+            peaks["concat_peak_bytes"] = max(peaks["concat_peak_bytes"], moment)
+            peaks["containers_device_bytes"] = max(peaks["containers_device_bytes"], sum(device.values()))
+        if settings.accumulation_steps is not None and (step + 1) % settings.accumulation_steps == 0:
+            self.flush()
+
+
 def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_bytes: int,
                        bf16: Tuple[str, ...] = ()) -> Dict[str, int]:
     """The four container figures for `settings`, from the bytes a sample adds to each container.
@@ -254,52 +319,8 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
         >>> containers_figures(EvalSettings(batch_size=2, samples=3, seq_len=4), {"preds": 16}, 0)
         {'containers_device_bytes': 48, 'containers_host_bytes': 48, 'concat_peak_bytes': 96, 'host_concat_peak_bytes': 48}
     """
-    batches = math.ceil(settings.samples / settings.batch_size)
-    last = settings.samples - (batches - 1) * settings.batch_size
-    # Per container: the bytes of the storages its tensors hold, and of the values in them (they differ
-    # by the last batch's losses, a view of the eval batch size's repeat); and the arrays' bytes.
-    device = {name: 0 for name in _CONTAINERS}
-    values = {name: 0 for name in _CONTAINERS}
-    host = {name: 0 for name in _CONTAINERS}
-    peaks = dict(containers_device_bytes=0, containers_host_bytes=0, concat_peak_bytes=0, host_concat_peak_bytes=0)
-
-    def flush() -> None:
-        for name in _CONTAINERS:
-            if not device[name]:
-                continue  # `tensors is None`: nothing to move
-            new = values[name] * (2 if name in bf16 else 1)
-            concatenates = settings.concat_batches and host[name] > 0
-            moment = sum(host.values()) + new + (host[name] + new if concatenates else 0)
-            host[name] += new
-            device[name] = values[name] = 0
-            peaks["host_concat_peak_bytes"] = max(peaks["host_concat_peak_bytes"], moment)
-            peaks["containers_host_bytes"] = max(peaks["containers_host_bytes"], sum(host.values()))
-
-    def take(step: int) -> None:
-        rows = last if step == batches - 1 else settings.batch_size
-        for name in _CONTAINERS:
-            if name == "losses":
-                if not loss_bytes:
-                    continue
-                # `losses.repeat(eval batch size)`, which accelerate's `gather_for_metrics` cuts to
-                # the last batch's own samples: a view, whose storage keeps them all.
-                stored, new = loss_bytes * settings.batch_size, loss_bytes * rows
-            elif name in per_sample:
-                stored = new = per_sample[name] * rows
-            else:
-                continue
-            if settings.concat_batches and device[name] > 0:  # old, new and the result together
-                moment = sum(device.values()) + stored + values[name] + new
-                device[name] = values[name] = values[name] + new
-            else:  # the first batch is kept as it is; without concatenation, the list grows
-                moment = sum(device.values()) + stored
-                device[name] += stored
-                values[name] += new
-            peaks["concat_peak_bytes"] = max(peaks["concat_peak_bytes"], moment)
-            peaks["containers_device_bytes"] = max(peaks["containers_device_bytes"], sum(device.values()))
-        if settings.accumulation_steps is not None and (step + 1) % settings.accumulation_steps == 0:
-            flush()
-
+    loop = _ContainersLoop(settings, per_sample, loss_bytes, bf16)
+    batches = loop.batches
     # Batches are taken one by one only near where a peak can be: every full batch adds the same
     # bytes to each container (`grows`), so each figure only grows from one full batch to the next
     # within a cycle of `eval_accumulation_steps` (or the whole evaluation), and on the host from
@@ -307,7 +328,7 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
     # time does not grow with the sample count (99,999,999,999,999,999,999 samples as fast as 8).
     grows = {name: (loss_bytes if name == "losses" else per_sample.get(name, 0)) * settings.batch_size
              for name in _CONTAINERS}
-    full = batches if last == settings.batch_size else batches - 1  # batches 0 to full - 1 are full
+    full = batches if loop.last == settings.batch_size else batches - 1  # batches 0 to full - 1 are full
     cycle = settings.accumulation_steps or batches
     step = 0
     while step < batches:
@@ -316,20 +337,20 @@ def containers_figures(settings: EvalSettings, per_sample: Dict[str, int], loss_
             skipped = (full - step) // cycle - 2  # whole full cycles, the last two of them taken
             if skipped > 0:
                 for name in _CONTAINERS:  # what a full cycle moves to the host
-                    host[name] += skipped * cycle * grows[name] * (2 if name in bf16 else 1)
+                    loop.host[name] += loop.host_bytes(name, skipped * cycle * grows[name])
                 step += skipped * cycle
                 continue
         skipped = min(full, step - within + cycle) - step - 2  # full batches of this cycle, the last two taken
         if within >= 1 and skipped > 0:  # after the cycle's first batch, which starts its containers
             for name in _CONTAINERS:
-                device[name] += skipped * grows[name]
-                values[name] += skipped * grows[name]
+                loop.device[name] += skipped * grows[name]
+                loop.values[name] += skipped * grows[name]
             step += skipped
             continue
-        take(step)
+        loop.take(step)
         step += 1
-    flush()
-    return peaks
+    loop.flush()
+    return loop.peaks
 
 
 def _per_sample(forward: EvalForward, settings: EvalSettings) -> Tuple[Dict[str, int], Tuple[str, ...]]:
@@ -398,54 +419,21 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         >>> plan.containers_device_bytes  # 4 samples of logits and int64 labels, 2 batches of 2 fp32 losses
         13072
     """
-    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
-        raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
-    if device_memory is not None and reserve_bytes >= device_memory:
-        raise ValueError(f"reserve_bytes={reserve_bytes:,} leaves nothing of device_memory={device_memory:,}")
-    reserve = reserve_bytes if device_memory is not None else None
-    usable = device_memory - reserve_bytes if device_memory is not None else None
+    reserve, usable = _reserved_and_usable(reserve_bytes, device_memory)
     meta = build_model()
     if settings.model_dtype is not None:  # `model.to(dtype)` in evaluation_loop, outside train()
         meta.to(dtype=SIXTEEN_BIT_DTYPES[settings.model_dtype])
     name = model_name or type(meta).__name__
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():  # what the model refuses (a length past its positions) is said before tracing
-        step_inputs(meta, 1, settings.seq_len)
-    try:
-        forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache,
-                                     autocast=settings.autocast,
-                                     device_type="cuda" if cuda_context_bytes is not None else "cpu",
-                                     compute_capability=compute_capability)
-    except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
-        text = " ".join(str(error).split())[:300]
+    forward, problem = _trace_forward(meta, settings, cuda_context_bytes is not None, compute_capability)
+    if forward is None:
         return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,
-                              host_memory_bytes=host_memory, reserve_bytes=reserve,
-                              problem=f"the evaluation forward cannot run under fake tensors "
-                                      f"({type(error).__name__}: {text})")
-    finally:
-        gc.collect()
-    per_sample, bf16 = _per_sample(forward, settings)
-
-    def figures_for(candidate: EvalSettings) -> Dict[str, int]:
-        sample, halved = _per_sample(forward, candidate)
-        return containers_figures(candidate, sample, forward.loss_bytes, halved)
-
-    def device_peak(candidate: EvalSettings, forward_peak: int = forward.peak_bytes) -> int:
-        return forward.model_bytes + resident_bytes + forward_peak + figures_for(candidate)["concat_peak_bytes"]
-
-    figures = figures_for(settings)
-    peak = device_peak(settings)
+                              host_memory_bytes=host_memory, reserve_bytes=reserve, problem=problem)
+    per_sample, _ = _per_sample(forward, settings)
+    same_forward = _SameForward(forward, resident_bytes, alloc_conf)
+    figures = same_forward.containers(settings)
+    peak = same_forward.device_peak(settings)
     host_peak = figures["host_concat_peak_bytes"]
-    fits_device = None if usable is None else peak <= usable
-    allocator: Dict[str, Any] = {}
-    if cuda_context_bytes is not None:
-        limit = None if usable is None else max(0, usable - cuda_context_bytes)
-        replayed = _replay(forward, resident_bytes, figures["concat_peak_bytes"], alloc_conf, limit)
-        allocator = dict(reserved_peak_bytes=replayed.reserved_peak_bytes, cuda_context_bytes=cuda_context_bytes,
-                         device_total_bytes=replayed.reserved_peak_bytes + cuda_context_bytes)
-        if limit is not None:
-            fits_device = replayed.oom is None
+    fits_device, allocator = _device_fit(same_forward, figures["concat_peak_bytes"], peak, usable, cuda_context_bytes)
     fits_host = None if host_memory is None else host_peak <= host_memory
     plan = EvalMemoryPlan(model=name, settings=settings, forward_peak_bytes=forward.peak_bytes,
                           per_sample_bytes={**per_sample, **({"losses": forward.loss_bytes} if forward.loss_bytes else {})},
@@ -454,25 +442,108 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
                           fits_device=fits_device, fits_host=fits_host, reserve_bytes=reserve, **allocator, **figures)
     advice = []
     if fits_device is False:
-        room = usable
-        if allocator:
-            # What the allocator leaves for the peak's bytes: the memory less the reserve, the
-            # context and the replay's overhead (reserved beyond the device peak): the batch
-            # option's guess only, said "about".
-            room = usable - cuda_context_bytes - max(0, allocator["reserved_peak_bytes"] - peak)
-
-        def fits(candidate: EvalSettings) -> bool:
-            """The plan's own answer for settings that run the same forward (another accumulation,
-            other logits kept): the replay under the same limit on CUDA, else the device peak."""
-            if cuda_context_bytes is None:
-                return device_peak(candidate) <= usable
-            concat = figures_for(candidate)["concat_peak_bytes"]
-            return _replay(forward, resident_bytes, concat, alloc_conf, max(0, usable - cuda_context_bytes)).oom is None
-
-        advice.append(_device_advice(plan, figures_for, device_peak, room, fits))
+        advice.append(_device_advice_of(plan, same_forward, usable, cuda_context_bytes))
     if fits_host is False:
-        advice.append(_host_advice(plan, figures_for, host_memory))
+        advice.append(_host_advice(plan, same_forward.containers, host_memory))
     return replace(plan, advice=advice)
+
+
+def _reserved_and_usable(reserve_bytes: int, device_memory: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+    """(the reserve the plan records, the device bytes "fits?" is answered against), both None
+    without a device memory; a reserve that is not a whole number of bytes, or that leaves nothing,
+    is refused before anything is traced."""
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes={reserve_bytes!r}: expected a whole number of bytes, at least 0")
+    if device_memory is not None and reserve_bytes >= device_memory:
+        raise ValueError(f"reserve_bytes={reserve_bytes:,} leaves nothing of device_memory={device_memory:,}")
+    reserve = reserve_bytes if device_memory is not None else None
+    usable = device_memory - reserve_bytes if device_memory is not None else None
+    return reserve, usable
+
+
+def _trace_forward(meta: nn.Module, settings: EvalSettings, cuda: bool,
+                   compute_capability: Optional[Tuple[int, int]]) -> Tuple[Optional[EvalForward], Optional[str]]:
+    """(the evaluation forward traced under fake tensors, None) or (None, why it cannot be). What
+    the model refuses outright (a length past its positions) raises before tracing; a forward fake
+    tensors cannot run (data-dependent control flow, ...) becomes the plan's problem instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        step_inputs(meta, 1, settings.seq_len)
+    try:
+        forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache,
+                                     autocast=settings.autocast, device_type="cuda" if cuda else "cpu",
+                                     compute_capability=compute_capability)
+    except Exception as error:
+        text = " ".join(str(error).split())[:300]
+        return None, f"the evaluation forward cannot run under fake tensors ({type(error).__name__}: {text})"
+    finally:
+        gc.collect()
+    return forward, None
+
+
+@dataclass(frozen=True)
+class _SameForward:
+    """The figures of any settings that run the traced forward again unchanged (another
+    accumulation, other logits kept, no concatenation): the plan and its advice ask them of
+    several candidates, none of which needs another trace."""
+
+    forward: EvalForward
+    resident_bytes: int
+    alloc_conf: Any
+
+    def containers(self, candidate: EvalSettings) -> Dict[str, int]:
+        """`containers_figures` of `candidate`."""
+        sample, halved = _per_sample(self.forward, candidate)
+        return containers_figures(candidate, sample, self.forward.loss_bytes, halved)
+
+    def device_peak(self, candidate: EvalSettings, forward_peak: Optional[int] = None) -> int:
+        """The device's peak under `candidate`; `forward_peak` stands in for the traced forward's
+        when the advice guesses another batch size's."""
+        forward_peak = self.forward.peak_bytes if forward_peak is None else forward_peak
+        return self.forward.model_bytes + self.resident_bytes + forward_peak + self.containers(candidate)["concat_peak_bytes"]
+
+    def replay(self, concat_peak_bytes: int, limit: Optional[int]) -> Any:
+        """`_replay` of this forward with the containers at `concat_peak_bytes`."""
+        return _replay(self.forward, self.resident_bytes, concat_peak_bytes, self.alloc_conf, limit)
+
+
+def _device_fit(same_forward: _SameForward, concat_peak_bytes: int, peak: int, usable: Optional[int],
+                cuda_context_bytes: Optional[int]) -> Tuple[Optional[bool], Dict[str, Any]]:
+    """(whether evaluation fits on the device, None without a memory; the allocator replay's
+    figures for the plan, empty off CUDA). On a CUDA device the replay answers, under the usable
+    memory less the context: the device peak alone misses what the caching allocator reserves
+    beyond it."""
+    fits = None if usable is None else peak <= usable
+    if cuda_context_bytes is None:
+        return fits, {}
+    limit = None if usable is None else max(0, usable - cuda_context_bytes)
+    replayed = same_forward.replay(concat_peak_bytes, limit)
+    figures = dict(reserved_peak_bytes=replayed.reserved_peak_bytes, cuda_context_bytes=cuda_context_bytes,
+                   device_total_bytes=replayed.reserved_peak_bytes + cuda_context_bytes)
+    return (fits if limit is None else replayed.oom is None), figures
+
+
+def _device_advice_of(plan: EvalMemoryPlan, same_forward: _SameForward, usable: int,
+                      cuda_context_bytes: Optional[int]) -> str:
+    """`_device_advice` for a plan that does not fit on the device, its candidates judged as the
+    plan itself was judged: by the replay under the same limit on CUDA, else by the device peak."""
+    room = usable
+    if cuda_context_bytes is not None:
+        # What the allocator leaves for the peak's bytes: the memory less the reserve, the
+        # context and the replay's overhead (reserved beyond the device peak): the batch
+        # option's guess only, said "about".
+        room = usable - cuda_context_bytes - max(0, plan.reserved_peak_bytes - plan.device_peak_bytes)
+
+    def fits(candidate: EvalSettings) -> bool:
+        """The plan's own answer for settings that run the same forward (another accumulation,
+        other logits kept): the replay under the same limit on CUDA, else the device peak."""
+        if cuda_context_bytes is None:
+            return same_forward.device_peak(candidate) <= usable
+        concat = same_forward.containers(candidate)["concat_peak_bytes"]
+        return same_forward.replay(concat, max(0, usable - cuda_context_bytes)).oom is None
+
+    return _device_advice(plan, same_forward.containers, same_forward.device_peak, room, fits)
 
 
 def _replay(forward: EvalForward, resident_bytes: int, concat_peak_bytes: int, alloc_conf: Any,

@@ -182,6 +182,110 @@ class ModelStatesLayout:
     transient_bytes: Dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class _ShardedStates:
+    """What one sharding's rules give a process, before offload and the largest gradient, which
+    `layout_model_states` works out the same way for every sharding."""
+
+    params: int
+    grads: int
+    shapes: List[Tuple[int, ...]]
+    optimizer_size: int
+    master: int
+    embeddings: List[int] = field(default_factory=list)
+    transient: Dict[str, int] = field(default_factory=dict)
+
+
+def _shard_world(setup: Setup) -> int:
+    """The processes FSDP shards a parameter across: HSDP shards within each replica."""
+    return setup.world_size // setup.replicate
+
+
+def _trainable_size(size: Sequence[int], trainable: Sequence[int], setup: Setup) -> int:
+    """Bytes per value of the trainable parameters (the first one's), the precision's without any."""
+    return size[trainable[0]] if trainable else PRECISIONS[setup.precision]
+
+
+def _embedding_indices(specs: Sequence[ParamSpec], trainable: Sequence[int]) -> List[int]:
+    """Which of the optimizer's tensors are embedding weights, when it steps over the trainable
+    parameters one by one (8-bit optimizers keep those in 32 bits)."""
+    return [n for n, i in enumerate(trainable) if specs[i].is_embedding]
+
+
+def _replicated_states(specs: Sequence[ParamSpec], setup: Setup, size: Sequence[int],
+                       trainable: Sequence[int]) -> _ShardedStates:
+    """none and ddp: every process holds the whole model (DDP: torch/nn/parallel/distributed.py
+    replicates it), and DeepSpeed's precisions without ZeRO give the optimizer one flat fp32 copy."""
+    params = sum(specs[i].numel * size[i] for i in range(len(specs)))
+    grads = sum(specs[i].numel * size[i] for i in trainable)
+    if setup.precision.startswith("deepspeed-"):
+        # DeepSpeed without ZeRO (stage 0), runtime/fp16/fused_optimizer.py FP16_Optimizer and
+        # runtime/bf16_optimizer.py: one flat fp32 copy of the trainable parameters, whole.
+        numel = sum(specs[i].numel for i in trainable)
+        return _ShardedStates(params, grads, [(numel,)], _FP32, numel * _FP32,
+                              transient={"fp32_grad_partition_bytes": numel * _FP32})
+    return _ShardedStates(params, grads, [specs[i].shape for i in trainable], _trainable_size(size, trainable, setup),
+                          0, _embedding_indices(specs, trainable))
+
+
+def _fsdp_states(specs: Sequence[ParamSpec], setup: Setup, size: Sequence[int],
+                 trainable: Sequence[int]) -> _ShardedStates:
+    """FSDP2: padded row shards of every parameter and gradient, the optimizer over the shards."""
+    world = _shard_world(setup)
+    params = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in range(len(specs)))
+    grads = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in trainable)
+    states = _ShardedStates(params, grads, [fsdp_local_shape(specs[i].shape, world) for i in trainable],
+                            _trainable_size(size, trainable, setup), 0, _embedding_indices(specs, trainable))
+    if setup.sharding == "fsdp-shard-grad-op":
+        # reshard_after_forward=False: from forward to the end of backward each process also holds
+        # the all-gathered parameters, W padded shards each (_fsdp_collectives.py
+        # foreach_all_gather), beside its own shards (a two-process run: 288 bytes beside 144).
+        states.transient["unsharded_params_bytes"] = world * params
+    return states
+
+
+def _zero12_states(specs: Sequence[ParamSpec], setup: Setup, size: Sequence[int], trainable: Sequence[int],
+                   rank: Optional[int], whole_zero_grads: bool) -> _ShardedStates:
+    """ZeRO-1/2: each group's trainable parameters in a flat buffer padded to 2W, the gradients that
+    overlap this process's partition (the fullest process's without a rank), fp32 partitions."""
+    world = setup.world_size
+    numels = [specs[i].numel for i in trainable]
+    trainable_size = _trainable_size(size, trainable, setup)
+    group_ids = sorted({specs[i].group for i in trainable})
+    groups = [[specs[i].numel for i in trainable if specs[i].group == group] for group in group_ids]
+    partitions = [zero12_partition_numel(group, world, element_size=trainable_size) for group in groups]
+    # Each group's trainable parameters become views of a flat buffer padded to a multiple of 2W.
+    params = (sum(spec.numel * size[i] for i, spec in enumerate(specs) if not spec.trainable)
+              + sum(partitions) * world * trainable_size)
+    if whole_zero_grads:
+        grad_numel = sum(numels)
+    elif any(specs[i].is_count for i in trainable):
+        # A raw count has no parameter boundaries; it follows the ZeRO paper: P_os (zero1) keeps
+        # the gradients whole, P_os+g (zero2) partitions them.
+        grad_numel = sum(numels) if setup.sharding == "zero1" else sum(partitions)
+    else:
+        ranks = range(world) if rank is None else [rank]
+        grad_numel = max(zero12_gradient_numel(groups, world, each) for each in ranks)
+    # The fp32 gradient partition: made for one group's step at a time (stage_1_and_2.py `step`), freed after it.
+    return _ShardedStates(params, grad_numel * trainable_size, [(partition,) for partition in partitions], _FP32,
+                          sum(partitions) * _FP32,
+                          transient={"fp32_grad_partition_bytes": max(partitions, default=0) * _FP32})
+
+
+def _zero3_states(specs: Sequence[ParamSpec], setup: Setup, size: Sequence[int],
+                  trainable: Sequence[int]) -> _ShardedStates:
+    """ZeRO-3: `ceil(numel / W)` of every parameter and gradient, the optimizer over fp32 sub-groups."""
+    world = setup.world_size
+    params = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in range(len(specs)))
+    grads = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in trainable)
+    sub_groups = [numel for group in sorted({specs[i].group for i in trainable})
+                  for numel in zero3_sub_group_numels([specs[i].numel for i in trainable if specs[i].group == group],
+                                                      world, setup.sub_group_size)]
+    master = sum(sub_groups) * _FP32
+    return _ShardedStates(params, grads, [(numel,) for numel in sub_groups], _FP32, master,
+                          transient={"fp32_grad_partition_bytes": master})
+
+
 def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optional[int] = None,
                         whole_zero_grads: bool = False) -> ModelStatesLayout:
     """Parameters, gradients, master weights and the optimizer's stand-in shapes, per process.
@@ -196,85 +300,32 @@ def layout_model_states(specs: Sequence[ParamSpec], setup: Setup, *, rank: Optio
     """
     if rank is not None and not 0 <= rank < setup.world_size:
         raise ValueError(f"rank={rank!r}: expected 0 to {setup.world_size - 1}")
-    world = setup.world_size
     default_size = PRECISIONS[setup.precision]
     size = [spec.element_size or default_size for spec in specs]
     trainable = [index for index, spec in enumerate(specs) if spec.trainable]
-    frozen = [index for index, spec in enumerate(specs) if not spec.trainable]
-    transient: Dict[str, int] = {}
-    embeddings: List[int] = []
-
     if setup.sharding in ("none", "ddp"):
-        # Every process holds the whole model (DDP: torch/nn/parallel/distributed.py replicates it).
-        params = sum(specs[i].numel * size[i] for i in range(len(specs)))
-        grads = sum(specs[i].numel * size[i] for i in trainable)
-        if setup.precision.startswith("deepspeed-"):
-            # DeepSpeed without ZeRO (stage 0), runtime/fp16/fused_optimizer.py FP16_Optimizer and
-            # runtime/bf16_optimizer.py: one flat fp32 copy of the trainable parameters, whole.
-            numel = sum(specs[i].numel for i in trainable)
-            shapes, optimizer_size, master = [(numel,)], _FP32, numel * _FP32
-            transient["fp32_grad_partition_bytes"] = numel * _FP32
-        else:
-            shapes = [specs[i].shape for i in trainable]
-            embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
-            optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
+        states = _replicated_states(specs, setup, size, trainable)
     elif setup.is_fsdp:
-        world = setup.world_size // setup.replicate  # HSDP: sharded within each replica
-        params = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in range(len(specs)))
-        grads = sum(fsdp_padded_shard_numel(specs[i].shape, world) * size[i] for i in trainable)
-        shapes = [fsdp_local_shape(specs[i].shape, world) for i in trainable]
-        embeddings = [n for n, i in enumerate(trainable) if specs[i].is_embedding]
-        optimizer_size, master = (size[trainable[0]] if trainable else default_size), 0
-        if setup.sharding == "fsdp-shard-grad-op":
-            # reshard_after_forward=False: from forward to the end of backward each process also holds
-            # the all-gathered parameters, W padded shards each (_fsdp_collectives.py
-            # foreach_all_gather), beside its own shards (a two-process run: 288 bytes beside 144).
-            transient["unsharded_params_bytes"] = world * params
+        states = _fsdp_states(specs, setup, size, trainable)
     elif setup.sharding in ("zero1", "zero2"):
-        numels = [specs[i].numel for i in trainable]
-        trainable_size = size[trainable[0]] if trainable else default_size
-        group_ids = sorted({specs[i].group for i in trainable})
-        groups = [[specs[i].numel for i in trainable if specs[i].group == group] for group in group_ids]
-        partitions = [zero12_partition_numel(group, world, element_size=trainable_size) for group in groups]
-        # Each group's trainable parameters become views of a flat buffer padded to a multiple of 2W.
-        params = sum(specs[i].numel * size[i] for i in frozen) + sum(partitions) * world * trainable_size
-        if whole_zero_grads:
-            grad_numel = sum(numels)
-        elif any(specs[i].is_count for i in trainable):
-            # A raw count has no parameter boundaries; it follows the ZeRO paper: P_os (zero1) keeps
-            # the gradients whole, P_os+g (zero2) partitions them.
-            grad_numel = sum(numels) if setup.sharding == "zero1" else sum(partitions)
-        else:
-            ranks = range(world) if rank is None else [rank]
-            grad_numel = max(zero12_gradient_numel(groups, world, each) for each in ranks)
-        grads = grad_numel * trainable_size
-        shapes = [(partition,) for partition in partitions]
-        optimizer_size, master = _FP32, sum(partitions) * _FP32
-        # Made for one group's step at a time (stage_1_and_2.py `step`), freed after it.
-        transient["fp32_grad_partition_bytes"] = max(partitions, default=0) * _FP32
+        states = _zero12_states(specs, setup, size, trainable, rank, whole_zero_grads)
     else:  # zero3
-        params = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in range(len(specs)))
-        grads = sum(zero3_partition_numel(specs[i].numel, world) * size[i] for i in trainable)
-        sub_groups = [numel for group in sorted({specs[i].group for i in trainable})
-                      for numel in zero3_sub_group_numels([specs[i].numel for i in trainable if specs[i].group == group],
-                                                          world, setup.sub_group_size)]
-        shapes = [(numel,) for numel in sub_groups]
-        optimizer_size, master = _FP32, sum(sub_groups) * _FP32
-        transient["fp32_grad_partition_bytes"] = master
+        states = _zero3_states(specs, setup, size, trainable)
 
     fsdp_offload = setup.is_fsdp and setup.offload_params
+    world = _shard_world(setup) if setup.is_fsdp else setup.world_size
     per_param_grads = {i: (fsdp_padded_shard_numel(specs[i].shape, world) if setup.is_fsdp else specs[i].numel) * size[i]
                        for i in trainable}
     largest = max(trainable, key=lambda i: per_param_grads[i], default=None)
     return ModelStatesLayout(
-        params_bytes=params, grads_bytes=grads, master_weights_bytes=master,
+        params_bytes=states.params, grads_bytes=states.grads, master_weights_bytes=states.master,
         params_on_cpu=setup.offload_params, grads_on_cpu=fsdp_offload,
         optimizer_on_cpu=setup.offload_optimizer or fsdp_offload,
-        optimizer_shapes=shapes, optimizer_element_size=optimizer_size,
+        optimizer_shapes=states.shapes, optimizer_element_size=states.optimizer_size,
         optimizer_over_model=not (setup.is_zero or setup.precision.startswith("deepspeed-")),
         largest_grad_bytes=per_param_grads[largest] if largest is not None else 0,
         largest_grad_param=specs[largest].name if largest is not None else "",
-        optimizer_embeddings=embeddings, transient_bytes=transient,
+        optimizer_embeddings=states.embeddings, transient_bytes=states.transient,
     )
 
 
@@ -292,7 +343,7 @@ def reference_model_bytes(specs: Sequence[ParamSpec], setup: Setup) -> int:
     if setup.sharding == "zero3":
         numels = [zero3_partition_numel(spec.numel, setup.world_size) for spec in specs]
     elif setup.is_fsdp:
-        numels = [fsdp_padded_shard_numel(spec.shape, setup.world_size // setup.replicate) for spec in specs]
+        numels = [fsdp_padded_shard_numel(spec.shape, _shard_world(setup)) for spec in specs]
     else:
         numels = [spec.numel for spec in specs]
     return sum(numel * (spec.element_size or size) for numel, spec in zip(numels, specs))
@@ -485,6 +536,59 @@ def _notes(layout: ModelStatesLayout, setup: Setup, specs: Sequence[ParamSpec], 
     return notes
 
 
+def _model_specs(model: Union[nn.Module, int], model_name: Optional[str], keep_dtypes: bool,
+                 param_groups: str) -> Tuple[List[ParamSpec], str, Optional[nn.Module]]:
+    """(the parameters, the model's name, the module or None for a raw count): a model is read
+    parameter by parameter in the Trainer's groups (or one), a count becomes one flat tensor; a
+    model with nothing to train is refused, since there would be no optimizer to plan."""
+    if isinstance(model, nn.Module):
+        specs = param_specs(model, keep_dtypes=keep_dtypes,
+                            groups=trainer_param_groups(model) if param_groups == "trainer" else None)
+        name = model_name or type(model).__name__
+        module: Optional[nn.Module] = model
+    elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
+        specs = [ParamSpec(shape=(model,), is_count=True, name="(one flat tensor)")]
+        name = model_name or f"{model:,} parameters"
+        module = None
+    else:
+        raise ValueError(f"model={model!r}: expected an nn.Module or a positive parameter count")
+    if not any(spec.trainable for spec in specs):
+        raise ValueError(f"{name} has no trainable parameter")
+    return specs, name, module
+
+
+def _reference_of(reference_model: bool, module: Optional[nn.Module], specs: Sequence[ParamSpec],
+                  setup: Setup) -> Tuple[int, Optional[str]]:
+    """(a frozen reference model's bytes per process, the note that says why they are 0): a PEFT
+    model is its own reference, its adapters disabled, so it adds nothing."""
+    if not reference_model:
+        return 0, None
+    if _is_peft_model(module):
+        return 0, PEFT_REFERENCE_NOTE
+    return reference_model_bytes(specs, setup), None
+
+
+def _optimizer_row(optimizer_name: str, layout: ModelStatesLayout, setup: Setup, args: Any,
+                   module: Optional[nn.Module], stand_in: Optional[nn.Module], memory: Optional[int]) -> OptimizerPlan:
+    """One optimizer's row, its state built as the what-if builds it: over the model's stand-in when
+    it steps over the model's parameters, else over ZeRO's (or DeepSpeed's) flat fp32 stand-ins; a
+    name the plan does not model in this setup gets a row that says why."""
+    deepspeed = setup.is_zero or setup.precision.startswith("deepspeed-")
+    refused = unplanned_reason(optimizer_name, world_size=setup.world_size, sharding=setup.sharding,
+                               deepspeed=deepspeed)
+    if refused is not None:  # not planned: its gradients as a plain optimizer's, no note
+        return _combine(optimizer_name, layout, setup, None, None, refused, None, memory)
+    if stand_in is not None:
+        found = model_optimizer_what_if(optimizer_name, args, stand_in)
+    else:
+        params, embeddings = _stand_ins(layout)
+        found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
+    estimate = found.estimate
+    return _combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
+                    found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
+                    updates_in_backward(optimizer_name))
+
+
 def plan_model_states(
     model: Union[nn.Module, int],
     optimizers: Union[str, Iterable[str]] = DEFAULT_OPTIMIZERS,
@@ -547,45 +651,11 @@ def plan_model_states(
     if param_groups not in PARAM_GROUPINGS:
         raise ValueError(f"param_groups={param_groups!r} is not one of: {', '.join(PARAM_GROUPINGS)}")
     args = training_args_with(args, optim_args=optim_args, optim_target_modules=optim_target_modules)
-    if isinstance(model, nn.Module):
-        specs = param_specs(model, keep_dtypes=keep_dtypes,
-                            groups=trainer_param_groups(model) if param_groups == "trainer" else None)
-        name = model_name or type(model).__name__
-        module: Optional[nn.Module] = model
-    elif isinstance(model, int) and not isinstance(model, bool) and model > 0:
-        specs = [ParamSpec(shape=(model,), is_count=True, name="(one flat tensor)")]
-        name = model_name or f"{model:,} parameters"
-        module = None
-    else:
-        raise ValueError(f"model={model!r}: expected an nn.Module or a positive parameter count")
-    if not any(spec.trainable for spec in specs):
-        raise ValueError(f"{name} has no trainable parameter")
+    specs, name, module = _model_specs(model, model_name, keep_dtypes, param_groups)
     layout = layout_model_states(specs, setup)
     stand_in = _model_stand_in(module, layout, setup, keep_dtypes) if layout.optimizer_over_model else None
-    deepspeed = setup.is_zero or setup.precision.startswith("deepspeed-")
-    reference, note = 0, None
-    if reference_model:
-        if _is_peft_model(module):
-            note = PEFT_REFERENCE_NOTE
-        else:
-            reference = reference_model_bytes(specs, setup)
-    rows = []
-    for optimizer_name in names:
-        in_backward = updates_in_backward(optimizer_name)
-        refused = unplanned_reason(optimizer_name, world_size=setup.world_size, sharding=setup.sharding,
-                                   deepspeed=deepspeed)
-        if refused is not None:  # not planned: its gradients as a plain optimizer's, no note
-            rows.append(_combine(optimizer_name, layout, setup, None, None, refused, None, memory))
-            continue
-        if stand_in is not None:
-            found = model_optimizer_what_if(optimizer_name, args, stand_in)
-        else:
-            params, embeddings = _stand_ins(layout)
-            found = optimizer_what_if(optimizer_name, params, args=args, model=module, embeddings=embeddings)
-        estimate = found.estimate
-        rows.append(_combine(optimizer_name, layout, setup, estimate.num_bytes if estimate else None,
-                             found.optimizer_class, found.problem, estimate.source if estimate else None, memory,
-                             in_backward))
+    reference, note = _reference_of(reference_model, module, specs, setup)
+    rows = [_optimizer_row(optimizer_name, layout, setup, args, module, stand_in, memory) for optimizer_name in names]
     rows = [_with_reference(row, reference, layout, setup, memory) for row in rows]
     return ModelStatesPlan(
         model=name, setup=setup,

@@ -171,6 +171,10 @@ def _image_size(config: Any, image_size: Optional[int]) -> tuple:
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
+# The heads whose inputs are not tokens: images, and audio features.
+_TOKENLESS = ("image", "speech_seq2seq")
+
+
 def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None, *, target_len: Optional[int] = None,
                 image_size: Optional[int] = None, padding: int = 0) -> StepInputs:
     """The micro-batch a Trainer gives `model` (see the module docstring), made in the current mode.
@@ -192,22 +196,8 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
     name = type(inner).__name__
     config = getattr(inner, "config", None)
     kind = head_kind(model)
-    takes_tokens = kind not in ("image", "speech_seq2seq")
-    if not takes_tokens and seq_len is not None:
-        applies = "--image-size (default: the config's)" if kind == "image" else "--target-len (the labels' length)"
-        raise ValueError(f"{name} takes {'images' if kind == 'image' else 'audio features'}, not tokens: "
-                         f"--seq-len has no meaning for it; {applies} applies")
-    if takes_tokens and seq_len is None:
-        raise ValueError(f"{name} takes tokens: give --seq-len (the sequence length)")
-    if target_len is not None and kind not in ("seq2seq", "speech_seq2seq"):
-        raise ValueError(f"{name} is not a sequence-to-sequence model: --target-len has no meaning for it; "
-                         f"--seq-len applies")
-    if image_size is not None and kind not in ("image", "vision_language"):
-        raise ValueError(f"{name} takes no images: --image-size has no meaning for it")
-    if padding and not takes_tokens:
-        raise ValueError(f"{name} takes no tokens: --padding has no meaning for it")
-    if takes_tokens and not 0 <= padding < seq_len:
-        raise ValueError(f"padding={padding!r}: expected a whole number from 0 to seq_len - 1 ({seq_len - 1})")
+    takes_tokens = kind not in _TOKENLESS
+    _check_options(name, kind, seq_len, target_len, image_size, padding)
     if takes_tokens:
         _check_lengths(inner, name, {"--seq-len": seq_len, "--target-len": target_len if kind == "seq2seq" else None})
     long = dict(dtype=torch.long)
@@ -226,30 +216,9 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
         forward["start_positions"] = torch.zeros(batch_size, **long)
         forward["end_positions"] = torch.zeros(batch_size, **long)
     elif kind in ("seq2seq", "speech_seq2seq"):
-        target = target_len if target_len is not None else seq_len
-        if target is None:
-            raise ValueError(f"{name} is a sequence-to-sequence model: give --target-len (the labels' length)")
-        labels = forward["labels"] = torch.zeros(batch_size, target, **long)
-        if hasattr(inner, "prepare_decoder_input_ids_from_labels"):
-            # DataCollatorForSeq2Seq(model=...): the decoder inputs are the labels shifted right.
-            forward["decoder_input_ids"] = torch.zeros(batch_size, target, **long)
-        if kind == "speech_seq2seq":
-            frames = 2 * config.max_source_positions  # Whisper's two convolutions, the second with stride 2
-            forward["input_features"] = torch.zeros(batch_size, config.num_mel_bins, frames, dtype=_float_dtype(model))
+        labels = _add_seq2seq_inputs(forward, model, name, kind, batch_size, seq_len, target_len)
     elif kind == "vision_language":
-        height, width = _image_size(config, image_size)
-        placeholders = image_tokens(config, height, width)
-        if placeholders + 1 > seq_len - padding:
-            raise ValueError(f"seq_len={seq_len!r}: {name} puts {placeholders} image tokens and a BOS token in the "
-                             f"text of each {height}x{width} image: give at least {placeholders + 1 + padding}")
-        # The processor's ids: BOS, the image's placeholders, then text (values of a fake tensor are
-        # not read, but these are: the placeholder mask and its count).
-        ids = forward["input_ids"]
-        ids[:, 1:1 + placeholders] = _image_token(config)
-        labels = forward["labels"] = torch.zeros(batch_size, seq_len, **long)
-        vision = config.vision_config
-        forward["pixel_values"] = torch.zeros(batch_size, getattr(vision, "num_channels", 3), height, width,
-                                              dtype=_float_dtype(model))
+        labels = _add_vision_language_inputs(forward, model, name, batch_size, seq_len, image_size, padding)
     elif kind == "image":
         height, width = _image_size(config, image_size)
         channels = getattr(config, "num_channels", 3)
@@ -257,3 +226,69 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
         if name.endswith("ForImageClassification"):
             labels = forward["labels"] = torch.zeros(batch_size, **long)
     return StepInputs(forward=forward, held=held, labels=labels, kind=kind)
+
+
+def _check_options(name: str, kind: str, seq_len: Optional[int], target_len: Optional[int],
+                   image_size: Optional[int], padding: int) -> None:
+    """Refuse an option the head has no use for, or a missing one it needs, before any tensor is
+    made: a plan with a length that means nothing to the model would answer another question
+    than the one asked. The messages name the flags, which is where these options come from."""
+    takes_tokens = kind not in _TOKENLESS
+    if not takes_tokens and seq_len is not None:
+        applies = "--image-size (default: the config's)" if kind == "image" else "--target-len (the labels' length)"
+        raise ValueError(f"{name} takes {'images' if kind == 'image' else 'audio features'}, not tokens: "
+                         f"--seq-len has no meaning for it; {applies} applies")
+    if takes_tokens and seq_len is None:
+        raise ValueError(f"{name} takes tokens: give --seq-len (the sequence length)")
+    if target_len is not None and kind not in ("seq2seq", "speech_seq2seq"):
+        raise ValueError(f"{name} is not a sequence-to-sequence model: --target-len has no meaning for it; "
+                         f"--seq-len applies")
+    if image_size is not None and kind not in ("image", "vision_language"):
+        raise ValueError(f"{name} takes no images: --image-size has no meaning for it")
+    if padding and not takes_tokens:
+        raise ValueError(f"{name} takes no tokens: --padding has no meaning for it")
+    if takes_tokens and not 0 <= padding < seq_len:
+        raise ValueError(f"padding={padding!r}: expected a whole number from 0 to seq_len - 1 ({seq_len - 1})")
+
+
+def _add_seq2seq_inputs(forward: Dict[str, torch.Tensor], model: nn.Module, name: str, kind: str, batch_size: int,
+                        seq_len: Optional[int], target_len: Optional[int]) -> torch.Tensor:
+    """Add a (speech) sequence-to-sequence model's labels and decoder inputs, as
+    `DataCollatorForSeq2Seq(model=...)` makes them, and Whisper's audio features; the labels
+    returned. Their length is the target's, which for audio has no default to fall back on."""
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    long = dict(dtype=torch.long)
+    target = target_len if target_len is not None else seq_len
+    if target is None:
+        raise ValueError(f"{name} is a sequence-to-sequence model: give --target-len (the labels' length)")
+    labels = forward["labels"] = torch.zeros(batch_size, target, **long)
+    if hasattr(inner, "prepare_decoder_input_ids_from_labels"):
+        # DataCollatorForSeq2Seq(model=...): the decoder inputs are the labels shifted right.
+        forward["decoder_input_ids"] = torch.zeros(batch_size, target, **long)
+    if kind == "speech_seq2seq":
+        frames = 2 * config.max_source_positions  # Whisper's two convolutions, the second with stride 2
+        forward["input_features"] = torch.zeros(batch_size, config.num_mel_bins, frames, dtype=_float_dtype(model))
+    return labels
+
+
+def _add_vision_language_inputs(forward: Dict[str, torch.Tensor], model: nn.Module, name: str, batch_size: int,
+                                seq_len: int, image_size: Optional[int], padding: int) -> torch.Tensor:
+    """Add a vision-language model's images and its text's image placeholders, as its processor
+    puts them (module docstring), and the labels, returned: the placeholders' count is read by
+    the model, so the text must hold them all, refused when `seq_len` is too short for them."""
+    config = getattr(unwrap(model), "config", None)
+    height, width = _image_size(config, image_size)
+    placeholders = image_tokens(config, height, width)
+    if placeholders + 1 > seq_len - padding:
+        raise ValueError(f"seq_len={seq_len!r}: {name} puts {placeholders} image tokens and a BOS token in the "
+                         f"text of each {height}x{width} image: give at least {placeholders + 1 + padding}")
+    # The processor's ids: BOS, the image's placeholders, then text (values of a fake tensor are
+    # not read, but these are: the placeholder mask and its count).
+    ids = forward["input_ids"]
+    ids[:, 1:1 + placeholders] = _image_token(config)
+    labels = forward["labels"] = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    vision = config.vision_config
+    forward["pixel_values"] = torch.zeros(batch_size, getattr(vision, "num_channels", 3), height, width,
+                                          dtype=_float_dtype(model))
+    return labels

@@ -440,6 +440,145 @@ def _fill_auto(ds: Dict[str, Any], args: Mapping[str, Any], hidden_size: Optiona
     return zero
 
 
+class _Resolving:
+    """The settings resolved so far and where each came from. The sources are read in order of
+    precedence (training args, engine config, flags), so a later `put` overwriting an earlier one
+    is what makes a later source win."""
+
+    def __init__(self) -> None:
+        self.values: Dict[str, Any] = {}
+        self.sources: Dict[str, str] = {}
+
+    def put(self, name: str, value: Any, source: str) -> None:
+        """Take `value` from `source`; None is a source that does not give the setting, which must
+        leave what an earlier source gave."""
+        if value is not None:
+            self.values[name] = value
+            self.sources[name] = source
+
+
+def _put_training_args(got: _Resolving, args: Mapping[str, Any]) -> None:
+    """The settings the Trainer's arguments give, read as the Trainer reads them (the optimizer's
+    enum spelt as its value, `max_grad_norm` None as 0, DDP's unused-parameter search derived from
+    checkpointing as `Trainer._build_accelerator_args` derives it)."""
+    arg = "training args"
+    got.put("batch_size", args.get("per_device_train_batch_size"), arg)
+    got.put("gradient_accumulation_steps", args.get("gradient_accumulation_steps"), arg)
+    got.put("optimizer", str(args["optim"]).split(".")[-1].lower() if args.get("optim") is not None else None, arg)
+    checkpointing = args.get("gradient_checkpointing", args.get("activation_checkpointing"))
+    got.put("gradient_checkpointing", bool(checkpointing) if checkpointing is not None else None, arg)
+    got.put("checkpointing_kwargs", _checkpointing_kwargs(args), arg)
+    if "max_grad_norm" in args:
+        got.put("max_grad_norm", float(args["max_grad_norm"] or 0.0), arg)
+    got.put("bucket_cap_mb", args.get("ddp_bucket_cap_mb"), arg)
+    got.put("torch_empty_cache_steps", args.get("torch_empty_cache_steps"), arg)
+    if "ddp_find_unused_parameters" in args:
+        # Trainer._build_accelerator_args: ddp_find_unused_parameters when set, otherwise True for a
+        # model without gradient checkpointing (a PreTrainedModel with it: False).
+        unused = args["ddp_find_unused_parameters"]
+        got.put("find_unused_parameters", bool(unused) if unused is not None else not checkpointing,
+                arg if unused is not None else "training args (Trainer: not gradient_checkpointing)")
+
+
+def _engine_configs(args: Mapping[str, Any], deepspeed: Any,
+                    fsdp_config: Any) -> Tuple[Optional[Dict[str, Any]], str, Optional[Dict[str, Any]]]:
+    """(DeepSpeed config, where it came from, FSDP config), each read from its file when given as a
+    path; a config given to `resolve_settings` wins over the one the Trainer's arguments name, and
+    the arguments' `fsdp_config` counts only when their `fsdp` turns FSDP on."""
+    ds = deepspeed if deepspeed is not None else args.get("deepspeed")
+    ds_source = "deepspeed config" if deepspeed is not None else "training args (deepspeed)"
+    if isinstance(ds, (str, os.PathLike)):
+        ds = read_json_file(os.fspath(ds), "deepspeed config")
+    fsdp = fsdp_config if fsdp_config is not None else args.get("fsdp_config")
+    if fsdp_config is None and "fsdp" in args and not _fsdp_on(args.get("fsdp")):
+        # The Trainer shards only when `fsdp` is set; transformers 4.x fills `fsdp_config` with
+        # defaults ({"min_num_params": 0, "xla": False, ...}) even then, which must not turn FSDP on.
+        fsdp = None
+    if isinstance(fsdp, (str, os.PathLike)):
+        fsdp = read_json_file(os.fspath(fsdp), "fsdp config")
+    return ds, ds_source, fsdp
+
+
+def _put_deepspeed(got: _Resolving, ds: Mapping[str, Any], ds_source: str) -> None:
+    """The sharding, batch, clipping and precision a DeepSpeed config gives ("auto" leaves the
+    Trainer's value); both precisions enabled is refused as `DeepSpeedConfig._do_error_check` does."""
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    got.put("sharding", f"zero{stage}" if stage else "ddp", ds_source)
+    for key, setting in (("train_micro_batch_size_per_gpu", "batch_size"), ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                         ("gradient_clipping", "max_grad_norm")):
+        if key in ds and ds[key] != "auto":
+            got.put(setting, ds[key], ds_source)
+    if (ds.get("bf16") or {}).get("enabled") is True and (ds.get("fp16") or {}).get("enabled") is True:
+        # DeepSpeedConfig._do_error_check (deepspeed 0.19.8 runtime/config.py).
+        raise SettingsFileError(f"{ds_source}: bf16.enabled and fp16.enabled are both true: DeepSpeed refuses it "
+                                "(\"bfloat16 and fp16 modes cannot be simultaneously enabled\"); keep one")
+    if (ds.get("bf16") or {}).get("enabled") is True:
+        got.put("precision", "deepspeed-bf16", ds_source)
+    elif (ds.get("fp16") or {}).get("enabled") is True:
+        got.put("precision", "deepspeed-fp16", ds_source)
+    elif got.values.get("precision", "fp32") == "fp32":
+        got.put("precision", "fp32", ds_source if ("bf16" in ds or "fp16" in ds) else got.sources.get("precision", _DEFAULT))
+
+
+def _put_fsdp(got: _Resolving, fsdp: Optional[Mapping[str, Any]], args: Mapping[str, Any], fsdp_config: Any) -> None:
+    """The sharding, resharding, offload and checkpointing an FSDP config (or the arguments' legacy
+    `fsdp` words) gives, read as `TrainingArguments._process_fsdp_args` reads them; what the plan
+    cannot trace (HSDP without a degree, FSDP1) is refused."""
+    fsdp = dict(fsdp or {})
+    fsdp = {key[5:] if key.startswith("fsdp_") else key: value for key, value in fsdp.items()}
+    legacy = args.get("fsdp")
+    legacy = legacy.split() if isinstance(legacy, str) else (legacy if isinstance(legacy, list) else [])
+    src = "fsdp config" if fsdp_config is not None else "training args (fsdp_config)"
+    reshard = fsdp.get("reshard_after_forward")
+    if reshard is None and legacy:
+        reshard = "shard_grad_op" not in legacy
+        src = "training args (fsdp)"
+    reshard = True if reshard is None else _str_to_bool(reshard, f"{src}: reshard_after_forward")
+    got.put("sharding", "fsdp-full-shard" if reshard else "fsdp-shard-grad-op", src)
+    got.put("reshard_after_forward", reshard, src)
+    # `if self.fsdp_config.get("cpu_offload", False)` in `_process_fsdp_args`: any true value.
+    offload = fsdp.get("cpu_offload", fsdp.get("offload_params"))
+    if offload is None and "offload" in legacy:
+        offload = True
+    got.put("fsdp_cpu_offload", bool(offload) if offload is not None else None, src)
+    if "hybrid_shard" in legacy or "hybrid_shard_zero2" in legacy:
+        raise ValueError("fsdp hybrid_shard: give the replicate degree with replicate=N (HSDP mesh)")
+    # TrainingArguments._process_fsdp_args: `version` (`fsdp_version`) picks the plugin's FSDP,
+    # 2 when absent on transformers 5 (1 on 4.x); the plan traces FSDP2's fully_shard only.
+    version = fsdp.get("version", 2)
+    if str(version) != "2":
+        raise ValueError(f"fsdp config version={version!r}: only FSDP2 (version 2, the Trainer's default) is planned")
+    if "activation_checkpointing" in fsdp:
+        # accelerate's FSDP2 wraps each layer in a non-reentrant checkpoint (`fsdp2_apply_ac`).
+        got.put("gradient_checkpointing", _str_to_bool(fsdp["activation_checkpointing"], f"{src}: activation_checkpointing"),
+                src)
+
+
+def _settle_processes(got: _Resolving, args: Mapping[str, Any]) -> None:
+    """The settings that follow from the sharding and the world size, settled only once the flags
+    are in because a flag may give either: FSDP's resharding from its sharding strategy (unless a
+    flag gave it), DDP for a Trainer run on several processes with no engine; a rank or an HSDP
+    degree the world cannot hold is refused."""
+    values, sources = got.values, got.sources
+    if values.get("sharding") == "fsdp-shard-grad-op" and sources.get("reshard_after_forward") != "flag":
+        values["reshard_after_forward"] = False
+        sources.setdefault("reshard_after_forward", sources["sharding"])
+    if values.get("sharding") == "fsdp-full-shard" and sources.get("reshard_after_forward") not in ("flag",):
+        values["reshard_after_forward"] = True
+        sources.setdefault("reshard_after_forward", sources["sharding"])
+    world = values.get("world_size", 1)
+    if args and world > 1 and "sharding" not in values:
+        # The Trainer under torchrun with neither DeepSpeed nor FSDP wraps the model in DDP
+        # (accelerate's prepare_model, DistributedType.MULTI_*).
+        got.put("sharding", "ddp", "training args (Trainer: several processes, no deepspeed or fsdp)")
+    rank = values.get("rank", 0)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} is not a process of world_size={world}: expected 0 to {world - 1}")
+    replicate = values.get("replicate", 1)
+    if world % replicate:
+        raise ValueError(f"replicate={replicate} does not divide world_size={world}")
+
+
 def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_config: Any = None,
                      hidden_size: Optional[int] = None, **flags: Any) -> StepSettings:
     """Resolve the plan's settings once.
@@ -462,114 +601,22 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
     unknown = sorted(set(flags) - names)
     if unknown:
         raise ValueError(f"unknown settings {unknown}: expected some of {sorted(names)}")
-    values: Dict[str, Any] = {}
-    sources: Dict[str, str] = {}
-
-    def put(name: str, value: Any, source: str) -> None:
-        if value is not None:
-            values[name] = value
-            sources[name] = source
-
+    got = _Resolving()
     args = _args_dict(training_args)
-    arg = "training args"
-    put("batch_size", args.get("per_device_train_batch_size"), arg)
-    put("gradient_accumulation_steps", args.get("gradient_accumulation_steps"), arg)
-    put("optimizer", str(args["optim"]).split(".")[-1].lower() if args.get("optim") is not None else None, arg)
-    checkpointing = args.get("gradient_checkpointing", args.get("activation_checkpointing"))
-    put("gradient_checkpointing", bool(checkpointing) if checkpointing is not None else None, arg)
-    put("checkpointing_kwargs", _checkpointing_kwargs(args), arg)
-    if "max_grad_norm" in args:
-        put("max_grad_norm", float(args["max_grad_norm"] or 0.0), arg)
-    put("bucket_cap_mb", args.get("ddp_bucket_cap_mb"), arg)
-    put("torch_empty_cache_steps", args.get("torch_empty_cache_steps"), arg)
-    if "ddp_find_unused_parameters" in args:
-        # Trainer._build_accelerator_args: ddp_find_unused_parameters when set, otherwise True for a
-        # model without gradient checkpointing (a PreTrainedModel with it: False).
-        unused = args["ddp_find_unused_parameters"]
-        put("find_unused_parameters", bool(unused) if unused is not None else not checkpointing,
-            arg if unused is not None else "training args (Trainer: not gradient_checkpointing)")
-
-    ds = deepspeed if deepspeed is not None else args.get("deepspeed")
-    ds_source = "deepspeed config" if deepspeed is not None else "training args (deepspeed)"
-    if isinstance(ds, (str, os.PathLike)):
-        ds = read_json_file(os.fspath(ds), "deepspeed config")
-    fsdp = fsdp_config if fsdp_config is not None else args.get("fsdp_config")
-    if fsdp_config is None and "fsdp" in args and not _fsdp_on(args.get("fsdp")):
-        # The Trainer shards only when `fsdp` is set; transformers 4.x fills `fsdp_config` with
-        # defaults ({"min_num_params": 0, "xla": False, ...}) even then, which must not turn FSDP on.
-        fsdp = None
-    if isinstance(fsdp, (str, os.PathLike)):
-        fsdp = read_json_file(os.fspath(fsdp), "fsdp config")
-    put("precision", _precision(args, deepspeed=bool(ds)), arg)
+    _put_training_args(got, args)
+    ds, ds_source, fsdp = _engine_configs(args, deepspeed, fsdp_config)
+    got.put("precision", _precision(args, deepspeed=bool(ds)), "training args")
 
     zero: Dict[str, Any] = {}
     if ds:
-        stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-        put("sharding", f"zero{stage}" if stage else "ddp", ds_source)
-        for key, setting in (("train_micro_batch_size_per_gpu", "batch_size"), ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                             ("gradient_clipping", "max_grad_norm")):
-            if key in ds and ds[key] != "auto":
-                put(setting, ds[key], ds_source)
-        if (ds.get("bf16") or {}).get("enabled") is True and (ds.get("fp16") or {}).get("enabled") is True:
-            # DeepSpeedConfig._do_error_check (deepspeed 0.19.8 runtime/config.py).
-            raise SettingsFileError(f"{ds_source}: bf16.enabled and fp16.enabled are both true: DeepSpeed refuses it "
-                                    "(\"bfloat16 and fp16 modes cannot be simultaneously enabled\"); keep one")
-        if (ds.get("bf16") or {}).get("enabled") is True:
-            put("precision", "deepspeed-bf16", ds_source)
-        elif (ds.get("fp16") or {}).get("enabled") is True:
-            put("precision", "deepspeed-fp16", ds_source)
-        elif values.get("precision", "fp32") == "fp32":
-            put("precision", "fp32", ds_source if ("bf16" in ds or "fp16" in ds) else sources.get("precision", _DEFAULT))
-        zero = _fill_auto(ds, args, hidden_size, 1, sources)
+        _put_deepspeed(got, ds, ds_source)
+        zero = _fill_auto(ds, args, hidden_size, 1, got.sources)
     elif fsdp or _fsdp_on(args.get("fsdp")):
-        fsdp = dict(fsdp or {})
-        fsdp = {key[5:] if key.startswith("fsdp_") else key: value for key, value in fsdp.items()}
-        legacy = args.get("fsdp")
-        legacy = legacy.split() if isinstance(legacy, str) else (legacy if isinstance(legacy, list) else [])
-        src = "fsdp config" if fsdp_config is not None else "training args (fsdp_config)"
-        reshard = fsdp.get("reshard_after_forward")
-        if reshard is None and legacy:
-            reshard = "shard_grad_op" not in legacy
-            src = "training args (fsdp)"
-        reshard = True if reshard is None else _str_to_bool(reshard, f"{src}: reshard_after_forward")
-        put("sharding", "fsdp-full-shard" if reshard else "fsdp-shard-grad-op", src)
-        put("reshard_after_forward", reshard, src)
-        # `if self.fsdp_config.get("cpu_offload", False)` in `_process_fsdp_args`: any true value.
-        offload = fsdp.get("cpu_offload", fsdp.get("offload_params"))
-        if offload is None and "offload" in legacy:
-            offload = True
-        put("fsdp_cpu_offload", bool(offload) if offload is not None else None, src)
-        if "hybrid_shard" in legacy or "hybrid_shard_zero2" in legacy:
-            raise ValueError("fsdp hybrid_shard: give the replicate degree with replicate=N (HSDP mesh)")
-        # TrainingArguments._process_fsdp_args: `version` (`fsdp_version`) picks the plugin's FSDP,
-        # 2 when absent on transformers 5 (1 on 4.x); the plan traces FSDP2's fully_shard only.
-        version = fsdp.get("version", 2)
-        if str(version) != "2":
-            raise ValueError(f"fsdp config version={version!r}: only FSDP2 (version 2, the Trainer's default) is planned")
-        if "activation_checkpointing" in fsdp:
-            # accelerate's FSDP2 wraps each layer in a non-reentrant checkpoint (`fsdp2_apply_ac`).
-            put("gradient_checkpointing", _str_to_bool(fsdp["activation_checkpointing"], f"{src}: activation_checkpointing"),
-                src)
+        _put_fsdp(got, fsdp, args, fsdp_config)
     for name, value in flags.items():
-        put(name, value, "flag")
+        got.put(name, value, "flag")
     if ds:
-        _world_of_batch(ds, ds_source, values, sources)
-    if values.get("sharding") == "fsdp-shard-grad-op" and sources.get("reshard_after_forward") != "flag":
-        values["reshard_after_forward"] = False
-        sources.setdefault("reshard_after_forward", sources["sharding"])
-    if values.get("sharding") == "fsdp-full-shard" and sources.get("reshard_after_forward") not in ("flag",):
-        values["reshard_after_forward"] = True
-        sources.setdefault("reshard_after_forward", sources["sharding"])
-    world = values.get("world_size", 1)
-    if args and world > 1 and "sharding" not in values:
-        # The Trainer under torchrun with neither DeepSpeed nor FSDP wraps the model in DDP
-        # (accelerate's prepare_model, DistributedType.MULTI_*).
-        put("sharding", "ddp", "training args (Trainer: several processes, no deepspeed or fsdp)")
-    rank = values.get("rank", 0)
-    if not 0 <= rank < world:
-        raise ValueError(f"rank={rank} is not a process of world_size={world}: expected 0 to {world - 1}")
-    replicate = values.get("replicate", 1)
-    if world % replicate:
-        raise ValueError(f"replicate={replicate} does not divide world_size={world}")
-    _check_values(values, zero, sources)
-    return StepSettings(zero=zero, sources=sources, **values)
+        _world_of_batch(ds, ds_source, got.values, got.sources)
+    _settle_processes(got, args)
+    _check_values(got.values, zero, got.sources)
+    return StepSettings(zero=zero, sources=got.sources, **got.values)
