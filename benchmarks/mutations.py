@@ -145,14 +145,14 @@ EDITS: List[Edit] = [
          "if held.num_elements == numel and want == numel and itemsize == 2:", JUDGE_FAST),
     Edit("state/judge.py", "        return all(pid in with_state for pid in trainable)",
          "        return any(pid in with_state for pid in trainable)", JUDGE_FAST),
-    Edit("state/judge.py", "            causes.add(kind, -want, name, None, param_dtype, id(param))",
-         "            causes.add(kind, want, name, None, param_dtype, id(param))", JUDGE_FAST),
+    Edit("state/judge.py", "            self.causes.add(kind, -want, name, None, param_dtype, id(param))",
+         "            self.causes.add(kind, want, name, None, param_dtype, id(param))", JUDGE_FAST),
     Edit("state/judge.py", "    if accounted != difference:\n        causes.add(",
          "    if accounted == difference:\n        causes.add(", JUDGE_FAST),
-    Edit("state/judge.py", "                elif (expected is not None and held.num_elements == numel and dtype != param_dtype",
-         "                elif (expected is not None and held.num_elements == numel and dtype == param_dtype", JUDGE_FAST),
-    Edit("state/judge.py", "            elif frozen:\n                causes.add(\"frozen_param_state\"",
-         "            elif frozen and False:\n                causes.add(\"frozen_param_state\"",
+    Edit("state/judge.py", "    if (expected is not None and held.num_elements == numel and dtype != param_dtype",
+         "    if (expected is not None and held.num_elements == numel and dtype == param_dtype", JUDGE_FAST),
+    Edit("state/judge.py", "        elif frozen:\n            self.causes.add(\"frozen_param_state\"",
+         "        elif frozen and False:\n            self.causes.add(\"frozen_param_state\"",
          (f"{JUDGE}::test_state_kept_for_a_parameter_frozen_before_the_trainer_warns_and_reaches_the_summary_and_report",)),
     # -- state/measure.py: what a state holds ----------------------------------------------------
     Edit("state/measure.py", "                continue  # already counted once", "                pass  # already counted once",
@@ -210,15 +210,15 @@ EDITS: List[Edit] = [
     Edit("plan/answers/model_states.py", "        fits = margin >= 0", "        fits = margin > 0",
          (f"{PLAN[0]}::test_a_margin_of_exactly_zero_fits_and_one_byte_less_does_not",)),  # exactly 0 fits
     Edit("plan/answers/model_states.py",
-         "            grad_numel = sum(numels) if setup.sharding == \"zero1\" else sum(partitions)",
+         "        grad_numel = sum(numels) if setup.sharding == \"zero1\" else sum(partitions)",
          "            grad_numel = sum(numels) if setup.sharding == \"zero2\" else sum(partitions)",
          PLAN),
-    Edit("plan/answers/model_states.py", "        params = sum(specs[i].numel * size[i] for i in range(len(specs)))",
-         "        params = sum(specs[i].numel * size[i] for i in trainable)", PLAN),
+    Edit("plan/answers/model_states.py", "    params = sum(specs[i].numel * size[i] for i in range(len(specs)))",
+         "    params = sum(specs[i].numel * size[i] for i in trainable)", PLAN),
     Edit("plan/answers/model_states.py", "        cpu += optimizer_bytes + layout.master_weights_bytes", "        cpu += optimizer_bytes",
          PLAN),
-    Edit("plan/answers/model_states.py", "        optimizer_size, master = _FP32, sum(partitions) * _FP32",
-         "        optimizer_size, master = _FP32, sum(partitions) * 2", PLAN),
+    Edit("plan/answers/model_states.py", "                          sum(partitions) * _FP32,",
+         "                          sum(partitions) * 2,", PLAN),
     Edit("plan/answers/model_states.py", "layout.master_weights_bytes, total, device, cpu, cpu * setup.processes_per_node,",
          "layout.master_weights_bytes, total, device, cpu, cpu * setup.world_size,", PLAN),
     Edit("plan/answers/model_states.py", "is_embedding=id(param) in embeddings, name=name,", "is_embedding=False, name=name,",
@@ -362,27 +362,27 @@ EDITS: List[Edit] = [
     Edit("plan/step/live_storages.py", "            self.on_op(func, args, kwargs)\n        self._check_peak()",
          "            self.on_op(func, args, kwargs)", LIVE_STORAGES),  # the peak only where a tensor is added
     # -- plan/answers/step_memory.py, max_batch.py: the step's peak, its parts, fits? and the largest batch
-    Edit("plan/answers/step_memory.py", "    if fb.bytes + state_bytes - fb_host >= optimizer_peak - optimizer_host:",
-         "    if fb.bytes + state_bytes - fb_host < optimizer_peak - optimizer_host:",
+    Edit("plan/answers/step_memory.py", "    if optimizer_peak is None or fb_peak >= optimizer_peak:",
+         "    if optimizer_peak is None or fb_peak < optimizer_peak:",
          OPTIMIZER_PHASE_PEAK),  # the smaller of the two phases' peaks taken
-    Edit("plan/answers/step_memory.py", "    optimizer_peak = optimizer.bytes + not_yet if stepped else 0",
-         "    optimizer_peak = optimizer.bytes if stepped else 0", OPTIMIZER_PHASE_PEAK),
+    Edit("plan/answers/step_memory.py", "    optimizer_peak = optimizer.bytes + not_yet - host_bytes_of",
+         "    optimizer_peak = optimizer.bytes - host_bytes_of", OPTIMIZER_PHASE_PEAK),
     # (the first fake step's peak, before the last parameters' state is made, taken as every step's)
     Edit("plan/answers/step_memory.py", "    parts[\"optimizer_state\"] += extra_state", "    pass", OPTIMIZER_PHASE_PEAK),
     # (the peak's parts no longer sum to it)
     Edit("plan/answers/step_memory.py", "timeline.part_of(key, at.saved)", "timeline.part_of(key)", STEP_ON_THE_COMMAND_LINE),
     # (the activations alive at the peak filed under "other")
     Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
-    Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve_bytes - peak", "        margin = device_memory - peak",
+    Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve - traced.peak_bytes", "        margin = device_memory - traced.peak_bytes",
          STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
     Edit("plan/answers/fit_candidates.py", "    return margin >= 0, margin", "    return margin > 0, margin", SEARCH),
     Edit("plan/answers/max_batch.py", "        if verdict is None:\n            raise _CannotTrace()",
          "        if verdict is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
     Edit("plan/answers/max_batch.py", "    if not fits(1):\n        return None", "    if not fits(1):\n        return 1",
          SEARCH),  # batch 1 answered where nothing fits
-    Edit("plan/answers/step_memory.py", "        peak, phase = fb_peak + estimated, traced.peak_phase",
-         "        peak, phase = fb_peak, traced.peak_phase", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
-    Edit("plan/answers/step_memory.py", "            peak += reference", "            pass", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py", "    return timeline.with_resident(\"optimizer_state\", estimated, state=\"optimizer_state\", group=\"optimizer_state\")",
+         "    return timeline", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
+    Edit("plan/answers/step_memory.py", "        timeline = timeline.with_resident(\"reference_model\", reference)", "        pass", STEP_ON_THE_COMMAND_LINE),
     # -- cli/estimate.py: the command's reserve, refusals and search ------------------------------------
     Edit("cli/estimate.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
          "if plan.problem is not None),\n                       None)", "        problem = None", SEARCH),
