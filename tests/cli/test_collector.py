@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from trainer_memcb.cli import collector
-from trainer_memcb.cli.estimate import _first_then_new
+from trainer_memcb.cli.estimate_model import _first_then_new
 from trainer_memcb.plan.step.trace import _freeze_older_objects
 
 

@@ -58,8 +58,9 @@ from trainer_memcb.cli.failures import (
     say,
 )
 from trainer_memcb.cli.choices import DEFAULT_METRICS
-from trainer_memcb.cli.estimate import add_estimate_arguments, needs_peft, step_asked
+from trainer_memcb.cli.estimate_asked import needs_peft, step_asked
 from trainer_memcb.cli.estimate_command import estimate_command
+from trainer_memcb.cli.estimate_options import add_estimate_arguments
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.utils.packages import MissingPackageError
 

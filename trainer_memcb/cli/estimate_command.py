@@ -8,8 +8,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes
-from trainer_memcb.cli.estimate import check_options, plan_asked, reserve_bytes, step_asked
+from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes, reserve_bytes
+from trainer_memcb.cli.estimate_asked import plan_asked, step_asked
+from trainer_memcb.cli.estimate_checks import check_options
 from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FOUND, EXIT_UNTRACEABLE, KnownFailure,
                                         UsageError, say)
@@ -135,8 +136,10 @@ def gather(args: argparse.Namespace) -> EstimateAnswer:
         UsageError: a value the plan refuses (exit 2).
     """
     with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
-        from trainer_memcb.cli.estimate import (check_settings_values, estimate_model, estimate_plan, estimate_step,
-                                                estimate_what_if, resolve_optimizers)
+        from trainer_memcb.cli.estimate_checks import check_settings_values, resolve_optimizers
+        from trainer_memcb.cli.estimate_model import estimate_model
+        from trainer_memcb.cli.estimate_states import estimate_plan, estimate_what_if
+        from trainer_memcb.cli.estimate_step import estimate_step
         from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit
         from trainer_memcb.plan.model.config_error import ModelConfigError
         from trainer_memcb.plan.settings import SettingsFileError
@@ -167,7 +170,7 @@ def gather(args: argparse.Namespace) -> EstimateAnswer:
 
 def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
     """Print the answer: tables, or with --json one document in the schema's version."""
-    from trainer_memcb.cli.estimate import estimate_tables
+    from trainer_memcb.cli.whatif_table import estimate_tables
     from trainer_memcb.cli.estimate_schema import with_schema
     from trainer_memcb.cli.eval_estimate import eval_fit_tables, eval_tables
     from trainer_memcb.cli.fit_table import fit_json, fit_tables
