@@ -80,7 +80,20 @@ def _optimizer_list(text: str) -> List[str]:
 
 
 def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
-    """The options of `trainer-memcb estimate`."""
+    """The options of `trainer-memcb estimate`, in the order `--help` lists them."""
+    _add_model_arguments(estimate)
+    _add_plan_arguments(estimate)
+    _add_quantization_arguments(_add_step_arguments(estimate))
+    _add_settings_file_arguments(estimate)
+    add_eval_arguments(estimate)
+    add_fit_arguments(estimate)
+    estimate.add_argument("--verbose", action="store_true",
+                          help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
+
+
+def _add_model_arguments(estimate: argparse.ArgumentParser) -> None:
+    """MODEL, the optimizers and their options, how the model is built (its class, dtype, LoRA
+    adapters and trainable names), and --json."""
     estimate.add_argument("model", metavar="MODEL",
                           help="a folder holding config.json, a hub name when online, or for the model-states plan a "
                                "parameter count (7.5e9, 7500000000), taken as one flat tensor")
@@ -125,6 +138,11 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
              "or PEFT's choice",
     )
     estimate.add_argument("--json", action="store_true", help="print JSON with the exact figures instead of tables")
+
+
+def _add_plan_arguments(estimate: argparse.ArgumentParser) -> None:
+    """The model-states plan's group: the processes and how the states are split, the precision,
+    the device's memory and what is taken from it, the reference model."""
     plan = estimate.add_argument_group(
         "model-states plan", "with any of these, the parameters, gradients, optimizer state and master weights "
         "each process holds")
@@ -156,11 +174,15 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="your own margin beyond what the plan models (NCCL's buffers with several processes, "
                            "cuDNN attention's workspaces, another program on the GPU), taken from --device-memory "
                            "with the CUDA context before fits? is answered (default 0B: the allocator's cache, the "
-                           "cuBLAS workspaces and the CUDA context are modelled)"),
+                           "cuBLAS workspaces and the CUDA context are modelled)")
     plan.add_argument("--reference-model", action="store_true",
                       help="DPO-style training (TRL's DPO, KTO, RLOO, GRPO with beta > 0): add a frozen copy of the "
                            "model's parameters, same dtype, no gradients or optimizer state; 0 with --lora-r, where "
                            "the reference is the base model with its adapters disabled")
+
+
+def _add_step_arguments(estimate: argparse.ArgumentParser) -> Any:
+    """The step plan's group (returned): the batch, the step's own settings, other heads' inputs."""
     step = estimate.add_argument_group(
         "step plan", "with --batch-size, one training step is run under fake tensors (nothing allocated): the "
         "activations and the step's peak per process, and --device-memory answers from that peak")
@@ -187,7 +209,12 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="an image model's height and width (default: the config's image_size)")
     step.add_argument("--padding", type=non_negative_int, metavar="P", default=0,
                       help="padded positions per row of the token batch (default 0: the attention mask all ones)")
-    # QLoRA: the base model loaded by bitsandbytes (transformers' BitsAndBytesConfig).
+    return step
+
+
+def _add_quantization_arguments(step: Any) -> None:
+    """QLoRA, in the step plan's group: the base model loaded by bitsandbytes (transformers'
+    BitsAndBytesConfig)."""
     step.add_argument("--load-in-4bit", action="store_true",
                       help="the base model's linear layers loaded in 4-bit by bitsandbytes (QLoRA), in the step plan")
     step.add_argument("--load-in-8bit", action="store_true",
@@ -199,6 +226,11 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     step.add_argument("--bnb-4bit-use-double-quant", action="store_true", help="bnb_4bit_use_double_quant")
     step.add_argument("--bnb-4bit-compute-dtype", choices=list(DTYPES), default="float32",
                       help="bnb_4bit_compute_dtype (default float32, as transformers')")
+
+
+def _add_settings_file_arguments(estimate: argparse.ArgumentParser) -> None:
+    """Your own settings: the Trainer's arguments and the engine's config as files, and DDP's and
+    HSDP's own options."""
     own = estimate.add_argument_group(
         "your own settings", "the Trainer's arguments and the engine's config as you train with them; the flags "
         "above, given explicitly, override them, and the step plan lists every setting and where it came from")
@@ -213,7 +245,3 @@ def add_estimate_arguments(estimate: argparse.ArgumentParser) -> None:
     own.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
     own.add_argument("--replicate", type=positive_int, metavar="R",
                      help="FSDP2 HSDP: replicate R times over a mesh of R x (world size / R)")
-    add_eval_arguments(estimate)
-    add_fit_arguments(estimate)
-    estimate.add_argument("--verbose", action="store_true",
-                          help="let other libraries' messages through (import warnings of bitsandbytes, torchao, ...)")
