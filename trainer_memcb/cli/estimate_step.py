@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes, usable_memory
@@ -17,7 +20,9 @@ from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.utils.units import format_bytes
 
 if TYPE_CHECKING:
+    from trainer_memcb.plan.answers.model_states import ModelStatesPlan
     from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
+    from trainer_memcb.plan.model.quantized import Quantization
 
 __all__ = ["estimate_step", "fullest_process", "ranks_to_plan"]
 
@@ -36,16 +41,69 @@ def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
         return _estimate_step(args)
 
 
+@dataclass(frozen=True)
+class _StepTraces:
+    """What every trace of the command's step shares.
+
+    Attributes:
+        args: the options.
+        build_model: gives each trace its model (`_first_then_new`).
+        quantization: the base model's loading (QLoRA), or None.
+        alloc_conf: the allocator's settings on CUDA, else None.
+        device_type: the device the run will use.
+        states: the model-states plan, the traces' own unless one is given.
+        explicit_dtype: whether the precision gives the parameters' dtype (else --dtype's).
+        keep_dtypes: whether each parameter keeps the dtype the model was built in.
+    """
+
+    args: argparse.Namespace
+    build_model: Callable[[], Any]
+    quantization: Optional[Quantization]
+    alloc_conf: Any
+    device_type: str
+    states: ModelStatesPlan
+    explicit_dtype: bool
+    keep_dtypes: bool
+
+
 def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     _check_search_options(args)
-    from trainer_memcb.plan.answers.model_states import plan_model_states
-    from trainer_memcb.plan.model.step_inputs import head_kind
     from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
-    from trainer_memcb.plan.answers.step_memory import plan_step_memory, states_during_step
-    from trainer_memcb.plan.settings.setup import setup_of
-    from trainer_memcb.plan.optimizers.whatif import resolve_dtype
+    from trainer_memcb.plan.answers.step_memory import states_during_step
 
     memory = usable_memory(args)
+    traces, settings = _step_traces(args, memory)
+    plan_at = functools.partial(_plan_at, traces, settings)
+    freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
+    found: Optional[int] = None
+    searched: List[StepMemoryPlan] = []
+    problem: Optional[str] = None
+    if args.max_batch_size:
+        found, searched = max_batch_size(plan_at, memory)
+        problem = next((f"at batch {plan.batch_size} {plan.problem}" for plan in searched if plan.problem is not None),
+                       None)
+    step = plan_at(settings.batch_size) if settings.batch_size is not None else None
+    # The model-states table from the same trace: each state's most during the engine's step (the
+    # states do not depend on the batch, so the search's plan at the answer serves without one).
+    traced = step if step is not None else next((plan for plan in searched if plan.batch_size == found), None)
+    states = traces.states
+    if traced is not None:
+        states = states_during_step(states, traced)
+    fit = None
+    if getattr(args, "fit", False) and step is not None:
+        fit = _estimate_fit(dataclasses.replace(traces, states=states), settings, memory)
+    return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
+            "search": args.max_batch_size, "max_batch_size_problem": problem,
+            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT, "fit": fit}
+
+
+def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_StepTraces, Any]:
+    """The model the options describe, built once (checking the options) with its states planned,
+    and the step's settings: what the traces share, and the settings they start from."""
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.model.step_inputs import head_kind
+    from trainer_memcb.plan.settings.setup import setup_of
+
     device_type = args.device_type or DEFAULT_DEVICE_TYPE
     alloc_conf = alloc_conf_of(args) if device_type == "cuda" else None
     quantization = _quantization(args)
@@ -64,65 +122,67 @@ def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     say_progress("planning the model states")
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
-    build_model = _first_then_new(model, lambda: estimate_model(args))
-    del model
+    build_model = _first_then_new(model, functools.partial(estimate_model, args))
+    return _StepTraces(args, build_model, quantization, alloc_conf, device_type, states, bool(explicit_dtype),
+                       keep_dtypes), settings
 
-    def plan_at(batch: int) -> StepMemoryPlan:
-        import dataclasses
 
-        at = dataclasses.replace(settings, batch_size=batch, sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
-        return plan_ranks(at)
+def _plan_at(traces: _StepTraces, settings: Any, batch: int) -> StepMemoryPlan:
+    """The step at `batch`, the other settings kept."""
+    at = dataclasses.replace(settings, batch_size=batch,
+                             sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
+    return _plan_ranks(traces, at)
 
-    def plan_ranks(at: Any, **more: Any) -> StepMemoryPlan:
-        import dataclasses
 
-        ranks = ranks_to_plan(at)
-        if len(ranks) == 1:
-            return plan_for(at, **more)
-        source = f"default: the fuller of ranks {ranks[0]} and {ranks[-1]}"
-        return fullest_process([plan_for(dataclasses.replace(at, rank=rank, sources=dict(at.sources, rank=source)), **more)
-                                for rank in ranks], ranks)
+def _plan_ranks(traces: _StepTraces, at: Any, **more: Any) -> StepMemoryPlan:
+    """The step at the settings `at`, for each process `ranks_to_plan` names: the fullest's plan."""
+    ranks = ranks_to_plan(at)
+    if len(ranks) == 1:
+        return _plan_for(traces, at, **more)
+    source = f"default: the fuller of ranks {ranks[0]} and {ranks[-1]}"
+    return fullest_process([_plan_for(traces, dataclasses.replace(at, rank=rank, sources=dict(at.sources, rank=source)),
+                                      **more) for rank in ranks], ranks)
 
-    def plan_for(at: Any, build: Any = None, states_plan: Any = None, **more: Any) -> StepMemoryPlan:
-        several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
-        say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
-                     + (" (searching the largest batch)" if args.max_batch_size else ""))
-        options = dict(seq_len=args.seq_len, quantization=quantization, alloc_conf=alloc_conf,
-                       gpu=getattr(args, "gpu", None))
-        options.update(more)  # --fit's proposals: expandable segments among them
-        return plan_step_memory(build or build_model, settings=at, **options,
-                                attn_implementation=args.attn_implementation, device_type=device_type,
-                                device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model,
-                                states_plan=states_plan or states,
-                                dtype=None if explicit_dtype else resolve_dtype(args.dtype or "float32"),
-                                target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
-                                padding=getattr(args, "padding", 0) or 0, keep_dtypes=keep_dtypes)[0]
 
-    freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
-    found: Optional[int] = None
-    searched: List[StepMemoryPlan] = []
-    problem: Optional[str] = None
-    if args.max_batch_size:
-        found, searched = max_batch_size(plan_at, memory)
-        problem = next((f"at batch {plan.batch_size} {plan.problem}" for plan in searched if plan.problem is not None),
-                       None)
-    step = plan_at(settings.batch_size) if settings.batch_size is not None else None
-    # The model-states table from the same trace: each state's most during the engine's step (the
-    # states do not depend on the batch, so the search's plan at the answer serves without one).
-    traced = step if step is not None else next((plan for plan in searched if plan.batch_size == found), None)
-    if traced is not None:
-        states = states_during_step(states, traced)
-    fit = None
-    if getattr(args, "fit", False) and step is not None:
-        from trainer_memcb.cli.fit_table import estimate_fit
+def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any = None, **more: Any) -> StepMemoryPlan:
+    """One trace of the step at the settings `at` (`build`, `states_plan` and `more`: --fit's
+    proposals, expandable segments among them)."""
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.optimizers.whatif import resolve_dtype
 
-        fit = estimate_fit(args, settings, memory, plan_ranks, plan_for_states=lambda at: plan_model_states(
-            estimate_model(args), at.optimizer, setup_of(at), model_name=args.model,
-            reference_model=args.reference_model, keep_dtypes=keep_dtypes), estimate_model=estimate_model,
-            step_settings=step_settings)
-    return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
-            "search": args.max_batch_size, "max_batch_size_problem": problem,
-            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT, "fit": fit}
+    args = traces.args
+    several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
+    say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
+                 + (" (searching the largest batch)" if args.max_batch_size else ""))
+    options = dict(seq_len=args.seq_len, quantization=traces.quantization, alloc_conf=traces.alloc_conf,
+                   gpu=getattr(args, "gpu", None))
+    options.update(more)  # --fit's proposals: expandable segments among them
+    return plan_step_memory(build or traces.build_model, settings=at, **options,
+                            attn_implementation=args.attn_implementation, device_type=traces.device_type,
+                            device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model,
+                            states_plan=states_plan or traces.states,
+                            dtype=None if traces.explicit_dtype else resolve_dtype(args.dtype or "float32"),
+                            target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
+                            padding=getattr(args, "padding", 0) or 0, keep_dtypes=traces.keep_dtypes)[0]
+
+
+def _estimate_fit(traces: _StepTraces, settings: Any, memory: Optional[int]) -> Any:
+    """--fit's search, each proposal traced as the command's own step is (`traces.states`: the
+    states during the own step)."""
+    from trainer_memcb.cli.fit_table import estimate_fit
+
+    return estimate_fit(traces.args, settings, memory, functools.partial(_plan_ranks, traces),
+                        plan_for_states=functools.partial(_states_for, traces.args, traces.keep_dtypes),
+                        estimate_model=estimate_model, step_settings=step_settings)
+
+
+def _states_for(args: argparse.Namespace, keep_dtypes: bool, at: Any) -> ModelStatesPlan:
+    """The model-states plan of a --fit proposal's settings `at`, on a model built anew."""
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.settings.setup import setup_of
+
+    return plan_model_states(estimate_model(args), at.optimizer, setup_of(at), model_name=args.model,
+                             reference_model=args.reference_model, keep_dtypes=keep_dtypes)
 
 
 def ranks_to_plan(settings: Any) -> List[int]:
@@ -137,8 +197,6 @@ def ranks_to_plan(settings: Any) -> List[int]:
 def fullest_process(plans: List[StepMemoryPlan], ranks: List[int]) -> StepMemoryPlan:
     """The plan of the process that holds the most on the device at its peak (the first if equal),
     with a note of the other's peak."""
-    import dataclasses
-
     index = max(range(len(plans)), key=lambda i: (plans[i].peak_bytes or 0, -i))
     others = ", ".join(f"rank {rank} {format_bytes(plan.peak_bytes or 0)} ({plan.peak_bytes or 0:,})"
                        for rank, plan in zip(ranks, plans) if rank != ranks[index])
