@@ -8,8 +8,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes, reserve_bytes
-from trainer_memcb.cli.estimate_asked import plan_asked, step_asked
+from trainer_memcb.cli.estimate_asked import needs_peft, plan_asked, step_asked
 from trainer_memcb.cli.estimate_checks import check_options
 from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FOUND, EXIT_UNTRACEABLE, KnownFailure,
@@ -19,7 +20,7 @@ from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
 
-__all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status"]
+__all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status", "prepare_process"]
 
 
 def _states_fit(plan: Any) -> Optional[bool]:
@@ -240,3 +241,23 @@ def exit_status(answer: EstimateAnswer, args: argparse.Namespace) -> int:
             return EXIT_DONE
         say(failure)
     return status
+
+
+def prepare_process(args: "argparse.Namespace | int") -> None:
+    """The `trainer-memcb` process, once its command line is parsed (`args`, or the exit code
+    parsing gave), before the command runs: what was imported is frozen out of the collector's
+    way, unless `estimate` plans a step (`estimate_step` does it once its modules are in).
+
+    For an `estimate` without LoRA, peft is kept out of the process: transformers' `trainer_utils`,
+    which the optimizer handlers import, imports peft whenever it is installed (and peft imports
+    bitsandbytes), only to recognise PEFT models, and such an estimate builds none. That import is
+    about 50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft
+    as not installed (`importlib.util.find_spec` answers None). It is decided from the parsed
+    command (`--lora-r` needs peft, to add the adapters), which parsing allows because it imports
+    nothing of transformers.
+    """
+    estimate = getattr(args, "command", None) == "estimate"
+    if not (estimate and step_asked(args)):
+        freeze_what_was_imported()
+    if estimate and not needs_peft(args) and "peft" not in sys.modules:
+        sys.modules["peft"] = None
