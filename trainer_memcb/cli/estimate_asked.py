@@ -11,7 +11,7 @@ import re
 from decimal import Decimal
 from typing import Optional
 
-__all__ = ["needs_peft", "parameter_count", "plan_asked", "step_asked"]
+__all__ = ["needs_peft", "parameter_count", "plan_asked", "step_asked", "ENGINE_FILES"]
 
 
 def needs_peft(args: argparse.Namespace) -> bool:
@@ -23,13 +23,13 @@ def needs_peft(args: argparse.Namespace) -> bool:
 _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
                  "device_memory", "reference_model", "replicate", "gpu")
 # So do the engines' config files, read for the plan's setup as the step plan reads them.
-_ENGINE_FILES = ("deepspeed", "fsdp_config")
+ENGINE_FILES = ("deepspeed", "fsdp_config")
 
 
 def plan_asked(args: argparse.Namespace) -> bool:
     """Whether the options ask for the model-states plan rather than the optimizer what-if (an
     engine's config does: its stage, precision and offload are the plan's)."""
-    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS + _ENGINE_FILES)
+    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS + ENGINE_FILES)
 
 
 def step_asked(args: argparse.Namespace) -> bool:

@@ -10,11 +10,12 @@ import os
 
 from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_asked import parameter_count, plan_asked, step_asked
-from trainer_memcb.cli.estimate_model import _check_lora_options, _quantization_asked
+from trainer_memcb.cli.estimate_model import check_lora_options, quantization_asked
 from trainer_memcb.cli.estimate_settings import step_settings
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN
 
-__all__ = ["check_options", "check_settings_values", "resolve_optimizers"]
+__all__ = ["check_options", "check_settings_values", "resolve_optimizers", "check_search_options", "check_count_options",
+           "refuse_what_if_of_a_count", "NEEDS_SEQ_LEN"]
 
 
 # Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
@@ -58,15 +59,15 @@ def check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"a parameter count ({count:,}) cannot be traced: the step plan (--batch-size, "
                              "--max-batch-size) runs the model's forward and backward, so it needs a model config, "
                              "a folder holding config.json")
-        _check_search_options(args)
+        check_search_options(args)
         if args.seq_len is None and _a_text_model(args):
-            raise ValueError(_NEEDS_SEQ_LEN)
+            raise ValueError(NEEDS_SEQ_LEN)
     if count is not None:
-        _check_count_options(args)
+        check_count_options(args)
         if not (step_asked(args) or plan_asked(args) or getattr(args, "eval_samples", None) is not None):
-            _refuse_what_if_of_a_count(count)
-    _check_lora_options(args)
-    _quantization_asked(args)
+            refuse_what_if_of_a_count(count)
+    check_lora_options(args)
+    quantization_asked(args)
     _refuse_fp16_gradients(args)
     if step_asked(args) or (plan_asked(args) and getattr(args, "eval_samples", None) is None):
         usable_memory(args)  # a reserve as large as the memory, where the plan takes it from the memory
@@ -135,12 +136,12 @@ def check_settings_values(args: argparse.Namespace) -> None:
         training_arguments_from_file(getattr(args, "training_args", None))
 
 
-def _check_search_options(args: argparse.Namespace) -> None:
+def check_search_options(args: argparse.Namespace) -> None:
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
 
 
-_NEEDS_SEQ_LEN = "--batch-size and --max-batch-size need --seq-len (the sequence length)"
+NEEDS_SEQ_LEN = "--batch-size and --max-batch-size need --seq-len (the sequence length)"
 
 
 # Options that need a model's modules and names, which a bare count has not.
@@ -149,7 +150,7 @@ _NEEDS_A_MODEL = (("lora_r", "--lora-r"), ("lora_target_modules", "--lora-target
                   ("architecture", "--architecture"), ("optim_target_modules", "--optim-target-modules"))
 
 
-def _check_count_options(args: argparse.Namespace) -> None:
+def check_count_options(args: argparse.Namespace) -> None:
     """Refuse, for a parameter count, the options that need a model's modules and names."""
     given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]
     if given:
@@ -157,7 +158,7 @@ def _check_count_options(args: argparse.Namespace) -> None:
                          f"not a parameter count")
 
 
-def _refuse_what_if_of_a_count(count: int) -> None:
+def refuse_what_if_of_a_count(count: int) -> None:
     raise ValueError(f"a parameter count ({count:,}) answers the model-states plan only: add --world-size, "
                      "--zero, --sharding or --precision (e.g. --zero 1 --world-size 64); the optimizer what-if "
                      "needs a model config, a folder holding config.json")

@@ -171,11 +171,11 @@ def gather(args: argparse.Namespace) -> EstimateAnswer:
 
 def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
     """Print the answer: tables, or with --json one document in the schema's version."""
-    from trainer_memcb.cli.whatif_table import estimate_tables
     from trainer_memcb.cli.estimate_schema import with_schema
     from trainer_memcb.cli.eval_estimate import eval_fit_tables, eval_tables
     from trainer_memcb.cli.fit_table import fit_json, fit_tables
     from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+    from trainer_memcb.cli.whatif_table import estimate_tables
 
     memory, reserve = args.device_memory, reserve_bytes(args)
     context = cuda_context_bytes(args) if memory is not None else 0

@@ -12,7 +12,7 @@ from trainer_memcb.cli.progress import say_progress
 if TYPE_CHECKING:
     from trainer_memcb.plan.model.quantized import Quantization
 
-__all__ = ["estimate_model"]
+__all__ = ["estimate_model", "check_lora_options", "quantization_of", "quantization_asked", "first_then_new"]
 
 
 def estimate_model(args: argparse.Namespace) -> Any:
@@ -26,7 +26,7 @@ def estimate_model(args: argparse.Namespace) -> Any:
     from trainer_memcb.plan.model.lora import add_lora_adapters
     from trainer_memcb.plan.optimizers.whatif import ModelConfigError, build_meta_model, resolve_dtype, select_trainable
 
-    _check_lora_options(args)
+    check_lora_options(args)
     say_progress(f"building {args.model} on the meta device")
     model = build_meta_model(args.model, resolve_dtype(args.dtype or "float32"), args.architecture)
     if args.lora_r is not None:
@@ -39,19 +39,19 @@ def estimate_model(args: argparse.Namespace) -> Any:
     return model
 
 
-def _check_lora_options(args: argparse.Namespace) -> None:
+def check_lora_options(args: argparse.Namespace) -> None:
     if args.lora_r is None and (args.lora_target_modules is not None or args.lora_modules_to_save is not None):
         raise ValueError("--lora-target-modules and --lora-modules-to-save need --lora-r (the adapters' rank)")
 
 
-def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
+def quantization_of(args: argparse.Namespace) -> Optional[Quantization]:
     """The base model's loading (QLoRA), or None.
 
     Raises:
         ValueError: both --load-in-4bit and --load-in-8bit, or an option of the other one, or
             either without --lora-r.
     """
-    if not _quantization_asked(args):
+    if not quantization_asked(args):
         return None
     from trainer_memcb.plan.model.quantized import Quantization
     from trainer_memcb.plan.optimizers.whatif import resolve_dtype
@@ -63,7 +63,7 @@ def _quantization(args: argparse.Namespace) -> Optional[Quantization]:
                         compute_dtype=resolve_dtype(args.bnb_4bit_compute_dtype))
 
 
-def _quantization_asked(args: argparse.Namespace) -> bool:
+def quantization_asked(args: argparse.Namespace) -> bool:
     """Whether the options load the base model quantized, once its options are checked (from the
     command line alone, before torch is imported).
 
@@ -101,7 +101,7 @@ def _needs_adapters(args: argparse.Namespace, flag: str) -> None:
                          "(\"You cannot perform fine-tuning on purely quantized models\"); QLoRA trains adapters on it")
 
 
-def _first_then_new(model: Any, build: Any) -> Any:
+def first_then_new(model: Any, build: Any) -> Any:
     """A model builder for the traces: `model` the first time, `build()` each time after.
 
     A trace makes the model it is given fake in place, so no two traces may share one; the model
@@ -109,7 +109,7 @@ def _first_then_new(model: Any, build: Any) -> Any:
     states plan works on a stand-in), and building it again costs 0.1-0.25 s for a 70B config."""
     unused = [model]
 
-    def first_then_new() -> Any:
+    def next_model() -> Any:
         return unused.pop() if unused else build()
 
-    return first_then_new
+    return next_model

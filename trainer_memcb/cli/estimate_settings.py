@@ -8,20 +8,20 @@ import argparse
 from typing import Any, Dict
 
 from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS
-from trainer_memcb.cli.estimate_model import _quantization_asked
+from trainer_memcb.cli.estimate_model import quantization_asked
 
-__all__ = ["step_settings"]
+__all__ = ["step_settings", "plan_precision", "autocast_keeps_dtype"]
 
 
 # --dtype's precision for the plan, when --precision is not given.
 _DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def _plan_precision(args: argparse.Namespace) -> str:
+def plan_precision(args: argparse.Namespace) -> str:
     return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
 
 
-def _autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str) -> bool:
+def autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str) -> bool:
     """Whether the parameters keep --dtype under the Trainer's autocast (bf16=True / fp16=True).
 
     accelerate's `prepare_model` wraps the forward in autocast and casts no parameter, so a model
@@ -29,7 +29,7 @@ def _autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: st
     only FSDP upcasts them to float32 (`fsdp2_prepare_model`: "FSDP upcast of low precision
     parameters"), and a quantized base is laid out by its own rules."""
     return (args.dtype in ("bfloat16", "float16") and precision in ("autocast-bf16", "autocast-fp16")
-            and not str(sharding).startswith("fsdp") and not _quantization_asked(args))
+            and not str(sharding).startswith("fsdp") and not quantization_asked(args))
 
 
 def step_settings(args: argparse.Namespace, model: Any) -> Any:
@@ -45,7 +45,7 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     if args.zero or args.sharding:
         flags["sharding"] = f"zero{args.zero}" if args.zero else args.sharding
     if args.precision or not (args.training_args or args.deepspeed):
-        flags["precision"] = _plan_precision(args)
+        flags["precision"] = plan_precision(args)
     if args.gradient_checkpointing:
         flags["gradient_checkpointing"] = True
     if getattr(args, "gradient_as_bucket_view", False):

@@ -7,10 +7,10 @@ import argparse
 from typing import TYPE_CHECKING
 
 from trainer_memcb.cli.device_options import usable_memory
-from trainer_memcb.cli.estimate_asked import _ENGINE_FILES, parameter_count
-from trainer_memcb.cli.estimate_checks import _check_count_options, _refuse_what_if_of_a_count
+from trainer_memcb.cli.estimate_asked import ENGINE_FILES, parameter_count
+from trainer_memcb.cli.estimate_checks import check_count_options, refuse_what_if_of_a_count
 from trainer_memcb.cli.estimate_model import estimate_model
-from trainer_memcb.cli.estimate_settings import _autocast_keeps_dtype, _plan_precision, step_settings
+from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, plan_precision, step_settings
 from trainer_memcb.cli.progress import say_progress
 
 if TYPE_CHECKING:
@@ -40,22 +40,22 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
     memory = usable_memory(args)
     count = parameter_count(args.model)
     if count is not None:
-        _check_count_options(args)
+        check_count_options(args)
     model = count if count is not None else estimate_model(args)
-    if any(getattr(args, name, None) is not None for name in _ENGINE_FILES) or (getattr(args, "replicate", None) or 1) > 1:
+    if any(getattr(args, name, None) is not None for name in ENGINE_FILES) or (getattr(args, "replicate", None) or 1) > 1:
         # The engine's config, then the flags given, as the step plan resolves them (`step_settings`).
         from trainer_memcb.plan.settings.setup import setup_of
 
         settings = step_settings(args, model if count is None else None)
         setup = setup_of(settings)
         keep_dtypes = (settings.sources.get("precision") == "flag" and args.precision is None) or \
-            _autocast_keeps_dtype(args, settings.precision, settings.sharding)
+            autocast_keeps_dtype(args, settings.precision, settings.sharding)
     else:
         setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,
                       sharding=f"zero{args.zero}" if args.zero else (args.sharding or "none"),
-                      precision=_plan_precision(args), offload_optimizer=args.offload_optimizer,
+                      precision=plan_precision(args), offload_optimizer=args.offload_optimizer,
                       offload_params=args.offload_params)
-        keep_dtypes = args.precision is None or _autocast_keeps_dtype(args, setup.precision, setup.sharding)
+        keep_dtypes = args.precision is None or autocast_keeps_dtype(args, setup.precision, setup.sharding)
     say_progress("planning the model states")
     return plan_model_states(model, args.optimizers, setup, device_memory=memory,
                              model_name=args.model if count is None else None,
@@ -76,7 +76,7 @@ def estimate_what_if(args: argparse.Namespace) -> WhatIf:
 
     count = parameter_count(args.model)
     if count is not None:
-        _refuse_what_if_of_a_count(count)
+        refuse_what_if_of_a_count(count)
     model = estimate_model(args)
     say_progress("estimating each optimizer's state")
     return what_if(model, args.optimizers, model_name=args.model,

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes, usable_memory
-from trainer_memcb.cli.estimate_checks import _NEEDS_SEQ_LEN, _check_search_options
-from trainer_memcb.cli.estimate_model import _first_then_new, _quantization, estimate_model
-from trainer_memcb.cli.estimate_settings import _autocast_keeps_dtype, step_settings
+from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_options
+from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
+from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, step_settings
 from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.utils.units import format_bytes
 
@@ -47,7 +47,7 @@ class _StepTraces:
 
     Attributes:
         args: the options.
-        build_model: gives each trace its model (`_first_then_new`).
+        build_model: gives each trace its model (`first_then_new`).
         quantization: the base model's loading (QLoRA), or None.
         alloc_conf: the allocator's settings on CUDA, else None.
         device_type: the device the run will use.
@@ -67,7 +67,7 @@ class _StepTraces:
 
 
 def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
-    _check_search_options(args)
+    check_search_options(args)
     from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
     from trainer_memcb.plan.answers.step_memory import states_during_step
 
@@ -106,10 +106,10 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
 
     device_type = args.device_type or DEFAULT_DEVICE_TYPE
     alloc_conf = alloc_conf_of(args) if device_type == "cuda" else None
-    quantization = _quantization(args)
+    quantization = quantization_of(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
     if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
-        raise ValueError(_NEEDS_SEQ_LEN)
+        raise ValueError(NEEDS_SEQ_LEN)
     settings = step_settings(args, model)
     if settings.batch_size is None and not args.max_batch_size:
         raise ValueError("--batch-size is needed (or per_device_train_batch_size in --training-args)")
@@ -117,12 +117,12 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
     # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
     # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
     explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
-    keep_dtypes = not explicit_dtype or _autocast_keeps_dtype(args, settings.precision, settings.sharding)
+    keep_dtypes = not explicit_dtype or autocast_keeps_dtype(args, settings.precision, settings.sharding)
     explicit_dtype = explicit_dtype and not keep_dtypes
     say_progress("planning the model states")
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
-    build_model = _first_then_new(model, functools.partial(estimate_model, args))
+    build_model = first_then_new(model, functools.partial(estimate_model, args))
     return _StepTraces(args, build_model, quantization, alloc_conf, device_type, states, bool(explicit_dtype),
                        keep_dtypes), settings
 
