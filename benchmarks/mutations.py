@@ -383,23 +383,23 @@ EDITS: List[Edit] = [
     Edit("plan/answers/step_memory.py", "    return timeline.with_resident(\"optimizer_state\", estimated, state=\"optimizer_state\", group=\"optimizer_state\")",
          "    return timeline", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
     Edit("plan/answers/step_memory.py", "        timeline = timeline.with_resident(\"reference_model\", reference)", "        pass", STEP_ON_THE_COMMAND_LINE),
-    # -- cli/estimate.py: the command's reserve, refusals and search ------------------------------------
-    Edit("cli/estimate.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
+    # -- cli/estimate_step.py, estimate_checks.py, device_options.py: the command's reserve, refusals and search
+    Edit("cli/estimate_step.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
          "if plan.problem is not None),\n                       None)", "        problem = None", SEARCH),
     # (the untraceable search reads as "no batch fits", exit 3)
     Edit("cli/device_options.py", "    return gpu_preset(gpu).cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES",
          "    return 0", STEP_ON_THE_COMMAND_LINE),  # no CUDA context taken from the device's memory
-    Edit("cli/estimate.py", "    if reserve >= args.device_memory:", "    if reserve > args.device_memory:",
+    Edit("cli/device_options.py", "    if reserve >= args.device_memory:", "    if reserve > args.device_memory:",
          STEP_ON_THE_COMMAND_LINE),  # a reserve equal to the memory leaves 0 bytes, taken
-    Edit("cli/estimate.py", "        if count is not None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
+    Edit("cli/estimate_checks.py", "        if count is not None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
          "        if count is None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
          STEP_ON_THE_COMMAND_LINE),
-    Edit("cli/estimate.py", "        found, searched = max_batch_size(plan_at, memory)",
+    Edit("cli/estimate_step.py", "        found, searched = max_batch_size(plan_at, memory)",
          "        found, searched = max_batch_size(plan_at, args.device_memory)", STEP_ON_THE_COMMAND_LINE),
     # (the largest batch searched against the memory with the reserve not taken off)
-    Edit("cli/estimate.py", "not (evaluation and name in _EVAL_OPTIONS)]", "not evaluation]",
+    Edit("cli/estimate_checks.py", "not (evaluation and name in _EVAL_OPTIONS)]", "not evaluation]",
          (CLI_ANSWERS, "tests/cli/test_cli_eval.py")),  # with --eval-samples every step option let through
-    Edit("cli/estimate.py", "reserve_bytes=reserve_bytes(args) or 0,", "reserve_bytes=0,", STEP_ON_THE_COMMAND_LINE),
+    Edit("cli/estimate_step.py", "reserve_bytes=reserve_bytes(args) or 0,", "reserve_bytes=0,", STEP_ON_THE_COMMAND_LINE),
 ]
 
 

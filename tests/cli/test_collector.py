@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from trainer_memcb.cli import collector
-from trainer_memcb.cli.estimate import _first_then_new
+from trainer_memcb.cli.estimate_model import first_then_new
 from trainer_memcb.plan.step.trace import _freeze_older_objects
 
 
@@ -57,7 +57,7 @@ def test_the_first_trace_gets_the_model_already_built_the_others_new_ones():
         return built[-1]
 
     first = object()
-    builder = _first_then_new(first, build)
+    builder = first_then_new(first, build)
     assert builder() is first and built == []
     second, third = builder(), builder()
     assert built == [second, third] and second is not third

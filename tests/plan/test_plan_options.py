@@ -13,10 +13,10 @@ import pytest
 
 from helpers import installed_version, requires_transformers
 
-import trainer_memcb.cli.estimate
+import trainer_memcb.cli.estimate_asked
 import trainer_memcb.plan.optimizers.update_kinds
 from trainer_memcb.cli import main
-from trainer_memcb.cli.estimate import parameter_count
+from trainer_memcb.cli.estimate_asked import parameter_count
 from trainer_memcb.plan.answers.model_states import plan_model_states
 from trainer_memcb.plan.settings.setup import Setup
 from trainer_memcb.plan.answers.sharding import zero12_partition_numel
@@ -43,7 +43,7 @@ def tiny():
     return build_meta_model(TINY)
 
 
-@pytest.mark.parametrize("module", [trainer_memcb.plan.optimizers.update_kinds, trainer_memcb.cli.estimate])
+@pytest.mark.parametrize("module", [trainer_memcb.plan.optimizers.update_kinds, trainer_memcb.cli.estimate_asked])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted >= 1 and result.failed == 0

@@ -35,7 +35,7 @@ from trainer_memcb.cli.interrupt import stop_on_ctrl_c
 
 stop_on_ctrl_c()  # first of all: Ctrl-C while torch and transformers load is one line too (see interrupt.py)
 
-from trainer_memcb.cli.collector import freeze_what_was_imported, pause_while_importing
+from trainer_memcb.cli.collector import pause_while_importing
 
 pause_while_importing()  # no full collection over torch's and transformers' modules (see collector.py)
 
@@ -58,8 +58,8 @@ from trainer_memcb.cli.failures import (
     say,
 )
 from trainer_memcb.cli.choices import DEFAULT_METRICS
-from trainer_memcb.cli.estimate import add_estimate_arguments, needs_peft, step_asked
-from trainer_memcb.cli.estimate_command import estimate_command
+from trainer_memcb.cli.estimate_command import estimate_command, prepare_process
+from trainer_memcb.cli.estimate_options import add_estimate_arguments
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.utils.packages import MissingPackageError
 
@@ -327,25 +327,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def console_main() -> int:
-    """The `trainer-memcb` console script (and `python -m trainer_memcb`): `main` in a process of its own.
-
-    For an `estimate` without LoRA, peft is kept out of the process: transformers' `trainer_utils`,
-    which the optimizer handlers import, imports peft whenever it is installed (and peft imports
-    bitsandbytes), only to recognise PEFT models, and such an estimate builds none. That import is
-    about 50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft
-    as not installed (`importlib.util.find_spec` answers None). It is decided from the parsed
-    command (`--lora-r` needs peft, to add the adapters), which parsing allows because it imports
-    nothing of transformers. Only here, in a process that ends with the command: `main()` called
-    from Python changes nothing.
+    """The `trainer-memcb` console script (and `python -m trainer_memcb`): `main` in a process of its own,
+    prepared from the parsed command (`prepare_process`). Only here, in a process that ends with the
+    command: `main()` called from Python changes nothing.
     """
     try:
         args = _parse(None)
-        if not (getattr(args, "command", None) == "estimate" and step_asked(args)):
-            freeze_what_was_imported()  # a step plan does it once its modules are in (estimate_step)
+        prepare_process(args)
         if isinstance(args, int):
             return args
-        if getattr(args, "command", None) == "estimate" and not needs_peft(args) and "peft" not in sys.modules:
-            sys.modules["peft"] = None
         return _run(args)
     except KeyboardInterrupt:  # outside the command's own answer (while parsing): the same one line
         say("interrupted")

@@ -1,6 +1,6 @@
 """The device options of `trainer-memcb estimate` as the plans read them: the reserve, the CUDA
-context and the allocator config (`--reserve`, `--gpu`, `--device-type`, `--alloc-conf`), shared by
-the step plan and the evaluation plan.
+context and the allocator config (`--reserve`, `--gpu`, `--device-type`, `--alloc-conf`), and the
+memory they leave of `--device-memory`, shared by the step plan and the evaluation plan.
 """
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from trainer_memcb.utils.units import format_bytes
+
 __all__ = ["DEFAULT_RESERVE_BYTES", "DEFAULT_RESERVE_TEXT", "DEFAULT_DEVICE_TYPE", "reserve_bytes",
-           "cuda_context_bytes", "apply_gpu", "alloc_conf_of"]
+           "cuda_context_bytes", "usable_memory", "apply_gpu", "alloc_conf_of"]
 
 # What --reserve takes when it is not given: nothing. On CUDA the plan models what the process holds
 # beside its tensors: the caching allocator's blocks and cache (the step's allocations replayed over
@@ -65,3 +67,22 @@ def alloc_conf_of(args: argparse.Namespace) -> Any:
         return alloc_conf_from_environment()
     except ValueError as error:
         raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF in the environment: {error}") from None
+
+
+def usable_memory(args: argparse.Namespace) -> Optional[int]:
+    """--device-memory less the CUDA context and the reserve: what the model states' fits? is
+    answered against and the largest batch searched in (None without --device-memory).
+
+    Raises:
+        ValueError: a reserve as large as the memory.
+    """
+    reserve = reserve_bytes(args)
+    if reserve is None:
+        return None
+    reserve += cuda_context_bytes(args)
+    if reserve >= args.device_memory:
+        given = (f"--reserve {format_bytes(args.reserve)} with the CUDA context" if args.reserve is not None else
+                 f"the CUDA context of {format_bytes(reserve)}")
+        raise ValueError(f"{given} leaves nothing of --device-memory {format_bytes(args.device_memory)}: "
+                         "give a smaller --reserve (0B for none)")
+    return args.device_memory - reserve

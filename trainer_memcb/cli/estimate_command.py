@@ -8,8 +8,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes
-from trainer_memcb.cli.estimate import check_options, plan_asked, reserve_bytes, step_asked
+from trainer_memcb.cli.collector import freeze_what_was_imported
+from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes, reserve_bytes
+from trainer_memcb.cli.estimate_asked import needs_peft, plan_asked, step_asked
+from trainer_memcb.cli.estimate_checks import check_options
 from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FOUND, EXIT_UNTRACEABLE, KnownFailure,
                                         UsageError, say)
@@ -18,7 +20,7 @@ from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
 
-__all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status"]
+__all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status", "prepare_process"]
 
 
 def _states_fit(plan: Any) -> Optional[bool]:
@@ -135,8 +137,10 @@ def gather(args: argparse.Namespace) -> EstimateAnswer:
         UsageError: a value the plan refuses (exit 2).
     """
     with showing_progress("importing torch and transformers"), quiet_output(enabled=not args.verbose):
-        from trainer_memcb.cli.estimate import (check_settings_values, estimate_model, estimate_plan, estimate_step,
-                                                estimate_what_if, resolve_optimizers)
+        from trainer_memcb.cli.estimate_checks import check_settings_values, resolve_optimizers
+        from trainer_memcb.cli.estimate_model import estimate_model
+        from trainer_memcb.cli.estimate_states import estimate_plan, estimate_what_if
+        from trainer_memcb.cli.estimate_step import estimate_step
         from trainer_memcb.cli.eval_estimate import estimate_evaluation, eval_fit
         from trainer_memcb.plan.model.config_error import ModelConfigError
         from trainer_memcb.plan.settings import SettingsFileError
@@ -167,11 +171,11 @@ def gather(args: argparse.Namespace) -> EstimateAnswer:
 
 def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
     """Print the answer: tables, or with --json one document in the schema's version."""
-    from trainer_memcb.cli.estimate import estimate_tables
     from trainer_memcb.cli.estimate_schema import with_schema
     from trainer_memcb.cli.eval_estimate import eval_fit_tables, eval_tables
     from trainer_memcb.cli.fit_table import fit_json, fit_tables
     from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+    from trainer_memcb.cli.whatif_table import estimate_tables
 
     memory, reserve = args.device_memory, reserve_bytes(args)
     context = cuda_context_bytes(args) if memory is not None else 0
@@ -237,3 +241,23 @@ def exit_status(answer: EstimateAnswer, args: argparse.Namespace) -> int:
             return EXIT_DONE
         say(failure)
     return status
+
+
+def prepare_process(args: "argparse.Namespace | int") -> None:
+    """The `trainer-memcb` process, once its command line is parsed (`args`, or the exit code
+    parsing gave), before the command runs: what was imported is frozen out of the collector's
+    way, unless `estimate` plans a step (`estimate_step` does it once its modules are in).
+
+    For an `estimate` without LoRA, peft is kept out of the process: transformers' `trainer_utils`,
+    which the optimizer handlers import, imports peft whenever it is installed (and peft imports
+    bitsandbytes), only to recognise PEFT models, and such an estimate builds none. That import is
+    about 50 MiB and seconds of start-up. `sys.modules["peft"] = None` makes transformers see peft
+    as not installed (`importlib.util.find_spec` answers None). It is decided from the parsed
+    command (`--lora-r` needs peft, to add the adapters), which parsing allows because it imports
+    nothing of transformers.
+    """
+    estimate = getattr(args, "command", None) == "estimate"
+    if not (estimate and step_asked(args)):
+        freeze_what_was_imported()
+    if estimate and not needs_peft(args) and "peft" not in sys.modules:
+        sys.modules["peft"] = None

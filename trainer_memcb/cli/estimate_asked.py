@@ -1,0 +1,83 @@
+"""Which answer the options of `trainer-memcb estimate` ask for: the optimizer what-if, the
+model-states plan (`plan_asked`) or the step plan (`step_asked`); whether MODEL is a bare parameter
+count (`parameter_count`), and whether peft is needed (`needs_peft`). From the command line alone,
+before torch is imported."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from decimal import Decimal
+from typing import Optional
+
+__all__ = ["needs_peft", "parameter_count", "plan_asked", "step_asked", "ENGINE_FILES"]
+
+
+def needs_peft(args: argparse.Namespace) -> bool:
+    """Whether the estimate asked for needs peft (LoRA adapters)."""
+    return getattr(args, "lora_r", None) is not None
+
+
+# Any of these turns `estimate` into the model-states plan.
+_PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer", "offload_params", "precision",
+                 "device_memory", "reference_model", "replicate", "gpu")
+# So do the engines' config files, read for the plan's setup as the step plan reads them.
+ENGINE_FILES = ("deepspeed", "fsdp_config")
+
+
+def plan_asked(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the model-states plan rather than the optimizer what-if (an
+    engine's config does: its stage, precision and offload are the plan's)."""
+    return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS + ENGINE_FILES)
+
+
+def step_asked(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the step plan (activations and the step's peak): --batch-size,
+    --max-batch-size, or --training-args, unless the evaluation plan is asked and the file gives no
+    per_device_train_batch_size (as the evaluation's --fit writes it): then the file gives the
+    evaluation's settings alone."""
+    if getattr(args, "batch_size", None) is not None or bool(getattr(args, "max_batch_size", False)):
+        return True
+    path = getattr(args, "training_args", None)
+    if path is None:
+        return False
+    if getattr(args, "eval_samples", None) is not None and isinstance(path, (str, os.PathLike)):
+        return _file_gives_train_batch(os.fspath(path))
+    return True
+
+
+def _file_gives_train_batch(path: str) -> bool:
+    """Whether a --training-args file names per_device_train_batch_size; a file that cannot be read
+    as a JSON object answers yes, so that the step plan's reading of it says why."""
+    from trainer_memcb.utils.safe_io import read_json
+    from trainer_memcb.utils.units import MiB
+
+    try:
+        value = read_json(path, 16 * MiB)  # `MAX_SETTINGS_FILE_BYTES`, without importing the plan
+    except Exception:  # any refusal is said by the step plan's own reading
+        return True
+    return not isinstance(value, dict) or value.get("per_device_train_batch_size") is not None
+
+
+# A parameter count given as MODEL: digits (`7500000000`, `7_500_000_000`, `7,500,000,000`) or a
+# number in e-notation (`7.5e9`) that is whole.
+_COUNT = re.compile(r"\d[\d_,]*|\d+\.\d+|\d+(\.\d+)?[eE]\+?\d+")
+
+
+def parameter_count(text: str) -> Optional[int]:
+    """The parameter count MODEL spells, or None when it names a model (an existing folder wins).
+
+    Raises:
+        ValueError: a number that is not a whole count of at least 1.
+
+    Examples:
+        >>> parameter_count("7.5e9"), parameter_count("7_500_000_000"), parameter_count("gpt2")
+        (7500000000, 7500000000, None)
+    """
+    if os.path.exists(text) or not _COUNT.fullmatch(text):
+        return None
+    value = Decimal(text.replace("_", "").replace(",", ""))
+    if value != value.to_integral_value() or value < 1:
+        raise ValueError(f"MODEL {text!r} is not a whole parameter count of at least 1, e.g. 7.5e9 or 7500000000")
+    return int(value)

@@ -1,0 +1,189 @@
+"""The checks of `trainer-memcb estimate`'s options: those that would have no effect, that do not
+fit together or the model, refused in one line before torch is imported (`check_options`); the
+settings files' values before the model is built (`check_settings_values`); `--optimizers`
+against the Trainer's names."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from trainer_memcb.cli.device_options import usable_memory
+from trainer_memcb.cli.estimate_asked import parameter_count, plan_asked, step_asked
+from trainer_memcb.cli.estimate_model import check_lora_options, quantization_asked
+from trainer_memcb.cli.estimate_settings import step_settings
+from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN
+
+__all__ = ["check_options", "check_settings_values", "resolve_optimizers", "check_search_options", "check_count_options",
+           "refuse_what_if_of_a_count", "NEEDS_SEQ_LEN"]
+
+
+# Options of the step plan: without --batch-size or --max-batch-size they would change nothing.
+_STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkpointing", "--gradient-checkpointing"),
+                 ("gradient_accumulation_steps", "--gradient-accumulation-steps"),
+                 ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
+                 ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
+                 ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
+                 ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
+                 ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),
+                 ("gradient_as_bucket_view", "--gradient-as-bucket-view"))
+_EVAL_OPTIONS = ("seq_len", "attn_implementation", "device_type")
+_EVAL_FLAGS = ("--seq-len", "--attn-implementation", "--device-type")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse options that would have no effect on what the command answers, and a step plan of
+    a bare parameter count, which has no model to trace.
+
+    Raises:
+        ValueError: one line naming the option and what it needs.
+    """
+    if not step_asked(args):
+        # --seq-len and --attn-implementation are the evaluation plan's too (its forward's batches).
+        evaluation = getattr(args, "eval_samples", None) is not None
+        given = [option for name, option in _STEP_OPTIONS
+                 if getattr(args, name, None) not in (None, False) and not (evaluation and name in _EVAL_OPTIONS)]
+        if given:
+            needs = "--batch-size, --max-batch-size (the step plan) or --eval-samples" if given[0] in _EVAL_FLAGS \
+                else "--batch-size or --max-batch-size (the step plan)"
+            raise ValueError(f"{given[0]} has no effect without {needs}")
+    if getattr(args, "reserve", None) is not None and args.device_memory is None:
+        raise ValueError("--reserve has no effect without --device-memory (the reserve is taken from it)")
+    usable_memory(args)  # a reserve as large as the memory, before anything is planned
+    from trainer_memcb.cli.eval_estimate import check_eval_options
+
+    check_eval_options(args)
+    count = parameter_count(args.model)
+    if step_asked(args):
+        if count is not None:
+            raise ValueError(f"a parameter count ({count:,}) cannot be traced: the step plan (--batch-size, "
+                             "--max-batch-size) runs the model's forward and backward, so it needs a model config, "
+                             "a folder holding config.json")
+        check_search_options(args)
+        if args.seq_len is None and _a_text_model(args):
+            raise ValueError(NEEDS_SEQ_LEN)
+    if count is not None:
+        check_count_options(args)
+        if not (step_asked(args) or plan_asked(args) or getattr(args, "eval_samples", None) is not None):
+            refuse_what_if_of_a_count(count)
+    check_lora_options(args)
+    quantization_asked(args)
+    _refuse_fp16_gradients(args)
+    if step_asked(args) or (plan_asked(args) and getattr(args, "eval_samples", None) is None):
+        usable_memory(args)  # a reserve as large as the memory, where the plan takes it from the memory
+    if getattr(args, "eval_samples", None) is not None and args.seq_len is None:
+        raise ValueError(EVAL_NEEDS_SEQ_LEN)
+    _check_settings_files(args)
+
+
+# The keys of a config.json that name an input other than token ids (an image's pixels, speech's
+# features, a vision tower): the model's batch may then need no --seq-len (`head_kind`).
+_NOT_TEXT_KEYS = ("image_size", "num_channels", "vision_config", "num_mel_bins", "audio_config")
+
+
+def _a_text_model(args: argparse.Namespace) -> bool:
+    """Whether MODEL is a folder whose config.json is surely a text model's (token ids in, so its
+    step needs --seq-len), read before transformers is imported; False when in doubt (a hub name,
+    a config with an image, speech or vision key, --architecture), and the built model decides."""
+    from trainer_memcb.plan.settings import MAX_SETTINGS_FILE_BYTES
+    from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
+
+    if args.architecture is not None or not os.path.isdir(args.model):
+        return False
+    try:
+        config = read_json(os.path.join(args.model, "config.json"), MAX_SETTINGS_FILE_BYTES)
+    except UnsafeFileError:  # answered once the model is built, as the folder's own problem
+        return False
+    return isinstance(config, dict) and "vocab_size" in config and not any(key in config for key in _NOT_TEXT_KEYS)
+
+
+# The settings files the command reads, by option.
+_SETTINGS_FILES = (("training_args", "--training-args"), ("deepspeed", "--deepspeed"), ("fsdp_config", "--fsdp-config"))
+
+
+def _check_settings_files(args: argparse.Namespace) -> None:
+    """Read each settings file named once, before torch is imported: a named pipe, a device or an
+    oversized file, a pickle, or a file that is not a JSON object is refused at once."""
+    from trainer_memcb.plan.settings import read_json_file
+
+    for name, option in _SETTINGS_FILES:
+        path = getattr(args, name, None)
+        if path is not None:
+            read_json_file(path, option)
+
+
+# A model width for the DeepSpeed config's "auto" bucket sizes while the files are checked before the
+# model is built (`check_settings_values`); the plan fills them from the model's own hidden_size.
+_STAND_IN_HIDDEN_SIZE = 1024
+
+
+def check_settings_values(args: argparse.Namespace) -> None:
+    """The values of `--training-args`, `--deepspeed` and `--fsdp-config`, checked as the plan will
+    resolve them but before the model is built or anything is traced (seconds for a large config).
+
+    Raises:
+        SettingsFileError: a value the Trainer or the engine would refuse or misread (exit 1).
+        ValueError: a flag that contradicts a file (exit 2).
+    """
+    if not any(getattr(args, name, None) is not None for name, _ in _SETTINGS_FILES):
+        return
+    from types import SimpleNamespace
+
+    step_settings(args, SimpleNamespace(config=SimpleNamespace(hidden_size=_STAND_IN_HIDDEN_SIZE)))
+    if getattr(args, "eval_samples", None) is not None:
+        from trainer_memcb.cli.eval_estimate import training_arguments_from_file
+
+        training_arguments_from_file(getattr(args, "training_args", None))
+
+
+def check_search_options(args: argparse.Namespace) -> None:
+    if args.max_batch_size and args.device_memory is None:
+        raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
+
+
+NEEDS_SEQ_LEN = "--batch-size and --max-batch-size need --seq-len (the sequence length)"
+
+
+# Options that need a model's modules and names, which a bare count has not.
+_NEEDS_A_MODEL = (("lora_r", "--lora-r"), ("lora_target_modules", "--lora-target-modules"),
+                  ("lora_modules_to_save", "--lora-modules-to-save"), ("trainable", "--trainable"),
+                  ("architecture", "--architecture"), ("optim_target_modules", "--optim-target-modules"))
+
+
+def check_count_options(args: argparse.Namespace) -> None:
+    """Refuse, for a parameter count, the options that need a model's modules and names."""
+    given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]
+    if given:
+        raise ValueError(f"{given[0]} needs a model's modules and names: give a folder holding config.json, "
+                         f"not a parameter count")
+
+
+def refuse_what_if_of_a_count(count: int) -> None:
+    raise ValueError(f"a parameter count ({count:,}) answers the model-states plan only: add --world-size, "
+                     "--zero, --sharding or --precision (e.g. --zero 1 --world-size 64); the optimizer what-if "
+                     "needs a model config, a folder holding config.json")
+
+
+def _refuse_fp16_gradients(args: argparse.Namespace) -> None:
+    """fp16 autocast over a float16 model: the Trainer's GradScaler refuses the float16 gradients
+    at the first step (torch/amp/grad_scaler.py `_unscale_grads_`), unless only float32 adapters
+    train (`--lora-r`: PEFT keeps them float32)."""
+    if (args.dtype == "float16" and args.precision == "autocast-fp16" and getattr(args, "lora_r", None) is None
+            and not str(args.sharding or "").startswith("fsdp")):
+        raise ValueError("--dtype float16 with --precision autocast-fp16: the Trainer's GradScaler refuses float16 "
+                         "gradients (\"Attempting to unscale FP16 gradients.\"); give --dtype float32 or bfloat16, "
+                         "--precision autocast-bf16, or --precision fp16 (trained in float16 without autocast)")
+
+
+def resolve_optimizers(args: argparse.Namespace) -> None:
+    """Check `--optimizers` against the Trainer's names, aliases resolved, in place.
+
+    Raises:
+        ValueError: `argument --optimizers: optimizer 'x' is not one of: ...`.
+    """
+    from trainer_memcb.plan.optimizers.whatif import resolve_optimizer_names
+
+    try:
+        args.optimizers = resolve_optimizer_names(args.optimizers)
+    except ValueError as error:
+        raise ValueError(f"argument --optimizers: {error}") from None

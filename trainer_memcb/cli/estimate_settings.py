@@ -1,0 +1,67 @@
+"""The step plan's settings from the options of `trainer-memcb estimate` (`--training-args`,
+`--deepspeed`, `--fsdp-config`, then the flags), the plan's precision, and whether the parameters
+keep --dtype under autocast."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict
+
+from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS
+from trainer_memcb.cli.estimate_model import quantization_asked
+
+__all__ = ["step_settings", "plan_precision", "autocast_keeps_dtype"]
+
+
+# --dtype's precision for the plan, when --precision is not given.
+_DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def plan_precision(args: argparse.Namespace) -> str:
+    return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
+
+
+def autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str) -> bool:
+    """Whether the parameters keep --dtype under the Trainer's autocast (bf16=True / fp16=True).
+
+    accelerate's `prepare_model` wraps the forward in autocast and casts no parameter, so a model
+    loaded in 16 bits (`--dtype float16 --precision autocast-bf16`) trains its 16-bit parameters;
+    only FSDP upcasts them to float32 (`fsdp2_prepare_model`: "FSDP upcast of low precision
+    parameters"), and a quantized base is laid out by its own rules."""
+    return (args.dtype in ("bfloat16", "float16") and precision in ("autocast-bf16", "autocast-fp16")
+            and not str(sharding).startswith("fsdp") and not quantization_asked(args))
+
+
+def step_settings(args: argparse.Namespace, model: Any) -> Any:
+    """The step plan's settings: `--training-args`, `--deepspeed`, `--fsdp-config`, then the flags
+    given explicitly (each value's source kept)."""
+    from trainer_memcb.plan.settings import resolve_settings
+
+    flags: Dict[str, Any] = {}
+    given = {"world_size": args.world_size, "rank": getattr(args, "rank", None), "nodes": args.nodes, "batch_size": args.batch_size,
+             "bucket_cap_mb": getattr(args, "bucket_cap_mb", None), "replicate": getattr(args, "replicate", None),
+             "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None)}
+    flags.update({key: value for key, value in given.items() if value is not None})
+    if args.zero or args.sharding:
+        flags["sharding"] = f"zero{args.zero}" if args.zero else args.sharding
+    if args.precision or not (args.training_args or args.deepspeed):
+        flags["precision"] = plan_precision(args)
+    if args.gradient_checkpointing:
+        flags["gradient_checkpointing"] = True
+    if getattr(args, "gradient_as_bucket_view", False):
+        flags["gradient_as_bucket_view"] = True
+    if args.offload_params and (flags.get("sharding") or "").startswith("fsdp"):
+        flags["fsdp_cpu_offload"] = True
+    if list(args.optimizers) != list(DEFAULT_OPTIMIZERS) or not args.training_args:
+        flags["optimizer"] = list(args.optimizers)[0]
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) if config is not None else None
+    settings = resolve_settings(args.training_args, deepspeed=getattr(args, "deepspeed", None),
+                                fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden, **flags)
+    if args.offload_optimizer and settings.zero_stage:
+        zero = dict(settings.zero, offload_optimizer={"device": "cpu"})
+        sources = dict(settings.sources, **{"zero.offload_optimizer": "flag"})
+        import dataclasses
+
+        settings = dataclasses.replace(settings, zero=zero, sources=sources)
+    return settings

@@ -1,0 +1,204 @@
+"""The step plan for the options of `trainer-memcb estimate`: the step traced at the batch asked
+(each process that differs), the largest batch searched, the model states during the step, and
+--fit's search."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from trainer_memcb.cli.collector import freeze_what_was_imported
+from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes, usable_memory
+from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_options
+from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
+from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, step_settings
+from trainer_memcb.cli.progress import say_progress
+from trainer_memcb.utils.units import format_bytes
+
+if TYPE_CHECKING:
+    from trainer_memcb.plan.answers.model_states import ModelStatesPlan
+    from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
+    from trainer_memcb.plan.model.quantized import Quantization
+
+__all__ = ["estimate_step", "fullest_process", "ranks_to_plan"]
+
+
+def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
+    """The step plan (and the model-states plan) for the options: a dict of plans and the search.
+
+    Raises:
+        ValueError: --seq-len or --device-memory missing where needed, a bad setup.
+        ModelConfigError: no model config, or no parameter left to train.
+    """
+    from trainer_memcb.plan.step.trace import counting_flops, sharing_traces
+
+    # Each distinct step traced once: the search, the own step and --fit's, which reads the FLOPs.
+    with sharing_traces(), counting_flops() if getattr(args, "fit", False) else contextlib.nullcontext():
+        return _estimate_step(args)
+
+
+@dataclass(frozen=True)
+class _StepTraces:
+    """What every trace of the command's step shares.
+
+    Attributes:
+        args: the options.
+        build_model: gives each trace its model (`first_then_new`).
+        quantization: the base model's loading (QLoRA), or None.
+        alloc_conf: the allocator's settings on CUDA, else None.
+        device_type: the device the run will use.
+        states: the model-states plan, the traces' own unless one is given.
+        explicit_dtype: whether the precision gives the parameters' dtype (else --dtype's).
+        keep_dtypes: whether each parameter keeps the dtype the model was built in.
+    """
+
+    args: argparse.Namespace
+    build_model: Callable[[], Any]
+    quantization: Optional[Quantization]
+    alloc_conf: Any
+    device_type: str
+    states: ModelStatesPlan
+    explicit_dtype: bool
+    keep_dtypes: bool
+
+
+def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
+    check_search_options(args)
+    from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
+    from trainer_memcb.plan.answers.step_memory import states_during_step
+
+    memory = usable_memory(args)
+    traces, settings = _step_traces(args, memory)
+    plan_at = functools.partial(_plan_at, traces, settings)
+    freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
+    found: Optional[int] = None
+    searched: List[StepMemoryPlan] = []
+    problem: Optional[str] = None
+    if args.max_batch_size:
+        found, searched = max_batch_size(plan_at, memory)
+        problem = next((f"at batch {plan.batch_size} {plan.problem}" for plan in searched if plan.problem is not None),
+                       None)
+    step = plan_at(settings.batch_size) if settings.batch_size is not None else None
+    # The model-states table from the same trace: each state's most during the engine's step (the
+    # states do not depend on the batch, so the search's plan at the answer serves without one).
+    traced = step if step is not None else next((plan for plan in searched if plan.batch_size == found), None)
+    states = traces.states
+    if traced is not None:
+        states = states_during_step(states, traced)
+    fit = None
+    if getattr(args, "fit", False) and step is not None:
+        fit = _estimate_fit(dataclasses.replace(traces, states=states), settings, memory)
+    return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
+            "search": args.max_batch_size, "max_batch_size_problem": problem,
+            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT, "fit": fit}
+
+
+def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_StepTraces, Any]:
+    """The model the options describe, built once (checking the options) with its states planned,
+    and the step's settings: what the traces share, and the settings they start from."""
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.model.step_inputs import head_kind
+    from trainer_memcb.plan.settings.setup import setup_of
+
+    device_type = args.device_type or DEFAULT_DEVICE_TYPE
+    alloc_conf = alloc_conf_of(args) if device_type == "cuda" else None
+    quantization = quantization_of(args)
+    model = estimate_model(args)  # checks the options once, and plans the model states
+    if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
+        raise ValueError(NEEDS_SEQ_LEN)
+    settings = step_settings(args, model)
+    if settings.batch_size is None and not args.max_batch_size:
+        raise ValueError("--batch-size is needed (or per_device_train_batch_size in --training-args)")
+    setup = setup_of(settings)
+    # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
+    # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
+    explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
+    keep_dtypes = not explicit_dtype or autocast_keeps_dtype(args, settings.precision, settings.sharding)
+    explicit_dtype = explicit_dtype and not keep_dtypes
+    say_progress("planning the model states")
+    states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
+                               reference_model=args.reference_model, keep_dtypes=keep_dtypes)
+    build_model = first_then_new(model, functools.partial(estimate_model, args))
+    return _StepTraces(args, build_model, quantization, alloc_conf, device_type, states, bool(explicit_dtype),
+                       keep_dtypes), settings
+
+
+def _plan_at(traces: _StepTraces, settings: Any, batch: int) -> StepMemoryPlan:
+    """The step at `batch`, the other settings kept."""
+    at = dataclasses.replace(settings, batch_size=batch,
+                             sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
+    return _plan_ranks(traces, at)
+
+
+def _plan_ranks(traces: _StepTraces, at: Any, **more: Any) -> StepMemoryPlan:
+    """The step at the settings `at`, for each process `ranks_to_plan` names: the fullest's plan."""
+    ranks = ranks_to_plan(at)
+    if len(ranks) == 1:
+        return _plan_for(traces, at, **more)
+    source = f"default: the fuller of ranks {ranks[0]} and {ranks[-1]}"
+    return fullest_process([_plan_for(traces, dataclasses.replace(at, rank=rank, sources=dict(at.sources, rank=source)),
+                                      **more) for rank in ranks], ranks)
+
+
+def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any = None, **more: Any) -> StepMemoryPlan:
+    """One trace of the step at the settings `at` (`build`, `states_plan` and `more`: --fit's
+    proposals, expandable segments among them)."""
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.optimizers.whatif import resolve_dtype
+
+    args = traces.args
+    several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
+    say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
+                 + (" (searching the largest batch)" if args.max_batch_size else ""))
+    options = dict(seq_len=args.seq_len, quantization=traces.quantization, alloc_conf=traces.alloc_conf,
+                   gpu=getattr(args, "gpu", None))
+    options.update(more)  # --fit's proposals: expandable segments among them
+    return plan_step_memory(build or traces.build_model, settings=at, **options,
+                            attn_implementation=args.attn_implementation, device_type=traces.device_type,
+                            device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model,
+                            states_plan=states_plan or traces.states,
+                            dtype=None if traces.explicit_dtype else resolve_dtype(args.dtype or "float32"),
+                            target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
+                            padding=getattr(args, "padding", 0) or 0, keep_dtypes=traces.keep_dtypes)[0]
+
+
+def _estimate_fit(traces: _StepTraces, settings: Any, memory: Optional[int]) -> Any:
+    """--fit's search, each proposal traced as the command's own step is (`traces.states`: the
+    states during the own step)."""
+    from trainer_memcb.cli.fit_table import estimate_fit
+
+    return estimate_fit(traces.args, settings, memory, functools.partial(_plan_ranks, traces),
+                        plan_for_states=functools.partial(_states_for, traces.args, traces.keep_dtypes),
+                        estimate_model=estimate_model, step_settings=step_settings)
+
+
+def _states_for(args: argparse.Namespace, keep_dtypes: bool, at: Any) -> ModelStatesPlan:
+    """The model-states plan of a --fit proposal's settings `at`, on a model built anew."""
+    from trainer_memcb.plan.answers.model_states import plan_model_states
+    from trainer_memcb.plan.settings.setup import setup_of
+
+    return plan_model_states(estimate_model(args), at.optimizer, setup_of(at), model_name=args.model,
+                             reference_model=args.reference_model, keep_dtypes=keep_dtypes)
+
+
+def ranks_to_plan(settings: Any) -> List[int]:
+    """The processes the command plans: the one `--rank` names, else, where processes differ
+    (DeepSpeed ZeRO-1/2 on several: each rank's partition keeps other gradients), the first and the
+    last, whose partitions hold the embedding and the head; one process otherwise."""
+    if settings.sources.get("rank") == "flag" or settings.zero_stage not in (1, 2) or settings.world_size == 1:
+        return [settings.rank]
+    return [0, settings.world_size - 1]
+
+
+def fullest_process(plans: List[StepMemoryPlan], ranks: List[int]) -> StepMemoryPlan:
+    """The plan of the process that holds the most on the device at its peak (the first if equal),
+    with a note of the other's peak."""
+    index = max(range(len(plans)), key=lambda i: (plans[i].peak_bytes or 0, -i))
+    others = ", ".join(f"rank {rank} {format_bytes(plan.peak_bytes or 0)} ({plan.peak_bytes or 0:,})"
+                       for rank, plan in zip(ranks, plans) if rank != ranks[index])
+    note = f"rank {ranks[index]} holds the most of ranks {' and '.join(map(str, ranks))} at its peak ({others})"
+    return dataclasses.replace(plans[index], notes=list(plans[index].notes) + [note])
