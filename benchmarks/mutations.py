@@ -399,7 +399,7 @@ EDITS: List[Edit] = [
     # (the largest batch searched against the memory with the reserve not taken off)
     Edit("cli/estimate_checks.py", "not (evaluation and name in _EVAL_OPTIONS)]", "not evaluation]",
          (CLI_ANSWERS, "tests/cli/test_cli_eval.py")),  # with --eval-samples every step option let through
-    Edit("cli/estimate_step.py", "reserve_bytes=reserve_bytes(args) or 0,", "reserve_bytes=0,", STEP_ON_THE_COMMAND_LINE),
+    Edit("cli/estimate_settings.py", "\"reserve_bytes\": reserve_bytes(args),", "\"reserve_bytes\": None,", STEP_ON_THE_COMMAND_LINE),
 ]
 
 

@@ -5,9 +5,11 @@ keep --dtype under autocast."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Dict
 
 from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS
+from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes
 from trainer_memcb.cli.estimate_model import quantization_asked
 
 __all__ = ["step_settings", "plan_precision", "autocast_keeps_dtype"]
@@ -56,12 +58,36 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
         flags["optimizer"] = list(args.optimizers)[0]
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) if config is not None else None
+    flags.update(_step_shape_and_device(args))
     settings = resolve_settings(args.training_args, deepspeed=getattr(args, "deepspeed", None),
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden, **flags)
+    sources = dict(settings.sources, **_not_flags(args, settings))
     if args.offload_optimizer and settings.zero_stage:
-        zero = dict(settings.zero, offload_optimizer={"device": "cpu"})
-        sources = dict(settings.sources, **{"zero.offload_optimizer": "flag"})
-        import dataclasses
+        sources["zero.offload_optimizer"] = "flag"
+        return dataclasses.replace(settings, zero=dict(settings.zero, offload_optimizer={"device": "cpu"}),
+                                   sources=sources)
+    return dataclasses.replace(settings, sources=sources)
 
-        settings = dataclasses.replace(settings, zero=zero, sources=sources)
-    return settings
+
+def _step_shape_and_device(args: argparse.Namespace) -> Dict[str, Any]:
+    """The micro-batch's shape and the device as the options give them: the reserve with
+    --device-memory (the command's default without --reserve), the allocator's settings on CUDA
+    (--alloc-conf, else the environment's, read once here)."""
+    given = {"seq_len": args.seq_len, "target_len": getattr(args, "target_len", None),
+             "image_size": getattr(args, "image_size", None), "padding": getattr(args, "padding", 0) or None,
+             "attn_implementation": getattr(args, "attn_implementation", None),
+             "device_type": getattr(args, "device_type", None), "device_memory": args.device_memory,
+             "reserve_bytes": reserve_bytes(args), "gpu": getattr(args, "gpu", None)}
+    if (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda":
+        given["alloc_conf"] = alloc_conf_of(args).text
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def _not_flags(args: argparse.Namespace, settings: Any) -> Dict[str, str]:
+    """The sources of the values the command chose itself: its reserve, the environment's allocator settings."""
+    sources = {}
+    if "reserve_bytes" in settings.sources and getattr(args, "reserve", None) is None:
+        sources["reserve_bytes"] = "default (--reserve's)"
+    if "alloc_conf" in settings.sources and getattr(args, "alloc_conf", None) is None:
+        sources["alloc_conf"] = "environment (PYTORCH_CUDA_ALLOC_CONF)" if settings.alloc_conf else "default"
+    return sources

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
-from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes, usable_memory
+from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_options
 from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
 from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, step_settings
@@ -49,8 +49,6 @@ class _StepTraces:
         args: the options.
         build_model: gives each trace its model (`first_then_new`).
         quantization: the base model's loading (QLoRA), or None.
-        alloc_conf: the allocator's settings on CUDA, else None.
-        device_type: the device the run will use.
         states: the model-states plan, the traces' own unless one is given.
         explicit_dtype: whether the precision gives the parameters' dtype (else --dtype's).
         keep_dtypes: whether each parameter keeps the dtype the model was built in.
@@ -59,8 +57,6 @@ class _StepTraces:
     args: argparse.Namespace
     build_model: Callable[[], Any]
     quantization: Optional[Quantization]
-    alloc_conf: Any
-    device_type: str
     states: ModelStatesPlan
     explicit_dtype: bool
     keep_dtypes: bool
@@ -104,8 +100,6 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
     from trainer_memcb.plan.model.step_inputs import head_kind
     from trainer_memcb.plan.settings.setup import setup_of
 
-    device_type = args.device_type or DEFAULT_DEVICE_TYPE
-    alloc_conf = alloc_conf_of(args) if device_type == "cuda" else None
     quantization = quantization_of(args)
     model = estimate_model(args)  # checks the options once, and plans the model states
     if args.seq_len is None and head_kind(model) not in ("image", "speech_seq2seq"):
@@ -123,7 +117,7 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
                                reference_model=args.reference_model, keep_dtypes=keep_dtypes)
     build_model = first_then_new(model, functools.partial(estimate_model, args))
-    return _StepTraces(args, build_model, quantization, alloc_conf, device_type, states, bool(explicit_dtype),
+    return _StepTraces(args, build_model, quantization, states, bool(explicit_dtype),
                        keep_dtypes), settings
 
 
@@ -154,16 +148,12 @@ def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any 
     several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
     say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
                  + (" (searching the largest batch)" if args.max_batch_size else ""))
-    options = dict(seq_len=args.seq_len, quantization=traces.quantization, alloc_conf=traces.alloc_conf,
-                   gpu=getattr(args, "gpu", None))
-    options.update(more)  # --fit's proposals: expandable segments among them
-    return plan_step_memory(build or traces.build_model, settings=at, **options,
-                            attn_implementation=args.attn_implementation, device_type=traces.device_type,
-                            device_memory=args.device_memory, reserve_bytes=reserve_bytes(args) or 0, model_name=args.model,
+    # The settings hold the batch's shape and the device (`step_settings`); `more`: --fit's
+    # proposals, expandable segments among them.
+    return plan_step_memory(build or traces.build_model, at, quantization=traces.quantization, model_name=args.model,
                             states_plan=states_plan or traces.states,
                             dtype=None if traces.explicit_dtype else resolve_dtype(args.dtype or "float32"),
-                            target_len=getattr(args, "target_len", None), image_size=getattr(args, "image_size", None),
-                            padding=getattr(args, "padding", 0) or 0, keep_dtypes=traces.keep_dtypes)[0]
+                            keep_dtypes=traces.keep_dtypes, **more)[0]
 
 
 def _estimate_fit(traces: _StepTraces, settings: Any, memory: Optional[int]) -> Any:
