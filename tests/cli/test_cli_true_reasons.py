@@ -198,6 +198,7 @@ def test_qlora_on_gpt2_loads_its_conv1d_layers_in_4bit(tiny_gpt2_dir: str, capsy
 
 def test_the_search_limit_is_said_as_at_least(tiny_llama_dir: str, capsys: Any) -> None:
     from trainer_memcb.cli.plan_table import step_tables
+    from trainer_memcb.cli.step_answer import StepAnswer
     from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
 
     MAX_BATCH_SEARCH_LIMIT = 1_048_576  # the search goes no further
@@ -215,8 +216,8 @@ def test_the_search_limit_is_said_as_at_least(tiny_llama_dir: str, capsys: Any) 
                           optimizer="adamw_torch", param_dtype="float32", activations_bytes=1, activations_peak_bytes=1,
                           peak_bytes=1,
                           peak_phase="backward", fits=True)
-    found = {"search": True, "searched": [plan], "max_batch_size": MAX_BATCH_SEARCH_LIMIT,
-             "max_batch_size_is_search_limit": True}
+    found = StepAnswer(None, search=True, searched=(plan,), max_batch_size=MAX_BATCH_SEARCH_LIMIT,
+                       max_batch_size_is_search_limit=True)
     [table] = step_tables(found)
     assert table.title == ("Largest per-device batch that fits: at least 1,048,576, the search's limit (it fits; no "
                            "larger batch was tried)")

@@ -4,6 +4,7 @@ for gathered, printed as tables or JSON, and the exit code of their one verdict.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -19,6 +20,7 @@ from trainer_memcb.cli.fit_options import check_fit_options
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
+from trainer_memcb.cli.step_answer import StepAnswer
 
 __all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status", "prepare_process"]
 
@@ -29,13 +31,13 @@ def _states_fit(plan: Any) -> Optional[bool]:
     return None if not answers else all(answers)
 
 
-def _step_status(found: Dict[str, Any]) -> int:
+def _step_status(found: StepAnswer) -> int:
     """The exit code of a step plan: untraceable 5, does not fit 3 (the step's answer, or no
     batch fitting for --max-batch-size), else 0."""
-    step = found.get("step")
-    if (step is not None and step.problem is not None) or found.get("max_batch_size_problem") is not None:
+    step = found.step
+    if (step is not None and step.problem is not None) or found.max_batch_size_problem is not None:
         return EXIT_UNTRACEABLE
-    if (step is not None and step.fits is False) or (found.get("search") and found.get("max_batch_size") is None):
+    if (step is not None and step.fits is False) or (found.search and found.max_batch_size is None):
         return EXIT_DOES_NOT_FIT
     return EXIT_DONE
 
@@ -68,13 +70,13 @@ def _evaluation_status(evaluation: Any) -> int:
     return EXIT_DOES_NOT_FIT if False in (evaluation.fits_device, evaluation.fits_host) else EXIT_DONE
 
 
-def _step_answers(found: Dict[str, Any]) -> bool:
+def _step_answers(found: StepAnswer) -> bool:
     """Whether the step plan gives the output's fits? (a traced step against --device-memory, or
     the search for the largest batch); then the model-states plan gives none beside it."""
-    step = found.get("step")
+    step = found.step
     if step is not None and step.problem is None and step.fits is not None:
         return True
-    return bool(found.get("search")) and found.get("max_batch_size_problem") is None
+    return found.search and found.max_batch_size_problem is None
 
 
 def _without_verdict(states: Any) -> Any:
@@ -107,7 +109,7 @@ class EstimateAnswer:
     """
 
     kind: str
-    found: Optional[Dict[str, Any]] = None
+    found: Optional[StepAnswer] = None
     evaluation: Any = None
     evaluation_fit: Any = None
     result: Any = None
@@ -156,10 +158,10 @@ def gather(args: argparse.Namespace) -> EstimateAnswer:
             evaluation = None
             if eval_asked(args):
                 evaluation = estimate_evaluation(args, lambda: estimate_model(args),
-                                                 found["model_states"] if found is not None else None,
+                                                 found.model_states if found is not None else None,
                                                  reserve=reserve_bytes(args) or 0)
             evaluation_fit = (eval_fit(args, lambda: estimate_model(args), evaluation,
-                                       found["model_states"] if found is not None else None, reserve_bytes(args) or 0)
+                                       found.model_states if found is not None else None, reserve_bytes(args) or 0)
                               if evaluation is not None and args.fit else None)
         except (ModelConfigError, SettingsFileError) as error:  # a bad config or settings file: exit 1
             raise KnownFailure(str(error)) from None
@@ -192,23 +194,23 @@ def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
         found = answer.found
         one_verdict = _step_answers(found)
         if one_verdict:
-            found = dict(found, model_states=_without_verdict(found["model_states"]))
+            found = dataclasses.replace(found, model_states=_without_verdict(found.model_states))
         if args.json:
             document = step_json(found)
             if not one_verdict:
                 document["model_states"] = _with_memory(document["model_states"], args)
             if evaluation is not None:
                 document["evaluation"] = evaluation.to_dict()
-            if found.get("fit") is not None:
-                document["fit"] = fit_json(found["fit"])
+            if found.fit is not None:
+                document["fit"] = fit_json(found.fit)
             if evaluation_fit is not None:
                 document.setdefault("fit", {})["evaluation"] = fit_json(evaluation_fit)
             print_json(with_schema(document), sys.stdout)
         else:
-            states = (plan_tables(found["model_states"], verdict=False) if one_verdict
-                      else plan_tables(found["model_states"], memory, reserve, context=context))
+            states = (plan_tables(found.model_states, verdict=False) if one_verdict
+                      else plan_tables(found.model_states, memory, reserve, context=context))
             print_tables(step_tables(found) + states + (eval_tables(evaluation) if evaluation else [])
-                         + (fit_tables(found["fit"]) if found.get("fit") is not None else [])
+                         + (fit_tables(found.fit) if found.fit is not None else [])
                          + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []), sys.stdout)
     elif args.json:
         result = answer.result
@@ -230,8 +232,8 @@ def exit_status(answer: EstimateAnswer, args: argparse.Namespace) -> int:
     if answer.kind != "step":
         return EXIT_DOES_NOT_FIT if answer.kind == "model states" and _states_fit(answer.result) is False else EXIT_DONE
     status = _step_status(answer.found)
-    if answer.found.get("fit") is not None:
-        status = _fit_status(answer.found["fit"], args, status)
+    if answer.found.fit is not None:
+        status = _fit_status(answer.found.fit, args, status)
     if status != EXIT_DONE or evaluation is None:
         return status
     status = _evaluation_status(evaluation)

@@ -17,6 +17,7 @@ from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_option
 from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
 from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, step_settings
 from trainer_memcb.cli.progress import say_progress
+from trainer_memcb.cli.step_answer import StepAnswer
 from trainer_memcb.utils.units import format_bytes
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class _StepTraces:
     keep_dtypes: bool
 
 
-def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
+def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     check_search_options(args)
     from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
     from trainer_memcb.plan.answers.step_memory import states_during_step
@@ -88,9 +89,9 @@ def _estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
     fit = None
     if getattr(args, "fit", False) and step is not None:
         fit = _estimate_fit(dataclasses.replace(traces, states=states), settings, memory)
-    return {"step": step, "model_states": states, "max_batch_size": found, "searched": searched,
-            "search": args.max_batch_size, "max_batch_size_problem": problem,
-            "max_batch_size_is_search_limit": found == MAX_BATCH_SEARCH_LIMIT, "fit": fit}
+    return StepAnswer(states, step, search=bool(args.max_batch_size), max_batch_size=found, searched=tuple(searched),
+                      max_batch_size_problem=problem, max_batch_size_is_search_limit=found == MAX_BATCH_SEARCH_LIMIT,
+                      fit=fit)
 
 
 def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_StepTraces, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
+from trainer_memcb.cli.step_answer import StepAnswer
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan
 
 __all__ = ["plan_tables", "step_tables", "step_json"]
@@ -129,10 +130,10 @@ def _checkpointing_words(step: Any) -> str:
     return f"on ({', '.join(words)})"
 
 
-def step_tables(found: Dict[str, Any]) -> List[TextTable]:
+def step_tables(found: StepAnswer) -> List[TextTable]:
     """The step plan: what was traced, the activations, the peak by part, fits?; the search."""
     tables: List[TextTable] = []
-    step = found.get("step")
+    step = found.step
     if step is not None:
         about = [
             ["micro-batch", f"{step.batch_size} x {step.seq_len}" if step.seq_len is not None else str(step.batch_size)],
@@ -169,13 +170,13 @@ def step_tables(found: Dict[str, Any]) -> List[TextTable]:
             tables.append(TextTable(f"Settings used (engine: {step.engine}; optimizer implementation: "
                                     f"{step.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
                                     text_columns=(0, 1, 2)))
-    if found.get("search"):
+    if found.search:
         rows = [[str(plan.batch_size), bytes_cell(plan.peak_bytes), bytes_cell(plan.reserved_peak_bytes),
-                 "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found["searched"]]
-        best, problem = found.get("max_batch_size"), found.get("max_batch_size_problem")
+                 "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found.searched]
+        best, problem = found.max_batch_size, found.max_batch_size_problem
         if problem is not None:
             title = f"No largest batch: {problem}; only the model states are planned"
-        elif best is not None and found.get("max_batch_size_is_search_limit"):
+        elif best is not None and found.max_batch_size_is_search_limit:
             title = (f"Largest per-device batch that fits: at least {best:,}, the search's limit (it fits; no larger "
                      f"batch was tried)")
         elif best is not None:
@@ -218,17 +219,17 @@ def _not_counted(step: Any) -> str:
         "; ".join(step.not_counted)
 
 
-def step_json(found: Dict[str, Any]) -> Dict[str, Any]:
-    document: Dict[str, Any] = {"model_states": found["model_states"].to_dict()}
-    if found.get("step") is not None:
-        document["step"] = found["step"].to_dict()
-    if found.get("search"):
-        document["max_batch_size"] = found.get("max_batch_size")
-        document["max_batch_size_problem"] = found.get("max_batch_size_problem")
+def step_json(found: StepAnswer) -> Dict[str, Any]:
+    document: Dict[str, Any] = {"model_states": found.model_states.to_dict()}
+    if found.step is not None:
+        document["step"] = found.step.to_dict()
+    if found.search:
+        document["max_batch_size"] = found.max_batch_size
+        document["max_batch_size_problem"] = found.max_batch_size_problem
         # True: max_batch_size is the search's limit, which fits; larger batches were not tried.
-        document["max_batch_size_is_search_limit"] = bool(found.get("max_batch_size_is_search_limit"))
+        document["max_batch_size_is_search_limit"] = found.max_batch_size_is_search_limit
         document["searched"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes,
                                  "reserved_peak_bytes": p.reserved_peak_bytes,
                                  "device_total_bytes": p.device_total_bytes, "fits": p.fits}
-                                for p in found["searched"]]
+                                for p in found.searched]
     return document
