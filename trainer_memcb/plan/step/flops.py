@@ -18,6 +18,7 @@ import torch
 __all__ = ["FlopCounting"]
 
 _ATEN = torch.ops.aten
+_DEVICE = torch.ops.prim.device.default
 
 
 def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
@@ -45,6 +46,8 @@ def FlopCounting(totals: List[int]) -> Any:
 
     class _Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is _DEVICE:
+                return func(*args, **(kwargs or {}))
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             # FlopCounterMode._count_flops: the formula of the op's packet, filed under "Global"

@@ -234,6 +234,11 @@ class LiveStorages(TorchDispatchMode):
         return found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        if func is _DEVICE:  # a tensor's device, asked of the fake tensor: nothing made
+            out = func(*args, **(kwargs or {}))
+            if self.alive_bytes > self.peak_bytes:
+                self._check_peak()
+            return out
         kwargs = kwargs or {}
         if func in _MATMULS and self.phase not in self.first_matmul:
             self.first_matmul[self.phase] = len(self.events)
@@ -253,6 +258,9 @@ class LiveStorages(TorchDispatchMode):
 # The aten operations a linear layer or a batched product dispatches to (cuBLAS / cuBLASLt on CUDA).
 _MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                       torch.ops.aten.baddbmm.default))
+
+
+_DEVICE = torch.ops.prim.device.default
 
 
 def _ignore(event: int) -> None:
