@@ -54,6 +54,10 @@ def FlopCounting(totals: List[int]) -> Any:
             # (its module tracker is never entered here).
             return counter._count_flops(func._overloadpacket, out, args, kwargs)
 
+        def so_far(self) -> int:
+            """The FLOPs counted up to now."""
+            return counter.get_total_flops()
+
         def __exit__(self, *exc: Any) -> Any:
             result = super().__exit__(*exc)
             totals.append(counter.get_total_flops())
