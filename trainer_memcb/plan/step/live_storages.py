@@ -98,6 +98,9 @@ class LiveStorages(TorchDispatchMode):
         # Called as on_op(func, args, kwargs) after each operation, its outputs tracked: an engine
         # tags the buffers its collectives use.
         self.on_op: Optional[Any] = None
+        # Called as count_flops(func, out, args, kwargs) after each operation but a device's query
+        # (`trainer_memcb.plan.step.flops.FlopCounting`).
+        self.count_flops: Optional[Any] = None
         # The timeline, with `keep_timeline` (a fake step's, bounded by it): a serial number s when
         # its storage is counted, ~s when it no longer is; `_start` is where the step's state
         # begins (`restart_peak`).
@@ -294,6 +297,8 @@ class LiveStorages(TorchDispatchMode):
         if func in _MATMULS and self.phase not in self.first_matmul:
             self.first_matmul[self.phase] = len(self.events)
         out = func(*args, **kwargs)
+        if self.count_flops is not None:
+            self.count_flops(func, out, args, kwargs)
         if isinstance(out, torch.Tensor):  # most operations: one tensor, no tree to walk
             self._track(out)
         else:

@@ -209,7 +209,7 @@ def _step_contexts(mode: Any, tracker: LiveStorages, precision: str, device_type
     return [cast_policy, dropout_as_cuda() if cuda else contextlib.nullcontext(),
             sdpa_as_cuda(compute_capability) if cuda else contextlib.nullcontext(),
             rng_states_counted() if device_type == "cpu" else contextlib.nullcontext(), mode, tracker,
-            FlopCounting(flop_totals) if flop_totals is not None else contextlib.nullcontext()], autocast
+            FlopCounting(flop_totals, tracker) if flop_totals is not None else contextlib.nullcontext()], autocast
 
 
 def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[List[Tuple[int, Tuple[Any, ...]]], int,
