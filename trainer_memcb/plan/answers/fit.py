@@ -44,7 +44,7 @@ from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, LEANER_O
 from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS,
                                                  offload_transfer_bytes, step_seconds)
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
-from trainer_memcb.plan.step.trace import counting_flops, traced_micro_batches
+from trainer_memcb.plan.step.trace import counting_flops, sharing_traces, traced_micro_batches
 
 # The cost model and the candidates are modules of their own; their names stay importable here.
 __all__ = ["FitCandidate", "FitSearch", "FitBatch", "step_verdict", "search_fits", "largest_fitting_batch",
@@ -165,29 +165,31 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
     search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
                      own_args=dict(own_args), own_deepspeed=own_deepspeed)
-    own = search.plan({}, dict(own_args), own_deepspeed, own=True)
-    base = dict(own_args)
-    checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
-    if expandable_segments:
-        search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
-                    dict(expandable_segments))
-    _propose_allowed(search, base, own_deepspeed, allow, seq_len)
-    samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
-    # The batch: the largest that fits, below the user's when the own does not fit, any other else;
-    # with checkpointing too where checkpointing alone does not fit.
-    _batch_search(search, {}, base, own_deepspeed, below=not own.fits)
-    if checkpointed is not None and checkpointed.fits is False:
-        _batch_search(search, {"gradient_checkpointing": True}, checkpointed.training_args, own_deepspeed, below=True)
-    # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
-    if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
-        one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples, gradient_checkpointing=True)
-        if own_args.get("optim") != "adafactor":
-            search.plan(dict(one, optim="adafactor"), dict(base, **one, optim="adafactor"), own_deepspeed)
-        if world_size > 1:
-            config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
-            search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
-                        dict(base, deepspeed=config, **one), config)
-    return _ranked(search, own)
+    # Each step traced once; a proposal that changes the optimizer alone steps from a trace made before.
+    with sharing_traces():
+        own = search.plan({}, dict(own_args), own_deepspeed, own=True)
+        base = dict(own_args)
+        checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
+        if expandable_segments:
+            search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
+                        dict(expandable_segments))
+        _propose_allowed(search, base, own_deepspeed, allow, seq_len)
+        samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
+        # The batch: the largest that fits, below the user's when the own does not fit, any other else;
+        # with checkpointing too where checkpointing alone does not fit.
+        _batch_search(search, {}, base, own_deepspeed, below=not own.fits)
+        if checkpointed is not None and checkpointed.fits is False:
+            _batch_search(search, {"gradient_checkpointing": True}, checkpointed.training_args, own_deepspeed, below=True)
+        # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
+        if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
+            one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples, gradient_checkpointing=True)
+            if own_args.get("optim") != "adafactor":
+                search.plan(dict(one, optim="adafactor"), dict(base, **one, optim="adafactor"), own_deepspeed)
+            if world_size > 1:
+                config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
+                search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
+                            dict(base, deepspeed=config, **one), config)
+        return _ranked(search, own)
 
 
 def _propose_each_change(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],

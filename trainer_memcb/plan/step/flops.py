@@ -3,10 +3,10 @@
 `torch.utils.flop_counter.FlopCounterMode` holds the formulas (its `flop_registry`: matmuls,
 convolutions, the CUDA attention kernels) and counts them in a dispatch mode; the fake step runs
 attention through the CPU flash kernel, given the CUDA flash kernel's formula here. Only its
-counting is used, in a dispatch mode of its own: FlopCounterMode's own mode decomposes the ops its
-registry lacks and its module tracker hooks every module's outputs, and both change the storages a
-step with checkpointing keeps alive; this one runs each op as it is, so the trace counts the same
-storages with it as without it.
+counting is used, op by op as the trace's tracker sees them: FlopCounterMode's own mode decomposes
+the ops its registry lacks and its module tracker hooks every module's outputs, and both change the
+storages a step with checkpointing keeps alive; here each op runs as it is, so the trace counts the
+same storages with it as without it.
 """
 
 from __future__ import annotations
@@ -33,27 +33,33 @@ def _sdpa_cpu_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: A
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-def FlopCounting(totals: List[int]) -> Any:
-    """A dispatch mode that counts the FLOPs of each op it sees and, on leaving, appends the total
-    it counted to `totals`."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode
+class FlopCounting:
+    """Count the FLOPs of each op the tracker `tracker` sees while inside, and on leaving append
+    the total counted to `totals`. The tracker calls the count after each op
+    (`LiveStorages.count_flops`): a dispatch mode of its own would add a layer of Python dispatch
+    to every op of the step (about a tenth of a trace), for the same count."""
 
-    counter = FlopCounterMode(display=False, custom_mapping={
-        _ATEN._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
-        _ATEN._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward})
+    def __init__(self, totals: List[int], tracker: Any) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
 
-    class _Counting(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            # FlopCounterMode._count_flops: the formula of the op's packet, filed under "Global"
-            # (its module tracker is never entered here).
-            return counter._count_flops(func._overloadpacket, out, args, kwargs)
+        self.totals, self.tracker = totals, tracker
+        self.counter = FlopCounterMode(display=False, custom_mapping={
+            _ATEN._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+            _ATEN._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward})
 
-        def __exit__(self, *exc: Any) -> Any:
-            result = super().__exit__(*exc)
-            totals.append(counter.get_total_flops())
-            return result
+    def count(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
+        # FlopCounterMode._count_flops: the formula of the op's packet, filed under "Global" (its
+        # module tracker is never entered here).
+        self.counter._count_flops(func._overloadpacket, out, args, kwargs)
 
-    return _Counting()
+    def so_far(self) -> int:
+        """The FLOPs counted up to now."""
+        return self.counter.get_total_flops()
+
+    def __enter__(self) -> "FlopCounting":
+        self.tracker.count_flops = self.count
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.count_flops = None
+        self.totals.append(self.so_far())

@@ -29,7 +29,7 @@ tensors claim.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -38,7 +38,25 @@ from torch.utils._pytree import tree_leaves
 from trainer_memcb.plan.step.timeline import most_by
 from trainer_memcb.state.saved_tensors import storages_of
 
-__all__ = ["LiveStorages"]
+__all__ = ["LiveStorages", "TrackerState"]
+
+
+class TrackerState(NamedTuple):
+    """A `LiveStorages`' books at one moment (`LiveStorages.snapshot`); the storages alive then are
+    held here, so that `LiveStorages.restore` finds them alive however long after."""
+
+    events: Tuple[int, ...]
+    sizes: Dict[int, int]
+    tags: Dict[int, str]
+    tensors: Dict[int, int]
+    storages: Dict[int, Any]
+    serial: Dict[int, int]
+    seen: Dict[int, Any]
+    seen_keys: Dict[int, List[int]]  # the storage keys of each tensor object seen
+    alive_bytes: int
+    first_matmul: Dict[str, int]
+    phase: str
+    watch: Optional[Dict[int, Any]]
 
 
 class LiveStorages(TorchDispatchMode):
@@ -80,6 +98,9 @@ class LiveStorages(TorchDispatchMode):
         # Called as on_op(func, args, kwargs) after each operation, its outputs tracked: an engine
         # tags the buffers its collectives use.
         self.on_op: Optional[Any] = None
+        # Called as count_flops(func, out, args, kwargs) after each operation but a device's query
+        # (`trainer_memcb.plan.step.flops.FlopCounting`).
+        self.count_flops: Optional[Any] = None
         # The timeline, with `keep_timeline` (a fake step's, bounded by it): a serial number s when
         # its storage is counted, ~s when it no longer is; `_start` is where the step's state
         # begins (`restart_peak`).
@@ -122,6 +143,39 @@ class LiveStorages(TorchDispatchMode):
         """The most bytes each group held at one moment since the step began (`restart_peak`),
         the timeline replayed with `group_of(serial)` naming each storage's group (None: none)."""
         return most_by(self.events, self.sizes, self._start, group_of)
+
+    def alive_serials(self) -> frozenset:
+        """The serial numbers of the storages counted now."""
+        return frozenset(self._serial.values())
+
+    def snapshot(self) -> "TrackerState":
+        """What the tracker holds now, for `restore`: the timeline so far and every book."""
+        return TrackerState(tuple(self.events), dict(self.sizes), dict(self.tags), dict(self._tensors),
+                            dict(self._storages), dict(self._serial), dict(self._seen),
+                            {ident: ref.__callback__.keys for ident, ref in self._seen.items()}, self.alive_bytes,
+                            dict(self.first_matmul), self.phase, dict(self.watch) if self.watch is not None else None)
+
+    def restore(self, state: "TrackerState", replacements: Dict[int, torch.Tensor]) -> None:
+        """Count again exactly what `state` counted, as if nothing had run since `snapshot`: the
+        timeline, the sizes and the parts from then, every storage alive then alive now (the state
+        holds them). A tensor object seen then and gone since is forgotten, or, where
+        `replacements` gives one for its `id` then (a tensor on the same storages, never seen),
+        counted as that one, which releases them when it goes."""
+        self.events = list(state.events)
+        self._record = self.events.append
+        self.sizes, self.tags, self.first_matmul = dict(state.sizes), dict(state.tags), dict(state.first_matmul)
+        self._tensors, self._storages, self._serial = dict(state.tensors), dict(state.storages), dict(state.serial)
+        self.alive_bytes, self.phase = state.alive_bytes, state.phase
+        self.watch = dict(state.watch) if state.watch is not None else None
+        seen = dict(state.seen)
+        gone = [(ident, ref) for ident, ref in seen.items() if ref() is None]
+        for ident, _ in gone:  # first all: a replacement may have the id of another one gone
+            del seen[ident]
+        for ident, _ in gone:
+            tensor = replacements.get(ident)
+            if tensor is not None:
+                seen[id(tensor)] = weakref.ref(tensor, _Gone(self, id(tensor), state.seen_keys[ident]))
+        self._seen = seen
 
     def set_size(self, storage: Any, nbytes: int, part: Optional[str] = None) -> None:
         """Count a tracked storage at `nbytes` from now on (an engine's model of a buffer that is
@@ -234,10 +288,17 @@ class LiveStorages(TorchDispatchMode):
         return found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        if func is _DEVICE:  # a tensor's device, asked of the fake tensor: nothing made
+            out = func(*args, **(kwargs or {}))
+            if self.alive_bytes > self.peak_bytes:
+                self._check_peak()
+            return out
         kwargs = kwargs or {}
         if func in _MATMULS and self.phase not in self.first_matmul:
             self.first_matmul[self.phase] = len(self.events)
         out = func(*args, **kwargs)
+        if self.count_flops is not None:
+            self.count_flops(func, out, args, kwargs)
         if isinstance(out, torch.Tensor):  # most operations: one tensor, no tree to walk
             self._track(out)
         else:
@@ -253,6 +314,9 @@ class LiveStorages(TorchDispatchMode):
 # The aten operations a linear layer or a batched product dispatches to (cuBLAS / cuBLASLt on CUDA).
 _MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                       torch.ops.aten.baddbmm.default))
+
+
+_DEVICE = torch.ops.prim.device.default
 
 
 def _ignore(event: int) -> None:

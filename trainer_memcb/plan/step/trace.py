@@ -42,6 +42,14 @@ eager path saves the same tensors on any device. For a run on CUDA, autocast cas
 lists (`trainer_memcb.plan.step.cuda_autocast`) and dropout saves CUDA's 1-byte mask
 (`trainer_memcb.plan.step.cuda_dropout`), not the CPU kernels' choices.
 
+Shared steps. Inside `sharing_traces` a step is traced once however often it is planned, and a
+step that differs from one traced before by its optimizer alone (on one process or under DDP) runs
+no forward and backward of its own: the first trace keeps its step as its optimizer phase began
+(`_Prefix`: the tracker's books, each gradient on its storage), and the other optimizer's phase
+runs from there, its timeline the shared events up to that phase, its own, then the frees that
+closed the first step; the same timeline, to the event, as a trace of its own (the tests hold it),
+and where the phase leaves other storages alive than the first's did, the step is traced whole.
+
 Engines. The step runs under the engine the settings name (`trainer_memcb.plan.step.engines`): one
 process, DDP's buckets, FSDP2's real `fully_shard` on a fake process group, DeepSpeed ZeRO's
 buffers modelled from its source. Each wraps the model and runs the backward and the optimizer
@@ -54,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -69,7 +78,7 @@ from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
-from trainer_memcb.plan.step.live_storages import LiveStorages
+from trainer_memcb.plan.step.live_storages import LiveStorages, TrackerState
 from trainer_memcb.plan.step.rng_states import rng_states_counted
 from trainer_memcb.plan.step.timeline import HOST, PhasePeak, Timeline
 from trainer_memcb.plan.model.step_inputs import step_inputs
@@ -127,144 +136,315 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}"
 
 
-def _trace_step(model: nn.Module, batch_size: int, seq_len: Optional[int], precision: str,
-                build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
-                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
-                accumulation: int = 1, device_type: str = "cpu",
-                compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
-    """Run the step under fake tensors (the model already fake), counting as the module says;
-    `engine` wraps the model and runs the backward and the optimizer step its way. With
-    `accumulation` above 1, the micro-batches of `traced_micro_batches(accumulation)` run their
-    forward and backward in turn before the optimizer step, each after the gradients the ones
-    before it left (`StepEngine.micro_batch` tells the engine which one runs). On "cuda", the
-    casts of autocast are CUDA autocast's (`trainer_memcb.plan.step.cuda_autocast`) and dropout
-    saves CUDA's 1-byte mask (`trainer_memcb.plan.step.cuda_dropout`), and attention runs the
-    backend a GPU of `compute_capability` takes (`trainer_memcb.plan.step.cuda_sdpa`), for the
-    whole step, so that checkpointing's recomputation runs as the forward did."""
-    mode = _MODE[0]
-    engine = engine or StepEngine()
-    notes: List[str] = []
+@dataclasses.dataclass
+class _Step:
+    """One step while it is traced: the model as its engine wrapped it, the books that count its
+    storages and activations, and every micro-batch's inputs."""
+
+    model: nn.Module
+    mode: Any
+    engine: StepEngine
+    tracker: LiveStorages
+    counter: SavedTensorsCounter
+    params: List[torch.Tensor]
+    trainable: List[torch.Tensor]
+    inputs: List[Any]
+    batch_tensors: List[torch.Tensor]
+
+
+@dataclasses.dataclass
+class _Stepped:
+    """The optimizer phase's outcome: the optimizer state's storages and the phase's peak, or why
+    the optimizer could not be built."""
+
+    state: List[int] = dataclasses.field(default_factory=list)
+    peak: Optional[PhasePeak] = None
+    failure: Optional[str] = None
+
+
+def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer: Any, batch_size: int,
+                seq_len: Optional[int], input_options: Optional[Dict[str, Any]], accumulation: int,
+                gradient_checkpointing: bool) -> _Step:
+    """Wrap the model as its engine does and count what exists before the step: the parameters,
+    the buffers, every micro-batch and the engine's resident tensors."""
     model.train()
     engine.optimizer_builder = build_optimizer
     model = engine.wrap(model, mode)
     params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
     tracker = LiveStorages(keep_timeline=True)
     # Every micro-batch of the step is on the device before the first runs, and stays to the end:
     # `Trainer.get_batch_samples` fetches them all (accelerate's dataloader sends each to the
     # device as it is yielded) into the list `batch_samples`, which the micro-batches' loop keeps.
     with mode:
-        micro_batch_inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {}))
-                              for _ in range(accumulation)]
-    inputs = micro_batch_inputs[0]
-    labels = inputs.labels
-    batch_tensors = [tensor for each in micro_batch_inputs for tensor in each.tensors()]
+        inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {})) for _ in range(accumulation)]
+    batch_tensors = [tensor for each in inputs for tensor in each.tensors()]
     for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
     for part, tensors in engine.resident().items():
         for tensor in tensors:
             tracker.add(tensor)
         tracker.tag(tensors, part)
-    tensor = tensors = None  # the loops' last: no loop variable keeps a tensor alive
     counter = SavedTensorsCounter(exclude=params, watch_recomputation=gradient_checkpointing)
     tracker.watch = counter._book.live
     engine.attach(tracker, counter)
+    return _Step(model, mode, engine, tracker, counter, params, [p for p in params if p.requires_grad], inputs,
+                 batch_tensors)
+
+
+def _step_contexts(mode: Any, tracker: LiveStorages, precision: str, device_type: str,
+                   compute_capability: Tuple[int, int], flop_totals: Optional[List[int]]) -> Tuple[List[Any], Any]:
+    """The contexts the whole step runs in, in the order they are entered (CUDA's autocast lists,
+    dropout and attention kernels on "cuda"; the generator states counted on the CPU; the fake
+    mode, the tracker and, given `flop_totals`, the FLOP counter last), and the forward's autocast
+    (None without)."""
     autocast = None
     cast_policy: Any = contextlib.nullcontext()
-    dropout_kernels = dropout_as_cuda() if device_type == "cuda" else contextlib.nullcontext()
-    attention_kernels = sdpa_as_cuda(compute_capability) if device_type == "cuda" else contextlib.nullcontext()
     if precision.startswith("autocast-"):
         autocast = torch.autocast("cpu", dtype=torch.bfloat16 if precision.endswith("bf16") else torch.float16)
         policy = autocast_policy_for(device_type)
         if policy is not None:
             cast_policy = autocast_as(policy)
-    grads: List[int] = []
-    state_keys: List[int] = []
-    optimizer_peak = 0
-    optimizer_keys: List[int] = []
-    optimizer_watch: List[int] = []
-    optimizer_failure: Optional[str] = None
+    cuda = device_type == "cuda"
+    # On the CPU, checkpointing's generator states are in the step's memory (`rng_states`).
+    return [cast_policy, dropout_as_cuda() if cuda else contextlib.nullcontext(),
+            sdpa_as_cuda(compute_capability) if cuda else contextlib.nullcontext(),
+            rng_states_counted() if device_type == "cpu" else contextlib.nullcontext(), mode, tracker,
+            FlopCounting(flop_totals, tracker) if flop_totals is not None else contextlib.nullcontext()], autocast
+
+
+def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[List[Tuple[int, Tuple[Any, ...]]], int,
+                                                                               Dict[str, int], Dict[str, Any]]:
+    """Each traced micro-batch's forward and backward, in turn. Returns each one's peak (bytes,
+    phase, storages, activations alive), the first's activations, where forward and backward began
+    in the timeline, and the last forward's keywords, which the caller keeps to the step's end (as
+    the Trainer's loop keeps them)."""
+    tracker, counter, engine, model = step.tracker, step.counter, step.engine, step.model
     numbers = traced_micro_batches(accumulation)
     micro_peaks: List[Tuple[int, Tuple[Any, ...]]] = []
-    flop_totals: List[int] = []
+    phase_starts: Dict[str, int] = {}
+    for number in numbers:
+        if len(numbers) > 1:
+            engine.micro_batch(number, last=number == accumulation)
+        if number > 1:
+            tracker.peak_bytes = 0  # this micro-batch's own peak, from here
+        inputs = step.inputs[number - 1]
+        tracker.phase = "forward"
+        phase_starts.setdefault("forward", len(tracker.events))
+        kwargs: Dict[str, Any] = dict(inputs.forward)
+        if inputs.labels is not None and _accepts_loss_kwargs(model):
+            kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+        with counter, autocast if autocast is not None else contextlib.nullcontext():
+            outputs = model(**kwargs)
+        loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
+        del outputs
+        if number == 1:
+            activations = counter.saved_bytes
+        tracker.phase = "backward"
+        phase_starts.setdefault("backward", len(tracker.events))
+        engine.backward(loss)
+        del loss
+        micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
+    return micro_peaks, activations, phase_starts, kwargs
+
+
+def _optimizer_phase(step: _Step, build_optimizer: Callable[[nn.Module], Any]) -> _Stepped:
+    """Clip, build the optimizer, step it and drop the gradients (`zero_grad(set_to_none=True)`),
+    the phase's peak counted from its start. An optimizer whose constructor reads values
+    (bitsandbytes' 8-bit) fails here: its failure is kept and the gradients are dropped."""
+    tracker, engine = step.tracker, step.engine
+    tracker.phase = "optimizer step"
+    tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
     try:
-        # On the CPU, checkpointing's generator states are in the step's memory (`rng_states`).
-        rng_states = rng_states_counted() if device_type == "cpu" else contextlib.nullcontext()
-        flops = FlopCounting(flop_totals) if _COUNT_FLOPS[0] else contextlib.nullcontext()
-        with cast_policy, dropout_kernels, attention_kernels, rng_states, mode, tracker, flops:
-            for number in numbers:
-                if len(numbers) > 1:
-                    engine.micro_batch(number, last=number == accumulation)
-                if number > 1:
-                    tracker.peak_bytes = 0  # this micro-batch's own peak, from here
-                    inputs = micro_batch_inputs[number - 1]
-                    labels = inputs.labels
-                tracker.phase = "forward"
-                if number == 1:
-                    phase_starts = {"forward": len(tracker.events)}
-                kwargs: Dict[str, Any] = dict(inputs.forward)
-                if labels is not None:
-                    if _accepts_loss_kwargs(model):
-                        kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
-                with counter:
-                    if autocast is not None:
-                        with autocast:
-                            outputs = model(**kwargs)
-                    else:
-                        outputs = model(**kwargs)
-                loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
-                del outputs
-                if number == 1:
-                    activations = counter.saved_bytes
-                tracker.phase = "backward"
-                if number == 1:
-                    phase_starts["backward"] = len(tracker.events)
-                engine.backward(loss)
-                del loss
-                micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
-            grads = tracker.serials(engine.gradients(trainable))
-            # The worst micro-batch's (the first of equal ones).
-            peak_micro_batch, forward_backward = max(micro_peaks, key=lambda item: item[1][0])
-            if build_optimizer is not None:
-                tracker.phase = "optimizer step"
-                phase_starts["optimizer step"] = len(tracker.events)
-                tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
-                try:
-                    optimizer = engine.step(build_optimizer, model, trainable)
-                except Exception as error:  # a constructor that reads values (bitsandbytes' 8-bit)
-                    optimizer_failure = one_line(error)
-                    build_optimizer = None
-                    for p in trainable:
-                        p.grad = None
-                else:
-                    state_keys = tracker.serials(engine.state_tensors(optimizer))
-                    optimizer_peak, optimizer_keys, optimizer_watch = tracker.peak_bytes, tracker.peak_keys, tracker.peak_watch
-                    engine.zero_grad(optimizer)
-                    del optimizer
-    finally:
-        counter.close()
-        engine.close()
-    notes.extend(engine.notes)
-    fb_bytes, fb_phase, fb_keys, fb_watch = forward_backward
-    stepped = build_optimizer is not None
-    groups = {"parameters": frozenset(tracker.serials(params)), "gradients": frozenset(grads),
-              "optimizer_state": frozenset(state_keys),
-               "batch_and_buffers": frozenset(tracker.serials(list(model.buffers()) + batch_tensors)),
-               "batch": frozenset(tracker.serials(batch_tensors))}
+        optimizer = engine.step(build_optimizer, step.model, step.trainable)
+    except Exception as error:
+        failure = one_line(error)
+        for p in step.trainable:
+            p.grad = None
+        return _Stepped(failure=failure)
+    state = tracker.serials(engine.state_tensors(optimizer))
+    peak = PhasePeak("optimizer step", tracker.peak_bytes, tuple(tracker.peak_keys), frozenset(tracker.peak_watch))
+    engine.zero_grad(optimizer)
+    del optimizer
+    return _Stepped(state=state, peak=peak)
+
+
+def _timeline_of(step: _Step, micro_peaks: List[Tuple[int, Tuple[Any, ...]]], activations: int,
+                 phase_starts: Dict[str, int], grads: List[int], stepped: _Stepped,
+                 flop_totals: Optional[List[int]]) -> Timeline:
+    """The step's timeline, once it has run and its engine is closed; forward and backward's peak
+    is the worst micro-batch's (the first of equal ones)."""
+    tracker, engine, counter = step.tracker, step.engine, step.counter
+    peak_micro_batch, (fb_bytes, fb_phase, fb_keys, fb_watch) = max(micro_peaks, key=lambda item: item[1][0])
+    groups = {"parameters": frozenset(tracker.serials(step.params)), "gradients": frozenset(grads),
+              "optimizer_state": frozenset(stepped.state),
+              "batch_and_buffers": frozenset(tracker.serials(list(step.model.buffers()) + step.batch_tensors)),
+              "batch": frozenset(tracker.serials(step.batch_tensors))}
     timeline = Timeline(
         events=tuple(tracker.events), sizes=tracker.sizes, tags=tracker.tags, groups=groups, states={},
         host_parts=tuple(getattr(engine, "host_parts", ())), step_start=tracker.step_start,
         forward_backward=PhasePeak(fb_phase, fb_bytes, tuple(fb_keys), frozenset(fb_watch)),
-        optimizer_step=PhasePeak("optimizer step", optimizer_peak, tuple(optimizer_keys), frozenset(optimizer_watch))
-        if stepped else None,
-        state_resident=engine.state_resident, activations_bytes=activations, activations_peak_bytes=counter.peak_bytes,
-        optimizer_failure=optimizer_failure, notes=tuple(notes), engine=engine.name,
-        gradient_accumulation_steps=accumulation, peak_micro_batch=peak_micro_batch,
+        optimizer_step=stepped.peak, state_resident=engine.state_resident, activations_bytes=activations,
+        activations_peak_bytes=counter.peak_bytes, optimizer_failure=stepped.failure, notes=tuple(engine.notes),
+        engine=engine.name, gradient_accumulation_steps=len(step.inputs), peak_micro_batch=peak_micro_batch,
         micro_batch_peaks=tuple((number, PhasePeak(label, peak, tuple(keys), frozenset(watch)))
-                                for number, (peak, label, keys, watch) in micro_peaks) if len(numbers) > 1 else (),
+                                for number, (peak, label, keys, watch) in micro_peaks) if len(micro_peaks) > 1 else (),
         phase_starts=phase_starts, first_matmul=dict(tracker.first_matmul),
         flops=flop_totals[0] if flop_totals else None)
     return dataclasses.replace(timeline, states=_states_of(timeline, engine))
+
+
+def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[int], precision: str,
+                build_optimizer: Optional[Callable[[nn.Module], Any]], gradient_checkpointing: bool,
+                engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
+                accumulation: int = 1, device_type: str = "cpu",
+                compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
+                kept: Optional[List["_Prefix"]] = None) -> Timeline:
+    """Run the step under fake tensors (the model already fake, `mode` its fake mode), counting as
+    the module says; `engine` wraps the model and runs the backward and the optimizer step its way.
+    With `accumulation` above 1, the micro-batches of `traced_micro_batches(accumulation)` run their
+    forward and backward in turn before the optimizer step, each after the gradients the ones
+    before it left (`StepEngine.micro_batch` tells the engine which one runs). On "cuda", the
+    casts of autocast are CUDA autocast's (`trainer_memcb.plan.step.cuda_autocast`) and dropout
+    saves CUDA's 1-byte mask (`trainer_memcb.plan.step.cuda_dropout`), and attention runs the
+    backend a GPU of `compute_capability` takes (`trainer_memcb.plan.step.cuda_sdpa`), for the
+    whole step, so that checkpointing's recomputation runs as the forward did. Given `kept`, the
+    step up to its optimizer phase is appended to it where another optimizer can step from there
+    (`_Prefix`)."""
+    step = _start_step(model, mode, engine or StepEngine(), build_optimizer, batch_size, seq_len, input_options,
+                       accumulation, gradient_checkpointing)
+    tracker = step.tracker
+    flop_totals: Optional[List[int]] = [] if _COUNT_FLOPS[0] else None
+    stepped, before = _Stepped(), None
+    try:
+        contexts, autocast = _step_contexts(mode, tracker, precision, device_type, compute_capability, flop_totals)
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context)
+            micro_peaks, activations, phase_starts, last_inputs = _forward_backward(step, accumulation, autocast)
+            grads = tracker.serials(step.engine.gradients(step.trainable))
+            if build_optimizer is not None:
+                phase_starts["optimizer step"] = len(tracker.events)
+                if kept is not None and step.engine.name in _BRANCHING_ENGINES:
+                    before = _Before.take(step, contexts[-1])
+                stepped = _optimizer_phase(step, build_optimizer)
+                if before is not None:
+                    before.after(tracker)
+    finally:
+        step.counter.close()
+        step.engine.close()
+    timeline = _timeline_of(step, micro_peaks, activations, phase_starts, grads, stepped, flop_totals)
+    if before is not None and kept is not None:
+        kept.extend(before.prefix(step, last_inputs, timeline, lambda totals: _step_contexts(
+            mode, tracker, precision, device_type, compute_capability, totals)[0]))
+    return timeline
+
+
+# The engines whose optimizer phase starts from what forward and backward left and changes nothing
+# of it but the gradients: another optimizer can step from where the first began (`_Prefix`).
+# FSDP2 and ZeRO keep state of their own through the step; their steps are traced whole.
+_BRANCHING_ENGINES = ("none", "ddp")
+
+
+@dataclasses.dataclass
+class _Before:
+    """What a step held as its optimizer phase began (`take`): the tracker's books, each gradient
+    (its parameter, the id of its tensor if the tracker saw it, and a tensor on its storage the
+    tracker never sees), the FLOPs counted so far, the activations' peak, the engine's notes; and
+    how the phase left them (`after`)."""
+
+    state: TrackerState
+    grads: List[Tuple[torch.Tensor, Optional[int], torch.Tensor]]
+    flops: Optional[int]
+    activations_peak: int
+    notes: int
+    end: int = 0
+    alive: frozenset = frozenset()
+    only_grads_gone: bool = False
+
+    @classmethod
+    def take(cls, step: _Step, flop_counter: Any) -> "_Before":
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        state = step.tracker.snapshot()
+        with _disable_current_modes():  # out of the tracker's sight
+            grads = [(p, id(p.grad) if id(p.grad) in state.seen else None, p.grad.detach())
+                     for p in step.trainable if p.grad is not None]
+        flops = flop_counter.so_far() if hasattr(flop_counter, "so_far") else None
+        return cls(state, grads, flops, step.counter.peak_bytes, len(step.engine.notes))
+
+    def after(self, tracker: LiveStorages) -> None:
+        """Where the phase ended, the storages alive then, and whether the tensors seen before it
+        that it let go are the gradients alone."""
+        self.end, self.alive = len(tracker.events), tracker.alive_serials()
+        gone = {ident for ident, ref in self.state.seen.items() if ref() is None}
+        self.only_grads_gone = gone <= {ident for _, ident, _ in self.grads}
+        watch = tracker.watch.keys() if tracker.watch is not None else None
+        self.only_grads_gone &= watch == (self.state.watch.keys() if self.state.watch is not None else None)
+
+    def prefix(self, step: _Step, last_inputs: Any, timeline: Timeline, contexts: Callable[..., List[Any]]) -> List["_Prefix"]:
+        """The step kept (`_Prefix`), in a list; an empty one where another optimizer could not
+        step from here as a trace of its own would: the phase let go of more than the gradients,
+        changed the activations' books or the engine's notes, or the step closed by more than
+        freeing storages alive at the phase's end."""
+        tail = timeline.events[self.end:]
+        if not (self.only_grads_gone and self.activations_peak == timeline.activations_peak_bytes
+                and self.notes == len(timeline.notes) and all(e < 0 and ~e in self.alive for e in tail)):
+            return []
+        return [_Prefix(step, last_inputs, self, tail, timeline, contexts)]
+
+
+@dataclasses.dataclass
+class _Prefix:
+    """A step traced up to its optimizer phase and kept (`sharing_traces`), with the first
+    optimizer's timeline, the events that closed it and the contexts the step ran in (made anew),
+    so that another optimizer steps from where the first began (`_another_optimizer`)."""
+
+    step: _Step
+    last_inputs: Any
+    before: _Before
+    tail: Tuple[int, ...]
+    timeline: Timeline
+    contexts: Callable[[Optional[List[int]]], List[Any]]
+    quantization_note: Optional[str] = None
+    outer: Callable[[], List[Any]] = list
+
+
+def _gradients_back(prefix: _Prefix) -> None:
+    """Each gradient as it was when the first optimizer began, in a new tensor object held by its
+    parameter alone, and the tracker's books as they were then (the gradients counted as those)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        fresh = [alias.detach() for _, _, alias in prefix.before.grads]
+    for (param, _, _), grad in zip(prefix.before.grads, fresh):
+        param.grad = grad
+    prefix.step.tracker.restore(prefix.before.state, {ident: grad for (_, ident, _), grad in
+                                                      zip(prefix.before.grads, fresh) if ident is not None})
+
+
+def _another_optimizer(prefix: _Prefix, build_optimizer: Callable[[nn.Module], Any]) -> Optional[Timeline]:
+    """The step `prefix` kept, with the optimizer of `build_optimizer`: the books and gradients as
+    they were when the first optimizer began, this one's phase run from there in the step's
+    contexts, the step closed as the first was (the same frees). None where the phase leaves other
+    storages alive than the first's did: the caller traces the step whole."""
+    step, tracker = prefix.step, prefix.step.tracker
+    _gradients_back(prefix)
+    flop_totals: Optional[List[int]] = [] if _COUNT_FLOPS[0] else None
+    step.engine.optimizer_builder = build_optimizer
+    with contextlib.ExitStack() as stack:
+        for context in prefix.contexts(flop_totals):
+            stack.enter_context(context)
+        stepped = _optimizer_phase(step, build_optimizer)
+        end, alive = len(tracker.events), tracker.alive_serials()
+    if alive != prefix.before.alive:
+        return None
+    first = prefix.timeline
+    timeline = dataclasses.replace(
+        first, events=tuple(tracker.events[:end]) + prefix.tail, sizes=tracker.sizes, tags=tracker.tags,
+        groups=dict(first.groups, optimizer_state=frozenset(stepped.state)), optimizer_step=stepped.peak,
+        optimizer_failure=stepped.failure, first_matmul=dict(tracker.first_matmul),
+        flops=prefix.before.flops + flop_totals[0] if flop_totals else None)
+    return dataclasses.replace(timeline, states=_states_of(timeline, step.engine))
 
 
 def traced_micro_batches(accumulation: int) -> Tuple[int, ...]:
@@ -314,9 +494,6 @@ def _num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(labels.numel()))
 
 
-# One FakeTensorMode per trace, set by `trace_step`.
-_MODE: List[Any] = [None]
-
 
 class UntracedStep(Exception):
     """The step could not run under fake tensors; the message is the error that stopped it, on one line."""
@@ -335,9 +512,18 @@ def _untraced_reason(error: BaseException, sharding: str) -> str:
     return one_line(error)
 
 
-# The traces shared inside `sharing_traces`: what changes the step -> its timeline, or the reason
-# it could not be traced. None outside the block.
-_SHARED: List[Optional[Dict[Tuple[Any, ...], Union[Timeline, UntracedStep]]]] = [None]
+@dataclasses.dataclass
+class _Shared:
+    """The traces shared inside `sharing_traces`: what changes the step -> its timeline, or the
+    reason it could not be traced; and what changes the step but its optimizer -> the step kept up
+    to its optimizer phase (`_Prefix`)."""
+
+    timelines: Dict[Tuple[Any, ...], Union[Timeline, UntracedStep]] = dataclasses.field(default_factory=dict)
+    prefixes: Dict[Tuple[Any, ...], "_Prefix"] = dataclasses.field(default_factory=dict)
+
+
+# None outside `sharing_traces`.
+_SHARED: List[Optional[_Shared]] = [None]
 
 
 @contextlib.contextmanager
@@ -346,11 +532,15 @@ def sharing_traces() -> Iterator[None]:
     unchanged (the model, its settings, batch, sequence, precision, optimizer, checkpointing, device
     type and the GPU's compute capability) returns the first trace's timeline, so that what the
     trace does not read (the allocator's settings, the device's memory, the reserve) is answered
-    again from the same timeline without a new trace. Nested blocks share the outermost's traces."""
+    again from the same timeline without a new trace. A step that differs from one traced before
+    by its optimizer alone, on one process or under DDP, runs forward and backward once: its
+    optimizer steps from where the first one's began (the books and gradients as they were then),
+    and its timeline is the one a trace of its own gives, to the event. Nested blocks share the
+    outermost's traces."""
     if _SHARED[0] is not None:
         yield
         return
-    _SHARED[0] = {}
+    _SHARED[0] = _Shared()
     try:
         yield
     finally:
@@ -384,32 +574,69 @@ def model_fingerprint(meta: nn.Module) -> Tuple[Any, ...]:
             tuple((name, tuple(b.shape), b.dtype) for name, b in meta.named_buffers()))
 
 
+def _keys(meta: nn.Module, settings: StepSettings, options: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
+    """The step's key in `sharing_traces` (what changes the step; where each setting came from
+    changes nothing), and the key of its forward and backward (the same, its optimizer left out)."""
+    model, rest = model_fingerprint(meta), repr(sorted(options.items()))
+    # Nor do the device's memory, the reserve, the allocator's settings and the GPU's name (its
+    # compute capability, which picks the attention kernels, is among the options).
+    unsourced = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
+    return ((model, repr(unsourced), rest),
+            (model, repr(dataclasses.replace(unsourced, optimizer="")), rest))
+
+
 def trace_step(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int], args: Any, device_type: str,
                step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
                input_options: Dict[str, Any],
                compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
-    """`trace_step_once`, or inside `sharing_traces` the timeline of the same step traced before."""
+    """`trace_step_once`, or inside `sharing_traces` the timeline of the same step traced before,
+    or of the same step with another optimizer stepped from where that one's optimizer began."""
     shared = _SHARED[0]
     options = dict(seq_len=seq_len, args=args, device_type=device_type,
                    step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization, padding=padding,
                    input_options=input_options, compute_capability=compute_capability)
     if shared is None:
         return trace_step_once(meta, settings, **options)
-    # Where each setting came from changes nothing of the step, nor do the device's memory, the
-    # reserve, the allocator's settings and the GPU (its compute capability is among the options).
-    step_only = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
-    key = (model_fingerprint(meta), repr(step_only),
-           repr(sorted(options.items())))
-    found = shared.get(key)
+    key, step_key = _keys(meta, settings, options)
+    found = shared.timelines.get(key)
     if found is None or (_COUNT_FLOPS[0] and isinstance(found, Timeline) and found.flops is None):
-        try:
-            found = trace_step_once(meta, settings, **options)
-        except UntracedStep as error:
-            found = error
-        shared[key] = found
+        found = _from_kept_step(shared, step_key, settings, args, device_type)
+        if found is None:
+            try:
+                found = trace_step_once(meta, settings, **options)
+            except UntracedStep as error:
+                found = error
+        shared.timelines[key] = found
     if isinstance(found, UntracedStep):
         raise UntracedStep(str(found))
     return found
+
+
+def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSettings, args: Any,
+                    device_type: str) -> Optional[Timeline]:
+    """The timeline of the step kept under `step_key` with the optimizer `settings` name
+    (`_another_optimizer`), or None where none is kept, it lacks the FLOPs asked, or its
+    optimizer's phase cannot be run from it as a trace of its own would run it."""
+    prefix = shared.prefixes.get(step_key)
+    if prefix is None or (_COUNT_FLOPS[0] and prefix.before.flops is None):
+        return None
+    build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
+    frozen = _freeze_older_objects()
+    try:
+        with contextlib.ExitStack() as stack:
+            for context in prefix.outer():
+                stack.enter_context(context)
+            timeline = _another_optimizer(prefix, build_optimizer)
+    except Exception:  # nothing a trace of its own would not meet: it meets it there
+        timeline = None
+    finally:
+        gc.collect()
+        if frozen:
+            gc.unfreeze()
+    if timeline is None:
+        del shared.prefixes[step_key]
+        return None
+    return _noted(timeline, prefix.quantization_note, settings, device_type, implementation[0])
 
 
 def trace_step_once(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int], args: Any, device_type: str,
@@ -420,7 +647,9 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, seq_len: Optiona
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `settings.optimizer`, in `settings.precision`, with checkpointing where
     `settings.gradient_checkpointing`, a micro-batch of `settings.batch_size` and `input_options`.
-    The settings are the one source of what they hold: no keyword repeats them.
+    The settings are the one source of what they hold: no keyword repeats them. Inside
+    `sharing_traces`, the step is kept up to its optimizer phase where another optimizer can step
+    from there.
 
     Returns:
         The step's timeline: every storage it created and freed, by part, each phase's peak, the
@@ -432,61 +661,82 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, seq_len: Optiona
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    batch_size, precision = settings.batch_size, settings.precision
-    optimizer, gradient_checkpointing = settings.optimizer, settings.gradient_checkpointing
+    shared = _SHARED[0]
+    step_key = _keys(meta, settings, dict(
+        seq_len=seq_len, args=args, device_type=device_type, step_dtype=step_dtype, keep_dtypes=keep_dtypes,
+        quantization=quantization, padding=padding, input_options=input_options,
+        compute_capability=compute_capability))[1] if shared is not None else None
+    kept: Optional[List[_Prefix]] = [] if shared is not None else None
     engine = engine_for(settings)
     mode = FakeTensorMode()
-    _MODE[0] = mode
     quantization_note = None
     frozen = _freeze_older_objects()
     try:
         model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
         if quantization is not None:
-            from trainer_memcb.plan.model.quantized import quantize_linear_layers
-
-            quantized = quantize_linear_layers(model, mode, quantization, device_type)
-            if quantization.bits == 8:
-                path = ("MatMul8bitFp, as bitsandbytes trains on the CPU" if device_type == "cpu" else
-                        f"MatMul8bitLt with the outlier columns (llm_int8_threshold {quantization.threshold:g}) "
-                        f"planned as none: their number is data, each adds 2 bytes per input row")
-                quantization_note = (
-                    f"{quantized} linear layers loaded in 8-bit (LLM.int8): their int8 codes (parameters) and fp32 "
-                    f"row scales (buffers) as bitsandbytes stores them, their dequantized copies as temporaries, "
-                    f"traced through {path}; the model-states plan counts them so, and unquantized without a step")
-            else:
-                quantization_note = (
-                    f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
-                    f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) "
-                    f"and quantization state (buffers) as bitsandbytes stores them, their dequantized copies as "
-                    f"temporaries; the model-states plan counts them so, and unquantized without a step" + (
-                    "; on the CPU, bitsandbytes' dequantization also makes int32 codes and an fp32 lookup of the "
-                    "whole layer inside its kernel (backends/default/ops.py, _dequantize_4bit_compute), which the "
-                    "trace cannot see: up to 8 bytes per value of the largest 4-bit layer, not counted"
-                    if device_type == "cpu" else ""))
-        prepare_like_trainer(model, args=args, gradient_checkpointing=gradient_checkpointing,
+            quantization_note = _quantized(model, mode, quantization, device_type)
+        prepare_like_trainer(model, args=args, gradient_checkpointing=settings.gradient_checkpointing,
                              checkpointing=settings.checkpointing_kwargs)
-        build_optimizer, implementation = _optimizer_builder(optimizer, args, device_type)
-        unpadded = unpadded_batch() if not padding else contextlib.nullcontext()
-        with grouped_mm_any_dtype(), unpadded, passed_checks():
-            timeline = _trace_step(model, batch_size, seq_len, precision, build_optimizer, gradient_checkpointing,
-                                   engine, input_options, settings.gradient_accumulation_steps, device_type,
-                                   compute_capability)
+        build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
+        with contextlib.ExitStack() as stack:
+            for context in _outer_contexts(padding):
+                stack.enter_context(context)
+            timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
+                                   settings.gradient_checkpointing, engine, input_options,
+                                   settings.gradient_accumulation_steps, device_type, compute_capability, kept)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         raise UntracedStep(_untraced_reason(error, settings.sharding)) from error
     finally:
-        _MODE[0] = None
         gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
         if frozen:
             gc.unfreeze()
+    for prefix in kept or ():
+        prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding)
+        shared.prefixes[step_key] = prefix
+    return _noted(timeline, quantization_note, settings, device_type, implementation[0])
+
+
+def _outer_contexts(padding: int) -> List[Any]:
+    """The contexts a fake step runs in around its own: MoE's grouped products in any dtype, the
+    batch read as unpadded (where `padding` is 0), the model's value checks passed."""
+    return [grouped_mm_any_dtype(), unpadded_batch() if not padding else contextlib.nullcontext(), passed_checks()]
+
+
+def _noted(timeline: Timeline, quantization_note: Optional[str], settings: StepSettings, device_type: str,
+           implementation: Optional[str]) -> Timeline:
+    """The timeline with the trace's notes beside the engine's: the quantized layers', the
+    checkpointed generator states' on CUDA, the optimizer's implementation."""
     notes = list(timeline.notes) + ([quantization_note] if quantization_note else [])
-    if gradient_checkpointing and device_type == "cuda":
+    if settings.gradient_checkpointing and device_type == "cuda":
         notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "
                      "(torch.get_rng_state(), 5,056 bytes) per block from its forward to its recomputation: "
                      "host memory on a CUDA run, not counted")
-    if implementation[0]:
-        notes.append(f"optimizer traced with its {implementation[0]} implementation, as torch runs it on {device_type}")
-    return dataclasses.replace(timeline, notes=tuple(notes), optimizer_implementation=implementation[0])
+    if implementation:
+        notes.append(f"optimizer traced with its {implementation} implementation, as torch runs it on {device_type}")
+    return dataclasses.replace(timeline, notes=tuple(notes), optimizer_implementation=implementation)
+
+
+def _quantized(model: nn.Module, mode: Any, quantization: Any, device_type: str) -> str:
+    """Quantize the model's linear layers as bitsandbytes loads them; the note that says so."""
+    from trainer_memcb.plan.model.quantized import quantize_linear_layers
+
+    quantized = quantize_linear_layers(model, mode, quantization, device_type)
+    if quantization.bits == 8:
+        path = ("MatMul8bitFp, as bitsandbytes trains on the CPU" if device_type == "cpu" else
+                f"MatMul8bitLt with the outlier columns (llm_int8_threshold {quantization.threshold:g}) "
+                f"planned as none: their number is data, each adds 2 bytes per input row")
+        return (f"{quantized} linear layers loaded in 8-bit (LLM.int8): their int8 codes (parameters) and fp32 "
+                f"row scales (buffers) as bitsandbytes stores them, their dequantized copies as temporaries, "
+                f"traced through {path}; the model-states plan counts them so, and unquantized without a step")
+    return (f"{quantized} linear layers loaded in 4-bit ({quantization.quant_type}"
+            f"{', double quantization' if quantization.double_quant else ''}): their packed values (parameters) "
+            f"and quantization state (buffers) as bitsandbytes stores them, their dequantized copies as "
+            f"temporaries; the model-states plan counts them so, and unquantized without a step" + (
+            "; on the CPU, bitsandbytes' dequantization also makes int32 codes and an fp32 lookup of the "
+            "whole layer inside its kernel (backends/default/ops.py, _dequantize_4bit_compute), which the "
+            "trace cannot see: up to 8 bytes per value of the largest 4-bit layer, not counted"
+            if device_type == "cpu" else ""))
 
 
 def _optimizer_builder(name: str, args: Any, device_type: str = "cpu") -> Tuple[Callable[[nn.Module], Any], List[Optional[str]]]:

@@ -1,0 +1,124 @@
+"""Steps shared inside `sharing_traces`: a step that differs from one traced before by its optimizer
+alone runs no forward and backward of its own, and its plan and timeline are those of a trace of its
+own, to the event; and the number of traces `estimate --fit` makes, counted exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+import trainer_memcb.plan.step.trace as trace
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.settings import resolve_settings
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_bnb_8bit", "sgd")
+
+
+def build() -> torch.nn.Module:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=256, max_position_embeddings=32)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def counting_traces(monkeypatch: Any) -> Dict[str, int]:
+    """Counts, as they run, the whole traces (`trace_step_once`) and the optimizer phases run from
+    a step kept before (`_another_optimizer`)."""
+    counts = {"traced": 0, "optimizer steps shared": 0}
+    once, another = trace.trace_step_once, trace._another_optimizer
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        counts["traced"] += 1
+        return once(*args, **kwargs)
+
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        counts["optimizer steps shared"] += 1
+        return another(*args, **kwargs)
+
+    monkeypatch.setattr(trace, "trace_step_once", traced)
+    monkeypatch.setattr(trace, "_another_optimizer", stepped)
+    return counts
+
+
+def plans(flags: Dict[str, Any], device_type: str) -> List[Any]:
+    return [plan_step_memory(build, seq_len=32, settings=resolve_settings(batch_size=4, optimizer=name, **flags),
+                             device_type=device_type, model_states=False)[0] for name in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("flags, device_type", [
+    ({}, "cuda"),
+    ({"world_size": 2, "sharding": "ddp"}, "cuda"),
+    ({"gradient_accumulation_steps": 3, "gradient_checkpointing": True, "precision": "bf16"}, "cpu"),
+], ids=["one process", "ddp", "accumulation and checkpointing on the CPU"])
+def test_an_optimizer_only_change_steps_from_the_shared_forward_and_backward_as_a_trace_of_its_own(
+        monkeypatch, flags, device_type):
+    with trace.counting_flops():
+        alone = plans(flags, device_type)
+    counts = counting_traces(monkeypatch)
+    with trace.sharing_traces(), trace.counting_flops():
+        shared = plans(flags, device_type)
+    # One forward and backward; every other optimizer stepped from where the first one's began.
+    assert counts == {"traced": 1, "optimizer steps shared": len(OPTIMIZERS) - 1}
+    for own, kept in zip(alone, shared):
+        assert kept.problem is None and kept.optimizer == own.optimizer
+        assert kept == own  # every figure of the plan (the timeline apart, compared next)
+        assert kept.timeline == own.timeline  # every event, size, part, peak and FLOP
+    # The 8-bit optimizer's constructor reads values: its failure, and its rule's state, as alone.
+    assert shared[2].timeline.optimizer_failure is not None
+    assert len({plan.peak_bytes for plan in shared}) == len(OPTIMIZERS)
+
+
+def test_an_engine_with_state_of_its_own_traces_each_optimizer_whole(monkeypatch):
+    flags = {"world_size": 2, "sharding": "fsdp-full-shard"}
+    counts = counting_traces(monkeypatch)
+    with trace.sharing_traces():
+        first, second = [plan_step_memory(build, seq_len=32, model_states=False, device_type="cuda",
+                                          settings=resolve_settings(batch_size=4, optimizer=name, **flags))[0]
+                         for name in ("adamw_torch", "adafactor")]
+    assert counts == {"traced": 2, "optimizer steps shared": 0}
+    assert first.peak_bytes != second.peak_bytes
+
+
+def test_estimate_fit_traces_each_forward_and_backward_once(monkeypatch):
+    """The golden tiny Llama at batch 2 x 16 on 446 MiB: nothing fits (the CUDA context and the
+    caching allocator's 20 MiB blocks leave no room); the search plans checkpointing, the three leaner
+    optimizers, the expandable segments, the batch 1 x 2 alone and with checkpointing, and that with
+    Adafactor. The own step and the allocator's option share one trace and the three optimizers step
+    from it; checkpointing, the batch 1 x 2 and the batch 1 x 2 with checkpointing are traced, and
+    Adafactor steps from the last: 4 traces (8 before the optimizers shared), 4 optimizer phases."""
+    from trainer_memcb.cli import main
+
+    counts = counting_traces(monkeypatch)
+    model = os.path.join(REPO_ROOT, "tests", "data", "golden", "tiny-llama")
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        main(["estimate", model, "--batch-size", "2", "--seq-len", "16", "--device-memory", "446MiB", "--fit"])
+    assert counts == {"traced": 4, "optimizer steps shared": 4}, out.getvalue()[-2000:]
+
+
+def test_search_fits_traces_each_forward_and_backward_once(monkeypatch):
+    """batch 8 x 32 on 3,000,000 bytes: the own step (4,746,144) does not fit; of the 8 proposals
+    (checkpointing, the three leaner optimizers, the batches 4 x 2 and 2 x 4, each with checkpointing
+    too) the optimizers step from the own step's trace: 6 traces for 9 plans."""
+    from trainer_memcb.plan.answers.fit import search_fits, step_planner
+
+    own = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optim": "adamw_torch",
+           "gradient_checkpointing": False, "max_grad_norm": 1.0, "bf16": False, "fp16": False}
+    counts = counting_traces(monkeypatch)
+    found = search_fits(step_planner(build, 32, device_type="cpu"), own, 3_000_000, device_type="cpu",
+                        max_candidates=8)
+    assert found.own.peak_bytes == 4_746_144 and len(found.candidates) == 8
+    assert counts == {"traced": 6, "optimizer steps shared": 3}
+    adafactor = next(c for c in found.candidates if c.changes == {"optim": "adafactor"})
+    alone = plan_step_memory(build, seq_len=32, settings=resolve_settings(adafactor.training_args, world_size=1),
+                             device_type="cpu", model_states=False)[0]
+    assert adafactor.plan == alone and adafactor.plan.timeline.events == alone.timeline.events
