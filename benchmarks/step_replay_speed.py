@@ -35,12 +35,11 @@ def main(argv=None) -> int:
     from trainer_memcb.plan.settings import resolve_settings
     from trainer_memcb.plan.step.trace import trace_step
 
-    settings = resolve_settings(batch_size=args.batch_size, optimizer="adamw_torch", precision="bf16")
+    settings = resolve_settings(batch_size=args.batch_size, seq_len=args.seq_len, optimizer="adamw_torch",
+                                precision="bf16", device_type="cuda")
     meta = build_meta_model(args.model, torch.bfloat16)
     start = time.process_time()
-    timeline = trace_step(meta, settings, seq_len=args.seq_len, args=None, device_type="cuda",
-                          step_dtype=torch.bfloat16, keep_dtypes=False, quantization=None, padding=0,
-                          input_options={})
+    timeline = trace_step(meta, settings, args=None, step_dtype=torch.bfloat16)
     traced = time.process_time() - start
     replays = []
     for _ in range(3):

@@ -4,6 +4,7 @@ no attention probabilities saved where a GPU's fused kernel takes the dropout th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict
 
 import pytest
@@ -96,9 +97,8 @@ def test_memory_efficient_saves_its_logsumexp_padded_to_32_rows():
 
 def test_flash_backward_holds_its_workspace_while_it_runs():
     settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch", precision="bf16")
-    lines = {device: trace_step(llama(), settings, seq_len=SEQ, args=None,
-                                device_type=device, step_dtype=torch.bfloat16, keep_dtypes=False, quantization=None,
-                                padding=0, input_options={}) for device in ("cuda", "cpu")}
+    lines = {device: trace_step(llama(), dataclasses.replace(settings, seq_len=SEQ, device_type=device), args=None,
+                                step_dtype=torch.bfloat16) for device in ("cuda", "cpu")}
     workspace = flash_backward_workspace_bytes(batch=BATCH, heads=HEADS, heads_kv=HEADS, seq_len_q=SEQ,
                                                seq_len_k=SEQ, head_dim=HEAD_DIM, dtype="bfloat16")
     assert workspace == BATCH * HEADS * 128 * 4 + BATCH * 128 * HEADS * 32 * 4 == 135_168

@@ -37,9 +37,8 @@ def _build(hidden=64, vocab=256):
 
 def _timeline(sharding="none", hidden=64, vocab=256, seq_len=16):
     settings = resolve_settings(world_size=1 if sharding == "none" else 2, sharding=sharding, batch_size=2,
-                                optimizer="adamw_torch")
-    return trace_step(_build(hidden, vocab)(), settings, seq_len=seq_len, args=None, device_type="cuda",
-                      step_dtype=torch.float32, keep_dtypes=False, quantization=None, padding=0, input_options={})
+                                seq_len=seq_len, optimizer="adamw_torch", device_type="cuda")
+    return trace_step(_build(hidden, vocab)(), settings, args=None, step_dtype=torch.float32)
 
 
 ENGINES = ["none", "ddp", "fsdp-full-shard", "zero2", "zero3"]

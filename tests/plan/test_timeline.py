@@ -51,10 +51,9 @@ def test_a_traced_step_s_timeline_holds_each_phase_s_peak_and_the_answer_reads_i
         with torch.device("meta"):
             return LlamaForCausalLM(config)
 
-    settings = resolve_settings(world_size=2, sharding="ddp", batch_size=2, optimizer="adamw_torch")
-    line = trace_step(build(), settings, seq_len=16, args=None, device_type="cpu", step_dtype=torch.float32,
-                      keep_dtypes=False, quantization=None, padding=0,
-                      input_options=dict(target_len=None, image_size=None, padding=0))
+    settings = resolve_settings(world_size=2, sharding="ddp", batch_size=2, seq_len=16, optimizer="adamw_torch",
+                                device_type="cpu")
+    line = trace_step(build(), settings, args=None, step_dtype=torch.float32)
     assert line.engine == "ddp" and line.optimizer_step is not None
     for peak in (line.forward_backward, line.optimizer_step):
         assert line.bytes_of(peak.storages) == peak.bytes  # the storages alive then, each once

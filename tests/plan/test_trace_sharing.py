@@ -122,3 +122,22 @@ def test_search_fits_traces_each_forward_and_backward_once(monkeypatch):
     alone = plan_step_memory(build, seq_len=32, settings=resolve_settings(adafactor.training_args, world_size=1),
                              device_type="cpu", model_states=False)[0]
     assert adafactor.plan == alone and adafactor.plan.timeline.events == alone.timeline.events
+
+
+def test_the_device_s_memory_the_reserve_the_allocator_and_a_gpu_of_the_same_capability_trace_nothing_new(
+        monkeypatch: Any) -> None:
+    counts = counting_traces(monkeypatch)
+    base = resolve_settings(batch_size=4, seq_len=32, optimizer="adamw_torch")
+    with trace.sharing_traces():
+        first, _ = plan_step_memory(build, base, model_states=False)
+        others = [plan_step_memory(build, base, model_states=False, **flags)[0] for flags in (
+            {"device_memory": 2**30}, {"device_memory": 2**30, "reserve_bytes": 2**20},
+            {"alloc_conf": "expandable_segments:True"}, {"gpu": "a100-40gb"}, {"gpu": "a100-80gb"})]
+        assert counts == {"traced": 1, "optimizer steps shared": 0}
+        # A GPU of another compute capability (the H100s 9.0, the default and the A100s 8.0) runs
+        # other attention kernels: a step of its own.
+        plan_step_memory(build, base, model_states=False, gpu="h100")
+        assert counts == {"traced": 2, "optimizer steps shared": 0}
+    assert all(plan.peak_bytes == first.peak_bytes for plan in others)
+    assert [plan.fits for plan in others[:2]] == [True, True]
+    assert others[1].margin_bytes == others[0].margin_bytes - 2**20

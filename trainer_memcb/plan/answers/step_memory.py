@@ -294,12 +294,9 @@ def plan_step_memory(
     step_dtype = dtype or _step_dtype(settings.precision, meta)
     common = _common_fields(meta, settings, args, model_name, step_dtype)
     preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
-    capability = preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
     try:
-        timeline = trace_step(meta, settings, seq_len=settings.seq_len, args=args, device_type=settings.device_type,
-                              step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization,
-                              padding=settings.padding, input_options=_input_options(settings),
-                              compute_capability=capability)
+        timeline = trace_step(meta, settings, args=args, step_dtype=step_dtype, keep_dtypes=keep_dtypes,
+                              quantization=quantization)
     except UntracedStep as error:
         return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
                               problem=f"the step cannot run under fake tensors ({error})", **common), states_plan

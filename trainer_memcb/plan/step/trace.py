@@ -86,7 +86,7 @@ from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
-__all__ = ["trace_step", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy",
+__all__ = ["trace_step", "compute_capability_of", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
@@ -577,7 +577,7 @@ def model_fingerprint(meta: nn.Module) -> Tuple[Any, ...]:
 def _keys(meta: nn.Module, settings: StepSettings, options: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
     """The step's key in `sharing_traces` (what changes the step; where each setting came from
     changes nothing), and the key of its forward and backward (the same, its optimizer left out)."""
-    model, rest = model_fingerprint(meta), repr(sorted(options.items()))
+    model, rest = model_fingerprint(meta), repr((sorted(options.items()), compute_capability_of(settings)))
     # Nor do the device's memory, the reserve, the allocator's settings and the GPU's name (its
     # compute capability, which picks the attention kernels, is among the options).
     unsourced = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
@@ -585,22 +585,18 @@ def _keys(meta: nn.Module, settings: StepSettings, options: Dict[str, Any]) -> T
             (model, repr(dataclasses.replace(unsourced, optimizer="")), rest))
 
 
-def trace_step(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int], args: Any, device_type: str,
-               step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
-               input_options: Dict[str, Any],
-               compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
+def trace_step(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
+               keep_dtypes: bool = False, quantization: Any = None) -> Timeline:
     """`trace_step_once`, or inside `sharing_traces` the timeline of the same step traced before,
     or of the same step with another optimizer stepped from where that one's optimizer began."""
     shared = _SHARED[0]
-    options = dict(seq_len=seq_len, args=args, device_type=device_type,
-                   step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization, padding=padding,
-                   input_options=input_options, compute_capability=compute_capability)
+    options = dict(args=args, step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization)
     if shared is None:
         return trace_step_once(meta, settings, **options)
     key, step_key = _keys(meta, settings, options)
     found = shared.timelines.get(key)
     if found is None or (_COUNT_FLOPS[0] and isinstance(found, Timeline) and found.flops is None):
-        found = _from_kept_step(shared, step_key, settings, args, device_type)
+        found = _from_kept_step(shared, step_key, settings, args, settings.device_type)
         if found is None:
             try:
                 found = trace_step_once(meta, settings, **options)
@@ -639,14 +635,13 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
     return _noted(timeline, prefix.quantization_note, settings, device_type, implementation[0])
 
 
-def trace_step_once(meta: nn.Module, settings: StepSettings, *, seq_len: Optional[int], args: Any, device_type: str,
-                    step_dtype: Optional[torch.dtype], keep_dtypes: bool, quantization: Any, padding: int,
-                    input_options: Dict[str, Any],
-                    compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> Timeline:
+def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
+                    keep_dtypes: bool = False, quantization: Any = None) -> Timeline:
     """Trace one training step of `meta` (a model on the meta device, made fake here) under the
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `settings.optimizer`, in `settings.precision`, with checkpointing where
-    `settings.gradient_checkpointing`, a micro-batch of `settings.batch_size` and `input_options`.
+    `settings.gradient_checkpointing`, a micro-batch of the settings' shape, on their device type and
+    GPU (`compute_capability_of`).
     The settings are the one source of what they hold: no keyword repeats them. Inside
     `sharing_traces`, the step is kept up to its optimizer phase where another optimizer can step
     from there.
@@ -662,10 +657,11 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, seq_len: Optiona
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     shared = _SHARED[0]
-    step_key = _keys(meta, settings, dict(
-        seq_len=seq_len, args=args, device_type=device_type, step_dtype=step_dtype, keep_dtypes=keep_dtypes,
-        quantization=quantization, padding=padding, input_options=input_options,
-        compute_capability=compute_capability))[1] if shared is not None else None
+    step_key = _keys(meta, settings, dict(args=args, step_dtype=step_dtype, keep_dtypes=keep_dtypes,
+                                          quantization=quantization))[1] if shared is not None else None
+    seq_len, device_type, padding = settings.seq_len, settings.device_type, settings.padding
+    input_options = dict(target_len=settings.target_len, image_size=settings.image_size, padding=padding)
+    compute_capability = compute_capability_of(settings)
     kept: Optional[List[_Prefix]] = [] if shared is not None else None
     engine = engine_for(settings)
     mode = FakeTensorMode()
@@ -695,6 +691,14 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, seq_len: Optiona
         prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding)
         shared.prefixes[step_key] = prefix
     return _noted(timeline, quantization_note, settings, device_type, implementation[0])
+
+
+def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
+    """The compute capability of the settings' GPU (the attention kernels and the cuBLAS workspaces
+    it picks), `DEFAULT_COMPUTE_CAPABILITY` without one."""
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    return gpu_preset(settings.gpu).compute_capability if settings.gpu is not None else DEFAULT_COMPUTE_CAPABILITY
 
 
 def _outer_contexts(padding: int) -> List[Any]:
