@@ -365,8 +365,8 @@ EDITS: List[Edit] = [
     Edit("plan/answers/step_memory.py", "    if optimizer_peak is None or fb_peak >= optimizer_peak:",
          "    if optimizer_peak is None or fb_peak < optimizer_peak:",
          OPTIMIZER_PHASE_PEAK),  # the smaller of the two phases' peaks taken
-    Edit("plan/answers/step_memory.py", "    optimizer_peak = optimizer.bytes + not_yet - host_bytes_of",
-         "    optimizer_peak = optimizer.bytes - host_bytes_of", OPTIMIZER_PHASE_PEAK),
+    Edit("plan/answers/step_memory.py", "        at, extra_state = optimizer, not_yet",
+         "        at, extra_state = optimizer, 0", OPTIMIZER_PHASE_PEAK),
     # (the first fake step's peak, before the last parameters' state is made, taken as every step's)
     Edit("plan/answers/step_memory.py", "    parts[\"optimizer_state\"] += extra_state", "    pass", OPTIMIZER_PHASE_PEAK),
     # (the peak's parts no longer sum to it)

@@ -68,6 +68,19 @@ def test_fsdp2_peak_equals_fsdp_memtracker_on_the_same_fake_step(sharding, repli
     assert parts["parameters"] == tracker["_FSDPRefType.SHARDED_PARAM"]
 
 
+@requires_torch("2.13", "torch 2.6's fake process group has no fake kernel for c10d._allgather_base_ (tried: the plan "
+                "then says the step cannot run under fake tensors); 2.13's has")
+def test_fsdp2_offload_leaves_the_host_s_parts_out_of_the_device_s_peak():
+    settings = resolve_settings(world_size=2, sharding="fsdp-full-shard", fsdp_cpu_offload=True, batch_size=BATCH,
+                                optimizer="adamw_torch")
+    plan = plan_with(settings)  # the parts, the host's left out, sum to the peak
+    alone = plan_with(resolve_settings(world_size=2, sharding="fsdp-full-shard", batch_size=BATCH,
+                                       optimizer="adamw_torch"))
+    assert set(plan.host_bytes) == {"parameters", "gradients", "optimizer_state"}
+    assert plan.host_bytes["optimizer_state"] == alone.peak_parts["optimizer_state"]
+    assert not {"parameters", "gradients", "optimizer_state"} & {k for k, v in plan.peak_parts.items() if v}
+
+
 def test_a_torch_without_the_fake_collective_is_named_as_the_reason():
     # torch 2.6's fake process group has no fake kernel for the all-gather FSDP2 runs; 2.13's has.
     settings = resolve_settings(world_size=4, sharding="fsdp-full-shard", batch_size=BATCH, optimizer="adamw_torch")

@@ -213,15 +213,18 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
     fb_peak = fb.bytes + state_bytes - host_bytes_of(fb.storages, state_bytes)
     optimizer_peak = optimizer.bytes + not_yet - host_bytes_of(optimizer.storages, not_yet) if stepped else None
     if optimizer_peak is None or fb_peak >= optimizer_peak:
-        peak, at, extra_state = fb_peak, fb, state_bytes
+        at, extra_state = fb, state_bytes
     else:
-        peak, at, extra_state = optimizer_peak, optimizer, not_yet
+        at, extra_state = optimizer, not_yet
     parts = {name: 0 for name in PLAN_PARTS}
     for key in at.storages:
         part = timeline.part_of(key, at.saved)
         parts[part] = parts.get(part, 0) + sizes[key]
     parts["optimizer_state"] += extra_state
     host = {part: parts.pop(part) for part in host_parts if parts.get(part)}
+    # The device's peak is its parts' sum: an engine's host parts are tagged storages (ZeRO's) or
+    # whole plan parts (FSDP2's offloaded parameters, gradients and optimizer state).
+    peak = sum(parts.values())
     # The most each model state held at one moment (the engine's buffers for it included); the
     # optimizer state of a later step is alive from its start (`state_bytes`).
     most = timeline.most_by(timeline.states.get)
