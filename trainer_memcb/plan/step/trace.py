@@ -608,13 +608,26 @@ def trace_step(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype
     return found
 
 
+def _shares_optimizer_phases() -> bool:
+    """Whether an optimizer phase may step from a kept step: on the releases where it was checked
+    equal to a trace of its own, event for event (torch 2.13 with transformers 5). On the oldest
+    releases allowed (torch 2.6, transformers 4.57), the allocator replay of the two differs by two
+    512-byte blocks of 21 MB, so there every step is traced whole."""
+    import transformers
+
+    def release(text: str) -> Tuple[int, ...]:
+        return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+    return release(torch.__version__) >= (2, 13) and release(transformers.__version__) >= (5, 0)
+
+
 def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSettings, args: Any,
                     device_type: str) -> Optional[Timeline]:
     """The timeline of the step kept under `step_key` with the optimizer `settings` name
     (`_another_optimizer`), or None where none is kept, it lacks the FLOPs asked, or its
     optimizer's phase cannot be run from it as a trace of its own would run it."""
     prefix = shared.prefixes.get(step_key)
-    if prefix is None or (_COUNT_FLOPS[0] and prefix.before.flops is None):
+    if prefix is None or (_COUNT_FLOPS[0] and prefix.before.flops is None) or not _shares_optimizer_phases():
         return None
     build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
     frozen = _freeze_older_objects()
