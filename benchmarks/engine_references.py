@@ -59,7 +59,7 @@ def main() -> None:
     settings = resolve_settings(batch_size=1, precision="bf16", optimizer="adamw_torch")
     (plan, _), (wall, base_cpu) = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings,
                                                                  device_type="cpu", model_states=False))
-    print(f"one process, bf16, batch 1 x 512: peak {plan.peak_bytes:,}, {wall:.1f} s wall, {base_cpu:.1f} s CPU (ratio 1)")
+    print(f"one process, bf16, batch 1 x 512: peak {plan.step.peak_bytes:,}, {wall:.1f} s wall, {base_cpu:.1f} s CPU (ratio 1)")
     print(f"{'engine':14} {'W':>3} {'plan peak':>16} {'reference':>16} {'diff':>6} {'wall s':>7} {'cpu s':>7} {'ratio':>6}  parts")
     for world in worlds if fsdp else []:
         settings = resolve_settings(world_size=world, sharding="fsdp-full-shard", precision="bf16", batch_size=1,
@@ -67,8 +67,8 @@ def main() -> None:
         (plan, _), spent = timed(lambda: plan_step_memory(build, seq_len=512, settings=settings, device_type="cpu",
                                                           model_states=False))
         tracker = fsdp_memtracker_peak(build, settings, 1, 512, torch.bfloat16)
-        print(f"{'fsdp2':14} {world:3} {plan.peak_bytes:16,} {tracker['Total']:16,} {plan.peak_bytes - tracker['Total']:6} "
-              f"{seconds(spent, base_cpu)}  {plan.peak_parts}")
+        print(f"{'fsdp2':14} {world:3} {plan.step.peak_bytes:16,} {tracker['Total']:16,} {plan.step.peak_bytes - tracker['Total']:6} "
+              f"{seconds(spent, base_cpu)}  {plan.step.peak_parts}")
         print(f"{'':14} {'':3} tracker: {tracker}")
     from zero_reference import ZERO_ROWS, plan_figures, plan_row
 

@@ -372,9 +372,11 @@ EDITS: List[Edit] = [
     # (the peak's parts no longer sum to it)
     Edit("plan/answers/step_memory.py", "timeline.part_of(key, at.saved)", "timeline.part_of(key)", STEP_ON_THE_COMMAND_LINE),
     # (the activations alive at the peak filed under "other")
-    Edit("plan/answers/step_memory.py", "        fits = margin >= 0", "        fits = margin > 0", STEP_ON_THE_COMMAND_LINE),
-    Edit("plan/answers/step_memory.py", "        margin = device_memory - reserve - traced.peak_bytes", "        margin = device_memory - traced.peak_bytes",
-         STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
+    Edit("plan/answers/step_memory.py", "        verdict = Verdict(fits=margin >= 0, margin_bytes=margin)",
+         "        verdict = Verdict(fits=margin > 0, margin_bytes=margin)", STEP_ON_THE_COMMAND_LINE),
+    Edit("plan/answers/step_memory.py",
+         "        margin = device.device_memory_bytes - settings.reserve_bytes - traced.peak_bytes",
+         "        margin = device.device_memory_bytes - traced.peak_bytes", STEP_ON_THE_COMMAND_LINE),  # the reserve forgotten
     Edit("plan/answers/fit_candidates.py", "    return margin >= 0, margin", "    return margin > 0, margin", SEARCH),
     Edit("plan/answers/max_batch.py", "        if verdict is None:\n            raise _CannotTrace()",
          "        if verdict is None:\n            return False", SEARCH),  # a missing peak read as "does not fit"
@@ -384,8 +386,8 @@ EDITS: List[Edit] = [
          "    return timeline", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
     Edit("plan/answers/step_memory.py", "        timeline = timeline.with_resident(\"reference_model\", reference)", "        pass", STEP_ON_THE_COMMAND_LINE),
     # -- cli/estimate_step.py, estimate_checks.py, device_options.py: the command's reserve, refusals and search
-    Edit("cli/estimate_step.py", "        problem = next((f\"at batch {plan.batch_size} {plan.problem}\" for plan in searched "
-         "if plan.problem is not None),\n                       None)", "        problem = None", SEARCH),
+    Edit("plan/answers/max_batch.py", "        problem = next((f\"at batch {plan.settings.batch_size} {plan.step.problem}\" for plan in plans\n"
+         "                        if plan.step.problem is not None), None)", "        problem = None", SEARCH),
     # (the untraceable search reads as "no batch fits", exit 3)
     Edit("cli/device_options.py", "    return gpu_preset(gpu).cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES",
          "    return 0", STEP_ON_THE_COMMAND_LINE),  # no CUDA context taken from the device's memory

@@ -153,9 +153,9 @@ def step_activations(build, batch: int, seq: int, checkpointing: bool = False) -
 
     plan, _ = plan_step_memory(build, batch_size=batch, seq_len=seq, precision="bf16",
                                dtype=torch.float16, gradient_checkpointing=checkpointing, model_states=False)
-    if plan.problem:
-        raise RuntimeError(plan.problem)
-    return plan.activations_bytes
+    if plan.step.problem:
+        raise RuntimeError(plan.step.problem)
+    return plan.step.activations_bytes
 
 
 def lomo_rows(layers: int = 32, attns: Tuple[str, ...] = ("eager", "sdpa")) -> List[Dict[str, object]]:
@@ -264,11 +264,11 @@ def print_families() -> None:
         size = f"{row['batch']} x {row['seq_len']}" if row["seq_len"] else f"{row['batch']} images"
         if row["target_len"]:
             size += f" -> {row['target_len']}"
-        if plan.problem is not None:
-            print(f"| {row['model']} | {size} | {row['attention']} | - | - | - | {plan.problem} | {row['cpu_seconds']:.1f} | - | {row['seconds']:.1f} |")
+        if plan.step.problem is not None:
+            print(f"| {row['model']} | {size} | {row['attention']} | - | - | - | {plan.step.problem} | {row['cpu_seconds']:.1f} | - | {row['seconds']:.1f} |")
             continue
-        print(f"| {row['model']} | {size} | {row['attention']} | {_gib(plan.peak_parts['parameters'])} | {_gib(plan.activations_bytes)} | "
-              f"{_gib(plan.peak_bytes)} | {plan.peak_phase} | {row['cpu_seconds']:.1f} | "
+        print(f"| {row['model']} | {size} | {row['attention']} | {_gib(plan.step.peak_parts['parameters'])} | {_gib(plan.step.activations_bytes)} | "
+              f"{_gib(plan.step.peak_bytes)} | {plan.step.peak_phase} | {row['cpu_seconds']:.1f} | "
               f"{row['cpu_seconds'] / base:.2f} | {row['seconds']:.1f} |")
 
 

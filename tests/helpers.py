@@ -275,3 +275,19 @@ def smallest_llama(**overrides: Any) -> Any:
     values = dict(SMALLEST_LLAMA, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
     values.update(overrides)
     return LlamaConfig(**values)
+
+
+def made_step_plan(batch_size: int, peak_bytes: Optional[int], *, activations_peak_bytes: Optional[int] = None,
+                   fits: Optional[bool] = None, problem: Optional[str] = None) -> Any:
+    """A step plan made by hand, for the search and the tables over plans: its batch, its peak (None
+    with a `problem`: a step that could not be traced) and, where given, its activations' peak and
+    fits?; on the CPU, fp32 AdamW, one token per sample."""
+    from trainer_memcb.plan.answers.step_plan import PlannedSettings, StepMemoryPlan, StepPeak, Verdict
+
+    settings = PlannedSettings(model="m", batch_size=batch_size, seq_len=1, attn_implementation=None,
+                               device_type="cpu", traced_on="cpu", gradient_checkpointing=False,
+                               checkpointing_kwargs={}, precision="fp32", param_dtype="float32",
+                               optimizer="adamw_torch")
+    step = StepPeak(activations_bytes=activations_peak_bytes, activations_peak_bytes=activations_peak_bytes,
+                    peak_bytes=peak_bytes, peak_phase=None if peak_bytes is None else "backward", problem=problem)
+    return StepMemoryPlan(settings, step, verdict=Verdict(fits=fits))

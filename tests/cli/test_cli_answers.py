@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from helpers import requires_transformers, tiny_llama_folder
+from helpers import made_step_plan, requires_transformers, tiny_llama_folder
 
 from trainer_memcb.cli import main
 from trainer_memcb.plan.answers.step_memory import NOT_COUNTED, StepMemoryPlan
@@ -64,11 +64,11 @@ def test_max_batch_size_of_a_step_that_cannot_be_traced_says_so_and_why(untracea
     argv = ["estimate", untraceable_dir, "--optimizers", "adamw", "--max-batch-size", "--seq-len", "8",
             "--device-memory", "1GiB", "--reserve", "0B"]
     document = run_json(argv, capsys, expected_code=5)
-    problem = document["max_batch_size_problem"]
+    problem = document["answers"]["largest_batch"]["problem"]
     assert problem.startswith("at batch 1 the step cannot run under fake tensors (DataDependentOutputException: "
                               "aten._local_scalar_dense.default)")
-    assert document["max_batch_size"] is None
-    assert document["searched"] == [{"batch_size": 1, "peak_bytes": None, "reserved_peak_bytes": None,
+    assert document["answers"]["largest_batch"]["max_batch_size"] is None
+    assert document["answers"]["largest_batch"]["searched"] == [{"batch_size": 1, "peak_bytes": None, "reserved_peak_bytes": None,
                                      "device_total_bytes": None, "fits": None}]
     code, out, err = run(argv, capsys)
     assert (code, err) == (5, "")
@@ -77,11 +77,7 @@ def test_max_batch_size_of_a_step_that_cannot_be_traced_says_so_and_why(untracea
 
 
 def _plan(batch: int, peak) -> StepMemoryPlan:
-    return StepMemoryPlan(model="m", batch_size=batch, seq_len=1, attn_implementation=None, device_type="cpu",
-                          traced_on="cpu", gradient_checkpointing=False, precision="fp32", optimizer="adamw_torch",
-                          param_dtype="float32", activations_bytes=None if peak is None else batch,
-                          activations_peak_bytes=None if peak is None else batch, peak_bytes=peak,
-                          peak_phase=None if peak is None else "backward",
+    return made_step_plan(batch, peak, activations_peak_bytes=None if peak is None else batch,
                           problem="the step cannot run under fake tensors (X)" if peak is None else None)
 
 
@@ -90,7 +86,7 @@ def test_a_missing_peak_is_never_read_as_does_not_fit():
     # stops at the first plan without a peak and gives no answer, rather than "2 is the largest".
     found, plans = max_batch_size(lambda batch: _plan(batch, 100 * batch if batch < 3 else None), 10**6, limit=64)
     assert found is None
-    assert plans[-1].problem is not None and all(plan.peak_bytes is not None for plan in plans[:-1])
+    assert plans[-1].step.problem is not None and all(plan.step.peak_bytes is not None for plan in plans[:-1])
 
 
 # -- sizes, process counts ------------------------------------------------------------------------
@@ -279,25 +275,27 @@ def test_the_exit_status_answers_fits_for_the_model_states(capsys):
 def test_the_step_plan_answers_fits_against_the_memory_less_the_reserve(tiny_llama_dir, capsys):
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw", "--batch-size", "1", "--seq-len", "1",
             "--attn-implementation", "eager", "--device-type", "cpu"]
-    step = run_json(argv, capsys)["step"]
-    peak = step["peak_bytes"]
-    assert (step["reserve_bytes"], step["not_counted"]) == (None, list(NOT_COUNTED["cpu"]))
-    fits = run_json(argv + ["--device-memory", f"{peak + 100}B", "--reserve", "100B"], capsys)["step"]
-    assert (fits["fits"], fits["margin_bytes"], fits["reserve_bytes"], fits["device_memory_bytes"]) == (
-        True, 0, 100, peak + 100)
-    short = run_json(argv + ["--device-memory", f"{peak + 100}B", "--reserve", "101B"], capsys, expected_code=3)["step"]
-    assert (short["fits"], short["margin_bytes"]) == (False, -1)
+    document = run_json(argv, capsys)
+    peak = document["step"]["peak_bytes"]
+    assert (document["device"]["reserve_bytes"], document["device"]["not_counted"]) == (None, list(NOT_COUNTED["cpu"]))
+    fits = run_json(argv + ["--device-memory", f"{peak + 100}B", "--reserve", "100B"], capsys)
+    assert (fits["answers"]["fits"], fits["answers"]["margin_bytes"], fits["device"]["reserve_bytes"],
+            fits["device"]["device_memory_bytes"]) == (True, 0, 100, peak + 100)
+    short = run_json(argv + ["--device-memory", f"{peak + 100}B", "--reserve", "101B"], capsys, expected_code=3)
+    assert (short["answers"]["fits"], short["answers"]["margin_bytes"]) == (False, -1)
     # With --device-type cpu the default reserve is 0.
-    assert run_json(argv + ["--device-memory", f"{peak}B"], capsys)["step"]["reserve_bytes"] == 0
+    assert run_json(argv + ["--device-memory", f"{peak}B"], capsys)["device"]["reserve_bytes"] == 0
 
 
 def test_the_default_reserve_on_cuda_and_the_step_table_say_what_is_not_counted(tiny_llama_dir, capsys):
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw", "--batch-size", "1", "--seq-len", "1",
             "--device-memory", "2GiB"]
-    step = run_json(argv, capsys)["step"]
-    assert (step["device_type"], step["reserve_bytes"], step["cuda_context_bytes"]) == ("cuda", 0, 446_693_376)
-    assert step["margin_bytes"] == 2**30 * 2 - 446_693_376 - step["reserved_peak_bytes"]
-    assert step["not_counted"] == list(NOT_COUNTED["cuda"])
+    document = run_json(argv, capsys)
+    device = document["device"]
+    assert (document["settings"]["device_type"], device["reserve_bytes"], device["cuda_context_bytes"]) == \
+        ("cuda", 0, 446_693_376)
+    assert document["answers"]["margin_bytes"] == 2**30 * 2 - 446_693_376 - device["reserved_peak_bytes"]
+    assert device["not_counted"] == list(NOT_COUNTED["cuda"])
     code, out, _ = run(argv, capsys)
     lines = out.splitlines()
     assert code == 0
@@ -321,7 +319,7 @@ def test_max_batch_size_exits_3_when_no_batch_fits(tiny_llama_dir, capsys):
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw", "--max-batch-size", "--seq-len", "1",
             "--device-memory", "427MiB"]  # 1 MiB beside the CUDA context: not the cuBLAS workspaces
     document = run_json(argv, capsys, expected_code=3)
-    assert (document["max_batch_size"], document["max_batch_size_problem"]) == (None, None)
+    assert (document["answers"]["largest_batch"]["max_batch_size"], document["answers"]["largest_batch"]["problem"]) == (None, None)
     code, out, _ = run(argv, capsys)
     assert code == 3 and "No batch fits (not even 1)" in out.splitlines()
 
@@ -336,11 +334,11 @@ def test_max_batch_size_is_answered_against_the_memory_less_the_reserve(tiny_lla
     assert three - two == 192
     search = step + ["--max-batch-size", "--device-memory", f"{two + 1000}B"]
     reserved = run_json(search + ["--reserve", "1000B"], capsys)
-    assert reserved["max_batch_size"] == 2
-    searched = {plan["batch_size"]: plan["fits"] for plan in reserved["searched"]}
+    assert reserved["answers"]["largest_batch"]["max_batch_size"] == 2
+    searched = {plan["batch_size"]: plan["fits"] for plan in reserved["answers"]["largest_batch"]["searched"]}
     assert (searched[2], searched[3]) == (True, False)
     # Without the reserve the same memory holds 1,000 // 192 = 5 more samples.
-    assert run_json(search + ["--reserve", "0B"], capsys)["max_batch_size"] == 7
+    assert run_json(search + ["--reserve", "0B"], capsys)["answers"]["largest_batch"]["max_batch_size"] == 7
 
 
 def test_the_step_plans_optimizer_state_is_the_model_states_tables(tiny_llama_dir, capsys):

@@ -65,7 +65,7 @@ def test_the_plan_through_training_args_equals_a_real_run_to_the_byte(tiny_llama
     capsys.readouterr()  # what the run printed (accelerate, DeepSpeed's accelerator line)
     assert main(["estimate", tiny_llama_dir, "--eval-samples", "10", "--seq-len", "12", "--attn-implementation",
                  "eager", "--training-args", str(tmp_path / "args.json"), "--device-type", "cpu", "--json"]) == 0
-    planned = json.loads(capsys.readouterr().out)["evaluation"]
+    planned = json.loads(capsys.readouterr().out)["answers"]["evaluation"]
     assert planned["settings"]["batch_size"] == 4 and planned["settings"]["accumulation_steps"] == 2
     assert planned["settings"]["autocast"] == (precision if precision in ("bf16", "fp16") else None)
     assert planned["settings"]["model_dtype"] is None
@@ -87,10 +87,10 @@ def test_too_much_for_the_device_says_why_and_what_would_fit(tiny_llama_dir: str
     argv = ["estimate", tiny_llama_dir, "--eval-samples", "64", "--seq-len", "12", "--eval-batch-size", "4",
             "--attn-implementation", "eager", "--device-type", "cpu"]
     assert main(argv + ["--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)["evaluation"]
+    plan = json.loads(capsys.readouterr().out)["answers"]["evaluation"]
     memory = plan["device_peak_bytes"] - 1
     assert main(argv + ["--device-memory", f"{memory}B", "--reserve", "0B", "--host-memory", "1GiB", "--json"]) == 3  # does not fit
-    short = json.loads(capsys.readouterr().out)["evaluation"]
+    short = json.loads(capsys.readouterr().out)["answers"]["evaluation"]
     assert (short["fits_device"], short["fits_host"]) == (False, True)
     assert short["device_peak_bytes"] - short["device_memory_bytes"] == 1
     assert main(argv + ["--device-memory", f"{memory}B", "--reserve", "0B", "--host-memory", "1GiB"]) == 3
@@ -100,12 +100,12 @@ def test_too_much_for_the_device_says_why_and_what_would_fit(tiny_llama_dir: str
     assert len(why) == 1
     assert "eval_accumulation_steps=" in why[0] and "preprocess_logits_for_metrics" in why[0]
     assert main(argv + ["--device-memory", f"{memory}B", "--reserve", "0B", "--eval-accumulation-steps", "1", "--json"]) == 0
-    fixed = json.loads(capsys.readouterr().out)["evaluation"]
+    fixed = json.loads(capsys.readouterr().out)["answers"]["evaluation"]
     assert fixed["fits_device"] is True and fixed["advice"] == []
     # full logits: 64 x 12 x 96 x 4 bytes; argmax keeps 64 x 12 int64
     assert plan["containers_device_bytes"] == 64 * 12 * 96 * 4 + 64 * 12 * 8 + 64 * 4
     assert main(argv + ["--eval-logits", "argmax", "--json"]) == 0
-    argmax = json.loads(capsys.readouterr().out)["evaluation"]
+    argmax = json.loads(capsys.readouterr().out)["answers"]["evaluation"]
     assert argmax["containers_device_bytes"] == 64 * 12 * 8 + 64 * 12 * 8 + 64 * 4
 
 
@@ -125,16 +125,16 @@ def test_the_evaluation_on_cuda_is_answered_by_the_allocator_replay(tiny_llama_d
     argv = ["estimate", tiny_llama_dir, "--eval-samples", "64", "--seq-len", "12", "--eval-batch-size", "4",
             "--attn-implementation", "eager", "--json"]
     assert main(argv) == 0
-    plan = json.loads(capsys.readouterr().out)["evaluation"]
+    plan = json.loads(capsys.readouterr().out)["answers"]["evaluation"]
     context = plan["cuda_context_bytes"]
     assert context == 446_693_376 and plan["device_total_bytes"] == plan["reserved_peak_bytes"] + context
     room = context + plan["reserved_peak_bytes"]
     assert main(argv + ["--device-memory", f"{room}B"]) == 0
-    assert json.loads(capsys.readouterr().out)["evaluation"]["fits_device"] is True
+    assert json.loads(capsys.readouterr().out)["answers"]["evaluation"]["fits_device"] is True
     # Room for the device peak beside the context, not for the segments it needs: does not fit.
     assert plan["device_peak_bytes"] < 2 * 1024 ** 2 <= plan["reserved_peak_bytes"]
     assert main(argv + ["--device-memory", f"{context + plan['device_peak_bytes']}B"]) == 3
-    assert json.loads(capsys.readouterr().out)["evaluation"]["fits_device"] is False
+    assert json.loads(capsys.readouterr().out)["answers"]["evaluation"]["fits_device"] is False
 
 
 # -- one answer to fits?: the evaluation plan, its Why: line and --fit's table ---------------------
@@ -157,7 +157,7 @@ def test_the_fit_tables_own_row_is_the_evaluation_plans_fits(tiny_llama_dir: str
     # "yes", 442,413,568 bytes to spare, where the plan said does not fit, 6,291,456 short.
     argv = ["estimate", tiny_llama_dir] + FIT + ["--device-memory", "440MiB", "--fit"]
     found = _json(argv, capsys, 0)
-    plan, fit = found["evaluation"], found["fit"]["evaluation"]
+    plan, fit = found["answers"]["evaluation"], found["answers"]["evaluation_fit"]
     assert USABLE_440 == 14_680_064
     assert (plan["fits_device"], plan["usable_device_bytes"], plan["reserved_peak_bytes"]) == (False, USABLE_440, 20_971_520)
     assert plan["device_margin_bytes"] == USABLE_440 - 20_971_520 == -6_291_456
@@ -178,7 +178,7 @@ def test_each_proposal_said_to_fit_fits_when_planned_on_its_own(tiny_llama_dir: 
     # the optimizer state stays alive beside it).
     argv = ["estimate", tiny_llama_dir] + FIT + ["--device-memory", "440MiB"] + step
     # Inside train() the exit status is the training search's too: no training setting fits 440 MiB.
-    fit = _json(argv + ["--fit"], capsys, 3 if step else 0)["fit"]["evaluation"]
+    fit = _json(argv + ["--fit"], capsys, 3 if step else 0)["answers"]["evaluation_fit"]
     said = {json.dumps(c["training_args"], sort_keys=True): (c["fits"], c["margin_bytes"]) for c in fit["candidates"]}
     assert sum(fits for fits, _ in said.values()) == 7 and len(said) == 12
     for candidate in fit["candidates"]:
@@ -187,7 +187,7 @@ def test_each_proposal_said_to_fit_fits_when_planned_on_its_own(tiny_llama_dir: 
         if "eval_accumulation_steps" in settings:
             flags += ["--eval-accumulation-steps", str(settings["eval_accumulation_steps"])]
         # Inside train() the exit status is the training step's too (it does not fit 14 MiB).
-        plan = _json(argv + flags, capsys, (0 if candidate["fits"] else 3) if not step else 3)["evaluation"]
+        plan = _json(argv + flags, capsys, (0 if candidate["fits"] else 3) if not step else 3)["answers"]["evaluation"]
         assert (plan["fits_device"], plan["device_margin_bytes"]) == (candidate["fits"], candidate["margin_bytes"])
     first = fit["candidates"][0]
     assert (first["changes"], first["fits"], first["peak_bytes"], first["margin_bytes"]) == (
@@ -228,7 +228,7 @@ def test_the_why_line_names_the_figures_the_table_shows(tiny_llama_dir: str, cap
     # On the CPU: the device peak against the memory less the reserve, one byte short of it (18,946,912
     # bytes on transformers 5).
     cpu = ["estimate", tiny_llama_dir] + FIT + ["--device-type", "cpu", "--reserve", "0B"]
-    peak = _json(cpu + ["--device-memory", "1GiB"], capsys, 0)["evaluation"]["device_figure_bytes"]
+    peak = _json(cpu + ["--device-memory", "1GiB"], capsys, 0)["answers"]["evaluation"]["device_figure_bytes"]
     memory = peak - 1
     assert main(cpu + ["--device-memory", f"{memory}B"]) == 3
     out = capsys.readouterr().out
@@ -247,13 +247,13 @@ def test_the_written_training_args_given_back_alone_plan_the_proposal(tiny_llama
     common = ["estimate", tiny_llama_dir, "--eval-samples", "2000", "--seq-len", "12", "--attn-implementation", "eager",
               "--device-memory", "440MiB"]
     fit = _json(common + ["--training-args", str(mine), "--fit", "--write-training-args", str(written)], capsys,
-                0)["fit"]["evaluation"]
+                0)["answers"]["evaluation_fit"]
     first = fit["candidates"][0]
     assert json.loads(written.read_text()) == first["training_args"] == {
         "per_device_eval_batch_size": 16, "eval_do_concat_batches": True, "eval_accumulation_steps": 4}
     again = _json(common + ["--training-args", str(written)], capsys, 0)
     assert "step" not in again
-    plan = again["evaluation"]
+    plan = again["answers"]["evaluation"]
     assert (plan["settings"]["batch_size"], plan["settings"]["accumulation_steps"]) == (16, 4)
     assert (plan["fits_device"], plan["device_figure_bytes"], plan["device_margin_bytes"]) == (
         True, first["peak_bytes"], first["margin_bytes"]) == (True, 2_097_152, USABLE_440 - 2_097_152)

@@ -34,7 +34,7 @@ def test_fit_proposes_writes_and_the_files_plan_the_same_figure(tiny_llama_dir, 
                  "--max-proposals", "6", "--write-training-args", written, "--json"])
     captured = capsys.readouterr()
     assert code == 0  # the own step does not fit, a proposal does
-    fit = json.loads(captured.out)["fit"]
+    fit = json.loads(captured.out)["answers"]["fit"]
     assert fit["fits_as_is"] is False and fit["own"]["peak_bytes"] == 14_835_616 + rotary_buffers(tiny_llama_dir)
     first = fit["candidates"][0]
     assert first["fits"] is True and first["effective_batch"] == 16
@@ -88,8 +88,8 @@ def test_fit_with_the_evaluation_plan_proposes_eval_batches_and_accumulation(tin
                  "--device-type", "cpu", "--device-memory", "3MiB", "--reserve", "0B", "--fit", "--max-proposals", "4", "--json"])
     document = json.loads(capsys.readouterr().out)
     assert code == 0  # the own evaluation does not fit, a proposal does
-    fit = document["fit"]["evaluation"]
-    assert fit["fits_as_is"] is False and fit["own"]["peak_bytes"] == document["evaluation"]["device_peak_bytes"]
+    fit = document["answers"]["evaluation_fit"]
+    assert fit["fits_as_is"] is False and fit["own"]["peak_bytes"] == document["answers"]["evaluation"]["device_peak_bytes"]
     first = fit["candidates"][0]
     assert first["training_args"] == {"per_device_eval_batch_size": 8, "eval_accumulation_steps": 1}
     assert (first["peak_bytes"], first["fits"]) == (2_307_936, True) and len(fit["candidates"]) == 4

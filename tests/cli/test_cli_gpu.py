@@ -72,12 +72,13 @@ def test_gpu_h100_json_has_the_allocator_figures(tiny_llama_dir):
     done = run_script("estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
                       "--gpu", "h100", "--json")
     assert done.returncode == 0, done.stderr
-    step = json.loads(done.stdout)["step"]
+    document = json.loads(done.stdout)
+    step, answers = document["device"], document["answers"]
     assert (step["gpu"], step["device_memory_bytes"], step["cuda_context_bytes"]) == ("H100", 85_045_477_376, 446_693_376)
     assert step["reserved_peak_bytes"] == 73_400_320  # 2 x (32 MiB cuBLAS + 1 MiB cuBLASLt) on sm90, in 2 segments
     assert step["device_total_bytes"] == 73_400_320 + 446_693_376
     assert (step["allocator_allocated_peak_bytes"], step["fragmentation_bytes"]) == (71_523_840, 1_876_480)  # fragmentation: reserved peak less allocated peak
-    assert step["margin_bytes"] == 85_045_477_376 - 446_693_376 - 73_400_320 and step["fits"] is True
+    assert answers["margin_bytes"] == 85_045_477_376 - 446_693_376 - 73_400_320 and answers["fits"] is True
     assert step["alloc_conf"] == "" and step["out_of_memory_at"] is None
 
 
@@ -89,7 +90,7 @@ def test_fragmentation_is_the_reserved_peak_less_the_allocated_peak(tiny_llama_d
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
             "--gpu", "h100"]
     assert main(argv + ["--json"]) == 0
-    step = json.loads(capsys.readouterr().out)["step"]
+    step = json.loads(capsys.readouterr().out)["device"]
     assert (step["reserved_peak_bytes"], step["allocator_allocated_peak_bytes"]) == (73_400_320, 71_523_840)
     assert step["fragmentation_bytes"] == 73_400_320 - 71_523_840 == 1_876_480
     assert main(argv) == 0
@@ -102,10 +103,11 @@ def test_device_memory_overrides_the_gpu_and_alloc_conf_changes_the_replay(tiny_
     done = run_script("estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
                       "--gpu", "h100", "--device-memory", "600MiB", "--alloc-conf", "expandable_segments:True", "--json")
     assert done.returncode == 0, done.stderr
-    step = json.loads(done.stdout)["step"]
-    assert (step["device_memory_bytes"], step["gpu"], step["alloc_conf"]) == (600 * 2 ** 20, "H100",
-                                                                            "expandable_segments:True")
-    assert step["margin_bytes"] == 600 * 2 ** 20 - 446_693_376 - step["reserved_peak_bytes"]
+    document = json.loads(done.stdout)
+    device = document["device"]
+    assert (device["device_memory_bytes"], device["gpu"], device["alloc_conf"]) == (600 * 2 ** 20, "H100",
+                                                                                  "expandable_segments:True")
+    assert document["answers"]["margin_bytes"] == 600 * 2 ** 20 - 446_693_376 - device["reserved_peak_bytes"]
 
 
 def test_the_table_shows_reserved_and_total_beside_the_allocated_peak(tiny_llama_dir):

@@ -31,9 +31,9 @@ def test_fit_answers_each_setting_as_the_step_plan_answers_it(tmp_path):
                       "--write-training-args", str(written))
     assert done.returncode == 3, done.stderr
     found = json.loads(done.stdout)
-    step, fit = found["step"], found["fit"]
-    assert (step["fits"], step["margin_bytes"], step["reserved_peak_bytes"]) == (False, -12_582_912, 33_554_432)
-    assert fit["usable_bytes"] == 20_971_520 == 446 * 2**20 - step["cuda_context_bytes"]
+    step, device, answers, fit = found["step"], found["device"], found["answers"], found["answers"]["fit"]
+    assert (answers["fits"], answers["margin_bytes"], device["reserved_peak_bytes"]) == (False, -12_582_912, 33_554_432)
+    assert fit["usable_bytes"] == 20_971_520 == 446 * 2**20 - device["cuda_context_bytes"]
     own = fit["own"]
     assert (own["fits"], own["margin_bytes"], own["reserved_peak_bytes"], own["peak_bytes"]) == \
         (False, -12_582_912, 33_554_432, step["peak_bytes"])
@@ -52,10 +52,11 @@ def test_fit_answers_each_setting_as_the_step_plan_answers_it(tmp_path):
 
 @pytest.mark.slow  # three plans through the console script
 def test_a_proposal_planned_alone_gets_the_verdict_the_search_gave_it():
-    searched = plan_json(*SMALL, "--device-memory", "446MiB", "--fit")["fit"]["candidates"]
+    searched = plan_json(*SMALL, "--device-memory", "446MiB", "--fit")["answers"]["fit"]["candidates"]
     [leaner] = [c for c in searched if c["changes"] == {"optim": "adafactor"}]
-    alone = plan_json(*SMALL, "--device-memory", "446MiB", "--optimizers", "adafactor")["step"]
-    assert (alone["fits"], alone["margin_bytes"], alone["reserved_peak_bytes"], alone["peak_bytes"]) == \
+    alone = plan_json(*SMALL, "--device-memory", "446MiB", "--optimizers", "adafactor")
+    assert (alone["answers"]["fits"], alone["answers"]["margin_bytes"], alone["device"]["reserved_peak_bytes"],
+            alone["step"]["peak_bytes"]) == \
         (leaner["fits"], leaner["margin_bytes"], leaner["reserved_peak_bytes"], leaner["peak_bytes"])
 
 
@@ -80,12 +81,12 @@ def test_the_largest_batch_is_the_last_the_step_plan_says_fits(tmp_path):
     # Before: the search interpolated on the traced peak and decided on the replay, so its upper
     # bound fell by one a trace: 178 traces and 75 s for this answer.
     found = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--max-batch-size")
-    best = found["max_batch_size"]
+    best = found["answers"]["largest_batch"]["max_batch_size"]
     assert best == 276
-    assert len(found["searched"]) <= 13
-    at = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--batch-size", str(best))["step"]
-    above = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--batch-size", str(best + 1))["step"]
-    assert (at["fits"], above["fits"]) == (True, False)
-    searched = {plan["batch_size"]: plan for plan in found["searched"]}
+    assert len(found["answers"]["largest_batch"]["searched"]) <= 13
+    at = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--batch-size", str(best))
+    above = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--batch-size", str(best + 1))
+    assert (at["answers"]["fits"], above["answers"]["fits"]) == (True, False)
+    searched = {plan["batch_size"]: plan for plan in found["answers"]["largest_batch"]["searched"]}
     assert (searched[best]["fits"], searched[best + 1]["fits"]) == (True, False)
-    assert searched[best]["reserved_peak_bytes"] == at["reserved_peak_bytes"]
+    assert searched[best]["reserved_peak_bytes"] == at["device"]["reserved_peak_bytes"]

@@ -32,7 +32,7 @@ def test_the_most_evaluation_samples_are_planned_at_once(tiny_llama_dir: str, ca
     # 2**31 - 1 samples in 268,435,456 batches of 8 (the last of 7): planned without a step per batch.
     code, out, _ = run([tiny_llama_dir, "--eval-samples", str(SAMPLES_MAX), "--seq-len", "8", "--device-type", "cpu",
                         "--json"], capsys)
-    evaluation = json.loads(out)["evaluation"]
+    evaluation = json.loads(out)["answers"]["evaluation"]
     assert code == 0
     # Per sample: float32 logits 8 x 96 x 4 = 3,072 bytes, int64 labels 8 x 8 = 64, a float32 loss 4.
     assert evaluation["per_sample_bytes"] == {"preds": 3072, "labels": 64, "losses": 4}
@@ -157,7 +157,7 @@ def test_the_fit_tables_negative_margin_is_signed_in_both_figures(tiny_llama_dir
     argv = [tiny_llama_dir, "--optimizers", "adamw_torch", "--seq-len", "8", "--device-type", "cpu", "--batch-size", "2",
             "--device-memory", "100KiB", "--fit", "--max-proposals", "2"]
     code, out, _ = run(argv + ["--json"], capsys)
-    own = json.loads(out)["fit"]["own"]
+    own = json.loads(out)["answers"]["fit"]["own"]
     assert own["fits"] is False and own["margin_bytes"] < 0
     code, out, _ = run(argv, capsys)
     [row] = [line for line in out.splitlines() if line.startswith("own ")]
@@ -264,7 +264,7 @@ def test_a_float16_model_under_bf16_autocast_keeps_float16_parameters(tiny_llama
     assert code == 0
     assert (row["params_bytes"], row["grads_bytes"], row["master_weights_bytes"]) == (16480 * 2, 16480 * 2, 0)
     code, out, _ = run(argv + ["--batch-size", "2", "--seq-len", "8", "--device-type", "cpu", "--json"], capsys)
-    assert code == 0 and json.loads(out)["step"]["param_dtype"] == "float16"
+    assert code == 0 and json.loads(out)["settings"]["param_dtype"] == "float16"
     # Under FSDP the Trainer's accelerate upcasts them to float32 ("FSDP upcast of low precision parameters").
     code, out, _ = run(argv + ["--world-size", "2", "--sharding", "fsdp-full-shard", "--json"], capsys)
     assert json.loads(out)["optimizers"][0]["params_bytes"] == 16480 * 4 // 2

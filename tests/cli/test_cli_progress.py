@@ -57,7 +57,7 @@ def test_a_terminal_is_shown_each_phase_and_each_traced_batch_and_stdout_gets_no
     code, stdout, terminal = run_on_a_terminal(SEARCH)
     assert code == 0, terminal
     document = json.loads(stdout)  # stdout is the JSON alone
-    batches = [entry["batch_size"] for entry in document["searched"]]
+    batches = [entry["batch_size"] for entry in document["answers"]["largest_batch"]["searched"]]
     assert len(batches) >= 3
     text = _CONTROL.sub("\n", terminal)
     for phase in ["importing torch and transformers", f"building {TINY} on the meta device", "planning the model states"] \

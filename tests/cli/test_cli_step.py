@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from helpers import rotary_buffers_beyond_transformers_5s, tiny_llama_folder
+from helpers import made_step_plan, rotary_buffers_beyond_transformers_5s, tiny_llama_folder
 
 from trainer_memcb.cli import main
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
@@ -32,13 +32,13 @@ def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, ca
     document = run_json(["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "4", "--seq-len",
                          "16", "--attn-implementation", "eager", "--device-memory", "428MiB", "--reserve", "0B", "--json"],
                         capsys, expected_code=3)  # 3: it does not fit
-    step = document["step"]
+    step, settings, device, answers = (document[key] for key in ("step", "settings", "device", "answers"))
     plan, _ = plan_step_memory(lambda: build_meta_model(tiny_llama_dir, torch.float32), batch_size=4, seq_len=16,
                                attn_implementation="eager", optimizer="adamw_torch", model_states=False)
-    assert step["activations_bytes"] == plan.activations_bytes == 708872
-    assert step["peak_bytes"] == plan.peak_bytes
+    assert step["activations_bytes"] == plan.step.activations_bytes == 708872
+    assert step["peak_bytes"] == plan.step.peak_bytes
     assert sum(step["peak_parts"].values()) == step["peak_bytes"]
-    assert (step["attn_implementation"], step["device_type"], step["traced_on"]) == ("eager", "cuda", "cpu")
+    assert (settings["attn_implementation"], settings["device_type"], settings["traced_on"]) == ("eager", "cuda", "cpu")
     # Fits? is answered from the step's peak, not from the model states, which would fit: the
     # model states carry no answer of their own beside it.
     states = document["model_states"]["optimizers"][0]
@@ -46,8 +46,8 @@ def test_the_step_plan_on_the_command_line_is_the_python_plan(tiny_llama_dir, ca
     assert document["model_states"]["device_memory_bytes"] is None
     # 428 MiB less the CUDA context (426 MiB) leaves 2 MiB for the allocator: the step's blocks and
     # the cuBLAS workspaces, replayed, need more (does not fit; the margin from the reserved peak).
-    assert step["fits"] is False and step["margin_bytes"] == 2 * 1024 ** 2 - step["reserved_peak_bytes"] < 0
-    assert step["reserve_bytes"] == 0 and step["cuda_context_bytes"] == 426 * 1024 ** 2
+    assert answers["fits"] is False and answers["margin_bytes"] == 2 * 1024 ** 2 - device["reserved_peak_bytes"] < 0
+    assert device["reserve_bytes"] == 0 and device["cuda_context_bytes"] == 426 * 1024 ** 2
 
 
 def test_the_activations_alive_at_a_peak_in_backward_are_a_part_of_it(tiny_llama_dir):
@@ -59,10 +59,10 @@ def test_the_activations_alive_at_a_peak_in_backward_are_a_part_of_it(tiny_llama
     plan, _ = plan_step_memory(lambda: build_meta_model(tiny_llama_dir, torch.float32), batch_size=4, seq_len=16,
                                attn_implementation="eager", optimizer="adamw_torch", model_states=False,
                                device_type="cpu")
-    assert (plan.peak_phase, plan.activations_bytes) == ("backward", 708872)
-    assert plan.peak_parts["activations"] == 708872 - 512 - 4 - 4
-    assert plan.peak_parts["other"] == 2 * 4 * 16 * 128 * 4 + 12
-    assert sum(plan.peak_parts.values()) == plan.peak_bytes
+    assert (plan.step.peak_phase, plan.step.activations_bytes) == ("backward", 708872)
+    assert plan.step.peak_parts["activations"] == 708872 - 512 - 4 - 4
+    assert plan.step.peak_parts["other"] == 2 * 4 * 16 * 128 * 4 + 12
+    assert sum(plan.step.peak_parts.values()) == plan.step.peak_bytes
 
 
 def test_tables_say_what_was_traced_and_where(tiny_llama_dir, capsys):
@@ -84,8 +84,9 @@ def test_the_training_args_checkpointing_keywords_reach_the_trace(tiny_llama_dir
                                 "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}))
     argv = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--training-args", str(path), "--seq-len", "16",
             "--attn-implementation", "sdpa", "--device-type", "cpu"]
-    step = run_json(argv + ["--json"], capsys)["step"]
-    assert step["checkpointing_kwargs"] == {"use_reentrant": reentrant}
+    document = run_json(argv + ["--json"], capsys)
+    step = document["step"]
+    assert document["settings"]["checkpointing_kwargs"] == {"use_reentrant": reentrant}
     # Reentrant checkpointing holds 21,440 bytes more at this step's peak in backward: each block's
     # recomputed forward keeps its saved tensors until the block's own backward has run (16,384), where
     # the non-reentrant one frees each as it is unpacked, and each block's context keeps its CPU
@@ -140,11 +141,7 @@ def test_a_model_fake_tensors_cannot_run_gets_one_line_and_the_model_states(tmp_
 
 
 def _plan(batch: int, peak: int, activations_peak: int) -> StepMemoryPlan:
-    return StepMemoryPlan(model="m", batch_size=batch, seq_len=1, attn_implementation=None, device_type="cpu",
-                          traced_on="cpu", gradient_checkpointing=False, precision="fp32", optimizer="adamw_torch",
-                          param_dtype="float32",
-                          activations_bytes=activations_peak, activations_peak_bytes=activations_peak,
-                          peak_bytes=peak, peak_phase="backward")
+    return made_step_plan(batch, peak, activations_peak_bytes=activations_peak)
 
 
 @pytest.mark.parametrize("memory,expected", [(999, None), (1000, 6), (1100, 11), (1234, 17), (10**6, 500)])
@@ -162,7 +159,7 @@ def test_max_batch_size_finds_the_largest_batch_of_a_convex_peak(memory, expecte
     brute = max((b for b in range(1, 501) if peak(b) <= memory), default=None)
     assert found == brute == expected
     assert len(traced) == len(set(traced)) <= 12
-    assert [p.batch_size for p in plans] == sorted(traced)
+    assert [p.settings.batch_size for p in plans] == sorted(traced)
 
 
 def test_sharded_setups_trace_the_peak_at_one_moment(tiny_llama_dir):
@@ -173,14 +170,14 @@ def test_sharded_setups_trace_the_peak_at_one_moment(tiny_llama_dir):
                                     world_size=4, sharding="zero3", precision="deepspeed-bf16")
     row = states.optimizers[0]
     # Activations do not depend on the sharding (the trace in 16 bits saves half of fp32's floats).
-    assert plan.activations_bytes is not None and plan.activations_bytes < whole.activations_bytes
-    assert plan.engine == "zero"
-    parts = plan.peak_parts
+    assert plan.step.activations_bytes is not None and plan.step.activations_bytes < whole.step.activations_bytes
+    assert plan.settings.engine == "zero"
+    parts = plan.step.peak_parts
     # The peak is one moment of the traced timeline: its parts sum to it, never a swap of parts.
-    assert sum(parts.values()) == plan.peak_bytes
+    assert sum(parts.values()) == plan.step.peak_bytes
     # DeepSpeed's own states, alive through the step, agree with the model-states plan.
     assert (parts["optimizer_state"], parts["master_weights"]) == (row.optimizer_state_bytes, row.master_weights_bytes)
-    assert not any(note.startswith("peak composed") for note in plan.notes)
+    assert not any(note.startswith("peak composed") for note in plan.step.notes)
 
 
 def test_a_reference_model_is_alive_through_the_step(tiny_llama_dir, capsys):
@@ -220,7 +217,7 @@ def test_qlora_on_the_command_line_is_the_python_plan(tiny_llama_dir, capsys):
                                batch_size=2, seq_len=16, optimizer="adamw_torch", model_states=False, keep_dtypes=True,
                                quantization=Quantization(double_quant=True))
     step = document["step"]
-    assert (step["activations_bytes"], step["peak_bytes"]) == (plan.activations_bytes, plan.peak_bytes)
+    assert (step["activations_bytes"], step["peak_bytes"]) == (plan.step.activations_bytes, plan.step.peak_bytes)
     [note] = [note for note in step["notes"] if "loaded in 4-bit" in note]
     assert note.startswith("14 linear layers loaded in 4-bit (nf4, double quantization)")
 
@@ -237,7 +234,7 @@ def test_8bit_loading_on_the_command_line_is_the_python_plan(tiny_llama_dir, cap
                                quantization=Quantization(bits=8))
     step = document["step"]
     assert step["problem"] is None
-    assert (step["activations_bytes"], step["peak_bytes"]) == (plan.activations_bytes, plan.peak_bytes)
+    assert (step["activations_bytes"], step["peak_bytes"]) == (plan.step.activations_bytes, plan.step.peak_bytes)
     [note] = [note for note in step["notes"] if "loaded in 8-bit" in note]
     assert note.startswith("14 linear layers loaded in 8-bit (LLM.int8)")
 
@@ -265,10 +262,11 @@ def test_zero2_on_several_processes_answers_for_the_fuller_of_the_first_and_last
     base = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
             "--world-size", "4", "--deepspeed", str(config), "--device-type", "cpu", "--json"]
     first, last = (run_json(base + ["--rank", str(rank)], capsys)["step"] for rank in (0, 3))
-    default = run_json(base, capsys)["step"]
+    document = run_json(base, capsys)
+    default = document["step"]
     assert last["peak_bytes"] > first["peak_bytes"]
     assert default["peak_bytes"] == last["peak_bytes"]
-    used = {name: (value, source) for name, value, source in default["settings_used"]}
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
     assert used["rank"] == (3, "default: the fuller of ranks 0 and 3")
     assert f"rank 3 holds the most of ranks 0 and 3 at its peak (rank 0 " in " ".join(default["notes"])
     assert f"({first['peak_bytes']:,})" in " ".join(default["notes"])
@@ -328,8 +326,8 @@ def test_a_training_args_dump_made_with_use_cpu_plans_the_device_asked_for(tiny_
     (tmp_path / "training_args.json").write_text(args.to_json_string())
     document = run_json(["estimate", tiny_llama_dir, "--training-args", str(tmp_path / "training_args.json"),
                          "--seq-len", "8", "--optimizers", "adamw", "--json"], capsys)
-    step = document["step"]
-    assert (step["device_type"], step["precision"], step["batch_size"]) == ("cuda", "autocast-bf16", 4)
-    used = {name: (value, source) for name, value, source in step["settings_used"]}
+    settings = document["settings"]
+    assert (settings["device_type"], settings["precision"], settings["batch_size"]) == ("cuda", "autocast-bf16", 4)
+    used = {name: (value, source) for name, value, source in settings["used"]}
     assert used["gradient_accumulation_steps"] == (8, "training args")
     assert "use_cpu" not in used and used["fsdp_cpu_offload"] == (False, "default")

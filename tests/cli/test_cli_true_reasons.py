@@ -9,7 +9,7 @@ from typing import Any, List
 import pytest
 from transformers import GPT2Config
 
-from helpers import SMALLEST_LLAMA, one_line, smallest_llama, requires_torch, run_estimate, tiny_llama_folder
+from helpers import SMALLEST_LLAMA, made_step_plan, one_line, smallest_llama, requires_torch, run_estimate, tiny_llama_folder
 
 
 llama = smallest_llama
@@ -97,18 +97,18 @@ def test_the_evaluation_plan_answers_fits_after_the_reserve(tiny_llama_dir: str,
             "--device-type", "cpu", "--json"]
     code, out, _ = run(argv, capsys)
     assert code == 0
-    peak = json.loads(out)["evaluation"]["device_peak_bytes"]
+    peak = json.loads(out)["answers"]["evaluation"]["device_peak_bytes"]
     # Memory for the peak and 1,000 bytes more: it fits with no reserve, not with a reserve of 1,001.
     code, out, _ = run(argv + ["--device-memory", f"{peak + 1000}B", "--reserve", "0B"], capsys)
-    assert code == 0 and json.loads(out)["evaluation"]["fits_device"] is True
+    assert code == 0 and json.loads(out)["answers"]["evaluation"]["fits_device"] is True
     code, out, _ = run(argv + ["--device-memory", f"{peak + 1000}B", "--reserve", "1001B"], capsys)
-    evaluation = json.loads(out)["evaluation"]
+    evaluation = json.loads(out)["answers"]["evaluation"]
     assert code == 3
     assert (evaluation["fits_device"], evaluation["reserve_bytes"], evaluation["device_memory_bytes"]) == \
         (False, 1001, peak + 1000)
     # The default reserve is 0B: the memory alone answers.
     code, out, _ = run(argv + ["--device-memory", f"{peak + 1000}B"], capsys)
-    assert code == 0 and json.loads(out)["evaluation"]["reserve_bytes"] == 0
+    assert code == 0 and json.loads(out)["answers"]["evaluation"]["reserve_bytes"] == 0
 
 
 def test_an_evaluation_that_cannot_be_traced_exits_5_not_fits(tmp_path: Any, capsys: Any) -> None:
@@ -116,7 +116,7 @@ def test_an_evaluation_that_cannot_be_traced_exits_5_not_fits(tmp_path: Any, cap
     llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(tmp_path)
     code, out, _ = run([str(tmp_path), "--eval-samples", "8", "--seq-len", "12", "--device-memory", "80GiB",
                         "--json"], capsys)
-    evaluation = json.loads(out)["evaluation"]
+    evaluation = json.loads(out)["answers"]["evaluation"]
     assert evaluation["problem"].startswith("the evaluation forward cannot run under fake tensors (")
     assert evaluation["fits_device"] is None
     assert code == 5
@@ -157,7 +157,7 @@ def test_fsdp_yes_and_1_are_true_as_the_trainer_reads_them(tiny_llama_dir: str, 
     path = write_json(tmp_path / "fsdp.json", {"reshard_after_forward": "yes", "cpu_offload": 1})
     code, out, _ = run([tiny_llama_dir, "--batch-size", "2", "--seq-len", "8", "--world-size", "4", "--fsdp-config",
                         path, "--json"], capsys)
-    used = {name: value for name, value, _ in json.loads(out)["step"]["settings_used"]}
+    used = {name: value for name, value, _ in json.loads(out)["settings"]["used"]}
     assert code == 0
     assert (used["sharding"], used["reshard_after_forward"], used["fsdp_cpu_offload"]) == ("fsdp-full-shard", True, True)
 
@@ -199,7 +199,7 @@ def test_qlora_on_gpt2_loads_its_conv1d_layers_in_4bit(tiny_gpt2_dir: str, capsy
 def test_the_search_limit_is_said_as_at_least(tiny_llama_dir: str, capsys: Any) -> None:
     from trainer_memcb.cli.plan_table import step_tables
     from trainer_memcb.cli.step_answer import StepAnswer
-    from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
+    from trainer_memcb.plan.answers.max_batch import LargestBatch
 
     MAX_BATCH_SEARCH_LIMIT = 1_048_576  # the search goes no further
 
@@ -207,17 +207,13 @@ def test_the_search_limit_is_said_as_at_least(tiny_llama_dir: str, capsys: Any) 
                         "--reserve", "0B", "--device-type", "cpu", "--json"], capsys)
     document = json.loads(out)
     assert code == 0
-    assert (document["max_batch_size"], document["max_batch_size_is_search_limit"]) == (MAX_BATCH_SEARCH_LIMIT, True)
-    assert document["searched"][-1] == {"batch_size": MAX_BATCH_SEARCH_LIMIT, "peak_bytes":
-                                        document["searched"][-1]["peak_bytes"], "fits": True,
-                                        "reserved_peak_bytes": None, "device_total_bytes": None}
-    plan = StepMemoryPlan(model="m", batch_size=MAX_BATCH_SEARCH_LIMIT, seq_len=8, attn_implementation=None,
-                          device_type="cpu", traced_on="cpu", gradient_checkpointing=False, precision="fp32",
-                          optimizer="adamw_torch", param_dtype="float32", activations_bytes=1, activations_peak_bytes=1,
-                          peak_bytes=1,
-                          peak_phase="backward", fits=True)
-    found = StepAnswer(None, search=True, searched=(plan,), max_batch_size=MAX_BATCH_SEARCH_LIMIT,
-                       max_batch_size_is_search_limit=True)
+    largest = document["answers"]["largest_batch"]
+    assert (largest["max_batch_size"], largest["is_search_limit"]) == (MAX_BATCH_SEARCH_LIMIT, True)
+    assert largest["searched"][-1] == {"batch_size": MAX_BATCH_SEARCH_LIMIT, "peak_bytes":
+                                       largest["searched"][-1]["peak_bytes"], "fits": True,
+                                       "reserved_peak_bytes": None, "device_total_bytes": None}
+    plan = made_step_plan(MAX_BATCH_SEARCH_LIMIT, 1, activations_peak_bytes=1, fits=True)
+    found = StepAnswer(None, largest_batch=LargestBatch.of(MAX_BATCH_SEARCH_LIMIT, [plan]))
     [table] = step_tables(found)
     assert table.title == ("Largest per-device batch that fits: at least 1,048,576, the search's limit (it fits; no "
                            "larger batch was tried)")

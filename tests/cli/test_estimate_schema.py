@@ -46,7 +46,7 @@ def test_it_is_a_draft_2020_12_schema_of_this_version():
     schema = estimate_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert ESTIMATE_SCHEMA == "trainer-memcb/estimate/1"
+    assert ESTIMATE_SCHEMA == "trainer-memcb/estimate/2"
     assert [branch["properties"]["schema"] for branch in schema["oneOf"]] == [{"const": ESTIMATE_SCHEMA}] * 4
 
 
@@ -62,11 +62,12 @@ def objects(schema: Any) -> List[Dict[str, Any]]:
 
 def test_every_object_names_each_key_it_requires_and_no_other():
     schema = estimate_schema()
-    assert sorted(schema["$defs"]) == ["EvalMemoryPlan", "EvalSettings", "FitCandidate", "FitSearch", "ModelStatesPlan",
-                                       "OptimizerPlan", "OptimizerWhatIf", "Setup", "StateEstimate", "StepMemoryPlan",
+    assert sorted(schema["$defs"]) == ["DeviceFigures", "EvalMemoryPlan", "EvalSettings", "FitCandidate", "FitSearch",
+                                       "LargestBatch", "ModelStatesPlan", "OptimizerPlan", "OptimizerWhatIf",
+                                       "PlannedSettings", "SearchedBatch", "Setup", "StateEstimate", "StepPeak",
                                        "WhatIf"]
     found = objects(schema)
-    assert len(found) == 11 + 4 + 4  # the $defs, the four documents, a searched batch, --fit's two and eval's fit
+    assert len(found) == 15 + 4 + 2  # the $defs, the four documents, the step's answers and the evaluation's
     for definition in found:
         assert definition["additionalProperties"] is False, definition
         assert set(definition["required"]) <= set(definition["properties"]), definition
@@ -76,10 +77,9 @@ def test_every_object_names_each_key_it_requires_and_no_other():
     assert optional == {
         "ModelStatesPlan": ["cuda_context_bytes", "reserve_bytes"],
         "model-states plan": ["cuda_context_bytes", "reserve_bytes"],
-        "step plan": ["evaluation", "fit", "max_batch_size", "max_batch_size_is_search_limit", "max_batch_size_problem",
-                      "searched", "step"],
-        "the step's search (and the evaluation's)": ["evaluation"],
-        "evaluation plan": ["fit"],
+        "step plan": ["device", "settings", "step"],
+        "answers": ["evaluation", "evaluation_fit", "fit", "fits", "largest_batch", "margin_bytes"],
+        "evaluation answers": ["evaluation_fit"],
     }
 
 
@@ -109,22 +109,23 @@ LLAMA_EVAL = [golden_plans.LLAMA, "--seq-len", "12", "--attn-implementation", "e
      "model-states plan", {"setup", "reserve_bytes", "cuda_context_bytes"}, set()),
     ([golden_plans.DISTILBERT, "--world-size", "2", "--zero", "2"], "model-states plan", {"setup"},
      {"reserve_bytes", "cuda_context_bytes"}),
-    (LLAMA_EVAL + ["--device-memory", "440MiB", "--fit"], "evaluation plan", {"evaluation", "fit"}, {"model_states"}),
+    (LLAMA_EVAL + ["--device-memory", "440MiB", "--fit"], "evaluation plan", {"evaluation", "evaluation_fit"},
+     {"model_states"}),
     (golden_plans.STEP + ["--device-memory", "446MiB", "--fit", "--max-proposals", "2"], "step plan",
-     {"model_states", "step", "fit"}, {"searched", "evaluation"}),
+     {"model_states", "settings", "step", "device", "fits", "margin_bytes", "fit"}, {"largest_batch", "evaluation"}),
     ([golden_plans.DISTILBERT, "--seq-len", "8", "--device-memory", "450MiB", "--max-batch-size"], "step plan",
-     {"model_states", "max_batch_size", "max_batch_size_problem", "max_batch_size_is_search_limit", "searched"},
-     {"fit", "evaluation"}),
+     {"model_states", "largest_batch"}, {"fit", "evaluation", "step", "fits"}),
     # The tiny Llama: transformers 4.57's DistilBERT cannot run its eager evaluation under fake tensors.
-    (golden_plans.LLAMA_STEP + ["--device-type", "cpu"] + LLAMA_EVAL[1:], "step plan", {"model_states", "step", "evaluation"},
-     {"fit", "searched"}),
+    (golden_plans.LLAMA_STEP + ["--device-type", "cpu"] + LLAMA_EVAL[1:], "step plan",
+     {"model_states", "step", "fits", "evaluation"}, {"fit", "largest_batch"}),
 ], ids=["what-if", "model states, memory", "model states", "evaluation, fit", "step, fit", "largest batch",
         "step and evaluation"])
 def test_each_kind_of_document_the_command_prints_now_is_valid(argv: List[str], expected: str, present: set,
                                                                 absent: set):
     document = estimate(argv)
     assert kind(document) == expected
-    assert present <= set(document) and not absent & set(document)
+    keys = set(document) | set(document["answers"]) if "answers" in document else set(document)
+    assert present <= keys and not absent & keys
 
 
 def golden(name: str) -> Dict[str, Any]:
@@ -132,18 +133,24 @@ def golden(name: str) -> Dict[str, Any]:
 
 
 def invalid(document: Any) -> str:
-    """The error that validation gives, said in a line; it must fail."""
+    """The errors that validation gives, each said in a line, the reasons under `oneOf` included; it must fail."""
     errors = list(VALIDATOR.iter_errors(document))
     assert errors, "the document passed"
-    return jsonschema.exceptions.best_match(errors).message
+    lines, pending = [], errors
+    while pending:
+        error = pending.pop()
+        lines.append(error.message)
+        pending.extend(error.context)
+    return "\n".join(lines)
 
 
 def test_a_key_the_schema_does_not_name_fails_anywhere():
     document = golden("evaluation with the step, its fit")
     assert kind(document) == "step plan"
-    for place in (document, document["step"], document["model_states"], document["model_states"]["setup"],
-                  document["model_states"]["optimizers"][0], document["evaluation"], document["evaluation"]["settings"],
-                  document["fit"]["own"], document["fit"]["evaluation"]["candidates"][0]):
+    for place in (document, document["settings"], document["step"], document["device"], document["answers"],
+                  document["model_states"], document["model_states"]["setup"],
+                  document["model_states"]["optimizers"][0], document["answers"]["evaluation"], document["answers"]["evaluation"]["settings"],
+                  document["answers"]["fit"]["own"], document["answers"]["evaluation_fit"]["candidates"][0]):
         place["new_key_bytes"] = 1
         invalid(document)
         del place["new_key_bytes"]
@@ -163,7 +170,10 @@ def test_a_key_left_out_a_wrong_type_or_another_version_fails():
     document["step"]["peak_bytes"] = True  # a JSON boolean is no integer
     invalid(document)
     document = golden("largest batch")
-    del document["searched"]  # --max-batch-size writes its four keys together
+    del document["answers"]["largest_batch"]["searched"]  # the search's answer holds each of its keys
+    invalid(document)
+    document = golden("step, CPU")
+    del document["device"]  # a traced step writes its settings, step and device together
     invalid(document)
     document = golden("evaluation")
     document["schema"] = "trainer-memcb/estimate/0"

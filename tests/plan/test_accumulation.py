@@ -42,8 +42,8 @@ def plan(seq_len=16, **flags):
     deepspeed = flags.pop("deepspeed", None)
     settings = resolve_settings(deepspeed=deepspeed, hidden_size=64, batch_size=2, optimizer="adamw_torch", **flags)
     step, _ = plan_step_memory(build, seq_len=seq_len, settings=settings, device_type="cpu", model_states=False)
-    assert step.problem is None, step.problem
-    assert sum(step.peak_parts.values()) == step.peak_bytes
+    assert step.step.problem is None, step.step.problem
+    assert sum(step.step.peak_parts.values()) == step.step.peak_bytes
     return step
 
 
@@ -56,23 +56,23 @@ def test_the_traced_micro_batches_are_the_first_the_second_and_the_last():
 
 def test_one_process_peaks_in_the_second_micro_batch_with_every_gradient_alive():
     single = plan()
-    assert (single.peak_bytes, single.peak_phase, single.peak_micro_batch) == (2_004_888, "optimizer step", None)
-    assert (single.gradient_accumulation_steps, single.micro_batch_peak_bytes) == (1, [])
+    assert (single.step.peak_bytes, single.step.peak_phase, single.step.peak_micro_batch) == (2_004_888, "optimizer step", None)
+    assert (single.settings.gradient_accumulation_steps, single.step.micro_batch_peak_bytes) == (1, [])
     two, four = plan(gradient_accumulation_steps=2), plan(gradient_accumulation_steps=4)
     # The first micro-batch is the step without accumulation (its forward and backward, the
     # optimizer state alive); the second and every later one holds every gradient beside it.
-    assert two.micro_batch_peak_bytes == [[1, 1_849_248 + MICRO_BATCH], [2, 2_270_752 + MICRO_BATCH]]
-    assert four.micro_batch_peak_bytes == [[1, 1_849_248 + 3 * MICRO_BATCH], [2, 2_270_752 + 3 * MICRO_BATCH],
+    assert two.step.micro_batch_peak_bytes == [[1, 1_849_248 + MICRO_BATCH], [2, 2_270_752 + MICRO_BATCH]]
+    assert four.step.micro_batch_peak_bytes == [[1, 1_849_248 + 3 * MICRO_BATCH], [2, 2_270_752 + 3 * MICRO_BATCH],
                                            [4, 2_270_752 + 3 * MICRO_BATCH]]
-    assert single.forward_backward_peak_bytes == 1_849_248
+    assert single.step.forward_backward_peak_bytes == 1_849_248
     for step, others in ((two, 1), (four, 3)):
-        assert (step.peak_bytes, step.peak_phase, step.peak_micro_batch) == (2_270_752 + others * MICRO_BATCH,
+        assert (step.step.peak_bytes, step.step.peak_phase, step.step.peak_micro_batch) == (2_270_752 + others * MICRO_BATCH,
                                                                              "backward", 2)
-        assert step.peak_parts["gradients"] == GRADIENTS
+        assert step.step.peak_parts["gradients"] == GRADIENTS
         # Every micro-batch's batch (the running one's input_ids, saved for backward, are
         # activations then) and the model's buffers (64 bytes).
-        assert step.peak_parts["batch_and_buffers"] == 2 * 256 + others * MICRO_BATCH + 64
-    assert four.optimizer_step_peak_bytes == single.optimizer_step_peak_bytes + 3 * MICRO_BATCH
+        assert step.step.peak_parts["batch_and_buffers"] == 2 * 256 + others * MICRO_BATCH + 64
+    assert four.step.optimizer_step_peak_bytes == single.step.optimizer_step_peak_bytes + 3 * MICRO_BATCH
 
 
 def test_ddp_accumulates_beside_its_buckets_with_or_without_the_bucket_view():
@@ -80,20 +80,20 @@ def test_ddp_accumulates_beside_its_buckets_with_or_without_the_bucket_view():
     # buckets until the last micro-batch copies them in (the view then makes them the buckets).
     plain = plan(world_size=2, sharding="ddp", gradient_accumulation_steps=2)
     view = plan(world_size=2, sharding="ddp", gradient_as_bucket_view=True, gradient_accumulation_steps=2)
-    assert plain.peak_bytes == view.peak_bytes == 2_730_784 + MICRO_BATCH
-    assert plan(world_size=2, sharding="ddp", gradient_as_bucket_view=True).peak_bytes == 2_270_752
-    assert plain.peak_micro_batch == view.peak_micro_batch == 2
-    assert view.peak_parts["gradients"] == 2 * GRADIENTS  # the buckets and the gradients beside them
+    assert plain.step.peak_bytes == view.step.peak_bytes == 2_730_784 + MICRO_BATCH
+    assert plan(world_size=2, sharding="ddp", gradient_as_bucket_view=True).step.peak_bytes == 2_270_752
+    assert plain.step.peak_micro_batch == view.step.peak_micro_batch == 2
+    assert view.step.peak_parts["gradients"] == 2 * GRADIENTS  # the buckets and the gradients beside them
 
 
 @requires_torch("2.13", "the FSDP2 plan needs torch 2.13's fake collectives (tests/plan/test_engines.py)")
 def test_fsdp2_keeps_the_first_micro_batchs_gradients_unsharded():
     single = plan(world_size=2, sharding="fsdp-full-shard")
     step = plan(world_size=2, sharding="fsdp-full-shard", gradient_accumulation_steps=2)
-    assert (single.peak_bytes, step.peak_bytes, step.peak_micro_batch) == (1_621_792, 1_966_880 + MICRO_BATCH, 2)
+    assert (single.step.peak_bytes, step.step.peak_bytes, step.step.peak_micro_batch) == (1_621_792, 1_966_880 + MICRO_BATCH, 2)
     # The first micro-batch reduce-scatters nothing (set_requires_gradient_sync(False)).
-    assert step.micro_batch_peak_bytes == [[1, 1_589_024 + MICRO_BATCH], [2, 1_966_880 + MICRO_BATCH]]
-    assert step.peak_parts["unsharded_gradients"] == GRADIENTS
+    assert step.step.micro_batch_peak_bytes == [[1, 1_589_024 + MICRO_BATCH], [2, 1_966_880 + MICRO_BATCH]]
+    assert step.step.peak_parts["unsharded_gradients"] == GRADIENTS
 
 
 @pytest.mark.parametrize("stage, single, accumulating, micro_batch", [
@@ -106,10 +106,10 @@ def test_zero_keeps_the_gradients_between_micro_batches_its_way(stage, single, a
               "zero_optimization": dict(AUTO_ZERO if stage == 3 else {"reduce_bucket_size": "auto"}, stage=stage,
                                         overlap_comm=stage == 3)}
     step = plan(seq_len=64, world_size=2, deepspeed=config)
-    assert (step.gradient_accumulation_steps, step.peak_bytes, step.peak_micro_batch) == (2, accumulating, micro_batch)
-    assert plan(seq_len=64, world_size=2, deepspeed=dict(config, gradient_accumulation_steps=1)).peak_bytes == single
+    assert (step.settings.gradient_accumulation_steps, step.step.peak_bytes, step.step.peak_micro_batch) == (2, accumulating, micro_batch)
+    assert plan(seq_len=64, world_size=2, deepspeed=dict(config, gradient_accumulation_steps=1)).step.peak_bytes == single
     if stage == 2:
-        assert step.peak_parts["gradients"] == 230_144  # rank 0's partition (its gradients' values)
+        assert step.step.peak_parts["gradients"] == 230_144  # rank 0's partition (its gradients' values)
 
 
 def test_the_accumulation_is_read_from_the_trainers_arguments_and_the_deepspeed_config():
@@ -132,9 +132,11 @@ def test_the_command_line_flag(tiny_llama_dir, capsys):
     common = ["estimate", tiny_llama_dir, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
               "--attn-implementation", "sdpa", "--device-type", "cpu"]
     assert main(common + ["--gradient-accumulation-steps", "4", "--json"]) == 0
-    step = json.loads(capsys.readouterr().out)["step"]
-    assert (step["gradient_accumulation_steps"], step["peak_micro_batch"], step["peak_bytes"]) == (4, 2, 2_270_752 + 3 * MICRO_BATCH)
-    assert ["gradient_accumulation_steps", 4, "flag"] in step["settings_used"]
+    document = json.loads(capsys.readouterr().out)
+    settings, step = document["settings"], document["step"]
+    assert (settings["gradient_accumulation_steps"], step["peak_micro_batch"], step["peak_bytes"]) == \
+        (4, 2, 2_270_752 + 3 * MICRO_BATCH)
+    assert ["gradient_accumulation_steps", 4, "flag"] in settings["used"]
     assert main(common + ["--gradient-accumulation-steps", "4"]) == 0
     assert "in the backward of micro-batch 2 of 4" in capsys.readouterr().out
     for bad in ("0", "-2", "two"):
@@ -155,5 +157,5 @@ def test_zero2_with_offload_accumulates_in_host_buffers_of_the_partitions_parame
     # `accumulated_grads_in_cpu`: each of rank 0's partition's parameters whole (230,144 bytes), on
     # the host; the device's peak is the same but for the second micro-batch's batch (the gradients
     # leave for the host as they are reduced).
-    assert step.host_bytes["offload_buffers"] - single.host_bytes["offload_buffers"] == 230_144
-    assert (single.peak_bytes, step.peak_bytes) == (2_214_732, 2_214_732 + MICRO_BATCH_64)
+    assert step.step.host_bytes["offload_buffers"] - single.step.host_bytes["offload_buffers"] == 230_144
+    assert (single.step.peak_bytes, step.step.peak_bytes) == (2_214_732, 2_214_732 + MICRO_BATCH_64)

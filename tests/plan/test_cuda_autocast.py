@@ -271,7 +271,7 @@ def _tiny_plan(kind: str, attn: str, precision: str, ckpt: bool) -> Any:
     plan, _ = plan_step_memory(build, batch_size=2, seq_len=16, precision=precision,
                                attn_implementation=attn, gradient_checkpointing=ckpt, model_states=False,
                                device_type="cpu")
-    assert plan.problem is None
+    assert plan.step.problem is None
     return plan
 
 
@@ -284,8 +284,8 @@ def test_the_kernels_given_cpus_own_lists_plan_what_cpu_autocast_plans(monkeypat
     monkeypatch.setattr(trace, "autocast_policy_for", lambda device_type: cpu_autocast_table())
     emulated = _tiny_plan(kind, attn, precision, ckpt)
     assert emulated.to_dict() == real.to_dict()
-    assert real.activations_bytes > 0
+    assert real.step.activations_bytes > 0
     monkeypatch.setattr(trace, "autocast_policy_for", lambda device_type: cuda_autocast_policy())
     as_on_cuda = _tiny_plan(kind, attn, precision, ckpt)
     if kind == "bert" and attn == "eager":  # the fp32 softmax, saved, and its fp32 dropout
-        assert as_on_cuda.activations_bytes > real.activations_bytes
+        assert as_on_cuda.step.activations_bytes > real.step.activations_bytes

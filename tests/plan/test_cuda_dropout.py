@@ -81,4 +81,4 @@ def test_a_cuda_plan_saves_three_bytes_less_per_dropped_fp32_element() -> None:
     tokens = BATCH * SEQ * HIDDEN
     dropped = tokens + LAYERS * (BATCH * HEADS * SEQ * SEQ + 2 * tokens) + BATCH * HIDDEN
     assert dropped == 9280
-    assert plans["cpu"].activations_bytes - plans["cuda"].activations_bytes == 3 * dropped
+    assert plans["cpu"].step.activations_bytes - plans["cuda"].step.activations_bytes == 3 * dropped

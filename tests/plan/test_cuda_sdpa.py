@@ -47,7 +47,7 @@ def plan(build: Callable[[], torch.nn.Module], device_type: str, **options: Any)
     settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch")
     step, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type=device_type, model_states=False,
                                **options)
-    assert step.problem is None, step.problem
+    assert step.step.problem is None, step.step.problem
     return step
 
 
@@ -92,7 +92,7 @@ def test_memory_efficient_saves_its_logsumexp_padded_to_32_rows():
     # fp32 on an A100: memory-efficient (flash takes 16-bit only). Each layer's logsumexp, float32
     # [2, 4, 16] on the CPU, is [2, 4, 32] there: 512 bytes more per layer.
     cuda, cpu = plan(llama, "cuda"), plan(llama, "cpu")
-    assert cuda.activations_bytes - cpu.activations_bytes == LAYERS * BATCH * HEADS * (32 - SEQ) * 4 == 1024
+    assert cuda.step.activations_bytes - cpu.step.activations_bytes == LAYERS * BATCH * HEADS * (32 - SEQ) * 4 == 1024
 
 
 def test_flash_backward_holds_its_workspace_while_it_runs():
@@ -119,5 +119,5 @@ def test_attention_dropout_saves_no_probabilities_on_the_gpu():
     # The CPU refuses its flash kernel under dropout and saves the probabilities and the dropout's
     # mask ([2, 4, 16, 16] each, per layer); a GPU's fused kernel draws the dropout from a seed.
     with_dropout, without = plan(bert(0.1), "cuda"), plan(bert(0.0), "cuda")
-    assert with_dropout.activations_bytes == without.activations_bytes
-    assert plan(bert(0.1), "cpu").activations_bytes > plan(bert(0.0), "cpu").activations_bytes
+    assert with_dropout.step.activations_bytes == without.step.activations_bytes
+    assert plan(bert(0.1), "cpu").step.activations_bytes > plan(bert(0.0), "cpu").step.activations_bytes

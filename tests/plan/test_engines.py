@@ -43,8 +43,8 @@ def buffers_beyond_transformers_5s():
 
 def plan_with(settings):
     plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
-    assert plan.problem is None, plan.problem
-    assert sum(plan.peak_parts.values()) == plan.peak_bytes  # one moment: the parts sum to the peak
+    assert plan.step.problem is None, plan.step.problem
+    assert sum(plan.step.peak_parts.values()) == plan.step.peak_bytes  # one moment: the parts sum to the peak
     return plan
 
 
@@ -56,12 +56,12 @@ def test_fsdp2_peak_equals_fsdp_memtracker_on_the_same_fake_step(sharding, repli
                                 optimizer="adamw_torch")
     plan = plan_with(settings)
     tracker = fsdp_memtracker_peak(build, settings, BATCH, SEQ)
-    assert plan.engine == "fsdp2"
+    assert plan.settings.engine == "fsdp2"
     # The same moment, the same bytes: the tracker's total and the plan's differ only by the
     # 0-dim num_items_in_batch the plan passes as the Trainer does (4 bytes), which the tracker's
     # step makes inside its own window too but files among the inputs it was not told of.
-    assert abs(plan.peak_bytes - tracker["Total"]) <= 4, (plan.peak_bytes, tracker)
-    parts = plan.peak_parts
+    assert abs(plan.step.peak_bytes - tracker["Total"]) <= 4, (plan.step.peak_bytes, tracker)
+    parts = plan.step.peak_parts
     assert parts["unsharded_parameters"] == tracker["_FSDPRefType.UNSHARDED_PARAM"]
     assert parts["engine_buffers"] == tracker["_FSDPRefType.ALL_GATHER"] + tracker["_FSDPRefType.REDUCE_SCATTER"]
     assert parts["optimizer_state"] == tracker["_FSDPRefType.OPT"]
@@ -76,9 +76,9 @@ def test_fsdp2_offload_leaves_the_host_s_parts_out_of_the_device_s_peak():
     plan = plan_with(settings)  # the parts, the host's left out, sum to the peak
     alone = plan_with(resolve_settings(world_size=2, sharding="fsdp-full-shard", batch_size=BATCH,
                                        optimizer="adamw_torch"))
-    assert set(plan.host_bytes) == {"parameters", "gradients", "optimizer_state"}
-    assert plan.host_bytes["optimizer_state"] == alone.peak_parts["optimizer_state"]
-    assert not {"parameters", "gradients", "optimizer_state"} & {k for k, v in plan.peak_parts.items() if v}
+    assert set(plan.step.host_bytes) == {"parameters", "gradients", "optimizer_state"}
+    assert plan.step.host_bytes["optimizer_state"] == alone.step.peak_parts["optimizer_state"]
+    assert not {"parameters", "gradients", "optimizer_state"} & {k for k, v in plan.step.peak_parts.items() if v}
 
 
 def test_a_torch_without_the_fake_collective_is_named_as_the_reason():
@@ -86,9 +86,9 @@ def test_a_torch_without_the_fake_collective_is_named_as_the_reason():
     settings = resolve_settings(world_size=4, sharding="fsdp-full-shard", batch_size=BATCH, optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
     if installed_version("torch") >= (2, 13):
-        assert plan.problem is None
+        assert plan.step.problem is None
     else:
-        assert plan.problem == (f"the step cannot run under fake tensors (this torch ({torch.__version__}) has no "
+        assert plan.step.problem == (f"the step cannot run under fake tensors (this torch ({torch.__version__}) has no "
                                 "fake kernel for the collective c10d._allgather_base_.default, which the "
                                 "fsdp-full-shard step runs; torch 2.13 has one)")
 
@@ -102,17 +102,17 @@ def test_fsdp2_under_the_trainers_bf16_gathers_bf16_parameters_from_fp32_shards(
                                       optimizer="adamw_torch"))
     fp32 = plan_with(resolve_settings(world_size=4, sharding="fsdp-full-shard", batch_size=BATCH,
                                       optimizer="adamw_torch"))
-    assert (bf16.engine, bf16.precision) == ("fsdp2", "autocast-bf16")
+    assert (bf16.settings.engine, bf16.settings.precision) == ("fsdp2", "autocast-bf16")
     # The shards and AdamW's state stay fp32; the all-gather buffer (a layer's 41,088 values) and
     # the gathered parameters (the root's 32,832 values and a layer's) are bf16, half the fp32 row's.
-    assert (bf16.peak_parts["parameters"], bf16.peak_parts["optimizer_state"]) == (NUMEL, 230_100)
-    assert (fp32.peak_parts["engine_buffers"], bf16.peak_parts["engine_buffers"]) == (4 * 41_088, 2 * 41_088)
-    assert (fp32.peak_parts["unsharded_parameters"], bf16.peak_parts["unsharded_parameters"]) == (
+    assert (bf16.step.peak_parts["parameters"], bf16.step.peak_parts["optimizer_state"]) == (NUMEL, 230_100)
+    assert (fp32.step.peak_parts["engine_buffers"], bf16.step.peak_parts["engine_buffers"]) == (4 * 41_088, 2 * 41_088)
+    assert (fp32.step.peak_parts["unsharded_parameters"], bf16.step.peak_parts["unsharded_parameters"]) == (
         4 * (32_832 + 41_088), 2 * (32_832 + 41_088))
-    assert bf16.peak_bytes == 828_512
+    assert bf16.step.peak_bytes == 828_512
     assert any(note.startswith("FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16)")
-               for note in bf16.notes), bf16.notes
-    assert not any("MixedPrecisionPolicy" in note for note in fp32.notes)
+               for note in bf16.step.notes), bf16.step.notes
+    assert not any("MixedPrecisionPolicy" in note for note in fp32.step.notes)
 
 
 def test_ddp_buckets_are_a_second_copy_of_the_gradients_unless_they_are_the_gradients():
@@ -120,14 +120,14 @@ def test_ddp_buckets_are_a_second_copy_of_the_gradients_unless_they_are_the_grad
     view = plan_with(resolve_settings(world_size=2, sharding="ddp", gradient_as_bucket_view=True, batch_size=BATCH,
                                       optimizer="adamw_torch"))
     single = plan_with(resolve_settings(batch_size=BATCH, optimizer="adamw_torch"))
-    assert beside.engine == view.engine == "ddp"
+    assert beside.settings.engine == view.settings.engine == "ddp"
     # gradient_as_bucket_view=False: the buckets (4 bytes x every trainable value) beside .grad.
-    assert beside.peak_parts["engine_buffers"] == 4 * NUMEL
-    assert beside.peak_bytes == single.peak_bytes + 4 * NUMEL
+    assert beside.step.peak_parts["engine_buffers"] == 4 * NUMEL
+    assert beside.step.peak_bytes == single.step.peak_bytes + 4 * NUMEL
     # True: the buckets are the gradients, alive from the wrapping on; at the backward's peak the
     # head's fresh gradient (256 x 64 values) is beside them, until it is copied into its view.
-    assert "engine_buffers" not in view.peak_parts or view.peak_parts["engine_buffers"] == 0
-    assert view.peak_parts["gradients"] == 4 * NUMEL + 256 * 64 * 4
+    assert "engine_buffers" not in view.step.peak_parts or view.step.peak_parts["engine_buffers"] == 0
+    assert view.step.peak_parts["gradients"] == 4 * NUMEL + 256 * 64 * 4
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, False), (2, True), (3, True)])
@@ -139,13 +139,13 @@ def test_zero_states_and_buffers_from_the_deepspeed_config(stage, overlap):
     settings = resolve_settings(deepspeed=ds, world_size=2, hidden_size=64, batch_size=BATCH, optimizer="adamw_torch")
     assert settings.zero["reduce_bucket_size"] == 64 * 64  # the Trainer's "auto": hidden_size squared
     plan = plan_with(settings)
-    parts = plan.peak_parts
-    assert plan.engine == "zero"
+    parts = plan.step.peak_parts
+    assert plan.settings.engine == "zero"
     # fp32 master partition: half of the 115,008 values on each of two ranks; AdamW's two moments of
     # it and one 4-byte step per param group (decay, no decay).
     assert parts["master_weights"] == 4 * NUMEL // 2
     assert parts["optimizer_state"] == 2 * 4 * NUMEL // 2 + 2 * 4
-    assert plan.peak_phase == "optimizer step"
+    assert plan.step.peak_phase == "optimizer step"
     # ZeRO-1/2 drop their reduce buckets at the end of backward (_release_ipg_buffers), so none is
     # alive at the step; ZeRO-3 keeps its one (made at init) throughout.
     buckets = 64 * 64 * 2 if stage == 3 else 0  # bf16 values
@@ -227,11 +227,11 @@ def test_plan_step_memory_reads_the_trainers_arguments_and_explicit_arguments_wi
     args = TrainingArguments("unused", report_to=[], per_device_train_batch_size=3, optim="adamw_torch",
                              max_grad_norm=0.0)
     plan, _ = plan_step_memory(build, seq_len=SEQ, args=args, device_type="cpu", model_states=False)
-    used = {name: (value, source) for name, value, source in plan.settings_used}
-    assert plan.batch_size == 3 and used["batch_size"] == (3, "training args")
+    used = {name: (value, source) for name, value, source in plan.settings.used}
+    assert plan.settings.batch_size == 3 and used["batch_size"] == (3, "training args")
     assert used["optimizer"] == ("adamw_torch", "training args") and used["max_grad_norm"] == (0.0, "training args")
     plan, _ = plan_step_memory(build, seq_len=SEQ, args=args, batch_size=1, device_type="cpu", model_states=False)
-    assert plan.batch_size == 1 and dict((n, s) for n, _, s in plan.settings_used)["batch_size"] == "flag"
+    assert plan.settings.batch_size == 1 and dict((n, s) for n, _, s in plan.settings.used)["batch_size"] == "flag"
 
 
 # The model-states table of a step plan, per engine: each state's most during the step and its
@@ -292,16 +292,16 @@ def test_the_model_states_table_of_a_step_is_each_states_most_during_that_engine
     given, most, at_step = STATES_CASES[name]
     settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch", **given)
     plan, rules = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu")
-    assert plan.problem is None and not hasattr(plan, "transient_bytes")
+    assert plan.step.problem is None and not hasattr(plan, "transient_bytes")
     zero = name.startswith("zero")
     # AdamW's two fp32 moments and a 4-byte step per tensor (21; ZeRO: per flat partition, 2) of
     # what this process steps over; ZeRO's fp32 master partition, half of the values.
     shards = {"fsdp-full-shard": 4, "fsdp-shard-grad-op": 4}.get(name, 2 if zero else 1)
     expected = dict(most, optimizer_state=8 * NUMEL // shards + 4 * (2 if zero else 21),
                     master_weights=4 * NUMEL // 2 if zero else 0)
-    assert plan.model_states_most_bytes == expected
-    assert plan.model_states_host_bytes == dict.fromkeys(MODEL_STATES, 0)
-    assert plan.model_states_at_optimizer_step_bytes == dict(expected, **at_step)
+    assert plan.step.model_states_most_bytes == expected
+    assert plan.step.model_states_host_bytes == dict.fromkeys(MODEL_STATES, 0)
+    assert plan.step.model_states_at_optimizer_step_bytes == dict(expected, **at_step)
     # The peak's parts, each in its state, never exceed the table's figures; a peak in the optimizer
     # step is the table's figures at the optimizer step, to the byte.
     peak = dict.fromkeys(MODEL_STATES, 0)
@@ -309,18 +309,18 @@ def test_the_model_states_table_of_a_step_is_each_states_most_during_that_engine
                         ("gradients", "gradients"), ("unsharded_gradients", "gradients"),
                         ("fp32_gradients", "gradients"), ("optimizer_state", "optimizer_state"),
                         ("master_weights", "master_weights")):
-        peak[state] += plan.peak_parts.get(part, 0)
-    buffers = plan.peak_parts.get("engine_buffers", 0)  # FSDP2's forward peak: one all-gather buffer
+        peak[state] += plan.step.peak_parts.get(part, 0)
+    buffers = plan.step.peak_parts.get("engine_buffers", 0)  # FSDP2's forward peak: one all-gather buffer
     peak["parameters" if name.startswith("fsdp") else "gradients"] += buffers
     assert all(peak[state] <= expected[state] for state in MODEL_STATES), (peak, expected)
-    if plan.peak_phase == "optimizer step":
-        assert peak == plan.model_states_at_optimizer_step_bytes
+    if plan.step.peak_phase == "optimizer step":
+        assert peak == plan.step.model_states_at_optimizer_step_bytes
     # The table's row: those figures, their sum, the device's share, fits? from them.
     [row] = states_during_step(rules, plan).optimizers
     assert (row.params_bytes, row.grads_bytes, row.optimizer_state_bytes, row.master_weights_bytes) == tuple(
         expected[state] for state in MODEL_STATES)
     assert row.model_states_bytes == row.device_bytes == sum(expected.values()) and row.cpu_bytes == 0
-    assert (row.engine, row.transient_bytes) == (plan.engine, {})
+    assert (row.engine, row.transient_bytes) == (plan.settings.engine, {})
     table = plan_tables(states_during_step(rules, plan))[1]
     cell = table.rows[0][2]
     if "gradients" in at_step:
@@ -340,9 +340,9 @@ def test_the_model_states_table_of_an_offloaded_fsdp2_step_puts_the_shards_on_th
     # On the host: the shards, their gradients and the state; on the device what FSDP2 gathers
     # (as the full shard's row above, less the shards) and the unsharded gradients with the
     # reduce-scatter input.
-    assert plan.model_states_host_bytes == dict(parameters=NUMEL, gradients=NUMEL, optimizer_state=230_100,
+    assert plan.step.model_states_host_bytes == dict(parameters=NUMEL, gradients=NUMEL, optimizer_state=230_100,
                                                 master_weights=0)
-    assert plan.model_states_most_bytes == dict(parameters=131_328 + 3 * 164_352,
+    assert plan.step.model_states_most_bytes == dict(parameters=131_328 + 3 * 164_352,
                                                 gradients=2 * 164_352 + 65_792, optimizer_state=0, master_weights=0)
     [row] = states_during_step(rules, plan).optimizers
     assert (row.cpu_bytes, row.device_bytes) == (2 * NUMEL + 230_100, 131_328 + 3 * 164_352 + 2 * 164_352 + 65_792)
@@ -369,7 +369,7 @@ def test_zero2_offload_keeps_its_partitions_and_staging_on_the_host_and_the_peak
                                 "offload_optimizer": {"device": "cpu"}}}
     settings = resolve_settings(deepspeed=ds, world_size=2, hidden_size=64, batch_size=BATCH, optimizer="adamw_torch")
     plan = plan_with(settings)
-    assert plan.host_bytes == {"master_weights": 4 * NUMEL // 2, "optimizer_state": 2 * 4 * NUMEL // 2 + 2 * 4,
+    assert plan.step.host_bytes == {"master_weights": 4 * NUMEL // 2, "optimizer_state": 2 * 4 * NUMEL // 2 + 2 * 4,
                                "fp32_gradients": 4 * NUMEL // 2, "offload_buffers": 2 * NUMEL // 2 + 32_768}
     # The optimizer steps on the host, its temporaries there too: the device's peak is in backward,
     # where the bf16 parameters, the activations and the device staging buffer (32,768) meet the
@@ -377,12 +377,12 @@ def test_zero2_offload_keeps_its_partitions_and_staging_on_the_host_and_the_peak
     # bucket (8,192) is not there yet: DeepSpeed makes it at the first gradient's hook
     # (`process_gradients` → `setup_buckets`), made at the start of backward it was (553,036, now
     # 544,844).
-    assert plan.peak_phase == "backward"
+    assert plan.step.peak_phase == "backward"
     buffers = buffers_beyond_transformers_5s()
-    assert plan.peak_bytes == plan.forward_backward_peak_bytes == 544_844 + buffers > plan.optimizer_step_peak_bytes
-    assert plan.peak_parts["parameters"] == 2 * NUMEL and plan.peak_parts["engine_buffers"] == 32_768
-    assert plan.peak_parts["other"] >= 2 * 32_768
-    assert not set(plan.host_bytes) & set(plan.peak_parts)
+    assert plan.step.peak_bytes == plan.step.forward_backward_peak_bytes == 544_844 + buffers > plan.step.optimizer_step_peak_bytes
+    assert plan.step.peak_parts["parameters"] == 2 * NUMEL and plan.step.peak_parts["engine_buffers"] == 32_768
+    assert plan.step.peak_parts["other"] >= 2 * 32_768
+    assert not set(plan.step.host_bytes) & set(plan.step.peak_parts)
 
 
 def test_zero3_offload_counts_the_16_bit_partitions_where_deepspeed_makes_them():
@@ -399,14 +399,14 @@ def test_zero3_offload_counts_the_16_bit_partitions_where_deepspeed_makes_them()
 
     both, optimizer_only = zero3(True), zero3(False)
     partition = 4 * NUMEL // 2
-    assert optimizer_only.host_bytes["offload_buffers"] == partition  # the 16-bit gradient partition
-    assert both.host_bytes["offload_buffers"] == 2 * partition  # and the parameters' partitions
+    assert optimizer_only.step.host_bytes["offload_buffers"] == partition  # the 16-bit gradient partition
+    assert both.step.host_bytes["offload_buffers"] == 2 * partition  # and the parameters' partitions
     buffers = buffers_beyond_transformers_5s()
-    assert both.peak_bytes == optimizer_only.peak_bytes - partition == 906_956 + buffers
+    assert both.step.peak_bytes == optimizer_only.step.peak_bytes - partition == 906_956 + buffers
     # The model-states table files the host's partitions under their states.
-    assert both.model_states_host_bytes["parameters"] == partition
-    assert both.model_states_host_bytes["gradients"] == optimizer_only.model_states_host_bytes["gradients"] == 2 * partition
+    assert both.step.model_states_host_bytes["parameters"] == partition
+    assert both.step.model_states_host_bytes["gradients"] == optimizer_only.step.model_states_host_bytes["gradients"] == 2 * partition
     # The same storages at the same moment, filed by where they live (on the CPU, one memory: the
     # real run of the pair reads their sum, tests/training/test_zero_runs_more.py).
-    assert both.peak_bytes + sum(both.host_bytes.values()) == \
-        optimizer_only.peak_bytes + sum(optimizer_only.host_bytes.values()) == 2_287_060 + buffers
+    assert both.step.peak_bytes + sum(both.step.host_bytes.values()) == \
+        optimizer_only.step.peak_bytes + sum(optimizer_only.step.host_bytes.values()) == 2_287_060 + buffers

@@ -60,9 +60,9 @@ def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointi
     plain, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
     with counting_flops():
         counted, _ = plan_step_memory(build, seq_len=32, settings=settings, device_type="cpu", model_states=False)
-    assert counted.problem is None
-    assert (counted.peak_bytes, counted.peak_parts, counted.activations_peak_bytes) == \
-        (plain.peak_bytes, plain.peak_parts, plain.activations_peak_bytes)
+    assert counted.step.problem is None
+    assert (counted.step.peak_bytes, counted.step.peak_parts, counted.step.activations_peak_bytes) == \
+        (plain.step.peak_bytes, plain.step.peak_parts, plain.step.activations_peak_bytes)
     # 4 x 32 = 128 tokens through 98,304 linear weights (2 layers x 40,960 and the 16,384 of the head):
     # 2 x 128 x 98,304 = 25,165,824 forward, twice that backward (the inputs' and the weights'
     # gradients), and the CPU flash attention, 2,097,152 forward and 5,242,880 backward. With
@@ -99,12 +99,12 @@ def test_a_step_traced_again_for_another_allocator_is_answered_from_the_first_tr
             counted = [plan_step_memory(build, seq_len=32, settings=settings, model_states=False)[0] for _ in range(2)]
         assert len(traced) == 3 and counted[0].timeline is counted[1].timeline
         assert counted[0].timeline.flops > 0 and plans[0].timeline.flops is None
-        assert counted[0].peak_bytes == plans[0].peak_bytes
+        assert counted[0].step.peak_bytes == plans[0].step.peak_bytes
     traced.clear()
     assert plans[0].timeline is plans[1].timeline is plans[2].timeline is not other.timeline
-    assert len({plan.peak_bytes for plan in plans}) == 1
-    assert (plans[0].alloc_conf, plans[1].alloc_conf) == ("", "expandable_segments:True")
-    assert (plans[0].margin_bytes, plans[2].margin_bytes) == (plans[2].margin_bytes - 2**30, plans[2].margin_bytes)
+    assert len({plan.step.peak_bytes for plan in plans}) == 1
+    assert (plans[0].device.alloc_conf, plans[1].device.alloc_conf) == ("", "expandable_segments:True")
+    assert (plans[0].verdict.margin_bytes, plans[2].verdict.margin_bytes) == (plans[2].verdict.margin_bytes - 2**30, plans[2].verdict.margin_bytes)
     # Outside the block every plan traces its step.
     plan_step_memory(build, seq_len=32, settings=settings, model_states=False)
     assert len(traced) == 1
@@ -118,7 +118,7 @@ def test_the_own_setting_and_each_proposal_are_planned_by_the_same_trace(searche
         assert candidate.effective_batch == 16  # batch x accumulation x processes kept
         settings = resolve_settings(candidate.training_args)
         plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
-        assert plan.peak_bytes == candidate.peak_bytes, candidate.label
+        assert plan.step.peak_bytes == candidate.peak_bytes, candidate.label
         assert candidate.fits == (candidate.peak_bytes <= LIMIT)
         assert candidate.margin_bytes == LIMIT - candidate.peak_bytes
     kinds = {tuple(sorted(c.changes)) for c in searched.candidates}
@@ -143,7 +143,7 @@ def test_fit_batch_size_keeps_the_effective_batch():
     assert found.own_peak_bytes == OWN_PEAK and found.peak_bytes <= LIMIT
     settings = resolve_settings(dict(OWN, per_device_train_batch_size=8, gradient_accumulation_steps=2))
     above, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
-    assert above.peak_bytes > LIMIT  # the next larger batch does not fit
+    assert above.step.peak_bytes > LIMIT  # the next larger batch does not fit
     with pytest.raises(ValueError, match="reserve_bytes"):
         fit_batch_size(build, OWN, seq_len=SEQ, device_memory=LIMIT, reserve_bytes=LIMIT)
 
@@ -206,7 +206,7 @@ def real_step_peak(training_args: Dict[str, Any]) -> Tuple[int, int]:
 def _accumulation_planned() -> bool:
     one = resolve_settings(dict(OWN, per_device_train_batch_size=4, gradient_accumulation_steps=1))
     four = resolve_settings(dict(OWN, per_device_train_batch_size=4, gradient_accumulation_steps=4))
-    planned = [plan_step_memory(build, seq_len=SEQ, settings=s, device_type="cpu", model_states=False)[0].peak_bytes
+    planned = [plan_step_memory(build, seq_len=SEQ, settings=s, device_type="cpu", model_states=False)[0].step.peak_bytes
                for s in (one, four)]
     return planned[0] != planned[1]
 

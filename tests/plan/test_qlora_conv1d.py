@@ -63,5 +63,5 @@ def test_a_gpt2_qlora_step_traces_its_base_in_4bit() -> None:
 
     plan, _ = plan_step_memory(build, batch_size=2, seq_len=8, optimizer="adamw_torch", model_states=False,
                                device_type="cpu", quantization=Quantization())
-    assert plan.problem is None
-    assert any(note.startswith("8 linear layers loaded in 4-bit (nf4)") for note in plan.notes)
+    assert plan.step.problem is None
+    assert any(note.startswith("8 linear layers loaded in 4-bit (nf4)") for note in plan.step.notes)

@@ -210,7 +210,7 @@ def plan_of(kind: str, dtype: torch.dtype, attn: str = None, ckpt: bool = False,
     plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=B, 
         precision="bf16" if dtype == torch.bfloat16 else "fp32", optimizer="adamw_torch", attn_implementation=attn,
         gradient_checkpointing=ckpt, model_states=False, device_type="cpu", **sizes)  # the CPU optimizer loop
-    assert plan.problem is None, plan.problem
+    assert plan.step.problem is None, plan.step.problem
     return plan
 
 
@@ -249,11 +249,11 @@ def test_a_familys_planned_step_matches_a_real_trainer_step(kind: str, dtype: to
     inputs = trainer_inputs(trainer, collated_batch(kind, trainer.model))
     real = independent_saved_bytes(trainer.model, inputs, alive_at_end=True)
     assert real > 0
-    assert plan.activations_bytes == real
+    assert plan.step.activations_bytes == real
     peak = profiled_peak(trainer, inputs)
     assert torch.get_rng_state().numel() == CPU_RNG_STATE_BYTES
     # With checkpointing the generator's states are in the plan: once at this peak non-reentrant,
     # twice reentrant (transformers 4.x's: each of the two blocks' contexts keeps one until its backward).
-    assert abs(peak - plan.peak_bytes) <= 64
+    assert abs(peak - plan.step.peak_bytes) <= 64
     # A CPU plan counts them, so it has nothing to say of them.
-    assert not any("generator's state" in note for note in plan.notes)
+    assert not any("generator's state" in note for note in plan.step.notes)

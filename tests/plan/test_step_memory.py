@@ -111,10 +111,10 @@ def test_planned_activations_equal_a_real_forward_to_the_byte(kind: str, attn: s
     plan, _ = plan_step_memory(meta_builder(kind, attn, lora), batch_size=BATCH, seq_len=SEQ,
                                precision=precision, attn_implementation=attn,
                                gradient_checkpointing=ckpt, model_states=False, device_type="cpu")
-    assert plan.problem is None
-    assert plan.attn_implementation == attn
+    assert plan.step.problem is None
+    assert plan.settings.attn_implementation == attn
     real = real_activations(real_model(kind, attn, dtype, ckpt, lora), batch(kind))
-    assert plan.activations_bytes == real
+    assert plan.step.activations_bytes == real
     assert real > 0
 
 
@@ -154,7 +154,7 @@ def test_planned_peak_against_the_profilers_live_bytes(kind: str, attn: str, ckp
     plan, _ = plan_step_memory(meta_builder(kind, attn, False), batch_size=BATCH, seq_len=SEQ, attn_implementation=attn,
                                args=args, optimizer="adamw_torch", model_states=False,
                                device_type="cpu")  # the real step runs AdamW's CPU (single-tensor) loop
-    assert plan.checkpointing_kwargs == (kwargs or {})
+    assert plan.settings.checkpointing_kwargs == (kwargs or {})
     start, above = profiled_peak(real_model(kind, attn, torch.float32, ckpt, False, kwargs), batch(kind))
     real = start + above
     # Measured here (the real batch with the collator's all-ones mask, the model with use_cache=False
@@ -165,7 +165,7 @@ def test_planned_peak_against_the_profilers_live_bytes(kind: str, attn: str, ckp
     # checkpointing keeps per block (`torch.get_rng_state()`, 5,056 bytes: once at this peak
     # non-reentrant, twice reentrant), which the trace makes visible (plan.step.rng_states); without
     # them it planned 5,056 and 10,112 bytes less.
-    assert abs(plan.peak_bytes - real) <= 64
+    assert abs(plan.step.peak_bytes - real) <= 64
 
 
 class _TokenDataset(torch.utils.data.Dataset):
@@ -197,10 +197,10 @@ def test_a_real_trainer_run_logs_the_planned_activations_to_the_byte(tmp_path, a
                       train_dataset=_TokenDataset(), callbacks=[OptimizerMemoryCallback(what_if=())])
     trainer.train()
     [entry] = entries_with(trainer.state.log_history, "activations_bytes")
-    assert entry["activations_bytes"] == plan.activations_bytes
+    assert entry["activations_bytes"] == plan.step.activations_bytes
     # With checkpointing and SDPA the recomputation once saved a (4, 1, 16, 16) fp32 mask the real
     # run never builds: the fake positions read as packed sequences (trainer_memcb.plan.model.value_reads).
-    assert entry["activations_peak_bytes"] == plan.activations_peak_bytes
+    assert entry["activations_peak_bytes"] == plan.step.activations_peak_bytes
 
 
 def test_a_peak_in_the_optimizer_step_holds_all_of_the_state_as_every_later_step() -> None:
@@ -220,14 +220,14 @@ def test_a_peak_in_the_optimizer_step_holds_all_of_the_state_as_every_later_step
     # device_type="cpu": the real step below runs AdamW's single-tensor loop, as torch does on the CPU.
     plan, states = plan_step_memory(build, batch_size=1, seq_len=1, attn_implementation="eager",
                                     optimizer="adamw_torch", device_type="cpu")
-    assert plan.peak_phase == "optimizer step"
-    assert plan.peak_parts["optimizer_state"] == states.optimizers[0].optimizer_state_bytes == 1_706_580
+    assert plan.step.peak_phase == "optimizer step"
+    assert plan.step.peak_parts["optimizer_state"] == states.optimizers[0].optimizer_state_bytes == 1_706_580
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.config.use_cache = False
     ids = torch.randint(0, 100, (1, 1))
     start, above = profiled_peak(model, {"input_ids": ids, "labels": ids.clone()})
-    assert abs(plan.peak_bytes - (start + above)) <= 64
+    assert abs(plan.step.peak_bytes - (start + above)) <= 64
 
 
 def test_the_step_leaves_no_object_frozen_and_its_figures_as_they_were() -> None:
@@ -243,7 +243,7 @@ def test_the_step_leaves_no_object_frozen_and_its_figures_as_they_were() -> None
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
-    assert plan.problem is None and (again.peak_bytes, again.activations_bytes) == (plan.peak_bytes, plan.activations_bytes)
+    assert plan.step.problem is None and (again.step.peak_bytes, again.step.activations_bytes) == (plan.step.peak_bytes, plan.step.activations_bytes)
 
 
 def test_the_first_plan_of_a_process_is_the_later_ones():
@@ -260,7 +260,7 @@ def test_the_first_plan_of_a_process_is_the_later_ones():
         "import sys; sys.path[:0] = [{plan!r}, {tests!r}]\n"
         "from test_engines import plan_with, BATCH\n"
         "from trainer_memcb.plan.settings import resolve_settings\n"
-        "import json; print(json.dumps([plan_with(resolve_settings(batch_size=BATCH, optimizer='adamw_torch')).peak_bytes "
+        "import json; print(json.dumps([plan_with(resolve_settings(batch_size=BATCH, optimizer='adamw_torch')).step.peak_bytes "
         "for _ in range(2)]))\n"
     ).format(plan=os.path.dirname(os.path.abspath(__file__)), tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

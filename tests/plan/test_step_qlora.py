@@ -93,11 +93,11 @@ def test_a_qlora_steps_activations_equal_a_real_4bit_models(tmp_path) -> None:
     real = independent_saved_bytes(model, inputs)
     plan, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="adamw_torch", model_states=False, device_type="cpu",
                                quantization=Quantization(double_quant=True))
-    assert plan.problem is None
-    assert plan.activations_bytes == real == 226056
+    assert plan.step.problem is None
+    assert plan.step.activations_bytes == real == 226056
     # The frozen base's packed weights are parameters (uint8: no gradient, no state); the adapters'
     # AdamW state: 2,048 fp32 values, twice, plus a step per tensor.
-    assert plan.peak_parts["optimizer_state"] == 2 * 2048 * 4 + 8 * 4
+    assert plan.step.peak_parts["optimizer_state"] == 2 * 2048 * 4 + 8 * 4
 
 
 def test_quantization_settings_are_checked() -> None:
@@ -133,10 +133,10 @@ def test_a_qlora_steps_peak_against_the_profilers_live_bytes(tmp_path) -> None:
     # and an fp32 lookup of the whole layer before its output: scratch inside the kernel, which
     # the fake kernel (making the output only) and CUDA's kernel (writing the output directly) do
     # not allocate; at most 8 bytes per value of the largest layer (8,192 values here).
-    assert plan.peak_phase == "backward"
-    assert 0 < real - plan.peak_bytes <= 8 * 8192
+    assert plan.step.peak_phase == "backward"
+    assert 0 < real - plan.step.peak_bytes <= 8 * 8192
     # And the plan says so, in its note.
-    [note] = [note for note in plan.notes if "loaded in 4-bit" in note]
+    [note] = [note for note in plan.step.notes if "loaded in 4-bit" in note]
     assert note.endswith("which the trace cannot see: up to 8 bytes per value of the largest 4-bit layer, not counted")
 
 
@@ -163,7 +163,7 @@ def collated() -> Dict[str, torch.Tensor]:
 def plan_8bit(device_type: str = "cpu") -> object:
     plan, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="adamw_torch", model_states=False,
                                device_type=device_type, quantization=Quantization(bits=8))
-    assert plan.problem is None, plan.problem
+    assert plan.step.problem is None, plan.step.problem
     return plan
 
 
@@ -190,11 +190,11 @@ def test_an_8bit_steps_activations_and_peak_equal_a_real_8bit_models(tmp_path) -
     from test_step_families import profiled_peak
 
     plan = plan_8bit("cpu")
-    assert any("8-bit (LLM.int8)" in note and "MatMul8bitFp" in note for note in plan.notes)
+    assert any("8-bit (LLM.int8)" in note and "MatMul8bitFp" in note for note in plan.step.notes)
     model = real_8bit(str(tmp_path / "a"))
     # The layers' inputs that MatMul8bitFp keeps for backward are `ctx.A`, not saved tensors: in
     # neither figure, as in the 4-bit case (the same 226,056 bytes).
-    assert plan.activations_bytes == independent_saved_bytes(model, collated()) == 226056
+    assert plan.step.activations_bytes == independent_saved_bytes(model, collated()) == 226056
     model = real_8bit(str(tmp_path / "b"))
     trainer = transformers.Trainer(model=model, args=training_args(str(tmp_path / "out"), optim="adamw_torch"))
     trainer.create_optimizer()
@@ -207,15 +207,15 @@ def test_an_8bit_steps_activations_and_peak_equal_a_real_8bit_models(tmp_path) -
     real = peak + sum(storages(scales).values())
     # Measured: 502,940 real, 502,892 planned (48 bytes: 0-dim scalars C++ makes outside the
     # dispatcher, as in every family row), at the loss's backward.
-    assert plan.peak_phase == "backward"
-    assert abs(real - plan.peak_bytes) <= 64
+    assert plan.step.peak_phase == "backward"
+    assert abs(real - plan.step.peak_bytes) <= 64
     # The adapters' AdamW state, as in 4-bit; the int8 codes have no gradient and no state.
-    assert plan.peak_parts["optimizer_state"] == 2 * 2048 * 4 + 8 * 4
+    assert plan.step.peak_parts["optimizer_state"] == 2 * 2048 * 4 + 8 * 4
 
 
 def test_an_8bit_step_on_cuda_is_traced_with_its_outliers_planned_as_none() -> None:
     plan = plan_8bit("cuda")
-    note = next(note for note in plan.notes if "8-bit (LLM.int8)" in note)
+    note = next(note for note in plan.step.notes if "8-bit (LLM.int8)" in note)
     assert "MatMul8bitLt with the outlier columns (llm_int8_threshold 6) planned as none" in note
     # The layers' inputs are kept as context attributes there too: the same saved-for-backward bytes.
-    assert plan.activations_bytes == 226056
+    assert plan.step.activations_bytes == 226056

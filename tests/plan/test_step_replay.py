@@ -93,7 +93,7 @@ def test_the_replayed_peak_holds_the_traced_peak(sharding):
     settings = resolve_settings(world_size=1 if sharding == "none" else 2, sharding=sharding, batch_size=2,
                                 optimizer="adamw_torch")
     step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False, alloc_conf="")
-    assert step.allocator_allocated_peak_bytes >= step.peak_bytes + step.cuda_workspace_bytes
+    assert step.device.allocator_allocated_peak_bytes >= step.step.peak_bytes + step.device.cuda_workspace_bytes
 
 
 def test_cublas_workspaces_at_the_first_matmul_of_forward_and_backward(timelines):
@@ -149,29 +149,29 @@ def test_fits_allocated_but_not_reserved_does_not_fit():
         plans[room], _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False,
                                           device_memory=DEFAULT_CUDA_CONTEXT_BYTES + room, alloc_conf="")
     short, enough = plans[22 * MiB], plans[26 * MiB]
-    assert short.allocator_allocated_peak_bytes == 21_454_336 < 22 * MiB < short.reserved_peak_bytes == 27_262_976
-    assert (short.fits, short.margin_bytes, short.out_of_memory_at) == (False, -4 * MiB, "step 1, backward")
-    assert (enough.fits, enough.margin_bytes, enough.out_of_memory_at) == (True, 0, None)
-    assert enough.device_total_bytes == 27_262_976 + DEFAULT_CUDA_CONTEXT_BYTES
-    assert enough.peak_bytes == 2_299_800  # the trace's own figure is unchanged
+    assert short.device.allocator_allocated_peak_bytes == 21_454_336 < 22 * MiB < short.device.reserved_peak_bytes == 27_262_976
+    assert (short.verdict.fits, short.verdict.margin_bytes, short.device.out_of_memory_at) == (False, -4 * MiB, "step 1, backward")
+    assert (enough.verdict.fits, enough.verdict.margin_bytes, enough.device.out_of_memory_at) == (True, 0, None)
+    assert enough.device.device_total_bytes == 27_262_976 + DEFAULT_CUDA_CONTEXT_BYTES
+    assert enough.step.peak_bytes == 2_299_800  # the trace's own figure is unchanged
 
 
 def test_gpu_preset_gives_memory_context_and_workspaces():
     settings = resolve_settings(batch_size=2, optimizer="adamw_torch")
     step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False, gpu="h100", alloc_conf="")
-    assert (step.gpu, step.device_memory_bytes, step.cuda_context_bytes) == ("H100", 85_045_477_376, 446_693_376)
-    assert step.cuda_workspace_bytes == 2 * (33_554_432 + 1_048_576)
-    assert step.reserved_peak_bytes == 73_400_320
-    assert step.margin_bytes == 85_045_477_376 - 446_693_376 - 73_400_320 and step.fits is True
+    assert (step.device.gpu, step.device.device_memory_bytes, step.device.cuda_context_bytes) == ("H100", 85_045_477_376, 446_693_376)
+    assert step.device.cuda_workspace_bytes == 2 * (33_554_432 + 1_048_576)
+    assert step.device.reserved_peak_bytes == 73_400_320
+    assert step.verdict.margin_bytes == 85_045_477_376 - 446_693_376 - 73_400_320 and step.verdict.fits is True
 
 
 def test_cpu_plans_have_no_allocator_figures():
     settings = resolve_settings(batch_size=2, optimizer="adamw_torch")
     step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False, device_type="cpu",
                                device_memory=10_000_000)
-    assert step.reserved_peak_bytes is None and step.device_total_bytes is None
-    assert (step.fits, step.margin_bytes) == (True, 10_000_000 - step.peak_bytes)
-    assert step.margin_bytes == 7_995_112
+    assert step.device.reserved_peak_bytes is None and step.device.device_total_bytes is None
+    assert (step.verdict.fits, step.verdict.margin_bytes) == (True, 10_000_000 - step.step.peak_bytes)
+    assert step.verdict.margin_bytes == 7_995_112
 
 
 @pytest.mark.parametrize("option, value, named", [("gpu", "a200", "'a200'"), ("alloc_conf", "foo:1", "'foo'"),
@@ -186,7 +186,7 @@ def test_alloc_conf_is_read_from_the_environment(monkeypatch):
     settings = resolve_settings(batch_size=2, optimizer="adamw_torch")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     step, _ = plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False)
-    assert step.alloc_conf == "expandable_segments:True"
+    assert step.device.alloc_conf == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:1")
     with pytest.raises(ValueError, match="max_split_size_mb"):
         plan_step_memory(_build(), seq_len=16, settings=settings, model_states=False)

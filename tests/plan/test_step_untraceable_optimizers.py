@@ -55,14 +55,14 @@ def real_state_bytes(tmp_path) -> int:
 @requires_transformers("5.0", "the Trainer's bitsandbytes optimizer registration of transformers 5")
 def test_an_8bit_optimizer_is_planned_with_its_rules_state(tmp_path) -> None:
     plan, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="adamw_bnb_8bit", model_states=False)
-    assert plan.problem is None
-    [note] = [note for note in plan.notes if note.startswith("adamw_bnb_8bit: its constructor cannot run")]
+    assert plan.step.problem is None
+    [note] = [note for note in plan.step.notes if note.startswith("adamw_bnb_8bit: its constructor cannot run")]
     assert "aten._local_scalar_dense" in note
     rule = plan_model_states(build(), "adamw_bnb_8bit").optimizers[0].optimizer_state_bytes
-    assert plan.peak_parts["optimizer_state"] == rule == real_state_bytes(tmp_path)
-    assert plan.optimizer_step_peak_bytes is None
-    assert plan.peak_bytes == plan.forward_backward_peak_bytes
+    assert plan.step.peak_parts["optimizer_state"] == rule == real_state_bytes(tmp_path)
+    assert plan.step.optimizer_step_peak_bytes is None
+    assert plan.step.peak_bytes == plan.step.forward_backward_peak_bytes
     # The rule's state is in the peak, not only in its parts: they sum to it.
-    assert sum(plan.peak_parts.values()) == plan.peak_bytes
+    assert sum(plan.step.peak_parts.values()) == plan.step.peak_bytes
     no_optimizer, _ = plan_step_memory(build, batch_size=B, seq_len=S, optimizer="sgd", model_states=False)
-    assert plan.activations_bytes == no_optimizer.activations_bytes
+    assert plan.step.activations_bytes == no_optimizer.step.activations_bytes

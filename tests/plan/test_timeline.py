@@ -62,7 +62,7 @@ def test_a_traced_step_s_timeline_holds_each_phase_s_peak_and_the_answer_reads_i
         p.numel() * 4 for p in {id(p): p for p in build().parameters()}.values())
     assert "engine_buffers" in set(line.tags.values())
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-    assert plan.forward_backward_peak_bytes == line.forward_backward.bytes + line.bytes_of(line.groups["optimizer_state"])
+    assert plan.step.forward_backward_peak_bytes == line.forward_backward.bytes + line.bytes_of(line.groups["optimizer_state"])
 
 
 def test_what_the_plan_adds_for_the_whole_step_is_a_storage_of_the_timeline():

@@ -76,12 +76,12 @@ def test_an_optimizer_only_change_steps_from_the_shared_forward_and_backward_as_
     # One forward and backward; every other optimizer stepped from where the first one's began.
     assert counts == {"traced": 1, "optimizer steps shared": len(OPTIMIZERS) - 1}
     for own, kept in zip(alone, shared):
-        assert kept.problem is None and kept.optimizer == own.optimizer
+        assert kept.step.problem is None and kept.settings.optimizer == own.settings.optimizer
         assert kept == own  # every figure of the plan (the timeline apart, compared next)
         assert kept.timeline == own.timeline  # every event, size, part, peak and FLOP
     # The 8-bit optimizer's constructor reads values: its failure, and its rule's state, as alone.
     assert shared[2].timeline.optimizer_failure is not None
-    assert len({plan.peak_bytes for plan in shared}) == len(OPTIMIZERS)
+    assert len({plan.step.peak_bytes for plan in shared}) == len(OPTIMIZERS)
 
 
 @requires_torch("2.13", "torch 2.6's fake process group has no fake kernel for c10d._allgather_base_, which FSDP2 "
@@ -94,8 +94,8 @@ def test_an_engine_with_state_of_its_own_traces_each_optimizer_whole(monkeypatch
                                           settings=resolve_settings(batch_size=4, optimizer=name, **flags))[0]
                          for name in ("adamw_torch", "adafactor")]
     assert counts == {"traced": 2, "optimizer steps shared": 0}
-    assert first.problem is None and second.problem is None, (first.problem, second.problem)
-    assert first.peak_bytes != second.peak_bytes
+    assert first.step.problem is None and second.step.problem is None, (first.step.problem, second.step.problem)
+    assert first.step.peak_bytes != second.step.peak_bytes
 
 
 @requires_torch("2.13", "an optimizer phase steps from a kept step only where it was checked equal to a trace of "
@@ -139,7 +139,7 @@ def test_search_fits_traces_each_forward_and_backward_once(monkeypatch):
     assert counts == {"traced": 6, "optimizer steps shared": 3}
     own_alone = plan_step_memory(build, seq_len=32, settings=resolve_settings(own, world_size=1),
                                  device_type="cpu", model_states=False)[0]
-    assert found.own.peak_bytes == own_alone.peak_bytes > 3_000_000
+    assert found.own.peak_bytes == own_alone.step.peak_bytes > 3_000_000
     adafactor = next(c for c in found.candidates if c.changes == {"optim": "adafactor"})
     alone = plan_step_memory(build, seq_len=32, settings=resolve_settings(adafactor.training_args, world_size=1),
                              device_type="cpu", model_states=False)[0]
@@ -160,6 +160,6 @@ def test_the_device_s_memory_the_reserve_the_allocator_and_a_gpu_of_the_same_cap
         # other attention kernels: a step of its own.
         plan_step_memory(build, base, model_states=False, gpu="h100")
         assert counts == {"traced": 2, "optimizer steps shared": 0}
-    assert all(plan.peak_bytes == first.peak_bytes for plan in others)
-    assert [plan.fits for plan in others[:2]] == [True, True]
-    assert others[1].margin_bytes == others[0].margin_bytes - 2**20
+    assert all(plan.step.peak_bytes == first.step.peak_bytes for plan in others)
+    assert [plan.verdict.fits for plan in others[:2]] == [True, True]
+    assert others[1].verdict.margin_bytes == others[0].verdict.margin_bytes - 2**20

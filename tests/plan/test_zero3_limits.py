@@ -39,7 +39,7 @@ def _plan(seq_len, **zero):
               "zero_optimization": dict(stage=3, overlap_comm=True, reduce_bucket_size=64 * 64, **zero)}
     settings = resolve_settings(deepspeed=config, world_size=2, batch_size=2, optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=seq_len, settings=settings, device_type="cpu", model_states=False)
-    assert plan.engine == "zero" and plan.problem is None, plan.problem
+    assert plan.settings.engine == "zero" and plan.step.problem is None, plan.step.problem
     return plan
 
 
@@ -64,8 +64,8 @@ LIMITS = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
 ])
 def test_zero3_fetch_limits_set_the_whole_parameters_at_the_backward_peak(change, peak, whole):
     plan = _plan(128, **dict(LIMITS, **change))
-    assert plan.peak_bytes == peak + buffers_beyond_transformers_5s()
-    assert plan.peak_parts.get("unsharded_parameters", 0) == whole
+    assert plan.step.peak_bytes == peak + buffers_beyond_transformers_5s()
+    assert plan.step.peak_parts.get("unsharded_parameters", 0) == whole
 
 
 def test_zero3_offload_keeps_the_fp32_gradient_partition_on_the_host():
@@ -75,9 +75,9 @@ def test_zero3_offload_keeps_the_fp32_gradient_partition_on_the_host():
     # (57,504 values each: `offload_buffers`).
     plan = _plan(16, stage3_prefetch_bucket_size=int(0.9 * 64 * 64), stage3_param_persistence_threshold=640,
                  offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
-    assert plan.host_bytes == {"master_weights": 230_016, "optimizer_state": 460_040, "fp32_gradients": 230_016,
+    assert plan.step.host_bytes == {"master_weights": 230_016, "optimizer_state": 460_040, "fp32_gradients": 230_016,
                                "offload_buffers": 2 * 230_016}
-    assert plan.peak_bytes == 1_366_988 - 2 * 230_016 + buffers_beyond_transformers_5s()
+    assert plan.step.peak_bytes == 1_366_988 - 2 * 230_016 + buffers_beyond_transformers_5s()
 
 
 def test_zero3_plan_warns_nothing_of_its_own_hooks():

@@ -32,7 +32,7 @@ def plan_for(row, rank):
     settings = resolve_settings(deepspeed=ROWS[row], world_size=WORLD, rank=rank, batch_size=2,
                                 optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-    assert plan.problem is None, plan.problem
+    assert plan.step.problem is None, plan.step.problem
     return plan
 
 
@@ -48,7 +48,7 @@ def test_zero1_each_rank_peaks_at_its_own_partitions_first_bucket_reduction():
     # gone, rank 2's partition a half up_proj (16,384) larger; rank 3's first own gradient comes
     # so late that it peaks at the end of backward, without its partition.
     # (Rank 2 reads rank 1's figure: tests/training/test_zero_runs_wide.py holds all four to runs.)
-    peaks = [plan_for("zero1", rank).peak_bytes for rank in (0, 1, 3)]
+    peaks = [plan_for("zero1", rank).step.peak_bytes for rank in (0, 1, 3)]
     assert peaks == [figure + BUFFERS for figure in (1_397_520, 1_331_984, 1_290_516)]
     assert peaks[0] - peaks[1] == 4 * ATTENTION_WEIGHT
 
@@ -57,13 +57,13 @@ def test_zero2_the_rank_holding_the_head_makes_its_partition_at_the_first_reduct
     # Rank 0 peaks in the optimizer step; rank 3's partition, made at the lm_head's reduction (the
     # first of backward), lives beside backward's activations, where it peaks.
     plans = [plan_for("zero2", rank) for rank in (0, 3)]
-    assert [plan.peak_bytes for plan in plans] == [1_265_164 + BUFFERS, 1_334_676 + BUFFERS]
-    assert [plan.peak_phase for plan in plans] == ["optimizer step", "backward"]
+    assert [plan.step.peak_bytes for plan in plans] == [1_265_164 + BUFFERS, 1_334_676 + BUFFERS]
+    assert [plan.step.peak_phase for plan in plans] == ["optimizer step", "backward"]
 
 
 def test_zero2_with_offload_the_rank_holding_the_head_copies_its_gradient_slice_to_fp64_for_its_norm():
     plans = [plan_for("zero2-offload", rank) for rank in (0, 3)]
-    host = [plan.peak_bytes + sum(plan.host_bytes.values()) for plan in plans]
+    host = [plan.step.peak_bytes + sum(plan.step.host_bytes.values()) for plan in plans]
     # set_norm_for_param_grad_in_gpu: the lm_head's 16,384 values in fp64 (131,072 bytes) and the
     # 8-byte norm kept, at the moment of that reduction.
     assert host == [1_637_652 + BUFFERS, 1_695_260 + BUFFERS]
@@ -79,9 +79,9 @@ def test_fsdp2_on_an_uneven_split_the_last_rank_holds_less_optimizer_state_and_n
     plans = [plan_step_memory(build, seq_len=16, settings=resolve_settings(
         world_size=3, rank=rank, batch_size=2, optimizer="adamw_torch", sharding="fsdp-full-shard"),
         device_type="cpu", model_states=False)[0] for rank in (0, 2)]
-    assert [plan.peak_bytes for plan in plans] == [1_385_648 + BUFFERS, 1_369_184 + BUFFERS]
-    assert plans[0].peak_parts["optimizer_state"] - plans[1].peak_parts["optimizer_state"] == 16_464
-    assert plans[0].peak_parts["other"] == plans[1].peak_parts["other"] == 8_204
+    assert [plan.step.peak_bytes for plan in plans] == [1_385_648 + BUFFERS, 1_369_184 + BUFFERS]
+    assert plans[0].step.peak_parts["optimizer_state"] - plans[1].step.peak_parts["optimizer_state"] == 16_464
+    assert plans[0].step.peak_parts["other"] == plans[1].step.peak_parts["other"] == 8_204
 
 
 @pytest.mark.parametrize("rank", [-1, 4])
@@ -92,5 +92,5 @@ def test_a_rank_outside_the_world_is_refused_naming_what_is_allowed(rank):
 
 def test_the_rank_is_among_the_settings_the_plan_says_it_used():
     plan = plan_for("zero2", 3)
-    assert ["rank", 3, "flag"] in [list(row) for row in plan.settings_used]
-    assert any(note.startswith("ZeRO-2: the figures of rank 3's process") for note in plan.notes), plan.notes
+    assert ["rank", 3, "flag"] in [list(row) for row in plan.settings.used]
+    assert any(note.startswith("ZeRO-2: the figures of rank 3's process") for note in plan.step.notes), plan.step.notes

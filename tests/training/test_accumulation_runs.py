@@ -95,7 +95,7 @@ def test_trainer_with_accumulation_4_in_one_process_peaks_at_the_plan_and_its_ba
     assert step.micro_batch_peak_bytes == [[1, 1_851_552], [2, 2_273_056], [4, 2_273_056]]
     # Real 2,273,840 = 2,273,056 + 768 (the next collated batch) + 16.
     assert run["peak_bytes"] == step.peak_bytes + trainer_extra(process_group=False), (step.peak_bytes, run["peak_bytes"])
-    assert plan(batch_size=BATCH, optimizer="adamw_torch").peak_bytes == 2_004_888
+    assert plan(batch_size=BATCH, optimizer="adamw_torch").step.peak_bytes == 2_004_888
 
 
 @pytest.fixture(scope="module")

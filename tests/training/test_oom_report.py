@@ -43,9 +43,9 @@ def report_head(optim: str) -> str:
     from test_run_plan import direct_plan
 
     plan = direct_plan(tiny_classifier(), optim)
-    figures = {part: f"{value} bytes ({format_bytes(value)})" for part, value in plan.peak_parts.items()}
-    return REPORT_HEAD.format(optim=optim, phase=plan.peak_phase,
-                              peak=f"{plan.peak_bytes} bytes ({format_bytes(plan.peak_bytes)})", **figures)
+    figures = {part: f"{value} bytes ({format_bytes(value)})" for part, value in plan.step.peak_parts.items()}
+    return REPORT_HEAD.format(optim=optim, phase=plan.step.peak_phase,
+                              peak=f"{plan.step.peak_bytes} bytes ({format_bytes(plan.step.peak_bytes)})", **figures)
 NO_CUDA = "The caching allocator: not read (no CUDA device: the model is not on one, and CUDA is not available)\n"
 ALLOCATOR = """The caching allocator on cuda:0, when the error reached Trainer.train:
   reserved: 27262976 bytes (26.0 MiB)

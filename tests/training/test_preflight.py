@@ -44,7 +44,7 @@ def test_a_step_that_will_not_fit_warns_once_naming_the_best_proposal(tmp_path):
     callback, trainer, said = _train(tmp_path, 6 * 2**20)
     result = callback.preflight_result
     # The model's max_position_embeddings (no tokenizer, no max_length): the longest sequence.
-    assert result.seq_len == SEQ and result.plan.peak_bytes == 14_835_616 + rotary_buffers_beyond_transformers_5s(trainer.model)
+    assert result.seq_len == SEQ and result.plan.step.peak_bytes == 14_835_616 + rotary_buffers_beyond_transformers_5s(trainer.model)
     assert len(said) == 1 and "the best proposal, " in said[0] and result.search.best.label in said[0]
     # The run is the user's own: its arguments untouched, its one step taken.
     assert trainer.args.per_device_train_batch_size == 16 and trainer.args.gradient_accumulation_steps == 1
@@ -82,7 +82,7 @@ def test_the_sequence_planned_is_the_longest_batch_the_collator_makes(tmp_path):
     result = callback.preflight_result
     batch = next(iter(trainer.get_train_dataloader()))
     assert result.seq_len == 16 == batch["input_ids"].shape[1]
-    assert (result.plan.batch_size, result.plan.seq_len) == (3, 16)
+    assert (result.plan.settings.batch_size, result.plan.settings.seq_len) == (3, 16)
 
 
 def test_the_longest_example_is_read_from_lengths_only():

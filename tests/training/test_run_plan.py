@@ -33,9 +33,9 @@ def test_the_runs_plan_equals_the_plan_asked_for_directly_to_the_byte(tmp_path):
     args = training_args(str(tmp_path))
     plan = plan_for_trainer(model, args, {"input_ids": torch.zeros(4, 8, dtype=torch.long), "labels": torch.zeros(4)})
     direct = direct_plan(model, args.optim.value)
-    assert plan.problem is None and (plan.batch_size, plan.seq_len, plan.engine) == (4, 8, "none")
-    assert plan.peak_bytes == direct.peak_bytes
-    assert plan.peak_parts == direct.peak_parts
+    assert plan.step.problem is None and (plan.settings.batch_size, plan.settings.seq_len, plan.settings.engine) == (4, 8, "none")
+    assert plan.step.peak_bytes == direct.step.peak_bytes
+    assert plan.step.peak_parts == direct.step.peak_parts
 
 
 def test_the_batchs_shapes_override_the_arguments_batch_and_checkpointing_comes_from_them(tmp_path):
@@ -43,8 +43,8 @@ def test_the_batchs_shapes_override_the_arguments_batch_and_checkpointing_comes_
     args = training_args(str(tmp_path), per_device_train_batch_size=2, gradient_checkpointing=True)
     plan = plan_for_trainer(model, args, {"input_ids": (3, 6)})
     direct = direct_plan(model, args.optim.value, batch_size=3, seq_len=6, gradient_checkpointing=True)
-    assert (plan.batch_size, plan.seq_len, plan.gradient_checkpointing) == (3, 6, True)
-    assert plan.peak_bytes == direct.peak_bytes
+    assert (plan.settings.batch_size, plan.settings.seq_len, plan.settings.gradient_checkpointing) == (3, 6, True)
+    assert plan.step.peak_bytes == direct.step.peak_bytes
 
 
 def test_the_live_model_is_left_as_it_was(tmp_path):
@@ -65,7 +65,7 @@ def test_the_live_model_is_left_as_it_was(tmp_path):
 def test_a_seq_len_given_serves_when_no_batch_says_it(tmp_path):
     model = tiny_classifier()
     args = training_args(str(tmp_path))
-    assert plan_for_trainer(model, args, seq_len=8).peak_bytes == direct_plan(model, args.optim.value).peak_bytes
+    assert plan_for_trainer(model, args, seq_len=8).step.peak_bytes == direct_plan(model, args.optim.value).step.peak_bytes
     with pytest.raises(ValueError, match="takes tokens: give --seq-len"):
         plan_for_trainer(model, args)
 
@@ -94,8 +94,8 @@ def test_the_planned_reserved_bytes_are_the_allocators_replay_on_cuda_and_none_o
     assert plan_reserved_bytes(plan_for_trainer(tiny_classifier(), args, batch, device_type="cpu")) is None
     cuda = plan_for_trainer(tiny_classifier(), args, batch, device_type="cuda")
     # The replay reserves whole segments (2 MiB small-pool ones at least), above the allocated peak.
-    assert cuda.reserved_peak_bytes % (2 * 1024 ** 2) == 0 and cuda.reserved_peak_bytes >= cuda.peak_bytes
-    assert plan_reserved_bytes(cuda) == cuda.reserved_peak_bytes
+    assert cuda.device.reserved_peak_bytes % (2 * 1024 ** 2) == 0 and cuda.device.reserved_peak_bytes >= cuda.step.peak_bytes
+    assert plan_reserved_bytes(cuda) == cuda.device.reserved_peak_bytes
 
 
 def test_docstring_examples_run():

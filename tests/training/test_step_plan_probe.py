@@ -37,7 +37,7 @@ def direct_peak(model: torch.nn.Module, optim: str) -> int:
         with torch.device("meta"):
             return DistilBertForSequenceClassification(model.config)
 
-    return plan_step_memory(build, batch_size=4, seq_len=8, optimizer=optim, device_type="cpu")[0].peak_bytes
+    return plan_step_memory(build, batch_size=4, seq_len=8, optimizer=optim, device_type="cpu")[0].step.peak_bytes
 
 
 class Counted:

@@ -59,7 +59,7 @@ def plan_of(run, **flags):
     assert settings.sources["batch_size"] == "training args" and settings.sources["optimizer"] == "training args"
     model = build_bert if run["row"].startswith("bert") else build
     plan, _ = plan_step_memory(model, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
-    assert plan.problem is None, plan.problem
+    assert plan.step.problem is None, plan.step.problem
     return plan
 
 
@@ -119,12 +119,12 @@ def test_trainers_ddp_peak_per_process_is_the_plan_and_what_the_trainers_loop_ho
     # given here as the flag it is. DDP itself is read from the arguments: the Trainer's whenever
     # world_size > 1 with no DeepSpeed or FSDP.
     plan = plan_of(run[0], gradient_as_bucket_view=row == "ddp-view")
-    assert plan.engine == "ddp" and plan.settings_used[[r[0] for r in plan.settings_used].index(
+    assert plan.settings.engine == "ddp" and plan.settings.used[[r[0] for r in plan.settings.used].index(
         "find_unused_parameters")][1:] == [True, "training args (Trainer: not gradient_checkpointing)"]
     peaks = [r["peak_bytes"] for r in run]
     # The plan with the maps, and the real: ddp 2,465,088 + 780 = 2,465,868; ddp-view
     # 2,270,920 + 1,040 = 2,271,960; bert-ddp 1,972,520 + 540 = 1,973,060.
-    assert peaks == [plan.peak_bytes + extra for extra in trainer_extra(row)], (plan.peak_bytes, peaks)
+    assert peaks == [plan.step.peak_bytes + extra for extra in trainer_extra(row)], (plan.step.peak_bytes, peaks)
 
 
 @slow
@@ -134,15 +134,15 @@ def test_trainers_deepspeed_peak_per_process_is_the_plan_and_what_the_trainers_l
     assert [r["model_wrapped"] for r in run] == ["DeepSpeedEngine"] * 2
     assert run[0]["zero_class"] == ("DeepSpeedZeroOptimizer_Stage3" if row == "zero3" else "DeepSpeedZeroOptimizer")
     plans = [plan_of(r, rank=rank) for rank, r in enumerate(run)]  # each process's own
-    assert {plan.engine for plan in plans} == {"zero"}
+    assert {plan.settings.engine for plan in plans} == {"zero"}
     # The DeepSpeed config's "auto" bucket sizes, filled as the Trainer fills them (hidden 64).
-    assert dict((name, source) for name, _, source in plans[0].settings_used)["zero.reduce_bucket_size"] == \
+    assert dict((name, source) for name, _, source in plans[0].settings.used)["zero.reduce_bucket_size"] == \
         "deepspeed config auto (Trainer: from hidden_size)"
     peaks = [r["peak_bytes"] for r in run]
     # zero2 2,069,196 + 792 = 2,069,988; zero3 2,057,044 + 1,045 = 2,058,089;
     # bert-zero2 1,647,548 / 1,647,564 + 560 = 1,648,108 / 1,648,124.
-    assert peaks == [plan.peak_bytes + extra for plan, extra in zip(plans, trainer_extra(row))], \
-        ([plan.peak_bytes for plan in plans], peaks)
+    assert peaks == [plan.step.peak_bytes + extra for plan, extra in zip(plans, trainer_extra(row))], \
+        ([plan.step.peak_bytes for plan in plans], peaks)
 
 
 @slow
@@ -172,11 +172,11 @@ def test_ddp_from_the_trainers_arguments_counts_the_reducers_used_parameter_maps
     # reducer's two int32 maps, one value per parameter tensor (21), beside the buckets.
     assert (bare_settings.find_unused_parameters, trainer_settings.find_unused_parameters) == (False, True)
     assert trainer_settings.sources["find_unused_parameters"] == "training args (Trainer: not gradient_checkpointing)"
-    assert trainer.peak_bytes == bare.peak_bytes + 2 * 4 * 21
-    assert trainer.peak_parts["engine_buffers"] == bare.peak_parts["engine_buffers"] + 2 * 4 * 21
+    assert trainer.step.peak_bytes == bare.step.peak_bytes + 2 * 4 * 21
+    assert trainer.step.peak_parts["engine_buffers"] == bare.step.peak_parts["engine_buffers"] + 2 * 4 * 21
     # Bookkeeping, no model state: the table's gradients (the buckets' copy of them) stay.
-    assert trainer.model_states_most_bytes == bare.model_states_most_bytes
+    assert trainer.step.model_states_most_bytes == bare.step.model_states_most_bytes
     _, given = plan(TrainingArguments("unused", report_to=[], use_cpu=True, ddp_find_unused_parameters=False))
-    assert given.peak_bytes == bare.peak_bytes
+    assert given.step.peak_bytes == bare.step.peak_bytes
     checkpointed, _ = plan(TrainingArguments("unused", report_to=[], use_cpu=True, gradient_checkpointing=True))
     assert checkpointed.find_unused_parameters is False

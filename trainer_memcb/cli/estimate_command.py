@@ -20,7 +20,7 @@ from trainer_memcb.cli.fit_options import check_fit_options
 from trainer_memcb.cli.output import print_json, print_tables
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
-from trainer_memcb.cli.step_answer import StepAnswer
+from trainer_memcb.cli.step_answer import StepAnswer, answers_document
 
 __all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status", "prepare_process"]
 
@@ -35,9 +35,10 @@ def _step_status(found: StepAnswer) -> int:
     """The exit code of a step plan: untraceable 5, does not fit 3 (the step's answer, or no
     batch fitting for --max-batch-size), else 0."""
     step = found.step
-    if (step is not None and step.problem is not None) or found.max_batch_size_problem is not None:
+    largest = found.largest_batch
+    if (step is not None and step.step.problem is not None) or (largest is not None and largest.problem is not None):
         return EXIT_UNTRACEABLE
-    if (step is not None and step.fits is False) or (found.search and found.max_batch_size is None):
+    if (step is not None and step.verdict.fits is False) or (largest is not None and largest.max_batch_size is None):
         return EXIT_DOES_NOT_FIT
     return EXIT_DONE
 
@@ -74,9 +75,9 @@ def _step_answers(found: StepAnswer) -> bool:
     """Whether the step plan gives the output's fits? (a traced step against --device-memory, or
     the search for the largest batch); then the model-states plan gives none beside it."""
     step = found.step
-    if step is not None and step.problem is None and step.fits is not None:
+    if step is not None and step.step.problem is None and step.verdict.fits is not None:
         return True
-    return found.search and found.max_batch_size_problem is None
+    return found.largest_batch is not None and found.largest_batch.problem is None
 
 
 def _without_verdict(states: Any) -> Any:
@@ -175,8 +176,8 @@ def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
     """Print the answer: tables, or with --json one document in the schema's version."""
     from trainer_memcb.cli.estimate_schema import with_schema
     from trainer_memcb.cli.eval_estimate import eval_fit_tables, eval_tables
-    from trainer_memcb.cli.fit_table import fit_json, fit_tables
-    from trainer_memcb.cli.plan_table import plan_tables, step_json, step_tables
+    from trainer_memcb.cli.fit_table import fit_tables
+    from trainer_memcb.cli.plan_table import plan_tables, step_tables
     from trainer_memcb.cli.whatif_table import estimate_tables
 
     memory, reserve = args.device_memory, reserve_bytes(args)
@@ -184,9 +185,7 @@ def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
     evaluation, evaluation_fit = answer.evaluation, answer.evaluation_fit
     if answer.kind == "evaluation":
         if args.json:
-            print_json(with_schema({"evaluation": evaluation.to_dict(),
-                                    **({"fit": {"evaluation": fit_json(evaluation_fit)}} if evaluation_fit else {})}),
-                       sys.stdout)
+            print_json(with_schema({"answers": answers_document(evaluation, evaluation_fit)}), sys.stdout)
         else:
             print_tables(eval_tables(evaluation) + (eval_fit_tables(evaluation_fit, evaluation) if evaluation_fit else []),
                          sys.stdout)
@@ -196,16 +195,8 @@ def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
         if one_verdict:
             found = dataclasses.replace(found, model_states=_without_verdict(found.model_states))
         if args.json:
-            document = step_json(found)
-            if not one_verdict:
-                document["model_states"] = _with_memory(document["model_states"], args)
-            if evaluation is not None:
-                document["evaluation"] = evaluation.to_dict()
-            if found.fit is not None:
-                document["fit"] = fit_json(found.fit)
-            if evaluation_fit is not None:
-                document.setdefault("fit", {})["evaluation"] = fit_json(evaluation_fit)
-            print_json(with_schema(document), sys.stdout)
+            states = None if one_verdict else _with_memory(found.model_states.to_dict(), args)
+            print_json(with_schema(found.to_document(evaluation, evaluation_fit, states)), sys.stdout)
         else:
             states = (plan_tables(found.model_states, verdict=False) if one_verdict
                       else plan_tables(found.model_states, memory, reserve, context=context))

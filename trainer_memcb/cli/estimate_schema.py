@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 __all__ = ["ESTIMATE_SCHEMA", "estimate_schema", "schema_json", "with_schema"]
 
 # Raised whenever the documents change shape (a key added, removed or renamed, a type changed): the
 # schema file, whose `additionalProperties: false` refuses any key it does not name, changes with it.
-ESTIMATE_SCHEMA = "trainer-memcb/estimate/1"
+ESTIMATE_SCHEMA = "trainer-memcb/estimate/2"
 
 
 def with_schema(document: Dict[str, Any]) -> Dict[str, Any]:
@@ -58,15 +58,15 @@ def estimate_schema() -> Dict[str, Any]:
     """
     from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan
     from trainer_memcb.plan.answers.fit_candidates import FitCandidate, FitSearch
+    from trainer_memcb.plan.answers.max_batch import LargestBatch
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
-    from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
+    from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepPeak, Verdict
     from trainer_memcb.plan.optimizers.whatif import WhatIf
     from trainer_memcb.utils.json_schema import JSON_SCHEMA_DIALECT, object_schema
 
     defs: Dict[str, Any] = {}
     # The classes whose JSON form is not their fields alone come first; the others as their fields
     # reach them. `to_dict` says what each writes.
-    defs["StepMemoryPlan"] = object_schema(StepMemoryPlan, defs, leave_out=["timeline"])
     defs["ModelStatesPlan"] = object_schema(
         ModelStatesPlan, defs, extra={"not_counted": str, "reserve_bytes": int, "cuda_context_bytes": int},
         optional=["reserve_bytes", "cuda_context_bytes"],
@@ -79,22 +79,38 @@ def estimate_schema() -> Dict[str, Any]:
     defs["EvalMemoryPlan"] = object_schema(
         EvalMemoryPlan, defs, properties=["usable_device_bytes", "device_figure_bytes", "device_margin_bytes"])
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
-    defs["FitSearch"] = object_schema(FitSearch, defs)
-    defs["WhatIf"] = object_schema(WhatIf, defs)
-    searched = object_schema(
-        StepMemoryPlan, defs, leave_out=[name for name in StepMemoryPlan.__dataclass_fields__
-                                         if name not in ("batch_size", "peak_bytes", "reserved_peak_bytes",
-                                                         "device_total_bytes", "fits")],
-        description="One batch size the search for the largest planned, with the step plan's figures for it.")
-    searched["title"] = "searched batch"
-    step_plan = _step_plan_document(defs, searched)
+    for cls in (FitSearch, LargestBatch, PlannedSettings, StepPeak, DeviceFigures, WhatIf):
+        defs[cls.__name__] = object_schema(cls, defs)
+    verdict = object_schema(Verdict, defs)
+    answers = {
+        "title": "answers", "type": "object",
+        "description": "What the command answers: fits? and its margin (a traced step), --fit's search, the "
+                       "largest batch (--max-batch-size), the evaluation plan and --fit's search for it; each only "
+                       "where asked.",
+        "properties": {**verdict["properties"], "fit": _ref("FitSearch"), "largest_batch": _ref("LargestBatch"),
+                       "evaluation": _ref("EvalMemoryPlan"), "evaluation_fit": _ref("FitSearch")},
+        "required": [], "additionalProperties": False,
+        "dependentRequired": {"fits": ["margin_bytes"], "margin_bytes": ["fits"],
+                              "evaluation_fit": ["evaluation"]}}
+    step_plan = _document(
+        "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the settings "
+        "planned, the model states beside the step, the step's peak and its parts, the device (the allocator "
+        "replay, the CUDA context) and the answers.",
+        {"settings": _ref("PlannedSettings"), "model_states": _ref("ModelStatesPlan"), "step": _ref("StepPeak"),
+         "device": _ref("DeviceFigures"), "answers": answers},
+        ["model_states", "answers"],
+        # A step traced at the asked batch writes its four parts together.
+        dependentRequired={key: [other for other in ("settings", "step", "device") if other != key]
+                           for key in ("settings", "step", "device")})
+    evaluation_answers = {
+        "title": "evaluation answers", "type": "object",
+        "description": "The evaluation plan, and --fit's search for an evaluation setting that fits.",
+        "properties": {"evaluation": _ref("EvalMemoryPlan"), "evaluation_fit": _ref("FitSearch")},
+        "required": ["evaluation"], "additionalProperties": False}
     evaluation_plan = _document(
         "evaluation plan", "The evaluation alone (--eval-samples without a step): the evaluation loop's peaks on "
         "the device and the host; with --fit, the search for an evaluation setting that fits.",
-        {"evaluation": _ref("EvalMemoryPlan"),
-         "fit": {"type": "object", "properties": {"evaluation": _ref("FitSearch")}, "required": ["evaluation"],
-                 "additionalProperties": False}},
-        ["evaluation"])
+        {"answers": evaluation_answers}, ["answers"])
     return {
         "$schema": JSON_SCHEMA_DIALECT,
         "title": "trainer-memcb estimate --json",
@@ -110,44 +126,6 @@ def estimate_schema() -> Dict[str, Any]:
         ],
         "$defs": dict(sorted(defs.items())),
     }
-
-
-def _step_plan_document(defs: Dict[str, Any], searched: Dict[str, Any]) -> Dict[str, Any]:
-    """The step plan's document: the step, the model states beside it, and where asked the
-    evaluation, --fit's search and the largest batch (`searched`: the schema of one batch planned)."""
-    from trainer_memcb.utils.json_schema import type_schema
-
-    fit_search = defs["FitSearch"]
-    step_fit = {
-        "description": "--fit: the search for a setting that fits; with an evaluation asked and --fit, "
-                       "`evaluation` holds the search for the evaluation's.",
-        "oneOf": [
-            {**fit_search, "title": "the step's search (and the evaluation's)",
-             "properties": {**fit_search["properties"], "evaluation": _ref("FitSearch")}},
-            {"title": "the evaluation's search alone", "type": "object",
-             "properties": {"evaluation": _ref("FitSearch")}, "required": ["evaluation"],
-             "additionalProperties": False},
-        ],
-    }
-    search_keys = ["max_batch_size", "max_batch_size_problem", "max_batch_size_is_search_limit", "searched"]
-    step_plan = _document(
-        "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the step's peak "
-        "and its parts, the model states beside it; the evaluation, --fit's search and the largest batch where asked.",
-        {"model_states": _ref("ModelStatesPlan"),
-         "step": _ref("StepMemoryPlan"),
-         "evaluation": _ref("EvalMemoryPlan"),
-         "fit": step_fit,
-         "max_batch_size": {**type_schema(Optional[int], defs),
-                            "description": "the largest per-device batch that fits; null when none does"},
-         "max_batch_size_problem": {**type_schema(Optional[str], defs),
-                                    "description": "why the search could not answer, or null"},
-         "max_batch_size_is_search_limit": {
-             "type": "boolean", "description": "max_batch_size is the search's limit, which fits; no larger was tried"},
-         "searched": {"type": "array", "items": searched}},
-        ["model_states"],
-        # --max-batch-size writes its four keys together.
-        dependentRequired={key: [other for other in search_keys if other != key] for key in search_keys})
-    return step_plan
 
 
 def schema_json() -> str:

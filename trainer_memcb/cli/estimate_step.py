@@ -65,7 +65,7 @@ class _StepTraces:
 
 def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     check_search_options(args)
-    from trainer_memcb.plan.answers.max_batch import MAX_BATCH_SEARCH_LIMIT, max_batch_size
+    from trainer_memcb.plan.answers.max_batch import LargestBatch, max_batch_size
     from trainer_memcb.plan.answers.step_memory import states_during_step
 
     memory = usable_memory(args)
@@ -74,24 +74,21 @@ def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
     found: Optional[int] = None
     searched: List[StepMemoryPlan] = []
-    problem: Optional[str] = None
+    largest = None
     if args.max_batch_size:
         found, searched = max_batch_size(plan_at, memory)
-        problem = next((f"at batch {plan.batch_size} {plan.problem}" for plan in searched if plan.problem is not None),
-                       None)
+        largest = LargestBatch.of(found, searched)
     step = plan_at(settings.batch_size) if settings.batch_size is not None else None
     # The model-states table from the same trace: each state's most during the engine's step (the
     # states do not depend on the batch, so the search's plan at the answer serves without one).
-    traced = step if step is not None else next((plan for plan in searched if plan.batch_size == found), None)
+    traced = step if step is not None else next((plan for plan in searched if plan.settings.batch_size == found), None)
     states = traces.states
     if traced is not None:
         states = states_during_step(states, traced)
     fit = None
     if getattr(args, "fit", False) and step is not None:
         fit = _estimate_fit(dataclasses.replace(traces, states=states), settings, memory)
-    return StepAnswer(states, step, search=bool(args.max_batch_size), max_batch_size=found, searched=tuple(searched),
-                      max_batch_size_problem=problem, max_batch_size_is_search_limit=found == MAX_BATCH_SEARCH_LIMIT,
-                      fit=fit)
+    return StepAnswer(states, step, largest_batch=largest, fit=fit)
 
 
 def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_StepTraces, Any]:
@@ -188,8 +185,9 @@ def ranks_to_plan(settings: Any) -> List[int]:
 def fullest_process(plans: List[StepMemoryPlan], ranks: List[int]) -> StepMemoryPlan:
     """The plan of the process that holds the most on the device at its peak (the first if equal),
     with a note of the other's peak."""
-    index = max(range(len(plans)), key=lambda i: (plans[i].peak_bytes or 0, -i))
-    others = ", ".join(f"rank {rank} {format_bytes(plan.peak_bytes or 0)} ({plan.peak_bytes or 0:,})"
+    index = max(range(len(plans)), key=lambda i: (plans[i].step.peak_bytes or 0, -i))
+    others = ", ".join(f"rank {rank} {format_bytes(plan.step.peak_bytes or 0)} ({plan.step.peak_bytes or 0:,})"
                        for rank, plan in zip(ranks, plans) if rank != ranks[index])
     note = f"rank {ranks[index]} holds the most of ranks {' and '.join(map(str, ranks))} at its peak ({others})"
-    return dataclasses.replace(plans[index], notes=list(plans[index].notes) + [note])
+    fullest = plans[index]
+    return dataclasses.replace(fullest, step=dataclasses.replace(fullest.step, notes=list(fullest.step.notes) + [note]))

@@ -5,13 +5,15 @@ The figures come from `trainer_memcb.plan.answers.model_states.plan_model_states
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell
 from trainer_memcb.cli.step_answer import StepAnswer
+from trainer_memcb.plan.answers.max_batch import LargestBatch
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan
+from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepMemoryPlan, StepPeak
 
-__all__ = ["plan_tables", "step_tables", "step_json"]
+__all__ = ["plan_tables", "step_tables"]
 
 
 def _fits(plan: ModelStatesPlan, entry) -> str:
@@ -115,11 +117,11 @@ _PART_NAMES = {"parameters": "parameters", "gradients": "gradients", "optimizer_
                "host_temporaries": "the offloaded optimizer step's temporaries (host)"}
 
 
-def _checkpointing_words(step: Any) -> str:
+def _checkpointing_words(settings: PlannedSettings) -> str:
     """"off", or "on (non-reentrant)" with the keywords that change what is held."""
-    if not step.gradient_checkpointing:
+    if not settings.gradient_checkpointing:
         return "off"
-    kwargs = getattr(step, "checkpointing_kwargs", None) or {}
+    kwargs = settings.checkpointing_kwargs
     words = ["reentrant" if kwargs.get("use_reentrant") else "non-reentrant"]
     if kwargs.get("every_n_layers", 1) != 1:
         words.append(f"every {kwargs['every_n_layers']} layers")
@@ -132,59 +134,77 @@ def _checkpointing_words(step: Any) -> str:
 
 def step_tables(found: StepAnswer) -> List[TextTable]:
     """The step plan: what was traced, the activations, the peak by part, fits?; the search."""
-    tables: List[TextTable] = []
-    step = found.step
-    if step is not None:
-        about = [
-            ["micro-batch", f"{step.batch_size} x {step.seq_len}" if step.seq_len is not None else str(step.batch_size)],
-            ["attention traced", step.attn_implementation or "-"],
-            ["device type", f"{step.device_type} (traced on fake {step.traced_on} tensors)"],
-            ["gradient checkpointing", _checkpointing_words(step)],
-            ["precision", f"{step.precision} (parameters in {step.param_dtype})" if step.param_dtype else step.precision],
-            ["optimizer step", step.optimizer],
-        ]
-        if step.device_memory_bytes is not None:
-            about += _memory_rows(step.device_memory_bytes, step.reserve_bytes, step.cuda_context_bytes or 0)
-        if step.problem is not None:
-            about.append(["problem", step.problem + "; only the model states are planned"])
-            tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about))
-        else:
-            about += [["activations", bytes_cell(step.activations_bytes)],
-                      ["activations peak", bytes_cell(step.activations_peak_bytes)],
-                      ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}" + (
-                          f" of micro-batch {step.peak_micro_batch} of {step.gradient_accumulation_steps}"
-                          if step.gradient_accumulation_steps > 1 and step.peak_micro_batch is not None else
-                          f" (after {step.gradient_accumulation_steps} micro-batches)"
-                          if step.gradient_accumulation_steps > 1 else "")]]
-            about += _allocator_rows(step)
-            if step.fits is not None:
-                margin = bytes_cell(abs(step.margin_bytes))
-                about.append(["fits?", f"fits, {margin} to spare" if step.fits else f"does not fit, {margin} short"])
-            tables.append(TextTable(f"Step plan for {step.model}", ["", "value"], about,
-                                    note="\n".join(f"Note, {note}." for note in step.notes)))
-            parts = [[_PART_NAMES.get(name, name), bytes_cell(value)] for name, value in step.peak_parts.items()]
-            tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts,
-                                    note=_not_counted(step)))
-        if step.settings_used:
-            rows = [[name, _setting_cell(value), source] for name, value, source in step.settings_used]
-            tables.append(TextTable(f"Settings used (engine: {step.engine}; optimizer implementation: "
-                                    f"{step.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
-                                    text_columns=(0, 1, 2)))
-    if found.search:
-        rows = [[str(plan.batch_size), bytes_cell(plan.peak_bytes), bytes_cell(plan.reserved_peak_bytes),
-                 "-" if plan.fits is None else ("fits" if plan.fits else "does not fit")] for plan in found.searched]
-        best, problem = found.max_batch_size, found.max_batch_size_problem
-        if problem is not None:
-            title = f"No largest batch: {problem}; only the model states are planned"
-        elif best is not None and found.max_batch_size_is_search_limit:
-            title = (f"Largest per-device batch that fits: at least {best:,}, the search's limit (it fits; no larger "
-                     f"batch was tried)")
-        elif best is not None:
-            title = f"Largest per-device batch that fits: {best}"
-        else:
-            title = "No batch fits (not even 1)"
-        tables.append(TextTable(title, ["batch", "step peak", "reserved peak", "fits?"], rows))
+    tables = _plan_tables(found.step) if found.step is not None else []
+    if found.largest_batch is not None:
+        tables.append(_largest_batch_table(found.largest_batch))
     return tables
+
+
+def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
+    """The step plan's own tables: what was traced and its answer, the peak's parts, the settings."""
+    settings, step, device = plan.settings, plan.step, plan.device
+    about = [
+        ["micro-batch", f"{settings.batch_size} x {settings.seq_len}"],
+        ["attention traced", settings.attn_implementation or "-"],
+        ["device type", f"{settings.device_type} (traced on fake {settings.traced_on} tensors)"],
+        ["gradient checkpointing", _checkpointing_words(settings)],
+        ["precision", f"{settings.precision} (parameters in {settings.param_dtype})" if settings.param_dtype
+         else settings.precision],
+        ["optimizer step", settings.optimizer],
+    ]
+    if device.device_memory_bytes is not None:
+        about += _memory_rows(device.device_memory_bytes, device.reserve_bytes, device.cuda_context_bytes or 0)
+    tables = []
+    if step.problem is not None:
+        about.append(["problem", step.problem + "; only the model states are planned"])
+        tables.append(TextTable(f"Step plan for {settings.model}", ["", "value"], about))
+    else:
+        about += [["activations", bytes_cell(step.activations_bytes)],
+                  ["activations peak", bytes_cell(step.activations_peak_bytes)],
+                  ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}"
+                   + _micro_batch_words(settings, step)]]
+        about += _allocator_rows(device)
+        if plan.verdict.fits is not None:
+            margin = bytes_cell(abs(plan.verdict.margin_bytes))
+            about.append(["fits?", f"fits, {margin} to spare" if plan.verdict.fits else f"does not fit, {margin} short"])
+        tables.append(TextTable(f"Step plan for {settings.model}", ["", "value"], about,
+                                note="\n".join(f"Note, {note}." for note in step.notes)))
+        parts = [[_PART_NAMES.get(name, name), bytes_cell(value)] for name, value in step.peak_parts.items()]
+        tables.append(TextTable("Alive at the step's peak, per process", ["part", "bytes"], parts,
+                                note=_not_counted(device)))
+    if settings.used:
+        rows = [[name, _setting_cell(value), source] for name, value, source in settings.used]
+        tables.append(TextTable(f"Settings used (engine: {settings.engine}; optimizer implementation: "
+                                f"{settings.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
+                                text_columns=(0, 1, 2)))
+    return tables
+
+
+def _micro_batch_words(settings: PlannedSettings, step: StepPeak) -> str:
+    """With accumulation, which micro-batch holds the peak (or that it follows them all)."""
+    steps = settings.gradient_accumulation_steps
+    if steps == 1:
+        return ""
+    if step.peak_micro_batch is not None:
+        return f" of micro-batch {step.peak_micro_batch} of {steps}"
+    return f" (after {steps} micro-batches)"
+
+
+def _largest_batch_table(largest: LargestBatch) -> TextTable:
+    """The batches --max-batch-size planned, under its answer."""
+    rows = [[str(batch.batch_size), bytes_cell(batch.peak_bytes), bytes_cell(batch.reserved_peak_bytes),
+             "-" if batch.fits is None else ("fits" if batch.fits else "does not fit")] for batch in largest.searched]
+    best = largest.max_batch_size
+    if largest.problem is not None:
+        title = f"No largest batch: {largest.problem}; only the model states are planned"
+    elif best is not None and largest.is_search_limit:
+        title = (f"Largest per-device batch that fits: at least {best:,}, the search's limit (it fits; no larger "
+                 f"batch was tried)")
+    elif best is not None:
+        title = f"Largest per-device batch that fits: {best}"
+    else:
+        title = "No batch fits (not even 1)"
+    return TextTable(title, ["batch", "step peak", "reserved peak", "fits?"], rows)
 
 
 def _setting_cell(value: Any) -> str:
@@ -197,39 +217,23 @@ def _setting_cell(value: Any) -> str:
     return str(value)
 
 
-def _allocator_rows(step: Any) -> List[List[str]]:
+def _allocator_rows(device: DeviceFigures) -> List[List[str]]:
     """The allocator replay's figures beside the allocated peak (CUDA only)."""
-    if step.reserved_peak_bytes is None:
+    if device.reserved_peak_bytes is None:
         return []
     rows = [["allocated peak (caching allocator)",
-             f"{bytes_cell(step.allocator_allocated_peak_bytes)} (blocks rounded, cuBLAS workspaces "
-             f"{bytes_cell(step.cuda_workspace_bytes)})"],
-            ["reserved peak (two steps replayed)", f"{bytes_cell(step.reserved_peak_bytes)}, "
-             f"{bytes_cell(step.fragmentation_bytes)} of it cached, not allocated (reserved peak less allocated peak)"
-             + (f", PYTORCH_CUDA_ALLOC_CONF={step.alloc_conf}" if step.alloc_conf else "")],
-            ["device total (nvidia-smi)", f"{bytes_cell(step.device_total_bytes)} (CUDA context "
-             f"{bytes_cell(step.cuda_context_bytes)}{', ' + step.gpu if step.gpu else ''})"]]
+             f"{bytes_cell(device.allocator_allocated_peak_bytes)} (blocks rounded, cuBLAS workspaces "
+             f"{bytes_cell(device.cuda_workspace_bytes)})"],
+            ["reserved peak (two steps replayed)", f"{bytes_cell(device.reserved_peak_bytes)}, "
+             f"{bytes_cell(device.fragmentation_bytes)} of it cached, not allocated (reserved peak less allocated peak)"
+             + (f", PYTORCH_CUDA_ALLOC_CONF={device.alloc_conf}" if device.alloc_conf else "")],
+            ["device total (nvidia-smi)", f"{bytes_cell(device.device_total_bytes)} (CUDA context "
+             f"{bytes_cell(device.cuda_context_bytes)}{', ' + device.gpu if device.gpu else ''})"]]
     return rows
 
 
-def _not_counted(step: Any) -> str:
-    if not step.not_counted:
+def _not_counted(device: DeviceFigures) -> str:
+    if not device.not_counted:
         return ""
-    return ("Not counted: " if step.reserve_bytes is None else "Not counted, left to --reserve: ") + \
-        "; ".join(step.not_counted)
-
-
-def step_json(found: StepAnswer) -> Dict[str, Any]:
-    document: Dict[str, Any] = {"model_states": found.model_states.to_dict()}
-    if found.step is not None:
-        document["step"] = found.step.to_dict()
-    if found.search:
-        document["max_batch_size"] = found.max_batch_size
-        document["max_batch_size_problem"] = found.max_batch_size_problem
-        # True: max_batch_size is the search's limit, which fits; larger batches were not tried.
-        document["max_batch_size_is_search_limit"] = found.max_batch_size_is_search_limit
-        document["searched"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes,
-                                 "reserved_peak_bytes": p.reserved_peak_bytes,
-                                 "device_total_bytes": p.device_total_bytes, "fits": p.fits}
-                                for p in found.searched]
-    return document
+    return ("Not counted: " if device.reserve_bytes is None else "Not counted, left to --reserve: ") + \
+        "; ".join(device.not_counted)

@@ -118,11 +118,11 @@ def oom_report_text(error: BaseException, steps_done: int, plan: Any = None, no_
     if plan is None:
         lines.append(f"The step plan for this run's settings: {no_plan}")
     else:
-        batch = f"{plan.batch_size} x {plan.seq_len}" if plan.seq_len is not None else f"{plan.batch_size}"
+        batch = f"{plan.settings.batch_size} x {plan.settings.seq_len}" if plan.settings.seq_len is not None else f"{plan.settings.batch_size}"
         lines.append(f"The step plan for this run's settings (batch {batch}, "
-                     f"{plan.optimizer}, {plan.precision}, engine {plan.engine}, on {plan.device_type}) "
-                     f"peaks in {plan.peak_phase} at {_bytes(plan.peak_bytes)}, holding:")
-        parts = dict(plan.peak_parts)
+                     f"{plan.settings.optimizer}, {plan.settings.precision}, engine {plan.settings.engine}, on {plan.settings.device_type}) "
+                     f"peaks in {plan.step.peak_phase} at {_bytes(plan.step.peak_bytes)}, holding:")
+        parts = dict(plan.step.peak_parts)
         for part in [*_PLAN_PARTS, *sorted(set(parts) - set(_PLAN_PARTS))]:
             if part in parts:
                 lines.append(f"  {part.replace('_', ' ')}: {_bytes(int(parts[part]))}")

@@ -151,7 +151,7 @@ def preflight(model: Any, args: Any, *, processing_class: Any = None, device_mem
     engine_keys = ("deepspeed", "fsdp", "fsdp_config") if getattr(args, "fsdp", None) else ("deepspeed",)
     own = training_args_of(settings, {key: getattr(args, key) for key in engine_keys if getattr(args, key, None)})
     plan = plan_for_trainer(model, args, seq_len=seq_len, device_type=device_type, world_size=world_size)
-    if usable is None or plan.peak_bytes is None or plan.peak_bytes <= usable:
+    if usable is None or plan.step.peak_bytes is None or plan.step.peak_bytes <= usable:
         return Preflight(plan, seq_len, usable, None, None)
     # The model's own dtypes (a model loaded in bf16 stays so under bf16=True); the run's own
     # arguments for the optimizers' hyperparameters (a TrainingArguments made anew would reset
@@ -172,7 +172,7 @@ def _deepspeed_of(args: Any) -> Optional[dict]:
 
 
 def _warning(plan: StepMemoryPlan, usable: int, search: FitSearch, device: torch.device) -> str:
-    head = (f"the planned training step needs {format_bytes(plan.peak_bytes)} per process and {device} has "
+    head = (f"the planned training step needs {format_bytes(plan.step.peak_bytes)} per process and {device} has "
             f"{format_bytes(usable)} for it: it will not fit")
     best = search.best
     if best is not None:

@@ -31,12 +31,15 @@ plan's modules are named in one place (`_plan`).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from trainer_memcb.utils.compiled import uncompiled
+
+if TYPE_CHECKING:
+    from trainer_memcb.plan.answers.step_plan import StepMemoryPlan
 
 __all__ = ["batch_dims", "plan_for_trainer", "plan_reserved_bytes", "run_world_size", "stand_in_builder",
            "trained_module"]
@@ -180,9 +183,9 @@ def plan_for_trainer(model: Any, args: Any, batch: Optional[Mapping[str, Any]] =
         >>> args = TrainingArguments("out", per_device_train_batch_size=2, optim="adamw_torch", use_cpu=True,
         ...                          report_to=[])
         >>> plan = plan_for_trainer(model, args, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
-        >>> plan.batch_size, plan.seq_len, plan.engine, plan.peak_phase
+        >>> plan.settings.batch_size, plan.settings.seq_len, plan.settings.engine, plan.step.peak_phase
         (2, 16, 'none', 'optimizer step')
-        >>> plan.peak_parts["parameters"] == 4 * sum(param.numel() for param in model.parameters())  # fp32, as loaded
+        >>> plan.step.peak_parts["parameters"] == 4 * sum(param.numel() for param in model.parameters())  # fp32, as loaded
         True
     """
     resolve_settings, _, plan_step_memory = _plan()
@@ -206,9 +209,9 @@ def plan_for_trainer(model: Any, args: Any, batch: Optional[Mapping[str, Any]] =
     return plan
 
 
-def plan_reserved_bytes(plan: Any) -> Optional[int]:
+def plan_reserved_bytes(plan: "StepMemoryPlan") -> Optional[int]:
     """The bytes the caching allocator reserves for `plan`'s step: the replay of its allocations
-    over two steps (`StepMemoryPlan.reserved_peak_bytes`, a plan for a CUDA device); None for a
+    over two steps (`DeviceFigures.reserved_peak_bytes`, a plan for a CUDA device); None for a
     plan on the CPU, which has no caching allocator, and then `step_plan_reserved_bytes` is left out.
     """
-    return getattr(plan, "reserved_peak_bytes", None)
+    return plan.device.reserved_peak_bytes

@@ -176,11 +176,11 @@ class StepPlanProbe:
         except Exception as error:  # never break training over a plan
             self._failed(repr(error))
             return
-        if plan.problem is not None or plan.peak_bytes is None:
-            self._failed(str(plan.problem))
+        if plan.step.problem is not None or plan.step.peak_bytes is None:
+            self._failed(str(plan.step.problem))
             return
         self.plan = plan
-        self._figures = {STEP_PLAN_PEAK_BYTES: int(plan.peak_bytes)}
+        self._figures = {STEP_PLAN_PEAK_BYTES: int(plan.step.peak_bytes)}
         reserved = plan_reserved_bytes(plan)
         if reserved is not None:
             self._figures[STEP_PLAN_RESERVED_BYTES] = int(reserved)

@@ -112,16 +112,16 @@ class _Search:
         # The trace runs up to three micro-batches (the first, the second, the last: each the same
         # forward and backward), so one micro-batch's FLOPs are the trace's over their number.
         flops = plan.timeline.flops if plan.timeline is not None else None
-        step_flops = flops // len(traced_micro_batches(micro)) if flops is not None and plan.problem is None else None
+        step_flops = flops // len(traced_micro_batches(micro)) if flops is not None and plan.step.problem is None else None
         fits, margin = step_verdict(plan, self.usable)
         optim = args.get("optim")
         candidate = FitCandidate(
-            changes=changes, training_args=args, deepspeed=deepspeed, peak_bytes=plan.peak_bytes,
-            reserved_peak_bytes=plan.reserved_peak_bytes,
+            changes=changes, training_args=args, deepspeed=deepspeed, peak_bytes=plan.step.peak_bytes,
+            reserved_peak_bytes=plan.device.reserved_peak_bytes,
             fits=fits, margin_bytes=margin, relative_step_time=None,
             effective_batch=batch * micro * self.world_size, micro_batches=micro, step_flops=step_flops,
             host_transfer_bytes=transfer, changes_optimizer=optim != self.own_args.get("optim"),
-            alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.problem, plan=plan,
+            alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.step.problem, plan=plan,
             seconds=step_seconds(step_flops, micro, transfer, self.device_type))
         self.planned[key] = candidate
         return candidate

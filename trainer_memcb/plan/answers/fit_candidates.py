@@ -120,11 +120,11 @@ def step_verdict(plan: StepMemoryPlan, usable_bytes: int) -> Tuple[Optional[bool
     has one (on CUDA, the allocator replay on the device's memory less the CUDA context and the
     reserve, which is `usable_bytes`), else its peak against `usable_bytes`; (None, None) for a
     step that could not be planned."""
-    if plan.fits is not None:
-        return plan.fits, plan.margin_bytes
-    if plan.peak_bytes is None:
+    if plan.verdict.fits is not None:
+        return plan.verdict.fits, plan.verdict.margin_bytes
+    if plan.step.peak_bytes is None:
         return None, None
-    margin = usable_bytes - plan.peak_bytes
+    margin = usable_bytes - plan.step.peak_bytes
     return margin >= 0, margin
 
 

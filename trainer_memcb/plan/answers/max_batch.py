@@ -3,16 +3,60 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainer_memcb.plan.answers.fit import step_verdict
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
 
-__all__ = ["max_batch_size", "MAX_BATCH_SEARCH_LIMIT"]
+__all__ = ["LargestBatch", "SearchedBatch", "max_batch_size", "MAX_BATCH_SEARCH_LIMIT"]
 
 
 # The largest batch `max_batch_size` searches: an answer equal to it means "at least this many".
 MAX_BATCH_SEARCH_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class SearchedBatch:
+    """One batch size the search for the largest planned, with its step plan's figures."""
+
+    batch_size: int
+    peak_bytes: Optional[int]
+    reserved_peak_bytes: Optional[int]
+    device_total_bytes: Optional[int]
+    fits: Optional[bool]
+
+    @classmethod
+    def of(cls, plan: StepMemoryPlan) -> "SearchedBatch":
+        return cls(plan.settings.batch_size, plan.step.peak_bytes, plan.device.reserved_peak_bytes,
+                   plan.device.device_total_bytes, plan.verdict.fits)
+
+
+@dataclass(frozen=True)
+class LargestBatch:
+    """The answer of the search for the largest batch that fits.
+
+    Attributes:
+        max_batch_size: the largest per-device batch that fits; None when none does, or when a
+            step could not be traced (`problem` says why).
+        is_search_limit: `max_batch_size` is the search's limit, which fits; no larger was tried.
+        searched: the batches planned, in increasing order.
+    """
+
+    max_batch_size: Optional[int]
+    problem: Optional[str]
+    is_search_limit: bool
+    searched: Tuple[SearchedBatch, ...]
+
+    @classmethod
+    def of(cls, found: Optional[int], plans: List[StepMemoryPlan]) -> "LargestBatch":
+        """The answer from `max_batch_size`'s: its batch and the plans it traced."""
+        problem = next((f"at batch {plan.settings.batch_size} {plan.step.problem}" for plan in plans
+                        if plan.step.problem is not None), None)
+        return cls(found, problem, found == MAX_BATCH_SEARCH_LIMIT, tuple(SearchedBatch.of(plan) for plan in plans))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "searched": [asdict(batch) for batch in self.searched]}
 
 
 def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
@@ -65,14 +109,14 @@ def _guess(plans: Dict[int, StepMemoryPlan], low: int, other: int, device_memory
     part that grows with the batch; the optimizer step's does not."""
     def growing(batch: int) -> int:
         plan = plans[batch]
-        return plan.forward_backward_peak_bytes or plan.peak_bytes or 0
+        return plan.step.forward_backward_peak_bytes or plan.step.peak_bytes or 0
 
     slope = (growing(other) - growing(low)) / (other - low)
     # At small batches forward and backward's peak may be a moment the batch hardly changes (the
     # gradients' accumulation); what is saved for backward grows by at least its bytes per sample.
-    saved = ((plans[other].activations_peak_bytes or 0) - (plans[low].activations_peak_bytes or 0)) / (other - low)
+    saved = ((plans[other].step.activations_peak_bytes or 0) - (plans[low].step.activations_peak_bytes or 0)) / (other - low)
     slope = max(slope, saved)
-    held, peak = plans[low].reserved_peak_bytes, plans[low].peak_bytes or 0
+    held, peak = plans[low].device.reserved_peak_bytes, plans[low].step.peak_bytes or 0
     overhead = max(0, held - peak) if held is not None else 0
     if slope <= 0:
         return 2 * low
@@ -135,9 +179,10 @@ def _between(plans: Dict[int, StepMemoryPlan], low: int, high: int, device_memor
     slowly."""
     def overhead(batch: int) -> int:
         plan = plans[batch]
-        return 0 if plan.reserved_peak_bytes is None else plan.reserved_peak_bytes - (plan.peak_bytes or 0)
+        held = plan.device.reserved_peak_bytes
+        return 0 if held is None else held - (plan.step.peak_bytes or 0)
 
-    peak_low, peak_high = plans[low].peak_bytes or 0, plans[high].peak_bytes or 0
+    peak_low, peak_high = plans[low].step.peak_bytes or 0, plans[high].step.peak_bytes or 0
     slope = (peak_high - peak_low) / (high - low)
     target = device_memory - (overhead(low) + overhead(high)) / 2
     return (low + high) // 2 if slope <= 0 else low + int((target - peak_low) // slope)

@@ -19,16 +19,17 @@ the reserve. `states_during_step` puts the step's own figures in the model-state
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
+from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepMemoryPlan, StepPeak, Verdict
 from trainer_memcb.plan.answers.step_replay import StepReplay, replay_step
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
-from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, GpuPreset, gpu_preset
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
@@ -47,117 +48,6 @@ NOT_COUNTED = {
              "the kernels' own temporaries where they differ from the CPU's (cross-entropy's)"),
     "cpu": ("the CPU allocator's own bookkeeping and rounding",),
 }
-
-
-@dataclass(frozen=True)
-class StepMemoryPlan:
-    """One training step's memory on one process.
-
-    Attributes:
-        batch_size, seq_len: the micro-batch.
-        attn_implementation: the attention path traced (`config._attn_implementation`).
-        device_type: the device type asked for; `traced_on`: the fake tensors' device.
-        gradient_checkpointing: activation checkpointing on the model's layers;
-            `checkpointing_kwargs`: its keywords as traced, `use_reentrant` always among them
-            (`trainer_memcb.plan.model.trainer_model.checkpointing_kwargs`), {} without it.
-        precision: the setup's precision; `param_dtype`: the traced parameters' dtype.
-        activations_bytes: saved for backward, alive at the end of forward (as `activations_bytes`).
-        activations_peak_bytes: the most saved bytes alive during forward and backward.
-        peak_bytes: the step's peak; `peak_phase`: forward, backward or optimizer step;
-            `peak_parts`: what was alive then, by part (they sum to `peak_bytes`).
-        model_states_plan: the model-states plan of the same setup (per-process states).
-        model_states_most_bytes: per model state (parameters, gradients, optimizer_state,
-            master_weights), the most this process's device held at one moment of the step, the
-            engine's buffers for it included (DDP's buckets and ZeRO's reduce buckets as
-            gradients, FSDP2's all-gather buffers and gathered parameters as parameters);
-            `model_states_host_bytes`: the same, of what lives on the host (offload);
-            `model_states_at_optimizer_step_bytes`: what each held at the optimizer phase's peak,
-            device and host together ({} without an optimizer step). The model-states table of a
-            step plan shows these (`states_during_step`).
-        device_memory_bytes, reserve_bytes: the device's memory and the part of it left out for
-            what the plan does not count (`reserve_bytes`, see `not_counted`).
-        fits, margin_bytes: on CUDA, from the allocator replay: the step's allocations over two
-            steps replayed with `device_memory_bytes - cuda_context_bytes - reserve_bytes` for the
-            allocator (`trainer_memcb.plan.answers.step_replay`); it does not fit when the replay
-            runs out of memory, and the margin is that memory less the reserved peak. On the CPU,
-            against `device_memory_bytes - reserve_bytes`, from the peak.
-        reserved_peak_bytes: on CUDA, the most the caching allocator reserves over two steps
-            (`torch.cuda.max_memory_reserved`); with `device_memory_bytes` and a step that fits, as
-            a device of that memory holds it (the allocator frees its cache before it fails).
-        allocator_allocated_peak_bytes: the replay's allocated peak (`torch.cuda.max_memory_allocated`):
-            `peak_bytes` with every block rounded up to 512 bytes and CUDA's cuBLAS/cuBLASLt
-            workspaces (`cuda_workspace_bytes`), which the CPU trace does not make.
-        fragmentation_bytes: `reserved_peak_bytes - allocator_allocated_peak_bytes`: cached, not
-            allocated, peak against peak (`StepReplay.fragmentation_bytes`).
-        cuda_context_bytes: the CUDA context the process holds outside the allocator (the GPU
-            preset's, else `DEFAULT_CUDA_CONTEXT_BYTES`).
-        device_total_bytes: `reserved_peak_bytes + cuda_context_bytes`: what nvidia-smi shows for
-            the process at the step's peak.
-        gpu: the GPU preset's name, or None; `alloc_conf`: the `PYTORCH_CUDA_ALLOC_CONF` replayed
-            ("" for torch's defaults); `out_of_memory_at`: where the replay ran out ("step 2,
-            backward"), or None.
-        not_counted: what a real process on `device_type` holds that the plan does not count.
-        problem: why no step could be traced (then only the model states are known), or None.
-        gradient_accumulation_steps: the micro-batches of one optimizer step; every one after the
-            first runs its forward and backward with the gradients the ones before it left, as the
-            engine keeps them. `peak_micro_batch`: the micro-batch whose forward and backward hold
-            the peak (1 to gradient_accumulation_steps), None when the peak is the optimizer
-            step's; `micro_batch_peak_bytes`: with accumulation, [number, peak bytes] of each
-            micro-batch traced (the first, the second and the last: those between are the
-            second's), the optimizer state and the frozen reference model included as in `peak_bytes`.
-    """
-
-    model: str
-    batch_size: int
-    seq_len: int
-    attn_implementation: Optional[str]
-    device_type: str
-    traced_on: str
-    gradient_checkpointing: bool
-    precision: str
-    optimizer: str
-    param_dtype: Optional[str]
-    activations_bytes: Optional[int]
-    activations_peak_bytes: Optional[int]
-    peak_bytes: Optional[int]
-    peak_phase: Optional[str]
-    peak_parts: Dict[str, int] = field(default_factory=dict)
-    forward_backward_peak_bytes: Optional[int] = None
-    optimizer_step_peak_bytes: Optional[int] = None
-    model_states_most_bytes: Dict[str, int] = field(default_factory=dict)
-    model_states_host_bytes: Dict[str, int] = field(default_factory=dict)
-    model_states_at_optimizer_step_bytes: Dict[str, int] = field(default_factory=dict)
-    device_memory_bytes: Optional[int] = None
-    fits: Optional[bool] = None
-    margin_bytes: Optional[int] = None
-    problem: Optional[str] = None
-    notes: List[str] = field(default_factory=list)
-    reserve_bytes: Optional[int] = None
-    not_counted: List[str] = field(default_factory=list)
-    engine: str = "none"
-    optimizer_implementation: Optional[str] = None
-    host_bytes: Dict[str, int] = field(default_factory=dict)
-    settings_used: List[List[Any]] = field(default_factory=list)
-    gradient_accumulation_steps: int = 1
-    peak_micro_batch: Optional[int] = None
-    micro_batch_peak_bytes: List[List[int]] = field(default_factory=list)
-    reserved_peak_bytes: Optional[int] = None
-    allocator_allocated_peak_bytes: Optional[int] = None
-    fragmentation_bytes: Optional[int] = None
-    cuda_workspace_bytes: Optional[int] = None
-    cuda_context_bytes: Optional[int] = None
-    checkpointing_kwargs: Dict[str, Any] = field(default_factory=dict)
-    device_total_bytes: Optional[int] = None
-    gpu: Optional[str] = None
-    alloc_conf: Optional[str] = None
-    out_of_memory_at: Optional[str] = None
-    # The traced step every figure above is read from; not serialized.
-    timeline: Optional[Timeline] = field(default=None, repr=False, compare=False)
-
-    def to_dict(self) -> Dict[str, Any]:
-        document = asdict(dataclasses.replace(self, timeline=None))
-        del document["timeline"]
-        return document
 
 
 def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
@@ -295,30 +185,30 @@ def plan_step_memory(
         states_plan = plan_model_states(meta, settings.optimizer, setup, args=args, model_name=model_name)
     _check_model_inputs(meta, settings)
     step_dtype = dtype or _step_dtype(settings.precision, meta)
-    common = _common_fields(meta, settings, args, model_name, step_dtype)
-    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
+    planned = _planned_settings(meta, settings, args, model_name, step_dtype)
+    device = _device_before_replay(settings)
     try:
         timeline = trace_step(meta, settings, args=args, step_dtype=step_dtype, keep_dtypes=keep_dtypes,
                               quantization=quantization)
     except UntracedStep as error:
-        return StepMemoryPlan(activations_bytes=None, activations_peak_bytes=None, peak_bytes=None, peak_phase=None,
-                              problem=f"the step cannot run under fake tensors ({error})", **common), states_plan
+        return StepMemoryPlan(planned, StepPeak(problem=f"the step cannot run under fake tensors ({error})"),
+                              device), states_plan
     notes = list(timeline.notes)
     if timeline.optimizer_failure is not None:
         rule_plan = states_plan if states_plan is not None else \
             plan_model_states(build_model(), settings.optimizer, setup, args=args, model_name=model_name)
         estimated = _with_rule_estimated_state(timeline, settings.optimizer, rule_plan, notes)
         if estimated is None:
-            return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
-                                  activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=None,
-                                  peak_phase=None, problem=notes.pop(), **common), states_plan
+            step = StepPeak(activations_bytes=timeline.activations_bytes,
+                            activations_peak_bytes=timeline.activations_peak_bytes, problem=notes.pop())
+            return StepMemoryPlan(planned, step, device), states_plan
         timeline = estimated
     reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
     if reference:
         # A frozen reference model (DPO-style training) is alive through the whole step. Its own
         # forward's temporaries are not traced.
         timeline = timeline.with_resident("reference_model", reference)
-    return _answer(timeline, settings, preset, notes, common), states_plan
+    return _answer(timeline, settings, planned, device, notes), states_plan
 
 
 def _with_rule_estimated_state(timeline: Timeline, optimizer: str, rule_plan: ModelStatesPlan,
@@ -337,8 +227,8 @@ def _with_rule_estimated_state(timeline: Timeline, optimizer: str, rule_plan: Mo
     return timeline.with_resident("optimizer_state", estimated, state="optimizer_state", group="optimizer_state")
 
 
-def _answer(timeline: Timeline, settings: StepSettings, preset: Optional[GpuPreset], notes: List[str],
-            common: Dict[str, Any]) -> StepMemoryPlan:
+def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings, device: DeviceFigures,
+            notes: List[str]) -> StepMemoryPlan:
     """The step plan, every figure read from `timeline`: the peak and its parts, the model states,
     and fits? from the allocator replay on CUDA, from the peak on the CPU."""
     traced = _read_peak(timeline)
@@ -347,31 +237,28 @@ def _answer(timeline: Timeline, settings: StepSettings, preset: Optional[GpuPres
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
     if "reference_model" in traced.peak_parts:
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
-    fits = margin = None
-    allocator: Dict[str, Any] = {}
-    device_memory, reserve = common["device_memory_bytes"], settings.reserve_bytes
+    verdict = Verdict()
     if settings.device_type == "cuda":
         conf = alloc_conf_from_environment() if settings.alloc_conf is None else as_alloc_conf(settings.alloc_conf)
-        fits, margin, allocator = _replayed(timeline, conf, preset, device_memory, reserve,
-                                            settings.torch_empty_cache_steps)
-        if allocator["out_of_memory_at"] is not None:
-            notes.append(f"the allocator replay runs out of memory in {allocator['out_of_memory_at']}")
-    elif device_memory is not None:
-        margin = device_memory - reserve - traced.peak_bytes
-        fits = margin >= 0
-    return StepMemoryPlan(activations_bytes=timeline.activations_bytes,
-                          activations_peak_bytes=timeline.activations_peak_bytes, peak_bytes=traced.peak_bytes,
-                          peak_phase=traced.peak_phase, peak_parts=traced.peak_parts,
-                          forward_backward_peak_bytes=traced.forward_backward_peak,
-                          optimizer_step_peak_bytes=traced.optimizer_peak, model_states_most_bytes=traced.states_most,
-                          model_states_host_bytes=traced.states_host,
-                          model_states_at_optimizer_step_bytes=traced.states_at_optimizer_step, fits=fits,
-                          margin_bytes=margin, notes=notes, engine=timeline.engine,
-                          optimizer_implementation=timeline.optimizer_implementation, host_bytes=traced.host_bytes,
-                          settings_used=[list(row) for row in settings.used()],
-                          gradient_accumulation_steps=timeline.gradient_accumulation_steps,
-                          peak_micro_batch=timeline.peak_micro_batch if traced.peak_phase != "optimizer step" else None,
-                          micro_batch_peak_bytes=traced.micro_batches, timeline=timeline, **allocator, **common)
+        verdict, device = _replayed(timeline, conf, settings, device)
+        if device.out_of_memory_at is not None:
+            notes.append(f"the allocator replay runs out of memory in {device.out_of_memory_at}")
+    elif device.device_memory_bytes is not None:
+        margin = device.device_memory_bytes - settings.reserve_bytes - traced.peak_bytes
+        verdict = Verdict(fits=margin >= 0, margin_bytes=margin)
+    planned = dataclasses.replace(
+        planned, optimizer_implementation=timeline.optimizer_implementation, engine=timeline.engine,
+        gradient_accumulation_steps=timeline.gradient_accumulation_steps)
+    step = StepPeak(
+        activations_bytes=timeline.activations_bytes, activations_peak_bytes=timeline.activations_peak_bytes,
+        peak_bytes=traced.peak_bytes, peak_phase=traced.peak_phase, peak_parts=traced.peak_parts,
+        host_bytes=traced.host_bytes, forward_backward_peak_bytes=traced.forward_backward_peak,
+        optimizer_step_peak_bytes=traced.optimizer_peak,
+        peak_micro_batch=timeline.peak_micro_batch if traced.peak_phase != "optimizer step" else None,
+        micro_batch_peak_bytes=traced.micro_batches, model_states_most_bytes=traced.states_most,
+        model_states_host_bytes=traced.states_host, model_states_at_optimizer_step_bytes=traced.states_at_optimizer_step,
+        notes=notes)
+    return StepMemoryPlan(planned, step, device, verdict, timeline=timeline)
 
 
 def _input_options(settings: StepSettings) -> Dict[str, Any]:
@@ -391,65 +278,73 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
         step_inputs(meta, 1, settings.seq_len, **_input_options(settings))
 
 
-def _common_fields(meta: nn.Module, settings: StepSettings, args: Any, model_name: Optional[str],
-                   step_dtype: Optional[torch.dtype]) -> Dict[str, Any]:
-    """The plan's fields known before the trace: the setup it plans, as the settings resolved it."""
+def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_name: Optional[str],
+                      step_dtype: Optional[torch.dtype]) -> PlannedSettings:
+    """What the plan plans, known before the trace: the setup as the settings resolved it."""
     config = getattr(meta, "config", None)
-    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
-    device_memory = settings.device_memory
-    if device_memory is None and preset is not None:
-        device_memory = preset.total_bytes
-    return dict(
-        param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
+    return PlannedSettings(
         model=model_name or type(meta).__name__, batch_size=settings.batch_size, seq_len=settings.seq_len,
         attn_implementation=getattr(config, "_attn_implementation", None) if config is not None else None,
         device_type=settings.device_type, traced_on="cpu", gradient_checkpointing=settings.gradient_checkpointing,
         checkpointing_kwargs=(checkpointing_kwargs(args, settings.checkpointing_kwargs)
                               if settings.gradient_checkpointing else {}),
-        precision=settings.precision, optimizer=settings.optimizer, device_memory_bytes=device_memory,
-        reserve_bytes=settings.reserve_bytes if device_memory is not None else None,
-        not_counted=list(NOT_COUNTED[settings.device_type]))
+        precision=settings.precision,
+        param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
+        optimizer=settings.optimizer, used=[list(row) for row in settings.used()])
 
 
-def _replayed(timeline: Timeline, conf: AllocConf, preset: Optional[GpuPreset], device_memory: Optional[int],
-              reserve: int, empty_cache_steps: Optional[int]) -> Tuple[Optional[bool], Optional[int], Dict[str, Any]]:
-    """fits?, the margin and the allocator's figures, from the step's allocations replayed over two
-    steps (`replay_step`): first with no limit; when its reserved peak exceeds what the allocator
-    may take (`device_memory` less the CUDA context and `reserve`), again with that limit, where the
-    allocator frees its cache and retries before it fails, as torch does."""
+def _device_before_replay(settings: StepSettings) -> DeviceFigures:
+    """The device as the settings give it: its memory (the GPU preset's where none is given), the
+    reserve, and what a process on it holds that the plan does not count."""
+    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
+    device_memory = settings.device_memory
+    if device_memory is None and preset is not None:
+        device_memory = preset.total_bytes
+    return DeviceFigures(device_memory_bytes=device_memory,
+                         reserve_bytes=settings.reserve_bytes if device_memory is not None else None,
+                         not_counted=list(NOT_COUNTED[settings.device_type]))
+
+
+def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
+              device: DeviceFigures) -> Tuple[Verdict, DeviceFigures]:
+    """fits? with its margin, and the device with the allocator's figures, from the step's
+    allocations replayed over two steps (`replay_step`): first with no limit; when its reserved
+    peak exceeds what the allocator may take (the device's memory less the CUDA context and the
+    reserve), again with that limit, where the allocator frees its cache and retries before it
+    fails, as torch does."""
+    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
     context = preset.cuda_context_bytes if preset is not None else DEFAULT_CUDA_CONTEXT_BYTES
     capability = preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
-    options = dict(alloc_conf=conf, compute_capability=capability, empty_cache_steps=empty_cache_steps)
+    options = dict(alloc_conf=conf, compute_capability=capability, empty_cache_steps=settings.torch_empty_cache_steps)
+    device_memory = device.device_memory_bytes
     fraction = conf.per_process_memory_fraction < 1.0
     if fraction and device_memory is None:
         raise ValueError(f"alloc_conf {conf.text!r}: per_process_memory_fraction is a fraction of the device's "
                          "memory: give device_memory or gpu too")
-    limit = None if device_memory is None else max(0, device_memory - context - reserve)
+    limit = None if device_memory is None else max(0, device_memory - context - settings.reserve_bytes)
     # A memory fraction caps the allocator below the device: replayed with the limit from the start.
     replay: StepReplay = replay_step(timeline, device_memory=limit if fraction else None, **options)
-    fits = margin = None
+    verdict = Verdict()
     out_of_memory = None
     if limit is not None and fraction:
-        fits = replay.oom is None
-        margin = limit - replay.reserved_peak_bytes
+        verdict = Verdict(replay.oom is None, limit - replay.reserved_peak_bytes)
         out_of_memory = replay.oom
     elif limit is not None:
         if replay.reserved_peak_bytes <= limit:
-            fits, margin = True, limit - replay.reserved_peak_bytes
+            verdict = Verdict(True, limit - replay.reserved_peak_bytes)
         else:
             limited = replay_step(timeline, device_memory=limit, **options)
             if limited.oom is None:
                 replay = limited
-                fits, margin = True, limit - limited.reserved_peak_bytes
+                verdict = Verdict(True, limit - limited.reserved_peak_bytes)
             else:
-                fits, margin, out_of_memory = False, limit - replay.reserved_peak_bytes, limited.oom
-    figures = dict(reserved_peak_bytes=replay.reserved_peak_bytes,
-                   allocator_allocated_peak_bytes=replay.allocated_peak_bytes,
-                   fragmentation_bytes=replay.fragmentation_bytes, cuda_workspace_bytes=replay.cuda_workspace_bytes,
-                   cuda_context_bytes=context, device_total_bytes=replay.reserved_peak_bytes + context,
-                   gpu=preset.name if preset is not None else None, alloc_conf=conf.text,
-                   out_of_memory_at=out_of_memory)
-    return fits, margin, figures
+                verdict, out_of_memory = Verdict(False, limit - replay.reserved_peak_bytes), limited.oom
+    return verdict, dataclasses.replace(
+        device, reserved_peak_bytes=replay.reserved_peak_bytes,
+        allocator_allocated_peak_bytes=replay.allocated_peak_bytes, fragmentation_bytes=replay.fragmentation_bytes,
+        cuda_workspace_bytes=replay.cuda_workspace_bytes, cuda_context_bytes=context,
+        device_total_bytes=replay.reserved_peak_bytes + context, gpu=preset.name if preset is not None else None,
+        alloc_conf=conf.text, out_of_memory_at=out_of_memory)
 
 
 def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelStatesPlan:
@@ -475,12 +370,12 @@ def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelSt
         >>> row.grads_bytes == 2 * states.optimizers[0].grads_bytes  # the gradients and DDP's buckets
         True
     """
-    if step.problem is not None or not step.model_states_most_bytes or len(states.optimizers) != 1:
+    if step.step.problem is not None or not step.step.model_states_most_bytes or len(states.optimizers) != 1:
         return states
     [row] = states.optimizers
     if row.model_states_bytes is None:
         return states
-    device, host = step.model_states_most_bytes, step.model_states_host_bytes
+    device, host = step.step.model_states_most_bytes, step.step.model_states_host_bytes
     figure = {state: device.get(state, 0) + host.get(state, 0) for state in MODEL_STATES}
     reference = row.reference_model_bytes
     # A frozen reference model lives where the parameters do (offloaded with them).
@@ -493,8 +388,8 @@ def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelSt
         optimizer_state_bytes=figure["optimizer_state"], master_weights_bytes=figure["master_weights"],
         model_states_bytes=total, device_bytes=total - cpu, cpu_bytes=cpu,
         cpu_bytes_per_node=cpu * states.setup.processes_per_node, transient_bytes={},
-        fits=None if margin is None else margin >= 0, margin_bytes=margin, engine=step.engine,
-        at_optimizer_step_bytes=dict(step.model_states_at_optimizer_step_bytes))
+        fits=None if margin is None else margin >= 0, margin_bytes=margin, engine=step.settings.engine,
+        at_optimizer_step_bytes=dict(step.step.model_states_at_optimizer_step_bytes))
     return dataclasses.replace(states, optimizers=[row])
 
 
