@@ -51,8 +51,9 @@ def plan_run(run: Dict[str, Any]) -> Dict[str, Any]:
         os.chdir(cwd)
     if code not in (0, 3):
         raise RuntimeError(f"{run['name']}: trainer-memcb estimate exited {code}")
-    step = json.loads(out.getvalue())["step"]
-    return {key: step[key] for key in RECORDED}
+    document = json.loads(out.getvalue())
+    figures = {**document["step"], **document["device"], **document["answers"]}
+    return {key: figures[key] for key in RECORDED}
 
 
 def _gib(nbytes: Any) -> str:

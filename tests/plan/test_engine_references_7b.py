@@ -55,13 +55,13 @@ def test_fsdp2_plan_of_llama_2_7b_equals_fsdp_memtracker(world):
     settings = resolve_settings(world_size=world, sharding="fsdp-full-shard", precision="bf16", batch_size=BATCH,
                                 optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
-    assert plan.problem is None and plan.engine == "fsdp2"
+    assert plan.step.problem is None and plan.settings.engine == "fsdp2"
     tracker = {key.replace("_FSDPRefType.", ""): value
                for key, value in fsdp_memtracker_peak(build, settings, BATCH, SEQ, torch.bfloat16).items()}
-    parts = plan.peak_parts
+    parts = plan.step.peak_parts
     # The plan's peak is the tracker's and the 0-dim fp32 `num_items_in_batch` the plan passes as
     # the Trainer does (4 bytes): the tracker's step makes it too, outside what it tracks.
-    assert plan.peak_bytes == tracker["Total"] + 4
+    assert plan.step.peak_bytes == tracker["Total"] + 4
     # The same storages under the same names: the shards, the gathered root and layer, AdamW's state,
     # the sharded gradients, and FSDP2's all-gather and reduce-scatter buffers of the layer in flight
     # (404,766,720 each: one decoder layer's 202,383,360 bf16 values).
@@ -142,7 +142,7 @@ def test_zero_plan_of_llama_2_7b_beside_deepspeeds_estimators_term_by_term(world
     assert "rounding" not in ds.gpu_terms and "rounding" not in ds.cpu_terms  # Ψ/N exact here
     # The plan's terms sum to its figures, to the byte.
     plan = row["plan"]
-    assert sum(ours.device_terms.values()) == ours.device_bytes == sum(plan.model_states_most_bytes.values())
+    assert sum(ours.device_terms.values()) == ours.device_bytes == sum(plan.step.model_states_most_bytes.values())
     assert sum(ours.host_terms.values()) * per_node == ours.host_bytes_per_node
     terms = ours.device_terms
     assert {key: terms.get(key, 0) for key in IN_FLIGHT[label]} == IN_FLIGHT[label]
@@ -188,7 +188,7 @@ def test_zero_plan_of_llama_2_7b_beside_deepspeeds_estimators_term_by_term(world
         if offload_optimizer:
             # On the host the fp32 states, each sub-group's fp32 gradient kept there between steps
             # (held above by the host terms summing to the host figure), and the partitions above.
-            assert plan.model_states_host_bytes["parameters"] == (2 * share if offload_param else 0)
+            assert plan.step.model_states_host_bytes["parameters"] == (2 * share if offload_param else 0)
         else:
             assert ds.cpu_terms == {"loading": 4 * LARGEST * per_node, "buffer_factor": 2 * LARGEST * per_node}
 

@@ -6,7 +6,7 @@ DeepSpeed 0.19.8 estimates the model states of ZeRO-2 and ZeRO-3 with
 functions print for every offload setting with `additional_buffer_factor=1.5`. Here the installed
 functions are called, and each figure is split into the terms its source names, so that each
 term can stand beside what the engine-traced step plan holds of the same state
-(`StepMemoryPlan.model_states_most_bytes`, `model_states_at_optimizer_step_bytes`,
+(`StepMemoryPlan.step.model_states_most_bytes`, `model_states_at_optimizer_step_bytes`,
 `model_states_host_bytes`):
 
 - ZeRO-2, GPU: `2Ψ + 18Ψ/N`, "2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit +
@@ -219,8 +219,8 @@ def plan_row(build: Any, label: str, stage: int, offload_optimizer: bool, offloa
     settings = resolve_settings(deepspeed=deepspeed_config(stage, offload_optimizer, offload_param), world_size=world,
                                 nodes=nodes, hidden_size=config.hidden_size, batch_size=batch_size, optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=seq_len, settings=settings, device_type="cpu", model_states=False)
-    if plan.problem is not None:
-        raise RuntimeError(plan.problem)
+    if plan.step.problem is not None:
+        raise RuntimeError(plan.step.problem)
     psi, largest = total_params(model), largest_layer_params(model)
     deepspeed = deepspeed_figures(stage, offload_optimizer, offload_param, psi, largest, world // nodes, nodes)
     return {"label": label, "stage": stage, "offload_optimizer": offload_optimizer, "offload_param": offload_param,
@@ -241,7 +241,7 @@ def plan_figures(row: Dict[str, Any]) -> PlanFigures:
     )
 
     plan, settings, groups, world = row["plan"], row["settings"], row["groups"], row["world"]
-    most, host, at_step = plan.model_states_most_bytes, plan.model_states_host_bytes, plan.model_states_at_optimizer_step_bytes
+    most, host, at_step = plan.step.model_states_most_bytes, plan.step.model_states_host_bytes, plan.step.model_states_at_optimizer_step_bytes
     numels = [numel for group in groups for numel in group]
     bucket = 2 * int(settings.zero["reduce_bucket_size"]) * (2 if settings.overlap_comm and row["stage"] != 3 else 1)
     if row["stage"] == 3:

@@ -35,7 +35,7 @@ BATCH, SEQ = 2, 16
 def plan(seq_len=SEQ, **flags):
     settings = resolve_settings(**flags)
     step, _ = plan_step_memory(build, seq_len=seq_len, settings=settings, device_type="cpu", model_states=False)
-    assert step.problem is None, step.problem
+    assert step.step.problem is None, step.step.problem
     return step
 
 
@@ -91,10 +91,10 @@ def test_trainer_with_accumulation_4_in_one_process_peaks_at_the_plan_and_its_ba
     # The second micro-batch's backward, every gradient of the first alive and the four micro-batches'
     # batches: 2,273,056 (the third and the last read the same); without accumulation the plan said
     # 2,004,888, 13% under the real run.
-    assert (step.gradient_accumulation_steps, step.peak_micro_batch, step.peak_phase) == (4, 2, "backward")
-    assert step.micro_batch_peak_bytes == [[1, 1_851_552], [2, 2_273_056], [4, 2_273_056]]
+    assert (step.settings.gradient_accumulation_steps, step.step.peak_micro_batch, step.step.peak_phase) == (4, 2, "backward")
+    assert step.step.micro_batch_peak_bytes == [[1, 1_851_552], [2, 2_273_056], [4, 2_273_056]]
     # Real 2,273,840 = 2,273,056 + 768 (the next collated batch) + 16.
-    assert run["peak_bytes"] == step.peak_bytes + trainer_extra(process_group=False), (step.peak_bytes, run["peak_bytes"])
+    assert run["peak_bytes"] == step.step.peak_bytes + trainer_extra(process_group=False), (step.step.peak_bytes, run["peak_bytes"])
     assert plan(batch_size=BATCH, optimizer="adamw_torch").step.peak_bytes == 2_004_888
 
 
@@ -109,10 +109,10 @@ def test_trainers_ddp_with_accumulation_2_peaks_at_the_plan_per_process(trainer_
     assert [r["model_wrapped"] for r in trainer_ddp_run] == ["DistributedDataParallel"] * 2
     settings = resolve_settings(trainer_ddp_run[0]["training_args"], world_size=2)
     step, _ = plan_step_memory(build, seq_len=SEQ, settings=settings, device_type="cpu", model_states=False)
-    assert (step.engine, step.gradient_accumulation_steps, step.peak_micro_batch) == ("ddp", 2, 2)
+    assert (step.settings.engine, step.settings.gradient_accumulation_steps, step.step.peak_micro_batch) == ("ddp", 2, 2)
     # Real 2,732,760 on both = 2,731,720 (with the reducer's used-parameter maps) + 1,040.
     peaks = [r["peak_bytes"] for r in trainer_ddp_run]
-    assert peaks == [step.peak_bytes + trainer_extra(process_group=True)] * 2, (step.peak_bytes, peaks)
+    assert peaks == [step.step.peak_bytes + trainer_extra(process_group=True)] * 2, (step.step.peak_bytes, peaks)
 
 
 # -- the engines' own loops -----------------------------------------------------------------------
@@ -137,14 +137,14 @@ def engine_runs(tmp_path_factory):
 def test_engines_with_accumulation_2_peak_per_process_at_the_plan(engine_runs, engine):
     step = plan(world_size=2, batch_size=BATCH, optimizer="adamw_torch", gradient_accumulation_steps=2,
                 **ENGINES[engine])
-    assert step.peak_micro_batch == 2
+    assert step.step.peak_micro_batch == 2
     # ddp and ddp-view 2,731,552 (with accumulation the gradients are fresh tensors beside the
     # buckets until the last micro-batch, with or without the bucket view); fsdp2 1,967,648 (the
     # first micro-batch's unsharded gradients kept); fsdp2-sgo 2,165,428; each with both
     # micro-batches' batches.
     peaks = engine_runs[engine]
     late = LATE_REDUCE_SCATTER if engine == "fsdp2-acc2" else 0
-    assert all(real in (step.peak_bytes, step.peak_bytes + late) for real in peaks), (step.peak_bytes, peaks)
+    assert all(real in (step.step.peak_bytes, step.step.peak_bytes + late) for real in peaks), (step.step.peak_bytes, peaks)
 
 
 ZERO_ROWS = ("zero1-acc2", "zero2-acc2", "zero3-acc2", "zero2-offload-acc2")
@@ -170,12 +170,12 @@ def test_zero_with_accumulation_2_peaks_per_process_at_the_plan(zero_runs, row):
     # With offload_optimizer the device's peak is in the first micro-batch too: the gradients go to
     # the host as they are reduced.
     first = row in ("zero3-acc2", "zero2-offload-acc2")
-    assert {(p.gradient_accumulation_steps, p.peak_micro_batch) for p in plans} == {(2, 1 if first else 2)}
+    assert {(p.settings.gradient_accumulation_steps, p.step.peak_micro_batch) for p in plans} == {(2, 1 if first else 2)}
     # zero1 3,315,668, zero2 3,069,396, zero3 3,315,668 on both; zero2-offload 3,660,500 with its host
     # parts (on the CPU one memory with the device's), among them the host buffers the partition's
     # gradients accumulate in (230,144 bytes: its parameters' whole sizes). The real runs read
     # DeepSpeed's 0-dim scalars more, as without accumulation (test_engine_runs.py).
     scalars = ZERO_SCALARS[row.replace("-acc2", "")]
-    figures = [p.peak_bytes + sum(p.host_bytes.values()) for p in plans]
+    figures = [p.step.peak_bytes + sum(p.step.host_bytes.values()) for p in plans]
     assert [run["peak_bytes"] for run in runs] == [figure + scalars for figure in figures], \
         (figures, [run["peak_bytes"] for run in runs])

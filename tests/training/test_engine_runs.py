@@ -82,11 +82,11 @@ def plan_of(engine):
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_ddp_peak_per_process_equals_memtrackers_on_the_real_run(ddp_tracked, engine):
     plan = plan_of(engine)
-    assert plan.engine == "ddp"
+    assert plan.settings.engine == "ddp"
     # Both processes, to the byte, in every launch here: ddp 2,464,920, with gradient_as_bucket_view
     # 2,270,752 (the profiler read up to 460,236 bytes more on one process).
     peaks = [run["peak_bytes"] for run in ddp_tracked[engine]]
-    assert peaks == [plan.peak_bytes] * len(peaks), (plan.peak_bytes, peaks)
+    assert peaks == [plan.step.peak_bytes] * len(peaks), (plan.step.peak_bytes, peaks)
 
 
 # -- DeepSpeed ZeRO (tests/dist_scripts/zero_step_profile.py): one launch for every row --------------
@@ -104,9 +104,9 @@ def zero_plan_of(run, rank=0):
     settings = resolve_settings(deepspeed=run["deepspeed_config"], world_size=run["world_size"], rank=rank,
                                 batch_size=2, optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-    assert plan.engine == "zero" and plan.problem is None, plan.problem
+    assert plan.settings.engine == "zero" and plan.step.problem is None, plan.step.problem
     # On the CPU the offloaded parts are in the same memory the tracker counts.
-    return plan.peak_bytes + sum(plan.host_bytes.values())
+    return plan.step.peak_bytes + sum(plan.step.host_bytes.values())
 
 
 # What the fake step does not make, found by comparing the sizes of the storages alive at the
@@ -179,7 +179,7 @@ def fsdp2_tracked_peaks(tmp_path_factory):
 def test_fsdp2_peak_per_process_equals_fsdp_memtrackers_on_the_real_run(fsdp2_tracked_peaks, engine):
     settings = resolve_settings(world_size=2, batch_size=2, optimizer="adamw_torch", **FSDP2_ENGINES[engine])
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-    assert plan.engine == "fsdp2"
+    assert plan.settings.engine == "fsdp2"
     peaks = fsdp2_tracked_peaks[engine]
-    on_time, late = plan.peak_bytes + FSDP2_REAL_LESS_PLAN[engine], plan.peak_bytes + LATE_COLLECTIVE_BUFFER
-    assert all(real in (on_time, late) for real in peaks), (plan.peak_bytes, peaks)
+    on_time, late = plan.step.peak_bytes + FSDP2_REAL_LESS_PLAN[engine], plan.step.peak_bytes + LATE_COLLECTIVE_BUFFER
+    assert all(real in (on_time, late) for real in peaks), (plan.step.peak_bytes, peaks)

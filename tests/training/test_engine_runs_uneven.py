@@ -31,7 +31,7 @@ def _exact(rank, peak):
     """One of the two figures a process reads: its plan and the full shard's on-time difference,
     or its plan and one layer's collective buffer still held by gloo."""
     plan = plan_of(rank)
-    return peak in (plan.peak_bytes + FSDP2_REAL_LESS_PLAN["fsdp2"], plan.peak_bytes + COLLECTIVE_BUFFER)
+    return peak in (plan.step.peak_bytes + FSDP2_REAL_LESS_PLAN["fsdp2"], plan.step.peak_bytes + COLLECTIVE_BUFFER)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def plan_of(rank):
     settings = resolve_settings(world_size=PROCESSES, rank=rank, batch_size=2, optimizer="adamw_torch",
                                 sharding="fsdp-full-shard")
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-    assert plan.engine == "fsdp2" and plan.problem is None, plan.problem
+    assert plan.settings.engine == "fsdp2" and plan.step.problem is None, plan.step.problem
     return plan
 
 
@@ -58,8 +58,8 @@ def plan_of(rank):
 @pytest.mark.parametrize("rank", range(PROCESSES))
 def test_fsdp2_on_an_uneven_split_each_process_reads_its_own_plan(runs, rank):
     plan, run = plan_of(rank), runs[rank]
-    on_time = plan.peak_bytes + FSDP2_REAL_LESS_PLAN["fsdp2"]
+    on_time = plan.step.peak_bytes + FSDP2_REAL_LESS_PLAN["fsdp2"]
     # Now and then gloo holds one layer's collective buffer past its moment (test_engine_runs.py).
-    assert run["peak_bytes"] in (on_time, plan.peak_bytes + COLLECTIVE_BUFFER), (plan.peak_bytes, run["peak_bytes"])
+    assert run["peak_bytes"] in (on_time, plan.step.peak_bytes + COLLECTIVE_BUFFER), (plan.step.peak_bytes, run["peak_bytes"])
     # The optimizer state of the shorter shards, as the tracker files it.
-    assert run["parts"]["_FSDPRefType.OPT"] == plan.peak_parts["optimizer_state"]
+    assert run["parts"]["_FSDPRefType.OPT"] == plan.step.peak_parts["optimizer_state"]

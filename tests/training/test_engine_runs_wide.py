@@ -41,18 +41,18 @@ def runs(tmp_path_factory):
 def plan_of(row):
     settings = resolve_settings(world_size=PROCESSES, batch_size=2, optimizer="adamw_torch", **ROWS[row])
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-    assert plan.problem is None, plan.problem
+    assert plan.step.problem is None, plan.step.problem
     return plan
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_ddp_peak_on_four_processes_equals_memtrackers_on_each(runs, engine):
     plan = plan_of(engine)
-    assert plan.engine == "ddp"
+    assert plan.settings.engine == "ddp"
     # Every process, to the byte, in each of eight launches here: ddp 2,464,920, with
     # gradient_as_bucket_view 2,270,752, as on 2 processes (DDP's buckets do not shrink with the world).
     peaks = [run["peak_bytes"] for run in runs[engine]]
-    assert peaks == [plan.peak_bytes] * PROCESSES, (plan.peak_bytes, peaks)
+    assert peaks == [plan.step.peak_bytes] * PROCESSES, (plan.step.peak_bytes, peaks)
 
 
 # The real peak less the plan's, measured on every process of eight launches (bf16: five), but the
@@ -80,7 +80,7 @@ COLLECTIVE_BUFFER = {row: LATE_COLLECTIVE_BUFFER // 2 if row == "fsdp2-bf16" els
 
 def device_and_host(plan):
     """The plan's peak with its host parts: on the CPU the host and the device are one memory."""
-    return plan.peak_bytes + sum(plan.host_bytes.values())
+    return plan.step.peak_bytes + sum(plan.step.host_bytes.values())
 
 
 # LATE_COLLECTIVE_BUFFER (test_engine_runs.py): gloo's work holds the tensors a collective was
@@ -102,14 +102,14 @@ def assert_late_collective_buffer(plan, run, buffer):
     real, parts = run["peak_bytes"], run["parts"]
     assert device_and_host(plan) < real <= device_and_host(plan) + buffer, (device_and_host(plan), real)
     buffers = parts["_FSDPRefType.ALL_GATHER"] + parts["_FSDPRefType.REDUCE_SCATTER"]
-    assert buffers >= plan.peak_parts["engine_buffers"], (plan.peak_parts, parts)
+    assert buffers >= plan.step.peak_parts["engine_buffers"], (plan.step.peak_parts, parts)
 
 
 @requires_torch("2.13", "the FSDP2 plan needs torch 2.13's fake collectives (tests/plan/test_engines.py)")
 @pytest.mark.parametrize("row", list(FSDP2_ROWS))
 def test_fsdp2_peak_on_four_processes_equals_fsdp_memtrackers_on_each(runs, row):
     plan = plan_of(row)
-    assert plan.engine == "fsdp2"
+    assert plan.settings.engine == "fsdp2"
     on_time = device_and_host(plan) + REAL_LESS_PLAN[row]
     for run in runs[row]:
         if run["peak_bytes"] != on_time:
@@ -120,8 +120,8 @@ def test_fsdp2_peak_on_four_processes_equals_fsdp_memtrackers_on_each(runs, row)
 @pytest.mark.parametrize("row", ["fsdp2", "fsdp2-sgo", "fsdp2-offload", "fsdp2-bf16"])
 def test_fsdp2_parts_at_the_peak_on_four_processes_equal_fsdp_memtrackers(runs, row):
     plan = plan_of(row)
-    parts = dict(plan.peak_parts)
-    for part, host in plan.host_bytes.items():  # one memory on the CPU (see the offload test)
+    parts = dict(plan.step.peak_parts)
+    for part, host in plan.step.host_bytes.items():  # one memory on the CPU (see the offload test)
         parts[part] = parts.get(part, 0) + host
     for run in runs[row]:
         tracker = run["parts"]
@@ -145,8 +145,8 @@ def test_fsdp2_cpu_offload_on_the_cpu_is_the_full_shard_with_the_shards_counted_
     # reduce-scatter) and AdamW's state (230,100) on the host: its device peak is the full shard's
     # less those, and with them the full shard's plan, to the byte.
     offload, full = plan_of("fsdp2-offload"), plan_of("fsdp2")
-    assert dict(offload.host_bytes) == {"parameters": 115_008, "optimizer_state": 230_100}
-    assert offload.peak_bytes == full.peak_bytes - 115_008 - 230_100
-    assert device_and_host(offload) == full.peak_bytes
+    assert dict(offload.step.host_bytes) == {"parameters": 115_008, "optimizer_state": 230_100}
+    assert offload.step.peak_bytes == full.step.peak_bytes - 115_008 - 230_100
+    assert device_and_host(offload) == full.step.peak_bytes
     # The real rows (their late buffers apart, by timing) read that same figure.
-    assert full.peak_bytes in [run["peak_bytes"] for run in runs["fsdp2-offload"]]
+    assert full.step.peak_bytes in [run["peak_bytes"] for run in runs["fsdp2-offload"]]

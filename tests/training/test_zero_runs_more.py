@@ -50,8 +50,8 @@ def plan_of(run):
     settings = resolve_settings(deepspeed=run["deepspeed_config"], world_size=run["world_size"], batch_size=2,
                                 optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=run["seq_len"], settings=settings, device_type="cpu", model_states=False)
-    assert plan.engine == "zero" and plan.problem is None, plan.problem
-    return plan.peak_bytes + sum(plan.host_bytes.values())
+    assert plan.settings.engine == "zero" and plan.step.problem is None, plan.step.problem
+    return plan.step.peak_bytes + sum(plan.step.host_bytes.values())
 
 
 @pytest.mark.parametrize("row", ROWS)

@@ -55,13 +55,13 @@ def _plan(config, rank):
     settings = resolve_settings(deepspeed=_unhashable(config), world_size=PROCESSES, rank=rank, batch_size=2,
                                 optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-    assert plan.engine == "zero" and plan.problem is None, plan.problem
+    assert plan.settings.engine == "zero" and plan.step.problem is None, plan.step.problem
     return plan
 
 
 def device_and_host(plan):
     """The plan's peak with its host parts: on the CPU the offloaded parts are in the same memory."""
-    return plan.peak_bytes + sum(plan.host_bytes.values())
+    return plan.step.peak_bytes + sum(plan.step.host_bytes.values())
 
 
 # What the 4 partitions hold (DeepSpeed 0.19.8 stage_1_and_2.py: each group's flat buffer split by
@@ -105,7 +105,7 @@ def test_zero_peak_on_four_processes_equals_its_own_plan_and_the_scalars(runs, r
     plan = plan_of(runs[row][rank], rank)
     assert device_and_host(plan) == PER_RANK_PLAN[row][rank]
     if row == "zero2-overlap" and rank in (0, 1):  # its buckets made at the first gradient's hook
-        assert plan.peak_phase == "optimizer step"
+        assert plan.step.peak_phase == "optimizer step"
     real = runs[row][rank]["peak_bytes"]
     assert real == device_and_host(plan) + ZERO_SCALARS[row], (rank, device_and_host(plan))
 
