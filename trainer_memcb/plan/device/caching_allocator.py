@@ -460,6 +460,39 @@ class CachingAllocatorModel:
         """`torch.cuda.empty_cache()`: `emptyCache` -> `release_cached_blocks`."""
         self._release_cached_blocks()
 
+    def add_segment(self, address: int, size: int, small: bool, stream: int,
+                    allocated: Iterable[Tuple[int, int, Any, int]] = ()) -> None:
+        """A `cudaMalloc` segment the allocator already held when a replay begins mid-run (a
+        recorded trace rarely starts from an empty allocator): `allocated` holds its allocated
+        blocks as `(address, size, key, requested bytes)` in address order; the rest of the
+        segment is cached, in maximal free blocks as `free_block` leaves them. It counts as
+        reserved (and in the peak), not as a `cudaMalloc` of the replay."""
+        pool = self.small if small else self.large
+        blocks: List[_Block] = []
+        cursor = address
+        for addr, nbytes, key, requested in allocated:
+            if addr > cursor:
+                blocks.append(_Block(addr - cursor, cursor, pool, None, stream=stream))
+            block = _Block(nbytes, addr, pool, None, stream=stream)
+            block.allocated, block.key, block.requested = True, key, requested
+            blocks.append(block)
+            self.live[key] = block
+            self.allocated += nbytes
+            self.requested += requested
+            cursor = addr + nbytes
+        if cursor < address + size:
+            blocks.append(_Block(address + size - cursor, cursor, pool, None, stream=stream))
+        for before, after in zip(blocks, blocks[1:]):
+            before.next, after.prev = after, before
+        for block in blocks:
+            if not block.allocated:
+                pool.insert(block)
+        self.next_addr = max(self.next_addr, address + size)
+        self.reserved += size
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.requested_peak = max(self.requested_peak, self.requested)
+
     # -- finding a cached block --------------------------------------------------------------
 
     def _get_free_block(self, pool: _Pool, size: int, stream: int = 0) -> Optional[_Block]:
