@@ -384,20 +384,23 @@ def _flipped(text: str) -> str:
     return ",".join(kept + [f"expandable_segments:{not conf.expandable_segments}"])
 
 
-def replay_snapshot(snapshot: Union[Snapshot, Any], *, alloc_conf: Optional[str] = None,
-                    device_memory: Optional[int] = None) -> SnapshotReplay:
+def replay_snapshot(snapshot: Union[Snapshot, Any], *, device_memory: Optional[int] = None,
+                    what_ifs: Sequence[Tuple[Optional[str], Optional[int]]] = ()
+                    ) -> SnapshotReplay:
     """Replay a recorded snapshot's allocations through the caching allocator model.
 
     Args:
         snapshot: a `Snapshot`, or the path of a `_dump_snapshot` file (read with `read_snapshot`).
-        alloc_conf: a `PYTORCH_CUDA_ALLOC_CONF` string for one more what-if (with `device_memory`).
-        device_memory: the bytes the allocator may take from the device: for the replay and the
-            what-ifs; without it, from the trace's OOM event, else no limit.
+        device_memory: the bytes the allocator could take from the recording's device; without
+            it, from the trace's OOM event, else no limit.
+        what_ifs: more what-ifs, each `(alloc_conf, device_memory)`: a
+            `PYTORCH_CUDA_ALLOC_CONF` string (None: the recorded settings) and the bytes the
+            allocator may take (None: the recording's capacity).
 
     Returns:
         A `SnapshotReplay`, one `DeviceReplay` per device that recorded events. Its what-ifs: the
-        recorded settings with expandable segments switched (on if off, off if on), and, with
-        `alloc_conf` given, that setting.
+        recorded settings with expandable segments switched (on if off, off if on), then
+        `what_ifs`.
 
     Raises:
         SnapshotError: a file that is not a snapshot; ValueError: a bad `alloc_conf`.
@@ -412,13 +415,12 @@ def replay_snapshot(snapshot: Union[Snapshot, Any], *, alloc_conf: Optional[str]
     """
     if not isinstance(snapshot, Snapshot):
         snapshot = read_snapshot(snapshot)
-    if alloc_conf is not None:
-        parse_alloc_conf(alloc_conf)
+    for alloc_conf, _ in what_ifs:
+        if alloc_conf is not None:
+            parse_alloc_conf(alloc_conf)
     conf_text = recorded_alloc_conf(snapshot.allocator_settings)
     source = "given" if device_memory is not None else "unknown"
-    what_ifs: List[Tuple[Optional[str], Optional[int]]] = [(_flipped(conf_text), device_memory)]
-    if alloc_conf is not None:
-        what_ifs.append((alloc_conf, device_memory))
-    devices = tuple(_replay_device(snapshot, device, conf_text, device_memory, source, what_ifs)
+    asked = [(_flipped(conf_text), None)] + list(what_ifs)
+    devices = tuple(_replay_device(snapshot, device, conf_text, device_memory, source, asked)
                     for device, trace in enumerate(snapshot.device_traces) if trace)
     return SnapshotReplay(devices)
