@@ -156,6 +156,8 @@ def read_snapshot(path: Any) -> Snapshot:
     except RecursionError:
         raise SnapshotError(f"{path}: is nested too deeply to be a memory snapshot") from None
     except Exception as error:  # pickle's own errors are of many types (ValueError, KeyError...)
+        if "truncated" in str(error):
+            raise SnapshotError(f"{path}: is cut short ({error})") from None
         raise SnapshotError(f"{path}: is not a pickle this can read "
                             f"({type(error).__name__}: {error})") from None
     return Snapshot(segments, device_traces, settings if isinstance(settings, dict) else None)
