@@ -29,7 +29,11 @@ def test_json_holds_the_exact_figures_and_validates() -> None:
                "expandable_segments:True", "--device-memory", "110MiB")
     assert (done.returncode, done.stderr) == (0, "")
     document = json.loads(done.stdout)
-    jsonschema.validate(document, snapshot_schema())
+    with open(ROOT / "docs" / "snapshot.schema.json", encoding="utf-8") as handle:
+        committed = json.load(handle)
+    assert committed == snapshot_schema(), \
+        "write it again: python -m trainer_memcb.cli.snapshot_schema > docs/snapshot.schema.json"
+    jsonschema.validate(document, committed)
     assert document == {"schema": SNAPSHOT_SCHEMA, "devices": [{
         "device": 0, "events": 5803, "streams": [0],
         "real": {"reserved_peak_bytes": 134_217_728, "segments_created": 7, "segments_freed": 0},

@@ -3,12 +3,17 @@
 The document is a frozen dataclass (`SnapshotDocument`), built from the replay's own objects
 (`trainer_memcb.plan.device.snapshot_replay`); `snapshot_schema()` reads its schema from the
 classes' fields with `trainer_memcb.utils.json_schema`, so a key added or renamed in the classes
-changes the schema with it.
+changes the schema with it. It is committed as `docs/snapshot.schema.json`, and a test holds the
+file to it. To write it again:
+
+    python -m trainer_memcb.cli.snapshot_schema > docs/snapshot.schema.json
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import json
+import sys
 from typing import Any, Dict, Optional, Tuple
 
 from trainer_memcb.plan.device.snapshot_replay import (
@@ -19,9 +24,10 @@ from trainer_memcb.plan.device.snapshot_replay import (
 )
 
 __all__ = ["SNAPSHOT_SCHEMA", "DeviceDocument", "SnapshotDocument", "snapshot_document",
-           "snapshot_schema"]
+           "snapshot_schema", "snapshot_schema_json"]
 
-# Raised by one when a key changes meaning or goes away (a key added keeps it).
+# Raised whenever the document changes shape (a key added, removed or renamed, a type changed): the
+# schema file, whose `additionalProperties: false` refuses any key it does not name, changes with it.
 SNAPSHOT_SCHEMA = "trainer-memcb/snapshot/1"
 
 
@@ -62,3 +68,12 @@ def snapshot_schema() -> Dict[str, Any]:
     document = object_schema(SnapshotDocument, defs)
     document["properties"]["schema"] = {"const": SNAPSHOT_SCHEMA}
     return {"$schema": JSON_SCHEMA_DIALECT, **document, "$defs": defs}
+
+
+def snapshot_schema_json() -> str:
+    """`snapshot_schema()` as the committed file holds it."""
+    return json.dumps(snapshot_schema(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(snapshot_schema_json())
