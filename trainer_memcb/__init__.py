@@ -21,8 +21,10 @@ __all__ = [
     "estimate_optimizer_state",
     "fit_batch_size",
     "measure_optimizer_state",
+    "read_snapshot",
     "register_estimate_rule",
     "replay_allocations",
+    "replay_snapshot",
     "__version__",
 ]
 
@@ -40,6 +42,8 @@ _LAZY = {
     "StateMeasurement": "trainer_memcb.state.measure",
     "measure_optimizer_state": "trainer_memcb.state.measure",
     "replay_allocations": "trainer_memcb.plan.device.caching_allocator",
+    "read_snapshot": "trainer_memcb.plan.device.snapshot_file",
+    "replay_snapshot": "trainer_memcb.plan.device.snapshot_replay",
 }
 
 

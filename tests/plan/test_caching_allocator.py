@@ -381,3 +381,117 @@ def test_random_timelines_keep_the_books_straight(conf: str) -> None:
         assert {b.key for b in blocks if b.allocated} == (allocated_keys - freed) & nonzero
         assert replay.reserved_peak_bytes >= replay.reserved_bytes
         assert replay.allocated_peak_bytes <= replay.reserved_peak_bytes
+
+
+# -- streams (CUDACachingAllocator.cpp: BlockComparatorSize orders by stream first;
+#    get_free_block, recordStream, free -> insert_events, process_events,
+#    release_cached_blocks -> synchronize_and_free_events) --------------------------------------
+
+BASE = 1 << 21  # the model's first segment address
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_by_another() -> None:
+    small = replay_allocations([("alloc", "a", 1000, 1), ("free", "a"), ("alloc", "b", 1000, 0)],
+                               record_trace=True)
+    assert small.trace == (
+        ("segment_alloc", BASE, 2 * MiB, 1), ("alloc", BASE, 1000, 1),
+        ("free_requested", BASE, 1000, 1), ("free_completed", BASE, 1000, 1),
+        ("segment_alloc", BASE + 2 * MiB, 2 * MiB, 0), ("alloc", BASE + 2 * MiB, 1000, 0))
+    assert small.reserved_peak_bytes == 4 * MiB
+    assert [(s.stream, s.total_size) for s in small.segments] == [(1, 2 * MiB), (0, 2 * MiB)]
+    large = [("alloc", "a", 30 * MiB, 1), ("free", "a"), ("alloc", "b", 30 * MiB, 0)]
+    assert replay_allocations(large).reserved_peak_bytes == 60 * MiB
+    # The same timeline on one stream reuses the block.
+    one = [event[:3] for event in large[:1]] + [large[1], large[2][:3]]
+    assert replay_allocations(one).reserved_peak_bytes == 30 * MiB
+    # A stream's cached block serves that stream again.
+    assert replay_allocations(large + [("alloc", "c", 30 * MiB, 1)]).reserved_peak_bytes == 60 * MiB
+
+
+def test_a_recorded_stream_delays_the_free_until_its_work_has_ended() -> None:
+    mib30 = 30 * MiB
+    events = [("alloc", "a", mib30, 0), ("record_stream", "a", 1), ("free", "a"),
+              ("alloc", "b", mib30, 0)]
+    replay = replay_allocations(events, record_trace=True)
+    # free_requested at the free, no free_completed: b gets a segment of its own.
+    assert replay.trace == (
+        ("segment_alloc", BASE, mib30, 0), ("alloc", BASE, mib30, 0),
+        ("free_requested", BASE, mib30, 0),
+        ("segment_alloc", BASE + mib30, mib30, 0), ("alloc", BASE + mib30, mib30, 0))
+    assert (replay.reserved_peak_bytes, replay.allocated_bytes) == (2 * mib30, mib30)
+    assert [(b.allocated, b.pending_free) for s in replay.segments for b in s.blocks] == [
+        (False, True), (True, False)]
+    # Stream 1's work ends; the next malloc polls the event (process_events) and reuses a.
+    replay = replay_allocations(events + [("synchronize", 1), ("alloc", "c", mib30, 0)],
+                                record_trace=True)
+    assert replay.trace[5:] == (("free_completed", BASE, mib30, 0), ("alloc", BASE, mib30, 0))
+    assert replay.reserved_peak_bytes == 2 * mib30
+    # Without the synchronize the event is outstanding: c needs a third segment.
+    assert replay_allocations(events + [("alloc", "c", mib30, 0)]).reserved_peak_bytes == 3 * mib30
+    # A use recorded on the allocation stream itself is ignored (recordStream).
+    same = [("alloc", "a", mib30, 0), ("record_stream", "a", 0), ("free", "a"),
+            ("alloc", "b", mib30, 0)]
+    assert replay_allocations(same).reserved_peak_bytes == mib30
+    # A block waiting on its events is not merged with its free neighbours.
+    split = replay_allocations([("alloc", "x", 2 * MiB, 0), ("alloc", "y", 2 * MiB, 0),
+                                ("record_stream", "x", 2), ("free", "x"), ("free", "y")])
+    assert layout(split) == [(20.0, False, [(2.0, False), (18.0, False)])]
+    assert [b.pending_free for b in split.segments[0].blocks] == [True, False]
+
+
+def test_empty_cache_releases_every_streams_segments_and_waits_for_the_events() -> None:
+    events = [("alloc", "a", 30 * MiB, 0), ("alloc", "b", 40 * MiB, 1), ("alloc", "c", 1000, 2),
+              ("record_stream", "a", 3), ("free", "a"), ("free", "b"), ("free", "c"),
+              ("empty_cache",)]
+    replay = replay_allocations(events, record_trace=True)
+    top = BASE + 70 * MiB
+    assert replay.trace[-4:] == (
+        ("free_completed", BASE, 30 * MiB, 0),
+        ("segment_free", BASE, 30 * MiB, 0), ("segment_free", BASE + 30 * MiB, 40 * MiB, 1),
+        ("segment_free", top, 2 * MiB, 2))
+    assert (replay.reserved_peak_bytes, replay.reserved_bytes, replay.segments) == (
+        72 * MiB, 0, ())
+
+
+def test_a_failed_cudamalloc_releases_other_streams_cache_and_retries() -> None:
+    events = [("alloc", "a", 30 * MiB, 1), ("free", "a"), ("alloc", "b", 40 * MiB, 0)]
+    replay = replay_allocations(events, device_memory=60 * MiB, record_trace=True)
+    assert replay.oom is None and replay.num_alloc_retries == 1
+    assert replay.trace[-3:] == (("segment_free", BASE, 30 * MiB, 1),
+                                 ("segment_alloc", BASE + 30 * MiB, 40 * MiB, 0),
+                                 ("alloc", BASE + 30 * MiB, 40 * MiB, 0))
+    assert (replay.reserved_peak_bytes, replay.reserved_bytes) == (40 * MiB, 40 * MiB)
+    # release_available_cached_blocks frees only the requesting stream's oversize blocks
+    # (largest first, until enough): on stream 0 two of 30 MiB make room for 40 MiB without the
+    # whole release; on stream 1 they are not stream 0's, so the whole cache goes (a retry).
+    conf = "max_split_size_mb:25"
+    for stream, retries in ((0, 0), (1, 1)):
+        cached = [("alloc", "a", 30 * MiB, stream), ("alloc", "c", 30 * MiB, stream),
+                  ("free", "a"), ("free", "c"), ("alloc", "b", 40 * MiB, 0)]
+        replay = replay_allocations(cached, alloc_conf=conf, device_memory=70 * MiB)
+        assert (replay.num_alloc_retries, replay.num_device_free, replay.reserved_bytes) == (
+            retries, 2, 40 * MiB)
+
+
+def test_each_stream_grows_its_own_expandable_segment() -> None:
+    conf = "expandable_segments:True"
+    same = replay_allocations([("alloc", "a", 30 * MiB, 0), ("alloc", "b", 30 * MiB, 0)],
+                              alloc_conf=conf)
+    two = replay_allocations([("alloc", "a", 30 * MiB, 0), ("alloc", "b", 30 * MiB, 1)],
+                             alloc_conf=conf)
+    assert same.reserved_peak_bytes == 60 * MiB  # 20 MiB pages, one segment
+    assert two.reserved_peak_bytes == 80 * MiB  # 40 MiB mapped on each stream's segment
+    assert [(s.stream, s.total_size) for s in two.segments] == [(0, 40 * MiB), (1, 40 * MiB)]
+
+
+@pytest.mark.parametrize("event, named", [
+    (("alloc", "x", 10, -1), "a stream is a whole number >= 0"),
+    (("record_stream", "a", "s"), "a stream is a whole number >= 0"),
+    (("synchronize", True), "a stream is a whole number >= 0"),
+    (("record_stream", "nope", 1), "key 'nope' is not allocated"),
+    (("synchronize",), "('synchronize', stream)"),
+])
+def test_bad_stream_events(event, named: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        replay_allocations([("alloc", "a", 10), event])
+    assert named in str(raised.value) and f"event 1 {event!r}" in str(raised.value)

@@ -10,6 +10,8 @@
                                             whether it fits
     trainer-memcb estimate 7.5e9 --zero 1 --world-size 64
                                             the plan for a bare parameter count (one flat tensor)
+    trainer-memcb snapshot FILE             a torch.cuda.memory._dump_snapshot() replayed through
+                                            the allocator model: real against replayed, what-ifs
 
 `report` and `compare` show the evaluation metrics the runs logged (`--metrics` chooses); a run
 made without the callback has no figures: `report` says so and exits 1, `compare` leaves it out
@@ -61,6 +63,7 @@ from trainer_memcb.cli.choices import DEFAULT_METRICS
 from trainer_memcb.cli.estimate_command import estimate_command, prepare_process
 from trainer_memcb.cli.estimate_options import add_estimate_arguments
 from trainer_memcb.cli.output import print_json, print_tables
+from trainer_memcb.cli.snapshot_command import add_snapshot_arguments, snapshot_command
 from trainer_memcb.utils.packages import MissingPackageError
 
 # Nothing above imports torch or transformers: the command line is parsed and checked first, so
@@ -110,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     # Also after the command (`report RUN --debug`); SUPPRESS keeps a --debug given before it.
     debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    commands = main_parser.add_subparsers(dest="command", metavar="{report,compare,estimate}")
+    commands = main_parser.add_subparsers(dest="command", metavar="{report,compare,estimate,snapshot}")
 
     metrics_help = ("eval metrics to show, comma-separated (default: those the run logged: "
                     f"{' and '.join(DEFAULT_METRICS)} when logged, else every one, loss included)")
@@ -137,6 +140,11 @@ def parser() -> argparse.ArgumentParser:
     estimate = commands.add_parser("estimate", parents=[debug], help="the what-if before training, from a model config")
     add_estimate_arguments(estimate)
     estimate.set_defaults(handler=estimate_command)
+
+    snapshot = commands.add_parser("snapshot", parents=[debug],
+                                   help="a recorded memory snapshot: real against the allocator model, and what-ifs")
+    add_snapshot_arguments(snapshot)
+    snapshot.set_defaults(handler=snapshot_command)
     return main_parser
 
 

@@ -5,12 +5,25 @@ Followed from torch 2.13's `c10/cuda/CUDACachingAllocator.cpp`, class `DeviceCac
 `get_allocation_size`, `get_free_block`, `should_split`, `alloc_found_block`, `free_block`,
 `try_merge_blocks`, `alloc_block`, `garbage_collect_cached_blocks`,
 `release_available_cached_blocks`, `release_cached_blocks`, `release_blocks`, `release_block`,
-and for expandable segments `find_expandable_block`, `try_allocate_expandable_block`,
-`map_block`, `unmap_block`, `release_expandable_segment`, `ExpandableSegment::map/unmap`), with
+for streams `recordStream`, `insert_events`, `process_events`, `synchronize_and_free_events`
+and `BlockComparatorSize`/`BlockComparatorAddress` (stream first), and for expandable
+segments `find_expandable_block`, `try_allocate_expandable_block`, `map_block`, `unmap_block`, `release_expandable_segment`, `ExpandableSegment::map/unmap`), with
 the constants of `c10/core/AllocatorConfig.h`. Each rule below names the function it follows.
 
-What is modelled: one device, one stream (the default stream: the set's stream ordering never
-decides), no CUDA graphs, private pools, `record_stream` or events, no free-memory callbacks.
+What is modelled: one device; its streams (0 is the default stream, and a timeline that names
+no stream runs on it alone); no CUDA graphs, private pools or free-memory callbacks.
+
+Streams, as `DeviceCachingAllocator` keeps them: the pools are ordered by stream, then size, then
+address, so a cached block serves only a request on the stream it was allocated on
+(`get_free_block` stops at another stream's block), and each stream grows its own expandable
+segments (`find_expandable_block`). `record_stream` adds a use on another stream; freeing such a
+block only records an event on each of those streams (`free` -> `insert_events`: the trace's
+`free_requested`); the block stays out of the pool, and unmerged, until the streams' work has
+ended (`synchronize`) and the next `malloc` polls the events (`process_events`), or until
+`empty_cache` or the release-and-retry of a failed `cudaMalloc` waits for all of them
+(`release_cached_blocks` -> `synchronize_and_free_events`): then `free_block` (`free_completed`).
+`empty_cache` and that retry free the cached segments of every stream;
+`release_available_cached_blocks` only the requesting stream's; garbage collection every stream's.
 `device_memory` is what the allocator may take from the device: a `cudaMalloc` (or the mapping
 of expandable pages) fails when the reserved bytes would exceed it.
 
@@ -62,10 +75,13 @@ class _Block:
     """`Block`: a piece of a segment, allocated or cached."""
 
     __slots__ = ("size", "addr", "pool", "allocated", "prev", "next", "segment", "mapped",
-                 "requested", "gc_base", "key")
+                 "requested", "gc_base", "key", "stream", "stream_uses", "event_count")
 
     def __init__(self, size: int, addr: int, pool: "_Pool", segment: Optional["_Expandable"],
-                 mapped: bool = True) -> None:
+                 mapped: bool = True, stream: int = 0) -> None:
+        self.stream = stream  # the allocation stream
+        self.stream_uses: Optional[set] = None  # other streams recorded (recordStream)
+        self.event_count = 0  # outstanding events of a free waiting on those streams
         self.size = size
         self.addr = addr
         self.pool = pool
@@ -98,49 +114,51 @@ class _Expandable:
 
 class _Pool:
     """`BlockPool`: the cached blocks of one pool, ordered as `BlockComparatorSize` orders them
-    (size, then address; one stream), and the unmapped tails of its expandable segments,
-    ordered by address (`BlockComparatorAddress`)."""
+    (stream, size, then address), and the unmapped tails of its expandable segments, ordered
+    as `BlockComparatorAddress` orders them (stream, then address)."""
 
     __slots__ = ("is_small", "keys", "blocks", "unmapped", "unmapped_blocks", "gc_calls")
 
     def __init__(self, is_small: bool) -> None:
         self.is_small = is_small
-        self.keys: List[Tuple[int, int]] = []  # sorted (size, addr) of the cached blocks
+        self.keys: List[Tuple[int, int, int]] = []  # sorted (stream, size, addr), cached blocks
         self.blocks: Dict[int, _Block] = {}  # addr -> cached block
-        self.unmapped: List[int] = []  # sorted addr of the unmapped blocks
+        self.unmapped: List[Tuple[int, int]] = []  # sorted (stream, addr) of unmapped blocks
         self.unmapped_blocks: Dict[int, _Block] = {}
         self.gc_calls = 0  # get_free_blocks_call_count
 
     def insert(self, block: _Block) -> None:  # BlockPool::insert_into_blocks
         block.gc_base = self.gc_calls
-        insort(self.keys, (block.size, block.addr))
+        insort(self.keys, (block.stream, block.size, block.addr))
         self.blocks[block.addr] = block
 
     def erase(self, block: _Block) -> None:
-        key = (block.size, block.addr)
+        key = (block.stream, block.size, block.addr)
         index = bisect_left(self.keys, key)
         del self.keys[index]
         del self.blocks[block.addr]
 
     def insert_unmapped(self, block: _Block) -> None:
-        insort(self.unmapped, block.addr)
+        insort(self.unmapped, (block.stream, block.addr))
         self.unmapped_blocks[block.addr] = block
 
     def erase_unmapped(self, block: _Block) -> None:
-        del self.unmapped[bisect_left(self.unmapped, block.addr)]
+        del self.unmapped[bisect_left(self.unmapped, (block.stream, block.addr))]
         del self.unmapped_blocks[block.addr]
 
 
 @dataclass(frozen=True)
 class BlockState:
     """One block of a segment: its address, size (rounded), and whether it is allocated, with
-    the bytes asked for and the event key when it is."""
+    the bytes asked for and the event key when it is; `pending_free`: freed, its stream uses
+    not yet ended (torch's `active_pending_free`)."""
 
     address: int
     size: int
     allocated: bool
     requested_bytes: int = 0
     key: Any = None
+    pending_free: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,7 @@ class SegmentState:
     pool: str  # "small" or "large"
     expandable: bool
     blocks: Tuple[BlockState, ...]
+    stream: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,6 +195,10 @@ class AllocatorReplay:
         num_device_alloc: `cudaMalloc` calls (and mappings of expandable pages).
         num_device_free: `cudaFree` calls (and unmappings).
         events: the events replayed (up to and with the OOM one).
+        trace: with `record_trace=True`, what the allocator did, as a snapshot's device trace
+            records it: `(action, address, bytes, stream)` with the actions `alloc`,
+            `free_requested`, `free_completed`, `segment_alloc`, `segment_free`, `segment_map`,
+            `segment_unmap`; empty otherwise.
     """
 
     reserved_peak_bytes: int
@@ -190,6 +213,7 @@ class AllocatorReplay:
     num_device_alloc: int
     num_device_free: int
     events: int
+    trace: Tuple[tuple, ...] = ()
 
     @property
     def largest_free_block_bytes(self) -> int:
@@ -244,10 +268,12 @@ class CachingAllocatorModel:
     Args:
         alloc_conf: None, a `PYTORCH_CUDA_ALLOC_CONF` string, or a parsed `AllocConf`.
         device_memory: the bytes the allocator may take from the device; None for no limit.
+        record_trace: keep `trace`, what the allocator did, as a snapshot's device trace
+            records it (`(action, address, bytes, stream)` tuples).
     """
 
     def __init__(self, alloc_conf: Union[None, str, AllocConf] = None,
-                 device_memory: Optional[int] = None) -> None:
+                 device_memory: Optional[int] = None, record_trace: bool = False) -> None:
         conf = as_alloc_conf(alloc_conf)
         if conf.backend != "native":
             raise ValueError(
@@ -276,6 +302,15 @@ class CachingAllocatorModel:
         self.small = _Pool(is_small=True)
         self.large = _Pool(is_small=False)
         self.live: Dict[Any, Optional[_Block]] = {}  # key -> block (None: a 0-byte tensor)
+        self.trace: Optional[List[tuple]] = [] if record_trace else None
+        # cuda_events: per stream, the frees waiting on it, in order; the events of a stream
+        # whose work has ended (`synchronize`) are complete and wait for process_events.
+        self.cuda_events: Dict[int, List[_Block]] = {}
+        self.completed_events: Dict[int, int] = {}  # stream -> how many of its events ended
+        self.pending: Dict[int, _Block] = {}  # addr -> a freed block waiting on its events
+        # Where a new segment lies: None, or a function (bytes, stream) -> address or None,
+        # for a replay that takes the addresses a real run's cudaMalloc returned.
+        self.segment_address: Any = None
         self.expandables: List[_Expandable] = []
         self.next_addr = 1 << 21  # addresses of new segments and address ranges grow upward
         self.reserved = 0  # total_allocated_memory == stats.reserved_bytes.current
@@ -294,12 +329,14 @@ class CachingAllocatorModel:
 
     # -- the public calls ------------------------------------------------------------------
 
-    def malloc(self, key: Any, nbytes: int) -> None:
-        """`NativeCachingAllocator::allocate` then `DeviceCachingAllocator::malloc`.
+    def malloc(self, key: Any, nbytes: int, stream: int = 0) -> None:
+        """`NativeCachingAllocator::allocate` then `DeviceCachingAllocator::malloc` on `stream`.
 
         Raises:
             OutOfMemory: the device cannot hold it, the cache released first.
         """
+        if self.cuda_events:
+            self._process_events()
         if nbytes == 0:
             # NativeCachingAllocator::allocate: a 0-byte tensor gets no block.
             self.live[key] = None
@@ -310,19 +347,19 @@ class CachingAllocatorModel:
         size = round_size(nbytes, self.conf)
         pool = self.small if size <= K_SMALL_SIZE else self.large  # get_pool
         alloc_size = allocation_size(size, self.conf)
-        block = self._get_free_block(pool, size)
+        block = self._get_free_block(pool, size, stream)
         if block is None:
             if self.gc_active:
                 self._garbage_collect()
             # alloc_block, then release enough oversize cached blocks and retry, then release
             # every unsplit cached block and retry (malloc).
-            block = self._alloc_block(pool, size, alloc_size)
-            if block is None and self._release_available_cached_blocks(pool, size):
-                block = self._alloc_block(pool, size, alloc_size)
+            block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None and self._release_available_cached_blocks(pool, size, stream):
+                block = self._alloc_block(pool, size, alloc_size, stream)
             if block is None:
                 self._release_cached_blocks()
                 self.num_alloc_retries += 1
-                block = self._alloc_block(pool, size, alloc_size)
+                block = self._alloc_block(pool, size, alloc_size, stream)
             if block is None:
                 self.num_ooms += 1
                 raise OutOfMemory(nbytes)
@@ -339,16 +376,45 @@ class CachingAllocatorModel:
             self.allocated_peak = self.allocated
         if self.requested > self.requested_peak:
             self.requested_peak = self.requested
+        if self.trace is not None:
+            self.trace.append(("alloc", block.addr, nbytes, block.stream))
+
+    def record_stream(self, key: Any, stream: int) -> None:
+        """`recordStream` (`Tensor.record_stream`): the block is used on `stream` too; a use on
+        its own allocation stream is ignored."""
+        block = self.live[key]
+        if block is None or stream == block.stream:
+            return
+        if block.stream_uses is None:
+            block.stream_uses = set()
+        block.stream_uses.add(stream)
 
     def free(self, key: Any) -> None:
-        """`DeviceCachingAllocator::free` and `free_block`: the block goes back to its pool,
-        merged with the free blocks on either side; the segment stays reserved."""
+        """`DeviceCachingAllocator::free`: the block's bytes stop counting as allocated; with
+        uses on other streams an event is recorded on each (`insert_events`) and the block waits
+        for them; else `free_block`: back to its pool, merged with the free blocks on either
+        side. The segment stays reserved."""
         block = self.live.pop(key)
         if block is None:
             return
         block.allocated = False
         block.key = None
         self.allocated -= block.size
+        if self.trace is not None:
+            self.trace.append(("free_requested", block.addr, block.requested, block.stream))
+        if block.stream_uses:
+            for stream in sorted(block.stream_uses):
+                self.cuda_events.setdefault(stream, []).append(block)
+                block.event_count += 1
+            block.stream_uses = None
+            self.pending[block.addr] = block
+            return
+        self._free_block(block)
+
+    def _free_block(self, block: _Block) -> None:
+        """`free_block`: the block goes back to its pool, merged with free neighbours."""
+        if self.trace is not None:
+            self.trace.append(("free_completed", block.addr, block.requested, block.stream))
         self.requested -= block.requested
         block.requested = 0
         pool = block.pool
@@ -356,22 +422,90 @@ class CachingAllocatorModel:
             self._try_merge(block, neighbour, pool)
         pool.insert(block)
 
+    def synchronize(self, stream: int) -> None:
+        """The work queued on `stream` so far has ended (`torch.cuda.Stream.synchronize`, or
+        simply time passing): the events recorded on it are complete. The frees waiting on
+        them complete at the next `malloc` (`process_events`) or `empty_cache`."""
+        self.completed_events[stream] = len(self.cuda_events.get(stream, ()))
+
+    def _process_events(self) -> None:
+        """`process_events`: per stream, the completed events in order; a block whose last
+        event completes is freed (`free_block`)."""
+        for stream in list(self.cuda_events):
+            done = self.completed_events.pop(stream, 0)
+            if not done:
+                continue
+            queue = self.cuda_events[stream]
+            for block in queue[:done]:
+                self._event_done(block)
+            del queue[:done]
+            if not queue:
+                del self.cuda_events[stream]
+
+    def _synchronize_and_free_events(self) -> None:
+        """`synchronize_and_free_events`: every outstanding event waited for."""
+        events, self.cuda_events = self.cuda_events, {}
+        self.completed_events.clear()
+        for queue in events.values():
+            for block in queue:
+                self._event_done(block)
+
+    def _event_done(self, block: _Block) -> None:
+        block.event_count -= 1
+        if block.event_count == 0:
+            del self.pending[block.addr]
+            self._free_block(block)
+
     def empty_cache(self) -> None:
         """`torch.cuda.empty_cache()`: `emptyCache` -> `release_cached_blocks`."""
         self._release_cached_blocks()
 
+    def add_segment(self, address: int, size: int, small: bool, stream: int,
+                    allocated: Iterable[Tuple[int, int, Any, int]] = ()) -> None:
+        """A `cudaMalloc` segment the allocator already held when a replay begins mid-run (a
+        recorded trace rarely starts from an empty allocator): `allocated` holds its allocated
+        blocks as `(address, size, key, requested bytes)` in address order; the rest of the
+        segment is cached, in maximal free blocks as `free_block` leaves them. It counts as
+        reserved (and in the peak), not as a `cudaMalloc` of the replay."""
+        pool = self.small if small else self.large
+        blocks: List[_Block] = []
+        cursor = address
+        for addr, nbytes, key, requested in allocated:
+            if addr > cursor:
+                blocks.append(_Block(addr - cursor, cursor, pool, None, stream=stream))
+            block = _Block(nbytes, addr, pool, None, stream=stream)
+            block.allocated, block.key, block.requested = True, key, requested
+            blocks.append(block)
+            self.live[key] = block
+            self.allocated += nbytes
+            self.requested += requested
+            cursor = addr + nbytes
+        if cursor < address + size:
+            blocks.append(_Block(address + size - cursor, cursor, pool, None, stream=stream))
+        for before, after in zip(blocks, blocks[1:]):
+            before.next, after.prev = after, before
+        for block in blocks:
+            if not block.allocated:
+                pool.insert(block)
+        self.next_addr = max(self.next_addr, address + size)
+        self.reserved += size
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.requested_peak = max(self.requested_peak, self.requested)
+
     # -- finding a cached block --------------------------------------------------------------
 
-    def _get_free_block(self, pool: _Pool, size: int) -> Optional[_Block]:
-        """`get_free_block`: the smallest cached block of at least `size` bytes (best fit;
-        `lower_bound` over blocks ordered by size then address), within the max_split rules."""
+    def _get_free_block(self, pool: _Pool, size: int, stream: int = 0) -> Optional[_Block]:
+        """`get_free_block`: the smallest cached block of `stream` of at least `size` bytes (best
+        fit; `lower_bound` over blocks ordered by stream, size, then address), within the
+        max_split rules; a block of another stream never serves."""
         if self.gc_active:
             pool.gc_calls += 1  # the age garbage collection reads
         keys = pool.keys
-        index = bisect_left(keys, (size, -1))
-        if index == len(keys):
+        index = bisect_left(keys, (stream, size, -1))
+        if index == len(keys) or keys[index][0] != stream:
             return None
-        block = pool.blocks[keys[index][1]]
+        block = pool.blocks[keys[index][2]]
         if block.segment is not None:
             if self.conf.expandable_segments:
                 # A block followed by unmapped space counts as the size it can grow to, so the
@@ -380,8 +514,9 @@ class CachingAllocatorModel:
                     following = candidate.next
                     return candidate.size + (following.size if following is not None
                                              and not following.mapped else 0)
-                while block.segment is not None and index + 1 < len(keys):
-                    following = pool.blocks[keys[index + 1][1]]
+                while (block.segment is not None and index + 1 < len(keys)
+                       and keys[index + 1][0] == stream):
+                    following = pool.blocks[keys[index + 1][2]]
                     if grown(following) >= grown(block):
                         break
                     index += 1
@@ -389,11 +524,12 @@ class CachingAllocatorModel:
             else:
                 # Expandable segments switched off: only blocks of cudaMalloc segments serve.
                 index += 1
-                while index < len(keys) and pool.blocks[keys[index][1]].segment is not None:
+                while (index < len(keys) and keys[index][0] == stream
+                       and pool.blocks[keys[index][2]].segment is not None):
                     index += 1
-                if index == len(keys):
+                if index == len(keys) or keys[index][0] != stream:
                     return None
-                block = pool.blocks[keys[index][1]]
+                block = pool.blocks[keys[index][2]]
         max_split = self._max_split
         # Do not return an oversized block for a request below max_split_size ...
         if size < max_split and block.size >= max_split:
@@ -416,7 +552,7 @@ class CachingAllocatorModel:
     def _split(self, block: _Block, size: int) -> _Block:
         """`alloc_found_block` with split_remainder: the front `size` bytes are handed out, the
         rest goes back to the pool as a cached block."""
-        front = _Block(size, block.addr, block.pool, block.segment)
+        front = _Block(size, block.addr, block.pool, block.segment, stream=block.stream)
         front.prev = block.prev
         if front.prev is not None:
             front.prev.next = front
@@ -428,8 +564,9 @@ class CachingAllocatorModel:
         return front
 
     def _try_merge(self, dst: _Block, src: Optional[_Block], pool: _Pool) -> int:
-        """`try_merge_blocks`: `src`, a free neighbour mapped as `dst` is, joins `dst`."""
-        if src is None or src.allocated or src.mapped != dst.mapped:
+        """`try_merge_blocks`: `src`, a free neighbour mapped as `dst` is, joins `dst` (not a
+        block whose free waits on other streams)."""
+        if src is None or src.allocated or src.event_count or src.mapped != dst.mapped:
             return 0
         if src.mapped:
             pool.erase(src)
@@ -458,44 +595,56 @@ class CachingAllocatorModel:
         if self.reserved > self.reserved_peak:
             self.reserved_peak = self.reserved
 
-    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> Optional[_Block]:
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int,
+                     stream: int = 0) -> Optional[_Block]:
         """`alloc_block`: past the per-process limit it fails at once; with expandable segments
         it maps pages (`try_allocate_expandable_block`); else one `cudaMalloc(alloc_size)`."""
         if self.allowed_maximum is not None and self.reserved + alloc_size > self.allowed_maximum:
             return None
         if self.conf.expandable_segments:
-            return self._allocate_expandable(pool, size)
+            return self._allocate_expandable(pool, size, stream)
         if not self._fits(alloc_size):
             return None
-        block = _Block(alloc_size, self.next_addr, pool, None)
-        self.next_addr += alloc_size
+        addr = None
+        if self.segment_address is not None:
+            addr = self.segment_address(alloc_size, stream)
+        if addr is None:
+            addr = self.next_addr
+            self.next_addr += alloc_size
+        block = _Block(alloc_size, addr, pool, None, stream=stream)
+        if self.trace is not None:
+            self.trace.append(("segment_alloc", addr, alloc_size, stream))
         self._grow(alloc_size)
         return block
 
     def _release_block(self, block: _Block) -> None:
         """`release_block`: `cudaFree` of a whole cached segment."""
+        if self.trace is not None:
+            self.trace.append(("segment_free", block.addr, block.size, block.stream))
         block.pool.erase(block)
         self.reserved -= block.size
         self.num_device_free += 1
 
-    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+    def _release_available_cached_blocks(self, pool: _Pool, size: int, stream: int = 0) -> bool:
         """`release_available_cached_blocks`: with max_split_size set, free the smallest
-        oversize cached block that covers the request, else the largest ones until enough."""
+        oversize cached block of the stream that covers the request, else the stream's largest
+        ones until enough."""
         max_split = self._max_split
         if max_split == SIZE_MAX:
             return False
         target = max(size, max_split)
         keys = pool.keys
-        index = bisect_left(keys, (target, -1))
-        if index < len(keys) and pool.blocks[keys[index][1]].segment is None:
-            self._release_block(pool.blocks[keys[index][1]])
+        index = bisect_left(keys, (stream, target, -1))
+        if (index < len(keys) and keys[index][0] == stream
+                and pool.blocks[keys[index][2]].segment is None):
+            self._release_block(pool.blocks[keys[index][2]])
             return True
         if index == 0:
             return False
         released = 0
         index -= 1
-        while released < target and keys[index][0] >= max_split:
-            current = pool.blocks[keys[index][1]]
+        while released < target and keys[index][1] >= max_split and keys[index][0] == stream:
+            current = pool.blocks[keys[index][2]]
             is_first = index == 0
             if current.segment is None:
                 released += current.size
@@ -506,12 +655,15 @@ class CachingAllocatorModel:
         return released >= target
 
     def _release_cached_blocks(self) -> None:
-        """`release_cached_blocks` -> `release_blocks` on the large pool, then the small one:
-        every cached block that is a whole segment is freed; expandable segments unmap the
-        whole pages inside their free blocks."""
+        """`release_cached_blocks`: every outstanding event waited for
+        (`synchronize_and_free_events`), then `release_blocks` on the large pool, then the small
+        one, every stream: each cached block that is a whole segment is freed; expandable
+        segments unmap the whole pages inside their free blocks."""
+        if self.cuda_events:
+            self._synchronize_and_free_events()
         for pool in (self.large, self.small):
             to_unmap = []
-            for _, addr in list(pool.keys):
+            for *_, addr in list(pool.keys):
                 block = pool.blocks.get(addr)
                 if block is None:
                     continue
@@ -537,7 +689,7 @@ class CachingAllocatorModel:
         pool = self.large
         total_age = 0
         count = 0
-        for _, addr in pool.keys:
+        for *_, addr in pool.keys:
             block = pool.blocks[addr]
             if not block.is_split():
                 total_age += pool.gc_calls - block.gc_base
@@ -549,7 +701,7 @@ class CachingAllocatorModel:
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
-            for _, addr in list(pool.keys):
+            for *_, addr in list(pool.keys):
                 block = pool.blocks.get(addr)
                 if block is None or block.is_split() or block.segment is not None:
                     continue
@@ -563,11 +715,11 @@ class CachingAllocatorModel:
 
     # -- expandable segments ----------------------------------------------------------------
 
-    def _allocate_expandable(self, pool: _Pool, size: int) -> Optional[_Block]:
+    def _allocate_expandable(self, pool: _Pool, size: int, stream: int = 0) -> Optional[_Block]:
         """`try_allocate_expandable_block`: the lowest address where free and unmapped space
         together hold `size` (`find_expandable_block`, a new segment's address range if none),
         mapped up to `size` a page at a time (`map_block`)."""
-        candidate = self._find_expandable_block(pool, size)
+        candidate = self._find_expandable_block(pool, size, stream)
         if not candidate.mapped:
             if not self._map_block(candidate, min(candidate.size, size)):
                 return None
@@ -579,11 +731,13 @@ class CachingAllocatorModel:
         pool.erase(candidate)
         return candidate
 
-    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
+    def _find_expandable_block(self, pool: _Pool, size: int, stream: int = 0) -> _Block:
         def allocatable(block: Optional[_Block]) -> bool:
-            return block is not None and not block.allocated
+            return block is not None and not block.allocated and not block.event_count
 
-        for addr in pool.unmapped:
+        for block_stream, addr in pool.unmapped[bisect_left(pool.unmapped, (stream, -1)):]:
+            if block_stream != stream:
+                break
             candidate = pool.unmapped_blocks[addr]
             if allocatable(candidate.prev):
                 candidate = candidate.prev
@@ -597,7 +751,7 @@ class CachingAllocatorModel:
         segment = _Expandable(self.next_addr, page, self.device_total)
         self.next_addr += segment.size
         self.expandables.append(segment)
-        candidate = _Block(segment.size, segment.base, pool, segment, mapped=False)
+        candidate = _Block(segment.size, segment.base, pool, segment, mapped=False, stream=stream)
         pool.insert_unmapped(candidate)
         return candidate
 
@@ -613,7 +767,7 @@ class CachingAllocatorModel:
         block.mapped = True
         if mapped < block.size:
             rest = _Block(block.size - mapped, block.addr + mapped, pool, block.segment,
-                          mapped=False)
+                          mapped=False, stream=block.stream)
             rest.prev = block
             rest.next = block.next
             if block.next is not None:
@@ -621,6 +775,8 @@ class CachingAllocatorModel:
             block.next = rest
             pool.insert_unmapped(rest)
             block.size = mapped
+        if self.trace is not None:
+            self.trace.append(("segment_map", block.addr, mapped, block.stream))
         self._try_merge(block, block.prev, pool)
         self._try_merge(block, block.next, pool)
         pool.insert(block)
@@ -643,7 +799,7 @@ class CachingAllocatorModel:
         length = (end - begin) * page
         before = start - block.addr
         if before > 0:
-            sliver = _Block(before, block.addr, pool, segment)
+            sliver = _Block(before, block.addr, pool, segment, stream=block.stream)
             sliver.prev = block.prev
             if block.prev is not None:
                 block.prev.next = sliver
@@ -652,7 +808,7 @@ class CachingAllocatorModel:
             pool.insert(sliver)
         after = block.size - before - length
         if after > 0:
-            sliver = _Block(after, start + length, pool, segment)
+            sliver = _Block(after, start + length, pool, segment, stream=block.stream)
             sliver.next = block.next
             if block.next is not None:
                 block.next.prev = sliver
@@ -665,6 +821,8 @@ class CachingAllocatorModel:
         self._try_merge(block, block.prev, pool)
         self._try_merge(block, block.next, pool)
         pool.insert_unmapped(block)
+        if self.trace is not None:
+            self.trace.append(("segment_unmap", start, length, block.stream))
         self.reserved -= length
         self.num_device_free += 1
 
@@ -675,6 +833,7 @@ class CachingAllocatorModel:
         heads: Dict[int, _Block] = {}
         blocks = [block for pool in (self.small, self.large) for block in pool.blocks.values()]
         blocks += [block for block in self.live.values() if block is not None]
+        blocks += self.pending.values()
         for block in blocks:
             if block.prev is not None and block.prev.mapped:
                 continue
@@ -685,7 +844,7 @@ class CachingAllocatorModel:
             walk: Optional[_Block] = heads[addr]
             while walk is not None and walk.mapped:
                 states.append(BlockState(walk.addr, walk.size, walk.allocated, walk.requested,
-                                         walk.key))
+                                         walk.key, walk.event_count > 0))
                 walk = walk.next
             result.append(SegmentState(
                 address=addr,
@@ -694,26 +853,41 @@ class CachingAllocatorModel:
                 pool="small" if heads[addr].pool.is_small else "large",
                 expandable=heads[addr].segment is not None,
                 blocks=tuple(states),
+                stream=heads[addr].stream,
             ))
         return tuple(result)
 
 
-_EVENT_FORMS = "('alloc', key, nbytes), ('free', key) or ('empty_cache',)"
+_EVENT_FORMS = ("('alloc', key, nbytes), ('free', key) or ('empty_cache',); with streams also "
+                "('alloc', key, nbytes, stream), ('record_stream', key, stream) and "
+                "('synchronize', stream)")
+_FORMS = {("alloc", 3), ("alloc", 4), ("free", 2), ("empty_cache", 1), ("record_stream", 3),
+          ("synchronize", 2)}
+
+
+def _is_stream(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def replay_allocations(events: Iterable[tuple], *,
                        alloc_conf: Union[None, str, AllocConf] = None,
-                       device_memory: Optional[int] = None) -> AllocatorReplay:
+                       device_memory: Optional[int] = None,
+                       record_trace: bool = False) -> AllocatorReplay:
     """Replay allocations and frees through a model of PyTorch's CUDA caching allocator.
 
     Args:
         events: `("alloc", key, nbytes)`, `("free", key)` and `("empty_cache",)` in program
-            order; a key names one tensor's storage from its allocation to its free.
+            order; a key names one tensor's storage from its allocation to its free. With
+            streams (whole numbers, 0 the default stream): `("alloc", key, nbytes, stream)`,
+            `("record_stream", key, stream)` (`Tensor.record_stream`: a free of the key then
+            waits for that stream) and `("synchronize", stream)` (the stream's work so far has
+            ended).
         alloc_conf: None (torch's defaults), a `PYTORCH_CUDA_ALLOC_CONF` string such as
             `"expandable_segments:True"`, or a parsed
             `trainer_memcb.plan.device.alloc_conf.AllocConf`.
         device_memory: the bytes the allocator may take from the device; with it, the replay
             stops at the event that runs out (`oom`), as the program would.
+        record_trace: keep what the allocator did in `trace`, as a snapshot's device trace.
 
     Returns:
         An `AllocatorReplay`: peaks, the state at the end, the segments, the OOM event.
@@ -727,7 +901,7 @@ def replay_allocations(events: Iterable[tuple], *,
         >>> replay.allocated_peak_bytes, replay.reserved_peak_bytes, replay.reserved_bytes
         (1024, 2097152, 2097152)
     """
-    model = CachingAllocatorModel(alloc_conf, device_memory)
+    model = CachingAllocatorModel(alloc_conf, device_memory, record_trace=record_trace)
     oom: Optional[tuple] = None
     oom_index: Optional[int] = None
     count = 0
@@ -736,9 +910,12 @@ def replay_allocations(events: Iterable[tuple], *,
         count = index + 1
         form = event if isinstance(event, (tuple, list)) else ()
         kind = form[0] if form else None
-        if (kind, len(form)) not in (("alloc", 3), ("free", 2), ("empty_cache", 1)):
+        if (kind, len(form)) not in _FORMS:
             raise ValueError(f"event {index} {event!r}: an event is {_EVENT_FORMS}")
-        if kind != "empty_cache":
+        if kind == "synchronize" or kind == "record_stream" or (kind == "alloc" and len(form) == 4):
+            if not _is_stream(form[-1]):
+                raise ValueError(f"event {index} {event!r}: a stream is a whole number >= 0")
+        if kind not in ("empty_cache", "synchronize"):
             try:
                 hash(form[1])
             except TypeError:
@@ -753,7 +930,14 @@ def replay_allocations(events: Iterable[tuple], *,
                 if key in live:
                     raise ValueError(f"event {index} {event!r}: key {key!r} is allocated "
                                      "already and not freed")
-                model.malloc(key, nbytes)
+                model.malloc(key, nbytes, form[3] if len(form) == 4 else 0)
+            elif kind == "record_stream":
+                if form[1] not in live:
+                    raise ValueError(f"event {index} {event!r}: key {form[1]!r} is not "
+                                     "allocated")
+                model.record_stream(form[1], form[2])
+            elif kind == "synchronize":
+                model.synchronize(form[1])
             elif kind == "free":
                 if form[1] not in live:
                     raise ValueError(f"event {index} {event!r}: key {form[1]!r} is not "
@@ -777,4 +961,5 @@ def replay_allocations(events: Iterable[tuple], *,
         num_device_alloc=model.num_device_alloc,
         num_device_free=model.num_device_free,
         events=count,
+        trace=tuple(model.trace) if model.trace is not None else (),
     )

@@ -1,0 +1,426 @@
+"""A recorded snapshot replayed through the caching allocator model: real against replayed, and what-ifs.
+
+For each device of a `Snapshot` (`snapshot_file.read_snapshot`):
+
+- **the start, rebuilt**: recording rarely begins with an empty allocator. The segments alive when
+  it began are the dump's segments with the trace's segment events undone (a `segment_alloc`
+  removed, a `segment_free` put back); the blocks allocated then are those the trace frees
+  without having allocated them (their size is `round_size` of the requested bytes, grown to the
+  next block where the large pool would not have split the rest, `should_split`), and those
+  still allocated at the dump that the trace never allocated (their size from the dump).
+- **real**: the reserved bytes over the trace, from that start and the segment events
+  (`segment_alloc`/`segment_map` add, `segment_free`/`segment_unmap` take away), and their peak.
+- **replayed**: the trace's allocations (`alloc`) and completed frees (`free_completed`, so a free
+  delayed by `record_stream` completes where the GPU completed it) through
+  `CachingAllocatorModel` under the recorded settings, new segments placed at the addresses the
+  GPU's `cudaMalloc` returned while the two agree (addresses only break ties between free blocks
+  of one size). A run of `segment_free` events followed by no new segment is the program's
+  `torch.cuda.empty_cache()` (which records no event of its own) and is replayed as one. The
+  segments the model creates and frees are matched against the real ones, in order: the first
+  that differs is `first_divergence`.
+- **what-ifs**: the same allocations, from the same start, under other settings or another
+  device size: the reserved peak and whether the trace would have run out of memory.
+
+The device's capacity: what the caller gives; else, from the trace's `oom` event (torch records
+the device's free bytes in its address field, `DeviceCachingAllocator::malloc`), the reserved
+bytes then plus that; else unknown (no limit).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from trainer_memcb.plan.device.alloc_conf import AllocConf, parse_alloc_conf
+from trainer_memcb.plan.device.caching_allocator import (
+    K_MIN_BLOCK_SIZE,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+    CachingAllocatorModel,
+    OutOfMemory,
+    round_size,
+)
+from trainer_memcb.plan.device.snapshot_file import Snapshot, read_snapshot
+
+__all__ = ["Divergence", "DeviceReplay", "SegmentFigures", "SnapshotReplay", "WhatIf",
+           "recorded_alloc_conf", "replay_snapshot"]
+
+MiB = 1024 ** 2
+_GROW = ("segment_alloc", "segment_map")
+_SHRINK = ("segment_free", "segment_unmap")
+Event = Tuple[str, int, int, int]
+
+
+@dataclass(frozen=True)
+class SegmentFigures:
+    """The reserved peak over the trace, and the segments created and freed in it (with
+    expandable segments, the mappings and unmappings)."""
+
+    reserved_peak_bytes: int
+    segments_created: int
+    segments_freed: int
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where the replay first parts from the real trace: the real event's index and action, and why."""
+
+    event_index: int
+    action: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The same allocations under `alloc_conf` on a device of `device_memory_bytes` (None: no
+    limit): the reserved peak, and whether they would run out of memory."""
+
+    alloc_conf: str
+    device_memory_bytes: Optional[int]
+    reserved_peak_bytes: int
+    oom: bool
+
+
+@dataclass(frozen=True)
+class DeviceReplay:
+    """One device's trace, real and replayed.
+
+    Attributes:
+        device: the device's index.
+        events: the events recorded.
+        streams: the streams the events name.
+        alloc_conf: the recorded settings as a `PYTORCH_CUDA_ALLOC_CONF` string ("" for torch's
+            defaults, and when the dump recorded none).
+        settings_recorded: whether the dump recorded its allocator settings.
+        capacity_bytes: the device memory the replay was given, or None.
+        capacity_source: where it came from: "given", "oom event" or "unknown".
+        start_reserved_bytes: reserved when recording began (the rebuilt start).
+        real: the GPU's figures; replayed: the model's.
+        first_divergence: None when the replay creates and frees the real segments, in order.
+        what_if: the what-ifs.
+    """
+
+    device: int
+    events: int
+    streams: Tuple[int, ...]
+    alloc_conf: str
+    settings_recorded: bool
+    capacity_bytes: Optional[int]
+    capacity_source: str
+    start_reserved_bytes: int
+    real: SegmentFigures
+    replayed: SegmentFigures
+    first_divergence: Optional[Divergence]
+    what_if: Tuple[WhatIf, ...]
+
+
+@dataclass(frozen=True)
+class SnapshotReplay:
+    """Every device of a snapshot that recorded events."""
+
+    devices: Tuple[DeviceReplay, ...]
+
+
+def recorded_alloc_conf(settings: Optional[Dict[str, Any]]) -> str:
+    """The dump's `allocator_settings` as a `PYTORCH_CUDA_ALLOC_CONF` string (the keys the model
+    reads: expandable_segments, max_split_size_mb, roundup_power2_divisions); "" for defaults."""
+    if not settings:
+        return ""
+    parts = []
+    if settings.get("expandable_segments") is True:
+        parts.append("expandable_segments:True")
+    max_split = settings.get("max_split_size")
+    if isinstance(max_split, int) and 0 < max_split < 2 ** 63:
+        parts.append(f"max_split_size_mb:{max_split // MiB}")
+    divisions = settings.get("roundup_power2_divisions")
+    if isinstance(divisions, dict) and any(divisions.values()):
+        text = ",".join(f"{key}:{value}" for key, value in divisions.items())
+        parts.append(f"roundup_power2_divisions:[{text}]")
+    return ",".join(parts)
+
+
+@dataclass
+class _Start:
+    """The allocator's state when recording began."""
+
+    segments: List[Tuple[int, int, bool, int, List[Tuple[int, int, Any, int]]]]
+    reserved: int
+
+
+def _rebuild_start(snapshot: Snapshot, device: int, trace: Sequence[Event],
+                   conf: AllocConf) -> _Start:
+    alive: Dict[int, Tuple[int, int, bool, bool]] = {
+        s.address: (s.total_size, s.stream, s.small, s.expandable)
+        for s in snapshot.segments if s.device == device}
+    for action, addr, size, stream in reversed(trace):
+        if action in _GROW:
+            alive.pop(addr, None)
+        elif action in _SHRINK:
+            alive[addr] = (size, stream, size == K_SMALL_BUFFER, action == "segment_unmap")
+    # Allocations alive at the start: freed in the trace before any alloc there, or allocated at
+    # the dump and never allocated in the trace.
+    in_trace: set = set()
+    before: Dict[int, int] = {}  # addr -> requested bytes
+    for action, addr, size, _ in trace:
+        if action == "alloc":
+            in_trace.add(addr)
+        elif action == "free_completed":
+            if addr in in_trace:
+                in_trace.discard(addr)
+            elif addr not in before:
+                before[addr] = size
+    exact: Dict[int, Tuple[int, int]] = {}
+    for segment in snapshot.segments:
+        if segment.device != device:
+            continue
+        for block in segment.blocks:
+            if block.allocated and block.address not in in_trace and block.address not in before:
+                exact[block.address] = (block.size, block.requested_size)
+    starts = sorted(alive)
+    rebuilt = []
+    owned: Dict[int, List[int]] = {start: [] for start in starts}
+    for addr in list(before) + list(exact):
+        index = bisect_right(starts, addr) - 1
+        if index >= 0 and addr < starts[index] + alive[starts[index]][0]:
+            owned[starts[index]].append(addr)
+    for start in starts:
+        size, stream, small, _ = alive[start]
+        end = start + size
+        addrs = sorted(owned[start])
+        blocks = []
+        for position, addr in enumerate(addrs):
+            limit = addrs[position + 1] if position + 1 < len(addrs) else end
+            if addr in exact:
+                nbytes, requested = exact[addr]
+            else:
+                requested = before[addr]
+                nbytes = round_size(requested, conf)
+                rest = limit - addr - nbytes
+                # should_split: the large pool keeps a remainder of 1 MiB or less in the block.
+                keep = K_MIN_BLOCK_SIZE if (small or conf.expandable_segments) else K_SMALL_SIZE + 1
+                if 0 < rest < keep:
+                    nbytes = limit - addr
+            blocks.append((addr, min(nbytes, limit - addr), addr, requested))
+        rebuilt.append((start, size, small, stream, blocks))
+    return _Start(rebuilt, sum(alive[start][0] for start in starts))
+
+
+def _driving_events(trace: Sequence[Event]) -> List[Tuple[int, tuple]]:
+    """The program's calls, with the index of the real event: alloc, the completed frees, and
+    `empty_cache` where a run of segment_free events is followed by no new segment or OOM."""
+    calls: List[Tuple[int, tuple]] = []
+    for index, (action, addr, size, stream) in enumerate(trace):
+        if action == "alloc":
+            calls.append((index, ("alloc", addr, size, stream)))
+        elif action == "free_completed":
+            calls.append((index, ("free", addr)))
+        elif action == "segment_free":
+            following = trace[index + 1][0] if index + 1 < len(trace) else None
+            if following not in ("segment_free", "segment_alloc", "segment_map", "oom"):
+                calls.append((index, ("empty_cache",)))
+    return calls
+
+
+def _model(conf: Union[str, AllocConf], device_memory: Optional[int], start: _Start,
+           record: bool) -> CachingAllocatorModel:
+    model = CachingAllocatorModel(conf, device_memory, record_trace=record)
+    for address, size, small, stream, blocks in start.segments:
+        model.add_segment(address, size, small, stream, blocks)
+    return model
+
+
+def _call(model: CachingAllocatorModel, call: tuple) -> None:
+    if call[0] == "alloc":
+        if call[1] in model.live:  # a key the rebuilt start left alive: the replay has parted
+            model.free(call[1])
+        model.malloc(call[1], call[2], call[3])
+    elif call[0] == "free":
+        if call[1] in model.live:
+            model.free(call[1])
+    else:
+        model.empty_cache()
+
+
+def _figures(start: int, trace: Sequence[tuple]) -> SegmentFigures:
+    reserved = peak = start
+    created = freed = 0
+    for action, _, size, _ in trace:
+        if action in _GROW:
+            reserved += size
+            created += 1
+            peak = max(peak, reserved)
+        elif action in _SHRINK:
+            reserved -= size
+            freed += 1
+    return SegmentFigures(peak, created, freed)
+
+
+def _capacity_from_oom(start: int, trace: Sequence[Event]) -> Optional[int]:
+    reserved = start
+    for action, addr, size, _ in trace:
+        if action in _GROW:
+            reserved += size
+        elif action in _SHRINK:
+            reserved -= size
+        elif action == "oom":
+            return reserved + addr  # the oom event's address field is the device's free bytes
+    return None
+
+
+def _why(real: Optional[tuple], replayed: Optional[tuple], trace: Sequence[Event],
+         index: int) -> str:
+    def name(op: Optional[tuple]) -> str:
+        return "nothing" if op is None else f"{op[0]} of {op[2]:,} bytes on stream {op[3]}"
+
+    reason = f"the GPU did {name(real)}, the model {name(replayed)}"
+    if real is not None and real[0] == "segment_free" and replayed is None:
+        following = [a for a, *_ in trace[index:index + 64] if a not in _SHRINK]
+        if following and following[0] in _GROW:
+            reason += (" (the GPU released its cache to retry a failed cudaMalloc: the device "
+                       "was full; give the device's memory)")
+    return reason
+
+
+def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
+                   device_memory: Optional[int], source: str,
+                   what_ifs: Sequence[Tuple[Optional[str], Optional[int]]]) -> DeviceReplay:
+    trace = snapshot.device_traces[device]
+    conf = parse_alloc_conf(conf_text)
+    start = _rebuild_start(snapshot, device, trace, conf)
+    if device_memory is None:
+        device_memory = _capacity_from_oom(start.reserved, trace)
+        source = "oom event" if device_memory is not None else "unknown"
+    calls = _driving_events(trace)
+    real_ops = [(index, event) for index, event in enumerate(trace)
+                if event[0] in _GROW + _SHRINK]
+    model = _model(conf, device_memory, start, record=True)
+    top = max([s.address + s.total_size for s in snapshot.segments]
+              + [addr + size for _, addr, size, _ in trace] + [model.next_addr])
+    model.next_addr = top + (1 << 21)
+    state = {"next": 0, "diverged": False}
+    window: List[Tuple[int, Event]] = []
+    used: set = set()  # the real segment_alloc events whose address the model took
+
+    def real_address(size: int, stream: int) -> Optional[int]:
+        if state["diverged"]:
+            return None
+        for at, (action, addr, real_size, real_stream) in window:
+            if (action == "segment_alloc" and (real_size, real_stream) == (size, stream)
+                    and at not in used):
+                used.add(at)
+                return addr
+        return None
+
+    model.segment_address = real_address
+    divergence: Optional[Divergence] = None
+    ops_seen = 0
+    oom_at: Optional[int] = None
+    for index, call in calls:
+        window[:] = [(i, e) for i, e in real_ops[state["next"]:] if i <= index]
+        try:
+            _call(model, call)
+        except OutOfMemory:
+            oom_at = index
+        produced = [op for op in model.trace[ops_seen:] if op[0] in _GROW + _SHRINK]
+        ops_seen = len(model.trace)
+        expected = [event for _, event in window]
+        if divergence is None:
+            for position in range(max(len(produced), len(expected))):
+                real = expected[position] if position < len(expected) else None
+                mine = produced[position] if position < len(produced) else None
+                same = (real is not None and mine is not None
+                        and (real[0], real[2], real[3]) == (mine[0], mine[2], mine[3])
+                        and (real[0] not in ("segment_free", "segment_alloc") or real[1] == mine[1]))
+                if not same:
+                    at = window[position][0] if position < len(window) else index
+                    divergence = Divergence(at, trace[at][0], _why(real, mine, trace, at))
+                    state["diverged"] = True
+                    break
+        state["next"] += len(window)
+        if oom_at is not None:
+            break
+    if divergence is None:
+        rest = real_ops[state["next"]:]
+        if oom_at is None and rest:
+            at = rest[0][0]
+            divergence = Divergence(at, trace[at][0], _why(rest[0][1], None, trace, at))
+        elif oom_at is not None and not any(e[0] == "oom" for e in trace):
+            divergence = Divergence(oom_at, trace[oom_at][0],
+                                    "the model ran out of memory where the GPU did not")
+    replayed = _figures(start.reserved, model.trace)
+    results = []
+    for alloc_conf, memory in what_ifs:
+        text = conf_text if alloc_conf is None else alloc_conf
+        limit = device_memory if memory is None else memory
+        what = _model(text, limit, start, record=False)
+        oom = False
+        for _, call in calls:
+            try:
+                _call(what, call)
+            except OutOfMemory:
+                oom = True
+                break
+        results.append(WhatIf(text, limit, what.reserved_peak, oom))
+    return DeviceReplay(
+        device=device,
+        events=len(trace),
+        streams=tuple(sorted({event[3] for event in trace})),
+        alloc_conf=conf_text,
+        settings_recorded=snapshot.allocator_settings is not None,
+        capacity_bytes=device_memory,
+        capacity_source=source,
+        start_reserved_bytes=start.reserved,
+        real=_figures(start.reserved, trace),
+        replayed=replayed,
+        first_divergence=divergence,
+        what_if=tuple(results),
+    )
+
+
+def _flipped(text: str) -> str:
+    conf = parse_alloc_conf(text)
+    kept = [part for part in text.split(",") if part and not part.startswith("expandable_segments")]
+    return ",".join(kept + [f"expandable_segments:{not conf.expandable_segments}"])
+
+
+def replay_snapshot(snapshot: Union[Snapshot, Any], *, device_memory: Optional[int] = None,
+                    what_ifs: Sequence[Tuple[Optional[str], Optional[int]]] = ()
+                    ) -> SnapshotReplay:
+    """Replay a recorded snapshot's allocations through the caching allocator model.
+
+    Args:
+        snapshot: a `Snapshot`, or the path of a `_dump_snapshot` file (read with `read_snapshot`).
+        device_memory: the bytes the allocator could take from the recording's device; without
+            it, from the trace's OOM event, else no limit.
+        what_ifs: more what-ifs, each `(alloc_conf, device_memory)`: a
+            `PYTORCH_CUDA_ALLOC_CONF` string (None: the recorded settings) and the bytes the
+            allocator may take (None: the recording's capacity).
+
+    Returns:
+        A `SnapshotReplay`, one `DeviceReplay` per device that recorded events. Its what-ifs: the
+        recorded settings with expandable segments switched (on if off, off if on), then
+        `what_ifs`.
+
+    Raises:
+        SnapshotError: a file that is not a snapshot; ValueError: a bad `alloc_conf`.
+
+    Example:
+        >>> replay = replay_snapshot("tests/data/snapshots/silmont2000__mem_snapshot_b61be4.pickle")
+        >>> figures = replay.devices[0].real
+        >>> figures.reserved_peak_bytes, figures.segments_created
+        (3781165056, 9)
+        >>> replay.devices[0].replayed == figures, replay.devices[0].first_divergence
+        (True, None)
+    """
+    if not isinstance(snapshot, Snapshot):
+        snapshot = read_snapshot(snapshot)
+    for alloc_conf, _ in what_ifs:
+        if alloc_conf is not None:
+            parse_alloc_conf(alloc_conf)
+    conf_text = recorded_alloc_conf(snapshot.allocator_settings)
+    source = "given" if device_memory is not None else "unknown"
+    asked = [(_flipped(conf_text), None)] + list(what_ifs)
+    devices = tuple(_replay_device(snapshot, device, conf_text, device_memory, source, asked)
+                    for device, trace in enumerate(snapshot.device_traces) if trace)
+    return SnapshotReplay(devices)
