@@ -25,8 +25,8 @@ part and the reserved bytes, to draw (on the CPU, the timeline's bytes alone: no
 
 Each storage's part: the part the step's figures give it (`Timeline.part_of`): an engine's name,
 else parameters, gradients, optimizer state, batch and buffers; activations are a moment's (saved
-for backward then), so a storage alive at a phase's peak takes the part it has there (as
-`peak_parts` counts it), and any other storage made in the forward and alive when the backward
+for backward then), so a storage alive at the step's peak takes the part it has there (as
+`peak_parts` counts it; one alive at another phase's peak, the part it has there), and any other storage made in the forward and alive when the backward
 begins is an activation; everything else is "other" (temporaries). CUDA's cuBLAS and cuBLASLt
 workspaces, which the trace does not make, are `cuda_workspaces`.
 """
@@ -53,11 +53,14 @@ WORKSPACES = "cuda_workspaces"
 _ALLOCATED, _PENDING, _INACTIVE = "active_allocated", "active_pending_free", "inactive"
 
 
-def storage_parts(timeline: Timeline) -> Dict[int, str]:
-    """Each storage of `timeline` (by serial number) -> its part (see the module docstring)."""
+def storage_parts(timeline: Timeline, peak_phase: Optional[str] = None) -> Dict[int, str]:
+    """Each storage of `timeline` (by serial number) -> its part (see the module docstring); a
+    storage alive at more than one phase's peak takes the part it has at the step's peak (in
+    `peak_phase`, the plan's `step.peak_phase`), else at forward and backward's."""
     peaks = [timeline.forward_backward] + [peak for _, peak in timeline.micro_batch_peaks]
     if timeline.optimizer_step is not None:
-        peaks.append(timeline.optimizer_step)
+        at_optimizer = peak_phase is not None and peak_phase == timeline.optimizer_step.phase
+        peaks.insert(0 if at_optimizer else len(peaks), timeline.optimizer_step)
     at_peak: Dict[int, frozenset] = {}
     for peak in peaks:
         for serial in peak.storages:
@@ -151,7 +154,7 @@ def plan_snapshot(plan: StepMemoryPlan) -> Dict[str, Any]:
         (True, True)
     """
     timeline, options, calls = _replay_calls(plan)
-    parts = storage_parts(timeline)
+    parts = storage_parts(timeline, plan.step.peak_phase)
     model = CachingAllocatorModel(options.alloc_conf, options.device_memory, record_trace=True)
     trace = model.trace
     events: List[Dict[str, Any]] = []
@@ -263,7 +266,7 @@ def step_series(plan: StepMemoryPlan, max_points: int = 2000) -> StepSeries:
         calls = [(event, where) for event, where in step_allocations(timeline)
                  if not (event[0] == "alloc" and isinstance(event[1], tuple) and event[1][0] != 2)]
         model = None
-    parts = storage_parts(timeline)
+    parts = storage_parts(timeline, plan.step.peak_phase)
     names = [name for name in dict.fromkeys(list(timeline.tags.values()) + ["parameters", "gradients",
              "optimizer_state", "activations", "batch_and_buffers", "other"]) if name not in timeline.host_parts]
     if cuda:
