@@ -21,6 +21,7 @@ __all__ = [
     "estimate_optimizer_state",
     "fit_batch_size",
     "measure_optimizer_state",
+    "plan_snapshot",
     "read_snapshot",
     "register_estimate_rule",
     "replay_allocations",
@@ -42,6 +43,7 @@ _LAZY = {
     "StateMeasurement": "trainer_memcb.state.measure",
     "measure_optimizer_state": "trainer_memcb.state.measure",
     "replay_allocations": "trainer_memcb.plan.device.caching_allocator",
+    "plan_snapshot": "trainer_memcb.plan.answers.plan_snapshot",
     "read_snapshot": "trainer_memcb.plan.device.snapshot_file",
     "replay_snapshot": "trainer_memcb.plan.device.snapshot_replay",
 }

@@ -18,6 +18,7 @@ from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHI
                                         UsageError, say)
 from trainer_memcb.cli.fit_options import check_fit_options
 from trainer_memcb.cli.output import print_json, print_tables
+from trainer_memcb.cli.plan_files import check_plan_files
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.step_answer import StepAnswer, answers_document
@@ -123,11 +124,35 @@ def estimate_command(args: argparse.Namespace) -> int:
         apply_gpu(args)  # the preset's memory, unless --device-memory gives it
         check_options(args)
         check_fit_options(args, step_asked(args), eval_asked(args))
+        check_plan_files(args, step_asked(args))
     except ValueError as error:
         raise UsageError(str(error)) from None
     answer = gather(args)
     render(answer, args)
+    _write_plan_files(answer, args)
     return exit_status(answer, args)
+
+
+def _write_plan_files(answer: EstimateAnswer, args: argparse.Namespace) -> None:
+    """--write-snapshot and --write-html: the step written, each file said in one line on stderr.
+
+    Raises:
+        UsageError: the step cannot be written as asked (exit 2).
+        KnownFailure: a file could not be written (exit 1).
+    """
+    from trainer_memcb.cli.plan_files import write_plan_files
+
+    found = answer.found
+    if found is None:
+        return
+    try:
+        lines = write_plan_files(found.step if found.step is not None else found.largest_step, args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    except OSError as error:
+        raise KnownFailure(f"{error.filename or 'a file'}: cannot be written ({error.strerror or error})") from None
+    for line in lines:
+        say(line)
 
 
 def gather(args: argparse.Namespace) -> EstimateAnswer:

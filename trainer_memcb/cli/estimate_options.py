@@ -209,6 +209,13 @@ def _add_step_arguments(estimate: argparse.ArgumentParser) -> Any:
                       help="an image model's height and width (default: the config's image_size)")
     step.add_argument("--padding", type=non_negative_int, metavar="P", default=0,
                       help="padded positions per row of the token batch (default 0: the attention mask all ones)")
+    step.add_argument("--write-snapshot", metavar="FILE",
+                      help="write the planned step (CUDA: the caching allocator's replay of two steps) as a "
+                           "torch.cuda.memory._dump_snapshot pickle, for trainer-memcb snapshot, "
+                           "python -m torch.cuda._memory_viz and pytorch.org/memory_viz")
+    step.add_argument("--write-html", metavar="FILE",
+                      help="write a self-contained page of the planned step: the bytes by part over two steps, the "
+                           "reserved bytes, the peak, the phases (opens offline)")
     return step
 
 

@@ -88,7 +88,7 @@ def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     fit = None
     if getattr(args, "fit", False) and step is not None:
         fit = _estimate_fit(dataclasses.replace(traces, states=states), settings, memory)
-    return StepAnswer(states, step, largest_batch=largest, fit=fit)
+    return StepAnswer(states, step, largest_batch=largest, fit=fit, largest_step=traced if step is None else None)
 
 
 def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_StepTraces, Any]:

@@ -27,12 +27,15 @@ class StepAnswer:
         step: the step at the asked batch, or None (only a search asked).
         largest_batch: --max-batch-size's answer, or None unasked.
         fit: --fit's search, or None.
+        largest_step: without `step`, the step plan at the largest batch the search found (what
+            --write-snapshot and --write-html write), or None; not in the document.
     """
 
     model_states: "ModelStatesPlan"
     step: "Optional[StepMemoryPlan]" = None
     largest_batch: "Optional[LargestBatch]" = None
     fit: "Optional[FitSearch]" = None
+    largest_step: "Optional[StepMemoryPlan]" = None
 
     def to_document(self, evaluation: "Optional[EvalMemoryPlan]" = None,
                     evaluation_fit: "Optional[FitSearch]" = None,

@@ -27,7 +27,7 @@ from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
 from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepMemoryPlan, StepPeak, Verdict
-from trainer_memcb.plan.answers.step_replay import StepReplay, replay_step
+from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
 from trainer_memcb.plan.model.step_inputs import step_inputs
@@ -238,9 +238,10 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
     if "reference_model" in traced.peak_parts:
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
     verdict = Verdict()
+    replay_options = None
     if settings.device_type == "cuda":
         conf = alloc_conf_from_environment() if settings.alloc_conf is None else as_alloc_conf(settings.alloc_conf)
-        verdict, device = _replayed(timeline, conf, settings, device)
+        verdict, device, replay_options = _replayed(timeline, conf, settings, device)
         if device.out_of_memory_at is not None:
             notes.append(f"the allocator replay runs out of memory in {device.out_of_memory_at}")
     elif device.device_memory_bytes is not None:
@@ -258,7 +259,7 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         micro_batch_peak_bytes=traced.micro_batches, model_states_most_bytes=traced.states_most,
         model_states_host_bytes=traced.states_host, model_states_at_optimizer_step_bytes=traced.states_at_optimizer_step,
         notes=notes)
-    return StepMemoryPlan(planned, step, device, verdict, timeline=timeline)
+    return StepMemoryPlan(planned, step, device, verdict, timeline=timeline, replay_options=replay_options)
 
 
 def _input_options(settings: StepSettings) -> Dict[str, Any]:
@@ -306,8 +307,9 @@ def _device_before_replay(settings: StepSettings) -> DeviceFigures:
 
 
 def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
-              device: DeviceFigures) -> Tuple[Verdict, DeviceFigures]:
-    """fits? with its margin, and the device with the allocator's figures, from the step's
+              device: DeviceFigures) -> Tuple[Verdict, DeviceFigures, ReplayOptions]:
+    """fits? with its margin, the device with the allocator's figures, and the arguments of the
+    replay those figures come from (`ReplayOptions`), from the step's
     allocations replayed over two steps (`replay_step`): first with no limit; when its reserved
     peak exceeds what the allocator may take (the device's memory less the CUDA context and the
     reserve), again with that limit, where the allocator frees its cache and retries before it
@@ -323,7 +325,8 @@ def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
                          "memory: give device_memory or gpu too")
     limit = None if device_memory is None else max(0, device_memory - context - settings.reserve_bytes)
     # A memory fraction caps the allocator below the device: replayed with the limit from the start.
-    replay: StepReplay = replay_step(timeline, device_memory=limit if fraction else None, **options)
+    replayed_under = limit if fraction else None
+    replay: StepReplay = replay_step(timeline, device_memory=replayed_under, **options)
     verdict = Verdict()
     out_of_memory = None
     if limit is not None and fraction:
@@ -335,16 +338,17 @@ def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
         else:
             limited = replay_step(timeline, device_memory=limit, **options)
             if limited.oom is None:
-                replay = limited
+                replay, replayed_under = limited, limit
                 verdict = Verdict(True, limit - limited.reserved_peak_bytes)
             else:
                 verdict, out_of_memory = Verdict(False, limit - replay.reserved_peak_bytes), limited.oom
+    used = ReplayOptions(conf, replayed_under, capability, settings.torch_empty_cache_steps)
     return verdict, dataclasses.replace(
         device, reserved_peak_bytes=replay.reserved_peak_bytes,
         allocator_allocated_peak_bytes=replay.allocated_peak_bytes, fragmentation_bytes=replay.fragmentation_bytes,
         cuda_workspace_bytes=replay.cuda_workspace_bytes, cuda_context_bytes=context,
         device_total_bytes=replay.reserved_peak_bytes + context, gpu=preset.name if preset is not None else None,
-        alloc_conf=conf.text, out_of_memory_at=out_of_memory)
+        alloc_conf=conf.text, out_of_memory_at=out_of_memory), used
 
 
 def states_during_step(states: ModelStatesPlan, step: StepMemoryPlan) -> ModelStatesPlan:

@@ -155,6 +155,8 @@ class StepMemoryPlan:
     verdict: Verdict = field(default_factory=Verdict)
     # The traced step every figure above is read from; not serialized.
     timeline: Optional[Timeline] = field(default=None, repr=False, compare=False)
+    # On CUDA, the arguments of the allocator replay `device` reports (`ReplayOptions`); not serialized.
+    replay_options: Optional[Any] = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan's JSON form: `settings`, `step`, `device` and `verdict`, each its fields."""

@@ -47,8 +47,26 @@ from trainer_memcb.plan.device.cuda_kernels import cublas_workspace_bytes, cubla
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.step.timeline import Timeline
 
-__all__ = ["StepReplay", "step_allocations", "replay_step", "DEFAULT_COMPUTE_CAPABILITY"]
+__all__ = ["ReplayOptions", "StepReplay", "step_allocations", "replay_step", "DEFAULT_COMPUTE_CAPABILITY"]
 
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """The arguments of the `replay_step` whose figures a step plan reports, kept so that the same
+    replay can be run again (`trainer_memcb.plan.answers.plan_snapshot`).
+
+    Attributes:
+        alloc_conf: the allocator's settings replayed.
+        device_memory: the limit the replay ran under (the device's memory less the CUDA context
+            and the reserve, where the allocator had to release its cache to fit), or None.
+        compute_capability: the GPU's (the cuBLAS workspaces' size).
+        empty_cache_steps: the Trainer's `torch_empty_cache_steps`, or None.
+    """
+
+    alloc_conf: AllocConf
+    device_memory: Optional[int] = None
+    compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
+    empty_cache_steps: Optional[int] = None
 
 
 @dataclass(frozen=True)
