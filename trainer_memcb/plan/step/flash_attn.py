@@ -150,17 +150,18 @@ def _check(q: torch.Tensor) -> None:
 
 # --- the math, for real (CPU) tensors: values only, for the tests ------------------------------
 
-def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                    window: Tuple[int, int], softcap: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of [B, L, H, D] inputs (k, v with H // group heads) in float32: output in q's dtype
-    and logsumexp [B, H, Lq]; causal aligned to the bottom right, as flash-attn does."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, window: Tuple[int, int],
+            softcap: float) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """float32 [B, H, Lq, Lk] scores of [B, L, H, D] inputs (k's heads repeated to q's), masked as
+    flash-attn masks (causal aligned to the bottom right, the window), with softcap's tanh."""
     heads = q.shape[-2]
     qf = q.float().transpose(1, 2)
     kf = k.float().transpose(1, 2).repeat_interleave(heads // k.shape[-2], dim=1)
-    vf = v.float().transpose(1, 2).repeat_interleave(heads // v.shape[-2], dim=1)
     scores = qf @ kf.transpose(-1, -2) * scale
+    capped = None
     if softcap > 0.0:
-        scores = softcap * torch.tanh(scores / softcap)
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
     lq, lk = scores.shape[-2], scores.shape[-1]
     row = torch.arange(lq).unsqueeze(-1) + (lk - lq)
     col = torch.arange(lk)
@@ -172,10 +173,43 @@ def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         masked |= col > row + right
     if left >= 0:
         masked |= col < row - left
-    scores = scores.masked_fill(masked, float("-inf"))
+    return scores.masked_fill(masked, float("-inf")), masked, capped
+
+
+def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                    window: Tuple[int, int], softcap: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of [B, L, H, D] inputs in float32: output in q's dtype and logsumexp [B, H, Lq]."""
+    scores, _, _ = _scores(q, k, scale, causal, window, softcap)
+    vf = v.float().transpose(1, 2).repeat_interleave(q.shape[-2] // v.shape[-2], dim=1)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ vf
     return out.transpose(1, 2).to(q.dtype), lse
+
+
+def _attention_math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                             causal: bool, window: Tuple[int, int],
+                             softcap: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `_attention_math`'s output (custom ops run below autograd, so by hand)."""
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    scores, _, capped = _scores(q, k, scale, causal, window, softcap)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    qf, kf = q.float().transpose(1, 2), k.float().transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    vf = v.float().transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    do = dout.float().transpose(1, 2)
+    dv = probs.transpose(-1, -2) @ do
+    dp = do @ vf.transpose(-1, -2)
+    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+    if capped is not None:
+        ds = ds * (1 - capped * capped)
+    dq = ds @ kf * scale
+    dk = ds.transpose(-1, -2) @ qf * scale
+
+    def grouped(grad: torch.Tensor) -> torch.Tensor:
+        b, _, length, d = grad.shape
+        return grad.view(b, kv_heads, heads // kv_heads, length, d).sum(2)
+
+    return (dq.transpose(1, 2).to(q.dtype), grouped(dk).transpose(1, 2).to(k.dtype),
+            grouped(dv).transpose(1, 2).to(v.dtype))
 
 
 def _ops() -> Any:
@@ -214,11 +248,8 @@ def _define_ops() -> None:
             softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dropout_p: float,
             softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
             softcap: float) -> torch.Tensor:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            recomputed, _ = _attention_math(*leaves, softmax_scale, causal, (window_size_left, window_size_right),
-                                            softcap)
-            grads = torch.autograd.grad(recomputed, leaves, dout)
+        grads = _attention_math_backward(dout, q, k, v, softmax_scale, causal, (window_size_left, window_size_right),
+                                         softcap)
         for target, grad in zip((dq, dk, dv), grads):
             target.copy_(grad)
         return _softmax_d_like(q, varlen_batch=None)
@@ -264,12 +295,8 @@ def _define_ops() -> None:
         bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for i in range(len(bounds_q) - 1):
             sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-            leaves = [t[None, s:e].detach().requires_grad_() for t, (s, e) in
-                      zip((q, k, v), ((sq, eq), (sk, ek), (sk, ek)))]
-            with torch.enable_grad():
-                recomputed, _ = _attention_math(*leaves, softmax_scale, causal,
-                                                (window_size_left, window_size_right), softcap)
-                grads = torch.autograd.grad(recomputed, leaves, dout[None, sq:eq])
+            grads = _attention_math_backward(dout[None, sq:eq], q[None, sq:eq], k[None, sk:ek], v[None, sk:ek],
+                                             softmax_scale, causal, (window_size_left, window_size_right), softcap)
             dq[sq:eq], dk[sk:ek], dv[sk:ek] = grads[0][0], grads[1][0], grads[2][0]
         return _softmax_d_like(q, varlen_batch=len(bounds_q) - 1)
 
@@ -493,6 +520,7 @@ def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional
 
     saved = {name: getattr(utils, name) for name in _CACHE_NAMES if hasattr(utils, name)}
     original_unpad_data = getattr(utils, "_get_unpad_data", None)
+    masks = _padded_flash_masks() if padding else {}
     try:
         utils._lazy_imports = lazy_imports
         for name in saved:
@@ -506,8 +534,39 @@ def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional
             setattr(utils, name, value)
         if original_unpad_data is not None:
             utils._get_unpad_data = original_unpad_data
+        for key, (registry, function) in masks.items():
+            registry[key] = function
         _STATE.clear()
         _STATE.update(saved_state)
+
+
+def _padded_flash_masks() -> Dict[str, Tuple[Dict[str, Any], Any]]:
+    """transformers' `flash_attention_mask` (masking_utils) for a fake mask of a padded batch: the
+    mask sliced and returned, as `attention_mask.all()` (a value read) is False for a real padded
+    batch. Patched in the registry of mask functions; returns what to restore."""
+    import inspect
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return {}
+    registry = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", {})
+    saved = {key: (registry, function) for key, function in registry.items() if key == "flash_attention_2"}
+    for key, (_, original) in saved.items():
+        signature = inspect.signature(original)
+
+        def flash_attention_mask(*args: Any, _original: Any = original, _signature: Any = signature,
+                                 **kwargs: Any) -> Any:
+            bound = _signature.bind(*args, **kwargs)
+            mask = bound.arguments.get("attention_mask")
+            if not isinstance(mask, FakeTensor):
+                return _original(*args, **kwargs)
+            return mask[:, -bound.arguments["kv_length"]:]
+
+        registry[key] = flash_attention_mask
+    return saved
 
 
 def _unpad_data_of_plan(original: Any, padding: int) -> Any:
