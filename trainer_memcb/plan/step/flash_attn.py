@@ -222,7 +222,9 @@ def _ops() -> Any:
 
 
 def _define_ops() -> None:
-    @torch.library.custom_op("trainer_memcb_flash::fwd", mutates_args=())
+    @torch.library.custom_op("trainer_memcb_flash::fwd", mutates_args=(), schema=(
+        "(Tensor q, Tensor k, Tensor v, float dropout_p, float softmax_scale, bool causal, int window_size_left, "
+        "int window_size_right, float softcap, bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)"))
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
             causal: bool, window_size_left: int, window_size_right: int, softcap: float,
             return_softmax: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -243,7 +245,10 @@ def _define_ops() -> None:
              if return_softmax else q.new_empty((0,)))
         return out, lse, p, torch.empty((2,), dtype=torch.int64, device=q.device)
 
-    @torch.library.custom_op("trainer_memcb_flash::bwd", mutates_args=("dq", "dk", "dv"))
+    @torch.library.custom_op("trainer_memcb_flash::bwd", mutates_args=("dq", "dk", "dv"), schema=(
+        "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, "
+        "Tensor(c!) dv, float dropout_p, float softmax_scale, bool causal, int window_size_left, "
+        "int window_size_right, float softcap) -> Tensor"))
     def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dropout_p: float,
             softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
@@ -259,7 +264,10 @@ def _define_ops() -> None:
           window_size_right, softcap):
         return _softmax_d_like(q, varlen_batch=None)
 
-    @torch.library.custom_op("trainer_memcb_flash::varlen_fwd", mutates_args=())
+    @torch.library.custom_op("trainer_memcb_flash::varlen_fwd", mutates_args=(), schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+        "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, int window_size_left, "
+        "int window_size_right, float softcap, bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)"))
     def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                    softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
@@ -286,7 +294,11 @@ def _define_ops() -> None:
              if return_softmax else q.new_empty((0,)))
         return out, lse, p, torch.empty((2,), dtype=torch.int64, device=q.device)
 
-    @torch.library.custom_op("trainer_memcb_flash::varlen_bwd", mutates_args=("dq", "dk", "dv"))
+    @torch.library.custom_op("trainer_memcb_flash::varlen_bwd", mutates_args=("dq", "dk", "dv"), schema=(
+        "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, "
+        "Tensor(c!) dv, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+        "float dropout_p, float softmax_scale, bool causal, int window_size_left, int window_size_right, "
+        "float softcap) -> Tensor"))
     def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
@@ -512,7 +524,8 @@ def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional
     unpad_input = getattr(utils, "_unpad_input", None)
 
     def lazy_imports(implementation: Optional[str], *args: Any, **kwargs: Any) -> Any:
-        if implementation != "flash_attention_2":
+        # transformers 4.x asks with None ("the installed one"): within the trace, flash-attn 2.
+        if implementation not in (None, "flash_attention_2"):
             return original_imports(implementation, *args, **kwargs)
         if five_values:
             return flash_attn_func, flash_attn_varlen_func, None, pad_input, unpad_input
