@@ -12,7 +12,10 @@ from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS
 from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes
 from trainer_memcb.cli.estimate_model import quantization_asked
 
-__all__ = ["step_settings", "plan_precision", "autocast_keeps_dtype"]
+__all__ = ["step_settings", "plan_precision", "autocast_keeps_dtype", "DTYPE_SOURCE", "precision_from_dtype"]
+
+# The source of a precision that follows --dtype where the settings files name no mixed precision.
+DTYPE_SOURCE = "--dtype (no mixed precision in the training args)"
 
 
 # --dtype's precision for the plan, when --precision is not given.
@@ -21,6 +24,12 @@ _DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def plan_precision(args: argparse.Namespace) -> str:
     return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
+
+
+def precision_from_dtype(sources: Dict[str, str]) -> bool:
+    """Whether the plan's precision was taken from --dtype (a flag, or `DTYPE_SOURCE`), so that
+    each parameter keeps the dtype it was built in."""
+    return sources.get("precision", "default") in ("flag", DTYPE_SOURCE)
 
 
 def autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str) -> bool:
@@ -62,6 +71,14 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     settings = resolve_settings(args.training_args, deepspeed=getattr(args, "deepspeed", None),
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden, **flags)
     sources = dict(settings.sources, **_not_flags(args, settings))
+    if (not args.precision and not settings.zero_stage and settings.precision == "fp32"
+            and sources.get("precision") != "flag" and (args.dtype or "float32") != "float32"):
+        # The settings files name no mixed precision (bf16 and fp16 absent or false): the Trainer
+        # then trains the model in the dtype it was loaded in, and never upcasts it (no
+        # `model.to(float32)` in trainer.py; accelerate casts only under FSDP's mixed precision,
+        # which needs bf16/fp16). So the plan's precision follows --dtype, as without a file.
+        settings = dataclasses.replace(settings, precision=_DTYPE_PRECISION[args.dtype])
+        sources["precision"] = DTYPE_SOURCE
     if args.offload_optimizer and settings.zero_stage:
         sources["zero.offload_optimizer"] = "flag"
         return dataclasses.replace(settings, zero=dict(settings.zero, offload_optimizer={"device": "cpu"}),

@@ -10,7 +10,7 @@ from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_asked import ENGINE_FILES, parameter_count
 from trainer_memcb.cli.estimate_checks import check_count_options, refuse_what_if_of_a_count
 from trainer_memcb.cli.estimate_model import estimate_model
-from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, plan_precision, step_settings
+from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, plan_precision, precision_from_dtype, step_settings
 from trainer_memcb.cli.progress import say_progress
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
 
         settings = step_settings(args, model if count is None else None)
         setup = setup_of(settings)
-        keep_dtypes = (settings.sources.get("precision") == "flag" and args.precision is None) or \
+        keep_dtypes = (precision_from_dtype(settings.sources) and args.precision is None) or \
             autocast_keeps_dtype(args, settings.precision, settings.sharding)
     else:
         setup = Setup(world_size=args.world_size or 1, nodes=args.nodes or 1,

@@ -15,7 +15,7 @@ from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_options
 from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
-from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, step_settings
+from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, precision_from_dtype, step_settings
 from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.cli.step_answer import StepAnswer
 from trainer_memcb.utils.units import format_bytes
@@ -108,7 +108,7 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
     setup = setup_of(settings)
     # Without --precision each parameter keeps the dtype the model was built in (PEFT's float32
     # adapters over a bfloat16 base), as `estimate_plan` and the what-if count them.
-    explicit_dtype = args.precision or settings.sources.get("precision", "default") != "flag"
+    explicit_dtype = args.precision or not precision_from_dtype(settings.sources)
     keep_dtypes = not explicit_dtype or autocast_keeps_dtype(args, settings.precision, settings.sharding)
     explicit_dtype = explicit_dtype and not keep_dtypes
     say_progress("planning the model states")

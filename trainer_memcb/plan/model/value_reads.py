@@ -14,6 +14,11 @@ and save what the real run never saves:
   sequences); a real batch of one sequence per row says no, a fake one builds a mask per layer
   and SDPA repeats K and V for grouped-query attention (tried on a tiny Qwen2: 21,504 bytes more).
 
+- `flash_attention_mask` (the mask function of `flash_attention_2`, `_3`, `_4`) returns no mask
+  when the padding mask is all ones (`attention_mask.all()`), a value read a fake tensor cannot
+  answer at all (`aten._local_scalar_dense`): a fake mask is passed on as none, as the real
+  unpadded batch's is.
+
 - a vision-language model's `get_placeholder_mask` (Llava's and its kin's) checks, through
   `torch_compilable_check`, that the text's image tokens are as many as the image features: a
   value read. The plan's ids hold the placeholders where the processor puts them
@@ -53,6 +58,15 @@ def _mask_as_all_ones(original: Any) -> Any:
     return check
 
 
+def _flash_mask_as_all_ones(original: Any) -> Any:
+    def flash_attention_mask(*args: Any, **kwargs: Any) -> Any:
+        if _is_fake(kwargs.get("attention_mask")):
+            kwargs["attention_mask"] = None
+        return original(*args, **kwargs)
+
+    return flash_attention_mask
+
+
 def _unpacked(original: Any) -> Any:
     def find_packed_sequence_indices(position_ids: Any) -> Any:
         return None if _is_fake(position_ids) else original(position_ids)
@@ -80,9 +94,13 @@ def unpadded_batch() -> Iterator[None]:
             saved.append((name, original))
             setattr(masking_utils, name, wrap(original))
     patched = _patch_4x_mask_helpers()
+    registry = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", {})
+    flash = {key: function for key, function in registry.items() if key.startswith("flash_attention")}
+    registry.update({key: _flash_mask_as_all_ones(function) for key, function in flash.items()})
     try:
         yield
     finally:
+        registry.update(flash)
         for name, original in saved:
             setattr(masking_utils, name, original)
         for module, name, original in patched:

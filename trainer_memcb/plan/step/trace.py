@@ -75,6 +75,7 @@ from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
+from trainer_memcb.plan.step.flash_attn import FlashKernelsRun, flash_attention_2_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
@@ -406,6 +407,7 @@ class _Prefix:
     timeline: Timeline
     contexts: Callable[[Optional[List[int]]], List[Any]]
     quantization_note: Optional[str] = None
+    attention_note: Optional[str] = None
     outer: Callable[[], List[Any]] = list
 
 
@@ -645,7 +647,8 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
     if timeline is None:
         del shared.prefixes[step_key]
         return None
-    return _noted(timeline, prefix.quantization_note, settings, device_type, implementation[0])
+    return _noted(timeline, prefix.quantization_note, settings, device_type, implementation[0],
+                  prefix.attention_note)
 
 
 def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
@@ -679,6 +682,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     engine = engine_for(settings)
     mode = FakeTensorMode()
     quantization_note = None
+    flash_run: Optional[FlashKernelsRun] = None
     frozen = _freeze_older_objects()
     try:
         model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
@@ -688,8 +692,10 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
                              checkpointing=settings.checkpointing_kwargs)
         build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
         with contextlib.ExitStack() as stack:
-            for context in _outer_contexts(padding):
-                stack.enter_context(context)
+            for context in _outer_contexts(padding, settings):
+                entered = stack.enter_context(context)
+                if isinstance(entered, FlashKernelsRun):
+                    flash_run = entered
             timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
                                    settings.gradient_checkpointing, engine, input_options,
                                    settings.gradient_accumulation_steps, device_type, compute_capability, kept)
@@ -700,10 +706,12 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
         gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
         if frozen:
             gc.unfreeze()
+    attention_note = flash_run.note() if flash_run is not None else None
     for prefix in kept or ():
-        prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding)
+        prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding, settings)
+        prefix.attention_note = attention_note
         shared.prefixes[step_key] = prefix
-    return _noted(timeline, quantization_note, settings, device_type, implementation[0])
+    return _noted(timeline, quantization_note, settings, device_type, implementation[0], attention_note)
 
 
 def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
@@ -714,17 +722,28 @@ def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
     return gpu_preset(settings.gpu).compute_capability if settings.gpu is not None else DEFAULT_COMPUTE_CAPABILITY
 
 
-def _outer_contexts(padding: int) -> List[Any]:
+def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
     """The contexts a fake step runs in around its own: MoE's grouped products in any dtype, the
-    batch read as unpadded (where `padding` is 0), the model's value checks passed."""
-    return [grouped_mm_any_dtype(), unpadded_batch() if not padding else contextlib.nullcontext(), passed_checks()]
+    batch read as unpadded (where `padding` is 0), the model's value checks passed, and on "cuda"
+    transformers' `flash_attention_2` run by flash-attn's kernels as stand-ins (`plan.step.flash_attn`)."""
+    flash = (flash_attention_2_as_cuda(compute_capability_of(settings), _preset_name(settings.gpu), padding)
+             if settings.device_type == "cuda" else contextlib.nullcontext())
+    return [grouped_mm_any_dtype(), unpadded_batch() if not padding else contextlib.nullcontext(), passed_checks(),
+            flash]
+
+
+def _preset_name(gpu: Optional[str]) -> Optional[str]:
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    return gpu_preset(gpu).name if gpu is not None else None
 
 
 def _noted(timeline: Timeline, quantization_note: Optional[str], settings: StepSettings, device_type: str,
-           implementation: Optional[str]) -> Timeline:
+           implementation: Optional[str], attention_note: Optional[str] = None) -> Timeline:
     """The timeline with the trace's notes beside the engine's: the quantized layers', the
     checkpointed generator states' on CUDA, the optimizer's implementation."""
     notes = list(timeline.notes) + ([quantization_note] if quantization_note else [])
+    notes += [attention_note] if attention_note else []
     if settings.gradient_checkpointing and device_type == "cuda":
         notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "
                      "(torch.get_rng_state(), 5,056 bytes) per block from its forward to its recomputation: "

@@ -1,0 +1,68 @@
+"""The precision follows the model (issue 37, item 6): a --training-args file that names no mixed
+precision keeps --dtype's (the Trainer never upcasts a bf16 model), and bf16/fp16 in the file over
+a bf16 model run as the Trainer runs them (autocast over the bf16 parameters: accelerate casts no
+parameter; the GradScaler unscales bf16 gradients). One case per entry of the guide's `--precision`
+row (docs/will-it-fit.md), through the command line, on a tiny Llama; no mocks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
+
+
+def plan(tmp_path: Path, *options: str, training_args=None):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    extra = []
+    if training_args is not None:
+        path = tmp_path / "args.json"
+        path.write_text(json.dumps(dict(per_device_train_batch_size=2, **training_args)))
+        extra = ["--training-args", str(path)]
+    run = subprocess.run([sys.executable, "-m", "trainer_memcb", "estimate", str(tmp_path), "--seq-len", "16",
+                          "--batch-size", "2", "--optimizers", "adamw_torch", "--json", *options, *extra],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr + run.stdout[-2000:]
+    document = json.loads(run.stdout)
+    settings = document["settings"]
+    source = dict((name, source) for name, _, source in settings["used"])["precision"]
+    return settings["precision"], settings["param_dtype"], source, document["step"]["peak_bytes"]
+
+
+@pytest.mark.parametrize("training_args", [{}, {"bf16": False, "fp16": False}])
+def test_file_without_mixed_precision_keeps_the_bf16_model(tmp_path, training_args):
+    precision, dtype, source, peak = plan(tmp_path, "--dtype", "bfloat16", training_args=training_args)
+    assert (precision, dtype) == ("bf16", "bfloat16")
+    assert source == "--dtype (no mixed precision in the training args)"
+    # the same plan as --dtype bfloat16 alone (the default row: --dtype's precision)
+    assert (precision, dtype, peak) == plan(tmp_path, "--dtype", "bfloat16")[:2] + (plan(tmp_path, "--dtype", "bfloat16")[3],)
+
+
+def test_default_row_fp32_model_stays_fp32(tmp_path):
+    assert plan(tmp_path, training_args={})[:2] == ("fp32", "float32")
+    assert plan(tmp_path)[:3] == ("fp32", "float32", "flag")
+
+
+def test_autocast_bf16_row_bf16_true_over_a_bf16_model_keeps_its_parameters(tmp_path):
+    precision, dtype, source, _ = plan(tmp_path, "--dtype", "bfloat16", training_args={"bf16": True})
+    assert (precision, dtype, source) == ("autocast-bf16", "bfloat16", "training args")
+
+
+def test_autocast_fp16_over_a_bf16_model_runs_as_the_trainer_runs_it(tmp_path):
+    # transformers' Trainer neither raises nor warns for fp16=True over a bf16 model (trainer.py has no such
+    # check); accelerate autocasts to fp16 and its GradScaler unscales bf16 gradients (only fp16 ones are refused).
+    precision, dtype, source, _ = plan(tmp_path, "--dtype", "bfloat16", training_args={"fp16": True})
+    assert (precision, dtype, source) == ("autocast-fp16", "bfloat16", "training args")
+
+
+def test_pure_16_bit_rows_and_the_flag_over_the_file(tmp_path):
+    assert plan(tmp_path, "--dtype", "float16", training_args={})[:2] == ("fp16", "float16")
+    assert plan(tmp_path, "--precision", "bf16", training_args={})[:3] == ("bf16", "bfloat16", "flag")
