@@ -98,13 +98,14 @@ def test_the_readme_estimate_commands_run_as_written(argv):
 
 
 @pytest.mark.parametrize("argv,line", [
-    ([], "choose a command: report, compare or estimate (trainer-memcb --help shows them)"),
+    ([], "choose a command: report, compare, estimate or snapshot (trainer-memcb --help shows them)"),
     (["estimate"], "the following arguments are required: MODEL"),
     (["report"], "the following arguments are required: RUN_DIR"),
     (["estimate", "x", "--bogus"], "unrecognized arguments: --bogus"),
     (["estimate", "x", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from float32, bfloat16, "
                                            "float16)"),
-    (["frobnicate"], "argument {report,compare,estimate}: invalid choice: 'frobnicate' (choose from report, compare, estimate)"),
+    (["frobnicate"], "argument {report,compare,estimate,snapshot}: invalid choice: 'frobnicate' (choose from report, "
+                     "compare, estimate, snapshot)"),
 ])
 def test_a_usage_error_is_one_line_with_one_prefix(argv, line):
     done = run_script(*argv)

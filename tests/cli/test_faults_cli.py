@@ -627,6 +627,22 @@ def _unsafe(tree) -> List[str]:
     return found
 
 
+# The two modules that import pickle, and what of it each uses: a memory snapshot is a pickle, read
+# by an unpickler whose `find_class` refuses every global (so a hostile file runs nothing:
+# tests/plan/device/test_snapshot_replay.py), and the plan is written as one (`pickle.dumps` of
+# dicts, lists, strings and numbers).
+_PICKLE_ALLOWED = {os.path.join("plan", "device", "snapshot_file.py"): {"pickle.Unpickler"},
+                   os.path.join("cli", "plan_files.py"): {"pickle.dumps"}}
+
+
+def _pickle_uses(tree) -> set:
+    """The names of pickle's that a module uses (`pickle.X`)."""
+    import ast
+
+    return {f"pickle.{node.attr}" for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "pickle"}
+
+
 def test_the_package_loads_no_pickle_and_runs_no_code():
     import ast
 
@@ -639,9 +655,14 @@ def test_the_package_loads_no_pickle_and_runs_no_code():
             with open(path, encoding="utf-8") as handle:
                 text = handle.read()
             tree = ast.parse(text)
-            found += [f"{path}: {what}" for what in _unsafe(tree)]
+            relative = os.path.relpath(path, PACKAGE_DIR)
+            unsafe = _unsafe(tree)
+            if relative in _PICKLE_ALLOWED:  # pickle imported, for what the allowance says and nothing else
+                assert "import pickle" in unsafe and _pickle_uses(tree) == _PICKLE_ALLOWED[relative], relative
+                unsafe.remove("import pickle")
+            found += [f"{path}: {what}" for what in unsafe]
             # The text too, for what the syntax tree would not show as a call (a string passed to a shell).
-            found += [f"{path}: {word}" for word in ("torch.load(", "pickle.load") if word in text]
+            found += [f"{path}: {word}" for word in ("torch.load(", "pickle.load(", "pickle.loads(") if word in text]
             passed_false += sum(isinstance(node, ast.keyword) and node.arg == "trust_remote_code"
                                 for node in ast.walk(tree))
     assert found == []

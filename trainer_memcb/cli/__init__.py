@@ -10,6 +10,8 @@
                                             whether it fits
     trainer-memcb estimate 7.5e9 --zero 1 --world-size 64
                                             the plan for a bare parameter count (one flat tensor)
+    trainer-memcb snapshot FILE             a memory snapshot (torch.cuda.memory._dump_snapshot)
+                                            replayed through the allocator model, with what-ifs
     trainer-memcb snapshot FILE             a torch.cuda.memory._dump_snapshot() replayed through
                                             the allocator model: real against replayed, what-ifs
 
@@ -288,7 +290,7 @@ def command(args: argparse.Namespace) -> int:
     traceback (unless `args.debug`)."""
     handler = getattr(args, "handler", None)
     if handler is None:
-        say("error: choose a command: report, compare or estimate (trainer-memcb --help shows them)")
+        say("error: choose a command: report, compare, estimate or snapshot (trainer-memcb --help shows them)")
         return EXIT_USAGE
     return answer(lambda: _missing_package_is_its_own_answer(handler, args), _KnownFailure,
                   debug=getattr(args, "debug", False))

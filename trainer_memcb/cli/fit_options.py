@@ -49,7 +49,7 @@ def check_fit_options(args: argparse.Namespace, step_asked: bool, eval_asked: bo
     Raises:
         ValueError: one line naming the option and what it needs.
     """
-    from trainer_memcb.utils.safe_io import UnsafeFileError, refuse_unsafe_destination
+    from trainer_memcb.utils.safe_io import UnsafeFileError, check_writable, refuse_unsafe_destination
 
     fit = getattr(args, "fit", False)
     for name, option in (("allow", "--allow"), ("write_training_args", "--write-training-args"),
@@ -77,18 +77,4 @@ def check_fit_options(args: argparse.Namespace, step_asked: bool, eval_asked: bo
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise ValueError(f"{path}: the folder {folder} does not exist")
-        _check_writable(path, folder)
-
-
-def _check_writable(path: str, folder: str) -> None:
-    """Make and remove an empty temporary file where `atomic_write` will make its own, so that a
-    folder that refuses files (no write permission, a read-only or virtual file system such as
-    /proc) is found before the search, not after it."""
-    import tempfile
-
-    try:
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".check")
-    except OSError as error:
-        raise ValueError(f"{path}: cannot write in the folder {folder} ({error.strerror or error})") from None
-    os.close(descriptor)
-    os.unlink(temporary)
+        check_writable(path, folder)

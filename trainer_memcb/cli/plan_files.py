@@ -29,7 +29,7 @@ def check_plan_files(args: argparse.Namespace, step_asked: bool) -> None:
     Raises:
         ValueError: one line naming the option and why.
     """
-    from trainer_memcb.utils.safe_io import UnsafeFileError, refuse_unsafe_destination
+    from trainer_memcb.utils.safe_io import UnsafeFileError, check_writable, refuse_unsafe_destination
 
     for name, option in FILE_OPTIONS:
         path = getattr(args, name, None)
@@ -48,23 +48,10 @@ def check_plan_files(args: argparse.Namespace, step_asked: bool) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise ValueError(f"{option} {path}: the folder {folder} does not exist")
-        _check_writable(option, path, folder)
+        check_writable(path, folder, option)
     paths = [getattr(args, name, None) for name, _ in FILE_OPTIONS]
     if None not in paths and os.path.abspath(paths[0]) == os.path.abspath(paths[1]):
         raise ValueError(f"--write-snapshot and --write-html name the same file {paths[0]}")
-
-
-def _check_writable(option: str, path: str, folder: str) -> None:
-    """Make and remove an empty temporary file where `atomic_write` will make its own: a folder
-    that refuses files is found before the trace, not after it."""
-    import tempfile
-
-    try:
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".check")
-    except OSError as error:
-        raise ValueError(f"{option} {path}: cannot write in the folder {folder} ({error.strerror or error})") from None
-    os.close(descriptor)
-    os.unlink(temporary)
 
 
 def write_plan_files(step: Any, args: argparse.Namespace) -> List[str]:

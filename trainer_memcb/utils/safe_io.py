@@ -25,6 +25,7 @@ __all__ = [
     "MAX_WALK_DEPTH",
     "MAX_WALK_ENTRIES",
     "UnsafeFileError",
+    "check_writable",
     "open_regular",
     "read_bytes",
     "read_json",
@@ -229,3 +230,21 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any], overwrite: bool =
         except OSError:
             pass
         raise
+
+
+def check_writable(path: str, folder: str, label: str = "") -> None:
+    """Make and remove an empty temporary file where `atomic_write` will make its own, so that a
+    folder that refuses files (no write permission, a read-only or virtual file system such as
+    /proc) is found before the work whose result goes there, not after it.
+
+    Raises:
+        ValueError: `"{label} {path}: cannot write in the folder {folder} (why)"` (`label`, an
+            option's name, left out when empty).
+    """
+    try:
+        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".check")
+    except OSError as error:
+        named = f"{label} {path}" if label else path
+        raise ValueError(f"{named}: cannot write in the folder {folder} ({error.strerror or error})") from None
+    os.close(descriptor)
+    os.unlink(temporary)
