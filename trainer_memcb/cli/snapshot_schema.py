@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any, Dict, Optional, Tuple
 
+from trainer_memcb.plan.device.snapshot_plan import PlanComparison
 from trainer_memcb.plan.device.snapshot_replay import (
     Divergence,
     SegmentFigures,
@@ -23,18 +24,19 @@ from trainer_memcb.plan.device.snapshot_replay import (
     WhatIf,
 )
 
-__all__ = ["SNAPSHOT_SCHEMA", "DeviceDocument", "SnapshotDocument", "snapshot_document",
+__all__ = ["SNAPSHOT_SCHEMA", "DeviceDocument", "SnapshotDocument", "snapshot_document", "snapshot_json",
            "snapshot_schema", "snapshot_schema_json"]
 
 # Raised whenever the document changes shape (a key added, removed or renamed, a type changed): the
 # schema file, whose `additionalProperties: false` refuses any key it does not name, changes with it.
-SNAPSHOT_SCHEMA = "trainer-memcb/snapshot/1"
+SNAPSHOT_SCHEMA = "trainer-memcb/snapshot/2"
 
 
 @dataclass(frozen=True)
 class DeviceDocument:
     """One device's trace: its events and streams, the real and the replayed reserved figures,
-    where they first part (null when they agree), and the what-ifs."""
+    where they first part (null when they agree), and the what-ifs; with `--plan`, the trace
+    beside the planned step (`plan`, only then)."""
 
     device: int
     events: int
@@ -43,6 +45,7 @@ class DeviceDocument:
     replayed: SegmentFigures
     first_divergence: Optional[Divergence]
     what_if: Tuple[WhatIf, ...]
+    plan: Optional[PlanComparison] = None
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,23 @@ class SnapshotDocument:
     devices: Tuple[DeviceDocument, ...]
 
 
-def snapshot_document(replay: SnapshotReplay) -> SnapshotDocument:
-    """The `--json` document of a replay."""
+def snapshot_document(replay: SnapshotReplay,
+                      plans: Optional[Dict[int, PlanComparison]] = None) -> SnapshotDocument:
+    """The `--json` document of a replay, with each device's comparison with the plan (`--plan`)."""
     return SnapshotDocument(SNAPSHOT_SCHEMA, tuple(
         DeviceDocument(d.device, d.events, d.streams, d.real, d.replayed, d.first_divergence,
-                       d.what_if) for d in replay.devices))
+                       d.what_if, (plans or {}).get(d.device)) for d in replay.devices))
+
+
+def snapshot_json(document: SnapshotDocument) -> Dict[str, Any]:
+    """The document as JSON data: a device's `plan` key only where it has one."""
+    from dataclasses import asdict
+
+    data = asdict(document)
+    for device in data["devices"]:
+        if device["plan"] is None:
+            del device["plan"]
+    return data
 
 
 def snapshot_schema() -> Dict[str, Any]:
@@ -66,6 +81,8 @@ def snapshot_schema() -> Dict[str, Any]:
 
     defs: Dict[str, Any] = {}
     document = object_schema(SnapshotDocument, defs)
+    defs["DeviceDocument"] = object_schema(DeviceDocument, defs, optional=["plan"])
+    defs["DeviceDocument"]["properties"]["plan"] = {"$ref": "#/$defs/PlanComparison"}  # left out, never null
     document["properties"]["schema"] = {"const": SNAPSHOT_SCHEMA}
     return {"$schema": JSON_SCHEMA_DIALECT, **document, "$defs": defs}
 

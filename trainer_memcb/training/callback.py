@@ -9,6 +9,7 @@ Measuring and estimating themselves live further down (`monitor`, `trainer_memcb
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Dict, Iterable, Optional, Set, Union
 
@@ -26,6 +27,11 @@ from trainer_memcb.training.callback_hooks import (
 from trainer_memcb.training.callback_logging import EntryLogging, check_summary_file, log_entry_prefix
 from trainer_memcb.training.callback_measuring import Runs
 from trainer_memcb.training.callback_preflight import check_preflight, run_preflight
+from trainer_memcb.training.memory_snapshots import (
+    MemorySnapshots,
+    check_memory_snapshot_dir,
+    check_snapshot_steps,
+)
 from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, select_keys
 from trainer_memcb.training.monitor import validate_breakdown
 from trainer_memcb.training.oom_report import OUT_OF_MEMORY_ERRORS
@@ -145,6 +151,16 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
             and, on CUDA, compare it with the device's free memory: if it will not fit, one warning
             before the first step names the best proposal of the settings that fit. A number of
             bytes compares with that instead (on any device). The run itself is never changed.
+        memory_snapshot_dir: a folder (str or os.PathLike) for the CUDA caching allocator's recorded
+            history: with CUDA available, `torch.cuda.memory._record_memory_history` from the start
+            of the first of `snapshot_steps` to the end of the last, then `_dump_snapshot` into
+            `memory_snapshot_step<N>.pickle` there (N the last step; `-rank<R>` added with several
+            processes), and into `memory_snapshot_oom.pickle` when an out-of-memory error leaves
+            `train()` while recording (`trainer_memcb.training.memory_snapshots`). Read it with
+            `trainer-memcb snapshot FILE --plan PLAN`. None (default): nothing is recorded. Without
+            CUDA it warns once and records nothing.
+        snapshot_steps: the optimizer steps to record (step 1 is the first), a list or tuple of
+            positive ints or one comma-separated string; recorded from the first to the last.
 
     Every argument that names things (`breakdown`, `what_if`, `eval_keys`, `train_keys`) takes a
     list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
@@ -167,7 +183,9 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
                  train_keys: Union[str, Iterable[str], None] = "all", activations: bool = True,
                  reset_device_peak: bool = False, evaluation: bool = True,
                  plan_step: Union[str, bool] = "cuda",
-                 preflight: Union[bool, int] = False) -> None:
+                 preflight: Union[bool, int] = False,
+                 memory_snapshot_dir: Union[str, "os.PathLike[str]", None] = None,
+                 snapshot_steps: Union[str, Iterable[int]] = (1, 2)) -> None:
         # Each argument checked where its part lives, in the order they always were: a ValueError names it.
         self.summary_file = check_summary_file(summary_file)
         self.breakdown = validate_breakdown(breakdown)
@@ -176,6 +194,8 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
         validate_plan_step(plan_step)
         self.plan_step = plan_step
         self.preflight = check_preflight(preflight)
+        self.memory_snapshot_dir = check_memory_snapshot_dir(memory_snapshot_dir)
+        self.snapshot_steps = check_snapshot_steps(snapshot_steps)
         # What the preflight found (`trainer_memcb.training.preflight.Preflight`), or None.
         self.preflight_result: Any = None
         self.activations, self.reset_device_peak = activations, reset_device_peak
@@ -191,6 +211,7 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
                           self._warned, self._warn_once)
         self._entries = EntryLogging(self.eval_keys, self.train_keys, summary_file, self._warn_once)
         self._evaluations = EvaluationLoops(evaluation, self._warn_once)
+        self._snapshots = MemorySnapshots(self.memory_snapshot_dir, self.snapshot_steps, self._warn_once)
         install_trainer_hooks(evaluation)
 
     def _warn_once(self, kind: str, message: str) -> None:
@@ -209,10 +230,12 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
             self._evaluations.largest = {}
 
     def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._snapshots.step_begin(args, state)
         self._runs.step_begin(args, state, optimizer, kwargs.get("model"), kwargs.get("train_dataloader"))
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._runs.step_end(state, control, optimizer)
+        self._snapshots.step_end(state)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._runs.epoch_end(state, optimizer)
@@ -228,6 +251,7 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
         # Nothing installed outlives training, even a loop left unfinished; the loops of a Trainer
         # that runs this one (an evaluation that trains another model) go on.
         self._evaluations.end(kwargs.get("model"))
+        self._snapshots.train_end(state)
         run = self._runs.run(optimizer)
         self._runs.current = None
         if run is None:
@@ -261,5 +285,7 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
         `on_train_end` nothing is left to remove. An out-of-memory error gets its report
         (`trainer_memcb.training.oom_report`); `error` itself is only read."""
         run = self._runs.leave(trainer)
+        # The allocator's history, if still recorded: dumped on an out-of-memory error, then stopped.
+        self._snapshots.train_left(isinstance(error, OUT_OF_MEMORY_ERRORS))
         if isinstance(error, OUT_OF_MEMORY_ERRORS):
             report_out_of_memory(trainer, run, error, self._warn_once)

@@ -78,11 +78,15 @@ class Snapshot:
         segments: the segments at the dump, every device's.
         device_traces: per device, its events as `(action, address, bytes, stream)`.
         allocator_settings: the allocator's settings the dump recorded, or None.
+        plan_parts: per device, each event's part where its innermost frame is one the plan
+            writes (`estimate --write-snapshot`: file `<plan>`, name `"PHASE: PART"`), else "";
+            `()` for a dump whose frames name no part.
     """
 
     segments: Tuple[SegmentRecord, ...]
     device_traces: Tuple[Tuple[Tuple[str, int, int, int], ...], ...]
     allocator_settings: Optional[Dict[str, Any]]
+    plan_parts: Tuple[Tuple[str, ...], ...] = ()
 
 
 def _whole(value: Any) -> bool:
@@ -118,6 +122,19 @@ def _event(raw: Any, place: str) -> Tuple[str, int, int, int]:
     return event
 
 
+# The `filename` of the frames the plan writes (`trainer_memcb.plan.answers.plan_snapshot.PLAN_FRAME_FILE`).
+_PLAN_FRAME_FILE = "<plan>"
+
+
+def _plan_part(raw: Any) -> str:
+    """The part a plan's event names in its innermost frame ("backward: activations" -> "activations")."""
+    frames = raw.get("frames") if isinstance(raw, dict) else None
+    if isinstance(frames, list) and frames and isinstance(frames[0], dict) \
+            and frames[0].get("filename") == _PLAN_FRAME_FILE and isinstance(frames[0].get("name"), str):
+        return frames[0]["name"].rpartition(": ")[2]
+    return ""
+
+
 def read_snapshot(path: Any) -> Snapshot:
     """Read a `torch.cuda.memory._dump_snapshot()` file without running anything in it.
 
@@ -147,6 +164,9 @@ def read_snapshot(path: Any) -> Snapshot:
         device_traces = tuple(tuple(_event(raw, f"device {device} event {index}")
                                     for index, raw in enumerate(trace))
                               for device, trace in enumerate(traces))
+        plan_parts = tuple(tuple(_plan_part(raw) for raw in trace) for trace in traces)
+        if not any(part for parts in plan_parts for part in parts):
+            plan_parts = ()
     except SnapshotError as error:
         raise SnapshotError(f"{path}: {error}") from None
     except OSError as error:
@@ -160,4 +180,4 @@ def read_snapshot(path: Any) -> Snapshot:
             raise SnapshotError(f"{path}: is cut short ({error})") from None
         raise SnapshotError(f"{path}: is not a pickle this can read "
                             f"({type(error).__name__}: {error})") from None
-    return Snapshot(segments, device_traces, settings if isinstance(settings, dict) else None)
+    return Snapshot(segments, device_traces, settings if isinstance(settings, dict) else None, plan_parts)
