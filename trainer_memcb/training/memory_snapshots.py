@@ -29,12 +29,11 @@ stopped on every way out (the last step, `on_train_end`, an error leaving `train
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from trainer_memcb.utils.safe_io import refuse_unsafe_destination
+from trainer_memcb.utils.safe_io import atomic_write
 
 __all__ = ["MAX_ENTRIES", "OOM_SNAPSHOT_FILE_NAME", "MemorySnapshots", "check_memory_snapshot_dir",
            "check_snapshot_steps", "snapshot_path"]
@@ -95,20 +94,7 @@ def snapshot_path(folder: str, name: str, rank: int = 0, world_size: int = 1) ->
 def _dump_atomically(path: str) -> None:
     """`_dump_snapshot` to a temporary file in `path`'s folder, then `os.replace`; never through a link."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    refuse_unsafe_destination(path)
-    descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                             prefix=f".{os.path.basename(path)}.", suffix=".partial")
-    os.close(descriptor)
-    try:
-        torch.cuda.memory._dump_snapshot(temporary)
-        refuse_unsafe_destination(path)  # again: a link planted meanwhile is refused
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, torch.cuda.memory._dump_snapshot, by_name=True)
 
 
 class MemorySnapshots:

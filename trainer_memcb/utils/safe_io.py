@@ -184,8 +184,10 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str, write: Callable[[IO[bytes]], Any], overwrite: bool = True) -> None:
-    """Write `path` through `write(handle)`, all or nothing, never through a symbolic link.
+def atomic_write(path: str, write: Callable[[Any], Any], overwrite: bool = True, *, by_name: bool = False) -> None:
+    """Write `path` through `write(handle)`, all or nothing, never through a symbolic link; with
+    `by_name`, through `write(name)` for a writer that opens the file itself
+    (`torch.cuda.memory._dump_snapshot`): the name is the temporary file's.
 
     The file gets the mode a plain `open(path, "w")` would give it (0o666 less the umask). With
     `overwrite=False` an existing `path` (a file, a link, anything) is never replaced: the finished
@@ -213,7 +215,7 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any], overwrite: bool =
         with os.fdopen(descriptor, "wb") as handle:
             if hasattr(os, "fchmod"):
                 os.fchmod(handle.fileno(), 0o666 & ~_umask())
-            write(handle)
+            write(temporary if by_name else handle)
             handle.flush()
             os.fsync(handle.fileno())
         # Checked again just before: a link planted meanwhile is refused. Were one planted after
