@@ -196,3 +196,13 @@ def test_llama_3b_on_l40s_flash_attention_2_within_one_percent_of_sdpa(tmp_path)
     # SDPA on sm89 takes flash, saving what FA2 saves but the 16-byte rng_state of each of the 28 layers
     assert peaks["flash_attention_2"] - peaks["sdpa"] == 28 * 16
     assert any("flash_attn_func (28 calls)" in note for note in notes["flash_attention_2"])
+
+
+def test_flash_attention_off_cuda_is_refused_before_anything_is_traced():
+    # transformers would fetch a kernel from the hub for it; flash-attn's kernels run on CUDA alone.
+    llama = str(ROOT / "tests" / "data" / "golden" / "tiny-llama")
+    run = subprocess.run([sys.executable, "-m", "trainer_memcb", "estimate", llama, "--batch-size", "2", "--seq-len", "16", "--attn-implementation", "flash_attention_2",
+                          "--device-type", "cpu"], capture_output=True, text=True, cwd=ROOT)
+    assert (run.returncode, run.stdout) == (2, "")
+    assert run.stderr == ("trainer-memcb: error: --attn-implementation 'flash_attention_2' runs on CUDA only "
+                          "(flash-attn's kernels), not on cpu: give --device-type cuda, or sdpa or eager\n")

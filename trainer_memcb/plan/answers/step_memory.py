@@ -274,6 +274,11 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
     config = getattr(meta, "config", None)
     if settings.attn_implementation is not None and config is not None:
         check_attn_implementation(meta, settings.attn_implementation)
+        if settings.attn_implementation.startswith("flash_attention") and settings.device_type != "cuda":
+            # transformers would look for a kernel on the hub; flash-attn's kernels are CUDA's alone.
+            raise ValueError(f"--attn-implementation {settings.attn_implementation!r} runs on CUDA only "
+                             f"(flash-attn's kernels), not on {settings.device_type}: give --device-type cuda, "
+                             "or sdpa or eager")
         config._attn_implementation = settings.attn_implementation
     with FakeTensorMode():
         step_inputs(meta, 1, settings.seq_len, **_input_options(settings))
