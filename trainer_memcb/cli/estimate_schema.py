@@ -44,6 +44,28 @@ def _with_version(definition: Dict[str, Any], title: str, description: str) -> D
     return _document(title, description, definition["properties"], definition["required"], **more)
 
 
+def _answers(verdict: Dict[str, Any]) -> Dict[str, Any]:
+    """The step plan's `answers`: the verdict's keys (`verdict`: its schema) and the answers asked for."""
+    return {
+        "title": "answers", "type": "object",
+        "description": "What the command answers: fits? and its margin (a traced step), --fit's search, the "
+                       "largest batch (--max-batch-size), the evaluation plan and --fit's search for it; each only "
+                       "where asked.",
+        "properties": {**verdict["properties"], "fit": _ref("FitSearch"), "largest_batch": _ref("LargestBatch"),
+                       "evaluation": _ref("EvalMemoryPlan"), "evaluation_fit": _ref("FitSearch")},
+        "required": [], "additionalProperties": False,
+        "dependentRequired": {"fits": ["margin_bytes"], "margin_bytes": ["fits"],
+                              "evaluation_fit": ["evaluation"]}}
+
+
+# The evaluation plan's `answers`, printed alone.
+_EVALUATION_ANSWERS = {
+    "title": "evaluation answers", "type": "object",
+    "description": "The evaluation plan, and --fit's search for an evaluation setting that fits.",
+    "properties": {"evaluation": _ref("EvalMemoryPlan"), "evaluation_fit": _ref("FitSearch")},
+    "required": ["evaluation"], "additionalProperties": False}
+
+
 def estimate_schema() -> Dict[str, Any]:
     """The JSON Schema of every document `trainer-memcb estimate --json` prints: the what-if, the
     model-states plan, the step plan (with the evaluation, `--fit` and `--max-batch-size` where
@@ -81,36 +103,20 @@ def estimate_schema() -> Dict[str, Any]:
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
     for cls in (FitSearch, LargestBatch, PlannedSettings, StepPeak, DeviceFigures, WhatIf):
         defs[cls.__name__] = object_schema(cls, defs)
-    verdict = object_schema(Verdict, defs)
-    answers = {
-        "title": "answers", "type": "object",
-        "description": "What the command answers: fits? and its margin (a traced step), --fit's search, the "
-                       "largest batch (--max-batch-size), the evaluation plan and --fit's search for it; each only "
-                       "where asked.",
-        "properties": {**verdict["properties"], "fit": _ref("FitSearch"), "largest_batch": _ref("LargestBatch"),
-                       "evaluation": _ref("EvalMemoryPlan"), "evaluation_fit": _ref("FitSearch")},
-        "required": [], "additionalProperties": False,
-        "dependentRequired": {"fits": ["margin_bytes"], "margin_bytes": ["fits"],
-                              "evaluation_fit": ["evaluation"]}}
     step_plan = _document(
         "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the settings "
         "planned, the model states beside the step, the step's peak and its parts, the device (the allocator "
         "replay, the CUDA context) and the answers.",
         {"settings": _ref("PlannedSettings"), "model_states": _ref("ModelStatesPlan"), "step": _ref("StepPeak"),
-         "device": _ref("DeviceFigures"), "answers": answers},
+         "device": _ref("DeviceFigures"), "answers": _answers(object_schema(Verdict, defs))},
         ["model_states", "answers"],
         # A step traced at the asked batch writes its four parts together.
         dependentRequired={key: [other for other in ("settings", "step", "device") if other != key]
                            for key in ("settings", "step", "device")})
-    evaluation_answers = {
-        "title": "evaluation answers", "type": "object",
-        "description": "The evaluation plan, and --fit's search for an evaluation setting that fits.",
-        "properties": {"evaluation": _ref("EvalMemoryPlan"), "evaluation_fit": _ref("FitSearch")},
-        "required": ["evaluation"], "additionalProperties": False}
     evaluation_plan = _document(
         "evaluation plan", "The evaluation alone (--eval-samples without a step): the evaluation loop's peaks on "
         "the device and the host; with --fit, the search for an evaluation setting that fits.",
-        {"answers": evaluation_answers}, ["answers"])
+        {"answers": _EVALUATION_ANSWERS}, ["answers"])
     return {
         "$schema": JSON_SCHEMA_DIALECT,
         "title": "trainer-memcb estimate --json",

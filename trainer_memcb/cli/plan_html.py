@@ -43,41 +43,65 @@ def _tick_step(top: int) -> int:
     return max(1, top // 5)
 
 
+class _Axes:
+    """The chart's scales: an event's x and a byte count's y, in SVG units."""
+
+    def __init__(self, events: int, top: int) -> None:
+        self.count, self.top = max(1, events - 1), top
+
+    def x(self, index: int) -> float:
+        return round(LEFT + WIDTH * index / self.count, 2)
+
+    def y(self, nbytes: int) -> float:
+        return round(TOP + HEIGHT * (1 - nbytes / self.top), 2)
+
+
 def plan_html(plan: Any, series: Any, title: Optional[str] = None) -> str:
     """The page of `series` (`step_series(plan)`) for `plan` (a `StepMemoryPlan`)."""
-    parts, points = list(series.parts), list(series.points)
+    parts = list(series.parts)
     colours = _colours(parts)
-    count = max(1, series.events - 1)
     reserved_peak = series.reserved_peak_bytes
-    top = max([series.peak.total, reserved_peak or 0, 1])
-    top = int(top * 1.08)
+    axes = _Axes(series.events, int(max([series.peak.total, reserved_peak or 0, 1]) * 1.08))
+    legend = "".join(
+        f'<li class="legend-item" data-part="{html.escape(part)}"><span class="swatch" style="background:{colour}">'
+        f'</span>{html.escape(part)}: {html.escape(bytes_cell(series.peak.parts[slot]))} at the peak</li>'
+        for slot, (part, colour) in enumerate(zip(parts, colours)))
+    if reserved_peak is not None:
+        legend += (f'<li class="legend-item" data-part="reserved"><span class="swatch line" '
+                   f'style="background:{_RESERVED_COLOUR}"></span>reserved (the caching allocator)</li>')
+    figures = "".join(f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>"
+                      for name, value in _figure_rows(plan, series))
+    data = json.dumps({"parts": parts, "events": series.events,
+                       "points": [[p.index, p.phase, list(p.parts), p.reserved] for p in series.points]})
+    heading = title or f"Planned training step: {plan.settings.model}"
+    what = ("bytes alive by part (as asked, before the allocator's rounding), the caching allocator's reserved "
+            "bytes as a line, over two training steps (the second holds what the first left: the optimizer state)"
+            if reserved_peak is not None else
+            "bytes alive by part over two training steps (the second holds what the first left: the optimizer "
+            "state); no caching allocator on this device type")
+    return (_PAGE_HEAD.format(heading=html.escape(heading))
+            + f"""<h1 id="title">{html.escape(heading)}</h1>
+<p class="what">{html.escape(what)}.</p>
+<ul class="legend">{legend}</ul>
+{"".join(_svg(series, parts, colours, axes))}
+<div id="readout">move over the chart to read the bytes at a moment</div>
+<table class="figures">{figures}</table>
+<script type="application/json" id="series-data">{html.escape(data, quote=False)}</script>
+""" + _PAGE_SCRIPT.replace("{LEFT}", str(LEFT)).replace("{WIDTH}", str(WIDTH)))
 
-    def x(index: int) -> float:
-        return round(LEFT + WIDTH * index / count, 2)
 
-    def y(nbytes: int) -> float:
-        return round(TOP + HEIGHT * (1 - nbytes / top), 2)
-
+def _svg(series: Any, parts: List[str], colours: List[str], axes: _Axes) -> List[str]:
+    """The chart: the phases, the bytes axis, the parts stacked, the reserved line, the peaks marked."""
+    x, y = axes.x, axes.y
+    points, reserved_peak = list(series.points), series.reserved_peak_bytes
     svg: List[str] = []
     add = svg.append
     total_w, total_h = LEFT + WIDTH + 20, TOP + HEIGHT + BOTTOM
     add(f'<svg id="chart" viewBox="0 0 {total_w} {total_h}" '
         f'width="{total_w}" height="{total_h}" role="img" aria-label="memory over the planned step">')
-    # Phases: alternate bands, a line at each start, the label in one of three rows.
-    phases = list(series.phases) + [(series.events, "")]
-    for number, ((start, name), (end, _)) in enumerate(zip(phases, phases[1:])):
-        if number % 2:
-            add(f'<rect class="phase-band" x="{x(start)}" y="{TOP}" width="{round(x(end) - x(start), 2)}" '
-                f'height="{HEIGHT}" fill="#f3f3f3"/>')
-    for number, (start, name) in enumerate(series.phases):
-        row = TOP - 8 - 16 * (number % 3)
-        add(f'<line x1="{x(start)}" y1="{row + 4}" x2="{x(start)}" y2="{TOP + HEIGHT}" stroke="#999" '
-            'stroke-dasharray="3,3"/>')
-        add(f'<text class="phase-label" x="{x(start) + 3}" y="{row}" font-size="12" fill="#444">'
-            f'{html.escape(name)}</text>')
+    svg += _phases(series, x)
     # Bytes axis.
-    step = _tick_step(top)
-    for tick in range(0, top + 1, step):
+    for tick in range(0, axes.top + 1, _tick_step(axes.top)):
         add(f'<line x1="{LEFT}" y1="{y(tick)}" x2="{LEFT + WIDTH}" y2="{y(tick)}" stroke="#e0e0e0"/>')
         add(f'<text class="tick" x="{LEFT - 6}" y="{y(tick) + 4}" font-size="11" text-anchor="end">'
             f'{html.escape(format_bytes(tick))}</text>')
@@ -94,58 +118,73 @@ def plan_html(plan: Any, series: Any, title: Optional[str] = None) -> str:
         line = " ".join(f"{x(p.index)},{y(p.reserved)}" for p in points)
         add(f'<polyline id="reserved-line" points="{line}" fill="none" stroke="{_RESERVED_COLOUR}" '
             'stroke-width="1.5"><title>reserved (the caching allocator)</title></polyline>')
-    peak = series.peak
-    px, py = x(peak.index), y(peak.total)
-    anchor = "end" if px > LEFT + WIDTH * 0.7 else "start"
-    shift = -8 if anchor == "end" else 8
-    add(f'<g id="peak-marker"><circle cx="{px}" cy="{py}" r="5" fill="none" stroke="#c00" stroke-width="2"/>'
-        f'<text x="{px + shift}" y="{py - 8}" font-size="12" fill="#c00" text-anchor="{anchor}">'
-        f'peak {html.escape(bytes_cell(peak.total))}, {html.escape(peak.phase)}</text></g>')
-    if reserved_peak is not None:
-        at = next(p for p in points if p.reserved == max(q.reserved for q in points))
-        add(f'<g id="reserved-peak-marker"><text x="{LEFT + WIDTH}" y="{y(reserved_peak) - 6}" font-size="12" '
-            f'text-anchor="end">reserved peak {html.escape(bytes_cell(reserved_peak))} (from {html.escape(at.phase)})'
-            '</text></g>')
+    svg += _peak_marks(series, axes)
     add(f'<line x1="{LEFT}" y1="{TOP + HEIGHT}" x2="{LEFT + WIDTH}" y2="{TOP + HEIGHT}" stroke="#333"/>')
     add(f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{TOP + HEIGHT}" stroke="#333"/>')
     add(f'<text x="{LEFT + WIDTH / 2}" y="{TOP + HEIGHT + 28}" font-size="12" text-anchor="middle">'
         f'allocator events, two training steps ({series.events:,})</text>')
     add(f'<line id="cursor" x1="0" y1="{TOP}" x2="0" y2="{TOP + HEIGHT}" stroke="#555" visibility="hidden"/>')
     add("</svg>")
+    return svg
 
-    legend = "".join(
-        f'<li class="legend-item" data-part="{html.escape(part)}"><span class="swatch" style="background:{colour}">'
-        f'</span>{html.escape(part)}: {html.escape(bytes_cell(peak.parts[slot]))} at the peak</li>'
-        for slot, (part, colour) in enumerate(zip(parts, colours)))
+
+def _phases(series: Any, x: Any) -> List[str]:
+    """Phases: alternate bands, a line at each start, the label in one of three rows."""
+    marks: List[str] = []
+    phases = list(series.phases) + [(series.events, "")]
+    for number, ((start, name), (end, _)) in enumerate(zip(phases, phases[1:])):
+        if number % 2:
+            marks.append(f'<rect class="phase-band" x="{x(start)}" y="{TOP}" width="{round(x(end) - x(start), 2)}" '
+                         f'height="{HEIGHT}" fill="#f3f3f3"/>')
+    for number, (start, name) in enumerate(series.phases):
+        row = TOP - 8 - 16 * (number % 3)
+        marks.append(f'<line x1="{x(start)}" y1="{row + 4}" x2="{x(start)}" y2="{TOP + HEIGHT}" stroke="#999" '
+                     'stroke-dasharray="3,3"/>')
+        marks.append(f'<text class="phase-label" x="{x(start) + 3}" y="{row}" font-size="12" fill="#444">'
+                     f'{html.escape(name)}</text>')
+    return marks
+
+
+def _peak_marks(series: Any, axes: _Axes) -> List[str]:
+    """The step's peak marked on the stack, and the reserved peak named at its height."""
+    peak, reserved_peak = series.peak, series.reserved_peak_bytes
+    px, py = axes.x(peak.index), axes.y(peak.total)
+    anchor = "end" if px > LEFT + WIDTH * 0.7 else "start"
+    shift = -8 if anchor == "end" else 8
+    marks = [f'<g id="peak-marker"><circle cx="{px}" cy="{py}" r="5" fill="none" stroke="#c00" stroke-width="2"/>'
+             f'<text x="{px + shift}" y="{py - 8}" font-size="12" fill="#c00" text-anchor="{anchor}">'
+             f'peak {html.escape(bytes_cell(peak.total))}, {html.escape(peak.phase)}</text></g>']
     if reserved_peak is not None:
-        legend += (f'<li class="legend-item" data-part="reserved"><span class="swatch line" '
-                   f'style="background:{_RESERVED_COLOUR}"></span>reserved (the caching allocator)</li>')
+        points = list(series.points)
+        at = next(p for p in points if p.reserved == max(q.reserved for q in points))
+        marks.append(f'<g id="reserved-peak-marker"><text x="{LEFT + WIDTH}" y="{axes.y(reserved_peak) - 6}" '
+                     f'font-size="12" text-anchor="end">reserved peak {html.escape(bytes_cell(reserved_peak))} '
+                     f'(from {html.escape(at.phase)})</text></g>')
+    return marks
+
+
+def _figure_rows(plan: Any, series: Any) -> List[Tuple[str, str]]:
+    """The plan's figures under the chart, as (name, value) rows."""
     settings, device, step = plan.settings, plan.device, plan.step
     rows: List[Tuple[str, str]] = [
         ("model", settings.model), ("batch size, sequence length", f"{settings.batch_size}, {settings.seq_len}"),
         ("device type", settings.device_type), ("optimizer", settings.optimizer), ("precision", settings.precision),
         ("engine", settings.engine), ("the step's peak (plan)", bytes_cell(step.peak_bytes)),
-        ("peak phase", str(step.peak_phase)), ("most alive at once, drawn", bytes_cell(peak.total))]
-    if reserved_peak is not None:
+        ("peak phase", str(step.peak_phase)), ("most alive at once, drawn", bytes_cell(series.peak.total))]
+    if series.reserved_peak_bytes is not None:
         rows += [("reserved peak (plan)", bytes_cell(device.reserved_peak_bytes)),
                  ("PYTORCH_CUDA_ALLOC_CONF", device.alloc_conf or "torch's defaults")]
     if plan.verdict.fits is not None:
         rows.append(("fits?", ("yes" if plan.verdict.fits else "no")
                      + f", margin {bytes_cell(plan.verdict.margin_bytes)}"))
-    figures = "".join(f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>" for name, value in rows)
-    data = json.dumps({"parts": parts, "events": series.events,
-                       "points": [[p.index, p.phase, list(p.parts), p.reserved] for p in points]})
-    heading = title or f"Planned training step: {settings.model}"
-    what = ("bytes alive by part (as asked, before the allocator's rounding), the caching allocator's reserved "
-            "bytes as a line, over two training steps (the second holds what the first left: the optimizer state)"
-            if reserved_peak is not None else
-            "bytes alive by part over two training steps (the second holds what the first left: the optimizer "
-            "state); no caching allocator on this device type")
-    return f"""<!DOCTYPE html>
+    return rows
+
+
+_PAGE_HEAD = """<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
-<title>{html.escape(heading)}</title>
+<title>{heading}</title>
 <style>
 body {{ font-family: sans-serif; margin: 16px; color: #222; }}
 h1 {{ font-size: 18px; margin: 0 0 4px 0; }}
@@ -159,37 +198,33 @@ table.figures th {{ text-align: left; padding: 2px 12px 2px 0; font-weight: norm
 </style>
 </head>
 <body>
-<h1 id="title">{html.escape(heading)}</h1>
-<p class="what">{html.escape(what)}.</p>
-<ul class="legend">{legend}</ul>
-{"".join(svg)}
-<div id="readout">move over the chart to read the bytes at a moment</div>
-<table class="figures">{figures}</table>
-<script type="application/json" id="series-data">{html.escape(data, quote=False)}</script>
-<script>
-(function () {{
+"""
+
+# The hover readout; {LEFT} and {WIDTH} are the chart's margin and width.
+_PAGE_SCRIPT = """<script>
+(function () {
   var data = JSON.parse(document.getElementById("series-data").textContent);
   var svg = document.getElementById("chart"), cursor = document.getElementById("cursor");
   var out = document.getElementById("readout");
   var left = {LEFT}, width = {WIDTH}, count = Math.max(1, data.events - 1);
-  function bytes(n) {{
+  function bytes(n) {
     var units = ["B", "KiB", "MiB", "GiB", "TiB"], v = n, i = 0;
-    while (v >= 1024 && i < units.length - 1) {{ v /= 1024; i++; }}
+    while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
     return (i ? v.toFixed(1) : v) + " " + units[i] + " (" + n.toLocaleString("en") + ")";
-  }}
-  svg.addEventListener("mousemove", function (event) {{
+  }
+  svg.addEventListener("mousemove", function (event) {
     var box = svg.getBoundingClientRect(), scale = svg.viewBox.baseVal.width / box.width;
     var index = ((event.clientX - box.left) * scale - left) / width * count, best = data.points[0];
-    data.points.forEach(function (p) {{ if (Math.abs(p[0] - index) < Math.abs(best[0] - index)) best = p; }});
+    data.points.forEach(function (p) { if (Math.abs(p[0] - index) < Math.abs(best[0] - index)) best = p; });
     var x = left + width * best[0] / count;
     cursor.setAttribute("x1", x); cursor.setAttribute("x2", x); cursor.setAttribute("visibility", "visible");
-    var total = best[2].reduce(function (a, b) {{ return a + b; }}, 0);
+    var total = best[2].reduce(function (a, b) { return a + b; }, 0);
     var lines = ["event " + best[0] + ", " + best[1] + ": alive " + bytes(total)
                  + (best[3] === null ? "" : ", reserved " + bytes(best[3]))];
-    data.parts.forEach(function (name, i) {{ if (best[2][i]) lines.push("  " + name + " " + bytes(best[2][i])); }});
+    data.parts.forEach(function (name, i) { if (best[2][i]) lines.push("  " + name + " " + bytes(best[2][i])); });
     out.textContent = lines.join("\\n");
-  }});
-}})();
+  });
+})();
 </script>
 </body>
 </html>

@@ -122,6 +122,21 @@ def _replay_calls(plan: StepMemoryPlan) -> Tuple[Timeline, ReplayOptions, List[T
     return timeline, options, calls
 
 
+def _segment_entry(segment: Any, frames_of: Dict[Any, List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """One segment at the end, with its blocks, as `_snapshot()` writes it (an allocated block with
+    the frames of its allocation)."""
+    blocks = [{"address": block.address, "size": block.size, "requested_size": block.requested_bytes,
+               "state": _ALLOCATED if block.allocated else (_PENDING if block.pending_free else _INACTIVE),
+               "frames": frames_of.get(block.key, []) if block.allocated else []}
+              for block in segment.blocks]
+    return {"device": 0, "address": segment.address, "total_size": segment.total_size,
+            "allocated_size": segment.allocated_size,
+            "active_size": sum(block["size"] for block in blocks if block["state"] != _INACTIVE),
+            "requested_size": sum(block["requested_size"] for block in blocks if block["state"] != _INACTIVE),
+            "stream": segment.stream, "segment_type": segment.pool, "segment_pool_id": [0, 0],
+            "is_expandable": segment.expandable, "frames": [], "blocks": blocks}
+
+
 def plan_snapshot(plan: StepMemoryPlan) -> Dict[str, Any]:
     """The planned step as a `torch.cuda.memory._snapshot()` dictionary (see the module docstring).
 
@@ -188,19 +203,7 @@ def plan_snapshot(plan: StepMemoryPlan) -> Dict[str, Any]:
                            "frames": frames})
             break
         record(since, frames)
-    segments = []
-    for segment in model.segments():
-        blocks = [{"address": block.address, "size": block.size, "requested_size": block.requested_bytes,
-                   "state": _ALLOCATED if block.allocated else (_PENDING if block.pending_free else _INACTIVE),
-                   "frames": frames_of.get(block.key, []) if block.allocated else []}
-                  for block in segment.blocks]
-        segments.append({
-            "device": 0, "address": segment.address, "total_size": segment.total_size,
-            "allocated_size": segment.allocated_size,
-            "active_size": sum(block["size"] for block in blocks if block["state"] != _INACTIVE),
-            "requested_size": sum(block["requested_size"] for block in blocks if block["state"] != _INACTIVE),
-            "stream": segment.stream, "segment_type": segment.pool, "segment_pool_id": [0, 0],
-            "is_expandable": segment.expandable, "frames": [], "blocks": blocks})
+    segments = [_segment_entry(segment, frames_of) for segment in model.segments()]
     return {"segments": segments, "device_traces": [events],
             "allocator_settings": snapshot_allocator_settings(options.alloc_conf)}
 

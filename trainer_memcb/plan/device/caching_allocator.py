@@ -869,6 +869,46 @@ def _is_stream(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _checked_form(index: int, event: Any) -> tuple:
+    """The event as a tuple, after checking its form, its stream and its key (a ValueError naming it)."""
+    form = tuple(event) if isinstance(event, (tuple, list)) else ()
+    kind = form[0] if form else None
+    if (kind, len(form)) not in _FORMS:
+        raise ValueError(f"event {index} {event!r}: an event is {_EVENT_FORMS}")
+    if kind == "synchronize" or kind == "record_stream" or (kind == "alloc" and len(form) == 4):
+        if not _is_stream(form[-1]):
+            raise ValueError(f"event {index} {event!r}: a stream is a whole number >= 0")
+    if kind not in ("empty_cache", "synchronize"):
+        try:
+            hash(form[1])
+        except TypeError:
+            raise ValueError(f"event {index} {event!r}: the key must be hashable "
+                             "(a string, a number, a tuple of them)") from None
+    return form
+
+
+def _apply(model: "CachingAllocatorModel", index: int, form: tuple) -> None:
+    """One checked event through the allocator model (`OutOfMemory` where it runs out)."""
+    kind, live = form[0], model.live
+    if kind == "alloc":
+        key, nbytes = form[1], form[2]
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"event {index} {form!r}: nbytes must be a whole number of bytes >= 0")
+        if key in live:
+            raise ValueError(f"event {index} {form!r}: key {key!r} is allocated already and not freed")
+        model.malloc(key, nbytes, form[3] if len(form) == 4 else 0)
+    elif kind in ("record_stream", "free") and form[1] not in live:
+        raise ValueError(f"event {index} {form!r}: key {form[1]!r} is not allocated")
+    elif kind == "record_stream":
+        model.record_stream(form[1], form[2])
+    elif kind == "synchronize":
+        model.synchronize(form[1])
+    elif kind == "free":
+        model.free(form[1])
+    else:
+        model.empty_cache()
+
+
 def replay_allocations(events: Iterable[tuple], *,
                        alloc_conf: Union[None, str, AllocConf] = None,
                        device_memory: Optional[int] = None,
@@ -905,46 +945,11 @@ def replay_allocations(events: Iterable[tuple], *,
     oom: Optional[tuple] = None
     oom_index: Optional[int] = None
     count = 0
-    live = model.live
     for index, event in enumerate(events):
         count = index + 1
-        form = event if isinstance(event, (tuple, list)) else ()
-        kind = form[0] if form else None
-        if (kind, len(form)) not in _FORMS:
-            raise ValueError(f"event {index} {event!r}: an event is {_EVENT_FORMS}")
-        if kind == "synchronize" or kind == "record_stream" or (kind == "alloc" and len(form) == 4):
-            if not _is_stream(form[-1]):
-                raise ValueError(f"event {index} {event!r}: a stream is a whole number >= 0")
-        if kind not in ("empty_cache", "synchronize"):
-            try:
-                hash(form[1])
-            except TypeError:
-                raise ValueError(f"event {index} {event!r}: the key must be hashable "
-                                 "(a string, a number, a tuple of them)") from None
+        form = _checked_form(index, event)
         try:
-            if kind == "alloc":
-                key, nbytes = form[1], form[2]
-                if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-                    raise ValueError(f"event {index} {event!r}: nbytes must be a whole number "
-                                     "of bytes >= 0")
-                if key in live:
-                    raise ValueError(f"event {index} {event!r}: key {key!r} is allocated "
-                                     "already and not freed")
-                model.malloc(key, nbytes, form[3] if len(form) == 4 else 0)
-            elif kind == "record_stream":
-                if form[1] not in live:
-                    raise ValueError(f"event {index} {event!r}: key {form[1]!r} is not "
-                                     "allocated")
-                model.record_stream(form[1], form[2])
-            elif kind == "synchronize":
-                model.synchronize(form[1])
-            elif kind == "free":
-                if form[1] not in live:
-                    raise ValueError(f"event {index} {event!r}: key {form[1]!r} is not "
-                                     "allocated")
-                model.free(form[1])
-            else:
-                model.empty_cache()
+            _apply(model, index, form)
         except OutOfMemory:
             oom, oom_index = tuple(form), index
             break

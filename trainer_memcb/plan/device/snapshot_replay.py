@@ -282,6 +282,35 @@ def _why(real: Optional[tuple], replayed: Optional[tuple], trace: Sequence[Event
     return reason
 
 
+def _first_parting(window: List[Tuple[int, Event]], produced: List[Event], trace: Sequence[Event],
+                   index: int) -> Optional[Divergence]:
+    """Where the model's segment events for one driving event part from the GPU's (`window`, with
+    their positions in `trace`), or None: the same action, size and stream, and for a segment's
+    creation or release the same address."""
+    expected = [event for _, event in window]
+    for position in range(max(len(produced), len(expected))):
+        real = expected[position] if position < len(expected) else None
+        mine = produced[position] if position < len(produced) else None
+        same = (real is not None and mine is not None
+                and (real[0], real[2], real[3]) == (mine[0], mine[2], mine[3])
+                and (real[0] not in ("segment_free", "segment_alloc") or real[1] == mine[1]))
+        if not same:
+            at = window[position][0] if position < len(window) else index
+            return Divergence(at, trace[at][0], _why(real, mine, trace, at))
+    return None
+
+
+def _what_if(text: str, limit: Optional[int], start: Any, calls: Sequence[Tuple[int, tuple]]) -> WhatIf:
+    """The same allocations under `text`'s settings and `limit`: the reserved peak, and whether it runs out."""
+    what = _model(text, limit, start, record=False)
+    for _, call in calls:
+        try:
+            _call(what, call)
+        except OutOfMemory:
+            return WhatIf(text, limit, what.reserved_peak, True)
+    return WhatIf(text, limit, what.reserved_peak, False)
+
+
 def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
                    device_memory: Optional[int], source: str,
                    what_ifs: Sequence[Tuple[Optional[str], Optional[int]]]) -> DeviceReplay:
@@ -324,19 +353,9 @@ def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
             oom_at = index
         produced = [op for op in model.trace[ops_seen:] if op[0] in _GROW + _SHRINK]
         ops_seen = len(model.trace)
-        expected = [event for _, event in window]
         if divergence is None:
-            for position in range(max(len(produced), len(expected))):
-                real = expected[position] if position < len(expected) else None
-                mine = produced[position] if position < len(produced) else None
-                same = (real is not None and mine is not None
-                        and (real[0], real[2], real[3]) == (mine[0], mine[2], mine[3])
-                        and (real[0] not in ("segment_free", "segment_alloc") or real[1] == mine[1]))
-                if not same:
-                    at = window[position][0] if position < len(window) else index
-                    divergence = Divergence(at, trace[at][0], _why(real, mine, trace, at))
-                    state["diverged"] = True
-                    break
+            divergence = _first_parting(window, produced, trace, index)
+            state["diverged"] = divergence is not None
         state["next"] += len(window)
         if oom_at is not None:
             break
@@ -349,19 +368,9 @@ def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
             divergence = Divergence(oom_at, trace[oom_at][0],
                                     "the model ran out of memory where the GPU did not")
     replayed = _figures(start.reserved, model.trace)
-    results = []
-    for alloc_conf, memory in what_ifs:
-        text = conf_text if alloc_conf is None else alloc_conf
-        limit = device_memory if memory is None else memory
-        what = _model(text, limit, start, record=False)
-        oom = False
-        for _, call in calls:
-            try:
-                _call(what, call)
-            except OutOfMemory:
-                oom = True
-                break
-        results.append(WhatIf(text, limit, what.reserved_peak, oom))
+    results = [_what_if(conf_text if alloc_conf is None else alloc_conf,
+                        device_memory if memory is None else memory, start, calls)
+               for alloc_conf, memory in what_ifs]
     return DeviceReplay(
         device=device,
         events=len(trace),

@@ -222,6 +222,7 @@ def _ops() -> Any:
 
 
 def _define_ops() -> None:
+    """The stand-in ops, once per process: `trainer_memcb_flash::fwd` (`mha_fwd`), then the backward and varlen ones."""
     @torch.library.custom_op("trainer_memcb_flash::fwd", mutates_args=(), schema=(
         "(Tensor q, Tensor k, Tensor v, float dropout_p, float softmax_scale, bool causal, int window_size_left, "
         "int window_size_right, float softcap, bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)"))
@@ -245,6 +246,12 @@ def _define_ops() -> None:
              if return_softmax else q.new_empty((0,)))
         return out, lse, p, torch.empty((2,), dtype=torch.int64, device=q.device)
 
+    _define_backward_op()
+    _define_varlen_ops()
+
+
+def _define_backward_op() -> None:
+    """`trainer_memcb_flash::bwd`: flash_api.cpp's `mha_bwd`, its `softmax_d` the fake kernel's output."""
     @torch.library.custom_op("trainer_memcb_flash::bwd", mutates_args=("dq", "dk", "dv"), schema=(
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, "
         "Tensor(c!) dv, float dropout_p, float softmax_scale, bool causal, int window_size_left, "
@@ -264,6 +271,9 @@ def _define_ops() -> None:
           window_size_right, softcap):
         return _softmax_d_like(q, varlen_batch=None)
 
+
+def _define_varlen_ops() -> None:
+    """`trainer_memcb_flash::varlen_fwd` and `varlen_bwd`: `mha_varlen_fwd` and `mha_varlen_bwd`."""
     @torch.library.custom_op("trainer_memcb_flash::varlen_fwd", mutates_args=(), schema=(
         "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
         "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, int window_size_left, "
