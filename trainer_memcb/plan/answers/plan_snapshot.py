@@ -151,7 +151,7 @@ def plan_snapshot(plan: StepMemoryPlan) -> Dict[str, Any]:
     Raises:
         ValueError: a plan for the CPU (no caching allocator), or one with no traced step.
 
-    Example:
+    Examples:
         >>> from trainer_memcb.plan.answers.step_memory import plan_step_memory
         >>> from trainer_memcb.plan.optimizers.whatif import build_meta_model
         >>> from trainer_memcb.plan.device.snapshot_replay import replay_snapshot
