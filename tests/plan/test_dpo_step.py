@@ -55,9 +55,16 @@ def _real_step_peak(folder: str, tmp: str, **config: Any) -> Tuple[int, int]:
 
     import training.test_trl as trl_tests
 
+    peft = config.pop("peft", False)
     args = DPOConfig(tmp, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
                      per_device_train_batch_size=BATCH, seed=0, max_length=MAX_LENGTH, **config)
-    trainer = DPOTrainer(model=folder, args=args, train_dataset=_pairs(), processing_class=trl_tests.char_tokenizer())
+    extra: Dict[str, Any] = {}
+    if peft:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainer = DPOTrainer(model=folder, args=args, train_dataset=_pairs(), processing_class=trl_tests.char_tokenizer(),
+                         **extra)
     model = trainer.model
     model.train()
     batch = next(iter(trainer.get_train_dataloader()))
@@ -83,9 +90,14 @@ def _real_step_peak(folder: str, tmp: str, **config: Any) -> Tuple[int, int]:
 
 def _planned(reference: str) -> Any:
     from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.model.lora import add_lora_adapters
     from trainer_memcb.plan.step.preference import DpoStep
 
-    plan, _ = plan_step_memory(_build_meta, batch_size=BATCH, seq_len=MAX_LENGTH, optimizer="adamw_torch",
+    def build() -> torch.nn.Module:
+        meta = _build_meta()
+        return add_lora_adapters(meta, 4, "q_proj,v_proj") if reference == "adapters-disabled" else meta
+
+    plan, _ = plan_step_memory(build, batch_size=BATCH, seq_len=MAX_LENGTH, optimizer="adamw_torch",
                                device_type="cpu", attn_implementation="sdpa", preference=DpoStep(reference=reference),
                                model_states=False)
     return plan
@@ -98,7 +110,8 @@ def folder(tmp_path_factory: Any) -> str:
     return trl_tests.saved_tiny_llama(str(tmp_path_factory.mktemp("dpo-llama")))
 
 
-@pytest.mark.parametrize("reference,config", [("model", {}), ("precomputed", {"precompute_ref_log_probs": True})])
+@pytest.mark.parametrize("reference,config", [("model", {}), ("precomputed", {"precompute_ref_log_probs": True}),
+                                              ("adapters-disabled", {"peft": True})])
 def test_the_planned_dpo_step_peak_is_the_real_one(folder: str, tmp_path: Any, reference: str,
                                                    config: Dict[str, Any]) -> None:
     plan = _planned(reference)
@@ -109,7 +122,11 @@ def test_the_planned_dpo_step_peak_is_the_real_one(folder: str, tmp_path: Any, r
     # (`loss / self.current_gradient_accumulation_steps`) and holds through backward, which the plan
     # does not make; the other 64 with the reference model are small scalars made in C++ during the
     # reference's forward that the fake trace does not see (not identified further).
-    expected = {"model": (17_413_348, 368_340, 17_045_076, 68), "precomputed": (17_322_100, 277_028, 17_045_076, 4)}
+    # With PEFT (LoRA r=4 on q_proj and v_proj) and no ref_model the real step holds 16,932 bytes more
+    # than the plan, whose cause is not found yet (the plan's batch and buffers are 1,024 bytes more
+    # than without adapters too): asserted as measured, so that a change shows.
+    expected = {"model": (17_413_348, 368_340, 17_045_076, 68), "precomputed": (17_322_100, 277_028, 17_045_076, 4),
+                "adapters-disabled": (16_958_512, 106_720, 16_868_724, 16_932)}
     planned, real_start, real_above, difference = expected[reference]
     assert (plan.step.peak_bytes, start, above) == (planned, real_start, real_above)
     assert start + above - plan.step.peak_bytes == difference
