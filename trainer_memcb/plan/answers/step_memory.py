@@ -181,8 +181,11 @@ def plan_step_memory(
     if settings.batch_size is None:
         raise ValueError("batch_size=None: expected a whole number of at least 1")
     setup = setup_of(settings)
-    if model_states and states_plan is None:
-        states_plan = plan_model_states(meta, settings.optimizer, setup, args=args, model_name=model_name)
+    dpo_reference = settings.preference is not None and settings.preference.reference == "model"
+    if (model_states or dpo_reference) and states_plan is None:
+        # DPO's frozen reference enters the timeline as the model-states plan counts it.
+        states_plan = plan_model_states(meta, settings.optimizer, setup, args=args, model_name=model_name,
+                                        reference_model=dpo_reference)
     _check_model_inputs(meta, settings)
     step_dtype = dtype or _step_dtype(settings.precision, meta)
     planned = _planned_settings(meta, settings, args, model_name, step_dtype)
@@ -204,9 +207,12 @@ def plan_step_memory(
             return StepMemoryPlan(planned, step, device), states_plan
         timeline = estimated
     reference = states_plan.optimizers[0].reference_model_bytes if states_plan is not None else 0
+    if dpo_reference and not reference:
+        raise ValueError("TRL's DPO step with a reference model: the model-states plan given has none "
+                         "(plan_model_states(..., reference_model=True))")
     if reference:
         # A frozen reference model (DPO-style training) is alive through the whole step. Its own
-        # forward's temporaries are not traced.
+        # forward is traced in TRL's DPO step (`settings.preference`), not in the plain Trainer's.
         timeline = timeline.with_resident("reference_model", reference)
     return _answer(timeline, settings, planned, device, notes), states_plan
 
@@ -235,7 +241,15 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
     if traced.host_bytes:
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
-    if "reference_model" in traced.peak_parts:
+    preference = settings.preference
+    if preference is not None:
+        notes.append(f"TRL's DPO step traced: chosen and rejected rows concatenated ({2 * settings.batch_size} x "
+                     f"{settings.seq_len} tokens), TRL's fused LM head, loss {'+'.join(preference.loss_type)}, "
+                     + {"model": "the frozen reference model's forward under torch.no_grad()",
+                        "adapters-disabled": "the reference as the same model with its adapters disabled, "
+                                             "under torch.no_grad() (no second copy)",
+                        "precomputed": "the reference log-probs precomputed (read from the batch)"}[preference.reference])
+    elif "reference_model" in traced.peak_parts:
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
     verdict = Verdict()
     replay_options = None

@@ -106,6 +106,9 @@ class StepSettings:
         zero: DeepSpeed's `zero_optimization` section, "auto" values filled and defaults added.
         sources: setting name -> where its value came from ("default", "training args", "deepspeed
             config", "fsdp config", "flag").
+        preference: TRL's DPO step (`trainer_memcb.plan.step.preference.DpoStep`: the loss, beta and
+            where the reference log-probs come from), None for the plain Trainer's step; with it,
+            `seq_len` is DPO's `max_length` and `batch_size` counts pairs (the forward's batch doubled).
     """
 
     batch_size: Optional[int] = None
@@ -138,9 +141,13 @@ class StepSettings:
     gpu: Optional[str] = None
     zero: Dict[str, Any] = field(default_factory=dict)
     sources: Dict[str, str] = field(default_factory=dict)
+    preference: Optional[Any] = None
 
     def __post_init__(self) -> None:
         _check_step_shape(self)
+        if self.preference is not None and self.sharding != "none":
+            raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
+                             "(sharding none) so far")
         if self.sharding.startswith("zero") or self.precision.startswith("deepspeed-"):
             zero = dict(ZERO_DEFAULTS)
             zero.update(self.zero)

@@ -61,6 +61,7 @@ one process holds. The settings (`trainer_memcb.plan.settings`) are resolved onc
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -151,6 +152,9 @@ class _Step:
     trainable: List[torch.Tensor]
     inputs: List[Any]
     batch_tensors: List[torch.Tensor]
+    # TRL's DPO step (`trainer_memcb.plan.step.preference`) and its frozen reference model, or None.
+    preference: Any = None
+    ref_model: Optional[nn.Module] = None
 
 
 @dataclasses.dataclass
@@ -165,7 +169,7 @@ class _Stepped:
 
 def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer: Any, batch_size: int,
                 seq_len: Optional[int], input_options: Optional[Dict[str, Any]], accumulation: int,
-                gradient_checkpointing: bool) -> _Step:
+                gradient_checkpointing: bool, preference: Any = None, ref_model: Optional[nn.Module] = None) -> _Step:
     """Wrap the model as its engine does and count what exists before the step: the parameters,
     the buffers, every micro-batch and the engine's resident tensors."""
     model.train()
@@ -177,7 +181,13 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     # `Trainer.get_batch_samples` fetches them all (accelerate's dataloader sends each to the
     # device as it is yielded) into the list `batch_samples`, which the micro-batches' loop keeps.
     with mode:
-        inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {})) for _ in range(accumulation)]
+        if preference is not None:  # DPO's collator: chosen and rejected rows of max_length tokens
+            from trainer_memcb.plan.step.preference import preference_batch
+
+            inputs = [preference_batch(batch_size, seq_len, preference.reference == "precomputed")
+                      for _ in range(accumulation)]
+        else:
+            inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {})) for _ in range(accumulation)]
     batch_tensors = [tensor for each in inputs for tensor in each.tensors()]
     for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
@@ -189,7 +199,7 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     tracker.watch = counter._book.live
     engine.attach(tracker, counter)
     return _Step(model, mode, engine, tracker, counter, params, [p for p in params if p.requires_grad], inputs,
-                 batch_tensors)
+                 batch_tensors, preference, ref_model)
 
 
 def _step_contexts(mode: Any, tracker: LiveStorages, precision: str, device_type: str,
@@ -232,12 +242,18 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
         kwargs: Dict[str, Any] = dict(inputs.forward)
-        if inputs.labels is not None and _accepts_loss_kwargs(model):
-            kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
-        with counter, autocast if autocast is not None else contextlib.nullcontext():
-            outputs = model(**kwargs)
-        loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
-        del outputs
+        if step.preference is not None:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
+            from trainer_memcb.plan.step.preference import dpo_loss
+
+            with counter, autocast if autocast is not None else contextlib.nullcontext():
+                loss = dpo_loss(model, inputs, step.preference, step.ref_model)
+        else:
+            if inputs.labels is not None and _accepts_loss_kwargs(model):
+                kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+            with counter, autocast if autocast is not None else contextlib.nullcontext():
+                outputs = model(**kwargs)
+            loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
+            del outputs
         if number == 1:
             activations = counter.saved_bytes
         tracker.phase = "backward"
@@ -299,7 +315,8 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
                 engine: Optional[StepEngine] = None, input_options: Optional[Dict[str, Any]] = None,
                 accumulation: int = 1, device_type: str = "cpu",
                 compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
-                kept: Optional[List["_Prefix"]] = None) -> Timeline:
+                kept: Optional[List["_Prefix"]] = None, preference: Any = None,
+                ref_model: Optional[nn.Module] = None) -> Timeline:
     """Run the step under fake tensors (the model already fake, `mode` its fake mode), counting as
     the module says; `engine` wraps the model and runs the backward and the optimizer step its way.
     With `accumulation` above 1, the micro-batches of `traced_micro_batches(accumulation)` run their
@@ -312,7 +329,7 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
     step up to its optimizer phase is appended to it where another optimizer can step from there
     (`_Prefix`)."""
     step = _start_step(model, mode, engine or StepEngine(), build_optimizer, batch_size, seq_len, input_options,
-                       accumulation, gradient_checkpointing)
+                       accumulation, gradient_checkpointing, preference, ref_model)
     tracker = step.tracker
     flop_totals: Optional[List[int]] = [] if _COUNT_FLOPS[0] else None
     stepped, before = _Stepped(), None
@@ -684,12 +701,25 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     quantization_note = None
     flash_run: Optional[FlashKernelsRun] = None
     frozen = _freeze_older_objects()
+    preference, ref_model = settings.preference, None
+    if preference is not None:
+        kept = None  # a DPO step is traced whole for each optimizer
     try:
+        if preference is not None and preference.reference == "model":
+            # The frozen reference, a second copy of the model (`create_model_from_path` in
+            # DPOTrainer.__init__), made before the step: its parameters enter the timeline as the
+            # model-states plan's reference (`Timeline.with_resident`), not as the policy's.
+            ref_model = fake_copy(copy.deepcopy(meta), mode, "cpu", None if keep_dtypes else step_dtype)
+            ref_model.eval()  # accelerate prepares it in evaluation mode
         model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
         if quantization is not None:
             quantization_note = _quantized(model, mode, quantization, device_type)
         prepare_like_trainer(model, args=args, gradient_checkpointing=settings.gradient_checkpointing,
                              checkpointing=settings.checkpointing_kwargs)
+        if preference is not None:
+            from trainer_memcb.plan.step.preference import fused_lm_heads
+
+            fused_lm_heads(model, ref_model)
         build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
         with contextlib.ExitStack() as stack:
             for context in _outer_contexts(padding, settings):
@@ -698,7 +728,8 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
                     flash_run = entered
             timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
                                    settings.gradient_checkpointing, engine, input_options,
-                                   settings.gradient_accumulation_steps, device_type, compute_capability, kept)
+                                   settings.gradient_accumulation_steps, device_type, compute_capability, kept,
+                                   preference, ref_model)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         raise UntracedStep(_untraced_reason(error, settings.sharding)) from error
