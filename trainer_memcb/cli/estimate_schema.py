@@ -79,8 +79,9 @@ def estimate_schema() -> Dict[str, Any]:
     defs["EvalMemoryPlan"] = object_schema(
         EvalMemoryPlan, defs, properties=["usable_device_bytes", "device_figure_bytes", "device_margin_bytes"])
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
-    for cls in (FitSearch, LargestBatch, PlannedSettings, StepPeak, DeviceFigures, WhatIf):
+    for cls in (FitSearch, LargestBatch, StepPeak, DeviceFigures, WhatIf):
         defs[cls.__name__] = object_schema(cls, defs)
+    defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing"])
     verdict = object_schema(Verdict, defs)
     answers = {
         "title": "answers", "type": "object",

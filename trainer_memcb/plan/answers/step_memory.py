@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepMemoryPlan, StepPeak, Verdict
+from trainer_memcb.plan.answers.step_plan import DeviceFigures, PackedBatch, PlannedSettings, StepMemoryPlan, StepPeak, Verdict
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
@@ -263,7 +263,8 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
 
 
 def _input_options(settings: StepSettings) -> Dict[str, Any]:
-    return dict(target_len=settings.target_len, image_size=settings.image_size, padding=settings.padding)
+    options = dict(target_len=settings.target_len, image_size=settings.image_size, padding=settings.padding)
+    return dict(options, packing=settings.packing) if settings.packing is not None else options
 
 
 def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
@@ -296,7 +297,18 @@ def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_
                               if settings.gradient_checkpointing else {}),
         precision=settings.precision,
         param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
-        optimizer=settings.optimizer, used=[list(row) for row in settings.used()])
+        optimizer=settings.optimizer, used=[list(row) for row in settings.used()], packing=_packed_batch(settings))
+
+
+def _packed_batch(settings: StepSettings) -> Optional[PackedBatch]:
+    """The packed row and its padded equivalent, for `--packing`; None for a batch of rows."""
+    from trainer_memcb.plan.model.step_inputs import packed_lengths
+
+    if settings.packing is None or settings.seq_len is None:
+        return None
+    rows = settings.packing // settings.seq_len
+    return PackedBatch(tokens=settings.packing, sequences=len(packed_lengths(settings.seq_len, settings.packing)),
+                       padded_batch_size=rows, padded_tokens=rows * settings.seq_len)
 
 
 def _device_before_replay(settings: StepSettings) -> DeviceFigures:
