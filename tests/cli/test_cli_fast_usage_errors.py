@@ -25,6 +25,7 @@ USAGE_ERRORS = [
     ([TINY, "--max-batch-size", "--seq-len", "8"], "--max-batch-size needs --device-memory"),
     ([TINY, "--seq-len", "8"], "--seq-len has no effect without"),
     ([TINY, "--packing", "64"], "--packing has no effect without"),
+    ([TINY, "--torch-compile"], "--torch-compile has no effect without"),
     ([TINY, "--max-batch-size", "--seq-len", "8", "--packing", "64", "--device-memory", "1GiB"],
      "--max-batch-size searches the rows of a batch; --packing makes one row"),
     ([TINY, "--reserve", "1GiB"], "--reserve has no effect without --device-memory"),

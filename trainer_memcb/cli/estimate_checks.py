@@ -23,7 +23,7 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("gradient_accumulation_steps", "--gradient-accumulation-steps"),
                  ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
-                 ("packing", "--packing"),
+                 ("packing", "--packing"), ("torch_compile", "--torch-compile"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
                  ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),

@@ -37,7 +37,7 @@ from trainer_memcb.plan.settings.setup import setup_of
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
 from trainer_memcb.plan.step.trace import UntracedStep, trace_step
 
-__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "check_attn_implementation"]
+__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "COMPILED_STEP", "check_attn_implementation"]
 
 # What a real process holds beyond the storages the trace counts, by device type: the reason for a
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
@@ -48,6 +48,11 @@ NOT_COUNTED = {
              "the kernels' own temporaries where they differ from the CPU's (cross-entropy's)"),
     "cpu": ("the CPU allocator's own bookkeeping and rounding",),
 }
+
+# torch_compile=True: what the plan does not trace (its figures are the eager step's).
+COMPILED_STEP = ("torch_compile=True: the compiled step is not traced, so every figure is the eager step's: "
+                 "AOTAutograd's partitioner chooses what the compiled forward saves for backward (recomputing "
+                 "cheap tensors in the backward), and Inductor fuses temporaries and holds buffers of its own")
 
 
 def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
@@ -232,6 +237,9 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
     """The step plan, every figure read from `timeline`: the peak and its parts, the model states,
     and fits? from the allocator replay on CUDA, from the peak on the CPU."""
     traced = _read_peak(timeline)
+    if settings.torch_compile:
+        notes.append("torch_compile=True: traced as the eager step (the compiled step's saved tensors and Inductor's "
+                     "buffers are not planned); the peak and fits? hold for torch_compile=False")
     if traced.host_bytes:
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
@@ -320,7 +328,8 @@ def _device_before_replay(settings: StepSettings) -> DeviceFigures:
         device_memory = preset.total_bytes
     return DeviceFigures(device_memory_bytes=device_memory,
                          reserve_bytes=settings.reserve_bytes if device_memory is not None else None,
-                         not_counted=list(NOT_COUNTED[settings.device_type]))
+                         not_counted=list(NOT_COUNTED[settings.device_type])
+                         + ([COMPILED_STEP] if settings.torch_compile else []))
 
 
 def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,

@@ -97,6 +97,8 @@ class StepSettings:
         packing: padding-free batches (`DataCollatorWithFlattening`): the micro-batch is one row of
             `packing` tokens, sequences of `seq_len` each and the rest one shorter, positions
             restarting at each (`trainer_memcb.plan.model.step_inputs`); None: rows of `seq_len`.
+        torch_compile: the Trainer's `torch_compile=True` (True, or None where not asked): the step
+            is still traced eagerly, and the plan says its figures are the eager step's.
         attn_implementation: the attention path to trace ("eager", "sdpa", ...); None keeps the
             model config's.
         device_type: the device the run uses ("cuda" or "cpu", `DEVICE_TYPES`).
@@ -134,6 +136,7 @@ class StepSettings:
     image_size: Optional[int] = None
     padding: int = 0
     packing: Optional[int] = None
+    torch_compile: Optional[bool] = None
     attn_implementation: Optional[str] = None
     device_type: str = "cuda"
     device_memory: Optional[int] = None
@@ -495,6 +498,8 @@ def _put_training_args(got: _Resolving, args: Mapping[str, Any]) -> None:
         got.put("max_grad_norm", float(args["max_grad_norm"] or 0.0), arg)
     got.put("bucket_cap_mb", args.get("ddp_bucket_cap_mb"), arg)
     got.put("torch_empty_cache_steps", args.get("torch_empty_cache_steps"), arg)
+    # Only when on: a dumped TrainingArguments names torch_compile=false, which changes nothing.
+    got.put("torch_compile", True if args.get("torch_compile") else None, arg)
     if "ddp_find_unused_parameters" in args:
         # Trainer._build_accelerator_args: ddp_find_unused_parameters when set, otherwise True for a
         # model without gradient checkpointing (a PreTrainedModel with it: False).
