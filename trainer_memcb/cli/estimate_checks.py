@@ -23,6 +23,7 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("gradient_accumulation_steps", "--gradient-accumulation-steps"),
                  ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
+                 ("packing", "--packing"), ("torch_compile", "--torch-compile"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
                  ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),
@@ -137,6 +138,9 @@ def check_settings_values(args: argparse.Namespace) -> None:
 
 
 def check_search_options(args: argparse.Namespace) -> None:
+    if args.max_batch_size and getattr(args, "packing", None) is not None:
+        raise ValueError("--max-batch-size searches the rows of a batch; --packing makes one row of TOKENS tokens: "
+                         "plan each TOKENS with --batch-size 1")
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
 

@@ -209,6 +209,13 @@ def _add_step_arguments(estimate: argparse.ArgumentParser) -> Any:
                       help="an image model's height and width (default: the config's image_size)")
     step.add_argument("--padding", type=non_negative_int, metavar="P", default=0,
                       help="padded positions per row of the token batch (default 0: the attention mask all ones)")
+    step.add_argument("--torch-compile", action="store_true", default=None,
+                      help="the Trainer's torch_compile=True (as --training-args may give it): not traced compiled; "
+                           "the plan says its figures are the eager step's")
+    step.add_argument("--packing", type=positive_int, metavar="TOKENS",
+                      help="a padding-free batch, as DataCollatorWithFlattening makes it: one row of TOKENS tokens, "
+                           "sequences of --seq-len each (the rest one shorter), positions restarting at each; with "
+                           "--batch-size 1 and sdpa, eager or flash_attention_2 (CUDA)")
     step.add_argument("--write-snapshot", metavar="FILE",
                       help="write the planned step (CUDA: the caching allocator's replay of two steps) as a "
                            "torch.cuda.memory._dump_snapshot pickle, for trainer-memcb snapshot, "

@@ -101,8 +101,9 @@ def estimate_schema() -> Dict[str, Any]:
     defs["EvalMemoryPlan"] = object_schema(
         EvalMemoryPlan, defs, properties=["usable_device_bytes", "device_figure_bytes", "device_margin_bytes"])
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
-    for cls in (FitSearch, LargestBatch, PlannedSettings, StepPeak, DeviceFigures, WhatIf):
+    for cls in (FitSearch, LargestBatch, StepPeak, DeviceFigures, WhatIf):
         defs[cls.__name__] = object_schema(cls, defs)
+    defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing"])
     step_plan = _document(
         "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the settings "
         "planned, the model states beside the step, the step's peak and its parts, the device (the allocator "

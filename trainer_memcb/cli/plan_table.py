@@ -140,11 +140,21 @@ def step_tables(found: StepAnswer) -> List[TextTable]:
     return tables
 
 
+def _micro_batch_row(settings: Any) -> List[str]:
+    """The micro-batch traced; a packed row with its padded equivalent."""
+    packed = settings.packing
+    if packed is None:
+        return ["micro-batch", f"{settings.batch_size} x {settings.seq_len}"]
+    return ["micro-batch", f"1 x {packed.tokens:,} packed: {packed.sequences} sequences of at most {settings.seq_len} "
+            f"tokens, {packed.tokens:,} tokens per micro-batch (padded: {packed.padded_batch_size} x "
+            f"{settings.seq_len}, {packed.padded_tokens:,} tokens)"]
+
+
 def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
     """The step plan's own tables: what was traced and its answer, the peak's parts, the settings."""
     settings, step, device = plan.settings, plan.step, plan.device
     about = [
-        ["micro-batch", f"{settings.batch_size} x {settings.seq_len}"],
+        _micro_batch_row(settings),
         ["attention traced", settings.attn_implementation or "-"],
         ["device type", f"{settings.device_type} (traced on fake {settings.traced_on} tensors)"],
         ["gradient checkpointing", _checkpointing_words(settings)],

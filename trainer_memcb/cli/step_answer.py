@@ -46,7 +46,7 @@ class StepAnswer:
         and its search), each key only where asked."""
         document: Dict[str, Any] = {}
         if self.step is not None:
-            document["settings"] = asdict(self.step.settings)
+            document["settings"] = self.step.settings.to_dict()
         document["model_states"] = model_states if model_states is not None else self.model_states.to_dict()
         answers: Dict[str, Any] = {}
         if self.step is not None:

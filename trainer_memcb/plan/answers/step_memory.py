@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepMemoryPlan, StepPeak, Verdict
+from trainer_memcb.plan.answers.step_plan import DeviceFigures, PackedBatch, PlannedSettings, StepMemoryPlan, StepPeak, Verdict
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
@@ -37,7 +37,7 @@ from trainer_memcb.plan.settings.setup import setup_of
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
 from trainer_memcb.plan.step.trace import UntracedStep, trace_step
 
-__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "check_attn_implementation"]
+__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "COMPILED_STEP", "check_attn_implementation"]
 
 # What a real process holds beyond the storages the trace counts, by device type: the reason for a
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
@@ -48,6 +48,11 @@ NOT_COUNTED = {
              "the kernels' own temporaries where they differ from the CPU's (cross-entropy's)"),
     "cpu": ("the CPU allocator's own bookkeeping and rounding",),
 }
+
+# torch_compile=True: what the plan does not trace (its figures are the eager step's).
+COMPILED_STEP = ("torch_compile=True: the compiled step is not traced, so every figure is the eager step's: "
+                 "AOTAutograd's partitioner chooses what the compiled forward saves for backward (recomputing "
+                 "cheap tensors in the backward), and Inductor fuses temporaries and holds buffers of its own")
 
 
 def _step_dtype(precision: str, model: nn.Module) -> Optional[torch.dtype]:
@@ -238,6 +243,9 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
     """The step plan, every figure read from `timeline`: the peak and its parts, the model states,
     and fits? from the allocator replay on CUDA, from the peak on the CPU."""
     traced = _read_peak(timeline)
+    if settings.torch_compile:
+        notes.append("torch_compile=True: traced as the eager step (the compiled step's saved tensors and Inductor's "
+                     "buffers are not planned); the peak and fits? hold for torch_compile=False")
     if traced.host_bytes:
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
@@ -277,7 +285,8 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
 
 
 def _input_options(settings: StepSettings) -> Dict[str, Any]:
-    return dict(target_len=settings.target_len, image_size=settings.image_size, padding=settings.padding)
+    options = dict(target_len=settings.target_len, image_size=settings.image_size, padding=settings.padding)
+    return dict(options, packing=settings.packing) if settings.packing is not None else options
 
 
 def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
@@ -310,7 +319,18 @@ def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_
                               if settings.gradient_checkpointing else {}),
         precision=settings.precision,
         param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
-        optimizer=settings.optimizer, used=[list(row) for row in settings.used()])
+        optimizer=settings.optimizer, used=[list(row) for row in settings.used()], packing=_packed_batch(settings))
+
+
+def _packed_batch(settings: StepSettings) -> Optional[PackedBatch]:
+    """The packed row and its padded equivalent, for `--packing`; None for a batch of rows."""
+    from trainer_memcb.plan.model.step_inputs import packed_lengths
+
+    if settings.packing is None or settings.seq_len is None:
+        return None
+    rows = settings.packing // settings.seq_len
+    return PackedBatch(tokens=settings.packing, sequences=len(packed_lengths(settings.seq_len, settings.packing)),
+                       padded_batch_size=rows, padded_tokens=rows * settings.seq_len)
 
 
 def _device_before_replay(settings: StepSettings) -> DeviceFigures:
@@ -322,7 +342,8 @@ def _device_before_replay(settings: StepSettings) -> DeviceFigures:
         device_memory = preset.total_bytes
     return DeviceFigures(device_memory_bytes=device_memory,
                          reserve_bytes=settings.reserve_bytes if device_memory is not None else None,
-                         not_counted=list(NOT_COUNTED[settings.device_type]))
+                         not_counted=list(NOT_COUNTED[settings.device_type])
+                         + ([COMPILED_STEP] if settings.torch_compile else []))
 
 
 def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,

@@ -11,7 +11,26 @@ from typing import Any, Dict, List, Optional
 
 from trainer_memcb.plan.step.timeline import Timeline
 
-__all__ = ["DeviceFigures", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
+__all__ = ["DeviceFigures", "PackedBatch", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A padding-free micro-batch (`--packing`): one row of `tokens` tokens holding `sequences`
+    sequences (`DataCollatorWithFlattening`), beside the padded batch that holds as many whole
+    sequences of `seq_len`: `padded_batch_size` rows of `seq_len`, `padded_tokens` in all.
+
+    Attributes:
+        tokens: the tokens of the packed row, every one a real token (no padding).
+        sequences: the sequences in it (`tokens // seq_len` whole ones, and the rest one shorter).
+        padded_batch_size: the rows of the padded equivalent (`tokens // seq_len`).
+        padded_tokens: the padded equivalent's tokens (`padded_batch_size x seq_len`).
+    """
+
+    tokens: int
+    sequences: int
+    padded_batch_size: int
+    padded_tokens: int
 
 
 @dataclass(frozen=True)
@@ -30,6 +49,8 @@ class PlannedSettings:
         engine: none, ddp, fsdp2 or deepspeed-zero1/2/3.
         gradient_accumulation_steps: the micro-batches of one optimizer step.
         used: [setting, value, where it came from] for each setting the plan read.
+        packing: the packed row and its padded equivalent (`--packing`); None (and left out of the
+            JSON form) for a batch of rows.
     """
 
     model: str
@@ -47,6 +68,14 @@ class PlannedSettings:
     engine: str = "none"
     gradient_accumulation_steps: int = 1
     used: List[List[Any]] = field(default_factory=list)
+    packing: Optional[PackedBatch] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form: the fields, `packing` only for a packed batch."""
+        document = asdict(self)
+        if self.packing is None:
+            del document["packing"]
+        return document
 
 
 @dataclass(frozen=True)
@@ -160,5 +189,5 @@ class StepMemoryPlan:
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan's JSON form: `settings`, `step`, `device` and `verdict`, each its fields."""
-        return {"settings": asdict(self.settings), "step": asdict(self.step), "device": asdict(self.device),
+        return {"settings": self.settings.to_dict(), "step": asdict(self.step), "device": asdict(self.device),
                 "verdict": asdict(self.verdict)}

@@ -37,6 +37,21 @@ Options a model has no use for (`seq_len` for an image model, `target_len` for a
 does a length past a learned position table (GPT-2's `wpe`, BERT's `position_embeddings`, BART's
 `embed_positions`: a real batch would index past its rows; rotary positions have no such bound).
 A token model whose config has no token (`vocab_size` below 1) raises `ModelConfigError`.
+
+Packing. With `packing=TOKENS` a causal LM gets the padding-free batch `DataCollatorWithFlattening`
+makes (transformers' `data/data_collator.py`): the micro-batch's sequences concatenated into one
+row, `input_ids`, `labels` (each sequence's first label the separator, -100) and `position_ids`
+(1, TOKENS) int64, the positions restarting at 0 with each sequence, and no attention mask. The
+sequences are `seq_len` tokens each, `TOKENS // seq_len` of them, and the rest one shorter
+sequence. Under `flash_attention_2` the collator is taken with `return_flash_attn_kwargs=True`,
+as the varlen kernel wants it: `cu_seq_lens_q` and `cu_seq_lens_k` (the sequences' boundaries,
+two int32 tensors of sequences + 1) and `max_length_q`, `max_length_k` (Python ints, `seq_len`);
+without them transformers derives the boundaries from `position_ids` in every layer, reading
+their values. With `sdpa` and `eager`, transformers' `create_causal_mask` finds the sequences from
+the restarting positions (`masking_utils.find_packed_sequence_indices`, reached with no mask and
+no cache) and masks attention across them: a (1, 1, TOKENS, TOKENS) mask per forward. Refused,
+naming what would plan it: another head than a causal LM, another attention, a model whose mask
+is not built from `position_ids`, a transformers or torch release without the packed mask.
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-__all__ = ["StepInputs", "step_inputs", "head_kind", "unwrap"]
+__all__ = ["StepInputs", "step_inputs", "head_kind", "unwrap", "packed_lengths", "PACKED_ATTENTIONS"]
 
 _TOKEN_LABELS = ("ForCausalLM", "ForMaskedLM", "LMHeadModel", "ForTokenClassification")
 
@@ -57,7 +72,8 @@ class StepInputs:
     """One micro-batch.
 
     Attributes:
-        forward: the keyword arguments of the forward (the loss's inputs included).
+        forward: the keyword arguments of the forward (the loss's inputs included): tensors, and
+            the Python ints a packed batch gives flash attention (`max_length_q`, `max_length_k`).
         held: batch tensors the collator makes that the forward is not given (an all-ones mask).
         labels: the tensor the Trainer counts `num_items_in_batch` from, or None.
         kind: the head (see `head_kind`).
@@ -69,7 +85,7 @@ class StepInputs:
     kind: str = "causal_lm"
 
     def tensors(self) -> list:
-        return list(self.forward.values()) + list(self.held.values())
+        return [value for value in self.forward.values() if isinstance(value, torch.Tensor)] + list(self.held.values())
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -176,7 +192,7 @@ _TOKENLESS = ("image", "speech_seq2seq")
 
 
 def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None, *, target_len: Optional[int] = None,
-                image_size: Optional[int] = None, padding: int = 0) -> StepInputs:
+                image_size: Optional[int] = None, padding: int = 0, packing: Optional[int] = None) -> StepInputs:
     """The micro-batch a Trainer gives `model` (see the module docstring), made in the current mode.
 
     Args:
@@ -186,6 +202,7 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
         target_len: T, the labels' length of a seq2seq model (default S).
         image_size: the images' height and width (default the config's).
         padding: padded positions per row of the token inputs.
+        packing: a causal LM's padding-free row of this many tokens (module docstring); `batch_size` 1.
 
     Raises:
         ValueError: an option the model has no use for, or one it needs that is missing, or a length
@@ -198,6 +215,10 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
     kind = head_kind(model)
     takes_tokens = kind not in _TOKENLESS
     _check_options(name, kind, seq_len, target_len, image_size, padding)
+    if packing is not None:
+        _check_packing(inner, name, kind, batch_size, seq_len, packing)
+        _check_lengths(inner, name, {"--seq-len": seq_len})
+        return _packed_inputs(config, seq_len, packing)
     if takes_tokens:
         _check_lengths(inner, name, {"--seq-len": seq_len, "--target-len": target_len if kind == "seq2seq" else None})
     long = dict(dtype=torch.long)
@@ -226,6 +247,66 @@ def step_inputs(model: nn.Module, batch_size: int, seq_len: Optional[int] = None
         if name.endswith("ForImageClassification"):
             labels = forward["labels"] = torch.zeros(batch_size, **long)
     return StepInputs(forward=forward, held=held, labels=labels, kind=kind)
+
+
+def packed_lengths(seq_len: int, packing: int) -> list:
+    """The lengths of the sequences of a packed row: `packing // seq_len` of `seq_len`, and the rest."""
+    full, rest = divmod(packing, seq_len)
+    return [seq_len] * full + ([rest] if rest else [])
+
+
+def _packed_inputs(config: Any, seq_len: int, packing: int) -> StepInputs:
+    """`DataCollatorWithFlattening`'s batch (module docstring), in the current mode."""
+    long = dict(dtype=torch.long)
+    forward: Dict[str, torch.Tensor] = {"input_ids": torch.zeros(1, packing, **long),
+                                        "labels": torch.zeros(1, packing, **long)}
+    forward["position_ids"] = torch.cat([torch.arange(length, **long) for length in packed_lengths(seq_len, packing)])[None]
+    if getattr(config, "_attn_implementation", None) == "flash_attention_2":
+        bounds = [0]
+        for length in packed_lengths(seq_len, packing):
+            bounds.append(bounds[-1] + length)
+        # The collator converts the one list twice: two tensors.
+        forward["cu_seq_lens_q"] = torch.tensor(bounds, dtype=torch.int32)
+        forward["cu_seq_lens_k"] = torch.tensor(bounds, dtype=torch.int32)
+        forward["max_length_q"] = forward["max_length_k"] = seq_len  # type: ignore[assignment]
+    return StepInputs(forward=forward, labels=forward["labels"], kind="causal_lm")
+
+
+# The attentions a packed row is planned with, and what each does with it.
+PACKED_ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def _check_packing(model: nn.Module, name: str, kind: str, batch_size: int, seq_len: Optional[int],
+                   packing: int) -> None:
+    """Refuse a packed row that transformers would not keep apart (module docstring), naming what would."""
+    import inspect
+
+    if kind != "causal_lm":
+        raise ValueError(f"--packing: {name} is not a causal LM; padding-free batches are planned for causal LMs "
+                         "(DataCollatorWithFlattening's labels and restarting positions)")
+    if batch_size != 1:
+        raise ValueError(f"--packing makes the micro-batch one row: batch size {batch_size} has no meaning with it")
+    if seq_len is not None and packing < seq_len:
+        raise ValueError(f"--packing {packing} is fewer tokens than one sequence of --seq-len {seq_len}")
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in PACKED_ATTENTIONS:
+        raise ValueError(f"--packing with attention {attention!r}: packed rows are planned with "
+                         f"{', '.join(PACKED_ATTENTIONS)} (give --attn-implementation)")
+    forward = getattr(type(model), "forward", None)
+    takes_kwargs = forward is not None and any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in inspect.signature(forward).parameters.values())
+    if attention == "flash_attention_2":
+        if not takes_kwargs:
+            raise ValueError(f"--packing with flash_attention_2: {name}'s forward takes no keyword arguments for the "
+                             "attention (cu_seq_lens_q, max_length_q, ...); sdpa or eager may plan it")
+        return
+    from trainer_memcb.plan.model.packed_mask import packed_mask_missing
+
+    missing = packed_mask_missing(model)
+    if missing:
+        raise ValueError(f"--packing with {attention}: {missing}; flash_attention_2 (on CUDA) would keep the "
+                         "sequences apart")
 
 
 def _check_options(name: str, kind: str, seq_len: Optional[int], target_len: Optional[int],

@@ -34,7 +34,9 @@ import these functions by name, so each module holding the original is patched.
 batch the step plan stands for answers them: one unpadded sequence per row (an all-ones mask is
 passed on as no mask, which both functions treat alike; positions are not packed). The step plan
 enters it only for a batch without padding (`padding=0`); with padding the general path is the
-real run's path too.
+real run's path too. For a packed row (`packed=True`, `DataCollatorWithFlattening`'s batch) the
+positions are left to `find_packed_sequence_indices`, which finds the sequences in a traced tensor
+as in the real row, whose positions do restart.
 """
 
 from __future__ import annotations
@@ -79,9 +81,9 @@ _PATCHES = (("_ignore_causal_mask_sdpa", _mask_as_all_ones), ("_ignore_bidirecti
 
 
 @contextlib.contextmanager
-def unpadded_batch() -> Iterator[None]:
+def unpadded_batch(packed: bool = False) -> Iterator[None]:
     """While active, transformers' mask helpers see fake masks as all ones and fake positions as
-    one sequence per row (see the module docstring)."""
+    one sequence per row, or as packed sequences with `packed` (see the module docstring)."""
     try:
         from transformers import masking_utils
     except ImportError:  # an older transformers without the module: nothing to answer
@@ -89,6 +91,8 @@ def unpadded_batch() -> Iterator[None]:
         return
     saved: List[Tuple[str, Any]] = []
     for name, wrap in _PATCHES:
+        if packed and wrap is _unpacked:
+            continue
         original = getattr(masking_utils, name, None)
         if original is not None:
             saved.append((name, original))

@@ -94,6 +94,11 @@ class StepSettings:
             after the forward of each step whose `global_step` it divides (the allocator replay).
         target_len, image_size, padding: the rest of the micro-batch's shape: a seq2seq model's
             labels length, an image model's height and width, the padded positions of the batch.
+        packing: padding-free batches (`DataCollatorWithFlattening`): the micro-batch is one row of
+            `packing` tokens, sequences of `seq_len` each and the rest one shorter, positions
+            restarting at each (`trainer_memcb.plan.model.step_inputs`); None: rows of `seq_len`.
+        torch_compile: the Trainer's `torch_compile=True` (True, or None where not asked): the step
+            is still traced eagerly, and the plan says its figures are the eager step's.
         attn_implementation: the attention path to trace ("eager", "sdpa", ...); None keeps the
             model config's.
         device_type: the device the run uses ("cuda" or "cpu", `DEVICE_TYPES`).
@@ -133,6 +138,8 @@ class StepSettings:
     target_len: Optional[int] = None
     image_size: Optional[int] = None
     padding: int = 0
+    packing: Optional[int] = None
+    torch_compile: Optional[bool] = None
     attn_implementation: Optional[str] = None
     device_type: str = "cuda"
     device_memory: Optional[int] = None
@@ -209,6 +216,7 @@ def _check_step_shape(settings: "StepSettings") -> None:
         if value is not None and not _whole(value, least):
             what = "a whole number of bytes" if name != "padding" else "a whole number"
             raise ValueError(f"{name}={value!r}: expected {what}, at least {least}")
+    _check_packing(settings)
     if settings.device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type={settings.device_type!r} is not one of: {', '.join(DEVICE_TYPES)}")
     if isinstance(settings.gpu, GpuPreset):
@@ -219,6 +227,24 @@ def _check_step_shape(settings: "StepSettings") -> None:
         object.__setattr__(settings, "alloc_conf", settings.alloc_conf.text)
     elif settings.alloc_conf is not None:
         as_alloc_conf(settings.alloc_conf)
+
+
+def _check_packing(settings: "StepSettings") -> None:
+    """A packed micro-batch is one row of at least one sequence, without padding."""
+    packing = settings.packing
+    if packing is None:
+        return
+    if not _whole(packing, 1):
+        raise ValueError(f"packing={packing!r}: expected a whole number of tokens, at least 1")
+    if settings.batch_size not in (None, 1):
+        raise ValueError(f"packing={packing} makes the micro-batch one row (DataCollatorWithFlattening concatenates "
+                         f"the batch's sequences): batch_size={settings.batch_size} has no meaning with it; give "
+                         f"batch size 1 and the row's tokens as packing")
+    if settings.padding:
+        raise ValueError(f"packing={packing} is a padding-free batch: padding={settings.padding} has no meaning with it")
+    if settings.seq_len is not None and packing < settings.seq_len:
+        raise ValueError(f"packing={packing} is fewer tokens than one sequence (seq_len={settings.seq_len}): give "
+                         f"at least {settings.seq_len}")
 
 
 class SettingsFileError(ValueError):
@@ -479,6 +505,8 @@ def _put_training_args(got: _Resolving, args: Mapping[str, Any]) -> None:
         got.put("max_grad_norm", float(args["max_grad_norm"] or 0.0), arg)
     got.put("bucket_cap_mb", args.get("ddp_bucket_cap_mb"), arg)
     got.put("torch_empty_cache_steps", args.get("torch_empty_cache_steps"), arg)
+    # Only when on: a dumped TrainingArguments names torch_compile=false, which changes nothing.
+    got.put("torch_compile", True if args.get("torch_compile") else None, arg)
     if "ddp_find_unused_parameters" in args:
         # Trainer._build_accelerator_args: ddp_find_unused_parameters when set, otherwise True for a
         # model without gradient checkpointing (a PreTrainedModel with it: False).

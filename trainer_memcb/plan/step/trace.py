@@ -694,6 +694,8 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
                                           quantization=quantization))[1] if shared is not None else None
     seq_len, device_type, padding = settings.seq_len, settings.device_type, settings.padding
     input_options = dict(target_len=settings.target_len, image_size=settings.image_size, padding=padding)
+    if settings.packing is not None:
+        input_options["packing"] = settings.packing
     compute_capability = compute_capability_of(settings)
     kept: Optional[List[_Prefix]] = [] if shared is not None else None
     engine = engine_for(settings)
@@ -755,12 +757,13 @@ def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
 
 def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
     """The contexts a fake step runs in around its own: MoE's grouped products in any dtype, the
-    batch read as unpadded (where `padding` is 0), the model's value checks passed, and on "cuda"
+    batch read as unpadded (where `padding` is 0; its positions as packed with `packing`), the model's value checks passed, and on "cuda"
     transformers' `flash_attention_2` run by flash-attn's kernels as stand-ins (`plan.step.flash_attn`)."""
     flash = (flash_attention_2_as_cuda(compute_capability_of(settings), _preset_name(settings.gpu), padding)
              if settings.device_type == "cuda" else contextlib.nullcontext())
-    return [grouped_mm_any_dtype(), unpadded_batch() if not padding else contextlib.nullcontext(), passed_checks(),
-            flash]
+    # A packed row's positions restart: transformers' packed mask is the real run's path too.
+    return [grouped_mm_any_dtype(), unpadded_batch(packed=settings.packing is not None) if not padding
+            else contextlib.nullcontext(), passed_checks(), flash]
 
 
 def _preset_name(gpu: Optional[str]) -> Optional[str]:
