@@ -206,3 +206,24 @@ def test_flash_attention_off_cuda_is_refused_before_anything_is_traced():
     assert (run.returncode, run.stdout) == (2, "")
     assert run.stderr == ("trainer-memcb: error: --attn-implementation 'flash_attention_2' runs on CUDA only "
                           "(flash-attn's kernels), not on cpu: give --device-type cuda, or sdpa or eager\n")
+
+
+def test_one_row_is_planned_as_one_sequence(tmp_path):
+    # At batch size 1 transformers' flash path asks whether the row packs several sequences
+    # (`_is_packed_sequence`, a value read): the plan's unpacked row is one sequence, as a real one.
+    # Before, the step ended untraced (aten._local_scalar_dense).
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128,
+        "max_position_embeddings": 256}))
+    steps = {}
+    for attn in ("flash_attention_2", "sdpa"):
+        run = subprocess.run([sys.executable, "-m", "trainer_memcb", "estimate", str(tmp_path), "--batch-size", "1",
+                              "--seq-len", "16", "--attn-implementation", attn, "--dtype", "bfloat16", "--gpu",
+                              "a100-40gb", "--json"], capture_output=True, text=True, cwd=ROOT)
+        assert run.returncode == 0, run.stderr
+        steps[attn] = json.loads(run.stdout)["step"]
+    assert steps["flash_attention_2"]["problem"] is None
+    assert any("flash_attn_func (2 calls)" in note for note in steps["flash_attention_2"]["notes"])
+    # What SDPA's flash backend saves, and each layer's 16-byte rng_state beside it.
+    assert steps["flash_attention_2"]["activations_bytes"] - steps["sdpa"]["activations_bytes"] == 2 * 16

@@ -19,6 +19,11 @@ and save what the real run never saves:
   answer at all (`aten._local_scalar_dense`): a fake mask is passed on as none, as the real
   unpadded batch's is.
 
+- `_is_packed_sequence(position_ids, batch_size)` (`modeling_flash_attention_utils`, the flash
+  paths' own check, made at batch size 1 only) reads whether the positions restart inside the
+  row: a fake row is answered as the real unpacked row, one sequence (at batch 1 flash_attention_2
+  could not be planned: `aten._local_scalar_dense`).
+
 - a vision-language model's `get_placeholder_mask` (Llava's and its kin's) checks, through
   `torch_compilable_check`, that the text's image tokens are as many as the image features: a
   value read. The plan's ids hold the placeholders where the processor puts them
@@ -80,6 +85,13 @@ _PATCHES = (("_ignore_causal_mask_sdpa", _mask_as_all_ones), ("_ignore_bidirecti
             ("find_packed_sequence_indices", _unpacked))
 
 
+def _one_sequence_a_row(original: Any) -> Any:
+    def _is_packed_sequence(position_ids: Any, batch_size: Any) -> Any:
+        return False if _is_fake(position_ids) else original(position_ids, batch_size)
+
+    return _is_packed_sequence
+
+
 @contextlib.contextmanager
 def unpadded_batch(packed: bool = False) -> Iterator[None]:
     """While active, transformers' mask helpers see fake masks as all ones and fake positions as
@@ -98,6 +110,8 @@ def unpadded_batch(packed: bool = False) -> Iterator[None]:
             saved.append((name, original))
             setattr(masking_utils, name, wrap(original))
     patched = _patch_4x_mask_helpers()
+    if not packed:
+        patched += _patch_flash_packed_check()
     registry = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", {})
     flash = {key: function for key, function in registry.items() if key.startswith("flash_attention")}
     registry.update({key: _flash_mask_as_all_ones(function) for key, function in flash.items()})
@@ -147,6 +161,19 @@ def _patch_checks() -> List[Tuple[Any, str, Any]]:
             setattr(module, "torch_compilable_check", check)
             patched.append((module, "torch_compilable_check", original))
     return patched
+
+
+def _patch_flash_packed_check() -> List[Tuple[Any, str, Any]]:
+    """`_is_packed_sequence` answers a fake row as one sequence (module docstring)."""
+    try:
+        from transformers import modeling_flash_attention_utils as flash_utils
+    except ImportError:
+        return []
+    original = getattr(flash_utils, "_is_packed_sequence", None)
+    if original is None:
+        return []
+    flash_utils._is_packed_sequence = _one_sequence_a_row(original)
+    return [(flash_utils, "_is_packed_sequence", original)]
 
 
 def _patch_4x_mask_helpers() -> List[Tuple[Any, str, Any]]:
