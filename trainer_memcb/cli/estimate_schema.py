@@ -103,7 +103,7 @@ def estimate_schema() -> Dict[str, Any]:
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
     for cls in (FitSearch, LargestBatch, StepPeak, DeviceFigures, WhatIf):
         defs[cls.__name__] = object_schema(cls, defs)
-    defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing"])
+    defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing", "preference"])
     step_plan = _document(
         "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the settings "
         "planned, the model states beside the step, the step's peak and its parts, the device (the allocator "

@@ -68,9 +68,20 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) if config is not None else None
     flags.update(_step_shape_and_device(args))
-    settings = resolve_settings(args.training_args, deepspeed=getattr(args, "deepspeed", None),
+    training_args: Any = args.training_args
+    dpo = getattr(args, "trainer", "trainer") == "dpo"
+    if dpo:  # a DPOConfig's JSON: its TrainingArguments, and its DPO fields as the step's (TRL's checks)
+        from trainer_memcb.plan.settings import read_json_file
+        from trainer_memcb.cli.dpo_config import dpo_settings
+
+        training_args, flags["preference"] = dpo_settings(read_json_file(args.training_args, "--training-args"),
+                                                          f"DPOConfig {args.training_args!r}",
+                                                          peft=getattr(args, "lora_r", None) is not None)
+    settings = resolve_settings(training_args, deepspeed=getattr(args, "deepspeed", None),
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden, **flags)
     sources = dict(settings.sources, **_not_flags(args, settings))
+    if dpo:
+        sources["preference"] = "DPOConfig (--trainer dpo)"
     if (not args.precision and not settings.zero_stage and settings.precision == "fp32"
             and sources.get("precision") != "flag" and (args.dtype or "float32") != "float32"):
         # The settings files name no mixed precision (bf16 and fp16 absent or false): the Trainer

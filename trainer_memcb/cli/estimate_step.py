@@ -113,10 +113,17 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
     explicit_dtype = explicit_dtype and not keep_dtypes
     say_progress("planning the model states")
     states = plan_model_states(model, settings.optimizer, setup, device_memory=memory, model_name=args.model,
-                               reference_model=args.reference_model, keep_dtypes=keep_dtypes)
+                               reference_model=args.reference_model or _dpo_reference(settings),
+                               keep_dtypes=keep_dtypes)
     build_model = first_then_new(model, functools.partial(estimate_model, args))
     return _StepTraces(args, build_model, quantization, states, bool(explicit_dtype),
                        keep_dtypes), settings
+
+
+def _dpo_reference(settings: Any) -> bool:
+    """Whether TRL's DPO step holds a frozen reference model (`--trainer dpo` without PEFT or
+    precomputed log-probs): the model states then count it."""
+    return settings.preference is not None and settings.preference.reference == "model"
 
 
 def _plan_at(traces: _StepTraces, settings: Any, batch: int) -> StepMemoryPlan:

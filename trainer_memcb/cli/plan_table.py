@@ -162,6 +162,8 @@ def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
          else settings.precision],
         ["optimizer step", settings.optimizer],
     ]
+    if settings.preference is not None:
+        about.insert(0, _trainer_row(settings.preference, step.peak_parts))
     if device.device_memory_bytes is not None:
         about += _memory_rows(device.device_memory_bytes, device.reserve_bytes, device.cuda_context_bytes or 0)
     tables = []
@@ -188,6 +190,21 @@ def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
                                 f"{settings.optimizer_implementation or '-'})", ["setting", "value", "from"], rows,
                                 text_columns=(0, 1, 2)))
     return tables
+
+
+# How each reference of TRL's DPO step is traced (`PlannedPreference.reference`).
+_REFERENCE_WORDS = {"model": "reference a frozen copy of the model",
+                    "adapters-disabled": "reference the model with its adapters disabled",
+                    "precomputed": "reference log-probs precomputed (no reference forward)"}
+
+
+def _trainer_row(preference: Any, peak_parts: Any) -> List[str]:
+    """The trainer traced (`--trainer dpo`), how its reference is traced, and the reference model's
+    share of the step's peak where it holds one."""
+    words = f"TRL DPOTrainer, {_REFERENCE_WORDS[preference.reference]}"
+    if "reference_model" in peak_parts:
+        words += f", {bytes_cell(peak_parts['reference_model'])} of the peak"
+    return ["trainer", words]
 
 
 def _micro_batch_words(settings: PlannedSettings, step: StepPeak) -> str:

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.answers.step_plan import DeviceFigures, PackedBatch, PlannedSettings, StepMemoryPlan, StepPeak, Verdict
+from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
+                                                  StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
@@ -319,7 +320,15 @@ def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_
                               if settings.gradient_checkpointing else {}),
         precision=settings.precision,
         param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
-        optimizer=settings.optimizer, used=[list(row) for row in settings.used()], packing=_packed_batch(settings))
+        optimizer=settings.optimizer, used=[list(row) for row in settings.used()], packing=_packed_batch(settings),
+        preference=_planned_preference(settings))
+
+
+def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
+    step = settings.preference
+    if step is None:
+        return None
+    return PlannedPreference(trainer="dpo", reference=step.reference, beta=step.beta, loss_type=list(step.loss_type))
 
 
 def _packed_batch(settings: StepSettings) -> Optional[PackedBatch]:

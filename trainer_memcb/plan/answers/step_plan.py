@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from trainer_memcb.plan.step.timeline import Timeline
 
-__all__ = ["DeviceFigures", "PackedBatch", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
+__all__ = ["DeviceFigures", "PackedBatch", "PlannedPreference", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,23 @@ class PackedBatch:
 
 
 @dataclass(frozen=True)
+class PlannedPreference:
+    """TRL's preference step planned (`--trainer dpo`).
+
+    Attributes:
+        trainer: "dpo" (TRL's `DPOTrainer`).
+        reference: where the reference log-probs come from: "model" (a frozen copy),
+            "adapters-disabled" (PEFT's base model) or "precomputed" (read from the batch).
+        beta, loss_type: `DPOConfig.beta` and its losses.
+    """
+
+    trainer: str
+    reference: str
+    beta: float
+    loss_type: List[str]
+
+
+@dataclass(frozen=True)
 class PlannedSettings:
     """What the step plan planned: the settings as resolved once, and what the trace made of them.
 
@@ -51,6 +68,8 @@ class PlannedSettings:
         used: [setting, value, where it came from] for each setting the plan read.
         packing: the packed row and its padded equivalent (`--packing`); None (and left out of the
             JSON form) for a batch of rows.
+        preference: TRL's DPO step (`--trainer dpo`); None (and left out of the JSON form) for the
+            Trainer's own step.
     """
 
     model: str
@@ -69,12 +88,15 @@ class PlannedSettings:
     gradient_accumulation_steps: int = 1
     used: List[List[Any]] = field(default_factory=list)
     packing: Optional[PackedBatch] = None
+    preference: Optional[PlannedPreference] = None
 
     def to_dict(self) -> Dict[str, Any]:
-        """The JSON form: the fields, `packing` only for a packed batch."""
+        """The JSON form: the fields, `packing` only for a packed batch, `preference` only for TRL's step."""
         document = asdict(self)
         if self.packing is None:
             del document["packing"]
+        if self.preference is None:
+            del document["preference"]
         return document
 
 

@@ -180,10 +180,11 @@ class StepSettings:
         return _offloaded(self.zero.get("offload_param")) or self.fsdp_cpu_offload
 
     def used(self) -> Tuple[Tuple[str, Any, str], ...]:
-        """(name, value, source) for every setting, in field order; ZeRO's keys as `zero.KEY`."""
+        """(name, value, source) for every setting, in field order; ZeRO's keys as `zero.KEY`; the
+        DPO step (`preference`) is the plan's own entry (`PlannedSettings.preference`), not a row."""
         rows = []
         for item in dataclasses.fields(self):
-            if item.name in ("zero", "sources") or getattr(self, item.name) is None:
+            if item.name in ("zero", "sources", "preference") or getattr(self, item.name) is None:
                 continue
             rows.append((item.name, getattr(self, item.name), self.sources.get(item.name, _DEFAULT)))
         for key in sorted(self.zero):

@@ -1,0 +1,109 @@
+"""`trainer-memcb estimate MODEL --trainer dpo --training-args DPOCONFIG.json`: TRL's DPO step
+planned from the user's DPOConfig, the same bytes as the Python plan of `tests/plan/test_dpo_step.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, List
+
+import pytest
+
+from helpers import requires_version
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              requires_version("trl", "1.16", "DPOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
+
+trl = pytest.importorskip("trl", reason="TRL is in the test extra")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: Any) -> dict:
+    from plan.test_dpo_step import BATCH, MAX_LENGTH, _config
+    from trl import DPOConfig
+
+    folder = tmp_path_factory.mktemp("dpo-cli")
+    _config().save_pretrained(folder / "llama")
+    paths = {"model": str(folder / "llama")}
+    for name, extra in (("dpo", {}), ("precomputed", {"precompute_ref_log_probs": True})):
+        config = DPOConfig(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=BATCH,
+                           max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
+                           **extra)
+        (folder / f"{name}.json").write_text(config.to_json_string())
+        paths[name] = str(folder / f"{name}.json")
+    (folder / "trainer.json").write_text(json.dumps({"per_device_train_batch_size": 2}))
+    (folder / "typo.json").write_text(json.dumps({"betta": 0.1}))
+    (folder / "hinge2.json").write_text(json.dumps({"beta": 0.0}))
+    paths.update(trainer=str(folder / "trainer.json"), typo=str(folder / "typo.json"), beta0=str(folder / "hinge2.json"))
+    return paths
+
+
+def _argv(files: dict, config: str, *more: str) -> List[str]:
+    return ["estimate", files["model"], "--trainer", "dpo", "--training-args", files[config], "--seq-len", "32",
+            "--device-type", "cpu", "--attn-implementation", "sdpa", *more]
+
+
+@pytest.mark.parametrize("reference,config,more", [
+    ("model", "dpo", []), ("precomputed", "precomputed", []),
+    ("adapters-disabled", "dpo", ["--lora-r", "4", "--lora-target-modules", "q_proj,v_proj"])])
+def test_the_command_plans_the_python_plans_dpo_step(files: dict, capsys: Any, reference: str, config: str,
+                                                     more: List[str]) -> None:
+    from plan.test_dpo_step import _planned
+
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, config, *more, "--json")) == 0
+    document = json.loads(capsys.readouterr().out)
+    planned = _planned(reference).step
+    assert document["step"]["peak_bytes"] == planned.peak_bytes
+    assert document["step"]["peak_parts"] == dict(planned.peak_parts)
+    assert document["settings"]["preference"] == {"trainer": "dpo", "reference": reference, "beta": 0.1,
+                                                  "loss_type": ["sigmoid"]}
+    assert document["step"]["peak_bytes"] == {"model": 17_413_348, "precomputed": 17_322_100,
+                                              "adapters-disabled": 16_958_512}[reference]
+
+
+def test_the_table_names_the_trainer_and_the_references_share(files: dict) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    done = subprocess.run([sys.executable, "-m", "trainer_memcb", *_argv(files, "dpo")], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(None, 1) for line in done.stdout.splitlines() if line.startswith("trainer ")]
+    assert [row[1].strip() for row in rows] == [
+        "TRL DPOTrainer, reference a frozen copy of the model, 89.1 KiB (91,264) of the peak"]
+    [peak] = [line for line in done.stdout.splitlines() if line.startswith("step peak ")]
+    assert peak.split(None, 2)[2].strip() == "16.6 MiB (17,413,348), in the backward"
+
+
+@pytest.mark.parametrize("case,code,message", [
+    (["--zero", "2"], 2, "--trainer dpo is planned on one process without sharding so far"),
+    (["--reference-model"], 2, "--reference-model with --trainer dpo"),
+])
+def test_refusals_before_the_file(files: dict, capsys: Any, case: List[str], code: int, message: str) -> None:
+    from trainer_memcb.cli import main
+
+    argv = ["estimate", files["model"], "--trainer", "dpo", "--training-args", files["dpo"], "--device-type", "cpu"]
+    assert main(argv + ["--seq-len", "32"] + case) == code
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("trainer-memcb: error: " + message), line
+
+
+@pytest.mark.parametrize("config,code,line", [
+    ("trainer", 2, "trainer-memcb: error: --trainer dpo: DPOConfig {trainer!r} names none of DPOConfig's own fields "
+                   "(beta, max_length, loss_type, precompute_ref_log_probs, ...): it is not a DPOConfig's JSON (write "
+                   "one with DPOConfig(...).to_json_string())"),
+    ("typo", 1, "trainer-memcb: DPOConfig {typo!r}: 'betta' is not a DPOConfig field (DPOConfig(**args) raises "
+                "TypeError); did you mean 'beta'?"),
+    ("beta0", 2, "trainer-memcb: error: --trainer dpo: DPOConfig {beta0!r}: beta 0.0: expected a number above 0 "
+                 "(DPO's loss divides by it)"),
+])
+def test_a_file_that_is_not_a_good_dpoconfig_is_one_line(files: dict, capsys: Any, config: str, code: int,
+                                                         line: str) -> None:
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, config, "--batch-size", "2")) == code
+    assert capsys.readouterr().err.splitlines() == [line.format(**files)]
