@@ -36,6 +36,13 @@ def _defaults(cls: Any) -> Dict[str, Any]:
     return values
 
 
+def _release(version: str) -> Tuple[int, ...]:
+    """`"1.14.2"` -> (1, 14, 2); a pre-release's suffix (`"1.16.0rc1"`) ends its number."""
+    import re
+
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
+
+
 def dpo_settings(values: Mapping[str, Any], where: str, *, peft: bool) -> Tuple[Dict[str, Any], Any]:
     """The `TrainingArguments` values and the `DpoStep` of a `DPOConfig`'s JSON object `values`
     (read from `where`, named in the messages), for a model trained with PEFT adapters or not.
@@ -43,11 +50,18 @@ def dpo_settings(values: Mapping[str, Any], where: str, *, peft: bool) -> Tuple[
     Raises:
         SettingsFileError: a key that is not a `DPOConfig` field, or a `TrainingArguments` value
             the Trainer refuses (`check_training_args`).
-        ValueError: a file naming none of `DPOConfig`'s own fields (not a DPOConfig), or a DPO
+        ValueError: an installed trl older than 1.16, a file naming none of `DPOConfig`'s own fields (not a DPOConfig), or a DPO
             value TRL refuses or the step is not planned for (`dpo_step_from_config`).
     """
+    import importlib.metadata
+
     from transformers import TrainingArguments
     from trl import DPOConfig
+
+    installed = importlib.metadata.version("trl")
+    if _release(installed) < (1, 16):
+        raise ValueError(f"--trainer dpo needs trl 1.16 or newer (the step planned is its DPOTrainer's, with the fused "
+                         f"LM head); installed: trl {installed}")
 
     from trainer_memcb.plan.settings.step_settings import SettingsFileError, check_training_args
     from trainer_memcb.plan.step.preference import dpo_step_from_config
