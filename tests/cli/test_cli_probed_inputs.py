@@ -85,7 +85,7 @@ def test_the_package_has_one_whole_number_parser() -> None:
     assert {name for name, kind in types.items() if kind in (positive_int, non_negative_int)} == {
         "batch_size", "seq_len", "eval_samples", "eval_batch_size", "eval_accumulation_steps",
         "gradient_accumulation_steps", "world_size", "nodes", "lora_r", "target_len", "image_size", "replicate",
-        "max_proposals", "rank", "padding"}
+        "max_proposals", "rank", "padding", "packing"}
 
 
 # -- sizes: a byte count is whole -----------------------------------------------------------------
