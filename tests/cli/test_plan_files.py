@@ -18,10 +18,18 @@ import pytest
 from trainer_memcb.cli import main
 from trainer_memcb.plan.device.snapshot_replay import replay_snapshot
 
+from helpers import installed_version
+
 ROOT = pathlib.Path(__file__).parents[2]
 TINY = str(ROOT / "examples" / "models" / "tiny-distilbert")
 STEP = ["estimate", TINY, "--batch-size", "2", "--seq-len", "8"]
 RESERVED_PEAK = 33_554_432  # the tiny step's, two steps through the caching allocator
+# On transformers 4.x (the oldest releases allowed) the tiny DistilBERT's step holds 4 bytes less at
+# its peak and its snapshot one allocation fewer (a 0-dim scalar transformers 5 makes and keeps; not
+# traced further).
+OLDEST_TRANSFORMERS = installed_version("transformers") < (5,)
+SCALAR = 0 if OLDEST_TRANSFORMERS else 4
+EVENTS = 1564 if OLDEST_TRANSFORMERS else 1565
 
 
 def env() -> dict:
@@ -37,7 +45,7 @@ def test_the_command_writes_both_and_the_snapshot_reads_back_to_the_plan(tmp_pat
     assert document["device"]["reserved_peak_bytes"] == RESERVED_PEAK
     # (other libraries' import chatter in this process aside)
     assert [line for line in err.splitlines() if line.startswith("trainer-memcb:")] == [
-        f"trainer-memcb: wrote {snapshot}: the planned step's allocator replay as a memory snapshot (1,565 events, "
+        f"trainer-memcb: wrote {snapshot}: the planned step's allocator replay as a memory snapshot ({EVENTS:,} events, "
         f"reserved peak 32.0 MiB (33,554,432); read it with trainer-memcb snapshot {snapshot})",
         f"trainer-memcb: wrote {page}: a page of the planned step (open it in a browser; it fetches nothing)"]
     assert sorted(os.listdir(tmp_path)) == ["plan.html", "plan.pickle"]  # no temporary file left
@@ -49,7 +57,7 @@ def test_the_command_writes_both_and_the_snapshot_reads_back_to_the_plan(tmp_pat
     [read] = json.loads(capsys.readouterr().out)["devices"]
     assert read["real"] == read["replayed"] == {
         "reserved_peak_bytes": RESERVED_PEAK, "segments_created": 7, "segments_freed": 0}
-    assert read["events"] == 1565 and read["first_divergence"] is None
+    assert read["events"] == EVENTS and read["first_divergence"] is None
     text = page.read_text(encoding="utf-8")
     assert "reserved peak 32.0 MiB (33,554,432)" in text and 'id="peak-marker"' in text
 
@@ -111,7 +119,7 @@ def test_a_cpu_plan_draws_its_page_without_a_reserved_line(tmp_path, capsys):
     assert main([*STEP, "--device-type", "cpu", "--write-html", str(page)]) == 0
     text = page.read_text(encoding="utf-8")
     assert 'id="reserved-line"' not in text and "no caching allocator on this device type" in text
-    assert "peak 7.7 MiB (8,059,860), step 2, optimizer step" in text
+    assert f"peak 7.7 MiB ({8_059_856 + SCALAR:,}), step 2, optimizer step" in text
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +160,7 @@ def test_the_page_renders_in_headless_chromium(page, tmp_path):
     dom = done.stdout
     # The DOM after the page's script ran: the chart, each part stacked, the reserved line, the peak.
     for expected in ('id="chart"', 'id="reserved-line"', 'id="peak-marker"', 'id="reserved-peak-marker"',
-                     "peak 26.9 MiB (28,213,204), step 2, optimizer step",
+                     f"peak 26.9 MiB ({28_213_200 + SCALAR:,}), step 2, optimizer step",
                      "reserved peak 32.0 MiB (33,554,432)", "step 1, forward", "step 2, backward",
                      "step 2, optimizer step"):
         assert expected in dom, expected

@@ -20,7 +20,15 @@ from trainer_memcb.plan.device.snapshot_file import read_snapshot
 from trainer_memcb.plan.device.snapshot_replay import replay_snapshot
 from trainer_memcb.plan.optimizers.whatif import build_meta_model
 
+from helpers import installed_version
+
 TINY = "examples/models/tiny-distilbert"
+# On transformers 4.x (the oldest releases allowed) the tiny DistilBERT's step holds 4 bytes less at
+# its peak and its snapshot one allocation fewer (a 0-dim scalar transformers 5 makes and keeps; not
+# traced further).
+OLDEST_TRANSFORMERS = installed_version("transformers") < (5,)
+SCALAR = 0 if OLDEST_TRANSFORMERS else 4
+EVENTS = 1564 if OLDEST_TRANSFORMERS else 1565
 MiB = 1024 ** 2
 
 
@@ -52,9 +60,9 @@ def test_the_snapshot_is_the_plans_two_steps_in_torchs_format(cuda_plan, snapsho
     assert set(snapshot) == {"segments", "device_traces", "allocator_settings"}
     assert plain(snapshot)
     [trace] = snapshot["device_traces"]
-    assert len(trace) == 1565
+    assert len(trace) == EVENTS
     assert collections.Counter(event["action"] for event in trace) == {
-        "alloc": 632, "free_requested": 463, "free_completed": 463, "segment_alloc": 7}
+        "alloc": EVENTS - 2 * 463 - 7, "free_requested": 463, "free_completed": 463, "segment_alloc": 7}
     assert all(set(event) == {"action", "addr", "size", "stream", "frames"} for event in trace)
     # The first event: the allocator takes its first 2 MiB segment for the model's first parameter.
     assert trace[0] == {"action": "segment_alloc", "addr": 2 * MiB, "size": 2 * MiB, "stream": 0, "frames": [
@@ -120,7 +128,7 @@ def test_a_cpu_plan_has_no_allocator_to_snapshot():
     series = step_series(plan)
     # No allocator: the series is the timeline's bytes, its peak the plan's (the second step's).
     assert series.reserved_peak_bytes is None and {point.reserved for point in series.points} == {None}
-    assert series.peak.total == plan.step.peak_bytes == 8_059_860
+    assert series.peak.total == plan.step.peak_bytes == 8_059_856 + SCALAR
     assert "cuda_workspaces" not in series.parts
 
 
@@ -128,7 +136,7 @@ def test_the_series_is_the_replay_by_part(cuda_plan):
     series = step_series(cuda_plan)
     assert series.reserved_peak_bytes == cuda_plan.device.reserved_peak_bytes
     # The most alive at once is the plan's peak with CUDA's cuBLAS workspaces, which the trace does not make.
-    assert series.peak.total == cuda_plan.step.peak_bytes + cuda_plan.device.cuda_workspace_bytes == 28_213_204
+    assert series.peak.total == cuda_plan.step.peak_bytes + cuda_plan.device.cuda_workspace_bytes == 28_213_200 + SCALAR
     assert series.peak.phase == "step 2, " + cuda_plan.step.peak_phase
     by_part = dict(zip(series.parts, series.peak.parts))
     assert {part: by_part.get(part, 0) for part in cuda_plan.step.peak_parts} == cuda_plan.step.peak_parts
