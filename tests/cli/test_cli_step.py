@@ -268,7 +268,7 @@ def test_zero2_on_several_processes_answers_for_the_fuller_of_the_first_and_last
     assert default["peak_bytes"] == last["peak_bytes"]
     used = {name: (value, source) for name, value, source in document["settings"]["used"]}
     assert used["rank"] == (3, "default: the fuller of ranks 0 and 3")
-    assert f"rank 3 holds the most of ranks 0 and 3 at its peak (rank 0 " in " ".join(default["notes"])
+    assert "rank 3 holds the most of ranks 0 and 3 at its peak (rank 0 " in " ".join(default["notes"])
     assert f"({first['peak_bytes']:,})" in " ".join(default["notes"])
 
 

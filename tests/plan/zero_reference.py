@@ -28,7 +28,7 @@ module holds itself (`stage3.py` `model_to_params`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 __all__ = ["DeepSpeedFigures", "PlanFigures", "TERMS", "ZERO_ROWS", "deepspeed_config", "deepspeed_figures", "largest_layer_params",
            "legend_lines", "plan_figures", "plan_row", "summary_lines", "term_lines", "total_params", "trainer_groups"]

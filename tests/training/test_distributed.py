@@ -10,7 +10,6 @@ The tests that read a job are marked `slow` (a job takes 20 to 90 s here): `.ci/
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
 import os
 import subprocess

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import pytest
-import torch
 from transformers import Trainer, TrainerCallback
 
 from helpers import TinyDataset, accuracy_and_f1, entries_with, tiny_classifier, training_args

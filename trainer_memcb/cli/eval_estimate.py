@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 from trainer_memcb.cli.choices import EVAL_LOGITS, positive_int
 from trainer_memcb.cli.output import TextTable, bytes_cell
 from trainer_memcb.cli.progress import say_progress
-from trainer_memcb.utils.units import parse_bytes, parse_size
+from trainer_memcb.utils.units import parse_size
 
 if TYPE_CHECKING:
     from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan, EvalSettings

@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional, Sequence
 from trainer_memcb.cli.choices import DEFAULT_METRICS
 from trainer_memcb.cli.output import TextTable, bytes_cell, count_cell, metric_cell
 from trainer_memcb.training.figures import (
-    BREAKDOWN_KEY_PREFIXES,
     ESTIMATE_BYTES,
     MEASURED_BYTES,
     MODEL_STATES_BYTES,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan, EvalSettings
 from trainer_memcb.plan.answers.fit import FitCandidate, FitSearch

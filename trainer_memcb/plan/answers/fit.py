@@ -283,16 +283,17 @@ def step_planner(build_model: Callable[[], torch.nn.Module], seq_len: Optional[i
     from trainer_memcb.plan.settings import resolve_settings
 
     def plan(training_args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]], **extra: Any) -> StepMemoryPlan:
-        build = build_model
         options = dict(plan_options)
-        if extra.get("lora_r"):
+        rank = extra.get("lora_r")
+
+        def build() -> torch.nn.Module:
+            if not rank:
+                return build_model()
             from trainer_memcb.plan.model.lora import add_lora_adapters
 
-            rank = extra["lora_r"]
+            return add_lora_adapters(build_model(), rank, None, None)
 
-            def build() -> torch.nn.Module:
-                return add_lora_adapters(build_model(), rank, None, None)
-
+        if rank:
             options["keep_dtypes"] = True
         if extra.get("load_in_4bit"):
             from trainer_memcb.plan.model.quantized import Quantization

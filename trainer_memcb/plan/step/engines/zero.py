@@ -551,9 +551,9 @@ class ZeroEngine(StepEngine):
             # the gradient's slice in this partition, taken in fp64 (`get_norm_dtype()`): an fp64
             # copy of the slice for a moment, its 0-dim norm kept until the step's
             # `reset_cpu_buffers`; then the slice goes into the host's fp32 gradient partition.
-            copy = torch.empty(in_partition, dtype=torch.float64)
+            fp64_slice = [torch.empty(in_partition, dtype=torch.float64)]  # alive while the norm is taken
             self._norms.append(torch.empty((), dtype=torch.float64))
-            del copy
+            fp64_slice.clear()
         if self.stage == 1 and not in_partition:
             # reduce_ipg_grads clears the gradients of other partitions only when it partitions
             # them (`partition_gradients`, ZeRO-2): ZeRO-1 keeps a whole gradient (one too large for
