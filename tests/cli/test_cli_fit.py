@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from helpers import requires_transformers, rotary_buffers_beyond_transformers_5s, tiny_llama_folder
+from helpers import TRANSFORMERS_4, requires_transformers, rotary_buffers_beyond_transformers_5s, tiny_llama_folder
 from trainer_memcb.cli import main
 
 COMMON = ["--optimizers", "adamw_torch", "--seq-len", "64", "--device-type", "cpu"]
@@ -93,3 +93,58 @@ def test_fit_with_the_evaluation_plan_proposes_eval_batches_and_accumulation(tin
     first = fit["candidates"][0]
     assert first["training_args"] == {"per_device_eval_batch_size": 8, "eval_accumulation_steps": 1}
     assert (first["peak_bytes"], first["fits"]) == (2_307_936, True) and len(fit["candidates"]) == 4
+
+
+# The golden plans' tiny Llama (tests/data/golden), the figures below its.
+GOLDEN_LLAMA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "golden", "tiny-llama")
+FLASH = ["--optimizers", "adamw_torch", "--seq-len", "256", "--batch-size", "4", "--device-type", "cuda",
+         "--reserve", "0B"]
+
+
+def _fit(folder: str, capsys, *argv: str) -> dict:
+    code = main(["estimate", folder, *FLASH, *argv, "--fit", "--max-proposals", "2", "--json"])
+    assert code in (0, 3)
+    return json.loads(capsys.readouterr().out)["answers"]["fit"]
+
+
+def test_fit_proposes_flash_attention_2_where_eager_attention_runs_in_16_bits_on_cuda(tmp_path, capsys):
+    tiny_llama_dir = GOLDEN_LLAMA
+    # 470 MiB less the CUDA context leaves 24 MiB: eager attention's step reserves 50 MiB (each
+    # layer's [4, 4, 256, 256] probabilities), flash_attention_2's 28 MiB.
+    fit = _fit(tiny_llama_dir, capsys, "--dtype", "bfloat16", "--attn-implementation", "eager",
+               "--device-memory", "470MiB")
+    first = fit["candidates"][0]
+    assert fit["fits_as_is"] is False and fit["own"]["reserved_peak_bytes"] == 50 * 2**20
+    assert (first["changes"], first["needs_package"], first["fits"]) == ({"attn_implementation": "flash_attention_2"},
+                                                                        "flash-attn", True)
+    assert first["reserved_peak_bytes"] == 28 * 2**20 and first["margin_bytes"] == 16 * 2**20
+    # The proposal's figures are the plan of the same setting given on the command line, its FLOPs SDPA's
+    # (the same two matmuls a layer; flash_attention_2's custom ops are counted by SDPA's formulas).
+    for attention in ("flash_attention_2", "sdpa"):
+        assert main(["estimate", tiny_llama_dir, *FLASH, "--dtype", "bfloat16", "--attn-implementation", attention,
+                     "--device-memory", "470MiB", "--fit", "--max-proposals", "1", "--json"]) == 0
+        own = json.loads(capsys.readouterr().out)["answers"]["fit"]["own"]
+        assert own["step_flops"] == first["step_flops"]
+        if attention == "flash_attention_2":
+            # transformers 4.x keeps the rotary embedding's original_inv_freq (16 bytes) out of the buffers
+            assert own["peak_bytes"] == first["peak_bytes"] == 4_301_920 - (16 if TRANSFORMERS_4 else 0)
+    # The table marks it; the TrainingArguments written cannot hold it, so the command says it.
+    written = str(tmp_path / "args.json")
+    code = main(["estimate", tiny_llama_dir, *FLASH, "--dtype", "bfloat16", "--attn-implementation", "eager",
+                 "--device-memory", "470MiB", "--fit", "--max-proposals", "1", "--write-training-args", written])
+    captured = capsys.readouterr()
+    assert code == 0 and "flash_attention_2 attention (needs flash-attn)" in captured.out
+    assert ("load the model with attn_implementation='flash_attention_2' (a from_pretrained argument; needs "
+            "flash-attn)") in captured.err
+    with open(written) as handle:
+        assert "attn_implementation" not in json.load(handle)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dtype", "bfloat16", "--attn-implementation", "sdpa"],  # a GPU's SDPA takes its flash backend
+    ["--dtype", "float32", "--attn-implementation", "eager"],  # flash-attn takes 16-bit inputs only
+], ids=["sdpa", "fp32"])
+def test_fit_proposes_no_flash_attention_where_it_saves_nothing_or_cannot_run(capsys, argv):
+    fit = _fit(GOLDEN_LLAMA, capsys, *argv, "--device-memory", "1GiB")
+    assert fit["candidates"] and all("attn_implementation" not in c["changes"] for c in fit["candidates"])
+    assert all(c["needs_package"] is None for c in fit["candidates"])

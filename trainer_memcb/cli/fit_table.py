@@ -19,6 +19,7 @@ from trainer_memcb.plan.answers.fit import (
     FitCandidate,
     FitSearch,
     expandable_segments_option,
+    flash_attention_proposable,
     search_fits,
     training_args_of,
 )
@@ -84,6 +85,8 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
             more["seq_len"] = extra["seq_len"]
         if "alloc_conf" in extra:
             more["alloc_conf"] = extra["alloc_conf"]
+        if "attn_implementation" in extra:
+            given.attn_implementation = extra["attn_implementation"]
         if extra.get("lora_r"):
             given.lora_r = extra["lora_r"]
             more["build"] = lambda: estimate_model(given)
@@ -95,11 +98,13 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
         return plan_ranks(at, states_plan=plan_for_states(at), **more)
 
     precision = settings.precision
+    device_type = args.device_type or "cuda"
     return search_fits(planner, own, usable, own_deepspeed=own_deepspeed, world_size=settings.world_size,
-                       device_type=args.device_type or "cuda", trainable_values=trainable,
+                       device_type=device_type, trainable_values=trainable,
                        value_bytes=2 if precision not in ("fp32", "autocast-bf16", "autocast-fp16") else 4,
                        allow=args.allow, seq_len=args.seq_len, max_candidates=args.max_proposals,
-                       expandable_segments=expandable_segments_option(plan_step_memory))
+                       expandable_segments=expandable_segments_option(plan_step_memory),
+                       flash_attention=flash_attention_proposable(model, precision, device_type))
 
 
 def _time_cell(value: Optional[float]) -> str:
@@ -112,6 +117,8 @@ def _row(name: str, candidate: FitCandidate, reserved: bool) -> List[str]:
         marks.append("changes the optimizer")
     if candidate.alters_training:
         marks.append("changes the training")
+    if candidate.needs_package:
+        marks.append(f"needs {candidate.needs_package}")
     fits = "-" if candidate.fits is None else ("yes" if candidate.fits else "no")
     margin = "-" if candidate.margin_bytes is None else (
         bytes_cell(candidate.margin_bytes))  # signed: short is negative, in both figures
@@ -200,4 +207,7 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
     if args.write_training_args:
         write(args.write_training_args, training_args)
         said.append(f"wrote {args.write_training_args}: TrainingArguments of {first.label}")
+    if "attn_implementation" in first.changes:  # not a TrainingArguments field: said, not written
+        said.append(f"load the model with attn_implementation={first.changes['attn_implementation']!r} "
+                    f"(a from_pretrained argument; needs {first.needs_package})")
     return said

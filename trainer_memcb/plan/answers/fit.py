@@ -15,6 +15,9 @@ dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as th
   CPU, and FSDP2;
 - expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`), only where the plan
   models the caching allocator (`expandable_segments_option`);
+- transformers' flash_attention_2 where the user's own step traced eager attention and the caller
+  allows it (`flash_attention_proposable`: CUDA, 16 bits, a class that supports it), marked as
+  needing the flash-attn package;
 - with `allow`: a shorter sequence (`seq-len`) and LoRA adapters (`lora`), which change the training.
 
 Activation offloading is not proposed. transformers (5.x) has none of its own; TRL's
@@ -38,9 +41,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, LEANER_OPTIMIZERS, FitCandidate, FitSearch,
-                                                       deepspeed_config_of, describe_changes,
-                                                       expandable_segments_option, step_verdict, training_args_of)
+from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, FLASH_ATTENTION, LEANER_OPTIMIZERS,
+                                                       NEEDS_PACKAGE, FitCandidate, FitSearch, deepspeed_config_of,
+                                                       describe_changes, expandable_segments_option,
+                                                       flash_attention_proposable, step_verdict, training_args_of)
 from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS,
                                                  offload_transfer_bytes, step_seconds)
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
@@ -49,7 +53,7 @@ from trainer_memcb.plan.step.trace import counting_flops, sharing_traces, traced
 # The cost model and the candidates are modules of their own; their names stay importable here.
 __all__ = ["FitCandidate", "FitSearch", "FitBatch", "step_verdict", "search_fits", "largest_fitting_batch",
            "fit_batch_size", "step_planner", "training_args_of", "describe_changes",
-           "deepspeed_config_of", "expandable_segments_option", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
+           "deepspeed_config_of", "expandable_segments_option", "flash_attention_proposable", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
            "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS", "HOST_BANDWIDTH"]
 
 
@@ -122,6 +126,7 @@ class _Search:
             effective_batch=batch * micro * self.world_size, micro_batches=micro, step_flops=step_flops,
             host_transfer_bytes=transfer, changes_optimizer=optim != self.own_args.get("optim"),
             alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.step.problem, plan=plan,
+            needs_package=NEEDS_PACKAGE.get(changes.get("attn_implementation", "")),
             seconds=step_seconds(step_flops, micro, transfer, self.device_type))
         self.planned[key] = candidate
         return candidate
@@ -132,7 +137,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
                 trainable_values: int = 0, value_bytes: int = 2, allow: Iterable[str] = (),
                 seq_len: Optional[int] = None, max_candidates: int = 12,
                 optimizers: Sequence[str] = LEANER_OPTIMIZERS,
-                expandable_segments: Optional[Dict[str, str]] = None) -> FitSearch:
+                expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False) -> FitSearch:
     """Plan the user's own settings and the proposals that may fit, ranked by step time.
 
     Args:
@@ -153,6 +158,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         max_candidates: the most proposals planned (the own setting not counted).
         optimizers: the leaner optimizers tried.
         expandable_segments: `expandable_segments_option(...)` of the planner (None: not proposed).
+        flash_attention: propose `FLASH_ATTENTION` (through `extra`'s `attn_implementation`) where
+            the user's own step traced eager attention; `flash_attention_proposable` says where.
 
     Raises:
         ValueError: an unknown change in `allow`, a bad `max_candidates`.
@@ -169,6 +176,10 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
     with sharing_traces():
         own = search.plan({}, dict(own_args), own_deepspeed, own=True)
         base = dict(own_args)
+        # First, as it costs no step time and no change to what is learned, and saves the most
+        # where it applies (the probabilities of every layer, [B, H, L, L] each).
+        if flash_attention and own.plan is not None and own.plan.settings.attn_implementation == "eager":
+            search.plan(dict(FLASH_ATTENTION), dict(base), own_deepspeed, dict(FLASH_ATTENTION))
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
         if expandable_segments:
             search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
@@ -279,7 +290,8 @@ def step_planner(build_model: Callable[[], torch.nn.Module], seq_len: Optional[i
     into settings (`resolve_settings`, `world_size` processes) and its step planned with
     `plan_step_memory(build_model, ...)` (`plan_options`: `attn_implementation`, `dtype`, ...).
     `extra` may change the sequence (`seq_len`), add LoRA adapters (`lora_r`, over a 4-bit base
-    with `load_in_4bit`) or pass an allocator option (`alloc_conf`)."""
+    with `load_in_4bit`), pass an allocator option (`alloc_conf`) or an attention
+    (`attn_implementation`)."""
     from trainer_memcb.plan.settings import resolve_settings
 
     def plan(training_args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]], **extra: Any) -> StepMemoryPlan:
@@ -299,8 +311,9 @@ def step_planner(build_model: Callable[[], torch.nn.Module], seq_len: Optional[i
             from trainer_memcb.plan.model.quantized import Quantization
 
             options["quantization"] = Quantization()
-        if "alloc_conf" in extra:
-            options["alloc_conf"] = extra["alloc_conf"]
+        for name in ("alloc_conf", "attn_implementation"):
+            if name in extra:
+                options[name] = extra[name]
         meta = build()
         config = getattr(meta, "config", None)
         hidden = getattr(config, "hidden_size", None) if config is not None else None

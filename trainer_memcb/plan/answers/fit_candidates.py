@@ -13,7 +13,8 @@ from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_mem
 from trainer_memcb.plan.settings.step_settings import StepSettings
 
 __all__ = ["FitCandidate", "FitSearch", "step_verdict", "describe_changes", "expandable_segments_option",
-           "training_args_of", "deepspeed_config_of", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS"]
+           "training_args_of", "deepspeed_config_of", "flash_attention_proposable", "ALLOWED_CHANGES",
+           "LEANER_OPTIMIZERS", "FLASH_ATTENTION", "NEEDS_PACKAGE"]
 
 # Changes that alter what is learned, opened by `allow` (the command's --allow).
 ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
@@ -21,6 +22,16 @@ ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
 # 8-bit AdamW (2 bytes of state per value), its paged variant (the same bytes, pages moved to the
 # host under pressure), transformers' Adafactor (factored second moment, no first moment).
 LEANER_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
+# The attention proposed in place of eager attention: transformers' flash_attention_2, which holds
+# no [B, H, L, L] probabilities (`trainer_memcb.plan.step.flash_attn`). A `from_pretrained`
+# argument, not a TrainingArguments one.
+FLASH_ATTENTION = {"attn_implementation": "flash_attention_2"}
+# What a proposal's attention needs installed beside transformers: flash_attention_2 calls
+# flash-attn's kernels (`pip install flash-attn`).
+NEEDS_PACKAGE = {"flash_attention_2": "flash-attn"}
+# The precisions whose attention inputs are 16-bit, the only ones flash-attn's kernels take: a
+# model loaded in 16 bits, autocast (transformers casts fp32 inputs to autocast's dtype), DeepSpeed's.
+_HALF_PRECISIONS = ("bf16", "fp16", "autocast-bf16", "autocast-fp16", "deepspeed-bf16", "deepspeed-fp16")
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class FitCandidate:
         effective_batch: per-device batch x accumulation x processes.
         micro_batches: the accumulation steps; step_flops: one micro-batch's FLOPs (traced).
         host_transfer_bytes: bytes moved between host and device per step (offload).
+        needs_package: the package the proposal needs installed (`NEEDS_PACKAGE`), or None.
         changes_optimizer, alters_training: a different optimizer; a change that alters what is
             learned (`allow`).
         problem: why it could not be planned, or None.
@@ -60,6 +72,7 @@ class FitCandidate:
     changes_optimizer: bool = False
     alters_training: bool = False
     problem: Optional[str] = None
+    needs_package: Optional[str] = None
     plan: Optional[StepMemoryPlan] = field(default=None, repr=False, compare=False)
     seconds: Optional[float] = field(default=None, repr=False, compare=False)
 
@@ -76,7 +89,7 @@ class FitCandidate:
                 "step_flops": self.step_flops, "host_transfer_bytes": self.host_transfer_bytes,
                 "reserved_peak_bytes": self.reserved_peak_bytes,
                 "changes_optimizer": self.changes_optimizer, "alters_training": self.alters_training,
-                "problem": self.problem}
+                "problem": self.problem, "needs_package": self.needs_package}
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,8 @@ def describe_changes(changes: Dict[str, Any]) -> str:
         words.append("FSDP2 full shard")
     if "PYTORCH_CUDA_ALLOC_CONF" in changes:
         words.append(f"PYTORCH_CUDA_ALLOC_CONF={changes['PYTORCH_CUDA_ALLOC_CONF']}")
+    if "attn_implementation" in changes:
+        words.append(f"{changes['attn_implementation']} attention")
     if "seq_len" in changes:
         words.append(f"sequence length {changes['seq_len']}")
     if "lora_r" in changes:
@@ -168,6 +183,19 @@ def expandable_segments_option(planner: Callable[..., Any] = plan_step_memory) -
         return None
     takes = "alloc_conf" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     return {"alloc_conf": "expandable_segments:True"} if takes else None
+
+
+def flash_attention_proposable(model: Any, precision: str, device_type: str) -> bool:
+    """Whether `FLASH_ATTENTION` may be proposed for `model`: on CUDA (flash-attn's kernels run there
+    alone), at a 16-bit precision (they take fp16 and bf16 inputs only), for a class transformers
+    lets use it (`_supports_flash_attn`, `_supports_flash_attn_2` before transformers 4.54). The
+    search proposes it only where the user's own step traced eager attention: where SDPA runs, a GPU
+    takes its flash backend where it can, which saves what flash-attn saves."""
+    inner = model.base_model.model if hasattr(model, "peft_config") and hasattr(model, "base_model") else model
+    supports = getattr(inner, "_supports_flash_attn", None)
+    if supports is None:
+        supports = getattr(inner, "_supports_flash_attn_2", False)
+    return device_type == "cuda" and precision in _HALF_PRECISIONS and bool(supports)
 
 
 # The precision of a setting -> the TrainingArguments flags that give it (a model loaded in 16 bits,

@@ -248,6 +248,47 @@ def _define_ops() -> None:
 
     _define_backward_op()
     _define_varlen_ops()
+    _register_flop_formulas()
+
+
+def _heads_first(shape: Any) -> Tuple[int, ...]:
+    """[B, L, H, D] as SDPA's FLOP formulas take it, [B, H, L, D]."""
+    return (shape[0], shape[2], shape[1], shape[3])
+
+
+def _register_flop_formulas() -> None:
+    """The stand-ins' FLOPs, torch's SDPA formulas over flash-attn's layout (each of q's heads
+    against its key/value head, as the kernel computes it); a varlen call counted as its total
+    query tokens against `max_seqlen_k` keys each, exact for sequences of one length (the unpadded
+    full rows the plan traces), the most otherwise (the cumulative lengths are data)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from trainer_memcb.plan.step.flops import register_flop_formula
+
+    ops = torch.ops.trainer_memcb_flash
+
+    def forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+        return sdpa_flop_count(_heads_first(q), _heads_first(k), _heads_first(v))
+
+    def backward(dout: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+        return sdpa_backward_flop_count(_heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v))
+
+    def varlen(q: Any, k: Any, max_seqlen_k: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        return (1, q[1], q[0], q[2]), (1, k[1], max_seqlen_k, k[2])
+
+    def varlen_forward(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, *args: Any,
+                       **kwargs: Any) -> int:
+        query, key = varlen(q, k, max_k)
+        return sdpa_flop_count(query, key, key)
+
+    def varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any, cu_q: Any,
+                        cu_k: Any, max_q: int, max_k: int, *args: Any, **kwargs: Any) -> int:
+        query, key = varlen(q, k, max_k)
+        return sdpa_backward_flop_count(query, query, key, key)
+
+    for packet, formula in ((ops.fwd, forward), (ops.bwd, backward), (ops.varlen_fwd, varlen_forward),
+                            (ops.varlen_bwd, varlen_backward)):
+        register_flop_formula(packet, formula)
 
 
 def _define_backward_op() -> None:

@@ -11,11 +11,11 @@ same storages with it as without it.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
-__all__ = ["FlopCounting"]
+__all__ = ["FlopCounting", "register_flop_formula"]
 
 _ATEN = torch.ops.aten
 
@@ -31,6 +31,18 @@ def _sdpa_cpu_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: A
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
     return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# The formulas of ops defined after a counter may have been made (the flash-attention stand-ins'
+# custom ops, `trainer_memcb.plan.step.flash_attn`): op packet -> formula of shapes, as
+# `FlopCounterMode`'s `custom_mapping` takes them.
+_LATE_FORMULAS: Dict[Any, Callable[..., int]] = {}
+
+
+def register_flop_formula(packet: Any, formula: Callable[..., int]) -> None:
+    """Count `packet`'s FLOPs with `formula` (called with the shapes of its tensor arguments, as a
+    `FlopCounterMode` custom mapping is) in every count from now on, counters made before included."""
+    _LATE_FORMULAS[packet] = formula
 
 
 class FlopCounting:
@@ -50,7 +62,15 @@ class FlopCounting:
     def count(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
         # FlopCounterMode._count_flops: the formula of the op's packet, filed under "Global" (its
         # module tracker is never entered here).
-        self.counter._count_flops(func._overloadpacket, out, args, kwargs)
+        packet = func._overloadpacket
+        registry = self.counter.flop_registry
+        if packet not in registry:
+            if packet not in _LATE_FORMULAS:
+                return  # no formula: nothing counted
+            from torch.utils.flop_counter import shape_wrapper
+
+            registry[packet] = shape_wrapper(_LATE_FORMULAS[packet])
+        self.counter._count_flops(packet, out, args, kwargs)
 
     def so_far(self) -> int:
         """The FLOPs counted up to now."""
