@@ -36,6 +36,7 @@ def test_json_holds_the_exact_figures_and_validates() -> None:
     jsonschema.validate(document, committed)
     assert document == {"schema": SNAPSHOT_SCHEMA, "devices": [{
         "device": 0, "events": 5803, "streams": [0],
+        "capacity_bytes": None, "capacity_source": "unknown", "capacity_range_bytes": None,
         "real": {"reserved_peak_bytes": 134_217_728, "segments_created": 7, "segments_freed": 0},
         "replayed": {"reserved_peak_bytes": 134_217_728, "segments_created": 7, "segments_freed": 0},
         "first_divergence": None,
@@ -74,3 +75,19 @@ def test_bad_files_are_one_line_and_exit_1(tmp_path: pathlib.Path) -> None:
     assert not marker.exists()
     done = run(str(hostile), "--alloc-conf", "nope:1")
     assert done.returncode == 2 and done.stderr.startswith("trainer-memcb: error:")
+
+
+def test_a_capacity_from_release_and_retry_bursts_is_said_with_its_range(tmp_path: pathlib.Path) -> None:
+    # The allocator's own releases (its frames name DeviceCachingAllocator::malloc) on a 250 MiB device.
+    from plan.device.test_snapshot_replay import BURSTS, _recorded_with_frames
+
+    path = _recorded_with_frames(tmp_path, BURSTS, 250 * 2**20, "DeviceCachingAllocator::malloc")
+    done = run(path, "--json")
+    device = json.loads(done.stdout)["devices"][0]
+    assert (device["capacity_bytes"], device["capacity_source"], device["capacity_range_bytes"]) == (
+        262_144_000, "retry bursts", [262_144_000, 293_601_279])
+    assert device["first_divergence"] is None
+    done = run(path)
+    assert done.returncode == 0
+    assert ("device memory 250.0 MiB (262,144,000), the least its release-and-retry bursts allow (they allow up "
+            "to 280.0 MiB (293,601,279)); first divergence: none") in " ".join(done.stdout.split())

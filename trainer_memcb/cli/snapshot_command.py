@@ -95,7 +95,12 @@ def snapshot_tables(replay: Any, plans: Optional[Dict[int, Any]] = None) -> List
         if not device.settings_recorded:
             settings += " (the dump recorded no settings)"
         capacity = {"given": "as given", "oom event": "taken from its out-of-memory event",
+                    "retry bursts": "the least its release-and-retry bursts allow",
                     "unknown": "unknown: replayed with no limit"}[device.capacity_source]
+        if device.capacity_bytes is not None:
+            capacity = f"{bytes_cell(device.capacity_bytes)}, {capacity}"
+        if device.capacity_range_bytes is not None:
+            capacity += f" (they allow up to {bytes_cell(device.capacity_range_bytes[1])})"
         divergence = device.first_divergence
         parted = ("none: the replay creates and frees the real segments, in order"
                   if divergence is None else
@@ -108,9 +113,7 @@ def snapshot_tables(replay: Any, plans: Optional[Dict[int, Any]] = None) -> List
             f"{', '.join(map(str, device.streams))}; settings: {settings}",
             ["", "reserved peak", "segments created", "segments freed"], rows,
             note=(f"reserved when recording began: {bytes_cell(device.start_reserved_bytes)}; "
-                  f"device memory {capacity}"
-                  + (f" ({bytes_cell(device.capacity_bytes)})" if device.capacity_bytes else "")
-                  + f"; first divergence: {parted}")))
+                  f"device memory {capacity}; first divergence: {parted}")))
         rows = [[what.alloc_conf or "torch's defaults", bytes_cell(what.device_memory_bytes),
                  bytes_cell(what.reserved_peak_bytes), "yes" if what.oom else "no"]
                 for what in device.what_if]

@@ -34,13 +34,17 @@ SNAPSHOT_SCHEMA = "trainer-memcb/snapshot/2"
 
 @dataclass(frozen=True)
 class DeviceDocument:
-    """One device's trace: its events and streams, the real and the replayed reserved figures,
-    where they first part (null when they agree), and the what-ifs; with `--plan`, the trace
-    beside the planned step (`plan`, only then)."""
+    """One device's trace: its events and streams, the device memory it was replayed on and where
+    that came from ("given", "oom event", "retry bursts" with the range they allow, or "unknown"
+    and null), the real and the replayed reserved figures, where they first part (null when they
+    agree), and the what-ifs; with `--plan`, the trace beside the planned step (`plan`, only then)."""
 
     device: int
     events: int
     streams: Tuple[int, ...]
+    capacity_bytes: Optional[int]
+    capacity_source: str
+    capacity_range_bytes: Optional[Tuple[int, int]]
     real: SegmentFigures
     replayed: SegmentFigures
     first_divergence: Optional[Divergence]
@@ -60,8 +64,9 @@ def snapshot_document(replay: SnapshotReplay,
                       plans: Optional[Dict[int, PlanComparison]] = None) -> SnapshotDocument:
     """The `--json` document of a replay, with each device's comparison with the plan (`--plan`)."""
     return SnapshotDocument(SNAPSHOT_SCHEMA, tuple(
-        DeviceDocument(d.device, d.events, d.streams, d.real, d.replayed, d.first_divergence,
-                       d.what_if, (plans or {}).get(d.device)) for d in replay.devices))
+        DeviceDocument(d.device, d.events, d.streams, d.capacity_bytes, d.capacity_source, d.capacity_range_bytes,
+                       d.real, d.replayed, d.first_divergence, d.what_if, (plans or {}).get(d.device))
+        for d in replay.devices))
 
 
 def snapshot_json(document: SnapshotDocument) -> Dict[str, Any]:

@@ -119,3 +119,61 @@ def test_public_names() -> None:
     assert trainer_memcb.read_snapshot is read_snapshot
     assert trainer_memcb.replay_snapshot is replay_snapshot
     assert {"read_snapshot", "replay_snapshot"} <= set(trainer_memcb.__all__)
+
+
+def _recorded_with_frames(tmp_path: pathlib.Path, calls: list, capacity: int, release_frame: str) -> str:
+    """A snapshot file of `calls` run through the allocator model on a device of `capacity` bytes,
+    as `_dump_snapshot` writes one with stacks: each event's frames, a segment release's naming
+    `release_frame` (the allocator's malloc, or the program's empty_cache)."""
+    from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel
+
+    model = CachingAllocatorModel(None, capacity, record_trace=True)
+    for call in calls:
+        if call[0] == "alloc":
+            model.malloc(call[1], call[2])
+        else:
+            model.free(call[1])
+    frame = {"filename": "train.py", "line": 1, "name": "forward"}
+    events = [{"action": action, "addr": addr, "size": size, "stream": stream,
+               "frames": [{"filename": "??", "line": 0, "name": release_frame}, frame]
+               if action == "segment_free" else [frame]}
+              for action, addr, size, stream in model.trace]
+    segments = [{"device": 0, "address": s.address, "total_size": s.total_size, "stream": s.stream,
+                 "segment_type": s.pool, "is_expandable": False,
+                 "blocks": [{"address": b.address, "size": b.size, "requested_size": b.requested_bytes,
+                             "state": "active_allocated" if b.allocated else "inactive"} for b in s.blocks]}
+                for s in model.segments()]
+    path = tmp_path / f"{release_frame[:10]}.pickle"
+    path.write_bytes(pickle.dumps({"segments": segments, "device_traces": [events]}))
+    return str(path)
+
+
+# Two bursts on a 250 MiB device: 120 MiB asked at 160 reserved, the cache released to 60 and the
+# retry taken (the capacity is 180 to 280 MiB less a byte); 80 MiB asked at 230, released to 170,
+# taken (250 to 310 less a byte). Together: 250 MiB to 280 MiB less a byte.
+BURSTS = [("alloc", "a", 100 * MiB), ("alloc", "b", 60 * MiB), ("free", "a"), ("alloc", "c", 120 * MiB),
+          ("alloc", "d", 50 * MiB), ("free", "b"), ("alloc", "e", 80 * MiB)]
+
+
+def test_the_capacity_is_taken_from_release_and_retry_bursts(tmp_path: pathlib.Path) -> None:
+    path = _recorded_with_frames(tmp_path, BURSTS, 250 * MiB,
+                                 "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(signed char, "
+                                 "unsigned long, CUstream_st*)")
+    assert read_snapshot(path).release_callers == ({6: "allocator", 13: "allocator"},)
+    device = replay_snapshot(path).devices[0]
+    assert (device.capacity_source, device.capacity_range_bytes) == ("retry bursts", (250 * MiB, 280 * MiB - 1))
+    # Replayed on the least capacity they allow, the model releases and retries where the GPU did.
+    assert device.capacity_bytes == 250 * MiB and device.first_divergence is None
+    assert device.real == device.replayed == SegmentFigures(250 * MiB, 5, 2)
+    # Without a capacity, the model takes the requests without releasing: it parts at the first burst.
+    unlimited = replay_snapshot(path, device_memory=10 * 1024 * MiB).devices[0]
+    assert unlimited.first_divergence is not None and unlimited.first_divergence.event_index == 6
+    assert "released its cache to retry a failed cudaMalloc" in unlimited.first_divergence.reason
+
+
+def test_releases_the_program_asked_for_are_no_burst(tmp_path: pathlib.Path) -> None:
+    # The same events, their releases' frames naming empty_cache: the program's call, not a failed cudaMalloc.
+    path = _recorded_with_frames(tmp_path, BURSTS, 250 * MiB, "empty_cache")
+    assert read_snapshot(path).release_callers == ({6: "empty_cache", 13: "empty_cache"},)
+    device = replay_snapshot(path).devices[0]
+    assert (device.capacity_source, device.capacity_range_bytes, device.capacity_bytes) == ("unknown", None, None)

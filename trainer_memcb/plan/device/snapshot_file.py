@@ -81,12 +81,17 @@ class Snapshot:
         plan_parts: per device, each event's part where its innermost frame is one the plan
             writes (`estimate --write-snapshot`: file `<plan>`, name `"PHASE: PART"`), else "";
             `()` for a dump whose frames name no part.
+        release_callers: per device, for each segment release (`segment_free`,
+            `segment_unmap`) recorded with its stack, who released it: "empty_cache" (the
+            program's `torch.cuda.empty_cache()`, named in its frames) or "allocator" (the caching
+            allocator itself, on a failed `cudaMalloc`); releases without frames are left out.
     """
 
     segments: Tuple[SegmentRecord, ...]
     device_traces: Tuple[Tuple[Tuple[str, int, int, int], ...], ...]
     allocator_settings: Optional[Dict[str, Any]]
     plan_parts: Tuple[Tuple[str, ...], ...] = ()
+    release_callers: Tuple[Dict[int, str], ...] = ()
 
 
 def _whole(value: Any) -> bool:
@@ -135,6 +140,23 @@ def _plan_part(raw: Any) -> str:
     return ""
 
 
+def _release_callers(trace: Any) -> Dict[int, str]:
+    """Who released each segment of `trace` whose event holds frames (`Snapshot.release_callers`):
+    a frame named after `empty_cache` (torch/cuda/memory.py's, or the allocator's `emptyCache`)
+    is the program's call; any other stack is the allocator's own release inside `malloc`."""
+    callers: Dict[int, str] = {}
+    for index, raw in enumerate(trace):
+        if not isinstance(raw, dict) or raw.get("action") not in ("segment_free", "segment_unmap"):
+            continue
+        frames = raw.get("frames")
+        if not isinstance(frames, list) or not frames:
+            continue
+        names = [frame.get("name") for frame in frames if isinstance(frame, dict)]
+        emptied = any(isinstance(name, str) and ("empty_cache" in name or "emptyCache" in name) for name in names)
+        callers[index] = "empty_cache" if emptied else "allocator"
+    return callers
+
+
 def read_snapshot(path: Any) -> Snapshot:
     """Read a `torch.cuda.memory._dump_snapshot()` file without running anything in it.
 
@@ -167,6 +189,7 @@ def read_snapshot(path: Any) -> Snapshot:
         plan_parts = tuple(tuple(_plan_part(raw) for raw in trace) for trace in traces)
         if not any(part for parts in plan_parts for part in parts):
             plan_parts = ()
+        release_callers = tuple(_release_callers(trace) for trace in traces)
     except SnapshotError as error:
         raise SnapshotError(f"{path}: {error}") from None
     except OSError as error:
@@ -180,4 +203,5 @@ def read_snapshot(path: Any) -> Snapshot:
             raise SnapshotError(f"{path}: is cut short ({error})") from None
         raise SnapshotError(f"{path}: is not a pickle this can read "
                             f"({type(error).__name__}: {error})") from None
-    return Snapshot(segments, device_traces, settings if isinstance(settings, dict) else None, plan_parts)
+    return Snapshot(segments, device_traces, settings if isinstance(settings, dict) else None, plan_parts,
+                    release_callers)

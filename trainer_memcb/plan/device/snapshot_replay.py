@@ -23,7 +23,13 @@ For each device of a `Snapshot` (`snapshot_file.read_snapshot`):
 
 The device's capacity: what the caller gives; else, from the trace's `oom` event (torch records
 the device's free bytes in its address field, `DeviceCachingAllocator::malloc`), the reserved
-bytes then plus that; else unknown (no limit).
+bytes then plus that; else from its release-and-retry bursts: where a `cudaMalloc` of S bytes
+failed at R bytes reserved, the allocator released cached segments (a run of releases its frames
+name no `empty_cache` for) down to R' and the retry took S, so the capacity is at least R' + S and
+below R + S; the bursts' bounds together give a range, and the replay takes its least (the most the
+trace shows the device surely had). Without frames a burst cannot be told from the program's
+`empty_cache()` followed by a new segment, nor with a `garbage_collection_threshold` (whose
+releases come before any `cudaMalloc` fails): then the capacity is unknown (no limit).
 """
 
 from __future__ import annotations
@@ -94,7 +100,9 @@ class DeviceReplay:
             defaults, and when the dump recorded none).
         settings_recorded: whether the dump recorded its allocator settings.
         capacity_bytes: the device memory the replay was given, or None.
-        capacity_source: where it came from: "given", "oom event" or "unknown".
+        capacity_source: where it came from: "given", "oom event", "retry bursts" or "unknown".
+        capacity_range_bytes: with "retry bursts", the least and the most capacity the bursts
+            allow (the replay takes the least); else None.
         start_reserved_bytes: reserved when recording began (the rebuilt start).
         real: the GPU's figures; replayed: the model's.
         first_divergence: None when the replay creates and frees the real segments, in order.
@@ -113,6 +121,7 @@ class DeviceReplay:
     replayed: SegmentFigures
     first_divergence: Optional[Divergence]
     what_if: Tuple[WhatIf, ...]
+    capacity_range_bytes: Optional[Tuple[int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -268,13 +277,42 @@ def _capacity_from_oom(start: int, trace: Sequence[Event]) -> Optional[int]:
     return None
 
 
+def _capacity_from_bursts(start: int, trace: Sequence[Event], callers: Dict[int, str]) -> Optional[Tuple[int, int]]:
+    """The least and the most capacity the trace's release-and-retry bursts allow (module
+    docstring), or None: no burst, or bursts that contradict each other."""
+    low, high = 0, None
+    reserved, index = start, 0
+    while index < len(trace):
+        action, _, size, _ = trace[index]
+        if action in _SHRINK and callers.get(index) == "allocator":
+            before, end = reserved, index
+            while end < len(trace) and trace[end][0] in _SHRINK and callers.get(end) == "allocator":
+                reserved -= trace[end][2]
+                end += 1
+            if end < len(trace) and trace[end][0] in _GROW:
+                grown = trace[end][2]
+                low = max(low, reserved + grown)
+                high = before + grown - 1 if high is None else min(high, before + grown - 1)
+            index = end
+            continue
+        if action in _GROW:
+            reserved += size
+        elif action in _SHRINK:
+            reserved -= size
+        index += 1
+    if high is None or low > high:
+        return None
+    return low, high
+
+
 def _why(real: Optional[tuple], replayed: Optional[tuple], trace: Sequence[Event],
          index: int) -> str:
     def name(op: Optional[tuple]) -> str:
         return "nothing" if op is None else f"{op[0]} of {op[2]:,} bytes on stream {op[3]}"
 
     reason = f"the GPU did {name(real)}, the model {name(replayed)}"
-    if real is not None and real[0] == "segment_free" and replayed is None:
+    # The GPU released where the model took nothing or grew at once: it was full, the model not.
+    if real is not None and real[0] == "segment_free" and (replayed is None or replayed[0] in _GROW):
         following = [a for a, *_ in trace[index:index + 64] if a not in _SHRINK]
         if following and following[0] in _GROW:
             reason += (" (the GPU released its cache to retry a failed cudaMalloc: the device "
@@ -317,9 +355,15 @@ def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
     trace = snapshot.device_traces[device]
     conf = parse_alloc_conf(conf_text)
     start = _rebuild_start(snapshot, device, trace, conf)
+    capacity_range = None
     if device_memory is None:
         device_memory = _capacity_from_oom(start.reserved, trace)
         source = "oom event" if device_memory is not None else "unknown"
+    callers = snapshot.release_callers[device] if device < len(snapshot.release_callers) else {}
+    if device_memory is None and not conf.garbage_collection_threshold:
+        capacity_range = _capacity_from_bursts(start.reserved, trace, callers)
+        if capacity_range is not None:
+            device_memory, source = capacity_range[0], "retry bursts"
     calls = _driving_events(trace)
     real_ops = [(index, event) for index, event in enumerate(trace)
                 if event[0] in _GROW + _SHRINK]
@@ -384,6 +428,7 @@ def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
         replayed=replayed,
         first_divergence=divergence,
         what_if=tuple(results),
+        capacity_range_bytes=capacity_range,
     )
 
 
