@@ -107,3 +107,31 @@ def test_a_file_that_is_not_a_good_dpoconfig_is_one_line(files: dict, capsys: An
 
     assert main(_argv(files, config, "--batch-size", "2")) == code
     assert capsys.readouterr().err.splitlines() == [line.format(**files)]
+
+
+def test_fit_proposes_precomputed_reference_log_probs_and_writes_the_dpoconfig_back(files: dict, capsys: Any,
+                                                                                 tmp_path: Any) -> None:
+    from trl import DPOConfig
+
+    from trainer_memcb.cli import main
+
+    # Between the step with its frozen reference (17,413,348 bytes) and without it (17,322,100).
+    written = str(tmp_path / "fitted.json")
+    argv = _argv(files, "dpo", "--device-memory", "17350000B", "--reserve", "0B", "--fit", "--max-proposals", "3")
+    assert main(argv + ["--write-training-args", written, "--json"]) == 0
+    fit = json.loads(capsys.readouterr().out)["answers"]["fit"]
+    assert (fit["fits_as_is"], fit["own"]["peak_bytes"]) == (False, 17_413_348)
+    [precomputed] = [c for c in fit["candidates"] if c["changes"] == {"precompute_ref_log_probs": True}]
+    assert (precomputed["peak_bytes"], precomputed["fits"]) == (17_322_100, True)
+    assert fit["candidates"][0] == precomputed  # the fastest that fits: no reference forward in the step
+    assert precomputed["relative_step_time"] < 1
+    # The file written is the user's DPOConfig with the change: DPOConfig loads it, and planned
+    # again from it, the step is the proposal's, to the byte.
+    with open(written) as handle:
+        document = json.load(handle)
+    assert document["precompute_ref_log_probs"] is True and document["beta"] == 0.1 and document["max_length"] == 32
+    assert DPOConfig(**dict(document, output_dir=str(tmp_path / "out"))).precompute_ref_log_probs is True
+    assert main(["estimate", files["model"], "--trainer", "dpo", "--training-args", written, "--seq-len", "32",
+                 "--device-type", "cpu", "--attn-implementation", "sdpa", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["step"]["peak_bytes"] == 17_322_100 and again["settings"]["preference"]["reference"] == "precomputed"

@@ -57,6 +57,17 @@ def test_lora_estimate_runs_through_the_console_script():
     assert by_name["adamw_torch"] == 8 * 8_388_608 + 4 * 128 == 67_109_376
 
 
+@pytest.mark.parametrize("allow", ["lora", "qlora"])
+def test_fit_may_propose_lora_through_the_console_script(allow):
+    # --allow lora/qlora needs peft, which the script keeps out of an estimate that asks for no LoRA.
+    done = run_script("estimate", os.path.join("tests", "data", "golden", "tiny-llama"), "--seq-len", "32",
+                      "--device-type", "cpu", "--batch-size", "4", "--device-memory", "2MiB", "--reserve", "0B",
+                      "--fit", "--allow", allow, "--json")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    changes = [candidate["changes"] for candidate in json.loads(done.stdout)["answers"]["fit"]["candidates"]]
+    assert {"lora_r": 16, **({"load_in_4bit": True} if allow == "qlora" else {})} in changes
+
+
 def test_the_zero_paper_table_1_row_through_the_console_script():
     # ZeRO (Rajbhandari et al. 2020) Table 1: 7.5B parameters, Nd = 64, P_os: 31.4 GB per device
     # with mixed-precision Adam (fp16 weights and gradients, K = 12 bytes of fp32 state and master).

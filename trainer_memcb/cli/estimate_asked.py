@@ -15,8 +15,11 @@ __all__ = ["needs_peft", "parameter_count", "plan_asked", "step_asked", "ENGINE_
 
 
 def needs_peft(args: argparse.Namespace) -> bool:
-    """Whether the estimate asked for needs peft (LoRA adapters)."""
-    return getattr(args, "lora_r", None) is not None
+    """Whether the estimate asked for needs peft (LoRA adapters): `--lora-r`, or `--fit` allowed to
+    propose them (`--allow lora` or `qlora`)."""
+    allowed = getattr(args, "allow", None) or ()
+    return getattr(args, "lora_r", None) is not None or (bool(getattr(args, "fit", False))
+                                                          and bool({"lora", "qlora"} & set(allowed)))
 
 
 # Any of these turns `estimate` into the model-states plan.

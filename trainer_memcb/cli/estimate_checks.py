@@ -94,9 +94,6 @@ def _check_trainer(args: argparse.Namespace) -> None:
     if args.deepspeed is not None or getattr(args, "fsdp_config", None) is not None:
         raise ValueError("--trainer dpo is planned on one process without sharding so far: leave out --deepspeed "
                          "and --fsdp-config")
-    if getattr(args, "fit", False):
-        raise ValueError("--fit with --trainer dpo: the DPO step's proposals are not searched yet; plan each "
-                         "DPOConfig with --batch-size")
     if args.reference_model:
         raise ValueError("--reference-model with --trainer dpo: the DPO step plans its own reference (a frozen copy, "
                          "the adapters disabled with --lora-r, or none with precompute_ref_log_probs); leave it out")

@@ -74,8 +74,11 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
         from trainer_memcb.plan.settings import read_json_file
         from trainer_memcb.cli.dpo_config import dpo_settings
 
-        training_args, flags["preference"] = dpo_settings(read_json_file(args.training_args, "--training-args"),
-                                                          f"DPOConfig {args.training_args!r}",
+        # A path, or with --fit a proposal's values (`trainer_memcb.cli.fit_table.estimate_fit`).
+        proposal = isinstance(args.training_args, dict)
+        values = args.training_args if proposal else read_json_file(args.training_args, "--training-args")
+        training_args, flags["preference"] = dpo_settings(values, "a --fit proposal's DPOConfig" if proposal
+                                                          else f"DPOConfig {args.training_args!r}",
                                                           peft=getattr(args, "lora_r", None) is not None)
     settings = resolve_settings(training_args, deepspeed=getattr(args, "deepspeed", None),
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden, **flags)

@@ -155,7 +155,9 @@ def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any 
                  + (" (searching the largest batch)" if args.max_batch_size else ""))
     # The settings hold the batch's shape and the device (`step_settings`); `more`: --fit's
     # proposals, expandable segments among them.
-    return plan_step_memory(build or traces.build_model, at, quantization=traces.quantization, model_name=args.model,
+    # A --fit proposal over a 4-bit base (`--allow qlora`) brings its own quantization.
+    quantization = more.pop("quantization", traces.quantization)
+    return plan_step_memory(build or traces.build_model, at, quantization=quantization, model_name=args.model,
                             states_plan=states_plan or traces.states,
                             dtype=None if traces.explicit_dtype else resolve_dtype(args.dtype or "float32"),
                             keep_dtypes=traces.keep_dtypes, **more)[0]
@@ -177,7 +179,7 @@ def _states_for(args: argparse.Namespace, keep_dtypes: bool, at: Any) -> ModelSt
     from trainer_memcb.plan.settings.setup import setup_of
 
     return plan_model_states(estimate_model(args), at.optimizer, setup_of(at), model_name=args.model,
-                             reference_model=args.reference_model, keep_dtypes=keep_dtypes)
+                             reference_model=args.reference_model or _dpo_reference(at), keep_dtypes=keep_dtypes)
 
 
 def ranks_to_plan(settings: Any) -> List[int]:

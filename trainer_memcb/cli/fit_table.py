@@ -104,7 +104,19 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
                        value_bytes=2 if precision not in ("fp32", "autocast-bf16", "autocast-fp16") else 4,
                        allow=args.allow, seq_len=args.seq_len, max_candidates=args.max_proposals,
                        expandable_segments=expandable_segments_option(plan_step_memory),
-                       flash_attention=flash_attention_proposable(model, precision, device_type))
+                       flash_attention=flash_attention_proposable(model, precision, device_type),
+                       trainer_proposals=trainer_proposals(settings))
+
+
+def trainer_proposals(settings: Any) -> List[Dict[str, Any]]:
+    """The changes of the trainer's own config proposed: for TRL's DPO step with a reference that
+    runs a forward (a frozen model, or the policy with its adapters off), `precompute_ref_log_probs`
+    (TRL computes the reference's log-probs once, before training: the step then holds no reference
+    model and runs no reference forward)."""
+    preference = getattr(settings, "preference", None)
+    if preference is not None and preference.reference != "precomputed":
+        return [{"precompute_ref_log_probs": True}]
+    return []
 
 
 def _time_cell(value: Optional[float]) -> str:

@@ -18,6 +18,8 @@ dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as th
 - transformers' flash_attention_2 where the user's own step traced eager attention and the caller
   allows it (`flash_attention_proposable`: CUDA, 16 bits, a class that supports it), marked as
   needing the flash-attn package;
+- the trainer's own settings the caller names (`trainer_proposals`: TRL's
+  `precompute_ref_log_probs` for DPO, which holds no reference model);
 - with `allow`: a shorter sequence (`seq-len`) and LoRA adapters (`lora`), which change the training.
 
 Activation offloading is not proposed. transformers (5.x) has none of its own; TRL's
@@ -137,7 +139,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
                 trainable_values: int = 0, value_bytes: int = 2, allow: Iterable[str] = (),
                 seq_len: Optional[int] = None, max_candidates: int = 12,
                 optimizers: Sequence[str] = LEANER_OPTIMIZERS,
-                expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False) -> FitSearch:
+                expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False,
+                trainer_proposals: Sequence[Dict[str, Any]] = ()) -> FitSearch:
     """Plan the user's own settings and the proposals that may fit, ranked by step time.
 
     Args:
@@ -160,6 +163,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         expandable_segments: `expandable_segments_option(...)` of the planner (None: not proposed).
         flash_attention: propose `FLASH_ATTENTION` (through `extra`'s `attn_implementation`) where
             the user's own step traced eager attention; `flash_attention_proposable` says where.
+        trainer_proposals: changes of the trainer's own config (TRL's fields), each planned at the
+            user's batch as its `TrainingArguments` dict with the change.
 
     Raises:
         ValueError: an unknown change in `allow`, a bad `max_candidates`.
@@ -180,6 +185,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         # where it applies (the probabilities of every layer, [B, H, L, L] each).
         if flash_attention and own.plan is not None and own.plan.settings.attn_implementation == "eager":
             search.plan(dict(FLASH_ATTENTION), dict(base), own_deepspeed, dict(FLASH_ATTENTION))
+        for changes in trainer_proposals:
+            search.plan(dict(changes), dict(base, **changes), own_deepspeed)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
         if expandable_segments:
             search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,

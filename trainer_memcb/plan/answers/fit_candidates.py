@@ -159,6 +159,8 @@ def describe_changes(changes: Dict[str, Any]) -> str:
         words.append("FSDP2 full shard")
     if "PYTORCH_CUDA_ALLOC_CONF" in changes:
         words.append(f"PYTORCH_CUDA_ALLOC_CONF={changes['PYTORCH_CUDA_ALLOC_CONF']}")
+    if changes.get("precompute_ref_log_probs"):
+        words.append("the reference's log-probs precomputed (TRL's precompute_ref_log_probs)")
     if "attn_implementation" in changes:
         words.append(f"{changes['attn_implementation']} attention")
     if "seq_len" in changes:
