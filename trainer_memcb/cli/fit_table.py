@@ -218,7 +218,8 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
             training_args["deepspeed"] = args.write_deepspeed
     if args.write_training_args:
         write(args.write_training_args, training_args)
-        said.append(f"wrote {args.write_training_args}: TrainingArguments of {first.label}")
+        kind = "DPOConfig" if getattr(args, "trainer", "trainer") == "dpo" else "TrainingArguments"
+        said.append(f"wrote {args.write_training_args}: {kind} of {first.label}")
     if "attn_implementation" in first.changes:  # not a TrainingArguments field: said, not written
         said.append(f"load the model with attn_implementation={first.changes['attn_implementation']!r} "
                     f"(a from_pretrained argument; needs {first.needs_package})")
