@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
+import random
+from typing import Optional
 
 import pytest
 
@@ -121,30 +123,40 @@ def test_public_names() -> None:
     assert {"read_snapshot", "replay_snapshot"} <= set(trainer_memcb.__all__)
 
 
-def _recorded_with_frames(tmp_path: pathlib.Path, calls: list, capacity: int, release_frame: str) -> str:
-    """A snapshot file of `calls` run through the allocator model on a device of `capacity` bytes,
-    as `_dump_snapshot` writes one with stacks: each event's frames, a segment release's naming
-    `release_frame` (the allocator's malloc, or the program's empty_cache)."""
+def _recorded_with_frames(tmp_path: pathlib.Path, calls: list, capacity: Optional[int], release_frame: str,
+                          alloc_conf: Optional[str] = None, skip: int = 0) -> str:
+    """A snapshot file of `calls` (`("alloc", key, bytes)`, `("free", key)`, `("empty_cache",)`) run
+    through the allocator model under `alloc_conf` on a device of `capacity` bytes, as
+    `_dump_snapshot` writes one with stacks and its settings: each event's frames, a segment
+    release's naming `release_frame` (the allocator's malloc, or the program's empty_cache) or, for
+    an `empty_cache` call's, empty_cache; recording begun after `skip` events (the segments are the
+    dump's, at the end)."""
+    from trainer_memcb.plan.answers.plan_snapshot import snapshot_allocator_settings
     from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel
 
-    model = CachingAllocatorModel(None, capacity, record_trace=True)
+    model = CachingAllocatorModel(alloc_conf, capacity, record_trace=True)
+    callers: list = []
     for call in calls:
         if call[0] == "alloc":
             model.malloc(call[1], call[2])
-        else:
+        elif call[0] == "free":
             model.free(call[1])
+        else:
+            model.empty_cache()
+        callers += ["empty_cache" if call[0] == "empty_cache" else release_frame] * (len(model.trace) - len(callers))
     frame = {"filename": "train.py", "line": 1, "name": "forward"}
     events = [{"action": action, "addr": addr, "size": size, "stream": stream,
-               "frames": [{"filename": "??", "line": 0, "name": release_frame}, frame]
-               if action == "segment_free" else [frame]}
-              for action, addr, size, stream in model.trace]
+               "frames": [{"filename": "??", "line": 0, "name": caller}, frame]
+               if action in ("segment_free", "segment_unmap") else [frame]}
+              for (action, addr, size, stream), caller in list(zip(model.trace, callers))[skip:]]
     segments = [{"device": 0, "address": s.address, "total_size": s.total_size, "stream": s.stream,
-                 "segment_type": s.pool, "is_expandable": False,
+                 "segment_type": s.pool, "is_expandable": s.expandable,
                  "blocks": [{"address": b.address, "size": b.size, "requested_size": b.requested_bytes,
                              "state": "active_allocated" if b.allocated else "inactive"} for b in s.blocks]}
                 for s in model.segments()]
-    path = tmp_path / f"{release_frame[:10]}.pickle"
-    path.write_bytes(pickle.dumps({"segments": segments, "device_traces": [events]}))
+    path = tmp_path / f"{release_frame[:10]}-{skip}.pickle"
+    path.write_bytes(pickle.dumps({"segments": segments, "device_traces": [events],
+                                   "allocator_settings": snapshot_allocator_settings(model.conf)}))
     return str(path)
 
 
@@ -177,3 +189,35 @@ def test_releases_the_program_asked_for_are_no_burst(tmp_path: pathlib.Path) -> 
     assert read_snapshot(path).release_callers == ({6: "empty_cache", 13: "empty_cache"},)
     device = replay_snapshot(path).devices[0]
     assert (device.capacity_source, device.capacity_range_bytes, device.capacity_bytes) == ("unknown", None, None)
+
+
+def _random_calls(seed: int, count: int = 400) -> list:
+    """Allocations of small (under 1 MiB) and large (2 to 90 MiB) sizes, frees of any live one,
+    and now and then the program's empty_cache(): a mixed run."""
+    draw, live, calls = random.Random(seed), [], []
+    for index in range(count):
+        if draw.random() < 0.03:
+            calls.append(("empty_cache",))
+        elif live and draw.random() < 0.45:
+            calls.append(("free", live.pop(draw.randrange(len(live)))))
+        else:
+            size = draw.choice([draw.randrange(1, 900_000), draw.randrange(2 * MiB, 90 * MiB)])
+            calls.append(("alloc", index, size))
+            live.append(index)
+    return calls
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True",
+                                        "expandable_segments:True,roundup_power2_divisions:4", "max_split_size_mb:64"])
+@pytest.mark.parametrize("skip", [0, 150, 300, 500])
+def test_a_trace_begun_mid_run_replays_from_its_rebuilt_start(tmp_path: pathlib.Path, alloc_conf: str,
+                                                               skip: int) -> None:
+    # The allocator model (exact on the real snapshots above) writes the traces; recording begins
+    # after `skip` events, so the start is rebuilt from the dump's segments with the trace undone:
+    # expandable segments' mapped ranges among them (unmapped by empty_cache, mapped again), and
+    # under max_split_size_mb the oversize blocks, each its whole segment.
+    for seed in range(10):
+        path = _recorded_with_frames(tmp_path, _random_calls(seed), None, "empty_cache", alloc_conf, skip)
+        device = replay_snapshot(path).devices[0]
+        assert device.first_divergence is None, (seed, device.first_divergence)
+        assert device.replayed == device.real, seed

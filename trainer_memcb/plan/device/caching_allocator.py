@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from trainer_memcb.plan.device.alloc_conf import AllocConf, SIZE_MAX, as_alloc_conf
 
@@ -468,20 +468,7 @@ class CachingAllocatorModel:
         segment is cached, in maximal free blocks as `free_block` leaves them. It counts as
         reserved (and in the peak), not as a `cudaMalloc` of the replay."""
         pool = self.small if small else self.large
-        blocks: List[_Block] = []
-        cursor = address
-        for addr, nbytes, key, requested in allocated:
-            if addr > cursor:
-                blocks.append(_Block(addr - cursor, cursor, pool, None, stream=stream))
-            block = _Block(nbytes, addr, pool, None, stream=stream)
-            block.allocated, block.key, block.requested = True, key, requested
-            blocks.append(block)
-            self.live[key] = block
-            self.allocated += nbytes
-            self.requested += requested
-            cursor = addr + nbytes
-        if cursor < address + size:
-            blocks.append(_Block(address + size - cursor, cursor, pool, None, stream=stream))
+        blocks = self._blocks_of_range(pool, None, address, size, stream, allocated)
         for before, after in zip(blocks, blocks[1:]):
             before.next, after.prev = after, before
         for block in blocks:
@@ -492,6 +479,60 @@ class CachingAllocatorModel:
         self.reserved_peak = max(self.reserved_peak, self.reserved)
         self.allocated_peak = max(self.allocated_peak, self.allocated)
         self.requested_peak = max(self.requested_peak, self.requested)
+
+    def add_expandable_segment(self, base: int, mapped: Sequence[Tuple[int, int]], small: bool, stream: int,
+                               allocated: Iterable[Tuple[int, int, Any, int]] = ()) -> None:
+        """An expandable segment the allocator already held when a replay begins mid-run: its
+        address range from `base`, the `mapped` ranges `(address, bytes)` in it in address order,
+        and their allocated blocks as `add_segment` takes them; the rest of each range is cached,
+        the space between and after the ranges unmapped. The mapped bytes count as reserved."""
+        pool = self.small if small else self.large
+        page = K_SMALL_BUFFER if small else self.conf.large_segment_size_bytes
+        segment = _Expandable(base, page, self.device_total)
+        self.expandables.append(segment)
+        pieces: List[_Block] = []
+        cursor = base
+        owned = sorted(allocated)
+        for start, size in mapped:
+            if start > cursor:
+                pieces.append(_Block(start - cursor, cursor, pool, segment, mapped=False, stream=stream))
+            inside = [block for block in owned if start <= block[0] < start + size]
+            pieces += self._blocks_of_range(pool, segment, start, size, stream, inside)
+            cursor = start + size
+        if cursor < base + segment.size:
+            pieces.append(_Block(base + segment.size - cursor, cursor, pool, segment, mapped=False, stream=stream))
+        for before, after in zip(pieces, pieces[1:]):
+            before.next, after.prev = after, before
+        for block in pieces:
+            if not block.mapped:
+                pool.insert_unmapped(block)
+            elif not block.allocated:
+                pool.insert(block)
+        self.next_addr = max(self.next_addr, base + segment.size)
+        self.reserved += sum(size for _, size in mapped)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.requested_peak = max(self.requested_peak, self.requested)
+
+    def _blocks_of_range(self, pool: _Pool, segment: Optional[_Expandable], address: int, size: int, stream: int,
+                         allocated: Iterable[Tuple[int, int, Any, int]]) -> List[_Block]:
+        """The blocks of `size` bytes from `address`: `allocated` ones (registered as live), the
+        space between them cached in maximal free blocks."""
+        blocks: List[_Block] = []
+        cursor = address
+        for addr, nbytes, key, requested in allocated:
+            if addr > cursor:
+                blocks.append(_Block(addr - cursor, cursor, pool, segment, stream=stream))
+            block = _Block(nbytes, addr, pool, segment, stream=stream)
+            block.allocated, block.key, block.requested = True, key, requested
+            blocks.append(block)
+            self.live[key] = block
+            self.allocated += nbytes
+            self.requested += requested
+            cursor = addr + nbytes
+        if cursor < address + size:
+            blocks.append(_Block(address + size - cursor, cursor, pool, segment, stream=stream))
+        return blocks
 
     # -- finding a cached block --------------------------------------------------------------
 

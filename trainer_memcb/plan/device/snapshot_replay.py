@@ -35,7 +35,7 @@ releases come before any `cudaMalloc` fails): then the capacity is unknown (no l
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from trainer_memcb.plan.device.alloc_conf import AllocConf, parse_alloc_conf
@@ -151,22 +151,73 @@ def recorded_alloc_conf(settings: Optional[Dict[str, Any]]) -> str:
 
 @dataclass
 class _Start:
-    """The allocator's state when recording began."""
+    """The allocator's state when recording began: its `cudaMalloc` segments `(address, size,
+    small, stream, blocks)`; its expandable segments, one per pool and stream, `(base, mapped
+    ranges, small, stream, blocks)`; and the bytes reserved."""
 
     segments: List[Tuple[int, int, bool, int, List[Tuple[int, int, Any, int]]]]
     reserved: int
+    expandables: List[Tuple[int, List[Tuple[int, int]], bool, int, List[Tuple[int, int, Any, int]]]] = \
+        field(default_factory=list)
+
+
+def _without(ranges: Dict[int, Tuple[int, int, bool]], low: int, high: int) -> None:
+    """Take [low, high) out of `ranges` (start -> (end, stream, small)), splitting what it cuts."""
+    for start, (end, stream, small) in list(ranges.items()):
+        if end <= low or start >= high:
+            continue
+        del ranges[start]
+        if start < low:
+            ranges[start] = (low, stream, small)
+        if end > high:
+            ranges[high] = (end, stream, small)
+
+
+def _with(ranges: Dict[int, Tuple[int, int, bool]], low: int, high: int, stream: int, small: bool) -> None:
+    """Put [low, high) into `ranges`, merged with the ranges of its pool and stream it touches."""
+    for start, (end, other_stream, other_small) in list(ranges.items()):
+        if (other_stream, other_small) == (stream, small) and end >= low and start <= high:
+            del ranges[start]
+            low, high = min(low, start), max(high, end)
+    ranges[low] = (high, stream, small)
+
+
+def _mapped_at_start(snapshot: Snapshot, device: int, trace: Sequence[Event],
+                     large_page: int) -> Dict[int, Tuple[int, int, bool]]:
+    """The mapped ranges of expandable segments when recording began: the dump's, with the
+    trace's mappings undone (a range's pool: the small pool's where its bytes are no whole number
+    of large pages, else that of the dump's range of its stream nearest to it if that lies within
+    the bytes ever mapped of it (one segment's pages lie so close; two segments' address spaces,
+    each the device's memory and an eighth, lie farther apart), else the large)."""
+    ranges = {s.address: (s.address + s.total_size, s.stream, s.small)
+              for s in snapshot.segments if s.device == device and s.expandable}
+    known = sorted((start, small, stream) for start, (_, stream, small) in ranges.items())
+    span = sum(end - start for start, (end, _, _) in ranges.items()) + sum(
+        size for action, _, size, _ in trace if action == "segment_map")
+    for action, addr, size, stream in reversed(trace):
+        if action == "segment_map":
+            _without(ranges, addr, addr + size)
+        elif action == "segment_unmap":
+            near = [(abs(start - addr), small) for start, small, s in known
+                    if s == stream and abs(start - addr) <= span]
+            small = size % large_page != 0 or (min(near)[1] if near else False)
+            _with(ranges, addr, addr + size, stream, small)
+    return ranges
 
 
 def _rebuild_start(snapshot: Snapshot, device: int, trace: Sequence[Event],
                    conf: AllocConf) -> _Start:
     alive: Dict[int, Tuple[int, int, bool, bool]] = {
-        s.address: (s.total_size, s.stream, s.small, s.expandable)
-        for s in snapshot.segments if s.device == device}
+        s.address: (s.total_size, s.stream, s.small, False)
+        for s in snapshot.segments if s.device == device and not s.expandable}
     for action, addr, size, stream in reversed(trace):
-        if action in _GROW:
+        if action == "segment_alloc":
             alive.pop(addr, None)
-        elif action in _SHRINK:
-            alive[addr] = (size, stream, size == K_SMALL_BUFFER, action == "segment_unmap")
+        elif action == "segment_free":
+            alive[addr] = (size, stream, size == K_SMALL_BUFFER, False)
+    for start, (end, stream, small) in _mapped_at_start(snapshot, device, trace,
+                                                        conf.large_segment_size_bytes).items():
+        alive[start] = (end - start, stream, small, True)
     # Allocations alive at the start: freed in the trace before any alloc there, or allocated at
     # the dump and never allocated in the trace.
     in_trace: set = set()
@@ -205,6 +256,9 @@ def _rebuild_start(snapshot: Snapshot, device: int, trace: Sequence[Event],
             else:
                 requested = before[addr]
                 nbytes = round_size(requested, conf)
+                if nbytes >= conf.max_split_size_bytes and addr == start and not alive[start][3]:
+                    # An oversize block is never split: it is its whole segment, fresh or cached.
+                    nbytes = size
                 rest = limit - addr - nbytes
                 # should_split: the large pool keeps a remainder of 1 MiB or less in the block.
                 keep = K_MIN_BLOCK_SIZE if (small or conf.expandable_segments) else K_SMALL_SIZE + 1
@@ -212,21 +266,52 @@ def _rebuild_start(snapshot: Snapshot, device: int, trace: Sequence[Event],
                     nbytes = limit - addr
             blocks.append((addr, min(nbytes, limit - addr), addr, requested))
         rebuilt.append((start, size, small, stream, blocks))
-    return _Start(rebuilt, sum(alive[start][0] for start in starts))
+    return _grouped_start(rebuilt, alive, trace)
 
 
-def _driving_events(trace: Sequence[Event]) -> List[Tuple[int, tuple]]:
+def _grouped_start(rebuilt: List[Tuple[int, int, bool, int, List[Tuple[int, int, Any, int]]]],
+                   alive: Dict[int, Tuple[int, int, bool, bool]], trace: Sequence[Event]) -> _Start:
+    """`rebuilt`'s expandable ranges gathered into one expandable segment per pool and stream
+    (the allocator makes another only when one's address space, the device's memory and an
+    eighth, is full), based at the lowest address the trace or the ranges show in it (the
+    allocator maps a segment from its base up: pages below the lowest range at the start were
+    unmapped before); the `cudaMalloc` segments as they are."""
+    segments, groups = [], {}
+    for start, size, small, stream, blocks in rebuilt:
+        if not alive[start][3]:
+            segments.append((start, size, small, stream, blocks))
+            continue
+        _, ranges, _, _, owned = groups.setdefault((small, stream), [start, [], small, stream, []])
+        ranges.append((start, size))
+        owned.extend(blocks)
+    for action, addr, _, stream in trace:
+        if action in ("segment_map", "segment_unmap"):
+            near = [group for group in groups.values() if group[3] == stream]
+            if near:
+                group = min(near, key=lambda g: abs(g[0] - addr))
+                group[0] = min(group[0], addr)
+    return _Start(segments, sum(alive[start][0] for start in alive), [tuple(group) for group in groups.values()])
+
+
+def _driving_events(trace: Sequence[Event], callers: Optional[Dict[int, str]] = None) -> List[Tuple[int, tuple]]:
     """The program's calls, with the index of the real event: alloc, the completed frees, and
-    `empty_cache` where a run of segment_free events is followed by no new segment or OOM."""
+    `empty_cache` where a run of segment releases is the program's: its frames name
+    `empty_cache` (`Snapshot.release_callers`), or without frames, it is followed by no new segment
+    or OOM (the allocator's own releases on a failed `cudaMalloc` are followed by its retry)."""
+    callers = callers or {}
     calls: List[Tuple[int, tuple]] = []
     for index, (action, addr, size, stream) in enumerate(trace):
         if action == "alloc":
             calls.append((index, ("alloc", addr, size, stream)))
         elif action == "free_completed":
             calls.append((index, ("free", addr)))
-        elif action == "segment_free":
+        elif action in _SHRINK:
+            if index in callers:
+                if callers[index] == "empty_cache" and callers.get(index + 1) != "empty_cache":
+                    calls.append((index, ("empty_cache",)))  # once, at the run's last release
+                continue
             following = trace[index + 1][0] if index + 1 < len(trace) else None
-            if following not in ("segment_free", "segment_alloc", "segment_map", "oom"):
+            if following not in _SHRINK + _GROW + ("oom",):
                 calls.append((index, ("empty_cache",)))
     return calls
 
@@ -234,6 +319,8 @@ def _driving_events(trace: Sequence[Event]) -> List[Tuple[int, tuple]]:
 def _model(conf: Union[str, AllocConf], device_memory: Optional[int], start: _Start,
            record: bool) -> CachingAllocatorModel:
     model = CachingAllocatorModel(conf, device_memory, record_trace=record)
+    for base, ranges, small, stream, blocks in start.expandables:
+        model.add_expandable_segment(base, ranges, small, stream, blocks)
     for address, size, small, stream, blocks in start.segments:
         model.add_segment(address, size, small, stream, blocks)
     return model
@@ -364,7 +451,7 @@ def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
         capacity_range = _capacity_from_bursts(start.reserved, trace, callers)
         if capacity_range is not None:
             device_memory, source = capacity_range[0], "retry bursts"
-    calls = _driving_events(trace)
+    calls = _driving_events(trace, callers)
     real_ops = [(index, event) for index, event in enumerate(trace)
                 if event[0] in _GROW + _SHRINK]
     model = _model(conf, device_memory, start, record=True)
