@@ -43,6 +43,14 @@ BATCH, SEQ = 2, 16
 
 
 def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
+    if engine == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+        return parallelize_module(model, mesh, torch_tp_plan(model_tp_plan(model)))
     if engine.startswith("ddp"):
         return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=engine == "ddp-view")
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -162,7 +170,15 @@ def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: d
                 with (no_sync(model) if index < accumulation - 1 else contextlib.nullcontext()):
                     micro_batch(batch_inputs)
             del batch_samples, batch_inputs
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        if len({type(p).__name__ == "DTensor" for p in trainable}) > 1:
+            # TP's DTensor parameters beside whole ones (the norms): torch's clip_grad_norm_ refuses the
+            # mix; the Trainer's accelerate clips them so (`Accelerator.clip_grad_norm_`), which reads
+            # nothing of self. FSDP2's parameters, all DTensors, keep torch's clipping.
+            from accelerate import Accelerator
+
+            Accelerator._clip_grad_norm_dtensor_aware(None, trainable, 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -249,7 +265,8 @@ def main() -> None:
         # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
         if engine.endswith("-memtracker"):
             name = engine[:-len("-memtracker")]
-            result = ddp_memtracker_run(name) if name.startswith("ddp") else memtracker_run(name)
+            plain = name.startswith("ddp") or name == "tp"  # MemTracker; FSDPMemTracker wants FSDP modules
+            result = ddp_memtracker_run(name) if plain else memtracker_run(name)
         else:
             result = run(engine)
         _common.write_result(os.path.join(out_dir, engine), dict(result, engine=engine, world_size=dist.get_world_size()))

@@ -1,0 +1,173 @@
+"""Tensor parallelism: the layout read and checked as accelerate's `ParallelismConfig`, the model's
+`tp_plan` in torch's styles, and the step traced per rank with `parallelize_module` on the fake
+process group (the real two-process run is tests/training/test_tensor_parallel_runs.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers import requires_torch
+
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+from trainer_memcb.plan.settings import resolve_settings
+from trainer_memcb.plan.settings.parallelism import (Parallelism, check_tensor_parallel_model, parallelism_from_config,
+                                                     parse_parallelism)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_engines import CONFIG, build  # noqa: E402
+
+# -- the layout --------------------------------------------------------------------------------
+
+
+def test_parallelism_is_read_as_tp_dp_shard_dp_replicate_cp_sizes():
+    assert parse_parallelism("tp=2") == Parallelism(tp=2)
+    assert parse_parallelism(" tp=2, dp_shard=4 ,dp_replicate=2") == Parallelism(tp=2, dp_shard=4, dp_replicate=2)
+    assert parse_parallelism("tp=2,dp_shard=4").total == 8
+    assert parse_parallelism("dp_shard=4,tp=2").text() == "tp=2,dp_shard=4"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("pp=2", "'pp=2': expected NAME=SIZE with NAME one of tp, dp_shard, dp_replicate, cp"),
+    ("tp", "'tp': expected NAME=SIZE"),
+    ("tp=2,tp=4", "tp given twice"),
+    ("tp=two", "tp='two': expected a whole number of at least 1"),
+    ("tp=0", "tp=0: every size is a whole number of at least 1"),
+    ("tp=2,dp_replicate=2", "accelerate does not compose DDP with TP; give dp_shard > 1"),
+    ("cp=2,dp_replicate=2", "accelerate refuses context parallelism beside pure data parallelism"),
+])
+def test_a_bad_layout_is_one_line_naming_the_rule(text, message):
+    with pytest.raises(ValueError) as refused:
+        parse_parallelism(text)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_layout_gives_the_world_size_and_a_different_world_is_refused_as_accelerate_does():
+    settings = resolve_settings(parallelism="tp=2", batch_size=2)
+    assert (settings.world_size, settings.tp_size, settings.sharding) == (2, 2, "none")
+    assert settings.sources["world_size"] == settings.sources["tp_size"] == "flag"
+    with pytest.raises(ValueError, match="tp=2 multiplies to 2 processes, but world_size is 4: accelerate refuses"):
+        resolve_settings(parallelism="tp=2", world_size=4)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("tp=2,dp_shard=2", "tensor parallelism is planned alone so far"),
+    ("cp=2", "context parallelism is not planned yet"),
+])
+def test_what_is_not_planned_yet_is_refused_by_name(text, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_settings(parallelism=text)
+
+
+def test_the_training_args_parallelism_config_is_read_as_to_json_writes_it():
+    # `TrainingArguments.to_dict()` writes `ParallelismConfig.to_json()`: its fields by name.
+    written = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 2, "cp_size": 1, "cp_backend": "torch",
+               "sp_size": 1, "sp_backend": "deepspeed", "tp_handler": {}, "cp_handler": None, "sp_handler": None}
+    settings = resolve_settings({"parallelism_config": written, "per_device_train_batch_size": 2})
+    assert (settings.world_size, settings.tp_size, settings.sharding) == (2, 2, "none")
+    assert settings.sources["tp_size"] == "training args (parallelism_config)"
+    assert parallelism_from_config(dict(written, dp_shard_size=4)) == Parallelism(tp=2, dp_shard=4)
+    with pytest.raises(ValueError, match="sp_size=2: DeepSpeed's sequence parallelism is not planned"):
+        parallelism_from_config(dict(written, sp_size=2))
+
+
+def test_the_accelerate_parallelism_config_object_reads_the_same():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    assert parallelism_from_config(ParallelismConfig(tp_size=2, dp_shard_size=2)) == Parallelism(tp=2, dp_shard=2)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), None),
+    (dict(num_attention_heads=8, num_key_value_heads=2), "num_key_value_heads=2 does not divide by 4"),
+    (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32, head_dim=16), "num_attention_heads=2"),
+    (dict(intermediate_size=130), "intermediate_size=130 does not divide by 4"),
+])
+def test_the_model_s_heads_and_widths_split_whole_over_tp(change, message):
+    config = LlamaConfig(**dict(CONFIG, **change))
+    if message is None:
+        with pytest.raises(ValueError, match="num_attention_heads=2 does not divide by 4 \\(each rank runs whole"):
+            check_tensor_parallel_model(config, 4)
+        check_tensor_parallel_model(config, 2)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel_model(config, 4)
+
+
+# -- the model's plan --------------------------------------------------------------------------
+
+
+def test_llama_s_plan_is_transformers_own_in_torch_s_styles():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    meta = build()
+    plan = model_tp_plan(meta)
+    assert plan == dict(meta.tp_plan)  # transformers' merged plan: the config's, the head's, the embedding's
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
+    styles = torch_tp_plan(plan)
+    assert type(styles["model.layers.*.mlp.down_proj"]) is RowwiseParallel
+    head, embedding = styles["lm_head"], styles["model.embed_tokens"]
+    assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),)
+    assert type(embedding) is RowwiseParallel and embedding.input_layouts == (Replicate(),)
+    assert styles["model.layers.*.self_attn.q_proj"].output_layouts == (Shard(-1),)
+
+
+def test_a_style_with_no_torch_equivalent_is_refused_by_name():
+    with pytest.raises(ValueError, match="'experts': style 'moe_tp_experts' is not planned"):
+        torch_tp_plan({"experts": "moe_tp_experts"})
+    assert torch_tp_plan({"norm": "replicate"}) == {}
+
+
+def test_a_model_without_a_plan_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no tensor-parallel plan"):
+        model_tp_plan(model)
+
+
+# -- the traced step per rank ------------------------------------------------------------------
+
+# The tiny Llama's values on one of two ranks, by the plan: the embedding's and the head's 256 x 64
+# rows halved (8,192 each), each layer's seven linear layers halved (4 x 2,048 + 3 x 4,096 =
+# 20,480) beside its two whole norms (128), the final norm whole (64).
+TP2_PARAMS = 8_192 + 8_192 + 2 * (20_480 + 128) + 64
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp2_step_holds_each_rank_s_shards(rank):
+    settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    assert plan.step.problem is None, plan.step.problem
+    assert plan.settings.engine == "tp"
+    states = plan.step.model_states_at_optimizer_step_bytes
+    assert states["parameters"] == 4 * TP2_PARAMS == 230_656  # half of one process's 460,032 but the norms
+    # AdamW's two moments like each shard, and 21 four-byte step counts.
+    assert states["optimizer_state"] == 2 * 4 * TP2_PARAMS + 21 * 4 == 461_396
+    # The gradients are the shards' but the embedding's: torch 2.13's DTensor propagates the
+    # backward of an embedding sharded by rows (`Shard(0)`, a replicated input) to a replicated
+    # gradient, all 256 x 64 values on each rank (the real run's too, 32,768 bytes above its shard).
+    assert states["gradients"] == 4 * TP2_PARAMS + 4 * 8_192 == 263_424
+    # 1,038,240 on each real process (MemTracker), 8 bytes of it the device mesh's own rank tensor.
+    assert plan.step.peak_bytes == 1_038_232
+    assert sum(plan.step.peak_parts.values()) == plan.step.peak_bytes
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_a_model_whose_heads_do_not_split_is_refused_before_tracing():
+    def two_heads():
+        config = LlamaConfig(**dict(CONFIG, num_attention_heads=2, num_key_value_heads=2, hidden_size=64))
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+
+    settings = resolve_settings(parallelism="tp=4", batch_size=2)
+    with pytest.raises(ValueError, match="num_attention_heads=2 does not divide by 4"):
+        plan_step_memory(two_heads, seq_len=16, settings=settings, device_type="cpu", model_states=False)

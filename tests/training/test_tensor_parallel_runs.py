@@ -1,0 +1,57 @@
+"""The tensor-parallel step plan against a real run: torchrun on 2 CPU processes (gloo), TP=2 on
+the tiny Llama of tests/plan/test_engines.py, one measured step each
+(tests/dist_scripts/engine_step_profile.py, engine `tp`).
+
+The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
+torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`), not through
+`from_pretrained(tp_plan="auto")` and the Trainer: transformers 5's own styles
+(`transformers.distributed.tensor_parallel`) are another implementation of the same layouts,
+not traced here yet. Its gradients are clipped by accelerate's own
+`Accelerator._clip_grad_norm_dtensor_aware`, as the Trainer clips a DTensor model. As for DDP
+(tests/training/test_engine_runs.py), the judge is torch's MemTracker, entered before the model is
+made, over the third step."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from helpers import requires_torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plan"))
+from test_engines import build  # noqa: E402
+from test_engine_runs import _tracked  # noqa: E402
+
+from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
+from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROCESSES = 2
+# The real run's device mesh keeps its ranks as a tensor (`DeviceMesh.mesh`, int32, one value per
+# process: 8 bytes on two), made under the tracker because the mesh is made as the model is wrapped;
+# the plan makes its mesh before its fake step, and on a GPU run that tensor is host memory.
+MESH_RANKS_BYTES = 4 * PROCESSES
+
+
+@pytest.fixture(scope="module")
+def tp_tracked(tmp_path_factory):
+    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp"], PROCESSES)["tp"]
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@pytest.mark.parametrize("rank", range(PROCESSES))
+def test_tp2_peak_per_process_equals_memtrackers_on_the_real_run(tp_tracked, rank):
+    settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    assert plan.settings.engine == "tp"
+    real = tp_tracked[rank]
+    # 1,038,240 on each process in every launch here; the plan 1,038,232.
+    assert real["peak_bytes"] == plan.step.peak_bytes + MESH_RANKS_BYTES, (plan.step.peak_bytes, real)
+    states = plan.step.model_states_at_optimizer_step_bytes
+    # The tracker's parameters and gradients at its peak are the plan's shards to the byte (its
+    # optimizer-state figure holds the step's foreach temporaries too, its own way of filing them).
+    assert real["parts"]["_MemRefType.PARAM"] == states["parameters"] == 230_656
+    assert real["parts"]["_MemRefType.GRAD"] == states["gradients"] == 263_424
