@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import requires_torch
+from helpers import installed_version, requires_torch
 
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
@@ -108,14 +108,22 @@ def test_llama_s_plan_is_transformers_own_in_torch_s_styles():
 
     meta = build()
     plan = model_tp_plan(meta)
-    assert plan == dict(meta.tp_plan)  # transformers' merged plan: the config's, the head's, the embedding's
-    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
+    # The config's base_model_tp_plan under the base model's prefix, every entry naming modules.
+    base = {f"model.{name}": style for name, style in meta.config.base_model_tp_plan.items()}
+    assert {name: plan[name] for name in base} == base
     styles = torch_tp_plan(plan)
     assert type(styles["model.layers.*.mlp.down_proj"]) is RowwiseParallel
+    assert styles["model.layers.*.self_attn.q_proj"].output_layouts == (Shard(-1),)
+    if installed_version("transformers") < (5,):
+        # transformers 4.57's merged plan holds the same entries without the prefix too (left out: they
+        # name no module of the causal LM), and no head or embedding entry.
+        assert set(meta.tp_plan) - set(plan) == set(meta.config.base_model_tp_plan) and plan == base
+        return
+    # transformers 5's merged plan: the config's, the head's and the embedding's.
+    assert plan == dict(meta.tp_plan) and plan["lm_head"] == "colwise_gather_output"
     head, embedding = styles["lm_head"], styles["model.embed_tokens"]
     assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),)
     assert type(embedding) is RowwiseParallel and embedding.input_layouts == (Replicate(),)
-    assert styles["model.layers.*.self_attn.q_proj"].output_layouts == (Shard(-1),)
 
 
 def test_a_style_with_no_torch_equivalent_is_refused_by_name():

@@ -3,7 +3,9 @@
 transformers gives each model class a plan: the config's `base_model_tp_plan` (Llama's:
 `layers.*.self_attn.q_proj` "colwise", ... `layers.*.mlp.down_proj` "rowwise") under the base
 model's prefix, beside the class's own `_tp_plan` for the head (`lm_head`: "colwise_gather_output")
-and, in transformers 5, the embedding ("embedding_rowwise"); the model's `tp_plan` holds them merged.
+and, in transformers 5, the embedding ("embedding_rowwise"); the model's `tp_plan` holds them merged
+(transformers 4.57's has the base model's entries twice, with and without its prefix, and no
+head's: the entries that name no module of the model are left out).
 `from_pretrained(tp_plan="auto")` applies that plan with transformers' own styles
 (`transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES`); the same layouts in torch's
 `torch.distributed.tensor.parallel` styles, which `parallelize_module` applies, are:
@@ -50,10 +52,23 @@ def model_tp_plan(model: nn.Module) -> Dict[str, str]:
         prefix = getattr(model, "base_model_prefix", "")
         owner = getattr(model, prefix, None) if prefix else None
         plan = {(f"{prefix}.{name}" if owner is not None else name): style for name, style in base.items()}
+    names = [name for name, _ in model.named_modules()]
+    # transformers 4.57 keeps the base model's entries twice, with and without its prefix: only
+    # those that name modules of this model are the plan `parallelize_module` applies.
+    plan = {name: style for name, style in plan.items() if any(_matches(name, module) for module in names)}
     if not plan:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is "
                          "empty): tensor parallelism needs one")
     return plan
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a plan's module name (`*` for any one part, as `parallelize_module` reads it)
+    names the module `name`."""
+    import fnmatch
+
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatch(part, want) for part, want in zip(parts, wanted))
 
 
 def torch_tp_plan(plan: Dict[str, str]) -> Dict[str, Any]:
