@@ -42,12 +42,23 @@ def test_each_rank_s_tp2_step_in_the_engines_json_shape(tiny_llama_dir, capsys, 
                                                            "optimizer_state": 461_396, "master_weights": 0}
 
 
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp_x_fsdp2_on_four_processes(tiny_llama_dir, capsys):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "tp=2,dp_shard=2", "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
+    assert used["world_size"] == (4, "flag") and used["sharding"] == ("fsdp-full-shard", "flag")
+    assert document["settings"]["engine"] == "tp-fsdp2"
+    assert document["step"]["peak_bytes"] == 859_424  # tests/plan/test_tensor_parallel.py's
+
+
 @pytest.mark.parametrize("argv,phrase", [
     (["--parallelism", "tp=2", "--world-size", "4"],
      "parallelism tp=2 multiplies to 2 processes, but world_size is 4: accelerate refuses"),
     (["--parallelism", "tp=3"], "the model's num_attention_heads=4 does not divide by 3 (each rank runs whole"),
-    (["--parallelism", "tp=2,dp_shard=2"], "tensor parallelism is planned alone so far"),
-    (["--parallelism", "tp=2", "--zero", "3"], "tensor parallelism is planned alone so far"),
+    (["--parallelism", "tp=2,dp_shard=2,dp_replicate=2"], "without DeepSpeed, HSDP's replicas or offload"),
+    (["--parallelism", "tp=2", "--zero", "3"], "tensor parallelism is planned alone (world_size = tp) or with FSDP2"),
     (["--parallelism", "cp=2"], "context parallelism is not planned yet"),
     (["--parallelism", "tp=2,dp_replicate=2"], "accelerate does not compose DDP with TP"),
     (["--parallelism", "pp=2"], "argument --parallelism: parallelism 'pp=2': expected NAME=SIZE"),

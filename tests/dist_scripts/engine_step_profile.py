@@ -51,6 +51,20 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
         return parallelize_module(model, mesh, torch_tp_plan(model_tp_plan(model)))
+    if engine == "tp-fsdp2":
+        # TP=2 x FSDP2 on the rest: a (dp_shard, tp) mesh in accelerate's order, the plan on tp, then
+        # fully_shard of each layer and the root on dp_shard, as torchtitan and accelerate compose them.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], torch_tp_plan(model_tp_plan(model)))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        return fully_shard(model, mesh=mesh["dp_shard"])
     if engine.startswith("ddp"):
         return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=engine == "ddp-view")
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -170,10 +184,11 @@ def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: d
                 with (no_sync(model) if index < accumulation - 1 else contextlib.nullcontext()):
                     micro_batch(batch_inputs)
             del batch_samples, batch_inputs
-        if len({type(p).__name__ == "DTensor" for p in trainable}) > 1:
-            # TP's DTensor parameters beside whole ones (the norms): torch's clip_grad_norm_ refuses the
-            # mix; the Trainer's accelerate clips them so (`Accelerator.clip_grad_norm_`), which reads
-            # nothing of self. FSDP2's parameters, all DTensors, keep torch's clipping.
+        if len({getattr(p, "device_mesh", None) for p in trainable}) > 1:
+            # TP's DTensor parameters beside whole ones (the norms), or under TP x FSDP2 on two meshes:
+            # torch's clip_grad_norm_ refuses the mix; the Trainer's accelerate clips them so
+            # (`Accelerator.clip_grad_norm_`), which reads nothing of self. FSDP2's parameters, all on
+            # one mesh, keep torch's clipping.
             from accelerate import Accelerator
 
             Accelerator._clip_grad_norm_dtensor_aware(None, trainable, 1.0)

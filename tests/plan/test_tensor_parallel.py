@@ -55,13 +55,22 @@ def test_the_layout_gives_the_world_size_and_a_different_world_is_refused_as_acc
         resolve_settings(parallelism="tp=2", world_size=4)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("tp=2,dp_shard=2", "tensor parallelism is planned alone so far"),
-    ("cp=2", "context parallelism is not planned yet"),
+@pytest.mark.parametrize("flags,message", [
+    (dict(parallelism="tp=2,dp_shard=2,dp_replicate=2"), "without DeepSpeed, HSDP's replicas or offload"),
+    (dict(parallelism="tp=2,dp_shard=2", fsdp_cpu_offload=True), "without DeepSpeed, HSDP's replicas or offload"),
+    (dict(parallelism="tp=2", sharding="zero3"), "planned alone \\(world_size = tp\\) or with FSDP2"),
+    (dict(parallelism="tp=2", precision="deepspeed-bf16"), "without DeepSpeed"),
+    (dict(parallelism="cp=2"), "context parallelism is not planned yet"),
 ])
-def test_what_is_not_planned_yet_is_refused_by_name(text, message):
+def test_what_is_not_planned_yet_is_refused_by_name(flags, message):
     with pytest.raises(ValueError, match=message):
-        resolve_settings(parallelism=text)
+        resolve_settings(**flags)
+
+
+def test_tp_with_dp_shard_is_fsdp2_on_the_rest_of_the_world():
+    settings = resolve_settings(parallelism="tp=2,dp_shard=4", batch_size=2)
+    assert (settings.world_size, settings.tp_size, settings.sharding) == (8, 2, "fsdp-full-shard")
+    assert settings.sources["sharding"] == "flag"
 
 
 def test_the_training_args_parallelism_config_is_read_as_to_json_writes_it():
@@ -179,3 +188,27 @@ def test_a_model_whose_heads_do_not_split_is_refused_before_tracing():
     settings = resolve_settings(parallelism="tp=4", batch_size=2)
     with pytest.raises(ValueError, match="num_attention_heads=2 does not divide by 4"):
         plan_step_memory(two_heads, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+
+
+# Under TP=2 x FSDP2=2 each process holds half of each TP shard (FSDP2's `_StridedShard` on dim 0)
+# and half of each norm: a quarter of the tiny Llama's 115,008 values, to the value (all split evenly).
+TP2_FSDP2_PARAMS = TP2_PARAMS // 2
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp2_fsdp2_step_holds_fsdp2_s_shards_of_the_tp_shards():
+    peaks = []
+    for rank in (0, 3):  # one process, one trace after the other: each its own process group
+        settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+        assert plan.step.problem is None, plan.step.problem
+        assert plan.settings.engine == "tp-fsdp2"
+        states = plan.step.model_states_at_optimizer_step_bytes
+        assert states["parameters"] == 4 * TP2_FSDP2_PARAMS == 115_328 == 115_008 * 4 // 4 + 80 * 4
+        assert states["optimizer_state"] == 2 * 4 * TP2_FSDP2_PARAMS + 21 * 4
+        # FSDP2's all-gathered layer (TP shards, 148,224 bytes at the peak) and its buffers are in it.
+        assert plan.step.peak_parts["unsharded_parameters"] == 148_224
+        peaks.append(plan.step.peak_bytes)
+    # Each process of a real 4-process run reads 859,424 when gloo frees on time
+    # (tests/training/test_tensor_parallel_runs.py).
+    assert peaks == [859_424, 859_424]

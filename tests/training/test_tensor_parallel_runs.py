@@ -1,6 +1,6 @@
-"""The tensor-parallel step plan against a real run: torchrun on 2 CPU processes (gloo), TP=2 on
-the tiny Llama of tests/plan/test_engines.py, one measured step each
-(tests/dist_scripts/engine_step_profile.py, engine `tp`).
+"""The tensor-parallel step plan against real runs: torchrun on 2 CPU processes (gloo), TP=2 on
+the tiny Llama of tests/plan/test_engines.py, and on 4, TP=2 x FSDP2=2, one measured step each
+(tests/dist_scripts/engine_step_profile.py, engines `tp` and `tp-fsdp2`).
 
 The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
 torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`), not through
@@ -9,7 +9,7 @@ torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_p
 not traced here yet. Its gradients are clipped by accelerate's own
 `Accelerator._clip_grad_norm_dtensor_aware`, as the Trainer clips a DTensor model. As for DDP
 (tests/training/test_engine_runs.py), the judge is torch's MemTracker, entered before the model is
-made, over the third step."""
+made, over the third step; under TP x FSDP2, as for FSDP2, torch's FSDPMemTracker."""
 
 from __future__ import annotations
 
@@ -55,3 +55,40 @@ def test_tp2_peak_per_process_equals_memtrackers_on_the_real_run(tp_tracked, ran
     # optimizer-state figure holds the step's foreach temporaries too, its own way of filing them).
     assert real["parts"]["_MemRefType.PARAM"] == states["parameters"] == 230_656
     assert real["parts"]["_MemRefType.GRAD"] == states["gradients"] == 263_424
+
+
+# -- TP=2 x FSDP2=2 on 4 processes ----------------------------------------------------------------
+
+# The most one process of the tiny Llama's step holds under TP=2 x FSDP2=2, by the plan (every rank).
+TP2_FSDP2_PEAK = 859_424
+# What a process read above the plan in the launches here, held by timing: 0 (the plan, to the byte)
+# on every process in one launch of three and on the TP rank 1 processes in all; on the TP rank 0
+# ones, in the others, a reduce-scatter's input and output (82,432 + 41,216 bytes) that gloo's worker
+# thread let go after the tracker's moment of the plan's peak had passed, and a 256-byte unsharded
+# norm gradient the same way (FSDPMemTracker's parts: REDUCE_SCATTER 82,432, SHARDED_GRAD 41,216).
+HELD_LATE = (0, 256, 66_304)
+
+
+@pytest.fixture(scope="module")
+def tp_fsdp2_tracked(tmp_path_factory):
+    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp-fsdp2"], 4)["tp-fsdp2"]
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp2_fsdp2_peak_per_process_equals_fsdp_memtrackers_on_the_real_run(tp_fsdp2_tracked):
+    peaks = []
+    for rank, real in enumerate(tp_fsdp2_tracked):
+        settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+        assert plan.settings.engine == "tp-fsdp2"
+        assert plan.step.peak_bytes == TP2_FSDP2_PEAK
+        peaks.append(real["peak_bytes"])
+        assert real["peak_bytes"] - plan.step.peak_bytes in HELD_LATE, (rank, plan.step.peak_bytes, real)
+        # The shards FSDP2 keeps of each TP shard and the optimizer state like them, to the byte: a
+        # quarter of one process's parameters but the norms' halves (115,328 bytes), two moments of
+        # them and 21 step counts.
+        states = plan.step.model_states_at_optimizer_step_bytes
+        assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"] == 115_328
+        assert real["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"] == 2 * 115_328 + 21 * 4
+    # The TP rank 1 processes (1 and 3) read the plan itself.
+    assert peaks[1] == peaks[3] == TP2_FSDP2_PEAK, peaks

@@ -161,8 +161,8 @@ def _add_plan_arguments(estimate: argparse.ArgumentParser) -> None:
                       help="machines; CPU figures are per node (default 1)")
     plan.add_argument("--parallelism", metavar="SIZES", type=_checked(_parallelism),
                       help="accelerate's ParallelismConfig as tp=2[,dp_shard=N,dp_replicate=N,cp=N]: the sizes "
-                           "multiply to the world size; tensor parallelism alone (tp=N) is planned so far, from "
-                           "the model's tp_plan (with --batch-size)")
+                           "multiply to the world size; planned so far: tp=N alone or with dp_shard=M (FSDP2), "
+                           "from the model's tp_plan (with --batch-size)")
     shard = plan.add_mutually_exclusive_group()
     shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
     shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")

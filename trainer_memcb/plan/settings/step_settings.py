@@ -92,7 +92,8 @@ class StepSettings:
             of `replicate` x `world_size // replicate`).
         tp_size: tensor parallelism's degree (accelerate's `ParallelismConfig.tp_size`,
             `trainer_memcb.plan.settings.parallelism`): the model's linear layers split over `tp_size`
-            processes by its `tp_plan`; planned so far alone (`world_size == tp_size`), without sharding.
+            processes by its `tp_plan`; planned so far alone (`world_size == tp_size`) or with FSDP2
+            (`world_size // tp_size` shards of each TP shard).
         torch_empty_cache_steps: the Trainer's `torch_empty_cache_steps`: `torch.cuda.empty_cache()`
             after the forward of each step whose `global_step` it divides (the allocator replay).
         target_len, image_size, padding: the rest of the micro-batch's shape: a seq2seq model's
@@ -236,20 +237,23 @@ def _check_step_shape(settings: "StepSettings") -> None:
 
 
 def _check_tensor_parallel(settings: "StepSettings") -> None:
-    """Tensor parallelism within what the plan traces so far: alone on its processes, without
-    sharding, DeepSpeed or TRL's DPO step."""
+    """Tensor parallelism within what the plan traces so far: alone on its processes or with FSDP2
+    on the rest of the world, without DeepSpeed, HSDP's replicas, offload or TRL's DPO step."""
     tp = settings.tp_size
     if not _whole(tp, 1):
         raise ValueError(f"tp_size={tp!r}: expected a whole number of at least 1")
     if tp == 1:
         return
-    if settings.world_size != tp:
-        raise ValueError(f"parallelism tp={tp} on world_size={settings.world_size}: tensor parallelism is planned "
-                         f"alone so far (its data-parallel sizes 1, world_size {tp}); TP x FSDP2 is not yet")
-    if settings.sharding != "none" or settings.precision.startswith("deepspeed-"):
-        raise ValueError(f"parallelism tp={tp} with sharding {settings.sharding!r} / precision "
-                         f"{settings.precision!r}: tensor parallelism is planned alone so far, without DDP, FSDP "
-                         "or DeepSpeed")
+    world, sharding = settings.world_size, settings.sharding
+    alone, with_fsdp2 = world == tp and sharding == "none", world > tp and sharding.startswith("fsdp-")
+    if world % tp or not (alone or with_fsdp2):
+        raise ValueError(f"parallelism tp={tp} on world_size={world} with sharding {settings.sharding!r}: tensor "
+                         "parallelism is planned alone (world_size = tp) or with FSDP2 (dp_shard, world_size = "
+                         "tp x dp_shard) so far")
+    if settings.precision.startswith("deepspeed-") or settings.replicate > 1 or settings.fsdp_cpu_offload:
+        raise ValueError(f"parallelism tp={tp} with precision {settings.precision!r}, replicate={settings.replicate}"
+                         f", fsdp_cpu_offload={settings.fsdp_cpu_offload}: tensor parallelism is planned alone or with "
+                         "FSDP2 so far, without DeepSpeed, HSDP's replicas or offload")
     if settings.preference is not None:
         raise ValueError(f"parallelism tp={tp} with TRL's DPO step: planned on one process only so far")
 

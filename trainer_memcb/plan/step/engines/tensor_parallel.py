@@ -18,9 +18,18 @@ rank's columns, the rest whole). The gradients are clipped as the Trainer's acce
 the mix of DTensor gradients and the whole ones of the parameters outside the plan, so the norm is
 taken per device mesh, the DTensor norms made whole, stacked, and each group clipped with it.
 
-Planned so far: TP alone (`world_size == tp_size`, no data parallelism) with shards that split
-evenly (`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`), so every rank holds
-the same; the plan is the settings' rank's.
+TP x FSDP2 (`TensorParallelFSDP2Engine`, accelerate's `dp_shard` beside `tp`): the mesh is 2-D,
+`("dp_shard", "tp")` in accelerate's order, the plan applied on its `tp` dimension, then the FSDP2
+engine's own `fully_shard` of each decoder layer and the root on its `dp_shard` dimension
+(`trainer_memcb.plan.step.engines.fsdp2`), as torchtitan and accelerate compose them: FSDP2 shards
+each TP shard again (`_StridedShard` on dim 0 beside TP's `Shard`), the norms on `dp_shard` alone.
+FSDP2 makes the 2-D mesh of each TP parameter (`FSDPParam._init_sharding_spec_tp`:
+`DeviceMesh._concatenate`), whose rank tensor must be real: it is made outside the fake mode
+(`unset_fake_temporarily`) for the time of the wrap.
+
+Planned so far: TP alone (`world_size == tp_size`) or with FSDP2's full or shard-grad-op sharding
+(no replicas, no offload), with shards that split evenly
+(`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`); the plan is the settings' rank's.
 """
 
 from __future__ import annotations
@@ -32,8 +41,9 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.step.engines.base import StepEngine
+from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
 
-__all__ = ["TensorParallelEngine"]
+__all__ = ["TensorParallelEngine", "TensorParallelFSDP2Engine", "clip_grad_norm_dtensor_aware", "forget_sharding_cache"]
 
 
 class TensorParallelEngine(StepEngine):
@@ -84,6 +94,83 @@ class TensorParallelEngine(StepEngine):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        forget_sharding_cache()
+
+
+class TensorParallelFSDP2Engine(FSDP2Engine):
+    """The step of one rank of a 2-D mesh: tensor parallel on `tp`, FSDP2 on `dp_shard`.
+
+    Args:
+        settings: resolved settings (`tp_size`, `world_size` = tp x dp_shard, `rank`, FSDP2's).
+    """
+
+    name = "tp-fsdp2"
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        tp = self.settings.tp_size
+        shards = self.settings.world_size // tp
+        mesh = init_device_mesh("cpu", (shards, tp), mesh_dim_names=("dp_shard", "tp"))
+        self._tp_mesh = mesh["tp"]
+        self.notes.append(f"TP x FSDP2: a {shards} x {tp} mesh (dp_shard, tp), the model's tp_plan applied with "
+                          "torch's parallelize_module on tp, then fully_shard on dp_shard")
+        return mesh["dp_shard"]
+
+    def _before_sharding(self, model: nn.Module, mode: Any) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+
+        with mode:
+            parallelize_module(model, self._tp_mesh, torch_tp_plan(model_tp_plan(model)))
+        original = DeviceMesh.__dict__["_concatenate"]
+        self._concatenate = original
+        DeviceMesh._concatenate = staticmethod(_real_mesh(original.__func__))
+
+    def clip(self, trainable: List[torch.Tensor]) -> None:
+        if self.max_grad_norm:
+            clip_grad_norm_dtensor_aware(trainable, self.max_grad_norm)
+
+    def close(self) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        concatenate = getattr(self, "_concatenate", None)
+        if concatenate is not None:
+            DeviceMesh._concatenate = concatenate
+            self._concatenate = None
+        super().close()
+        forget_sharding_cache()
+
+
+def forget_sharding_cache() -> None:
+    """Empty DTensor's caches of sharding propagations and redistribution plans, once a trace's
+    process group is gone.
+
+    Their keys compare device meshes by their layout and dimension names, not by their process
+    groups: a second trace in the same process (another rank) would take the first one's output
+    specs, whose meshes name the destroyed group ("Could not resolve the process group registered
+    under the name 3", torch 2.13, on TP x FSDP2's 2-D mesh)."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    # The Python cache and the C++ fast path's (torch 2.13 `debug._clear_sharding_prop_cache`).
+    getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
+    clear = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
+
+
+def _real_mesh(concatenate: Any) -> Any:
+    """`DeviceMesh._concatenate`, its rank tensor made outside the fake mode (a fake one fails its
+    `nonzero`, a data-dependent shape)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def outside_fake_mode(meshes: Any) -> Any:
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+    return outside_fake_mode
 
 
 def clip_grad_norm_dtensor_aware(parameters: List[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
