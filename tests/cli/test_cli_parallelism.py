@@ -74,3 +74,19 @@ def test_a_layout_the_plan_refuses_is_one_usage_line(tiny_llama_dir, capsys, arg
 def test_parallelism_without_the_step_plan_is_refused(tiny_llama_dir, capsys):
     assert main(["estimate", tiny_llama_dir, "--parallelism", "tp=2"]) == 2
     assert "--parallelism has no effect without --batch-size or --max-batch-size" in capsys.readouterr().err
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_the_training_args_parallelism_config_is_the_layout(tiny_llama_dir, tmp_path, capsys):
+    # As `TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2)).to_json_string()` writes it.
+    args = tmp_path / "training_args.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 2, "optim": "adamw_torch", "parallelism_config": {
+        "dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 2, "cp_size": 1, "cp_backend": "torch", "sp_size": 1,
+        "sp_backend": "deepspeed", "tp_handler": {}, "cp_handler": None, "sp_handler": None}}))
+    code = main(["estimate", tiny_llama_dir, "--training-args", str(args), "--seq-len", "16", "--device-type", "cpu",
+                 "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
+    assert used["tp_size"] == (2, "training args (parallelism_config)") and used["world_size"][0] == 2
+    assert document["step"]["peak_bytes"] == 1_038_232
