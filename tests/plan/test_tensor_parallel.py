@@ -212,3 +212,33 @@ def test_tp2_fsdp2_step_holds_fsdp2_s_shards_of_the_tp_shards():
     # Each process of a real 4-process run reads 859,424 when gloo frees on time
     # (tests/training/test_tensor_parallel_runs.py).
     assert peaks == [859_424, 859_424]
+
+
+# Llama 3 70B's shapes (its published config: 80 layers of 8,192, MLP 28,672, 64 heads, 8 key/value
+# heads, 128,256 tokens), built from the config on the meta device.
+LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
+
+
+@pytest.mark.slow
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_70b_at_tp8_dp_shard16_holds_the_hand_counted_shards():
+    def build_70b():
+        config = LlamaConfig(**LLAMA3_70B)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+
+    settings = resolve_settings(parallelism="tp=8,dp_shard=16", batch_size=1, optimizer="adamw_torch",
+                                precision="autocast-bf16", gradient_checkpointing=True)
+    plan, _ = plan_step_memory(build_70b, seq_len=512, settings=settings, device_type="cuda", model_states=False)
+    assert plan.step.problem is None, plan.step.problem
+    # By hand: every linear layer, the embedding and the head split 8 ways by TP and 16 by FSDP2
+    # (128,256 rows: 16,032 per TP rank, 1,002 per process), the 161 norms of 8,192 16 ways by FSDP2.
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672
+    norms = (2 * 80 + 1) * 8192
+    per_process = (80 * layer + 2 * 128256 * 8192) // 128 + norms // 16
+    assert per_process == 551_272_960
+    states = plan.step.model_states_at_optimizer_step_bytes
+    assert states["parameters"] == 4 * per_process == 2_205_091_840  # fp32 shards: the Trainer's bf16 is autocast
+    assert states["optimizer_state"] == 2 * 4 * per_process + 4 * (80 * 9 + 3)  # AdamW's moments, 723 steps
