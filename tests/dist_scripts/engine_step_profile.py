@@ -51,6 +51,19 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
         return parallelize_module(model, mesh, torch_tp_plan(model_tp_plan(model)))
+    if engine == "tp-auto":
+        # The same layout through transformers' own loading: `from_pretrained(tp_plan="auto")` of this
+        # model saved (rank 0, then every process loads it), transformers 5's own parallel styles.
+        from transformers import LlamaForCausalLM
+
+        folder = os.path.abspath("tp-auto-checkpoint")
+        if dist.get_rank() == 0:
+            model.save_pretrained(folder)
+        dist.barrier()
+        del model
+        loaded = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", attn_implementation="sdpa")
+        loaded.config.use_cache = False
+        return loaded
     if engine == "tp-fsdp2":
         # TP=2 x FSDP2 on the rest: a (dp_shard, tp) mesh in accelerate's order, the plan on tp, then
         # fully_shard of each layer and the root on dp_shard, as torchtitan and accelerate compose them.
@@ -269,7 +282,17 @@ def ddp_memtracker_run(engine: str) -> dict:
     with tracker:
         step()
     stats = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()}}
+    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
+            "params": parameter_bytes(model)}
+
+
+def parameter_bytes(model: torch.nn.Module) -> dict:
+    """The bytes of the parameters' local tensors (a DTensor's shard), and of the storages behind
+    them, each storage once: more where a shard is a view of a larger tensor."""
+    locals_ = [getattr(param, "_local_tensor", param) for param in model.parameters()]
+    storages = {local.untyped_storage().data_ptr(): local.untyped_storage().nbytes() for local in locals_}
+    return {"local_bytes": sum(local.numel() * local.element_size() for local in locals_),
+            "storage_bytes": sum(storages.values())}
 
 
 def main() -> None:
@@ -280,7 +303,7 @@ def main() -> None:
         # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
         if engine.endswith("-memtracker"):
             name = engine[:-len("-memtracker")]
-            plain = name.startswith("ddp") or name == "tp"  # MemTracker; FSDPMemTracker wants FSDP modules
+            plain = name.startswith("ddp") or name in ("tp", "tp-auto")  # FSDPMemTracker wants FSDP modules
             result = ddp_memtracker_run(name) if plain else memtracker_run(name)
         else:
             result = run(engine)

@@ -3,10 +3,9 @@ the tiny Llama of tests/plan/test_engines.py, and on 4, TP=2 x FSDP2=2, one meas
 (tests/dist_scripts/engine_step_profile.py, engines `tp` and `tp-fsdp2`).
 
 The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
-torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`), not through
-`from_pretrained(tp_plan="auto")` and the Trainer: transformers 5's own styles
-(`transformers.distributed.tensor_parallel`) are another implementation of the same layouts,
-not traced here yet. Its gradients are clipped by accelerate's own
+torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`); transformers
+5.25's own `from_pretrained(tp_plan="auto")` (its own styles, `transformers.distributed.tensor_parallel`)
+runs on this CPU with gloo too, and is compared apart (below). Its gradients are clipped by accelerate's own
 `Accelerator._clip_grad_norm_dtensor_aware`, as the Trainer clips a DTensor model. As for DDP
 (tests/training/test_engine_runs.py), the judge is torch's MemTracker, entered before the model is
 made, over the third step; under TP x FSDP2, as for FSDP2, torch's FSDPMemTracker."""
@@ -37,8 +36,13 @@ MESH_RANKS_BYTES = 4 * PROCESSES
 
 
 @pytest.fixture(scope="module")
-def tp_tracked(tmp_path_factory):
-    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp"], PROCESSES)["tp"]
+def tp_runs(tmp_path_factory):
+    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp", "tp-auto"], PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def tp_tracked(tp_runs):
+    return tp_runs["tp"]
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
@@ -55,6 +59,30 @@ def test_tp2_peak_per_process_equals_memtrackers_on_the_real_run(tp_tracked, ran
     # optimizer-state figure holds the step's foreach temporaries too, its own way of filing them).
     assert real["parts"]["_MemRefType.PARAM"] == states["parameters"] == 230_656
     assert real["parts"]["_MemRefType.GRAD"] == states["gradients"] == 263_424
+    assert real["params"] == {"local_bytes": 230_656, "storage_bytes": 230_656}
+
+
+# transformers' own path, `from_pretrained(tp_plan="auto")` of the same model saved (engine `tp-auto`):
+# on this CPU each process keeps the same shards (230,656 bytes of them, the plan's), but the shards
+# of dim 0 (colwise layers, the embedding, the head) stay views of the whole tensors read from the
+# checkpoint, so the storages behind the parameters are 410,880 bytes; a GPU run copies each shard to
+# the device, which this CPU run cannot show. Its peak is the plan, those 180,224 bytes, and 16 bytes
+# (8 in the parallelize_module run: its device mesh's rank tensor; not traced further here).
+WHOLE_STORAGES_BEYOND_SHARDS = 410_880 - 230_656
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@pytest.mark.parametrize("rank", range(PROCESSES))
+def test_tp_plan_auto_holds_the_plan_s_shards_on_whole_storages_on_the_cpu(tp_runs, rank):
+    settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    real = tp_runs["tp-auto"][rank]
+    assert real["params"] == {"local_bytes": plan.step.model_states_at_optimizer_step_bytes["parameters"],
+                              "storage_bytes": 230_656 + WHOLE_STORAGES_BEYOND_SHARDS}
+    assert real["peak_bytes"] == plan.step.peak_bytes + WHOLE_STORAGES_BEYOND_SHARDS + 16, (plan.step.peak_bytes, real)
+    # Its gradients and optimizer state are the parallelize_module run's, to the byte.
+    for part in ("_MemRefType.GRAD", "_MemRefType.OPT"):
+        assert real["parts"][part] == tp_runs["tp"][rank]["parts"][part]
 
 
 # -- TP=2 x FSDP2=2 on 4 processes ----------------------------------------------------------------
