@@ -187,11 +187,14 @@ class StepSettings:
 
     def used(self) -> Tuple[Tuple[str, Any, str], ...]:
         """(name, value, source) for every setting, in field order; ZeRO's keys as `zero.KEY`; the
-        DPO step (`preference`) is the plan's own entry (`PlannedSettings.preference`), not a row."""
+        DPO step (`preference`) is the plan's own entry (`PlannedSettings.preference`), not a row, and
+        `tp_size` is a row only where some source gave it."""
         rows = []
         for item in dataclasses.fields(self):
             if item.name in ("zero", "sources", "preference") or getattr(self, item.name) is None:
                 continue
+            if item.name == "tp_size" and self.tp_size == 1 and "tp_size" not in self.sources:
+                continue  # no tensor parallelism: no row, as before it was planned
             rows.append((item.name, getattr(self, item.name), self.sources.get(item.name, _DEFAULT)))
         for key in sorted(self.zero):
             # The stage is the sharding's (`__post_init__`), wherever the config file put another.
