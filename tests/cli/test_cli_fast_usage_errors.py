@@ -35,6 +35,8 @@ USAGE_ERRORS = [
     ([TINY, "--eval-samples", "8"], "--eval-samples needs --seq-len"),
     ([TINY, "--eval-samples", "8", "--seq-len", "4", "--host-memory", "lots"], "argument --host-memory"),
     ([TINY, "--zero", "4"], "argument --zero: invalid choice"),
+    ([TINY, "--parallelism", "tp=2,pp=2"], "argument --parallelism: parallelism 'pp=2': expected NAME=SIZE"),
+    ([TINY, "--parallelism", "tp=2"], "--parallelism has no effect without"),
     ([TINY, "--batch-size", "0"], "argument --batch-size"),
     (["7.5e9"], "a parameter count (7,500,000,000) answers the model-states plan only"),
     (["7.5e9", "--zero", "1", "--lora-r", "8"], "--lora-r needs a model's modules and names"),

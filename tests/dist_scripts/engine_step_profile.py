@@ -43,6 +43,41 @@ BATCH, SEQ = 2, 16
 
 
 def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
+    if engine == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+        return parallelize_module(model, mesh, torch_tp_plan(model_tp_plan(model)))
+    if engine == "tp-auto":
+        # The same layout through transformers' own loading: `from_pretrained(tp_plan="auto")` of this
+        # model saved (rank 0, then every process loads it), transformers 5's own parallel styles.
+        from transformers import LlamaForCausalLM
+
+        folder = os.path.abspath("tp-auto-checkpoint")
+        if dist.get_rank() == 0:
+            model.save_pretrained(folder)
+        dist.barrier()
+        del model
+        loaded = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", attn_implementation="sdpa")
+        loaded.config.use_cache = False
+        return loaded
+    if engine == "tp-fsdp2":
+        # TP=2 x FSDP2 on the rest: a (dp_shard, tp) mesh in accelerate's order, the plan on tp, then
+        # fully_shard of each layer and the root on dp_shard, as torchtitan and accelerate compose them.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], torch_tp_plan(model_tp_plan(model)))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        return fully_shard(model, mesh=mesh["dp_shard"])
     if engine.startswith("ddp"):
         return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=engine == "ddp-view")
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -162,7 +197,16 @@ def steps_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: d
                 with (no_sync(model) if index < accumulation - 1 else contextlib.nullcontext()):
                     micro_batch(batch_inputs)
             del batch_samples, batch_inputs
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        if len({getattr(p, "device_mesh", None) for p in trainable}) > 1:
+            # TP's DTensor parameters beside whole ones (the norms), or under TP x FSDP2 on two meshes:
+            # torch's clip_grad_norm_ refuses the mix; the Trainer's accelerate clips them so
+            # (`Accelerator.clip_grad_norm_`), which reads nothing of self. FSDP2's parameters, all on
+            # one mesh, keep torch's clipping.
+            from accelerate import Accelerator
+
+            Accelerator._clip_grad_norm_dtensor_aware(None, trainable, 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -238,7 +282,17 @@ def ddp_memtracker_run(engine: str) -> dict:
     with tracker:
         step()
     stats = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()}}
+    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
+            "params": parameter_bytes(model)}
+
+
+def parameter_bytes(model: torch.nn.Module) -> dict:
+    """The bytes of the parameters' local tensors (a DTensor's shard), and of the storages behind
+    them, each storage once: more where a shard is a view of a larger tensor."""
+    locals_ = [getattr(param, "_local_tensor", param) for param in model.parameters()]
+    storages = {local.untyped_storage().data_ptr(): local.untyped_storage().nbytes() for local in locals_}
+    return {"local_bytes": sum(local.numel() * local.element_size() for local in locals_),
+            "storage_bytes": sum(storages.values())}
 
 
 def main() -> None:
@@ -249,7 +303,8 @@ def main() -> None:
         # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
         if engine.endswith("-memtracker"):
             name = engine[:-len("-memtracker")]
-            result = ddp_memtracker_run(name) if name.startswith("ddp") else memtracker_run(name)
+            plain = name.startswith("ddp") or name in ("tp", "tp-auto")  # FSDPMemTracker wants FSDP modules
+            result = ddp_memtracker_run(name) if plain else memtracker_run(name)
         else:
             result = run(engine)
         _common.write_result(os.path.join(out_dir, engine), dict(result, engine=engine, world_size=dist.get_world_size()))

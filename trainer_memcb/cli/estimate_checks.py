@@ -27,7 +27,7 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
                  ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),
-                 ("gradient_as_bucket_view", "--gradient-as-bucket-view"))
+                 ("gradient_as_bucket_view", "--gradient-as-bucket-view"), ("parallelism", "--parallelism"))
 _EVAL_OPTIONS = ("seq_len", "attn_implementation", "device_type")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation", "--device-type")
 
@@ -163,6 +163,9 @@ def check_search_options(args: argparse.Namespace) -> None:
     if args.max_batch_size and getattr(args, "packing", None) is not None:
         raise ValueError("--max-batch-size searches the rows of a batch; --packing makes one row of TOKENS tokens: "
                          "plan each TOKENS with --batch-size 1")
+    if getattr(args, "fit", False) and getattr(args, "parallelism", None) is not None:
+        raise ValueError("--fit does not propose tensor-parallel layouts yet: leave out --parallelism, or plan the "
+                         "layout with --batch-size")
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
 

@@ -46,6 +46,12 @@ def _alloc_conf(text: str) -> Any:
     return parse_alloc_conf(text)
 
 
+def _parallelism(text: str) -> Any:
+    from trainer_memcb.plan.settings.parallelism import parse_parallelism
+
+    return parse_parallelism(text)
+
+
 class _GpuAction(argparse.Action):
     """--gpu NAME: the preset's name, checked as parsed; `--gpu list` prints the presets and exits 0."""
 
@@ -153,6 +159,10 @@ def _add_plan_arguments(estimate: argparse.ArgumentParser) -> None:
                            "hold the same on every rank (default 0)")
     plan.add_argument("--nodes", type=positive_int, metavar="N",
                       help="machines; CPU figures are per node (default 1)")
+    plan.add_argument("--parallelism", metavar="SIZES", type=_checked(_parallelism),
+                      help="accelerate's ParallelismConfig as tp=2[,dp_shard=N,dp_replicate=N,cp=N]: the sizes "
+                           "multiply to the world size; planned so far: tp=N alone or with dp_shard=M (FSDP2), "
+                           "from the model's tp_plan (with --batch-size)")
     shard = plan.add_mutually_exclusive_group()
     shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
     shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")

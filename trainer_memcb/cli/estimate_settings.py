@@ -81,7 +81,8 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
                                                           else f"DPOConfig {args.training_args!r}",
                                                           peft=getattr(args, "lora_r", None) is not None)
     settings = resolve_settings(training_args, deepspeed=getattr(args, "deepspeed", None),
-                                fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden, **flags)
+                                fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden,
+                                parallelism=getattr(args, "parallelism", None), **flags)
     sources = dict(settings.sources, **_not_flags(args, settings))
     if dpo:
         sources["preference"] = "DPOConfig (--trainer dpo)"

@@ -296,6 +296,12 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = getattr(meta, "config", None)
+    if settings.tp_size > 1:  # the model's heads and widths split whole, its plan in torch's styles
+        from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+        from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
+
+        check_tensor_parallel_model(config, settings.tp_size)
+        torch_tp_plan(model_tp_plan(meta))
     if settings.attn_implementation is not None and config is not None:
         check_attn_implementation(meta, settings.attn_implementation)
         if settings.attn_implementation.startswith("flash_attention") and settings.device_type != "cuda":

@@ -63,7 +63,7 @@ class PlannedSettings:
             (`trainer_memcb.plan.model.trainer_model.checkpointing_kwargs`), {} without it.
         precision: the setup's precision; `param_dtype`: the traced parameters' dtype.
         optimizer: the Trainer's `optim` name; `optimizer_implementation`: the class traced.
-        engine: none, ddp, fsdp2 or deepspeed-zero1/2/3.
+        engine: none, ddp, fsdp2, deepspeed-zero1/2/3, tp (tensor parallel) or tp-fsdp2 (TP x FSDP2).
         gradient_accumulation_steps: the micro-batches of one optimizer step.
         used: [setting, value, where it came from] for each setting the plan read.
         packing: the packed row and its padded equivalent (`--packing`); None (and left out of the

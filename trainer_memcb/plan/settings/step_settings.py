@@ -90,6 +90,10 @@ class StepSettings:
             (`find_unused_parameters` from the Trainer's arguments as the Trainer sets it).
         reshard_after_forward, fsdp_cpu_offload, replicate: FSDP2 (`replicate` > 1: HSDP, a 2-D mesh
             of `replicate` x `world_size // replicate`).
+        tp_size: tensor parallelism's degree (accelerate's `ParallelismConfig.tp_size`,
+            `trainer_memcb.plan.settings.parallelism`): the model's linear layers split over `tp_size`
+            processes by its `tp_plan`; planned so far alone (`world_size == tp_size`) or with FSDP2
+            (`world_size // tp_size` shards of each TP shard).
         torch_empty_cache_steps: the Trainer's `torch_empty_cache_steps`: `torch.cuda.empty_cache()`
             after the forward of each step whose `global_step` it divides (the allocator replay).
         target_len, image_size, padding: the rest of the micro-batch's shape: a seq2seq model's
@@ -134,6 +138,7 @@ class StepSettings:
     reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     replicate: int = 1
+    tp_size: int = 1
     torch_empty_cache_steps: Optional[int] = None
     target_len: Optional[int] = None
     image_size: Optional[int] = None
@@ -155,6 +160,7 @@ class StepSettings:
         if self.preference is not None and self.sharding != "none":
             raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
                              "(sharding none) so far")
+        _check_tensor_parallel(self)
         if self.sharding.startswith("zero") or self.precision.startswith("deepspeed-"):
             zero = dict(ZERO_DEFAULTS)
             zero.update(self.zero)
@@ -181,11 +187,14 @@ class StepSettings:
 
     def used(self) -> Tuple[Tuple[str, Any, str], ...]:
         """(name, value, source) for every setting, in field order; ZeRO's keys as `zero.KEY`; the
-        DPO step (`preference`) is the plan's own entry (`PlannedSettings.preference`), not a row."""
+        DPO step (`preference`) is the plan's own entry (`PlannedSettings.preference`), not a row, and
+        `tp_size` is a row only where some source gave it."""
         rows = []
         for item in dataclasses.fields(self):
             if item.name in ("zero", "sources", "preference") or getattr(self, item.name) is None:
                 continue
+            if item.name == "tp_size" and self.tp_size == 1 and "tp_size" not in self.sources:
+                continue  # no tensor parallelism: no row, as before it was planned
             rows.append((item.name, getattr(self, item.name), self.sources.get(item.name, _DEFAULT)))
         for key in sorted(self.zero):
             # The stage is the sharding's (`__post_init__`), wherever the config file put another.
@@ -228,6 +237,28 @@ def _check_step_shape(settings: "StepSettings") -> None:
         object.__setattr__(settings, "alloc_conf", settings.alloc_conf.text)
     elif settings.alloc_conf is not None:
         as_alloc_conf(settings.alloc_conf)
+
+
+def _check_tensor_parallel(settings: "StepSettings") -> None:
+    """Tensor parallelism within what the plan traces so far: alone on its processes or with FSDP2
+    on the rest of the world, without DeepSpeed, HSDP's replicas, offload or TRL's DPO step."""
+    tp = settings.tp_size
+    if not _whole(tp, 1):
+        raise ValueError(f"tp_size={tp!r}: expected a whole number of at least 1")
+    if tp == 1:
+        return
+    world, sharding = settings.world_size, settings.sharding
+    alone, with_fsdp2 = world == tp and sharding == "none", world > tp and sharding.startswith("fsdp-")
+    if world % tp or not (alone or with_fsdp2):
+        raise ValueError(f"parallelism tp={tp} on world_size={world} with sharding {settings.sharding!r}: tensor "
+                         "parallelism is planned alone (world_size = tp) or with FSDP2 (dp_shard, world_size = "
+                         "tp x dp_shard) so far")
+    if settings.precision.startswith("deepspeed-") or settings.replicate > 1 or settings.fsdp_cpu_offload:
+        raise ValueError(f"parallelism tp={tp} with precision {settings.precision!r}, replicate={settings.replicate}"
+                         f", fsdp_cpu_offload={settings.fsdp_cpu_offload}: tensor parallelism is planned alone or with "
+                         "FSDP2 so far, without DeepSpeed, HSDP's replicas or offload")
+    if settings.preference is not None:
+        raise ValueError(f"parallelism tp={tp} with TRL's DPO step: planned on one process only so far")
 
 
 def _check_packing(settings: "StepSettings") -> None:
@@ -603,9 +634,10 @@ def _settle_processes(got: _Resolving, args: Mapping[str, Any]) -> None:
         values["reshard_after_forward"] = True
         sources.setdefault("reshard_after_forward", sources["sharding"])
     world = values.get("world_size", 1)
-    if args and world > 1 and "sharding" not in values:
+    if args and world > values.get("tp_size", 1) and "sharding" not in values:
         # The Trainer under torchrun with neither DeepSpeed nor FSDP wraps the model in DDP
-        # (accelerate's prepare_model, DistributedType.MULTI_*).
+        # (accelerate's prepare_model, DistributedType.MULTI_*); its tensor-parallel processes
+        # hold one replica between them.
         got.put("sharding", "ddp", "training args (Trainer: several processes, no deepspeed or fsdp)")
     rank = values.get("rank", 0)
     if not 0 <= rank < world:
@@ -615,8 +647,33 @@ def _settle_processes(got: _Resolving, args: Mapping[str, Any]) -> None:
         raise ValueError(f"replicate={replicate} does not divide world_size={world}")
 
 
+def _layout(args: Mapping[str, Any], parallelism: Any) -> Optional[Tuple[Any, str]]:
+    """(the parallel layout, its source): the one given, else the training args' `parallelism_config`."""
+    from trainer_memcb.plan.settings.parallelism import Parallelism, parallelism_from_config, parse_parallelism
+
+    if parallelism is not None:
+        return (parallelism if isinstance(parallelism, Parallelism) else parse_parallelism(parallelism)), "flag"
+    found = parallelism_from_config(args.get("parallelism_config"), "training args")
+    return (found, "training args (parallelism_config)") if found is not None else None
+
+
+def _put_parallelism(got: _Resolving, layout: Any, source: str) -> None:
+    """The settings a parallel layout (`parallelism.Parallelism`) gives: its processes, its tensor
+    parallel degree, and FSDP2 (HSDP with replicas) where it shards, DDP where it only replicates, as
+    accelerate prepares the model for it."""
+    if layout.cp > 1:
+        raise ValueError(f"parallelism cp={layout.cp}: context parallelism is not planned yet")
+    got.put("world_size", layout.total, source)
+    got.put("tp_size", layout.tp, source)
+    if layout.dp_shard > 1:
+        got.put("sharding", "fsdp-full-shard", source)
+        got.put("replicate", layout.dp_replicate, source)
+    elif layout.dp_replicate > 1:
+        got.put("sharding", "ddp", source)
+
+
 def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_config: Any = None,
-                     hidden_size: Optional[int] = None, **flags: Any) -> StepSettings:
+                     hidden_size: Optional[int] = None, parallelism: Any = None, **flags: Any) -> StepSettings:
     """Resolve the plan's settings once.
 
     Args:
@@ -625,6 +682,9 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         deepspeed: a DeepSpeed config (dict or JSON file); None takes `training_args.deepspeed`.
         fsdp_config: an FSDP config (dict or JSON file); None takes `training_args.fsdp_config`.
         hidden_size: the model's, for the DeepSpeed config's "auto" bucket sizes.
+        parallelism: the parallel layout (`trainer_memcb.plan.settings.parallelism.Parallelism`, or its
+            text, "tp=2"); None takes the training args' `parallelism_config`, if any. Its sizes give
+            the world size; a `world_size` flag that differs is refused, as accelerate refuses it.
         flags: settings given explicitly (a `StepSettings` field name each); None values are not given.
 
     Raises:
@@ -649,8 +709,13 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         zero = _fill_auto(ds, args, hidden_size, 1, got.sources)
     elif fsdp or _fsdp_on(args.get("fsdp")):
         _put_fsdp(got, fsdp, args, fsdp_config)
+    layout = _layout(args, parallelism)
+    if layout is not None:
+        _put_parallelism(got, layout[0], layout[1])
     for name, value in flags.items():
         got.put(name, value, "flag")
+    if layout is not None:
+        layout[0].check_world(got.values.get("world_size", 1))
     if ds:
         _world_of_batch(ds, ds_source, got.values, got.sources)
     _settle_processes(got, args)

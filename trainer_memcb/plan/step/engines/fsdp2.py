@@ -99,7 +99,6 @@ class FSDP2Engine(StepEngine):
 
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -110,12 +109,7 @@ class FSDP2Engine(StepEngine):
         else:
             dist.init_process_group("fake", store=FakeStore(), rank=self.settings.rank, world_size=world)
             self._owns_group = True
-        replicate = self.settings.replicate
-        if replicate > 1:
-            mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
-            self.notes.append(f"HSDP: replicated {replicate}x, sharded {world // replicate}-way")
-        else:
-            mesh = init_device_mesh("cpu", (world,))
+        mesh = self._mesh()
         self._restore = _quicker_fsdp2()
         policy = CPUOffloadPolicy(pin_memory=False) if self.settings.fsdp_cpu_offload else OffloadPolicy()
         mixed = mixed_precision_policy(self.settings.precision)
@@ -125,6 +119,7 @@ class FSDP2Engine(StepEngine):
                               "sets it for the Trainer's 16-bit training: fp32 shards, 16-bit gathers and reductions")
         kwargs = dict(mesh=mesh, reshard_after_forward=self.settings.reshard_after_forward, offload_policy=policy,
                       mp_policy=mixed)
+        self._before_sharding(model, mode)
         with mode:
             for layer in _layers(model):
                 fully_shard(layer, **kwargs)
@@ -137,6 +132,19 @@ class FSDP2Engine(StepEngine):
                 # FSDP2's own pre-forward hook is prepended: this one runs after the unshard.
                 self._hooks.append(module.register_forward_pre_hook(self._unsharded_hook(state())))
         return model
+
+    def _mesh(self) -> Any:
+        """The mesh FSDP2 shards over, made before the fake mode: the world's, or HSDP's 2-D one."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, replicate = self.settings.world_size, self.settings.replicate
+        if replicate > 1:
+            self.notes.append(f"HSDP: replicated {replicate}x, sharded {world // replicate}-way")
+            return init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh("cpu", (world,))
+
+    def _before_sharding(self, model: nn.Module, mode: Any) -> None:
+        """What an engine built on this one does to the model before `fully_shard` (tensor parallelism)."""
 
     def _unsharded_hook(self, state: Any) -> Any:
         def hook(module: nn.Module, inputs: Any) -> None:

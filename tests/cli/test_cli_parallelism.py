@@ -1,0 +1,92 @@
+"""`trainer-memcb estimate ... --parallelism tp=2`: the tensor-parallel step plan per rank on the
+command line, and each refusal one usage line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import requires_torch
+
+from trainer_memcb.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    # The tiny Llama of tests/plan/test_engines.py, whose TP=2 plan a real run checks
+    # (tests/training/test_tensor_parallel_runs.py).
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-llama-tp")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=256).save_pretrained(folder)
+    return str(folder)
+
+
+STEP = ["--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16", "--device-type", "cpu"]
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_s_tp2_step_in_the_engines_json_shape(tiny_llama_dir, capsys, rank):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "tp=2", "--rank", str(rank), "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
+    assert used["tp_size"] == (2, "flag") and used["world_size"] == (2, "flag") and used["rank"][0] == rank
+    assert document["settings"]["engine"] == "tp"
+    step = document["step"]
+    assert step["peak_bytes"] == 1_038_232  # tests/plan/test_tensor_parallel.py's, the real run's less 8
+    assert step["model_states_at_optimizer_step_bytes"] == {"parameters": 230_656, "gradients": 263_424,
+                                                           "optimizer_state": 461_396, "master_weights": 0}
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp_x_fsdp2_on_four_processes(tiny_llama_dir, capsys):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "tp=2,dp_shard=2", "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
+    assert used["world_size"] == (4, "flag") and used["sharding"] == ("fsdp-full-shard", "flag")
+    assert document["settings"]["engine"] == "tp-fsdp2"
+    assert document["step"]["peak_bytes"] == 859_424  # tests/plan/test_tensor_parallel.py's
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["--parallelism", "tp=2", "--world-size", "4"],
+     "parallelism tp=2 multiplies to 2 processes, but world_size is 4: accelerate refuses"),
+    (["--parallelism", "tp=3"], "the model's num_attention_heads=4 does not divide by 3 (each rank runs whole"),
+    (["--parallelism", "tp=2,dp_shard=2,dp_replicate=2"], "without DeepSpeed, HSDP's replicas or offload"),
+    (["--parallelism", "tp=2", "--zero", "3"], "tensor parallelism is planned alone (world_size = tp) or with FSDP2"),
+    (["--parallelism", "cp=2"], "context parallelism is not planned yet"),
+    (["--parallelism", "tp=2,dp_replicate=2"], "accelerate does not compose DDP with TP"),
+    (["--parallelism", "pp=2"], "argument --parallelism: parallelism 'pp=2': expected NAME=SIZE"),
+])
+def test_a_layout_the_plan_refuses_is_one_usage_line(tiny_llama_dir, capsys, argv, phrase):
+    code = main(["estimate", tiny_llama_dir, *STEP, *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert phrase in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) <= 2  # argparse's usage, then the one line
+
+
+def test_parallelism_without_the_step_plan_is_refused(tiny_llama_dir, capsys):
+    assert main(["estimate", tiny_llama_dir, "--parallelism", "tp=2"]) == 2
+    assert "--parallelism has no effect without --batch-size or --max-batch-size" in capsys.readouterr().err
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_the_training_args_parallelism_config_is_the_layout(tiny_llama_dir, tmp_path, capsys):
+    # As `TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2)).to_json_string()` writes it.
+    args = tmp_path / "training_args.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 2, "optim": "adamw_torch", "parallelism_config": {
+        "dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 2, "cp_size": 1, "cp_backend": "torch", "sp_size": 1,
+        "sp_backend": "deepspeed", "tp_handler": {}, "cp_handler": None, "sp_handler": None}}))
+    code = main(["estimate", tiny_llama_dir, "--training-args", str(args), "--seq-len", "16", "--device-type", "cpu",
+                 "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
+    assert used["tp_size"] == (2, "training args (parallelism_config)") and used["world_size"][0] == 2
+    assert document["step"]["peak_bytes"] == 1_038_232

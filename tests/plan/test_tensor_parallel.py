@@ -1,0 +1,244 @@
+"""Tensor parallelism: the layout read and checked as accelerate's `ParallelismConfig`, the model's
+`tp_plan` in torch's styles, and the step traced per rank with `parallelize_module` on the fake
+process group (the real two-process run is tests/training/test_tensor_parallel_runs.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers import installed_version, requires_torch
+
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+from trainer_memcb.plan.settings import resolve_settings
+from trainer_memcb.plan.settings.parallelism import (Parallelism, check_tensor_parallel_model, parallelism_from_config,
+                                                     parse_parallelism)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_engines import CONFIG, build  # noqa: E402
+
+# -- the layout --------------------------------------------------------------------------------
+
+
+def test_parallelism_is_read_as_tp_dp_shard_dp_replicate_cp_sizes():
+    assert parse_parallelism("tp=2") == Parallelism(tp=2)
+    assert parse_parallelism(" tp=2, dp_shard=4 ,dp_replicate=2") == Parallelism(tp=2, dp_shard=4, dp_replicate=2)
+    assert parse_parallelism("tp=2,dp_shard=4").total == 8
+    assert parse_parallelism("dp_shard=4,tp=2").text() == "tp=2,dp_shard=4"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("pp=2", "'pp=2': expected NAME=SIZE with NAME one of tp, dp_shard, dp_replicate, cp"),
+    ("tp", "'tp': expected NAME=SIZE"),
+    ("tp=2,tp=4", "tp given twice"),
+    ("tp=two", "tp='two': expected a whole number of at least 1"),
+    ("tp=0", "tp=0: every size is a whole number of at least 1"),
+    ("tp=2,dp_replicate=2", "accelerate does not compose DDP with TP; give dp_shard > 1"),
+    ("cp=2,dp_replicate=2", "accelerate refuses context parallelism beside pure data parallelism"),
+])
+def test_a_bad_layout_is_one_line_naming_the_rule(text, message):
+    with pytest.raises(ValueError) as refused:
+        parse_parallelism(text)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_layout_gives_the_world_size_and_a_different_world_is_refused_as_accelerate_does():
+    settings = resolve_settings(parallelism="tp=2", batch_size=2)
+    assert (settings.world_size, settings.tp_size, settings.sharding) == (2, 2, "none")
+    assert settings.sources["world_size"] == settings.sources["tp_size"] == "flag"
+    with pytest.raises(ValueError, match="tp=2 multiplies to 2 processes, but world_size is 4: accelerate refuses"):
+        resolve_settings(parallelism="tp=2", world_size=4)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(parallelism="tp=2,dp_shard=2,dp_replicate=2"), "without DeepSpeed, HSDP's replicas or offload"),
+    (dict(parallelism="tp=2,dp_shard=2", fsdp_cpu_offload=True), "without DeepSpeed, HSDP's replicas or offload"),
+    (dict(parallelism="tp=2", sharding="zero3"), "planned alone \\(world_size = tp\\) or with FSDP2"),
+    (dict(parallelism="tp=2", precision="deepspeed-bf16"), "without DeepSpeed"),
+    (dict(parallelism="cp=2"), "context parallelism is not planned yet"),
+])
+def test_what_is_not_planned_yet_is_refused_by_name(flags, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_settings(**flags)
+
+
+def test_tp_with_dp_shard_is_fsdp2_on_the_rest_of_the_world():
+    settings = resolve_settings(parallelism="tp=2,dp_shard=4", batch_size=2)
+    assert (settings.world_size, settings.tp_size, settings.sharding) == (8, 2, "fsdp-full-shard")
+    assert settings.sources["sharding"] == "flag"
+
+
+def test_the_training_args_parallelism_config_is_read_as_to_json_writes_it():
+    # `TrainingArguments.to_dict()` writes `ParallelismConfig.to_json()`: its fields by name.
+    written = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 2, "cp_size": 1, "cp_backend": "torch",
+               "sp_size": 1, "sp_backend": "deepspeed", "tp_handler": {}, "cp_handler": None, "sp_handler": None}
+    settings = resolve_settings({"parallelism_config": written, "per_device_train_batch_size": 2})
+    assert (settings.world_size, settings.tp_size, settings.sharding) == (2, 2, "none")
+    assert settings.sources["tp_size"] == "training args (parallelism_config)"
+    assert parallelism_from_config(dict(written, dp_shard_size=4)) == Parallelism(tp=2, dp_shard=4)
+    with pytest.raises(ValueError, match="sp_size=2: DeepSpeed's sequence parallelism is not planned"):
+        parallelism_from_config(dict(written, sp_size=2))
+
+
+def test_the_accelerate_parallelism_config_object_reads_the_same():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    assert parallelism_from_config(ParallelismConfig(tp_size=2, dp_shard_size=2)) == Parallelism(tp=2, dp_shard=2)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), None),
+    (dict(num_attention_heads=8, num_key_value_heads=2), "num_key_value_heads=2 does not divide by 4"),
+    (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32, head_dim=16), "num_attention_heads=2"),
+    (dict(intermediate_size=130), "intermediate_size=130 does not divide by 4"),
+])
+def test_the_model_s_heads_and_widths_split_whole_over_tp(change, message):
+    config = LlamaConfig(**dict(CONFIG, **change))
+    if message is None:
+        with pytest.raises(ValueError, match="num_attention_heads=2 does not divide by 4 \\(each rank runs whole"):
+            check_tensor_parallel_model(config, 4)
+        check_tensor_parallel_model(config, 2)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel_model(config, 4)
+
+
+# -- the model's plan --------------------------------------------------------------------------
+
+
+def test_llama_s_plan_is_transformers_own_in_torch_s_styles():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    meta = build()
+    plan = model_tp_plan(meta)
+    # The config's base_model_tp_plan under the base model's prefix, every entry naming modules.
+    base = {f"model.{name}": style for name, style in meta.config.base_model_tp_plan.items()}
+    assert {name: plan[name] for name in base} == base
+    styles = torch_tp_plan(plan)
+    assert type(styles["model.layers.*.mlp.down_proj"]) is RowwiseParallel
+    assert styles["model.layers.*.self_attn.q_proj"].output_layouts == (Shard(-1),)
+    if installed_version("transformers") < (5,):
+        # transformers 4.57's merged plan holds the same entries without the prefix too (left out: they
+        # name no module of the causal LM), and no head or embedding entry.
+        assert set(meta.tp_plan) - set(plan) == set(meta.config.base_model_tp_plan) and plan == base
+        return
+    # transformers 5's merged plan: the config's, the head's and the embedding's.
+    assert plan == dict(meta.tp_plan) and plan["lm_head"] == "colwise_gather_output"
+    head, embedding = styles["lm_head"], styles["model.embed_tokens"]
+    assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),)
+    assert type(embedding) is RowwiseParallel and embedding.input_layouts == (Replicate(),)
+
+
+def test_a_style_with_no_torch_equivalent_is_refused_by_name():
+    with pytest.raises(ValueError, match="'experts': style 'moe_tp_experts' is not planned"):
+        torch_tp_plan({"experts": "moe_tp_experts"})
+    assert torch_tp_plan({"norm": "replicate"}) == {}
+
+
+def test_a_model_without_a_plan_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no tensor-parallel plan"):
+        model_tp_plan(model)
+
+
+# -- the traced step per rank ------------------------------------------------------------------
+
+# The tiny Llama's values on one of two ranks, by the plan: the embedding's and the head's 256 x 64
+# rows halved (8,192 each), each layer's seven linear layers halved (4 x 2,048 + 3 x 4,096 =
+# 20,480) beside its two whole norms (128), the final norm whole (64).
+TP2_PARAMS = 8_192 + 8_192 + 2 * (20_480 + 128) + 64
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp2_step_holds_each_rank_s_shards(rank):
+    settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    assert plan.step.problem is None, plan.step.problem
+    assert plan.settings.engine == "tp"
+    states = plan.step.model_states_at_optimizer_step_bytes
+    assert states["parameters"] == 4 * TP2_PARAMS == 230_656  # half of one process's 460,032 but the norms
+    # AdamW's two moments like each shard, and 21 four-byte step counts.
+    assert states["optimizer_state"] == 2 * 4 * TP2_PARAMS + 21 * 4 == 461_396
+    # The gradients are the shards' but the embedding's: torch 2.13's DTensor propagates the
+    # backward of an embedding sharded by rows (`Shard(0)`, a replicated input) to a replicated
+    # gradient, all 256 x 64 values on each rank (the real run's too, 32,768 bytes above its shard).
+    assert states["gradients"] == 4 * TP2_PARAMS + 4 * 8_192 == 263_424
+    # 1,038,240 on each real process (MemTracker), 8 bytes of it the device mesh's own rank tensor.
+    assert plan.step.peak_bytes == 1_038_232
+    assert sum(plan.step.peak_parts.values()) == plan.step.peak_bytes
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_a_model_whose_heads_do_not_split_is_refused_before_tracing():
+    def two_heads():
+        config = LlamaConfig(**dict(CONFIG, num_attention_heads=2, num_key_value_heads=2, hidden_size=64))
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+
+    settings = resolve_settings(parallelism="tp=4", batch_size=2)
+    with pytest.raises(ValueError, match="num_attention_heads=2 does not divide by 4"):
+        plan_step_memory(two_heads, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+
+
+# Under TP=2 x FSDP2=2 each process holds half of each TP shard (FSDP2's `_StridedShard` on dim 0)
+# and half of each norm: a quarter of the tiny Llama's 115,008 values, to the value (all split evenly).
+TP2_FSDP2_PARAMS = TP2_PARAMS // 2
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp2_fsdp2_step_holds_fsdp2_s_shards_of_the_tp_shards():
+    peaks = []
+    for rank in (0, 3):  # one process, one trace after the other: each its own process group
+        settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+        assert plan.step.problem is None, plan.step.problem
+        assert plan.settings.engine == "tp-fsdp2"
+        states = plan.step.model_states_at_optimizer_step_bytes
+        assert states["parameters"] == 4 * TP2_FSDP2_PARAMS == 115_328 == 115_008 * 4 // 4 + 80 * 4
+        assert states["optimizer_state"] == 2 * 4 * TP2_FSDP2_PARAMS + 21 * 4
+        # FSDP2's all-gathered layer (TP shards, 148,224 bytes at the peak) and its buffers are in it.
+        assert plan.step.peak_parts["unsharded_parameters"] == 148_224
+        peaks.append(plan.step.peak_bytes)
+    # Each process of a real 4-process run reads 859,424 when gloo frees on time
+    # (tests/training/test_tensor_parallel_runs.py).
+    assert peaks == [859_424, 859_424]
+
+
+# Llama 3 70B's shapes (its published config: 80 layers of 8,192, MLP 28,672, 64 heads, 8 key/value
+# heads, 128,256 tokens), built from the config on the meta device.
+LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
+
+
+@pytest.mark.slow
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_70b_at_tp8_dp_shard16_holds_the_hand_counted_shards():
+    def build_70b():
+        config = LlamaConfig(**LLAMA3_70B)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+
+    settings = resolve_settings(parallelism="tp=8,dp_shard=16", batch_size=1, optimizer="adamw_torch",
+                                precision="autocast-bf16", gradient_checkpointing=True)
+    plan, _ = plan_step_memory(build_70b, seq_len=512, settings=settings, device_type="cuda", model_states=False)
+    assert plan.step.problem is None, plan.step.problem
+    # By hand: every linear layer, the embedding and the head split 8 ways by TP and 16 by FSDP2
+    # (128,256 rows: 16,032 per TP rank, 1,002 per process), the 161 norms of 8,192 16 ways by FSDP2.
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672
+    norms = (2 * 80 + 1) * 8192
+    per_process = (80 * layer + 2 * 128256 * 8192) // 128 + norms // 16
+    assert per_process == 551_272_960
+    states = plan.step.model_states_at_optimizer_step_bytes
+    assert states["parameters"] == 4 * per_process == 2_205_091_840  # fp32 shards: the Trainer's bf16 is autocast
+    assert states["optimizer_state"] == 2 * 4 * per_process + 4 * (80 * 9 + 3)  # AdamW's moments, 723 steps

@@ -1,0 +1,109 @@
+"""A model's tensor-parallel plan, as transformers names it, in torch's parallel styles.
+
+transformers gives each model class a plan: the config's `base_model_tp_plan` (Llama's:
+`layers.*.self_attn.q_proj` "colwise", ... `layers.*.mlp.down_proj` "rowwise") under the base
+model's prefix, beside the class's own `_tp_plan` for the head (`lm_head`: "colwise_gather_output")
+and, in transformers 5, the embedding ("embedding_rowwise"); the model's `tp_plan` holds them merged
+(transformers 4.57's has the base model's entries twice, with and without its prefix, and no
+head's: the entries that name no module of the model are left out).
+`from_pretrained(tp_plan="auto")` applies that plan with transformers' own styles
+(`transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES`); the same layouts in torch's
+`torch.distributed.tensor.parallel` styles, which `parallelize_module` applies, are:
+
+| transformers | torch |
+|---|---|
+| colwise | `ColwiseParallel()`: weight and bias `Shard(0)`, input replicated, output `Shard(-1)` |
+| rowwise | `RowwiseParallel()`: weight `Shard(1)`, bias replicated, input `Shard(-1)`, output all-reduced |
+| colwise_rep, colwise_gather_output | `ColwiseParallel(output_layouts=Replicate())`: the output all-gathered |
+| rowwise_rep, rowwise_split_input | `RowwiseParallel(input_layouts=Replicate())` |
+| embedding_rowwise | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding`: rows `Shard(0)`, output all-reduced |
+| embedding_colwise | `ColwiseParallel(output_layouts=Replicate())` on an `nn.Embedding`: columns `Shard(1)` |
+| sequence_parallel | `SequenceParallel()` |
+| replicate | left whole on every rank |
+
+Any other style (packed, unit, MoE, MLA) is refused by name: its layout has no torch style here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from torch import nn
+
+__all__ = ["model_tp_plan", "torch_tp_plan", "TP_STYLES"]
+
+# transformers' style names this module maps to torch's (the table above); "replicate" maps to none.
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
+             "embedding_rowwise", "embedding_colwise", "sequence_parallel", "replicate")
+
+
+def model_tp_plan(model: nn.Module) -> Dict[str, str]:
+    """The model's tensor-parallel plan, module name (with `*` for a layer number) -> style name:
+    its `tp_plan` as transformers resolves it, else its config's `base_model_tp_plan` under the
+    base model's prefix.
+
+    Raises:
+        ValueError: the model has no plan (transformers' `tp_plan="auto"` refuses it too).
+    """
+    plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        config = getattr(model, "config", None)
+        base = dict(getattr(config, "base_model_tp_plan", None) or {})
+        prefix = getattr(model, "base_model_prefix", "")
+        owner = getattr(model, prefix, None) if prefix else None
+        plan = {(f"{prefix}.{name}" if owner is not None else name): style for name, style in base.items()}
+    names = [name for name, _ in model.named_modules()]
+    # transformers 4.57 keeps the base model's entries twice, with and without its prefix: only
+    # those that name modules of this model are the plan `parallelize_module` applies.
+    plan = {name: style for name, style in plan.items() if any(_matches(name, module) for module in names)}
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is "
+                         "empty): tensor parallelism needs one")
+    return plan
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a plan's module name (`*` for any one part, as `parallelize_module` reads it)
+    names the module `name`."""
+    import fnmatch
+
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatch(part, want) for part, want in zip(parts, wanted))
+
+
+def torch_tp_plan(plan: Dict[str, str]) -> Dict[str, Any]:
+    """`plan` in torch's parallel styles, for `parallelize_module(model, mesh, plan)`; the replicated
+    entries left out.
+
+    Raises:
+        ValueError: a style with no torch equivalent here, named.
+
+    Examples:
+        >>> from trainer_memcb.plan.model.tp_plan import torch_tp_plan
+        >>> styles = torch_tp_plan({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
+        >>> {name: type(style).__name__ for name, style in styles.items()}
+        {'layers.*.mlp.up_proj': 'ColwiseParallel', 'layers.*.mlp.down_proj': 'RowwiseParallel'}
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    made = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "sequence_parallel": SequenceParallel,
+    }
+    styles: Dict[str, Any] = {}
+    for name, style in plan.items():
+        if style == "replicate":
+            continue
+        if style not in made:
+            raise ValueError(f"tensor-parallel plan {name!r}: style {style!r} is not planned (planned: "
+                             f"{', '.join(TP_STYLES)})")
+        styles[name] = made[style]()
+    return styles

@@ -1,0 +1,162 @@
+"""The job's parallel layout as accelerate's `ParallelismConfig` gives it, read and checked as
+accelerate and transformers check it, each refusal one line naming the rule.
+
+A layout is four sizes: `dp_replicate` (replicas), `dp_shard` (FSDP2's shards), `cp` (context
+parallel) and `tp` (tensor parallel). It is given as `--parallelism tp=2,dp_shard=4` or read from the
+`parallelism_config` of a TrainingArguments JSON (`TrainingArguments.to_dict` writes
+`ParallelismConfig.to_json()`: `dp_replicate_size`, `dp_shard_size`, `tp_size`, `cp_size`, ...).
+
+The rules (accelerate 1.16 `parallelism_config.py`, `ParallelismConfig.__post_init__` and
+`_validate_accelerator`):
+
+- every size a whole number of at least 1;
+- the sizes multiply to the number of processes (`total_size != num_processes` is refused);
+- context parallelism beside pure replication (`cp > 1`, `dp_replicate > 1`, `dp_shard == 1`) is
+  refused;
+- `dp_replicate > 1` with `tp > 1` needs `dp_shard > 1` (its docstring: "composing DDP + TP is
+  currently not supported").
+
+And the model's, for `tp > 1` (`check_tensor_parallel_model`): each rank runs whole attention heads,
+so `num_attention_heads` and `num_key_value_heads` divide by `tp` (a colwise `k_proj`/`v_proj`
+split inside a head would break the attention's `view(..., -1, head_dim)`; transformers'
+`get_kv_heads_per_rank` gives None then), and the MLP's `intermediate_size` and the `hidden_size`
+divide by `tp` (torch's `Shard` of an uneven size gives ranks different shards, which this plan
+does not trace per rank yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+__all__ = ["Parallelism", "parse_parallelism", "parallelism_from_config", "check_tensor_parallel_model",
+           "PARALLELISM_SIZES"]
+
+# The sizes, in accelerate's mesh order (`ParallelismConfig._get_mesh`: dp_replicate, dp_shard, cp, tp).
+PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """One parallel layout: the four sizes of accelerate's `ParallelismConfig`.
+
+    Examples:
+        >>> from trainer_memcb.plan.settings.parallelism import Parallelism
+        >>> Parallelism(tp=2, dp_shard=4).total
+        8
+    """
+
+    tp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in PARALLELISM_SIZES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallelism {name}={value!r}: every size is a whole number of at least 1 "
+                                 "(accelerate's ParallelismConfig)")
+        if self.cp > 1 and self.dp_replicate > 1 and self.dp_shard == 1:
+            raise ValueError(f"parallelism cp={self.cp} with dp_replicate={self.dp_replicate} and dp_shard=1: "
+                             "accelerate refuses context parallelism beside pure data parallelism; give dp_shard > 1")
+        if self.tp > 1 and self.dp_replicate > 1 and self.dp_shard == 1:
+            raise ValueError(f"parallelism tp={self.tp} with dp_replicate={self.dp_replicate} and dp_shard=1: "
+                             "accelerate does not compose DDP with TP; give dp_shard > 1 (HSDP x TP)")
+
+    @property
+    def total(self) -> int:
+        """The processes the layout takes: the sizes' product (accelerate's `total_size`)."""
+        return self.tp * self.dp_shard * self.dp_replicate * self.cp
+
+    def text(self) -> str:
+        """The layout as `--parallelism` spells it, sizes of 1 left out ("tp=2,dp_shard=4")."""
+        given = [f"{name}={getattr(self, name)}" for name in ("tp", "dp_shard", "dp_replicate", "cp")
+                 if getattr(self, name) > 1]
+        return ",".join(given) or "tp=1"
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a world size the sizes do not multiply to.
+
+        Raises:
+            ValueError: naming both numbers.
+        """
+        if self.total != world_size:
+            raise ValueError(f"parallelism {self.text()} multiplies to {self.total} processes, but world_size is "
+                             f"{world_size}: accelerate refuses a ParallelismConfig whose total_size is not "
+                             "num_processes")
+
+
+def parse_parallelism(text: str) -> Parallelism:
+    """`tp=2,dp_shard=4` (any of tp, dp_shard, dp_replicate, cp; the others 1) as a `Parallelism`.
+
+    Raises:
+        ValueError: an unknown name, a name given twice, or a size that is not a whole number of at least 1.
+
+    Examples:
+        >>> from trainer_memcb.plan.settings.parallelism import parse_parallelism
+        >>> parse_parallelism("tp=2,dp_shard=2")
+        Parallelism(tp=2, dp_shard=2, dp_replicate=1, cp=1)
+    """
+    sizes: Dict[str, int] = {}
+    for item in str(text).split(","):
+        name, equals, value = item.strip().partition("=")
+        name = name.strip()
+        if not equals or name not in PARALLELISM_SIZES:
+            raise ValueError(f"parallelism {item.strip()!r}: expected NAME=SIZE with NAME one of "
+                             f"{', '.join(('tp', 'dp_shard', 'dp_replicate', 'cp'))}, e.g. tp=2,dp_shard=4")
+        if name in sizes:
+            raise ValueError(f"parallelism: {name} given twice")
+        try:
+            size = int(value.strip())
+        except ValueError:
+            raise ValueError(f"parallelism {name}={value.strip()!r}: expected a whole number of at least 1") from None
+        sizes[name] = size
+    return Parallelism(**sizes)
+
+
+def parallelism_from_config(config: Any, where: str = "training args") -> Optional[Parallelism]:
+    """The layout of a `ParallelismConfig`, or of its JSON (`to_json()`, as TrainingArguments' dump
+    writes it: `tp_size`, `dp_shard_size`, ...); None where none is given.
+
+    Raises:
+        ValueError: a value that is not a mapping of sizes, or sequence parallelism (`sp_size` > 1),
+            which this plan does not trace.
+    """
+    if config is None:
+        return None
+    values: Mapping[str, Any] = config if isinstance(config, Mapping) else getattr(config, "__dict__", None)
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where}: parallelism_config={config!r}: expected ParallelismConfig's fields "
+                         "(tp_size, dp_shard_size, dp_replicate_size, cp_size)")
+    sp = values.get("sp_size")
+    if sp not in (None, 1):
+        raise ValueError(f"{where}: parallelism_config sp_size={sp!r}: DeepSpeed's sequence parallelism is not "
+                         "planned; give sp_size 1")
+    sizes = {name: values.get(f"{name}_size") for name in PARALLELISM_SIZES}
+    try:
+        return Parallelism(**{name: 1 if value is None else value for name, value in sizes.items()})
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def check_tensor_parallel_model(config: Any, tp: int) -> None:
+    """Refuse a model whose heads or widths do not split whole over `tp` ranks (module docstring).
+
+    Raises:
+        ValueError: naming the size, its value and `tp`.
+    """
+    if tp <= 1 or config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    checks = (("num_attention_heads", heads, "each rank runs whole attention heads"),
+              ("num_key_value_heads", kv_heads, "each rank runs whole key/value heads (k_proj and v_proj are "
+               "split colwise)"),
+              ("hidden_size", getattr(text, "hidden_size", None), "uneven shards are not planned per rank yet"),
+              ("intermediate_size", getattr(text, "intermediate_size", None),
+               "uneven shards are not planned per rank yet"))
+    for name, value, why in checks:
+        if isinstance(value, int) and value % tp:
+            raise ValueError(f"parallelism tp={tp}: the model's {name}={value} does not divide by {tp} ({why})")
