@@ -210,3 +210,65 @@ def test_rope_rotates_in_place_and_saves_cos_and_sin():
     assert born == []
     assert same[0] == same[1] and same[2] == same[3] and saved == same[4:]
     assert backward_born == [batch * seq * heads * dim * 4, batch * seq * kv_heads * dim * 4]
+
+
+# A mid-size Llama, where the logits (B x T x V) are the step's largest tensors.
+MID = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=32000)
+B, T, HIDDEN, VOCAB = 4, 512, 256, 32000
+
+
+def _mid_plan(**flags):
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+
+    def build():
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaConfig(**MID))
+
+    plan, _ = plan_step_memory(build, batch_size=B, seq_len=T, optimizer="adamw_torch", device_type="cuda",
+                               model_states=False, **flags)
+    return plan
+
+
+def _peak_sizes(plan):
+    timeline = plan.timeline
+    at = timeline.forward_backward
+    return sorted((timeline.sizes[key] for key in at.storages), reverse=True)
+
+
+def test_the_logits_peak_is_gone_with_the_fused_linear_cross_entropy():
+    without, with_liger = _mid_plan(), _mid_plan(use_liger_kernel=True)
+    logits = B * T * VOCAB * 4  # fp32 [B, T, V]: 262,144,000 bytes
+    # Without: the backward's peak holds the logits twice (transformers' loss: the logits and their gradient).
+    assert sorted(_peak_sizes(without)[:2]) == [logits, logits]
+    assert (without.step.peak_bytes, without.step.peak_phase) == (1_112_907_104, "backward")
+    # With Liger: no storage of the step holds the logits; the largest made in it is the legacy weight path's
+    # [V, H] fp32 product (fp32 grad_logits), 32,768,000 bytes.
+    made = [size for serial, size in with_liger.timeline.sizes.items()
+            if serial not in with_liger.timeline.groups["parameters"]
+            and serial not in with_liger.timeline.groups["optimizer_state"]]
+    assert max(made) == VOCAB * HIDDEN * 4 == 32_768_000
+    assert (with_liger.step.peak_bytes, with_liger.step.peak_phase) == (379_372_928, "forward")
+    # The forward's peak is inside the fused loss's chunk loop: BT 2048 rows, inc_factor cdiv(32000, 256) = 125,
+    # chunk next_power_of_2(cdiv(2048, 125)) = 32. What is alive then besides the model states, the batch and
+    # the activations, each from the sources' shapes:
+    bt, chunk = B * T, 32
+    other = (chunk * VOCAB * 4            # logits_storage [chunk, V] fp32 (mm out=)
+             + VOCAB * HIDDEN * 4         # torch.mm(grad_logits.t(), _input_chunk): the legacy path's [V, H]
+             + bt * 4 + bt + 8            # loss_1d fp32, target_mask bool, its sum (int64)
+             + bt * HIDDEN * 4            # grad_input = zeros_like(_input)
+             + B * (T + 1) * 8 + bt * 8   # LigerForCausalLMLoss: labels padded by one, shift_labels
+             + bt * HIDDEN * 4            # the final RMSNorm's output, saved by nothing (the kernel saves gradients)
+             + 4)                         # num_items_in_batch, the Trainer's fp32 count
+    assert with_liger.step.peak_parts["other"] == other == 41_101_356
+    assert with_liger.step.peak_parts["gradients"] == VOCAB * HIDDEN * 4  # grad_weight, lm_head's gradient to be
+    assert any("fused_linear_cross_entropy (1 calls)" in note and "2048 rows in 64 chunks of 32" in note
+               for note in with_liger.step.notes)
+
+
+def test_each_kernel_can_be_turned_off_by_the_config():
+    plan = _mid_plan(use_liger_kernel=True, liger_kernel_config={"rope": False, "swiglu": False, "rms_norm": False})
+    [note] = [note for note in plan.step.notes if note.startswith("use_liger_kernel")]
+    assert "fused_linear_cross_entropy (1 calls)" in note
+    assert not any(kernel in note for kernel in ("rope (", "swiglu (", "rms_norm ("))
+    assert ["liger_kernel_config", {"rope": False, "swiglu": False, "rms_norm": False}, "flag"] in plan.settings.used
