@@ -344,6 +344,11 @@ def check_training_args(values: Mapping[str, Any], where: str = "training args")
         value = values.get(key)  # eval_accumulation_steps: None (the default) keeps all on the device
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SettingsFileError(f"{where}: {key}={value!r}: expected a whole number of at least 1")
+    if values.get("use_liger_kernel") and values.get("liger_kernel_config") is not None:
+        try:  # read only with use_liger_kernel, as the Trainer reads it
+            _liger_kernel_config(values["liger_kernel_config"])
+        except ValueError as error:
+            raise SettingsFileError(f"{where}: {error}") from None
 
 
 # The name each setting has where it came from, for the messages.
@@ -473,17 +478,14 @@ def _checkpointing_kwargs(args: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def _liger_kernel_config(value: Any) -> Dict[str, bool]:
-    """The arguments' `liger_kernel_config` (a dict, or JSON text of one), as the apply function takes it."""
+    """The arguments' `liger_kernel_config` (a dict, or JSON text of one, as TrainingArguments parses a
+    string), as the apply function takes it; ValueError for what it would misread."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
-            raise SettingsFileError(f"training args: liger_kernel_config={value!r} is neither a JSON object nor a "
-                                    "dict") from None
-    try:
-        check_liger_kernel_config(value)
-    except ValueError as error:
-        raise SettingsFileError(f"training args: {error}") from None
+            raise ValueError(f"liger_kernel_config={value!r} is neither a JSON object nor a dict") from None
+    check_liger_kernel_config(value)
     return dict(value)
 
 

@@ -1,0 +1,97 @@
+"""`use_liger_kernel=True` from a `--training-args` file or `--liger-kernel` (with `liger_kernel_config`
+or `--liger-kernel-config`): recorded in the plan's settings with where it came from, planned with
+liger-kernel's kernels stood in for (tests/plan/test_liger_kernels.py), and refused in one line where
+liger-kernel's Triton kernels would not run (off CUDA) or its patching is not planned."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import one_line, run_estimate, tiny_llama_folder
+
+pytest.importorskip("transformers")
+
+
+def _plan(folder, capsys, *argv):
+    code, out, err = run_estimate([folder, "--seq-len", "16", "--json", *argv], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_the_training_args_file_and_the_flag_plan_the_same_step(tmp_path_factory, tmp_path, capsys) -> None:
+    folder = tiny_llama_folder(tmp_path_factory, "liger")
+    args = tmp_path / "training_args.json"
+    args.write_text(json.dumps({"use_liger_kernel": True, "liger_kernel_config": {"rope": False},
+                                "per_device_train_batch_size": 2}))
+    from_file = _plan(folder, capsys, "--training-args", str(args))
+    used = from_file["settings"]["used"]
+    assert ["use_liger_kernel", True, "training args"] in used
+    assert ["liger_kernel_config", {"rope": False}, "training args"] in used
+    [note] = [note for note in from_file["step"]["notes"] if note.startswith("use_liger_kernel")]
+    # 2 layers: 2 MLPs, 4 + 1 norms, one fused loss over 2 x 16 rows (inc_factor cdiv(256, 64) = 4,
+    # chunk next_power_of_2(cdiv(32, 4)) = 8), no RoPE
+    assert ("fused_linear_cross_entropy (1 calls), rms_norm (5 calls), swiglu (2 calls); the fused linear "
+            "cross-entropy's 32 rows in 4 chunks of 8") in note
+    flags = _plan(folder, capsys, "--batch-size", "2", "--liger-kernel", "--liger-kernel-config", '{"rope": false}')
+    assert ["use_liger_kernel", True, "flag"] in flags["settings"]["used"]
+    assert flags["step"]["peak_bytes"] == from_file["step"]["peak_bytes"]
+    without = _plan(folder, capsys, "--batch-size", "2")
+    # The tiny step's peaks are its model states'; what its forward saves differs.
+    assert without["step"]["activations_bytes"] != from_file["step"]["activations_bytes"]
+    # use_liger_kernel=false (a dumped TrainingArguments names it) changes nothing and is not listed; its
+    # liger_kernel_config is not read, as the Trainer does not read it.
+    args.write_text(json.dumps({"use_liger_kernel": False, "liger_kernel_config": {"rope": False},
+                                "per_device_train_batch_size": 2}))
+    off = _plan(folder, capsys, "--training-args", str(args))
+    assert not [row for row in off["settings"]["used"] if row[0].startswith("liger") or row[0] == "use_liger_kernel"]
+    assert off["step"]["peak_bytes"] == without["step"]["peak_bytes"]
+
+
+def test_the_table_says_the_kernels_planned(tmp_path_factory, capsys) -> None:
+    folder = tiny_llama_folder(tmp_path_factory, "liger-table")
+    code, out, err = run_estimate([folder, "--seq-len", "16", "--batch-size", "2", "--liger-kernel"], capsys)
+    assert code == 0, err
+    assert "use_liger_kernel: planned as liger-kernel 0.8.5's Triton kernels" in out
+
+
+def test_off_cuda_it_is_refused_in_one_line(tmp_path_factory, capsys) -> None:
+    folder = tiny_llama_folder(tmp_path_factory, "liger-cpu")
+    code, out, err = run_estimate([folder, "--seq-len", "16", "--batch-size", "2", "--liger-kernel",
+                                   "--device-type", "cpu"], capsys)
+    assert (code, out) == (2, "")
+    assert one_line(err) == ("trainer-memcb: error: use_liger_kernel runs on CUDA only (liger-kernel's Triton "
+                             "kernels), not on cpu: give --device-type cuda, or leave liger's kernels out")
+
+
+def test_a_model_whose_patching_is_not_planned_is_refused(tmp_path_factory, capsys) -> None:
+    from transformers import GPT2Config
+
+    folder = tmp_path_factory.mktemp("liger-gpt2")
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=96, n_positions=64,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(folder)
+    code, out, err = run_estimate([str(folder), "--seq-len", "16", "--batch-size", "2", "--liger-kernel"], capsys)
+    assert (code, out) == (2, "")
+    assert one_line(err) == ("trainer-memcb: error: use_liger_kernel with GPT2LMHeadModel (model type 'gpt2') is "
+                             "not planned: liger-kernel's kernels are planned for the causal LMs of llama, mistral, "
+                             "qwen2, qwen3")
+
+
+@pytest.mark.parametrize("config,line", [
+    ({"rms_nrom": False}, "'rms_nrom' is not a keyword of liger-kernel's apply functions"),
+    ({"rope": "no"}, "rope='no': expected true or false"),
+    ({"cross_entropy": True}, "cross_entropy and fused_linear_cross_entropy cannot both be true"),
+    ({"cross_entropy": True, "fused_linear_cross_entropy": False}, "cross_entropy=true (the unfused kernel) is not "
+                                                                    "planned yet"),
+])
+def test_a_config_liger_kernel_would_misread_is_refused(tmp_path_factory, tmp_path, capsys, config, line) -> None:
+    folder = tiny_llama_folder(tmp_path_factory, "liger-config")
+    args = tmp_path / "training_args.json"
+    args.write_text(json.dumps({"use_liger_kernel": True, "liger_kernel_config": config,
+                                "per_device_train_batch_size": 2}))
+    code, out, err = run_estimate([folder, "--seq-len", "16", "--training-args", str(args)], capsys)
+    assert (code, out) == (1, "")  # as every value of a settings file the run would refuse or misread
+    message = one_line(err)
+    assert message.startswith(f"trainer-memcb: training args {str(args)!r}: liger_kernel_config") and line in message, \
+        message
