@@ -160,6 +160,35 @@ def test_fused_linear_cross_entropy_before_ampere_takes_the_legacy_path():
     assert born == [bt * hidden * 2, vocab * hidden * 2, bt * 4, bt, 8, 16 * vocab * 2] + per_chunk * 6 + [4]
 
 
+def test_fused_linear_cross_entropy_under_bf16_autocast_over_fp32_weights():
+    from trainer_memcb.plan.step.cuda_autocast import autocast_as, cuda_autocast_policy
+
+    bt, hidden, vocab = 96, 64, 512
+    with FakeTensorMode(), liger_kernels_as_state((8, 0)), autocast_as(cuda_autocast_policy()):
+        x = torch.empty(bt, hidden, requires_grad=True)  # the fp32 residual stream's final norm
+        weight = torch.nn.Parameter(torch.empty(vocab, hidden))
+        target = torch.zeros(bt, dtype=torch.int64)
+        with torch.autocast("cpu", dtype=BF16):  # as the trace runs CUDA's autocast
+            born, _, loss = _births(lambda: FusedLinearCrossEntropyFunction.apply(x, weight, target, -100, "mean"),
+                                    x, weight, target)
+        saved = [(tuple(t.shape), t.dtype) for t in loss.grad_fn.saved_tensors]
+    # `_can_use_mm_out` is False (fp32 input under a bf16 autocast): no logits_storage. Per chunk, autocast's
+    # matmul casts `_input_chunk` and `weight.t()` (a view: not in autocast's cache) to bf16 and makes bf16
+    # logits [16, V]; `grad_logits_chunk @ weight` casts the weight once (a leaf: cached) and makes bf16 rows
+    # copied into the fp32 grad_input; the weight's gradient (fp32 accumulator, bf16 grad_logits, sm80, torch
+    # >= 2.8: addmm with out_dtype) casts `_input_chunk` to bf16 again; before 2.8, the legacy path's
+    # `torch.mm(grad_logits.t(), _input_chunk)` (autocast: the chunk cast to bf16, a bf16 [V, H]) and its `.float()`.
+    from helpers import installed_version
+
+    weight_path = ([16 * hidden * 2] if installed_version("torch") >= (2, 8)
+                   else [16 * hidden * 2, vocab * hidden * 2, vocab * hidden * 4])
+    chunk = [16 * hidden * 2, hidden * vocab * 2, 16 * vocab * 2]
+    first = chunk + [vocab * hidden * 2, 16 * hidden * 2] + weight_path
+    rest = chunk + [16 * hidden * 2] + weight_path
+    assert born == [bt * hidden * 4, vocab * hidden * 4, bt * 4, bt, 8] + first + rest * 5 + [4]
+    assert saved == [((bt, hidden), FP32), ((vocab, hidden), FP32)]
+
+
 def test_rms_norm_saves_x_and_fp32_rstd_and_its_backward_allocates_dw_per_sm():
     with FakeTensorMode(), liger_kernels_as_state((9, 0), sm_count=132):  # an H100 SXM's SMs
         x = torch.empty(2, 8, 64, dtype=BF16, requires_grad=True)
