@@ -63,6 +63,27 @@ def test_loss_and_gradients_equal_transformers_on_real_tensors():
     assert modeling_llama.apply_rotary_pos_emb.__module__ == modeling_llama.__name__
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_the_other_planned_families_are_patched_alike(family):
+    # apply_liger_kernel_to_mistral / _qwen2 / _qwen3: the same kernels; Qwen3's q_norm and k_norm too.
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
+
+    config = {"mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, head_dim=16)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    patched = copy.deepcopy(reference)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    reference(input_ids=ids, labels=ids).loss.backward()
+    with liger_kernels_as_cuda(patched, None, (8, 0), 108) as run:
+        patched(input_ids=ids, labels=ids).loss.backward()  # no num_items_in_batch: reduction "mean"
+    for (name, want), got in zip(reference.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-4, msg=name)
+    norms = 5 + (2 * 2 if family == "qwen3" else 0)
+    assert run.calls == {"fused_linear_cross_entropy": 1, "rms_norm": norms, "swiglu": 2, "rope": 2}
+
+
 def test_chunk_rule_as_the_source():
     # The source's own example: "BT = 4096*4, V = 32000, H = 4096 ==> inc_factor = 8, chunk_size = 2048"
     assert chunk_rule(4096 * 4, 4096, 32000) == (2048, 8)
