@@ -702,8 +702,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     engine = engine_for(settings)
     mode = FakeTensorMode()
     quantization_note = None
-    flash_run: Optional[FlashKernelsRun] = None
-    liger_run: Optional[LigerKernelsRun] = None
+    kernel_runs: List[Any] = []  # the stand-in kernels' records (flash-attn's, liger-kernel's)
     frozen = _freeze_older_objects()
     preference, ref_model = settings.preference, None
     if preference is not None:
@@ -726,12 +725,10 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
             fused_lm_heads(model, ref_model)
         build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
         with contextlib.ExitStack() as stack:
-            for context in _outer_contexts(padding, settings):
+            for context in _outer_contexts(padding, settings) + _liger_kernels(model, settings):
                 entered = stack.enter_context(context)
-                if isinstance(entered, FlashKernelsRun):
-                    flash_run = entered
-            if settings.use_liger_kernel:
-                liger_run = stack.enter_context(_liger_kernels(model, settings))
+                if isinstance(entered, (FlashKernelsRun, LigerKernelsRun)):
+                    kernel_runs.append(entered)
             timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
                                    settings.gradient_checkpointing, engine, input_options,
                                    settings.gradient_accumulation_steps, device_type, compute_capability, kept,
@@ -743,8 +740,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
         gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
         if frozen:
             gc.unfreeze()
-    kernel_notes = tuple(note for note in (flash_run.note() if flash_run is not None else None,
-                                           liger_run.note() if liger_run is not None else None) if note)
+    kernel_notes = tuple(note for note in (run.note() for run in kernel_runs) if note)
     for prefix in kept or ():
         prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding, settings)
         prefix.kernel_notes = kernel_notes
@@ -771,11 +767,13 @@ def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
             else contextlib.nullcontext(), passed_checks(), flash]
 
 
-def _liger_kernels(model: nn.Module, settings: StepSettings) -> Any:
-    """The Trainer's `apply_liger_kernel(model, liger_kernel_config)`, with liger-kernel's kernels stood
-    in for as they run on the settings' GPU (`plan.step.liger_kernels`)."""
+def _liger_kernels(model: nn.Module, settings: StepSettings) -> List[Any]:
+    """With `use_liger_kernel`, the Trainer's `apply_liger_kernel(model, liger_kernel_config)`, liger-kernel's
+    kernels stood in for as they run on the settings' GPU (`plan.step.liger_kernels`); none without."""
+    if not settings.use_liger_kernel:
+        return []
     sm_count = SM_COUNTS.get(_preset_name(settings.gpu) or "", DEFAULT_SM_COUNT)
-    return liger_kernels_as_cuda(model, settings.liger_kernel_config, compute_capability_of(settings), sm_count)
+    return [liger_kernels_as_cuda(model, settings.liger_kernel_config, compute_capability_of(settings), sm_count)]
 
 
 def _preset_name(gpu: Optional[str]) -> Optional[str]:
