@@ -82,8 +82,6 @@ def test_a_model_whose_patching_is_not_planned_is_refused(tmp_path_factory, caps
     ({"rms_nrom": False}, "'rms_nrom' is not a keyword of liger-kernel's apply functions"),
     ({"rope": "no"}, "rope='no': expected true or false"),
     ({"cross_entropy": True}, "cross_entropy and fused_linear_cross_entropy cannot both be true"),
-    ({"cross_entropy": True, "fused_linear_cross_entropy": False}, "cross_entropy=true (the unfused kernel) is not "
-                                                                    "planned yet"),
 ])
 def test_a_config_liger_kernel_would_misread_is_refused(tmp_path_factory, tmp_path, capsys, config, line) -> None:
     folder = tiny_llama_folder(tmp_path_factory, "liger-config")

@@ -17,8 +17,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer_memcb.plan.step.live_storages import LiveStorages
-from trainer_memcb.plan.step.liger_kernels import (FusedLinearCrossEntropyFunction, RMSNormFunction, RopeFunction,
-                                                   SiLUMulFunction, chunk_rule, liger_kernels_as_cuda)
+from trainer_memcb.plan.step.liger_kernels import (CrossEntropyFunction, FusedLinearCrossEntropyFunction,
+                                                   RMSNormFunction, RopeFunction, SiLUMulFunction, chunk_rule,
+                                                   liger_kernels_as_cuda)
 from trainer_memcb.state.saved_tensors import storages_of
 
 transformers = pytest.importorskip("transformers")
@@ -61,6 +62,24 @@ def test_loss_and_gradients_equal_transformers_on_real_tensors():
 
     assert "forward" not in patched.__dict__ and "forward" not in patched.model.norm.__dict__
     assert modeling_llama.apply_rotary_pos_emb.__module__ == modeling_llama.__name__
+
+
+def test_the_unfused_cross_entropy_equals_transformers_loss_on_real_tensors():
+    import torch.nn.functional as F
+
+    reference = _tiny_llama()
+    patched = copy.deepcopy(reference)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    items = torch.tensor(float(2 * 23))
+    reference(input_ids=ids, labels=ids, num_items_in_batch=items).loss.backward()
+    kernels = {"cross_entropy": True, "fused_linear_cross_entropy": False}
+    with liger_kernels_as_cuda(patched, kernels, (8, 0), 108) as run:
+        assert F.cross_entropy.__name__ == "liger_cross_entropy"  # torch's own, as liger-kernel patches it
+        patched(input_ids=ids, labels=ids, num_items_in_batch=items).loss.backward()
+    assert F.cross_entropy.__name__ == "cross_entropy"
+    for (name, want), got in zip(reference.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert run.calls == {"cross_entropy": 1, "rms_norm": 5, "swiglu": 2, "rope": 2}
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
@@ -210,6 +229,26 @@ def test_fused_linear_cross_entropy_under_bf16_autocast_over_fp32_weights():
     assert saved == [((bt, hidden), FP32), ((vocab, hidden), FP32)]
 
 
+def test_cross_entropy_writes_the_gradient_over_its_input_and_saves_it():
+    bt, vocab = 96, 512
+    with FakeTensorMode():
+        logits = torch.empty(bt, vocab, requires_grad=True)  # transformers' fp32 upcast, [BT, V]
+        target = torch.zeros(bt, dtype=torch.int64)
+        born, _, loss = _births(lambda: CrossEntropyFunction.apply(logits, target, -100, "sum"), logits, target)
+        [saved] = loss.grad_fn.saved_tensors
+        same = [key for key, _, _ in storages_of([saved, logits])]
+        grad = torch.full((), 0.5)
+        backward_born, _, (grad_logits,) = _births(lambda: torch.autograd.grad(loss, (logits,), grad), logits, loss,
+                                                   grad)
+        returned = [key for key, _, _ in storages_of([grad_logits])]
+    # loss_1d [BT] in the input's dtype; the target mask (bool) and its sum (int64); the bounds checks:
+    # target * mask (int64 [BT]) and its max, `< V` (a bool), again for the min and `>= 0`; the loss's sum.
+    assert born == [bt * 4, bt, 8, bt * 8, 8, 1, bt * 8, 8, 1, 4]
+    assert same[0] == same[1]  # ctx.save_for_backward(_input.detach()): the gradient over the logits
+    # The backward: torch.equal's 4-byte operand; element_mul_kernel scales the saved tensor in place.
+    assert backward_born == [4] and returned == same[:1]
+
+
 def test_rms_norm_saves_x_and_fp32_rstd_and_its_backward_allocates_dw_per_sm():
     with FakeTensorMode(), liger_kernels_as_state((9, 0), sm_count=132):  # an H100 SXM's SMs
         x = torch.empty(2, 8, 64, dtype=BF16, requires_grad=True)
@@ -335,3 +374,15 @@ def test_each_kernel_can_be_turned_off_by_the_config():
     assert "fused_linear_cross_entropy (1 calls)" in note
     assert not any(kernel in note for kernel in ("rope (", "swiglu (", "rms_norm ("))
     assert ["liger_kernel_config", {"rope": False, "swiglu": False, "rms_norm": False}, "flag"] in plan.settings.used
+
+
+def test_the_unfused_cross_entropy_holds_the_logits_once():
+    kernels = {"cross_entropy": True, "fused_linear_cross_entropy": False, "rope": False, "rms_norm": False,
+               "swiglu": False}
+    plan = _mid_plan(use_liger_kernel=True, liger_kernel_config=kernels)
+    logits = B * T * VOCAB * 4
+    # The backward's peak: the fp32 logits once (their gradient written over them), where transformers'
+    # cross-entropy holds them and their gradient (test above).
+    sizes = _peak_sizes(plan)
+    assert plan.step.peak_phase == "backward" and sizes[0] == logits and sizes[1] < logits
+    assert any("cross_entropy (1 calls)" in note for note in plan.step.notes)

@@ -273,8 +273,7 @@ def check_liger_kernel_config(config: Optional[Mapping[str, Any]]) -> Dict[str, 
 
     Raises:
         ValueError: a key the apply functions do not take (liger-kernel drops it silently), a value
-            that is not a boolean, `cross_entropy` with `fused_linear_cross_entropy` (its assert), or
-            `cross_entropy` alone (the unfused kernel, not planned).
+            that is not a boolean, or `cross_entropy` with `fused_linear_cross_entropy` (its assert).
     """
     if config is not None and not isinstance(config, Mapping):
         raise ValueError(f"liger_kernel_config={config!r}: expected a dict of kernels to true or false, such as "
@@ -291,9 +290,6 @@ def check_liger_kernel_config(config: Optional[Mapping[str, Any]]) -> Dict[str, 
     if kernels["cross_entropy"] and kernels["fused_linear_cross_entropy"]:
         raise ValueError("liger_kernel_config: cross_entropy and fused_linear_cross_entropy cannot both be true "
                          "(liger-kernel asserts it): set fused_linear_cross_entropy to false")
-    if kernels["cross_entropy"]:
-        raise ValueError("liger_kernel_config: cross_entropy=true (the unfused kernel) is not planned yet: plan "
-                         "fused_linear_cross_entropy (the default) or neither")
     return kernels
 
 

@@ -35,7 +35,12 @@ version counters.
   projections' outputs); saves cos and sin; the backward rotates dq and dk in place (copies where
   they are not contiguous).
 
-Not planned: `cross_entropy=True` (the unfused kernel), z-loss, token scaling, label smoothing and
+- `CrossEntropyFunction` (`ops/cross_entropy.py`, `cross_entropy=True` with the fused loss off): put in
+  place of `torch.nn.functional.cross_entropy` for transformers' loss (over the fp32 logits it
+  upcasts), the gradient written over its input, which is saved for backward; allocated: the loss
+  per row and the target mask, and the bounds checks' temporaries.
+
+Not planned: z-loss, token scaling, label smoothing and
 class weights (lce_forward passes none of them), `reduction="none"`, the CuTe DSL and cuTile
 backends (optional extras of liger-kernel; the Triton kernels are its default), model types other
 than `LIGER_MODEL_TYPES`.
@@ -54,8 +59,8 @@ from torch import nn
 from trainer_memcb.plan.settings.step_settings import LIGER_MODEL_TYPES, check_liger_kernel_config
 
 __all__ = ["LIGER_KERNEL_VERSION", "LIGER_MODEL_TYPES", "LigerKernelsRun", "chunk_rule", "next_power_of_2",
-           "FusedLinearCrossEntropyFunction", "RMSNormFunction", "SiLUMulFunction", "RopeFunction", "lce_forward",
-           "liger_rotary_pos_emb", "liger_kernels_as_cuda"]
+           "FusedLinearCrossEntropyFunction", "CrossEntropyFunction", "RMSNormFunction", "SiLUMulFunction",
+           "RopeFunction", "lce_forward", "liger_cross_entropy", "liger_rotary_pos_emb", "liger_kernels_as_cuda"]
 
 # The release whose sources are modelled (liger_kernel-0.8.5, PyPI).
 LIGER_KERNEL_VERSION = "0.8.5"
@@ -300,6 +305,54 @@ def lce_forward(self: nn.Module, input_ids: Any = None, attention_mask: Any = No
                                   attentions=getattr(outputs, "attentions", None))
 
 
+# --- ops/cross_entropy.py ---------------------------------------------------------------------------
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """`LigerCrossEntropyFunction` (no class weights, z-loss, smoothing or softcap): the loss per row,
+    the gradient written over the input's own storage and saved for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, _input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                reduction: str = "mean") -> torch.Tensor:
+        _count("cross_entropy")
+        input_requires_grad = _input.requires_grad
+        loss_1d = torch.zeros(_input.shape[0], dtype=_input.dtype, device=_input.device)
+        target_mask = target != ignore_index
+        n_non_ignore = target_mask.sum()  # `.item()` in the source: a read, 0-dim here
+        # The source's bounds checks, each a 0-dim bool read by an assert: the products and extrema are made.
+        in_bounds = [(target * target_mask).max() < _input.shape[-1], (target * target_mask).min() >= 0]
+        del in_bounds
+        if _input.stride(-1) != 1:
+            _input = _input.contiguous()
+        if target.stride(-1) != 1:
+            target = target.contiguous()
+        _cross_entropy_kernel(_input, target, loss_1d, n_non_ignore, ignore_index, reduction, input_requires_grad)
+        loss = loss_1d if reduction == "none" else torch.sum(loss_1d)
+        if input_requires_grad:
+            ctx.save_for_backward(_input.detach())
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        (_input,) = ctx.saved_tensors
+        one = torch.tensor(1.0, device=grad_output.device)  # torch.equal's operand, as in the backward
+        if grad_output.ndim > 0:
+            _input = _input * grad_output.unsqueeze(dim=1)
+        elif not _real(grad_output) or not torch.equal(grad_output, one):
+            _element_mul(_input, grad_output)
+        return _input, None, None, None
+
+
+def liger_cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: Any = None, size_average: Any = None,
+                        ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                        label_smoothing: float = 0.0) -> torch.Tensor:
+    """`liger_cross_entropy` (transformers/functional.py), as liger-kernel puts it in place of
+    `torch.nn.functional.cross_entropy` for transformers' loss."""
+    if weight is not None or label_smoothing:
+        raise NotImplementedError("liger's cross_entropy with class weights or label smoothing is not planned")
+    return CrossEntropyFunction.apply(input, target, ignore_index, reduction)
+
+
 # --- ops/rms_norm.py --------------------------------------------------------------------------------
 
 class RMSNormFunction(torch.autograd.Function):
@@ -482,15 +535,21 @@ def liger_kernels_as_cuda(model: nn.Module, config: Optional[Dict[str, Any]], co
                          f"are planned for {', '.join(LIGER_MODEL_TYPES)}")
     modeling = importlib.import_module(LIGER_MODEL_TYPES[model_type])
     saved_state, original_rope = dict(_STATE), modeling.apply_rotary_pos_emb
+    original_cross_entropy = nn.functional.cross_entropy
     run = LigerKernelsRun(kernels, sm_count)
     patched = _patch_instance(base, kernels)
     try:
         _STATE.update(compute_capability=tuple(compute_capability), sm_count=sm_count, run=run)
         if kernels["rope"]:
             modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
+        if kernels["cross_entropy"]:
+            # `from transformers.loss.loss_utils import nn; nn.functional.cross_entropy = liger_cross_entropy`:
+            # torch's own function, for the process (here, for the trace).
+            nn.functional.cross_entropy = liger_cross_entropy
         yield run
     finally:
         modeling.apply_rotary_pos_emb = original_rope
+        nn.functional.cross_entropy = original_cross_entropy
         for module in patched:
             module.__dict__.pop("forward", None)
         _STATE.clear()
