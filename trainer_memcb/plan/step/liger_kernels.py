@@ -34,16 +34,19 @@ version counters.
 - `RopeFunction` (`ops/rope.py`, the Triton backend): rotates q and k in place (their storage, the
   projections' outputs); saves cos and sin; the backward rotates dq and dk in place (copies where
   they are not contiguous).
-
 - `CrossEntropyFunction` (`ops/cross_entropy.py`, `cross_entropy=True` with the fused loss off): put in
   place of `torch.nn.functional.cross_entropy` for transformers' loss (over the fp32 logits it
   upcasts), the gradient written over its input, which is saved for backward; allocated: the loss
   per row and the target mask, and the bounds checks' temporaries.
 
-Not planned: z-loss, token scaling, label smoothing and
-class weights (lce_forward passes none of them), `reduction="none"`, the CuTe DSL and cuTile
-backends (optional extras of liger-kernel; the Triton kernels are its default), model types other
-than `LIGER_MODEL_TYPES`.
+The GPU's compute capability picks the weight gradient's path (Ampere or newer: cuBLAS's addmm into
+the accumulator) and its SM count the size of RMSNorm's partial sums (the plan's GPU preset).
+
+Not planned: z-loss, token scaling, label smoothing and class weights (lce_forward passes none of
+them), `reduction="none"`, the CuTe DSL and cuTile backends (optional extras of liger-kernel; the
+Triton kernels are its default), model types other than `LIGER_MODEL_TYPES`, DeepSpeed ZeRO-3's
+partitioned LM head (lce_forward reads `lm_head.weight` outside the head's own forward; the plan
+takes it as gathered).
 """
 
 from __future__ import annotations
