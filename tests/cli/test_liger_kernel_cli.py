@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import one_line, run_estimate, tiny_llama_folder
+from helpers import one_line, requires_transformers, run_estimate, tiny_llama_folder
 
 pytest.importorskip("transformers")
 
@@ -93,3 +93,34 @@ def test_a_config_liger_kernel_would_misread_is_refused(tmp_path_factory, tmp_pa
     message = one_line(err)
     assert message.startswith(f"trainer-memcb: training args {str(args)!r}: liger_kernel_config") and line in message, \
         message
+
+
+# Llama-3.2-3B's config.json (as tests/plan/test_flash_attn.py plans it).
+LLAMA_3B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
+            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+            "intermediate_size": 8192, "vocab_size": 128256, "head_dim": 128, "tie_word_embeddings": True,
+            "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.slow
+@requires_transformers("5.0", "transformers 4.x's Trainer leaves the KV cache on: other figures")
+def test_llama_3b_on_l40s_with_liger(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3B))
+    steps = {}
+    for flag in ([], ["--liger-kernel"]):
+        run = subprocess.run([sys.executable, "-m", "trainer_memcb", "estimate", str(tmp_path), "--dtype", "bfloat16",
+                              "--batch-size", "4", "--seq-len", "768", "--gpu", "l40s", "--optimizers", "adamw_torch",
+                              "--json", *flag], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        assert run.returncode in (0, 3), run.stderr
+        steps[bool(flag)] = json.loads(run.stdout)["step"]
+    # Llama-3.2-3B (tied embeddings, vocabulary 128,256) in bf16, 4 x 768: the bf16 logits and transformers'
+    # fp32 upcast of them leave the peak, which moves to the optimizer step.
+    assert (steps[False]["peak_bytes"], steps[False]["peak_phase"]) == (35_363_740_932, "backward")
+    assert (steps[True]["peak_bytes"], steps[True]["peak_phase"]) == (32_127_223_036, "optimizer step")
+    assert (steps[False]["activations_bytes"], steps[True]["activations_bytes"]) == (12_935_196_680, 8_586_203_140)
+    # BT 3072, H 3072: inc_factor cdiv(128256, 3072) = 42, chunk next_power_of_2(cdiv(3072, 42) = 74) = 128
+    assert any("3072 rows in 24 chunks of 128" in note for note in steps[True]["notes"])
