@@ -127,3 +127,10 @@ def test_liger_kernel_settings_are_read_as_the_trainer_reads_them(tmp_path) -> N
     with pytest.raises(ValueError, match="cannot both be true") as refused:
         resolve_settings(use_liger_kernel=True, liger_kernel_config={"cross_entropy": True})
     assert type(refused.value) is ValueError
+
+
+def test_liger_kernel_with_trls_dpo_step_is_refused() -> None:
+    from trainer_memcb.plan.step.preference import DpoStep
+
+    with pytest.raises(ValueError, match="use_liger_kernel with TRL's DPO step is not planned"):
+        resolve_settings(use_liger_kernel=True, preference=DpoStep(), batch_size=1)

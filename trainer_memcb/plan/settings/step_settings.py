@@ -170,7 +170,8 @@ class StepSettings:
         _check_step_shape(self)
         check_liger_kernel_config(self.liger_kernel_config)
         if self.use_liger_kernel and self.preference is not None:
-            raise ValueError("use_liger_kernel with TRL's DPO step is not planned (TRL fuses its own DPO loss with "
+            raise ValueError("use_liger_kernel with TRL's DPO step is not planned (TRL 1.16 applies liger-kernel's "
+                             "layer kernels under its own fused LM head; older TRL fuses the DPO loss with "
                              "liger-kernel): plan the DPO step without it")
         if self.preference is not None and self.sharding != "none":
             raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
