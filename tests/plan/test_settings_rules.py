@@ -129,8 +129,10 @@ def test_liger_kernel_settings_are_read_as_the_trainer_reads_them(tmp_path) -> N
     assert type(refused.value) is ValueError
 
 
-def test_liger_kernel_with_trls_dpo_step_is_refused() -> None:
+def test_liger_kernels_fused_loss_with_trls_dpo_step_is_refused_as_trl_refuses_it() -> None:
     from trainer_memcb.plan.step.preference import DpoStep
 
-    with pytest.raises(ValueError, match="use_liger_kernel with TRL's DPO step is not planned"):
-        resolve_settings(use_liger_kernel=True, preference=DpoStep(), batch_size=1)
+    with pytest.raises(ValueError, match="with TRL's DPO step: TRL refuses it"):
+        resolve_settings(use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True},
+                         preference=DpoStep(), batch_size=1)
+    assert resolve_settings(use_liger_kernel=True, preference=DpoStep(), batch_size=1).use_liger_kernel

@@ -169,10 +169,12 @@ class StepSettings:
     def __post_init__(self) -> None:
         _check_step_shape(self)
         check_liger_kernel_config(self.liger_kernel_config)
-        if self.use_liger_kernel and self.preference is not None:
-            raise ValueError("use_liger_kernel with TRL's DPO step is not planned (TRL 1.16 applies liger-kernel's "
-                             "layer kernels under its own fused LM head; older TRL fuses the DPO loss with "
-                             "liger-kernel): plan the DPO step without it")
+        if self.use_liger_kernel and self.preference is not None and \
+                (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+            # trl 1.16 DPOTrainer.__init__ refuses it, and turns the fused loss off otherwise.
+            raise ValueError("liger_kernel_config={\"fused_linear_cross_entropy\": true} with TRL's DPO step: TRL "
+                             "refuses it (\"it replaces the model's forward, which this trainer patches with a fused "
+                             "LM head\"); leave it out, TRL applies the layer kernels alone")
         if self.preference is not None and self.sharding != "none":
             raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
                              "(sharding none) so far")

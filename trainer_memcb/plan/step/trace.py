@@ -772,8 +772,13 @@ def _liger_kernels(model: nn.Module, settings: StepSettings) -> List[Any]:
     kernels stood in for as they run on the settings' GPU (`plan.step.liger_kernels`); none without."""
     if not settings.use_liger_kernel:
         return []
+    config = settings.liger_kernel_config
+    if settings.preference is not None:
+        # trl 1.16 DPOTrainer.__init__: `{**liger_kernel_config, "fused_linear_cross_entropy": False}`, its own
+        # fused LM head in place of the fused loss; the layer kernels on the policy alone.
+        config = dict(config or {}, fused_linear_cross_entropy=False)
     sm_count = SM_COUNTS.get(_preset_name(settings.gpu) or "", DEFAULT_SM_COUNT)
-    return [liger_kernels_as_cuda(model, settings.liger_kernel_config, compute_capability_of(settings), sm_count)]
+    return [liger_kernels_as_cuda(model, config, compute_capability_of(settings), sm_count)]
 
 
 def _preset_name(gpu: Optional[str]) -> Optional[str]:
