@@ -124,3 +124,17 @@ def test_llama_3b_on_l40s_with_liger(tmp_path) -> None:
     assert (steps[False]["activations_bytes"], steps[True]["activations_bytes"]) == (12_935_196_680, 8_586_203_140)
     # BT 3072, H 3072: inc_factor cdiv(128256, 3072) = 42, chunk next_power_of_2(cdiv(3072, 42) = 74) = 128
     assert any("3072 rows in 24 chunks of 128" in note for note in steps[True]["notes"])
+
+
+def test_it_composes_with_flash_attention_checkpointing_and_packing(tmp_path_factory, capsys) -> None:
+    # As liger-kernel's README says it works with Flash Attention: its RoPE rotates q and k in place before
+    # flash-attn's kernels (tests/plan/test_flash_attn.py) take them, padded rows or a packed one.
+    folder = tiny_llama_folder(tmp_path_factory, "liger-flash")
+    # 2 layers: 2 RoPE calls a forward, 4 with checkpointing (each layer's forward again in the backward).
+    for shape, rope in ((["--batch-size", "2", "--gradient-checkpointing"], 4), (["--batch-size", "1", "--packing", "40"], 2)):
+        plan = _plan(folder, capsys, *shape, "--dtype", "bfloat16", "--attn-implementation", "flash_attention_2",
+                     "--liger-kernel")
+        notes = plan["step"]["notes"]
+        assert plan["step"]["problem"] is None
+        assert any(note.startswith("attention planned as flash-attn") for note in notes)
+        assert any(note.startswith("use_liger_kernel") and f"rope ({rope} calls)" in note for note in notes), notes
