@@ -131,7 +131,8 @@ def test_it_composes_with_flash_attention_checkpointing_and_packing(tmp_path_fac
     # flash-attn's kernels (tests/plan/test_flash_attn.py) take them, padded rows or a packed one.
     folder = tiny_llama_folder(tmp_path_factory, "liger-flash")
     # 2 layers: 2 RoPE calls a forward, 4 with checkpointing (each layer's forward again in the backward).
-    for shape, rope in ((["--batch-size", "2", "--gradient-checkpointing"], 4), (["--batch-size", "1", "--packing", "40"], 2)):
+    for shape, rope in ((["--batch-size", "2", "--gradient-checkpointing"], 4),
+                        (["--batch-size", "1", "--packing", "40"], 2)):
         plan = _plan(folder, capsys, *shape, "--dtype", "bfloat16", "--attn-implementation", "flash_attention_2",
                      "--liger-kernel")
         notes = plan["step"]["notes"]

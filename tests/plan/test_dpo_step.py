@@ -6,7 +6,7 @@ alive before it."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import pytest
 import torch
