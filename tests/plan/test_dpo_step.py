@@ -132,3 +132,18 @@ def test_the_planned_dpo_step_peak_is_the_real_one(folder: str, tmp_path: Any, r
     assert start + above - plan.step.peak_bytes == difference
     assert plan.step.peak_phase == "backward"
     assert plan.step.peak_parts.get("reference_model", 0) == (91_264 if reference == "model" else 0)
+
+
+def test_liger_kernels_under_dpo_are_the_layer_kernels_alone() -> None:
+    # trl 1.16's DPOTrainer.__init__ turns liger's fused loss off (`{**liger_kernel_config,
+    # "fused_linear_cross_entropy": False}`: its own fused LM head stays); the Trainer then binds the layer kernels
+    # to the policy, and liger's RoPE, put in the modeling module, runs in the reference's forward too.
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.step.preference import DpoStep
+
+    plans = {liger: plan_step_memory(_build_meta, batch_size=BATCH, seq_len=MAX_LENGTH, optimizer="adamw_torch",
+                                     device_type="cuda", attn_implementation="sdpa", preference=DpoStep(),
+                                     model_states=False, use_liger_kernel=liger)[0] for liger in (None, True)}
+    [note] = [note for note in plans[True].step.notes if note.startswith("use_liger_kernel")]
+    assert note.endswith(": rms_norm (5 calls), rope (4 calls), swiglu (2 calls)")
+    assert (plans[None].step.activations_bytes, plans[True].step.activations_bytes) == (650_316, 502_860)

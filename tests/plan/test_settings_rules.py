@@ -104,3 +104,35 @@ def test_checkpointing_keywords_are_read_as_training_arguments_reads_them(given,
     assert settings.sources["checkpointing_kwargs"] == "training args"
     assert ("checkpointing_kwargs", {"use_reentrant": True}, "training args") in settings.used()
     assert resolve_settings({"gradient_checkpointing": True}).checkpointing_kwargs is None
+
+
+def test_liger_kernel_settings_are_read_as_the_trainer_reads_them(tmp_path) -> None:
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_liger_kernel=True,
+                             liger_kernel_config={"rope": False})
+    settings = resolve_settings(args)
+    assert (settings.use_liger_kernel, settings.liger_kernel_config) == (True, {"rope": False})
+    assert settings.sources["use_liger_kernel"] == settings.sources["liger_kernel_config"] == "training args"
+    # A JSON string, as TrainingArguments parses one; a flag over the file wins.
+    settings = resolve_settings({"use_liger_kernel": True, "liger_kernel_config": '{"swiglu": false}'},
+                                liger_kernel_config={"rope": False})
+    assert (settings.liger_kernel_config, settings.sources["liger_kernel_config"]) == ({"rope": False}, "flag")
+    # The Trainer reads the config only with use_liger_kernel: without it, nothing is set, a bad one included.
+    off = resolve_settings({"use_liger_kernel": False, "liger_kernel_config": {"rms_nrom": True}})
+    assert (off.use_liger_kernel, off.liger_kernel_config) == (None, None)
+    with pytest.raises(SettingsFileError, match="'rms_nrom' is not a keyword of liger-kernel's apply functions"):
+        resolve_settings({"use_liger_kernel": True, "liger_kernel_config": {"rms_nrom": True}})
+    # The same value given as a flag: a plain ValueError.
+    with pytest.raises(ValueError, match="cannot both be true") as refused:
+        resolve_settings(use_liger_kernel=True, liger_kernel_config={"cross_entropy": True})
+    assert type(refused.value) is ValueError
+
+
+def test_liger_kernels_fused_loss_with_trls_dpo_step_is_refused_as_trl_refuses_it() -> None:
+    from trainer_memcb.plan.step.preference import DpoStep
+
+    with pytest.raises(ValueError, match="with TRL's DPO step: TRL refuses it"):
+        resolve_settings(use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True},
+                         preference=DpoStep(), batch_size=1)
+    assert resolve_settings(use_liger_kernel=True, preference=DpoStep(), batch_size=1).use_liger_kernel

@@ -9,10 +9,12 @@ equal to its source.
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Dict
 
 from trainer_memcb.utils.units import parse_whole_number
 
-__all__ = ["positive_int", "non_negative_int", "SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
+__all__ = ["positive_int", "non_negative_int", "liger_kernel_config", "SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
            "DEFAULT_METRICS", "ALLOWED_CHANGES"]
 
 # trainer_memcb.plan.settings.setup.SHARDINGS
@@ -51,3 +53,19 @@ def non_negative_int(text: str) -> int:
         return parse_whole_number(text, least=0, example=16)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def liger_kernel_config(text: str) -> Dict[str, bool]:
+    """The argparse type of `--liger-kernel-config`: a JSON object of liger-kernel's kernels to true or
+    false, checked as the settings check `liger_kernel_config`; one line otherwise."""
+    from trainer_memcb.plan.settings.step_settings import check_liger_kernel_config
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: give an object such as '{{\"rope\": false}}'") from None
+    try:
+        check_liger_kernel_config(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return dict(value)

@@ -24,6 +24,7 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("attn_implementation", "--attn-implementation"), ("device_type", "--device-type"),
                  ("target_len", "--target-len"), ("image_size", "--image-size"), ("padding", "--padding"),
                  ("packing", "--packing"), ("torch_compile", "--torch-compile"),
+                 ("use_liger_kernel", "--liger-kernel"), ("liger_kernel_config", "--liger-kernel-config"),
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
                  ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),

@@ -7,7 +7,7 @@ import argparse
 from typing import Any, List, Optional
 
 from trainer_memcb.cli.choices import (DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS,
-                                      non_negative_int, positive_int)
+                                      liger_kernel_config, non_negative_int, positive_int)
 from trainer_memcb.cli.eval_estimate import add_eval_arguments
 from trainer_memcb.cli.fit_options import add_fit_arguments
 from trainer_memcb.cli.output import TextTable, bytes_cell
@@ -222,6 +222,13 @@ def _add_step_arguments(estimate: argparse.ArgumentParser) -> Any:
     step.add_argument("--torch-compile", action="store_true", default=None,
                       help="the Trainer's torch_compile=True (as --training-args may give it): not traced compiled; "
                            "the plan says its figures are the eager step's")
+    step.add_argument("--liger-kernel", action="store_true", default=None, dest="use_liger_kernel",
+                      help="the Trainer's use_liger_kernel=True (as --training-args may give it): the model patched "
+                           "as liger-kernel patches it, its Triton kernels planned (CUDA; Llama, Mistral, Qwen2, "
+                           "Qwen3); no liger-kernel package needed")
+    step.add_argument("--liger-kernel-config", type=liger_kernel_config, metavar="JSON",
+                      help="the Trainer's liger_kernel_config, e.g. '{\"rope\": false}' (default: liger-kernel's: "
+                           "rope, rms_norm, swiglu, fused_linear_cross_entropy on)")
     step.add_argument("--packing", type=positive_int, metavar="TOKENS",
                       help="a padding-free batch, as DataCollatorWithFlattening makes it: one row of TOKENS tokens, "
                            "sequences of --seq-len each (the rest one shorter), positions restarting at each; with "

@@ -108,6 +108,8 @@ def _step_shape_and_device(args: argparse.Namespace) -> Dict[str, Any]:
     given = {"seq_len": args.seq_len, "target_len": getattr(args, "target_len", None),
              "image_size": getattr(args, "image_size", None), "padding": getattr(args, "padding", 0) or None,
              "packing": getattr(args, "packing", None), "torch_compile": getattr(args, "torch_compile", None),
+             "use_liger_kernel": getattr(args, "use_liger_kernel", None),
+             "liger_kernel_config": getattr(args, "liger_kernel_config", None),
              "attn_implementation": getattr(args, "attn_implementation", None),
              "device_type": getattr(args, "device_type", None), "device_memory": args.device_memory,
              "reserve_bytes": reserve_bytes(args), "gpu": getattr(args, "gpu", None)}

@@ -310,8 +310,26 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
                              f"(flash-attn's kernels), not on {settings.device_type}: give --device-type cuda, "
                              "or sdpa or eager")
         config._attn_implementation = settings.attn_implementation
+    if settings.use_liger_kernel:
+        _check_liger_kernel(meta, settings)
     with FakeTensorMode():
         step_inputs(meta, 1, settings.seq_len, **_input_options(settings))
+
+
+def _check_liger_kernel(meta: nn.Module, settings: StepSettings) -> None:
+    """Refuse `use_liger_kernel` where liger-kernel's Triton kernels would not run (off CUDA) or its
+    patching is not planned (a model type other than `LIGER_MODEL_TYPES`)."""
+    from trainer_memcb.plan.settings.step_settings import LIGER_MODEL_TYPES
+
+    if settings.device_type != "cuda":
+        raise ValueError(f"use_liger_kernel runs on CUDA only (liger-kernel's Triton kernels), not on "
+                         f"{settings.device_type}: give --device-type cuda, or leave liger's kernels out")
+    inner = meta.get_base_model() if hasattr(meta, "peft_config") and hasattr(meta, "get_base_model") else meta
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    if model_type not in LIGER_MODEL_TYPES or not hasattr(inner, "lm_head"):
+        raise ValueError(f"use_liger_kernel with {type(inner).__name__} (model type {model_type!r}) is not planned: "
+                         f"liger-kernel's kernels are planned for the causal LMs of "
+                         f"{', '.join(LIGER_MODEL_TYPES)}")
 
 
 def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_name: Optional[str],

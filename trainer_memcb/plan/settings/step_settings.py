@@ -41,8 +41,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
 from trainer_memcb.utils.units import MiB
 
-__all__ = ["StepSettings", "DEVICE_TYPES", "SettingsFileError", "resolve_settings", "read_json_file", "check_training_args",
-           "MAX_SETTINGS_FILE_BYTES"]
+__all__ = ["StepSettings", "DEVICE_TYPES", "LIGER_KERNEL_DEFAULTS", "LIGER_MODEL_TYPES",
+           "check_liger_kernel_config", "SettingsFileError",
+           "resolve_settings", "read_json_file", "check_training_args", "MAX_SETTINGS_FILE_BYTES"]
 
 # A TrainingArguments dump, a DeepSpeed or an FSDP config is a few KiB; a larger file is not one.
 MAX_SETTINGS_FILE_BYTES = 16 * MiB
@@ -66,6 +67,15 @@ _FALSE_WORDS = ("n", "no", "f", "false", "off", "0")
 # torch DistributedDataParallel's bucket_cap_mb default (None there means 25 MiB).
 DDP_BUCKET_CAP_MB = 25
 _DEFAULT = "default"
+# liger-kernel 0.8.5 `apply_liger_kernel_to_llama`'s keywords and defaults (mistral, qwen2, qwen3 alike).
+LIGER_KERNEL_DEFAULTS: Dict[str, bool] = {"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": True,
+                                          "rms_norm": True, "swiglu": True}
+# The model types whose Liger patching is planned: model_type -> transformers' modeling module whose
+# `apply_rotary_pos_emb` liger-kernel replaces (monkey_patch.py, apply_liger_kernel_to_<model_type>).
+LIGER_MODEL_TYPES: Dict[str, str] = {"llama": "transformers.models.llama.modeling_llama",
+                                     "mistral": "transformers.models.mistral.modeling_mistral",
+                                     "qwen2": "transformers.models.qwen2.modeling_qwen2",
+                                     "qwen3": "transformers.models.qwen3.modeling_qwen3"}
 # The devices a step is planned for.
 DEVICE_TYPES = ("cuda", "cpu")
 
@@ -105,6 +115,10 @@ class StepSettings:
             is still traced eagerly, and the plan says its figures are the eager step's.
         attn_implementation: the attention path to trace ("eager", "sdpa", ...); None keeps the
             model config's.
+        use_liger_kernel: the Trainer's `use_liger_kernel=True` (True, or None where not asked): the
+            model patched as liger-kernel patches it, its kernels planned (`plan.step.liger_kernels`).
+        liger_kernel_config: the Trainer's `liger_kernel_config`, the kernels turned on or off
+            (`LIGER_KERNEL_DEFAULTS`' keys); None: liger-kernel's defaults.
         device_type: the device the run uses ("cuda" or "cpu", `DEVICE_TYPES`).
         device_memory, reserve_bytes: the device's memory per process (None: not asked, or the GPU
             preset's), and the part of it left out for what the plan does not count.
@@ -146,6 +160,8 @@ class StepSettings:
     packing: Optional[int] = None
     torch_compile: Optional[bool] = None
     attn_implementation: Optional[str] = None
+    use_liger_kernel: Optional[bool] = None
+    liger_kernel_config: Optional[Dict[str, bool]] = None
     device_type: str = "cuda"
     device_memory: Optional[int] = None
     reserve_bytes: int = 0
@@ -157,6 +173,13 @@ class StepSettings:
 
     def __post_init__(self) -> None:
         _check_step_shape(self)
+        check_liger_kernel_config(self.liger_kernel_config)
+        if self.use_liger_kernel and self.preference is not None and \
+                (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+            # trl 1.16 DPOTrainer.__init__ refuses it, and turns the fused loss off otherwise.
+            raise ValueError("liger_kernel_config={\"fused_linear_cross_entropy\": true} with TRL's DPO step: TRL "
+                             "refuses it (\"it replaces the model's forward, which this trainer patches with a fused "
+                             "LM head\"); leave it out, TRL applies the layer kernels alone")
         if self.preference is not None and self.sharding != "none":
             raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
                              "(sharding none) so far")
@@ -279,6 +302,31 @@ def _check_packing(settings: "StepSettings") -> None:
                          f"at least {settings.seq_len}")
 
 
+def check_liger_kernel_config(config: Optional[Mapping[str, Any]]) -> Dict[str, bool]:
+    """The kernels `apply_liger_kernel_to_<model>(**config)` turns on (None: liger-kernel's defaults).
+
+    Raises:
+        ValueError: a key the apply functions do not take (liger-kernel drops it silently), a value
+            that is not a boolean, or `cross_entropy` with `fused_linear_cross_entropy` (its assert).
+    """
+    if config is not None and not isinstance(config, Mapping):
+        raise ValueError(f"liger_kernel_config={config!r}: expected a dict of kernels to true or false, such as "
+                         "{\"rope\": false}")
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(LIGER_KERNEL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"liger_kernel_config: {unknown[0]!r} is not a keyword of liger-kernel's apply functions "
+                         f"(it would be dropped silently): give some of {', '.join(LIGER_KERNEL_DEFAULTS)}")
+    for key, value in config.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"liger_kernel_config: {key}={value!r}: expected true or false")
+    kernels = dict(LIGER_KERNEL_DEFAULTS, **config)
+    if kernels["cross_entropy"] and kernels["fused_linear_cross_entropy"]:
+        raise ValueError("liger_kernel_config: cross_entropy and fused_linear_cross_entropy cannot both be true "
+                         "(liger-kernel asserts it): set fused_linear_cross_entropy to false")
+    return kernels
+
+
 class SettingsFileError(ValueError):
     """A value of the Trainer's arguments or an engine's config that the Trainer (or the engine)
     would refuse or read otherwise than it looks; the message names the key and what is allowed."""
@@ -326,6 +374,11 @@ def check_training_args(values: Mapping[str, Any], where: str = "training args")
         value = values.get(key)  # eval_accumulation_steps: None (the default) keeps all on the device
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SettingsFileError(f"{where}: {key}={value!r}: expected a whole number of at least 1")
+    if values.get("use_liger_kernel") and values.get("liger_kernel_config") is not None:
+        try:  # read only with use_liger_kernel, as the Trainer reads it
+            _liger_kernel_config(values["liger_kernel_config"])
+        except ValueError as error:
+            raise SettingsFileError(f"{where}: {error}") from None
 
 
 # The name each setting has where it came from, for the messages.
@@ -454,6 +507,18 @@ def _checkpointing_kwargs(args: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _liger_kernel_config(value: Any) -> Dict[str, bool]:
+    """The arguments' `liger_kernel_config` (a dict, or JSON text of one, as TrainingArguments parses a
+    string), as the apply function takes it; ValueError for what it would misread."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"liger_kernel_config={value!r} is neither a JSON object nor a dict") from None
+    check_liger_kernel_config(value)
+    return dict(value)
+
+
 def _precision(args: Mapping[str, Any], deepspeed: bool) -> Optional[str]:
     if args.get("bf16"):
         return "deepspeed-bf16" if deepspeed else "autocast-bf16"
@@ -539,6 +604,10 @@ def _put_training_args(got: _Resolving, args: Mapping[str, Any]) -> None:
     got.put("torch_empty_cache_steps", args.get("torch_empty_cache_steps"), arg)
     # Only when on: a dumped TrainingArguments names torch_compile=false, which changes nothing.
     got.put("torch_compile", True if args.get("torch_compile") else None, arg)
+    got.put("use_liger_kernel", True if args.get("use_liger_kernel") else None, arg)
+    if args.get("use_liger_kernel") and args.get("liger_kernel_config") is not None:
+        # Read only with use_liger_kernel, as the Trainer reads it.
+        got.put("liger_kernel_config", _liger_kernel_config(args["liger_kernel_config"]), arg)
     if "ddp_find_unused_parameters" in args:
         # Trainer._build_accelerator_args: ddp_find_unused_parameters when set, otherwise True for a
         # model without gradient checkpointing (a PreTrainedModel with it: False).

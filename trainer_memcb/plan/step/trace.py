@@ -76,7 +76,8 @@ from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
-from trainer_memcb.plan.step.flash_attn import FlashKernelsRun, flash_attention_2_as_cuda
+from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, FlashKernelsRun, flash_attention_2_as_cuda
+from trainer_memcb.plan.step.liger_kernels import LigerKernelsRun, liger_kernels_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
@@ -424,7 +425,7 @@ class _Prefix:
     timeline: Timeline
     contexts: Callable[[Optional[List[int]]], List[Any]]
     quantization_note: Optional[str] = None
-    attention_note: Optional[str] = None
+    kernel_notes: Tuple[str, ...] = ()
     outer: Callable[[], List[Any]] = list
 
 
@@ -665,7 +666,7 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
         del shared.prefixes[step_key]
         return None
     return _noted(timeline, prefix.quantization_note, settings, device_type, implementation[0],
-                  prefix.attention_note)
+                  prefix.kernel_notes)
 
 
 def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
@@ -701,7 +702,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     engine = engine_for(settings)
     mode = FakeTensorMode()
     quantization_note = None
-    flash_run: Optional[FlashKernelsRun] = None
+    kernel_runs: List[Any] = []  # the stand-in kernels' records (flash-attn's, liger-kernel's)
     frozen = _freeze_older_objects()
     preference, ref_model = settings.preference, None
     if preference is not None:
@@ -724,10 +725,10 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
             fused_lm_heads(model, ref_model)
         build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
         with contextlib.ExitStack() as stack:
-            for context in _outer_contexts(padding, settings):
+            for context in _outer_contexts(padding, settings) + _liger_kernels(model, settings):
                 entered = stack.enter_context(context)
-                if isinstance(entered, FlashKernelsRun):
-                    flash_run = entered
+                if isinstance(entered, (FlashKernelsRun, LigerKernelsRun)):
+                    kernel_runs.append(entered)
             timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
                                    settings.gradient_checkpointing, engine, input_options,
                                    settings.gradient_accumulation_steps, device_type, compute_capability, kept,
@@ -739,12 +740,12 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
         gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
         if frozen:
             gc.unfreeze()
-    attention_note = flash_run.note() if flash_run is not None else None
+    kernel_notes = tuple(note for note in (run.note() for run in kernel_runs) if note)
     for prefix in kept or ():
         prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding, settings)
-        prefix.attention_note = attention_note
+        prefix.kernel_notes = kernel_notes
         shared.prefixes[step_key] = prefix
-    return _noted(timeline, quantization_note, settings, device_type, implementation[0], attention_note)
+    return _noted(timeline, quantization_note, settings, device_type, implementation[0], kernel_notes)
 
 
 def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
@@ -766,6 +767,20 @@ def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
             else contextlib.nullcontext(), passed_checks(), flash]
 
 
+def _liger_kernels(model: nn.Module, settings: StepSettings) -> List[Any]:
+    """With `use_liger_kernel`, the Trainer's `apply_liger_kernel(model, liger_kernel_config)`, liger-kernel's
+    kernels stood in for as they run on the settings' GPU (`plan.step.liger_kernels`); none without."""
+    if not settings.use_liger_kernel:
+        return []
+    config = settings.liger_kernel_config
+    if settings.preference is not None:
+        # trl 1.16 DPOTrainer.__init__: `{**liger_kernel_config, "fused_linear_cross_entropy": False}`, its own
+        # fused LM head in place of the fused loss; the layer kernels on the policy alone.
+        config = dict(config or {}, fused_linear_cross_entropy=False)
+    sm_count = SM_COUNTS.get(_preset_name(settings.gpu) or "", DEFAULT_SM_COUNT)
+    return [liger_kernels_as_cuda(model, config, compute_capability_of(settings), sm_count)]
+
+
 def _preset_name(gpu: Optional[str]) -> Optional[str]:
     from trainer_memcb.plan.device.gpus import gpu_preset
 
@@ -773,11 +788,11 @@ def _preset_name(gpu: Optional[str]) -> Optional[str]:
 
 
 def _noted(timeline: Timeline, quantization_note: Optional[str], settings: StepSettings, device_type: str,
-           implementation: Optional[str], attention_note: Optional[str] = None) -> Timeline:
+           implementation: Optional[str], kernel_notes: Tuple[str, ...] = ()) -> Timeline:
     """The timeline with the trace's notes beside the engine's: the quantized layers', the
     checkpointed generator states' on CUDA, the optimizer's implementation."""
     notes = list(timeline.notes) + ([quantization_note] if quantization_note else [])
-    notes += [attention_note] if attention_note else []
+    notes += list(kernel_notes)
     if settings.gradient_checkpointing and device_type == "cuda":
         notes.append("with gradient checkpointing, torch.utils.checkpoint keeps the CPU generator's state "
                      "(torch.get_rng_state(), 5,056 bytes) per block from its forward to its recomputation: "
