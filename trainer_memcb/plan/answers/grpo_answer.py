@@ -1,0 +1,47 @@
+"""What the step plan says of TRL's GRPO step (`trainer_memcb.plan.step.grpo`): its generation
+phase as planned (`PlannedGeneration`) and the notes that say how each phase was traced, and the
+rule for vLLM, which cannot run here."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from trainer_memcb.plan.answers.step_plan import PlannedGeneration
+
+__all__ = ["grpo_notes", "planned_generation"]
+
+
+def _engine(step: Any) -> str:
+    return f"vllm-{step.vllm_mode}" if step.use_vllm else "transformers"
+
+
+def planned_generation(step: Any, settings: Any) -> PlannedGeneration:
+    """The generation phase of `step` (a `GrpoStep`) for the settings' micro-batch."""
+    colocated = step.use_vllm and step.vllm_mode == "colocate"
+    return PlannedGeneration(
+        num_generations=step.num_generations, generation_rows=step.generation_rows(settings.batch_size),
+        steps_per_generation=step.steps_per_generation, prompt_tokens=settings.seq_len,
+        completion_tokens=step.max_completion_length, engine=_engine(step),
+        vllm_gpu_memory_utilization=step.vllm_gpu_memory_utilization if colocated else None,
+        old_log_probs=step.old_log_probs)
+
+
+def grpo_notes(step: Any, settings: Any) -> List[str]:
+    """How the GRPO step was traced, and vLLM's rule where it generates."""
+    rows = step.generation_rows(settings.batch_size)
+    reference = {"none": "no reference (beta 0)",
+                 "model": "the frozen reference model's per-token log-probs under torch.no_grad() after generation",
+                 "adapters-disabled": "the reference's per-token log-probs as the same model with its adapters "
+                                      "disabled, under torch.no_grad() after generation"}[step.reference]
+    notes = [f"TRL's GRPO step traced in two phases: generation ({rows} prompts of {settings.seq_len} tokens, each "
+             f"completed to {step.max_completion_length} tokens, the most) and training (compute_loss over "
+             f"{settings.batch_size} completions, loss {step.loss_type}, backward, optimizer step); {reference}; "
+             "the step's peak is the larger phase's"]
+    if step.use_vllm and step.vllm_mode == "colocate":
+        notes.append(f"vLLM colocated (not traced; it cannot run here): by vLLM's rule its engine holds "
+                     f"gpu_memory_utilization ({step.vllm_gpu_memory_utilization:g}) x the device's total memory, "
+                     "taken from what training may use (the reserve); transformers' generate is not traced")
+    elif step.use_vllm:
+        notes.append("vLLM in server mode: generation runs on the server's GPUs, nothing of it on the training GPU; "
+                     "transformers' generate is not traced")
+    return notes
