@@ -116,11 +116,12 @@ def _generated(model: torch.nn.Module, step: GrpoStep, rows: int, prompt_len: in
 
 
 def grpo_generation(model: torch.nn.Module, ref_model: Optional[torch.nn.Module], step: GrpoStep, batch_size: int,
-                    prompt_len: int, tokens: Dict[str, Any]) -> GrpoBatch:
+                    prompt_len: int, tokens: Dict[str, Any], autocast: Any = None) -> GrpoBatch:
     """The generation phase (module docstring) on fake tensors: `batch_size x steps_per_generation`
     prompts of `prompt_len` tokens, each completed to `max_completion_length`; returns the first
     micro-batch of the buffered generation batch, which holds the whole of it. `tokens` holds the
-    tokenizer's `pad_token_id`, `bos_token_id` and `eos_token_ids`."""
+    tokenizer's `pad_token_id`, `bos_token_id` and `eos_token_ids`; `autocast` the context the
+    log-prob forwards run in (`accelerator.autocast()`; generate runs outside it)."""
     rows, completion_len = step.generation_rows(batch_size), step.max_completion_length
     if not step.use_vllm:  # vLLM generates outside this process's fake step (not traced)
         _generated(model, step, rows, prompt_len, tokens)
@@ -139,7 +140,7 @@ def grpo_generation(model: torch.nn.Module, ref_model: Optional[torch.nn.Module]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     output = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
               "completion_mask": completion_mask}
-    with torch.no_grad():
+    with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
         if step.old_log_probs:
             output["old_per_token_logps"], _ = per_token_logps(model, prompt_completion_ids, attention_mask,
                                                                completion_len, batch_size)

@@ -259,7 +259,7 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         if number > 1:
             tracker.peak_bytes = 0  # this micro-batch's own peak, from here
         if number == 1 and _is_grpo(step.preference):
-            _grpo_generation_phase(step, phase_starts)
+            _grpo_generation_phase(step, phase_starts, autocast)
         inputs = step.inputs[number - 1]
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
@@ -295,7 +295,7 @@ def _is_grpo(preference: Any) -> bool:
     return getattr(preference, "trainer", None) == "grpo"
 
 
-def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int]) -> None:
+def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: Any) -> None:
     """GRPO's generation phase (`trainer_memcb.plan.step.grpo_generation`) before the first
     micro-batch's forward: its peak kept apart (`_Step.generation`), the buffered generation batch
     the step's batch from then on, the training phase's peak counted from there."""
@@ -305,7 +305,7 @@ def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int]) -> None:
     tracker.phase = "generation"
     phase_starts["generation"] = len(tracker.events)
     inputs = grpo_generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
-                             step.tokens or {})
+                             step.tokens or {}, autocast)
     step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
                                 frozenset(tracker.peak_watch))
     step.inputs = [inputs] * len(step.inputs)
