@@ -117,7 +117,12 @@ def _generation_batch(config: Any, world_size: int) -> Tuple[int, int]:
     accumulation = _whole("gradient_accumulation_steps", config.gradient_accumulation_steps, 1)
     generation, steps = config.generation_batch_size, config.steps_per_generation
     if generation is not None and steps is not None:
-        raise ValueError("generation_batch_size and steps_per_generation: TRL refuses both at once; give one")
+        # A GRPOConfig made (and its JSON, `to_json_string()`) holds both, resolved by its
+        # `__post_init__`; given by hand, TRL refuses the two together.
+        if generation != batch * world_size * _whole("steps_per_generation", steps, 1):
+            raise ValueError(f"generation_batch_size {generation} and steps_per_generation {steps}: TRL refuses "
+                             "both at once; give one")
+        generation = None
     if generation is None and steps is None:
         steps = accumulation
     if steps is not None:

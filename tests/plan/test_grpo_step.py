@@ -1,0 +1,145 @@
+"""TRL's GRPO step planned (`trainer_memcb.plan.step.grpo`, `.grpo_generation`) against a real
+`GRPOTrainer` step on the CPU: a tiny Llama, the character tokenizer of `tests/training/test_trl.py`,
+prompts of 10 characters (10 tokens, so no padding), a reward function in Python, transformers'
+generation (no vLLM) made to run every completion to `max_completion_length` (`min_new_tokens`: the
+most, which the plan plans). One step is run to make the optimizer state; then the generation phase
+(`GRPOTrainer._prepare_inputs` on a step that generates) and the training phase (`training_step`
+on the buffered micro-batch, clipping, AdamW's step, zero_grad) are each profiled
+(`profiled_run_peak`) above what was alive before it."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from helpers import profiled_run_peak, requires_version, storage_bytes
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              requires_version("trl", "1.16", "GRPOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
+
+trl = pytest.importorskip("trl", reason="TRL is in the test extra")
+
+BATCH, GENERATIONS, PROMPT, COMPLETION = 4, 4, 10, 8
+
+
+def _config() -> Any:
+    from transformers import LlamaConfig
+
+    import training.test_trl as trl_tests
+
+    return LlamaConfig(vocab_size=len(trl_tests.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+def _grpo_config(tmp: str, beta: float) -> Any:
+    from trl import GRPOConfig
+
+    return GRPOConfig(tmp, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                      per_device_train_batch_size=BATCH, num_generations=GENERATIONS,
+                      max_completion_length=COMPLETION, beta=beta, generation_kwargs={"min_new_tokens": COMPLETION})
+
+
+def _distinct_characters(completions: List[str], **_: Any) -> List[float]:
+    return [float(len(set(completion))) for completion in completions]
+
+
+def _real_phase_peaks(folder: str, tmp: str, beta: float) -> Dict[str, Tuple[int, int]]:
+    """Each phase's start (parameters, buffers, optimizer state, the reference's parameters, and
+    for training the buffered generation batch) and the most the profiler records alive above it."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    import training.test_trl as trl_tests
+
+    prompts = ["the cat sa", "a dog ran ", "hello ther", "good day t"]
+    trainer = GRPOTrainer(model=folder, reward_funcs=_distinct_characters, args=_grpo_config(tmp, beta),
+                          train_dataset=Dataset.from_dict({"prompt": prompts}),
+                          processing_class=trl_tests.char_tokenizer())
+    model = trainer.model
+    model.train()
+    raw = next(iter(trainer.get_train_dataloader()))
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # as train() sets it for each step
+    optimizer, generate_inputs, prepared = trainer.optimizer, trainer._prepare_inputs, {}
+
+    def generation() -> None:
+        trainer._buffered_inputs, trainer._step = None, 0  # a step that generates
+        prepared["inputs"] = generate_inputs(raw)
+
+    def training() -> None:
+        trainer._prepare_inputs = lambda inputs: inputs  # the buffered micro-batch, no new generation
+        try:
+            trainer.training_step(model, prepared["inputs"], None)
+        finally:
+            trainer._prepare_inputs = generate_inputs
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    generation()
+    training()
+    resident = list(model.parameters()) + list(model.buffers())
+    resident += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    if trainer.ref_model is not None:
+        resident += list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())
+    prepared.clear()
+    start = storage_bytes(resident)
+    peaks = {"generation": (start, profiled_run_peak(generation))}
+    assert prepared["inputs"]["completion_ids"].shape == (BATCH, COMPLETION)  # every completion at its most
+    buffered = [v for batch in trainer._buffered_inputs for v in batch.values() if isinstance(v, torch.Tensor)]
+    start = storage_bytes(resident + buffered)
+    peaks["training"] = (start, profiled_run_peak(training))
+    return peaks
+
+
+def _planned(beta: float, tmp: str) -> Any:
+    from transformers import LlamaForCausalLM
+
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.step.grpo import grpo_step_from_config
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return LlamaForCausalLM(_config())
+
+    step = grpo_step_from_config(_grpo_config(tmp, beta), peft=False)
+    # GRPOConfig's bf16 (True by default) is the Trainer's CPU autocast in bf16.
+    plan, _ = plan_step_memory(build, batch_size=BATCH, seq_len=PROMPT, optimizer="adamw_torch",
+                               precision="autocast-bf16", device_type="cpu", attn_implementation="sdpa",
+                               preference=step, model_states=False)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: Any) -> str:
+    import training.test_trl as trl_tests
+
+    return trl_tests.saved_tiny_llama(str(tmp_path_factory.mktemp("grpo-llama")))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_each_planned_grpo_phase_peak_is_the_real_one(folder: str, tmp_path: Any, beta: float) -> None:
+    plan = _planned(beta, str(tmp_path))
+    real = _real_phase_peaks(folder, str(tmp_path), beta)
+    phases = {entry["phase"]: entry["peak_bytes"] for entry in plan.step.phases}
+    # Measured (torch 2.13, transformers 5.25, TRL 1.16). The generation phase is exact without a
+    # reference model; with one (beta 0.1) the real phase holds 64 bytes more: small scalars made in
+    # C++ during the reference's forward that the fake trace does not see, as in DPO's step. The
+    # training phase is 4 bytes more in the real step: the 0-dim fp32 loss `Trainer.training_step`
+    # makes (`loss / self.current_gradient_accumulation_steps`) and holds through backward, which the
+    # plan does not make; 68 with the reference (the same 64 bytes of its forward, still alive).
+    expected = {0.0: {"generation": (352_388, 273_940, 78_448, 0), "training": (5_123_532, 275_116, 4_848_420, 4)},
+                0.1: {"generation": (4_919_120, 365_268, 4_553_916, 64),
+                      "training": (5_214_924, 366_572, 4_848_420, 68)}}[beta]
+    for phase, (planned, real_start, real_above, difference) in expected.items():
+        start, above = real[phase]
+        assert (phases[phase], start, above) == (planned, real_start, real_above), phase
+        assert start + above - phases[phase] == difference, phase
+    assert plan.step.peak_bytes == max(phases.values()) == phases["training"]
+    assert plan.step.peak_phase == "backward"
+    assert plan.step.peak_parts.get("reference_model", 0) == (91_264 if beta else 0)
+    assert plan.settings.preference.trainer == "grpo"
+    assert plan.settings.preference.reference == ("model" if beta else "none")
