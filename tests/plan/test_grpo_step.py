@@ -39,7 +39,8 @@ def _grpo_config(tmp: str, beta: float) -> Any:
 
     return GRPOConfig(tmp, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
                       per_device_train_batch_size=BATCH, num_generations=GENERATIONS,
-                      max_completion_length=COMPLETION, beta=beta, generation_kwargs={"min_new_tokens": COMPLETION})
+                      max_completion_length=COMPLETION, beta=beta, generation_kwargs={"min_new_tokens": COMPLETION},
+                      gradient_checkpointing=False)  # the Trainer enables it in train(), which the test does not run
 
 
 def _distinct_characters(completions: List[str], **_: Any) -> List[float]:
