@@ -4,15 +4,42 @@ rule for vLLM, which cannot run here."""
 
 from __future__ import annotations
 
-from typing import Any, List
+import dataclasses
+from typing import Any, List, Optional
 
 from trainer_memcb.plan.answers.step_plan import PlannedGeneration
 
-__all__ = ["grpo_notes", "planned_generation"]
+__all__ = ["grpo_notes", "planned_generation", "with_vllm_share"]
 
 
 def _engine(step: Any) -> str:
     return f"vllm-{step.vllm_mode}" if step.use_vllm else "transformers"
+
+
+def _device_memory(settings: Any) -> Optional[int]:
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    if settings.device_memory is not None:
+        return settings.device_memory
+    return gpu_preset(settings.gpu).total_bytes if settings.gpu is not None else None
+
+
+def with_vllm_share(settings: Any) -> Any:
+    """The settings with colocated vLLM's share of the device (`vllm_reserved_bytes`) added to the
+    reserve, where the device's memory is known: what training may use is the rest. Unchanged for
+    any other step."""
+    from trainer_memcb.plan.step.grpo import vllm_reserved_bytes
+
+    step = settings.preference
+    memory = _device_memory(settings)
+    if getattr(step, "trainer", None) != "grpo" or memory is None:
+        return settings
+    share = vllm_reserved_bytes(step, memory)
+    if not share:
+        return settings
+    source = settings.sources.get("reserve_bytes", "default")
+    return dataclasses.replace(settings, reserve_bytes=settings.reserve_bytes + share,
+                               sources=dict(settings.sources, reserve_bytes=f"{source} + colocated vLLM's {share:,}"))
 
 
 def planned_generation(step: Any, settings: Any) -> PlannedGeneration:
@@ -38,9 +65,14 @@ def grpo_notes(step: Any, settings: Any) -> List[str]:
              f"{settings.batch_size} completions, loss {step.loss_type}, backward, optimizer step); {reference}; "
              "the step's peak is the larger phase's"]
     if step.use_vllm and step.vllm_mode == "colocate":
+        from trainer_memcb.plan.step.grpo import vllm_reserved_bytes
+
+        memory = _device_memory(settings)
+        held = (f" ({vllm_reserved_bytes(step, memory):,} bytes of {memory:,}, in the reserve)" if memory is not None
+                else " (give the device's memory to count it)")
         notes.append(f"vLLM colocated (not traced; it cannot run here): by vLLM's rule its engine holds "
-                     f"gpu_memory_utilization ({step.vllm_gpu_memory_utilization:g}) x the device's total memory, "
-                     "taken from what training may use (the reserve); transformers' generate is not traced")
+                     f"gpu_memory_utilization ({step.vllm_gpu_memory_utilization:g}) x the device's total memory"
+                     f"{held}, taken from what training may use; transformers' generate is not traced")
     elif step.use_vllm:
         notes.append("vLLM in server mode: generation runs on the server's GPUs, nothing of it on the training GPU; "
                      "transformers' generate is not traced")
