@@ -9,11 +9,21 @@ from typing import Any, List, Optional
 
 from trainer_memcb.plan.answers.step_plan import PlannedGeneration
 
-__all__ = ["grpo_notes", "planned_generation", "with_vllm_share"]
+__all__ = ["grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
 
 
 def _engine(step: Any) -> str:
     return f"vllm-{step.vllm_mode}" if step.use_vllm else "transformers"
+
+
+def vllm_reserved_bytes(step: Any, device_memory: int) -> int:
+    """The device's bytes vLLM takes from training: colocated, `vllm_gpu_memory_utilization` of the
+    device's memory (vLLM's `gpu_memory_utilization`: the share of the GPU's total memory its engine
+    may hold, weights, activations and KV cache together); in server mode none (vLLM runs on other
+    GPUs); none without vLLM."""
+    if not step.use_vllm or step.vllm_mode == "server":
+        return 0
+    return int(step.vllm_gpu_memory_utilization * device_memory)
 
 
 def _device_memory(settings: Any) -> Optional[int]:
@@ -28,8 +38,6 @@ def with_vllm_share(settings: Any) -> Any:
     """The settings with colocated vLLM's share of the device (`vllm_reserved_bytes`) added to the
     reserve, where the device's memory is known: what training may use is the rest. Unchanged for
     any other step."""
-    from trainer_memcb.plan.step.grpo import vllm_reserved_bytes
-
     step = settings.preference
     memory = _device_memory(settings)
     if getattr(step, "trainer", None) != "grpo" or memory is None:
@@ -65,8 +73,6 @@ def grpo_notes(step: Any, settings: Any) -> List[str]:
              f"{settings.batch_size} completions, loss {step.loss_type}, backward, optimizer step); {reference}; "
              "the step's peak is the larger phase's"]
     if step.use_vllm and step.vllm_mode == "colocate":
-        from trainer_memcb.plan.step.grpo import vllm_reserved_bytes
-
         memory = _device_memory(settings)
         held = (f" ({vllm_reserved_bytes(step, memory):,} bytes of {memory:,}, in the reserve)" if memory is not None
                 else " (give the device's memory to count it)")

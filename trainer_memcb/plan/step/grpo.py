@@ -21,7 +21,8 @@ completion stops early at its EOS).
 
 Mirrored, not called: `_compute_loss` reads values (`.item()` for each metric) that a fake tensor
 cannot give; the reads allocate nothing. vLLM cannot run here: with `use_vllm` the generation is
-not traced, and its share of the device is a rule (`vllm_reserved_bytes`).
+not traced, and its share of the device is a rule
+(`trainer_memcb.plan.answers.grpo_answer.vllm_reserved_bytes`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["GrpoStep", "GRPO_LOSS_TYPES", "GRPO_REFERENCES", "VLLM_MODES", "GrpoBatch", "grpo_step_from_config",
-           "grpo_loss", "grpo_fused_lm_heads", "per_token_logps", "vllm_reserved_bytes"]
+           "grpo_loss", "grpo_fused_lm_heads", "per_token_logps"]
 
 # The loss types the trace runs, each mirrored from `GRPOTrainer._compute_loss`'s branch of that name.
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -193,16 +194,6 @@ def _generation_kwargs(config: Any) -> Dict[str, Any]:
               "repetition_penalty": config.repetition_penalty, "cache_implementation": config.cache_implementation}
     kwargs.update(config.generation_kwargs or {})
     return kwargs
-
-
-def vllm_reserved_bytes(step: GrpoStep, device_memory: int) -> int:
-    """The device's bytes vLLM takes from training: colocated, `vllm_gpu_memory_utilization` of the
-    device's memory (vLLM's `gpu_memory_utilization`: the share of the GPU's total memory its engine
-    may hold, weights, activations and KV cache together); in server mode none (vLLM runs on other
-    GPUs); none without vLLM."""
-    if not step.use_vllm or step.vllm_mode == "server":
-        return 0
-    return int(step.vllm_gpu_memory_utilization * device_memory)
 
 
 @dataclasses.dataclass
