@@ -5,7 +5,8 @@ generation (no vLLM) made to run every completion to `max_completion_length` (`m
 most, which the plan plans). One step is run to make the optimizer state; then the generation phase
 (`GRPOTrainer._prepare_inputs` on a step that generates) and the training phase (`training_step`
 on the buffered micro-batch, clipping, AdamW's step, zero_grad) are each profiled
-(`profiled_run_peak`) above what was alive before it."""
+(`profiled_run_peak`) above what was alive before it. `training_step` is called directly, so
+checkpointing is off unless a case turns it on as `Trainer.train()` does."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _distinct_characters(completions: List[str], **_: Any) -> List[float]:
     return [float(len(set(completion))) for completion in completions]
 
 
-def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False,
+def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False, checkpointing: bool = False,
                       **extra: Any) -> Dict[str, Tuple[int, int]]:
     """Each phase's start (parameters, buffers, optimizer state, the reference's parameters, and
     for training the buffered generation batch) and the most the profiler records alive above it."""
@@ -68,6 +69,8 @@ def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False,
                           processing_class=trl_tests.char_tokenizer(), **more)
     model = trainer.model
     model.train()
+    if checkpointing:  # as Trainer.train() turns it on (GRPOConfig's default)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
     raw = next(iter(trainer.get_train_dataloader()))
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # as train() sets it for each step
@@ -103,7 +106,7 @@ def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False,
     return peaks
 
 
-def _planned(beta: float, tmp: str, peft: bool = False, **extra: Any) -> Any:
+def _planned(beta: float, tmp: str, peft: bool = False, checkpointing: bool = False, **extra: Any) -> Any:
     from transformers import LlamaForCausalLM
 
     from trainer_memcb.plan.answers.step_memory import plan_step_memory
@@ -119,7 +122,7 @@ def _planned(beta: float, tmp: str, peft: bool = False, **extra: Any) -> Any:
     # GRPOConfig's bf16 (True by default) is the Trainer's CPU autocast in bf16.
     plan, _ = plan_step_memory(build, batch_size=BATCH, seq_len=PROMPT, optimizer="adamw_torch",
                                precision="autocast-bf16", device_type="cpu", attn_implementation="sdpa",
-                               preference=step, model_states=False)
+                               preference=step, model_states=False, gradient_checkpointing=checkpointing)
     return plan
 
 
@@ -152,6 +155,10 @@ CASES = {
                                                    "training": (4_844_472, 104_952, 4_739_556, 36)}),
     "PEFT, beta 0": (dict(beta=0.0, peft=True), {"generation": (182_096, 103_648, 78_448, 0),
                                                  "training": (4_844_344, 104_824, 4_739_556, 36)}),
+    # Checkpointing on (GRPOConfig's default, which Trainer.train() turns on): generate runs with it
+    # off, as TRL's unwrap_model_for_generation turns it off around generate.
+    "checkpointing, beta 0.1": (dict(beta=0.1, checkpointing=True), {
+        "generation": (4_919_120, 365_268, 4_553_916, 64), "training": (4_969_948, 366_572, 4_603_444, 68)}),
 }
 
 
@@ -203,3 +210,4 @@ def test_a_generation_phase_that_holds_the_peak_is_named(tmp_path: Any) -> None:
     assert (plan.step.peak_phase, plan.step.peak_bytes) == ("generation", 16_546_100)
     # No gradient is alive while generating; the optimizer state of the step before is.
     assert (plan.step.peak_parts["gradients"], plan.step.peak_parts["optimizer_state"]) == (0, 5_321_884)
+

@@ -94,16 +94,18 @@ def _generated(model: torch.nn.Module, step: GrpoStep, rows: int, prompt_len: in
     config = GenerationConfig(**dict(step.generation_kwargs), pad_token_id=tokens["pad_token_id"],
                               bos_token_id=tokens["bos_token_id"], eos_token_id=tokens["eos_token_ids"],
                               disable_compile=True)
-    checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if checkpointing:  # unwrap_model_for_generation turns it off around generate
-        model.gradient_checkpointing_disable()
+    # unwrap_model_for_generation turns checkpointing off around generate and back on with the
+    # config's keywords: the layers' own switch is turned off and back, the keywords untouched.
+    checkpointed = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
+    for module in checkpointed:
+        module.gradient_checkpointing = False
     try:
         with torch.no_grad(), answered_reads(prompt_len + step.max_completion_length):
             prompt_completion_ids = model.generate(input_ids=padded_ids, attention_mask=attention_mask,
                                                    generation_config=config)
     finally:
-        if checkpointing:
-            model.gradient_checkpointing_enable()
+        for module in checkpointed:
+            module.gradient_checkpointing = True
     completion_ids = prompt_completion_ids[:, prompt_len:]
     is_eos = torch.isin(completion_ids, torch.tensor(tokens["eos_token_ids"]))
     eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
