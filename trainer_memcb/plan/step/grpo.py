@@ -245,11 +245,11 @@ def per_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     return logps, torch.cat(all_entropies, dim=0) if entropy else None
 
 
-def grpo_loss(model: torch.nn.Module, inputs: GrpoBatch, step: GrpoStep, max_grad_accumulation: int = 1) -> torch.Tensor:
+def grpo_loss(model: torch.nn.Module, inputs: GrpoBatch, step: GrpoStep, accumulation: int = 1) -> torch.Tensor:
     """`GRPOTrainer._compute_loss(model, inputs)` for a text model, `importance_sampling_level`
     "token", no entropy mask, bonus or off-policy mask, no vLLM importance ratio, its value reads
-    (the metrics' `.item()`) left out; the metrics' tensors are made as it makes them. The
-    comments name the lines of trl/trainer/grpo_trainer.py (TRL 1.16) each part mirrors."""
+    (the metrics' `.item()`) left out; the metrics' tensors are made as it makes them, and
+    `accumulation` is `current_gradient_accumulation_steps`."""
     batch = inputs.batch
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
@@ -277,7 +277,7 @@ def grpo_loss(model: torch.nn.Module, inputs: GrpoBatch, step: GrpoStep, max_gra
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     if per_token_kl is not None:
         per_token_loss = per_token_loss + step.beta * per_token_kl
-    loss = _reduced(per_token_loss, mask, step, batch["num_items_in_batch"], max_grad_accumulation)
+    loss = _reduced(per_token_loss, mask, step, batch["num_items_in_batch"], accumulation)
     kept = _metrics(per_token_kl, entropies, mask, coef_1, advantages)
     del kept
     return loss
@@ -293,7 +293,7 @@ def _reduced(per_token_loss: torch.Tensor, mask: torch.Tensor, step: GrpoStep, n
     elif step.loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * step.max_completion_length)
     else:  # dapo: num_items_in_batch spans the generation batch
-        normalizer = num_items.clamp(min=1.0) / 1
+        normalizer = num_items.clamp(min=1.0) / 1  # / accelerator.num_processes: one process
         normalizer = normalizer * accumulation / step.steps_per_generation
         loss = (per_token_loss * mask).sum() / normalizer
         policy_loss = loss.detach()
