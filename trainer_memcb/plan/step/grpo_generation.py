@@ -39,6 +39,23 @@ from trainer_memcb.plan.step.grpo import GrpoBatch, GrpoStep, per_token_logps
 __all__ = ["answered_reads", "grpo_generation"]
 
 
+_NOT_THE_READER = ("/torch/", "/trainer_memcb/")
+
+
+def _source_of(frame: Any) -> str:
+    """The source of the expression a frame is reading a value in: its instruction's span where
+    Python records it (3.11 on: a condition spread over lines is read whole), else its line."""
+    code = frame.f_code
+    positions = list(code.co_positions())[frame.f_lasti // 2] if hasattr(code, "co_positions") else None
+    if positions is None or positions[0] is None or positions[1] is None:
+        return linecache.getline(code.co_filename, frame.f_lineno)
+    start, end, column, end_column = positions
+    lines = [linecache.getline(code.co_filename, number) for number in range(start, end + 1)]
+    if start == end and column is not None and end_column is not None:
+        return lines[0][column:end_column]
+    return "".join(lines)
+
+
 def _answer_of(line: str) -> bool:
     """The answer of a value read at this source line, as an unpadded batch answers it."""
     return ".all()" in line or "torch.all(" in line
@@ -58,11 +75,12 @@ def answered_reads(max_length: int) -> Iterator[None]:
     original_stop = generation_utils.StopCheck.__call__
 
     def read(fake_mode: Any, func: Any, tensor: Any) -> Any:
+        # The line that read: the first frame outside torch and this package (the step's own
+        # dispatch modes are in between).
         frame = sys._getframe(1)
-        while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+        while frame is not None and any(part in frame.f_code.co_filename for part in _NOT_THE_READER):
             frame = frame.f_back
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno) if frame is not None else ""
-        answer = _answer_of(line)
+        answer = _answer_of(_source_of(frame)) if frame is not None else False
         return answer if tensor.dtype == torch.bool else int(answer)
 
     def stop(self: Any, unfinished_sequences: Any, tokens: Any, length: int) -> bool:
