@@ -38,9 +38,10 @@ def _config() -> Any:
 def _grpo_config(tmp: str, beta: float, **extra: Any) -> Any:
     from trl import GRPOConfig
 
+    completion = extra.pop("max_completion_length", COMPLETION)
     return GRPOConfig(tmp, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
                       per_device_train_batch_size=BATCH, num_generations=GENERATIONS,
-                      max_completion_length=COMPLETION, beta=beta, generation_kwargs={"min_new_tokens": COMPLETION},
+                      max_completion_length=completion, beta=beta, generation_kwargs={"min_new_tokens": completion},
                       gradient_checkpointing=False,  # the Trainer enables it in train(), which the test does not run
                       **extra)
 
@@ -99,7 +100,8 @@ def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False, ch
     prepared.clear()
     start = storage_bytes(resident)
     peaks = {"generation": (start, profiled_run_peak(generation))}
-    assert prepared["inputs"]["completion_ids"].shape == (BATCH, COMPLETION)  # every completion at its most
+    completion = trainer.args.max_completion_length
+    assert prepared["inputs"]["completion_ids"].shape == (BATCH, completion)  # every completion at its most
     buffered = [v for batch in trainer._buffered_inputs for v in batch.values() if isinstance(v, torch.Tensor)]
     start = storage_bytes(resident + buffered)
     peaks["training"] = (start, profiled_run_peak(training))
@@ -155,6 +157,9 @@ CASES = {
                                                    "training": (4_844_472, 104_952, 4_739_556, 36)}),
     "PEFT, beta 0": (dict(beta=0.0, peft=True), {"generation": (182_096, 103_648, 78_448, 0),
                                                  "training": (4_844_344, 104_824, 4_739_556, 36)}),
+    # Completions of 40 tokens: the decode steps' DynamicCache, grown by torch.cat at each token, holds more.
+    "40-token completions": (dict(beta=0.0, max_completion_length=40), {
+        "generation": (408_644, 273_940, 134_704, 0), "training": (14_136_012, 277_164, 13_858_852, 4)}),
     # Every sampling option GRPOConfig passes to generate, each logits processor on.
     "sampling options": (dict(beta=0.0, top_k=10, top_p=0.9, temperature=0.7, min_p=0.05, repetition_penalty=1.1),
                          {"generation": (352_388, 273_940, 78_448, 0), "training": (5_123_532, 275_116, 4_848_420, 4)}),
@@ -213,5 +218,6 @@ def test_a_generation_phase_that_holds_the_peak_is_named(tmp_path: Any) -> None:
     assert (plan.step.peak_phase, plan.step.peak_bytes) == ("generation", 16_531_508)
     # No gradient is alive while generating; the optimizer state of the step before is.
     assert (plan.step.peak_parts["gradients"], plan.step.peak_parts["optimizer_state"]) == (0, 5_321_884)
+
 
 
