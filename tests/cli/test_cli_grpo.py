@@ -59,7 +59,7 @@ def test_the_command_plans_the_python_plans_grpo_step(files: dict, capsys: Any, 
         {"phase": "training", "peak_bytes": planned.peak_bytes}]
     assert document["settings"]["preference"] == {
         "trainer": "grpo", "reference": "model" if beta else "none", "beta": beta, "loss_type": ["dapo"],
-        "generation": {"num_generations": 4, "generation_rows": 4, "steps_per_generation": 1, "prompt_tokens": 10,
+        "generation": {"num_generations": 4, "generation_rows": 4, "prompts": 1, "steps_per_generation": 1, "prompt_tokens": 10,
                        "completion_tokens": 8, "engine": "transformers", "vllm_gpu_memory_utilization": None,
                        "old_log_probs": False}}
 
@@ -82,6 +82,15 @@ def test_a_file_that_is_not_a_good_grpoconfig_is_one_line(files: dict, capsys: A
 
     assert main(_argv(files, config, "--batch-size", "4")) == code
     assert capsys.readouterr().err.splitlines() == [line.format(**files)]
+
+
+def test_a_batch_size_of_no_whole_groups_is_one_line(files: dict, capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, "grpo0.0", "--batch-size", "3")) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "trainer-memcb: error: batch_size 3: GRPO generates batch_size x steps_per_generation (1) = 3 completions, "
+        "and TRL requires whole groups of num_generations (4)"]
 
 
 @pytest.mark.parametrize("case,message", [

@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 
 from trainer_memcb.plan.answers.step_plan import PlannedGeneration
 
-__all__ = ["grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
+__all__ = ["check_grpo_batch", "grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
 
 
 def _engine(step: Any) -> str:
@@ -50,11 +50,30 @@ def with_vllm_share(settings: Any) -> Any:
                                sources=dict(settings.sources, reserve_bytes=f"{source} + colocated vLLM's {share:,}"))
 
 
+def check_grpo_batch(settings: Any) -> None:
+    """Refuse a micro-batch whose generation batch TRL refuses: its completions
+    (`batch_size x steps_per_generation`) must be whole groups of `num_generations` (a batch size
+    given apart from the GRPOConfig, or searched, is checked here).
+
+    Raises:
+        ValueError: naming the batch size and what TRL allows.
+    """
+    step = settings.preference
+    if getattr(step, "trainer", None) != "grpo" or settings.batch_size is None:
+        return
+    rows = step.generation_rows(settings.batch_size)
+    if rows % step.num_generations:
+        raise ValueError(f"batch_size {settings.batch_size}: GRPO generates batch_size x steps_per_generation "
+                         f"({step.steps_per_generation}) = {rows} completions, and TRL requires whole groups of "
+                         f"num_generations ({step.num_generations})")
+
+
 def planned_generation(step: Any, settings: Any) -> PlannedGeneration:
     """The generation phase of `step` (a `GrpoStep`) for the settings' micro-batch."""
     colocated = step.use_vllm and step.vllm_mode == "colocate"
     return PlannedGeneration(
         num_generations=step.num_generations, generation_rows=step.generation_rows(settings.batch_size),
+        prompts=step.generation_rows(settings.batch_size) // step.num_generations,
         steps_per_generation=step.steps_per_generation, prompt_tokens=settings.seq_len,
         completion_tokens=step.max_completion_length, engine=_engine(step),
         vllm_gpu_memory_utilization=step.vllm_gpu_memory_utilization if colocated else None,
@@ -68,8 +87,10 @@ def grpo_notes(step: Any, settings: Any) -> List[str]:
                  "model": "the frozen reference model's per-token log-probs under torch.no_grad() after generation",
                  "adapters-disabled": "the reference's per-token log-probs as the same model with its adapters "
                                       "disabled, under torch.no_grad() after generation"}[step.reference]
-    notes = [f"TRL's GRPO step traced in two phases: generation ({rows} prompts of {settings.seq_len} tokens, each "
-             f"completed to {step.max_completion_length} tokens, the most) and training (compute_loss over "
+    prompts = rows // step.num_generations
+    notes = [f"TRL's GRPO step traced in two phases: generation ({rows} completions, {step.num_generations} for each "
+             f"of {prompts} prompt{'s' if prompts != 1 else ''} of {settings.seq_len} tokens, each completed to "
+             f"{step.max_completion_length} tokens, the most) and training (compute_loss over "
              f"{settings.batch_size} completions, loss {step.loss_type}, backward, optimizer step); {reference}; "
              "the step's peak is the larger phase's"]
     if step.use_vllm and step.vllm_mode == "colocate":

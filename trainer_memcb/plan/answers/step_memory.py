@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.answers.grpo_answer import grpo_notes, planned_generation, with_vllm_share
+from trainer_memcb.plan.answers.grpo_answer import check_grpo_batch, grpo_notes, planned_generation, with_vllm_share
 from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
                                                   StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
@@ -194,6 +194,7 @@ def plan_step_memory(
     meta = build_model()
     settings = _resolve(settings, args, meta, flags)
     settings = with_vllm_share(settings)  # colocated vLLM's share of the device, out of training's reach
+    check_grpo_batch(settings)
     if settings.batch_size is None:
         raise ValueError("batch_size=None: expected a whole number of at least 1")
     setup = setup_of(settings)

@@ -41,6 +41,8 @@ class PlannedGeneration:
         num_generations: completions per prompt.
         generation_rows: completions generated at once on the process
             (`per_device_train_batch_size x steps_per_generation`).
+        prompts: the prompts they complete (`generation_rows / num_generations`: TRL's sampler repeats
+            each prompt `num_generations` times, and `per_device_train_batch_size` counts completions).
         steps_per_generation: micro-batches each generation feeds.
         prompt_tokens, completion_tokens: each prompt's tokens (the plan's `seq_len`) and each
             completion's (`max_completion_length`, the most).
@@ -51,6 +53,7 @@ class PlannedGeneration:
 
     num_generations: int
     generation_rows: int
+    prompts: int
     steps_per_generation: int
     prompt_tokens: int
     completion_tokens: int
