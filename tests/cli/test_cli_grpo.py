@@ -104,3 +104,17 @@ def test_refusals_before_the_file(files: dict, capsys: Any, case: List[str], mes
     assert main(_argv(files, "grpo0.0") + case) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("trainer-memcb: error: " + message), line
+
+
+def test_the_table_names_the_trainer_its_generation_and_each_phases_peak(files: dict, capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, "grpo0.1")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {name: line[len(name):].strip() for line in lines for name in ("trainer", "phase peaks", "step peak")
+            if line.startswith(name + " ")}
+    assert rows == {
+        "trainer": "TRL GRPOTrainer, reference a frozen copy of the model, 89.1 KiB (91,264) of the peak; generation "
+                   "of 4 completions (4 a prompt) of 8 tokens by transformers",
+        "phase peaks": "generation 4.7 MiB (4,919,120), training 5.0 MiB (5,214,924)",
+        "step peak": "5.0 MiB (5,214,924), in the backward"}
