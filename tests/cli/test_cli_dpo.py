@@ -62,7 +62,7 @@ def test_the_command_plans_the_python_plans_dpo_step(files: dict, capsys: Any, r
     assert document["step"]["peak_bytes"] == planned.peak_bytes
     assert document["step"]["peak_parts"] == dict(planned.peak_parts)
     assert document["settings"]["preference"] == {"trainer": "dpo", "reference": reference, "beta": 0.1,
-                                                  "loss_type": ["sigmoid"]}
+                                                  "loss_type": ["sigmoid"], "generation": None}
     assert document["step"]["peak_bytes"] == {"model": 17_413_348, "precomputed": 17_322_100,
                                               "adapters-disabled": 16_958_512}[reference]
 

@@ -1,5 +1,5 @@
-"""`--trainer dpo` on a TRL older than the one whose step is planned (1.16, its DPOTrainer's fused LM
-head): one usage line that says so, before anything is traced. Runs where such a TRL is installed
+"""`--trainer dpo` and `--trainer grpo` on a TRL older than the one whose step is planned (1.16, its
+trainers' fused LM head): one usage line that says so, before anything is traced. Runs where such a TRL is installed
 (the oldest releases' pass); skips where TRL is 1.16 or newer."""
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ pytestmark = pytest.mark.skipif(TRL is None or TRL >= (1, 16), reason="needs a T
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_an_older_trl_is_named_in_one_usage_line(tmp_path: Any, capsys: Any) -> None:
-    config = tmp_path / "dpo.json"
-    config.write_text(json.dumps({"beta": 0.1, "per_device_train_batch_size": 2}))
+@pytest.mark.parametrize("trainer,name,values", [("dpo", "DPOTrainer", {"beta": 0.1}),
+                                                 ("grpo", "GRPOTrainer", {"num_generations": 2})])
+def test_an_older_trl_is_named_in_one_usage_line(tmp_path: Any, capsys: Any, trainer: str, name: str,
+                                                 values: dict) -> None:
+    config = tmp_path / f"{trainer}.json"
+    config.write_text(json.dumps(dict(values, per_device_train_batch_size=2)))
     llama = os.path.join(REPO_ROOT, "tests", "data", "golden", "tiny-llama")
-    code, out, err = run_estimate([llama, "--trainer", "dpo", "--training-args", str(config), "--seq-len", "8"], capsys)
+    code, out, err = run_estimate([llama, "--trainer", trainer, "--training-args", str(config), "--seq-len", "8"],
+                                  capsys)
     assert (code, out) == (2, "")
-    assert err == ("trainer-memcb: error: --trainer dpo needs trl 1.16 or newer (the step planned is its DPOTrainer's, "
-                   f"with the fused LM head); installed: trl {importlib.metadata.version('trl')}\n")
+    assert err == (f"trainer-memcb: error: --trainer {trainer} needs trl 1.16 or newer (the step planned is its "
+                   f"{name}'s, with the fused LM head); installed: trl {importlib.metadata.version('trl')}\n")

@@ -64,10 +64,10 @@ def test_every_object_names_each_key_it_requires_and_no_other():
     schema = estimate_schema()
     assert sorted(schema["$defs"]) == ["DeviceFigures", "EvalMemoryPlan", "EvalSettings", "FitCandidate", "FitSearch",
                                        "LargestBatch", "ModelStatesPlan", "OptimizerPlan", "OptimizerWhatIf",
-                                       "PackedBatch", "PlannedPreference", "PlannedSettings", "SearchedBatch", "Setup", "StateEstimate", "StepPeak",
+                                       "PackedBatch", "PlannedGeneration", "PlannedPreference", "PlannedSettings", "SearchedBatch", "Setup", "StateEstimate", "StepPeak",
                                        "WhatIf"]
     found = objects(schema)
-    assert len(found) == 17 + 4 + 2  # the $defs, the four documents, the step's answers and the evaluation's
+    assert len(found) == 18 + 4 + 2  # the $defs, the four documents, the step's answers and the evaluation's
     for definition in found:
         assert definition["additionalProperties"] is False, definition
         assert set(definition["required"]) <= set(definition["properties"]), definition
@@ -77,7 +77,8 @@ def test_every_object_names_each_key_it_requires_and_no_other():
     assert optional == {
         "ModelStatesPlan": ["cuda_context_bytes", "reserve_bytes"],
         "model-states plan": ["cuda_context_bytes", "reserve_bytes"],
-        "PlannedSettings": ["packing", "preference"],  # packing: a packed batch only (--packing); preference: --trainer dpo
+        "PlannedSettings": ["packing", "preference"],  # packing: a packed batch only (--packing); preference: --trainer dpo|grpo
+        "StepPeak": ["phases"],  # --trainer grpo: the generation and training phases' peaks
         "step plan": ["device", "settings", "step"],
         "answers": ["evaluation", "evaluation_fit", "fit", "fits", "largest_batch", "margin_bytes"],
         "evaluation answers": ["evaluation_fit"],

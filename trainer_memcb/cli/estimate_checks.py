@@ -80,24 +80,34 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def _check_trainer(args: argparse.Namespace) -> None:
-    """`--trainer dpo`: TRL's DPO step, planned from a DPOConfig file on one process."""
-    if getattr(args, "trainer", "trainer") != "dpo":
+    """`--trainer dpo|grpo`: TRL's step, planned from its config file on one process."""
+    trainer = getattr(args, "trainer", "trainer")
+    if trainer not in ("dpo", "grpo"):
         return
+    config = f"{trainer.upper()}Config"
     if not step_asked(args):
-        raise ValueError("--trainer dpo has no effect without --batch-size or --max-batch-size (the step plan: "
-                         "only the DPO step is planned, not its model states alone)")
+        raise ValueError(f"--trainer {trainer} has no effect without --batch-size or --max-batch-size (the step plan: "
+                         f"only the {trainer.upper()} step is planned, not its model states alone)")
     if args.training_args is None:
-        raise ValueError("--trainer dpo needs --training-args DPOCONFIG.json (DPOConfig(...).to_json_string()): "
-                         "its beta, loss_type and precompute_ref_log_probs decide the step")
+        decides = ("its beta, loss_type and precompute_ref_log_probs decide the step" if trainer == "dpo" else
+                   "its num_generations, max_completion_length, beta and loss_type decide the step")
+        raise ValueError(f"--trainer {trainer} needs --training-args {config.upper()}.json "
+                         f"({config}(...).to_json_string()): {decides}")
     if args.zero or args.sharding not in (None, "none") or (args.world_size or 1) > 1:
-        raise ValueError("--trainer dpo is planned on one process without sharding so far: leave out --zero, "
+        raise ValueError(f"--trainer {trainer} is planned on one process without sharding so far: leave out --zero, "
                          "--sharding and --world-size")
     if args.deepspeed is not None or getattr(args, "fsdp_config", None) is not None:
-        raise ValueError("--trainer dpo is planned on one process without sharding so far: leave out --deepspeed "
-                         "and --fsdp-config")
+        raise ValueError(f"--trainer {trainer} is planned on one process without sharding so far: leave out "
+                         "--deepspeed and --fsdp-config")
+    if getattr(args, "fit", False) and trainer == "grpo":
+        raise ValueError(f"--fit with --trainer {trainer}: the {trainer.upper()} step's proposals are not searched "
+                         f"yet; plan each {config} with --batch-size")
     if args.reference_model:
-        raise ValueError("--reference-model with --trainer dpo: the DPO step plans its own reference (a frozen copy, "
-                         "the adapters disabled with --lora-r, or none with precompute_ref_log_probs); leave it out")
+        raise ValueError(f"--reference-model with --trainer {trainer}: the {trainer.upper()} step plans its own "
+                         "reference (a frozen copy, the adapters disabled with --lora-r, or none); leave it out")
+    if trainer == "grpo" and getattr(args, "max_batch_size", False):
+        raise ValueError("--max-batch-size with --trainer grpo: the search does not step by whole groups of "
+                         "num_generations yet; plan each per_device_train_batch_size with --batch-size")
 
 
 # The keys of a config.json that name an input other than token ids (an image's pixels, speech's

@@ -267,13 +267,15 @@ def _add_settings_file_arguments(estimate: argparse.ArgumentParser) -> None:
         "above, given explicitly, override them, and the step plan lists every setting and where it came from")
     own.add_argument("--training-args", metavar="FILE",
                      help="TrainingArguments as JSON (TrainingArguments.to_json_string(), a run's training_args.json "
-                          "dump); never a pickle such as training_args.bin; with --trainer dpo, a DPOConfig's JSON "
-                          "(DPOConfig(...).to_json_string())")
-    own.add_argument("--trainer", choices=("trainer", "dpo"), default="trainer",
-                     help="the trainer whose step is planned: transformers' Trainer (default), or TRL's DPOTrainer "
+                          "dump); never a pickle such as training_args.bin; with --trainer dpo or grpo, a DPOConfig's "
+                          "or GRPOConfig's JSON (DPOConfig(...).to_json_string())")
+    own.add_argument("--trainer", choices=("trainer", "dpo", "grpo"), default="trainer",
+                     help="the trainer whose step is planned: transformers' Trainer (default), TRL's DPOTrainer "
                           "(chosen and rejected rows, the reference model's forward: a frozen copy, the adapters "
-                          "disabled with --lora-r, or none with precompute_ref_log_probs); needs the step plan and "
-                          "--training-args DPOCONFIG.json, on one process without sharding")
+                          "disabled with --lora-r, or none with precompute_ref_log_probs) or GRPOTrainer (the "
+                          "generation phase: --seq-len prompt tokens completed to max_completion_length by "
+                          "transformers' generate, and the training phase); needs the step plan and "
+                          "--training-args CONFIG.json, on one process without sharding")
     own.add_argument("--deepspeed", metavar="FILE", help="the DeepSpeed config (ds_config.json), \"auto\" values filled as the "
                      "Trainer fills them; without --batch-size, the model-states plan's stage, precision and offload")
     own.add_argument("--fsdp-config", metavar="FILE", help="the Trainer's fsdp_config JSON (FSDP2: reshard_after_forward, "

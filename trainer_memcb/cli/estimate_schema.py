@@ -102,7 +102,7 @@ def estimate_schema() -> Dict[str, Any]:
         EvalMemoryPlan, defs, properties=["usable_device_bytes", "device_figure_bytes", "device_margin_bytes"])
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
     for cls in (FitSearch, LargestBatch, StepPeak, DeviceFigures, WhatIf):
-        defs[cls.__name__] = object_schema(cls, defs)
+        defs[cls.__name__] = object_schema(cls, defs, optional=["phases"] if cls is StepPeak else ())
     defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing", "preference"])
     step_plan = _document(
         "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the settings "

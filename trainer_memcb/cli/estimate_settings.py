@@ -69,23 +69,25 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     hidden = getattr(config, "hidden_size", None) if config is not None else None
     flags.update(_step_shape_and_device(args))
     training_args: Any = args.training_args
-    dpo = getattr(args, "trainer", "trainer") == "dpo"
-    if dpo:  # a DPOConfig's JSON: its TrainingArguments, and its DPO fields as the step's (TRL's checks)
+    trainer = getattr(args, "trainer", "trainer")
+    if trainer in ("dpo", "grpo"):  # a TRL config's JSON: its TrainingArguments, its own fields as the step's
         from trainer_memcb.plan.settings import read_json_file
         from trainer_memcb.cli.dpo_config import dpo_settings
+        from trainer_memcb.cli.grpo_config import grpo_settings
 
+        read, name = (dpo_settings, "DPOConfig") if trainer == "dpo" else (grpo_settings, "GRPOConfig")
         # A path, or with --fit a proposal's values (`trainer_memcb.cli.fit_table.estimate_fit`).
         proposal = isinstance(args.training_args, dict)
         values = args.training_args if proposal else read_json_file(args.training_args, "--training-args")
-        training_args, flags["preference"] = dpo_settings(values, "a --fit proposal's DPOConfig" if proposal
-                                                          else f"DPOConfig {args.training_args!r}",
-                                                          peft=getattr(args, "lora_r", None) is not None)
+        training_args, flags["preference"] = read(values, f"a --fit proposal's {name}" if proposal
+                                                  else f"{name} {args.training_args!r}",
+                                                  peft=getattr(args, "lora_r", None) is not None)
     settings = resolve_settings(training_args, deepspeed=getattr(args, "deepspeed", None),
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden,
                                 parallelism=getattr(args, "parallelism", None), **flags)
     sources = dict(settings.sources, **_not_flags(args, settings))
-    if dpo:
-        sources["preference"] = "DPOConfig (--trainer dpo)"
+    if trainer in ("dpo", "grpo"):
+        sources["preference"] = f"{trainer.upper()}Config (--trainer {trainer})"
     if (not args.precision and not settings.zero_stage and settings.precision == "fp32"
             and sources.get("precision") != "flag" and (args.dtype or "float32") != "float32"):
         # The settings files name no mixed precision (bf16 and fp16 absent or false): the Trainer

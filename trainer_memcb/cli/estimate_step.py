@@ -121,8 +121,9 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
 
 
 def _dpo_reference(settings: Any) -> bool:
-    """Whether TRL's DPO step holds a frozen reference model (`--trainer dpo` without PEFT or
-    precomputed log-probs): the model states then count it."""
+    """Whether TRL's DPO or GRPO step holds a frozen reference model (`--trainer dpo` without PEFT or
+    precomputed log-probs, `--trainer grpo` with beta above 0 without PEFT): the model states then
+    count it."""
     return settings.preference is not None and settings.preference.reference == "model"
 
 

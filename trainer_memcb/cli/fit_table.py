@@ -113,8 +113,10 @@ def trainer_proposals(settings: Any) -> List[Dict[str, Any]]:
     runs a forward (a frozen model, or the policy with its adapters off), `precompute_ref_log_probs`
     (TRL computes the reference's log-probs once, before training: the step then holds no reference
     model and runs no reference forward)."""
+    from trainer_memcb.plan.step.preference import DpoStep
+
     preference = getattr(settings, "preference", None)
-    if preference is not None and preference.reference != "precomputed":
+    if isinstance(preference, DpoStep) and preference.reference != "precomputed":
         return [{"precompute_ref_log_probs": True}]
     return []
 

@@ -175,6 +175,9 @@ def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
                   ["activations peak", bytes_cell(step.activations_peak_bytes)],
                   ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}"
                    + _micro_batch_words(settings, step)]]
+        if step.phases:  # GRPO: the generation phase's peak and the training phase's
+            about.append(["phase peaks", ", ".join(f"{entry['phase']} {bytes_cell(entry['peak_bytes'])}"
+                                                   for entry in step.phases)])
         about += _allocator_rows(device)
         if plan.verdict.fits is not None:
             margin = bytes_cell(abs(plan.verdict.margin_bytes))
@@ -192,18 +195,24 @@ def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
     return tables
 
 
-# How each reference of TRL's DPO step is traced (`PlannedPreference.reference`).
+# How each reference of TRL's DPO and GRPO steps is traced (`PlannedPreference.reference`).
 _REFERENCE_WORDS = {"model": "reference a frozen copy of the model",
                     "adapters-disabled": "reference the model with its adapters disabled",
-                    "precomputed": "reference log-probs precomputed (no reference forward)"}
+                    "precomputed": "reference log-probs precomputed (no reference forward)",
+                    "none": "no reference (beta 0)"}
 
 
 def _trainer_row(preference: Any, peak_parts: Any) -> List[str]:
-    """The trainer traced (`--trainer dpo`), how its reference is traced, and the reference model's
-    share of the step's peak where it holds one."""
-    words = f"TRL DPOTrainer, {_REFERENCE_WORDS[preference.reference]}"
+    """The trainer traced (`--trainer dpo|grpo`), how its reference is traced, the reference model's
+    share of the step's peak where it holds one, and GRPO's generation."""
+    name = "GRPOTrainer" if preference.trainer == "grpo" else "DPOTrainer"
+    words = f"TRL {name}, {_REFERENCE_WORDS[preference.reference]}"
     if "reference_model" in peak_parts:
         words += f", {bytes_cell(peak_parts['reference_model'])} of the peak"
+    generation = preference.generation
+    if generation is not None:
+        words += (f"; generation of {generation.generation_rows} completions ({generation.num_generations} a prompt) "
+                  f"of {generation.completion_tokens} tokens by {generation.engine}")
     return ["trainer", words]
 
 

@@ -50,7 +50,7 @@ class StepAnswer:
         document["model_states"] = model_states if model_states is not None else self.model_states.to_dict()
         answers: Dict[str, Any] = {}
         if self.step is not None:
-            document["step"] = asdict(self.step.step)
+            document["step"] = self.step.to_dict()["step"]
             document["device"] = asdict(self.step.device)
             answers.update(asdict(self.step.verdict))
         if self.fit is not None:

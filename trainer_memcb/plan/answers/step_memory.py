@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
+from trainer_memcb.plan.answers.grpo_answer import check_grpo_batch, grpo_notes, planned_generation, with_vllm_share
 from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
                                                   StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
@@ -82,6 +83,8 @@ class _StepFigures:
     states_at_optimizer_step: Dict[str, int]
     # With accumulation: [micro-batch, its device peak with the optimizer state] per traced one.
     micro_batches: List[List[int]]
+    # TRL's GRPO step: the generation phase's device peak with the optimizer state; None otherwise.
+    generation_peak: Optional[int] = None
 
 
 def _read_peak(timeline: Timeline) -> _StepFigures:
@@ -112,6 +115,12 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
         at, extra_state = fb, state_bytes
     else:
         at, extra_state = optimizer, not_yet
+    generation = timeline.generation
+    generation_peak = None
+    if generation is not None:  # GRPO: the optimizer state of a later step is alive through its generation
+        generation_peak = generation.bytes + state_bytes - host_bytes_of(generation.storages, state_bytes)
+        if generation_peak > max(fb_peak, optimizer_peak or 0):
+            at, extra_state = generation, state_bytes
     parts = {name: 0 for name in PLAN_PARTS}
     for key in at.storages:
         part = timeline.part_of(key, at.saved)
@@ -141,7 +150,7 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
         states_host={state: most.get(state + HOST, 0) for state in MODEL_STATES},
         states_at_optimizer_step={state: at_step.get(state, 0) + at_step.get(state + HOST, 0)
                                   for state in MODEL_STATES} if at_step else {},
-        micro_batches=micro_batches)
+        micro_batches=micro_batches, generation_peak=generation_peak)
 
 
 def plan_step_memory(
@@ -184,6 +193,8 @@ def plan_step_memory(
     """
     meta = build_model()
     settings = _resolve(settings, args, meta, flags)
+    settings = with_vllm_share(settings)  # colocated vLLM's share of the device, out of training's reach
+    check_grpo_batch(settings)
     if settings.batch_size is None:
         raise ValueError("batch_size=None: expected a whole number of at least 1")
     setup = setup_of(settings)
@@ -251,7 +262,9 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
     preference = settings.preference
-    if preference is not None:
+    if getattr(preference, "trainer", None) == "grpo":
+        notes.extend(grpo_notes(preference, settings))
+    elif preference is not None:
         notes.append(f"TRL's DPO step traced: chosen and rejected rows concatenated ({2 * settings.batch_size} x "
                      f"{settings.seq_len} tokens), TRL's fused LM head, loss {'+'.join(preference.loss_type)}, "
                      + {"model": "the frozen reference model's forward under torch.no_grad()",
@@ -281,7 +294,9 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         peak_micro_batch=timeline.peak_micro_batch if traced.peak_phase != "optimizer step" else None,
         micro_batch_peak_bytes=traced.micro_batches, model_states_most_bytes=traced.states_most,
         model_states_host_bytes=traced.states_host, model_states_at_optimizer_step_bytes=traced.states_at_optimizer_step,
-        notes=notes)
+        notes=notes, phases=[] if traced.generation_peak is None else [
+            {"phase": "generation", "peak_bytes": traced.generation_peak},
+            {"phase": "training", "peak_bytes": max(traced.forward_backward_peak, traced.optimizer_peak or 0)}])
     return StepMemoryPlan(planned, step, device, verdict, timeline=timeline, replay_options=replay_options)
 
 
@@ -352,6 +367,9 @@ def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
     step = settings.preference
     if step is None:
         return None
+    if getattr(step, "trainer", None) == "grpo":
+        return PlannedPreference(trainer="grpo", reference=step.reference, beta=step.beta, loss_type=[step.loss_type],
+                                 generation=planned_generation(step, settings))
     return PlannedPreference(trainer="dpo", reference=step.reference, beta=step.beta, loss_type=list(step.loss_type))
 
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from trainer_memcb.plan.step.timeline import Timeline
 
-__all__ = ["DeviceFigures", "PackedBatch", "PlannedPreference", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
+__all__ = ["DeviceFigures", "PackedBatch", "PlannedGeneration", "PlannedPreference", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
 
 
 @dataclass(frozen=True)
@@ -34,20 +34,52 @@ class PackedBatch:
 
 
 @dataclass(frozen=True)
-class PlannedPreference:
-    """TRL's preference step planned (`--trainer dpo`).
+class PlannedGeneration:
+    """GRPO's generation phase as planned (`--trainer grpo`).
 
     Attributes:
-        trainer: "dpo" (TRL's `DPOTrainer`).
+        num_generations: completions per prompt.
+        generation_rows: completions generated at once on the process
+            (`per_device_train_batch_size x steps_per_generation`).
+        prompts: the prompts they complete (`generation_rows / num_generations`: TRL's sampler repeats
+            each prompt `num_generations` times, and `per_device_train_batch_size` counts completions).
+        steps_per_generation: micro-batches each generation feeds.
+        prompt_tokens, completion_tokens: each prompt's tokens (the plan's `seq_len`) and each
+            completion's (`max_completion_length`, the most).
+        engine: "transformers" (`generate`, traced), or "vllm-colocate" / "vllm-server" (not traced).
+        vllm_gpu_memory_utilization: colocated vLLM's share of the device, else None.
+        old_log_probs: whether the old policy's log-probs are computed after generation.
+    """
+
+    num_generations: int
+    generation_rows: int
+    prompts: int
+    steps_per_generation: int
+    prompt_tokens: int
+    completion_tokens: int
+    engine: str
+    vllm_gpu_memory_utilization: Optional[float]
+    old_log_probs: bool
+
+
+@dataclass(frozen=True)
+class PlannedPreference:
+    """TRL's preference or RL step planned (`--trainer dpo`, `--trainer grpo`).
+
+    Attributes:
+        trainer: "dpo" (TRL's `DPOTrainer`) or "grpo" (`GRPOTrainer`).
         reference: where the reference log-probs come from: "model" (a frozen copy),
-            "adapters-disabled" (PEFT's base model) or "precomputed" (read from the batch).
-        beta, loss_type: `DPOConfig.beta` and its losses.
+            "adapters-disabled" (PEFT's base model), "precomputed" (read from the batch, DPO) or
+            "none" (GRPO with beta 0).
+        beta, loss_type: the config's beta and its losses.
+        generation: GRPO's generation phase; None for DPO.
     """
 
     trainer: str
     reference: str
     beta: float
     loss_type: List[str]
+    generation: Optional[PlannedGeneration] = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +157,9 @@ class StepPeak:
             device and host together ({} without an optimizer step).
         problem: why no step could be traced (then only the model states are known), or None.
         notes: what the reader should know of how a figure was found.
+        phases: TRL's GRPO step: each phase's device peak, `{"phase": "generation" or "training",
+            "peak_bytes": ...}` (the step's peak the larger); empty, and left out of the JSON
+            form, for every other step.
     """
 
     activations_bytes: Optional[int] = None
@@ -142,6 +177,7 @@ class StepPeak:
     model_states_at_optimizer_step_bytes: Dict[str, int] = field(default_factory=dict)
     problem: Optional[str] = None
     notes: List[str] = field(default_factory=list)
+    phases: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -211,5 +247,8 @@ class StepMemoryPlan:
 
     def to_dict(self) -> Dict[str, Any]:
         """The plan's JSON form: `settings`, `step`, `device` and `verdict`, each its fields."""
-        return {"settings": self.settings.to_dict(), "step": asdict(self.step), "device": asdict(self.device),
+        step = asdict(self.step)
+        if not step["phases"]:
+            del step["phases"]
+        return {"settings": self.settings.to_dict(), "step": step, "device": asdict(self.device),
                 "verdict": asdict(self.verdict)}

@@ -132,6 +132,8 @@ class StepSettings:
         preference: TRL's DPO step (`trainer_memcb.plan.step.preference.DpoStep`: the loss, beta and
             where the reference log-probs come from), None for the plain Trainer's step; with it,
             `seq_len` is DPO's `max_length` and `batch_size` counts pairs (the forward's batch doubled).
+            Or TRL's GRPO step (`trainer_memcb.plan.step.grpo.GrpoStep`): then `seq_len` is the
+            prompts' length and `batch_size` counts completions (`per_device_train_batch_size`).
     """
 
     batch_size: Optional[int] = None

@@ -77,6 +77,7 @@ class Timeline:
             resident buffers made before the step.
         first_matmul: phase -> the position in `events` of its first matrix multiply (where CUDA
             makes a cuBLAS handle's workspaces); `groups["batch"]` holds the batch's storages alone.
+        generation: TRL's GRPO step's generation phase's peak (None for other steps).
     """
 
     events: Tuple[int, ...]
@@ -103,6 +104,9 @@ class Timeline:
     flops: Optional[int] = None
     phase_starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     first_matmul: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # TRL's GRPO step: its generation phase's peak (before the first forward), apart from
+    # `forward_backward` (the training phase's); None for every other step.
+    generation: Optional[PhasePeak] = None
 
     def with_resident(self, part: str, nbytes: int, *, state: Optional[str] = None,
                       group: Optional[str] = None) -> "Timeline":
@@ -130,6 +134,7 @@ class Timeline:
             tags={**self.tags, serial: part}, groups=groups, states=states, step_start=self.step_start + 1,
             forward_backward=grown(self.forward_backward),
             optimizer_step=None if self.optimizer_step is None else grown(self.optimizer_step),
+            generation=None if self.generation is None else grown(self.generation),
             micro_batch_peaks=tuple((number, grown(peak)) for number, peak in self.micro_batch_peaks),
             state_resident=self.state_resident or group == "optimizer_state",
             phase_starts={phase: index + 1 for phase, index in self.phase_starts.items()},

@@ -153,9 +153,15 @@ class _Step:
     trainable: List[torch.Tensor]
     inputs: List[Any]
     batch_tensors: List[torch.Tensor]
-    # TRL's DPO step (`trainer_memcb.plan.step.preference`) and its frozen reference model, or None.
+    # TRL's DPO or GRPO step (`trainer_memcb.plan.step.preference`, `.grpo`) and its frozen
+    # reference model, or None.
     preference: Any = None
     ref_model: Optional[nn.Module] = None
+    # GRPO's generation phase: its peak, and the token ids generate is given.
+    generation: Optional[PhasePeak] = None
+    tokens: Optional[Dict[str, Any]] = None
+    batch_size: int = 1
+    seq_len: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -182,14 +188,16 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     # `Trainer.get_batch_samples` fetches them all (accelerate's dataloader sends each to the
     # device as it is yielded) into the list `batch_samples`, which the micro-batches' loop keeps.
     with mode:
-        if preference is not None:  # DPO's collator: chosen and rejected rows of max_length tokens
+        if _is_grpo(preference):  # GRPO's batch is made by its generation phase, in the step
+            inputs = [None] * accumulation
+        elif preference is not None:  # DPO's collator: chosen and rejected rows of max_length tokens
             from trainer_memcb.plan.step.preference import preference_batch
 
             inputs = [preference_batch(batch_size, seq_len, preference.reference == "precomputed")
                       for _ in range(accumulation)]
         else:
             inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {})) for _ in range(accumulation)]
-    batch_tensors = [tensor for each in inputs for tensor in each.tensors()]
+    batch_tensors = [tensor for each in inputs if each is not None for tensor in each.tensors()]
     for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
     for part, tensors in engine.resident().items():
@@ -200,7 +208,19 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     tracker.watch = counter._book.live
     engine.attach(tracker, counter)
     return _Step(model, mode, engine, tracker, counter, params, [p for p in params if p.requires_grad], inputs,
-                 batch_tensors, preference, ref_model)
+                 batch_tensors, preference, ref_model, tokens=_token_ids(model) if _is_grpo(preference) else None,
+                 batch_size=batch_size, seq_len=seq_len)
+
+
+def _token_ids(model: nn.Module) -> Dict[str, Any]:
+    """The ids GRPO's generate is given (the tokenizer's in TRL; the model config's here: their
+    values change no storage): pad (0 without one), bos and the EOS ids."""
+    config = getattr(model, "config", None)
+    eos = getattr(config, "eos_token_id", None)
+    eos_ids = [0] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+    pad = getattr(config, "pad_token_id", None)
+    return {"pad_token_id": eos_ids[0] if pad is None else pad, "bos_token_id": getattr(config, "bos_token_id", None),
+            "eos_token_ids": eos_ids}
 
 
 def _step_contexts(mode: Any, tracker: LiveStorages, precision: str, device_type: str,
@@ -239,11 +259,18 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
             engine.micro_batch(number, last=number == accumulation)
         if number > 1:
             tracker.peak_bytes = 0  # this micro-batch's own peak, from here
+        if number == 1 and _is_grpo(step.preference):
+            _grpo_generation_phase(step, phase_starts, autocast)
         inputs = step.inputs[number - 1]
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
         kwargs: Dict[str, Any] = dict(inputs.forward)
-        if step.preference is not None:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
+        if _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
+            from trainer_memcb.plan.step.grpo import grpo_loss
+
+            with counter, autocast if autocast is not None else contextlib.nullcontext():
+                loss = grpo_loss(model, inputs, step.preference, accumulation)
+        elif step.preference is not None:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
             from trainer_memcb.plan.step.preference import dpo_loss
 
             with counter, autocast if autocast is not None else contextlib.nullcontext():
@@ -263,6 +290,28 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         del loss
         micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
     return micro_peaks, activations, phase_starts, kwargs
+
+
+def _is_grpo(preference: Any) -> bool:
+    return getattr(preference, "trainer", None) == "grpo"
+
+
+def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: Any) -> None:
+    """GRPO's generation phase (`trainer_memcb.plan.step.grpo_generation`) before the first
+    micro-batch's forward: its peak kept apart (`_Step.generation`), the buffered generation batch
+    the step's batch from then on, the training phase's peak counted from there."""
+    from trainer_memcb.plan.step.grpo_generation import grpo_generation
+
+    tracker = step.tracker
+    tracker.phase = "generation"
+    phase_starts["generation"] = len(tracker.events)
+    inputs = grpo_generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
+                             step.tokens or {}, autocast)
+    step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
+                                frozenset(tracker.peak_watch))
+    step.inputs = [inputs] * len(step.inputs)
+    step.batch_tensors.extend(inputs.tensors())
+    tracker.peak_bytes = 0  # the training phase's own peak, from here
 
 
 def _optimizer_phase(step: _Step, build_optimizer: Callable[[nn.Module], Any]) -> _Stepped:
@@ -307,7 +356,7 @@ def _timeline_of(step: _Step, micro_peaks: List[Tuple[int, Tuple[Any, ...]]], ac
         micro_batch_peaks=tuple((number, PhasePeak(label, peak, tuple(keys), frozenset(watch)))
                                 for number, (peak, label, keys, watch) in micro_peaks) if len(micro_peaks) > 1 else (),
         phase_starts=phase_starts, first_matmul=dict(tracker.first_matmul),
-        flops=flop_totals[0] if flop_totals else None)
+        flops=flop_totals[0] if flop_totals else None, generation=step.generation)
     return dataclasses.replace(timeline, states=_states_of(timeline, engine))
 
 
@@ -706,7 +755,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     frozen = _freeze_older_objects()
     preference, ref_model = settings.preference, None
     if preference is not None:
-        kept = None  # a DPO step is traced whole for each optimizer
+        kept = None  # a DPO or GRPO step is traced whole for each optimizer
     try:
         if preference is not None and preference.reference == "model":
             # The frozen reference, a second copy of the model (`create_model_from_path` in
@@ -719,7 +768,11 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
             quantization_note = _quantized(model, mode, quantization, device_type)
         prepare_like_trainer(model, args=args, gradient_checkpointing=settings.gradient_checkpointing,
                              checkpointing=settings.checkpointing_kwargs)
-        if preference is not None:
+        if _is_grpo(preference):
+            from trainer_memcb.plan.step.grpo import grpo_fused_lm_heads
+
+            grpo_fused_lm_heads(model, ref_model, preference.temperature)
+        elif preference is not None:
             from trainer_memcb.plan.step.preference import fused_lm_heads
 
             fused_lm_heads(model, ref_model)

@@ -1,0 +1,325 @@
+"""TRL's GRPO step, as `GRPOTrainer` (TRL 1.16) runs it, for the step tracer: its settings and its
+training phase.
+
+A GRPO step has two phases (trl/trainer/grpo_trainer.py):
+
+- the generation phase, `_prepare_inputs` on a step that generates (every `steps_per_generation x
+  num_iterations` steps): the prompts' completions by transformers' `generate`, the old policy's
+  and the reference's per-token log-probs under `torch.no_grad()`, the rewards and advantages, and
+  the generation batch shuffled and split into `steps_per_generation` micro-batches kept to the
+  next generation (`trainer_memcb.plan.step.grpo_generation`);
+- the training phase, `compute_loss` over one micro-batch of `per_device_train_batch_size`
+  completions (`grpo_loss`): the policy's per-token log-probs through TRL's fused LM head, the
+  importance ratio, the KL to the reference's log-probs where `beta > 0`, the loss of `loss_type`,
+  then the Trainer's backward and optimizer step.
+
+`GrpoStep` holds what of a `GRPOConfig` changes the step's memory, and `grpo_step_from_config`
+makes one after the checks `GRPOConfig.__post_init__` and `GRPOTrainer.__init__` make of those
+fields. The plan's prompt length is the step's `seq_len` (the longest prompt, in tokens: TRL 1.16
+does not truncate prompts), its completions are `max_completion_length` tokens (the most: a
+completion stops early at its EOS).
+
+Mirrored, not called: `_compute_loss` reads values (`.item()` for each metric) that a fake tensor
+cannot give; the reads allocate nothing. vLLM cannot run here: with `use_vllm` the generation is
+not traced, and its share of the device is a rule
+(`trainer_memcb.plan.answers.grpo_answer.vllm_reserved_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["GrpoStep", "GRPO_LOSS_TYPES", "GRPO_REFERENCES", "VLLM_MODES", "GrpoBatch", "grpo_step_from_config",
+           "grpo_loss", "grpo_fused_lm_heads", "per_token_logps"]
+
+# The loss types the trace runs, each mirrored from `GRPOTrainer._compute_loss`'s branch of that name.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# Every loss type TRL 1.16 takes (the others are refused as not planned yet).
+_TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+# Where the reference log-probs come from: none (beta 0), a frozen second model, or the policy with
+# its adapters disabled (PEFT: TRL makes no `ref_model`).
+GRPO_REFERENCES = ("none", "model", "adapters-disabled")
+VLLM_MODES = ("colocate", "server")
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoStep:
+    """The GRPO settings that change the step's memory.
+
+    Attributes:
+        beta: `GRPOConfig.beta` (the KL's weight; 0 computes no reference log-probs).
+        num_generations: completions per prompt.
+        steps_per_generation: micro-batches generated at once (the generation batch is
+            `per_device_train_batch_size x steps_per_generation` completions on each process).
+        max_completion_length: the completions' tokens (the most).
+        loss_type: one of `GRPO_LOSS_TYPES`.
+        reference: one of `GRPO_REFERENCES`.
+        old_log_probs: whether the old policy's log-probs are computed after generation
+            (`gradient_accumulation_steps` not a multiple of `steps_per_generation x num_iterations`).
+        generation_kwargs: the `GenerationConfig` keywords `GRPOTrainer.__init__` builds (sorted pairs).
+        temperature: the fused LM head's temperature (`GRPOConfig.temperature`).
+        use_bias_correction_kl: the KL multiplied by the importance ratio.
+        delta: the upper clamp of the ratio (two-sided clipping), or None.
+        use_vllm, vllm_mode, vllm_gpu_memory_utilization: generation by vLLM (not traced).
+    """
+
+    beta: float = 0.0
+    num_generations: int = 8
+    steps_per_generation: int = 1
+    max_completion_length: int = 512
+    loss_type: str = "dapo"
+    reference: str = "none"
+    old_log_probs: bool = False
+    generation_kwargs: Tuple[Tuple[str, Any], ...] = ()
+    temperature: float = 1.0
+    use_bias_correction_kl: bool = True
+    delta: Optional[float] = None
+    use_vllm: bool = False
+    vllm_mode: str = "colocate"
+    vllm_gpu_memory_utilization: float = 0.3
+
+    trainer = "grpo"
+
+    def __post_init__(self) -> None:
+        if self.reference not in GRPO_REFERENCES:
+            raise ValueError(f"reference={self.reference!r}: expected one of {', '.join(GRPO_REFERENCES)}")
+        if (self.reference == "none") != (self.beta == 0.0):
+            raise ValueError(f"reference={self.reference!r} with beta {self.beta}: beta 0 takes reference 'none', "
+                             "any other beta 'model' or 'adapters-disabled'")
+        if self.loss_type not in GRPO_LOSS_TYPES:
+            raise ValueError(f"loss_type {self.loss_type!r}: the GRPO step is planned for {', '.join(GRPO_LOSS_TYPES)}")
+        if self.vllm_mode not in VLLM_MODES:
+            raise ValueError(f"vllm_mode {self.vllm_mode!r}: expected one of {', '.join(VLLM_MODES)}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization!r}: expected a share "
+                             "above 0 and at most 1")
+        for name in ("num_generations", "steps_per_generation", "max_completion_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} {value!r}: expected a whole number of at least 1")
+
+    def generation_rows(self, batch_size: int) -> int:
+        """The completions generated at once on one process: `batch_size x steps_per_generation`."""
+        return batch_size * self.steps_per_generation
+
+
+def _whole(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} {value!r}: expected a whole number of at least {least}")
+    return value
+
+
+def _generation_batch(config: Any, world_size: int) -> Tuple[int, int]:
+    """`generation_batch_size` and `steps_per_generation` as `GRPOConfig.__post_init__` resolves them."""
+    batch = _whole("per_device_train_batch_size", config.per_device_train_batch_size, 1)
+    accumulation = _whole("gradient_accumulation_steps", config.gradient_accumulation_steps, 1)
+    generation, steps = config.generation_batch_size, config.steps_per_generation
+    if generation is not None and steps is not None:
+        # A GRPOConfig made (and its JSON, `to_json_string()`) holds both, resolved by its
+        # `__post_init__`; given by hand, TRL refuses the two together.
+        if generation != batch * world_size * _whole("steps_per_generation", steps, 1):
+            raise ValueError(f"generation_batch_size {generation} and steps_per_generation {steps}: TRL refuses "
+                             "both at once; give one")
+        generation = None
+    if generation is None and steps is None:
+        steps = accumulation
+    if steps is not None:
+        steps = _whole("steps_per_generation", steps, 1)
+        return batch * world_size * steps, steps
+    generation = _whole("generation_batch_size", generation, 1)
+    if generation % (batch * world_size):
+        raise ValueError(f"generation_batch_size {generation}: TRL requires a multiple of the global batch size "
+                         f"({batch} x {world_size} processes)")
+    return generation, generation // (batch * world_size)
+
+
+def _refuse_unplanned(config: Any) -> None:
+    """The GRPO options whose step is not planned yet, each refused by name."""
+    unplanned = {"importance_sampling_level": config.importance_sampling_level != "token",
+                 "top_entropy_quantile": config.top_entropy_quantile != 1.0,
+                 "off_policy_mask_threshold": config.off_policy_mask_threshold is not None,
+                 "entropy_coef": bool(config.entropy_coef) or bool(config.use_adaptive_entropy),
+                 "use_transformers_continuous_batching": bool(config.use_transformers_continuous_batching
+                                                              or config.use_transformers_paged),
+                 "cast_lm_head_to_fp32": bool(config.cast_lm_head_to_fp32)}
+    for name, asked in unplanned.items():
+        if asked:
+            raise ValueError(f"{name} {getattr(config, name)!r}: the GRPO step is planned with its default so far")
+
+
+def grpo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> GrpoStep:
+    """The `GrpoStep` of a `trl.GRPOConfig` (or a namespace of its fields), after the checks
+    `GRPOConfig.__post_init__` and `GRPOTrainer.__init__` make of the fields that change memory,
+    for a model trained with PEFT adapters or not, on `world_size` processes.
+
+    Raises:
+        ValueError: naming the field, its value and what TRL allows (or what is planned).
+    """
+    generation, steps = _generation_batch(config, world_size)
+    generations = _whole("num_generations", config.num_generations, 1)
+    if generations < 2:
+        raise ValueError(f"num_generations {generations}: GRPO requires at least 2 generations per prompt")
+    if generation % generations:
+        raise ValueError(f"generation_batch_size {generation}: TRL requires a multiple of num_generations "
+                         f"({generations})")
+    if config.loss_type not in _TRL_LOSS_TYPES:
+        raise ValueError(f"loss_type {config.loss_type!r}: TRL takes one of {', '.join(_TRL_LOSS_TYPES)}")
+    if isinstance(config.beta, bool) or not isinstance(config.beta, (int, float)) or config.beta < 0:
+        raise ValueError(f"beta {config.beta!r}: expected a number of at least 0")
+    if config.sync_ref_model and config.beta == 0.0:
+        raise ValueError("sync_ref_model with beta 0: TRL makes no reference model to synchronize; set beta above 0")
+    _refuse_unplanned(config)
+    iterations = _whole("num_iterations", config.num_iterations, 1)
+    use_vllm = bool(config.use_vllm)
+    old = config.gradient_accumulation_steps % (steps * iterations) != 0 or (
+        use_vllm and bool(config.vllm_importance_sampling_correction))
+    reference = "none" if config.beta == 0.0 else ("adapters-disabled" if peft else "model")
+    return GrpoStep(beta=float(config.beta), num_generations=generations, steps_per_generation=steps,
+                    max_completion_length=_whole("max_completion_length", config.max_completion_length, 1),
+                    loss_type=config.loss_type, reference=reference, old_log_probs=old,
+                    generation_kwargs=tuple(sorted(_generation_kwargs(config).items())),
+                    temperature=float(config.temperature), use_bias_correction_kl=bool(config.use_bias_correction_kl),
+                    delta=config.delta, use_vllm=use_vllm, vllm_mode=config.vllm_mode,
+                    vllm_gpu_memory_utilization=float(config.vllm_gpu_memory_utilization))
+
+
+def _generation_kwargs(config: Any) -> Dict[str, Any]:
+    """The sampling keywords of `GRPOTrainer.__init__`'s `GenerationConfig` (the tokens' ids are the
+    tokenizer's, given when the phase is traced), with `generation_kwargs` over them."""
+    kwargs = {"max_new_tokens": config.max_completion_length, "do_sample": True, "temperature": config.temperature,
+              "top_p": config.top_p, "top_k": config.top_k, "min_p": config.min_p,
+              "repetition_penalty": config.repetition_penalty, "cache_implementation": config.cache_implementation}
+    kwargs.update(config.generation_kwargs or {})
+    return kwargs
+
+
+@dataclasses.dataclass
+class GrpoBatch:
+    """One micro-batch of the buffered generation batch (`GRPOTrainer._prepare_inputs`): views of
+    the shuffled generation batch's tensors, which `held` keeps whole (the other micro-batches')."""
+
+    batch: Dict[str, torch.Tensor]
+    held: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    labels: Optional[torch.Tensor] = None
+
+    @property
+    def forward(self) -> Dict[str, torch.Tensor]:
+        return self.batch
+
+    def tensors(self) -> List[torch.Tensor]:
+        return list(self.held.values())
+
+
+def grpo_fused_lm_heads(model: torch.nn.Module, ref_model: Optional[torch.nn.Module], temperature: float) -> None:
+    """Patch TRL's fused LM head onto the policy (its base model under PEFT) and the reference, as
+    `GRPOTrainer.__init__` does."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
+    add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+    if ref_model is not None:
+        add_fused_lm_head(ref_model, temperature=temperature)
+
+
+def per_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    logits_to_keep: int, batch_size: int, entropy: bool = False) -> Tuple[torch.Tensor, Any]:
+    """`GRPOTrainer._get_per_token_logps_and_entropies` for a text model: the rows in chunks of
+    `batch_size`, each through the fused head with its labels, the chunks' log-probs (and entropies)
+    concatenated."""
+    all_logps, all_entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        end = min(start + batch_size, input_ids.size(0))
+        input_ids_batch, attention_mask_batch = input_ids[start:end], attention_mask[start:end]
+        labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        outputs = model(input_ids=input_ids_batch, attention_mask=attention_mask_batch, labels=labels,
+                        fused_lm_head=True)
+        all_logps.append(outputs.log_probs[:, -logits_to_keep:])
+        if entropy:
+            all_entropies.append(outputs.entropy[:, -logits_to_keep:])
+        del outputs, labels
+    logps = torch.cat(all_logps, dim=0)
+    return logps, torch.cat(all_entropies, dim=0) if entropy else None
+
+
+def grpo_loss(model: torch.nn.Module, inputs: GrpoBatch, step: GrpoStep, accumulation: int = 1) -> torch.Tensor:
+    """`GRPOTrainer._compute_loss(model, inputs)` for a text model, `importance_sampling_level`
+    "token", no entropy mask, bonus or off-policy mask, no vLLM importance ratio, its value reads
+    (the metrics' `.item()`) left out; the metrics' tensors are made as it makes them, and
+    `accumulation` is `current_gradient_accumulation_steps`."""
+    batch = inputs.batch
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits_to_keep = completion_ids.size(1)
+    mask = completion_mask
+    logps, entropies = per_token_logps(model, input_ids, attention_mask, logits_to_keep, input_ids.size(0),
+                                       entropy=True)
+    advantages = batch["advantages"].unsqueeze(1)
+    old = batch.get("old_per_token_logps")
+    old = logps.detach() if old is None else old
+    log_ratio = logps - old
+    coef_1 = torch.exp(log_ratio)
+    per_token_kl = None
+    if step.beta != 0.0:
+        ref = batch["ref_per_token_logps"]
+        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if step.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    # loss_type in grpo, bnpo, dr_grpo, dapo: two-sided clipping with epsilon (0.2 by default)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
+    if step.delta is not None:
+        coef_1 = torch.clamp(coef_1, max=step.delta)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + step.beta * per_token_kl
+    loss = _reduced(per_token_loss, mask, step, batch["num_items_in_batch"], accumulation)
+    kept = _metrics(per_token_kl, entropies, mask, coef_1, advantages)
+    del kept
+    return loss
+
+
+def _reduced(per_token_loss: torch.Tensor, mask: torch.Tensor, step: GrpoStep, num_items: torch.Tensor,
+             accumulation: int) -> torch.Tensor:
+    """The loss of `step.loss_type` over the micro-batch, divided for gradient accumulation."""
+    if step.loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif step.loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    elif step.loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * step.max_completion_length)
+    else:  # dapo: num_items_in_batch spans the generation batch
+        normalizer = num_items.clamp(min=1.0) / 1  # / accelerator.num_processes: one process
+        normalizer = normalizer * accumulation / step.steps_per_generation
+        loss = (per_token_loss * mask).sum() / normalizer
+        policy_loss = loss.detach()
+        del policy_loss
+        return loss
+    policy_loss = loss.detach()
+    del policy_loss
+    return loss / accumulation
+
+
+def _metrics(per_token_kl: Optional[torch.Tensor], entropies: torch.Tensor, mask: torch.Tensor,
+             coef_1: torch.Tensor, advantages: torch.Tensor) -> List[Any]:
+    """The metrics' tensors of `_compute_loss` ("# Log the metrics" to its return), each freed after
+    its `.item()` (`global_masked_mean`, `masked_seq_mean`); a single process's reduce and gather
+    return their input."""
+    def global_masked_mean(x: torch.Tensor) -> None:
+        torch.stack([(x * mask).sum(), mask.sum().float()])
+
+    if per_token_kl is not None:
+        global_masked_mean(per_token_kl)
+    global_masked_mean(entropies)
+    is_low_clipped = (coef_1 < 1 - 0.2) & (advantages < 0)
+    is_high_clipped = (coef_1 > 1 + 0.2) & (advantages > 0)
+    is_region_clipped = is_low_clipped | is_high_clipped
+    for clipped in (is_low_clipped, is_high_clipped, is_region_clipped):
+        global_masked_mean(clipped.float())
+    for clipped in (is_low_clipped, is_high_clipped):
+        (clipped.float() * mask).sum(-1) / mask.sum(-1)
+    return [is_low_clipped, is_high_clipped, is_region_clipped]
