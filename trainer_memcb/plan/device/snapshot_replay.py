@@ -436,21 +436,29 @@ def _what_if(text: str, limit: Optional[int], start: Any, calls: Sequence[Tuple[
     return WhatIf(text, limit, what.reserved_peak, False)
 
 
+def _capacity(given: Optional[int], source: str, start: _Start, trace: Sequence[Event], callers: Dict[int, str],
+              conf: AllocConf) -> Tuple[Optional[int], str, Optional[Tuple[int, int]]]:
+    """The capacity the replay runs on, where it came from, and the range the retry bursts allow
+    (module docstring): the one given, else the OOM event's, else the bursts' least, else None."""
+    if given is not None:
+        return given, source, None
+    from_oom = _capacity_from_oom(start.reserved, trace)
+    if from_oom is not None:
+        return from_oom, "oom event", None
+    bursts = None if conf.garbage_collection_threshold else _capacity_from_bursts(start.reserved, trace, callers)
+    if bursts is not None:
+        return bursts[0], "retry bursts", bursts
+    return None, "unknown", None
+
+
 def _replay_device(snapshot: Snapshot, device: int, conf_text: str,
                    device_memory: Optional[int], source: str,
                    what_ifs: Sequence[Tuple[Optional[str], Optional[int]]]) -> DeviceReplay:
     trace = snapshot.device_traces[device]
     conf = parse_alloc_conf(conf_text)
     start = _rebuild_start(snapshot, device, trace, conf)
-    capacity_range = None
-    if device_memory is None:
-        device_memory = _capacity_from_oom(start.reserved, trace)
-        source = "oom event" if device_memory is not None else "unknown"
     callers = snapshot.release_callers[device] if device < len(snapshot.release_callers) else {}
-    if device_memory is None and not conf.garbage_collection_threshold:
-        capacity_range = _capacity_from_bursts(start.reserved, trace, callers)
-        if capacity_range is not None:
-            device_memory, source = capacity_range[0], "retry bursts"
+    device_memory, source, capacity_range = _capacity(device_memory, source, start, trace, callers, conf)
     calls = _driving_events(trace, callers)
     real_ops = [(index, event) for index, event in enumerate(trace)
                 if event[0] in _GROW + _SHRINK]

@@ -768,14 +768,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
             quantization_note = _quantized(model, mode, quantization, device_type)
         prepare_like_trainer(model, args=args, gradient_checkpointing=settings.gradient_checkpointing,
                              checkpointing=settings.checkpointing_kwargs)
-        if _is_grpo(preference):
-            from trainer_memcb.plan.step.grpo import grpo_fused_lm_heads
-
-            grpo_fused_lm_heads(model, ref_model, preference.temperature)
-        elif preference is not None:
-            from trainer_memcb.plan.step.preference import fused_lm_heads
-
-            fused_lm_heads(model, ref_model)
+        _trl_lm_heads(model, ref_model, preference)
         build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
         with contextlib.ExitStack() as stack:
             for context in _outer_contexts(padding, settings) + _liger_kernels(model, settings):
@@ -799,6 +792,19 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
         prefix.kernel_notes = kernel_notes
         shared.prefixes[step_key] = prefix
     return _noted(timeline, quantization_note, settings, device_type, implementation[0], kernel_notes)
+
+
+def _trl_lm_heads(model: nn.Module, ref_model: Optional[nn.Module], preference: Any) -> None:
+    """TRL's fused LM heads on the policy and the reference, as `DPOTrainer.__init__` and
+    `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
+    if _is_grpo(preference):
+        from trainer_memcb.plan.step.grpo import grpo_fused_lm_heads
+
+        grpo_fused_lm_heads(model, ref_model, preference.temperature)
+    elif preference is not None:
+        from trainer_memcb.plan.step.preference import fused_lm_heads
+
+        fused_lm_heads(model, ref_model)
 
 
 def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
