@@ -109,7 +109,7 @@ def _fit(folder: str, capsys, *argv: str) -> dict:
 
 def test_fit_proposes_flash_attention_2_where_eager_attention_runs_in_16_bits_on_cuda(tmp_path, capsys):
     tiny_llama_dir = GOLDEN_LLAMA
-    # 470 MiB less the CUDA context leaves 24 MiB: eager attention's step reserves 50 MiB (each
+    # 470 MiB less the CUDA context (426 MiB) leaves 44 MiB: eager attention's step reserves 50 MiB (each
     # layer's [4, 4, 256, 256] probabilities), flash_attention_2's 28 MiB.
     fit = _fit(tiny_llama_dir, capsys, "--dtype", "bfloat16", "--attn-implementation", "eager",
                "--device-memory", "470MiB")
@@ -147,4 +147,33 @@ def test_fit_proposes_flash_attention_2_where_eager_attention_runs_in_16_bits_on
 def test_fit_proposes_no_flash_attention_where_it_saves_nothing_or_cannot_run(capsys, argv):
     fit = _fit(GOLDEN_LLAMA, capsys, *argv, "--device-memory", "1GiB")
     assert fit["candidates"] and all("attn_implementation" not in c["changes"] for c in fit["candidates"])
-    assert all(c["needs_package"] is None for c in fit["candidates"])
+    assert all(c["needs_package"] != "flash-attn" for c in fit["candidates"])
+
+
+def test_fit_proposes_liger_kernels_on_cuda_and_writes_them_as_a_training_argument(tmp_path, capsys):
+    # 453 MiB less the CUDA context (426 MiB) leaves 27 MiB: SDPA's step reserves 28 MiB (the fp32 logits and
+    # their gradient), the step with liger-kernel's fused linear cross-entropy 26 MiB.
+    written = str(tmp_path / "args.json")
+    code = main(["estimate", GOLDEN_LLAMA, *FLASH, "--dtype", "bfloat16", "--device-memory", "453MiB", "--fit",
+                 "--max-proposals", "1", "--write-training-args", written, "--json"])
+    fit = json.loads(capsys.readouterr().out)["answers"]["fit"]
+    [liger] = fit["candidates"]
+    assert code == 0 and fit["own"]["reserved_peak_bytes"] == 28 * 2**20 and fit["own"]["fits"] is False
+    assert (liger["changes"], liger["needs_package"], liger["fits"]) == ({"use_liger_kernel": True}, "liger-kernel", True)
+    assert liger["reserved_peak_bytes"] == 26 * 2**20 and liger["training_args"]["use_liger_kernel"] is True
+    with open(written) as handle:
+        assert json.load(handle)["use_liger_kernel"] is True
+    # Planned again from the file written, and with the flag: the proposal's step to the byte.
+    for more in (["--training-args", written], ["--liger-kernel"]):
+        assert main(["estimate", GOLDEN_LLAMA, *FLASH, "--dtype", "bfloat16", *more, "--device-memory", "453MiB",
+                     "--json"]) in (0, 3)
+        assert json.loads(capsys.readouterr().out)["step"]["peak_bytes"] == liger["peak_bytes"]
+
+
+def test_fit_proposes_no_liger_kernels_off_cuda_or_where_already_on(capsys):
+    for more in (["--device-type", "cpu"], ["--liger-kernel"]):
+        argv = [*FLASH, "--dtype", "bfloat16", *more, "--device-memory", "1GiB", "--fit", "--max-proposals", "2",
+                "--json"]
+        assert main(["estimate", GOLDEN_LLAMA, *argv]) in (0, 3), capsys.readouterr().err
+        fit = json.loads(capsys.readouterr().out)["answers"]["fit"]
+        assert fit["candidates"] and all("use_liger_kernel" not in c["changes"] for c in fit["candidates"])

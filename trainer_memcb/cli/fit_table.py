@@ -20,6 +20,7 @@ from trainer_memcb.plan.answers.fit import (
     FitSearch,
     expandable_segments_option,
     flash_attention_proposable,
+    liger_kernel_proposable,
     search_fits,
     training_args_of,
 )
@@ -105,6 +106,7 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
                        allow=args.allow, seq_len=args.seq_len, max_candidates=args.max_proposals,
                        expandable_segments=expandable_segments_option(plan_step_memory),
                        flash_attention=flash_attention_proposable(model, precision, device_type),
+                       liger_kernel=liger_kernel_proposable(model, device_type, settings.use_liger_kernel),
                        trainer_proposals=trainer_proposals(settings))
 
 

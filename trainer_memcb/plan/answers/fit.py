@@ -18,6 +18,8 @@ dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as th
 - transformers' flash_attention_2 where the user's own step traced eager attention and the caller
   allows it (`flash_attention_proposable`: CUDA, 16 bits, a class that supports it), marked as
   needing the flash-attn package;
+- Liger's kernels (`use_liger_kernel=True`) where the caller allows them (`liger_kernel_proposable`:
+  CUDA, a model type whose patching is planned), marked as needing the liger-kernel package;
 - the trainer's own settings the caller names (`trainer_proposals`: TRL's
   `precompute_ref_log_probs` for DPO, which holds no reference model);
 - with `allow`: a shorter sequence (`seq-len`) and LoRA adapters (`lora`), which change the training.
@@ -44,9 +46,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, FLASH_ATTENTION, LEANER_OPTIMIZERS,
-                                                       NEEDS_PACKAGE, FitCandidate, FitSearch, deepspeed_config_of,
+                                                       LIGER_KERNEL, FitCandidate, FitSearch, deepspeed_config_of,
                                                        describe_changes, expandable_segments_option,
-                                                       flash_attention_proposable, step_verdict, training_args_of)
+                                                       flash_attention_proposable, liger_kernel_proposable,
+                                                       needs_package, step_verdict, training_args_of)
 from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS,
                                                  offload_transfer_bytes, step_seconds)
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
@@ -55,7 +58,8 @@ from trainer_memcb.plan.step.trace import counting_flops, sharing_traces, traced
 # The cost model and the candidates are modules of their own; their names stay importable here.
 __all__ = ["FitCandidate", "FitSearch", "FitBatch", "step_verdict", "search_fits", "largest_fitting_batch",
            "fit_batch_size", "step_planner", "training_args_of", "describe_changes",
-           "deepspeed_config_of", "expandable_segments_option", "flash_attention_proposable", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
+           "deepspeed_config_of", "expandable_segments_option", "flash_attention_proposable",
+           "liger_kernel_proposable", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS",
            "FLOPS_PER_SECOND", "MICRO_BATCH_SECONDS", "HOST_BANDWIDTH"]
 
 
@@ -128,7 +132,7 @@ class _Search:
             effective_batch=batch * micro * self.world_size, micro_batches=micro, step_flops=step_flops,
             host_transfer_bytes=transfer, changes_optimizer=optim != self.own_args.get("optim"),
             alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.step.problem, plan=plan,
-            needs_package=NEEDS_PACKAGE.get(changes.get("attn_implementation", "")),
+            needs_package=needs_package(changes),
             seconds=step_seconds(step_flops, micro, transfer, self.device_type))
         self.planned[key] = candidate
         return candidate
@@ -140,7 +144,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
                 seq_len: Optional[int] = None, max_candidates: int = 12,
                 optimizers: Sequence[str] = LEANER_OPTIMIZERS,
                 expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False,
-                trainer_proposals: Sequence[Dict[str, Any]] = ()) -> FitSearch:
+                liger_kernel: bool = False, trainer_proposals: Sequence[Dict[str, Any]] = ()) -> FitSearch:
     """Plan the user's own settings and the proposals that may fit, ranked by step time.
 
     Args:
@@ -163,6 +167,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         expandable_segments: `expandable_segments_option(...)` of the planner (None: not proposed).
         flash_attention: propose `FLASH_ATTENTION` (through `extra`'s `attn_implementation`) where
             the user's own step traced eager attention; `flash_attention_proposable` says where.
+        liger_kernel: propose `LIGER_KERNEL` (a `TrainingArguments` field); `liger_kernel_proposable`
+            says where.
         trainer_proposals: changes of the trainer's own config (TRL's fields), each planned at the
             user's batch as its `TrainingArguments` dict with the change.
 
@@ -185,6 +191,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         # where it applies (the probabilities of every layer, [B, H, L, L] each).
         if flash_attention and own.plan is not None and own.plan.settings.attn_implementation == "eager":
             search.plan(dict(FLASH_ATTENTION), dict(base), own_deepspeed, dict(FLASH_ATTENTION))
+        if liger_kernel:
+            search.plan(dict(LIGER_KERNEL), dict(base, **LIGER_KERNEL), own_deepspeed)
         for changes in trainer_proposals:
             search.plan(dict(changes), dict(base, **changes), own_deepspeed)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)

@@ -13,8 +13,8 @@ from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_mem
 from trainer_memcb.plan.settings.step_settings import StepSettings
 
 __all__ = ["FitCandidate", "FitSearch", "step_verdict", "describe_changes", "expandable_segments_option",
-           "training_args_of", "deepspeed_config_of", "flash_attention_proposable", "ALLOWED_CHANGES",
-           "LEANER_OPTIMIZERS", "FLASH_ATTENTION", "NEEDS_PACKAGE"]
+           "training_args_of", "deepspeed_config_of", "flash_attention_proposable", "liger_kernel_proposable",
+           "needs_package", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS", "FLASH_ATTENTION", "LIGER_KERNEL", "NEEDS_PACKAGE"]
 
 # Changes that alter what is learned, opened by `allow` (the command's --allow).
 ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
@@ -26,9 +26,12 @@ LEANER_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
 # no [B, H, L, L] probabilities (`trainer_memcb.plan.step.flash_attn`). A `from_pretrained`
 # argument, not a TrainingArguments one.
 FLASH_ATTENTION = {"attn_implementation": "flash_attention_2"}
-# What a proposal's attention needs installed beside transformers: flash_attention_2 calls
-# flash-attn's kernels (`pip install flash-attn`).
-NEEDS_PACKAGE = {"flash_attention_2": "flash-attn"}
+# Liger's kernels, as the Trainer applies them (`TrainingArguments(use_liger_kernel=True)`): the
+# fused linear cross-entropy never holds the whole logits (`trainer_memcb.plan.step.liger_kernels`).
+LIGER_KERNEL = {"use_liger_kernel": True}
+# What a proposal needs installed beside transformers: flash_attention_2 calls flash-attn's kernels
+# (`pip install flash-attn`), use_liger_kernel liger-kernel's (`pip install liger-kernel`).
+NEEDS_PACKAGE = {"flash_attention_2": "flash-attn", "use_liger_kernel": "liger-kernel"}
 # The precisions whose attention inputs are 16-bit, the only ones flash-attn's kernels take: a
 # model loaded in 16 bits, autocast (transformers casts fp32 inputs to autocast's dtype), DeepSpeed's.
 _HALF_PRECISIONS = ("bf16", "fp16", "autocast-bf16", "autocast-fp16", "deepspeed-bf16", "deepspeed-fp16")
@@ -163,6 +166,8 @@ def describe_changes(changes: Dict[str, Any]) -> str:
         words.append("the reference's log-probs precomputed (TRL's precompute_ref_log_probs)")
     if "attn_implementation" in changes:
         words.append(f"{changes['attn_implementation']} attention")
+    if changes.get("use_liger_kernel"):
+        words.append("Liger's kernels (use_liger_kernel)")
     if "seq_len" in changes:
         words.append(f"sequence length {changes['seq_len']}")
     if "lora_r" in changes:
@@ -198,6 +203,25 @@ def flash_attention_proposable(model: Any, precision: str, device_type: str) -> 
     if supports is None:
         supports = getattr(inner, "_supports_flash_attn_2", False)
     return device_type == "cuda" and precision in _HALF_PRECISIONS and bool(supports)
+
+
+def liger_kernel_proposable(model: Any, device_type: str, own_uses_it: Optional[bool]) -> bool:
+    """Whether `LIGER_KERNEL` may be proposed for `model`: on CUDA (liger-kernel's Triton kernels
+    run there), for a causal LM of a model type whose patching is planned (`LIGER_MODEL_TYPES`),
+    where the user's own step does not use them already."""
+    from trainer_memcb.plan.settings.step_settings import LIGER_MODEL_TYPES
+
+    inner = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    return (device_type == "cuda" and not own_uses_it and model_type in LIGER_MODEL_TYPES
+            and hasattr(inner, "lm_head"))
+
+
+def needs_package(changes: Dict[str, Any]) -> Optional[str]:
+    """The package a proposal's `changes` need installed (`NEEDS_PACKAGE`), or None."""
+    if changes.get("use_liger_kernel"):
+        return NEEDS_PACKAGE["use_liger_kernel"]
+    return NEEDS_PACKAGE.get(changes.get("attn_implementation", ""))
 
 
 # The precision of a setting -> the TrainingArguments flags that give it (a model loaded in 16 bits,
