@@ -135,3 +135,13 @@ def test_fit_proposes_precomputed_reference_log_probs_and_writes_the_dpoconfig_b
                  "--device-type", "cpu", "--attn-implementation", "sdpa", "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["step"]["peak_bytes"] == 17_322_100 and again["settings"]["preference"]["reference"] == "precomputed"
+
+
+def test_fit_proposes_no_liger_kernels_for_trls_own_fused_head(files: dict, capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    argv = ["estimate", files["model"], "--trainer", "dpo", "--training-args", files["dpo"], "--seq-len", "32",
+            "--device-type", "cuda", "--device-memory", "1GiB", "--fit", "--max-proposals", "3", "--json"]
+    assert main(argv) in (0, 3)
+    changes = [c["changes"] for c in json.loads(capsys.readouterr().out)["answers"]["fit"]["candidates"]]
+    assert {"precompute_ref_log_probs": True} in changes and {"use_liger_kernel": True} not in changes

@@ -106,7 +106,10 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
                        allow=args.allow, seq_len=args.seq_len, max_candidates=args.max_proposals,
                        expandable_segments=expandable_segments_option(plan_step_memory),
                        flash_attention=flash_attention_proposable(model, precision, device_type),
-                       liger_kernel=liger_kernel_proposable(model, device_type, settings.use_liger_kernel),
+                       # Not for TRL's steps: their own fused LM head never holds the whole logits
+                       # either, and TRL 1.16 turns Liger's fused loss off under it.
+                       liger_kernel=(liger_kernel_proposable(model, device_type, settings.use_liger_kernel)
+                                     and settings.preference is None),
                        trainer_proposals=trainer_proposals(settings))
 
 
