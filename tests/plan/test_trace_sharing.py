@@ -105,18 +105,19 @@ def test_an_engine_with_state_of_its_own_traces_each_optimizer_whole(monkeypatch
                        "(trace._shares_optimizer_phases)")
 def test_estimate_fit_traces_each_forward_and_backward_once(monkeypatch):
     """The golden tiny Llama at batch 2 x 16 on 446 MiB: nothing fits (the CUDA context and the
-    caching allocator's 20 MiB blocks leave no room); the search plans checkpointing, the three leaner
-    optimizers, the expandable segments, the batch 1 x 2 alone and with checkpointing, and that with
-    Adafactor. The own step and the allocator's option share one trace and the three optimizers step
-    from it; checkpointing, the batch 1 x 2 and the batch 1 x 2 with checkpointing are traced, and
-    Adafactor steps from the last: 4 traces (8 before the optimizers shared), 4 optimizer phases."""
+    caching allocator's 20 MiB blocks leave no room); the search plans Liger's kernels, checkpointing,
+    the three leaner optimizers, the expandable segments, the batch 1 x 2 alone and with
+    checkpointing, and that with Adafactor. The own step and the allocator's option share one trace
+    and the three optimizers step from it; Liger's kernels, checkpointing, the batch 1 x 2 and the
+    batch 1 x 2 with checkpointing are traced, and Adafactor steps from the last: 5 traces, 4
+    optimizer phases."""
     from trainer_memcb.cli import main
 
     counts = counting_traces(monkeypatch)
     model = os.path.join(REPO_ROOT, "tests", "data", "golden", "tiny-llama")
     with contextlib.redirect_stdout(io.StringIO()) as out:
         main(["estimate", model, "--batch-size", "2", "--seq-len", "16", "--device-memory", "446MiB", "--fit"])
-    assert counts == {"traced": 4, "optimizer steps shared": 4}, out.getvalue()[-2000:]
+    assert counts == {"traced": 5, "optimizer steps shared": 4}, out.getvalue()[-2000:]
 
 
 @requires_torch("2.13", "an optimizer phase steps from a kept step only where it was checked equal to a trace of "

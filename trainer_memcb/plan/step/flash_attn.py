@@ -47,6 +47,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from trainer_memcb.plan.step.kernel_runs import KernelRuns
+
 __all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "SM_COUNTS", "flash_attention_2_as_cuda", "flash_attn_func",
            "flash_attn_varlen_func", "pad_input", "num_splits_heuristic", "round_multiple"]
 
@@ -64,22 +66,19 @@ DEFAULT_SM_COUNT = 108
 _STATE: Dict[str, Any] = {"compute_capability": (8, 0), "sm_count": DEFAULT_SM_COUNT, "run": None}
 
 
-class FlashKernelsRun:
+class FlashKernelsRun(KernelRuns):
     """What `flash_attention_2_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
 
     def __init__(self, gpu: Optional[str], sm_count: int) -> None:
+        super().__init__()
         self.gpu, self.sm_count = gpu, sm_count
-        self.calls: Dict[str, int] = {}
         self.split_forwards = 0
-
-    def count(self, kernel: str) -> None:
-        self.calls[kernel] = self.calls.get(kernel, 0) + 1
 
     def note(self) -> Optional[str]:
         """The plan's note naming the kernels planned; None where none ran."""
         if not self.calls:
             return None
-        kernels = ", ".join(f"{name} ({count} calls)" for name, count in sorted(self.calls.items()))
+        kernels = self.calls_text()
         splits = (f"; {self.split_forwards} forwards took the split-KV kernel ({self.sm_count} SMs)"
                   if self.split_forwards else "")
         return (f"attention planned as flash-attn {FLASH_ATTN_VERSION}'s kernels run it on a GPU (no flash-attn "

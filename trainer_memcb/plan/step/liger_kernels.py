@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.settings.step_settings import LIGER_MODEL_TYPES, check_liger_kernel_config
+from trainer_memcb.plan.step.kernel_runs import KernelRuns
 
 __all__ = ["LIGER_KERNEL_VERSION", "LIGER_MODEL_TYPES", "LigerKernelsRun", "chunk_rule", "next_power_of_2",
            "FusedLinearCrossEntropyFunction", "CrossEntropyFunction", "RMSNormFunction", "SiLUMulFunction",
@@ -75,22 +76,19 @@ _ADDMM_SUPPORTS_OUT_DTYPE = tuple(int(p) for p in torch.__version__.split("+")[0
 _STATE: Dict[str, Any] = {"compute_capability": (8, 0), "sm_count": 108, "run": None}
 
 
-class LigerKernelsRun:
+class LigerKernelsRun(KernelRuns):
     """What `liger_kernels_as_cuda` patched and how often each stand-in ran."""
 
     def __init__(self, config: Dict[str, bool], sm_count: int) -> None:
+        super().__init__()
         self.config, self.sm_count = dict(config), sm_count
-        self.calls: Dict[str, int] = {}
         self.chunks: List[Tuple[int, int, int]] = []  # (BT, chunk_size, chunks) of each fused forward
-
-    def count(self, kernel: str) -> None:
-        self.calls[kernel] = self.calls.get(kernel, 0) + 1
 
     def note(self) -> Optional[str]:
         """The plan's note naming the kernels planned; None where none ran."""
         if not self.calls:
             return None
-        kernels = ", ".join(f"{name} ({count} calls)" for name, count in sorted(self.calls.items()))
+        kernels = self.calls_text()
         chunks = "".join(f"; the fused linear cross-entropy's {bt} rows in {n} chunks of {size}"
                          for bt, size, n in sorted(set(self.chunks)))
         return (f"use_liger_kernel: planned as liger-kernel {LIGER_KERNEL_VERSION}'s Triton kernels run on a GPU "

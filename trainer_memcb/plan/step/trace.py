@@ -76,8 +76,9 @@ from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
-from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, FlashKernelsRun, flash_attention_2_as_cuda
-from trainer_memcb.plan.step.liger_kernels import LigerKernelsRun, liger_kernels_as_cuda
+from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_2_as_cuda
+from trainer_memcb.plan.step.kernel_runs import KernelRuns
+from trainer_memcb.plan.step.liger_kernels import liger_kernels_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
 from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
@@ -773,7 +774,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
         with contextlib.ExitStack() as stack:
             for context in _outer_contexts(padding, settings) + _liger_kernels(model, settings):
                 entered = stack.enter_context(context)
-                if isinstance(entered, (FlashKernelsRun, LigerKernelsRun)):
+                if isinstance(entered, KernelRuns):
                     kernel_runs.append(entered)
             timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
                                    settings.gradient_checkpointing, engine, input_options,
