@@ -492,10 +492,10 @@ def _base_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
 
 
-def _patch_instance(model: nn.Module, kernels: Dict[str, bool]) -> List[nn.Module]:
+def _patch_instance(model: nn.Module, kernels: Dict[str, bool], patched: List[nn.Module]) -> None:
     """Bind the stand-in forwards as `apply_liger_kernel_to_<model>(model=...)` binds liger-kernel's;
-    returns the modules whose instance `forward` was set."""
-    patched: List[nn.Module] = []
+    each module whose instance `forward` was set goes into `patched` as it is set, so that a
+    failure half-way leaves the caller the list to undo."""
 
     def bind(module: nn.Module, forward: Any) -> None:
         module.__dict__["forward"] = functools.partial(forward, module)
@@ -514,7 +514,6 @@ def _patch_instance(model: nn.Module, kernels: Dict[str, bool]) -> List[nn.Modul
                       if model.config.model_type == "qwen3"]
     for norm in norms:
         bind(norm, _rms_norm_forward)
-    return patched
 
 
 @contextlib.contextmanager
@@ -538,8 +537,9 @@ def liger_kernels_as_cuda(model: nn.Module, config: Optional[Dict[str, Any]], co
     saved_state, original_rope = dict(_STATE), modeling.apply_rotary_pos_emb
     original_cross_entropy = nn.functional.cross_entropy
     run = LigerKernelsRun(kernels, sm_count)
-    patched = _patch_instance(base, kernels)
+    patched: List[nn.Module] = []
     try:
+        _patch_instance(base, kernels, patched)
         _STATE.update(compute_capability=tuple(compute_capability), sm_count=sm_count, run=run)
         if kernels["rope"]:
             modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
