@@ -174,9 +174,6 @@ def check_search_options(args: argparse.Namespace) -> None:
     if args.max_batch_size and getattr(args, "packing", None) is not None:
         raise ValueError("--max-batch-size searches the rows of a batch; --packing makes one row of TOKENS tokens: "
                          "plan each TOKENS with --batch-size 1")
-    if getattr(args, "fit", False) and getattr(args, "parallelism", None) is not None:
-        raise ValueError("--fit does not propose tensor-parallel layouts yet: leave out --parallelism, or plan the "
-                         "layout with --batch-size")
     if args.max_batch_size and args.device_memory is None:
         raise ValueError("--max-batch-size needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
 

@@ -28,17 +28,20 @@ def add_fit_arguments(estimate: argparse.ArgumentParser) -> None:
     """The options of `--fit`."""
     group = estimate.add_argument_group(
         "make it fit", "with --fit and --device-memory, the settings that keep what is learned (the batch with the "
-        "accumulation that keeps the effective batch, gradient checkpointing, leaner optimizers, ZeRO and FSDP2 with "
-        "several processes), each planned by the same trace, ranked by their estimated step time")
+        "accumulation that keeps the effective batch, gradient checkpointing, leaner optimizers, ZeRO, FSDP2 and "
+        "tensor parallelism with several processes), each planned by the same trace, ranked by their estimated step time")
     group.add_argument("--fit", action="store_true", help="search the settings that fit (needs --device-memory)")
     group.add_argument("--allow", type=_allowed, metavar="CHANGES", default=[],
                        help=f"also changes that alter the training: {','.join(ALLOWED_CHANGES)}")
-    group.add_argument("--max-proposals", type=positive_int, default=12, metavar="N",
-                       help="the most proposals planned (default 12)")
+    group.add_argument("--max-proposals", type=positive_int, default=16, metavar="N",
+                       help="the most proposals planned (default 16)")
     group.add_argument("--write-training-args", metavar="FILE",
                        help="write the first proposal that fits as TrainingArguments JSON")
     group.add_argument("--write-deepspeed", metavar="FILE",
                        help="write the first proposal's DeepSpeed config (where it uses ZeRO)")
+    group.add_argument("--write-accelerate-config", metavar="FILE",
+                       help="write the first proposal's accelerate config (where it uses FSDP2 or tensor "
+                            "parallelism; YAML, or JSON for a .json name), for accelerate launch --config_file")
     group.add_argument("--force", action="store_true", help="replace files that --write-* name")
 
 
@@ -53,7 +56,8 @@ def check_fit_options(args: argparse.Namespace, step_asked: bool, eval_asked: bo
 
     fit = getattr(args, "fit", False)
     for name, option in (("allow", "--allow"), ("write_training_args", "--write-training-args"),
-                         ("write_deepspeed", "--write-deepspeed"), ("force", "--force")):
+                         ("write_deepspeed", "--write-deepspeed"),
+                         ("write_accelerate_config", "--write-accelerate-config"), ("force", "--force")):
         if getattr(args, name, None) and not fit:
             raise ValueError(f"{option} has no effect without --fit")
     if not fit:
@@ -65,7 +69,7 @@ def check_fit_options(args: argparse.Namespace, step_asked: bool, eval_asked: bo
         raise ValueError("--fit needs --device-memory (the accelerator's memory per process, e.g. 80GiB)")
     if args.max_proposals < 1:
         raise ValueError(f"--max-proposals {args.max_proposals}: expected a whole number of at least 1")
-    for path in (args.write_training_args, args.write_deepspeed):
+    for path in (args.write_training_args, args.write_deepspeed, getattr(args, "write_accelerate_config", None)):
         if path is None:
             continue
         try:

@@ -54,7 +54,13 @@ def own_setting(settings: Any, args: argparse.Namespace) -> tuple:
     else:
         deepspeed = None
         own.pop("deepspeed", None)
-    if settings.sharding.startswith("fsdp") and not own.get("fsdp"):
+    if settings.tp_size > 1:  # accelerate's ParallelismConfig, as TrainingArguments.to_dict writes it
+        shards = settings.world_size // settings.tp_size
+        own["parallelism_config"] = {"tp_size": settings.tp_size, "dp_shard_size": shards, "dp_replicate_size": 1,
+                                     "cp_size": 1}
+        own.pop("fsdp", None)
+        own.pop("fsdp_config", None)
+    elif settings.sharding.startswith("fsdp") and not own.get("fsdp"):
         own["fsdp"] = "full_shard" if settings.reshard_after_forward else "shard_grad_op"
         own["fsdp_config"] = {"version": 2, "reshard_after_forward": settings.reshard_after_forward,
                               "cpu_offload": settings.fsdp_cpu_offload}
@@ -77,7 +83,7 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
         given = copy.copy(args)
         given.training_args, given.deepspeed, given.fsdp_config = training_args, deepspeed, None
         given.batch_size, given.gradient_checkpointing, given.optimizers = None, False, list(DEFAULT_OPTIMIZERS)
-        given.zero = given.sharding = None
+        given.zero = given.sharding = given.parallelism = None
         given.offload_optimizer = given.offload_params = False
         # The file says bf16/fp16 (autocast or DeepSpeed's); a model loaded in 16 bits stays a flag.
         given.precision = settings.precision if settings.precision in ("bf16", "fp16") else None
@@ -100,17 +106,65 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
 
     precision = settings.precision
     device_type = args.device_type or "cuda"
+    value_bytes = 2 if precision not in ("fp32", "autocast-bf16", "autocast-fp16") else 4
     return search_fits(planner, own, usable, own_deepspeed=own_deepspeed, world_size=settings.world_size,
-                       device_type=device_type, trainable_values=trainable,
-                       value_bytes=2 if precision not in ("fp32", "autocast-bf16", "autocast-fp16") else 4,
+                       device_type=device_type, trainable_values=trainable, value_bytes=value_bytes,
                        allow=args.allow, seq_len=args.seq_len, max_candidates=args.max_proposals,
                        expandable_segments=expandable_segments_option(plan_step_memory),
                        flash_attention=flash_attention_proposable(model, precision, device_type),
                        # Not for TRL's steps: their own fused LM head never holds the whole logits
                        # either, and TRL 1.16 turns Liger's fused loss off under it.
                        liger_kernel=(liger_kernel_proposable(model, device_type, settings.use_liger_kernel)
-                                     and settings.preference is None),
-                       trainer_proposals=trainer_proposals(settings))
+                                     and settings.preference is None and settings.tp_size == 1),
+                       trainer_proposals=trainer_proposals(settings),
+                       **_layout_options(args, settings, model, value_bytes, device_type))
+
+
+def _layout_options(args: argparse.Namespace, settings: Any, model: Any, value_bytes: int,
+                    device_type: str) -> Dict[str, Any]:
+    """`search_fits`'s tensor-parallel sizes and what its collectives' cost is read from: the links
+    of `--gpu` (CUDA only) on `--nodes`, the model's shape and its parameters' bytes."""
+    from trainer_memcb.plan.answers.fit_comm import ModelShape, links_of
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    world = settings.world_size
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    gpu = gpu_preset(args.gpu).name if getattr(args, "gpu", None) else None
+    links = links_of(gpu, world, settings.nodes) if device_type == "cuda" else None
+    shape = None
+    if text is not None and args.seq_len and all(isinstance(getattr(text, name, None), int)
+                                                  for name in ("hidden_size", "num_hidden_layers", "vocab_size")):
+        shape = ModelShape(text.hidden_size, text.num_hidden_layers, text.vocab_size, args.seq_len,
+                           4 if settings.precision == "fp32" else 2)
+    return dict(tensor_parallel_sizes=tensor_parallel_sizes(model, settings), links=links, shape=shape,
+                parameter_bytes=sum(p.numel() for p in model.parameters()) * value_bytes)
+
+
+def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
+    """The tensor-parallel sizes `--fit` proposes: each divisor of the world size above 1 and at most
+    the processes of a node (accelerate's mesh keeps `tp` innermost, on one node's links), for a model
+    with a tensor-parallel plan whose heads and widths split over it; none for TRL's steps, PEFT's
+    adapters or an own DeepSpeed precision (the plan traces TP alone or with FSDP2)."""
+    from trainer_memcb.plan.model.tp_plan import model_tp_plan
+    from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
+
+    world, per_node = settings.world_size, max(1, settings.world_size // max(1, settings.nodes))
+    if world <= 1 or settings.preference is not None or hasattr(model, "peft_config"):
+        return []
+    try:
+        model_tp_plan(model)
+    except ValueError:
+        return []
+    sizes = []
+    for tp in range(2, min(world, per_node) + 1):
+        try:
+            check_tensor_parallel_model(getattr(model, "config", None), tp)
+        except ValueError:
+            continue
+        if world % tp == 0:
+            sizes.append(tp)
+    return sizes
 
 
 def trainer_proposals(settings: Any) -> List[Dict[str, Any]]:
@@ -188,18 +242,41 @@ def fit_failure(search: FitSearch) -> Optional[str]:
             f"{format_bytes(-nearest.margin_bytes)} over {format_bytes(search.usable_bytes)}")
 
 
+def _write(path: str, data: bytes, force: bool) -> None:
+    """`data` written whole to `path` (never through a link, never a partial file), one line refused."""
+    from trainer_memcb.utils.safe_io import UnsafeFileError, atomic_write
+
+    try:
+        atomic_write(path, lambda handle: handle.write(data), overwrite=force)
+    except (UnsafeFileError, FileExistsError) as error:
+        text = str(error) if isinstance(error, UnsafeFileError) else f"{path} exists; not replacing it without --force"
+        raise ValueError(text) from None
+
+
+def _write_accelerate_config(first: FitCandidate, args: argparse.Namespace, path: str, said: List[str]) -> None:
+    """Write `first`'s accelerate config to `path` where it has one; say what was done."""
+    from trainer_memcb.cli.accelerate_config import accelerate_config_of, accelerate_config_text
+
+    world = int(args.world_size or 1)
+    config = accelerate_config_of(first.training_args, world, int(args.nodes or 1))
+    if config is None:
+        said.append(f"{path} not written: {first.label} uses neither FSDP2 nor tensor parallelism")
+        return
+    _write(path, accelerate_config_text(config, path).encode("utf-8"), args.force)
+    said.append(f"wrote {path}: the accelerate config of {first.label} (accelerate launch --config_file {path})")
+
+
 def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[str]:
     """Write the user's own setting when it fits, else the first proposal that fits
-    (`--write-training-args`, `--write-deepspeed`); the lines to say about it. The
-    TrainingArguments JSON names the DeepSpeed file when both are written.
+    (`--write-training-args`, `--write-deepspeed`, `--write-accelerate-config`); the lines to say
+    about it. The TrainingArguments JSON names the DeepSpeed file when both are written.
 
     Raises:
         ValueError: a destination refused (a link, a file without --force), one line.
     """
-    from trainer_memcb.utils.safe_io import UnsafeFileError, atomic_write
-
     said: List[str] = []
-    if not (args.write_training_args or args.write_deepspeed):
+    accelerate_path = getattr(args, "write_accelerate_config", None)
+    if not (args.write_training_args or args.write_deepspeed or accelerate_path):
         return said
     # The user's own setting when it fits as it is: a re-run with the file written plans the same
     # setting, and nothing changes that did not need to.
@@ -209,12 +286,7 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
     training_args = dict(first.training_args)
 
     def write(path: str, document: Dict[str, Any]) -> None:
-        data = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")
-        try:
-            atomic_write(path, lambda handle: handle.write(data), overwrite=args.force)
-        except (UnsafeFileError, FileExistsError) as error:
-            text = str(error) if isinstance(error, UnsafeFileError) else f"{path} exists; not replacing it without --force"
-            raise ValueError(text) from None
+        _write(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8"), args.force)
 
     if args.write_deepspeed:
         if first.deepspeed is None:
@@ -223,6 +295,8 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
             write(args.write_deepspeed, first.deepspeed)
             said.append(f"wrote {args.write_deepspeed}: the DeepSpeed config of {first.label}")
             training_args["deepspeed"] = args.write_deepspeed
+    if accelerate_path:
+        _write_accelerate_config(first, args, accelerate_path, said)
     if args.write_training_args:
         write(args.write_training_args, training_args)
         kind = "DPOConfig" if getattr(args, "trainer", "trainer") == "dpo" else "TrainingArguments"

@@ -12,7 +12,9 @@ dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as th
 - the optimizers the Trainer offers that hold less (`LEANER_OPTIMIZERS`: 8-bit, paged 8-bit,
   Adafactor), marked as changing the optimizer;
 - with several processes: DeepSpeed ZeRO-1, 2 and 3, ZeRO-3 with the optimizer offloaded to the
-  CPU, and FSDP2;
+  CPU, FSDP2, and tensor parallelism (`tensor_parallel_sizes`: alone on all the processes, or with
+  FSDP2 on the rest as accelerate's `ParallelismConfig(tp_size, dp_shard_size)` lays them out), its
+  accumulation raised to keep the effective batch (its `tp_size` processes share one batch);
 - expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`), only where the plan
   models the caching allocator (`expandable_segments_option`);
 - transformers' flash_attention_2 where the user's own step traced eager attention and the caller
@@ -31,8 +33,9 @@ without an accelerator (its `__init__` reads `torch.accelerator.current_accelera
 makes that device's streams and pinned host memory), while the step is traced on the host under
 fake tensors: running the trace under it is not possible there, and a formula would not be the trace.
 
-Its three parts: the cost model (`trainer_memcb.plan.answers.fit_cost`: each proposal's step time
-relative to the user's own, from the FLOPs its trace counted), the candidates
+Its parts: the cost model (`trainer_memcb.plan.answers.fit_cost`: each proposal's step time
+relative to the user's own, from the FLOPs its trace counted, with its collectives' bytes at the
+links' bandwidth from `trainer_memcb.plan.answers.fit_comm`), the candidates
 (`trainer_memcb.plan.answers.fit_candidates`: one setting planned, its verdict, the settings it
 writes) and the search, here.
 """
@@ -50,6 +53,7 @@ from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, FLASH_AT
                                                        describe_changes, expandable_segments_option,
                                                        flash_attention_proposable, liger_kernel_proposable,
                                                        needs_package, step_verdict, training_args_of)
+from trainer_memcb.plan.answers.fit_comm import Links, ModelShape, communication_seconds, layout_sizes
 from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS,
                                                  offload_transfer_bytes, step_seconds)
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
@@ -103,6 +107,9 @@ class _Search:
     own_deepspeed: Optional[Dict[str, Any]] = None
     planned: Dict[str, FitCandidate] = field(default_factory=dict)
     traces: int = 0
+    links: Optional[Links] = None
+    shape: Optional[ModelShape] = None
+    parameter_bytes: int = 0
 
     def plan(self, changes: Dict[str, Any], args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
              extra: Optional[Dict[str, Any]] = None, own: bool = False) -> Optional[FitCandidate]:
@@ -122,18 +129,27 @@ class _Search:
         # The trace runs up to three micro-batches (the first, the second, the last: each the same
         # forward and backward), so one micro-batch's FLOPs are the trace's over their number.
         flops = plan.timeline.flops if plan.timeline is not None else None
-        step_flops = flops // len(traced_micro_batches(micro)) if flops is not None and plan.step.problem is None else None
+        # Under tensor parallelism the counter sees the DTensor ops at their whole shapes (it counts
+        # above DTensor's dispatch), while each rank multiplies its column or row shard and runs its
+        # heads: a rank's FLOPs are the count over `tp`.
+        tp = layout_sizes(args, self.world_size)[0]
+        step_flops = (flops // len(traced_micro_batches(micro)) // tp
+                      if flops is not None and plan.step.problem is None else None)
         fits, margin = step_verdict(plan, self.usable)
         optim = args.get("optim")
+        seconds = step_seconds(step_flops, micro, transfer, self.device_type)
+        if seconds is not None:
+            seconds += communication_seconds(args, deepspeed, self.world_size, self.parameter_bytes,
+                                             self.trainable_values * self.value_bytes, self.shape, self.links)
         candidate = FitCandidate(
             changes=changes, training_args=args, deepspeed=deepspeed, peak_bytes=plan.step.peak_bytes,
             reserved_peak_bytes=plan.device.reserved_peak_bytes,
             fits=fits, margin_bytes=margin, relative_step_time=None,
-            effective_batch=batch * micro * self.world_size, micro_batches=micro, step_flops=step_flops,
+            effective_batch=batch * micro * layout_sizes(args, self.world_size)[1], micro_batches=micro,
+            step_flops=step_flops,
             host_transfer_bytes=transfer, changes_optimizer=optim != self.own_args.get("optim"),
             alters_training=bool({"seq_len", "lora_r"} & set(changes)), problem=plan.step.problem, plan=plan,
-            needs_package=needs_package(changes),
-            seconds=step_seconds(step_flops, micro, transfer, self.device_type))
+            needs_package=needs_package(changes), seconds=seconds)
         self.planned[key] = candidate
         return candidate
 
@@ -141,10 +157,12 @@ class _Search:
 def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any], usable_bytes: int, *,
                 own_deepspeed: Optional[Dict[str, Any]] = None, world_size: int = 1, device_type: str = "cuda",
                 trainable_values: int = 0, value_bytes: int = 2, allow: Iterable[str] = (),
-                seq_len: Optional[int] = None, max_candidates: int = 12,
+                seq_len: Optional[int] = None, max_candidates: int = 16,
                 optimizers: Sequence[str] = LEANER_OPTIMIZERS,
                 expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False,
-                liger_kernel: bool = False, trainer_proposals: Sequence[Dict[str, Any]] = ()) -> FitSearch:
+                liger_kernel: bool = False, trainer_proposals: Sequence[Dict[str, Any]] = (),
+                tensor_parallel_sizes: Sequence[int] = (), links: Optional[Links] = None,
+                shape: Optional[ModelShape] = None, parameter_bytes: int = 0) -> FitSearch:
     """Plan the user's own settings and the proposals that may fit, ranked by step time.
 
     Args:
@@ -171,6 +189,12 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
             says where.
         trainer_proposals: changes of the trainer's own config (TRL's fields), each planned at the
             user's batch as its `TrainingArguments` dict with the change.
+        tensor_parallel_sizes: the tensor-parallel sizes proposed (each divides `world_size`; the
+            model's heads and widths split over it): `tp` alone where it is `world_size`, else with
+            FSDP2 on `world_size / tp` (a `parallelism_config` in the `TrainingArguments` dict).
+        links, shape, parameter_bytes: the links' bandwidths, the model's shape and its parameters'
+            bytes on the device, for the collectives' share of the step time
+            (`fit_comm.communication_seconds`; None: communication not counted).
 
     Raises:
         ValueError: an unknown change in `allow`, a bad `max_candidates`.
@@ -182,7 +206,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
     if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
         raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
     search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
-                     own_args=dict(own_args), own_deepspeed=own_deepspeed)
+                     own_args=dict(own_args), own_deepspeed=own_deepspeed, links=links, shape=shape,
+                     parameter_bytes=parameter_bytes)
     # Each step traced once; a proposal that changes the optimizer alone steps from a trace made before.
     with sharing_traces():
         own = search.plan({}, dict(own_args), own_deepspeed, own=True)
@@ -196,6 +221,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         for changes in trainer_proposals:
             search.plan(dict(changes), dict(base, **changes), own_deepspeed)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
+        _propose_layouts(search, base, tensor_parallel_sizes)
         if expandable_segments:
             search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
                         dict(expandable_segments))
@@ -213,8 +239,12 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
                 search.plan(dict(one, optim="adafactor"), dict(base, **one, optim="adafactor"), own_deepspeed)
             if world_size > 1:
                 config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
-                search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
-                            dict(base, deepspeed=config, **one), config)
+                data = _data_parallel_args(base, world_size)
+                if data is not None:
+                    one = dict(one, gradient_accumulation_steps=data["per_device_train_batch_size"]
+                               * data["gradient_accumulation_steps"])
+                    search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
+                                dict(data, deepspeed=config, **one), config)
         return _ranked(search, own)
 
 
@@ -233,18 +263,67 @@ def _propose_each_change(search: "_Search", base: Dict[str, Any], own_deepspeed:
         return checkpointed
     precision = "bf16" if base.get("bf16") else ("fp16" if base.get("fp16") else "fp32")
     own_stage = ((own_deepspeed or {}).get("zero_optimization") or {}).get("stage", 0) if own_deepspeed else 0
+    data = _data_parallel_args(base, world_size)
+    if data is None:
+        return checkpointed
+    sizes = {key: data[key] for key in ("per_device_train_batch_size", "gradient_accumulation_steps")
+             if data[key] != base.get(key)}
     for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
         if own_deepspeed is not None and stage == own_stage and not offload:
             continue
         config = deepspeed_config_of(stage, offload, precision)
         name = f"DeepSpeed ZeRO-{stage}" + (" with the optimizer on the CPU" if offload else "")
-        args = {key: value for key, value in base.items() if key not in ("fsdp", "fsdp_config")}
-        search.plan({"deepspeed": name}, dict(args, deepspeed=config), config)
-    if not base.get("fsdp"):
-        args = dict({k: v for k, v in base.items() if k != "deepspeed"}, fsdp="full_shard",
+        args = {key: value for key, value in data.items() if key not in ("fsdp", "fsdp_config")}
+        search.plan(dict(_both_sizes(sizes, data), deepspeed=name), dict(args, deepspeed=config), config)
+    if not base.get("fsdp") or "parallelism_config" in base:
+        args = dict({k: v for k, v in data.items() if k != "deepspeed"}, fsdp="full_shard",
                     fsdp_config={"version": 2, "reshard_after_forward": True})
-        search.plan({"fsdp": "full_shard"}, args, None)
+        search.plan(dict(_both_sizes(sizes, data), fsdp="full_shard"), args, None)
     return checkpointed
+
+
+def _both_sizes(sizes: Dict[str, Any], args: Dict[str, Any]) -> Dict[str, Any]:
+    """The batch and the accumulation both, where either changed (a proposal's words name both)."""
+    if not sizes:
+        return {}
+    return {key: args[key] for key in ("per_device_train_batch_size", "gradient_accumulation_steps")}
+
+
+def _data_parallel_args(base: Dict[str, Any], world_size: int) -> Optional[Dict[str, Any]]:
+    """`base` on all `world_size` processes as data parallelism (its `parallelism_config` left out),
+    the per-process batch and accumulation chosen to keep the effective batch: a tensor-parallel
+    setting's processes share a batch, data parallelism's each take their own. None where the
+    effective batch does not split over the processes."""
+    tp, dp = layout_sizes(base, world_size)
+    args = {key: value for key, value in base.items() if key != "parallelism_config"}
+    if tp == 1:
+        return args
+    batch = int(base.get("per_device_train_batch_size") or 1)
+    samples = batch * int(base.get("gradient_accumulation_steps") or 1) * dp
+    if samples % world_size:
+        return None
+    per_process = samples // world_size
+    batch = max(d for d in _divisors(per_process) if d <= batch)
+    return dict(args, per_device_train_batch_size=batch, gradient_accumulation_steps=per_process // batch)
+
+
+def _propose_layouts(search: "_Search", base: Dict[str, Any], sizes: Sequence[int]) -> None:
+    """Tensor parallelism of each size in `sizes`, alone on the processes or with FSDP2 on the rest,
+    the accumulation multiplied by the size: its processes share one batch, so the effective batch
+    stays the user's."""
+    world = search.world_size
+    own_tp, _ = layout_sizes(base, world)
+    args = {key: value for key, value in base.items()
+            if key not in ("deepspeed", "fsdp", "fsdp_config", "parallelism_config")}
+    batch = int(base.get("per_device_train_batch_size") or 1)
+    samples = int(base.get("gradient_accumulation_steps") or 1) * world // own_tp  # micro-batches per step, all ranks
+    for tp in sizes:
+        if tp <= 1 or world % tp or tp == own_tp or samples % (world // tp):
+            continue
+        layout = {"tp_size": tp, "dp_shard_size": world // tp, "dp_replicate_size": 1, "cp_size": 1}
+        text = f"tp={tp}" + (f",dp_shard={world // tp}" if world > tp else "")
+        sizes_kept = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // (world // tp))
+        search.plan(dict(sizes_kept, parallelism=text), dict(args, parallelism_config=layout, **sizes_kept), None)
 
 
 def _propose_allowed(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],

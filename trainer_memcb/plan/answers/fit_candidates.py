@@ -160,6 +160,8 @@ def describe_changes(changes: Dict[str, Any]) -> str:
         words.append(changes["deepspeed"])
     if "fsdp" in changes:
         words.append("FSDP2 full shard")
+    if "parallelism" in changes:
+        words.append(f"tensor parallelism {changes['parallelism']}")
     if "PYTORCH_CUDA_ALLOC_CONF" in changes:
         words.append(f"PYTORCH_CUDA_ALLOC_CONF={changes['PYTORCH_CUDA_ALLOC_CONF']}")
     if changes.get("precompute_ref_log_probs"):
