@@ -192,9 +192,10 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         tensor_parallel_sizes: the tensor-parallel sizes proposed (each divides `world_size`; the
             model's heads and widths split over it): `tp` alone where it is `world_size`, else with
             FSDP2 on `world_size / tp` (a `parallelism_config` in the `TrainingArguments` dict).
-        links, shape, parameter_bytes: the links' bandwidths, the model's shape and its parameters'
-            bytes on the device, for the collectives' share of the step time
+        links: the links' bandwidths, for the collectives' share of the step time
             (`fit_comm.communication_seconds`; None: communication not counted).
+        shape: the model's shape, for tensor parallelism's activation collectives.
+        parameter_bytes: the model's parameters' bytes on the device, for the data-parallel ones.
 
     Raises:
         ValueError: an unknown change in `allow`, a bad `max_candidates`.
