@@ -258,7 +258,8 @@ def memtracker_run(engine: str) -> dict:
         step()
     snapshot = tracker.get_tracker_snapshot("peak")
     (stats,) = snapshot[model].values() if model in snapshot else snapshot.values()
-    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()}}
+    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
+            "logged": logged_figures(model, optimizer, step) if engine == "tp-fsdp2" else None}
 
 
 def ddp_memtracker_run(engine: str) -> dict:
@@ -283,7 +284,19 @@ def ddp_memtracker_run(engine: str) -> dict:
         step()
     stats = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
-            "params": parameter_bytes(model)}
+            "params": parameter_bytes(model),
+            "logged": logged_figures(model, optimizer, step) if engine.startswith("tp") else None}
+
+
+def logged_figures(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> dict:
+    """What the custom loop's `OptimizerMemoryLogger` (the callback's measuring, given the model)
+    logs after one more step (made after the tracked one, so its hooks stay out of the tracker's
+    figures), on every process: its own figures and the job's, exchanged."""
+    from trainer_memcb import OptimizerMemoryLogger
+
+    logger = OptimizerMemoryLogger(optimizer, model=model)
+    step()
+    return dict(logger())
 
 
 def parameter_bytes(model: torch.nn.Module) -> dict:

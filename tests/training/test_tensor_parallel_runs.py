@@ -116,3 +116,40 @@ def test_tp2_fsdp2_peak_per_process_equals_fsdp_memtrackers_on_the_real_run(tp_f
         states = plan.step.model_states_at_optimizer_step_bytes
         assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"] == 115_328
         assert real["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"] == 2 * 115_328 + 21 * 4
+
+
+# -- What the logger logs under TP ------------------------------------------------------------------
+
+
+def _logged_keys():
+    from trainer_memcb.training.figures import MEASURED_BYTES, MEASURED_TOTAL_BYTES, MODEL_PARAMS_BYTES
+
+    return MEASURED_BYTES, MEASURED_TOTAL_BYTES, MODEL_PARAMS_BYTES
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_the_loggers_figures_under_tp_are_each_process_s_shards_and_the_plan_s(tp_tracked):
+    # `OptimizerMemoryLogger(optimizer, model=model)`, the callback's measuring in a custom loop, after
+    # the real step: each process reads its DTensor shards' local bytes (metadata only), the job's
+    # total is their sum, as under FSDP2.
+    measured, total, params = _logged_keys()
+    own = []
+    for rank, real in enumerate(tp_tracked):
+        settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+        states = plan.step.model_states_at_optimizer_step_bytes
+        logged = real["logged"]
+        assert logged[params] == states["parameters"] == 230_656
+        # Two moments of the shards (the norms whole on each process) and 21 step counts.
+        assert logged[measured] == states["optimizer_state"] == 2 * 230_656 + 21 * 4
+        own.append(logged[measured])
+    assert {real["logged"][total] for real in tp_tracked} == {sum(own)}
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_the_loggers_figures_under_tp_x_fsdp2_are_each_process_s_shards(tp_fsdp2_tracked):
+    measured, total, params = _logged_keys()
+    for real in tp_fsdp2_tracked:
+        assert real["logged"][params] == 115_328
+        assert real["logged"][measured] == 2 * 115_328 + 21 * 4
+        assert real["logged"][total] == 4 * (2 * 115_328 + 21 * 4)
