@@ -90,3 +90,13 @@ def test_the_training_args_parallelism_config_is_the_layout(tiny_llama_dir, tmp_
     used = {name: (value, source) for name, value, source in document["settings"]["used"]}
     assert used["tp_size"] == (2, "training args (parallelism_config)") and used["world_size"][0] == 2
     assert document["step"]["peak_bytes"] == 1_038_232
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@pytest.mark.parametrize("layout,row", [("tp=2", "tensor parallel"),
+                                        ("tp=2,dp_shard=2", "fsdp-full-shard x tensor parallel")])
+def test_the_model_states_table_names_tensor_parallelism(tiny_llama_dir, capsys, layout, row):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", layout])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("sharding ")]
+    # The settings table's row first (the engine's sharding, from where it came), the model states' last.
+    assert code == 0 and " ".join(lines[-1][1:]) == row

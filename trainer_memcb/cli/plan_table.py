@@ -33,6 +33,14 @@ def _memory_rows(device_memory: Optional[int], reserve: Optional[int], context: 
     return rows
 
 
+def _sharding_cell(sharding: str, plan: ModelStatesPlan) -> str:
+    """The setup's sharding, and tensor parallelism where the step was traced under it (the rows'
+    engine `tp`, or `tp-fsdp2` beside FSDP2's shards)."""
+    if not any(entry.engine in ("tp", "tp-fsdp2") for entry in plan.optimizers):
+        return sharding
+    return "tensor parallel" if sharding == "none" else f"{sharding} x tensor parallel"
+
+
 def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
                 reserve: Optional[int] = None, verdict: bool = True, context: int = 0) -> List[TextTable]:
     """The setup, then one row per optimizer: the four states of the fullest process and where they live.
@@ -52,7 +60,7 @@ def plan_tables(plan: ModelStatesPlan, device_memory: Optional[int] = None,
         ["parameters", count_cell(plan.total_params)],
         ["trainable parameters", count_cell(plan.trainable_params)],
         ["processes", f"{setup.world_size} on {setup.nodes} node{'s' if setup.nodes > 1 else ''}"],
-        ["sharding", setup.sharding],
+        ["sharding", _sharding_cell(setup.sharding, plan)],
         ["precision", setup.precision],
         ["offload to CPU", ", ".join(offload) or "none"],
     ] + (_memory_rows(device_memory, reserve, context) if verdict else []) + ([["reference model (frozen copy)", plan.reference_model_note
