@@ -27,6 +27,7 @@ from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel
 from trainer_memcb.plan.device.snapshot_replay import replay_snapshot
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step.engines.fsdp2 import FSDP2_STREAMS
+from trainer_memcb.plan.step.engines.zero import REDUCTION_STREAM
 from trainer_memcb.plan.step.trace import trace_step
 
 # Figures counted on torch 2.13 and transformers 5 (tests/plan/test_step_replay.py says why the
@@ -147,6 +148,32 @@ def test_ddp_allocates_on_the_default_stream_alone():
     replay = replay_step(timeline, alloc_conf="")
     assert replay.reserved_peak_bytes == replay_step(dataclasses.replace(timeline, streams={})).reserved_peak_bytes \
         == 27_262_976
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_overlap_comm_makes_the_gradient_partition_on_its_reduction_stream(stage):
+    def zero(overlap_comm):
+        return traced(world_size=2, hidden_size=64, deepspeed={"zero_optimization": {
+            "stage": stage, "overlap_comm": overlap_comm, "reduce_bucket_size": "auto"}})
+
+    overlapped, plain = zero(True), zero(False)
+    # deepspeed 0.19.8 stage_1_and_2.py `reduce_ipg_grads`: with overlap_comm the copies into this
+    # rank's partition run under `get_accelerator().stream(self.reduction_stream)`, where
+    # `copy_grads_in_partition` makes `grads_in_partition` (half of the 115,008 fp32 gradients with
+    # the group's padding: 230,144 bytes); the two reduce buckets (4,096 values each) are made on the
+    # default stream by `setup_buckets`, from the gradient hook.
+    assert overlapped.stream_names == {REDUCTION_STREAM: "reduction_stream"}
+    assert on_streams(overlapped) == {(REDUCTION_STREAM, "gradients", 230_144): 1, (0, "engine_buffers", 16_384): 2}
+    # Without overlap_comm the reduction runs on the current stream: one stream, one bucket.
+    assert plain.streams == {} and on_streams(plain) == {(0, "engine_buffers", 16_384): 1}
+    # The partition is a small block that the default stream's cached ones cannot serve: a 2 MiB
+    # segment of the reduction stream's own.
+    one_stream = dataclasses.replace(overlapped, streams={})
+    assert segments_by_stream(overlapped) - segments_by_stream(one_stream) == {
+        (REDUCTION_STREAM, "small", SMALL_SEGMENT): 1}
+    assert segments_by_stream(one_stream) - segments_by_stream(overlapped) == {}
+    assert (replay_step(overlapped, alloc_conf="").reserved_peak_bytes,
+            replay_step(one_stream, alloc_conf="").reserved_peak_bytes) == (27_262_976, 25_165_824)
 
 
 def test_the_cuda_plan_reports_the_per_stream_figure_and_its_snapshot_reads_back_equal(tmp_path):
