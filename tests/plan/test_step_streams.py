@@ -98,6 +98,8 @@ def test_fsdp2_gathers_on_its_copy_in_stream_and_reduces_onto_its_reduce_scatter
     # (a synchronous collective of ProcessGroupNCCL runs on the current stream and makes no tensor),
     # and the unsharded parameters are made in the copy-out, on the default stream.
     assert ALL_GATHER not in fsdp2.streams.values()
+    # The timeline's own allocator events name the stream of each of those storages.
+    assert {event[1]: event[3] for event in fsdp2.allocations() if len(event) == 4} == dict(fsdp2.streams)
     assert not any(fsdp2.streams.get(serial) for serial, part in fsdp2.tags.items() if part == "unsharded_parameters")
 
 

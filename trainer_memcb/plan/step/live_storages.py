@@ -21,6 +21,10 @@ order), so that once the step is over and every storage's part is known, `most_b
 and gives the most bytes each part held at one moment (the model-states table's figures per
 engine: DDP's gradients with their buckets, ZeRO-1's whole gradients before the reduction).
 
+Where an engine allocates on streams of its own, it sets `stream_of`, and each storage is noted
+with the stream current when it starts to count (`streams`, the default stream's left out): the
+allocator replay gives a block back only to its own stream.
+
 It reads metadata only, and is meant for fake tensors (`FakeTensorMode`): nothing is allocated,
 so the figures are what a caching-free allocator would hold, storage by storage, on the device the
 tensors claim.

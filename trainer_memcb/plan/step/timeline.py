@@ -161,11 +161,19 @@ class Timeline:
         """The bytes of the storages `serials`, each once."""
         return sum(self.sizes[serial] for serial in set(serials))
 
-    def allocations(self) -> Iterator[Union[Tuple[str, int, int], Tuple[str, int]]]:
-        """The events as an allocator sees them, in order: `("alloc", serial, nbytes)` and
-        `("free", serial)`; the storages of every part, those on the host (`host_parts`) too."""
+    def allocations(self) -> Iterator[Union[Tuple[str, int, int, int], Tuple[str, int, int], Tuple[str, int]]]:
+        """The events as an allocator sees them, in order: `("alloc", serial, nbytes)` (with its
+        stream, `("alloc", serial, nbytes, stream)`, for a storage on a stream other than the
+        default one) and `("free", serial)`; the storages of every part, those on the host
+        (`host_parts`) too."""
+        streams = self.streams
         for event in self.events:
-            yield ("alloc", event, self.sizes[event]) if event >= 0 else ("free", ~event)
+            if event < 0:
+                yield ("free", ~event)
+            elif event in streams:
+                yield ("alloc", event, self.sizes[event], streams[event])
+            else:
+                yield ("alloc", event, self.sizes[event])
 
     def most_by(self, group_of: Callable[[int], Optional[str]]) -> Dict[str, int]:
         """The most bytes each group held at one moment since the step began (`step_start`), the
