@@ -140,7 +140,8 @@ def test_fsdp2_reserves_a_small_segment_for_each_of_its_streams(fsdp2):
 
 def test_ddp_allocates_on_the_default_stream_alone():
     timeline = traced(world_size=2, sharding="ddp")
-    # reducer.cpp: the buckets are made at construction on the current stream, each gradient is
+    # reducer.cpp: the buckets are made at construction on the current stream (`at::empty`: the
+    # comm-optimized pool is off unless DDP_DISABLE_COMM_MEM=0), each gradient is
     # copied into its bucket view on the autograd engine's (the default) stream, and the
     # all-reduce works in place on the bucket; ProcessGroupNCCL runs that asynchronous collective on
     # its own stream and stashes the bucket until `wait` (TORCH_NCCL_AVOID_RECORD_STREAMS is the
