@@ -191,7 +191,7 @@ def plan_snapshot(plan: StepMemoryPlan) -> Dict[str, Any]:
             frames = _phase_frames(where, "empty_cache")
         try:
             if kind == "alloc":
-                model.malloc(event[1], event[2])
+                model.malloc(*event[1:])
             elif kind == "free":
                 model.free(event[1])
             else:
@@ -199,7 +199,8 @@ def plan_snapshot(plan: StepMemoryPlan) -> Dict[str, Any]:
         except OutOfMemory:
             record(since, frames)
             free = max(0, (options.device_memory or 0) - model.reserved)
-            events.append({"action": "oom", "addr": free, "size": event[2], "stream": 0, "device_free": free,
+            events.append({"action": "oom", "addr": free, "size": event[2], "stream": event[3] if len(event) > 3 else 0,
+                           "device_free": free,
                            "frames": frames})
             break
         record(since, frames)
@@ -287,7 +288,7 @@ def step_series(plan: StepMemoryPlan, max_points: int = 2000) -> StepSeries:
             if kind == "alloc":
                 part = _part_of_key(event[1], parts)
                 if model is not None:
-                    model.malloc(event[1], event[2])
+                    model.malloc(*event[1:])
                 if part in slot:
                     sizes[event[1]] = (slot[part], event[2])
                     alive[slot[part]] += event[2]

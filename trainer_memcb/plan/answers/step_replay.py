@@ -27,13 +27,19 @@ of that allocator (`trainer_memcb.plan.device.caching_allocator.CachingAllocator
   one pair at the forward's first matrix multiply, and one for the autograd engine's device
   thread, whose handle is its own, at the backward's first. They are allocated, so they are in the
   replay's allocated figures (`allocated_peak_bytes`), not in the trace's `peak_bytes`.
+- **Streams**: a storage the timeline puts on a stream of the engine's own (`Timeline.streams`:
+  FSDP2's all-gather copy-in, reduce-scatter and all-reduce streams) is allocated on that stream
+  (`("alloc", key, nbytes, stream)`), so the allocator gives its block, once freed, to that
+  stream's later requests alone, and a request of that stream takes no block freed on another.
+  No engine traced here calls `record_stream` (FSDP2 holds its buffers until an event instead, and
+  ProcessGroupNCCL stashes a collective's tensors), so every free returns its block at once.
 - Only the device's storages are replayed: what an engine keeps on the host (offload, the
   timeline's `host_parts`) never reaches the allocator.
 
 What is not replayed: the `scaled_dot_product_attention` differences between the CPU kernel the
 trace runs and CUDA's (the memory-efficient kernel's padded logsumexp, FlashAttention-2's backward
-workspaces), gradient accumulation's micro-batches, NCCL's buffers (outside the allocator), CUDA
-graphs and other streams. `fits?` leaves them to the user's `reserve_bytes`.
+workspaces), gradient accumulation's micro-batches, NCCL's buffers (outside the allocator) and CUDA
+graphs. `fits?` leaves them to the user's `reserve_bytes`.
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ def step_allocations(timeline: Timeline, *, compute_capability: Tuple[int, int] 
 
 def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_steps: Optional[int],
            env: Optional[Mapping[str, str]]) -> Tuple[List[Tuple[_Event, str]], int]:
-    events, sizes = timeline.events, timeline.sizes
+    events, sizes, streams = timeline.events, timeline.sizes, timeline.streams
     host_parts = set(timeline.host_parts)
     tags = timeline.tags
     on_host = {serial for serial, tag in tags.items() if tag in host_parts} if host_parts else set()
@@ -148,7 +154,8 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
             continue
         if event >= 0:
             alive[serial] = None
-            append((("alloc", serial, sizes[serial]), phase))
+            stream = streams.get(serial)
+            append((("alloc", serial, sizes[serial], stream) if stream else ("alloc", serial, sizes[serial]), phase))
         elif serial not in kept:
             del alive[serial]
             append((("free", serial), phase))
@@ -177,7 +184,8 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
             if serial in alive:  # made in step 1 and still alive: not made again
                 continue
             key = live2[serial] = (2, serial)
-            append((("alloc", key, sizes[serial]), phase))
+            stream = streams.get(serial)
+            append((("alloc", key, sizes[serial], stream) if stream else ("alloc", key, sizes[serial]), phase))
         elif serial not in kept:
             key = live2.pop(serial, None)
             if key is not None:
@@ -220,7 +228,7 @@ def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] =
                 reserved_after[0] = model.reserved
             kind = event[0]
             if kind == "alloc":
-                malloc(event[1], event[2])
+                malloc(*event[1:])
                 if model.reserved > best_reserved:
                     best_reserved, at_peak = model.reserved, model.allocated
             elif kind == "free":

@@ -21,6 +21,10 @@ order), so that once the step is over and every storage's part is known, `most_b
 and gives the most bytes each part held at one moment (the model-states table's figures per
 engine: DDP's gradients with their buckets, ZeRO-1's whole gradients before the reduction).
 
+Where an engine allocates on streams of its own, it sets `stream_of`, and each storage is noted
+with the stream current when it starts to count (`streams`, the default stream's left out): the
+allocator replay gives a block back only to its own stream.
+
 It reads metadata only, and is meant for fake tensors (`FakeTensorMode`): nothing is allocated,
 so the figures are what a caching-free allocator would hold, storage by storage, on the device the
 tensors claim.
@@ -57,6 +61,7 @@ class TrackerState(NamedTuple):
     first_matmul: Dict[str, int]
     phase: str
     watch: Optional[Dict[int, Any]]
+    streams: Dict[int, int] = {}
 
 
 class LiveStorages(TorchDispatchMode):
@@ -110,6 +115,12 @@ class LiveStorages(TorchDispatchMode):
         # phase -> the position in `events` where its first matrix multiply ran (its outputs
         # recorded from there): where CUDA makes a cuBLAS handle's workspaces (the allocator replay).
         self.first_matmul: Dict[str, int] = {}
+        # Called as stream_of() when a storage starts to count: the number of the stream it is
+        # allocated on (0: the default stream), where an engine runs work on streams of its own
+        # (FSDP2's all-gather and reduce-scatter streams); None: every storage on the default one.
+        self.stream_of: Optional[Any] = None
+        # serial number -> its allocation stream, for the storages not on the default stream.
+        self.streams: Dict[int, int] = {}
 
     def __enter__(self) -> "LiveStorages":
         self._original_resize = torch.UntypedStorage.resize_
@@ -153,7 +164,8 @@ class LiveStorages(TorchDispatchMode):
         return TrackerState(tuple(self.events), dict(self.sizes), dict(self.tags), dict(self._tensors),
                             dict(self._storages), dict(self._serial), dict(self._seen),
                             {ident: ref.__callback__.keys for ident, ref in self._seen.items()}, self.alive_bytes,
-                            dict(self.first_matmul), self.phase, dict(self.watch) if self.watch is not None else None)
+                            dict(self.first_matmul), self.phase, dict(self.watch) if self.watch is not None else None,
+                            dict(self.streams))
 
     def restore(self, state: "TrackerState", replacements: Dict[int, torch.Tensor]) -> None:
         """Count again exactly what `state` counted, as if nothing had run since `snapshot`: the
@@ -164,6 +176,7 @@ class LiveStorages(TorchDispatchMode):
         self.events = list(state.events)
         self._record = self.events.append
         self.sizes, self.tags, self.first_matmul = dict(state.sizes), dict(state.tags), dict(state.first_matmul)
+        self.streams = dict(state.streams)
         self._tensors, self._storages, self._serial = dict(state.tensors), dict(state.storages), dict(state.serial)
         self.alive_bytes, self.phase = state.alive_bytes, state.phase
         self.watch = dict(state.watch) if state.watch is not None else None
@@ -188,6 +201,7 @@ class LiveStorages(TorchDispatchMode):
         self._record(~serial)
         serial = self._serial[key] = len(self.sizes)
         self.sizes[serial] = nbytes
+        self._on_stream(serial)
         self._record(serial)
         if part is not None:
             self.tags[serial] = part
@@ -206,9 +220,16 @@ class LiveStorages(TorchDispatchMode):
         if tag is not None:
             self.tags[serial] = tag
         self.sizes[serial] = storage.nbytes()
+        self._on_stream(serial)
         self._record(serial)
         self.alive_bytes += self.sizes[serial]
         self._check_peak()
+
+    def _on_stream(self, serial: int) -> None:
+        """Note the stream storage `serial` is allocated on, where it is not the default one."""
+        stream = self.stream_of() if self.stream_of is not None else 0
+        if stream:
+            self.streams[serial] = stream
 
     def add(self, tensor: torch.Tensor) -> None:
         """Count a tensor that exists before the step (a parameter, a buffer, the batch)."""
@@ -235,6 +256,8 @@ class LiveStorages(TorchDispatchMode):
                 serial = self._serial[key] = len(self.sizes)
                 self.sizes[serial] = nbytes
                 self.alive_bytes += nbytes
+                if self.stream_of is not None:
+                    self._on_stream(serial)
                 self._record(serial)
             else:
                 self._tensors[key] = count + 1

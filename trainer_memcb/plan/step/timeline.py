@@ -78,6 +78,11 @@ class Timeline:
         first_matmul: phase -> the position in `events` of its first matrix multiply (where CUDA
             makes a cuBLAS handle's workspaces); `groups["batch"]` holds the batch's storages alone.
         generation: TRL's GRPO step's generation phase's peak (None for other steps).
+        streams: serial number -> the CUDA stream the storage is allocated on, for those an
+            engine allocates on a stream of its own (FSDP2's all-gather and reduce-scatter
+            streams); every other storage is on the default stream, 0. The caching allocator
+            gives a block freed on one stream to that stream alone (the allocator replay).
+        stream_names: stream number -> the engine's name for it.
     """
 
     events: Tuple[int, ...]
@@ -107,6 +112,8 @@ class Timeline:
     # TRL's GRPO step: its generation phase's peak (before the first forward), apart from
     # `forward_backward` (the training phase's); None for every other step.
     generation: Optional[PhasePeak] = None
+    streams: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    stream_names: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
     def with_resident(self, part: str, nbytes: int, *, state: Optional[str] = None,
                       group: Optional[str] = None) -> "Timeline":
@@ -154,11 +161,19 @@ class Timeline:
         """The bytes of the storages `serials`, each once."""
         return sum(self.sizes[serial] for serial in set(serials))
 
-    def allocations(self) -> Iterator[Union[Tuple[str, int, int], Tuple[str, int]]]:
-        """The events as an allocator sees them, in order: `("alloc", serial, nbytes)` and
-        `("free", serial)`; the storages of every part, those on the host (`host_parts`) too."""
+    def allocations(self) -> Iterator[Union[Tuple[str, int, int, int], Tuple[str, int, int], Tuple[str, int]]]:
+        """The events as an allocator sees them, in order: `("alloc", serial, nbytes)` (with its
+        stream, `("alloc", serial, nbytes, stream)`, for a storage on a stream other than the
+        default one) and `("free", serial)`; the storages of every part, those on the host
+        (`host_parts`) too."""
+        streams = self.streams
         for event in self.events:
-            yield ("alloc", event, self.sizes[event]) if event >= 0 else ("free", ~event)
+            if event < 0:
+                yield ("free", ~event)
+            elif event in streams:
+                yield ("alloc", event, self.sizes[event], streams[event])
+            else:
+                yield ("alloc", event, self.sizes[event])
 
     def most_by(self, group_of: Callable[[int], Optional[str]]) -> Dict[str, int]:
         """The most bytes each group held at one moment since the step began (`step_start`), the

@@ -357,7 +357,8 @@ def _timeline_of(step: _Step, micro_peaks: List[Tuple[int, Tuple[Any, ...]]], ac
         micro_batch_peaks=tuple((number, PhasePeak(label, peak, tuple(keys), frozenset(watch)))
                                 for number, (peak, label, keys, watch) in micro_peaks) if len(micro_peaks) > 1 else (),
         phase_starts=phase_starts, first_matmul=dict(tracker.first_matmul),
-        flops=flop_totals[0] if flop_totals else None, generation=step.generation)
+        flops=flop_totals[0] if flop_totals else None, generation=step.generation,
+        streams=dict(tracker.streams), stream_names=dict(engine.stream_names))
     return dataclasses.replace(timeline, states=_states_of(timeline, engine))
 
 
@@ -512,7 +513,7 @@ def _another_optimizer(prefix: _Prefix, build_optimizer: Callable[[nn.Module], A
     timeline = dataclasses.replace(
         first, events=tuple(tracker.events[:end]) + prefix.tail, sizes=tracker.sizes, tags=tracker.tags,
         groups=dict(first.groups, optimizer_state=frozenset(stepped.state)), optimizer_step=stepped.peak,
-        optimizer_failure=stepped.failure, first_matmul=dict(tracker.first_matmul),
+        optimizer_failure=stepped.failure, first_matmul=dict(tracker.first_matmul), streams=dict(tracker.streams),
         flops=prefix.before.flops + flop_totals[0] if flop_totals else None)
     return dataclasses.replace(timeline, states=_states_of(timeline, step.engine))
 

@@ -52,6 +52,9 @@ class StepEngine:
     name = "none"
     # True where the engine makes the optimizer state before the step (DeepSpeed does, at init).
     state_resident = False
+    # The CUDA streams other than the default one (0) that the engine allocates on, by number
+    # (`Timeline.streams`); one process allocates everything on the default stream.
+    stream_names: Dict[int, str] = {}
 
     def __init__(self, max_grad_norm: Optional[float] = 1.0) -> None:
         self.max_grad_norm = max_grad_norm

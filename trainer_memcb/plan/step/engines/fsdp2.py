@@ -33,6 +33,23 @@ accelerate hand `fully_shard` a `MixedPrecisionPolicy` of 16-bit parameters and 
 (`mixed_precision_policy`): the shards and the optimizer state stay fp32, what is gathered and
 reduce-scattered is 16-bit.
 
+Streams: FSDP2 runs its communication on streams of its own (`FSDPCommContext.lazy_init`), and
+every storage is counted with the stream current when it is allocated (`LiveStorages.stream_of`):
+the trace runs the real code on the CPU, whose `torch.cpu.stream` context sets a current stream as
+`torch.cuda.stream` does, so which allocation lands on which stream is the installed torch's. In
+torch 2.13 (`_fsdp_collectives.py`): each all-gather's inputs (the 16-bit casts of the shards) and
+its output are allocated on the all-gather copy-in stream (`foreach_all_gather`, in forward and
+for the backward's unshards, `get_all_gather_streams`), the collective runs on the all-gather
+stream and allocates nothing, and the unsharded parameters are made on the default stream in the
+copy-out; the reduce-scatter's input on the default stream, its output (the sharded gradients,
+and their fp32 cast under mixed precision) on the reduce-scatter stream, HSDP's all-reduce on the
+all-reduce stream. FSDP2 calls no `record_stream`: it keeps each buffer alive until an event says
+the other stream is done (`AllGatherState`, `ReduceScatterState`), and ProcessGroupNCCL stashes a
+collective's tensors rather than recording streams (`TORCH_NCCL_AVOID_RECORD_STREAMS` is the
+default) and runs a synchronous collective on the current stream. A block freed on the default
+stream returns to the pool of the stream it was allocated on, so the all-gather outputs and the
+sharded gradients are reused only by their own stream's later allocations.
+
 CPU offload (`CPUOffloadPolicy`): the sharded parameters, their gradients and the optimizer state
 live on the CPU; the trace runs on the CPU for both, so those storages are moved out of the
 device's timeline by part when the peak is read (`host_parts`).
@@ -47,7 +64,12 @@ from torch import nn
 
 from trainer_memcb.plan.step.engines.base import StepEngine
 
-__all__ = ["FSDP2Engine"]
+__all__ = ["FSDP2Engine", "FSDP2_STREAMS"]
+
+# FSDPCommContext's streams (torch 2.13 `_fsdp_param_group.py`, `lazy_init`), by the number the
+# plan gives each (`Timeline.streams`; 0 is the default stream).
+FSDP2_STREAMS = {1: "all_gather_copy_in_stream", 2: "all_gather_stream", 3: "reduce_scatter_stream",
+                 4: "all_reduce_stream"}
 
 
 def _layers(model: nn.Module) -> List[nn.Module]:
@@ -68,6 +90,7 @@ class FSDP2Engine(StepEngine):
     """
 
     name = "fsdp2"
+    stream_names = FSDP2_STREAMS
 
     def __init__(self, settings: Any) -> None:
         super().__init__(settings.max_grad_norm)
@@ -80,6 +103,8 @@ class FSDP2Engine(StepEngine):
         self._restore: Optional[Any] = None
         self._model: Optional[nn.Module] = None
         self._sync = True
+        self._default_stream: Any = None
+        self._stream_numbers: Dict[int, int] = {}  # id() of FSDP2's stream objects -> number
 
     def micro_batch(self, number: int, last: bool) -> None:
         # accelerate's `no_sync` for FSDP2: every micro-batch but the last keeps its gradients unsharded.
@@ -162,6 +187,23 @@ class FSDP2Engine(StepEngine):
     def attach(self, tracker: Any, counter: Any) -> None:
         super().attach(tracker, counter)
         tracker.on_op = self._on_op
+        self._default_stream = torch.cpu.current_stream()
+        tracker.stream_of = self._stream_now
+
+    def _stream_now(self) -> int:
+        """The number of the stream current now (`FSDP2_STREAMS`; 0 the default stream, and any
+        stream not FSDP2's)."""
+        current = torch.cpu.current_stream()
+        if current is self._default_stream:
+            return 0
+        number = self._stream_numbers.get(id(current))
+        if number is None and self._states:
+            # The streams are made at the root's lazy init, in the first forward, shared by all states.
+            context = getattr(self._states[0], "_comm_ctx", None)
+            for candidate, attribute in FSDP2_STREAMS.items():
+                if getattr(context, attribute, None) is current:
+                    number = self._stream_numbers[id(current)] = candidate
+        return number or 0
 
     def _on_op(self, func: Any, args: Any, kwargs: Dict[str, Any]) -> None:
         # The flat buffers FSDP2 hands its collectives (`_fsdp_collectives.py`): the all-gather's
@@ -202,6 +244,8 @@ class FSDP2Engine(StepEngine):
             hook.remove()
         if self.tracker is not None:
             self.tracker.on_op = None
+            self.tracker.stream_of = None
+        self._stream_numbers.clear()
         if self._restore is not None:
             self._restore()
             self._restore = None

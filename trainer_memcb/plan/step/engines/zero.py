@@ -81,6 +81,16 @@ true on the last micro-batch only, `engine.step()` after it only; no `no_sync`):
   gradient partition in place (`micro_step_id > 0`), and each micro-batch's forward and backward
   fetch and release the parameters as the first's.
 
+Streams: with `overlap_comm`, ZeRO-1/2's `reduce_ipg_grads` copies the reduced gradients into
+this rank's partition under `get_accelerator().stream(self.reduction_stream)`, so the 16-bit
+gradient partition `copy_grads_in_partition` makes there (`grads_in_partition`, each micro-batch's
+under ZeRO-2's accumulation) is allocated on that stream (`REDUCTION_STREAM`); every other buffer
+modelled here is made on the default stream. Not modelled: ZeRO-3's streams (the whole parameters
+gathered under the coordinator's `__allgather_stream`, each freed after a `record_stream` on the
+compute stream, `free_param`; the reductions under `reduce_and_partition_stream`): the model counts a
+gathered parameter and its partition as one storage, which would have to be split first; and the
+`record_stream` calls of ZeRO-1/2 with `offload_optimizer` (`_record_gradient_stream`).
+
 Not modelled: ZeRO-3's prefetching in forward's own timeline, ZeRO-3's offload staging
 buffers on an accelerator, the all-gather of the updated 16-bit partitions (done in place
 in the flat 16-bit buffers, `allgather_bucket_size` bounding each call's chunk, no new memory in
@@ -105,7 +115,11 @@ from trainer_memcb.state.rules.deepspeed_zero import (
     zero12_partition_numel,
 )
 
-__all__ = ["ZeroEngine"]
+__all__ = ["ZeroEngine", "REDUCTION_STREAM"]
+
+# DeepSpeedZeroOptimizer's `reduction_stream` (stage_1_and_2.py `__init__`), by the number the plan
+# gives it (`Timeline.streams`).
+REDUCTION_STREAM = 1
 
 
 class ZeroEngine(StepEngine):
@@ -161,6 +175,10 @@ class ZeroEngine(StepEngine):
         self._boundary = True
         self._accumulated: List[torch.Tensor] = []  # ZeRO-2: the first micro-batch's grads_in_partition
         self._host_accumulation: List[torch.Tensor] = []  # ZeRO-1/2 offload: accumulated_grads_in_cpu
+        # ZeRO-1/2 reduce on their own stream with overlap_comm; the stream allocations go to now.
+        self._reduces_on_stream = self.stage in (1, 2) and bool(settings.overlap_comm)
+        self.stream_names = {REDUCTION_STREAM: "reduction_stream"} if self._reduces_on_stream else {}
+        self._stream = 0
 
     # -- construction (deepspeed.initialize) ------------------------------------------------------
     def wrap(self, model: nn.Module, mode: Any) -> nn.Module:
@@ -292,6 +310,8 @@ class ZeroEngine(StepEngine):
 
     def attach(self, tracker: Any, counter: Any) -> None:
         super().attach(tracker, counter)
+        if self._reduces_on_stream:
+            tracker.stream_of = self._stream_now
         self._host_bit16_serials = set(tracker.serials(self._host_bit16))
         if self.stage == 3:
             # Each parameter is its 16-bit partition outside its module's use.
@@ -542,7 +562,10 @@ class ZeroEngine(StepEngine):
         # of this rank's own partition (`is_param_in_current_partition`), not at the first one.
         if self.stage != 3 and not self._grad_partition and not self._fp32_grads and in_partition:
             numel = zero12_gradient_numel([[p.numel() for p in group] for group in self._groups], self.world, self.rank)
+            # Made inside reduce_ipg_grads' `with stream(...)`: the reduction stream with overlap_comm.
+            self._stream = REDUCTION_STREAM if self._reduces_on_stream else 0
             self._grad_partition = [torch.empty(numel, dtype=self._trainable[0].dtype)]
+            self._stream = 0
             self.tracker.tag(self._grad_partition, "gradients")
         if param.grad is not None:
             self.tracker.tag([param.grad], "gradients")  # the whole gradient, until its reduction frees it
@@ -580,6 +603,9 @@ class ZeroEngine(StepEngine):
             return self._step_where_it_runs(optimizer)
         finally:
             self._persistent_whole(True)
+
+    def _stream_now(self) -> int:
+        return self._stream
 
     def _persistent_whole(self, whole: bool) -> None:
         # Their partitions are counted apart (`_persistent_partitions`), so released they are none.
@@ -650,6 +676,8 @@ class ZeroEngine(StepEngine):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.tracker is not None and self.tracker.stream_of == self._stream_now:
+            self.tracker.stream_of = None
         self._buckets = []
         self._grad_partition = []
         self._accumulated = []
