@@ -27,6 +27,7 @@ from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
 from trainer_memcb.plan.answers.grpo_answer import check_grpo_batch, grpo_notes, planned_generation, with_vllm_share
+from trainer_memcb.plan.answers.kto_answer import kto_note
 from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
                                                   StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
@@ -195,6 +196,8 @@ def plan_step_memory(
     settings = _resolve(settings, args, meta, flags)
     settings = with_vllm_share(settings)  # colocated vLLM's share of the device, out of training's reach
     check_grpo_batch(settings)
+    if getattr(settings.preference, "trainer", None) == "kto" and settings.batch_size is not None:
+        settings.preference.check_batch(settings.batch_size)
     if settings.batch_size is None:
         raise ValueError("batch_size=None: expected a whole number of at least 1")
     setup = setup_of(settings)
@@ -264,6 +267,8 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
     preference = settings.preference
     if getattr(preference, "trainer", None) == "grpo":
         notes.extend(grpo_notes(preference, settings))
+    elif getattr(preference, "trainer", None) == "kto":
+        notes.append(kto_note(preference, settings))
     elif preference is not None:
         notes.append(f"TRL's DPO step traced: chosen and rejected rows concatenated ({2 * settings.batch_size} x "
                      f"{settings.seq_len} tokens), TRL's fused LM head, loss {'+'.join(preference.loss_type)}, "
@@ -370,6 +375,8 @@ def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
     if getattr(step, "trainer", None) == "grpo":
         return PlannedPreference(trainer="grpo", reference=step.reference, beta=step.beta, loss_type=[step.loss_type],
                                  generation=planned_generation(step, settings))
+    if getattr(step, "trainer", None) == "kto":
+        return PlannedPreference(trainer="kto", reference=step.reference, beta=step.beta, loss_type=[step.loss_type])
     return PlannedPreference(trainer="dpo", reference=step.reference, beta=step.beta, loss_type=list(step.loss_type))
 
 

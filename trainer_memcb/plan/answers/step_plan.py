@@ -64,12 +64,12 @@ class PlannedGeneration:
 
 @dataclass(frozen=True)
 class PlannedPreference:
-    """TRL's preference or RL step planned (`--trainer dpo`, `--trainer grpo`).
+    """TRL's preference or RL step planned (`--trainer dpo`, `--trainer kto`, `--trainer grpo`).
 
     Attributes:
-        trainer: "dpo" (TRL's `DPOTrainer`) or "grpo" (`GRPOTrainer`).
+        trainer: "dpo" (TRL's `DPOTrainer`), "kto" (`KTOTrainer`) or "grpo" (`GRPOTrainer`).
         reference: where the reference log-probs come from: "model" (a frozen copy),
-            "adapters-disabled" (PEFT's base model), "precomputed" (read from the batch, DPO) or
+            "adapters-disabled" (PEFT's base model), "precomputed" (read from the batch, DPO, KTO) or
             "none" (GRPO with beta 0).
         beta, loss_type: the config's beta and its losses.
         generation: GRPO's generation phase; None for DPO.
