@@ -299,9 +299,7 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         peak_micro_batch=timeline.peak_micro_batch if traced.peak_phase != "optimizer step" else None,
         micro_batch_peak_bytes=traced.micro_batches, model_states_most_bytes=traced.states_most,
         model_states_host_bytes=traced.states_host, model_states_at_optimizer_step_bytes=traced.states_at_optimizer_step,
-        notes=notes, phases=[] if traced.generation_peak is None else [
-            {"phase": "generation", "peak_bytes": traced.generation_peak},
-            {"phase": "training", "peak_bytes": max(traced.forward_backward_peak, traced.optimizer_peak or 0)}])
+        notes=notes, phases=_phases(traced, settings))
     return StepMemoryPlan(planned, step, device, verdict, timeline=timeline, replay_options=replay_options)
 
 
@@ -366,6 +364,15 @@ def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_
         param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
         optimizer=settings.optimizer, used=[list(row) for row in settings.used()], packing=_packed_batch(settings),
         preference=_planned_preference(settings))
+
+
+def _phases(traced: Any, settings: StepSettings) -> List[Dict[str, Any]]:
+    """Each phase's device peak of TRL's GRPO step (generation, then training) and KTO's (training
+    alone); none for the other steps."""
+    training = {"phase": "training", "peak_bytes": max(traced.forward_backward_peak, traced.optimizer_peak or 0)}
+    if traced.generation_peak is not None:
+        return [{"phase": "generation", "peak_bytes": traced.generation_peak}, training]
+    return [training] if getattr(settings.preference, "trainer", None) == "kto" else []
 
 
 def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
