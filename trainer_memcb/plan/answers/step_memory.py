@@ -265,7 +265,7 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
     preference = settings.preference
-    if getattr(preference, "trainer", None) == "grpo":
+    if getattr(preference, "trainer", None) in ("grpo", "rloo"):
         notes.extend(grpo_notes(preference, settings))
     elif getattr(preference, "trainer", None) == "kto":
         notes.append(kto_note(preference, settings))
@@ -379,8 +379,8 @@ def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
     step = settings.preference
     if step is None:
         return None
-    if getattr(step, "trainer", None) == "grpo":
-        return PlannedPreference(trainer="grpo", reference=step.reference, beta=step.beta, loss_type=[step.loss_type],
+    if getattr(step, "trainer", None) in ("grpo", "rloo"):
+        return PlannedPreference(trainer=step.trainer, reference=step.reference, beta=step.beta, loss_type=[step.loss_type],
                                  generation=planned_generation(step, settings))
     if getattr(step, "trainer", None) == "kto":
         return PlannedPreference(trainer="kto", reference=step.reference, beta=step.beta, loss_type=[step.loss_type])

@@ -270,7 +270,12 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
         kwargs: Dict[str, Any] = dict(inputs.forward)
-        if _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
+        if _is_rloo(step.preference):  # RLOOTrainer.compute_loss over the buffered micro-batch
+            from trainer_memcb.plan.step.rloo import rloo_loss
+
+            with counter, autocast if autocast is not None else contextlib.nullcontext():
+                loss = rloo_loss(model, inputs, step.preference)
+        elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
             from trainer_memcb.plan.step.grpo import grpo_loss
 
             with counter, autocast if autocast is not None else contextlib.nullcontext():
@@ -303,7 +308,12 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
 
 
 def _is_grpo(preference: Any) -> bool:
-    return getattr(preference, "trainer", None) == "grpo"
+    """GRPO's step, or RLOO's, built as GRPO's: a generation phase, then the training phase."""
+    return getattr(preference, "trainer", None) in ("grpo", "rloo")
+
+
+def _is_rloo(preference: Any) -> bool:
+    return getattr(preference, "trainer", None) == "rloo"
 
 
 def _is_kto(preference: Any) -> bool:
@@ -315,11 +325,13 @@ def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: 
     micro-batch's forward: its peak kept apart (`_Step.generation`), the buffered generation batch
     the step's batch from then on, the training phase's peak counted from there."""
     from trainer_memcb.plan.step.grpo_generation import grpo_generation
+    from trainer_memcb.plan.step.rloo_generation import rloo_generation
 
     tracker = step.tracker
     tracker.phase = "generation"
     phase_starts["generation"] = len(tracker.events)
-    inputs = grpo_generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
+    generation = rloo_generation if _is_rloo(step.preference) else grpo_generation
+    inputs = generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
                              step.tokens or {}, autocast)
     step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
                                 frozenset(tracker.peak_watch))
