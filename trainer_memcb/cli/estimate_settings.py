@@ -106,9 +106,10 @@ def _trl_config_reader(trainer: str) -> Any:
     from trainer_memcb.cli.dpo_config import dpo_settings
     from trainer_memcb.cli.grpo_config import grpo_settings
     from trainer_memcb.cli.kto_config import kto_settings
+    from trainer_memcb.cli.rloo_config import rloo_settings
 
     return {"dpo": (dpo_settings, "DPOConfig"), "kto": (kto_settings, "KTOConfig"),
-            "grpo": (grpo_settings, "GRPOConfig")}[trainer]
+            "grpo": (grpo_settings, "GRPOConfig"), "rloo": (rloo_settings, "RLOOConfig")}[trainer]
 
 
 def _step_shape_and_device(args: argparse.Namespace) -> Dict[str, Any]:

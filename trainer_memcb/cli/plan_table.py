@@ -175,7 +175,7 @@ def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
                   ["activations peak", bytes_cell(step.activations_peak_bytes)],
                   ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}"
                    + _micro_batch_words(settings, step)]]
-        if step.phases:  # GRPO: the generation phase's peak and the training phase's
+        if len(step.phases) > 1:  # GRPO, RLOO: the generation phase's peak and the training phase's
             about.append(["phase peaks", ", ".join(f"{entry['phase']} {bytes_cell(entry['peak_bytes'])}"
                                                    for entry in step.phases)])
         about += _allocator_rows(device)

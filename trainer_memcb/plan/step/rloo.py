@@ -75,8 +75,8 @@ def rloo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> Rl
         raise ValueError("sync_ref_model with beta 0: TRL makes no reference model to synchronize; set beta above 0")
     if config.sync_ref_model and peft:
         raise ValueError("sync_ref_model with PEFT (--lora-r): TRL refuses it (no reference model to synchronize)")
-    unplanned = {"use_transformers_continuous_batching": bool(config.use_transformers_continuous_batching
-                                                              or config.use_transformers_paged),
+    unplanned = {"use_transformers_continuous_batching": bool(config.use_transformers_continuous_batching),
+                 "use_transformers_paged": bool(config.use_transformers_paged),
                  "router_aux_loss_coef": bool(config.router_aux_loss_coef),
                  "pad_to_multiple_of": config.pad_to_multiple_of not in (None, "auto")}
     for name, asked in unplanned.items():
