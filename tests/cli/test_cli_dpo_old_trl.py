@@ -1,6 +1,7 @@
-"""`--trainer dpo` and `--trainer grpo` on a TRL older than the one whose step is planned (1.16, its
-trainers' fused LM head): one usage line that says so, before anything is traced. Runs where such a TRL is installed
-(the oldest releases' pass); skips where TRL is 1.16 or newer."""
+"""`--trainer dpo`, `kto`, `grpo` and `rloo` on a TRL older than the one whose step is planned (1.16,
+its trainers' fused LM head): one usage line that says so, before anything is traced. Runs where such a
+TRL is installed (the oldest releases' pass: TRL 1.14.2 has a KTOTrainer and an RLOOTrainer, without the
+fused LM head); skips where TRL is 1.16 or newer."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 @pytest.mark.parametrize("trainer,name,values", [("dpo", "DPOTrainer", {"beta": 0.1}),
-                                                 ("grpo", "GRPOTrainer", {"num_generations": 2})])
+                                                 ("kto", "KTOTrainer", {"desirable_weight": 1.0}),
+                                                 ("grpo", "GRPOTrainer", {"num_generations": 2}),
+                                                 ("rloo", "RLOOTrainer", {"num_generations": 2})])
 def test_an_older_trl_is_named_in_one_usage_line(tmp_path: Any, capsys: Any, trainer: str, name: str,
                                                  values: dict) -> None:
     config = tmp_path / f"{trainer}.json"

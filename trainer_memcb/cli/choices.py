@@ -14,7 +14,7 @@ from typing import Dict
 
 from trainer_memcb.utils.units import parse_whole_number
 
-__all__ = ["positive_int", "non_negative_int", "liger_kernel_config", "SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
+__all__ = ["positive_int", "TRL_TRAINERS", "non_negative_int", "liger_kernel_config", "SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
            "DEFAULT_METRICS", "ALLOWED_CHANGES"]
 
 # trainer_memcb.plan.settings.setup.SHARDINGS
@@ -25,6 +25,8 @@ PRECISIONS = ("fp32", "autocast-bf16", "autocast-fp16", "bf16", "fp16", "deepspe
 DTYPES = ("float32", "bfloat16", "float16")
 # trainer_memcb.plan.step.trace.DEVICE_TYPES
 DEVICE_TYPES = ("cuda", "cpu")
+# `--trainer`: TRL's trainers whose step is planned from their config's JSON (transformers' Trainer is "trainer").
+TRL_TRAINERS = ("dpo", "kto", "grpo", "rloo")
 # trainer_memcb.plan.model.quantized.QUANT_TYPES
 QUANT_TYPES = ("nf4", "fp4")
 # trainer_memcb.plan.optimizers.whatif.DEFAULT_OPTIMIZERS

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from trainer_memcb.cli.choices import TRL_TRAINERS
 from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_asked import parameter_count, plan_asked, step_asked
 from trainer_memcb.cli.estimate_model import check_lora_options, quantization_asked
@@ -80,17 +81,17 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def _check_trainer(args: argparse.Namespace) -> None:
-    """`--trainer dpo|grpo`: TRL's step, planned from its config file on one process."""
+    """`--trainer dpo|kto|grpo|rloo`: TRL's step, planned from its config file on one process."""
     trainer = getattr(args, "trainer", "trainer")
-    if trainer not in ("dpo", "grpo"):
+    if trainer not in TRL_TRAINERS:
         return
     config = f"{trainer.upper()}Config"
     if not step_asked(args):
         raise ValueError(f"--trainer {trainer} has no effect without --batch-size or --max-batch-size (the step plan: "
                          f"only the {trainer.upper()} step is planned, not its model states alone)")
     if args.training_args is None:
-        decides = ("its beta, loss_type and precompute_ref_log_probs decide the step" if trainer == "dpo" else
-                   "its num_generations, max_completion_length, beta and loss_type decide the step")
+        decides = ("its num_generations, max_completion_length, beta and loss_type decide the step"
+                   if trainer in ("grpo", "rloo") else "its beta, loss_type and precompute_ref_log_probs decide the step")
         raise ValueError(f"--trainer {trainer} needs --training-args {config.upper()}.json "
                          f"({config}(...).to_json_string()): {decides}")
     if args.zero or args.sharding not in (None, "none") or (args.world_size or 1) > 1:
@@ -102,6 +103,14 @@ def _check_trainer(args: argparse.Namespace) -> None:
     if getattr(args, "fit", False) and trainer == "grpo":
         raise ValueError(f"--fit with --trainer {trainer}: the {trainer.upper()} step's proposals are not searched "
                          f"yet; plan each {config} with --batch-size")
+    if trainer == "rloo" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
+        raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer rloo: the "
+                         "RLOO step is not searched yet (its batches are whole groups of num_generations); plan each "
+                         "per_device_train_batch_size with --batch-size")
+    if trainer == "kto" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
+        raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer kto: the "
+                         "KTO step is not searched yet (TRL refuses a micro-batch of 1 with its KL term); plan each "
+                         "per_device_train_batch_size with --batch-size")
     if args.reference_model:
         raise ValueError(f"--reference-model with --trainer {trainer}: the {trainer.upper()} step plans its own "
                          "reference (a frozen copy, the adapters disabled with --lora-r, or none); leave it out")

@@ -7,7 +7,7 @@ import argparse
 from typing import Any, List, Optional
 
 from trainer_memcb.cli.choices import (DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS,
-                                      liger_kernel_config, non_negative_int, positive_int)
+                                      TRL_TRAINERS, liger_kernel_config, non_negative_int, positive_int)
 from trainer_memcb.cli.eval_estimate import add_eval_arguments
 from trainer_memcb.cli.fit_options import add_fit_arguments
 from trainer_memcb.cli.output import TextTable, bytes_cell
@@ -267,13 +267,15 @@ def _add_settings_file_arguments(estimate: argparse.ArgumentParser) -> None:
         "above, given explicitly, override them, and the step plan lists every setting and where it came from")
     own.add_argument("--training-args", metavar="FILE",
                      help="TrainingArguments as JSON (TrainingArguments.to_json_string(), a run's training_args.json "
-                          "dump); never a pickle such as training_args.bin; with --trainer dpo or grpo, a DPOConfig's "
-                          "or GRPOConfig's JSON (DPOConfig(...).to_json_string())")
-    own.add_argument("--trainer", choices=("trainer", "dpo", "grpo"), default="trainer",
+                          "dump); never a pickle such as training_args.bin; with --trainer dpo, kto, grpo or rloo, "
+                          "a DPOConfig's, KTOConfig's, GRPOConfig's or RLOOConfig's JSON "
+                          "(DPOConfig(...).to_json_string())")
+    own.add_argument("--trainer", choices=("trainer",) + TRL_TRAINERS, default="trainer",
                      help="the trainer whose step is planned: transformers' Trainer (default), TRL's DPOTrainer "
                           "(chosen and rejected rows, the reference model's forward: a frozen copy, the adapters "
-                          "disabled with --lora-r, or none with precompute_ref_log_probs) or GRPOTrainer (the "
-                          "generation phase: --seq-len prompt tokens completed to max_completion_length by "
+                          "disabled with --lora-r, or none with precompute_ref_log_probs), KTOTrainer (the "
+                          "completion rows and the mismatched KL rows, the reference as DPO's), GRPOTrainer or "
+                          "RLOOTrainer (the generation phase: --seq-len prompt tokens completed to max_completion_length by "
                           "transformers' generate, and the training phase); needs the step plan and "
                           "--training-args CONFIG.json, on one process without sharding")
     own.add_argument("--deepspeed", metavar="FILE", help="the DeepSpeed config (ds_config.json), \"auto\" values filled as the "

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from typing import Any, Dict
 
-from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS
+from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, TRL_TRAINERS
 from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes
 from trainer_memcb.cli.estimate_model import quantization_asked
 
@@ -70,12 +70,10 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     flags.update(_step_shape_and_device(args))
     training_args: Any = args.training_args
     trainer = getattr(args, "trainer", "trainer")
-    if trainer in ("dpo", "grpo"):  # a TRL config's JSON: its TrainingArguments, its own fields as the step's
+    if trainer in TRL_TRAINERS:  # a TRL config's JSON: its TrainingArguments, its own fields as the step's
         from trainer_memcb.plan.settings import read_json_file
-        from trainer_memcb.cli.dpo_config import dpo_settings
-        from trainer_memcb.cli.grpo_config import grpo_settings
 
-        read, name = (dpo_settings, "DPOConfig") if trainer == "dpo" else (grpo_settings, "GRPOConfig")
+        read, name = _trl_config_reader(trainer)
         # A path, or with --fit a proposal's values (`trainer_memcb.cli.fit_table.estimate_fit`).
         proposal = isinstance(args.training_args, dict)
         values = args.training_args if proposal else read_json_file(args.training_args, "--training-args")
@@ -86,7 +84,7 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden,
                                 parallelism=getattr(args, "parallelism", None), **flags)
     sources = dict(settings.sources, **_not_flags(args, settings))
-    if trainer in ("dpo", "grpo"):
+    if trainer in TRL_TRAINERS:
         sources["preference"] = f"{trainer.upper()}Config (--trainer {trainer})"
     if (not args.precision and not settings.zero_stage and settings.precision == "fp32"
             and sources.get("precision") != "flag" and (args.dtype or "float32") != "float32"):
@@ -101,6 +99,17 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
         return dataclasses.replace(settings, zero=dict(settings.zero, offload_optimizer={"device": "cpu"}),
                                    sources=sources)
     return dataclasses.replace(settings, sources=sources)
+
+
+def _trl_config_reader(trainer: str) -> Any:
+    """The reader of `--trainer`'s TRL config (`trainer_memcb.cli.dpo_config`, ...) and the config's name."""
+    from trainer_memcb.cli.dpo_config import dpo_settings
+    from trainer_memcb.cli.grpo_config import grpo_settings
+    from trainer_memcb.cli.kto_config import kto_settings
+    from trainer_memcb.cli.rloo_config import rloo_settings
+
+    return {"dpo": (dpo_settings, "DPOConfig"), "kto": (kto_settings, "KTOConfig"),
+            "grpo": (grpo_settings, "GRPOConfig"), "rloo": (rloo_settings, "RLOOConfig")}[trainer]
 
 
 def _step_shape_and_device(args: argparse.Namespace) -> Dict[str, Any]:

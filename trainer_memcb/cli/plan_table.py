@@ -183,7 +183,7 @@ def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
                   ["activations peak", bytes_cell(step.activations_peak_bytes)],
                   ["step peak", f"{bytes_cell(step.peak_bytes)}, in the {step.peak_phase}"
                    + _micro_batch_words(settings, step)]]
-        if step.phases:  # GRPO: the generation phase's peak and the training phase's
+        if len(step.phases) > 1:  # GRPO, RLOO: the generation phase's peak and the training phase's
             about.append(["phase peaks", ", ".join(f"{entry['phase']} {bytes_cell(entry['peak_bytes'])}"
                                                    for entry in step.phases)])
         about += _allocator_rows(device)
@@ -211,9 +211,9 @@ _REFERENCE_WORDS = {"model": "reference a frozen copy of the model",
 
 
 def _trainer_row(preference: Any, peak_parts: Any) -> List[str]:
-    """The trainer traced (`--trainer dpo|grpo`), how its reference is traced, the reference model's
+    """The trainer traced (`--trainer dpo|kto|grpo|rloo`), how its reference is traced, the reference model's
     share of the step's peak where it holds one, and GRPO's generation."""
-    name = "GRPOTrainer" if preference.trainer == "grpo" else "DPOTrainer"
+    name = {"grpo": "GRPOTrainer", "kto": "KTOTrainer", "rloo": "RLOOTrainer"}.get(preference.trainer, "DPOTrainer")
     words = f"TRL {name}, {_REFERENCE_WORDS[preference.reference]}"
     if "reference_model" in peak_parts:
         words += f", {bytes_cell(peak_parts['reference_model'])} of the peak"

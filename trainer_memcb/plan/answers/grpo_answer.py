@@ -12,6 +12,10 @@ from trainer_memcb.plan.answers.step_plan import PlannedGeneration
 __all__ = ["check_grpo_batch", "grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
 
 
+# The steps with a generation phase: GRPO's, and RLOO's, built as GRPO's (`trainer_memcb.plan.step.rloo`).
+_GENERATING = ("grpo", "rloo")
+
+
 def _engine(step: Any) -> str:
     return f"vllm-{step.vllm_mode}" if step.use_vllm else "transformers"
 
@@ -40,7 +44,7 @@ def with_vllm_share(settings: Any) -> Any:
     any other step."""
     step = settings.preference
     memory = _device_memory(settings)
-    if getattr(step, "trainer", None) != "grpo" or memory is None:
+    if getattr(step, "trainer", None) not in _GENERATING or memory is None:
         return settings
     share = vllm_reserved_bytes(step, memory)
     if not share:
@@ -59,11 +63,11 @@ def check_grpo_batch(settings: Any) -> None:
         ValueError: naming the batch size and what TRL allows.
     """
     step = settings.preference
-    if getattr(step, "trainer", None) != "grpo" or settings.batch_size is None:
+    if getattr(step, "trainer", None) not in _GENERATING or settings.batch_size is None:
         return
     rows = step.generation_rows(settings.batch_size)
     if rows % step.num_generations:
-        raise ValueError(f"batch_size {settings.batch_size}: GRPO generates batch_size x steps_per_generation "
+        raise ValueError(f"batch_size {settings.batch_size}: {step.trainer.upper()} generates batch_size x steps_per_generation "
                          f"({step.steps_per_generation}) = {rows} completions, and TRL requires whole groups of "
                          f"num_generations ({step.num_generations})")
 
@@ -81,15 +85,15 @@ def planned_generation(step: Any, settings: Any) -> PlannedGeneration:
 
 
 def grpo_notes(step: Any, settings: Any) -> List[str]:
-    """How the GRPO step was traced, and vLLM's rule where it generates."""
+    """How the GRPO (or RLOO) step was traced, and vLLM's rule where it generates."""
     rows = step.generation_rows(settings.batch_size)
     reference = {"none": "no reference (beta 0)",
                  "model": "the frozen reference model's per-token log-probs under torch.no_grad() after generation",
                  "adapters-disabled": "the reference's per-token log-probs as the same model with its adapters "
                                       "disabled, under torch.no_grad() after generation"}[step.reference]
     prompts = rows // step.num_generations
-    notes = [f"TRL's GRPO step traced in two phases: generation ({rows} completions, {step.num_generations} for each "
-             f"of {prompts} prompt{'s' if prompts != 1 else ''} of {settings.seq_len} tokens, each completed to "
+    notes = [f"TRL's {step.trainer.upper()} step traced in two phases: generation ({rows} completions, "
+             f"{step.num_generations} for each of {prompts} prompt{'s' if prompts != 1 else ''} of {settings.seq_len} tokens, each completed to "
              f"{step.max_completion_length} tokens, the most) and training (compute_loss over "
              f"{settings.batch_size} completions, loss {step.loss_type}, backward, optimizer step); {reference}; "
              "the step's peak is the larger phase's"]

@@ -27,6 +27,7 @@ from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
 from trainer_memcb.plan.answers.grpo_answer import check_grpo_batch, grpo_notes, planned_generation, with_vllm_share
+from trainer_memcb.plan.answers.kto_answer import kto_note
 from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
                                                   StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
@@ -195,6 +196,8 @@ def plan_step_memory(
     settings = _resolve(settings, args, meta, flags)
     settings = with_vllm_share(settings)  # colocated vLLM's share of the device, out of training's reach
     check_grpo_batch(settings)
+    if getattr(settings.preference, "trainer", None) == "kto" and settings.batch_size is not None:
+        settings.preference.check_batch(settings.batch_size)
     if settings.batch_size is None:
         raise ValueError("batch_size=None: expected a whole number of at least 1")
     setup = setup_of(settings)
@@ -262,8 +265,10 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
     preference = settings.preference
-    if getattr(preference, "trainer", None) == "grpo":
+    if getattr(preference, "trainer", None) in ("grpo", "rloo"):
         notes.extend(grpo_notes(preference, settings))
+    elif getattr(preference, "trainer", None) == "kto":
+        notes.append(kto_note(preference, settings))
     elif preference is not None:
         notes.append(f"TRL's DPO step traced: chosen and rejected rows concatenated ({2 * settings.batch_size} x "
                      f"{settings.seq_len} tokens), TRL's fused LM head, loss {'+'.join(preference.loss_type)}, "
@@ -294,9 +299,7 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         peak_micro_batch=timeline.peak_micro_batch if traced.peak_phase != "optimizer step" else None,
         micro_batch_peak_bytes=traced.micro_batches, model_states_most_bytes=traced.states_most,
         model_states_host_bytes=traced.states_host, model_states_at_optimizer_step_bytes=traced.states_at_optimizer_step,
-        notes=notes, phases=[] if traced.generation_peak is None else [
-            {"phase": "generation", "peak_bytes": traced.generation_peak},
-            {"phase": "training", "peak_bytes": max(traced.forward_backward_peak, traced.optimizer_peak or 0)}])
+        notes=notes, phases=_phases(traced, settings))
     return StepMemoryPlan(planned, step, device, verdict, timeline=timeline, replay_options=replay_options)
 
 
@@ -363,13 +366,24 @@ def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_
         preference=_planned_preference(settings))
 
 
+def _phases(traced: Any, settings: StepSettings) -> List[Dict[str, Any]]:
+    """Each phase's device peak of TRL's GRPO step (generation, then training) and KTO's (training
+    alone); none for the other steps."""
+    training = {"phase": "training", "peak_bytes": max(traced.forward_backward_peak, traced.optimizer_peak or 0)}
+    if traced.generation_peak is not None:
+        return [{"phase": "generation", "peak_bytes": traced.generation_peak}, training]
+    return [training] if getattr(settings.preference, "trainer", None) == "kto" else []
+
+
 def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
     step = settings.preference
     if step is None:
         return None
-    if getattr(step, "trainer", None) == "grpo":
-        return PlannedPreference(trainer="grpo", reference=step.reference, beta=step.beta, loss_type=[step.loss_type],
+    if getattr(step, "trainer", None) in ("grpo", "rloo"):
+        return PlannedPreference(trainer=step.trainer, reference=step.reference, beta=step.beta, loss_type=[step.loss_type],
                                  generation=planned_generation(step, settings))
+    if getattr(step, "trainer", None) == "kto":
+        return PlannedPreference(trainer="kto", reference=step.reference, beta=step.beta, loss_type=[step.loss_type])
     return PlannedPreference(trainer="dpo", reference=step.reference, beta=step.beta, loss_type=list(step.loss_type))
 
 

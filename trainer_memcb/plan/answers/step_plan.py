@@ -64,15 +64,16 @@ class PlannedGeneration:
 
 @dataclass(frozen=True)
 class PlannedPreference:
-    """TRL's preference or RL step planned (`--trainer dpo`, `--trainer grpo`).
+    """TRL's preference or RL step planned (`--trainer dpo`, `kto`, `grpo`, `rloo`).
 
     Attributes:
-        trainer: "dpo" (TRL's `DPOTrainer`) or "grpo" (`GRPOTrainer`).
+        trainer: "dpo" (TRL's `DPOTrainer`), "kto" (`KTOTrainer`), "grpo" (`GRPOTrainer`) or "rloo"
+            (`RLOOTrainer`).
         reference: where the reference log-probs come from: "model" (a frozen copy),
-            "adapters-disabled" (PEFT's base model), "precomputed" (read from the batch, DPO) or
-            "none" (GRPO with beta 0).
+            "adapters-disabled" (PEFT's base model), "precomputed" (read from the batch, DPO, KTO) or
+            "none" (GRPO, RLOO with beta 0).
         beta, loss_type: the config's beta and its losses.
-        generation: GRPO's generation phase; None for DPO.
+        generation: GRPO's (RLOO's) generation phase; None for DPO and KTO.
     """
 
     trainer: str
@@ -157,9 +158,9 @@ class StepPeak:
             device and host together ({} without an optimizer step).
         problem: why no step could be traced (then only the model states are known), or None.
         notes: what the reader should know of how a figure was found.
-        phases: TRL's GRPO step: each phase's device peak, `{"phase": "generation" or "training",
-            "peak_bytes": ...}` (the step's peak the larger); empty, and left out of the JSON
-            form, for every other step.
+        phases: TRL's GRPO (and RLOO) step: each phase's device peak, `{"phase": "generation" or "training",
+            "peak_bytes": ...}` (the step's peak the larger); KTO's: its training phase alone; empty,
+            and left out of the JSON form, for every other step.
     """
 
     activations_bytes: Optional[int] = None

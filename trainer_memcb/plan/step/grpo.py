@@ -27,6 +27,7 @@ not traced, and its share of the device is a rule
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -82,6 +83,7 @@ class GrpoStep:
     vllm_gpu_memory_utilization: float = 0.3
 
     trainer = "grpo"
+    loss_types = GRPO_LOSS_TYPES  # the loss types planned (RLOO's step has its own)
 
     def __post_init__(self) -> None:
         if self.reference not in GRPO_REFERENCES:
@@ -89,8 +91,9 @@ class GrpoStep:
         if (self.reference == "none") != (self.beta == 0.0):
             raise ValueError(f"reference={self.reference!r} with beta {self.beta}: beta 0 takes reference 'none', "
                              "any other beta 'model' or 'adapters-disabled'")
-        if self.loss_type not in GRPO_LOSS_TYPES:
-            raise ValueError(f"loss_type {self.loss_type!r}: the GRPO step is planned for {', '.join(GRPO_LOSS_TYPES)}")
+        if self.loss_type not in self.loss_types:
+            raise ValueError(f"loss_type {self.loss_type!r}: the {self.trainer.upper()} step is planned for "
+                             f"{', '.join(self.loss_types)}")
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode {self.vllm_mode!r}: expected one of {', '.join(VLLM_MODES)}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -225,18 +228,22 @@ def grpo_fused_lm_heads(model: torch.nn.Module, ref_model: Optional[torch.nn.Mod
 
 
 def per_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    logits_to_keep: int, batch_size: int, entropy: bool = False) -> Tuple[torch.Tensor, Any]:
+                    logits_to_keep: int, batch_size: int, entropy: bool = False,
+                    autocast: Any = None) -> Tuple[torch.Tensor, Any]:
     """`GRPOTrainer._get_per_token_logps_and_entropies` for a text model: the rows in chunks of
     `batch_size`, each through the fused head with its labels, the chunks' log-probs (and entropies)
-    concatenated."""
+    concatenated; `autocast` the context each chunk's forward runs in alone (RLOO's
+    `accelerator.autocast()`, whose cast weights are dropped after each chunk), None where the
+    caller holds one around the whole."""
     all_logps, all_entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
         end = min(start + batch_size, input_ids.size(0))
         input_ids_batch, attention_mask_batch = input_ids[start:end], attention_mask[start:end]
         labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        outputs = model(input_ids=input_ids_batch, attention_mask=attention_mask_batch, labels=labels,
-                        fused_lm_head=True)
+        with autocast if autocast is not None else contextlib.nullcontext():
+            outputs = model(input_ids=input_ids_batch, attention_mask=attention_mask_batch, labels=labels,
+                            fused_lm_head=True)
         all_logps.append(outputs.log_probs[:, -logits_to_keep:])
         if entropy:
             all_entropies.append(outputs.entropy[:, -logits_to_keep:])

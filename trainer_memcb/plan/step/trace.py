@@ -191,6 +191,10 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     with mode:
         if _is_grpo(preference):  # GRPO's batch is made by its generation phase, in the step
             inputs = [None] * accumulation
+        elif _is_kto(preference):  # KTO's collator: completion rows (and KL rows) of max_length tokens
+            from trainer_memcb.plan.step.kto import kto_batch
+
+            inputs = [kto_batch(batch_size, seq_len, preference) for _ in range(accumulation)]
         elif preference is not None:  # DPO's collator: chosen and rejected rows of max_length tokens
             from trainer_memcb.plan.step.preference import preference_batch
 
@@ -266,11 +270,21 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
         kwargs: Dict[str, Any] = dict(inputs.forward)
-        if _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
+        if _is_rloo(step.preference):  # RLOOTrainer.compute_loss over the buffered micro-batch
+            from trainer_memcb.plan.step.rloo import rloo_loss
+
+            with counter, autocast if autocast is not None else contextlib.nullcontext():
+                loss = rloo_loss(model, inputs, step.preference)
+        elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
             from trainer_memcb.plan.step.grpo import grpo_loss
 
             with counter, autocast if autocast is not None else contextlib.nullcontext():
                 loss = grpo_loss(model, inputs, step.preference, accumulation)
+        elif _is_kto(step.preference):  # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics
+            from trainer_memcb.plan.step.kto import kto_loss
+
+            with counter, autocast if autocast is not None else contextlib.nullcontext():
+                loss = kto_loss(model, inputs, step.preference, step.ref_model)
         elif step.preference is not None:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
             from trainer_memcb.plan.step.preference import dpo_loss
 
@@ -294,7 +308,16 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
 
 
 def _is_grpo(preference: Any) -> bool:
-    return getattr(preference, "trainer", None) == "grpo"
+    """GRPO's step, or RLOO's, built as GRPO's: a generation phase, then the training phase."""
+    return getattr(preference, "trainer", None) in ("grpo", "rloo")
+
+
+def _is_rloo(preference: Any) -> bool:
+    return getattr(preference, "trainer", None) == "rloo"
+
+
+def _is_kto(preference: Any) -> bool:
+    return getattr(preference, "trainer", None) == "kto"
 
 
 def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: Any) -> None:
@@ -302,11 +325,13 @@ def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: 
     micro-batch's forward: its peak kept apart (`_Step.generation`), the buffered generation batch
     the step's batch from then on, the training phase's peak counted from there."""
     from trainer_memcb.plan.step.grpo_generation import grpo_generation
+    from trainer_memcb.plan.step.rloo_generation import rloo_generation
 
     tracker = step.tracker
     tracker.phase = "generation"
     phase_starts["generation"] = len(tracker.events)
-    inputs = grpo_generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
+    generation = rloo_generation if _is_rloo(step.preference) else grpo_generation
+    inputs = generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
                              step.tokens or {}, autocast)
     step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
                                 frozenset(tracker.peak_watch))
@@ -797,12 +822,16 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
 
 
 def _trl_lm_heads(model: nn.Module, ref_model: Optional[nn.Module], preference: Any) -> None:
-    """TRL's fused LM heads on the policy and the reference, as `DPOTrainer.__init__` and
-    `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
+    """TRL's fused LM heads on the policy and the reference, as `DPOTrainer.__init__`,
+    `KTOTrainer.__init__` and `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
     if _is_grpo(preference):
         from trainer_memcb.plan.step.grpo import grpo_fused_lm_heads
 
         grpo_fused_lm_heads(model, ref_model, preference.temperature)
+    elif _is_kto(preference):
+        from trainer_memcb.plan.step.kto import kto_fused_lm_heads
+
+        kto_fused_lm_heads(model, ref_model)
     elif preference is not None:
         from trainer_memcb.plan.step.preference import fused_lm_heads
 

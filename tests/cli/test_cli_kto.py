@@ -1,0 +1,151 @@
+"""`trainer-memcb estimate MODEL --trainer kto --training-args KTOCONFIG.json`: TRL's KTO step
+planned from the user's KTOConfig, the same bytes as the Python plan of `tests/plan/test_kto_step.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, List
+
+import pytest
+
+from helpers import requires_version
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              requires_version("trl", "1.16", "KTOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
+
+trl = pytest.importorskip("trl", reason="TRL is in the test extra")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Each bad KTOConfig, by name: its own fields.
+BAD = {"loss": {"loss_type": "sigmoid"}, "sampling": {"beta": 0.1, "train_sampling_strategy": "random"},
+       "sync": {"sync_ref_model": True, "precompute_ref_log_probs": True}, "beta": {"beta": "high"},
+       "offload": {"activation_offloading": True}, "pad": {"pad_to_multiple_of": 64},
+       "unbounded": {"max_length": None}, "moe": {"router_aux_loss_coef": 0.01}, "typo": {"desirable_weigth": 1.0},
+       "trainer": {"per_device_train_batch_size": 2}, "one": {"beta": 0.1, "per_device_train_batch_size": 1}}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: Any) -> dict:
+    from plan.test_dpo_step import _config
+    from plan.test_kto_step import BATCH, MAX_LENGTH
+    from trl import KTOConfig
+
+    folder = tmp_path_factory.mktemp("kto-cli")
+    _config().save_pretrained(folder / "llama")
+    paths = {"model": str(folder / "llama")}
+    for name, extra in (("kto", {}), ("precomputed", {"precompute_ref_log_probs": True}),
+                        ("apo", {"loss_type": "apo_zero_unpaired"})):
+        config = KTOConfig(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=BATCH,
+                           max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
+                           **extra)
+        (folder / f"{name}.json").write_text(config.to_json_string())
+        paths[name] = str(folder / f"{name}.json")
+    for name, values in BAD.items():
+        (folder / f"{name}.json").write_text(json.dumps(values))
+        paths[name] = str(folder / f"{name}.json")
+    return paths
+
+
+def _argv(files: dict, config: str, *more: str) -> List[str]:
+    return ["estimate", files["model"], "--trainer", "kto", "--training-args", files[config], "--seq-len", "32",
+            "--device-type", "cpu", "--attn-implementation", "sdpa", *more]
+
+
+@pytest.mark.parametrize("reference,config,more", [
+    ("model", "kto", []), ("precomputed", "precomputed", []),
+    ("adapters-disabled", "kto", ["--lora-r", "4", "--lora-target-modules", "q_proj,v_proj"])])
+def test_the_command_plans_the_python_plans_kto_step(files: dict, capsys: Any, reference: str, config: str,
+                                                     more: List[str]) -> None:
+    from plan.test_kto_step import _planned
+
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, config, *more, "--json")) == 0
+    document = json.loads(capsys.readouterr().out)
+    planned = _planned(reference).step
+    peak = {"model": 8_895_042, "precomputed": 8_803_794, "adapters-disabled": 8_534_670}[reference]
+    assert document["step"]["peak_bytes"] == planned.peak_bytes == peak
+    assert document["step"]["peak_parts"] == dict(planned.peak_parts)
+    assert document["step"]["phases"] == planned.phases == [{"phase": "training", "peak_bytes": peak}]
+    assert document["settings"]["preference"] == {"trainer": "kto", "reference": reference, "beta": 0.1,
+                                                  "loss_type": ["kto"], "generation": None}
+    # The frozen reference's parameters, fp32 as the policy's, in the model states.
+    [states] = document["model_states"]["optimizers"]
+    assert states["reference_model_bytes"] == (91_264 if reference == "model" else 0)
+
+
+def test_apo_zero_unpaired_plans_no_kl_rows(files: dict, capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, "apo", "--json")) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["step"]["peak_bytes"] == 8_893_506  # tests/plan/test_kto_step.py's "apo_zero_unpaired"
+    assert document["settings"]["preference"]["loss_type"] == ["apo_zero_unpaired"]
+    [note] = [note for note in document["step"]["notes"] if note.startswith("TRL's KTO step traced")]
+    assert "no KL rows (loss_type apo_zero_unpaired)" in note
+
+
+def test_the_table_names_the_trainer_and_the_references_share(files: dict) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    done = subprocess.run([sys.executable, "-m", "trainer_memcb", *_argv(files, "kto")], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(None, 1) for line in done.stdout.splitlines() if line.startswith("trainer ")]
+    assert [row[1].strip() for row in rows] == [
+        "TRL KTOTrainer, reference a frozen copy of the model, 89.1 KiB (91,264) of the peak"]
+    [peak] = [line for line in done.stdout.splitlines() if line.startswith("step peak ")]
+    assert peak.split(None, 2)[2].strip() == "8.5 MiB (8,895,042), in the backward"
+
+
+@pytest.mark.parametrize("case,message", [
+    (["--zero", "2"], "--trainer kto is planned on one process without sharding so far"),
+    (["--reference-model"], "--reference-model with --trainer kto"),
+    (["--fit"], "--fit with --trainer kto: the KTO step is not searched yet (TRL refuses a micro-batch of 1 with "
+                "its KL term); plan each per_device_train_batch_size with --batch-size"),
+    (["--max-batch-size", "--device-memory", "1GiB"], "--max-batch-size with --trainer kto: the KTO step is not searched yet"),
+])
+def test_refusals_before_the_file(files: dict, capsys: Any, case: List[str], message: str) -> None:
+    from trainer_memcb.cli import main
+
+    argv = ["estimate", files["model"], "--trainer", "kto", "--training-args", files["kto"], "--device-type", "cpu"]
+    batch = [] if "--max-batch-size" in case else ["--batch-size", "2"]
+    assert main(argv + ["--seq-len", "32"] + batch + case) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("trainer-memcb: error: " + message), line
+
+
+@pytest.mark.parametrize("config,code,line", [
+    ("loss", 2, "--trainer kto: KTOConfig {loss!r}: loss_type 'sigmoid': TRL's KTOTrainer takes kto, apo_zero_unpaired"),
+    ("sampling", 2, "--trainer kto: KTOConfig {sampling!r}: train_sampling_strategy 'random': TRL requires "
+                    "'sequential' with loss_type 'kto' (its KL completions are paired within a fixed-order batch)"),
+    ("sync", 2, "--trainer kto: KTOConfig {sync!r}: sync_ref_model and precompute_ref_log_probs: TRL refuses the two "
+                "together"),
+    ("beta", 2, "--trainer kto: KTOConfig {beta!r}: beta 'high': expected a number"),
+    ("offload", 2, "--trainer kto: KTOConfig {offload!r}: activation_offloading true: the KTO step is planned "
+                   "without offloading activations"),
+    ("pad", 2, "--trainer kto: KTOConfig {pad!r}: pad_to_multiple_of 64: the KTO step is planned at max_length "
+               "tokens unpadded ('auto' or null)"),
+    ("unbounded", 2, "--trainer kto: KTOConfig {unbounded!r}: max_length None: the KTO step is planned at "
+                     "max_length tokens; give one"),
+    ("moe", 2, "--trainer kto: KTOConfig {moe!r}: router_aux_loss_coef 0.01: the KTO step is planned without a "
+               "Mixture-of-Experts auxiliary loss"),
+    ("typo", 1, "KTOConfig {typo!r}: 'desirable_weigth' is not a KTOConfig field (KTOConfig(**args) raises "
+                "TypeError); did you mean 'desirable_weight'?"),
+    ("trainer", 2, "--trainer kto: KTOConfig {trainer!r} names none of KTOConfig's own fields (beta, max_length, "
+                   "loss_type, desirable_weight, ...): it is not a KTOConfig's JSON (write one with "
+                   "KTOConfig(...).to_json_string())"),
+    ("one", 2, "batch_size 1: TRL's KTOTrainer requires a micro-batch above 1 with loss_type 'kto' (its KL term is "
+               "estimated from the batch's other rows)"),
+])
+def test_a_file_that_is_not_a_good_ktoconfig_is_one_line(files: dict, capsys: Any, config: str, code: int,
+                                                         line: str) -> None:
+    from trainer_memcb.cli import main
+
+    more = [] if config == "one" else ["--batch-size", "2"]
+    assert main(_argv(files, config, *more)) == code
+    prefix = "trainer-memcb: error: " if code == 2 else "trainer-memcb: "
+    assert capsys.readouterr().err.splitlines() == [prefix + line.format(**files)]
