@@ -112,8 +112,11 @@ class _Search:
     parameter_bytes: int = 0
 
     def plan(self, changes: Dict[str, Any], args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
-             extra: Optional[Dict[str, Any]] = None, own: bool = False) -> Optional[FitCandidate]:
-        """Plan one setting (once per distinct setting), or None when the budget is spent."""
+             extra: Optional[Dict[str, Any]] = None, own: bool = False,
+             micro_batch_flops: Optional[int] = None) -> Optional[FitCandidate]:
+        """Plan one setting (once per distinct setting), or None when the budget is spent;
+        `micro_batch_flops`, where given, are one micro-batch's FLOPs on a process, in place of
+        the trace's count."""
         key = repr((sorted(args.items(), key=str), deepspeed, sorted((extra or {}).items())))
         if key in self.planned:
             return self.planned[key]
@@ -135,6 +138,8 @@ class _Search:
         tp = layout_sizes(args, self.world_size)[0]
         step_flops = (flops // len(traced_micro_batches(micro)) // tp
                       if flops is not None and plan.step.problem is None else None)
+        if micro_batch_flops is not None and plan.step.problem is None:
+            step_flops = micro_batch_flops
         fits, margin = step_verdict(plan, self.usable)
         optim = args.get("optim")
         seconds = step_seconds(step_flops, micro, transfer, self.device_type)
@@ -222,7 +227,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         for changes in trainer_proposals:
             search.plan(dict(changes), dict(base, **changes), own_deepspeed)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
-        _propose_layouts(search, base, tensor_parallel_sizes)
+        _propose_layouts(search, base, tensor_parallel_sizes, own)
         if expandable_segments:
             search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
                         dict(expandable_segments))
@@ -308,10 +313,12 @@ def _data_parallel_args(base: Dict[str, Any], world_size: int) -> Optional[Dict[
     return dict(args, per_device_train_batch_size=batch, gradient_accumulation_steps=per_process // batch)
 
 
-def _propose_layouts(search: "_Search", base: Dict[str, Any], sizes: Sequence[int]) -> None:
+def _propose_layouts(search: "_Search", base: Dict[str, Any], sizes: Sequence[int], own: FitCandidate) -> None:
     """Tensor parallelism of each size in `sizes`, alone on the processes or with FSDP2 on the rest,
     the accumulation multiplied by the size: its processes share one batch, so the effective batch
-    stays the user's."""
+    stays the user's. Each micro-batch is the user's own rows, of which a process computes `1/tp`:
+    its FLOPs are the own step's over `tp` (the counter, above DTensor's dispatch, sees the sharded
+    layers at their whole shapes and misses the sharded attention's kernel)."""
     world = search.world_size
     own_tp, _ = layout_sizes(base, world)
     args = {key: value for key, value in base.items()
@@ -324,7 +331,9 @@ def _propose_layouts(search: "_Search", base: Dict[str, Any], sizes: Sequence[in
         layout = {"tp_size": tp, "dp_shard_size": world // tp, "dp_replicate_size": 1, "cp_size": 1}
         text = f"tp={tp}" + (f",dp_shard={world // tp}" if world > tp else "")
         sizes_kept = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // (world // tp))
-        search.plan(dict(sizes_kept, parallelism=text), dict(args, parallelism_config=layout, **sizes_kept), None)
+        flops = own.step_flops * own_tp // tp if own.step_flops is not None else None
+        search.plan(dict(sizes_kept, parallelism=text), dict(args, parallelism_config=layout, **sizes_kept), None,
+                    micro_batch_flops=flops)
 
 
 def _propose_allowed(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],
