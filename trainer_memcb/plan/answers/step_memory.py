@@ -324,11 +324,27 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
             raise ValueError(f"--attn-implementation {settings.attn_implementation!r} runs on CUDA only "
                              f"(flash-attn's kernels), not on {settings.device_type}: give --device-type cuda, "
                              "or sdpa or eager")
+        if settings.attn_implementation == "flash_attention_3":
+            _check_flash_attention_3(settings)
         config._attn_implementation = settings.attn_implementation
     if settings.use_liger_kernel:
         _check_liger_kernel(meta, settings)
     with FakeTensorMode():
         step_inputs(meta, 1, settings.seq_len, **_input_options(settings))
+
+
+def _check_flash_attention_3(settings: StepSettings) -> None:
+    """Refuse flash_attention_3 on a GPU whose FA3 kernels are not planned (`fa3_refusal`: Hopper only)."""
+    from trainer_memcb.plan.step.flash_attn3 import fa3_refusal
+    from trainer_memcb.plan.step.trace import compute_capability_of
+
+    compute_capability = compute_capability_of(settings)
+    refusal = fa3_refusal(compute_capability)
+    if refusal is not None:
+        gpu = f"--gpu {settings.gpu}" if settings.gpu is not None else "no --gpu (an sm80 GPU is assumed)"
+        raise ValueError(f"--attn-implementation 'flash_attention_3' on compute capability "
+                         f"{'.'.join(map(str, compute_capability))} ({gpu}): {refusal}; it is planned on Hopper: "
+                         "give --gpu h100 or h200, or flash_attention_2, sdpa or eager")
 
 
 def _check_liger_kernel(meta: nn.Module, settings: StepSettings) -> None:

@@ -49,8 +49,9 @@ import torch
 
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 
-__all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "SM_COUNTS", "flash_attention_2_as_cuda", "flash_attn_func",
-           "flash_attn_varlen_func", "pad_input", "num_splits_heuristic", "round_multiple"]
+__all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "PLANNED_FLASH", "SM_COUNTS", "flash_attention_2_as_cuda",
+           "flash_attention_as_cuda", "flash_attn_func", "flash_attn_varlen_func", "pad_input", "num_splits_heuristic",
+           "round_multiple", "varlen_attention_math", "varlen_attention_math_backward"]
 
 # The release whose interface and kernels are modelled (flash_attn/__init__.py, __version__).
 FLASH_ATTN_VERSION = "2.8.4"
@@ -67,11 +68,11 @@ _STATE: Dict[str, Any] = {"compute_capability": (8, 0), "sm_count": DEFAULT_SM_C
 
 
 class FlashKernelsRun(KernelRuns):
-    """What `flash_attention_2_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
+    """What `flash_attention_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
 
-    def __init__(self, gpu: Optional[str], sm_count: int) -> None:
+    def __init__(self, gpu: Optional[str], sm_count: int, implementation: str = "flash_attention_2") -> None:
         super().__init__()
-        self.gpu, self.sm_count = gpu, sm_count
+        self.gpu, self.sm_count, self.implementation = gpu, sm_count, implementation
         self.split_forwards = 0
 
     def note(self) -> Optional[str]:
@@ -79,6 +80,10 @@ class FlashKernelsRun(KernelRuns):
         if not self.calls:
             return None
         kernels = self.calls_text()
+        if self.implementation == "flash_attention_3":
+            from trainer_memcb.plan.step.flash_attn3 import fa3_note
+
+            return fa3_note(kernels)
         splits = (f"; {self.split_forwards} forwards took the split-KV kernel ({self.sm_count} SMs)"
                   if self.split_forwards else "")
         return (f"attention planned as flash-attn {FLASH_ATTN_VERSION}'s kernels run it on a GPU (no flash-attn "
@@ -211,6 +216,36 @@ def _attention_math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             grouped(dv).transpose(1, 2).to(v.dtype))
 
 
+def varlen_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, scale: float, causal: bool, window: Tuple[int, int],
+                          softcap: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`_attention_math` of each sequence of [total, H, D] inputs (real tensors: the bounds are read):
+    the output like q and the logsumexp [H, total_q], float32."""
+    out, lse = torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(bounds_q) - 1):
+        sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+        one_out, one_lse = _attention_math(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], scale, causal, window,
+                                           softcap)
+        out[sq:eq] = one_out[0]
+        lse[:, sq:eq] = one_lse[0]
+    return out, lse
+
+
+def varlen_attention_math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                   grads: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, causal: bool,
+                                   window: Tuple[int, int], softcap: float) -> None:
+    """`_attention_math_backward` of each sequence, written into `grads` (dq, dk, dv), as the kernels write them."""
+    dq, dk, dv = grads
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(bounds_q) - 1):
+        sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+        one = _attention_math_backward(dout[None, sq:eq], q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], scale,
+                                       causal, window, softcap)
+        dq[sq:eq], dk[sk:ek], dv[sk:ek] = one[0][0], one[1][0], one[2][0]
+
+
 def _ops() -> Any:
     """The two custom ops (forward, backward) in the `trainer_memcb_flash` namespace, defined once."""
     namespace = getattr(torch.ops, "trainer_memcb_flash", None)
@@ -322,14 +357,8 @@ def _define_varlen_ops() -> None:
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                    softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
                    softcap: float, return_softmax: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, lse = torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for i in range(len(bounds_q) - 1):
-            sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-            one_out, one_lse = _attention_math(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], softmax_scale, causal,
-                                               (window_size_left, window_size_right), softcap)
-            out[sq:eq] = one_out[0]
-            lse[:, sq:eq] = one_lse[0]
+        out, lse = varlen_attention_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                         (window_size_left, window_size_right), softcap)
         return out, lse, q.new_empty((0,)), torch.zeros(2, dtype=torch.int64)
 
     @varlen_fwd.register_fake
@@ -354,13 +383,9 @@ def _define_varlen_ops() -> None:
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
                    window_size_right: int, softcap: float) -> torch.Tensor:
-        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for i in range(len(bounds_q) - 1):
-            sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-            grads = _attention_math_backward(dout[None, sq:eq], q[None, sq:eq], k[None, sk:ek], v[None, sk:ek],
-                                             softmax_scale, causal, (window_size_left, window_size_right), softcap)
-            dq[sq:eq], dk[sk:ek], dv[sk:ek] = grads[0][0], grads[1][0], grads[2][0]
-        return _softmax_d_like(q, varlen_batch=len(bounds_q) - 1)
+        varlen_attention_math_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, (dq, dk, dv), softmax_scale, causal,
+                                       (window_size_left, window_size_right), softcap)
+        return _softmax_d_like(q, varlen_batch=int(cu_seqlens_q.shape[0]) - 1)
 
     @varlen_bwd.register_fake
     def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -553,15 +578,30 @@ _CACHE_NAMES = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_fla
                 "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
 
 
+# The flash implementations planned, each by its stand-ins (`flash_attn_interface`'s for FA3).
+PLANNED_FLASH = ("flash_attention_2", "flash_attention_3")
+
+
 @contextlib.contextmanager
 def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[str] = None,
                               padding: int = 0) -> Iterator[FlashKernelsRun]:
-    """Within: transformers' `flash_attention_2` runs the stand-in kernels above, as on a GPU of
-    `compute_capability` (the preset `gpu`'s SM count for the split-KV heuristic); with `padding`
-    (padded positions per row), `_get_unpad_data` answers a fake mask with the sizes of the plan's
-    batch. transformers' own state is restored on exit. Yields the record of what ran."""
+    """`flash_attention_as_cuda` for flash_attention_2."""
+    with flash_attention_as_cuda(compute_capability, gpu, padding, "flash_attention_2") as run:
+        yield run
+
+
+@contextlib.contextmanager
+def flash_attention_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[str] = None, padding: int = 0,
+                            implementation: str = "flash_attention_2") -> Iterator[FlashKernelsRun]:
+    """Within: transformers' flash attention runs the stand-in kernels, flash-attn 2's (above) for
+    `flash_attention_2` and flash-attn 3's (`plan.step.flash_attn3`) for `flash_attention_3`, as on
+    a GPU of `compute_capability` (the preset `gpu`'s SM count for the split-KV heuristic);
+    transformers 4.x, which asks its lazy import for "the installed one" (None), is answered with
+    `implementation`'s. With `padding` (padded positions per row), `_get_unpad_data` answers a fake
+    mask with the sizes of the plan's batch. transformers' own state is restored on exit. Yields
+    the record of what ran."""
     sm_count = SM_COUNTS.get(gpu or "", DEFAULT_SM_COUNT)
-    run = FlashKernelsRun(gpu, sm_count)
+    run = FlashKernelsRun(gpu, sm_count, implementation)
     try:
         from transformers import modeling_flash_attention_utils as utils
     except ImportError:  # a transformers without the flash path
@@ -570,20 +610,18 @@ def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional
     saved_state = dict(_STATE)
     _STATE.update(compute_capability=tuple(compute_capability), sm_count=sm_count, run=run)
     original_imports = utils._lazy_imports
-    five_values = hasattr(utils, "_flash_with_kvcache_fn")
-    unpad_input = getattr(utils, "_unpad_input", None)
+    answers = _lazy_import_answers(utils, hasattr(utils, "_flash_with_kvcache_fn"))
 
-    def lazy_imports(implementation: Optional[str], *args: Any, **kwargs: Any) -> Any:
-        # transformers 4.x asks with None ("the installed one"): within the trace, flash-attn 2.
-        if implementation not in (None, "flash_attention_2"):
-            return original_imports(implementation, *args, **kwargs)
-        if five_values:
-            return flash_attn_func, flash_attn_varlen_func, None, pad_input, unpad_input
-        return flash_attn_func, flash_attn_varlen_func, pad_input, unpad_input
+    def lazy_imports(asked: Optional[str], *args: Any, **kwargs: Any) -> Any:
+        # transformers 4.x asks with None ("the installed one"): within the trace, the one planned.
+        wanted = implementation if asked is None else asked
+        if wanted not in answers:
+            return original_imports(asked, *args, **kwargs)
+        return answers[wanted]()
 
     saved = {name: getattr(utils, name) for name in _CACHE_NAMES if hasattr(utils, name)}
     original_unpad_data = getattr(utils, "_get_unpad_data", None)
-    masks = _padded_flash_masks() if padding else {}
+    masks = _padded_flash_masks(implementation) if padding else {}
     try:
         utils._lazy_imports = lazy_imports
         for name in saved:
@@ -603,8 +641,28 @@ def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional
         _STATE.update(saved_state)
 
 
-def _padded_flash_masks() -> Dict[str, Tuple[Dict[str, Any], Any]]:
-    """transformers' `flash_attention_mask` (masking_utils) for a fake mask of a padded batch: the
+def _lazy_import_answers(utils: Any, five_values: bool) -> Dict[str, Any]:
+    """What transformers' `_lazy_imports` returns for each planned implementation, as functions of
+    nothing: flash-attn 2's functions with its `bert_padding`'s `pad_input` (transformers' own
+    `_unpad_input`), flash-attn 3's with transformers' own `_pad_input` and `_unpad_input` (its
+    lazy import takes only `flash_attn_interface`'s functions). transformers 5 returns five values
+    (the paged-cache function, inference only, left None), 4.x four."""
+    unpad_input = getattr(utils, "_unpad_input", None)
+
+    def values(func: Any, varlen: Any, pad: Any) -> Tuple[Any, ...]:
+        return (func, varlen, None, pad, unpad_input) if five_values else (func, varlen, pad, unpad_input)
+
+    def flash_attention_3() -> Tuple[Any, ...]:
+        from trainer_memcb.plan.step import flash_attn3
+
+        return values(flash_attn3.flash_attn_func, flash_attn3.flash_attn_varlen_func, utils._pad_input)
+
+    return {"flash_attention_2": lambda: values(flash_attn_func, flash_attn_varlen_func, pad_input),
+            "flash_attention_3": flash_attention_3}
+
+
+def _padded_flash_masks(implementation: str) -> Dict[str, Tuple[Dict[str, Any], Any]]:
+    """transformers' `flash_attention_mask` (masking_utils) of `implementation` for a fake mask of a padded batch: the
     mask sliced and returned, as `attention_mask.all()` (a value read) is False for a real padded
     batch. Patched in the registry of mask functions; returns what to restore."""
     import inspect
@@ -616,7 +674,7 @@ def _padded_flash_masks() -> Dict[str, Tuple[Dict[str, Any], Any]]:
     except ImportError:
         return {}
     registry = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", {})
-    saved = {key: (registry, function) for key, function in registry.items() if key == "flash_attention_2"}
+    saved = {key: (registry, function) for key, function in registry.items() if key == implementation}
     for key, (_, original) in saved.items():
         signature = inspect.signature(original)
 
