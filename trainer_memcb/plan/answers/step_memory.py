@@ -341,7 +341,7 @@ def _check_flash_attention_3(settings: StepSettings) -> None:
     compute_capability = compute_capability_of(settings)
     refusal = fa3_refusal(compute_capability)
     if refusal is not None:
-        gpu = f"--gpu {settings.gpu}" if settings.gpu is not None else "no --gpu (an sm80 GPU is assumed)"
+        gpu = f"--gpu {settings.gpu}" if settings.gpu is not None else "no --gpu: an sm80 GPU assumed"
         raise ValueError(f"--attn-implementation 'flash_attention_3' on compute capability "
                          f"{'.'.join(map(str, compute_capability))} ({gpu}): {refusal}; it is planned on Hopper: "
                          "give --gpu h100 or h200, or flash_attention_2, sdpa or eager")
