@@ -47,9 +47,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from trainer_memcb.plan.settings.attention import is_planned_hub_flash
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 
-__all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "PLANNED_FLASH", "SM_COUNTS", "flash_attention_2_as_cuda",
+__all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "SM_COUNTS", "flash_attention_2_as_cuda",
            "flash_attention_as_cuda", "flash_attn_func", "flash_attn_varlen_func", "pad_input", "num_splits_heuristic",
            "round_multiple", "varlen_attention_math", "varlen_attention_math_backward"]
 
@@ -86,8 +87,11 @@ class FlashKernelsRun(KernelRuns):
             return fa3_note(kernels)
         splits = (f"; {self.split_forwards} forwards took the split-KV kernel ({self.sm_count} SMs)"
                   if self.split_forwards else "")
-        return (f"attention planned as flash-attn {FLASH_ATTN_VERSION}'s kernels run it on a GPU (no flash-attn "
-                f"package needed): {kernels}; out, softmax_lse and rng_state saved for backward, the backward's "
+        what = (f"flash-attn {FLASH_ATTN_VERSION}'s kernels run it on a GPU (no flash-attn package needed): {kernels}"
+                if self.implementation == "flash_attention_2" else
+                f"{self.implementation} runs it, the hub's build of flash-attn 2's kernels (through transformers' "
+                f"flash path, with its own pad_input), stood in for by flash-attn {FLASH_ATTN_VERSION}'s: {kernels}")
+        return (f"attention planned as {what}; out, softmax_lse and rng_state saved for backward, the backward's "
                 f"softmax_d and dq_accum (and expanded dk, dv with grouped heads) as workspace{splits}")
 
 
@@ -578,10 +582,6 @@ _CACHE_NAMES = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_fla
                 "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
 
 
-# The flash implementations planned, each by its stand-ins (`flash_attn_interface`'s for FA3).
-PLANNED_FLASH = ("flash_attention_2", "flash_attention_3")
-
-
 @contextlib.contextmanager
 def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[str] = None,
                               padding: int = 0) -> Iterator[FlashKernelsRun]:
@@ -615,12 +615,15 @@ def flash_attention_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[s
     def lazy_imports(asked: Optional[str], *args: Any, **kwargs: Any) -> Any:
         # transformers 4.x asks with None ("the installed one"): within the trace, the one planned.
         wanted = implementation if asked is None else asked
-        if wanted not in answers:
+        if not isinstance(wanted, str) or wanted not in answers:  # 4.57 passes a hub kernel's module
             return original_imports(asked, *args, **kwargs)
         return answers[wanted]()
 
+    if is_planned_hub_flash(implementation):
+        answers[implementation] = answers["hub"]
     saved = {name: getattr(utils, name) for name in _CACHE_NAMES if hasattr(utils, name)}
     original_unpad_data = getattr(utils, "_get_unpad_data", None)
+    registered = _register_hub_kernel(implementation, utils) if is_planned_hub_flash(implementation) else []
     masks = _padded_flash_masks(implementation) if padding else {}
     try:
         utils._lazy_imports = lazy_imports
@@ -637,6 +640,8 @@ def flash_attention_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[s
             utils._get_unpad_data = original_unpad_data
         for key, (registry, function) in masks.items():
             registry[key] = function
+        for registry, key in registered:
+            registry.pop(key, None)
         _STATE.clear()
         _STATE.update(saved_state)
 
@@ -658,7 +663,37 @@ def _lazy_import_answers(utils: Any, five_values: bool) -> Dict[str, Any]:
         return values(flash_attn3.flash_attn_func, flash_attn3.flash_attn_varlen_func, utils._pad_input)
 
     return {"flash_attention_2": lambda: values(flash_attn_func, flash_attn_varlen_func, pad_input),
-            "flash_attention_3": flash_attention_3}
+            "flash_attention_3": flash_attention_3,
+            # A hub kernel's: its module's functions, transformers' own pad and unpad (`_lazy_imports`' kernels branch).
+            "hub": lambda: values(flash_attn_func, flash_attn_varlen_func, utils._pad_input)}
+
+
+class _HubFlashAttn2:
+    """What a hub kernel of flash-attn 2's exports that transformers reads (`flash_attn_func`,
+    `flash_attn_varlen_func`): the stand-ins. transformers 4.57 passes this module to its lazy import."""
+
+    flash_attn_func = staticmethod(flash_attn_func)
+    flash_attn_varlen_func = staticmethod(flash_attn_varlen_func)
+
+
+def _register_hub_kernel(name: str, utils: Any) -> List[Tuple[Dict[str, Any], str]]:
+    """`load_and_register_attn_kernel` (4.57: `load_and_register_kernel`) for a hub kernel of flash-attn 2's,
+    its loading from the hub left out: transformers' `flash_attention_forward` registered as `name`'s
+    attention (4.57: with the kernel module as its `implementation`) and flash_attention_2's mask function
+    as its mask. Returns the (registry, key) pairs to remove on exit."""
+    import functools
+    import inspect
+
+    from transformers import masking_utils, modeling_utils
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    attention = flash_attention_forward
+    if "implementation" in inspect.signature(utils._flash_attention_forward).parameters:  # 4.57
+        attention = functools.partial(flash_attention_forward, implementation=_HubFlashAttn2())
+    attentions = modeling_utils.ALL_ATTENTION_FUNCTIONS._global_mapping
+    masks = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    attentions[name], masks[name] = attention, masks["flash_attention_2"]
+    return [(attentions, name), (masks, name)]
 
 
 def _padded_flash_masks(implementation: str) -> Dict[str, Tuple[Dict[str, Any], Any]]:

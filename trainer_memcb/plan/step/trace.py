@@ -76,6 +76,7 @@ from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
+from trainer_memcb.plan.settings.attention import is_planned_hub_flash
 from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_as_cuda
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 from trainer_memcb.plan.step.liger_kernels import liger_kernels_as_cuda
@@ -819,9 +820,10 @@ def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
 def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
     """The contexts a fake step runs in around its own: MoE's grouped products in any dtype, the
     batch read as unpadded (where `padding` is 0; its positions as packed with `packing`), the model's value checks passed, and on "cuda"
-    transformers' `flash_attention_2` and `flash_attention_3` run by flash-attn's kernels as stand-ins
-    (`plan.step.flash_attn`, `plan.step.flash_attn3`)."""
-    implementation = "flash_attention_3" if settings.attn_implementation == "flash_attention_3" else "flash_attention_2"
+    transformers' `flash_attention_2`, `flash_attention_3` and the hub's flash-attn 2 kernels run by
+    flash-attn's kernels as stand-ins (`plan.step.flash_attn`, `plan.step.flash_attn3`)."""
+    implementation = (settings.attn_implementation if settings.attn_implementation == "flash_attention_3"
+                      or is_planned_hub_flash(settings.attn_implementation) else "flash_attention_2")
     flash = (flash_attention_as_cuda(compute_capability_of(settings), _preset_name(settings.gpu), padding,
                                      implementation)
              if settings.device_type == "cuda" else contextlib.nullcontext())
