@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer_memcb.plan.settings.attention import fa3_refusal
 from trainer_memcb.plan.step import flash_attn, flash_attn3
 from trainer_memcb.plan.step.flash_attn import flash_attention_as_cuda
 from trainer_memcb.plan.step.live_storages import LiveStorages
@@ -174,7 +175,7 @@ def test_refuses_what_flash_attn_3_refuses():
     odd = [torch.zeros(1, 4, 2, 20, dtype=torch.bfloat16) for _ in range(3)]  # FA2 pads 20 to 24; FA3 refuses
     with fa3(), pytest.raises(RuntimeError, match="multiple of 8"):
         flash_attn3.flash_attn_func(*odd)
-    assert flash_attn3.fa3_refusal((9, 0)) is None and "no kernels" in flash_attn3.fa3_refusal((10, 0))
+    assert fa3_refusal((9, 0)) is None and "no kernels" in fa3_refusal((10, 0))
 
 
 def test_transformers_reads_fa3_keywords_from_the_signature():

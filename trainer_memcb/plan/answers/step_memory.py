@@ -35,7 +35,8 @@ from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_C
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
-from trainer_memcb.plan.settings.attention import HUB_FLASH_ATTN_2, hub_kernel_repo, is_flash_path, is_planned_hub_flash
+from trainer_memcb.plan.settings.attention import (HUB_FLASH_ATTN_2, fa3_refusal, hub_kernel_repo, is_flash_path,
+                                                   is_planned_hub_flash)
 from trainer_memcb.plan.settings.setup import setup_of
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
 from trainer_memcb.plan.step.trace import UntracedStep, trace_step
@@ -337,7 +338,6 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
 
 def _check_flash_attention_3(settings: StepSettings) -> None:
     """Refuse flash_attention_3 on a GPU whose FA3 kernels are not planned (`fa3_refusal`: Hopper only)."""
-    from trainer_memcb.plan.step.flash_attn3 import fa3_refusal
     from trainer_memcb.plan.step.trace import compute_capability_of
 
     compute_capability = compute_capability_of(settings)

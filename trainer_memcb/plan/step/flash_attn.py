@@ -48,11 +48,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from trainer_memcb.plan.settings.attention import is_planned_hub_flash
+from trainer_memcb.plan.step.flash_common import DEFAULT_SM_COUNT, STATE as _STATE, attention_math as _attention_math
+from trainer_memcb.plan.step.flash_common import attention_math_backward as _attention_math_backward
+from trainer_memcb.plan.step.flash_common import count_kernel as _count, heads_first as _heads_first, round_multiple
+from trainer_memcb.plan.step.flash_common import varlen_attention_math, varlen_attention_math_backward
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 
 __all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "SM_COUNTS", "flash_attention_2_as_cuda",
            "flash_attention_as_cuda", "flash_attn_func", "flash_attn_varlen_func", "pad_input", "num_splits_heuristic",
-           "round_multiple", "varlen_attention_math", "varlen_attention_math_backward"]
+           "round_multiple"]
 
 # The release whose interface and kernels are modelled (flash_attn/__init__.py, __version__).
 FLASH_ATTN_VERSION = "2.8.4"
@@ -63,11 +67,6 @@ FLASH_ATTN_VERSION = "2.8.4"
 # plan (sm80) takes the A100's.
 SM_COUNTS: Dict[str, int] = {"H100": 132, "H200": 132, "A100-40GB": 108, "A100-80GB": 108, "L40S": 142,
                              "L4": 58, "A10G": 80, "RTX-4090": 128, "RTX-3090": 82}
-DEFAULT_SM_COUNT = 108
-
-_STATE: Dict[str, Any] = {"compute_capability": (8, 0), "sm_count": DEFAULT_SM_COUNT, "run": None}
-
-
 class FlashKernelsRun(KernelRuns):
     """What `flash_attention_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
 
@@ -93,11 +92,6 @@ class FlashKernelsRun(KernelRuns):
                 f"flash path, with its own pad_input), stood in for by flash-attn {FLASH_ATTN_VERSION}'s: {kernels}")
         return (f"attention planned as {what}; out, softmax_lse and rng_state saved for backward, the backward's "
                 f"softmax_d and dq_accum (and expanded dk, dv with grouped heads) as workspace{splits}")
-
-
-def round_multiple(x: int, m: int) -> int:
-    """flash_api.cpp's `round_multiple`: x rounded up to a multiple of m."""
-    return (x + m - 1) // m * m
 
 
 def _head_size_rounded(head_size: int) -> int:
@@ -141,11 +135,6 @@ def _splits(batch: int, heads: int, head_size: int, seqlen_q: int, seqlen_k: int
     return num_splits_heuristic(batch * heads * m_blocks, _STATE["sm_count"] * 2, n_blocks, 128)
 
 
-def _count(kernel: str) -> None:
-    if _STATE["run"] is not None:
-        _STATE["run"].count(kernel)
-
-
 def _check(q: torch.Tensor) -> None:
     """flash_api.cpp's checks (`mha_fwd`, `mha_varlen_fwd`) that refuse a run."""
     if tuple(_STATE["compute_capability"]) < (8, 0):
@@ -154,100 +143,6 @@ def _check(q: torch.Tensor) -> None:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
     if q.shape[-1] > 256:
         raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
-
-
-# --- the math, for real (CPU) tensors: values only, for the tests ------------------------------
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, window: Tuple[int, int],
-            softcap: float) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """float32 [B, H, Lq, Lk] scores of [B, L, H, D] inputs (k's heads repeated to q's), masked as
-    flash-attn masks (causal aligned to the bottom right, the window), with softcap's tanh."""
-    heads = q.shape[-2]
-    qf = q.float().transpose(1, 2)
-    kf = k.float().transpose(1, 2).repeat_interleave(heads // k.shape[-2], dim=1)
-    scores = qf @ kf.transpose(-1, -2) * scale
-    capped = None
-    if softcap > 0.0:
-        capped = torch.tanh(scores / softcap)
-        scores = softcap * capped
-    lq, lk = scores.shape[-2], scores.shape[-1]
-    row = torch.arange(lq).unsqueeze(-1) + (lk - lq)
-    col = torch.arange(lk)
-    left, right = window
-    if causal:
-        right = 0
-    masked = torch.zeros(lq, lk, dtype=torch.bool)
-    if right >= 0:
-        masked |= col > row + right
-    if left >= 0:
-        masked |= col < row - left
-    return scores.masked_fill(masked, float("-inf")), masked, capped
-
-
-def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                    window: Tuple[int, int], softcap: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of [B, L, H, D] inputs in float32: output in q's dtype and logsumexp [B, H, Lq]."""
-    scores, _, _ = _scores(q, k, scale, causal, window, softcap)
-    vf = v.float().transpose(1, 2).repeat_interleave(q.shape[-2] // v.shape[-2], dim=1)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ vf
-    return out.transpose(1, 2).to(q.dtype), lse
-
-
-def _attention_math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             causal: bool, window: Tuple[int, int],
-                             softcap: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of `_attention_math`'s output (custom ops run below autograd, so by hand)."""
-    heads, kv_heads = q.shape[-2], k.shape[-2]
-    scores, _, capped = _scores(q, k, scale, causal, window, softcap)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    qf, kf = q.float().transpose(1, 2), k.float().transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    vf = v.float().transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    do = dout.float().transpose(1, 2)
-    dv = probs.transpose(-1, -2) @ do
-    dp = do @ vf.transpose(-1, -2)
-    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
-    if capped is not None:
-        ds = ds * (1 - capped * capped)
-    dq = ds @ kf * scale
-    dk = ds.transpose(-1, -2) @ qf * scale
-
-    def grouped(grad: torch.Tensor) -> torch.Tensor:
-        b, _, length, d = grad.shape
-        return grad.view(b, kv_heads, heads // kv_heads, length, d).sum(2)
-
-    return (dq.transpose(1, 2).to(q.dtype), grouped(dk).transpose(1, 2).to(k.dtype),
-            grouped(dv).transpose(1, 2).to(v.dtype))
-
-
-def varlen_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, scale: float, causal: bool, window: Tuple[int, int],
-                          softcap: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`_attention_math` of each sequence of [total, H, D] inputs (real tensors: the bounds are read):
-    the output like q and the logsumexp [H, total_q], float32."""
-    out, lse = torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(bounds_q) - 1):
-        sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-        one_out, one_lse = _attention_math(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], scale, causal, window,
-                                           softcap)
-        out[sq:eq] = one_out[0]
-        lse[:, sq:eq] = one_lse[0]
-    return out, lse
-
-
-def varlen_attention_math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                                   grads: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float, causal: bool,
-                                   window: Tuple[int, int], softcap: float) -> None:
-    """`_attention_math_backward` of each sequence, written into `grads` (dq, dk, dv), as the kernels write them."""
-    dq, dk, dv = grads
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(bounds_q) - 1):
-        sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-        one = _attention_math_backward(dout[None, sq:eq], q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], scale,
-                                       causal, window, softcap)
-        dq[sq:eq], dk[sk:ek], dv[sk:ek] = one[0][0], one[1][0], one[2][0]
 
 
 def _ops() -> Any:
@@ -287,11 +182,6 @@ def _define_ops() -> None:
     _define_backward_op()
     _define_varlen_ops()
     _register_flop_formulas()
-
-
-def _heads_first(shape: Any) -> Tuple[int, ...]:
-    """[B, L, H, D] as SDPA's FLOP formulas take it, [B, H, L, D]."""
-    return (shape[0], shape[2], shape[1], shape[3])
 
 
 def _register_flop_formulas() -> None:

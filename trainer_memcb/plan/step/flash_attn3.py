@@ -52,26 +52,15 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from trainer_memcb.plan.step import flash_attn
-from trainer_memcb.plan.step.flash_attn import round_multiple
+from trainer_memcb.plan.settings.attention import fa3_refusal
+from trainer_memcb.plan.step import flash_common
+from trainer_memcb.plan.step.flash_common import round_multiple
 
-__all__ = ["FA3_VERSION", "bwd_block_sizes", "fa3_note", "fa3_refusal", "flash_attn_func", "flash_attn_varlen_func",
+__all__ = ["FA3_VERSION", "bwd_block_sizes", "fa3_note", "flash_attn_func", "flash_attn_varlen_func",
            "round_up_headdim"]
 
 # The release whose interface and kernels are modelled (hopper/__init__.py, __version__).
 FA3_VERSION = "3.0.0"
-
-
-def fa3_refusal(compute_capability: Tuple[int, int]) -> Optional[str]:
-    """Why flash_attention_3 is not planned on a GPU of `compute_capability`; None on Hopper (9.0)."""
-    cc = tuple(compute_capability)
-    if cc < (8, 0):
-        return "flash-attn 3 refuses it (\"FlashAttention only supports Ampere GPUs or newer.\", flash_api.cpp)"
-    if cc[0] == 8:
-        return "flash-attn 3 runs its Ampere/Ada kernels there (sm80 builds), whose tile sizes are not planned"
-    if cc != (9, 0):
-        return "flash-attn 3's build has no kernels for it (hopper/setup.py compiles sm80 and sm90a code only)"
-    return None
 
 
 def fa3_note(kernels: str) -> str:
@@ -123,10 +112,10 @@ def _causal_local(causal: bool, window: Tuple[int, int], seqlen_q: int, seqlen_k
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool = False) -> None:
     """flash_api.cpp's checks (`mha_fwd`, `mha_bwd`) that refuse a run, and (forward: the backward
     runs where its forward did) the GPUs not planned."""
-    refusal = None if backward else fa3_refusal(flash_attn._STATE["compute_capability"])
+    refusal = None if backward else fa3_refusal(flash_common.STATE["compute_capability"])
     if refusal is not None:
         raise RuntimeError(f"flash_attention_3 is not planned on compute capability "
-                           f"{'.'.join(map(str, flash_attn._STATE['compute_capability']))}: {refusal}")
+                           f"{'.'.join(map(str, flash_common.STATE['compute_capability']))}: {refusal}")
     allowed = (torch.float16, torch.bfloat16) if backward else (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
     if q.dtype not in allowed:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type" if backward else
@@ -141,11 +130,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool = F
         raise RuntimeError(f"head_size should be a multiple of {alignment}")
     if q.shape[-2] % k.shape[-2]:
         raise RuntimeError("Number of heads in key/value must divide number of heads in query")
-
-
-def _count(kernel: str) -> None:
-    if flash_attn._STATE["run"] is not None:
-        flash_attn._STATE["run"].count(kernel)
 
 
 class _Shapes:
@@ -242,9 +226,9 @@ def _define_ops() -> None:
         out, lse, *rest = _forward_allocations(q, _Shapes(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k),
                                                causal, window, num_splits)
         if cu_seqlens_q is None:
-            values, logsumexp = flash_attn._attention_math(q, k, v, softmax_scale, causal, window, softcap)
+            values, logsumexp = flash_common.attention_math(q, k, v, softmax_scale, causal, window, softcap)
         else:
-            values, logsumexp = flash_attn.varlen_attention_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+            values, logsumexp = flash_common.varlen_attention_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                                                  causal, window, softcap)
         out.copy_(values)
         lse.copy_(logsumexp)
@@ -267,11 +251,11 @@ def _define_ops() -> None:
             window_size_right: int, softcap: float, deterministic: bool) -> Tuple[torch.Tensor, ...]:
         window = (window_size_left, window_size_right)
         if cu_seqlens_q is None:
-            grads = flash_attn._attention_math_backward(dout, q, k, v, softmax_scale, causal, window, softcap)
+            grads = flash_common.attention_math_backward(dout, q, k, v, softmax_scale, causal, window, softcap)
             for target, grad in zip((dq, dk, dv), grads):
                 target.copy_(grad)
         else:
-            flash_attn.varlen_attention_math_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, (dq, dk, dv),
+            flash_common.varlen_attention_math_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, (dq, dk, dv),
                                                       softmax_scale, causal, window, softcap)
         return _backward_allocations(q, _Shapes(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k), causal, window,
                                      softcap, deterministic)
@@ -294,7 +278,7 @@ def _register_flop_formulas() -> None:
 
     def heads_first(q: Any, k: Any, cu_seqlens_q: Any, max_seqlen_k: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         if cu_seqlens_q is None:
-            return flash_attn._heads_first(q), flash_attn._heads_first(k)
+            return flash_common.heads_first(q), flash_common.heads_first(k)
         return (1, q[1], q[0], q[2]), (1, k[1], max_seqlen_k, k[2])
 
     def forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
@@ -357,7 +341,7 @@ class FlashAttnFunc(torch.autograd.Function):
                 causal: bool, window_size: Tuple[int, int], softcap: float, num_splits: int, deterministic: bool,
                 return_softmax: bool) -> Any:
         _check(q, k, v)
-        _count("flash_attn_func")
+        flash_common.count_kernel("flash_attn_func")
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** (-0.5)
         out, softmax_lse = _forward(q, k, v, [None, None, None, None], softmax_scale, causal, window_size, softcap,
@@ -382,7 +366,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
                 causal: bool, window_size: Tuple[int, int], softcap: float, num_splits: int, deterministic: bool,
                 return_softmax: bool) -> Any:
         _check(q, k, v)
-        _count("flash_attn_varlen_func")
+        flash_common.count_kernel("flash_attn_varlen_func")
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** (-0.5)
         varlen = [cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)]
