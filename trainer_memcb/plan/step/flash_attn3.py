@@ -216,6 +216,13 @@ _COMMON = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int? max_seqlen_q, int? 
 
 def _define_ops() -> None:
     """`trainer_memcb_flash3::fwd` (`mha_fwd`) and `::bwd` (`mha_bwd`), varlen where cu_seqlens are given."""
+    _define_forward_op()
+    _define_backward_op()
+    _register_flop_formulas()
+
+
+def _define_forward_op() -> None:
+    """`trainer_memcb_flash3::fwd`: `mha_fwd`, its allocations the fake kernel's outputs."""
     @torch.library.custom_op("trainer_memcb_flash3::fwd", mutates_args=(), schema=(
         f"(Tensor q, Tensor k, Tensor v, {_COMMON}, int num_splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
@@ -240,6 +247,9 @@ def _define_ops() -> None:
         return _forward_allocations(q, _Shapes(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k), causal,
                                     (window_size_left, window_size_right), num_splits)
 
+
+def _define_backward_op() -> None:
+    """`trainer_memcb_flash3::bwd`: `mha_bwd`, its workspaces the fake kernel's outputs."""
     @torch.library.custom_op("trainer_memcb_flash3::bwd", mutates_args=("dq", "dk", "dv"), schema=(
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, "
         f"Tensor(c!) dv, {_COMMON}, bool deterministic) -> "
@@ -265,8 +275,6 @@ def _define_ops() -> None:
           softmax_scale, causal, window_size_left, window_size_right, softcap, deterministic):
         return _backward_allocations(q, _Shapes(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k), causal,
                                      (window_size_left, window_size_right), softcap, deterministic)
-
-    _register_flop_formulas()
 
 
 def _register_flop_formulas() -> None:
