@@ -4,10 +4,18 @@ the real ones' outputs, what they save for backward and the workspaces they allo
 transformers' flash path (`modeling_flash_attention_utils._flash_attention_forward`) imports
 `flash_attn_func`, `flash_attn_varlen_func` and `bert_padding`'s `pad_input` from the flash-attn
 package when `is_flash_attn_2_available()` says it is installed with a CUDA torch. Neither holds
-on this CPU machine, so `flash_attention_2_as_cuda(...)` makes transformers take that path for
-its duration only: its lazy import (`_lazy_imports`) answers with the functions below, and its
-cache of the imported functions is emptied on entry and restored on exit (nothing is changed
-outside the trace).
+on this CPU machine, so `flash_attention_as_cuda(...)` makes transformers take that path for
+its duration only: its lazy import (`_lazy_imports`) answers with the functions below (with
+flash-attn 3's of `plan.step.flash_attn3` for `flash_attention_3`), and its cache of the imported
+functions is emptied on entry and restored on exit (nothing is changed outside the trace).
+
+The hub's kernels that are flash-attn 2's own (`plan.settings.attention.HUB_FLASH_ATTN_2`,
+`attn_implementation="kernels-community/flash-attn2"`) run the same functions: the context
+registers the name as transformers' `load_and_register_attn_kernel` does (its own
+`flash_attention_forward` as the attention, flash_attention_2's mask function as the mask; in
+4.57, `load_and_register_kernel` with the kernel module as the forward's `implementation`), the
+hub never reached, and answers its lazy import with them and transformers' own `_pad_input` and
+`_unpad_input`, as its kernels branch does. The registrations are removed on exit.
 
 The functions are flash-attn 2.8.4's (`flash_attn/flash_attn_interface.py`, `FlashAttnFunc` and
 `FlashAttnVarlenFunc`; `flash_attn/bert_padding.py`, `pad_input`), with the same signatures and
@@ -35,8 +43,9 @@ Ampere GPUs or newer."), a dtype other than fp16/bf16, a head dimension above 25
 tensors the ops compute the attention in float32 (for the tests: values and gradients equal to
 `scaled_dot_product_attention`'s); under fake tensors they only allocate.
 
-Not planned here: flash_attention_3, the hub's kernels (`kernels-community/...`), alibi slopes,
-paged KV caches (inference).
+What flash-attn 2's and 3's stand-ins share (the trace's state, the math on real tensors) is in
+`plan.step.flash_common`. Not planned here: other hub kernels (refused before the trace, naming
+those planned), alibi slopes, paged KV caches (inference).
 """
 
 from __future__ import annotations
