@@ -246,7 +246,6 @@ def test_unpadding_path_saves_what_a_real_run_of_it_saves():
     assert planned == real == 66_380
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("heads_k", [4, 2])  # one head of keys per query head, and grouped heads
 def test_tiny_llama_on_h100_saves_what_sdpa_saves_and_fa2_more(heads_k):
     layers = 2
