@@ -36,6 +36,8 @@ from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_C
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
+from trainer_memcb.plan.settings.attention import (HUB_FLASH_ATTN_2, fa3_refusal, hub_kernel_repo, is_flash_path,
+                                                   is_planned_hub_flash)
 from trainer_memcb.plan.settings.setup import setup_of
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
 from trainer_memcb.plan.step.trace import UntracedStep, trace_step
@@ -322,16 +324,32 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
         torch_tp_plan(model_tp_plan(meta))
     if settings.attn_implementation is not None and config is not None:
         check_attn_implementation(meta, settings.attn_implementation)
-        if settings.attn_implementation.startswith("flash_attention") and settings.device_type != "cuda":
+        flash = settings.attn_implementation.startswith("flash_attention") or is_flash_path(settings.attn_implementation)
+        if flash and settings.device_type != "cuda":
             # transformers would look for a kernel on the hub; flash-attn's kernels are CUDA's alone.
             raise ValueError(f"--attn-implementation {settings.attn_implementation!r} runs on CUDA only "
                              f"(flash-attn's kernels), not on {settings.device_type}: give --device-type cuda, "
                              "or sdpa or eager")
+        if settings.attn_implementation == "flash_attention_3":
+            _check_flash_attention_3(settings)
         config._attn_implementation = settings.attn_implementation
     if settings.use_liger_kernel:
         _check_liger_kernel(meta, settings)
     with FakeTensorMode():
         step_inputs(meta, 1, settings.seq_len, **_input_options(settings))
+
+
+def _check_flash_attention_3(settings: StepSettings) -> None:
+    """Refuse flash_attention_3 on a GPU whose FA3 kernels are not planned (`fa3_refusal`: Hopper only)."""
+    from trainer_memcb.plan.step.trace import compute_capability_of
+
+    compute_capability = compute_capability_of(settings)
+    refusal = fa3_refusal(compute_capability)
+    if refusal is not None:
+        gpu = f"--gpu {settings.gpu}" if settings.gpu is not None else "no --gpu: an sm80 GPU assumed"
+        raise ValueError(f"--attn-implementation 'flash_attention_3' on compute capability "
+                         f"{'.'.join(map(str, compute_capability))} ({gpu}): {refusal}; it is planned on Hopper: "
+                         "give --gpu h100 or h200, or flash_attention_2, sdpa or eager")
 
 
 def _check_liger_kernel(meta: nn.Module, settings: StepSettings) -> None:
@@ -540,6 +558,9 @@ def check_attn_implementation(model: nn.Module, name: str) -> None:
     except ImportError:  # an older transformers without the registry: the trace will say
         return
     inner = model.base_model.model if hasattr(model, "peft_config") and hasattr(model, "base_model") else model
+    if hub_kernel_repo(name) is not None:
+        _check_hub_kernel(inner, name)
+        return
     allowed = ["eager"] + list(ALL_ATTENTION_FUNCTIONS.valid_keys())
     unsupported = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
     allowed = [key for key in allowed if getattr(inner, unsupported.get(key, ""), True) is not False]
@@ -547,3 +568,18 @@ def check_attn_implementation(model: nn.Module, name: str) -> None:
         why = "is not one of transformers' attention implementations" if name not in unsupported else \
             f"is not supported by {type(inner).__name__}"
         raise ValueError(f"--attn-implementation {name!r} {why}: give one of {', '.join(allowed)}")
+
+
+def _check_hub_kernel(inner: nn.Module, name: str) -> None:
+    """A hub kernel (transformers' "org/repo[@revision]"): planned where it is flash-attn 2's
+    (`HUB_FLASH_ATTN_2`) and the class lets flash attention run (`_supports_flash_attn`, as
+    transformers' `_check_and_adjust_attn_implementation` asks of a hub flash kernel)."""
+    if not is_planned_hub_flash(name):
+        raise ValueError(f"--attn-implementation {name!r}: the hub kernel {hub_kernel_repo(name)} is not planned; "
+                         f"the hub kernels planned are {', '.join(HUB_FLASH_ATTN_2)} (flash-attn 2's kernels)")
+    supports = getattr(inner, "_supports_flash_attn", None)
+    if supports is None:  # transformers before 4.54
+        supports = getattr(inner, "_supports_flash_attn_2", False)
+    if not supports:
+        raise ValueError(f"--attn-implementation {name!r}: {type(inner).__name__} does not support flash attention, "
+                         "so it cannot use a hub flash kernel: give sdpa or eager")

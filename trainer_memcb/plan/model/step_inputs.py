@@ -43,7 +43,7 @@ makes (transformers' `data/data_collator.py`): the micro-batch's sequences conca
 row, `input_ids`, `labels` (each sequence's first label the separator, -100) and `position_ids`
 (1, TOKENS) int64, the positions restarting at 0 with each sequence, and no attention mask. The
 sequences are `seq_len` tokens each, `TOKENS // seq_len` of them, and the rest one shorter
-sequence. Under `flash_attention_2` the collator is taken with `return_flash_attn_kwargs=True`,
+sequence. Under `flash_attention_2` and `flash_attention_3` the collator is taken with `return_flash_attn_kwargs=True`,
 as the varlen kernel wants it: `cu_seq_lens_q` and `cu_seq_lens_k` (the sequences' boundaries,
 two int32 tensors of sequences + 1) and `max_length_q`, `max_length_k` (Python ints, `seq_len`);
 without them transformers derives the boundaries from `position_ids` in every layer, reading
@@ -61,6 +61,8 @@ from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
+
+from trainer_memcb.plan.settings.attention import is_flash_path
 
 __all__ = ["StepInputs", "step_inputs", "head_kind", "unwrap", "packed_lengths", "PACKED_ATTENTIONS"]
 
@@ -261,7 +263,7 @@ def _packed_inputs(config: Any, seq_len: int, packing: int) -> StepInputs:
     forward: Dict[str, torch.Tensor] = {"input_ids": torch.zeros(1, packing, **long),
                                         "labels": torch.zeros(1, packing, **long)}
     forward["position_ids"] = torch.cat([torch.arange(length, **long) for length in packed_lengths(seq_len, packing)])[None]
-    if getattr(config, "_attn_implementation", None) == "flash_attention_2":
+    if is_flash_path(getattr(config, "_attn_implementation", None)):
         bounds = [0]
         for length in packed_lengths(seq_len, packing):
             bounds.append(bounds[-1] + length)
@@ -272,8 +274,10 @@ def _packed_inputs(config: Any, seq_len: int, packing: int) -> StepInputs:
     return StepInputs(forward=forward, labels=forward["labels"], kind="causal_lm")
 
 
-# The attentions a packed row is planned with, and what each does with it.
-PACKED_ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
+# The attentions a packed row is planned with, and what each does with it (and the hub's flash-attn 2
+# kernels, `HUB_FLASH_ATTN_2`, as flash_attention_2).
+PACKED_ATTENTIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
 
 
 def _check_packing(model: nn.Module, name: str, kind: str, batch_size: int, seq_len: Optional[int],
@@ -290,15 +294,15 @@ def _check_packing(model: nn.Module, name: str, kind: str, batch_size: int, seq_
         raise ValueError(f"--packing {packing} is fewer tokens than one sequence of --seq-len {seq_len}")
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
-    if attention not in PACKED_ATTENTIONS:
+    if attention not in PACKED_ATTENTIONS and not is_flash_path(attention):
         raise ValueError(f"--packing with attention {attention!r}: packed rows are planned with "
                          f"{', '.join(PACKED_ATTENTIONS)} (give --attn-implementation)")
     forward = getattr(type(model), "forward", None)
     takes_kwargs = forward is not None and any(
         parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in inspect.signature(forward).parameters.values())
-    if attention == "flash_attention_2":
+    if is_flash_path(attention):
         if not takes_kwargs:
-            raise ValueError(f"--packing with flash_attention_2: {name}'s forward takes no keyword arguments for the "
+            raise ValueError(f"--packing with {attention}: {name}'s forward takes no keyword arguments for the "
                              "attention (cu_seq_lens_q, max_length_q, ...); sdpa or eager may plan it")
         return
     from trainer_memcb.plan.model.packed_mask import packed_mask_missing

@@ -4,10 +4,18 @@ the real ones' outputs, what they save for backward and the workspaces they allo
 transformers' flash path (`modeling_flash_attention_utils._flash_attention_forward`) imports
 `flash_attn_func`, `flash_attn_varlen_func` and `bert_padding`'s `pad_input` from the flash-attn
 package when `is_flash_attn_2_available()` says it is installed with a CUDA torch. Neither holds
-on this CPU machine, so `flash_attention_2_as_cuda(...)` makes transformers take that path for
-its duration only: its lazy import (`_lazy_imports`) answers with the functions below, and its
-cache of the imported functions is emptied on entry and restored on exit (nothing is changed
-outside the trace).
+on this CPU machine, so `flash_attention_as_cuda(...)` makes transformers take that path for
+its duration only: its lazy import (`_lazy_imports`) answers with the functions below (with
+flash-attn 3's of `plan.step.flash_attn3` for `flash_attention_3`), and its cache of the imported
+functions is emptied on entry and restored on exit (nothing is changed outside the trace).
+
+The hub's kernels that are flash-attn 2's own (`plan.settings.attention.HUB_FLASH_ATTN_2`,
+`attn_implementation="kernels-community/flash-attn2"`) run the same functions: the context
+registers the name as transformers' `load_and_register_attn_kernel` does (its own
+`flash_attention_forward` as the attention, flash_attention_2's mask function as the mask; in
+4.57, `load_and_register_kernel` with the kernel module as the forward's `implementation`), the
+hub never reached, and answers its lazy import with them and transformers' own `_pad_input` and
+`_unpad_input`, as its kernels branch does. The registrations are removed on exit.
 
 The functions are flash-attn 2.8.4's (`flash_attn/flash_attn_interface.py`, `FlashAttnFunc` and
 `FlashAttnVarlenFunc`; `flash_attn/bert_padding.py`, `pad_input`), with the same signatures and
@@ -35,8 +43,9 @@ Ampere GPUs or newer."), a dtype other than fp16/bf16, a head dimension above 25
 tensors the ops compute the attention in float32 (for the tests: values and gradients equal to
 `scaled_dot_product_attention`'s); under fake tensors they only allocate.
 
-Not planned here: flash_attention_3, the hub's kernels (`kernels-community/...`), alibi slopes,
-paged KV caches (inference).
+What flash-attn 2's and 3's stand-ins share (the trace's state, the math on real tensors) is in
+`plan.step.flash_common`. Not planned here: other hub kernels (refused before the trace, naming
+those planned), alibi slopes, paged KV caches (inference).
 """
 
 from __future__ import annotations
@@ -47,10 +56,16 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from trainer_memcb.plan.settings.attention import is_planned_hub_flash
+from trainer_memcb.plan.step.flash_common import DEFAULT_SM_COUNT, STATE as _STATE, attention_math as _attention_math
+from trainer_memcb.plan.step.flash_common import attention_math_backward as _attention_math_backward
+from trainer_memcb.plan.step.flash_common import count_kernel as _count, heads_first as _heads_first, round_multiple
+from trainer_memcb.plan.step.flash_common import varlen_attention_math, varlen_attention_math_backward
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 
-__all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "SM_COUNTS", "flash_attention_2_as_cuda", "flash_attn_func",
-           "flash_attn_varlen_func", "pad_input", "num_splits_heuristic", "round_multiple"]
+__all__ = ["FLASH_ATTN_VERSION", "FlashKernelsRun", "SM_COUNTS", "flash_attention_2_as_cuda",
+           "flash_attention_as_cuda", "flash_attn_func", "flash_attn_varlen_func", "pad_input", "num_splits_heuristic",
+           "round_multiple"]
 
 # The release whose interface and kernels are modelled (flash_attn/__init__.py, __version__).
 FLASH_ATTN_VERSION = "2.8.4"
@@ -61,17 +76,12 @@ FLASH_ATTN_VERSION = "2.8.4"
 # plan (sm80) takes the A100's.
 SM_COUNTS: Dict[str, int] = {"H100": 132, "H200": 132, "A100-40GB": 108, "A100-80GB": 108, "L40S": 142,
                              "L4": 58, "A10G": 80, "RTX-4090": 128, "RTX-3090": 82}
-DEFAULT_SM_COUNT = 108
-
-_STATE: Dict[str, Any] = {"compute_capability": (8, 0), "sm_count": DEFAULT_SM_COUNT, "run": None}
-
-
 class FlashKernelsRun(KernelRuns):
-    """What `flash_attention_2_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
+    """What `flash_attention_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
 
-    def __init__(self, gpu: Optional[str], sm_count: int) -> None:
+    def __init__(self, gpu: Optional[str], sm_count: int, implementation: str = "flash_attention_2") -> None:
         super().__init__()
-        self.gpu, self.sm_count = gpu, sm_count
+        self.gpu, self.sm_count, self.implementation = gpu, sm_count, implementation
         self.split_forwards = 0
 
     def note(self) -> Optional[str]:
@@ -79,16 +89,18 @@ class FlashKernelsRun(KernelRuns):
         if not self.calls:
             return None
         kernels = self.calls_text()
+        if self.implementation == "flash_attention_3":
+            from trainer_memcb.plan.step.flash_attn3 import fa3_note
+
+            return fa3_note(kernels)
         splits = (f"; {self.split_forwards} forwards took the split-KV kernel ({self.sm_count} SMs)"
                   if self.split_forwards else "")
-        return (f"attention planned as flash-attn {FLASH_ATTN_VERSION}'s kernels run it on a GPU (no flash-attn "
-                f"package needed): {kernels}; out, softmax_lse and rng_state saved for backward, the backward's "
+        what = (f"flash-attn {FLASH_ATTN_VERSION}'s kernels run it on a GPU (no flash-attn package needed): {kernels}"
+                if self.implementation == "flash_attention_2" else
+                f"{self.implementation} runs it, the hub's build of flash-attn 2's kernels (through transformers' "
+                f"flash path, with its own pad_input), stood in for by flash-attn {FLASH_ATTN_VERSION}'s: {kernels}")
+        return (f"attention planned as {what}; out, softmax_lse and rng_state saved for backward, the backward's "
                 f"softmax_d and dq_accum (and expanded dk, dv with grouped heads) as workspace{splits}")
-
-
-def round_multiple(x: int, m: int) -> int:
-    """flash_api.cpp's `round_multiple`: x rounded up to a multiple of m."""
-    return (x + m - 1) // m * m
 
 
 def _head_size_rounded(head_size: int) -> int:
@@ -132,11 +144,6 @@ def _splits(batch: int, heads: int, head_size: int, seqlen_q: int, seqlen_k: int
     return num_splits_heuristic(batch * heads * m_blocks, _STATE["sm_count"] * 2, n_blocks, 128)
 
 
-def _count(kernel: str) -> None:
-    if _STATE["run"] is not None:
-        _STATE["run"].count(kernel)
-
-
 def _check(q: torch.Tensor) -> None:
     """flash_api.cpp's checks (`mha_fwd`, `mha_varlen_fwd`) that refuse a run."""
     if tuple(_STATE["compute_capability"]) < (8, 0):
@@ -145,70 +152,6 @@ def _check(q: torch.Tensor) -> None:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
     if q.shape[-1] > 256:
         raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
-
-
-# --- the math, for real (CPU) tensors: values only, for the tests ------------------------------
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, window: Tuple[int, int],
-            softcap: float) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """float32 [B, H, Lq, Lk] scores of [B, L, H, D] inputs (k's heads repeated to q's), masked as
-    flash-attn masks (causal aligned to the bottom right, the window), with softcap's tanh."""
-    heads = q.shape[-2]
-    qf = q.float().transpose(1, 2)
-    kf = k.float().transpose(1, 2).repeat_interleave(heads // k.shape[-2], dim=1)
-    scores = qf @ kf.transpose(-1, -2) * scale
-    capped = None
-    if softcap > 0.0:
-        capped = torch.tanh(scores / softcap)
-        scores = softcap * capped
-    lq, lk = scores.shape[-2], scores.shape[-1]
-    row = torch.arange(lq).unsqueeze(-1) + (lk - lq)
-    col = torch.arange(lk)
-    left, right = window
-    if causal:
-        right = 0
-    masked = torch.zeros(lq, lk, dtype=torch.bool)
-    if right >= 0:
-        masked |= col > row + right
-    if left >= 0:
-        masked |= col < row - left
-    return scores.masked_fill(masked, float("-inf")), masked, capped
-
-
-def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                    window: Tuple[int, int], softcap: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of [B, L, H, D] inputs in float32: output in q's dtype and logsumexp [B, H, Lq]."""
-    scores, _, _ = _scores(q, k, scale, causal, window, softcap)
-    vf = v.float().transpose(1, 2).repeat_interleave(q.shape[-2] // v.shape[-2], dim=1)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ vf
-    return out.transpose(1, 2).to(q.dtype), lse
-
-
-def _attention_math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             causal: bool, window: Tuple[int, int],
-                             softcap: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of `_attention_math`'s output (custom ops run below autograd, so by hand)."""
-    heads, kv_heads = q.shape[-2], k.shape[-2]
-    scores, _, capped = _scores(q, k, scale, causal, window, softcap)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    qf, kf = q.float().transpose(1, 2), k.float().transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    vf = v.float().transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    do = dout.float().transpose(1, 2)
-    dv = probs.transpose(-1, -2) @ do
-    dp = do @ vf.transpose(-1, -2)
-    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
-    if capped is not None:
-        ds = ds * (1 - capped * capped)
-    dq = ds @ kf * scale
-    dk = ds.transpose(-1, -2) @ qf * scale
-
-    def grouped(grad: torch.Tensor) -> torch.Tensor:
-        b, _, length, d = grad.shape
-        return grad.view(b, kv_heads, heads // kv_heads, length, d).sum(2)
-
-    return (dq.transpose(1, 2).to(q.dtype), grouped(dk).transpose(1, 2).to(k.dtype),
-            grouped(dv).transpose(1, 2).to(v.dtype))
 
 
 def _ops() -> Any:
@@ -248,11 +191,6 @@ def _define_ops() -> None:
     _define_backward_op()
     _define_varlen_ops()
     _register_flop_formulas()
-
-
-def _heads_first(shape: Any) -> Tuple[int, ...]:
-    """[B, L, H, D] as SDPA's FLOP formulas take it, [B, H, L, D]."""
-    return (shape[0], shape[2], shape[1], shape[3])
 
 
 def _register_flop_formulas() -> None:
@@ -322,14 +260,8 @@ def _define_varlen_ops() -> None:
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                    softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
                    softcap: float, return_softmax: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, lse = torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for i in range(len(bounds_q) - 1):
-            sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-            one_out, one_lse = _attention_math(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], softmax_scale, causal,
-                                               (window_size_left, window_size_right), softcap)
-            out[sq:eq] = one_out[0]
-            lse[:, sq:eq] = one_lse[0]
+        out, lse = varlen_attention_math(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                         (window_size_left, window_size_right), softcap)
         return out, lse, q.new_empty((0,)), torch.zeros(2, dtype=torch.int64)
 
     @varlen_fwd.register_fake
@@ -354,13 +286,9 @@ def _define_varlen_ops() -> None:
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
                    window_size_right: int, softcap: float) -> torch.Tensor:
-        bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for i in range(len(bounds_q) - 1):
-            sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-            grads = _attention_math_backward(dout[None, sq:eq], q[None, sq:eq], k[None, sk:ek], v[None, sk:ek],
-                                             softmax_scale, causal, (window_size_left, window_size_right), softcap)
-            dq[sq:eq], dk[sk:ek], dv[sk:ek] = grads[0][0], grads[1][0], grads[2][0]
-        return _softmax_d_like(q, varlen_batch=len(bounds_q) - 1)
+        varlen_attention_math_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, (dq, dk, dv), softmax_scale, causal,
+                                       (window_size_left, window_size_right), softcap)
+        return _softmax_d_like(q, varlen_batch=int(cu_seqlens_q.shape[0]) - 1)
 
     @varlen_bwd.register_fake
     def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -556,12 +484,23 @@ _CACHE_NAMES = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_fla
 @contextlib.contextmanager
 def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[str] = None,
                               padding: int = 0) -> Iterator[FlashKernelsRun]:
-    """Within: transformers' `flash_attention_2` runs the stand-in kernels above, as on a GPU of
-    `compute_capability` (the preset `gpu`'s SM count for the split-KV heuristic); with `padding`
-    (padded positions per row), `_get_unpad_data` answers a fake mask with the sizes of the plan's
-    batch. transformers' own state is restored on exit. Yields the record of what ran."""
+    """`flash_attention_as_cuda` for flash_attention_2."""
+    with flash_attention_as_cuda(compute_capability, gpu, padding, "flash_attention_2") as run:
+        yield run
+
+
+@contextlib.contextmanager
+def flash_attention_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[str] = None, padding: int = 0,
+                            implementation: str = "flash_attention_2") -> Iterator[FlashKernelsRun]:
+    """Within: transformers' flash attention runs the stand-in kernels, flash-attn 2's (above) for
+    `flash_attention_2` and flash-attn 3's (`plan.step.flash_attn3`) for `flash_attention_3`, as on
+    a GPU of `compute_capability` (the preset `gpu`'s SM count for the split-KV heuristic);
+    transformers 4.x, which asks its lazy import for "the installed one" (None), is answered with
+    `implementation`'s. With `padding` (padded positions per row), `_get_unpad_data` answers a fake
+    mask with the sizes of the plan's batch. transformers' own state is restored on exit. Yields
+    the record of what ran."""
     sm_count = SM_COUNTS.get(gpu or "", DEFAULT_SM_COUNT)
-    run = FlashKernelsRun(gpu, sm_count)
+    run = FlashKernelsRun(gpu, sm_count, implementation)
     try:
         from transformers import modeling_flash_attention_utils as utils
     except ImportError:  # a transformers without the flash path
@@ -570,20 +509,21 @@ def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional
     saved_state = dict(_STATE)
     _STATE.update(compute_capability=tuple(compute_capability), sm_count=sm_count, run=run)
     original_imports = utils._lazy_imports
-    five_values = hasattr(utils, "_flash_with_kvcache_fn")
-    unpad_input = getattr(utils, "_unpad_input", None)
+    answers = _lazy_import_answers(utils, hasattr(utils, "_flash_with_kvcache_fn"))
 
-    def lazy_imports(implementation: Optional[str], *args: Any, **kwargs: Any) -> Any:
-        # transformers 4.x asks with None ("the installed one"): within the trace, flash-attn 2.
-        if implementation not in (None, "flash_attention_2"):
-            return original_imports(implementation, *args, **kwargs)
-        if five_values:
-            return flash_attn_func, flash_attn_varlen_func, None, pad_input, unpad_input
-        return flash_attn_func, flash_attn_varlen_func, pad_input, unpad_input
+    def lazy_imports(asked: Optional[str], *args: Any, **kwargs: Any) -> Any:
+        # transformers 4.x asks with None ("the installed one"): within the trace, the one planned.
+        wanted = implementation if asked is None else asked
+        if not isinstance(wanted, str) or wanted not in answers:  # 4.57 passes a hub kernel's module
+            return original_imports(asked, *args, **kwargs)
+        return answers[wanted]()
 
+    if is_planned_hub_flash(implementation):
+        answers[implementation] = answers["hub"]
     saved = {name: getattr(utils, name) for name in _CACHE_NAMES if hasattr(utils, name)}
     original_unpad_data = getattr(utils, "_get_unpad_data", None)
-    masks = _padded_flash_masks() if padding else {}
+    registered = _register_hub_kernel(implementation, utils) if is_planned_hub_flash(implementation) else []
+    masks = _padded_flash_masks(implementation) if padding else {}
     try:
         utils._lazy_imports = lazy_imports
         for name in saved:
@@ -599,12 +539,64 @@ def flash_attention_2_as_cuda(compute_capability: Tuple[int, int], gpu: Optional
             utils._get_unpad_data = original_unpad_data
         for key, (registry, function) in masks.items():
             registry[key] = function
+        for registry, key in registered:
+            registry.pop(key, None)
         _STATE.clear()
         _STATE.update(saved_state)
 
 
-def _padded_flash_masks() -> Dict[str, Tuple[Dict[str, Any], Any]]:
-    """transformers' `flash_attention_mask` (masking_utils) for a fake mask of a padded batch: the
+def _lazy_import_answers(utils: Any, five_values: bool) -> Dict[str, Any]:
+    """What transformers' `_lazy_imports` returns for each planned implementation, as functions of
+    nothing: flash-attn 2's functions with its `bert_padding`'s `pad_input` (transformers' own
+    `_unpad_input`), flash-attn 3's with transformers' own `_pad_input` and `_unpad_input` (its
+    lazy import takes only `flash_attn_interface`'s functions). transformers 5 returns five values
+    (the paged-cache function, inference only, left None), 4.x four."""
+    unpad_input = getattr(utils, "_unpad_input", None)
+
+    def values(func: Any, varlen: Any, pad: Any) -> Tuple[Any, ...]:
+        return (func, varlen, None, pad, unpad_input) if five_values else (func, varlen, pad, unpad_input)
+
+    def flash_attention_3() -> Tuple[Any, ...]:
+        from trainer_memcb.plan.step import flash_attn3
+
+        return values(flash_attn3.flash_attn_func, flash_attn3.flash_attn_varlen_func, utils._pad_input)
+
+    return {"flash_attention_2": lambda: values(flash_attn_func, flash_attn_varlen_func, pad_input),
+            "flash_attention_3": flash_attention_3,
+            # A hub kernel's: its module's functions, transformers' own pad and unpad (`_lazy_imports`' kernels branch).
+            "hub": lambda: values(flash_attn_func, flash_attn_varlen_func, utils._pad_input)}
+
+
+class _HubFlashAttn2:
+    """What a hub kernel of flash-attn 2's exports that transformers reads (`flash_attn_func`,
+    `flash_attn_varlen_func`): the stand-ins. transformers 4.57 passes this module to its lazy import."""
+
+    flash_attn_func = staticmethod(flash_attn_func)
+    flash_attn_varlen_func = staticmethod(flash_attn_varlen_func)
+
+
+def _register_hub_kernel(name: str, utils: Any) -> List[Tuple[Dict[str, Any], str]]:
+    """`load_and_register_attn_kernel` (4.57: `load_and_register_kernel`) for a hub kernel of flash-attn 2's,
+    its loading from the hub left out: transformers' `flash_attention_forward` registered as `name`'s
+    attention (4.57: with the kernel module as its `implementation`) and flash_attention_2's mask function
+    as its mask. Returns the (registry, key) pairs to remove on exit."""
+    import functools
+    import inspect
+
+    from transformers import masking_utils, modeling_utils
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    attention = flash_attention_forward
+    if "implementation" in inspect.signature(utils._flash_attention_forward).parameters:  # 4.57
+        attention = functools.partial(flash_attention_forward, implementation=_HubFlashAttn2())
+    attentions = modeling_utils.ALL_ATTENTION_FUNCTIONS._global_mapping
+    masks = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    attentions[name], masks[name] = attention, masks["flash_attention_2"]
+    return [(attentions, name), (masks, name)]
+
+
+def _padded_flash_masks(implementation: str) -> Dict[str, Tuple[Dict[str, Any], Any]]:
+    """transformers' `flash_attention_mask` (masking_utils) of `implementation` for a fake mask of a padded batch: the
     mask sliced and returned, as `attention_mask.all()` (a value read) is False for a real padded
     batch. Patched in the registry of mask functions; returns what to restore."""
     import inspect
@@ -616,7 +608,7 @@ def _padded_flash_masks() -> Dict[str, Tuple[Dict[str, Any], Any]]:
     except ImportError:
         return {}
     registry = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", {})
-    saved = {key: (registry, function) for key, function in registry.items() if key == "flash_attention_2"}
+    saved = {key: (registry, function) for key, function in registry.items() if key == implementation}
     for key, (_, original) in saved.items():
         signature = inspect.signature(original)
 

@@ -76,7 +76,8 @@ from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
-from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_2_as_cuda
+from trainer_memcb.plan.settings.attention import is_planned_hub_flash
+from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_as_cuda
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 from trainer_memcb.plan.step.liger_kernels import liger_kernels_as_cuda
 from trainer_memcb.plan.step.engines import StepEngine, engine_for
@@ -849,8 +850,12 @@ def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
 def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
     """The contexts a fake step runs in around its own: MoE's grouped products in any dtype, the
     batch read as unpadded (where `padding` is 0; its positions as packed with `packing`), the model's value checks passed, and on "cuda"
-    transformers' `flash_attention_2` run by flash-attn's kernels as stand-ins (`plan.step.flash_attn`)."""
-    flash = (flash_attention_2_as_cuda(compute_capability_of(settings), _preset_name(settings.gpu), padding)
+    transformers' `flash_attention_2`, `flash_attention_3` and the hub's flash-attn 2 kernels run by
+    flash-attn's kernels as stand-ins (`plan.step.flash_attn`, `plan.step.flash_attn3`)."""
+    implementation = (settings.attn_implementation if settings.attn_implementation == "flash_attention_3"
+                      or is_planned_hub_flash(settings.attn_implementation) else "flash_attention_2")
+    flash = (flash_attention_as_cuda(compute_capability_of(settings), _preset_name(settings.gpu), padding,
+                                     implementation)
              if settings.device_type == "cuda" else contextlib.nullcontext())
     # A packed row's positions restart: transformers' packed mask is the real run's path too.
     return [grouped_mm_any_dtype(), unpadded_batch(packed=settings.packing is not None) if not padding
