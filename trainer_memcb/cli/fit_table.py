@@ -110,7 +110,22 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
                        # either, and TRL 1.16 turns Liger's fused loss off under it.
                        liger_kernel=(liger_kernel_proposable(model, device_type, settings.use_liger_kernel)
                                      and settings.preference is None),
-                       trainer_proposals=trainer_proposals(settings))
+                       trainer_proposals=trainer_proposals(settings), **_grpo_rules(settings, own, model))
+
+
+def _grpo_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]:
+    """For TRL's GRPO step, the search's `settle_args` (the generation batch kept as the batch
+    changes) and `trainer_searches` (a smaller `generation_batch_size`, a lower
+    `vllm_gpu_memory_utilization`): `trainer_memcb.plan.answers.grpo_fit`; nothing for another step."""
+    from trainer_memcb.plan.answers.grpo_fit import grpo_searches, settle_grpo_args, vllm_floor_bytes
+
+    step = getattr(settings, "preference", None)
+    if getattr(step, "trainer", None) != "grpo":
+        return {}
+    floor = vllm_floor_bytes(model, step, own) if step.use_vllm else None
+    return {"settle_args": settle_grpo_args(step, settings.batch_size),
+            "trainer_searches": grpo_searches(step, settings.batch_size, settings.gradient_accumulation_steps,
+                                              int(own.get("num_iterations") or 1), floor)}
 
 
 def trainer_proposals(settings: Any) -> List[Dict[str, Any]]:
@@ -225,7 +240,7 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
             training_args["deepspeed"] = args.write_deepspeed
     if args.write_training_args:
         write(args.write_training_args, training_args)
-        kind = "DPOConfig" if getattr(args, "trainer", "trainer") == "dpo" else "TrainingArguments"
+        kind = {"dpo": "DPOConfig", "grpo": "GRPOConfig"}.get(getattr(args, "trainer", "trainer"), "TrainingArguments")
         said.append(f"wrote {args.write_training_args}: {kind} of {first.label}")
     if "attn_implementation" in first.changes:  # not a TrainingArguments field: said, not written
         said.append(f"load the model with attn_implementation={first.changes['attn_implementation']!r} "

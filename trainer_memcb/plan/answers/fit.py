@@ -72,13 +72,21 @@ def _largest_that_fits(search: "_Search", divisors: List[int], samples: int, bas
     """The largest of `divisors` (ascending) whose step fits as the per-device batch, with the
     accumulation that keeps `samples` per process, searched by halving (a larger batch never
     holds less); None when none fits or the search's budget runs out first."""
+    sizes = [dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // batch) for batch in divisors]
+    return _largest_fitting(search, [(dict(base_changes, **each), dict(base, **each)) for each in sizes], deepspeed)
+
+
+def _largest_fitting(search: "_Search", options: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]],
+                     deepspeed: Optional[Dict[str, Any]]) -> Optional[FitCandidate]:
+    """The last of `options` (changes and `TrainingArguments` dict each, ordered so that a later one
+    never holds less) whose step fits, searched by halving; None when none fits or the search's
+    budget runs out first."""
     chosen: Optional[FitCandidate] = None
-    low, high = 0, len(divisors) - 1
+    low, high = 0, len(options) - 1
     while low <= high:
         middle = (low + high) // 2
-        batch = divisors[middle]
-        sizes = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // batch)
-        candidate = search.plan(dict(base_changes, **sizes), dict(base, **sizes), deepspeed)
+        changes, args = options[middle]
+        candidate = search.plan(dict(changes), dict(args), deepspeed)
         if candidate is None or candidate.peak_bytes is None:
             break
         if candidate.fits:
@@ -103,10 +111,22 @@ class _Search:
     own_deepspeed: Optional[Dict[str, Any]] = None
     planned: Dict[str, FitCandidate] = field(default_factory=dict)
     traces: int = 0
+    # The trainer's own rule for a setting's arguments (`search_fits`' `settle_args`).
+    settle: Optional[Callable[[Dict[str, Any]], Optional[Dict[str, Any]]]] = None
+
+    def takes(self, args: Dict[str, Any]) -> bool:
+        """Whether the trainer takes a setting of these arguments (`settle_args`)."""
+        return self.settle is None or self.settle(dict(args)) is not None
 
     def plan(self, changes: Dict[str, Any], args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
              extra: Optional[Dict[str, Any]] = None, own: bool = False) -> Optional[FitCandidate]:
-        """Plan one setting (once per distinct setting), or None when the budget is spent."""
+        """Plan one setting (once per distinct setting), or None when the budget is spent or the
+        trainer does not take it (`settle`)."""
+        if self.settle is not None:
+            settled = self.settle(dict(args))
+            if settled is None:
+                return None
+            args = settled
         key = repr((sorted(args.items(), key=str), deepspeed, sorted((extra or {}).items())))
         if key in self.planned:
             return self.planned[key]
@@ -144,7 +164,9 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
                 seq_len: Optional[int] = None, max_candidates: int = 12,
                 optimizers: Sequence[str] = LEANER_OPTIMIZERS,
                 expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False,
-                liger_kernel: bool = False, trainer_proposals: Sequence[Dict[str, Any]] = ()) -> FitSearch:
+                liger_kernel: bool = False, trainer_proposals: Sequence[Dict[str, Any]] = (),
+                trainer_searches: Optional[Callable[[FitCandidate], Sequence[Sequence[Dict[str, Any]]]]] = None,
+                settle_args: Optional[Callable[[Dict[str, Any]], Optional[Dict[str, Any]]]] = None) -> FitSearch:
     """Plan the user's own settings and the proposals that may fit, ranked by step time.
 
     Args:
@@ -171,6 +193,12 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
             says where.
         trainer_proposals: changes of the trainer's own config (TRL's fields), each planned at the
             user's batch as its `TrainingArguments` dict with the change.
+        trainer_searches: given the user's own setting planned, lists of such changes, each
+            ordered so that a later one never holds less (TRL's `generation_batch_size`, ascending):
+            of each list the last that fits is proposed, found by halving.
+        settle_args: the trainer's own rule for a setting's `TrainingArguments` dict: the dict as
+            the trainer takes it (GRPO: the generation batch kept as the batch changes), or None
+            where it refuses it (then not planned).
 
     Raises:
         ValueError: an unknown change in `allow`, a bad `max_candidates`.
@@ -182,7 +210,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
     if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
         raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
     search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
-                     own_args=dict(own_args), own_deepspeed=own_deepspeed)
+                     own_args=dict(own_args), own_deepspeed=own_deepspeed, settle=settle_args)
     # Each step traced once; a proposal that changes the optimizer alone steps from a trace made before.
     with sharing_traces():
         own = search.plan({}, dict(own_args), own_deepspeed, own=True)
@@ -195,6 +223,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
             search.plan(dict(LIGER_KERNEL), dict(base, **LIGER_KERNEL), own_deepspeed)
         for changes in trainer_proposals:
             search.plan(dict(changes), dict(base, **changes), own_deepspeed)
+        for options in (trainer_searches(own) if trainer_searches is not None else ()):
+            _largest_fitting(search, [(dict(changes), dict(base, **changes)) for changes in options], own_deepspeed)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
         if expandable_segments:
             search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
@@ -264,7 +294,8 @@ def _batch_search(search: "_Search", base_changes: Dict[str, Any], base: Dict[st
     accumulation that keeps the effective batch; `below`: only batches under the user's."""
     batch = int(search.own_args.get("per_device_train_batch_size") or 1)
     samples = batch * int(search.own_args.get("gradient_accumulation_steps") or 1)
-    divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
+    divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)
+                and search.takes(dict(base, per_device_train_batch_size=d, gradient_accumulation_steps=samples // d))]
     return _largest_that_fits(search, divisors, samples, base, base_changes, deepspeed)
 
 
