@@ -117,6 +117,7 @@ def _grpo_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any
     """For TRL's GRPO step, the search's `settle_args` (the generation batch kept as the batch
     changes) and `trainer_searches` (a smaller `generation_batch_size`, a lower
     `vllm_gpu_memory_utilization`): `trainer_memcb.plan.answers.grpo_fit`; nothing for another step."""
+    from trainer_memcb.plan.answers.grpo_answer import device_memory_of
     from trainer_memcb.plan.answers.grpo_fit import grpo_searches, settle_grpo_args, vllm_floor_bytes
 
     step = getattr(settings, "preference", None)
@@ -125,7 +126,7 @@ def _grpo_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any
     floor = vllm_floor_bytes(model, step, own) if step.use_vllm else None
     return {"settle_args": settle_grpo_args(step, settings.batch_size),
             "trainer_searches": grpo_searches(step, settings.batch_size, settings.gradient_accumulation_steps,
-                                              int(own.get("num_iterations") or 1), floor)}
+                                              int(own.get("num_iterations") or 1), device_memory_of(settings), floor)}
 
 
 def trainer_proposals(settings: Any) -> List[Dict[str, Any]]:

@@ -58,21 +58,27 @@ def settle_grpo_args(step: Any, batch_size: int) -> Callable[[Dict[str, Any]], O
 
 
 def grpo_searches(step: Any, batch_size: int, accumulation: int, num_iterations: int,
-                  vllm_floor: Optional[int]) -> Callable[[Any], List[List[Dict[str, Any]]]]:
+                  device_memory: Optional[int], vllm_floor: Optional[int]) -> Callable[[Any], List[List[Dict[str, Any]]]]:
     """The `trainer_searches` of `search_fits` for the GRPO step `step` at the user's batch and
-    accumulation (module docstring); `vllm_floor`: the least share vLLM's engine takes
-    (`vllm_floor_bytes`), or None where it cannot be told."""
+    accumulation (module docstring), on a device of `device_memory` bytes (None: unknown);
+    `vllm_floor`: the least share vLLM's engine takes (`vllm_floor_bytes`), or None where it cannot
+    be told."""
 
     def searches(own: Any) -> List[List[Dict[str, Any]]]:
         if own.fits is not False or own.plan is None:
             return []
         found = []
         phases = {entry["phase"]: entry["peak_bytes"] for entry in own.plan.step.phases}
-        if phases.get("generation", 0) >= phases.get("training", 0) and not step.use_vllm:
+        # Where generation holds the peak, or where the buffered generation batch held at the
+        # training phase's peak is as large as what is missing.
+        held = own.plan.step.peak_parts.get("batch_and_buffers", 0)
+        lowers = (phases.get("generation", 0) >= phases.get("training", 0)
+                  or (own.margin_bytes is not None and -own.margin_bytes <= held))
+        if lowers and not step.use_vllm:
             sizes = smaller_generation_batches(step, batch_size, accumulation, num_iterations)
             if sizes:
                 found.append([{"generation_batch_size": size} for size in sizes])
-        share = lower_vllm_share(step, own, vllm_floor)
+        share = lower_vllm_share(step, own, device_memory, vllm_floor)
         if share is not None:
             found.append([{"vllm_gpu_memory_utilization": share}])
         return found
@@ -94,12 +100,10 @@ def smaller_generation_batches(step: Any, batch_size: int, accumulation: int, nu
     return sizes
 
 
-def lower_vllm_share(step: Any, own: Any, vllm_floor: Optional[int]) -> Optional[float]:
+def lower_vllm_share(step: Any, own: Any, memory: Optional[int], vllm_floor: Optional[int]) -> Optional[float]:
     """The largest `vllm_gpu_memory_utilization` (in `VLLM_SHARE_STEP`s) that leaves training what
-    the user's own step needs by the replay's margin, where vLLM colocated takes a share and that
-    share still holds `vllm_floor`; None otherwise."""
-    settings = own.plan.settings if own.plan is not None else None
-    memory = getattr(settings, "device_memory", None)
+    the user's own step needs by the replay's margin, on a device of `memory` bytes, where vLLM
+    colocated takes a share and that share still holds `vllm_floor`; None otherwise."""
     if not (step.use_vllm and step.vllm_mode == "colocate") or memory is None or own.margin_bytes is None:
         return None
     share_bytes = int(step.vllm_gpu_memory_utilization * memory) + own.margin_bytes  # the margin is negative
