@@ -177,13 +177,22 @@ def fit_tables(search: FitSearch, evaluation: bool = False, title: Optional[str]
                  f"first; effective batch: the eval batch")
     if title is None:
         limit = "the CUDA context and the reserve" if reserved else "the reserve"
+        vllm = (" less each setting's share for colocated vLLM (its vllm_gpu_memory_utilization x the device's "
+                "memory)" if _vllm_colocated(search) else "")
         title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less "
-                 f"{limit}), fastest first; step time relative to your own"
+                 f"{limit}){vllm}, fastest first; step time relative to your own"
                  + ("; fits? and the margin by what the caching allocator reserves over two steps" if reserved else ""))
     columns = ["", "changes", "peak", "fits", "margin", "step time", "effective batch"]
     if reserved:
         columns.insert(3, "reserved")
     return [TextTable(title, columns, rows, text_columns=(0, 1, 4 if reserved else 3))]
+
+
+def _vllm_colocated(search: FitSearch) -> bool:
+    """Whether the user's step is TRL's GRPO with vLLM colocated (its share in each setting's reserve)."""
+    settings = search.own.plan.settings if search.own.plan is not None else None
+    generation = getattr(getattr(settings, "preference", None), "generation", None)
+    return getattr(generation, "vllm_gpu_memory_utilization", None) is not None
 
 
 def fit_json(search: FitSearch) -> Dict[str, Any]:
