@@ -168,3 +168,21 @@ def test_bad_fit_combinations_are_one_line(files: Dict[str, Any], capsys: Any, m
 
     assert main(_argv(files, "grpo", "--device-type", "cpu", *more)) == 2
     assert capsys.readouterr().err.splitlines() == [line]
+
+
+@pytest.mark.slow  # the GRPO step traced with its generation, with and without adapters
+def test_allow_lora_proposes_adapters_with_peft_s_reference(files: Dict[str, Any], capsys: Any) -> None:
+    """With `--allow lora`, LoRA adapters whose reference is the policy with its adapters disabled
+    (TRL makes no reference model under PEFT): the proposal is the step `--lora-r 16` plans."""
+    from trainer_memcb.cli import main
+
+    argv = _argv(files, "grpo", "--device-type", "cpu", "--device-memory", "1GiB", "--reserve", "0B", "--fit",
+                 "--allow", "lora", "--json")
+    assert main(argv) == 0
+    fit = json.loads(capsys.readouterr().out)["answers"]["fit"]
+    [lora] = [c for c in fit["candidates"] if c["changes"] == {"lora_r": 16}]
+    assert lora["alters_training"] is True and lora["peak_bytes"] < fit["own"]["peak_bytes"] == OWN_PEAK
+    again = _planned_again(files, files["grpo"], capsys, "--device-type", "cpu", "--lora-r", "16")
+    assert again["step"]["peak_bytes"] == lora["peak_bytes"]
+    assert again["settings"]["preference"]["reference"] == "adapters-disabled"
+    assert "reference_model" not in again["step"]["peak_parts"] or again["step"]["peak_parts"]["reference_model"] == 0
