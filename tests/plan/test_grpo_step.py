@@ -229,6 +229,7 @@ def test_a_generation_phase_that_holds_the_peak_is_named(tmp_path: Any) -> None:
 
 
 
+@pytest.mark.slow  # a real GRPOTrainer's two generations and a training step, and the plan
 def test_a_generation_inside_the_accumulation_holds_the_first_micro_batchs_gradients(folder: str, tmp_path: Any) -> None:
     """A generation batch of 4 for micro-batches of 4 accumulated twice (steps_per_generation 1, as
     --fit proposes a smaller generation_batch_size): TRL generates again before the second
