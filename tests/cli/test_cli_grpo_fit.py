@@ -186,3 +186,21 @@ def test_allow_lora_proposes_adapters_with_peft_s_reference(files: Dict[str, Any
     assert again["step"]["peak_bytes"] == lora["peak_bytes"]
     assert again["settings"]["preference"]["reference"] == "adapters-disabled"
     assert "reference_model" not in again["step"]["peak_parts"] or again["step"]["peak_parts"]["reference_model"] == 0
+
+
+def test_the_fit_table_names_each_grpo_proposal_and_vllms_share_in_its_limit(files: Dict[str, Any],
+                                                                             capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    argv = _argv(files, "vllm", "--device-type", "cuda", "--device-memory", "650MiB", "--reserve", "0B", "--fit",
+                 "--max-proposals", "2")
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    [title] = [line for line in lines if line.startswith("Settings that fit in ")]
+    assert title.startswith("Settings that fit in 224.0 MiB per process (the device's memory less the CUDA context "
+                            "and the reserve) less each setting's share for colocated vLLM (its "
+                            "vllm_gpu_memory_utilization x the device's memory), fastest first")
+    rows = lines[lines.index(title) + 3:]
+    assert [row.split("  ")[0].strip() for row in rows[:3]] == ["own", "1", "2"]
+    assert rows[1].split(None, 1)[1].startswith("vLLM's share 0.27 (TRL's vllm_gpu_memory_utilization)")
+    assert "  yes  " in rows[1] and "  no  " in rows[0]
