@@ -96,7 +96,6 @@ def test_a_batch_size_of_no_whole_groups_is_one_line(files: dict, capsys: Any) -
 @pytest.mark.parametrize("case,message", [
     (["--zero", "2"], "--trainer grpo is planned on one process without sharding so far"),
     (["--reference-model"], "--reference-model with --trainer grpo"),
-    (["--fit"], "--fit with --trainer grpo"),
     (["--max-batch-size", "--device-memory", "80GiB"],
      "--max-batch-size with --trainer grpo: the search does not step by whole groups"),
 ])

@@ -50,10 +50,7 @@ def _distinct_characters(completions: List[str], **_: Any) -> List[float]:
     return [float(len(set(completion))) for completion in completions]
 
 
-def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False, checkpointing: bool = False,
-                      **extra: Any) -> Dict[str, Tuple[int, int]]:
-    """Each phase's start (parameters, buffers, optimizer state, the reference's parameters, and
-    for training the buffered generation batch) and the most the profiler records alive above it."""
+def _grpo_trainer(folder: str, tmp: str, beta: float, peft: bool = False, **extra: Any) -> Any:
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -65,9 +62,16 @@ def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False, ch
         from peft import LoraConfig
 
         more["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    trainer = GRPOTrainer(model=folder, reward_funcs=_distinct_characters, args=_grpo_config(tmp, beta, **extra),
-                          train_dataset=Dataset.from_dict({"prompt": prompts}),
-                          processing_class=trl_tests.char_tokenizer(), **more)
+    return GRPOTrainer(model=folder, reward_funcs=_distinct_characters, args=_grpo_config(tmp, beta, **extra),
+                       train_dataset=Dataset.from_dict({"prompt": prompts}),
+                       processing_class=trl_tests.char_tokenizer(), **more)
+
+
+def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False, checkpointing: bool = False,
+                      **extra: Any) -> Dict[str, Tuple[int, int]]:
+    """Each phase's start (parameters, buffers, optimizer state, the reference's parameters, and
+    for training the buffered generation batch) and the most the profiler records alive above it."""
+    trainer = _grpo_trainer(folder, tmp, beta, peft, **extra)
     model = trainer.model
     model.train()
     if checkpointing:  # as Trainer.train() turns it on (GRPOConfig's default)
@@ -108,7 +112,8 @@ def _real_phase_peaks(folder: str, tmp: str, beta: float, peft: bool = False, ch
     return peaks
 
 
-def _planned(beta: float, tmp: str, peft: bool = False, checkpointing: bool = False, **extra: Any) -> Any:
+def _planned(beta: float, tmp: str, peft: bool = False, checkpointing: bool = False, accumulation: int = 1,
+             **extra: Any) -> Any:
     from transformers import LlamaForCausalLM
 
     from trainer_memcb.plan.answers.step_memory import plan_step_memory
@@ -120,11 +125,12 @@ def _planned(beta: float, tmp: str, peft: bool = False, checkpointing: bool = Fa
             meta = LlamaForCausalLM(_config())
         return add_lora_adapters(meta, 4, "q_proj,v_proj") if peft else meta
 
-    step = grpo_step_from_config(_grpo_config(tmp, beta, **extra), peft=peft)
+    step = grpo_step_from_config(_grpo_config(tmp, beta, gradient_accumulation_steps=accumulation, **extra), peft=peft)
     # GRPOConfig's bf16 (True by default) is the Trainer's CPU autocast in bf16.
     plan, _ = plan_step_memory(build, batch_size=BATCH, seq_len=PROMPT, optimizer="adamw_torch",
                                precision="autocast-bf16", device_type="cpu", attn_implementation="sdpa",
-                               preference=step, model_states=False, gradient_checkpointing=checkpointing)
+                               preference=step, model_states=False, gradient_checkpointing=checkpointing,
+                               gradient_accumulation_steps=accumulation)
     return plan
 
 
@@ -221,3 +227,55 @@ def test_a_generation_phase_that_holds_the_peak_is_named(tmp_path: Any) -> None:
 
 
 
+
+
+@pytest.mark.slow  # a real GRPOTrainer's two generations and a training step, and the plan
+def test_a_generation_inside_the_accumulation_holds_the_first_micro_batchs_gradients(folder: str, tmp_path: Any) -> None:
+    """A generation batch of 4 for micro-batches of 4 accumulated twice (steps_per_generation 1, as
+    --fit proposes a smaller generation_batch_size): TRL generates again before the second
+    micro-batch, with the first's gradients and its buffered batch alive. The planned generation
+    phase is that one; the real one is profiled after a first micro-batch's `training_step`
+    (its gradients kept, no optimizer step)."""
+    from helpers import profiled_run_peak
+
+    options = dict(beta=0.1, generation_batch_size=4)
+    plan = _planned(0.1, str(tmp_path), accumulation=2, generation_batch_size=4)
+    phases = {entry["phase"]: entry["peak_bytes"] for entry in plan.step.phases}
+    trainer = _grpo_trainer(folder, str(tmp_path), gradient_accumulation_steps=2, **options)
+    model = trainer.model
+    model.train()
+    raw = next(iter(trainer.get_train_dataloader()))
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 2
+    optimizer, generate_inputs = trainer.optimizer, trainer._prepare_inputs
+
+    def generation() -> None:
+        trainer._step = 0  # a step that generates
+        generate_inputs(raw)
+
+    def micro_batch() -> None:
+        trainer._prepare_inputs = lambda inputs: trainer._buffered_inputs[0]
+        try:
+            trainer.training_step(model, raw, None)
+        finally:
+            trainer._prepare_inputs = generate_inputs
+
+    trainer._buffered_inputs = None
+    generation(), micro_batch()
+    optimizer.step()  # the optimizer state a later step holds
+    optimizer.zero_grad(set_to_none=True)
+    generation(), micro_batch()  # the first micro-batch of that step: its gradients stay
+    resident = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters()]
+    resident += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    resident += list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())
+    resident += [v for batch in trainer._buffered_inputs for v in batch.values() if isinstance(v, torch.Tensor)]
+    start = storage_bytes(resident)
+    above = profiled_run_peak(generation)
+    # Above the generation at a step's start (4,919,120 planned for the same 4 completions, the
+    # "beta 0.1" case): the 91,264 bytes of fp32 gradients and 1,304 of the first generation's
+    # buffered batch, alive until the new one replaces it; the real one 64 bytes more, the reference
+    # forward's C++ scalars as in that case.
+    assert (phases["generation"], start, above) == (5_011_688, 457_836, 4_553_916)
+    assert start + above - phases["generation"] == 64
+    assert phases["generation"] - 4_919_120 == 91_264 + 1_304
+    assert plan.settings.preference.generation.steps_per_generation == 1

@@ -116,7 +116,7 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
                        # either, and TRL 1.16 turns Liger's fused loss off under it.
                        liger_kernel=(liger_kernel_proposable(model, device_type, settings.use_liger_kernel)
                                      and settings.preference is None and settings.tp_size == 1),
-                       trainer_proposals=trainer_proposals(settings),
+                       trainer_proposals=trainer_proposals(settings), **_grpo_rules(settings, own, model),
                        **_layout_options(args, settings, model, value_bytes, device_type))
 
 
@@ -167,6 +167,22 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     return sizes
 
 
+def _grpo_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]:
+    """For TRL's GRPO step, the search's `settle_args` (the generation batch kept as the batch
+    changes) and `trainer_searches` (a smaller `generation_batch_size`, a lower
+    `vllm_gpu_memory_utilization`): `trainer_memcb.plan.answers.grpo_fit`; nothing for another step."""
+    from trainer_memcb.plan.answers.grpo_answer import device_memory_of
+    from trainer_memcb.plan.answers.grpo_fit import grpo_searches, settle_grpo_args, vllm_floor_bytes
+
+    step = getattr(settings, "preference", None)
+    if getattr(step, "trainer", None) != "grpo":
+        return {}
+    floor = vllm_floor_bytes(model, step, own) if step.use_vllm else None
+    return {"settle_args": settle_grpo_args(step, settings.batch_size),
+            "trainer_searches": grpo_searches(step, settings.batch_size, settings.gradient_accumulation_steps,
+                                              int(own.get("num_iterations") or 1), device_memory_of(settings), floor)}
+
+
 def trainer_proposals(settings: Any) -> List[Dict[str, Any]]:
     """The changes of the trainer's own config proposed: for TRL's DPO step with a reference that
     runs a forward (a frozen model, or the policy with its adapters off), `precompute_ref_log_probs`
@@ -215,13 +231,22 @@ def fit_tables(search: FitSearch, evaluation: bool = False, title: Optional[str]
                  f"first; effective batch: the eval batch")
     if title is None:
         limit = "the CUDA context and the reserve" if reserved else "the reserve"
+        vllm = (" less each setting's share for colocated vLLM (its vllm_gpu_memory_utilization x the device's "
+                "memory)" if _vllm_colocated(search) else "")
         title = (f"Settings that fit in {format_bytes(search.usable_bytes)} per process (the device's memory less "
-                 f"{limit}), fastest first; step time relative to your own"
+                 f"{limit}){vllm}, fastest first; step time relative to your own"
                  + ("; fits? and the margin by what the caching allocator reserves over two steps" if reserved else ""))
     columns = ["", "changes", "peak", "fits", "margin", "step time", "effective batch"]
     if reserved:
         columns.insert(3, "reserved")
     return [TextTable(title, columns, rows, text_columns=(0, 1, 4 if reserved else 3))]
+
+
+def _vllm_colocated(search: FitSearch) -> bool:
+    """Whether the user's step is TRL's GRPO with vLLM colocated (its share in each setting's reserve)."""
+    settings = search.own.plan.settings if search.own.plan is not None else None
+    generation = getattr(getattr(settings, "preference", None), "generation", None)
+    return getattr(generation, "vllm_gpu_memory_utilization", None) is not None
 
 
 def fit_json(search: FitSearch) -> Dict[str, Any]:
@@ -299,7 +324,7 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
         _write_accelerate_config(first, args, accelerate_path, said)
     if args.write_training_args:
         write(args.write_training_args, training_args)
-        kind = "DPOConfig" if getattr(args, "trainer", "trainer") == "dpo" else "TrainingArguments"
+        kind = {"dpo": "DPOConfig", "grpo": "GRPOConfig"}.get(getattr(args, "trainer", "trainer"), "TrainingArguments")
         said.append(f"wrote {args.write_training_args}: {kind} of {first.label}")
     if "attn_implementation" in first.changes:  # not a TrainingArguments field: said, not written
         said.append(f"load the model with attn_implementation={first.changes['attn_implementation']!r} "

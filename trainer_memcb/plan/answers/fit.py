@@ -23,7 +23,10 @@ dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as th
 - Liger's kernels (`use_liger_kernel=True`) where the caller allows them (`liger_kernel_proposable`:
   CUDA, a model type whose patching is planned), marked as needing the liger-kernel package;
 - the trainer's own settings the caller names (`trainer_proposals`: TRL's
-  `precompute_ref_log_probs` for DPO, which holds no reference model);
+  `precompute_ref_log_probs` for DPO, which holds no reference model; `trainer_searches`, the
+  largest that fits of an ordered list: GRPO's `generation_batch_size` and colocated vLLM's
+  `vllm_gpu_memory_utilization`, `trainer_memcb.plan.answers.grpo_fit`), and the trainer's rule
+  for a setting's arguments (`settle_args`: GRPO keeps its generation batch as the batch changes);
 - with `allow`: a shorter sequence (`seq-len`) and LoRA adapters (`lora`), which change the training.
 
 Activation offloading is not proposed. transformers (5.x) has none of its own; TRL's
@@ -76,13 +79,21 @@ def _largest_that_fits(search: "_Search", divisors: List[int], samples: int, bas
     """The largest of `divisors` (ascending) whose step fits as the per-device batch, with the
     accumulation that keeps `samples` per process, searched by halving (a larger batch never
     holds less); None when none fits or the search's budget runs out first."""
+    sizes = [dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // batch) for batch in divisors]
+    return _largest_fitting(search, [(dict(base_changes, **each), dict(base, **each)) for each in sizes], deepspeed)
+
+
+def _largest_fitting(search: "_Search", options: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]],
+                     deepspeed: Optional[Dict[str, Any]]) -> Optional[FitCandidate]:
+    """The last of `options` (changes and `TrainingArguments` dict each, ordered so that a later one
+    never holds less) whose step fits, searched by halving; None when none fits or the search's
+    budget runs out first."""
     chosen: Optional[FitCandidate] = None
-    low, high = 0, len(divisors) - 1
+    low, high = 0, len(options) - 1
     while low <= high:
         middle = (low + high) // 2
-        batch = divisors[middle]
-        sizes = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // batch)
-        candidate = search.plan(dict(base_changes, **sizes), dict(base, **sizes), deepspeed)
+        changes, args = options[middle]
+        candidate = search.plan(dict(changes), dict(args), deepspeed)
         if candidate is None or candidate.peak_bytes is None:
             break
         if candidate.fits:
@@ -110,13 +121,24 @@ class _Search:
     links: Optional[Links] = None
     shape: Optional[ModelShape] = None
     parameter_bytes: int = 0
+    # The trainer's own rule for a setting's arguments (`search_fits`' `settle_args`).
+    settle: Optional[Callable[[Dict[str, Any]], Optional[Dict[str, Any]]]] = None
+
+    def takes(self, args: Dict[str, Any]) -> bool:
+        """Whether the trainer takes a setting of these arguments (`settle_args`)."""
+        return self.settle is None or self.settle(dict(args)) is not None
 
     def plan(self, changes: Dict[str, Any], args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]],
              extra: Optional[Dict[str, Any]] = None, own: bool = False,
              micro_batch_flops: Optional[int] = None) -> Optional[FitCandidate]:
-        """Plan one setting (once per distinct setting), or None when the budget is spent;
-        `micro_batch_flops`, where given, are one micro-batch's FLOPs on a process, in place of
-        the trace's count."""
+        """Plan one setting (once per distinct setting), or None when the budget is spent or the
+        trainer does not take it (`settle`); `micro_batch_flops`, where given, are one
+        micro-batch's FLOPs on a process, in place of the trace's count."""
+        if self.settle is not None:
+            settled = self.settle(dict(args))
+            if settled is None:
+                return None
+            args = settled
         key = repr((sorted(args.items(), key=str), deepspeed, sorted((extra or {}).items())))
         if key in self.planned:
             return self.planned[key]
@@ -167,7 +189,9 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
                 expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False,
                 liger_kernel: bool = False, trainer_proposals: Sequence[Dict[str, Any]] = (),
                 tensor_parallel_sizes: Sequence[int] = (), links: Optional[Links] = None,
-                shape: Optional[ModelShape] = None, parameter_bytes: int = 0) -> FitSearch:
+                shape: Optional[ModelShape] = None, parameter_bytes: int = 0,
+                trainer_searches: Optional[Callable[[FitCandidate], Sequence[Sequence[Dict[str, Any]]]]] = None,
+                settle_args: Optional[Callable[[Dict[str, Any]], Optional[Dict[str, Any]]]] = None) -> FitSearch:
     """Plan the user's own settings and the proposals that may fit, ranked by step time.
 
     Args:
@@ -194,6 +218,12 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
             says where.
         trainer_proposals: changes of the trainer's own config (TRL's fields), each planned at the
             user's batch as its `TrainingArguments` dict with the change.
+        trainer_searches: given the user's own setting planned, lists of such changes, each
+            ordered so that a later one never holds less (TRL's `generation_batch_size`, ascending):
+            of each list the last that fits is proposed, found by halving.
+        settle_args: the trainer's own rule for a setting's `TrainingArguments` dict: the dict as
+            the trainer takes it (GRPO: the generation batch kept as the batch changes), or None
+            where it refuses it (then not planned).
         tensor_parallel_sizes: the tensor-parallel sizes proposed (each divides `world_size`; the
             model's heads and widths split over it): `tp` alone where it is `world_size`, else with
             FSDP2 on `world_size / tp` (a `parallelism_config` in the `TrainingArguments` dict).
@@ -213,7 +243,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
     search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
                      own_args=dict(own_args), own_deepspeed=own_deepspeed, links=links, shape=shape,
-                     parameter_bytes=parameter_bytes)
+                     parameter_bytes=parameter_bytes, settle=settle_args)
     # Each step traced once; a proposal that changes the optimizer alone steps from a trace made before.
     with sharing_traces():
         own = search.plan({}, dict(own_args), own_deepspeed, own=True)
@@ -226,6 +256,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
             search.plan(dict(LIGER_KERNEL), dict(base, **LIGER_KERNEL), own_deepspeed)
         for changes in trainer_proposals:
             search.plan(dict(changes), dict(base, **changes), own_deepspeed)
+        for options in (trainer_searches(own) if trainer_searches is not None else ()):
+            _largest_fitting(search, [(dict(changes), dict(base, **changes)) for changes in options], own_deepspeed)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
         _propose_layouts(search, base, tensor_parallel_sizes, own)
         if expandable_segments:
@@ -353,7 +385,8 @@ def _batch_search(search: "_Search", base_changes: Dict[str, Any], base: Dict[st
     accumulation that keeps the effective batch; `below`: only batches under the user's."""
     batch = int(search.own_args.get("per_device_train_batch_size") or 1)
     samples = batch * int(search.own_args.get("gradient_accumulation_steps") or 1)
-    divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)]
+    divisors = [d for d in _divisors(samples) if (d < batch if below else d != batch)
+                and search.takes(dict(base, per_device_train_batch_size=d, gradient_accumulation_steps=samples // d))]
     return _largest_that_fits(search, divisors, samples, base, base_changes, deepspeed)
 
 

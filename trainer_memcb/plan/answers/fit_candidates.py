@@ -166,6 +166,10 @@ def describe_changes(changes: Dict[str, Any]) -> str:
         words.append(f"PYTORCH_CUDA_ALLOC_CONF={changes['PYTORCH_CUDA_ALLOC_CONF']}")
     if changes.get("precompute_ref_log_probs"):
         words.append("the reference's log-probs precomputed (TRL's precompute_ref_log_probs)")
+    if "generation_batch_size" in changes:
+        words.append(f"generation batch {changes['generation_batch_size']} (TRL's generation_batch_size)")
+    if "vllm_gpu_memory_utilization" in changes:
+        words.append(f"vLLM's share {changes['vllm_gpu_memory_utilization']:g} (TRL's vllm_gpu_memory_utilization)")
     if "attn_implementation" in changes:
         words.append(f"{changes['attn_implementation']} attention")
     if changes.get("use_liger_kernel"):

@@ -265,7 +265,8 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
             engine.micro_batch(number, last=number == accumulation)
         if number > 1:
             tracker.peak_bytes = 0  # this micro-batch's own peak, from here
-        if number == 1 and _is_grpo(step.preference):
+        if _is_grpo(step.preference) and _generates_before(number, step.preference.steps_per_generation,
+                                                          accumulation):
             _grpo_generation_phase(step, phase_starts, autocast)
         inputs = step.inputs[number - 1]
         tracker.phase = "forward"
@@ -321,21 +322,35 @@ def _is_kto(preference: Any) -> bool:
     return getattr(preference, "trainer", None) == "kto"
 
 
+def _generates_before(number: int, steps_per_generation: int, accumulation: int) -> bool:
+    """Whether a GRPO generation is traced before micro-batch `number`: before the first, and where
+    generations run inside the accumulation (`steps_per_generation` below it: TRL generates again
+    every `steps_per_generation` micro-batches), before the second too, with the first's gradients
+    alive as every later generation of the step holds them (the traced micro-batches are the first,
+    the second and the last: the second stands for the one after the first generation's last)."""
+    return number == 1 or (number == 2 and steps_per_generation < accumulation)
+
+
 def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: Any) -> None:
-    """GRPO's generation phase (`trainer_memcb.plan.step.grpo_generation`) before the first
-    micro-batch's forward: its peak kept apart (`_Step.generation`), the buffered generation batch
-    the step's batch from then on, the training phase's peak counted from there."""
+    """GRPO's generation phase (`trainer_memcb.plan.step.grpo_generation`) before a micro-batch's
+    forward (`_generates_before`): its peak kept apart (`_Step.generation`, the larger of the
+    step's), the buffered generation batch the step's batch from then on (the one before it freed
+    once the new one is made, as `GRPOTrainer._buffered_inputs` is replaced), the training phase's
+    peak counted from there."""
     from trainer_memcb.plan.step.grpo_generation import grpo_generation
     from trainer_memcb.plan.step.rloo_generation import rloo_generation
 
     tracker = step.tracker
     tracker.phase = "generation"
-    phase_starts["generation"] = len(tracker.events)
+    phase_starts.setdefault("generation", len(tracker.events))
     generation = rloo_generation if _is_rloo(step.preference) else grpo_generation
     inputs = generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
                              step.tokens or {}, autocast)
-    step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
-                                frozenset(tracker.peak_watch))
+    if step.generation is None or tracker.peak_bytes > step.generation.bytes:
+        step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
+                                    frozenset(tracker.peak_watch))
+    before = {id(tensor) for each in step.inputs if each is not None for tensor in each.tensors()}
+    step.batch_tensors[:] = [tensor for tensor in step.batch_tensors if id(tensor) not in before]
     step.inputs = [inputs] * len(step.inputs)
     step.batch_tensors.extend(inputs.tensors())
     tracker.peak_bytes = 0  # the training phase's own peak, from here
@@ -678,6 +693,9 @@ def _keys(meta: nn.Module, settings: StepSettings, options: Dict[str, Any]) -> T
     # Nor do the device's memory, the reserve, the allocator's settings and the GPU's name (its
     # compute capability, which picks the attention kernels, is among the options).
     unsourced = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
+    if _is_grpo(settings.preference):  # vLLM's share of the device is in the reserve, not in the step traced
+        unsourced = dataclasses.replace(unsourced, preference=dataclasses.replace(
+            settings.preference, vllm_gpu_memory_utilization=1.0))
     return ((model, repr(unsourced), rest),
             (model, repr(dataclasses.replace(unsourced, optimizer="")), rest))
 
