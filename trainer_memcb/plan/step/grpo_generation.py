@@ -165,17 +165,19 @@ def grpo_generation(model: torch.nn.Module, ref_model: Optional[torch.nn.Module]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     output = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
               "completion_mask": completion_mask}
-    with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
+    # Each chunk's forward in its own `accelerator.autocast()` (`_get_per_token_logps_and_entropies`):
+    # the weights autocast casts are cached only while it is entered, not from one forward to the next.
+    with torch.no_grad():
         if step.old_log_probs:
             output["old_per_token_logps"], _ = per_token_logps(model, prompt_completion_ids, attention_mask,
-                                                               completion_len, batch_size)
+                                                               completion_len, batch_size, autocast=autocast)
         if step.reference == "model":
             output["ref_per_token_logps"], _ = per_token_logps(ref_model, prompt_completion_ids, attention_mask,
-                                                               completion_len, batch_size)
+                                                               completion_len, batch_size, autocast=autocast)
         elif step.reference == "adapters-disabled":
             with model.disable_adapter():  # trl.trainer.utils.use_adapter(model, None)
                 output["ref_per_token_logps"], _ = per_token_logps(model, prompt_completion_ids, attention_mask,
-                                                                   completion_len, batch_size)
+                                                                   completion_len, batch_size, autocast=autocast)
     del prompt_completion_ids, attention_mask
     output["advantages"] = _advantages(rows, step.num_generations)
     output["num_items_in_batch"] = num_items_in_batch
