@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import pytest
+import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from helpers import installed_version, profiled_peak, profiled_run_peak
@@ -170,3 +171,164 @@ def test_logged_entries_carry_each_phase_peak_beside_the_reward(folder: str, tmp
     assert watch.seen == {1: (WRAPPED, "AllocatedStorages"), 2: (WRAPPED, "AllocatedStorages"),
                           3: ((), "NoneType")}
     _assert_nothing_left(trainer)
+
+
+class _RaiseAt(TrainerCallback):
+    """After the callback: raises its error at `on_pre_optimizer_step` of step `step`, where the
+    callback has entered its counter for the optimizer step (a dispatch mode on the stack)."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error, self.raised = step, error, 0
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step + 1 == self.step:
+            assert type(_get_current_dispatch_mode()).__name__ == "AllocatedStorages"
+            self.raised += 1
+            raise self.error
+
+
+def test_nothing_is_left_when_training_raises_in_the_optimizer_step(folder: str, tmp_path: Any) -> None:
+    error = RuntimeError("the optimizer step failed")
+    raising = _RaiseAt(2, error)
+    trainer = _trainer(folder, str(tmp_path), callbacks=[OptimizerMemoryCallback(what_if=()), raising], max_steps=3,
+                       logging_steps=1)
+    with pytest.raises(RuntimeError) as caught:
+        trainer.train()
+    assert caught.value is error and raising.raised == 1
+    _assert_nothing_left(trainer)
+    assert [entry["step"] for entry in trainer.state.log_history if GENERATION_PHASE_PEAK_BYTES in entry] == [1]
+
+
+def test_nothing_is_left_when_the_generation_raises(folder: str, tmp_path: Any) -> None:
+    """The reward function fails in step 2's generation, inside every wrapper and counter."""
+    error, calls = ValueError("the reward function failed"), []
+
+    def failing_reward(completions: List[str], **kwargs: Any) -> List[float]:
+        calls.append(len(completions))
+        if len(calls) == 2:
+            raise error
+        return _distinct_characters(completions)
+
+    trainer = _trainer(folder, str(tmp_path), reward=failing_reward, callbacks=[OptimizerMemoryCallback(what_if=())],
+                       max_steps=3, logging_steps=1)
+    with pytest.raises(ValueError) as caught:
+        trainer.train()
+    assert caught.value is error and calls == [BATCH, BATCH]
+    _assert_nothing_left(trainer)
+    # The run goes on afterwards, measured again: the same trainer, trained again from the start.
+    trainer.reward_funcs = [_distinct_characters]
+    trainer.train()
+    entries = [entry for entry in trainer.state.log_history if "reward" in entry and "loss" in entry]
+    assert [entry[GENERATION_PHASE_PEAK_BYTES] > 0 for entry in entries][-3:] == [True] * 3
+    _assert_nothing_left(trainer)
+
+
+def test_phases_off_and_other_trainers_install_nothing(folder: str, tmp_path: Any) -> None:
+    from trl import DPOConfig, DPOTrainer
+
+    watch = _Watch()
+    trainer = _trainer(folder, str(tmp_path / "off"), callbacks=[OptimizerMemoryCallback(what_if=(), phases=False),
+                                                                 watch], max_steps=1, logging_steps=1)
+    watch.trainer = trainer
+    trainer.train()
+    assert watch.seen == {1: ((), "NoneType")}
+    assert "reward" in trainer.state.log_history[0] and not set(PHASE_KEYS) & set(trainer.state.log_history[0])
+
+    dpo_watch = _Watch()
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "chosen": [" yes."] * 4, "rejected": [" no!"] * 4})
+    dpo = DPOTrainer(model=folder, args=DPOConfig(str(tmp_path / "dpo"), use_cpu=True, report_to=[], max_steps=1,
+                                                  logging_steps=1, save_strategy="no", disable_tqdm=True,
+                                                  per_device_train_batch_size=2),
+                     train_dataset=dataset, processing_class=trl_tests.char_tokenizer(),
+                     callbacks=[OptimizerMemoryCallback(what_if=()), dpo_watch])
+    dpo_watch.trainer = dpo
+    dpo.train()
+    assert dpo_watch.seen == {1: ((), "NoneType")}
+    assert "loss" in dpo.state.log_history[0] and not set(PHASE_KEYS) & set(dpo.state.log_history[0])
+
+
+def test_phases_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match=r"phases='yes': expected True .* or False"):
+        OptimizerMemoryCallback(phases="yes")
+
+
+def test_the_counter_counts_what_operations_allocate_not_what_they_alias() -> None:
+    import doctest
+
+    import trainer_memcb.training.allocated_storages as module
+    from trainer_memcb.training.allocated_storages import AllocatedStorages
+
+    assert doctest.testmod(module).failed == 0
+    before = torch.zeros(8, 8)  # 256 bytes that exist before the counter
+    counter = AllocatedStorages()
+    counter.enter()
+    before.add_(1)  # in place (`Tensor(a!)`): nothing allocated
+    column = before[:, 0]  # a view of a storage it does not count
+    fresh = torch.ones(16)  # 64 bytes
+    half = fresh[:8]  # a view of a counted storage: it keeps the storage counted
+    del fresh
+    assert counter.alive_bytes == counter.peak_bytes == 64
+    pair = torch.zeros(4).split(2)  # 16 bytes, two views; the split's results alias it
+    assert counter.alive_bytes == 80
+    assert counter.leave() and not counter.entered
+    del half
+    assert counter.alive_bytes == 16  # counted storages go when their tensors go, entered or not
+    del pair
+    assert (counter.alive_bytes, counter.peak_bytes) == (0, 80) and column.shape == (8,)
+
+
+def test_the_counter_is_not_popped_under_another_dispatch_mode() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer_memcb.training.allocated_storages import AllocatedStorages
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    counter = AllocatedStorages()
+    counter.enter()
+    with Other():
+        assert counter.leave() is False  # popping now would pop the other mode
+    assert counter.leave() is True and _get_current_dispatch_mode() is None
+
+
+def test_a_compiled_model_and_vllm_are_said_once_and_left_out() -> None:
+    """The probe alone, on stand-ins for a GRPO trainer: what it decides before running anything."""
+    from types import SimpleNamespace
+
+    from trainer_memcb.training.generation_phases import COMPILED_MESSAGE, VLLM_MESSAGE, PhasePeaksProbe
+
+    class Generating:
+        def __init__(self, compiled: bool, vllm: bool) -> None:
+            self.args, self.use_vllm = SimpleNamespace(torch_compile=compiled), vllm
+            self.model = torch.nn.Linear(2, 2)
+
+        def training_step(self, *args: Any) -> Any:
+            return self._prepare_inputs()
+
+        def _prepare_inputs(self) -> Any:
+            return self._generate_and_score_completions()
+
+        def _generate_and_score_completions(self) -> Any:
+            return self.model(torch.ones(3, 2))
+
+    warned: List[Any] = []
+    probe = PhasePeaksProbe(lambda kind, message: warned.append((kind, message)))
+    compiled = Generating(compiled=True, vllm=False)
+    probe.arm(compiled, step=1)
+    assert not probe.armed and not set(WRAPPED) & set(compiled.__dict__) - {"args"}
+    vllm = Generating(compiled=False, vllm=True)
+    probe.arm(vllm, step=1)
+    vllm.training_step()
+    probe.step_end()
+    assert probe.figures(1) == {TRAINING_PHASE_PEAK_BYTES: 0}  # the generation by vLLM left out
+    assert warned == [("phases-compiled", COMPILED_MESSAGE), ("phases-vllm", VLLM_MESSAGE)]
+    plain = Generating(compiled=False, vllm=False)
+    probe.arm(plain, step=2)
+    plain.training_step()
+    probe.step_end()
+    # The input and the linear layer's output, 3x2 fp32 each, allocated by the generation; nothing
+    # by the training, which only calls it.
+    assert probe.figures(2) == {GENERATION_PHASE_PEAK_BYTES: 48, TRAINING_PHASE_PEAK_BYTES: 0}
+    assert probe.figures(1) == {} and not set(WRAPPED) & set(plain.__dict__)
