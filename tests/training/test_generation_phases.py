@@ -35,9 +35,14 @@ import training.test_trl as trl_tests  # noqa: E402
 PROMPTS = ["the cat sa", "a dog ran ", "hello ther", "good day t"]
 BATCH, GENERATIONS, COMPLETION = 4, 4, 8
 WRAPPED = ("training_step", "_prepare_inputs", "_generate_and_score_completions")
-# The releases the bytes below were measured with; elsewhere only the comparison with the profiler runs.
-MEASURED_RELEASES = (installed_version("torch") or (0,))[:2] == (2, 13) and \
-    (installed_version("transformers") or (0,))[:2] == (5, 25) and (installed_version("trl") or (0,))[:2] == (1, 16)
+def _releases(torch_release: tuple, transformers_release: tuple, trl_release: tuple) -> bool:
+    installed = [(installed_version(name) or (0,))[:2] for name in ("torch", "transformers", "trl")]
+    return installed == [torch_release, transformers_release, trl_release]
+
+
+# The releases the bytes below were measured with: the newest, and the oldest supported.
+NEWEST = _releases((2, 13), (5, 25), (1, 16))
+OLDEST = _releases((2, 6), (4, 57), (1, 14))
 
 
 def _distinct_characters(completions: List[str], **_: Any) -> List[float]:
@@ -126,17 +131,27 @@ def folder(tmp_path_factory: Any) -> str:
     return trl_tests.saved_tiny_llama(str(tmp_path_factory.mktemp("phases-llama")))
 
 
-# Measured (torch 2.13, transformers 5.25, TRL 1.16): each phase's figure, and how many bytes the
-# profiler records above it for the same phase of the same run. The training phase: 10_112 bytes
-# more in the profile, the kernels' own buffers at the backward's peak, which no operation returns
-# (the plan test's real training phase holds them too: tests/plan/test_grpo_step.py).
+# Measured: each phase's figure (step 1's generation, step 2's training), and how many bytes the
+# profiler records above it for the same phase of the same run. On torch 2.13, transformers 5.25,
+# TRL 1.16 the generation is exact, and the training 10_112 bytes under: buffers the kernels
+# allocate for themselves at the backward's peak, which no operation returns (the plan test's real
+# training phase holds them too: tests/plan/test_grpo_step.py). On torch 2.6, transformers 4.57,
+# TRL 1.14 (no fused LM head: smaller phases) the generation is 4_608 under and the training 10_688,
+# the kernels' own buffers again, not identified further. Step 1's training also makes AdamW's
+# state: on the newest releases its backward's peak outweighs it, on the oldest it is 297_092.
 CASES = {
-    ("grpo", 0.1): ({GENERATION_PHASE_PEAK_BYTES: 4_554_188, TRAINING_PHASE_PEAK_BYTES: 4_593_332},
-                    {GENERATION_PHASE_PEAK_BYTES: 0, TRAINING_PHASE_PEAK_BYTES: 10_112}),
-    ("grpo", 0.0): ({GENERATION_PHASE_PEAK_BYTES: 4_554_188, TRAINING_PHASE_PEAK_BYTES: 4_593_332},
-                    {GENERATION_PHASE_PEAK_BYTES: 0, TRAINING_PHASE_PEAK_BYTES: 10_112}),
-    ("rloo", 0.1): ({GENERATION_PHASE_PEAK_BYTES: 4_554_180, TRAINING_PHASE_PEAK_BYTES: 4_593_332},
-                    {GENERATION_PHASE_PEAK_BYTES: 0, TRAINING_PHASE_PEAK_BYTES: 10_112}),
+    ("grpo", 0.1): {NEWEST: ({GENERATION_PHASE_PEAK_BYTES: 4_554_188, TRAINING_PHASE_PEAK_BYTES: 4_593_332},
+                             {GENERATION_PHASE_PEAK_BYTES: 0, TRAINING_PHASE_PEAK_BYTES: 10_112}, 4_593_332),
+                    OLDEST: ({GENERATION_PHASE_PEAK_BYTES: 109_848, TRAINING_PHASE_PEAK_BYTES: 217_308},
+                             {GENERATION_PHASE_PEAK_BYTES: 4_608, TRAINING_PHASE_PEAK_BYTES: 10_688}, 297_092)},
+    ("grpo", 0.0): {NEWEST: ({GENERATION_PHASE_PEAK_BYTES: 4_554_188, TRAINING_PHASE_PEAK_BYTES: 4_593_332},
+                             {GENERATION_PHASE_PEAK_BYTES: 0, TRAINING_PHASE_PEAK_BYTES: 10_112}, 4_593_332),
+                    OLDEST: ({GENERATION_PHASE_PEAK_BYTES: 109_720, TRAINING_PHASE_PEAK_BYTES: 217_308},
+                             {GENERATION_PHASE_PEAK_BYTES: 4_608, TRAINING_PHASE_PEAK_BYTES: 10_688}, 297_092)},
+    ("rloo", 0.1): {NEWEST: ({GENERATION_PHASE_PEAK_BYTES: 4_554_180, TRAINING_PHASE_PEAK_BYTES: 4_593_332},
+                             {GENERATION_PHASE_PEAK_BYTES: 0, TRAINING_PHASE_PEAK_BYTES: 10_112}, 4_593_332),
+                    OLDEST: ({GENERATION_PHASE_PEAK_BYTES: 109_856, TRAINING_PHASE_PEAK_BYTES: 217_308},
+                             {GENERATION_PHASE_PEAK_BYTES: 4_608, TRAINING_PHASE_PEAK_BYTES: 10_688}, 297_092)},
 }
 
 
@@ -157,13 +172,17 @@ def test_logged_entries_carry_each_phase_peak_beside_the_reward(folder: str, tmp
     assert isinstance(first["reward"], float) and ("kl" in first) == (beta > 0)
     assert ("kl" in second) == (beta > 0 and trainer_kind == "grpo")
     assert "reward" not in second and GENERATION_PHASE_PEAK_BYTES not in second
-    assert second[TRAINING_PHASE_PEAK_BYTES] == first[TRAINING_PHASE_PEAK_BYTES]  # every step trains alike
-    logged = {key: first[key] for key in PHASE_KEYS}
+    # Step 1's generation and step 2's training (step 1's also makes AdamW's state) against the profiler.
+    logged = {GENERATION_PHASE_PEAK_BYTES: first[GENERATION_PHASE_PEAK_BYTES],
+              TRAINING_PHASE_PEAK_BYTES: second[TRAINING_PHASE_PEAK_BYTES]}
     profiled = _profiled_run(folder, str(tmp_path / "profiled"), trainer_kind, beta)
-    expected, difference = CASES[(trainer_kind, beta)]
-    assert {key: profiled[key] - logged[key] for key in PHASE_KEYS} == difference
-    if MEASURED_RELEASES:
-        assert logged == expected
+    above = {key: profiled[key] - logged[key] for key in PHASE_KEYS}
+    assert all(0 <= bytes_above < 16 * 1024 for bytes_above in above.values())  # never more than the allocator's
+    assert first[TRAINING_PHASE_PEAK_BYTES] >= second[TRAINING_PHASE_PEAK_BYTES]
+    measured = CASES[(trainer_kind, beta)].get(True)  # the entry of the installed releases, if measured
+    if measured is not None:
+        expected, difference, first_training = measured
+        assert (logged, above, first[TRAINING_PHASE_PEAK_BYTES]) == (expected, difference, first_training)
     # The closing entry carries the reward of step 3's generation, and no figure of a step not logged.
     closing = trainer.state.log_history[-1]
     assert "train_runtime" in closing and not set(PHASE_KEYS) & set(closing)
