@@ -53,9 +53,10 @@ def _config(tmp: str, trainer: str, beta: float, **extra: Any) -> Any:
     from trl import GRPOConfig, RLOOConfig
 
     config = GRPOConfig if trainer == "grpo" else RLOOConfig
-    return config(tmp, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-                  per_device_train_batch_size=BATCH, num_generations=GENERATIONS, max_completion_length=COMPLETION,
-                  beta=beta, generation_kwargs={"min_new_tokens": COMPLETION}, **extra)
+    settings = dict(use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                    per_device_train_batch_size=BATCH, num_generations=GENERATIONS,
+                    max_completion_length=COMPLETION, beta=beta, generation_kwargs={"min_new_tokens": COMPLETION})
+    return config(tmp, **{**settings, **extra})
 
 
 def _trainer(folder: str, tmp: str, trainer: str = "grpo", beta: float = 0.1, callbacks: Any = (),
@@ -190,6 +191,37 @@ def test_logged_entries_carry_each_phase_peak_beside_the_reward(folder: str, tmp
     assert watch.seen == {1: (WRAPPED, "AllocatedStorages"), 2: (WRAPPED, "AllocatedStorages"),
                           3: ((), "NoneType")}
     _assert_nothing_left(trainer)
+
+
+def test_tensorboard_shows_the_phases_beside_the_reward_and_charts_them_together(folder: str, tmp_path: Any) -> None:
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    import glob
+    import os
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = _trainer(folder, str(tmp_path), callbacks=[OptimizerMemoryCallback(what_if=())], max_steps=2,
+                       logging_steps=1, num_iterations=2, report_to=["tensorboard"])
+    trainer.train()
+    (log_dir,) = glob.glob(os.path.join(trainer.args.output_dir, "runs", "*"))
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    entries = [entry for entry in trainer.state.log_history if "loss" in entry]
+    read_back = {key: [(event.step, event.value) for event in events.Scalars(f"train/{key}")]
+                 for key in (*PHASE_KEYS, "reward", "kl")}
+    # float32 in the file: these integers are below 2**24, so they come back exact; TRL's floats to float32.
+    assert {key: read_back[key] for key in PHASE_KEYS} == {
+        key: [(entry["step"], entry[key]) for entry in entries if key in entry] for key in PHASE_KEYS}
+    assert [step for step, _ in read_back["reward"]] == [step for step, _ in read_back[GENERATION_PHASE_PEAK_BYTES]]
+    assert [step for step, _ in read_back["kl"]] == [step for step, _ in read_back[TRAINING_PHASE_PEAK_BYTES]]
+    assert [event.step for event in events.Scalars(f"train/{GENERATION_PHASE_PEAK_BYTES}")] == [1]
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(events.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
+    assert charts["generation and training phases' peaks (bytes)"] == [
+        f"^train/{GENERATION_PHASE_PEAK_BYTES}$", f"^train/{TRAINING_PHASE_PEAK_BYTES}$"]
 
 
 class _RaiseAt(TrainerCallback):
