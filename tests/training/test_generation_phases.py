@@ -196,6 +196,7 @@ def test_logged_entries_carry_each_phase_peak_beside_the_reward(folder: str, tmp
 def test_tensorboard_shows_the_phases_beside_the_reward_and_charts_them_together(folder: str, tmp_path: Any) -> None:
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     import glob
+    import json
     import os
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -214,6 +215,12 @@ def test_tensorboard_shows_the_phases_beside_the_reward_and_charts_them_together
         key: [(entry["step"], entry[key]) for entry in entries if key in entry] for key in PHASE_KEYS}
     assert [step for step, _ in read_back["reward"]] == [step for step, _ in read_back[GENERATION_PHASE_PEAK_BYTES]]
     assert [step for step, _ in read_back["kl"]] == [step for step, _ in read_back[TRAINING_PHASE_PEAK_BYTES]]
+    # The end-of-training summary holds the last step's (it was logged): the training phase only.
+    with open(os.path.join(trainer.args.output_dir, "optimizer_memory.json")) as file:
+        final = json.load(file)["final_figures"]
+    last_training = entries[-1][TRAINING_PHASE_PEAK_BYTES]
+    assert {key: final.get(key) for key in PHASE_KEYS} == {GENERATION_PHASE_PEAK_BYTES: None,
+                                                          TRAINING_PHASE_PEAK_BYTES: last_training}
     assert [event.step for event in events.Scalars(f"train/{GENERATION_PHASE_PEAK_BYTES}")] == [1]
     from tensorboard.plugins.custom_scalar import layout_pb2
 

@@ -177,7 +177,8 @@ class EntryLogging:
             document = monitor.summary_document(
                 state.global_step,
                 stepped=stepped,
-                extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys)},
+                extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys),
+                                         **keep_keys(run.phases.figures(state.global_step), self.train_keys)},
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
             phases = judge_phases(step_memory_figures(document)[0], largest_evaluation)

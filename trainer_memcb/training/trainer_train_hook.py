@@ -15,9 +15,10 @@ runs exactly as before. Subclasses whose `train` calls
 `super().train` (TRL's trainers) are covered.
 
 The hook also keeps which `train()` calls are under way, innermost last (`current_train_call`,
-`is_running`, and the Trainer of the innermost, `current_trainer`, held weakly): a Trainer may train or evaluate another inside its own step (a `training_step`
-that trains a second Trainer). What the outer step installed stays, and measures only while its
-own call is the innermost one (`activations_probe.py`).
+`is_running`; the Trainer of the innermost, held weakly: `current_trainer`, whose logged steps the
+phases probe wraps, `generation_phases.py`): a Trainer may train or evaluate another inside its own
+step (a `training_step` that trains a second Trainer). What the outer step installed stays, and
+measures only while its own call is the innermost one (`activations_probe.py`).
 """
 
 from __future__ import annotations
