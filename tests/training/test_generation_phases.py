@@ -13,6 +13,7 @@ it returns or raises."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Dict, List
 
 import pytest
@@ -432,3 +433,39 @@ def test_a_compiled_model_and_vllm_are_said_once_and_left_out() -> None:
     # by the training, which only calls it.
     assert probe.figures(2) == {GENERATION_PHASE_PEAK_BYTES: 48, TRAINING_PHASE_PEAK_BYTES: 0}
     assert probe.figures(1) == {} and not set(WRAPPED) & set(plain.__dict__)
+
+
+def test_a_compiled_function_called_in_a_phase_compiles_as_without_the_counter() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+        pytest.skip("this torch cannot let a dispatch mode's code compile (torch 2.6); the probe steps aside there")
+    from torch._dynamo.utils import counters
+
+    from trainer_memcb.training.allocated_storages import AllocatedStorages
+
+    @torch.compile(backend="eager")
+    def doubled_sine(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).sin()
+
+    graphs = counters["stats"]["unique_graphs"]
+    counter = AllocatedStorages()
+    counter.enter()
+    doubled_sine(torch.ones(4))
+    assert counter.leave()
+    # Compiled (not skipped); the eager backend's graph still calls operations: the ones, x * 2, sin.
+    assert (counters["stats"]["unique_graphs"] - graphs, counter.peak_bytes) == (1, 48)
+
+
+def test_on_a_torch_whose_modes_stop_compiling_the_probe_steps_aside(monkeypatch: Any) -> None:
+    """torch 2.6 once dynamo has compiled anything: stood in for (compiling here would change what
+    every later test of the process sees)."""
+    import trainer_memcb.training.generation_phases as phases
+
+    monkeypatch.setattr(phases, "dispatch_modes_stop_compiling", lambda: True)
+    warned: List[Any] = []
+    probe = phases.PhasePeaksProbe(lambda kind, message: warned.append(kind))
+    trainer = SimpleNamespace(args=SimpleNamespace(torch_compile=False), model=torch.nn.Linear(2, 2),
+                              training_step=print, _prepare_inputs=print, _generate_and_score_completions=print)
+    probe.arm(trainer, step=1)
+    assert not probe.armed and warned == ["phases-compiling"] and trainer.training_step is print

@@ -18,6 +18,12 @@ few microseconds of Python, which is why it is only entered on the steps the Tra
 What it does not see: buffers a kernel allocates for itself and frees before returning (scratch
 space, not tensors), and small tensors made in C++ without an operation (wrapped scalars); on
 CUDA, the caching allocator's rounding and its segments (`device_peak_reserved_bytes` says those).
+A `torch.compile`d function called while it is entered (a compiled reward model, `generate`'s
+compiled forward with a static cache) is compiled and run as without it: the counter declares that
+it ignores compile internals (`TorchDispatchMode.ignore_compile_internals`), rather than making
+dynamo skip the function's frame for the rest of the process; what its compiled code allocates
+without calling operations (inductor's kernels) is then not seen. torch 2.6 cannot be told so
+(`trainer_memcb.utils.compiled.dispatch_modes_stop_compiling`).
 """
 
 from __future__ import annotations
@@ -85,6 +91,10 @@ class AllocatedStorages(TorchDispatchMode):
         self._storages: Dict[int, Any] = {}  # storage key -> the storage, so the key stays unique
         self._seen: Dict[int, Any] = {}  # id() of a tensor object seen -> its weak reference
         self.entered = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def enter(self) -> None:
         """Count the operations from now on (this thread's dispatch-mode stack)."""

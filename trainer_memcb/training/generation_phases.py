@@ -29,7 +29,9 @@ How the phases are delimited: while a logged step runs, the Trainer's `training_
 the Trainer will log, and taken off at its `on_step_end`, or when `train()` leaves, returning or
 raising (`trainer_train_hook.py`); on a step that is not logged nothing is set and nothing runs.
 Not measured, with one warning each: a compiled model (a dispatch mode would stop dynamo from
-compiling it for the rest of the process, `trainer_memcb.utils.compiled`), and the generation with
+compiling it for the rest of the process, `trainer_memcb.utils.compiled`); on torch 2.6, any step
+once dynamo has compiled something in the process (its dispatch modes cannot let a compiled
+function that the phases call compile, `dispatch_modes_stop_compiling`); and the generation with
 vLLM (`use_vllm`: its engine allocates outside torch's operations; only the training phase is
 measured). A failure warns once and leaves the figures out; the run itself is never affected.
 """
@@ -40,14 +42,19 @@ import functools
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
+
 from trainer_memcb.training.allocated_storages import AllocatedStorages
 from trainer_memcb.training.figures import GENERATION_PHASE_PEAK_BYTES, TRAINING_PHASE_PEAK_BYTES
-from trainer_memcb.utils.compiled import has_compiled_part
+from trainer_memcb.utils.compiled import dispatch_modes_stop_compiling, has_compiled_part
 
 __all__ = ["COMPILED_MESSAGE", "PhasePeaksProbe", "check_phases", "generates"]
 
 COMPILED_MESSAGE = ("the generation and training phases of a compiled model (torch.compile) are not measured; "
                     f"{GENERATION_PHASE_PEAK_BYTES} and {TRAINING_PHASE_PEAK_BYTES} are left out")
+COMPILING_MESSAGE = (f"this torch ({torch.__version__}) cannot measure the generation and training phases without "
+                     "keeping the torch.compile'd code they may call from compiling (newer torch can); "
+                     f"{GENERATION_PHASE_PEAK_BYTES} and {TRAINING_PHASE_PEAK_BYTES} are left out")
 VLLM_MESSAGE = f"a generation by vLLM (use_vllm) is not measured; {GENERATION_PHASE_PEAK_BYTES} is left out"
 # An attribute on each wrapper, so that one is told apart from the Trainer's own method.
 WRAPPER_MARK = "__trainer_memcb_phases__"
@@ -105,6 +112,9 @@ class PhasePeaksProbe:
             if getattr(getattr(trainer, "args", None), "torch_compile", False) or \
                     has_compiled_part(getattr(trainer, "model", None)):
                 self._warn_once("phases-compiled", COMPILED_MESSAGE)
+                return
+            if dispatch_modes_stop_compiling():  # torch 2.6, once dynamo has compiled anything
+                self._warn_once("phases-compiling", COMPILING_MESSAGE)
                 return
             if getattr(trainer, "use_vllm", False):
                 self._warn_once("phases-vllm", VLLM_MESSAGE)
