@@ -120,9 +120,10 @@ class PhasePeaksProbe:
                 self._warn_once("phases-vllm", VLLM_MESSAGE)
             self._step, self._trainer = step, weakref.ref(trainer)
             self._training, self._generation = AllocatedStorages(), None
-            self._wrap(trainer, "training_step", self._training_step)
-            self._wrap(trainer, "_prepare_inputs", self._prepare_inputs)
-            self._wrap(trainer, _GENERATE, self._generate)
+            # The probe's methods, unbound: a wrapper holds its probe weakly.
+            self._wrap(trainer, "training_step", PhasePeaksProbe._training_step)
+            self._wrap(trainer, "_prepare_inputs", PhasePeaksProbe._prepare_inputs)
+            self._wrap(trainer, _GENERATE, PhasePeaksProbe._generate)
         except Exception as error:  # never break training over a figure
             self.disarm()
             self._warn_once("phases", f"measuring the generation and training phases failed ({error!r}); "
@@ -138,7 +139,7 @@ class PhasePeaksProbe:
             probe = owner()
             if probe is None or not probe._owns(name, wrapper):  # left behind: call straight through
                 return original(*args, **kwargs)
-            return measuring(original, args, kwargs)
+            return measuring(probe, original, args, kwargs)
 
         setattr(wrapper, WRAPPER_MARK, True)
         trainer.__dict__[name] = wrapper
