@@ -147,6 +147,13 @@ def profiled_run_peak(run: Callable[[], Any]) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
+    return profiled_peak(prof)
+
+
+def profiled_peak(prof: Any) -> int:
+    """The most bytes a finished `torch.profiler.profile(profile_memory=True)` recorded alive above
+    what was alive when it started (`profiled_run_peak`'s replay, for a profile started and stopped
+    apart, in a Trainer's callbacks)."""
     records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                      key=lambda e: e.start_ns())
     alive = peak = 0

@@ -15,6 +15,7 @@ from helpers import entries_with
 from reference_walker import held_bytes
 from trainer_memcb import OptimizerMemoryCallback
 from trainer_memcb.training.activations_probe import ACTIVATION_KEYS, ACTIVATIONS_SUPPORTED
+from trainer_memcb.training.figures import PHASE_KEYS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -102,8 +103,10 @@ def truth(trainer: Any) -> Dict[str, int]:
 
 
 # The activations are checked to the byte against an independent count in test_activations.py;
-# here each training entry must carry them (where this torch measures them), the rest exactly.
-FIGURE_KEYS = set(OptimizerMemoryCallback.KEYS) - set(ACTIVATION_KEYS)
+# here each training entry must carry them (where this torch measures them), the rest exactly. The
+# phases of a trainer that generates (GRPO) are checked in test_generation_phases.py; the other
+# trainers never carry them.
+FIGURE_KEYS = set(OptimizerMemoryCallback.KEYS) - set(ACTIVATION_KEYS) - set(PHASE_KEYS)
 
 
 def logged_figures(trainer: Any) -> List[Dict[str, int]]:
@@ -114,6 +117,7 @@ def logged_figures(trainer: Any) -> List[Dict[str, int]]:
             assert 0 < entry["activations_bytes"] <= entry["activations_peak_bytes"]
         else:
             assert not set(ACTIVATION_KEYS) & set(entry)
+        assert set(PHASE_KEYS) <= set(entry) if "reward" in entry else not set(PHASE_KEYS) & set(entry)
     return [{key: value for key, value in entry.items() if key in FIGURE_KEYS} for entry in entries]
 
 

@@ -32,6 +32,7 @@ from trainer_memcb.training.memory_snapshots import (
     check_memory_snapshot_dir,
     check_snapshot_steps,
 )
+from trainer_memcb.training.generation_phases import check_phases
 from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, select_keys
 from trainer_memcb.training.monitor import validate_breakdown
 from trainer_memcb.training.oom_report import OUT_OF_MEMORY_ERRORS
@@ -79,6 +80,8 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
     | `device_peak_reserved_bytes` | bytes | CUDA only: `torch.cuda.max_memory_reserved` of the model's device |
     | `step_plan_peak_bytes` | bytes | training entries from the first logged step: the step plan's peak for the run's own settings, planned once per run (on CUDA, or with `plan_step=True`) |
     | `step_plan_reserved_bytes` | bytes | CUDA only: the same plan's reserved bytes, its allocations replayed through the caching allocator over two steps |
+    | `generation_phase_peak_bytes` | bytes | a generating trainer's (TRL's GRPO, RLOO) training entries: the most alive at once of what the logged step's generation allocated, when it generated |
+    | `training_phase_peak_bytes` | bytes | the same of what its training allocated (micro-batches' forward and backward, the optimizer step) |
     | `containers_device_bytes` | bytes | evaluation entries: the most the evaluation loop's containers held as torch tensors, each storage once |
     | `containers_host_bytes` | bytes | evaluation entries: the most they held as numpy arrays on the host |
     | `concat_peak_bytes` | bytes | evaluation entries: the most held during a batch's add (old, new and the concatenation's result) |
@@ -99,6 +102,12 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
     `model_states_estimate_bytes` includes it as a frozen copy of its parameters (no gradients, no
     optimizer state), laid out like the policy's parameters. A PEFT model trained with
     `ref_model=None` has no reference model: TRL disables the adapters to get the reference.
+
+    A trainer that generates its batches (TRL's GRPO and RLOO) runs two phases in a step, which peak
+    apart: the generation (transformers' `generate` and its KV cache, the log-probs, the scores) and
+    the training on what was generated. On the steps it logs, each is measured
+    (`trainer_memcb.training.generation_phases`), and its training entry, the one holding TRL's
+    `reward` and `kl`, carries `generation_phase_peak_bytes` and `training_phase_peak_bytes`.
 
     In breakdown keys, characters other than letters, digits, `_` and `-` in a part name become
     `_` (`cuda:0` -> `cuda_0`), so that no key is a path prefix of another and every reporter
@@ -161,6 +170,9 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
             CUDA it warns once and records nothing.
         snapshot_steps: the optimizer steps to record (step 1 is the first), a list or tuple of
             positive ints or one comma-separated string; recorded from the first to the last.
+        phases: measure a generating trainer's generation and training phases on the steps it logs
+            (a dispatch mode counts their operations' storages: some microseconds per operation, on
+            those steps only); False for none. Other trainers are never touched.
 
     Every argument that names things (`breakdown`, `what_if`, `eval_keys`, `train_keys`) takes a
     list, or one comma-separated string; None or `()` is none; a name given twice counts once; an
@@ -185,7 +197,7 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
                  plan_step: Union[str, bool] = "cuda",
                  preflight: Union[bool, int] = False,
                  memory_snapshot_dir: Union[str, "os.PathLike[str]", None] = None,
-                 snapshot_steps: Union[str, Iterable[int]] = (1, 2)) -> None:
+                 snapshot_steps: Union[str, Iterable[int]] = (1, 2), phases: bool = True) -> None:
         # Each argument checked where its part lives, in the order they always were: a ValueError names it.
         self.summary_file = check_summary_file(summary_file)
         self.breakdown = validate_breakdown(breakdown)
@@ -196,6 +208,7 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
         self.preflight = check_preflight(preflight)
         self.memory_snapshot_dir = check_memory_snapshot_dir(memory_snapshot_dir)
         self.snapshot_steps = check_snapshot_steps(snapshot_steps)
+        self.phases = check_phases(phases)
         # What the preflight found (`trainer_memcb.training.preflight.Preflight`), or None.
         self.preflight_result: Any = None
         self.activations, self.reset_device_peak = activations, reset_device_peak
@@ -208,7 +221,7 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
         self._warned: Set[str] = set()
         # The parts: what is measured, what is logged, and the evaluation loops the hooks report.
         self._runs = Runs(self.breakdown, activations, reset_device_peak, plan_step, self.what_if_optimizers,
-                          self._warned, self._warn_once)
+                          self._warned, self._warn_once, phases)
         self._entries = EntryLogging(self.eval_keys, self.train_keys, summary_file, self._warn_once)
         self._evaluations = EvaluationLoops(evaluation, self._warn_once)
         self._snapshots = MemorySnapshots(self.memory_snapshot_dir, self.snapshot_steps, self._warn_once)
@@ -242,6 +255,9 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._runs.pre_optimizer_step(args, state, kwargs.get("optimizer"), model)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._runs.optimizer_step(optimizer)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None,
                optimizer: Any = None, **kwargs: Any) -> None:

@@ -102,6 +102,8 @@ class EntryLogging:
                 if not prefix:  # the step plan, made at the first logged step, beside the device's peaks
                     figures.update(keep_keys(run.step_plan.figures(getattr(trainer, "model", None), trainer.args),
                                              self.train_keys))
+                    # A generating trainer's phases, beside the reward and kl its `log` added to `logs`.
+                    figures.update(keep_keys(run.phases.figures(state.global_step), self.train_keys))
                 # A training entry (no prefix) takes the monitor's fresh dict as it is.
                 logs.update(with_prefix(figures, prefix) if prefix else figures)
                 self._observe(run, trainer, {**figures, **evaluation}, prefix, state.global_step, logs)
@@ -147,6 +149,8 @@ class EntryLogging:
             return
         figures = with_prefix(self._kept(run.monitor.figures(state.global_step, stepped=state.global_step > 0),
                                          prefix), prefix)
+        if not prefix:
+            figures.update(keep_keys(run.phases.figures(state.global_step), self.train_keys))
         if not figures or not state.is_world_process_zero:
             return
         self._warn(
@@ -173,7 +177,8 @@ class EntryLogging:
             document = monitor.summary_document(
                 state.global_step,
                 stepped=stepped,
-                extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys)},
+                extra={"final_figures": {**final_figures, **keep_keys(run.step_plan.planned, self.train_keys),
+                                         **keep_keys(run.phases.figures(state.global_step), self.train_keys)},
                        **({"what_if": run.what_if.to_dict()} if run.what_if is not None else {})},
             )
             phases = judge_phases(step_memory_figures(document)[0], largest_evaluation)

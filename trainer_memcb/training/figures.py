@@ -36,6 +36,9 @@ __all__ = [
     "STEP_PLAN_PEAK_BYTES",
     "STEP_PLAN_RESERVED_BYTES",
     "STEP_PLAN_KEYS",
+    "GENERATION_PHASE_PEAK_BYTES",
+    "TRAINING_PHASE_PEAK_BYTES",
+    "PHASE_KEYS",
     "CONTAINERS_DEVICE_BYTES",
     "CONTAINERS_HOST_BYTES",
     "CONCAT_PEAK_BYTES",
@@ -97,6 +100,12 @@ ACTIVATION_KEYS = (ACTIVATIONS_BYTES, ACTIVATIONS_PEAK_BYTES, DEVICE_PEAK_ALLOCA
 STEP_PLAN_PEAK_BYTES = "step_plan_peak_bytes"
 STEP_PLAN_RESERVED_BYTES = "step_plan_reserved_bytes"
 STEP_PLAN_KEYS = (STEP_PLAN_PEAK_BYTES, STEP_PLAN_RESERVED_BYTES)
+
+# The two phases of a generating trainer's logged step (TRL's GRPO and RLOO:
+# trainer_memcb.training.generation_phases): training entries only, beside TRL's reward and kl.
+GENERATION_PHASE_PEAK_BYTES = "generation_phase_peak_bytes"
+TRAINING_PHASE_PEAK_BYTES = "training_phase_peak_bytes"
+PHASE_KEYS = (GENERATION_PHASE_PEAK_BYTES, TRAINING_PHASE_PEAK_BYTES)
 
 # What an evaluation loop held (trainer_memcb.training.evaluation_probe): evaluation entries only,
 # with the evaluation's prefix (`eval_containers_device_bytes`).
@@ -162,6 +171,12 @@ KEY_DESCRIPTIONS: Dict[str, str] = {
     "anywhere with plan_step=True",
     STEP_PLAN_RESERVED_BYTES: "bytes: the same plan's bytes reserved by the caching allocator, once the plan replays "
     "its allocations; left out until then",
+    GENERATION_PHASE_PEAK_BYTES: "bytes: training entries of a generating trainer (TRL's GRPO, RLOO): the most "
+    "bytes alive at once of the storages the logged step's generation allocated (completions, KV cache, log-probs, "
+    "the buffered micro-batches), above what was alive when it began; left out when the step generated nothing",
+    TRAINING_PHASE_PEAK_BYTES: "bytes: training entries of a generating trainer: the most bytes alive at once of "
+    "the storages the logged step's training allocated (each micro-batch's forward and backward, the optimizer "
+    "step), above what was alive when it began",
     CONTAINERS_DEVICE_BYTES: "bytes: evaluation entries only: the most the evaluation loop's containers held at once "
     "as torch tensors on the model's device (losses, logits or what preprocess_logits_for_metrics returns, labels, "
     "inputs with include_for_metrics), each storage once",

@@ -35,6 +35,7 @@ from trainer_memcb.training.figures import (
     CONTAINERS_DEVICE_BYTES,
     CONTAINERS_HOST_BYTES,
     FORWARD_PEAK_BYTES,
+    GENERATION_PHASE_PEAK_BYTES,
     HOST_CONCAT_PEAK_BYTES,
     ACTIVATIONS_BYTES,
     ACTIVATIONS_PEAK_BYTES,
@@ -52,6 +53,7 @@ from trainer_memcb.training.figures import (
     MODEL_STATES_ESTIMATE_BYTES,
     STEP_PLAN_PEAK_BYTES,
     STEP_PLAN_RESERVED_BYTES,
+    TRAINING_PHASE_PEAK_BYTES,
     TRAINABLE_PARAMS,
     UNEXPECTED_BYTES,
 )
@@ -97,6 +99,8 @@ _CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     # The step's peak as planned for the run's own settings beside the allocator's peaks (on CUDA).
     ("the step's peak, planned and on the device (bytes)",
      (STEP_PLAN_PEAK_BYTES, DEVICE_PEAK_ALLOCATED_BYTES, STEP_PLAN_RESERVED_BYTES, DEVICE_PEAK_RESERVED_BYTES)),
+    # A generating trainer's two phases (TRL's GRPO, RLOO), each above what was alive when it began.
+    ("generation and training phases' peaks (bytes)", (GENERATION_PHASE_PEAK_BYTES, TRAINING_PHASE_PEAK_BYTES)),
     # Evaluation's own figures (evaluation entries only): what its containers gathered, and its forward.
     ("evaluation's containers and forward (bytes)",
      (CONTAINERS_DEVICE_BYTES, CONCAT_PEAK_BYTES, CONTAINERS_HOST_BYTES, HOST_CONCAT_PEAK_BYTES, FORWARD_PEAK_BYTES)),

@@ -15,34 +15,53 @@ runs exactly as before. Subclasses whose `train` calls
 `super().train` (TRL's trainers) are covered.
 
 The hook also keeps which `train()` calls are under way, innermost last (`current_train_call`,
-`is_running`): a Trainer may train or evaluate another inside its own step (a `training_step`
-that trains a second Trainer). What the outer step installed stays, and measures only while its
-own call is the innermost one (`activations_probe.py`).
+`is_running`; the Trainer of the innermost, held weakly: `current_trainer`, whose logged steps the
+phases probe wraps, `generation_phases.py`): a Trainer may train or evaluate another inside its own
+step (a `training_step` that trains a second Trainer). What the outer step installed stays, and
+measures only while its own call is the innermost one (`activations_probe.py`).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, List, Optional
 
 from trainer_memcb.training.trainer_method_hook import TrainerMethodHook, callbacks_of
 
-__all__ = ["TrainExitListener", "current_train_call", "install_train_hook", "is_running", "is_train_hook_installed"]
+__all__ = ["TrainExitListener", "current_train_call", "current_trainer", "install_train_hook", "is_running",
+           "is_train_hook_installed"]
 
 _MARK = "__trainer_memcb_train_hook__"
 # One token per `Trainer.train` call under way, innermost last.
-_RUNNING: List[object] = []
+_RUNNING: List["_TrainCall"] = []
 
 
 class _TrainCall:
-    """A `Trainer.train` call, as a token: compared by identity only."""
+    """A `Trainer.train` call, as a token compared by identity, and its Trainer, held weakly."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "trainer")
+
+    def __init__(self, trainer: Any) -> None:
+        try:
+            self.trainer: Any = weakref.ref(trainer)
+        except TypeError:  # a Trainer that cannot be held weakly is not told to the callbacks
+            self.trainer = _no_trainer
+
+
+def _no_trainer() -> None:
+    return None
 
 
 def current_train_call() -> Optional[object]:
     """The innermost `Trainer.train` call under way (of any Trainer), or None outside any."""
     return _RUNNING[-1] if _RUNNING else None
+
+
+def current_trainer() -> Any:
+    """The Trainer whose `train()` is the innermost call under way, or None (outside any; a Trainer
+    that cannot be held weakly)."""
+    return _RUNNING[-1].trainer() if _RUNNING else None
 
 
 def is_running(call: object) -> bool:
@@ -79,7 +98,7 @@ def _forget(call: object) -> None:
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = _TrainCall()
+        call = _TrainCall(self)
         _RUNNING.append(call)
         try:
             result = original(self, *args, **kwargs)
