@@ -85,11 +85,20 @@ Streams: with `overlap_comm`, ZeRO-1/2's `reduce_ipg_grads` copies the reduced g
 this rank's partition under `get_accelerator().stream(self.reduction_stream)`, so the 16-bit
 gradient partition `copy_grads_in_partition` makes there (`grads_in_partition`, each micro-batch's
 under ZeRO-2's accumulation) is allocated on that stream (`REDUCTION_STREAM`); every other buffer
-modelled here is made on the default stream. Not modelled: ZeRO-3's streams (the whole parameters
-gathered under the coordinator's `__allgather_stream`, each freed after a `record_stream` on the
-compute stream, `free_param`; the reductions under `reduce_and_partition_stream`): the model counts a
-gathered parameter and its partition as one storage, which would have to be split first; and the
-`record_stream` calls of ZeRO-1/2 with `offload_optimizer` (`_record_gradient_stream`).
+modelled here is made on the default stream. ZeRO-3 with `overlap_comm` (true unless set, for
+stage 3) gathers on the coordinator's all-gather stream (parameter_offload.py `__allgather_stream`):
+`fetch_sub_module` runs `all_gather_coalesced` under it and waits on the handle under it, and the
+wait makes `param.data`, so each parameter made whole is allocated on `ALLGATHER_STREAM`. The plan
+counts a whole parameter and its partition as one storage (`_set_whole`), so the partition's
+bytes lie on that stream with it (in a run they stay in the flat 16-bit partition buffer, on the
+default stream); the persistent parameters gathered again by `_post_step` run on the default
+stream. The reduce-and-partition stream (stage3.py) allocates nothing modelled here: the reduce
+bucket and the gradient partition are made at init on the default stream, and
+`reduce_scatter_coalesced`'s own temporaries are not modelled. Not replayed: the frees the
+`record_stream` calls delay (`free_param` records the compute stream on a whole parameter,
+`__add_grad_to_ipg_bucket` and `partition_grads` the reduce-and-partition stream on a gradient;
+ZeRO-1/2's `_record_gradient_stream` with `offload_optimizer`): how long depends on how far the
+host runs ahead of the GPU, and the replay takes the GPU to keep up, so they free at once.
 
 Not modelled: ZeRO-3's prefetching in forward's own timeline, ZeRO-3's offload staging
 buffers on an accelerator, the all-gather of the updated 16-bit partitions (done in place
