@@ -285,3 +285,20 @@ def test_the_cuda_plan_reports_the_per_stream_figure_and_its_snapshot_reads_back
     [device] = replay_snapshot(path).devices
     assert device.real == device.replayed and device.first_divergence is None
     assert device.real.reserved_peak_bytes == plan.device.reserved_peak_bytes
+
+
+def test_the_cuda_zero3_plan_reports_its_allgather_stream_and_its_snapshot_reads_back_equal(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": dict(stage=3, reduce_bucket_size=64 * 64,
+                                                                              **ZERO3_LIMITS)}
+    settings = resolve_settings(deepspeed=config, world_size=2, batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cuda", model_states=False)
+    assert plan.settings.engine == "zero" and plan.step.problem is None
+    one_stream = replay_step(dataclasses.replace(plan.timeline, streams={}))
+    assert plan.device.reserved_peak_bytes - one_stream.reserved_peak_bytes == SMALL_SEGMENT
+    snapshot = plan_snapshot(plan)
+    assert Counter(segment["stream"] for segment in snapshot["segments"]) == {0: 3, ALLGATHER: 1}
+    path = tmp_path / "plan.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    [device] = replay_snapshot(path).devices
+    assert device.real == device.replayed and device.first_divergence is None
+    assert device.real.reserved_peak_bytes == plan.device.reserved_peak_bytes
