@@ -27,7 +27,7 @@ from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel
 from trainer_memcb.plan.device.snapshot_replay import replay_snapshot
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step.engines.fsdp2 import FSDP2_STREAMS
-from trainer_memcb.plan.step.engines.zero import REDUCTION_STREAM
+from trainer_memcb.plan.step.engines.zero import REDUCTION_STREAM, ZERO3_STREAMS
 from trainer_memcb.plan.step.trace import trace_step
 
 # Figures counted on torch 2.13 and transformers 5 (tests/plan/test_step_replay.py says why the
@@ -179,6 +179,97 @@ def test_zero_with_overlap_comm_makes_the_gradient_partition_on_its_reduction_st
             replay_step(one_stream, alloc_conf="").reserved_peak_bytes) == (27_262_976, 25_165_824)
 
 
+# ZeRO-3's streams (ZERO3_STREAMS) and the settings tests/training/test_zero_runs_more.py holds to real
+# runs (zero_step_profile.py's zero3-limits): every parameter partitioned, released after each use.
+ALLGATHER, REDUCE_AND_PARTITION = 1, 2
+ZERO3_LIMITS = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                    stage3_prefetch_bucket_size=8192, stage3_max_live_parameters=20_000)
+
+
+def zero3(**zero):
+    return traced(world_size=2, hidden_size=64, deepspeed={"zero_optimization": dict(
+        stage=3, reduce_bucket_size="auto", **ZERO3_LIMITS, **zero)})
+
+
+def most_on_stream(timeline, stream):
+    """The most bytes a stream's blocks (512-byte rounded) held at one moment of the timeline."""
+    alive, most = {}, 0
+    for event in timeline.events:
+        serial = event if event >= 0 else ~event
+        if timeline.streams.get(serial) == stream:
+            if event >= 0:
+                alive[serial] = -(-timeline.sizes[serial] // 512) * 512
+            else:
+                del alive[serial]
+            most = max(most, sum(alive.values()))
+    return most
+
+
+@pytest.fixture(scope="module")
+def zero3_overlapped():
+    return zero3()  # overlap_comm left unset: DeepSpeedZeroConfig makes it true for stage 3
+
+
+def test_zero3_gathers_each_parameter_whole_on_its_allgather_stream(zero3_overlapped):
+    timeline = zero3_overlapped
+    assert timeline.stream_names == ZERO3_STREAMS == {ALLGATHER: "allgather_stream",
+                                                      REDUCE_AND_PARTITION: "reduce_and_partition_stream"}
+    # deepspeed 0.19.8: parameter_offload.py makes `__allgather_stream` (a new stream with
+    # overlap_comm) for the PartitionedParameterCoordinator, whose `__all_gather_params_` calls
+    # `all_gather_coalesced` under `get_accelerator().stream(self.__allgather_stream)` and whose
+    # `fetch_sub_module` waits on the handle under that stream too, where
+    # `AllGatherCoalescedHandle.wait` makes `param.data` (`torch.cat` of the gathered partitions; a
+    # view of `_all_gather_sequential`'s `param_buffer` for one parameter). So every whole parameter
+    # is on the all-gather stream. The plan counts a parameter whole with its half partition beside
+    # it (fp32: 4 + 2 bytes a value): q/k/v/o (4,096 values), gate/up/down (8,192), the norms (64),
+    # the embedding and lm_head (16,384); each gathered for its forward and again for its backward
+    # (`stage3_max_reuse_distance` 0): 2 x 2 layers x 4, 2 x 2 x 3, 2 x 5 and 2 x 2 storages.
+    assert on_streams(timeline) == {
+        (ALLGATHER, "unsharded_parameters", 6 * 4_096): 16, (ALLGATHER, "unsharded_parameters", 6 * 8_192): 12,
+        (ALLGATHER, "unsharded_parameters", 6 * 64): 10, (ALLGATHER, "unsharded_parameters", 6 * 16_384): 4,
+        # The reduce bucket (`ipg_buckets`, made at init): the default stream.
+        (0, "engine_buffers", 16_384): 1}
+    whole = {serial for serial, part in timeline.tags.items() if part == "unsharded_parameters"}
+    assert set(timeline.streams) == whole
+    # The reduce-and-partition stream (stage3.py) allocates nothing the plan holds: autograd makes
+    # each gradient on the default stream, `__add_grad_to_ipg_bucket` copies it into the bucket and
+    # `partition_grads` into the 16-bit gradient partition (`grad_partitions_flat_buffer`), both made
+    # at init on the default stream; `reduce_scatter_coalesced`'s own temporaries are not modelled.
+    assert REDUCE_AND_PARTITION not in timeline.streams.values()
+    # The timeline's own allocator events name the stream of each of those storages.
+    assert {event[1]: event[3] for event in timeline.allocations() if len(event) == 4} == dict(timeline.streams)
+
+
+def test_zero3_streams_move_blocks_and_no_byte():
+    overlapped, plain = zero3(overlap_comm=True), zero3(overlap_comm=False)
+    # Without overlap_comm the all-gather stream is the default stream (`default_stream()`).
+    assert plain.streams == {} and plain.stream_names == {}
+    # The streams change where the blocks lie, not what is alive when: the CPU figures (the
+    # timeline's events and sizes) are the same with and without them.
+    assert (overlapped.events, overlapped.sizes) == (plain.events, plain.sizes)
+    assert overlapped.streams
+
+
+def test_zero3_reserves_a_small_segment_for_its_allgather_stream(zero3_overlapped):
+    timeline = zero3_overlapped
+    one_stream = dataclasses.replace(timeline, streams={})
+    # The whole parameters are small blocks (at most 98,304 bytes), at most 197,632 bytes of them
+    # at once (lm_head, the final norm and the last layer's four attention projections, prefetched);
+    # on their own stream they cannot take the default stream's cached small blocks
+    # (`get_free_block` serves a request from its own stream's blocks only): one 2 MiB small
+    # segment of the all-gather stream's own. The default stream's segments are the same as with
+    # one stream: the blocks the whole parameters left there are taken by others.
+    assert most_on_stream(timeline, ALLGATHER) == 197_632 < SMALL_SEGMENT
+    assert segments_by_stream(one_stream) == {(0, "large", 20 * MiB): 1, (0, "small", SMALL_SEGMENT): 2}
+    assert segments_by_stream(timeline) - segments_by_stream(one_stream) == {(ALLGATHER, "small", SMALL_SEGMENT): 1}
+    assert segments_by_stream(one_stream) - segments_by_stream(timeline) == {}
+    with_streams, without = replay_step(timeline, alloc_conf=""), replay_step(one_stream, alloc_conf="")
+    assert (with_streams.reserved_peak_bytes, without.reserved_peak_bytes) == (27_262_976, 25_165_824)
+    assert with_streams.reserved_peak_bytes - without.reserved_peak_bytes == SMALL_SEGMENT
+    # The same blocks handed out: only where they lie differs.
+    assert with_streams.allocated_peak_bytes == without.allocated_peak_bytes == 20_844_032
+
+
 def test_the_cuda_plan_reports_the_per_stream_figure_and_its_snapshot_reads_back_equal(tmp_path):
     settings = resolve_settings(world_size=2, sharding="fsdp-full-shard", batch_size=2, optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cuda", model_states=False)
@@ -189,6 +280,23 @@ def test_the_cuda_plan_reports_the_per_stream_figure_and_its_snapshot_reads_back
     snapshot = plan_snapshot(plan)
     streams = Counter(segment["stream"] for segment in snapshot["segments"])
     assert streams == {0: 3, COPY_IN: 1, REDUCE_SCATTER: 1}
+    path = tmp_path / "plan.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    [device] = replay_snapshot(path).devices
+    assert device.real == device.replayed and device.first_divergence is None
+    assert device.real.reserved_peak_bytes == plan.device.reserved_peak_bytes
+
+
+def test_the_cuda_zero3_plan_reports_its_allgather_stream_and_its_snapshot_reads_back_equal(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": dict(stage=3, reduce_bucket_size=64 * 64,
+                                                                              **ZERO3_LIMITS)}
+    settings = resolve_settings(deepspeed=config, world_size=2, batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cuda", model_states=False)
+    assert plan.settings.engine == "zero" and plan.step.problem is None
+    one_stream = replay_step(dataclasses.replace(plan.timeline, streams={}))
+    assert plan.device.reserved_peak_bytes - one_stream.reserved_peak_bytes == SMALL_SEGMENT
+    snapshot = plan_snapshot(plan)
+    assert Counter(segment["stream"] for segment in snapshot["segments"]) == {0: 3, ALLGATHER: 1}
     path = tmp_path / "plan.pickle"
     path.write_bytes(pickle.dumps(snapshot))
     [device] = replay_snapshot(path).devices

@@ -28,11 +28,14 @@ of that allocator (`trainer_memcb.plan.device.caching_allocator.CachingAllocator
   thread, whose handle is its own, at the backward's first. They are allocated, so they are in the
   replay's allocated figures (`allocated_peak_bytes`), not in the trace's `peak_bytes`.
 - **Streams**: a storage the timeline puts on a stream of the engine's own (`Timeline.streams`:
-  FSDP2's all-gather copy-in, reduce-scatter and all-reduce streams) is allocated on that stream
+  FSDP2's all-gather copy-in, reduce-scatter and all-reduce streams, ZeRO-1/2's reduction stream,
+  ZeRO-3's all-gather stream) is allocated on that stream
   (`("alloc", key, nbytes, stream)`), so the allocator gives its block, once freed, to that
   stream's later requests alone, and a request of that stream takes no block freed on another.
-  No engine traced here calls `record_stream` (FSDP2 holds its buffers until an event instead, and
-  ProcessGroupNCCL stashes a collective's tensors), so every free returns its block at once.
+  FSDP2 holds its buffers until an event instead of `record_stream`, and ProcessGroupNCCL stashes
+  a collective's tensors; ZeRO-3's `record_stream` calls delay a free until the GPU has run the
+  recorded stream's work so far, which the replay takes to be at once (the GPU keeping up with
+  the host): every free returns its block at once.
 - Only the device's storages are replayed: what an engine keeps on the host (offload, the
   timeline's `host_parts`) never reaches the allocator.
 

@@ -80,8 +80,9 @@ class Timeline:
         generation: TRL's GRPO step's generation phase's peak (None for other steps).
         streams: serial number -> the CUDA stream the storage is allocated on, for those an
             engine allocates on a stream of its own (FSDP2's all-gather and reduce-scatter
-            streams); every other storage is on the default stream, 0. The caching allocator
-            gives a block freed on one stream to that stream alone (the allocator replay).
+            streams, ZeRO's reduction and all-gather streams); every other storage is on the
+            default stream, 0. The caching allocator gives a block freed on one stream to that
+            stream alone (the allocator replay).
         stream_names: stream number -> the engine's name for it.
     """
 

@@ -85,11 +85,20 @@ Streams: with `overlap_comm`, ZeRO-1/2's `reduce_ipg_grads` copies the reduced g
 this rank's partition under `get_accelerator().stream(self.reduction_stream)`, so the 16-bit
 gradient partition `copy_grads_in_partition` makes there (`grads_in_partition`, each micro-batch's
 under ZeRO-2's accumulation) is allocated on that stream (`REDUCTION_STREAM`); every other buffer
-modelled here is made on the default stream. Not modelled: ZeRO-3's streams (the whole parameters
-gathered under the coordinator's `__allgather_stream`, each freed after a `record_stream` on the
-compute stream, `free_param`; the reductions under `reduce_and_partition_stream`): the model counts a
-gathered parameter and its partition as one storage, which would have to be split first; and the
-`record_stream` calls of ZeRO-1/2 with `offload_optimizer` (`_record_gradient_stream`).
+modelled here is made on the default stream. ZeRO-3 with `overlap_comm` (true unless set, for
+stage 3) gathers on the coordinator's all-gather stream (parameter_offload.py `__allgather_stream`):
+`fetch_sub_module` runs `all_gather_coalesced` under it and waits on the handle under it, and the
+wait makes `param.data`, so each parameter made whole is allocated on `ALLGATHER_STREAM`. The plan
+counts a whole parameter and its partition as one storage (`_set_whole`), so the partition's
+bytes lie on that stream with it (in a run they stay in the flat 16-bit partition buffer, on the
+default stream); the persistent parameters gathered again by `_post_step` run on the default
+stream. The reduce-and-partition stream (stage3.py) allocates nothing modelled here: the reduce
+bucket and the gradient partition are made at init on the default stream, and
+`reduce_scatter_coalesced`'s own temporaries are not modelled. Not replayed: the frees the
+`record_stream` calls delay (`free_param` records the compute stream on a whole parameter,
+`__add_grad_to_ipg_bucket` and `partition_grads` the reduce-and-partition stream on a gradient;
+ZeRO-1/2's `_record_gradient_stream` with `offload_optimizer`): how long depends on how far the
+host runs ahead of the GPU, and the replay takes the GPU to keep up, so they free at once.
 
 Not modelled: ZeRO-3's prefetching in forward's own timeline, ZeRO-3's offload staging
 buffers on an accelerator, the all-gather of the updated 16-bit partitions (done in place
@@ -115,11 +124,16 @@ from trainer_memcb.state.rules.deepspeed_zero import (
     zero12_partition_numel,
 )
 
-__all__ = ["ZeroEngine", "REDUCTION_STREAM"]
+__all__ = ["ZeroEngine", "REDUCTION_STREAM", "ZERO3_STREAMS"]
 
 # DeepSpeedZeroOptimizer's `reduction_stream` (stage_1_and_2.py `__init__`), by the number the plan
 # gives it (`Timeline.streams`).
 REDUCTION_STREAM = 1
+# ZeRO-3's side streams with overlap_comm: DeepSpeedZeRoOffload's `__allgather_stream`
+# (parameter_offload.py, handed to the PartitionedParameterCoordinator) and
+# DeepSpeedZeroOptimizer_Stage3's `reduce_and_partition_stream` (stage3.py `__init__`).
+ALLGATHER_STREAM, REDUCE_AND_PARTITION_STREAM = 1, 2
+ZERO3_STREAMS = {ALLGATHER_STREAM: "allgather_stream", REDUCE_AND_PARTITION_STREAM: "reduce_and_partition_stream"}
 
 
 class ZeroEngine(StepEngine):
@@ -177,7 +191,10 @@ class ZeroEngine(StepEngine):
         self._host_accumulation: List[torch.Tensor] = []  # ZeRO-1/2 offload: accumulated_grads_in_cpu
         # ZeRO-1/2 reduce on their own stream with overlap_comm; the stream allocations go to now.
         self._reduces_on_stream = self.stage in (1, 2) and bool(settings.overlap_comm)
-        self.stream_names = {REDUCTION_STREAM: "reduction_stream"} if self._reduces_on_stream else {}
+        # ZeRO-3 gathers on its all-gather stream with overlap_comm (its default), else on the default one.
+        self._gathers_on_stream = self.stage == 3 and bool(settings.overlap_comm)
+        self.stream_names = ({REDUCTION_STREAM: "reduction_stream"} if self._reduces_on_stream
+                             else dict(ZERO3_STREAMS) if self._gathers_on_stream else {})
         self._stream = 0
 
     # -- construction (deepspeed.initialize) ------------------------------------------------------
@@ -310,7 +327,7 @@ class ZeroEngine(StepEngine):
 
     def attach(self, tracker: Any, counter: Any) -> None:
         super().attach(tracker, counter)
-        if self._reduces_on_stream:
+        if self._reduces_on_stream or self._gathers_on_stream:
             tracker.stream_of = self._stream_now
         self._host_bit16_serials = set(tracker.serials(self._host_bit16))
         if self.stage == 3:
@@ -427,7 +444,15 @@ class ZeroEngine(StepEngine):
         # With offload_param the partition is in the host's flat buffer, counted there.
         partition = 0 if self.offload_params else zero3_partition_numel(param.numel(), self.world) * param.element_size()
         size = storage.nbytes() + partition if whole else partition
-        self.tracker.set_size(storage, size, "unsharded_parameters" if whole else "parameters")
+        # fetch_sub_module → __all_gather_params_ runs `all_gather_coalesced` under the all-gather
+        # stream, and waits on its handle there too: the whole `param.data` (`torch.cat` of the
+        # partitions in `AllGatherCoalescedHandle.wait`, a view of `param_buffer` for one
+        # parameter) is allocated on that stream. The partition rides with it here (one storage).
+        self._stream = ALLGATHER_STREAM if whole and self._gathers_on_stream else 0
+        try:
+            self.tracker.set_size(storage, size, "unsharded_parameters" if whole else "parameters")
+        finally:
+            self._stream = 0
 
     def _fetch(self, params: List[torch.Tensor], values: int = 0) -> None:
         if self.tracker is not None:
