@@ -235,12 +235,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
     Raises:
         ValueError: an unknown change in `allow`, a bad `max_candidates`.
     """
-    allow = tuple(allow)
-    unknown = [name for name in allow if name not in ALLOWED_CHANGES]
-    if unknown:
-        raise ValueError(f"allow={unknown[0]!r} is not one of: {', '.join(ALLOWED_CHANGES)}")
-    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
-        raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
+    allow = _checked_search(allow, max_candidates)
     search = _Search(planner, usable_bytes, world_size, device_type, trainable_values, value_bytes, max_candidates,
                      own_args=dict(own_args), own_deepspeed=own_deepspeed, links=links, shape=shape,
                      parameter_bytes=parameter_bytes, settle=settle_args)
@@ -248,42 +243,71 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
     with sharing_traces():
         own = search.plan({}, dict(own_args), own_deepspeed, own=True)
         base = dict(own_args)
-        # First, as it costs no step time and no change to what is learned, and saves the most
-        # where it applies (the probabilities of every layer, [B, H, L, L] each).
-        if flash_attention and own.plan is not None and own.plan.settings.attn_implementation == "eager":
-            search.plan(dict(FLASH_ATTENTION), dict(base), own_deepspeed, dict(FLASH_ATTENTION))
-        if liger_kernel:
-            search.plan(dict(LIGER_KERNEL), dict(base, **LIGER_KERNEL), own_deepspeed)
-        for changes in trainer_proposals:
-            search.plan(dict(changes), dict(base, **changes), own_deepspeed)
-        for options in (trainer_searches(own) if trainer_searches is not None else ()):
-            _largest_fitting(search, [(dict(changes), dict(base, **changes)) for changes in options], own_deepspeed)
+        _propose_kernels_and_trainers(search, own, base, own_deepspeed, flash_attention, liger_kernel,
+                                      trainer_proposals, trainer_searches)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
         _propose_layouts(search, base, tensor_parallel_sizes, own)
         if expandable_segments:
             search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
                         dict(expandable_segments))
         _propose_allowed(search, base, own_deepspeed, allow, seq_len)
-        samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
         # The batch: the largest that fits, below the user's when the own does not fit, any other else;
         # with checkpointing too where checkpointing alone does not fit.
         _batch_search(search, {}, base, own_deepspeed, below=not own.fits)
         if checkpointed is not None and checkpointed.fits is False:
             _batch_search(search, {"gradient_checkpointing": True}, checkpointed.training_args, own_deepspeed, below=True)
-        # Nothing fits alone: checkpointing with the leanest of each kind, at batch 1.
         if not own.fits and not any(c.fits for c in search.planned.values() if c is not own):
-            one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples, gradient_checkpointing=True)
-            if own_args.get("optim") != "adafactor":
-                search.plan(dict(one, optim="adafactor"), dict(base, **one, optim="adafactor"), own_deepspeed)
-            if world_size > 1:
-                config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
-                data = _data_parallel_args(base, world_size)
-                if data is not None:
-                    one = dict(one, gradient_accumulation_steps=data["per_device_train_batch_size"]
-                               * data["gradient_accumulation_steps"])
-                    search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
-                                dict(data, deepspeed=config, **one), config)
+            _propose_last_resorts(search, base, own_deepspeed)
         return _ranked(search, own)
+
+
+def _propose_kernels_and_trainers(search: "_Search", own: FitCandidate, base: Dict[str, Any],
+                                  own_deepspeed: Optional[Dict[str, Any]], flash_attention: bool, liger_kernel: bool,
+                                  trainer_proposals: Sequence[Dict[str, Any]], trainer_searches: Any) -> None:
+    """First, as they cost no step time and no change to what is learned, and save the most where
+    they apply (flash attention: the probabilities of every layer, [B, H, L, L] each): the kernels,
+    then the trainer's own proposals and searches (`search_fits`)."""
+    if flash_attention and own.plan is not None and own.plan.settings.attn_implementation == "eager":
+        search.plan(dict(FLASH_ATTENTION), dict(base), own_deepspeed, dict(FLASH_ATTENTION))
+    if liger_kernel:
+        search.plan(dict(LIGER_KERNEL), dict(base, **LIGER_KERNEL), own_deepspeed)
+    for changes in trainer_proposals:
+        search.plan(dict(changes), dict(base, **changes), own_deepspeed)
+    for options in (trainer_searches(own) if trainer_searches is not None else ()):
+        _largest_fitting(search, [(dict(changes), dict(base, **changes)) for changes in options], own_deepspeed)
+
+
+def _checked_search(allow: Iterable[str], max_candidates: Any) -> Tuple[str, ...]:
+    """`allow` as a tuple, each change known, and a whole `max_candidates` of at least 1.
+
+    Raises:
+        ValueError: naming the bad value and what is allowed.
+    """
+    allow = tuple(allow)
+    unknown = [name for name in allow if name not in ALLOWED_CHANGES]
+    if unknown:
+        raise ValueError(f"allow={unknown[0]!r} is not one of: {', '.join(ALLOWED_CHANGES)}")
+    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
+        raise ValueError(f"max_candidates={max_candidates!r}: expected a whole number of at least 1")
+    return allow
+
+
+def _propose_last_resorts(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]]) -> None:
+    """Nothing fits alone: checkpointing with the leanest of each kind, at batch 1 (Adafactor; with
+    several processes ZeRO-3 with the optimizer on the CPU, on all of them as data parallelism)."""
+    own_args, world_size = search.own_args, search.world_size
+    samples = int(own_args.get("per_device_train_batch_size") or 1) * int(own_args.get("gradient_accumulation_steps") or 1)
+    one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=samples, gradient_checkpointing=True)
+    if own_args.get("optim") != "adafactor":
+        search.plan(dict(one, optim="adafactor"), dict(base, **one, optim="adafactor"), own_deepspeed)
+    if world_size > 1:
+        config = deepspeed_config_of(3, True, "bf16" if own_args.get("bf16") else "fp32")
+        data = _data_parallel_args(base, world_size)
+        if data is not None:
+            one = dict(one, gradient_accumulation_steps=data["per_device_train_batch_size"]
+                       * data["gradient_accumulation_steps"])
+            search.plan(dict(one, deepspeed="DeepSpeed ZeRO-3 with the optimizer on the CPU"),
+                        dict(data, deepspeed=config, **one), config)
 
 
 def _propose_each_change(search: "_Search", base: Dict[str, Any], own_deepspeed: Optional[Dict[str, Any]],

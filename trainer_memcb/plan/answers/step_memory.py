@@ -156,6 +156,19 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
         micro_batches=micro_batches, generation_peak=generation_peak)
 
 
+def _check_batch(settings: StepSettings) -> None:
+    """A batch size, and one the trainer takes (GRPO's whole groups, KTO's KL rows).
+
+    Raises:
+        ValueError: naming the batch and the rule.
+    """
+    check_grpo_batch(settings)
+    if getattr(settings.preference, "trainer", None) == "kto" and settings.batch_size is not None:
+        settings.preference.check_batch(settings.batch_size)
+    if settings.batch_size is None:
+        raise ValueError("batch_size=None: expected a whole number of at least 1")
+
+
 def plan_step_memory(
     build_model: Callable[[], nn.Module], settings: Optional[StepSettings] = None, *, args: Any = None,
     model_name: Optional[str] = None, model_states: bool = True, states_plan: Optional[ModelStatesPlan] = None,
@@ -197,11 +210,7 @@ def plan_step_memory(
     meta = build_model()
     settings = _resolve(settings, args, meta, flags)
     settings = with_vllm_share(settings)  # colocated vLLM's share of the device, out of training's reach
-    check_grpo_batch(settings)
-    if getattr(settings.preference, "trainer", None) == "kto" and settings.batch_size is not None:
-        settings.preference.check_batch(settings.batch_size)
-    if settings.batch_size is None:
-        raise ValueError("batch_size=None: expected a whole number of at least 1")
+    _check_batch(settings)
     setup = setup_of(settings)
     dpo_reference = settings.preference is not None and settings.preference.reference == "model"
     if (model_states or dpo_reference) and states_plan is None:
