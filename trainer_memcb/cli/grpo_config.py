@@ -25,22 +25,10 @@ def grpo_settings(values: Mapping[str, Any], where: str, *, peft: bool) -> Tuple
         ValueError: an installed trl older than 1.16, a file naming none of `GRPOConfig`'s own
             fields, or a GRPO value TRL refuses or the step is not planned for.
     """
-    from transformers import TrainingArguments
     from trl import GRPOConfig
 
-    from trainer_memcb.cli.trl_config import config_defaults, trl_config_parts
+    from trainer_memcb.cli.trl_config import generating_settings
     from trainer_memcb.plan.step.grpo import grpo_step_from_config
 
-    trainer_values, config = trl_config_parts(values, where, GRPOConfig, "grpo",
-                                              "num_generations, max_completion_length, beta, loss_type")
-    config.per_device_train_batch_size = trainer_values.get("per_device_train_batch_size",
-                                                            config_defaults(TrainingArguments)["per_device_train_batch_size"])
-    config.gradient_accumulation_steps = trainer_values.get("gradient_accumulation_steps", 1)
-    try:
-        step = grpo_step_from_config(config, peft=peft)
-    except TypeError:  # a string where TRL compares a number
-        raise ValueError(f"--trainer grpo: {where}: beta {config.beta!r}, num_generations {config.num_generations!r}: "
-                         "expected numbers") from None
-    except ValueError as error:
-        raise ValueError(f"--trainer grpo: {where}: {error}") from None
-    return trainer_values, step
+    return generating_settings(values, where, GRPOConfig, "grpo",
+                               "num_generations, max_completion_length, beta, loss_type", grpo_step_from_config, peft)

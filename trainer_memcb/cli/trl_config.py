@@ -19,7 +19,7 @@ import re
 from types import SimpleNamespace
 from typing import Any, Dict, Mapping, Tuple
 
-__all__ = ["trl_config_parts", "config_defaults", "trl_release"]
+__all__ = ["trl_config_parts", "config_defaults", "trl_release", "generating_settings"]
 
 
 def config_defaults(cls: Any) -> Dict[str, Any]:
@@ -90,3 +90,32 @@ def trl_config_parts(values: Mapping[str, Any], where: str, config_cls: Any, tra
     for key, value in own.items():
         setattr(config, key, value)
     return trainer_values, config
+
+
+def generating_settings(values: Mapping[str, Any], where: str, config_cls: Any, trainer: str, own_fields: str,
+                        step_from_config: Any, peft: bool) -> Tuple[Dict[str, Any], Any]:
+    """The `TrainingArguments` values and the step of a generating trainer's config JSON (GRPO's,
+    RLOO's): its own fields through `step_from_config(config, peft=...)`, which repeats TRL's checks,
+    with the batch and accumulation the generation batch is resolved from (as the config's
+    `__post_init__` resolves it).
+
+    Raises:
+        SettingsFileError: a key that is not a field of `config_cls`, or a `TrainingArguments` value
+            the Trainer refuses.
+        ValueError: an installed trl too old, a file naming none of the config's own fields, or a
+            value TRL refuses or the step is not planned for, each named with `--trainer TRAINER`.
+    """
+    from transformers import TrainingArguments
+
+    trainer_values, config = trl_config_parts(values, where, config_cls, trainer, own_fields)
+    config.per_device_train_batch_size = trainer_values.get("per_device_train_batch_size",
+                                                            config_defaults(TrainingArguments)["per_device_train_batch_size"])
+    config.gradient_accumulation_steps = trainer_values.get("gradient_accumulation_steps", 1)
+    try:
+        step = step_from_config(config, peft=peft)
+    except TypeError:  # a string where TRL compares a number
+        raise ValueError(f"--trainer {trainer}: {where}: beta {config.beta!r}, num_generations "
+                         f"{config.num_generations!r}: expected numbers") from None
+    except ValueError as error:
+        raise ValueError(f"--trainer {trainer}: {where}: {error}") from None
+    return trainer_values, step
