@@ -107,10 +107,10 @@ def _sync_bytes(engine: str, d: int, params: float, grads: float, micro_batches:
     if d <= 1:
         return 0.0
     share = (d - 1) / d
-    if engine == "ddp":
+    if engine in ("ddp", "zero0"):  # one all-reduce of the gradients
         return 2 * share * grads
-    if engine in ("zero0", "zero1"):
-        return 2 * share * grads if engine == "zero0" else share * (grads + params)
+    if engine == "zero1":  # the gradients reduce-scattered, the updated parameters all-gathered
+        return share * (grads + params)
     if engine == "zero2":
         return share * (micro_batches * grads + params)
     gathers = 1 if engine == "fsdp-shard-grad-op" else 2
