@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from trainer_memcb.training.allocated_storages import AllocatedStorages
 from trainer_memcb.training.figures import GENERATION_PHASE_PEAK_BYTES, TRAINING_PHASE_PEAK_BYTES
+from trainer_memcb.training.trainer_method_hook import InstanceWrappers
 from trainer_memcb.utils.compiled import dispatch_modes_stop_compiling, has_compiled_part
 
 __all__ = ["COMPILED_MESSAGE", "PhasePeaksProbe", "check_phases", "generates"]
@@ -90,7 +91,7 @@ class PhasePeaksProbe:
         self._warn_once = warn_once or (lambda kind, message: None)
         # While armed: the Trainer (weakly), the wrappers set on it and what each replaced.
         self._trainer: Callable[[], Any] = _nothing
-        self._installed: List[Tuple[str, Any, Any]] = []
+        self._wrappers = InstanceWrappers()
         self._step: Optional[int] = None
         self._training: Optional[AllocatedStorages] = None
         self._generation: Optional[int] = None  # the largest generation's peak in the step so far
@@ -130,23 +131,18 @@ class PhasePeaksProbe:
                                       "they are left out")
 
     def _wrap(self, trainer: Any, name: str, measuring: Callable[..., Any]) -> None:
-        replaced = trainer.__dict__.get(name, _nothing)  # `_nothing`: the class's method applied
         original = getattr(trainer, name)
         owner = weakref.ref(self)
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             probe = owner()
-            if probe is None or not probe._owns(name, wrapper):  # left behind: call straight through
+            if probe is None or not probe._wrappers.owns(name, wrapper):  # left behind: call straight through
                 return original(*args, **kwargs)
             return measuring(probe, original, args, kwargs)
 
         setattr(wrapper, WRAPPER_MARK, True)
-        trainer.__dict__[name] = wrapper
-        self._installed.append((name, wrapper, replaced))
-
-    def _owns(self, name: str, wrapper: Any) -> bool:
-        return any(installed == name and mine is wrapper for installed, mine, _ in self._installed)
+        self._wrappers.set(trainer, name, wrapper)
 
     # -- the phases, as the wrappers and the callback's events see them ---------------------------
 
@@ -227,18 +223,13 @@ class PhasePeaksProbe:
 
     def disarm(self) -> None:
         """Take every wrapper off the Trainer and stop counting; safe to call at any time."""
-        trainer, installed, training = self._trainer(), self._installed, self._training
-        self._trainer, self._installed, self._training, self._step = _nothing, [], None, None
+        training = self._training
+        self._trainer, self._training, self._step = _nothing, None, None
         self._generation, self._generated = None, False
         if training is not None:
             training.leave()
             training.forget()
-        for name, wrapper, replaced in reversed(installed):
-            if trainer is not None and trainer.__dict__.get(name) is wrapper:
-                if replaced is _nothing:
-                    del trainer.__dict__[name]
-                else:
-                    trainer.__dict__[name] = replaced
+        self._wrappers.remove_all()
 
     def figures(self, step: Optional[int]) -> Dict[str, int]:
         """The keys measured for `step`, or `{}`."""
