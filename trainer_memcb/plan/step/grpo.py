@@ -33,8 +33,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from trainer_memcb.plan.step.preference import fused_lm_heads
+
 __all__ = ["GrpoStep", "GRPO_LOSS_TYPES", "GRPO_REFERENCES", "VLLM_MODES", "GrpoBatch", "grpo_step_from_config",
-           "grpo_loss", "grpo_fused_lm_heads", "per_token_logps"]
+           "grpo_loss", "grpo_fused_lm_heads", "per_token_logps", "checked_generations"]
 
 # The loss types the trace runs, each mirrored from `GRPOTrainer._compute_loss`'s branch of that name.
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -153,6 +155,27 @@ def _refuse_unplanned(config: Any) -> None:
             raise ValueError(f"{name} {getattr(config, name)!r}: the GRPO step is planned with its default so far")
 
 
+def checked_generations(config: Any, world_size: int, trainer: str) -> Tuple[int, int, int]:
+    """(generation batch, steps_per_generation, num_generations) of a generating trainer's config
+    (`trainer`: "GRPO" or "RLOO"), after the checks TRL makes of them and of `beta` alike in both.
+
+    Raises:
+        ValueError: naming the field, its value and what TRL allows.
+    """
+    generation, steps = _generation_batch(config, world_size)
+    generations = _whole("num_generations", config.num_generations, 1)
+    if generations < 2:
+        raise ValueError(f"num_generations {generations}: {trainer} requires at least 2 generations per prompt")
+    if generation % generations:
+        raise ValueError(f"generation_batch_size {generation}: TRL requires a multiple of num_generations "
+                         f"({generations})")
+    if isinstance(config.beta, bool) or not isinstance(config.beta, (int, float)) or config.beta < 0:
+        raise ValueError(f"beta {config.beta!r}: expected a number of at least 0")
+    if config.sync_ref_model and config.beta == 0.0:
+        raise ValueError("sync_ref_model with beta 0: TRL makes no reference model to synchronize; set beta above 0")
+    return generation, steps, generations
+
+
 def grpo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> GrpoStep:
     """The `GrpoStep` of a `trl.GRPOConfig` (or a namespace of its fields), after the checks
     `GRPOConfig.__post_init__` and `GRPOTrainer.__init__` make of the fields that change memory,
@@ -161,19 +184,9 @@ def grpo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> Gr
     Raises:
         ValueError: naming the field, its value and what TRL allows (or what is planned).
     """
-    generation, steps = _generation_batch(config, world_size)
-    generations = _whole("num_generations", config.num_generations, 1)
-    if generations < 2:
-        raise ValueError(f"num_generations {generations}: GRPO requires at least 2 generations per prompt")
-    if generation % generations:
-        raise ValueError(f"generation_batch_size {generation}: TRL requires a multiple of num_generations "
-                         f"({generations})")
+    generation, steps, generations = checked_generations(config, world_size, "GRPO")
     if config.loss_type not in _TRL_LOSS_TYPES:
         raise ValueError(f"loss_type {config.loss_type!r}: TRL takes one of {', '.join(_TRL_LOSS_TYPES)}")
-    if isinstance(config.beta, bool) or not isinstance(config.beta, (int, float)) or config.beta < 0:
-        raise ValueError(f"beta {config.beta!r}: expected a number of at least 0")
-    if config.sync_ref_model and config.beta == 0.0:
-        raise ValueError("sync_ref_model with beta 0: TRL makes no reference model to synchronize; set beta above 0")
     _refuse_unplanned(config)
     iterations = _whole("num_iterations", config.num_iterations, 1)
     use_vllm = bool(config.use_vllm)
@@ -219,12 +232,7 @@ class GrpoBatch:
 def grpo_fused_lm_heads(model: torch.nn.Module, ref_model: Optional[torch.nn.Module], temperature: float) -> None:
     """Patch TRL's fused LM head onto the policy (its base model under PEFT) and the reference, as
     `GRPOTrainer.__init__` does."""
-    from trl.trainer.utils import add_fused_lm_head
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
-    add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
-    if ref_model is not None:
-        add_fused_lm_head(ref_model, temperature=temperature)
+    fused_lm_heads(model, ref_model, policy_outputs=("log_probs", "entropy"), temperature=temperature)
 
 
 def per_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from trainer_memcb.plan.step.preference import PreferenceBatch
+from trainer_memcb.plan.step.preference import PreferenceBatch, fused_lm_heads
 
 __all__ = ["KtoStep", "KTO_LOSS_TYPES", "KTO_REFERENCES", "kto_step_from_config", "kto_batch", "kto_loss",
            "kto_fused_lm_heads", "desirable_rows"]
@@ -156,12 +156,7 @@ def kto_batch(batch_size: int, max_length: int, step: KtoStep, device: str = "cp
 def kto_fused_lm_heads(model: torch.nn.Module, ref_model: Optional[torch.nn.Module]) -> None:
     """Patch TRL's fused LM head onto the policy (its base model under PEFT) and the reference, as
     `KTOTrainer.__init__` does."""
-    from trl.trainer.utils import add_fused_lm_head
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
-    add_fused_lm_head(base, outputs=_POLICY_OUTPUTS)
-    if ref_model is not None:
-        add_fused_lm_head(ref_model)
+    fused_lm_heads(model, ref_model, policy_outputs=_POLICY_OUTPUTS)
 
 
 def _kl_logps(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:

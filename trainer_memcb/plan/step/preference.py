@@ -138,15 +138,17 @@ def preference_batch(batch_size: int, max_length: int, precomputed: bool, device
     return PreferenceBatch(batch)
 
 
-def fused_lm_heads(model: torch.nn.Module, ref_model: Optional[torch.nn.Module]) -> None:
-    """Patch TRL's fused LM head onto the policy (its base model under PEFT) and the reference, as
-    `DPOTrainer.__init__` does."""
+def fused_lm_heads(model: torch.nn.Module, ref_model: Optional[torch.nn.Module],
+                   policy_outputs: Tuple[str, ...] = _POLICY_OUTPUTS, **head: Any) -> None:
+    """Patch TRL's fused LM head onto the policy (its base model under PEFT) with `policy_outputs`
+    and onto the reference with its default outputs, each with the `head` keywords, as
+    `DPOTrainer.__init__` does (KTO's and GRPO's trainers likewise, with their own outputs)."""
     from trl.trainer.utils import add_fused_lm_head
 
     base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
-    add_fused_lm_head(base, outputs=_POLICY_OUTPUTS)
+    add_fused_lm_head(base, outputs=policy_outputs, **head)
     if ref_model is not None:
-        add_fused_lm_head(ref_model)
+        add_fused_lm_head(ref_model, **head)
 
 
 def dpo_loss(model: torch.nn.Module, inputs: PreferenceBatch, step: DpoStep,

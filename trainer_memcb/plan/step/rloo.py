@@ -27,7 +27,7 @@ from typing import Any, List
 
 import torch
 
-from trainer_memcb.plan.step.grpo import (GrpoBatch, GrpoStep, _generation_batch, _generation_kwargs, _whole,
+from trainer_memcb.plan.step.grpo import (GrpoBatch, GrpoStep, _generation_kwargs, _whole, checked_generations,
                                           per_token_logps)
 
 __all__ = ["RlooStep", "rloo_step_from_config", "rloo_loss"]
@@ -62,17 +62,7 @@ def rloo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> Rl
     Raises:
         ValueError: naming the field, its value and what TRL allows (or what is planned).
     """
-    generation, steps = _generation_batch(config, world_size)
-    generations = _whole("num_generations", config.num_generations, 1)
-    if generations < 2:
-        raise ValueError(f"num_generations {generations}: RLOO requires at least 2 generations per prompt")
-    if generation % generations:
-        raise ValueError(f"generation_batch_size {generation}: TRL requires a multiple of num_generations "
-                         f"({generations})")
-    if isinstance(config.beta, bool) or not isinstance(config.beta, (int, float)) or config.beta < 0:
-        raise ValueError(f"beta {config.beta!r}: expected a number of at least 0")
-    if config.sync_ref_model and config.beta == 0.0:
-        raise ValueError("sync_ref_model with beta 0: TRL makes no reference model to synchronize; set beta above 0")
+    _, steps, generations = checked_generations(config, world_size, "RLOO")
     if config.sync_ref_model and peft:
         raise ValueError("sync_ref_model with PEFT (--lora-r): TRL refuses it (no reference model to synchronize)")
     unplanned = {"use_transformers_continuous_batching": bool(config.use_transformers_continuous_batching),
