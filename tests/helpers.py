@@ -168,6 +168,28 @@ def storage_bytes(tensors: List[torch.Tensor]) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
+def real_step_peak(model: torch.nn.Module, optimizer: Any, batches: List[Dict[str, Any]]) -> Tuple[int, int]:
+    """A real optimizer step's memory after a first one (the optimizer state made, as in every later
+    step): (the bytes alive before it, the most the profiler records above them in time order).
+
+    The step is the Trainer's: each batch's forward and backward (the loss freed before the next),
+    the gradients clipped to norm 1, the optimizer's step, the gradients set to None."""
+
+    def step() -> None:
+        for inputs in batches:
+            loss = model(**inputs).loss
+            loss.backward()
+            del loss
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tensors = list(model.parameters()) + list(model.buffers()) + [t for b in batches for t in b.values()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return storage_bytes(tensors), profiled_run_peak(step)
+
+
 TRANSFORMERS_4 = (installed_version("transformers") or (5,)) < (5,)
 
 

@@ -10,8 +10,8 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
-from helpers import (profiled_run_peak, rotary_buffers_beyond_transformers_5s, rotary_matmul_flops_of_transformers_4,
-                     storage_bytes)
+from helpers import (real_step_peak as measured_step_peak, rotary_buffers_beyond_transformers_5s,
+                     rotary_matmul_flops_of_transformers_4)
 from trainer_memcb.plan.answers.fit import (
     expandable_segments_option,
     fit_batch_size,
@@ -186,21 +186,7 @@ def real_step_peak(training_args: Dict[str, Any]) -> Tuple[int, int]:
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
                         "num_items_in_batch": torch.tensor(float(ids.numel() * micro))})
 
-    def step() -> None:
-        for inputs in batches:
-            loss = model(**inputs).loss
-            loss.backward()
-            del loss
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    tensors = list(model.parameters()) + list(model.buffers()) + [t for b in batches for t in b.values()]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    start = storage_bytes(tensors)
-    peak = profiled_run_peak(step)
-    return start, peak
+    return measured_step_peak(model, optimizer, batches)
 
 
 def _accumulation_planned() -> bool:

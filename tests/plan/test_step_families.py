@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 import torch
 
-from helpers import independent_saved_bytes, installed_version, profiled_run_peak, storage_bytes
+from helpers import independent_saved_bytes, installed_version, real_step_peak
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
 transformers = pytest.importorskip("transformers")
@@ -185,21 +185,7 @@ def trainer_inputs(trainer: Any, batch: Dict[str, torch.Tensor]) -> Dict[str, to
 def profiled_peak(trainer: Any, inputs: Dict[str, torch.Tensor]) -> int:
     """The most bytes alive during a real step after a first one: what was alive before it plus
     the profiler's allocations and frees summed in time order."""
-    model, optimizer = trainer.model, trainer.optimizer
-
-    def step() -> None:
-        loss = model(**inputs).loss
-        loss.backward()
-        del loss
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    tensors = list(model.parameters()) + list(model.buffers()) + list(inputs.values())
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    start = storage_bytes(tensors)
-    peak = profiled_run_peak(step)
+    start, peak = real_step_peak(trainer.model, trainer.optimizer, [inputs])
     return start + peak
 
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import pytest
 import torch
 
-from helpers import profiled_run_peak, requires_transformers, storage_bytes
+from helpers import real_step_peak, requires_transformers
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
@@ -127,20 +127,7 @@ def profiled_peak(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tu
 
     optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
 
-    def step() -> None:
-        loss = model(**inputs).loss
-        loss.backward()
-        del loss
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # the optimizer state exists from here on, as in every later step
-    tensors = list(model.parameters()) + list(model.buffers()) + list(inputs.values())
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    start = storage_bytes(tensors)
-    peak = profiled_run_peak(step)
-    return start, peak
+    return real_step_peak(model, optimizer, [inputs])  # after a first step, as every later one
 
 
 @pytest.mark.parametrize("kind,attn,ckpt,reentrant", [("llama", "eager", False, None), ("llama", "sdpa", True, False),
