@@ -190,6 +190,26 @@ def real_step_peak(model: torch.nn.Module, optimizer: Any, batches: List[Dict[st
     return storage_bytes(tensors), profiled_run_peak(step)
 
 
+def saved_dtypes_by_node(output: torch.Tensor, keep: Callable[[torch.Tensor], bool]) -> Dict[str, List[torch.dtype]]:
+    """The dtypes of the tensors that each kind of autograd node behind `output` saved (its
+    `_saved_*` attributes), of those `keep` accepts, by the node's class name; each node once."""
+    found: Dict[str, List[torch.dtype]] = {}
+    seen, todo = set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attribute in dir(node):
+            if attribute.startswith("_saved_"):
+                value = getattr(node, attribute)
+                for tensor in value if isinstance(value, (tuple, list)) else [value]:
+                    if isinstance(tensor, torch.Tensor) and keep(tensor):
+                        found.setdefault(type(node).__name__, []).append(tensor.dtype)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 TRANSFORMERS_4 = (installed_version("transformers") or (5,)) < (5,)
 
 

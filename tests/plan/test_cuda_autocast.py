@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import saved_dtypes_by_node
 from trainer_memcb.plan.step import cuda_autocast, trace
 from trainer_memcb.plan.step.cuda_autocast import (
     CUDA_AUTOCAST_TABLE, CUDA_FP32_APPEND_DTYPE, autocast_as, autocast_policy_for, cuda_autocast_policy, registered_ops)
@@ -185,22 +186,8 @@ def test_a_trainable_weight_used_twice_is_cast_once_and_dropped_when_autocast_ex
 # -- the saved tensors of tiny models, op by op ----------------------------------------------------
 
 def _saved_by_node(output: torch.Tensor) -> Dict[str, List[torch.dtype]]:
-    """The dtypes of the floating tensors each kind of autograd node saved (its `_saved_*`)."""
-    found: Dict[str, List[torch.dtype]] = {}
-    seen, todo = set(), [output.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for attribute in dir(node):
-            if attribute.startswith("_saved_"):
-                value = getattr(node, attribute)
-                for tensor in value if isinstance(value, (tuple, list)) else [value]:
-                    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim() > 0:
-                        found.setdefault(type(node).__name__, []).append(tensor.dtype)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    """The dtypes of the floating tensors (not scalars) each kind of autograd node saved."""
+    return saved_dtypes_by_node(output, keep=lambda tensor: tensor.is_floating_point() and tensor.dim() > 0)
 
 
 def _tiny_bert() -> torch.nn.Module:

@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import saved_dtypes_by_node
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 
 transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
 
 BATCH, SEQ, HIDDEN, HEADS, LAYERS = 2, 16, 32, 4, 2
-
-
-def _saved_masks(output: torch.Tensor) -> Dict[str, List[torch.dtype]]:
-    found: Dict[str, List[torch.dtype]] = {}
-    seen, todo = set(), [output.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        name = type(node).__name__
-        if name == "NativeDropoutBackward0":
-            found.setdefault(name, []).append(node._saved_result1.dtype)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
 
 
 def test_dropout_saves_a_bool_mask_and_torchs_own_path_comes_back_after() -> None:
@@ -62,7 +46,7 @@ def test_every_dropout_of_a_bert_saves_a_bool_mask() -> None:
     ids = torch.randint(0, 100, (BATCH, SEQ))
     with dropout_as_cuda():
         loss = model(input_ids=ids, labels=torch.zeros(BATCH, dtype=torch.long)).loss
-    masks = _saved_masks(loss)["NativeDropoutBackward0"]
+    masks = saved_dtypes_by_node(loss, keep=lambda tensor: tensor.dim() > 0)["NativeDropoutBackward0"]
     # embeddings, then per layer: attention probabilities, attention output, feed-forward output;
     # the classifier's on the pooled output.
     assert len(masks) == 1 + 3 * LAYERS + 1
