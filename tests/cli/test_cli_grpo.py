@@ -31,7 +31,7 @@ def files(tmp_path_factory: Any) -> dict:
     bad = {"odd": {"num_generations": 3, "per_device_train_batch_size": 4},
            "one": {"num_generations": 1},
            "both": {"num_generations": 2, "generation_batch_size": 8, "steps_per_generation": 4},
-           "loss": {"num_generations": 2, "loss_type": "cispo"},
+           "entropy": {"num_generations": 2, "top_entropy_quantile": 0.5},
            "typo": {"num_generation": 2}}
     for name, values in bad.items():
         (folder / f"{name}.json").write_text(json.dumps(values))
@@ -71,8 +71,8 @@ def test_the_command_plans_the_python_plans_grpo_step(files: dict, capsys: Any, 
                "generations per prompt"),
     ("both", 2, "trainer-memcb: error: --trainer grpo: GRPOConfig {both!r}: generation_batch_size 8 and "
                 "steps_per_generation 4: TRL refuses both at once; give one"),
-    ("loss", 2, "trainer-memcb: error: --trainer grpo: GRPOConfig {loss!r}: loss_type 'cispo': the GRPO step is "
-                "planned for grpo, bnpo, dr_grpo, dapo"),
+    ("entropy", 2, "trainer-memcb: error: --trainer grpo: GRPOConfig {entropy!r}: top_entropy_quantile 0.5: the "
+                   "GRPO step is planned with its default so far"),
     ("typo", 1, "trainer-memcb: GRPOConfig {typo!r}: 'num_generation' is not a GRPOConfig field (GRPOConfig(**args) "
                 "raises TypeError); did you mean 'num_generations'?"),
 ])

@@ -147,7 +147,7 @@ def folder(tmp_path_factory: Any) -> str:
 #   (the same model, adapters disabled). With a frozen reference model (beta 0.1) the real phase holds
 #   64 bytes more: small scalars made in C++ during the reference's forward that the fake trace does
 #   not see, as in DPO's step. With steps_per_generation 2 (8 completions, the old policy's log-probs
-#   computed in two chunks of 4) it holds 344 bytes more, not identified further.
+#   computed in two chunks of 4) exact too: each chunk's outputs live until the next chunk's are made.
 # - The training phase is 4 bytes more in the real step: the 0-dim fp32 loss `Trainer.training_step`
 #   makes (`loss / self.current_gradient_accumulation_steps`) and holds through backward, which the
 #   plan does not make; 68 with the reference model (the same 64 bytes of its forward, still
@@ -158,7 +158,7 @@ CASES = {
     "beta 0.1": (dict(beta=0.1), {"generation": (4_919_120, 365_268, 4_553_916, 64),
                                   "training": (5_214_924, 366_572, 4_848_420, 68)}),
     "steps_per_generation 2": (dict(beta=0.0, steps_per_generation=2), {
-        "generation": (4_830_704, 273_940, 4_557_108, 344), "training": (5_124_956, 276_540, 4_848_420, 4)}),
+        "generation": (4_831_048, 273_940, 4_557_108, 0), "training": (5_124_956, 276_540, 4_848_420, 4)}),
     "PEFT, beta 0.1": (dict(beta=0.1, peft=True), {"generation": (4_616_876, 103_648, 4_513_228, 0),
                                                    "training": (4_844_472, 104_952, 4_739_556, 36)}),
     "PEFT, beta 0": (dict(beta=0.0, peft=True), {"generation": (182_096, 103_648, 78_448, 0),
@@ -279,3 +279,59 @@ def test_a_generation_inside_the_accumulation_holds_the_first_micro_batchs_gradi
     assert start + above - phases["generation"] == 64
     assert phases["generation"] - 4_919_120 == 91_264 + 1_304
     assert plan.settings.preference.generation.steps_per_generation == 1
+
+
+def _allocations(run: Any) -> List[int]:
+    """The sizes the profiler records allocated (+) and freed (-) while `run()` runs, in time order."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # no earlier test's garbage freed in the middle
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    return [record.nbytes() for record in records]
+
+
+def _returned(allocations: List[int]) -> Tuple[List[int], List[int]]:
+    """The allocations and frees up to the last allocation, in order, and the frees after it sorted:
+    those are the function's locals released as it returns, in the order its frame lists them."""
+    last = max(index for index, size in enumerate(allocations) if size > 0)
+    return allocations[:last + 1], sorted(allocations[last + 1:])
+
+
+# Every loss type TRL takes, and the sequence-level weights. Their tensors are small beside the
+# step's (the peak is in the backward of the LM head), so the step's peak cannot tell them apart:
+# each is held instead by the allocations of TRL's own `_compute_loss` on a real generated batch,
+# which the plan's `grpo_loss` must make in the same order and sizes.
+LOSS_CASES = [(loss_type, "token") for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo",
+                                                      "vespo")] + [("grpo", "sequence"), ("luspo", "sequence")]
+
+
+def test_each_loss_type_allocates_as_trls_compute_loss(folder: str, tmp_path: Any) -> None:
+    from trainer_memcb.plan.step.grpo import GrpoBatch, grpo_loss, grpo_step_from_config
+
+    # The configs first: a TrainingArguments made resets the accelerator's state the trainer uses.
+    steps = [grpo_step_from_config(_grpo_config(str(tmp_path), 0.1, loss_type=loss_type,
+                                                importance_sampling_level=level), peft=False)
+             for loss_type, level in LOSS_CASES]
+    trainer = _grpo_trainer(folder, str(tmp_path), beta=0.1)
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._buffered_inputs, trainer._step = None, 0
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    compared = 0
+    for (loss_type, level), step in zip(LOSS_CASES, steps):
+        trainer.loss_type, trainer.importance_sampling_level = loss_type, level
+        with torch.no_grad():  # the forward's allocations; the graph's own are not compared
+            real = _allocations(lambda: trainer._compute_loss(model, inputs))
+            # GRPOConfig's bf16: each log-prob forward in accelerate's autocast, as the plan traces it.
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+            planned = _allocations(lambda: grpo_loss(model, GrpoBatch(dict(inputs)), step, autocast=autocast))
+        assert _returned(planned) == _returned(real), (loss_type, level)
+        compared += 1
+    assert compared == len(LOSS_CASES) == 10

@@ -28,6 +28,7 @@ not traced, and its share of the device is a rule
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -36,12 +37,17 @@ import torch
 from trainer_memcb.plan.step.preference import fused_lm_heads
 
 __all__ = ["GrpoStep", "GRPO_LOSS_TYPES", "GRPO_REFERENCES", "VLLM_MODES", "GrpoBatch", "grpo_step_from_config",
-           "grpo_loss", "grpo_fused_lm_heads", "per_token_logps", "checked_generations"]
+           "grpo_loss", "grpo_fused_lm_heads", "per_token_logps", "checked_generations",
+           "nan_extreme"]
 
-# The loss types the trace runs, each mirrored from `GRPOTrainer._compute_loss`'s branch of that name.
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-# Every loss type TRL 1.16 takes (the others are refused as not planned yet).
-_TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+# The loss types the trace runs, each mirrored from `GRPOTrainer._compute_loss`'s branch of that name:
+# every one TRL 1.14 to 1.16 takes.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+_TRL_LOSS_TYPES = GRPO_LOSS_TYPES
+# The levels of the importance weights `_compute_loss` knows: a ratio per token, or one per sequence.
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# The loss types whose clipped ratios `_compute_loss` logs (`clip_ratio/...`).
+_CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # Where the reference log-probs come from: none (beta 0), a frozen second model, or the policy with
 # its adapters disabled (PEFT: TRL makes no `ref_model`).
 GRPO_REFERENCES = ("none", "model", "adapters-disabled")
@@ -66,6 +72,7 @@ class GrpoStep:
         temperature: the fused LM head's temperature (`GRPOConfig.temperature`).
         use_bias_correction_kl: the KL multiplied by the importance ratio.
         delta: the upper clamp of the ratio (two-sided clipping), or None.
+        importance_sampling_level: one of `IMPORTANCE_SAMPLING_LEVELS`.
         use_vllm, vllm_mode, vllm_gpu_memory_utilization: generation by vLLM (not traced).
     """
 
@@ -83,6 +90,7 @@ class GrpoStep:
     use_vllm: bool = False
     vllm_mode: str = "colocate"
     vllm_gpu_memory_utilization: float = 0.3
+    importance_sampling_level: str = "token"
 
     trainer = "grpo"
     loss_types = GRPO_LOSS_TYPES  # the loss types planned (RLOO's step has its own)
@@ -96,6 +104,9 @@ class GrpoStep:
         if self.loss_type not in self.loss_types:
             raise ValueError(f"loss_type {self.loss_type!r}: the {self.trainer.upper()} step is planned for "
                              f"{', '.join(self.loss_types)}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level {self.importance_sampling_level!r}: TRL takes one of "
+                             f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode {self.vllm_mode!r}: expected one of {', '.join(VLLM_MODES)}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -143,8 +154,7 @@ def _generation_batch(config: Any, world_size: int) -> Tuple[int, int]:
 
 def _refuse_unplanned(config: Any) -> None:
     """The GRPO options whose step is not planned yet, each refused by name."""
-    unplanned = {"importance_sampling_level": config.importance_sampling_level != "token",
-                 "top_entropy_quantile": config.top_entropy_quantile != 1.0,
+    unplanned = {"top_entropy_quantile": config.top_entropy_quantile != 1.0,
                  "off_policy_mask_threshold": config.off_policy_mask_threshold is not None,
                  "entropy_coef": bool(config.entropy_coef) or bool(config.use_adaptive_entropy),
                  "use_transformers_continuous_batching": bool(config.use_transformers_continuous_batching
@@ -199,7 +209,8 @@ def grpo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> Gr
                     generation_kwargs=tuple(sorted(_generation_kwargs(config).items())),
                     temperature=float(config.temperature), use_bias_correction_kl=bool(config.use_bias_correction_kl),
                     delta=config.delta, use_vllm=use_vllm, vllm_mode=config.vllm_mode,
-                    vllm_gpu_memory_utilization=float(config.vllm_gpu_memory_utilization))
+                    vllm_gpu_memory_utilization=float(config.vllm_gpu_memory_utilization),
+                    importance_sampling_level=config.importance_sampling_level)
 
 
 def _generation_kwargs(config: Any) -> Dict[str, Any]:
@@ -255,16 +266,17 @@ def per_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
         all_logps.append(outputs.log_probs[:, -logits_to_keep:])
         if entropy:
             all_entropies.append(outputs.entropy[:, -logits_to_keep:])
-        del outputs, labels
     logps = torch.cat(all_logps, dim=0)
     return logps, torch.cat(all_entropies, dim=0) if entropy else None
 
 
-def grpo_loss(model: torch.nn.Module, inputs: GrpoBatch, step: GrpoStep, accumulation: int = 1) -> torch.Tensor:
-    """`GRPOTrainer._compute_loss(model, inputs)` for a text model, `importance_sampling_level`
-    "token", no entropy mask, bonus or off-policy mask, no vLLM importance ratio, its value reads
+def grpo_loss(model: torch.nn.Module, inputs: GrpoBatch, step: GrpoStep, accumulation: int = 1,
+              autocast: Any = None) -> torch.Tensor:
+    """`GRPOTrainer._compute_loss(model, inputs)` for a text model, each loss type and importance
+    sampling level, no entropy mask, bonus or off-policy mask, no vLLM importance ratio, its value reads
     (the metrics' `.item()`) left out; the metrics' tensors are made as it makes them, and
-    `accumulation` is `current_gradient_accumulation_steps`."""
+    `accumulation` is `current_gradient_accumulation_steps`. `autocast`: the context each log-prob
+    forward runs in alone (`accelerator.autocast()`; the loss's own operations run outside it)."""
     batch = inputs.batch
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
@@ -273,68 +285,142 @@ def grpo_loss(model: torch.nn.Module, inputs: GrpoBatch, step: GrpoStep, accumul
     logits_to_keep = completion_ids.size(1)
     mask = completion_mask
     logps, entropies = per_token_logps(model, input_ids, attention_mask, logits_to_keep, input_ids.size(0),
-                                       entropy=True)
+                                       entropy=True, autocast=autocast)
     advantages = batch["advantages"].unsqueeze(1)
     old = batch.get("old_per_token_logps")
     old = logps.detach() if old is None else old
     log_ratio = logps - old
-    coef_1 = torch.exp(log_ratio)
+    if step.importance_sampling_level == "sequence":
+        weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        weights = log_ratio
+    coef_1 = torch.exp(weights)
     per_token_kl = None
     if step.beta != 0.0:
         ref = batch["ref_per_token_logps"]
         per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
         if step.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
-    # loss_type in grpo, bnpo, dr_grpo, dapo: two-sided clipping with epsilon (0.2 by default)
-    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
-    if step.delta is not None:
-        coef_1 = torch.clamp(coef_1, max=step.delta)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    per_token_loss, coef_1, held = _per_token_loss(step, coef_1, log_ratio, logps, advantages, mask)
     if per_token_kl is not None:
         per_token_loss = per_token_loss + step.beta * per_token_kl
-    loss = _reduced(per_token_loss, mask, step, batch["num_items_in_batch"], accumulation)
-    kept = _metrics(per_token_kl, entropies, mask, coef_1, advantages)
-    del kept
+    loss, reduced = _reduced(per_token_loss, mask, step, batch["num_items_in_batch"], accumulation)
+    held += reduced
+    held += _metrics(step.loss_type, per_token_kl, entropies, mask, coef_1, advantages, held)
+    del held
     return loss
 
 
+# The ratios' bounds and the loss types' coefficients, TRL's defaults: their values change no bytes.
+_EPSILON_LOW, _EPSILON_HIGH = 0.2, 0.2
+_SAPO_TEMPERATURES = (1.0, 1.05)
+_VESPO_K, _VESPO_LAMBDA = (2.0, 3.0), (3.0, 2.0)
+
+
+def _per_token_loss(step: GrpoStep, coef_1: torch.Tensor, log_ratio: torch.Tensor, logps: torch.Tensor,
+                    advantages: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+    """(the per-token loss of `step.loss_type`, the ratio the metrics read, the branch's other
+    tensors: `_compute_loss` holds them, as locals, until it returns), as its branches make them."""
+    if step.loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=_EPSILON_HIGH).detach()
+        return -clamped_ratios * advantages * logps, coef_1, [clamped_ratios]
+    if step.loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, *_SAPO_TEMPERATURES)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        return -soft_coef_1 * advantages, coef_1, [temperatures, soft_coef_1]
+    if step.loss_type == "vespo":
+        phi_seq = _gamma_weights(advantages, log_ratio, mask)
+        return -phi_seq * advantages * logps, coef_1, [phi_seq]
+    # grpo, bnpo, dr_grpo, dapo, luspo: two-sided clipping
+    coef_2 = torch.clamp(coef_1, 1 - _EPSILON_LOW, 1 + _EPSILON_HIGH)
+    if step.delta is not None:
+        coef_1 = torch.clamp(coef_1, max=step.delta)
+    per_token_loss1, per_token_loss2 = coef_1 * advantages, coef_2 * advantages
+    return -torch.min(per_token_loss1, per_token_loss2), coef_1, [coef_2, per_token_loss1, per_token_loss2]
+
+
+@torch.no_grad()
+def _gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`GRPOTrainer.get_gamma_weights` without vLLM's importance ratio: VESPO's per-sequence weights."""
+    # TRL's locals, in its order: each lives until the function returns, and they are freed in it.
+    lower_clamp = math.log(1e-8)
+    log_ratio_clamped = torch.clamp(log_ratio, -20.0, 20.0)
+    seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+    w_seq = torch.exp(log_w_seq)
+    is_nonneg_adv = advantages >= 0
+    k_seq = torch.where(is_nonneg_adv, *_VESPO_K)
+    lambda_seq = torch.where(is_nonneg_adv, *_VESPO_LAMBDA).clamp(min=1e-4)
+    log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def _reduced(per_token_loss: torch.Tensor, mask: torch.Tensor, step: GrpoStep, num_items: torch.Tensor,
-             accumulation: int) -> torch.Tensor:
-    """The loss of `step.loss_type` over the micro-batch, divided for gradient accumulation."""
-    if step.loss_type == "grpo":
+             accumulation: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """(the loss of `step.loss_type` over the micro-batch, divided for gradient accumulation; what
+    `_compute_loss` holds as locals until it returns: the undivided loss detached, `policy_loss`,
+    and the normalizer it made)."""
+    if step.loss_type in ("dapo", "cispo", "vespo"):  # num_items_in_batch spans the generation batch
+        normalizer = num_items.clamp(min=1.0) / 1  # / accelerator.num_processes: one process
+        normalizer = normalizer * accumulation / step.steps_per_generation
+        loss = (per_token_loss * mask).sum() / normalizer
+        return loss, [normalizer, loss.detach()]
+    if step.loss_type in ("grpo", "sapo"):
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif step.loss_type == "bnpo":
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     elif step.loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * step.max_completion_length)
-    else:  # dapo: num_items_in_batch spans the generation batch
-        normalizer = num_items.clamp(min=1.0) / 1  # / accelerator.num_processes: one process
-        normalizer = normalizer * accumulation / step.steps_per_generation
-        loss = (per_token_loss * mask).sum() / normalizer
-        policy_loss = loss.detach()
-        del policy_loss
-        return loss
-    policy_loss = loss.detach()
-    del policy_loss
-    return loss / accumulation
+    else:  # luspo
+        loss = (per_token_loss * mask).sum(-1).mean()
+    return loss / accumulation, [loss.detach()]
 
 
-def _metrics(per_token_kl: Optional[torch.Tensor], entropies: torch.Tensor, mask: torch.Tensor,
-             coef_1: torch.Tensor, advantages: torch.Tensor) -> List[Any]:
+def nan_extreme(tensor: torch.Tensor, extreme: Any) -> torch.Tensor:
+    """`trl.trainer.utils.nanmin` / `nanmax`: its `.all()` read answered false and its boolean select
+    as every element (no value is NaN: the flags are 0 or 1)."""
+    torch.isnan(tensor).all()
+    selected = ~torch.isnan(tensor)
+    values = tensor[torch.arange(selected.size(0))]
+    del selected  # freed before the extreme, as the expression's temporary is
+    return extreme(values)
+
+
+def _metrics(loss_type: str, per_token_kl: Optional[torch.Tensor], entropies: torch.Tensor, mask: torch.Tensor,
+             coef_1: torch.Tensor, advantages: torch.Tensor, held: List[torch.Tensor]) -> List[Any]:
     """The metrics' tensors of `_compute_loss` ("# Log the metrics" to its return), each freed after
-    its `.item()` (`global_masked_mean`, `masked_seq_mean`); a single process's reduce and gather
-    return their input."""
+    its `.item()` (`global_masked_mean`, `masked_seq_mean`); a single process's reduce clones its
+    input and its gather returns it. The ones `_compute_loss` holds as locals are returned."""
     def global_masked_mean(x: torch.Tensor) -> None:
-        torch.stack([(x * mask).sum(), mask.sum().float()])
+        if x.shape[1] == 1:  # one value per sequence (sequence-level weights, VESPO's)
+            local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+        else:
+            local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        totals = torch.stack([local_sum, local_count]).clone()  # accelerator.reduce clones on one process
+        totals[0] / totals[1].clamp(min=1.0)
+
+    def masked_seq_mean(x: torch.Tensor) -> torch.Tensor:
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
     if per_token_kl is not None:
         global_masked_mean(per_token_kl)
     global_masked_mean(entropies)
-    is_low_clipped = (coef_1 < 1 - 0.2) & (advantages < 0)
-    is_high_clipped = (coef_1 > 1 + 0.2) & (advantages > 0)
+    if loss_type == "cispo":
+        is_cispo_clipped = (coef_1 > _EPSILON_HIGH) & (advantages > 0)
+        global_masked_mean(is_cispo_clipped.float())
+        return [is_cispo_clipped]
+    if loss_type == "vespo":
+        global_masked_mean(held[0])  # phi_seq
+        return []
+    if loss_type not in _CLIPPED_LOSS_TYPES:
+        return []
+    is_low_clipped = (coef_1 < 1 - _EPSILON_LOW) & (advantages < 0)
+    is_high_clipped = (coef_1 > 1 + _EPSILON_HIGH) & (advantages > 0)
     is_region_clipped = is_low_clipped | is_high_clipped
     for clipped in (is_low_clipped, is_high_clipped, is_region_clipped):
         global_masked_mean(clipped.float())
-    for clipped in (is_low_clipped, is_high_clipped):
-        (clipped.float() * mask).sum(-1) / mask.sum(-1)
-    return [is_low_clipped, is_high_clipped, is_region_clipped]
+    gathered_low_clip = masked_seq_mean(is_low_clipped.float())  # accelerator.gather returns it on one process
+    nan_extreme(gathered_low_clip, torch.min)
+    gathered_high_clip = masked_seq_mean(is_high_clipped.float())
+    nan_extreme(gathered_high_clip, torch.max)
+    return [is_low_clipped, is_high_clipped, is_region_clipped, gathered_low_clip, gathered_high_clip]

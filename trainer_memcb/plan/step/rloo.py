@@ -27,7 +27,7 @@ from typing import Any, List
 
 import torch
 
-from trainer_memcb.plan.step.grpo import (GrpoBatch, GrpoStep, _generation_kwargs, _whole, checked_generations,
+from trainer_memcb.plan.step.grpo import (GrpoBatch, GrpoStep, _generation_kwargs, _whole, checked_generations, nan_extreme,
                                           per_token_logps)
 
 __all__ = ["RlooStep", "rloo_step_from_config", "rloo_loss"]
@@ -116,16 +116,10 @@ def _metrics(entropies: torch.Tensor, mask: torch.Tensor, coef_1: torch.Tensor, 
     is_high_clipped = (coef_1 > 1 + 0.2) & (advantages > 0)
     is_region_clipped = is_low_clipped | is_high_clipped
     gathered_low_clip = is_low_clipped.float()
-    gathered_low_clip.nanmean(), _nan_extreme(gathered_low_clip, torch.min)
+    gathered_low_clip.nanmean(), nan_extreme(gathered_low_clip, torch.min)
     gathered_high_clip = is_high_clipped.float()
-    gathered_high_clip.nanmean(), _nan_extreme(gathered_high_clip, torch.max)
+    gathered_high_clip.nanmean(), nan_extreme(gathered_high_clip, torch.max)
     is_region_clipped.float().nanmean()
     return [entropy_stats, is_low_clipped, is_high_clipped, is_region_clipped]
 
 
-def _nan_extreme(tensor: torch.Tensor, extreme: Any) -> torch.Tensor:
-    """`trl.trainer.utils.nanmin` / `nanmax`: its `.all()` read answered false and its boolean select
-    as every element (no value is NaN: the flags are 0 or 1)."""
-    torch.isnan(tensor).all()
-    selected = ~torch.isnan(tensor)
-    return extreme(tensor[torch.arange(selected.size(0))])

@@ -280,8 +280,8 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
             from trainer_memcb.plan.step.grpo import grpo_loss
 
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = grpo_loss(model, inputs, step.preference, accumulation)
+            with counter:  # each log-prob forward in its own autocast, as TRL runs it
+                loss = grpo_loss(model, inputs, step.preference, accumulation, autocast=autocast)
         elif _is_kto(step.preference):  # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics
             from trainer_memcb.plan.step.kto import kto_loss
 
