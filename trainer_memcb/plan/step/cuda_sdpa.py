@@ -22,7 +22,8 @@ the backend as a GPU of that compute capability would, and then:
 - flash, cuDNN, memory-efficient: converts the mask and runs the CPU flash kernel without dropout
   (the GPU kernels draw their dropout from a seed, and save no mask), in an autograd function that
   saves what the CPU flash kernel's backward node saves, the logsumexp in a storage padded to 32
-  rows for memory-efficient, and whose backward holds flash's workspace while it runs.
+  rows for memory-efficient, and whose backward holds flash's workspace, or memory-efficient's
+  delta and workspace, while it runs.
 
 The memory-efficient backward also holds its float32 `delta` (and, for float32, the temporaries
 that compute it) and the float32 workspace of its cutlass kernel while it runs
