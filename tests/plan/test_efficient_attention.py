@@ -5,6 +5,8 @@ here: the functions are checked against the sources' formulas, shape by shape.""
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from trainer_memcb.plan.device.efficient_attention import efficient_backward_allocations, efficient_backward_kernel
@@ -81,3 +83,10 @@ def test_bad_shapes_are_value_errors_that_name_them():
     with pytest.raises(ValueError, match="seq_len_q=0"):
         efficient_backward_allocations(batch=1, heads=1, seq_len_q=0, seq_len_k=1, head_dim=8, head_dim_v=8,
                                        dtype="float32", compute_capability=A100)
+
+
+def test_docstring_examples_run():
+    from trainer_memcb.plan.device import efficient_attention
+
+    result = doctest.testmod(efficient_attention)
+    assert result.attempted == 3 and result.failed == 0
