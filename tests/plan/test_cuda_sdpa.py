@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.device.cuda_kernels import flash_backward_workspace_bytes
+from trainer_memcb.plan.device.efficient_attention import efficient_backward_allocations
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step.cuda_sdpa import gpu_sdpa_backend, sdpa_as_cuda
 from trainer_memcb.plan.step.trace import trace_step
@@ -95,6 +96,12 @@ def test_memory_efficient_saves_its_logsumexp_padded_to_32_rows():
     assert cuda.step.activations_bytes - cpu.step.activations_bytes == LAYERS * BATCH * HEADS * (32 - SEQ) * 4 == 1024
 
 
+def _made_in_backward(line, nbytes):
+    """The storages of `nbytes` the traced step's backward made."""
+    backward = line.events[line.phase_starts["backward"]:line.phase_starts["optimizer step"]]
+    return [event for event in backward if event >= 0 and line.sizes[event] == nbytes]
+
+
 def test_flash_backward_holds_its_workspace_while_it_runs():
     settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch", precision="bf16")
     lines = {device: trace_step(llama(), dataclasses.replace(settings, seq_len=SEQ, device_type=device), args=None,
@@ -103,16 +110,33 @@ def test_flash_backward_holds_its_workspace_while_it_runs():
                                                seq_len_k=SEQ, head_dim=HEAD_DIM, dtype="bfloat16")
     assert workspace == BATCH * HEADS * 128 * 4 + BATCH * 128 * HEADS * 32 * 4 == 135_168
 
-    def sized(line, nbytes):
-        backward = line.events[line.phase_starts["backward"]:line.phase_starts["optimizer step"]]
-        return [event for event in backward if event >= 0 and line.sizes[event] == nbytes]
-
     # One per layer on the GPU, freed before the next is made; none on the CPU.
-    made = sized(lines["cuda"], workspace)
-    assert len(made) == LAYERS and sized(lines["cpu"], workspace) == []
+    made = _made_in_backward(lines["cuda"], workspace)
+    assert len(made) == LAYERS and _made_in_backward(lines["cpu"], workspace) == []
     events = lines["cuda"].events
     assert all(events.index(~serial) < events.index(later) for serial, later in zip(made, made[1:]))
     assert lines["cuda"].activations_bytes == lines["cpu"].activations_bytes  # flash saves what the CPU's saves
+
+
+def test_memory_efficient_backward_holds_delta_and_its_workspace_while_it_runs():
+    # fp32 on an A100: memory-efficient, its cutlass kernel 64x64 k32 (dispatch_cutlassB_f32_sm80, the first
+    # taking D=16). attention_backward.cu: delta = (grad_out * out).sum(-1).transpose(-2, -1).contiguous(), the
+    # product [B, L, H, D] and the sum freed at the statement's end; the workspace (kernel_backward.h), one
+    # GradQTempStorage per (batch, head): 4 int32 and a 64x64 float32 tile for the one 64-query block.
+    settings = resolve_settings(batch_size=BATCH, optimizer="adamw_torch")
+    lines = {device: trace_step(llama(), dataclasses.replace(settings, seq_len=SEQ, device_type=device), args=None,
+                                step_dtype=torch.float32) for device in ("cuda", "cpu")}
+    product, delta, workspace = BATCH * SEQ * HEADS * HEAD_DIM * 4, BATCH * HEADS * SEQ * 4, BATCH * HEADS * 4100 * 4
+    assert (product, delta, workspace) == (8192, 512, 131_200)
+    assert efficient_backward_allocations(batch=BATCH, heads=HEADS, seq_len_q=SEQ, seq_len_k=SEQ, head_dim=HEAD_DIM,
+                                          head_dim_v=HEAD_DIM, dtype="float32", compute_capability=A100) == [
+        ("product", product), ("sum", delta), ("delta", delta), ("~product", 0), ("~sum", 0), ("workspace", workspace)]
+    made = _made_in_backward(lines["cuda"], workspace)
+    assert len(made) == LAYERS and _made_in_backward(lines["cpu"], workspace) == []
+    events = lines["cuda"].events
+    # Each layer's workspace freed before the next layer's backward makes its own.
+    assert all(events.index(~serial) < events.index(later) for serial, later in zip(made, made[1:]))
+    assert len(_made_in_backward(lines["cuda"], product)) - len(_made_in_backward(lines["cpu"], product)) == LAYERS
 
 
 def test_attention_dropout_saves_no_probabilities_on_the_gpu():

@@ -162,7 +162,8 @@ def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[Mo
     from trainer_memcb.plan.device.gpus import gpu_preset
 
     gpu = getattr(args, "gpu", None)
-    capability = gpu_preset(gpu).compute_capability if gpu is not None else None
+    preset = gpu_preset(gpu) if gpu is not None else None
+    capability = preset.compute_capability if preset is not None else None
 
     def plan(settings: EvalSettings) -> EvalMemoryPlan:
         def build() -> Any:
@@ -171,7 +172,8 @@ def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[Mo
         return plan_eval_memory(build, settings, device_memory=device, host_memory=host, resident_bytes=resident,
                                 model_name=args.model, reserve_bytes=reserve,
                                 cuda_context_bytes=cuda_context_bytes(args) if cuda else None,
-                                alloc_conf=alloc_conf_of(args) if cuda else None, compute_capability=capability)
+                                alloc_conf=alloc_conf_of(args) if cuda else None, compute_capability=capability,
+                                gpu=preset.name if preset is not None else None)
 
     return plan
 

@@ -381,7 +381,8 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
                      device_memory: Optional[int] = None, host_memory: Optional[int] = None,
                      resident_bytes: int = 0, model_name: Optional[str] = None,
                      reserve_bytes: int = 0, cuda_context_bytes: Optional[int] = None,
-                     alloc_conf: Any = None, compute_capability: Optional[Tuple[int, int]] = None) -> EvalMemoryPlan:
+                     alloc_conf: Any = None, compute_capability: Optional[Tuple[int, int]] = None,
+                     gpu: Optional[str] = None) -> EvalMemoryPlan:
     """Plan evaluation's memory on one process.
 
     Args:
@@ -403,6 +404,8 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
         compute_capability: with `cuda_context_bytes`, the GPU's, for the attention backend it
             picks (None: `trainer_memcb.plan.device.gpus.DEFAULT_COMPUTE_CAPABILITY`). A CUDA plan
             also casts by CUDA autocast's op lists under `settings.autocast`.
+        gpu: with `cuda_context_bytes`, the GPU preset's name, whose SM count flash-attn 2's
+            split-KV heuristic reads (`--attn-implementation flash_attention_2`); None: an A100's.
 
     Raises:
         ValueError: a reserve that is not a whole number of bytes, or as large as `device_memory`.
@@ -424,7 +427,7 @@ def plan_eval_memory(build_model: Callable[[], nn.Module], settings: EvalSetting
     if settings.model_dtype is not None:  # `model.to(dtype)` in evaluation_loop, outside train()
         meta.to(dtype=SIXTEEN_BIT_DTYPES[settings.model_dtype])
     name = model_name or type(meta).__name__
-    forward, problem = _trace_forward(meta, settings, cuda_context_bytes is not None, compute_capability)
+    forward, problem = _trace_forward(meta, settings, cuda_context_bytes is not None, compute_capability, gpu)
     if forward is None:
         return EvalMemoryPlan(model=name, settings=settings, device_memory_bytes=device_memory,
                               host_memory_bytes=host_memory, reserve_bytes=reserve, problem=problem)
@@ -462,7 +465,8 @@ def _reserved_and_usable(reserve_bytes: int, device_memory: Optional[int]) -> Tu
 
 
 def _trace_forward(meta: nn.Module, settings: EvalSettings, cuda: bool,
-                   compute_capability: Optional[Tuple[int, int]]) -> Tuple[Optional[EvalForward], Optional[str]]:
+                   compute_capability: Optional[Tuple[int, int]],
+                   gpu: Optional[str] = None) -> Tuple[Optional[EvalForward], Optional[str]]:
     """(the evaluation forward traced under fake tensors, None) or (None, why it cannot be). What
     the model refuses outright (a length past its positions) raises before tracing; a forward fake
     tensors cannot run (data-dependent control flow, ...) becomes the plan's problem instead."""
@@ -473,7 +477,7 @@ def _trace_forward(meta: nn.Module, settings: EvalSettings, cuda: bool,
     try:
         forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache,
                                      autocast=settings.autocast, device_type="cuda" if cuda else "cpu",
-                                     compute_capability=compute_capability)
+                                     compute_capability=compute_capability, gpu=gpu)
     except Exception as error:
         text = " ".join(str(error).split())[:300]
         return None, f"the evaluation forward cannot run under fake tensors ({type(error).__name__}: {text})"

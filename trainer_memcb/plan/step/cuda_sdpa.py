@@ -22,10 +22,17 @@ the backend as a GPU of that compute capability would, and then:
 - flash, cuDNN, memory-efficient: converts the mask and runs the CPU flash kernel without dropout
   (the GPU kernels draw their dropout from a seed, and save no mask), in an autograd function that
   saves what the CPU flash kernel's backward node saves, the logsumexp in a storage padded to 32
-  rows for memory-efficient, and whose backward holds flash's workspace while it runs.
+  rows for memory-efficient, and whose backward holds flash's workspace, or memory-efficient's
+  delta and workspace, while it runs.
 
-Not modelled: cuDNN's own workspace, the memory-efficient backward's float32 `delta` and its
-accumulation workspace, and the philox seed and offset a GPU kernel keeps with dropout (16 bytes).
+The memory-efficient backward also holds its float32 `delta` (and, for float32, the temporaries
+that compute it) and the float32 workspace of its cutlass kernel while it runs
+(`trainer_memcb.plan.device.efficient_attention`): they are made after the CPU kernel has made the
+gradients, as the GPU's kernel makes them after its gradients, and freed before the backward
+returns.
+
+Not modelled: cuDNN's own workspace and the philox seed and offset a GPU kernel keeps with dropout
+(16 bytes).
 Memory-efficient does not take grouped heads (`enable_gqa` with fewer key/value heads): math is
 taken there, as transformers avoids by repeating the keys and values when it passes a mask. A torch
 whose CPU flash kernel does not take grouped heads either (2.6 takes math for them) gets the keys
@@ -38,11 +45,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from trainer_memcb.plan.device.cuda_kernels import K_ALIGN_LSE, flash_backward_workspace_bytes, sdpa_backend
+from trainer_memcb.plan.device.efficient_attention import efficient_backward_allocations
 
 __all__ = ["cpu_flash_takes_grouped_heads", "gpu_sdpa_backend", "sdpa_as_cuda"]
 
@@ -99,7 +107,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
-                backend: str, repeat_heads: bool) -> torch.Tensor:
+                backend: str, repeat_heads: bool, gpu: Tuple[Tuple[int, int], float]) -> torch.Tensor:
         heads = int(query.shape[-3])
         repeat = repeat_heads and key.shape[-3] != heads
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
@@ -116,7 +124,14 @@ class _FusedAttention(torch.autograd.Function):
             lse = padded
         ctx.save_for_backward(query, key, value, out, lse, attn_mask)
         ctx.is_causal, ctx.scale, ctx.repeat = is_causal, scale, repeat
-        ctx.workspace_bytes = 0
+        ctx.workspace_bytes, ctx.efficient = 0, []
+        if backend == "efficient":
+            compute_capability, dropout_p = gpu
+            ctx.efficient = efficient_backward_allocations(
+                batch=int(query.shape[0]), heads=heads, seq_len_q=int(query.shape[-2]), seq_len_k=int(key.shape[-2]),
+                head_dim=int(query.shape[-1]), head_dim_v=int(value.shape[-1]),
+                dtype=str(query.dtype).replace("torch.", ""), compute_capability=compute_capability,
+                dropout=dropout_p > 0.0)
         if backend == "flash":
             ctx.workspace_bytes = flash_backward_workspace_bytes(
                 batch=int(query.shape[0]), heads=int(query.shape[-3]), heads_kv=int(key.shape[-3]),
@@ -137,10 +152,23 @@ class _FusedAttention(torch.autograd.Function):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
         del workspace, key, value
+        _hold_while_the_kernel_runs(grad_out, ctx.efficient)
         grad_key, grad_value = grads[1], grads[2]
         if ctx.repeat:
             grad_key, grad_value = _grouped(grad_key, kv_heads), _grouped(grad_value, kv_heads)
-        return grads[0], grad_key, grad_value, None, None, None, None, None
+        return grads[0], grad_key, grad_value, None, None, None, None, None, None
+
+
+def _hold_while_the_kernel_runs(like: torch.Tensor, allocations: List[Tuple[str, int]]) -> None:
+    """Make and free `efficient_backward_allocations`' bytes in their order ("~name" frees
+    name), then free what is left, as the kernel's return does."""
+    held: Dict[str, torch.Tensor] = {}
+    for name, nbytes in allocations:
+        if name.startswith("~"):
+            del held[name[1:]]
+        else:
+            held[name] = like.new_empty(nbytes, dtype=torch.uint8)
+    held.clear()
 
 
 def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -151,7 +179,8 @@ def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, query: torch.
     if backend == "math":
         return torch.ops.aten._scaled_dot_product_attention_math.default(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
-    return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, backend, repeat_heads)
+    return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale, backend, repeat_heads,
+                                 (compute_capability, float(dropout_p)))
 
 
 @contextlib.contextmanager

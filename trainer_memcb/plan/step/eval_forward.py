@@ -10,7 +10,12 @@ evaluation as for training: under `torch.autocast` (the casts and their cache ar
 storages), its 16-bit outputs then converted to float32 (`convert_outputs_to_fp32`), which is what
 the containers keep. For a CUDA run the casts follow CUDA autocast's op lists
 (`trainer_memcb.plan.step.cuda_autocast`) and attention runs as a GPU runs it
-(`trainer_memcb.plan.step.cuda_sdpa`), as in the step's trace.
+(`trainer_memcb.plan.step.cuda_sdpa`), as in the step's trace; transformers' flash paths
+(`flash_attention_2`, `flash_attention_3`, the hub's flash-attn 2 kernels) run the stand-ins of
+flash-attn's kernels (`trainer_memcb.plan.step.flash_attn`), as in the step's trace too. Without a
+gradient their autograd functions save nothing: each kernel's output and float32 logsumexp (and
+flash-attn 2's `rng_state`) are made, the output kept by the layer, the rest freed when the call
+returns.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from torch import nn
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
+from trainer_memcb.plan.settings.attention import is_flash_path, is_planned_hub_flash
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
+from trainer_memcb.plan.step.flash_attn import flash_attention_as_cuda
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.plan.step.live_storages import LiveStorages
 from trainer_memcb.plan.step.trace import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
@@ -59,11 +66,12 @@ SIXTEEN_BIT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cache: Optional[bool] = None, *,
                        autocast: Optional[str] = None, device_type: str = "cpu",
-                       compute_capability: Optional[Tuple[int, int]] = None) -> EvalForward:
+                       compute_capability: Optional[Tuple[int, int]] = None, gpu: Optional[str] = None) -> EvalForward:
     """Run one evaluation forward of `model` (on the meta device, made fake here) as
     `Trainer.prediction_step` runs it: `model.eval()`, `torch.no_grad()`, the batch with its labels;
     under `autocast` ("bf16", "fp16" or None) as the module docstring says, on `device_type`'s
-    autocast lists and attention kernels ("cpu" or "cuda")."""
+    autocast lists and attention kernels ("cpu" or "cuda"; `gpu`, a preset's name, gives the SM
+    count of flash-attn 2's split-KV heuristic)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = getattr(model, "config", None)
@@ -88,13 +96,10 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
     tracker = LiveStorages(exclude=exclude, keep_timeline=True)
     if autocast == "fp16" and device_type == "cpu":
         autocast = None  # accelerate's `native_amp` is off for fp16 on the CPU: no autocast there
-    policy = autocast_policy_for(device_type) if autocast is not None else None
-    cast_policy = autocast_as(policy) if policy is not None else contextlib.nullcontext()
-    attention = (sdpa_as_cuda(compute_capability or DEFAULT_COMPUTE_CAPABILITY) if device_type == "cuda"
-                 else contextlib.nullcontext())
+    cast_policy, attention, flash = _device_kernels(model, autocast, device_type, compute_capability, gpu)
     casting = (torch.autocast("cpu", dtype=SIXTEEN_BIT_DTYPES[autocast]) if autocast is not None
                else contextlib.nullcontext())
-    with cast_policy, attention, mode, torch.no_grad(), tracker, unpadded_batch(), passed_checks():
+    with cast_policy, attention, unpadded_batch(), passed_checks(), flash, mode, torch.no_grad(), tracker:
         with casting:
             outputs = model(**kwargs)
         if autocast is not None:
@@ -109,6 +114,32 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
                        (tuple(labels.shape), labels.dtype) if labels is not None else None,
                        events=tuple(tracker.events), sizes=dict(tracker.sizes),
                        model_storages=tuple(model_storages.values()), batch_storages=tuple(batch_storages.values()))
+
+
+def _device_kernels(model: nn.Module, autocast: Optional[str], device_type: str,
+                    compute_capability: Optional[Tuple[int, int]], gpu: Optional[str]) -> Tuple[Any, Any, Any]:
+    """The contexts of `device_type`'s kernels: autocast's op lists (under `autocast`), SDPA and the
+    flash path's kernels (the last entered after `unpadded_batch`, whose patched mask function of
+    flash_attention_2 a hub kernel's registration copies)."""
+    none = contextlib.nullcontext()
+    policy = autocast_policy_for(device_type) if autocast is not None else None
+    cast_policy = autocast_as(policy) if policy is not None else none
+    if device_type != "cuda":
+        return cast_policy, none, none
+    capability = compute_capability or DEFAULT_COMPUTE_CAPABILITY
+    return cast_policy, sdpa_as_cuda(capability), _flash_kernels(model, capability, gpu)
+
+
+def _flash_kernels(model: nn.Module, compute_capability: Tuple[int, int], gpu: Optional[str]) -> Any:
+    """For a CUDA forward on the model's flash path, flash-attn's stand-in kernels as a GPU of
+    `compute_capability` runs them (the implementation the step's `_outer_contexts` takes); else
+    nothing."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not is_flash_path(implementation):
+        return contextlib.nullcontext()
+    stand_ins = implementation if implementation == "flash_attention_3" or is_planned_hub_flash(implementation) \
+        else "flash_attention_2"
+    return flash_attention_as_cuda(compute_capability, gpu, 0, stand_ins)
 
 
 def _outputs_in_float32(outputs: Any) -> Any:
