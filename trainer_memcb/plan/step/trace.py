@@ -196,6 +196,11 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
             from trainer_memcb.plan.step.kto import kto_batch
 
             inputs = [kto_batch(batch_size, seq_len, preference) for _ in range(accumulation)]
+        elif _is_sft(preference):  # SFT's collator: the causal LM batch, its padding-free row's boundaries
+            from trainer_memcb.plan.step.sft import sft_batch
+
+            inputs = [sft_batch(step_inputs(model, batch_size, seq_len, **(input_options or {})), preference, seq_len)
+                      for _ in range(accumulation)]
         elif preference is not None:  # DPO's collator: chosen and rejected rows of max_length tokens
             from trainer_memcb.plan.step.preference import preference_batch
 
@@ -287,6 +292,13 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
 
             with counter, autocast if autocast is not None else contextlib.nullcontext():
                 loss = kto_loss(model, inputs, step.preference, step.ref_model)
+        elif _is_sft(step.preference):  # SFTTrainer.compute_loss: the fused head's loss and metrics
+            from trainer_memcb.plan.step.sft import sft_loss
+
+            if _accepts_loss_kwargs(model):  # kept to the step's end, as the plain Trainer's
+                kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+            with counter, autocast if autocast is not None else contextlib.nullcontext():
+                loss = sft_loss(model, inputs, step.preference, kwargs.get("num_items_in_batch"))
         elif step.preference is not None:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
             from trainer_memcb.plan.step.preference import dpo_loss
 
@@ -312,6 +324,10 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
 def _is_grpo(preference: Any) -> bool:
     """GRPO's step, or RLOO's, built as GRPO's: a generation phase, then the training phase."""
     return getattr(preference, "trainer", None) in ("grpo", "rloo")
+
+
+def _is_sft(preference: Any) -> bool:
+    return getattr(preference, "trainer", None) == "sft"
 
 
 def _is_rloo(preference: Any) -> bool:
@@ -842,11 +858,15 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
 
 def _trl_lm_heads(model: nn.Module, ref_model: Optional[nn.Module], preference: Any) -> None:
     """TRL's fused LM heads on the policy and the reference, as `DPOTrainer.__init__`,
-    `KTOTrainer.__init__` and `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
+    `KTOTrainer.__init__`, `SFTTrainer.__init__` and `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
     if _is_grpo(preference):
         from trainer_memcb.plan.step.grpo import grpo_fused_lm_heads
 
         grpo_fused_lm_heads(model, ref_model, preference.temperature)
+    elif _is_sft(preference):
+        from trainer_memcb.plan.step.sft import sft_fused_lm_head
+
+        sft_fused_lm_head(model)
     elif _is_kto(preference):
         from trainer_memcb.plan.step.kto import kto_fused_lm_heads
 
