@@ -80,6 +80,10 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
         training_args, flags["preference"] = read(values, f"a --fit proposal's {name}" if proposal
                                                   else f"{name} {args.training_args!r}",
                                                   peft=getattr(args, "lora_r", None) is not None)
+        if trainer == "sft":  # rows of --seq-len, or padding-free one row of the micro-batch's tokens
+            from trainer_memcb.cli.sft_config import sft_batch_shape
+
+            sft_batch_shape(flags, flags["preference"], f"{name} {args.training_args!r}")
     settings = resolve_settings(training_args, deepspeed=getattr(args, "deepspeed", None),
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden,
                                 parallelism=getattr(args, "parallelism", None), **flags)
@@ -107,8 +111,9 @@ def _trl_config_reader(trainer: str) -> Any:
     from trainer_memcb.cli.grpo_config import grpo_settings
     from trainer_memcb.cli.kto_config import kto_settings
     from trainer_memcb.cli.rloo_config import rloo_settings
+    from trainer_memcb.cli.sft_config import sft_settings
 
-    return {"dpo": (dpo_settings, "DPOConfig"), "kto": (kto_settings, "KTOConfig"),
+    return {"sft": (sft_settings, "SFTConfig"), "dpo": (dpo_settings, "DPOConfig"), "kto": (kto_settings, "KTOConfig"),
             "grpo": (grpo_settings, "GRPOConfig"), "rloo": (rloo_settings, "RLOOConfig")}[trainer]
 
 
