@@ -114,3 +114,14 @@ def test_a_misspelt_field_is_named_with_the_one_meant(files: dict, capsys: Any) 
     assert capsys.readouterr().err.splitlines() == [
         f"trainer-memcb: SFTConfig {files['typo']!r}: 'max_lenght' is not a SFTConfig field (SFTConfig(**args) raises "
         "TypeError); did you mean 'max_length'?"]
+
+
+def test_the_installed_console_script_plans_the_sft_step(files: dict) -> None:
+    from cli.test_console_script import run_script
+
+    done = run_script(*sft_argv(files, "packing", "--batch-size", "2"))
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(None, 1)[1].strip() for line in done.stdout.splitlines() if line.startswith("trainer ")]
+    assert rows == ["TRL SFTTrainer, its fused LM head (no full logits), loss nll"]
+    [peak] = [line for line in done.stdout.splitlines() if line.startswith("step peak ")]
+    assert peak.split(None, 2)[2].strip() == "8.6 MiB (8,971,838), in the backward"

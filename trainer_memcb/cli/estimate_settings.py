@@ -90,6 +90,10 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     sources = dict(settings.sources, **_not_flags(args, settings))
     if trainer in TRL_TRAINERS:
         sources["preference"] = f"{trainer.upper()}Config (--trainer {trainer})"
+    if trainer == "sft" and settings.preference.padding_free:  # the collator's one row, not the flags'
+        sources["batch_size"] = "SFTConfig (padding-free: one row)"
+        if getattr(args, "packing", None) is None:
+            sources["packing"] = "SFTConfig (padding-free: --batch-size x --seq-len)"
     if (not args.precision and not settings.zero_stage and settings.precision == "fp32"
             and sources.get("precision") != "flag" and (args.dtype or "float32") != "float32"):
         # The settings files name no mixed precision (bf16 and fp16 absent or false): the Trainer
