@@ -21,7 +21,8 @@ BAD = {"loss": {"loss_type": "sigmoid"}, "unbounded": {"max_length": None},
        "offload": {"max_length": 32, "activation_offloading": True},
        "free": {"max_length": 32, "padding_free": True}, "wrapped": {"packing": True, "packing_strategy": "wrapped"},
        "pad": {"pad_to_multiple_of": 64}, "moe": {"router_aux_loss_coef": 0.01}, "typo": {"max_lenght": 32},
-       "trainer": {"per_device_train_batch_size": 2}, "short": {"max_length": 16}}
+       "trainer": {"per_device_train_batch_size": 2}, "short": {"max_length": 16},
+       "liger": {"max_length": 32, "use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}}}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,9 @@ def test_the_command_plans_the_real_sft_steps_peak(files: dict, capsys: Any, cas
                     "SFTConfig(...).to_json_string())"),
     ("short", [], "--seq-len 32 is longer than SFTConfig {short!r}'s max_length 16: SFTTrainer cuts every row to "
                   "max_length; give --seq-len at most it"),
+    ("liger", [], "liger_kernel_config={{\"fused_linear_cross_entropy\": true}} with TRL's SFT step: TRL refuses it "
+                  "(\"it replaces the model's forward, which this trainer patches with a fused LM head\"); leave it "
+                  "out, TRL applies the layer kernels alone"),
     ("sft", ["--packing", "64"], "--packing 64 with --trainer sft: SFTConfig {sft!r} makes padded rows (neither "
                                  "padding_free nor packing with a bfd strategy); leave --packing out or set packing true"),
     ("sft", ["--fit"], "--fit with --trainer sft: the SFT step is not searched yet; plan each "

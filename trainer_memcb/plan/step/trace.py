@@ -277,33 +277,8 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
         kwargs: Dict[str, Any] = dict(inputs.forward)
-        if _is_rloo(step.preference):  # RLOOTrainer.compute_loss over the buffered micro-batch
-            from trainer_memcb.plan.step.rloo import rloo_loss
-
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = rloo_loss(model, inputs, step.preference)
-        elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
-            from trainer_memcb.plan.step.grpo import grpo_loss
-
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = grpo_loss(model, inputs, step.preference, accumulation)
-        elif _is_kto(step.preference):  # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics
-            from trainer_memcb.plan.step.kto import kto_loss
-
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = kto_loss(model, inputs, step.preference, step.ref_model)
-        elif _is_sft(step.preference):  # SFTTrainer.compute_loss: the fused head's loss and metrics
-            from trainer_memcb.plan.step.sft import sft_loss
-
-            if _accepts_loss_kwargs(model):  # kept to the step's end, as the plain Trainer's
-                kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = sft_loss(model, inputs, step.preference, kwargs.get("num_items_in_batch"))
-        elif step.preference is not None:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
-            from trainer_memcb.plan.step.preference import dpo_loss
-
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = dpo_loss(model, inputs, step.preference, step.ref_model)
+        if step.preference is not None:  # TRL's compute_loss
+            loss = _trl_loss(step, inputs, kwargs, accumulation, autocast)
         else:
             if inputs.labels is not None and _accepts_loss_kwargs(model):
                 kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
@@ -319,6 +294,40 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         del loss
         micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
     return micro_peaks, activations, phase_starts, kwargs
+
+
+def _trl_loss(step: _Step, inputs: Any, kwargs: Dict[str, Any], accumulation: int, autocast: Any) -> torch.Tensor:
+    """The micro-batch's loss as its TRL trainer's `compute_loss` makes it (RLOO's, GRPO's, KTO's,
+    SFT's, DPO's), each mirrored by its own module; `kwargs` keeps what the Trainer keeps to the
+    step's end (SFT's `num_items_in_batch`)."""
+    if _is_rloo(step.preference):  # RLOOTrainer.compute_loss over the buffered micro-batch
+        from trainer_memcb.plan.step.rloo import rloo_loss
+
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = rloo_loss(step.model, inputs, step.preference)
+    elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
+        from trainer_memcb.plan.step.grpo import grpo_loss
+
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = grpo_loss(step.model, inputs, step.preference, accumulation)
+    elif _is_kto(step.preference):  # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics
+        from trainer_memcb.plan.step.kto import kto_loss
+
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = kto_loss(step.model, inputs, step.preference, step.ref_model)
+    elif _is_sft(step.preference):  # SFTTrainer.compute_loss: the fused head's loss and metrics
+        from trainer_memcb.plan.step.sft import sft_loss
+
+        if _accepts_loss_kwargs(step.model):  # kept to the step's end, as the plain Trainer's
+            kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = sft_loss(step.model, inputs, step.preference, kwargs.get("num_items_in_batch"))
+    else:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
+        from trainer_memcb.plan.step.preference import dpo_loss
+
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = dpo_loss(step.model, inputs, step.preference, step.ref_model)
+    return loss
 
 
 def _is_grpo(preference: Any) -> bool:
