@@ -98,8 +98,11 @@ def test_the_command_plans_the_real_sft_steps_peak(files: dict, capsys: Any, cas
                   "out, TRL applies the layer kernels alone"),
     ("sft", ["--packing", "64"], "--packing 64 with --trainer sft: SFTConfig {sft!r} makes padded rows (neither "
                                  "padding_free nor packing with a bfd strategy); leave --packing out or set packing true"),
-    ("sft", ["--fit"], "--fit with --trainer sft: the SFT step is not searched yet; plan each "
-                       "per_device_train_batch_size with --batch-size"),
+    ("packing", ["--fit", "--device-memory", "1GiB"], "--fit with --trainer sft: SFTConfig {packing!r} is padding-free (one row of the "
+                           "micro-batch's tokens), which the search does not resize yet; plan each "
+                           "per_device_train_batch_size with --batch-size, or search with packing false"),
+    ("sft", ["--max-batch-size", "--device-memory", "1GiB"], "--max-batch-size with --trainer sft: the SFT step is not searched yet; plan each "
+                                  "per_device_train_batch_size with --batch-size"),
     ("sft", ["--reference-model"], "--reference-model with --trainer sft: SFTTrainer makes no reference model; "
                                    "leave it out"),
 ])
@@ -129,3 +132,20 @@ def test_the_installed_console_script_plans_the_sft_step(files: dict) -> None:
     assert rows == ["TRL SFTTrainer, its fused LM head (no full logits), loss nll"]
     [peak] = [line for line in done.stdout.splitlines() if line.startswith("step peak ")]
     assert peak.split(None, 2)[2].strip() == "8.6 MiB (8,971,838), in the backward"
+
+
+def test_fit_writes_an_sftconfig_that_plans_the_proposal_again(files: dict, tmp_path: Any, capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    written = str(tmp_path / "fit.json")
+    # 8 MiB: the own step (8,802,244 bytes) does not fit; two rows accumulated twice do.
+    assert main(sft_argv(files, "sft", "--batch-size", "2", "--device-memory", "8MiB", "--fit",
+                         "--write-training-args", written)) == 0
+    said = capsys.readouterr()
+    assert f"trainer-memcb: wrote {written}: SFTConfig of batch 1 x accumulation 2" in said.out + said.err
+    with open(written, encoding="utf-8") as handle:
+        values = json.load(handle)
+    assert (values["per_device_train_batch_size"], values["gradient_accumulation_steps"], values["max_length"]) == (1, 2, 32)
+    assert main(["estimate", files["model"], "--trainer", "sft", "--training-args", written, "--seq-len", "32",
+                 "--batch-size", "1", "--device-type", "cpu", "--attn-implementation", "sdpa", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"]["peak_bytes"] == 4_634_482  # the proposal's, to the byte

@@ -105,9 +105,9 @@ def _check_trainer(args: argparse.Namespace) -> None:
         raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer rloo: the "
                          "RLOO step is not searched yet (its batches are whole groups of num_generations); plan each "
                          "per_device_train_batch_size with --batch-size")
-    if trainer == "sft" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
-        raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer sft: the "
-                         "SFT step is not searched yet; plan each per_device_train_batch_size with --batch-size")
+    if trainer == "sft" and getattr(args, "max_batch_size", False):
+        raise ValueError("--max-batch-size with --trainer sft: the SFT step is not searched yet; plan each "
+                         "per_device_train_batch_size with --batch-size")
     if trainer == "kto" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
         raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer kto: the "
                          "KTO step is not searched yet (TRL refuses a micro-batch of 1 with its KL term); plan each "

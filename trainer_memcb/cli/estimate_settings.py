@@ -110,6 +110,10 @@ def _trl_config(args: argparse.Namespace, trainer: str, flags: Dict[str, Any]) -
         from trainer_memcb.cli.sft_config import sft_batch_shape
 
         sft_batch_shape(flags, flags["preference"], where)
+        if flags["preference"].padding_free and getattr(args, "fit", False):
+            raise ValueError(f"--fit with --trainer sft: {where} is padding-free (one row of the micro-batch's tokens), "
+                             "which the search does not resize yet; plan each per_device_train_batch_size with "
+                             "--batch-size, or search with packing false")
     return training_args
 
 
