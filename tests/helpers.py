@@ -340,3 +340,30 @@ def made_step_plan(batch_size: int, peak_bytes: Optional[int], *, activations_pe
     step = StepPeak(activations_bytes=activations_peak_bytes, activations_peak_bytes=activations_peak_bytes,
                     peak_bytes=peak_bytes, peak_phase=None if peak_bytes is None else "backward", problem=problem)
     return StepMemoryPlan(settings, step, verdict=Verdict(fits=fits))
+
+
+def trl_step_peak(trainer: Any, batch: Dict[str, Any], **step_kwargs: Any) -> Tuple[int, int]:
+    """A TRL trainer's real optimizer step on `batch` (one collated micro-batch), twice: the first
+    makes the optimizer state, the second is profiled. Returns what was alive before the second
+    (parameters, buffers, the batch's tensors, the optimizer state, a reference model's parameters)
+    and the most the profiler records alive above it: `Trainer.training_step(model, batch,
+    **step_kwargs)`, clipping at 1.0, the optimizer's step, zero_grad."""
+    model = trainer.model
+    model.train()
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # as train() sets it for each step
+    optimizer = trainer.optimizer
+
+    def step() -> None:
+        trainer.training_step(model, batch, **step_kwargs)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [value for value in list(batch.values()) + list(step_kwargs.values()) if isinstance(value, torch.Tensor)]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    if getattr(trainer, "ref_model", None) is not None:
+        tensors += list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())
+    return storage_bytes(tensors), profiled_run_peak(step)

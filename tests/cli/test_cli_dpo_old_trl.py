@@ -1,4 +1,4 @@
-"""`--trainer dpo`, `kto`, `grpo` and `rloo` on a TRL older than the one whose step is planned (1.16,
+"""`--trainer sft`, `dpo`, `kto`, `grpo` and `rloo` on a TRL older than the one whose step is planned (1.16,
 its trainers' fused LM head): one usage line that says so, before anything is traced. Runs where such a
 TRL is installed (the oldest releases' pass: TRL 1.14.2 has a KTOTrainer and an RLOOTrainer, without the
 fused LM head); skips where TRL is 1.16 or newer."""
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(TRL is None or TRL >= (1, 16), reason="needs a T
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("trainer,name,values", [("dpo", "DPOTrainer", {"beta": 0.1}),
+@pytest.mark.parametrize("trainer,name,values", [("sft", "SFTTrainer", {"max_length": 8}),
+                                                 ("dpo", "DPOTrainer", {"beta": 0.1}),
                                                  ("kto", "KTOTrainer", {"desirable_weight": 1.0}),
                                                  ("grpo", "GRPOTrainer", {"num_generations": 2}),
                                                  ("rloo", "RLOOTrainer", {"num_generations": 2})])

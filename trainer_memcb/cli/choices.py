@@ -26,7 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # trainer_memcb.plan.step.trace.DEVICE_TYPES
 DEVICE_TYPES = ("cuda", "cpu")
 # `--trainer`: TRL's trainers whose step is planned from their config's JSON (transformers' Trainer is "trainer").
-TRL_TRAINERS = ("dpo", "kto", "grpo", "rloo")
+TRL_TRAINERS = ("sft", "dpo", "kto", "grpo", "rloo")
 # trainer_memcb.plan.model.quantized.QUANT_TYPES
 QUANT_TYPES = ("nf4", "fp4")
 # trainer_memcb.plan.optimizers.whatif.DEFAULT_OPTIMIZERS

@@ -81,7 +81,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def _check_trainer(args: argparse.Namespace) -> None:
-    """`--trainer dpo|kto|grpo|rloo`: TRL's step, planned from its config file on one process."""
+    """`--trainer sft|dpo|kto|grpo|rloo`: TRL's step, planned from its config file on one process."""
     trainer = getattr(args, "trainer", "trainer")
     if trainer not in TRL_TRAINERS:
         return
@@ -90,8 +90,9 @@ def _check_trainer(args: argparse.Namespace) -> None:
         raise ValueError(f"--trainer {trainer} has no effect without --batch-size or --max-batch-size (the step plan: "
                          f"only the {trainer.upper()} step is planned, not its model states alone)")
     if args.training_args is None:
-        decides = ("its num_generations, max_completion_length, beta and loss_type decide the step"
-                   if trainer in ("grpo", "rloo") else "its beta, loss_type and precompute_ref_log_probs decide the step")
+        decides = {"grpo": "its num_generations, max_completion_length, beta and loss_type decide the step",
+                   "sft": "its max_length, packing, padding_free and loss_type decide the step"}.get(
+            "grpo" if trainer == "rloo" else trainer, "its beta, loss_type and precompute_ref_log_probs decide the step")
         raise ValueError(f"--trainer {trainer} needs --training-args {config.upper()}.json "
                          f"({config}(...).to_json_string()): {decides}")
     if args.zero or args.sharding not in (None, "none") or (args.world_size or 1) > 1:
@@ -104,6 +105,9 @@ def _check_trainer(args: argparse.Namespace) -> None:
         raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer rloo: the "
                          "RLOO step is not searched yet (its batches are whole groups of num_generations); plan each "
                          "per_device_train_batch_size with --batch-size")
+    if trainer == "sft" and getattr(args, "max_batch_size", False):
+        raise ValueError("--max-batch-size with --trainer sft: the SFT step is not searched yet; plan each "
+                         "per_device_train_batch_size with --batch-size")
     if trainer == "kto" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
         raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer kto: the "
                          "KTO step is not searched yet (TRL refuses a micro-batch of 1 with its KL term); plan each "
@@ -112,6 +116,8 @@ def _check_trainer(args: argparse.Namespace) -> None:
         raise ValueError(f"--write-deepspeed with --trainer {trainer}: the {trainer.upper()} step is planned on one "
                          f"process without DeepSpeed, so --fit proposes none; write the {config} with "
                          "--write-training-args")
+    if args.reference_model and trainer == "sft":
+        raise ValueError("--reference-model with --trainer sft: SFTTrainer makes no reference model; leave it out")
     if args.reference_model:
         raise ValueError(f"--reference-model with --trainer {trainer}: the {trainer.upper()} step plans its own "
                          "reference (a frozen copy, the adapters disabled with --lora-r, or none); leave it out")

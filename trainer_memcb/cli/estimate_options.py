@@ -268,11 +268,13 @@ def _add_settings_file_arguments(estimate: argparse.ArgumentParser) -> None:
         "above, given explicitly, override them, and the step plan lists every setting and where it came from")
     own.add_argument("--training-args", metavar="FILE",
                      help="TrainingArguments as JSON (TrainingArguments.to_json_string(), a run's training_args.json "
-                          "dump); never a pickle such as training_args.bin; with --trainer dpo, kto, grpo or rloo, "
-                          "a DPOConfig's, KTOConfig's, GRPOConfig's or RLOOConfig's JSON "
+                          "dump); never a pickle such as training_args.bin; with --trainer sft, dpo, kto, grpo or rloo, "
+                          "an SFTConfig's, DPOConfig's, KTOConfig's, GRPOConfig's or RLOOConfig's JSON "
                           "(DPOConfig(...).to_json_string())")
     own.add_argument("--trainer", choices=("trainer",) + TRL_TRAINERS, default="trainer",
-                     help="the trainer whose step is planned: transformers' Trainer (default), TRL's DPOTrainer "
+                     help="the trainer whose step is planned: transformers' Trainer (default), TRL's SFTTrainer "
+                          "(its fused LM head, the rows cut to max_length, or padding-free one row of the micro-batch "
+                          "with packing), DPOTrainer "
                           "(chosen and rejected rows, the reference model's forward: a frozen copy, the adapters "
                           "disabled with --lora-r, or none with precompute_ref_log_probs), KTOTrainer (the "
                           "completion rows and the mismatched KL rows, the reference as DPO's), GRPOTrainer or "

@@ -71,21 +71,15 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     training_args: Any = args.training_args
     trainer = getattr(args, "trainer", "trainer")
     if trainer in TRL_TRAINERS:  # a TRL config's JSON: its TrainingArguments, its own fields as the step's
-        from trainer_memcb.plan.settings import read_json_file
-
-        read, name = _trl_config_reader(trainer)
-        # A path, or with --fit a proposal's values (`trainer_memcb.cli.fit_table.estimate_fit`).
-        proposal = isinstance(args.training_args, dict)
-        values = args.training_args if proposal else read_json_file(args.training_args, "--training-args")
-        training_args, flags["preference"] = read(values, f"a --fit proposal's {name}" if proposal
-                                                  else f"{name} {args.training_args!r}",
-                                                  peft=getattr(args, "lora_r", None) is not None)
+        training_args = _trl_config(args, trainer, flags)
     settings = resolve_settings(training_args, deepspeed=getattr(args, "deepspeed", None),
                                 fsdp_config=getattr(args, "fsdp_config", None), hidden_size=hidden,
                                 parallelism=getattr(args, "parallelism", None), **flags)
     sources = dict(settings.sources, **_not_flags(args, settings))
     if trainer in TRL_TRAINERS:
         sources["preference"] = f"{trainer.upper()}Config (--trainer {trainer})"
+    if trainer == "sft" and settings.preference.padding_free:  # the collator's one row, not the flags'
+        sources.update(_padding_free_sources(args))
     if (not args.precision and not settings.zero_stage and settings.precision == "fp32"
             and sources.get("precision") != "flag" and (args.dtype or "float32") != "float32"):
         # The settings files name no mixed precision (bf16 and fp16 absent or false): the Trainer
@@ -101,14 +95,45 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     return dataclasses.replace(settings, sources=sources)
 
 
+def _trl_config(args: argparse.Namespace, trainer: str, flags: Dict[str, Any]) -> Dict[str, Any]:
+    """The `TrainingArguments` values of `--trainer`'s TRL config (a path, or with --fit a proposal's
+    values: `trainer_memcb.cli.fit_table.estimate_fit`); its step set in `flags["preference"]`, and
+    for SFT the micro-batch's shape its collator makes (`trainer_memcb.cli.sft_config.sft_batch_shape`)."""
+    from trainer_memcb.plan.settings import read_json_file
+
+    read, name = _trl_config_reader(trainer)
+    proposal = isinstance(args.training_args, dict)
+    values = args.training_args if proposal else read_json_file(args.training_args, "--training-args")
+    where = f"a --fit proposal's {name}" if proposal else f"{name} {args.training_args!r}"
+    training_args, flags["preference"] = read(values, where, peft=getattr(args, "lora_r", None) is not None)
+    if trainer == "sft":  # rows of --seq-len, or padding-free one row of the micro-batch's tokens
+        from trainer_memcb.cli.sft_config import sft_batch_shape
+
+        sft_batch_shape(flags, flags["preference"], where)
+        if flags["preference"].padding_free and getattr(args, "fit", False):
+            raise ValueError(f"--fit with --trainer sft: {where} is padding-free (one row of the micro-batch's tokens), "
+                             "which the search does not resize yet; plan each per_device_train_batch_size with "
+                             "--batch-size, or search with packing false")
+    return training_args
+
+
+def _padding_free_sources(args: argparse.Namespace) -> Dict[str, str]:
+    """Where a padding-free SFT step's batch comes from: the SFTConfig's collator, one row."""
+    sources = {"batch_size": "SFTConfig (padding-free: one row)"}
+    if getattr(args, "packing", None) is None:
+        sources["packing"] = "SFTConfig (padding-free: --batch-size x --seq-len)"
+    return sources
+
+
 def _trl_config_reader(trainer: str) -> Any:
     """The reader of `--trainer`'s TRL config (`trainer_memcb.cli.dpo_config`, ...) and the config's name."""
     from trainer_memcb.cli.dpo_config import dpo_settings
     from trainer_memcb.cli.grpo_config import grpo_settings
     from trainer_memcb.cli.kto_config import kto_settings
     from trainer_memcb.cli.rloo_config import rloo_settings
+    from trainer_memcb.cli.sft_config import sft_settings
 
-    return {"dpo": (dpo_settings, "DPOConfig"), "kto": (kto_settings, "KTOConfig"),
+    return {"sft": (sft_settings, "SFTConfig"), "dpo": (dpo_settings, "DPOConfig"), "kto": (kto_settings, "KTOConfig"),
             "grpo": (grpo_settings, "GRPOConfig"), "rloo": (rloo_settings, "RLOOConfig")}[trainer]
 
 

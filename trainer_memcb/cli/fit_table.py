@@ -324,7 +324,8 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
         _write_accelerate_config(first, args, accelerate_path, said)
     if args.write_training_args:
         write(args.write_training_args, training_args)
-        kind = {"dpo": "DPOConfig", "grpo": "GRPOConfig"}.get(getattr(args, "trainer", "trainer"), "TrainingArguments")
+        kind = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}.get(getattr(args, "trainer", "trainer"),
+                                                                                 "TrainingArguments")
         said.append(f"wrote {args.write_training_args}: {kind} of {first.label}")
     if "attn_implementation" in first.changes:  # not a TrainingArguments field: said, not written
         said.append(f"load the model with attn_implementation={first.changes['attn_implementation']!r} "

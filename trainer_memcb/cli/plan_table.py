@@ -211,9 +211,12 @@ _REFERENCE_WORDS = {"model": "reference a frozen copy of the model",
 
 
 def _trainer_row(preference: Any, peak_parts: Any) -> List[str]:
-    """The trainer traced (`--trainer dpo|kto|grpo|rloo`), how its reference is traced, the reference model's
+    """The trainer traced (`--trainer sft|dpo|kto|grpo|rloo`), how its reference is traced, the reference model's
     share of the step's peak where it holds one, and GRPO's generation."""
-    name = {"grpo": "GRPOTrainer", "kto": "KTOTrainer", "rloo": "RLOOTrainer"}.get(preference.trainer, "DPOTrainer")
+    name = {"grpo": "GRPOTrainer", "kto": "KTOTrainer", "rloo": "RLOOTrainer", "sft": "SFTTrainer"}.get(
+        preference.trainer, "DPOTrainer")
+    if preference.trainer == "sft":  # no reference: its fused LM head and loss
+        return ["trainer", f"TRL SFTTrainer, its fused LM head (no full logits), loss {'+'.join(preference.loss_type)}"]
     words = f"TRL {name}, {_REFERENCE_WORDS[preference.reference]}"
     if "reference_model" in peak_parts:
         words += f", {bytes_cell(peak_parts['reference_model'])} of the peak"

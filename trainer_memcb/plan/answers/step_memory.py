@@ -28,6 +28,7 @@ from torch import nn
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
 from trainer_memcb.plan.answers.grpo_answer import check_grpo_batch, grpo_notes, planned_generation, with_vllm_share
 from trainer_memcb.plan.answers.kto_answer import kto_note
+from trainer_memcb.plan.answers.sft_answer import sft_note
 from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
                                                   StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
@@ -280,6 +281,8 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         notes.extend(grpo_notes(preference, settings))
     elif getattr(preference, "trainer", None) == "kto":
         notes.append(kto_note(preference, settings))
+    elif getattr(preference, "trainer", None) == "sft":
+        notes.append(sft_note(preference, settings))
     elif preference is not None:
         notes.append(f"TRL's DPO step traced: chosen and rejected rows concatenated ({2 * settings.batch_size} x "
                      f"{settings.seq_len} tokens), TRL's fused LM head, loss {'+'.join(preference.loss_type)}, "
@@ -411,6 +414,8 @@ def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
                                  generation=planned_generation(step, settings))
     if getattr(step, "trainer", None) == "kto":
         return PlannedPreference(trainer="kto", reference=step.reference, beta=step.beta, loss_type=[step.loss_type])
+    if getattr(step, "trainer", None) == "sft":
+        return PlannedPreference(trainer="sft", reference=step.reference, beta=None, loss_type=[step.loss_type])
     return PlannedPreference(trainer="dpo", reference=step.reference, beta=step.beta, loss_type=list(step.loss_type))
 
 

@@ -64,21 +64,21 @@ class PlannedGeneration:
 
 @dataclass(frozen=True)
 class PlannedPreference:
-    """TRL's preference or RL step planned (`--trainer dpo`, `kto`, `grpo`, `rloo`).
+    """TRL's step planned (`--trainer sft`, `dpo`, `kto`, `grpo`, `rloo`).
 
     Attributes:
-        trainer: "dpo" (TRL's `DPOTrainer`), "kto" (`KTOTrainer`), "grpo" (`GRPOTrainer`) or "rloo"
-            (`RLOOTrainer`).
+        trainer: "sft" (TRL's `SFTTrainer`), "dpo" (`DPOTrainer`), "kto" (`KTOTrainer`), "grpo"
+            (`GRPOTrainer`) or "rloo" (`RLOOTrainer`).
         reference: where the reference log-probs come from: "model" (a frozen copy),
             "adapters-disabled" (PEFT's base model), "precomputed" (read from the batch, DPO, KTO) or
-            "none" (GRPO, RLOO with beta 0).
-        beta, loss_type: the config's beta and its losses.
+            "none" (GRPO, RLOO with beta 0; SFT, which has no reference).
+        beta, loss_type: the config's beta (None for SFT, which has none) and its losses.
         generation: GRPO's (RLOO's) generation phase; None for DPO and KTO.
     """
 
     trainer: str
     reference: str
-    beta: float
+    beta: Optional[float]
     loss_type: List[str]
     generation: Optional[PlannedGeneration] = None
 

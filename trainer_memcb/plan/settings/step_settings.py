@@ -178,8 +178,9 @@ class StepSettings:
         check_liger_kernel_config(self.liger_kernel_config)
         if self.use_liger_kernel and self.preference is not None and \
                 (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
-            # trl 1.16 DPOTrainer.__init__ refuses it, and turns the fused loss off otherwise.
-            raise ValueError("liger_kernel_config={\"fused_linear_cross_entropy\": true} with TRL's DPO step: TRL "
+            # trl 1.16 DPOTrainer.__init__ (SFTTrainer's, ...) refuses it, and turns the fused loss off otherwise.
+            trainer = getattr(self.preference, "trainer", "dpo").upper()
+            raise ValueError(f"liger_kernel_config={{\"fused_linear_cross_entropy\": true}} with TRL's {trainer} step: TRL "
                              "refuses it (\"it replaces the model's forward, which this trainer patches with a fused "
                              "LM head\"); leave it out, TRL applies the layer kernels alone")
         if self.preference is not None and self.sharding != "none":

@@ -196,6 +196,11 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
             from trainer_memcb.plan.step.kto import kto_batch
 
             inputs = [kto_batch(batch_size, seq_len, preference) for _ in range(accumulation)]
+        elif _is_sft(preference):  # SFT's collator: the causal LM batch, its padding-free row's boundaries
+            from trainer_memcb.plan.step.sft import sft_batch
+
+            inputs = [sft_batch(step_inputs(model, batch_size, seq_len, **(input_options or {})), preference, seq_len)
+                      for _ in range(accumulation)]
         elif preference is not None:  # DPO's collator: chosen and rejected rows of max_length tokens
             from trainer_memcb.plan.step.preference import preference_batch
 
@@ -272,26 +277,8 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
         kwargs: Dict[str, Any] = dict(inputs.forward)
-        if _is_rloo(step.preference):  # RLOOTrainer.compute_loss over the buffered micro-batch
-            from trainer_memcb.plan.step.rloo import rloo_loss
-
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = rloo_loss(model, inputs, step.preference)
-        elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
-            from trainer_memcb.plan.step.grpo import grpo_loss
-
-            with counter:  # each log-prob forward in its own autocast, as TRL runs it
-                loss = grpo_loss(model, inputs, step.preference, accumulation, autocast=autocast)
-        elif _is_kto(step.preference):  # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics
-            from trainer_memcb.plan.step.kto import kto_loss
-
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = kto_loss(model, inputs, step.preference, step.ref_model)
-        elif step.preference is not None:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
-            from trainer_memcb.plan.step.preference import dpo_loss
-
-            with counter, autocast if autocast is not None else contextlib.nullcontext():
-                loss = dpo_loss(model, inputs, step.preference, step.ref_model)
+        if step.preference is not None:  # TRL's compute_loss
+            loss = _trl_loss(step, inputs, kwargs, accumulation, autocast)
         else:
             if inputs.labels is not None and _accepts_loss_kwargs(model):
                 kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
@@ -309,9 +296,47 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
     return micro_peaks, activations, phase_starts, kwargs
 
 
+def _trl_loss(step: _Step, inputs: Any, kwargs: Dict[str, Any], accumulation: int, autocast: Any) -> torch.Tensor:
+    """The micro-batch's loss as its TRL trainer's `compute_loss` makes it (RLOO's, GRPO's, KTO's,
+    SFT's, DPO's), each mirrored by its own module; `kwargs` keeps what the Trainer keeps to the
+    step's end (SFT's `num_items_in_batch`)."""
+    if _is_rloo(step.preference):  # RLOOTrainer.compute_loss over the buffered micro-batch
+        from trainer_memcb.plan.step.rloo import rloo_loss
+
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = rloo_loss(step.model, inputs, step.preference)
+    elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
+        from trainer_memcb.plan.step.grpo import grpo_loss
+
+        with step.counter:  # each log-prob forward in its own autocast, as TRL runs it
+            loss = grpo_loss(step.model, inputs, step.preference, accumulation, autocast=autocast)
+    elif _is_kto(step.preference):  # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics
+        from trainer_memcb.plan.step.kto import kto_loss
+
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = kto_loss(step.model, inputs, step.preference, step.ref_model)
+    elif _is_sft(step.preference):  # SFTTrainer.compute_loss: the fused head's loss and metrics
+        from trainer_memcb.plan.step.sft import sft_loss
+
+        if _accepts_loss_kwargs(step.model):  # kept to the step's end, as the plain Trainer's
+            kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = sft_loss(step.model, inputs, step.preference, kwargs.get("num_items_in_batch"))
+    else:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
+        from trainer_memcb.plan.step.preference import dpo_loss
+
+        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
+            loss = dpo_loss(step.model, inputs, step.preference, step.ref_model)
+    return loss
+
+
 def _is_grpo(preference: Any) -> bool:
     """GRPO's step, or RLOO's, built as GRPO's: a generation phase, then the training phase."""
     return getattr(preference, "trainer", None) in ("grpo", "rloo")
+
+
+def _is_sft(preference: Any) -> bool:
+    return getattr(preference, "trainer", None) == "sft"
 
 
 def _is_rloo(preference: Any) -> bool:
@@ -842,11 +867,15 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
 
 def _trl_lm_heads(model: nn.Module, ref_model: Optional[nn.Module], preference: Any) -> None:
     """TRL's fused LM heads on the policy and the reference, as `DPOTrainer.__init__`,
-    `KTOTrainer.__init__` and `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
+    `KTOTrainer.__init__`, `SFTTrainer.__init__` and `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
     if _is_grpo(preference):
         from trainer_memcb.plan.step.grpo import grpo_fused_lm_heads
 
         grpo_fused_lm_heads(model, ref_model, preference.temperature)
+    elif _is_sft(preference):
+        from trainer_memcb.plan.step.sft import sft_fused_lm_head
+
+        sft_fused_lm_head(model)
     elif _is_kto(preference):
         from trainer_memcb.plan.step.kto import kto_fused_lm_heads
 
