@@ -12,7 +12,7 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
-from helpers import profiled_run_peak, requires_version, storage_bytes
+from helpers import requires_version, trl_step_peak
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "KTOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -56,23 +56,7 @@ def _real_step_peak(folder: str, tmp: str, **config: Any) -> Tuple[int, int]:
     assert batch["label"].tolist() == [True, False]
     if config.get("loss_type", "kto") == "kto":
         assert batch["KL_input_ids"].shape == (BATCH, MAX_LENGTH) and bool(batch["KL_attention_mask"].all())
-    trainer.create_optimizer()
-    trainer.current_gradient_accumulation_steps = 1  # as train() sets it for each step
-    optimizer = trainer.optimizer
-
-    def step() -> None:
-        trainer.training_step(model, batch)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    tensors = list(model.parameters()) + list(model.buffers()) + list(batch.values())
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    if trainer.ref_model is not None:
-        tensors += list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())
-    start = storage_bytes(tensors)
-    return start, profiled_run_peak(step)
+    return trl_step_peak(trainer, batch)
 
 
 def _planned(reference: str, loss_type: str = "kto") -> Any:
