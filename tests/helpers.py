@@ -210,6 +210,42 @@ def saved_dtypes_by_node(output: torch.Tensor, keep: Callable[[torch.Tensor], bo
     return found
 
 
+def tiny_bf16_llama(heads_k: int = 2, layers: int = 1) -> Any:
+    """A Llama of `layers` layers (hidden 64, 4 heads, `heads_k` key/value heads, vocabulary 256) in
+    bf16, seeded, without a KV cache: the flash-attention tests' model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=heads_k, vocab_size=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.config.use_cache = False
+    return model
+
+
+def flash_forward_saved_bytes(attn: str, padding: int, stand_ins: Any) -> Tuple[int, Any]:
+    """A real CPU forward of `tiny_bf16_llama()` (2 rows of 256 tokens, the last `padding` of each
+    masked) through transformers' path for `attn` inside `stand_ins` (the flash kernels' CPU
+    stand-ins, a context; the attention is set inside it, where a hub kernel is registered): the
+    bytes autograd saves, parameters left out, and what the context gave (its run's record)."""
+    model = tiny_bf16_llama()
+    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 256, dtype=torch.long)
+    if padding:
+        mask[:, -padding:] = 0
+    seen: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with stand_ins as run, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.config._attn_implementation = attn
+        model(input_ids=ids, attention_mask=mask, labels=ids)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for ptr, size in seen.items() if ptr not in params), run
+
+
 TRANSFORMERS_4 = (installed_version("transformers") or (5,)) < (5,)
 
 

@@ -24,7 +24,9 @@ from trainer_memcb.plan.step import flash_attn
 from trainer_memcb.plan.step.flash_attn import flash_attention_2_as_cuda, flash_attn_func, num_splits_heuristic
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from helpers import flash_forward_saved_bytes, tiny_bf16_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 B, L, H, HKV, D = 2, 40, 4, 2, 16
@@ -122,34 +124,8 @@ def test_transformers_state_restored_after_the_trace():
     assert (utils._lazy_imports, utils._get_unpad_data, getattr(utils, "_flash_fn", None)) == before
 
 
-def _tiny(attn: str) -> torch.nn.Module:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.config._attn_implementation = attn
-    model.config.use_cache = False
-    return model
-
-
 def _real_saved_bytes(padding: int) -> int:
-    """A real CPU forward of the tiny Llama through transformers' flash path, with the stand-ins:
-    the bytes autograd saves, parameters left out."""
-    model = _tiny("flash_attention_2")
-    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 256, dtype=torch.long)
-    if padding:
-        mask[:, -padding:] = 0
-    seen = {}
-
-    def pack(tensor):
-        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with flash_attention_2_as_cuda((8, 9), "L40S", padding), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, attention_mask=mask, labels=ids)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(size for ptr, size in seen.items() if ptr not in params)
+    return flash_forward_saved_bytes("flash_attention_2", padding, flash_attention_2_as_cuda((8, 9), "L40S", padding))[0]
 
 
 def _planned_activations(padding: int) -> int:
@@ -157,7 +133,7 @@ def _planned_activations(padding: int) -> int:
     from trainer_memcb.plan.step.trace import trace_step_once
 
     with torch.device("meta"):
-        meta = LlamaForCausalLM(_tiny("sdpa").config).to(torch.bfloat16)
+        meta = LlamaForCausalLM(tiny_bf16_llama().config).to(torch.bfloat16)
     meta.config._attn_implementation = "flash_attention_2"
     settings = dataclasses.replace(resolve_settings(batch_size=2, optimizer="adamw_torch", padding=padding),
                                    device_type="cuda", seq_len=256, gpu="L40S")

@@ -17,7 +17,7 @@ from trainer_memcb.plan.settings.attention import HUB_FLASH_ATTN_2, hub_kernel_r
 from trainer_memcb.plan.step.flash_attn import flash_attention_as_cuda
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from helpers import flash_forward_saved_bytes, tiny_bf16_llama  # noqa: E402
 
 HUB = "kernels-community/flash-attn2"
 
@@ -42,36 +42,10 @@ def test_the_registries_are_restored_after_the_trace():
     assert (attentions, masks) == before
 
 
-def _tiny() -> LlamaForCausalLM:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.config.use_cache = False
-    return model
-
-
 def _real_saved_bytes(attn: str, padding: int) -> int:
-    """A real CPU forward of the tiny Llama through transformers' flash path for `attn`, with the
-    stand-ins: the bytes autograd saves, parameters left out."""
-    model = _tiny()
-    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 256, dtype=torch.long)
-    if padding:
-        mask[:, -padding:] = 0
-    seen = {}
-
-    def pack(tensor):
-        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with flash_attention_as_cuda((9, 0), "H100", padding, attn) as run, \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.config._attn_implementation = attn  # inside: the hub kernel is registered there
-        model(input_ids=ids, attention_mask=mask, labels=ids)
+    saved, run = flash_forward_saved_bytes(attn, padding, flash_attention_as_cuda((9, 0), "H100", padding, attn))
     assert run.calls == {"flash_attn_varlen_func" if padding else "flash_attn_func": 1}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(size for ptr, size in seen.items() if ptr not in params)
+    return saved
 
 
 def _planned(attn: str, padding: int = 0):
@@ -79,7 +53,7 @@ def _planned(attn: str, padding: int = 0):
     from trainer_memcb.plan.step.trace import trace_step_once
 
     with torch.device("meta"):
-        meta = _tiny()
+        meta = tiny_bf16_llama()
     meta.config._attn_implementation = attn
     settings = dataclasses.replace(resolve_settings(batch_size=2, optimizer="adamw_torch", padding=padding,
                                                     attn_implementation=attn),
