@@ -52,6 +52,16 @@ def _quick_mode_class() -> Optional[type]:
     class QuickKeyFakeTensorMode(fake_tensor.FakeTensorMode):
         """`FakeTensorMode`, its dispatch-cache key appended without the generic walk where it can."""
 
+        # Its `__torch_dispatch__` as written, without the `torch._dynamo.disable` wrapper torch
+        # puts around a mode's (two more Python calls and four frame-evaluation switches at every
+        # operation, for a compiler that never runs inside a trace).
+        __torch_dispatch__ = getattr(fake_tensor.FakeTensorMode.__torch_dispatch__, "__wrapped__",
+                                     fake_tensor.FakeTensorMode.__torch_dispatch__)
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False
+
         def _prep_args_for_hash(self, result: List[object], args: Any, state: Any, id_hashed_objects: List[object]) -> None:
             if self.shape_env is not None:  # symbolic sizes: torch's walk converts them
                 return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
