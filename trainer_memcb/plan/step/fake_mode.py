@@ -22,6 +22,7 @@ import inspect
 from typing import Any, List, Optional
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 __all__ = ["fake_tensor_mode", "quick_keys_available"]
 
@@ -32,13 +33,14 @@ _FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "sto
 # Arguments torch's walk appends as `type(arg), arg` (its last branch), by their exact type.
 _PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format))
 
+_SIZE, _STRIDED, _CONTIGUOUS = torch.Size, torch.strided, torch.contiguous_format
+
 _MODE_CLASS: List[Optional[type]] = []  # the quick mode's class once built, or None where torch's is kept
 
 
 def _quick_mode_class() -> Optional[type]:
     """The `FakeTensorMode` subclass with the quicker key, or None where this torch's key is laid
     out otherwise."""
-    from torch._prims_common import suggest_memory_format
     from torch._subclasses import fake_tensor
 
     if tuple(field.name for field in dataclasses.fields(fake_tensor.TensorMetadata)) != _FIELDS:
@@ -46,8 +48,7 @@ def _quick_mode_class() -> Optional[type]:
     if list(inspect.signature(fake_tensor.FakeTensorMode._prep_args_for_hash).parameters) != [
             "self", "result", "args", "state", "id_hashed_objects"]:
         return None
-    FakeTensor, strided, contiguous = fake_tensor.FakeTensor, torch.strided, torch.contiguous_format
-    Size = torch.Size
+    FakeTensor, strided = fake_tensor.FakeTensor, torch.strided
 
     class QuickKeyFakeTensorMode(fake_tensor.FakeTensorMode):
         """`FakeTensorMode`, its dispatch-cache key appended without the generic walk where it can."""
@@ -87,30 +88,31 @@ def _quick_mode_class() -> Optional[type]:
                     super()._prep_args_for_hash(result, iter((arg,)), state, id_hashed_objects)
             return None
 
-    def _append_metadata(append: Any, tensor: torch.Tensor) -> None:
-        """`extract_tensor_metadata(tensor)._flatten_into(...)` for a strided tensor with plain sizes."""
-        # `suggest_memory_format` asks the strides only of a 4- or 5-dimensional tensor.
-        memory_format = suggest_memory_format(tensor) if tensor.dim() in (4, 5) else contiguous
-        if not tensor.is_contiguous(memory_format=memory_format):
-            memory_format = None
-        shape, stride = tensor.shape, tensor.stride()
-        append(tensor.dtype)
-        append(Size)
-        append(f"length_{len(shape)}")
-        for size in shape:
-            append(int)
-            append(size)
-        append(tuple)
-        append(f"length_{len(stride)}")
-        for step in stride:
-            append(int)
-            append(step)
-        for value in (tensor.device, strided, memory_format, tensor.storage_offset(),
-                      tensor.untyped_storage().nbytes(), tensor.requires_grad, tensor.is_quantized, tensor.is_conj(),
-                      tensor.is_neg(), tensor.is_inference(), False, None, None, None):
-            append(value)
-
     return QuickKeyFakeTensorMode if _keys_agree(QuickKeyFakeTensorMode) else None
+
+
+def _append_metadata(append: Any, tensor: torch.Tensor) -> None:
+    """`extract_tensor_metadata(tensor)._flatten_into(...)` for a strided tensor with plain sizes."""
+    # `suggest_memory_format` asks the strides only of a 4- or 5-dimensional tensor.
+    memory_format = suggest_memory_format(tensor) if tensor.dim() in (4, 5) else _CONTIGUOUS
+    if not tensor.is_contiguous(memory_format=memory_format):
+        memory_format = None
+    shape, stride = tensor.shape, tensor.stride()
+    append(tensor.dtype)
+    append(_SIZE)
+    append(f"length_{len(shape)}")
+    for size in shape:
+        append(int)
+        append(size)
+    append(tuple)
+    append(f"length_{len(stride)}")
+    for step in stride:
+        append(int)
+        append(step)
+    for value in (tensor.device, _STRIDED, memory_format, tensor.storage_offset(),
+                  tensor.untyped_storage().nbytes(), tensor.requires_grad, tensor.is_quantized, tensor.is_conj(),
+                  tensor.is_neg(), tensor.is_inference(), False, None, None, None):
+        append(value)
 
 
 def _keys_agree(mode_class: type) -> bool:
