@@ -72,12 +72,12 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
     under `autocast` ("bf16", "fp16" or None) as the module docstring says, on `device_type`'s
     autocast lists and attention kernels ("cpu" or "cuda"; `gpu`, a preset's name, gives the SM
     count of flash-attn 2's split-KV heuristic)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trainer_memcb.plan.step.fake_mode import fake_tensor_mode
 
     config = getattr(model, "config", None)
     if use_cache is not None and config is not None and hasattr(config, "use_cache"):
         config.use_cache = use_cache  # as the Trainer sets it before evaluating
-    mode = FakeTensorMode()
+    mode = fake_tensor_mode()
     fake_copy(model, mode, "cpu")
     model.eval()
     with mode:

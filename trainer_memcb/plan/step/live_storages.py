@@ -80,6 +80,13 @@ class LiveStorages(TorchDispatchMode):
             starts to count, `~s` when it stops; `most_by` replays it. Empty otherwise.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's `__torch_dispatch__` in `torch._dynamo.disable` where this says so:
+        # two more Python calls and four frame-evaluation switches at every operation, for a
+        # compiler that never runs inside a trace.
+        return False
+
     def __init__(self, exclude: Any = (), keep_timeline: bool = False) -> None:
         super().__init__()
         # Storage keys never counted (`storages_of`'s): a real model's parameters, buffers and

@@ -808,7 +808,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     Raises:
         UntracedStep: the step could not run under fake tensors (data-dependent control flow, ...).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trainer_memcb.plan.step.fake_mode import fake_tensor_mode
 
     shared = _SHARED[0]
     step_key = _keys(meta, settings, dict(args=args, step_dtype=step_dtype, keep_dtypes=keep_dtypes,
@@ -820,7 +820,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     compute_capability = compute_capability_of(settings)
     kept: Optional[List[_Prefix]] = [] if shared is not None else None
     engine = engine_for(settings)
-    mode = FakeTensorMode()
+    mode = fake_tensor_mode()
     quantization_note = None
     kernel_runs: List[Any] = []  # the stand-in kernels' records (flash-attn's, liger-kernel's)
     frozen = _freeze_older_objects()
