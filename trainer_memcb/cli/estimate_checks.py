@@ -100,14 +100,6 @@ def _check_trainer(args: argparse.Namespace) -> None:
     if args.deepspeed is not None or getattr(args, "fsdp_config", None) is not None:
         raise ValueError(f"--trainer {trainer} is planned on one process without sharding so far: leave out "
                          "--deepspeed and --fsdp-config")
-    if trainer == "rloo" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
-        raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer rloo: the "
-                         "RLOO step is not searched yet (its batches are whole groups of num_generations); plan each "
-                         "per_device_train_batch_size with --batch-size")
-    if trainer == "kto" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
-        raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer kto: the "
-                         "KTO step is not searched yet (TRL refuses a micro-batch of 1 with its KL term); plan each "
-                         "per_device_train_batch_size with --batch-size")
     if getattr(args, "write_deepspeed", None):
         raise ValueError(f"--write-deepspeed with --trainer {trainer}: the {trainer.upper()} step is planned on one "
                          f"process without DeepSpeed, so --fit proposes none; write the {config} with "

@@ -66,6 +66,13 @@ _EVALUATION_ANSWERS = {
     "required": ["evaluation"], "additionalProperties": False}
 
 
+# One phase of a TRL step (`StepPeak.phases`): generation or training, and its device peak.
+_PHASE = {"type": "object", "description": "One phase of TRL's step (GRPO and RLOO: generation, then training; "
+                                           "DPO and KTO: training alone) and its device peak.",
+          "properties": {"phase": {"enum": ["generation", "training"]}, "peak_bytes": {"type": "integer"}},
+          "required": ["phase", "peak_bytes"], "additionalProperties": False}
+
+
 def estimate_schema() -> Dict[str, Any]:
     """The JSON Schema of every document `trainer-memcb estimate --json` prints: the what-if, the
     model-states plan, the step plan (with the evaluation, `--fit` and `--max-batch-size` where
@@ -103,6 +110,7 @@ def estimate_schema() -> Dict[str, Any]:
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
     for cls in (FitSearch, LargestBatch, StepPeak, DeviceFigures, WhatIf):
         defs[cls.__name__] = object_schema(cls, defs, optional=["phases"] if cls is StepPeak else ())
+    defs["StepPeak"]["properties"]["phases"]["items"] = _PHASE
     defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing", "preference"])
     step_plan = _document(
         "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the settings "
