@@ -107,9 +107,6 @@ def _check_trainer(args: argparse.Namespace) -> None:
     if args.reference_model:
         raise ValueError(f"--reference-model with --trainer {trainer}: the {trainer.upper()} step plans its own "
                          "reference (a frozen copy, the adapters disabled with --lora-r, or none); leave it out")
-    if trainer == "grpo" and getattr(args, "max_batch_size", False):
-        raise ValueError("--max-batch-size with --trainer grpo: the search does not step by whole groups of "
-                         "num_generations yet; plan each per_device_train_batch_size with --batch-size")
 
 
 # The keys of a config.json that name an input other than token ids (an image's pixels, speech's
