@@ -298,3 +298,26 @@ def made_step_plan(batch_size: int, peak_bytes: Optional[int], *, activations_pe
     step = StepPeak(activations_bytes=activations_peak_bytes, activations_peak_bytes=activations_peak_bytes,
                     peak_bytes=peak_bytes, peak_phase=None if peak_bytes is None else "backward", problem=problem)
     return StepMemoryPlan(settings, step, verdict=Verdict(fits=fits))
+
+
+def valid_estimate_document(document: Dict[str, Any]) -> Dict[str, Any]:
+    """`document` (an `estimate --json` output), after checking it against the committed
+    docs/estimate.schema.json (a `jsonschema.ValidationError` where it is not valid)."""
+    import json
+
+    import jsonschema
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "estimate.schema.json")
+    with open(path, encoding="utf-8") as handle:
+        jsonschema.Draft202012Validator(json.load(handle)).validate(document)
+    return document
+
+
+def loaded_trl_config(path: str, config_cls: Any, output_dir: str) -> Tuple[Dict[str, Any], Any]:
+    """The JSON `--write-training-args` wrote to `path`, and TRL's own config class `config_cls`
+    made from it (`output_dir` in place of the file's): what `XConfig(**json.load(f))` gives."""
+    import json
+
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    return document, config_cls(**dict(document, output_dir=output_dir))
