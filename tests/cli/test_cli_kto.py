@@ -193,3 +193,35 @@ def test_max_batch_size_searches_from_two_the_least_batch_ktos_kl_term_takes(fil
     assert largest["max_batch_size"] == 2
     assert [(b["batch_size"], b["peak_bytes"], b["fits"]) for b in largest["searched"]] == [
         (2, 8_895_042, True), (3, 13_155_733, False)]
+
+
+def test_fit_halves_the_batch_no_further_than_two_and_proposes_peft_s_reference(files: dict, capsys: Any,
+                                                                                tmp_path: Any) -> None:
+    """At a batch of 4 in 9 MiB: micro-batches of 2 accumulated twice fit (a micro-batch of 1, which
+    TRL refuses with the KL term, is never planned: the command would refuse it); with `--allow
+    lora`, adapters whose reference is the policy with its adapters disabled, the step `--lora-r 16`
+    plans. The KTOConfig written is the halved batch's, and replans to its bytes."""
+    from trl import KTOConfig
+
+    from trainer_memcb.cli import main
+
+    written = str(tmp_path / "halved.json")
+    argv = _argv(files, "kto", "--batch-size", "4", "--device-memory", "9MiB", "--reserve", "0B", "--fit", "--allow",
+                 "lora", "--max-proposals", "8", "--write-training-args", written, "--json")
+    assert main(argv) == 0
+    fit = valid_estimate_document(json.loads(capsys.readouterr().out))["answers"]["fit"]
+    assert fit["own"]["peak_bytes"] == 17_416_424
+    by_change = {json.dumps(c["changes"], sort_keys=True): c for c in fit["candidates"]}
+    halved = by_change['{"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}']
+    assert (halved["peak_bytes"], halved["fits"], halved["effective_batch"]) == (8_989_380, True, 4)
+    assert {c["training_args"]["per_device_train_batch_size"] for c in fit["candidates"]} == {2, 4}
+    lora = by_change['{"lora_r": 16}']
+    assert (lora["peak_bytes"], lora["alters_training"]) == (17_023_028, True)
+    assert fit["candidates"][0] == halved  # the one that fits
+    document, config = loaded_trl_config(written, KTOConfig, str(tmp_path / "out"))
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (2, 2)
+    assert main(_argv(dict(files, written=written), "written", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["step"]["peak_bytes"] == 8_989_380
+    assert main(_argv(files, "kto", "--batch-size", "4", "--lora-r", "16", "--json")) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["step"]["peak_bytes"] == 17_023_028 and again["settings"]["preference"]["reference"] == "adapters-disabled"
