@@ -38,7 +38,7 @@ def files(tmp_path_factory: Any) -> dict:
     _config().save_pretrained(folder / "llama")
     paths = {"model": str(folder / "llama")}
     for name, extra in (("kto", {}), ("precomputed", {"precompute_ref_log_probs": True}),
-                        ("apo", {"loss_type": "apo_zero_unpaired"})):
+                        ("apo", {"loss_type": "apo_zero_unpaired"}), ("synced", {"sync_ref_model": True})):
         config = KTOConfig(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=BATCH,
                            max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
                            **extra)
@@ -225,3 +225,16 @@ def test_fit_halves_the_batch_no_further_than_two_and_proposes_peft_s_reference(
     assert main(_argv(files, "kto", "--batch-size", "4", "--lora-r", "16", "--json")) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["step"]["peak_bytes"] == 17_023_028 and again["settings"]["preference"]["reference"] == "adapters-disabled"
+
+
+def test_fit_proposes_no_precomputed_log_probs_where_the_reference_model_is_synced(files: dict, capsys: Any) -> None:
+    """TRL refuses sync_ref_model beside precompute_ref_log_probs: with a synced reference, the first
+    proposal is the search's own (checkpointing)."""
+    from trainer_memcb.cli import main
+
+    argv = _argv(files, "synced", "--device-memory", "8850000B", "--reserve", "0B", "--fit", "--max-proposals", "1",
+                 "--json")
+    assert main(argv) == 0
+    fit = json.loads(capsys.readouterr().out)["answers"]["fit"]
+    assert fit["own"]["peak_bytes"] == 8_895_042
+    assert [(c["changes"], c["peak_bytes"]) for c in fit["candidates"]] == [({"gradient_checkpointing": True}, 8_624_834)]
