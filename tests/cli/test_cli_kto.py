@@ -238,3 +238,12 @@ def test_fit_proposes_no_precomputed_log_probs_where_the_reference_model_is_sync
     fit = json.loads(capsys.readouterr().out)["answers"]["fit"]
     assert fit["own"]["peak_bytes"] == 8_895_042
     assert [(c["changes"], c["peak_bytes"]) for c in fit["candidates"]] == [({"gradient_checkpointing": True}, 8_624_834)]
+
+
+def test_max_batch_size_where_not_even_two_fits_names_the_least_batch_kto_takes(files: dict, capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, "kto", "--device-memory", "1MiB", "--reserve", "0B", "--max-batch-size")) == 3
+    lines = capsys.readouterr().out.splitlines()
+    title = lines.index("No batch fits (not even 2, the smallest the trainer takes)")
+    assert lines[title + 3].split() == ["2", "8.5", "MiB", "(8,895,042)", "-", "does", "not", "fit"]

@@ -252,7 +252,7 @@ def fit_tables(search: FitSearch, evaluation: bool = False, title: Optional[str]
 
 
 def _vllm_colocated(search: FitSearch) -> bool:
-    """Whether the user's step is TRL's GRPO with vLLM colocated (its share in each setting's reserve)."""
+    """Whether the user's step is TRL's GRPO or RLOO with vLLM colocated (its share in each setting's reserve)."""
     settings = search.own.plan.settings if search.own.plan is not None else None
     generation = getattr(getattr(settings, "preference", None), "generation", None)
     return getattr(generation, "vllm_gpu_memory_utilization", None) is not None
