@@ -403,3 +403,26 @@ def trl_step_peak(trainer: Any, batch: Dict[str, Any], **step_kwargs: Any) -> Tu
     if getattr(trainer, "ref_model", None) is not None:
         tensors += list(trainer.ref_model.parameters()) + list(trainer.ref_model.buffers())
     return storage_bytes(tensors), profiled_run_peak(step)
+
+
+def valid_estimate_document(document: Dict[str, Any]) -> Dict[str, Any]:
+    """`document` (an `estimate --json` output), after checking it against the committed
+    docs/estimate.schema.json (a `jsonschema.ValidationError` where it is not valid)."""
+    import json
+
+    import jsonschema
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "estimate.schema.json")
+    with open(path, encoding="utf-8") as handle:
+        jsonschema.Draft202012Validator(json.load(handle)).validate(document)
+    return document
+
+
+def loaded_trl_config(path: str, config_cls: Any, output_dir: str) -> Tuple[Dict[str, Any], Any]:
+    """The JSON `--write-training-args` wrote to `path`, and TRL's own config class `config_cls`
+    made from it (`output_dir` in place of the file's): what `XConfig(**json.load(f))` gives."""
+    import json
+
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    return document, config_cls(**dict(document, output_dir=output_dir))

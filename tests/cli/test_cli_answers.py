@@ -89,6 +89,23 @@ def test_a_missing_peak_is_never_read_as_does_not_fit():
     assert plans[-1].step.problem is not None and all(plan.step.peak_bytes is not None for plan in plans[:-1])
 
 
+@pytest.mark.parametrize("first,unit,largest", [(1, 1, 1000), (2, 1, 1000), (4, 4, 1000), (6, 6, 996), (2, 3, 998)])
+def test_the_search_plans_only_the_batches_the_trainer_takes(first, unit, largest):
+    """A peak of 10 bytes a sample in 10,000: the largest batch of `first`, `first + unit`, ... that
+    fits, every batch planned one of them (TRL's KTO from 2, GRPO's and RLOO's whole groups)."""
+    asked = []
+
+    def plan_at(batch):
+        asked.append(batch)
+        return _plan(batch, 10 * batch)
+
+    found, plans = max_batch_size(plan_at, 10_000, first=first, unit=unit)
+    assert found == largest
+    assert asked[0] == first and all((batch - first) % unit == 0 for batch in asked)
+    assert [plan.settings.batch_size for plan in plans] == sorted(set(asked))
+    assert found + unit in asked  # the batch above it was planned, and does not fit
+
+
 # -- sizes, process counts ------------------------------------------------------------------------
 
 UNITS = "(units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"

@@ -11,7 +11,7 @@ from typing import Any, List
 
 import pytest
 
-from helpers import requires_version
+from helpers import requires_version, valid_estimate_document
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "DPOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -65,6 +65,9 @@ def test_the_command_plans_the_python_plans_dpo_step(files: dict, capsys: Any, r
                                                   "loss_type": ["sigmoid"], "generation": None}
     assert document["step"]["peak_bytes"] == {"model": 17_413_348, "precomputed": 17_322_100,
                                               "adapters-disabled": 16_958_512}[reference]
+    # DPO's step is one phase, training, as GRPO's JSON names each of its two.
+    assert document["step"]["phases"] == [{"phase": "training", "peak_bytes": document["step"]["peak_bytes"]}]
+    valid_estimate_document(document)
 
 
 def test_the_table_names_the_trainer_and_the_references_share(files: dict) -> None:

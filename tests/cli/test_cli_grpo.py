@@ -96,8 +96,7 @@ def test_a_batch_size_of_no_whole_groups_is_one_line(files: dict, capsys: Any) -
 @pytest.mark.parametrize("case,message", [
     (["--zero", "2"], "--trainer grpo is planned on one process without sharding so far"),
     (["--reference-model"], "--reference-model with --trainer grpo"),
-    (["--max-batch-size", "--device-memory", "80GiB"],
-     "--max-batch-size with --trainer grpo: the search does not step by whole groups"),
+    (["--max-batch-size"], "--max-batch-size needs --device-memory"),
 ])
 def test_refusals_before_the_file(files: dict, capsys: Any, case: List[str], message: str) -> None:
     from trainer_memcb.cli import main

@@ -159,9 +159,6 @@ def test_fit_with_vllm_colocated_proposes_a_smaller_share_without_tracing_again(
      "trainer-memcb: error: --write-deepspeed with --trainer grpo: the GRPO step is planned on one process without "
      "DeepSpeed, so --fit proposes none; write the GRPOConfig with --write-training-args"),
     (["--fit"], "trainer-memcb: error: --fit needs --device-memory (the accelerator's memory per process, e.g. 80GiB)"),
-    (["--fit", "--device-memory", "1GiB", "--max-batch-size"],
-     "trainer-memcb: error: --max-batch-size with --trainer grpo: the search does not step by whole groups of "
-     "num_generations yet; plan each per_device_train_batch_size with --batch-size"),
 ])
 def test_bad_fit_combinations_are_one_line(files: Dict[str, Any], capsys: Any, more: List[str], line: str) -> None:
     from trainer_memcb.cli import main

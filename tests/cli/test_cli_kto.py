@@ -11,7 +11,7 @@ from typing import Any, List
 
 import pytest
 
-from helpers import requires_version
+from helpers import loaded_trl_config, requires_version, valid_estimate_document
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "KTOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -38,7 +38,7 @@ def files(tmp_path_factory: Any) -> dict:
     _config().save_pretrained(folder / "llama")
     paths = {"model": str(folder / "llama")}
     for name, extra in (("kto", {}), ("precomputed", {"precompute_ref_log_probs": True}),
-                        ("apo", {"loss_type": "apo_zero_unpaired"})):
+                        ("apo", {"loss_type": "apo_zero_unpaired"}), ("synced", {"sync_ref_model": True})):
         config = KTOConfig(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=BATCH,
                            max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
                            **extra)
@@ -104,16 +104,16 @@ def test_the_table_names_the_trainer_and_the_references_share(files: dict) -> No
 @pytest.mark.parametrize("case,message", [
     (["--zero", "2"], "--trainer kto is planned on one process without sharding so far"),
     (["--reference-model"], "--reference-model with --trainer kto"),
-    (["--fit"], "--fit with --trainer kto: the KTO step is not searched yet (TRL refuses a micro-batch of 1 with "
-                "its KL term); plan each per_device_train_batch_size with --batch-size"),
-    (["--max-batch-size", "--device-memory", "1GiB"], "--max-batch-size with --trainer kto: the KTO step is not searched yet"),
+    (["--fit"], "--fit needs --device-memory"),
+    (["--fit", "--device-memory", "1GiB", "--write-deepspeed", "ds.json"], "--write-deepspeed with --trainer kto: the "
+     "KTO step is planned on one process without DeepSpeed, so --fit proposes none; write the KTOConfig with "
+     "--write-training-args"),
 ])
 def test_refusals_before_the_file(files: dict, capsys: Any, case: List[str], message: str) -> None:
     from trainer_memcb.cli import main
 
     argv = ["estimate", files["model"], "--trainer", "kto", "--training-args", files["kto"], "--device-type", "cpu"]
-    batch = [] if "--max-batch-size" in case else ["--batch-size", "2"]
-    assert main(argv + ["--seq-len", "32"] + batch + case) == 2
+    assert main(argv + ["--seq-len", "32", "--batch-size", "2"] + case) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("trainer-memcb: error: " + message), line
 
@@ -149,3 +149,101 @@ def test_a_file_that_is_not_a_good_ktoconfig_is_one_line(files: dict, capsys: An
     assert main(_argv(files, config, *more)) == code
     prefix = "trainer-memcb: error: " if code == 2 else "trainer-memcb: "
     assert capsys.readouterr().err.splitlines() == [prefix + line.format(**files)]
+
+
+def test_fit_proposes_precomputed_reference_log_probs_and_writes_a_ktoconfig_that_replans_to_it(
+        files: dict, capsys: Any, tmp_path: Any) -> None:
+    """Between the step with its frozen reference (8,895,042 bytes) and without its forwards
+    (8,803,794): TRL's precompute_ref_log_probs is proposed first (no reference forward in the step),
+    checkpointing beside it; the KTOConfig written loads in KTOConfig, and planned again from it
+    the step is the proposal's, to the byte."""
+    from trl import KTOConfig
+
+    from trainer_memcb.cli import main
+
+    written = str(tmp_path / "fitted.json")
+    argv = _argv(files, "kto", "--device-memory", "8850000B", "--reserve", "0B", "--fit", "--max-proposals", "2",
+                 "--write-training-args", written, "--json")
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    fit = valid_estimate_document(json.loads(out))["answers"]["fit"]
+    assert (fit["fits_as_is"], fit["own"]["peak_bytes"]) == (False, 8_895_042)
+    assert [(c["changes"], c["peak_bytes"], c["fits"]) for c in fit["candidates"]] == [
+        ({"precompute_ref_log_probs": True}, 8_803_794, True), ({"gradient_checkpointing": True}, 8_624_834, True)]
+    assert fit["candidates"][0]["relative_step_time"] < 1 < fit["candidates"][1]["relative_step_time"]
+    assert err.splitlines()[-1] == (
+        f"trainer-memcb: wrote {written}: KTOConfig of the reference's log-probs precomputed (TRL's "
+        "precompute_ref_log_probs)")
+    document, config = loaded_trl_config(written, KTOConfig, str(tmp_path / "out"))
+    assert document == fit["candidates"][0]["training_args"]
+    assert (config.precompute_ref_log_probs, config.beta, config.max_length) == (True, 0.1, 32)
+    assert main(_argv(dict(files, written=written), "written", "--json")) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["step"]["peak_bytes"] == 8_803_794 and again["settings"]["preference"]["reference"] == "precomputed"
+
+
+def test_max_batch_size_searches_from_two_the_least_batch_ktos_kl_term_takes(files: dict, capsys: Any) -> None:
+    """TRL's KTOTrainer refuses a micro-batch of 1 with its KL term: the search starts at 2 (the
+    step of the file's own batch), then 3, which does not fit 10 MiB."""
+    from trainer_memcb.cli import main
+
+    argv = _argv(files, "kto", "--device-memory", "10MiB", "--reserve", "0B", "--max-batch-size", "--json")
+    assert main(argv) == 0
+    largest = valid_estimate_document(json.loads(capsys.readouterr().out))["answers"]["largest_batch"]
+    assert largest["max_batch_size"] == 2
+    assert [(b["batch_size"], b["peak_bytes"], b["fits"]) for b in largest["searched"]] == [
+        (2, 8_895_042, True), (3, 13_155_733, False)]
+
+
+def test_fit_halves_the_batch_no_further_than_two_and_proposes_peft_s_reference(files: dict, capsys: Any,
+                                                                                tmp_path: Any) -> None:
+    """At a batch of 4 in 9 MiB: micro-batches of 2 accumulated twice fit (a micro-batch of 1, which
+    TRL refuses with the KL term, is never planned: the command would refuse it); with `--allow
+    lora`, adapters whose reference is the policy with its adapters disabled, the step `--lora-r 16`
+    plans. The KTOConfig written is the halved batch's, and replans to its bytes."""
+    from trl import KTOConfig
+
+    from trainer_memcb.cli import main
+
+    written = str(tmp_path / "halved.json")
+    argv = _argv(files, "kto", "--batch-size", "4", "--device-memory", "9MiB", "--reserve", "0B", "--fit", "--allow",
+                 "lora", "--max-proposals", "8", "--write-training-args", written, "--json")
+    assert main(argv) == 0
+    fit = valid_estimate_document(json.loads(capsys.readouterr().out))["answers"]["fit"]
+    assert fit["own"]["peak_bytes"] == 17_416_424
+    by_change = {json.dumps(c["changes"], sort_keys=True): c for c in fit["candidates"]}
+    halved = by_change['{"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}']
+    assert (halved["peak_bytes"], halved["fits"], halved["effective_batch"]) == (8_989_380, True, 4)
+    assert {c["training_args"]["per_device_train_batch_size"] for c in fit["candidates"]} == {2, 4}
+    lora = by_change['{"lora_r": 16}']
+    assert (lora["peak_bytes"], lora["alters_training"]) == (17_023_028, True)
+    assert fit["candidates"][0] == halved  # the one that fits
+    document, config = loaded_trl_config(written, KTOConfig, str(tmp_path / "out"))
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (2, 2)
+    assert main(_argv(dict(files, written=written), "written", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["step"]["peak_bytes"] == 8_989_380
+    assert main(_argv(files, "kto", "--batch-size", "4", "--lora-r", "16", "--json")) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["step"]["peak_bytes"] == 17_023_028 and again["settings"]["preference"]["reference"] == "adapters-disabled"
+
+
+def test_fit_proposes_no_precomputed_log_probs_where_the_reference_model_is_synced(files: dict, capsys: Any) -> None:
+    """TRL refuses sync_ref_model beside precompute_ref_log_probs: with a synced reference, the first
+    proposal is the search's own (checkpointing)."""
+    from trainer_memcb.cli import main
+
+    argv = _argv(files, "synced", "--device-memory", "8850000B", "--reserve", "0B", "--fit", "--max-proposals", "1",
+                 "--json")
+    assert main(argv) == 0
+    fit = json.loads(capsys.readouterr().out)["answers"]["fit"]
+    assert fit["own"]["peak_bytes"] == 8_895_042
+    assert [(c["changes"], c["peak_bytes"]) for c in fit["candidates"]] == [({"gradient_checkpointing": True}, 8_624_834)]
+
+
+def test_max_batch_size_where_not_even_two_fits_names_the_least_batch_kto_takes(files: dict, capsys: Any) -> None:
+    from trainer_memcb.cli import main
+
+    assert main(_argv(files, "kto", "--device-memory", "1MiB", "--reserve", "0B", "--max-batch-size")) == 3
+    lines = capsys.readouterr().out.splitlines()
+    title = lines.index("No batch fits (not even 2, the smallest the trainer takes)")
+    assert lines[title + 3].split() == ["2", "8.5", "MiB", "(8,895,042)", "-", "does", "not", "fit"]

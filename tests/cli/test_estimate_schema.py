@@ -67,7 +67,8 @@ def test_every_object_names_each_key_it_requires_and_no_other():
                                        "PackedBatch", "PlannedGeneration", "PlannedPreference", "PlannedSettings", "SearchedBatch", "Setup", "StateEstimate", "StepPeak",
                                        "WhatIf"]
     found = objects(schema)
-    assert len(found) == 18 + 4 + 2  # the $defs, the four documents, the step's answers and the evaluation's
+    # The $defs, the four documents, the step's answers and the evaluation's, and a TRL step's phase.
+    assert len(found) == 18 + 4 + 2 + 1
     for definition in found:
         assert definition["additionalProperties"] is False, definition
         assert set(definition["required"]) <= set(definition["properties"]), definition
@@ -78,7 +79,7 @@ def test_every_object_names_each_key_it_requires_and_no_other():
         "ModelStatesPlan": ["cuda_context_bytes", "reserve_bytes"],
         "model-states plan": ["cuda_context_bytes", "reserve_bytes"],
         "PlannedSettings": ["packing", "preference"],  # packing: a packed batch only (--packing); preference: --trainer dpo|grpo
-        "StepPeak": ["phases"],  # --trainer grpo: the generation and training phases' peaks
+        "StepPeak": ["phases"],  # --trainer dpo|kto|grpo|rloo: each phase's peak (generation, training)
         "step plan": ["device", "settings", "step"],
         "answers": ["evaluation", "evaluation_fit", "fit", "fits", "largest_batch", "margin_bytes"],
         "evaluation answers": ["evaluation_fit"],
@@ -182,6 +183,16 @@ def test_a_key_left_out_a_wrong_type_or_another_version_fails():
     invalid(document)
     del document["schema"]
     invalid(document)
+
+
+def test_a_trl_steps_phase_is_generation_or_training_with_its_peak():
+    document = golden("step, CPU")
+    document["step"]["phases"] = [{"phase": "generation", "peak_bytes": 1}, {"phase": "training", "peak_bytes": 2}]
+    VALIDATOR.validate(document)
+    for bad in ({"phase": "evaluation", "peak_bytes": 1}, {"phase": "training"},
+                {"phase": "training", "peak_bytes": 1, "peak_phase": "backward"}):
+        document["step"]["phases"] = [bad]
+        invalid(document)
 
 
 def test_python_m_of_the_module_prints_the_file():

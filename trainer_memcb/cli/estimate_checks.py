@@ -101,16 +101,8 @@ def _check_trainer(args: argparse.Namespace) -> None:
     if args.deepspeed is not None or getattr(args, "fsdp_config", None) is not None:
         raise ValueError(f"--trainer {trainer} is planned on one process without sharding so far: leave out "
                          "--deepspeed and --fsdp-config")
-    if trainer == "rloo" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
-        raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer rloo: the "
-                         "RLOO step is not searched yet (its batches are whole groups of num_generations); plan each "
-                         "per_device_train_batch_size with --batch-size")
     if trainer == "sft" and getattr(args, "max_batch_size", False):
         raise ValueError("--max-batch-size with --trainer sft: the SFT step is not searched yet; plan each "
-                         "per_device_train_batch_size with --batch-size")
-    if trainer == "kto" and (getattr(args, "fit", False) or getattr(args, "max_batch_size", False)):
-        raise ValueError(f"{'--fit' if getattr(args, 'fit', False) else '--max-batch-size'} with --trainer kto: the "
-                         "KTO step is not searched yet (TRL refuses a micro-batch of 1 with its KL term); plan each "
                          "per_device_train_batch_size with --batch-size")
     if getattr(args, "write_deepspeed", None):
         raise ValueError(f"--write-deepspeed with --trainer {trainer}: the {trainer.upper()} step is planned on one "
@@ -121,9 +113,6 @@ def _check_trainer(args: argparse.Namespace) -> None:
     if args.reference_model:
         raise ValueError(f"--reference-model with --trainer {trainer}: the {trainer.upper()} step plans its own "
                          "reference (a frozen copy, the adapters disabled with --lora-r, or none); leave it out")
-    if trainer == "grpo" and getattr(args, "max_batch_size", False):
-        raise ValueError("--max-batch-size with --trainer grpo: the search does not step by whole groups of "
-                         "num_generations yet; plan each per_device_train_batch_size with --batch-size")
 
 
 # The keys of a config.json that name an input other than token ids (an image's pixels, speech's

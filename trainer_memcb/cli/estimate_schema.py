@@ -66,25 +66,22 @@ _EVALUATION_ANSWERS = {
     "required": ["evaluation"], "additionalProperties": False}
 
 
-def estimate_schema() -> Dict[str, Any]:
-    """The JSON Schema of every document `trainer-memcb estimate --json` prints: the what-if, the
-    model-states plan, the step plan (with the evaluation, `--fit` and `--max-batch-size` where
-    asked) and the evaluation plan alone; one `oneOf` branch each.
+# One phase of a TRL step (`StepPeak.phases`): generation or training, and its device peak.
+_PHASE = {"type": "object", "description": "One phase of TRL's step (GRPO and RLOO: generation, then training; "
+                                           "DPO and KTO: training alone) and its device peak.",
+          "properties": {"phase": {"enum": ["generation", "training"]}, "peak_bytes": {"type": "integer"}},
+          "required": ["phase", "peak_bytes"], "additionalProperties": False}
 
-    Examples:
-        >>> schema = estimate_schema()
-        >>> [branch["title"] for branch in schema["oneOf"]]
-        ['what-if', 'model-states plan', 'step plan', 'evaluation plan']
-        >>> schema["$defs"]["FitSearch"]["required"]
-        ['fits_as_is', 'own', 'candidates', 'usable_bytes']
-    """
+
+def _definitions() -> Dict[str, Any]:
+    """The `$defs` of the schema: each plan's class, read from its fields."""
     from trainer_memcb.plan.answers.eval_memory import EvalMemoryPlan
     from trainer_memcb.plan.answers.fit_candidates import FitCandidate, FitSearch
     from trainer_memcb.plan.answers.max_batch import LargestBatch
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
-    from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepPeak, Verdict
+    from trainer_memcb.plan.answers.step_plan import DeviceFigures, PlannedSettings, StepPeak
     from trainer_memcb.plan.optimizers.whatif import WhatIf
-    from trainer_memcb.utils.json_schema import JSON_SCHEMA_DIALECT, object_schema
+    from trainer_memcb.utils.json_schema import object_schema
 
     defs: Dict[str, Any] = {}
     # The classes whose JSON form is not their fields alone come first; the others as their fields
@@ -103,7 +100,27 @@ def estimate_schema() -> Dict[str, Any]:
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
     for cls in (FitSearch, LargestBatch, StepPeak, DeviceFigures, WhatIf):
         defs[cls.__name__] = object_schema(cls, defs, optional=["phases"] if cls is StepPeak else ())
+    defs["StepPeak"]["properties"]["phases"]["items"] = _PHASE
     defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing", "preference"])
+    return defs
+
+
+def estimate_schema() -> Dict[str, Any]:
+    """The JSON Schema of every document `trainer-memcb estimate --json` prints: the what-if, the
+    model-states plan, the step plan (with the evaluation, `--fit` and `--max-batch-size` where
+    asked) and the evaluation plan alone; one `oneOf` branch each.
+
+    Examples:
+        >>> schema = estimate_schema()
+        >>> [branch["title"] for branch in schema["oneOf"]]
+        ['what-if', 'model-states plan', 'step plan', 'evaluation plan']
+        >>> schema["$defs"]["FitSearch"]["required"]
+        ['fits_as_is', 'own', 'candidates', 'usable_bytes']
+    """
+    from trainer_memcb.plan.answers.step_plan import Verdict
+    from trainer_memcb.utils.json_schema import JSON_SCHEMA_DIALECT, object_schema
+
+    defs = _definitions()
     step_plan = _document(
         "step plan", "A traced step (--batch-size, a TrainingArguments file, --max-batch-size): the settings "
         "planned, the model states beside the step, the step's peak and its parts, the device (the allocator "

@@ -65,7 +65,7 @@ class _StepTraces:
 
 def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     check_search_options(args)
-    from trainer_memcb.plan.answers.max_batch import LargestBatch, max_batch_size
+    from trainer_memcb.plan.answers.max_batch import LargestBatch, max_batch_size, trainer_batches
     from trainer_memcb.plan.answers.step_memory import states_during_step
 
     memory = usable_memory(args)
@@ -76,8 +76,9 @@ def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     searched: List[StepMemoryPlan] = []
     largest = None
     if args.max_batch_size:
-        found, searched = max_batch_size(plan_at, memory)
-        largest = LargestBatch.of(found, searched)
+        first, unit = trainer_batches(settings.preference)  # TRL's steps take only some batches
+        found, searched = max_batch_size(plan_at, memory, first=first, unit=unit)
+        largest = LargestBatch.of(found, searched, unit)
     step = plan_at(settings.batch_size) if settings.batch_size is not None else None
     # The model-states table from the same trace: each state's most during the engine's step (the
     # states do not depend on the batch, so the search's plan at the answer serves without one).

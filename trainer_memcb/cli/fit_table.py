@@ -116,7 +116,7 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
                        # either, and TRL 1.16 turns Liger's fused loss off under it.
                        liger_kernel=(liger_kernel_proposable(model, device_type, settings.use_liger_kernel)
                                      and settings.preference is None and settings.tp_size == 1),
-                       trainer_proposals=trainer_proposals(settings), **_grpo_rules(settings, own, model),
+                       trainer_proposals=trainer_proposals(settings, own), **_trl_rules(settings, own, model),
                        **_layout_options(args, settings, model, value_bytes, device_type))
 
 
@@ -167,15 +167,21 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     return sizes
 
 
-def _grpo_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]:
-    """For TRL's GRPO step, the search's `settle_args` (the generation batch kept as the batch
-    changes) and `trainer_searches` (a smaller `generation_batch_size`, a lower
-    `vllm_gpu_memory_utilization`): `trainer_memcb.plan.answers.grpo_fit`; nothing for another step."""
+def _trl_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]:
+    """For TRL's GRPO and RLOO steps (RLOO's generation is GRPO's, from the same fields of its
+    config), the search's `settle_args` (the generation batch kept as the batch changes) and
+    `trainer_searches` (a smaller `generation_batch_size`, a lower `vllm_gpu_memory_utilization`):
+    `trainer_memcb.plan.answers.grpo_fit`; for KTO's, `settle_args` alone (no micro-batch of 1 with
+    its KL term: `settle_kto_args`); nothing for another step."""
     from trainer_memcb.plan.answers.grpo_answer import device_memory_of
     from trainer_memcb.plan.answers.grpo_fit import grpo_searches, settle_grpo_args, vllm_floor_bytes
+    from trainer_memcb.plan.answers.kto_fit import settle_kto_args
 
     step = getattr(settings, "preference", None)
-    if getattr(step, "trainer", None) != "grpo":
+    trainer = getattr(step, "trainer", None)
+    if trainer == "kto":
+        return {"settle_args": settle_kto_args(step)}
+    if trainer not in ("grpo", "rloo"):
         return {}
     floor = vllm_floor_bytes(model, step, own) if step.use_vllm else None
     return {"settle_args": settle_grpo_args(step, settings.batch_size),
@@ -183,15 +189,18 @@ def _grpo_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any
                                               int(own.get("num_iterations") or 1), device_memory_of(settings), floor)}
 
 
-def trainer_proposals(settings: Any) -> List[Dict[str, Any]]:
-    """The changes of the trainer's own config proposed: for TRL's DPO step with a reference that
-    runs a forward (a frozen model, or the policy with its adapters off), `precompute_ref_log_probs`
-    (TRL computes the reference's log-probs once, before training: the step then holds no reference
-    model and runs no reference forward)."""
+def trainer_proposals(settings: Any, own: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The changes of the trainer's own config proposed: for TRL's DPO and KTO steps with a
+    reference that runs a forward (a frozen model, or the policy with its adapters off),
+    `precompute_ref_log_probs` (TRL computes the reference's log-probs once, before training: the
+    step then holds no reference model and runs no reference forward), unless the user's config
+    (`own`) syncs the reference model, which TRL refuses beside it."""
+    from trainer_memcb.plan.step.kto import KtoStep
     from trainer_memcb.plan.step.preference import DpoStep
 
     preference = getattr(settings, "preference", None)
-    if isinstance(preference, DpoStep) and preference.reference != "precomputed":
+    if (isinstance(preference, (DpoStep, KtoStep)) and preference.reference != "precomputed"
+            and not own.get("sync_ref_model")):
         return [{"precompute_ref_log_probs": True}]
     return []
 
@@ -243,7 +252,7 @@ def fit_tables(search: FitSearch, evaluation: bool = False, title: Optional[str]
 
 
 def _vllm_colocated(search: FitSearch) -> bool:
-    """Whether the user's step is TRL's GRPO with vLLM colocated (its share in each setting's reserve)."""
+    """Whether the user's step is TRL's GRPO or RLOO with vLLM colocated (its share in each setting's reserve)."""
     settings = search.own.plan.settings if search.own.plan is not None else None
     generation = getattr(getattr(settings, "preference", None), "generation", None)
     return getattr(generation, "vllm_gpu_memory_utilization", None) is not None
@@ -324,8 +333,8 @@ def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[st
         _write_accelerate_config(first, args, accelerate_path, said)
     if args.write_training_args:
         write(args.write_training_args, training_args)
-        kind = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}.get(getattr(args, "trainer", "trainer"),
-                                                                                 "TrainingArguments")
+        kind = {"sft": "SFTConfig", "dpo": "DPOConfig", "kto": "KTOConfig", "grpo": "GRPOConfig",
+                "rloo": "RLOOConfig"}.get(getattr(args, "trainer", "trainer"), "TrainingArguments")
         said.append(f"wrote {args.write_training_args}: {kind} of {first.label}")
     if "attn_implementation" in first.changes:  # not a TrainingArguments field: said, not written
         said.append(f"load the model with attn_implementation={first.changes['attn_implementation']!r} "

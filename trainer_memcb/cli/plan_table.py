@@ -250,7 +250,9 @@ def _largest_batch_table(largest: LargestBatch) -> TextTable:
     elif best is not None:
         title = f"Largest per-device batch that fits: {best}"
     else:
-        title = "No batch fits (not even 1)"
+        smallest = largest.searched[0].batch_size if largest.searched else 1
+        title = f"No batch fits (not even {smallest}, the smallest the trainer takes)" if smallest > 1 else \
+            "No batch fits (not even 1)"
     return TextTable(title, ["batch", "step peak", "reserved peak", "fits?"], rows)
 
 

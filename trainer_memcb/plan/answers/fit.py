@@ -23,10 +23,11 @@ dict (and a DeepSpeed config where it uses ZeRO) planned by the same trace as th
 - Liger's kernels (`use_liger_kernel=True`) where the caller allows them (`liger_kernel_proposable`:
   CUDA, a model type whose patching is planned), marked as needing the liger-kernel package;
 - the trainer's own settings the caller names (`trainer_proposals`: TRL's
-  `precompute_ref_log_probs` for DPO, which holds no reference model; `trainer_searches`, the
-  largest that fits of an ordered list: GRPO's `generation_batch_size` and colocated vLLM's
-  `vllm_gpu_memory_utilization`, `trainer_memcb.plan.answers.grpo_fit`), and the trainer's rule
-  for a setting's arguments (`settle_args`: GRPO keeps its generation batch as the batch changes);
+  `precompute_ref_log_probs` for DPO and KTO, which then hold no reference model; `trainer_searches`,
+  the largest that fits of an ordered list: GRPO's and RLOO's `generation_batch_size` and colocated
+  vLLM's `vllm_gpu_memory_utilization`, `trainer_memcb.plan.answers.grpo_fit`), and the trainer's
+  rule for a setting's arguments (`settle_args`: GRPO and RLOO keep their generation batch as the
+  batch changes; KTO takes no micro-batch of 1 with its KL term, `trainer_memcb.plan.answers.kto_fit`);
 - with `allow`: a shorter sequence (`seq-len`) and LoRA adapters (`lora`), which change the training.
 
 Activation offloading is not proposed. transformers (5.x) has none of its own; TRL's

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainer_memcb.plan.answers.fit import step_verdict
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
 
-__all__ = ["LargestBatch", "SearchedBatch", "max_batch_size", "MAX_BATCH_SEARCH_LIMIT"]
+__all__ = ["LargestBatch", "SearchedBatch", "max_batch_size", "trainer_batches", "MAX_BATCH_SEARCH_LIMIT"]
 
 
 # The largest batch `max_batch_size` searches: an answer equal to it means "at least this many".
@@ -49,18 +50,38 @@ class LargestBatch:
     searched: Tuple[SearchedBatch, ...]
 
     @classmethod
-    def of(cls, found: Optional[int], plans: List[StepMemoryPlan]) -> "LargestBatch":
-        """The answer from `max_batch_size`'s: its batch and the plans it traced."""
+    def of(cls, found: Optional[int], plans: List[StepMemoryPlan], unit: int = 1) -> "LargestBatch":
+        """The answer from `max_batch_size`'s: its batch and the plans it traced (`unit`: the
+        search's step between batches, `trainer_batches`)."""
         problem = next((f"at batch {plan.settings.batch_size} {plan.step.problem}" for plan in plans
                         if plan.step.problem is not None), None)
-        return cls(found, problem, found == MAX_BATCH_SEARCH_LIMIT, tuple(SearchedBatch.of(plan) for plan in plans))
+        at_limit = found is not None and found + unit > MAX_BATCH_SEARCH_LIMIT
+        return cls(found, problem, at_limit, tuple(SearchedBatch.of(plan) for plan in plans))
 
     def to_dict(self) -> Dict[str, Any]:
         return {**asdict(self), "searched": [asdict(batch) for batch in self.searched]}
 
 
+def trainer_batches(step: Any) -> Tuple[int, int]:
+    """The smallest per-device batch the trainer takes, and the step between the batches it takes,
+    for the TRL step `step` (`StepSettings.preference`, None for the Trainer's own):
+
+    - KTO with its KL term: 2, then each (`KTOTrainer.__init__` refuses a micro-batch of 1);
+    - GRPO and RLOO: the multiples of the least batch whose generation (`batch x
+      steps_per_generation` completions) is whole groups of `num_generations`, which TRL requires;
+    - any other step: 1, then each.
+    """
+    if getattr(step, "trainer", None) == "kto" and step.calculate_kl:
+        return 2, 1
+    if hasattr(step, "generation_rows"):
+        unit = step.num_generations // math.gcd(step.num_generations, step.steps_per_generation)
+        return unit, unit
+    return 1, 1
+
+
 def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
-                   limit: int = MAX_BATCH_SEARCH_LIMIT) -> Tuple[Optional[int], List[StepMemoryPlan]]:
+                   limit: int = MAX_BATCH_SEARCH_LIMIT, first: int = 1,
+                   unit: int = 1) -> Tuple[Optional[int], List[StepMemoryPlan]]:
     """The largest per-device batch whose planned step fits, and the plans traced. Each batch is
     decided by the verdict its step plan reports (`step_verdict`: on CUDA the allocator replay on
     the device's memory, else the peak against `device_memory`), so the answer is the one the step
@@ -79,27 +100,34 @@ def max_batch_size(plan_at: Callable[[int], StepMemoryPlan], device_memory: int,
         plan_at: the step plan at a batch size.
         device_memory: bytes per process the step may use (the device's memory less the CUDA context
             and the reserve): the search's guesses, and the answer for plans without their own.
-        limit: the largest batch searched; an answer equal to it means that batch fits, and
-            larger ones were not tried.
+        limit: the largest batch searched; an answer within `unit` of it means that batch fits,
+            and larger ones were not tried.
+        first, unit: the batches the trainer takes: `first`, then a step of `unit` each
+            (`trainer_batches`); the search runs over their numbers 1, 2, 3, ..., on which the
+            peak grows as linearly as on the batch. None when `first` does not fit.
     """
+    # Keyed by the batch's number on the trainer's grid (1: `first`), which the guesses read.
     plans: Dict[int, StepMemoryPlan] = {}
 
     class _CannotTrace(Exception):
         pass
 
-    def fits(batch: int) -> bool:
-        if batch not in plans:
-            plans[batch] = plan_at(batch)
-        verdict, _ = step_verdict(plans[batch], device_memory)
+    def batch_of(number: int) -> int:
+        return first + unit * (number - 1)
+
+    def fits(number: int) -> bool:
+        if number not in plans:
+            plans[number] = plan_at(batch_of(number))
+        verdict, _ = step_verdict(plans[number], device_memory)
         if verdict is None:
             raise _CannotTrace()
         return verdict
 
     try:
-        best = _search(fits, plans, device_memory, limit)
+        best = _search(fits, plans, device_memory, (limit - first) // unit + 1)
     except _CannotTrace:
         best = None
-    return best, [plans[b] for b in sorted(plans)]
+    return (None if best is None else batch_of(best)), [plans[number] for number in sorted(plans)]
 
 
 def _guess(plans: Dict[int, StepMemoryPlan], low: int, other: int, device_memory: int) -> int:

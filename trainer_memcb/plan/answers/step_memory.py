@@ -397,12 +397,12 @@ def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_
 
 
 def _phases(traced: Any, settings: StepSettings) -> List[Dict[str, Any]]:
-    """Each phase's device peak of TRL's GRPO step (generation, then training) and KTO's (training
-    alone); none for the other steps."""
+    """Each phase's device peak of TRL's GRPO and RLOO steps (generation, then training) and DPO's
+    and KTO's (training alone); none for the other steps."""
     training = {"phase": "training", "peak_bytes": max(traced.forward_backward_peak, traced.optimizer_peak or 0)}
     if traced.generation_peak is not None:
         return [{"phase": "generation", "peak_bytes": traced.generation_peak}, training]
-    return [training] if getattr(settings.preference, "trainer", None) == "kto" else []
+    return [training] if settings.preference is not None else []
 
 
 def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:

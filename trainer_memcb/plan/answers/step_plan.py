@@ -159,8 +159,8 @@ class StepPeak:
         problem: why no step could be traced (then only the model states are known), or None.
         notes: what the reader should know of how a figure was found.
         phases: TRL's GRPO (and RLOO) step: each phase's device peak, `{"phase": "generation" or "training",
-            "peak_bytes": ...}` (the step's peak the larger); KTO's: its training phase alone; empty,
-            and left out of the JSON form, for every other step.
+            "peak_bytes": ...}` (the step's peak the larger); DPO's and KTO's: their training phase
+            alone; empty, and left out of the JSON form, for every other step.
     """
 
     activations_bytes: Optional[int] = None
