@@ -18,7 +18,8 @@ dimension: what they allocate is what a GPU allocates, by construction:
   value rotated again, each turn's flash gradients, the key and value gradients concatenated and sent
   round the ring by `permute_tensor` (`alltoall` always), the final ones cast back.
 
-Autograd saves what it saves for `aten._scaled_dot_product_flash_attention`: the local query, key and
+The collectives' results are taken as a GPU holds them (`wait_tensor` returns its input there; the
+fake mode's makes a copy, `ring_options`). Autograd saves what it saves for `aten._scaled_dot_product_flash_attention`: the local query, key and
 value, the merged output and logsumexp (`derivatives.yaml`). The flash backward's own workspace
 (`softmax_d`, `dq_accum`, `flash_backward_workspace_bytes`) is held while each turn's kernel runs, as
 `cuda_sdpa` holds it for one process. Only flash is traced: the memory-efficient kernel's logsumexp
@@ -56,16 +57,26 @@ def ring_module() -> Any:
 def ring_options(rotate: str) -> Iterator[None]:
     """Within: torch's CP options as `context_parallel` sets them for a sequence its head-tail load
     balancer takes (`enable_load_balance`), the rotate method accelerate sets (`set_rotate_method`)."""
+    import torch.distributed._functional_collectives as ft_c
+
     module = ring_module()
     options = module._cp_options
-    saved = (options.enable_load_balance, options.rotate_method)
+    saved = (options.enable_load_balance, options.rotate_method, ft_c._maybe_wrap_tensor)
     options.enable_load_balance = True
     options.rotate_method = (module._RotateMethod.ALL_GATHER if rotate == "allgather"
                              else module._RotateMethod.ALL_TO_ALL)
+    # Under a fake mode a functional collective's result is waited at once (`_are_we_tracing`), and
+    # the fake `wait_tensor` gives a new tensor: two storages where a GPU holds one (its
+    # `wait_tensor` returns its input). The result is taken as it is.
+    ft_c._maybe_wrap_tensor = _as_it_is
     try:
         yield
     finally:
-        options.enable_load_balance, options.rotate_method = saved
+        options.enable_load_balance, options.rotate_method, ft_c._maybe_wrap_tensor = saved
+
+
+def _as_it_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _flash_backward_op(**kwargs: Any) -> Tuple[torch.Tensor, ...]:
