@@ -69,7 +69,9 @@ class ContextParallelEngine(FSDP2Engine):
         self.ring_group = self._cp_mesh.get_group()
         sharded = [name for name in ("dp_shard", "cp") if name in names]
         mesh[tuple(sharded)]._flatten("dp_shard_cp")
-        self.notes.append(f"context parallel over {cp} processes (torch's ring attention, "
+        seq_len = self.settings.seq_len
+        share = f": each holds {seq_len // cp} of the {seq_len} tokens" if seq_len else ""
+        self.notes.append(f"context parallel over {cp} processes{share} (torch's ring attention, "
                           f"{self.settings.cp_comm_strategy} rotation), FSDP2 over dp_shard x cp = {shards * cp}")
         if replicate > 1:
             return mesh[("dp_replicate", "dp_shard_cp")]
