@@ -53,6 +53,11 @@ class ContextParallelEngine(FSDP2Engine):
     name = "cp-fsdp2"
 
     def __init__(self, settings: Any) -> None:
+        from trainer_memcb.plan.step.ring_attention import ring_module
+
+        if ring_module() is None:
+            raise ValueError(f"parallelism cp={settings.cp_size}: this torch has no ring attention package "
+                             "(torch.distributed.tensor.experimental._context_parallel, torch 2.9 and later)")
         super().__init__(settings)
         self.ring_group: Any = None
         self._cp_mesh: Any = None
@@ -68,14 +73,13 @@ class ContextParallelEngine(FSDP2Engine):
         self._cp_mesh = mesh["cp"]
         self.ring_group = self._cp_mesh.get_group()
         sharded = [name for name in ("dp_shard", "cp") if name in names]
-        mesh[tuple(sharded)]._flatten("dp_shard_cp")
+        flat = mesh[tuple(sharded)]._flatten("dp_shard_cp")
         seq_len = self.settings.seq_len
         share = f": each holds {seq_len // cp} of the {seq_len} tokens" if seq_len else ""
         self.notes.append(f"context parallel over {cp} processes{share} (torch's ring attention, "
-                          f"{self.settings.cp_comm_strategy} rotation), FSDP2 over dp_shard x cp = {shards * cp}")
-        if replicate > 1:
-            return mesh[("dp_replicate", "dp_shard_cp")]
-        return mesh["dp_shard_cp"]
+                          f"{self.settings.cp_comm_strategy} rotation), FSDP2 over dp_shard x cp = {shards * cp}"
+                          + (f", replicated {replicate}x (HSDP)" if replicate > 1 else ""))
+        return mesh[("dp_replicate", "dp_shard_cp")] if replicate > 1 else flat
 
     @property
     def ring(self) -> Any:
