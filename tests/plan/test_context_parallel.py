@@ -76,6 +76,17 @@ def test_attention_other_than_sdpa_is_refused_as_the_trainer_refuses_it():
 
 
 @requires_torch("2.13", RING)
+def test_a_kernel_other_than_flash_is_the_step_s_problem_named():
+    # float32: a GPU takes the memory-efficient kernel, whose ring the plan does not trace (its
+    # logsumexp is padded to 32 rows, `kAlignLSE`, which the ring's merge broadcasts only where the
+    # local tokens are a multiple of 32).
+    settings = resolve_settings(parallelism="cp=2", batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=64, settings=settings, model_states=False)
+    assert "a GPU takes the 'efficient' attention kernel for torch.float32 here; the plan traces the ring on " \
+           "flash only" in plan.step.problem
+
+
+@requires_torch("2.13", RING)
 def test_torch_s_context_parallel_does_not_run_on_this_cpu():
     import torch.distributed as dist
     import torch.nn.functional as F
