@@ -59,7 +59,7 @@ def test_tp_x_fsdp2_on_four_processes(tiny_llama_dir, capsys):
     (["--parallelism", "tp=3"], "the model's num_attention_heads=4 does not divide by 3 (each rank runs whole"),
     (["--parallelism", "tp=2,dp_shard=2,dp_replicate=2"], "without DeepSpeed, HSDP's replicas or offload"),
     (["--parallelism", "tp=2", "--zero", "3"], "tensor parallelism is planned alone (world_size = tp) or with FSDP2"),
-    (["--parallelism", "cp=2"], "context parallelism is not planned yet"),
+    (["--parallelism", "cp=2"], "cp=2 on device_type 'cpu': torch's ring attention runs CUDA's flash"),
     (["--parallelism", "tp=2,dp_replicate=2"], "accelerate does not compose DDP with TP"),
     (["--parallelism", "pp=2"], "argument --parallelism: parallelism 'pp=2': expected NAME=SIZE"),
 ])

@@ -162,7 +162,8 @@ def _add_plan_arguments(estimate: argparse.ArgumentParser) -> None:
     plan.add_argument("--parallelism", metavar="SIZES", type=_checked(_parallelism),
                       help="accelerate's ParallelismConfig as tp=2[,dp_shard=N,dp_replicate=N,cp=N]: the sizes "
                            "multiply to the world size; planned so far: tp=N alone or with dp_shard=M (FSDP2), "
-                           "from the model's tp_plan (with --batch-size)")
+                           "from the model's tp_plan, and cp=N (context parallel, torch's ring attention) with "
+                           "FSDP2 over dp_shard x cp (with --batch-size)")
     shard = plan.add_mutually_exclusive_group()
     shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
     shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")

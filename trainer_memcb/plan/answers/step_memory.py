@@ -334,6 +334,11 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
 
         check_tensor_parallel_model(config, settings.tp_size)
         torch_tp_plan(model_tp_plan(meta))
+    if settings.cp_size > 1:  # the Trainer's and accelerate's rules for the model
+        from trainer_memcb.plan.settings.parallelism import check_context_parallel_model
+
+        attention = settings.attn_implementation or getattr(config, "_attn_implementation", None)
+        check_context_parallel_model(meta, attention, settings.cp_size)
     if settings.attn_implementation is not None and config is not None:
         check_attn_implementation(meta, settings.attn_implementation)
         flash = settings.attn_implementation.startswith("flash_attention") or is_flash_path(settings.attn_implementation)

@@ -22,6 +22,24 @@ split inside a head would break the attention's `view(..., -1, head_dim)`; trans
 `get_kv_heads_per_rank` gives None then), and the MLP's `intermediate_size` and the `hidden_size`
 divide by `tp` (torch's `Shard` of an uneven size gives ranks different shards, which this plan
 does not trace per rank yet).
+
+And context parallelism's (`cp > 1`, `check_context_parallel`), as accelerate, transformers and torch
+run it:
+
+- beside FSDP2 only: accelerate's `AcceleratorState` refuses `cp_size > 1` without an FSDP plugin
+  ("we also shard the model across the device mesh") or with FSDP1, and FSDP2 shards over the
+  joint `dp_shard x cp` ranks; DeepSpeed is refused;
+- on CUDA: torch's ring (`_sdpa_handler`) dispatches CUDA's flash, memory-efficient and cuDNN
+  attention kernels only ("CP only supports flash attention and memory efficient attention now");
+- the model's attention implementation "sdpa" (`Trainer._prepare_context_parallel_inputs`:
+  "Context parallelism is supported only with SDPA attention") and full causal attention
+  (accelerate refuses a model whose `supports_context_parallel` is False: sliding-window, chunked
+  or recurrent layers), checked with the model (`check_context_parallel_model`);
+- the rotate method `cp_comm_strategy` "allgather" or "alltoall" (`TorchContextParallelConfig`);
+- a sequence length divisible by `2 x cp`: torch's head-tail load balancer
+  (`_create_default_load_balancer`) is taken only then; other lengths give ranks uneven shares,
+  which this plan does not trace;
+- not beside tensor parallelism, padding-free packing or TRL's trainers: not planned yet.
 """
 
 from __future__ import annotations
@@ -30,7 +48,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
 __all__ = ["Parallelism", "parse_parallelism", "parallelism_from_config", "check_tensor_parallel_model",
-           "PARALLELISM_SIZES"]
+           "check_context_parallel", "check_context_parallel_model", "PARALLELISM_SIZES", "CP_COMM_STRATEGIES"]
+
+# accelerate's `TorchContextParallelConfig.cp_comm_strategy` values (torch's `set_rotate_method`).
+CP_COMM_STRATEGIES = ("allgather", "alltoall")
 
 # The sizes, in accelerate's mesh order (`ParallelismConfig._get_mesh`: dp_replicate, dp_shard, cp, tp).
 PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -160,3 +181,57 @@ def check_tensor_parallel_model(config: Any, tp: int) -> None:
     for name, value, why in checks:
         if isinstance(value, int) and value % tp:
             raise ValueError(f"parallelism tp={tp}: the model's {name}={value} does not divide by {tp} ({why})")
+
+
+def check_context_parallel(settings: Any) -> None:
+    """Refuse context parallel settings accelerate, transformers or torch refuse, or that this plan
+    does not trace yet (module docstring).
+
+    Raises:
+        ValueError: one line naming the setting, its value and the rule.
+    """
+    cp = settings.cp_size
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp_size={cp!r}: expected a whole number of at least 1")
+    if cp == 1:
+        return
+    strategy = settings.cp_comm_strategy
+    if strategy not in CP_COMM_STRATEGIES:
+        raise ValueError(f"cp_comm_strategy={strategy!r}: accelerate takes {' or '.join(CP_COMM_STRATEGIES)}")
+    if not settings.sharding.startswith("fsdp-") or settings.precision.startswith("deepspeed-"):
+        raise ValueError(f"parallelism cp={cp} with sharding {settings.sharding!r}: accelerate runs context "
+                         "parallelism beside FSDP2 only (it shards the model over dp_shard x cp)")
+    world, replicate = settings.world_size, settings.replicate
+    if world % (cp * replicate):
+        raise ValueError(f"parallelism cp={cp} on world_size={world} with replicate={replicate}: the world is "
+                         "dp_replicate x dp_shard x cp processes")
+    if settings.device_type != "cuda":
+        raise ValueError(f"parallelism cp={cp} on device_type {settings.device_type!r}: torch's ring attention "
+                         "runs CUDA's flash, memory-efficient or cuDNN kernels only; give device_type cuda")
+    if settings.seq_len is not None and settings.seq_len % (2 * cp):
+        raise ValueError(f"parallelism cp={cp} with seq_len={settings.seq_len}: the sequence must divide by 2 x cp "
+                         f"= {2 * cp} (torch's head-tail load balancing; other lengths give ranks uneven shares, "
+                         "not planned)")
+    others = (("tp_size", settings.tp_size > 1, "tensor parallelism"),
+              ("packing", settings.packing is not None, "padding-free packing"),
+              ("preference", settings.preference is not None, "TRL's trainers"))
+    for name, given, what in others:
+        if given:
+            raise ValueError(f"parallelism cp={cp} with {name}: context parallelism beside {what} is not "
+                             "planned yet")
+
+
+def check_context_parallel_model(model: Any, attn_implementation: Any, cp: int) -> None:
+    """Refuse a model the Trainer or accelerate refuse context parallelism for (module docstring).
+
+    Raises:
+        ValueError: naming the attention implementation, or the model's class.
+    """
+    if cp <= 1:
+        return
+    if attn_implementation != "sdpa":
+        raise ValueError(f"parallelism cp={cp} with attention {attn_implementation!r}: the Trainer runs context "
+                         "parallelism with SDPA attention only; give --attn-implementation sdpa")
+    if not getattr(model, "supports_context_parallel", True):
+        raise ValueError(f"parallelism cp={cp}: accelerate refuses {type(model).__name__} (its layers' masks are "
+                         "not full causal attention, which is all context parallelism expresses)")

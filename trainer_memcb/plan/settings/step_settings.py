@@ -104,6 +104,12 @@ class StepSettings:
             `trainer_memcb.plan.settings.parallelism`): the model's linear layers split over `tp_size`
             processes by its `tp_plan`; planned so far alone (`world_size == tp_size`) or with FSDP2
             (`world_size // tp_size` shards of each TP shard).
+        cp_size, cp_comm_strategy: context parallelism's degree and how its ring rotates the keys and
+            values ("allgather", accelerate's default, or "alltoall"; accelerate's
+            `TorchContextParallelConfig.cp_comm_strategy`): each rank holds `seq_len / cp_size` of the
+            sequence, attention is torch's ring over `cp_size` ranks, beside FSDP2 over the
+            `world_size // replicate` ranks of `dp_shard x cp` (`trainer_memcb.plan.settings.parallelism`
+            lists the rules).
         torch_empty_cache_steps: the Trainer's `torch_empty_cache_steps`: `torch.cuda.empty_cache()`
             after the forward of each step whose `global_step` it divides (the allocator replay).
         target_len, image_size, padding: the rest of the micro-batch's shape: a seq2seq model's
@@ -155,6 +161,8 @@ class StepSettings:
     fsdp_cpu_offload: bool = False
     replicate: int = 1
     tp_size: int = 1
+    cp_size: int = 1
+    cp_comm_strategy: Optional[str] = None
     torch_empty_cache_steps: Optional[int] = None
     target_len: Optional[int] = None
     image_size: Optional[int] = None
@@ -187,6 +195,9 @@ class StepSettings:
             raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
                              "(sharding none) so far")
         _check_tensor_parallel(self)
+        from trainer_memcb.plan.settings.parallelism import check_context_parallel
+
+        check_context_parallel(self)
         if self.sharding.startswith("zero") or self.precision.startswith("deepspeed-"):
             zero = dict(ZERO_DEFAULTS)
             zero.update(self.zero)
@@ -219,7 +230,7 @@ class StepSettings:
         for item in dataclasses.fields(self):
             if item.name in ("zero", "sources", "preference") or getattr(self, item.name) is None:
                 continue
-            if item.name == "tp_size" and self.tp_size == 1 and "tp_size" not in self.sources:
+            if item.name in ("tp_size", "cp_size") and getattr(self, item.name) == 1 and item.name not in self.sources:
                 continue  # no tensor parallelism: no row, as before it was planned
             rows.append((item.name, getattr(self, item.name), self.sources.get(item.name, _DEFAULT)))
         for key in sorted(self.zero):
@@ -729,15 +740,30 @@ def _layout(args: Mapping[str, Any], parallelism: Any) -> Optional[Tuple[Any, st
     return (found, "training args (parallelism_config)") if found is not None else None
 
 
-def _put_parallelism(got: _Resolving, layout: Any, source: str) -> None:
+def _cp_comm_strategy(args: Mapping[str, Any]) -> Optional[str]:
+    """The training args' `parallelism_config.cp_handler.cp_comm_strategy`, if given."""
+    config = args.get("parallelism_config")
+    handler = config.get("cp_handler") if isinstance(config, Mapping) else getattr(config, "cp_handler", None)
+    if handler is None:
+        return None
+    return handler.get("cp_comm_strategy") if isinstance(handler, Mapping) else getattr(handler, "cp_comm_strategy", None)
+
+
+def _put_parallelism(got: _Resolving, layout: Any, source: str, strategy: Optional[str] = None) -> None:
     """The settings a parallel layout (`parallelism.Parallelism`) gives: its processes, its tensor
-    parallel degree, and FSDP2 (HSDP with replicas) where it shards, DDP where it only replicates, as
-    accelerate prepares the model for it."""
-    if layout.cp > 1:
-        raise ValueError(f"parallelism cp={layout.cp}: context parallelism is not planned yet")
+    and context parallel degrees (the ring's rotate method `strategy`, else accelerate's default),
+    and FSDP2 (HSDP with replicas) where it shards (over `dp_shard x cp` with context parallelism),
+    DDP where it only replicates, as accelerate prepares the model for it."""
     got.put("world_size", layout.total, source)
     got.put("tp_size", layout.tp, source)
-    if layout.dp_shard > 1:
+    if layout.cp > 1:
+        # accelerate runs CP beside FSDP2 only, sharding over dp_shard x cp (`dp_shard_cp`).
+        got.put("cp_size", layout.cp, source)
+        got.put("cp_comm_strategy", strategy or "allgather", source if strategy else
+                "default (accelerate's TorchContextParallelConfig)")
+        got.put("sharding", "fsdp-full-shard", source)
+        got.put("replicate", layout.dp_replicate, source)
+    elif layout.dp_shard > 1:
         got.put("sharding", "fsdp-full-shard", source)
         got.put("replicate", layout.dp_replicate, source)
     elif layout.dp_replicate > 1:
@@ -783,7 +809,7 @@ def resolve_settings(training_args: Any = None, deepspeed: Any = None, fsdp_conf
         _put_fsdp(got, fsdp, args, fsdp_config)
     layout = _layout(args, parallelism)
     if layout is not None:
-        _put_parallelism(got, layout[0], layout[1])
+        _put_parallelism(got, layout[0], layout[1], _cp_comm_strategy(args))
     for name, value in flags.items():
         got.put(name, value, "flag")
     if layout is not None:

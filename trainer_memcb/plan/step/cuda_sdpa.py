@@ -171,10 +171,12 @@ def _hold_while_the_kernel_runs(like: torch.Tensor, allocations: List[Tuple[str,
     held.clear()
 
 
-def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
-          scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, ring_group: Any, query: torch.Tensor,
+          key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
     backend = gpu_sdpa_backend(query, key, attn_mask, dropout_p, is_causal, enable_gqa, compute_capability)
+    if ring_group is not None:
+        return _ring(ring_group, backend, query, key, value, attn_mask, dropout_p, is_causal, scale)
     attn_mask = _additive_mask(attn_mask, query.dtype)
     if backend == "math":
         return torch.ops.aten._scaled_dot_product_attention_math.default(
@@ -183,16 +185,39 @@ def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, query: torch.
                                  (compute_capability, float(dropout_p)))
 
 
+def _ring(group: Any, backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """Context parallelism's attention (`trainer_memcb.plan.step.ring_attention`), where torch's ring
+    takes these arguments as the plan traces it.
+
+    Raises:
+        ValueError: naming what torch's ring (or this plan's trace of it) does not take.
+    """
+    from trainer_memcb.plan.step.ring_attention import ring_attention
+
+    if attn_mask is not None or not is_causal or dropout_p:
+        # accelerate's hook drops the mask and sets is_causal; the ring's load balancing needs it.
+        raise ValueError(f"context parallelism: attention with a mask ({attn_mask is not None}), is_causal="
+                         f"{is_causal} or dropout {dropout_p}: torch's ring runs causal attention without a mask "
+                         "(load balancing needs is_causal=True), and this plan traces it without dropout")
+    if backend != "flash":
+        raise ValueError(f"context parallelism: a GPU takes the {backend!r} attention kernel for {query.dtype} "
+                         "here; the plan traces the ring on flash only (bf16 or fp16 on an Ampere or later GPU)")
+    return ring_attention(group, query, key, value, scale)
+
+
 @contextlib.contextmanager
-def sdpa_as_cuda(compute_capability: Tuple[int, int]) -> Iterator[None]:
+def sdpa_as_cuda(compute_capability: Tuple[int, int], ring_group: Any = None) -> Iterator[None]:
     """Within: `aten::scaled_dot_product_attention` runs as on a GPU of `compute_capability`
-    (the module docstring)."""
+    (the module docstring); given `ring_group` (context parallelism's process group), as torch's
+    ring attention runs it on that group."""
     repeat_heads = not cpu_flash_takes_grouped_heads()
     library = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-            library.impl("scaled_dot_product_attention", functools.partial(_sdpa, compute_capability, repeat_heads),
+            library.impl("scaled_dot_product_attention",
+                         functools.partial(_sdpa, compute_capability, repeat_heads, ring_group),
                          "CompositeImplicitAutograd")
         yield
     finally:

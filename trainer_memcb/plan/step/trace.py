@@ -76,6 +76,7 @@ from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_for
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
+from trainer_memcb.plan.step.ring_attention import ring_options
 from trainer_memcb.plan.settings.attention import is_planned_hub_flash
 from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_as_cuda
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
@@ -208,6 +209,9 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
                       for _ in range(accumulation)]
         else:
             inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {})) for _ in range(accumulation)]
+        shard_inputs = getattr(engine, "shard_inputs", None)
+        if shard_inputs is not None:  # context parallelism: each rank's share of the sequence
+            shard_inputs(inputs)
     batch_tensors = [tensor for each in inputs if each is not None for tensor in each.tensors()]
     for tensor in params + list(model.buffers()) + batch_tensors:
         tracker.add(tensor)
@@ -235,9 +239,11 @@ def _token_ids(model: nn.Module) -> Dict[str, Any]:
 
 
 def _step_contexts(mode: Any, tracker: LiveStorages, precision: str, device_type: str,
-                   compute_capability: Tuple[int, int], flop_totals: Optional[List[int]]) -> Tuple[List[Any], Any]:
+                   compute_capability: Tuple[int, int], flop_totals: Optional[List[int]],
+                   ring: Any = None) -> Tuple[List[Any], Any]:
     """The contexts the whole step runs in, in the order they are entered (CUDA's autocast lists,
-    dropout and attention kernels on "cuda"; the generator states counted on the CPU; the fake
+    dropout and attention kernels on "cuda", the attention torch's ring given `ring`, context
+    parallelism's group and rotate method; the generator states counted on the CPU; the fake
     mode, the tracker and, given `flop_totals`, the FLOP counter last), and the forward's autocast
     (None without)."""
     autocast = None
@@ -249,8 +255,11 @@ def _step_contexts(mode: Any, tracker: LiveStorages, precision: str, device_type
             cast_policy = autocast_as(policy)
     cuda = device_type == "cuda"
     # On the CPU, checkpointing's generator states are in the step's memory (`rng_states`).
-    return [cast_policy, dropout_as_cuda() if cuda else contextlib.nullcontext(),
-            sdpa_as_cuda(compute_capability) if cuda else contextlib.nullcontext(),
+    attention: Any = contextlib.nullcontext()
+    if cuda:
+        attention = sdpa_as_cuda(compute_capability, ring[0] if ring else None)
+    return [cast_policy, dropout_as_cuda() if cuda else contextlib.nullcontext(), attention,
+            ring_options(ring[1]) if ring else contextlib.nullcontext(),
             rng_states_counted() if device_type == "cpu" else contextlib.nullcontext(), mode, tracker,
             FlopCounting(flop_totals, tracker) if flop_totals is not None else contextlib.nullcontext()], autocast
 
@@ -452,7 +461,9 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
     flop_totals: Optional[List[int]] = [] if _COUNT_FLOPS[0] else None
     stepped, before = _Stepped(), None
     try:
-        contexts, autocast = _step_contexts(mode, tracker, precision, device_type, compute_capability, flop_totals)
+        ring = getattr(step.engine, "ring", None)
+        contexts, autocast = _step_contexts(mode, tracker, precision, device_type, compute_capability, flop_totals,
+                                            ring)
         with contextlib.ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context)
@@ -471,7 +482,7 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
     timeline = _timeline_of(step, micro_peaks, activations, phase_starts, grads, stepped, flop_totals)
     if before is not None and kept is not None:
         kept.extend(before.prefix(step, last_inputs, timeline, lambda totals: _step_contexts(
-            mode, tracker, precision, device_type, compute_capability, totals)[0]))
+            mode, tracker, precision, device_type, compute_capability, totals, ring)[0]))
     return timeline
 
 

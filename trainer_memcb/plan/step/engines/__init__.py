@@ -9,6 +9,8 @@ sum at one moment:
 - `DDPEngine`: `DistributedDataParallel`'s reducer buckets;
 - `FSDP2Engine`: the real `fully_shard` on the fake process group of the job's world size;
 - `ZeroEngine`: DeepSpeed ZeRO-1/2/3's partitions and buffers, from its config;
+- `ContextParallelEngine`: FSDP2 over `dp_shard x cp`, each rank's share of the sequence, attention
+  torch's ring over `cp`;
 - `TensorParallelEngine`: torch's `parallelize_module` with the model's `tp_plan` on the fake
   process group of the tensor-parallel degree; `TensorParallelFSDP2Engine`: the same on a 2-D mesh,
   then FSDP2's `fully_shard` on its data-parallel dimension.
@@ -17,18 +19,21 @@ sum at one moment:
 from typing import Any
 
 from trainer_memcb.plan.step.engines.base import StepEngine
+from trainer_memcb.plan.step.engines.context_parallel import ContextParallelEngine
 from trainer_memcb.plan.step.engines.ddp import DDPEngine
 from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
 from trainer_memcb.plan.step.engines.tensor_parallel import TensorParallelEngine, TensorParallelFSDP2Engine
 from trainer_memcb.plan.step.engines.zero import ZeroEngine
 
 __all__ = ["StepEngine", "DDPEngine", "FSDP2Engine", "ZeroEngine", "TensorParallelEngine", "TensorParallelFSDP2Engine",
-           "engine_for"]
+           "ContextParallelEngine", "engine_for"]
 
 
 def engine_for(settings: Any) -> StepEngine:
     """The engine of resolved settings (`trainer_memcb.plan.settings.StepSettings`)."""
     sharding = settings.sharding
+    if getattr(settings, "cp_size", 1) > 1:
+        return ContextParallelEngine(settings)
     if getattr(settings, "tp_size", 1) > 1:
         return TensorParallelFSDP2Engine(settings) if sharding.startswith("fsdp-") else TensorParallelEngine(settings)
     if sharding == "ddp":

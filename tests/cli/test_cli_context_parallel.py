@@ -1,0 +1,62 @@
+"""`trainer-memcb estimate ... --parallelism cp=2,dp_shard=2`: the context-parallel step plan per rank
+on the command line (tests/plan/test_context_parallel.py checks the plan), each refusal one usage
+line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import requires_torch
+
+from trainer_memcb.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    # The tiny Llama of tests/plan/test_engines.py.
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-llama-cp")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=256).save_pretrained(folder)
+    return str(folder)
+
+
+STEP = ["--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "64", "--precision", "bf16"]
+
+
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+@pytest.mark.parametrize("rank,peak", [(0, 1_103_152), (3, 1_090_352)])
+def test_each_rank_s_cp2_x_fsdp2_step_in_the_json(tiny_llama_dir, capsys, rank, peak):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "cp=2,dp_shard=2", "--rank", str(rank),
+                 "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
+    assert used["cp_size"] == (2, "flag") and used["world_size"] == (4, "flag") and used["rank"][0] == rank
+    assert used["sharding"] == ("fsdp-full-shard", "flag") and used["cp_comm_strategy"][0] == "allgather"
+    assert document["settings"]["engine"] == "cp-fsdp2"
+    step = document["step"]
+    # tests/plan/test_context_parallel.py's cp=2 plans with FSDP2's shards halved again (57,504 bytes
+    # of parameters, 115,092 of optimizer state fewer): a cp rank 0 (ranks 0, 2) or 1 (ranks 1, 3).
+    assert step["peak_bytes"] == peak
+    assert step["model_states_at_optimizer_step_bytes"]["parameters"] == 57_504
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["--parallelism", "cp=2", "--device-type", "cpu"], "cp=2 on device_type 'cpu': torch's ring attention runs"),
+    (["--parallelism", "cp=2", "--seq-len", "30"], "the sequence must divide by 2 x cp = 4"),
+    (["--parallelism", "cp=2", "--zero", "2"], "accelerate runs context parallelism beside FSDP2 only"),
+    (["--parallelism", "cp=2", "--attn-implementation", "eager"], "runs context parallelism with SDPA attention only"),
+    (["--parallelism", "cp=2,tp=2,dp_shard=2"], "context parallelism beside tensor parallelism is not planned yet"),
+    (["--parallelism", "cp=2", "--device-memory", "80GiB", "--fit"],
+     "--fit with parallelism cp=2: proposals beside context parallelism are not planned yet"),
+])
+def test_a_cp_layout_the_plan_refuses_is_one_usage_line(tiny_llama_dir, capsys, argv, phrase):
+    code = main(["estimate", tiny_llama_dir, *STEP, *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert phrase in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) <= 2  # argparse's usage, then the one line

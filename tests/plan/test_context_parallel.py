@@ -1,0 +1,235 @@
+"""Context parallelism: the rules accelerate, transformers and torch apply, each refusal one line;
+torch's ring attention as the plan traces it, buffer by buffer, against the layout derived by hand
+from torch 2.13's `_context_parallel/_attention.py`; and the step of each rank.
+
+Not checked against a real run: torch's `context_parallel` does not run on this CPU. Its ring is
+dispatched from CUDA's flash, memory-efficient and cuDNN attention kernels only, and the CPU's SDPA
+kernel has no DTensor sharding rule (`test_torch_s_context_parallel_does_not_run_on_this_cpu` holds
+that, so that it fails the day torch runs it here; then a two-process run is the check, as
+tests/training/test_tensor_parallel_runs.py runs TP). The plan runs torch's own ring functions with
+the flash kernel's meta functions (`trainer_memcb.plan.step.ring_attention`): what is mocked is the
+CUDA kernel, whose outputs' sizes its meta function gives.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import requires_torch
+
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.settings import resolve_settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_engines import build  # noqa: E402
+
+RING = "torch 2.13's ring attention package (torch.distributed.tensor.experimental._context_parallel)"
+
+# -- the rules ---------------------------------------------------------------------------------
+
+
+def test_cp_is_fsdp2_over_dp_shard_x_cp_with_accelerate_s_default_rotation():
+    settings = resolve_settings(parallelism="cp=2,dp_shard=2", batch_size=2, seq_len=64)
+    assert (settings.world_size, settings.cp_size, settings.sharding, settings.replicate) == (4, 2, "fsdp-full-shard", 1)
+    assert settings.cp_comm_strategy == "allgather"
+    assert settings.sources["cp_comm_strategy"] == "default (accelerate's TorchContextParallelConfig)"
+    assert ("cp_size", 2, "flag") in settings.used()
+
+
+def test_the_training_args_parallelism_config_gives_cp_and_its_rotation():
+    # As `TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2,
+    # cp_handler=TorchContextParallelConfig(cp_comm_strategy="alltoall"))).to_dict()` writes it.
+    written = {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 1, "cp_size": 2, "cp_backend": "torch",
+               "sp_size": 1, "sp_backend": "deepspeed", "tp_handler": None,
+               "cp_handler": {"cp_comm_strategy": "alltoall"}, "sp_handler": None}
+    settings = resolve_settings({"parallelism_config": written, "per_device_train_batch_size": 2})
+    assert (settings.world_size, settings.cp_size, settings.cp_comm_strategy) == (4, 2, "alltoall")
+    assert settings.sources["cp_comm_strategy"] == "training args (parallelism_config)"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(parallelism="cp=2", sharding="zero3"), "cp=2 with sharding 'zero3': accelerate runs context parallelism "
+                                                 "beside FSDP2 only"),
+    (dict(parallelism="cp=2", device_type="cpu"), "cp=2 on device_type 'cpu': torch's ring attention runs CUDA's"),
+    (dict(parallelism="cp=2", seq_len=30), "cp=2 with seq_len=30: the sequence must divide by 2 x cp = 4"),
+    (dict(parallelism="cp=2", cp_comm_strategy="ring"), "cp_comm_strategy='ring': accelerate takes allgather or "
+                                                        "alltoall"),
+    (dict(parallelism="tp=2,cp=2,dp_shard=2"), "context parallelism beside tensor parallelism is not planned yet"),
+    (dict(parallelism="cp=2", batch_size=1, packing=64), "beside padding-free packing is not planned yet"),
+    (dict(parallelism="cp=2,dp_replicate=2"), "accelerate refuses context parallelism beside pure data parallelism"),
+])
+def test_a_cp_layout_the_plan_refuses_is_one_line_naming_the_rule(flags, message):
+    with pytest.raises(ValueError) as refused:
+        resolve_settings(**dict(dict(batch_size=2), **flags))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_attention_other_than_sdpa_is_refused_as_the_trainer_refuses_it():
+    settings = resolve_settings(parallelism="cp=2", batch_size=2, attn_implementation="eager")
+    with pytest.raises(ValueError, match="attention 'eager': the Trainer runs context parallelism with SDPA "
+                                         "attention only"):
+        plan_step_memory(build, seq_len=64, settings=settings, model_states=False)
+
+
+@requires_torch("2.13", RING)
+def test_a_kernel_other_than_flash_is_the_step_s_problem_named():
+    # float32: a GPU takes the memory-efficient kernel, whose ring the plan does not trace (its
+    # logsumexp is padded to 32 rows, `kAlignLSE`, which the ring's merge broadcasts only where the
+    # local tokens are a multiple of 32).
+    settings = resolve_settings(parallelism="cp=2", batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=64, settings=settings, model_states=False)
+    assert "a GPU takes the 'efficient' attention kernel for torch.float32 here; the plan traces the ring on " \
+           "flash only" in plan.step.problem
+
+
+@requires_torch("2.13", RING)
+def test_torch_s_context_parallel_does_not_run_on_this_cpu():
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        tokens, query = torch.zeros(1, 16), torch.zeros(1, 2, 8, 16)
+        with context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1], no_restore_buffers={tokens}):
+            with pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu.default does "
+                                                          "not have a sharding strategy registered"):
+                F.scaled_dot_product_attention(query, query, query, is_causal=True)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- torch's ring, buffer by buffer ---------------------------------------------------------------
+
+class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """(op, bytes) of every storage an op makes, in order; the storages given beforehand left out."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.kept = list(existing)  # held, so that no address is reused
+        self.seen = {tensor.untyped_storage()._cdata for tensor in existing}
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in self.seen:
+                self.seen.add(tensor.untyped_storage()._cdata)
+                self.kept.append(tensor)
+                self.made.append((func.overloadpacket.__name__, tensor.untyped_storage().nbytes()))
+        return out
+
+
+def _ring_storages(rank, rotate):
+    """The storages torch's ring makes on `rank` of cp=2 for one attention of B=1, H=2 (two key and
+    value heads), 8 local tokens of 16 (D=16) in bf16: forward, then backward."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer_memcb.plan.step.ring_attention import ring_attention, ring_options
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        group = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)).get_group()
+        with FakeTensorMode(), ring_options(rotate):
+            query, key, value = (torch.empty(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            with _NewStorages([query, key, value]) as forward:
+                out = ring_attention(group, query, key, value, None)
+            grad = torch.empty_like(out)
+            with _NewStorages([query, key, value, out, grad]) as backward:
+                torch.autograd.grad(out, (query, key, value), grad)
+        return forward.made, backward.made
+    finally:
+        dist.destroy_process_group()
+
+
+# The sizes below, derived from torch 2.13's `_templated_ring_attention` and its backward: E = B x H
+# x L x D = 256 values, so one local query, key or value is 512 bytes in bf16 (1,024 in float32).
+FLASH = "_scaled_dot_product_flash_attention"
+# One flash forward: its output (512, bf16), its logsumexp [B, H, L] (64, float32), and the meta
+# function's philox seed (16), offset (8) and empty debug mask (0).
+FLASH_OUTPUTS = [(FLASH, 512), (FLASH, 64), (FLASH, 16), (FLASH, 8), (FLASH, 0)]
+# Rank 1's forward: `cat([key.flatten(), value.flatten()])` (1,024), its all-gather (cp x 1,024),
+# turn 0 on the local keys, its output cast to float32 for the merger (`_SDPAMerger.step`, 1,024),
+# turn 1 on the first halves of rank 0's keys and values (rank 1 >= i: `key.chunk(2)[0]`), its
+# output cast likewise, the merge (`out - sigmoid(block_lse - lse) * (out - block_out)`: [B, H, L, 1]
+# float32 64 bytes, [B, H, L, D] float32 1,024; `lse - logsigmoid(lse - block_lse)`: the log-sigmoid's
+# output and buffer), the merged output cast back to bf16 (512).
+RANK1_FORWARD = ([("cat", 1_024), ("all_gather_into_tensor", 2_048)] + FLASH_OUTPUTS + [("_to_copy", 1_024)]
+                 + FLASH_OUTPUTS + [("_to_copy", 1_024), ("sub", 64), ("sigmoid", 64), ("sub", 1_024), ("mul", 1_024),
+                                    ("sub", 1_024), ("sub", 64), ("log_sigmoid_forward", 64),
+                                    ("log_sigmoid_forward", 64), ("sub", 64), ("_to_copy", 512)])
+# FlashAttention-2's backward workspace per turn (`flash_backward_workspace_bytes`): softmax_d
+# [1, 2, 128] float32 (1,024) and dq_accum [1, 128, 2, 32] float32 (32,768).
+WORKSPACE = 33_792
+# Rank 1's backward: three float32 accumulators (`zeros_like`, 1,024 each); the keys and values
+# concatenated and all-gathered again; turn 0: the workspace, dq, dk, dv (512 each), the float32 key
+# and value gradients concatenated (2,048) and sent on by all-to-all (`dkv_rotater` is always
+# ALL_TO_ALL, 2,048); turn 1: the workspace, dq (512) and the halves' dk, dv (256 each), the
+# received gradients' first halves added (`_partial_update`: a cat each, 1,024), concatenated and
+# sent on (2,048 each); then grad_query cast to bf16 (512) and the received key and value gradients
+# cast to bf16 (1,024).
+RANK1_BACKWARD = [("zeros_like", 1_024)] * 3 + [
+    ("cat", 1_024), ("all_gather_into_tensor", 2_048),
+    ("new_empty", WORKSPACE), (FLASH + "_backward", 512), (FLASH + "_backward", 512), (FLASH + "_backward", 512),
+    ("cat", 2_048), ("all_to_all_single", 2_048),
+    ("new_empty", WORKSPACE), (FLASH + "_backward", 512), (FLASH + "_backward", 256), (FLASH + "_backward", 256),
+    ("cat", 1_024), ("cat", 1_024), ("cat", 2_048), ("all_to_all_single", 2_048),
+    ("_to_copy", 512), ("_to_copy", 1_024)]
+
+
+@requires_torch("2.13", RING)
+def test_rank_1_s_ring_makes_the_buffers_derived_from_torch_s_source():
+    forward, backward = _ring_storages(1, "allgather")
+    assert forward == RANK1_FORWARD
+    assert backward == RANK1_BACKWARD
+
+
+@requires_torch("2.13", RING)
+def test_alltoall_rotation_sends_one_rank_s_keys_and_values_instead_of_gathering_all():
+    forward, backward = _ring_storages(1, "alltoall")
+    # `_AllToAllRotater`: `permute_tensor` of the 1,024-byte concatenation, not a cp x 1,024 gather.
+    assert forward == [("all_to_all_single", 1_024) if op == "all_gather_into_tensor" else (op, size)
+                       for op, size in RANK1_FORWARD]
+    assert [item for item in backward if item[0].startswith("all_")][0] == ("all_to_all_single", 1_024)
+
+
+# -- the step of each rank ------------------------------------------------------------------------
+
+def _cp_plan(rank, rotate="allgather", layout="cp=2"):
+    settings = resolve_settings(parallelism=layout, rank=rank, batch_size=2, optimizer="adamw_torch",
+                                precision="bf16", cp_comm_strategy=rotate)
+    plan, _ = plan_step_memory(build, seq_len=64, settings=settings, device_type="cuda", model_states=False)
+    assert plan.step.problem is None, plan.step.problem
+    assert plan.settings.engine == "cp-fsdp2"
+    return plan.step
+
+
+@requires_torch("2.13", RING + " and the fake process group's collectives that FSDP2 runs")
+def test_each_rank_holds_half_the_sequence_and_fsdp2_s_half_of_the_model():
+    rank0, rank1, alltoall = _cp_plan(0), _cp_plan(1), _cp_plan(1, "alltoall")
+    for step in (rank0, rank1, alltoall):
+        # FSDP2 over the cp ranks: half of the tiny Llama's 115,008 bf16 values on each.
+        assert step.peak_parts["parameters"] == 115_008
+        # input_ids, attention_mask and labels keep their [2, 64] int64 storages (1,024 each:
+        # `resize_` to [2, 32] keeps a larger storage), position_ids `arange(64)` (512), the rotary
+        # buffers (64); shift_labels (1,024) is saved by the loss, among the activations.
+        assert step.peak_parts["batch_and_buffers"] == 3 * 1_024 + 512 + 64
+    # The all-gather of each layer's keys and values (2 x [2, 4, 32, 16] bf16 = 16,384 bytes) holds
+    # cp of them where all-to-all holds one.
+    assert rank1.peak_bytes - alltoall.peak_bytes == 16_384 == rank1.peak_parts["other"] - alltoall.peak_parts["other"]
+    # Rank 0's merged output is `_partial_update`'s cat, contiguous in [B, H, L, D], so transformers'
+    # `transpose(1, 2).contiguous()` copies it for o_proj; rank 1's keeps flash's [B, L, H, D]
+    # strides and is o_proj's input as it is: 2 layers x 8,192 bytes fewer activations.
+    assert rank0.activations_bytes - rank1.activations_bytes == 2 * 8_192
+    assert (rank0.peak_bytes, rank1.peak_bytes, alltoall.peak_bytes) == (1_275_664, 1_262_864, 1_246_480)
+    assert sum(rank0.peak_parts.values()) == rank0.peak_bytes
