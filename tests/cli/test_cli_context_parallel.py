@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import requires_torch
+from helpers import requires_torch, tiny_llama_folder
 
 from trainer_memcb.cli import main
 
@@ -16,12 +16,7 @@ from trainer_memcb.cli import main
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> str:
     # The tiny Llama of tests/plan/test_engines.py.
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("tiny-llama-cp")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=256).save_pretrained(folder)
-    return str(folder)
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama-cp", max_position_embeddings=2048)
 
 
 STEP = ["--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "64", "--precision", "bf16"]

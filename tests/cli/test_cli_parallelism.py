@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import requires_torch
+from helpers import requires_torch, tiny_llama_folder
 
 from trainer_memcb.cli import main
 
@@ -16,12 +16,7 @@ from trainer_memcb.cli import main
 def tiny_llama_dir(tmp_path_factory) -> str:
     # The tiny Llama of tests/plan/test_engines.py, whose TP=2 plan a real run checks
     # (tests/training/test_tensor_parallel_runs.py).
-    from transformers import LlamaConfig
-
-    folder = tmp_path_factory.mktemp("tiny-llama-tp")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=256).save_pretrained(folder)
-    return str(folder)
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama-tp", max_position_embeddings=2048)
 
 
 STEP = ["--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16", "--device-type", "cpu"]
