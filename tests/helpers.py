@@ -405,6 +405,31 @@ def trl_step_peak(trainer: Any, batch: Dict[str, Any], **step_kwargs: Any) -> Tu
     return storage_bytes(tensors), profiled_run_peak(step)
 
 
+def trl_config_files(tmp_path_factory: Any, label: str, config_cls: Any, batch: int, max_length: int,
+                     configs: Dict[str, Dict[str, Any]], bad: Dict[str, Any]) -> Dict[str, str]:
+    """A folder for a TRL trainer's command-line tests: the DPO step tests' tiny Llama ("model"),
+    each of `configs` as `config_cls(...).to_json_string()` writes it (fp32, no checkpointing, AdamW,
+    `batch` rows of `max_length`, the entry's fields over them), and each of `bad` as raw JSON; the
+    paths by name."""
+    import json
+
+    from plan.test_dpo_step import _config
+
+    folder = tmp_path_factory.mktemp(label)
+    _config().save_pretrained(folder / "llama")
+    paths = {"model": str(folder / "llama")}
+    for name, extra in configs.items():
+        config = config_cls(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=batch,
+                            max_length=max_length, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
+                            **extra)
+        (folder / f"{name}.json").write_text(config.to_json_string())
+        paths[name] = str(folder / f"{name}.json")
+    for name, values in bad.items():
+        (folder / f"{name}.json").write_text(json.dumps(values))
+        paths[name] = str(folder / f"{name}.json")
+    return paths
+
+
 def valid_estimate_document(document: Dict[str, Any]) -> Dict[str, Any]:
     """`document` (an `estimate --json` output), after checking it against the committed
     docs/estimate.schema.json (a `jsonschema.ValidationError` where it is not valid)."""

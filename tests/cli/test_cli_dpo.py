@@ -11,7 +11,7 @@ from typing import Any, List
 
 import pytest
 
-from helpers import requires_version, valid_estimate_document
+from helpers import requires_version, trl_config_files, valid_estimate_document
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "DPOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -23,23 +23,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: Any) -> dict:
-    from plan.test_dpo_step import BATCH, MAX_LENGTH, _config
+    from plan.test_dpo_step import BATCH, MAX_LENGTH
     from trl import DPOConfig
 
-    folder = tmp_path_factory.mktemp("dpo-cli")
-    _config().save_pretrained(folder / "llama")
-    paths = {"model": str(folder / "llama")}
-    for name, extra in (("dpo", {}), ("precomputed", {"precompute_ref_log_probs": True})):
-        config = DPOConfig(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=BATCH,
-                           max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
-                           **extra)
-        (folder / f"{name}.json").write_text(config.to_json_string())
-        paths[name] = str(folder / f"{name}.json")
-    (folder / "trainer.json").write_text(json.dumps({"per_device_train_batch_size": 2}))
-    (folder / "typo.json").write_text(json.dumps({"betta": 0.1}))
-    (folder / "hinge2.json").write_text(json.dumps({"beta": 0.0}))
-    paths.update(trainer=str(folder / "trainer.json"), typo=str(folder / "typo.json"), beta0=str(folder / "hinge2.json"))
-    return paths
+    return trl_config_files(tmp_path_factory, "dpo-cli", DPOConfig, BATCH, MAX_LENGTH,
+                            {"dpo": {}, "precomputed": {"precompute_ref_log_probs": True}},
+                            {"trainer": {"per_device_train_batch_size": 2}, "typo": {"betta": 0.1},
+                             "beta0": {"beta": 0.0}})
 
 
 def _argv(files: dict, config: str, *more: str) -> List[str]:

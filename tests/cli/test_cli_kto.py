@@ -11,7 +11,7 @@ from typing import Any, List
 
 import pytest
 
-from helpers import loaded_trl_config, requires_version, valid_estimate_document
+from helpers import loaded_trl_config, requires_version, trl_config_files, valid_estimate_document
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "KTOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -30,24 +30,12 @@ BAD = {"loss": {"loss_type": "sigmoid"}, "sampling": {"beta": 0.1, "train_sampli
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: Any) -> dict:
-    from plan.test_dpo_step import _config
     from plan.test_kto_step import BATCH, MAX_LENGTH
     from trl import KTOConfig
 
-    folder = tmp_path_factory.mktemp("kto-cli")
-    _config().save_pretrained(folder / "llama")
-    paths = {"model": str(folder / "llama")}
-    for name, extra in (("kto", {}), ("precomputed", {"precompute_ref_log_probs": True}),
-                        ("apo", {"loss_type": "apo_zero_unpaired"}), ("synced", {"sync_ref_model": True})):
-        config = KTOConfig(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=BATCH,
-                           max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
-                           **extra)
-        (folder / f"{name}.json").write_text(config.to_json_string())
-        paths[name] = str(folder / f"{name}.json")
-    for name, values in BAD.items():
-        (folder / f"{name}.json").write_text(json.dumps(values))
-        paths[name] = str(folder / f"{name}.json")
-    return paths
+    configs = {"kto": {}, "precomputed": {"precompute_ref_log_probs": True}, "apo": {"loss_type": "apo_zero_unpaired"},
+               "synced": {"sync_ref_model": True}}
+    return trl_config_files(tmp_path_factory, "kto-cli", KTOConfig, BATCH, MAX_LENGTH, configs, BAD)
 
 
 def _argv(files: dict, config: str, *more: str) -> List[str]:

@@ -9,7 +9,7 @@ from typing import Any, List
 
 import pytest
 
-from helpers import requires_version
+from helpers import requires_version, trl_config_files
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "SFTTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -27,23 +27,11 @@ BAD = {"loss": {"loss_type": "sigmoid"}, "unbounded": {"max_length": None},
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: Any) -> dict:
-    from plan.test_dpo_step import _config
     from plan.test_sft_step import BATCH, MAX_LENGTH
     from trl import SFTConfig
 
-    folder = tmp_path_factory.mktemp("sft-cli")
-    _config().save_pretrained(folder / "llama")
-    paths = {"model": str(folder / "llama")}
-    for name, extra in (("sft", {}), ("packing", {"packing": True})):
-        config = SFTConfig(str(folder / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=BATCH,
-                           max_length=MAX_LENGTH, bf16=False, gradient_checkpointing=False, optim="adamw_torch",
-                           **extra)
-        (folder / f"{name}.json").write_text(config.to_json_string())
-        paths[name] = str(folder / f"{name}.json")
-    for name, values in BAD.items():
-        (folder / f"{name}.json").write_text(json.dumps(values))
-        paths[name] = str(folder / f"{name}.json")
-    return paths
+    return trl_config_files(tmp_path_factory, "sft-cli", SFTConfig, BATCH, MAX_LENGTH,
+                            {"sft": {}, "packing": {"packing": True}}, BAD)
 
 
 def sft_argv(files: dict, config: str, *more: str) -> List[str]:
