@@ -89,8 +89,9 @@ def test_the_command_plans_the_real_sft_steps_peak(files: dict, capsys: Any, cas
     ("packing", ["--fit", "--device-memory", "1GiB"], "--fit with --trainer sft: SFTConfig {packing!r} is padding-free (one row of the "
                            "micro-batch's tokens), which the search does not resize yet; plan each "
                            "per_device_train_batch_size with --batch-size, or search with packing false"),
-    ("sft", ["--max-batch-size", "--device-memory", "1GiB"], "--max-batch-size with --trainer sft: the SFT step is not searched yet; plan each "
-                                  "per_device_train_batch_size with --batch-size"),
+    ("packing", ["--max-batch-size", "--device-memory", "1GiB"], "--max-batch-size with --trainer sft: SFTConfig "
+                "{packing!r} is padding-free (one row of the micro-batch's tokens), which the search does not resize "
+                "yet; plan each per_device_train_batch_size with --batch-size, or search with packing false"),
     ("sft", ["--reference-model"], "--reference-model with --trainer sft: SFTTrainer makes no reference model; "
                                    "leave it out"),
 ])
@@ -120,6 +121,19 @@ def test_the_installed_console_script_plans_the_sft_step(files: dict) -> None:
     assert rows == ["TRL SFTTrainer, its fused LM head (no full logits), loss nll"]
     [peak] = [line for line in done.stdout.splitlines() if line.startswith("step peak ")]
     assert peak.split(None, 2)[2].strip() == "8.6 MiB (8,971,838), in the backward"
+
+
+def test_max_batch_size_searches_the_padded_sft_step(files: dict, capsys: Any) -> None:
+    """Rows of 32 tokens in 20 MiB: 4 fit (17,322,088 bytes), 5 do not; batch 2 is the step the real
+    SFTTrainer step holds (tests/plan/test_sft_step.py, 4 bytes above)."""
+    from trainer_memcb.cli import main
+
+    argv = sft_argv(files, "sft", "--device-memory", "20MiB", "--reserve", "0B", "--max-batch-size", "--json")
+    assert main(argv) == 0
+    largest = json.loads(capsys.readouterr().out)["answers"]["largest_batch"]
+    assert largest["max_batch_size"] == 4
+    assert [(b["batch_size"], b["peak_bytes"], b["fits"]) for b in largest["searched"]] == [
+        (1, 4_542_450, True), (2, 8_802_244, True), (4, 17_322_088, True), (5, 21_582_010, False)]
 
 
 def test_fit_writes_an_sftconfig_that_plans_the_proposal_again(files: dict, tmp_path: Any, capsys: Any) -> None:

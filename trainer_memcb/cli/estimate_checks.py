@@ -101,9 +101,6 @@ def _check_trainer(args: argparse.Namespace) -> None:
     if args.deepspeed is not None or getattr(args, "fsdp_config", None) is not None:
         raise ValueError(f"--trainer {trainer} is planned on one process without sharding so far: leave out "
                          "--deepspeed and --fsdp-config")
-    if trainer == "sft" and getattr(args, "max_batch_size", False):
-        raise ValueError("--max-batch-size with --trainer sft: the SFT step is not searched yet; plan each "
-                         "per_device_train_batch_size with --batch-size")
     if getattr(args, "write_deepspeed", None):
         raise ValueError(f"--write-deepspeed with --trainer {trainer}: the {trainer.upper()} step is planned on one "
                          f"process without DeepSpeed, so --fit proposes none; write the {config} with "

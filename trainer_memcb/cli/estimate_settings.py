@@ -110,10 +110,11 @@ def _trl_config(args: argparse.Namespace, trainer: str, flags: Dict[str, Any]) -
         from trainer_memcb.cli.sft_config import sft_batch_shape
 
         sft_batch_shape(flags, flags["preference"], where)
-        if flags["preference"].padding_free and getattr(args, "fit", False):
-            raise ValueError(f"--fit with --trainer sft: {where} is padding-free (one row of the micro-batch's tokens), "
-                             "which the search does not resize yet; plan each per_device_train_batch_size with "
-                             "--batch-size, or search with packing false")
+        searched = "--fit" if getattr(args, "fit", False) else "--max-batch-size" if args.max_batch_size else None
+        if flags["preference"].padding_free and searched:
+            raise ValueError(f"{searched} with --trainer sft: {where} is padding-free (one row of the micro-batch's "
+                             "tokens), which the search does not resize yet; plan each per_device_train_batch_size "
+                             "with --batch-size, or search with packing false")
     return training_args
 
 
