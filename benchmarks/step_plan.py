@@ -1,4 +1,5 @@
-"""How long the step plan takes, and its peak memory (RSS), for Llama-2-7B and a 70B-sized Llama.
+"""How long the step plan takes, and its peak memory (RSS), for Llama-2-7B and a 70B-sized Llama
+(also at tensor parallelism 8 beside FSDP2 on 16, within 60 s).
 
 Each case runs `trainer-memcb estimate` in a process of its own (so that its peak RSS is its own)
 and prints the wall time, the CPU time (on a shared machine the wall time waits for other
@@ -34,6 +35,10 @@ ENGINE_CASES = tuple(
                         ("ddp", ["--sharding", "ddp", "--precision", "bf16"]),
                         ("zero3", ["--zero", "3", "--precision", "deepspeed-bf16"]))
 )
+# The 70B under tensor parallelism beside FSDP2 (target 60 s): 8 x 16 processes, each rank's step traced.
+TP_CASE = ("tp=8 x dp_shard=16, 1 x 512, ckpt", ["--parallelism", "tp=8,dp_shard=16", "--batch-size", "1", "--seq-len",
+                                                "512", "--precision", "autocast-bf16", "--gradient-checkpointing",
+                                                "--gpu", "H100"], 60.0)
 # A 70B model's bf16 weights alone exceed 80 GiB on one process: its search is asked under ZeRO-3 on 64.
 SHARDED = ["--zero", "3", "--world-size", "64", "--precision", "deepspeed-bf16"]
 EVALUATION = ["--eval-samples", "1000", "--eval-batch-size", "8"]
@@ -77,9 +82,9 @@ def main() -> None:
                       f"{cpu / (target + 5):10.2f} {rss / 2**20:12.0f} {ratio(cpu)}")
                 print(f"{'':38} {'  the evaluation part adds':32} {'':8} {added:8.1f} {EVALUATION_ADDED_TARGET:8.0f} "
                       f"{added / EVALUATION_ADDED_TARGET:10.2f}   -> target {'met' if added <= EVALUATION_ADDED_TARGET else 'NOT met'}")
-    for name, extra, target in ENGINE_CASES:
-        wall, cpu, rss = run(MODELS[0], extra)
-        print(f"{MODELS[0]:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f} "
+    for model, (name, extra, target) in [(MODELS[0], case) for case in ENGINE_CASES] + [(MODELS[1], TP_CASE)]:
+        wall, cpu, rss = run(model, extra)
+        print(f"{model:38} {name:32} {wall:8.1f} {cpu:8.1f} {target:8.0f} {cpu / target:10.2f} {rss / 2**20:12.0f} "
               f"{ratio(cpu)}")
     print("* the largest peak RSS of the cases run so far (getrusage of the children): each case's own is at most that")
 
