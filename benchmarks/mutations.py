@@ -396,8 +396,9 @@ EDITS: List[Edit] = [
     Edit("cli/estimate_checks.py", "        if count is not None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
          "        if count is None:\n            raise ValueError(f\"a parameter count ({count:,}) cannot be traced",
          STEP_ON_THE_COMMAND_LINE),
-    Edit("cli/estimate_step.py", "        found, searched = max_batch_size(plan_at, memory)",
-         "        found, searched = max_batch_size(plan_at, args.device_memory)", STEP_ON_THE_COMMAND_LINE),
+    Edit("cli/estimate_step.py", "        found, searched = max_batch_size(plan_at, memory, first=first, unit=unit)",
+         "        found, searched = max_batch_size(plan_at, args.device_memory, first=first, unit=unit)",
+         STEP_ON_THE_COMMAND_LINE),
     # (the largest batch searched against the memory with the reserve not taken off)
     Edit("cli/estimate_checks.py", "not (evaluation and name in _EVAL_OPTIONS)]", "not evaluation]",
          (CLI_ANSWERS, "tests/cli/test_cli_eval.py")),  # with --eval-samples every step option let through

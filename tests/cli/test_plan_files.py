@@ -29,7 +29,7 @@ RESERVED_PEAK = 33_554_432  # the tiny step's, two steps through the caching all
 # traced further).
 OLDEST_TRANSFORMERS = installed_version("transformers") < (5,)
 SCALAR = 0 if OLDEST_TRANSFORMERS else 4
-EVENTS = 1564 if OLDEST_TRANSFORMERS else 1565
+EVENTS = 1612 if OLDEST_TRANSFORMERS else 1613  # with the memory-efficient backward's delta and workspace
 
 
 def env() -> dict:

@@ -61,7 +61,9 @@ EXPECTED = {
     # FSDP2's all-gather outputs are allocated on its all-gather copy-in stream and its sharded
     # gradients on its reduce-scatter stream: each stream takes a 2 MiB small segment of its own
     # (tests/plan/test_step_streams.py), 4 MiB more than the same allocations on one stream.
-    "fsdp-full-shard": (29_360_128, 20_780_544, 8_579_584),
+    # Its allocated peak is in an attention backward, where the memory-efficient kernel's delta and
+    # workspace are alive (plan/device/efficient_attention.py).
+    "fsdp-full-shard": (29_360_128, 20_872_704, 8_487_424),
     "zero2": (2_025_848_832, 2_021_368_832, 4_480_000),
     "zero3": (2_025_848_832, 2_021_870_592, 3_978_240),
 }

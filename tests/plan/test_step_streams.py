@@ -135,7 +135,7 @@ def test_fsdp2_reserves_a_small_segment_for_each_of_its_streams(fsdp2):
     assert (with_streams.reserved_peak_bytes, without.reserved_peak_bytes) == (29_360_128, 25_165_824)
     assert with_streams.reserved_peak_bytes - without.reserved_peak_bytes == 2 * SMALL_SEGMENT
     # The same blocks handed out: only where they lie differs.
-    assert with_streams.allocated_peak_bytes == without.allocated_peak_bytes == 20_780_544
+    assert with_streams.allocated_peak_bytes == without.allocated_peak_bytes == 20_872_704
 
 
 def test_ddp_allocates_on_the_default_stream_alone():
