@@ -9,7 +9,7 @@ from typing import Any, List
 
 import pytest
 
-from helpers import requires_version, trl_config_files
+from helpers import loaded_trl_config, requires_version, trl_config_files, valid_estimate_document
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "SFTTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -86,12 +86,11 @@ def test_the_command_plans_the_real_sft_steps_peak(files: dict, capsys: Any, cas
                   "out, TRL applies the layer kernels alone"),
     ("sft", ["--packing", "64"], "--packing 64 with --trainer sft: SFTConfig {sft!r} makes padded rows (neither "
                                  "padding_free nor packing with a bfd strategy); leave --packing out or set packing true"),
-    ("packing", ["--fit", "--device-memory", "1GiB"], "--fit with --trainer sft: SFTConfig {packing!r} is padding-free (one row of the "
-                           "micro-batch's tokens), which the search does not resize yet; plan each "
-                           "per_device_train_batch_size with --batch-size, or search with packing false"),
-    ("packing", ["--max-batch-size", "--device-memory", "1GiB"], "--max-batch-size with --trainer sft: SFTConfig "
-                "{packing!r} is padding-free (one row of the micro-batch's tokens), which the search does not resize "
-                "yet; plan each per_device_train_batch_size with --batch-size, or search with packing false"),
+    ("packing", ["--fit", "--device-memory", "1GiB", "--packing", "64"], "--packing 64 with --fit and --trainer sft: "
+                "--fit resizes SFTConfig {packing!r}'s padding-free row as per_device_train_batch_size x --seq-len "
+                "tokens; leave --packing out"),
+    ("packing", ["--max-batch-size", "--device-memory", "1GiB", "--packing", "64"], "--max-batch-size searches the "
+                "rows of a batch; --packing makes one row of TOKENS tokens: plan each TOKENS with --batch-size 1"),
     ("sft", ["--reference-model"], "--reference-model with --trainer sft: SFTTrainer makes no reference model; "
                                    "leave it out"),
 ])
@@ -151,3 +150,49 @@ def test_fit_writes_an_sftconfig_that_plans_the_proposal_again(files: dict, tmp_
     assert main(["estimate", files["model"], "--trainer", "sft", "--training-args", written, "--seq-len", "32",
                  "--batch-size", "1", "--device-type", "cpu", "--attn-implementation", "sdpa", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"]["peak_bytes"] == 4_634_482  # the proposal's, to the byte
+
+
+def test_max_batch_size_resizes_the_padding_free_row(files: dict, capsys: Any) -> None:
+    """Packed (bfd), each per_device_train_batch_size is one row of batch x 32 tokens: in 20 MiB 4
+    fit (17,863,110 bytes, above the padded 4 rows' 17,322,088), 5 do not; batch 2, the config's own
+    (no --batch-size), is the step the real SFTTrainer step holds (tests/plan/test_sft_step.py)."""
+    from trainer_memcb.cli import main
+
+    argv = sft_argv(files, "packing", "--device-memory", "20MiB", "--reserve", "0B", "--max-batch-size", "--json")
+    assert main(argv) == 0
+    document = valid_estimate_document(json.loads(capsys.readouterr().out))
+    largest = document["answers"]["largest_batch"]
+    assert (largest["max_batch_size"], largest["problem"]) == (4, None)
+    assert [(b["batch_size"], b["peak_bytes"], b["fits"]) for b in largest["searched"]] == [
+        (1, 4_550_778, True), (2, 8_971_838, True), (4, 17_863_110, True), (5, 22_333_322, False)]
+    assert (document["step"]["peak_bytes"], document["settings"]["batch_size"]) == (8_971_838, 1)
+    assert document["settings"]["packing"] == {"tokens": 64, "sequences": 2, "padded_batch_size": 2, "padded_tokens": 64}
+
+
+def test_fit_resizes_the_padding_free_row_and_writes_an_sftconfig_that_plans_it(files: dict, tmp_path: Any,
+                                                                               capsys: Any) -> None:
+    """8 MiB: the config's own packed row of 2 x 32 tokens (8,971,838 bytes) does not fit; one row of
+    32 tokens accumulated twice does, and the SFTConfig written (TRL loads it) plans it again, to the byte."""
+    from trl import SFTConfig
+
+    from trainer_memcb.cli import main
+
+    written = str(tmp_path / "fit.json")
+    argv = sft_argv(files, "packing", "--device-memory", "8MiB", "--reserve", "0B", "--fit",
+                    "--write-training-args", written, "--json")
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    fit = valid_estimate_document(json.loads(out))["answers"]["fit"]
+    assert (fit["fits_as_is"], fit["own"]["peak_bytes"], fit["own"]["training_args"]["per_device_train_batch_size"]) == (
+        False, 8_971_838, 2)
+    smaller = next(c for c in fit["candidates"] if c["fits"])
+    assert (smaller["changes"], smaller["peak_bytes"], smaller["effective_batch"]) == (
+        {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}, 4_642_946, 2)
+    assert err.splitlines()[-1] == f"trainer-memcb: wrote {written}: SFTConfig of batch 1 x accumulation 2"
+    document, config = loaded_trl_config(written, SFTConfig, str(tmp_path / "out"))
+    assert document == smaller["training_args"]
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps, config.packing) == (1, 2, True)
+    assert main(["estimate", files["model"], "--trainer", "sft", "--training-args", written, "--seq-len", "32",
+                 "--device-type", "cpu", "--attn-implementation", "sdpa", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["step"]["peak_bytes"], again["settings"]["packing"]["tokens"]) == (4_642_946, 32)

@@ -109,12 +109,10 @@ def _trl_config(args: argparse.Namespace, trainer: str, flags: Dict[str, Any]) -
     if trainer == "sft":  # rows of --seq-len, or padding-free one row of the micro-batch's tokens
         from trainer_memcb.cli.sft_config import sft_batch_shape
 
-        sft_batch_shape(flags, flags["preference"], where)
-        searched = "--fit" if getattr(args, "fit", False) else "--max-batch-size" if args.max_batch_size else None
-        if flags["preference"].padding_free and searched:
-            raise ValueError(f"{searched} with --trainer sft: {where} is padding-free (one row of the micro-batch's "
-                             "tokens), which the search does not resize yet; plan each per_device_train_batch_size "
-                             "with --batch-size, or search with packing false")
+        if flags["preference"].padding_free and getattr(args, "fit", False) and args.packing is not None:
+            raise ValueError(f"--packing {args.packing} with --fit and --trainer sft: --fit resizes {where}'s "
+                             "padding-free row as per_device_train_batch_size x --seq-len tokens; leave --packing out")
+        sft_batch_shape(flags, flags["preference"], where, training_args)
     return training_args
 
 
@@ -122,7 +120,8 @@ def _padding_free_sources(args: argparse.Namespace) -> Dict[str, str]:
     """Where a padding-free SFT step's batch comes from: the SFTConfig's collator, one row."""
     sources = {"batch_size": "SFTConfig (padding-free: one row)"}
     if getattr(args, "packing", None) is None:
-        sources["packing"] = "SFTConfig (padding-free: --batch-size x --seq-len)"
+        rows = "--batch-size" if args.batch_size is not None else "per_device_train_batch_size"
+        sources["packing"] = f"SFTConfig (padding-free: {rows} x --seq-len)"
     return sources
 
 

@@ -67,6 +67,7 @@ def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     check_search_options(args)
     from trainer_memcb.plan.answers.max_batch import LargestBatch, max_batch_size, trainer_batches
     from trainer_memcb.plan.answers.step_memory import states_during_step
+    from trainer_memcb.plan.settings.micro_batch import per_device_batch
 
     memory = usable_memory(args)
     traces, settings = _step_traces(args, memory)
@@ -83,10 +84,11 @@ def _estimate_step(args: argparse.Namespace) -> StepAnswer:
         first, unit = trainer_batches(settings.preference)  # TRL's steps take only some batches
         found, searched = max_batch_size(plan_at, memory, first=first, unit=unit)
         largest = LargestBatch.of(found, searched, unit)
-    step = plan_at(settings.batch_size) if settings.batch_size is not None else None
+    step = plan_at(per_device_batch(settings)) if settings.batch_size is not None else None
     # The model-states table from the same trace: each state's most during the engine's step (the
     # states do not depend on the batch, so the search's plan at the answer serves without one).
-    traced = step if step is not None else next((plan for plan in searched if plan.settings.batch_size == found), None)
+    traced = step if step is not None else next((plan for plan in searched if plan.settings.per_device_batch == found),
+                                                None)
     states = traces.states
     if traced is not None:
         states = states_during_step(states, traced)
@@ -133,9 +135,13 @@ def _dpo_reference(settings: Any) -> bool:
 
 
 def _plan_at(traces: _StepTraces, settings: Any, batch: int) -> StepMemoryPlan:
-    """The step at `batch`, the other settings kept."""
-    at = dataclasses.replace(settings, batch_size=batch,
-                             sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
+    """The step at the per-device batch `batch`, the other settings kept (a padding-free SFT step's
+    one row resized to `batch` x seq_len tokens: `settings_at_batch`)."""
+    from trainer_memcb.plan.settings.micro_batch import per_device_batch, settings_at_batch
+
+    # At the settings' own batch they are kept as given: a --packing row need not be whole sequences.
+    at = settings if batch == per_device_batch(settings) else settings_at_batch(settings, batch)
+    at = dataclasses.replace(at, sources=dict(settings.sources, batch_size=settings.sources.get("batch_size", "flag")))
     return _plan_ranks(traces, at)
 
 
@@ -154,10 +160,11 @@ def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any 
     proposals, expandable segments among them)."""
     from trainer_memcb.plan.answers.step_memory import plan_step_memory
     from trainer_memcb.plan.optimizers.whatif import resolve_dtype
+    from trainer_memcb.plan.settings.micro_batch import per_device_batch
 
     args = traces.args
     several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
-    say_progress(f"tracing the step at batch {at.batch_size}" + (f", rank {at.rank}" if several else "")
+    say_progress(f"tracing the step at batch {per_device_batch(at)}" + (f", rank {at.rank}" if several else "")
                  + (" (searching the largest batch)" if args.max_batch_size else ""))
     # The settings hold the batch's shape and the device (`step_settings`); `more`: --fit's
     # proposals, expandable segments among them.

@@ -88,8 +88,8 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
         # The file says bf16/fp16 (autocast or DeepSpeed's); a model loaded in 16 bits stays a flag.
         given.precision = settings.precision if settings.precision in ("bf16", "fp16") else None
         more: Dict[str, Any] = {}
-        if "seq_len" in extra:
-            more["seq_len"] = extra["seq_len"]
+        if "seq_len" in extra:  # the settings' too: a padding-free SFT row is the batch x seq_len tokens
+            more["seq_len"] = given.seq_len = extra["seq_len"]
         if "alloc_conf" in extra:
             more["alloc_conf"] = extra["alloc_conf"]
         if "attn_implementation" in extra:

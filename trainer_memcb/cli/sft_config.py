@@ -7,8 +7,8 @@ As for DPO (`trainer_memcb.cli.dpo_config`), the own fields are read onto a name
 checks TRL makes of them. The rows are `--seq-len` tokens, at most the config's `max_length`
 (`SFTTrainer` cuts every row to it). Padding-free (`padding_free`, or `packing` with the "bfd"
 strategies), the collator flattens the micro-batch into one row: the plan's batch is then that row,
-`--batch-size` x `--seq-len` tokens (the repository's `--packing TOKENS` row, which may be given
-instead).
+`--batch-size` (else the config's `per_device_train_batch_size`) x `--seq-len` tokens (the
+repository's `--packing TOKENS` row, which may be given instead).
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ def sft_settings(values: Mapping[str, Any], where: str, *, peft: bool) -> Tuple[
     return trainer_values, step
 
 
-def sft_batch_shape(flags: Dict[str, Any], step: Any, where: str) -> None:
+def sft_batch_shape(flags: Dict[str, Any], step: Any, where: str, training_values: Mapping[str, Any]) -> None:
     """Set the micro-batch's shape in `flags` (the step plan's `batch_size`, `seq_len`, `packing`)
     as `SFTTrainer`'s collator makes it for `step`: rows of `seq_len` tokens, or padding-free one
-    row of `batch_size` x `seq_len` tokens (`packing`, given or made) with `batch_size` 1.
+    row of `batch_size` x `seq_len` tokens (`packing`, given or made) with `batch_size` 1; the
+    batch is `--batch-size`'s, else the config's `per_device_train_batch_size` (its
+    `TrainingArguments` values `training_values`), which `--fit`'s proposals change.
 
     Raises:
         ValueError: `--seq-len` past `max_length`, or `--packing` without a padding-free config.
@@ -64,6 +66,9 @@ def sft_batch_shape(flags: Dict[str, Any], step: Any, where: str) -> None:
             raise ValueError(f"--packing {packing} with --trainer sft: {where} makes padded rows (neither padding_free "
                              "nor packing with a bfd strategy); leave --packing out or set packing true")
         return
-    if packing is None and seq_len is not None and flags.get("batch_size") is not None:
-        flags["packing"] = flags["batch_size"] * seq_len
+    if packing is None and seq_len is not None:
+        from transformers import TrainingArguments
+
+        default = TrainingArguments.__dataclass_fields__["per_device_train_batch_size"].default
+        flags["packing"] = flags.get("batch_size", training_values.get("per_device_train_batch_size", default)) * seq_len
     flags["batch_size"] = 1

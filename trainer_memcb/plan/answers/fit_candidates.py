@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainer_memcb.plan.answers.step_memory import StepMemoryPlan, plan_step_memory
+from trainer_memcb.plan.settings.micro_batch import per_device_batch
 from trainer_memcb.plan.settings.step_settings import StepSettings
 
 __all__ = ["FitCandidate", "FitSearch", "step_verdict", "describe_changes", "expandable_segments_option",
@@ -240,9 +241,9 @@ _PRECISION_FLAGS = {"fp32": {"bf16": False, "fp16": False}, "autocast-bf16": {"b
 def training_args_of(settings: StepSettings, base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """A `TrainingArguments` dict of the settings the step plan reads: `base` (the user's own
     arguments, when given) with the batch, accumulation, optimizer, checkpointing, clipping and
-    precision of `settings` over it."""
+    precision of `settings` over it (the per-device batch: a padding-free SFT step's rows, not its one row)."""
     args = dict(base or {})
-    args.update(per_device_train_batch_size=settings.batch_size,
+    args.update(per_device_train_batch_size=per_device_batch(settings),
                 gradient_accumulation_steps=settings.gradient_accumulation_steps, optim=settings.optimizer,
                 gradient_checkpointing=settings.gradient_checkpointing,
                 max_grad_norm=settings.max_grad_norm if settings.max_grad_norm is not None else 0.0)

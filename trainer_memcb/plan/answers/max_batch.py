@@ -29,7 +29,8 @@ class SearchedBatch:
 
     @classmethod
     def of(cls, plan: StepMemoryPlan) -> "SearchedBatch":
-        return cls(plan.settings.batch_size, plan.step.peak_bytes, plan.device.reserved_peak_bytes,
+        """The plan's figures at its per-device batch (a padding-free SFT step's: the rows in its one row)."""
+        return cls(plan.settings.per_device_batch, plan.step.peak_bytes, plan.device.reserved_peak_bytes,
                    plan.device.device_total_bytes, plan.verdict.fits)
 
 
@@ -53,7 +54,7 @@ class LargestBatch:
     def of(cls, found: Optional[int], plans: List[StepMemoryPlan], unit: int = 1) -> "LargestBatch":
         """The answer from `max_batch_size`'s: its batch and the plans it traced (`unit`: the
         search's step between batches, `trainer_batches`)."""
-        problem = next((f"at batch {plan.settings.batch_size} {plan.step.problem}" for plan in plans
+        problem = next((f"at batch {plan.settings.per_device_batch} {plan.step.problem}" for plan in plans
                         if plan.step.problem is not None), None)
         at_limit = found is not None and found + unit > MAX_BATCH_SEARCH_LIMIT
         return cls(found, problem, at_limit, tuple(SearchedBatch.of(plan) for plan in plans))

@@ -123,6 +123,14 @@ class PlannedSettings:
     packing: Optional[PackedBatch] = None
     preference: Optional[PlannedPreference] = None
 
+    @property
+    def per_device_batch(self) -> int:
+        """The `per_device_train_batch_size` planned: the rows that TRL's padding-free SFT collator
+        flattened into the one row (`packing`'s `padded_batch_size`), else `batch_size`."""
+        if self.packing is not None and self.preference is not None and self.preference.trainer == "sft":
+            return self.packing.padded_batch_size
+        return self.batch_size
+
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form: the fields, `packing` only for a packed batch, `preference` only for TRL's step."""
         document = asdict(self)
