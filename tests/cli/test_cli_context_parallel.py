@@ -45,7 +45,6 @@ def test_each_rank_s_cp2_x_fsdp2_step_in_the_json(tiny_llama_dir, capsys, rank, 
     (["--parallelism", "cp=2", "--seq-len", "30"], "the sequence must divide by 2 x cp = 4"),
     (["--parallelism", "cp=2", "--zero", "2"], "accelerate runs context parallelism beside FSDP2 only"),
     (["--parallelism", "cp=2", "--attn-implementation", "eager"], "runs context parallelism with SDPA attention only"),
-    (["--parallelism", "cp=2,tp=2,dp_shard=2"], "context parallelism beside tensor parallelism is not planned yet"),
 ])
 def test_a_cp_layout_the_plan_refuses_is_one_usage_line(tiny_llama_dir, capsys, argv, phrase):
     code = main(["estimate", tiny_llama_dir, *STEP, *argv])

@@ -151,11 +151,13 @@ def _tensor_parallel_bytes(t: int, shape: ModelShape, batch: int, micro_batches:
     return micro_batches * (shape.num_layers * per_layer + embedding + logits)
 
 
-def context_parallel_bytes(c: int, shape: ModelShape, batch: int, micro_batches: int, checkpointing: bool) -> float:
-    """Context parallelism's ring bytes sent by one process per optimizer step (module docstring)."""
+def context_parallel_bytes(c: int, shape: ModelShape, batch: int, micro_batches: int, checkpointing: bool,
+                           tp: int = 1) -> float:
+    """Context parallelism's ring bytes sent by one process per optimizer step (module docstring); beside
+    tensor parallelism over `tp` processes the ring carries a rank's `1 / tp` of the heads."""
     if c <= 1:
         return 0.0
-    keys_values = 2 * batch * (shape.seq_len // c) * (shape.kv_width or shape.hidden_size)
+    keys_values = 2 * batch * (shape.seq_len // c) * ((shape.kv_width or shape.hidden_size) // tp)
     rotations = (3 if checkpointing else 2) * (c - 1) * keys_values * shape.activation_bytes
     gradients = c * keys_values * 4
     return micro_batches * shape.num_layers * (rotations + gradients)
@@ -175,7 +177,7 @@ def communication_bytes(args: Mapping[str, Any], deepspeed: Optional[Mapping[str
     sync = _sync_bytes(_engine(args, deepspeed), dp * cp, parameter_bytes / tp, gradient_bytes / tp, micro)
     checkpointing = bool(args.get("gradient_checkpointing"))
     activations = (_tensor_parallel_bytes(tp, shape, batch, micro, checkpointing)
-                   + context_parallel_bytes(cp, shape, batch, micro, checkpointing) if shape is not None else 0.0)
+                   + context_parallel_bytes(cp, shape, batch, micro, checkpointing, tp) if shape is not None else 0.0)
     return sync, activations
 
 
