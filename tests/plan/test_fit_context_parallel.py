@@ -1,7 +1,7 @@
 """Context parallelism's share of a `--fit` proposal's step time: the ring's bytes counted by hand
 from torch 2.13's `_templated_ring_attention` and `_templated_ring_attention_backward`, and held
 equal to what the ring the plan traces hands its collectives (tests/cli/test_cli_fit_context_parallel.py
-checks the proposals themselves)."""
+checks the proposals themselves); and beside tensor parallelism (`tp=2,cp=2`), each rank's heads."""
 
 from __future__ import annotations
 
@@ -58,9 +58,8 @@ def test_cp_s_data_sync_is_fsdp2_over_dp_shard_x_cp_and_its_ring_crosses_the_nod
         (sync + ring) / links.intra_node, rel=1e-12)
 
 
-@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_traced_ring_sends_the_bytes_counted(monkeypatch, checkpointing):
+def _ring_bytes_sent(monkeypatch, layout, rank=0, **flags):
+    """The bytes the traced step hands the ring's collectives on one rank, (group, bytes) a call, and its plan."""
     import torch.distributed._functional_collectives as ft_c
 
     from trainer_memcb.plan.answers.step_memory import plan_step_memory
@@ -71,20 +70,49 @@ def test_the_traced_ring_sends_the_bytes_counted(monkeypatch, checkpointing):
 
     def all_gather_single(tensor, gather_dim, group, *args, **kwargs):
         size = group.size() if hasattr(group, "size") else len(group)
-        sent.append((size - 1) * tensor.nbytes)  # a ring all-gather: each process sends the others its part
+        sent.append((group, (size - 1) * tensor.nbytes))  # a ring all-gather: each sends the others its part
         return gather(tensor, gather_dim, group, *args, **kwargs)
 
     def permute_tensor(tensor, src_dst, group, *args, **kwargs):
-        sent.append(tensor.nbytes)  # one turn: its whole buffer to the next rank
+        sent.append((group, tensor.nbytes))  # one turn: its whole buffer to the next rank
         return permute(tensor, src_dst, group, *args, **kwargs)
 
-    # The ring calls them as `ft_c.all_gather_single` and `ft_c.permute_tensor`: counted where it calls them.
+    # The ring calls them as `ft_c.all_gather_single` and `ft_c.permute_tensor` (DTensor's own
+    # redistributions use other functional collectives): counted where it calls them.
     monkeypatch.setattr(ft_c, "all_gather_single", all_gather_single)
     monkeypatch.setattr(ft_c, "permute_tensor", permute_tensor)
-    settings = resolve_settings(parallelism="cp=2", batch_size=2, optimizer="adamw_torch", precision="bf16",
-                                gradient_checkpointing=checkpointing)
+    settings = resolve_settings(parallelism=layout, rank=rank, batch_size=2, optimizer="adamw_torch", precision="bf16",
+                                **flags)
     plan, _ = plan_step_memory(build, seq_len=64, settings=settings, device_type="cuda", model_states=False)
     assert plan.step.problem is None, plan.step.problem
+    return sent, plan
+
+
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_traced_ring_sends_the_bytes_counted(monkeypatch, checkpointing):
+    sent, _ = _ring_bytes_sent(monkeypatch, "cp=2", gradient_checkpointing=checkpointing)
     # One micro-batch traced; the forward's all-gathers and the backward's gathers and turns, 2 layers.
     assert len(sent) == 2 * ((3 if checkpointing else 2) + 2)
-    assert sum(sent) == context_parallel_bytes(2, SHAPE, batch=2, micro_batches=1, checkpointing=checkpointing)
+    assert sum(nbytes for _, nbytes in sent) == context_parallel_bytes(2, SHAPE, batch=2, micro_batches=1, checkpointing=checkpointing)
+
+
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+def test_beside_tensor_parallelism_the_ring_carries_a_rank_s_heads(monkeypatch):
+    sent, plan = _ring_bytes_sent(monkeypatch, "tp=2,cp=2")
+    assert plan.settings.engine == "tp-cp-fsdp2"
+    # tp=2 leaves a rank 2 of the 4 key-value heads: keys and values 2 x [2, 32, 32] = 4,096 values,
+    # half of cp=2's alone. 8,192 bytes all-gathered forward and backward, 2 x 16,384 of float32
+    # gradients passed on; two layers.
+    # The ring's calls are on its `cp` group, the first layer's forward all-gather's; the one other
+    # is tensor parallelism's: the head's logits all-gathered over `tp`, 1 x [2, 32, 128] bf16
+    # (`fit_comm`'s logits term, (2 - 1) / 2 x 64 tokens x 256 x 2 bytes).
+    ring = [nbytes for group, nbytes in sent if group is sent[0][0]]
+    assert [nbytes for group, nbytes in sent if group is not sent[0][0]] == [16_384]
+    # tp=2 leaves a rank 2 of the 4 key-value heads: keys and values 2 x [2, 32, 32] = 4,096 values,
+    # half of cp=2's alone. 8,192 bytes all-gathered forward and backward, 2 x 16,384 of float32
+    # gradients passed on; two layers.
+    assert sum(ring) == 2 * (2 * 8_192 + 2 * 16_384) == context_parallel_bytes(2, SHAPE, 2, 1, False, tp=2)
+    # The parameters: the tp_plan's layers (all but the 5 norms' 320 values) split over tp and FSDP2
+    # over cp, the norms over cp alone: (114,688 / 4 + 320 / 2) bf16 values.
+    assert plan.step.model_states_at_optimizer_step_bytes["parameters"] == (114_688 // 4 + 320 // 2) * 2
