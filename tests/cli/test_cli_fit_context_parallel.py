@@ -105,3 +105,30 @@ def test_fit_beside_an_own_cp_layout_keeps_it_and_its_effective_batch(llama_dir,
     # On 4 data-parallel processes the 4 samples are 1 a process.
     assert len(zero) == 1 and zero[0]["changes"]["per_device_train_batch_size"] == 1
     assert zero[0]["effective_batch"] == 4 and "parallelism_config" not in zero[0]["training_args"]
+
+
+@pytest.mark.parametrize("flags, sizes", [
+    # 8 processes, 64 tokens: each cp dividing 8 whose 2 x cp divides 64.
+    (dict(), [2, 4, 8]),
+    (dict(seq_len=40), [2, 4]),  # 40 does not divide by 16
+    # An H100 (cuDNN 9.15 or later) takes cuDNN's kernel, whose ring the plan does not trace.
+    (dict(gpu="h100"), []),
+    (dict(precision="autocast-bf16"), []),  # fp32 weights: the ring's flash is planned in 16 bits only
+    (dict(device_type="cpu"), []),
+    (dict(attn_implementation="eager"), []),  # the Trainer runs CP with SDPA only
+])
+def test_the_cp_sizes_proposed_where_the_plan_and_accelerate_take_them(flags, sizes):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer_memcb.cli.fit_table import context_parallel_sizes
+    from trainer_memcb.plan.settings import resolve_settings
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=256)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    settings = resolve_settings(**dict(dict(world_size=8, batch_size=2, seq_len=64, precision="bf16",
+                                            device_type="cuda"), **flags))
+    assert context_parallel_sizes(model, settings) == sizes
