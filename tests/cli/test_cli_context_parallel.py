@@ -45,9 +45,6 @@ def test_each_rank_s_cp2_x_fsdp2_step_in_the_json(tiny_llama_dir, capsys, rank, 
     (["--parallelism", "cp=2", "--seq-len", "30"], "the sequence must divide by 2 x cp = 4"),
     (["--parallelism", "cp=2", "--zero", "2"], "accelerate runs context parallelism beside FSDP2 only"),
     (["--parallelism", "cp=2", "--attn-implementation", "eager"], "runs context parallelism with SDPA attention only"),
-    (["--parallelism", "cp=2,tp=2,dp_shard=2"], "context parallelism beside tensor parallelism is not planned yet"),
-    (["--parallelism", "cp=2", "--device-memory", "80GiB", "--fit"],
-     "--fit with parallelism cp=2: proposals beside context parallelism are not planned yet"),
 ])
 def test_a_cp_layout_the_plan_refuses_is_one_usage_line(tiny_llama_dir, capsys, argv, phrase):
     code = main(["estimate", tiny_llama_dir, *STEP, *argv])
@@ -55,3 +52,15 @@ def test_a_cp_layout_the_plan_refuses_is_one_usage_line(tiny_llama_dir, capsys, 
     assert code == 2, err
     assert phrase in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if line.strip()]) <= 2  # argparse's usage, then the one line
+
+
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+def test_cp_beside_tp_is_planned_on_accelerate_s_mesh(tiny_llama_dir, capsys):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "tp=2,cp=2", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["settings"]["engine"] == "tp-cp-fsdp2"
+    # tests/plan/test_fit_context_parallel.py's hand count: the tp_plan's layers over tp x cp, the
+    # norms over cp (114,688 / 4 + 320 / 2 bf16 values).
+    assert document["step"]["model_states_at_optimizer_step_bytes"]["parameters"] == 57_664

@@ -58,7 +58,6 @@ def test_the_training_args_parallelism_config_gives_cp_and_its_rotation():
     (dict(parallelism="cp=2", seq_len=30), "cp=2 with seq_len=30: the sequence must divide by 2 x cp = 4"),
     (dict(parallelism="cp=2", cp_comm_strategy="ring"), "cp_comm_strategy='ring': accelerate takes allgather or "
                                                         "alltoall"),
-    (dict(parallelism="tp=2,cp=2,dp_shard=2"), "context parallelism beside tensor parallelism is not planned yet"),
     (dict(parallelism="cp=2", batch_size=1, packing=64), "beside padding-free packing is not planned yet"),
     (dict(parallelism="cp=2,dp_replicate=2"), "accelerate refuses context parallelism beside pure data parallelism"),
 ])

@@ -60,7 +60,6 @@ def test_the_layout_gives_the_world_size_and_a_different_world_is_refused_as_acc
     (dict(parallelism="tp=2,dp_shard=2", fsdp_cpu_offload=True), "without DeepSpeed, HSDP's replicas or offload"),
     (dict(parallelism="tp=2", sharding="zero3"), "planned alone \\(world_size = tp\\) or with FSDP2"),
     (dict(parallelism="tp=2", precision="deepspeed-bf16"), "without DeepSpeed"),
-    (dict(parallelism="tp=2,cp=2,dp_shard=2"), "context parallelism beside tensor parallelism is not planned yet"),
 ])
 def test_what_is_not_planned_yet_is_refused_by_name(flags, message):
     with pytest.raises(ValueError, match=message):

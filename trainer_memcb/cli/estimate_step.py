@@ -71,10 +71,6 @@ def _estimate_step(args: argparse.Namespace) -> StepAnswer:
 
     memory = usable_memory(args)
     traces, settings = _step_traces(args, memory)
-    if getattr(args, "fit", False) and settings.cp_size > 1:
-        # --fit's proposals are planned as TrainingArguments files, whose layouts have no CP yet.
-        raise ValueError(f"--fit with parallelism cp={settings.cp_size}: proposals beside context parallelism are not "
-                         "planned yet; plan the layout without --fit")
     plan_at = functools.partial(_plan_at, traces, settings)
     freeze_what_was_imported()  # the modules the step needs are in: no full collection walks them again
     found: Optional[int] = None

@@ -54,10 +54,13 @@ def own_setting(settings: Any, args: argparse.Namespace) -> tuple:
     else:
         deepspeed = None
         own.pop("deepspeed", None)
-    if settings.tp_size > 1:  # accelerate's ParallelismConfig, as TrainingArguments.to_dict writes it
-        shards = settings.world_size // settings.tp_size
-        own["parallelism_config"] = {"tp_size": settings.tp_size, "dp_shard_size": shards, "dp_replicate_size": 1,
-                                     "cp_size": 1}
+    if settings.tp_size > 1 or settings.cp_size > 1:  # accelerate's ParallelismConfig, as TrainingArguments.to_dict writes it
+        replicate = settings.replicate if settings.cp_size > 1 else 1
+        shards = settings.world_size // (settings.tp_size * settings.cp_size * replicate)
+        own["parallelism_config"] = {"tp_size": settings.tp_size, "dp_shard_size": shards,
+                                     "dp_replicate_size": replicate, "cp_size": settings.cp_size}
+        if settings.cp_size > 1 and settings.cp_comm_strategy != "allgather":
+            own["parallelism_config"]["cp_handler"] = {"cp_comm_strategy": settings.cp_comm_strategy}
         own.pop("fsdp", None)
         own.pop("fsdp_config", None)
     elif settings.sharding.startswith("fsdp") and not own.get("fsdp"):
@@ -135,9 +138,13 @@ def _layout_options(args: argparse.Namespace, settings: Any, model: Any, value_b
     shape = None
     if text is not None and args.seq_len and all(isinstance(getattr(text, name, None), int)
                                                   for name in ("hidden_size", "num_hidden_layers", "vocab_size")):
+        heads = getattr(text, "num_attention_heads", None) or 1
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
         shape = ModelShape(text.hidden_size, text.num_hidden_layers, text.vocab_size, args.seq_len,
-                           4 if settings.precision == "fp32" else 2)
-    return dict(tensor_parallel_sizes=tensor_parallel_sizes(model, settings), links=links, shape=shape,
+                           4 if settings.precision == "fp32" else 2, kv_width=kv_heads * head_dim)
+    return dict(tensor_parallel_sizes=tensor_parallel_sizes(model, settings),
+                context_parallel_sizes=context_parallel_sizes(model, settings), links=links, shape=shape,
                 parameter_bytes=sum(p.numel() for p in model.parameters()) * value_bytes)
 
 
@@ -165,6 +172,48 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
         if world % tp == 0:
             sizes.append(tp)
     return sizes
+
+
+def context_parallel_sizes(model: Any, settings: Any) -> List[int]:
+    """The context-parallel sizes `--fit` proposes: each divisor of the world size above 1 whose
+    `2 x cp` divides the sequence (torch's head-tail load balancing), where accelerate, the Trainer
+    and the plan take context parallelism (`check_context_parallel`'s and
+    `check_context_parallel_model`'s rules: CUDA, SDPA attention, no TRL step or packing, no own
+    tensor parallelism) and the ring runs flash (16-bit weights, as the plan traces it); none for
+    PEFT's adapters or on a torch without the ring."""
+    from trainer_memcb.plan.settings.parallelism import check_context_parallel_model
+    from trainer_memcb.plan.step.ring_attention import ring_module
+
+    world, seq_len = settings.world_size, settings.seq_len
+    attention = settings.attn_implementation or getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if (world <= 1 or settings.device_type != "cuda" or settings.precision not in ("bf16", "fp16")
+            or settings.tp_size > 1 or settings.preference is not None or settings.packing is not None
+            or hasattr(model, "peft_config") or not seq_len or ring_module() is None):
+        return []
+    try:
+        check_context_parallel_model(model, attention, 2)
+    except ValueError:
+        return []
+    return [cp for cp in range(2, world + 1)
+            if world % cp == 0 and seq_len % (2 * cp) == 0 and _ring_runs_flash(model, settings, seq_len // cp)]
+
+
+def _ring_runs_flash(model: Any, settings: Any, share: int) -> bool:
+    """Whether the settings' GPU takes flash for the ring's turns (`sdpa_backend`, causal, no mask, a
+    `share` of the tokens each): the plan traces the ring on flash only (an H100 with cuDNN 9.15 or
+    later prefers cuDNN's kernel)."""
+    from trainer_memcb.plan.device.cuda_kernels import sdpa_backend
+    from trainer_memcb.plan.step.trace import compute_capability_of
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    if not isinstance(head_dim, int):
+        return False
+    dtype = "bfloat16" if settings.precision == "bf16" else "float16"
+    return sdpa_backend(dtype, head_dim, has_mask=False, is_causal=True, compute_capability=compute_capability_of(settings),
+                        seq_len_q=share, seq_len_k=share) == "flash"
 
 
 def _trl_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]:

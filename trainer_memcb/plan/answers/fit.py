@@ -189,7 +189,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
                 optimizers: Sequence[str] = LEANER_OPTIMIZERS,
                 expandable_segments: Optional[Dict[str, str]] = None, flash_attention: bool = False,
                 liger_kernel: bool = False, trainer_proposals: Sequence[Dict[str, Any]] = (),
-                tensor_parallel_sizes: Sequence[int] = (), links: Optional[Links] = None,
+                tensor_parallel_sizes: Sequence[int] = (), context_parallel_sizes: Sequence[int] = (),
+                links: Optional[Links] = None,
                 shape: Optional[ModelShape] = None, parameter_bytes: int = 0,
                 trainer_searches: Optional[Callable[[FitCandidate], Sequence[Sequence[Dict[str, Any]]]]] = None,
                 settle_args: Optional[Callable[[Dict[str, Any]], Optional[Dict[str, Any]]]] = None) -> FitSearch:
@@ -228,6 +229,9 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         tensor_parallel_sizes: the tensor-parallel sizes proposed (each divides `world_size`; the
             model's heads and widths split over it): `tp` alone where it is `world_size`, else with
             FSDP2 on `world_size / tp` (a `parallelism_config` in the `TrainingArguments` dict).
+        context_parallel_sizes: the context-parallel sizes proposed (each divides `world_size`; the
+            caller says where accelerate and the plan take them): `cp` with FSDP2 over
+            `dp_shard x cp`, `dp_shard = world_size / cp`.
         links: the links' bandwidths, for the collectives' share of the step time
             (`fit_comm.communication_seconds`; None: communication not counted).
         shape: the model's shape, for tensor parallelism's activation collectives.
@@ -247,7 +251,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         _propose_kernels_and_trainers(search, own, base, own_deepspeed, flash_attention, liger_kernel,
                                       trainer_proposals, trainer_searches)
         checkpointed = _propose_each_change(search, base, own_deepspeed, optimizers, world_size)
-        _propose_layouts(search, base, tensor_parallel_sizes, own)
+        _propose_layouts(search, base, tensor_parallel_sizes, own, context_parallel_sizes)
         if expandable_segments:
             search.plan({"PYTORCH_CUDA_ALLOC_CONF": expandable_segments["alloc_conf"]}, dict(base), own_deepspeed,
                         dict(expandable_segments))
@@ -355,11 +359,11 @@ def _both_sizes(sizes: Dict[str, Any], args: Dict[str, Any]) -> Dict[str, Any]:
 def _data_parallel_args(base: Dict[str, Any], world_size: int) -> Optional[Dict[str, Any]]:
     """`base` on all `world_size` processes as data parallelism (its `parallelism_config` left out),
     the per-process batch and accumulation chosen to keep the effective batch: a tensor-parallel
-    setting's processes share a batch, data parallelism's each take their own. None where the
+    (or context-parallel) setting's processes share a batch, data parallelism's each take their own. None where the
     effective batch does not split over the processes."""
-    tp, dp = layout_sizes(base, world_size)
+    _, dp = layout_sizes(base, world_size)
     args = {key: value for key, value in base.items() if key != "parallelism_config"}
-    if tp == 1:
+    if dp == world_size:
         return args
     batch = int(base.get("per_device_train_batch_size") or 1)
     samples = batch * int(base.get("gradient_accumulation_steps") or 1) * dp
@@ -370,25 +374,32 @@ def _data_parallel_args(base: Dict[str, Any], world_size: int) -> Optional[Dict[
     return dict(args, per_device_train_batch_size=batch, gradient_accumulation_steps=per_process // batch)
 
 
-def _propose_layouts(search: "_Search", base: Dict[str, Any], sizes: Sequence[int], own: FitCandidate) -> None:
+def _propose_layouts(search: "_Search", base: Dict[str, Any], sizes: Sequence[int], own: FitCandidate,
+                     context_sizes: Sequence[int] = ()) -> None:
     """Tensor parallelism of each size in `sizes`, alone on the processes or with FSDP2 on the rest,
-    the accumulation multiplied by the size: its processes share one batch, so the effective batch
-    stays the user's. Each micro-batch is the user's own rows, of which a process computes `1/tp`:
-    its FLOPs are the own step's over `tp` (the counter, above DTensor's dispatch, sees the sharded
-    layers at their whole shapes and misses the sharded attention's kernel)."""
+    and context parallelism of each of `context_sizes` with FSDP2 over the rest (as accelerate runs
+    it), the accumulation multiplied by the size: the processes of a `tp` or `cp` group share each
+    row (`tp` its layers' widths, `cp` its tokens), so the data-parallel groups are fewer and each
+    takes more micro-batches of the user's batch to keep the effective batch. A tensor-parallel
+    process computes `1/tp` of each micro-batch: its FLOPs are the own step's over `tp` (the
+    counter, above DTensor's dispatch, sees the sharded layers at their whole shapes and misses the
+    sharded attention's kernel); a context-parallel one's are its trace's (its tensors are its share)."""
     world = search.world_size
-    own_tp, _ = layout_sizes(base, world)
+    own_tp, own_dp = layout_sizes(base, world)
+    own_cp = world // (own_tp * own_dp)
     args = {key: value for key, value in base.items()
             if key not in ("deepspeed", "fsdp", "fsdp_config", "parallelism_config")}
-    batch = int(base.get("per_device_train_batch_size") or 1)
-    samples = int(base.get("gradient_accumulation_steps") or 1) * world // own_tp  # micro-batches per step, all ranks
-    for tp in sizes:
-        if tp <= 1 or world % tp or tp == own_tp or samples % (world // tp):
+    samples = int(base.get("gradient_accumulation_steps") or 1) * own_dp  # micro-batches per step, all groups
+    for kind, size in [("tp", tp) for tp in sizes] + [("cp", cp) for cp in context_sizes]:
+        if size <= 1 or world % size or samples % (world // size) or size == (own_tp if kind == "tp" else own_cp):
             continue
-        layout = {"tp_size": tp, "dp_shard_size": world // tp, "dp_replicate_size": 1, "cp_size": 1}
-        text = f"tp={tp}" + (f",dp_shard={world // tp}" if world > tp else "")
-        sizes_kept = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=samples // (world // tp))
-        flops = own.step_flops * own_tp // tp if own.step_flops is not None else None
+        layout = {"tp_size": 1, "dp_shard_size": world // size, "dp_replicate_size": 1, "cp_size": 1,
+                  f"{kind}_size": size}
+        text = f"{kind}={size}" + (f",dp_shard={world // size}" if world > size else "")
+        sizes_kept = dict(per_device_train_batch_size=int(base.get("per_device_train_batch_size") or 1),
+                          gradient_accumulation_steps=samples // (world // size))
+        flops = (own.step_flops * own_tp // size if kind == "tp" and own.step_flops is not None and own_cp == 1
+                 else None)
         search.plan(dict(sizes_kept, parallelism=text), dict(args, parallelism_config=layout, **sizes_kept), None,
                     micro_batch_flops=flops)
 

@@ -162,7 +162,8 @@ def describe_changes(changes: Dict[str, Any]) -> str:
     if "fsdp" in changes:
         words.append("FSDP2 full shard")
     if "parallelism" in changes:
-        words.append(f"tensor parallelism {changes['parallelism']}")
+        kind = "context" if changes["parallelism"].startswith("cp=") else "tensor"
+        words.append(f"{kind} parallelism {changes['parallelism']}")
     if "PYTORCH_CUDA_ALLOC_CONF" in changes:
         words.append(f"PYTORCH_CUDA_ALLOC_CONF={changes['PYTORCH_CUDA_ALLOC_CONF']}")
     if changes.get("precompute_ref_log_probs"):

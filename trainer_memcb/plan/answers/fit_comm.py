@@ -23,9 +23,17 @@ parallelism:
   layer's recomputed forward; the embedding's row-wise output once, and the head's column-wise
   logits `[B, L, vocab]` all-gathered; beside it the data-parallel sync above moves `1/t` of `P`
   and `G`.
+- context parallelism over `c` processes (torch's ring attention, `ring_attention` of the plan, torch
+  2.13's `_templated_ring_attention` and `_templated_ring_attention_backward`): every micro-batch,
+  each decoder layer's attention sends its local keys and values `S = 2 [B, L / c, kv_width]` round
+  the ring in the forward (accelerate's default `allgather`: one all-gather, `(c - 1) S` sent; the
+  `alltoall` rotation sends the same in `c - 1` turns), again in the backward, a third time in a
+  checkpointed layer's recomputed forward, and in the backward the keys' and values' gradients,
+  float32 (torch's `convert_to_f32`) and the same shape, passed on at each of the `c` turns; the data
+  sync above is FSDP2's over `dp_shard x cp`, the whole `P` and `G` over `d x c` processes.
 
-The link: tensor parallelism's ranks are the innermost dimension of accelerate's mesh, so they share
-a node while `t` is at most the processes per node, over NVLink (`NVLINK_BYTES_PER_SECOND`, a
+The link: tensor parallelism's ranks are the innermost dimension of accelerate's mesh, context
+parallelism's the next, so they share a node while `t` (or `c x t`) is at most the processes per node, over NVLink (`NVLINK_BYTES_PER_SECOND`, a
 GPU's one-way NVLink bandwidth) or, on cards without it, PCIe; data parallelism's groups span the
 nodes as soon as there are several, and cross the network (`NETWORK_BYTES_PER_SECOND` per GPU). The
 figures are peak link rates: real collectives reach less, and overlap with computation, which this
@@ -38,7 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["Links", "ModelShape", "links_of", "layout_sizes", "communication_bytes", "communication_seconds",
+__all__ = ["Links", "ModelShape", "links_of", "layout_sizes", "context_parallel_size", "context_parallel_bytes",
+           "communication_bytes", "communication_seconds",
            "NVLINK_BYTES_PER_SECOND", "PCIE_BYTES_PER_SECOND", "NETWORK_BYTES_PER_SECOND"]
 
 # One-way NVLink bandwidth per GPU: NVLink 4 on H100/H200 SXM, 18 links of 25 GB/s each way (900 GB/s
@@ -72,6 +81,8 @@ class ModelShape:
     vocab_size: int
     seq_len: int
     activation_bytes: int
+    # The keys' (and the values') width each token holds: key-value heads x head size (0: hidden_size).
+    kv_width: int = 0
 
 
 def links_of(gpu: Optional[str], world_size: int, nodes: int) -> Links:
@@ -83,10 +94,20 @@ def links_of(gpu: Optional[str], world_size: int, nodes: int) -> Links:
 
 def layout_sizes(args: Mapping[str, Any], world_size: int) -> Tuple[int, int]:
     """(tensor-parallel size, data-parallel size) of a `TrainingArguments` dict: its
-    `parallelism_config`'s `tp_size`, and the processes left for the data."""
+    `parallelism_config`'s `tp_size`, and the processes left for the data (each row's batch is
+    shared by `tp x cp` processes)."""
+    tp = _config_size(args, "tp_size")
+    return tp, max(1, world_size // (tp * context_parallel_size(args)))
+
+
+def context_parallel_size(args: Mapping[str, Any]) -> int:
+    """The `parallelism_config`'s `cp_size` of a `TrainingArguments` dict (1 without one)."""
+    return _config_size(args, "cp_size")
+
+
+def _config_size(args: Mapping[str, Any], name: str) -> int:
     config = args.get("parallelism_config") or {}
-    tp = int(config.get("tp_size") or 1) if isinstance(config, Mapping) else 1
-    return tp, max(1, world_size // tp)
+    return int(config.get(name) or 1) if isinstance(config, Mapping) else 1
 
 
 def _engine(args: Mapping[str, Any], deepspeed: Optional[Mapping[str, Any]]) -> str:
@@ -97,8 +118,9 @@ def _engine(args: Mapping[str, Any], deepspeed: Optional[Mapping[str, Any]]) -> 
         text = " ".join(fsdp) if isinstance(fsdp, (list, tuple)) else str(fsdp)
         return "fsdp-shard-grad-op" if "shard_grad_op" in text else "fsdp"
     config = args.get("parallelism_config") or {}
-    if isinstance(config, Mapping) and int(config.get("dp_shard_size") or 1) > 1:
-        return "fsdp"  # accelerate shards the data dimension with FSDP2
+    if isinstance(config, Mapping) and (int(config.get("dp_shard_size") or 1) > 1
+                                        or int(config.get("cp_size") or 1) > 1):
+        return "fsdp"  # accelerate shards the data dimension (and dp_shard x cp) with FSDP2
     return "ddp"
 
 
@@ -129,17 +151,33 @@ def _tensor_parallel_bytes(t: int, shape: ModelShape, batch: int, micro_batches:
     return micro_batches * (shape.num_layers * per_layer + embedding + logits)
 
 
+def context_parallel_bytes(c: int, shape: ModelShape, batch: int, micro_batches: int, checkpointing: bool,
+                           tp: int = 1) -> float:
+    """Context parallelism's ring bytes sent by one process per optimizer step (module docstring); beside
+    tensor parallelism over `tp` processes the ring carries a rank's `1 / tp` of the heads."""
+    if c <= 1:
+        return 0.0
+    keys_values = 2 * batch * (shape.seq_len // c) * ((shape.kv_width or shape.hidden_size) // tp)
+    rotations = (3 if checkpointing else 2) * (c - 1) * keys_values * shape.activation_bytes
+    gradients = c * keys_values * 4
+    return micro_batches * shape.num_layers * (rotations + gradients)
+
+
 def communication_bytes(args: Mapping[str, Any], deepspeed: Optional[Mapping[str, Any]], world_size: int,
                         parameter_bytes: int, gradient_bytes: int, shape: Optional[ModelShape]) -> Tuple[float, float]:
-    """(data-parallel bytes, tensor-parallel bytes) one process sends per optimizer step of the
-    setting (`args` a `TrainingArguments` dict, `deepspeed` its config or None) on `world_size`
-    processes; `parameter_bytes` and `gradient_bytes` are the whole model's on the device."""
+    """(data-parallel bytes, tensor- and context-parallel bytes) one process sends per optimizer step
+    of the setting (`args` a `TrainingArguments` dict, `deepspeed` its config or None) on
+    `world_size` processes; `parameter_bytes` and `gradient_bytes` are the whole model's on the
+    device."""
     tp, dp = layout_sizes(args, world_size)
+    cp = context_parallel_size(args)
     micro = int(args.get("gradient_accumulation_steps") or 1)
     batch = int(args.get("per_device_train_batch_size") or 1)
-    sync = _sync_bytes(_engine(args, deepspeed), dp, parameter_bytes / tp, gradient_bytes / tp, micro)
-    activations = (_tensor_parallel_bytes(tp, shape, batch, micro, bool(args.get("gradient_checkpointing")))
-                   if shape is not None else 0.0)
+    # FSDP2 shards over dp_shard x cp: its collectives span the context-parallel ranks too.
+    sync = _sync_bytes(_engine(args, deepspeed), dp * cp, parameter_bytes / tp, gradient_bytes / tp, micro)
+    checkpointing = bool(args.get("gradient_checkpointing"))
+    activations = (_tensor_parallel_bytes(tp, shape, batch, micro, checkpointing)
+                   + context_parallel_bytes(cp, shape, batch, micro, checkpointing, tp) if shape is not None else 0.0)
     return sync, activations
 
 
@@ -152,6 +190,7 @@ def communication_seconds(args: Mapping[str, Any], deepspeed: Optional[Mapping[s
         return 0.0
     sync, activations = communication_bytes(args, deepspeed, world_size, parameter_bytes, gradient_bytes, shape)
     tp, _ = layout_sizes(args, world_size)
-    tp_link = links.intra_node if tp <= links.per_node else links.inter_node
+    inner = tp * context_parallel_size(args)  # the mesh's innermost dimensions, cp outside tp
+    tp_link = links.intra_node if inner <= links.per_node else links.inter_node
     dp_link = links.intra_node if world_size <= links.per_node else links.inter_node
     return sync / dp_link + activations / tp_link

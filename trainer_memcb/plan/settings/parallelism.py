@@ -39,7 +39,10 @@ run it:
 - a sequence length divisible by `2 x cp`: torch's head-tail load balancer
   (`_create_default_load_balancer`) is taken only then; other lengths give ranks uneven shares,
   which this plan does not trace;
-- not beside tensor parallelism, padding-free packing or TRL's trainers: not planned yet.
+- beside tensor parallelism, as accelerate lays the mesh out (`dp_shard, cp, tp`: its
+  `ParallelismConfig` takes both, `_prepare_tp` then `_prepare_cp`): the world a multiple of
+  `cp x tp` (`TensorContextParallelEngine`);
+- not beside padding-free packing or TRL's trainers: not planned yet.
 """
 
 from __future__ import annotations
@@ -202,9 +205,9 @@ def check_context_parallel(settings: Any) -> None:
         raise ValueError(f"parallelism cp={cp} with sharding {settings.sharding!r}: accelerate runs context "
                          "parallelism beside FSDP2 only (it shards the model over dp_shard x cp)")
     world, replicate = settings.world_size, settings.replicate
-    if world % (cp * replicate):
-        raise ValueError(f"parallelism cp={cp} on world_size={world} with replicate={replicate}: the world is "
-                         "dp_replicate x dp_shard x cp processes")
+    if world % (cp * replicate * settings.tp_size):
+        raise ValueError(f"parallelism cp={cp} on world_size={world} with replicate={replicate} and tp="
+                         f"{settings.tp_size}: the world is dp_replicate x dp_shard x cp x tp processes")
     if settings.device_type != "cuda":
         raise ValueError(f"parallelism cp={cp} on device_type {settings.device_type!r}: torch's ring attention "
                          "runs CUDA's flash, memory-efficient or cuDNN kernels only; give device_type cuda")
@@ -212,8 +215,7 @@ def check_context_parallel(settings: Any) -> None:
         raise ValueError(f"parallelism cp={cp} with seq_len={settings.seq_len}: the sequence must divide by 2 x cp "
                          f"= {2 * cp} (torch's head-tail load balancing; other lengths give ranks uneven shares, "
                          "not planned)")
-    others = (("tp_size", settings.tp_size > 1, "tensor parallelism"),
-              ("packing", settings.packing is not None, "padding-free packing"),
+    others = (("packing", settings.packing is not None, "padding-free packing"),
               ("preference", settings.preference is not None, "TRL's trainers"))
     for name, given, what in others:
         if given:

@@ -19,7 +19,7 @@ sum at one moment:
 from typing import Any
 
 from trainer_memcb.plan.step.engines.base import StepEngine
-from trainer_memcb.plan.step.engines.context_parallel import ContextParallelEngine
+from trainer_memcb.plan.step.engines.context_parallel import ContextParallelEngine, TensorContextParallelEngine
 from trainer_memcb.plan.step.engines.ddp import DDPEngine
 from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
 from trainer_memcb.plan.step.engines.tensor_parallel import TensorParallelEngine, TensorParallelFSDP2Engine
@@ -33,6 +33,8 @@ def engine_for(settings: Any) -> StepEngine:
     """The engine of resolved settings (`trainer_memcb.plan.settings.StepSettings`)."""
     sharding = settings.sharding
     if getattr(settings, "cp_size", 1) > 1:
+        if getattr(settings, "tp_size", 1) > 1:
+            return TensorContextParallelEngine(settings)
         return ContextParallelEngine(settings)
     if getattr(settings, "tp_size", 1) > 1:
         return TensorParallelFSDP2Engine(settings) if sharding.startswith("fsdp-") else TensorParallelEngine(settings)

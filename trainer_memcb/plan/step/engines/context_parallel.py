@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
+from trainer_memcb.plan.step.engines.tensor_parallel import TensorParallelFSDP2Engine
 
-__all__ = ["ContextParallelEngine"]
+__all__ = ["ContextParallelEngine", "TensorContextParallelEngine"]
 
 # The loss's ignored label (`nn.CrossEntropyLoss`'s -100), which the Trainer pads `shift_labels` with.
 IGNORE_INDEX = -100
@@ -133,3 +134,31 @@ def _shard_in_place(mesh: Any, buffers: List[torch.Tensor]) -> None:
         shard = shard.clone()
         buffer.resize_(shard.shape)
         buffer.copy_(shard)
+
+
+class TensorContextParallelEngine(ContextParallelEngine, TensorParallelFSDP2Engine):
+    """The step of one rank of a `dp_shard x cp x tp` mesh, as accelerate lays it out (`tp`
+    innermost, `cp` next): the model's `tp_plan` applied on `tp` (`TensorParallelFSDP2Engine`),
+    FSDP2 over `dp_shard x cp`, the ring over `cp` on each rank's heads (the column-wise projections
+    hand the attention its local heads as plain tensors).
+
+    Args:
+        settings: resolved settings (`world_size` = dp_shard x cp x tp, `cp_size`, `tp_size`, FSDP2's).
+    """
+
+    name = "tp-cp-fsdp2"
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cp, tp = self.settings.cp_size, self.settings.tp_size
+        shards = self.settings.world_size // (cp * tp)  # no replicas: tensor parallelism refuses them
+        names = (["dp_shard"] if shards > 1 else []) + ["cp", "tp"]
+        sizes = ([shards] if shards > 1 else []) + [cp, tp]
+        mesh = init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(names))
+        self._cp_mesh, self._tp_mesh = mesh["cp"], mesh["tp"]
+        self.ring_group = self._cp_mesh.get_group()
+        self.notes.append(f"TP x CP x FSDP2: a {' x '.join(map(str, sizes))} mesh ({', '.join(names)}), the model's "
+                          f"tp_plan on tp, torch's ring attention over cp ({self.settings.cp_comm_strategy} "
+                          f"rotation), FSDP2 over dp_shard x cp = {shards * cp}")
+        return mesh[tuple(names[:-1])]._flatten("dp_shard_cp")
