@@ -211,8 +211,8 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         allow: changes that alter the training (`ALLOWED_CHANGES`): "seq-len" halves the sequence
             (`seq_len` needed), "lora" trains LoRA adapters of rank 16, "qlora" the same over a
             4-bit base (both through `extra`'s `lora_r`, `load_in_4bit`).
-        max_candidates: the most proposals planned (the own setting not counted).
-        optimizers: the leaner optimizers tried.
+        max_candidates: the most proposals planned (the own setting not counted); `optimizers` the
+            leaner optimizers tried.
         expandable_segments: `expandable_segments_option(...)` of the planner (None: not proposed).
         flash_attention: propose `FLASH_ATTENTION` (through `extra`'s `attn_implementation`) where
             the user's own step traced eager attention; `flash_attention_proposable` says where.
@@ -229,13 +229,11 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
         tensor_parallel_sizes: the tensor-parallel sizes proposed (each divides `world_size`; the
             model's heads and widths split over it): `tp` alone where it is `world_size`, else with
             FSDP2 on `world_size / tp` (a `parallelism_config` in the `TrainingArguments` dict).
-        context_parallel_sizes: the context-parallel sizes proposed (each divides `world_size`; the
-            caller says where accelerate and the plan take them): `cp` with FSDP2 over
-            `dp_shard x cp`, `dp_shard = world_size / cp`.
-        links: the links' bandwidths, for the collectives' share of the step time
-            (`fit_comm.communication_seconds`; None: communication not counted).
-        shape: the model's shape, for tensor parallelism's activation collectives.
-        parameter_bytes: the model's parameters' bytes on the device, for the data-parallel ones.
+        context_parallel_sizes: the context-parallel sizes proposed (each divides `world_size`, where
+            accelerate and the plan take them): `cp` with FSDP2 over `dp_shard x cp`.
+        links: the links' bandwidths, for the collectives' share of the step time (None: not counted).
+        shape: the model's shape, for the collectives' bytes (`fit_comm.communication_seconds`).
+        parameter_bytes: the model's parameters' bytes on the device, likewise.
 
     Raises:
         ValueError: an unknown change in `allow`, a bad `max_candidates`.
