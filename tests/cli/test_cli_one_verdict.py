@@ -82,7 +82,7 @@ def test_the_largest_batch_is_the_last_the_step_plan_says_fits(tmp_path):
     # bound fell by one a trace: 178 traces and 75 s for this answer.
     found = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--max-batch-size")
     best = found["answers"]["largest_batch"]["max_batch_size"]
-    assert best == 276
+    assert best == 189  # 276 before the memory-efficient backward's delta and workspace were planned
     assert len(found["answers"]["largest_batch"]["searched"]) <= 13
     at = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--batch-size", str(best))
     above = plan_json(DISTILBERT, "--seq-len", "8", "--device-memory", "500MiB", "--batch-size", str(best + 1))
