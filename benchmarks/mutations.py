@@ -386,7 +386,7 @@ EDITS: List[Edit] = [
          "    return timeline", UNTRACEABLE_OPTIMIZER),  # the rule's state left out of the peak
     Edit("plan/answers/step_memory.py", "        timeline = timeline.with_resident(\"reference_model\", reference)", "        pass", STEP_ON_THE_COMMAND_LINE),
     # -- cli/estimate_step.py, estimate_checks.py, device_options.py: the command's reserve, refusals and search
-    Edit("plan/answers/max_batch.py", "        problem = next((f\"at batch {plan.settings.batch_size} {plan.step.problem}\" for plan in plans\n"
+    Edit("plan/answers/max_batch.py", "        problem = next((f\"at batch {plan.settings.per_device_batch} {plan.step.problem}\" for plan in plans\n"
          "                        if plan.step.problem is not None), None)", "        problem = None", SEARCH),
     # (the untraceable search reads as "no batch fits", exit 3)
     Edit("cli/device_options.py", "    return gpu_preset(gpu).cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES",
