@@ -235,3 +235,23 @@ def test_max_batch_size_where_not_even_two_fits_names_the_least_batch_kto_takes(
     lines = capsys.readouterr().out.splitlines()
     title = lines.index("No batch fits (not even 2, the smallest the trainer takes)")
     assert lines[title + 3].split() == ["2", "8.5", "MiB", "(8,895,042)", "-", "does", "not", "fit"]
+
+
+@pytest.mark.slow  # a search of 8 proposals in a process of its own: half a minute here
+def test_fit_with_peft_s_reference_through_the_console_script(files: dict, tmp_path: Any) -> None:
+    """The same search as the installed `trainer-memcb` runs it: the script keeps peft out of an
+    estimate that asks for no LoRA, and `--allow lora` must bring it back for KTO's adapters."""
+    from cli.test_console_script import run_script
+
+    written = str(tmp_path / "halved.json")
+    done = run_script(*_argv(files, "kto", "--batch-size", "4", "--device-memory", "9MiB", "--reserve", "0B", "--fit",
+                             "--allow", "lora", "--max-proposals", "8", "--write-training-args", written, "--json"))
+    assert (done.returncode, done.stderr) == (0, f"trainer-memcb: wrote {written}: KTOConfig of batch 2 x "
+                                                 "accumulation 2\n"), done.stderr
+    fit = valid_estimate_document(json.loads(done.stdout))["answers"]["fit"]
+    assert fit["own"]["peak_bytes"] == 17_416_424
+    assert [(c["changes"], c["peak_bytes"], c["fits"]) for c in fit["candidates"]][:1] == [
+        ({"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}, 8_989_380, True)]
+    assert ({"lora_r": 16}, 17_023_028) in [(c["changes"], c["peak_bytes"]) for c in fit["candidates"]]
+    with open(written, encoding="utf-8") as handle:
+        assert json.load(handle)["per_device_train_batch_size"] == 2
