@@ -64,3 +64,15 @@ def test_cp_beside_tp_is_planned_on_accelerate_s_mesh(tiny_llama_dir, capsys):
     # tests/plan/test_fit_context_parallel.py's hand count: the tp_plan's layers over tp x cp, the
     # norms over cp (114,688 / 4 + 320 / 2 bf16 values).
     assert document["step"]["model_states_at_optimizer_step_bytes"]["parameters"] == 57_664
+
+
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+def test_the_cp_plan_through_the_console_script(tiny_llama_dir):
+    """The installed `trainer-memcb`, whose start keeps some packages out: the ring's hooks come from
+    accelerate, the same bytes as above."""
+    from cli.test_console_script import run_script
+
+    done = run_script("estimate", tiny_llama_dir, *STEP, "--parallelism", "cp=2,dp_shard=2", "--rank", "0", "--json")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    document = json.loads(done.stdout)
+    assert (document["settings"]["engine"], document["step"]["peak_bytes"]) == ("cp-fsdp2", 1_103_152)
