@@ -65,16 +65,18 @@ def test_counting_flops_in_the_trace_leaves_its_figures_as_they_were(checkpointi
         (plain.step.peak_bytes, plain.step.peak_parts, plain.step.activations_peak_bytes)
     # 4 x 32 = 128 tokens through 98,304 linear weights (2 layers x 40,960 and the 16,384 of the head):
     # 2 x 128 x 98,304 = 25,165,824 forward, twice that backward (the inputs' and the weights'
-    # gradients), and the CPU flash attention, 2,097,152 forward and 5,242,880 backward. With
-    # checkpointing the layers' forward runs again in backward, up to the last tensor it must
-    # recompute (non-reentrant checkpointing stops there: not the down projection, 2 x 8,192 weights):
-    # 2 x 128 x 65,536 = 16,777,216, and the attention's 2,097,152. Reentrant checkpointing
+    # gradients), and the CPU flash attention, causal: torch's formulas count the whole square,
+    # 2,097,152 forward and 5,242,880 backward, of which the kernel computes the 528 scores of 1,024
+    # a row of 32 keeps below its diagonal, 1,081,344 and 2,703,360. With checkpointing the layers'
+    # forward runs again in backward, up to the last tensor it must recompute (non-reentrant
+    # checkpointing stops there: not the down projection, 2 x 8,192 weights): 2 x 128 x 65,536 =
+    # 16,777,216, and the attention's 1,081,344. Reentrant checkpointing
     # (transformers 4.x's without keywords) runs the whole forward of each layer again: 2 x 128 x 81,920.
     # On transformers 4.x the rotary angles' matmul (one row of 32 positions, 8 frequencies) adds,
     # once: it runs before the layers, outside what checkpointing recomputes.
     rotary = rotary_matmul_flops_of_transformers_4(1, 32, 8)
-    recomputed = 2 * 128 * (81_920 if reentrant_by_default() else 65_536) + 2_097_152
-    assert counted.timeline.flops == 82_837_504 + (recomputed if checkpointing else 0) + rotary
+    recomputed = 2 * 128 * (81_920 if reentrant_by_default() else 65_536) + 1_081_344
+    assert counted.timeline.flops == 3 * 25_165_824 + 1_081_344 + 2_703_360 + (recomputed if checkpointing else 0) + rotary
     # Unasked, the trace counts none.
     assert plain.timeline.flops is None
 
