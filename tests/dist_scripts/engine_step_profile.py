@@ -40,6 +40,8 @@ from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optim
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
               vocab_size=256)
 BATCH, SEQ = 2, 16
+# The user's tensor-parallel rules of engine tp-attention-whole (tests/training/test_tensor_parallel_runs.py).
+ATTENTION_WHOLE = {f"model.layers.*.self_attn.{name}": "replicate" for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
 def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
@@ -51,17 +53,20 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
         return parallelize_module(model, mesh, torch_tp_plan(model_tp_plan(model)))
-    if engine == "tp-auto":
+    if engine in ("tp-auto", "tp-attention-whole"):
         # The same layout through transformers' own loading: `from_pretrained(tp_plan="auto")` of this
-        # model saved (rank 0, then every process loads it), transformers 5's own parallel styles.
+        # model saved (rank 0, then every process loads it), transformers 5's own parallel styles;
+        # tp-attention-whole: the user's rules over the model's plan (`DistributedConfig(tp_plan=dict)`,
+        # which transformers merges into the model's), the attention's projections replicated.
         from transformers import LlamaForCausalLM
 
-        folder = os.path.abspath("tp-auto-checkpoint")
+        folder = os.path.abspath(f"{engine}-checkpoint")
         if dist.get_rank() == 0:
             model.save_pretrained(folder)
         dist.barrier()
         del model
-        loaded = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", attn_implementation="sdpa")
+        tp_plan = ATTENTION_WHOLE if engine == "tp-attention-whole" else "auto"
+        loaded = LlamaForCausalLM.from_pretrained(folder, tp_plan=tp_plan, attn_implementation="sdpa")
         loaded.config.use_cache = False
         return loaded
     if engine == "tp-fsdp2":
@@ -316,7 +321,7 @@ def main() -> None:
         # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
         if engine.endswith("-memtracker"):
             name = engine[:-len("-memtracker")]
-            plain = name.startswith("ddp") or name in ("tp", "tp-auto")  # FSDPMemTracker wants FSDP modules
+            plain = name.startswith("ddp") or name in ("tp", "tp-auto", "tp-attention-whole")  # FSDPMemTracker wants FSDP modules
             result = ddp_memtracker_run(name) if plain else memtracker_run(name)
         else:
             result = run(engine)

@@ -1,6 +1,6 @@
 """The tensor-parallel step plan against real runs: torchrun on 2 CPU processes (gloo), TP=2 on
 the tiny Llama of tests/plan/test_engines.py, and on 4, TP=2 x FSDP2=2, one measured step each
-(tests/dist_scripts/engine_step_profile.py, engines `tp` and `tp-fsdp2`).
+(tests/dist_scripts/engine_step_profile.py, engines `tp`, `tp-auto`, `tp-attention-whole` and `tp-fsdp2`).
 
 The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
 torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`); transformers
@@ -51,7 +51,7 @@ def peak_beyond_plan(real: dict, plan, beyond: int) -> int:
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
-    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp", "tp-auto"], PROCESSES)
+    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp", "tp-auto", "tp-attention-whole"], PROCESSES)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,30 @@ def test_tp_plan_auto_holds_the_plan_s_shards_on_whole_storages_on_the_cpu(tp_ru
         for part in ("_MemRefType.GRAD", "_MemRefType.OPT"):
             assert at_step[0][part] == at_step[1][part]
     assert real["parts"]["_MemRefType.GRAD"] in (0, 263_424)  # 0: the tracker's peak in the backward
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@pytest.mark.parametrize("rank", range(PROCESSES))
+def test_the_user_s_rules_over_the_model_s_plan_as_transformers_merges_them(tp_runs, rank):
+    """`from_pretrained(tp_plan={...})` with the attention's four projections "replicate": transformers
+    5 keeps the model's other rules (`DistributedConfig(tp_plan=dict)`), as the plan's `tp_plan` does."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_scripts"))
+    from engine_step_profile import ATTENTION_WHOLE
+
+    settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch",
+                                tp_plan=ATTENTION_WHOLE)
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    real = tp_runs["tp-attention-whole"][rank]
+    states = plan.step.model_states_at_optimizer_step_bytes
+    # The four projections of each of 2 layers whole: 2 x 4 x 2,048 values more than the model's plan.
+    assert states["parameters"] == 230_656 + 2 * 4 * 2_048 * 4 == 296_192 == real["params"]["local_bytes"]
+    # The colwise shards of dim 0 are views of the checkpoint's tensors, as under tp-auto (above): the
+    # attention's three colwise layers are whole now, 2 x 3 x 8,192 bytes of those views fewer.
+    beyond = WHOLE_STORAGES_BEYOND_SHARDS - 2 * 3 * 8_192
+    assert real["params"]["storage_bytes"] == 296_192 + beyond
+    assert peak_beyond_plan(real, plan, beyond + 16) == 0, (plan.step.peak_bytes, real)
+    assert states["gradients"] == 263_424 + 2 * 4 * 2_048 * 4 == 328_960
+    assert real["parts"]["_MemRefType.GRAD"] in (0, 328_960)  # 0: the tracker's peak in the backward
 
 
 # -- TP=2 x FSDP2=2 on 4 processes ----------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Dict
 
 from trainer_memcb.utils.units import parse_whole_number
 
-__all__ = ["positive_int", "TRL_TRAINERS", "non_negative_int", "liger_kernel_config", "SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
+__all__ = ["positive_int", "TRL_TRAINERS", "non_negative_int", "liger_kernel_config", "tp_plan", "SHARDINGS", "PRECISIONS", "DTYPES", "DEVICE_TYPES", "QUANT_TYPES", "DEFAULT_OPTIMIZERS", "EVAL_LOGITS",
            "DEFAULT_METRICS", "ALLOWED_CHANGES"]
 
 # trainer_memcb.plan.settings.setup.SHARDINGS
@@ -69,5 +69,21 @@ def liger_kernel_config(text: str) -> Dict[str, bool]:
     try:
         check_liger_kernel_config(value)
     except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return dict(value)
+
+
+def tp_plan(text: str) -> Dict[str, str]:
+    """The argparse type of `--tp-plan`: a JSON object of module names to transformers' style names,
+    inline or in a file, checked as the settings check `tp_plan`; one line otherwise."""
+    from trainer_memcb.plan.settings.step_settings import check_tp_plan, read_json_file
+
+    try:
+        value = json.loads(text) if text.lstrip().startswith("{") else read_json_file(text, "--tp-plan")
+        check_tp_plan(value)
+    except ValueError as error:
+        if isinstance(error, json.JSONDecodeError):
+            error = ValueError(f"{text!r} is not JSON: give an object such as "
+                               "'{\"model.layers.*.mlp.down_proj\": \"rowwise\"}', or a file holding one")
         raise argparse.ArgumentTypeError(str(error)) from None
     return dict(value)

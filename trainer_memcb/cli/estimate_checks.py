@@ -29,7 +29,8 @@ _STEP_OPTIONS = (("seq_len", "--seq-len"), ("rank", "--rank"), ("gradient_checkp
                  ("load_in_4bit", "--load-in-4bit"), ("load_in_8bit", "--load-in-8bit"),
                  ("bnb_4bit_use_double_quant", "--bnb-4bit-use-double-quant"),
                  ("llm_int8_threshold", "--llm-int8-threshold"), ("bucket_cap_mb", "--bucket-cap-mb"),
-                 ("gradient_as_bucket_view", "--gradient-as-bucket-view"), ("parallelism", "--parallelism"))
+                 ("gradient_as_bucket_view", "--gradient-as-bucket-view"), ("parallelism", "--parallelism"),
+                 ("tp_plan", "--tp-plan"))
 _EVAL_OPTIONS = ("seq_len", "attn_implementation", "device_type")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation", "--device-type")
 

@@ -7,7 +7,7 @@ import argparse
 from typing import Any, List, Optional
 
 from trainer_memcb.cli.choices import (DEFAULT_OPTIMIZERS, DEVICE_TYPES, DTYPES, PRECISIONS, QUANT_TYPES, SHARDINGS,
-                                      TRL_TRAINERS, liger_kernel_config, non_negative_int, positive_int)
+                                      TRL_TRAINERS, liger_kernel_config, non_negative_int, positive_int, tp_plan)
 from trainer_memcb.cli.eval_estimate import add_eval_arguments
 from trainer_memcb.cli.fit_options import add_fit_arguments
 from trainer_memcb.cli.output import TextTable, bytes_cell
@@ -164,6 +164,10 @@ def _add_plan_arguments(estimate: argparse.ArgumentParser) -> None:
                            "multiply to the world size; planned so far: tp=N alone or with dp_shard=M (FSDP2), "
                            "from the model's tp_plan, and cp=N (context parallel, torch's ring attention) with "
                            "FSDP2 over dp_shard x cp (with --batch-size)")
+    plan.add_argument("--tp-plan", type=tp_plan, metavar="JSON",
+                      help="your tensor-parallel rules over the model's tp_plan, a JSON object (inline or a file) of "
+                           "module names to transformers' styles, as DistributedConfig(tp_plan=...) takes them: e.g. "
+                           "'{\"model.layers.*.self_attn.o_proj\": \"replicate\"}' (with --parallelism tp=N)")
     shard = plan.add_mutually_exclusive_group()
     shard.add_argument("--sharding", choices=SHARDINGS, help="how the states are split (default none)")
     shard.add_argument("--zero", type=int, choices=(1, 2, 3), metavar="{1,2,3}", help="DeepSpeed ZeRO stage: --sharding zeroN")

@@ -61,6 +61,8 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
         flags["gradient_checkpointing"] = True
     if getattr(args, "gradient_as_bucket_view", False):
         flags["gradient_as_bucket_view"] = True
+    if getattr(args, "tp_plan", None) is not None:
+        flags["tp_plan"] = args.tp_plan
     if args.offload_params and (flags.get("sharding") or "").startswith("fsdp"):
         flags["fsdp_cpu_offload"] = True
     if list(args.optimizers) != list(DEFAULT_OPTIMIZERS) or not args.training_args:

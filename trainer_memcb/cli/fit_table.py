@@ -160,7 +160,7 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     if world <= 1 or settings.preference is not None or hasattr(model, "peft_config"):
         return []
     try:
-        model_tp_plan(model)
+        model_tp_plan(model, settings.tp_plan)
     except ValueError:
         return []
     sizes = []

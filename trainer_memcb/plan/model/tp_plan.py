@@ -26,25 +26,38 @@ Any other style (packed, unit, MoE, MLA) is refused by name: its layout has no t
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from torch import nn
 
+from trainer_memcb.plan.settings.parallelism import TP_STYLES
+
 __all__ = ["model_tp_plan", "torch_tp_plan", "TP_STYLES"]
 
-# transformers' style names this module maps to torch's (the table above); "replicate" maps to none.
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-             "embedding_rowwise", "embedding_colwise", "sequence_parallel", "replicate")
 
 
-def model_tp_plan(model: nn.Module) -> Dict[str, str]:
+def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The model's tensor-parallel plan, module name (with `*` for a layer number) -> style name:
     its `tp_plan` as transformers resolves it, else its config's `base_model_tp_plan` under the
-    base model's prefix.
+    base model's prefix; with the user's `override`, its rules in place of the model's for the same
+    modules and the others kept, as transformers 5's `DistributedConfig(tp_plan=dict)` merges them
+    (`distributed/mixin.py`: `plan | override`).
 
     Raises:
-        ValueError: the model has no plan (transformers' `tp_plan="auto"` refuses it too).
+        ValueError: the model has no plan (transformers' `tp_plan="auto"` refuses it too), or an
+            override's module names no module of the model (transformers refuses it too).
     """
+    if override:
+        names = [name for name, _ in model.named_modules()]
+        unknown = sorted(name for name in override if not any(_matches(name, module) for module in names))
+        if unknown:
+            raise ValueError(f"tensor-parallel plan: {', '.join(map(repr, unknown))} names no module of "
+                             f"{type(model).__name__} (module names as named_modules() gives them, * for a layer number)")
+        try:
+            plan = model_tp_plan(model)
+        except ValueError:
+            plan = {}
+        return {**plan, **override}
     plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
     if not plan:
         config = getattr(model, "config", None)

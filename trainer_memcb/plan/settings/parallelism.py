@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["Parallelism", "parse_parallelism", "parallelism_from_config", "check_tensor_parallel_model",
+__all__ = ["TP_STYLES", "Parallelism", "parse_parallelism", "parallelism_from_config", "check_tensor_parallel_model",
            "check_context_parallel", "check_context_parallel_model", "PARALLELISM_SIZES", "CP_COMM_STRATEGIES"]
 
 # accelerate's `TorchContextParallelConfig.cp_comm_strategy` values (torch's `set_rotate_method`).
@@ -58,6 +58,12 @@ CP_COMM_STRATEGIES = ("allgather", "alltoall")
 
 # The sizes, in accelerate's mesh order (`ParallelismConfig._get_mesh`: dp_replicate, dp_shard, cp, tp).
 PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+# transformers' style names that `trainer_memcb.plan.model.tp_plan` maps to torch's styles (the
+# table there); "replicate" maps to none.
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
+             "embedding_rowwise", "embedding_colwise", "sequence_parallel", "replicate")
 
 
 @dataclass(frozen=True)

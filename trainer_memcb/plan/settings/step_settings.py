@@ -42,7 +42,7 @@ from trainer_memcb.utils.safe_io import UnsafeFileError, read_json
 from trainer_memcb.utils.units import MiB
 
 __all__ = ["StepSettings", "DEVICE_TYPES", "LIGER_KERNEL_DEFAULTS", "LIGER_MODEL_TYPES",
-           "check_liger_kernel_config", "SettingsFileError",
+           "check_liger_kernel_config", "check_tp_plan", "SettingsFileError",
            "resolve_settings", "read_json_file", "check_training_args", "MAX_SETTINGS_FILE_BYTES"]
 
 # A TrainingArguments dump, a DeepSpeed or an FSDP config is a few KiB; a larger file is not one.
@@ -104,6 +104,9 @@ class StepSettings:
             `trainer_memcb.plan.settings.parallelism`): the model's linear layers split over `tp_size`
             processes by its `tp_plan`; planned so far alone (`world_size == tp_size`) or with FSDP2
             (`world_size // tp_size` shards of each TP shard).
+        tp_plan: the user's tensor-parallel rules, module name (`*` for a layer number) -> transformers'
+            style name, over the model's own plan as transformers 5's `DistributedConfig(tp_plan=dict)`
+            merges them (`trainer_memcb.plan.model.tp_plan.model_tp_plan`); None: the model's plan.
         cp_size, cp_comm_strategy: context parallelism's degree and how its ring rotates the keys and
             values ("allgather", accelerate's default, or "alltoall"; accelerate's
             `TorchContextParallelConfig.cp_comm_strategy`): each rank holds `seq_len / cp_size` of the
@@ -161,6 +164,7 @@ class StepSettings:
     fsdp_cpu_offload: bool = False
     replicate: int = 1
     tp_size: int = 1
+    tp_plan: Optional[Dict[str, str]] = None
     cp_size: int = 1
     cp_comm_strategy: Optional[str] = None
     torch_empty_cache_steps: Optional[int] = None
@@ -282,6 +286,7 @@ def _check_tensor_parallel(settings: "StepSettings") -> None:
     tp = settings.tp_size
     if not _whole(tp, 1):
         raise ValueError(f"tp_size={tp!r}: expected a whole number of at least 1")
+    _check_tp_plan(settings.tp_plan, tp)
     if tp == 1:
         return
     world, sharding = settings.world_size, settings.sharding
@@ -296,6 +301,31 @@ def _check_tensor_parallel(settings: "StepSettings") -> None:
                          "FSDP2 so far, without DeepSpeed, HSDP's replicas or offload")
     if settings.preference is not None:
         raise ValueError(f"parallelism tp={tp} with TRL's DPO step: planned on one process only so far")
+
+
+def _check_tp_plan(plan: Any, tp: int) -> None:
+    """The user's tensor-parallel rules (`check_tp_plan`), given with tensor parallelism."""
+    if plan is None:
+        return
+    check_tp_plan(plan)
+    if tp == 1:
+        raise ValueError("tp_plan without tensor parallelism: give --parallelism tp=N (N > 1) beside it")
+
+
+def check_tp_plan(plan: Any) -> None:
+    """The user's tensor-parallel rules: a non-empty mapping of module names to style names
+    (`trainer_memcb.plan.settings.parallelism.TP_STYLES`).
+
+    Raises:
+        ValueError: one line naming the bad entry and what is allowed.
+    """
+    from trainer_memcb.plan.settings.parallelism import TP_STYLES
+
+    if not isinstance(plan, dict) or not plan or not all(isinstance(key, str) for key in plan):
+        raise ValueError(f"tp_plan={plan!r}: expected a JSON object of module names to style names, at least one")
+    for name, style in plan.items():
+        if style not in TP_STYLES:
+            raise ValueError(f"tp_plan {name!r}: style {style!r} is not planned (planned: {', '.join(TP_STYLES)})")
 
 
 def _check_packing(settings: "StepSettings") -> None:

@@ -69,7 +69,7 @@ class TensorParallelEngine(StepEngine):
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
 
         tp = self.settings.tp_size
-        plan = model_tp_plan(model)
+        plan = model_tp_plan(model, self.settings.tp_plan)
         styles = torch_tp_plan(plan)
         if dist.is_initialized():
             if dist.get_backend() != "fake" or dist.get_world_size() != tp:
@@ -80,7 +80,8 @@ class TensorParallelEngine(StepEngine):
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
         with mode:
             parallelize_module(model, mesh, styles)
-        self.notes.append(f"tensor parallel over {tp} processes: the model's tp_plan ({len(plan)} entries) applied "
+        rules = f", {len(self.settings.tp_plan)} of them yours" if self.settings.tp_plan else ""
+        self.notes.append(f"tensor parallel over {tp} processes: the model's tp_plan ({len(plan)} entries{rules}) applied "
                           "with torch's parallelize_module (ColwiseParallel / RowwiseParallel)")
         return model
 
@@ -124,7 +125,7 @@ class TensorParallelFSDP2Engine(FSDP2Engine):
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
 
         with mode:
-            parallelize_module(model, self._tp_mesh, torch_tp_plan(model_tp_plan(model)))
+            parallelize_module(model, self._tp_mesh, torch_tp_plan(model_tp_plan(model, self.settings.tp_plan)))
         original = DeviceMesh.__dict__["_concatenate"]
         self._concatenate = original
         DeviceMesh._concatenate = staticmethod(_real_mesh(original.__func__))
