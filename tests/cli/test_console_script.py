@@ -17,6 +17,8 @@ from typing import List
 
 import pytest
 
+from helpers import requires_torch
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "trainer-memcb")
 LLAMA = os.path.join("examples", "models", "llama-2-7b")
@@ -150,6 +152,7 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(delay_s):
     assert (process.returncode, out, err) == (130, "", "trainer-memcb: interrupted\n")
 
 
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
 def test_tensor_parallel_with_uneven_shards_shows_each_rank_s_step(tmp_path):
     # The tiny Llama of tests/plan/test_engines.py with 257 tokens: under tp=2 rank 0 holds 129 rows of
     # the embedding and the head, rank 1 128 (torch's chunk rule), so their steps differ. Each figure is
