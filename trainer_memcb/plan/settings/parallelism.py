@@ -33,7 +33,10 @@ the first ranks `ceil(V / tp)` rows, the last ones fewer, possibly none), and ea
 on the fake process group of its own rank, holds its own shards, gradients, optimizer state and
 redistribution buffers; no style of the plan splits the `hidden_size` (colwise layers split their
 output features, rowwise ones their input features, the embedding its rows). The ranks' figures
-then differ, and the CLI shows each rank's (`trainer_memcb.cli.rank_groups`).
+then differ, and the CLI shows each group of ranks holding equal shards
+(`trainer_memcb.cli.estimate_step.with_rank_groups`, `StepPeak.rank_groups`). Beside FSDP2
+(`dp_shard > 1`), which shards each TP shard again, an uneven vocabulary is refused: not checked
+against a real run yet.
 
 And context parallelism's (`cp > 1`, `check_context_parallel`), as accelerate, transformers and torch
 run it:
