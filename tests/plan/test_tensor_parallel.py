@@ -112,9 +112,9 @@ def test_an_uneven_vocabulary_is_taken_alone_and_refused_beside_fsdp2():
     check_tensor_parallel_model(config, 2)  # planned per rank
     with pytest.raises(ValueError, match="tp=2 beside dp_shard: the model's vocab_size=257 does not divide by 2"):
         check_tensor_parallel_model(config, 2, beside_fsdp2=True)
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2", batch_size=2)
     with pytest.raises(ValueError, match="tp=2 beside dp_shard: the model's vocab_size=257"):
-        resolve_and_plan = resolve_settings(parallelism="tp=2,dp_shard=2", batch_size=2)
-        plan_step_memory(lambda: _llama(vocab_size=257), seq_len=16, settings=resolve_and_plan, device_type="cpu",
+        plan_step_memory(lambda: _llama(vocab_size=257), seq_len=16, settings=settings, device_type="cpu",
                          model_states=False)
 
 
