@@ -135,6 +135,12 @@ def test_uneven_tp2_each_rank_s_plan_equals_memtrackers_on_the_real_run(tp_runs)
     assert {part: first[part] - last[part] for part in first} == {
         "parameters": 0, "gradients": 256, "optimizer_state": 2 * 2 * 256, "master_weights": 0}
     assert plans[0].step.peak_bytes - plans[1].step.peak_bytes == 256 + 1_024 + 512
+    # The custom loop's logger on each process: the fullest process's optimizer state (its figures are the
+    # largest over processes, `reduce_across_processes`) and the job's total, each plan's summed.
+    measured, total, _ = _logged_keys()
+    for real in tp_runs["tp-uneven"]:
+        assert real["logged"][measured] == first["optimizer_state"] == 462_420
+        assert real["logged"][total] == first["optimizer_state"] + last["optimizer_state"] == 923_816
     at_step = [real["parts"] for real in tp_runs["tp-uneven"] if real["parts"]["_MemRefType.GRAD"]]
     if len(at_step) == 2:  # both trackers' peaks at the optimizer step: the same difference
         assert at_step[0]["_MemRefType.OPT"] - at_step[1]["_MemRefType.OPT"] == 1_024 + 512
