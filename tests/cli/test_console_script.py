@@ -17,6 +17,8 @@ from typing import List
 
 import pytest
 
+from helpers import requires_torch
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "trainer-memcb")
 LLAMA = os.path.join("examples", "models", "llama-2-7b")
@@ -148,3 +150,40 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(delay_s):
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
     assert (process.returncode, out, err) == (130, "", "trainer-memcb: interrupted\n")
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_tensor_parallel_with_uneven_shards_shows_each_rank_s_step(tmp_path):
+    # The tiny Llama of tests/plan/test_engines.py with 257 tokens: under tp=2 rank 0 holds 129 rows of
+    # the embedding and the head, rank 1 128 (torch's chunk rule), so their steps differ. Each figure is
+    # the real 2-process run's MemTracker reading less the device mesh's 8 bytes
+    # (tests/training/test_tensor_parallel_runs.py).
+    import jsonschema
+    from transformers import LlamaConfig
+
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=257)
+    LlamaConfig(**config).save_pretrained(str(tmp_path))
+    done = run_script("estimate", str(tmp_path), "--parallelism", "tp=2", "--batch-size", "2", "--seq-len", "16",
+                      "--device-type", "cpu", "--json")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    with open(os.path.join(REPO_ROOT, "docs", "estimate.schema.json"), encoding="utf-8") as handle:
+        jsonschema.Draft202012Validator(json.load(handle)).validate(document)  # the committed schema names the key
+    step = document["step"]
+    groups = [(group["ranks"], group["peak_bytes"], group["model_states_at_optimizer_step_bytes"])
+              for group in step["rank_groups"]]
+    assert groups == [
+        ([0], 1_040_792, {"parameters": 231_168, "gradients": 263_936, "optimizer_state": 462_420, "master_weights": 0}),
+        ([1], 1_039_000, {"parameters": 231_168, "gradients": 263_680, "optimizer_state": 461_396, "master_weights": 0}),
+    ]
+    # The plan's own figures are the fuller process's, rank 0's.
+    assert step["peak_bytes"] == 1_040_792
+    assert "rank 0 holds the most of ranks 0 and 1 at its peak (rank 1 1014.6 KiB (1,039,000))" in step["notes"]
+    # At 256 tokens every rank holds the same: one step, no groups.
+    LlamaConfig(**dict(config, vocab_size=256)).save_pretrained(str(tmp_path))
+    even = run_script("estimate", str(tmp_path), "--parallelism", "tp=2", "--batch-size", "2", "--seq-len", "16",
+                      "--device-type", "cpu", "--json")
+    assert even.returncode == 0, even.stderr
+    assert "rank_groups" not in json.loads(even.stdout)["step"]
+    assert json.loads(even.stdout)["step"]["peak_bytes"] == 1_038_232

@@ -64,11 +64,11 @@ def test_every_object_names_each_key_it_requires_and_no_other():
     schema = estimate_schema()
     assert sorted(schema["$defs"]) == ["DeviceFigures", "EvalMemoryPlan", "EvalSettings", "FitCandidate", "FitSearch",
                                        "LargestBatch", "ModelStatesPlan", "OptimizerPlan", "OptimizerWhatIf",
-                                       "PackedBatch", "PlannedGeneration", "PlannedPreference", "PlannedSettings", "SearchedBatch", "Setup", "StateEstimate", "StepPeak",
+                                       "PackedBatch", "PlannedGeneration", "PlannedPreference", "PlannedSettings", "RankGroup", "SearchedBatch", "Setup", "StateEstimate", "StepPeak",
                                        "WhatIf"]
     found = objects(schema)
     # The $defs, the four documents, the step's answers and the evaluation's, and a TRL step's phase.
-    assert len(found) == 18 + 4 + 2 + 1
+    assert len(found) == 19 + 4 + 2 + 1
     for definition in found:
         assert definition["additionalProperties"] is False, definition
         assert set(definition["required"]) <= set(definition["properties"]), definition
@@ -79,7 +79,9 @@ def test_every_object_names_each_key_it_requires_and_no_other():
         "ModelStatesPlan": ["cuda_context_bytes", "reserve_bytes"],
         "model-states plan": ["cuda_context_bytes", "reserve_bytes"],
         "PlannedSettings": ["packing", "preference"],  # packing: a packed batch only (--packing); preference: --trainer dpo|grpo
-        "StepPeak": ["phases"],  # --trainer dpo|kto|grpo|rloo: each phase's peak (generation, training)
+        # phases: --trainer dpo|kto|grpo|rloo: each phase's peak (generation, training); rank_groups: tensor
+        # parallelism's uneven shards, each group of ranks with equal steps
+        "StepPeak": ["phases", "rank_groups"],
         "step plan": ["device", "settings", "step"],
         "answers": ["evaluation", "evaluation_fit", "fit", "fits", "largest_batch", "margin_bytes"],
         "evaluation answers": ["evaluation_fit"],

@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node 2 (or 4) engine_step_profile.py OUT_DIR ENGINE.
 
 ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
 (reshard_after_forward=False), fsdp2-offload (full shard, `CPUOffloadPolicy(pin_memory=False)`),
-fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way), fsdp2-bf16 (full
+fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way), tp and tp-uneven
+(torch's parallelize_module with the model's tp_plan; tp-uneven on 257 tokens, `CHANGED_CONFIG`), fsdp2-bf16 (full
 shard with the Trainer's bf16=True as accelerate runs it: `MixedPrecisionPolicy` of bf16
 parameters and reductions, the forward under CPU autocast); FSDP2's
 ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import gc
 import os
+from typing import Any
 
 import _common  # noqa: F401  (sets up the import path)
 import torch
@@ -39,13 +41,16 @@ from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optim
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
               vocab_size=256)
+# The engines that run the tiny Llama with other sizes: `tp-uneven`, 257 tokens, TP's uneven shards of
+# the embedding and the head (torch's chunk rule: 129 rows on rank 0, 128 on rank 1).
+CHANGED_CONFIG = {"tp-uneven": dict(vocab_size=257)}
 BATCH, SEQ = 2, 16
 # The user's tensor-parallel rules of engine tp-attention-whole (tests/training/test_tensor_parallel_runs.py).
 ATTENTION_WHOLE = {f"model.layers.*.self_attn.{name}": "replicate" for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
 def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
-    if engine == "tp":
+    if engine in ("tp", "tp-uneven"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -107,9 +112,10 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
     return model
 
 
-def tiny_llama() -> torch.nn.Module:
-    """The tiny Llama of tests/plan/test_engines.py, fp32, as the Trainer prepares it."""
-    config = LlamaConfig(**CONFIG)
+def tiny_llama(engine: str = "") -> torch.nn.Module:
+    """The tiny Llama of tests/plan/test_engines.py, fp32, as the Trainer prepares it (the engine's
+    sizes where `CHANGED_CONFIG` names some)."""
+    config = LlamaConfig(**dict(CONFIG, **CHANGED_CONFIG.get(engine, {})))
     config._attn_implementation = "sdpa"
     config.use_cache = False  # as the Trainer sets it (args.use_cache)
     return LlamaForCausalLM(config)
@@ -278,7 +284,7 @@ def ddp_memtracker_run(engine: str) -> dict:
     torch.manual_seed(0)
     tracker = MemTracker()
     with tracker:
-        model = wrap(tiny_llama(), engine)
+        model = wrap(tiny_llama(engine), engine)
         model.train()
         optimizer = trainer_optimizer(model)
         # Its per-module figures hold one iteration; the peak is kept apart.
@@ -289,8 +295,18 @@ def ddp_memtracker_run(engine: str) -> dict:
         step()
     stats = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
-            "params": parameter_bytes(model),
+            "params": parameter_bytes(model), "phase_peaks": phase_peaks(tracker, model) if engine.startswith("tp") else None,
             "logged": logged_figures(model, optimizer, step) if engine.startswith("tp") else None}
+
+
+def phase_peaks(tracker: Any, model: torch.nn.Module) -> dict:
+    """The tracker's most bytes alive during the model's forward and during its backward (its
+    per-module figures of the root, reset at the step's start)."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    snapshots = tracker.memory_tracking[model].snapshots
+    return {phase: max((int(each[torch.device("cpu")]["Total"]) for each in snapshots.get(state, [])), default=None)
+            for phase, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW))}
 
 
 def logged_figures(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> dict:
@@ -321,7 +337,7 @@ def main() -> None:
         # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
         if engine.endswith("-memtracker"):
             name = engine[:-len("-memtracker")]
-            plain = name.startswith("ddp") or name in ("tp", "tp-auto", "tp-attention-whole")  # FSDPMemTracker wants FSDP modules
+            plain = name.startswith("ddp") or name in ("tp", "tp-auto", "tp-uneven", "tp-attention-whole")  # FSDPMemTracker wants FSDP modules
             result = ddp_memtracker_run(name) if plain else memtracker_run(name)
         else:
             result = run(engine)

@@ -17,7 +17,7 @@ from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.settings.parallelism import (Parallelism, check_tensor_parallel_model, parallelism_from_config,
-                                                     parse_parallelism)
+                                                     parse_parallelism, tp_rank_groups, tp_shard_rows)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_engines import CONFIG, build  # noqa: E402
@@ -94,7 +94,7 @@ def test_the_accelerate_parallelism_config_object_reads_the_same():
     (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), None),
     (dict(num_attention_heads=8, num_key_value_heads=2), "num_key_value_heads=2 does not divide by 4"),
     (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32, head_dim=16), "num_attention_heads=2"),
-    (dict(intermediate_size=130), "intermediate_size=130 does not divide by 4"),
+    (dict(intermediate_size=130), "intermediate_size=130 does not divide by 4 \\(torch's RowwiseParallel"),
 ])
 def test_the_model_s_heads_and_widths_split_whole_over_tp(change, message):
     config = LlamaConfig(**dict(CONFIG, **change))
@@ -105,6 +105,39 @@ def test_the_model_s_heads_and_widths_split_whole_over_tp(change, message):
         return
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel_model(config, 4)
+
+
+def test_an_uneven_vocabulary_is_taken_alone_and_refused_beside_fsdp2():
+    config = LlamaConfig(**dict(CONFIG, vocab_size=257))
+    check_tensor_parallel_model(config, 2)  # planned per rank
+    with pytest.raises(ValueError, match="tp=2 beside dp_shard: the model's vocab_size=257 does not divide by 2"):
+        check_tensor_parallel_model(config, 2, beside_fsdp2=True)
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2", batch_size=2)
+    with pytest.raises(ValueError, match="tp=2 beside dp_shard: the model's vocab_size=257"):
+        plan_step_memory(lambda: _llama(vocab_size=257), seq_len=16, settings=settings, device_type="cpu",
+                         model_states=False)
+
+
+@pytest.mark.parametrize("size,tp,rows,groups", [
+    (257, 2, [129, 128], [[0], [1]]),
+    (256, 2, [128, 128], [[0, 1]]),
+    (257, 4, [65, 65, 65, 62], [[0, 1, 2], [3]]),
+    (5, 4, [2, 2, 1, 0], [[0, 1], [2], [3]]),  # torch.chunk: the last rank holds none
+])
+def test_tp_ranks_hold_torch_s_chunks_and_are_grouped_by_them(size, tp, rows, groups):
+    # torch's own split of a tensor of `size` rows over `tp` ranks (`Shard._split_tensor`), the judge.
+    from torch.distributed.tensor import Shard
+
+    shards, _ = Shard(0)._split_tensor(torch.empty(size, 1), tp, with_padding=False)
+    assert [tp_shard_rows(size, tp, rank) for rank in range(tp)] == [shard.shape[0] for shard in shards] == rows
+    assert tp_rank_groups(LlamaConfig(**dict(CONFIG, vocab_size=size)), tp) == groups
+
+
+def _llama(**change):
+    config = LlamaConfig(**dict(CONFIG, **change))
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
 
 
 # -- the model's plan --------------------------------------------------------------------------
@@ -187,6 +220,37 @@ def test_a_model_whose_heads_do_not_split_is_refused_before_tracing():
     settings = resolve_settings(parallelism="tp=4", batch_size=2)
     with pytest.raises(ValueError, match="num_attention_heads=2 does not divide by 4"):
         plan_step_memory(two_heads, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_uneven_vocabulary_each_rank_holds_its_own_chunk():
+    # 257 tokens over 2 ranks: 129 rows of the embedding and the head on rank 0, 128 on rank 1 (torch's
+    # chunk rule), each traced on its own rank of the fake process group. The real 2-process run's
+    # MemTracker reads the same per rank (tests/training/test_tensor_parallel_runs.py).
+    layers_and_norms = TP2_PARAMS - 2 * 8_192
+    figures = []
+    for rank, rows in enumerate((129, 128)):
+        settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(lambda: _llama(vocab_size=257), seq_len=16, settings=settings, device_type="cpu",
+                                   model_states=False)
+        assert plan.step.problem is None, plan.step.problem
+        states = plan.step.model_states_at_optimizer_step_bytes
+        # Rank 1's 128 rows are a view of a storage padded to 129 (torch's `Shard._shard_tensor`).
+        assert states["parameters"] == 4 * (layers_and_norms + 2 * 129 * 64) == 231_168
+        assert states["gradients"] == 4 * (layers_and_norms + 257 * 64 + rows * 64)  # the embedding's whole
+        assert states["optimizer_state"] == 2 * 4 * (layers_and_norms + 2 * rows * 64) + 21 * 4
+        figures.append((plan.step.peak_bytes, plan.step.forward_backward_peak_bytes))
+    assert figures == [(1_040_792, 1_017_504), (1_039_000, 1_016_728)]
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_an_uneven_mlp_width_is_refused_before_tracing_with_torch_s_reason():
+    # A real 2-process run under parallelize_module fails in down_proj's matmul ("a and b must have
+    # same reduction dim, but got [32, 130] X [129, 64]"); the plan says so before tracing.
+    settings = resolve_settings(parallelism="tp=2", batch_size=2)
+    with pytest.raises(ValueError, match="intermediate_size=129 does not divide by 2 \\(torch's RowwiseParallel"):
+        plan_step_memory(lambda: _llama(intermediate_size=129), seq_len=16, settings=settings, device_type="cpu",
+                         model_states=False)
 
 
 # Under TP=2 x FSDP2=2 each process holds half of each TP shard (FSDP2's `_StridedShard` on dim 0)

@@ -99,7 +99,7 @@ def _definitions() -> Dict[str, Any]:
         EvalMemoryPlan, defs, properties=["usable_device_bytes", "device_figure_bytes", "device_margin_bytes"])
     defs["FitCandidate"] = object_schema(FitCandidate, defs, leave_out=["plan", "seconds"])
     for cls in (FitSearch, LargestBatch, StepPeak, DeviceFigures, WhatIf):
-        defs[cls.__name__] = object_schema(cls, defs, optional=["phases"] if cls is StepPeak else ())
+        defs[cls.__name__] = object_schema(cls, defs, optional=["phases", "rank_groups"] if cls is StepPeak else ())
     defs["StepPeak"]["properties"]["phases"]["items"] = _PHASE
     defs["PlannedSettings"] = object_schema(PlannedSettings, defs, optional=["packing", "preference"])
     return defs

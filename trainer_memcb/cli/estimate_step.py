@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from trainer_memcb.plan.answers.step_memory import StepMemoryPlan
     from trainer_memcb.plan.model.quantized import Quantization
 
-__all__ = ["estimate_step", "fullest_process", "ranks_to_plan"]
+__all__ = ["estimate_step", "fullest_process", "ranks_to_plan", "tp_groups_to_plan", "with_rank_groups"]
 
 
 def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
@@ -53,6 +53,7 @@ class _StepTraces:
         states: the model-states plan, the traces' own unless one is given.
         explicit_dtype: whether the precision gives the parameters' dtype (else --dtype's).
         keep_dtypes: whether each parameter keeps the dtype the model was built in.
+        config: the model's config (its sizes say which tensor-parallel ranks hold equal shards).
     """
 
     args: argparse.Namespace
@@ -61,6 +62,7 @@ class _StepTraces:
     states: ModelStatesPlan
     explicit_dtype: bool
     keep_dtypes: bool
+    config: Any = None
 
 
 def _estimate_step(args: argparse.Namespace) -> StepAnswer:
@@ -120,7 +122,7 @@ def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_Step
                                keep_dtypes=keep_dtypes)
     build_model = first_then_new(model, functools.partial(estimate_model, args))
     return _StepTraces(args, build_model, quantization, states, bool(explicit_dtype),
-                       keep_dtypes), settings
+                       keep_dtypes, getattr(model, "config", None)), settings
 
 
 def _dpo_reference(settings: Any) -> bool:
@@ -142,7 +144,13 @@ def _plan_at(traces: _StepTraces, settings: Any, batch: int) -> StepMemoryPlan:
 
 
 def _plan_ranks(traces: _StepTraces, at: Any, **more: Any) -> StepMemoryPlan:
-    """The step at the settings `at`, for each process `ranks_to_plan` names: the fullest's plan."""
+    """The step at the settings `at`, for each process `ranks_to_plan` names (or one of each group
+    `tp_groups_to_plan` names): the fullest's plan."""
+    groups = tp_groups_to_plan(at, traces.config)
+    if groups is not None:
+        source = "default: one of each group of tensor-parallel ranks holding equal shards"
+        return with_rank_groups([_plan_for(traces, dataclasses.replace(at, rank=group[0], sources=dict(
+            at.sources, rank=source)), **more) for group in groups], groups)
     ranks = ranks_to_plan(at)
     if len(ranks) == 1:
         return _plan_for(traces, at, **more)
@@ -159,7 +167,8 @@ def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any 
     from trainer_memcb.plan.settings.micro_batch import per_device_batch
 
     args = traces.args
-    several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag"
+    several = ranks_to_plan(at) != [at.rank] or at.sources.get("rank") == "flag" or \
+        tp_groups_to_plan(at, traces.config) is not None
     say_progress(f"tracing the step at batch {per_device_batch(at)}" + (f", rank {at.rank}" if several else "")
                  + (" (searching the largest batch)" if args.max_batch_size else ""))
     # The settings hold the batch's shape and the device (`step_settings`); `more`: --fit's
@@ -198,6 +207,37 @@ def ranks_to_plan(settings: Any) -> List[int]:
     if settings.sources.get("rank") == "flag" or settings.zero_stage not in (1, 2) or settings.world_size == 1:
         return [settings.rank]
     return [0, settings.world_size - 1]
+
+
+def tp_groups_to_plan(settings: Any, config: Any) -> Optional[List[List[int]]]:
+    """Under tensor parallelism alone, without `--rank`, where the ranks' shards differ (an uneven
+    vocabulary): the ranks grouped by the shards they hold (`tp_rank_groups`), one trace each; else None."""
+    from trainer_memcb.plan.settings.parallelism import tp_rank_groups
+
+    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1 or settings.world_size != settings.tp_size:
+        return None
+    groups = tp_rank_groups(config, settings.tp_size)
+    return groups if len(groups) > 1 else None
+
+
+def with_rank_groups(plans: List[StepMemoryPlan], groups: List[List[int]]) -> StepMemoryPlan:
+    """The plan of the fullest group's process (`fullest_process`), with every group's figures
+    (`StepPeak.rank_groups`): groups whose steps came out the same to the byte joined."""
+    from trainer_memcb.plan.answers.step_plan import RankGroup
+
+    figures: List[RankGroup] = []
+    for group, plan in zip(groups, plans):
+        step, device, verdict = plan.step, plan.device, plan.verdict
+        found = RankGroup(list(group), step.peak_bytes, step.peak_phase, dict(step.model_states_at_optimizer_step_bytes),
+                          device.device_total_bytes, verdict.fits, verdict.margin_bytes)
+        same = next((index for index, known in enumerate(figures)
+                     if dataclasses.replace(known, ranks=[]) == dataclasses.replace(found, ranks=[])), None)
+        if same is None:
+            figures.append(found)
+        else:
+            figures[same] = dataclasses.replace(figures[same], ranks=sorted(figures[same].ranks + found.ranks))
+    fullest = fullest_process(plans, [group[0] for group in groups])
+    return dataclasses.replace(fullest, step=dataclasses.replace(fullest.step, rank_groups=figures))
 
 
 def fullest_process(plans: List[StepMemoryPlan], ranks: List[int]) -> StepMemoryPlan:

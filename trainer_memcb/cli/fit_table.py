@@ -166,7 +166,7 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     sizes = []
     for tp in range(2, min(world, per_node) + 1):
         try:
-            check_tensor_parallel_model(getattr(model, "config", None), tp)
+            check_tensor_parallel_model(getattr(model, "config", None), tp, beside_fsdp2=world > tp)
         except ValueError:
             continue
         if world % tp == 0:

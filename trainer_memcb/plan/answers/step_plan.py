@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from trainer_memcb.plan.step.timeline import Timeline
 
-__all__ = ["DeviceFigures", "PackedBatch", "PlannedGeneration", "PlannedPreference", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
+__all__ = ["DeviceFigures", "RankGroup", "PackedBatch", "PlannedGeneration", "PlannedPreference", "PlannedSettings", "StepMemoryPlan", "StepPeak", "Verdict"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,28 @@ class PlannedSettings:
 
 
 @dataclass(frozen=True)
+class RankGroup:
+    """Processes whose steps are the same to the byte, and that step's figures (each process's own
+    where they differ: tensor parallelism's uneven shards).
+
+    Attributes:
+        ranks: the processes, by rank.
+        peak_bytes: their step's peak on the device; `peak_phase`: its phase.
+        model_states_at_optimizer_step_bytes: what each model state held at the optimizer phase's peak.
+        device_total_bytes: on CUDA, the allocator replay's reserved peak and the CUDA context (None
+            without a replay); `fits`, `margin_bytes`: their fits? (None without a device memory).
+    """
+
+    ranks: List[int]
+    peak_bytes: Optional[int] = None
+    peak_phase: Optional[str] = None
+    model_states_at_optimizer_step_bytes: Dict[str, int] = field(default_factory=dict)
+    device_total_bytes: Optional[int] = None
+    fits: Optional[bool] = None
+    margin_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class StepPeak:
     """One training step as its timeline holds it: the activations, the peak, its phase and parts,
     and what each model state held during the step.
@@ -169,6 +191,9 @@ class StepPeak:
         phases: TRL's GRPO (and RLOO) step: each phase's device peak, `{"phase": "generation" or "training",
             "peak_bytes": ...}` (the step's peak the larger); DPO's and KTO's: their training phase
             alone; empty, and left out of the JSON form, for every other step.
+        rank_groups: where processes hold different steps (tensor parallelism's uneven shards), each
+            group of processes whose steps are the same to the byte, with their figures (the plan's
+            own figures are the fullest group's); empty, and left out of the JSON form, otherwise.
     """
 
     activations_bytes: Optional[int] = None
@@ -187,6 +212,7 @@ class StepPeak:
     problem: Optional[str] = None
     notes: List[str] = field(default_factory=list)
     phases: List[Dict[str, Any]] = field(default_factory=list)
+    rank_groups: List[RankGroup] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -257,7 +283,8 @@ class StepMemoryPlan:
     def to_dict(self) -> Dict[str, Any]:
         """The plan's JSON form: `settings`, `step`, `device` and `verdict`, each its fields."""
         step = asdict(self.step)
-        if not step["phases"]:
-            del step["phases"]
+        for optional in ("phases", "rank_groups"):
+            if not step[optional]:
+                del step[optional]
         return {"settings": self.settings.to_dict(), "step": step, "device": asdict(self.device),
                 "verdict": asdict(self.verdict)}

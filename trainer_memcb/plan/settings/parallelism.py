@@ -19,9 +19,24 @@ The rules (accelerate 1.16 `parallelism_config.py`, `ParallelismConfig.__post_in
 And the model's, for `tp > 1` (`check_tensor_parallel_model`): each rank runs whole attention heads,
 so `num_attention_heads` and `num_key_value_heads` divide by `tp` (a colwise `k_proj`/`v_proj`
 split inside a head would break the attention's `view(..., -1, head_dim)`; transformers'
-`get_kv_heads_per_rank` gives None then), and the MLP's `intermediate_size` and the `hidden_size`
-divide by `tp` (torch's `Shard` of an uneven size gives ranks different shards, which this plan
-does not trace per rank yet).
+`get_kv_heads_per_rank` gives None then), and the MLP's `intermediate_size` divides by `tp`: the
+plan applies torch's styles (`parallelize_module`), and torch's `RowwiseParallel` makes
+`down_proj`'s input DTensor from each rank's columns as if every rank held as many
+(`DTensor.from_local` without the global shape), so on an uneven width its sharding propagation
+refuses the matmul (129 columns over 2 ranks: 130 taken against the weight's 129, "a and b must
+have same reduction dim"), in a real run as in the trace; transformers 5's own styles
+(`from_pretrained(tp_plan="auto")`) give the width and run it, which is not planned yet.
+
+Uneven shards elsewhere are planned per rank, as torch runs them: a vocabulary that does not divide
+by `tp` splits the embedding's and the head's rows by torch's chunk rule (`Shard._split_tensor`:
+the first ranks `ceil(V / tp)` rows, the last ones fewer, possibly none), and each rank's trace,
+on the fake process group of its own rank, holds its own shards, gradients, optimizer state and
+redistribution buffers; no style of the plan splits the `hidden_size` (colwise layers split their
+output features, rowwise ones their input features, the embedding its rows). The ranks' figures
+then differ, and the CLI shows each group of ranks holding equal shards
+(`trainer_memcb.cli.estimate_step.with_rank_groups`, `StepPeak.rank_groups`). Beside FSDP2
+(`dp_shard > 1`), which shards each TP shard again, an uneven vocabulary is refused: not checked
+against a real run yet.
 
 And context parallelism's (`cp > 1`, `check_context_parallel`), as accelerate, transformers and torch
 run it:
@@ -48,10 +63,11 @@ run it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 __all__ = ["TP_STYLES", "Parallelism", "parse_parallelism", "parallelism_from_config", "check_tensor_parallel_model",
-           "check_context_parallel", "check_context_parallel_model", "PARALLELISM_SIZES", "CP_COMM_STRATEGIES"]
+           "tp_shard_rows", "tp_rank_groups", "check_context_parallel", "check_context_parallel_model",
+           "PARALLELISM_SIZES", "CP_COMM_STRATEGIES"]
 
 # accelerate's `TorchContextParallelConfig.cp_comm_strategy` values (torch's `set_rotate_method`).
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
@@ -170,11 +186,18 @@ def parallelism_from_config(config: Any, where: str = "training args") -> Option
         raise ValueError(f"{where}: {error}") from None
 
 
-def check_tensor_parallel_model(config: Any, tp: int) -> None:
-    """Refuse a model whose heads or widths do not split whole over `tp` ranks (module docstring).
+def check_tensor_parallel_model(config: Any, tp: int, beside_fsdp2: bool = False) -> None:
+    """Refuse a model whose heads do not split whole over `tp` ranks, or whose MLP width torch's
+    styles cannot split unevenly (module docstring); an uneven vocabulary is planned per rank.
 
     Raises:
-        ValueError: naming the size, its value and `tp`.
+        ValueError: naming the size, its value, `tp` and the rule.
+
+    Examples:
+        >>> from transformers import LlamaConfig
+        >>> from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
+        >>> check_tensor_parallel_model(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        ...                                         vocab_size=257), 2)  # 129 and 128 rows of the vocabulary
     """
     if tp <= 1 or config is None:
         return
@@ -184,12 +207,50 @@ def check_tensor_parallel_model(config: Any, tp: int) -> None:
     checks = (("num_attention_heads", heads, "each rank runs whole attention heads"),
               ("num_key_value_heads", kv_heads, "each rank runs whole key/value heads (k_proj and v_proj are "
                "split colwise)"),
-              ("hidden_size", getattr(text, "hidden_size", None), "uneven shards are not planned per rank yet"),
               ("intermediate_size", getattr(text, "intermediate_size", None),
-               "uneven shards are not planned per rank yet"))
+               "torch's RowwiseParallel, which the plan applies to down_proj, takes its input's columns as even "
+               "shards and refuses the matmul; transformers' own tp_plan styles run it, not planned yet"))
     for name, value, why in checks:
         if isinstance(value, int) and value % tp:
             raise ValueError(f"parallelism tp={tp}: the model's {name}={value} does not divide by {tp} ({why})")
+    vocab = getattr(text, "vocab_size", None)
+    if beside_fsdp2 and isinstance(vocab, int) and vocab % tp:
+        raise ValueError(f"parallelism tp={tp} beside dp_shard: the model's vocab_size={vocab} does not divide by "
+                         f"{tp} (uneven shards are planned for tensor parallelism alone; beside FSDP2, which shards "
+                         "each TP shard again, not yet)")
+
+
+def tp_shard_rows(size: int, tp: int, rank: int) -> int:
+    """Rows of a dimension of `size` that TP rank `rank` holds, by torch's chunk rule
+    (`Shard._split_tensor`: `torch.chunk` of `ceil(size / tp)` rows, the last ranks fewer, possibly 0).
+
+    Examples:
+        >>> from trainer_memcb.plan.settings.parallelism import tp_shard_rows
+        >>> [tp_shard_rows(257, 2, rank) for rank in range(2)], [tp_shard_rows(5, 4, rank) for rank in range(4)]
+        ([129, 128], [2, 2, 1, 0])
+    """
+    full = -(-size // tp)
+    return max(0, min(full, size - rank * full))
+
+
+def tp_rank_groups(config: Any, tp: int) -> List[List[int]]:
+    """The TP ranks grouped by the shards they hold: ranks of one group hold shards of the same
+    sizes, so their steps are the same to the byte; one group when every split is even. The sizes the
+    plan's styles split unevenly are the vocabulary's (`check_tensor_parallel_model` refuses others).
+
+    Examples:
+        >>> from transformers import LlamaConfig
+        >>> from trainer_memcb.plan.settings.parallelism import tp_rank_groups
+        >>> tp_rank_groups(LlamaConfig(vocab_size=257), 4)  # 65, 65, 65 and 62 rows
+        [[0, 1, 2], [3]]
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    groups: Dict[int, List[int]] = {}
+    for rank in range(max(1, tp)):
+        key = tp_shard_rows(vocab, tp, rank) if isinstance(vocab, int) and tp > 1 else 0
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
 
 
 def check_context_parallel(settings: Any) -> None:

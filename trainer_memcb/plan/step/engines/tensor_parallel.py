@@ -27,9 +27,11 @@ FSDP2 makes the 2-D mesh of each TP parameter (`FSDPParam._init_sharding_spec_tp
 `DeviceMesh._concatenate`), whose rank tensor must be real: it is made outside the fake mode
 (`unset_fake_temporarily`) for the time of the wrap.
 
-Planned so far: TP alone (`world_size == tp_size`) or with FSDP2's full or shard-grad-op sharding
-(no replicas, no offload), with shards that split evenly
-(`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`); the plan is the settings' rank's.
+A functional collective's result is taken as the real process holds it (`collectives_as_returned`:
+the fake `wait_tensor` would copy it). Planned so far: TP alone (`world_size == tp_size`) or with
+FSDP2's full or shard-grad-op sharding (no replicas, no offload), with the shards torch's styles can
+split (`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`: under TP alone an uneven
+vocabulary, each rank its own chunk); the plan is the settings' rank's.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class TensorParallelEngine(StepEngine):
             dist.init_process_group("fake", store=FakeStore(), rank=self.settings.rank, world_size=tp)
             self._owns_group = True
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        self._wrap_result = collectives_as_returned()
         with mode:
             parallelize_module(model, mesh, styles)
         rules = f", {len(self.settings.tp_plan)} of them yours" if self.settings.tp_plan else ""
@@ -95,6 +98,8 @@ class TensorParallelEngine(StepEngine):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        restore_collectives(getattr(self, "_wrap_result", None))
+        self._wrap_result = None
         forget_sharding_cache()
 
 
@@ -143,6 +148,36 @@ class TensorParallelFSDP2Engine(FSDP2Engine):
             self._concatenate = None
         super().close()
         forget_sharding_cache()
+
+
+def collectives_as_returned() -> Any:
+    """Take a functional collective's result as the real process holds it, and give back what to
+    restore (`restore_collectives`).
+
+    DTensor's redistributions (a `colwise_gather_output` head's all-gather of the logits, a rowwise
+    layer's all-reduce) call torch's functional collectives; under a fake mode their result is waited
+    at once (`_are_we_tracing`) and the fake `wait_tensor` gives a new tensor, a second storage the
+    real step never holds (its `wait_tensor` returns its input, on gloo and NCCL alike): 33,024 bytes
+    of the tiny Llama's gathered logits alive beside the copy to the forward's end, above both real
+    processes' forward peaks (torch's MemTracker). The result is taken as it is, as
+    `trainer_memcb.plan.step.ring_attention` takes the ring's."""
+    import torch.distributed._functional_collectives as ft_c
+
+    saved = ft_c._maybe_wrap_tensor
+    ft_c._maybe_wrap_tensor = _as_it_is
+    return saved
+
+
+def restore_collectives(saved: Any) -> None:
+    """Undo `collectives_as_returned` (None: nothing to undo)."""
+    import torch.distributed._functional_collectives as ft_c
+
+    if saved is not None:
+        ft_c._maybe_wrap_tensor = saved
+
+
+def _as_it_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def forget_sharding_cache() -> None:
