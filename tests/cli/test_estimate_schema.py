@@ -46,7 +46,7 @@ def test_it_is_a_draft_2020_12_schema_of_this_version():
     schema = estimate_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert ESTIMATE_SCHEMA == "trainer-memcb/estimate/2"
+    assert ESTIMATE_SCHEMA == "trainer-memcb/estimate/3"
     assert [branch["properties"]["schema"] for branch in schema["oneOf"]] == [{"const": ESTIMATE_SCHEMA}] * 4
 
 

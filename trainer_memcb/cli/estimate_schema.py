@@ -18,7 +18,7 @@ __all__ = ["ESTIMATE_SCHEMA", "estimate_schema", "schema_json", "with_schema"]
 
 # Raised whenever the documents change shape (a key added, removed or renamed, a type changed): the
 # schema file, whose `additionalProperties: false` refuses any key it does not name, changes with it.
-ESTIMATE_SCHEMA = "trainer-memcb/estimate/2"
+ESTIMATE_SCHEMA = "trainer-memcb/estimate/3"
 
 
 def with_schema(document: Dict[str, Any]) -> Dict[str, Any]:
