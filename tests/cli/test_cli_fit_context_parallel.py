@@ -132,3 +132,27 @@ def test_the_cp_sizes_proposed_where_the_plan_and_accelerate_take_them(flags, si
     settings = resolve_settings(**dict(dict(world_size=8, batch_size=2, seq_len=64, precision="bf16",
                                             device_type="cuda"), **flags))
     assert context_parallel_sizes(model, settings) == sizes
+
+
+@pytest.mark.slow  # a search of 16 proposals on four processes' layouts: half a minute here
+def test_tp_beside_cp_is_proposed_on_four_processes_as_the_layout_plans(llama_dir, capsys):
+    """On four processes `--fit` proposes tp=2 and cp=2 together (accelerate's mesh: dp_shard, cp, tp),
+    planned as `--parallelism tp=2,cp=2` plans it; its rank's FLOPs the own step's over both."""
+    code, out, err = run_estimate([llama_dir, *COMMON, "--batch-size", "2", "--world-size", "4", "--fit", "--json",
+                                   "--max-proposals", "16"], capsys)
+    assert code == 0, err
+    fit = json.loads(out)["answers"]["fit"]
+    [candidate] = [c for c in fit["candidates"] if c["changes"].get("parallelism") == "tp=2,cp=2"]
+    # Four processes share each row: four micro-batches of 2 keep the 8 samples of the own step.
+    assert candidate["changes"] == {"parallelism": "tp=2,cp=2", "per_device_train_batch_size": 2,
+                                    "gradient_accumulation_steps": 4}
+    assert candidate["training_args"]["parallelism_config"] == {"tp_size": 2, "dp_shard_size": 1,
+                                                                "dp_replicate_size": 1, "cp_size": 2}
+    assert candidate["effective_batch"] == fit["own"]["effective_batch"] == 8
+    assert candidate["step_flops"] == fit["own"]["step_flops"] // 4
+    code, out, _ = run_estimate([llama_dir, *COMMON, "--batch-size", "2", "--gradient-accumulation-steps", "4",
+                                 "--world-size", "4", "--parallelism", "tp=2,cp=2", "--json"], capsys)
+    direct = json.loads(out)
+    assert code == 0 and direct["settings"]["engine"] == "tp-cp-fsdp2"
+    assert (direct["step"]["peak_bytes"], direct["device"]["reserved_peak_bytes"]) == (
+        candidate["peak_bytes"], candidate["reserved_peak_bytes"])

@@ -116,3 +116,26 @@ def test_beside_tensor_parallelism_the_ring_carries_a_rank_s_heads(monkeypatch):
     # The parameters: the tp_plan's layers (all but the 5 norms' 320 values) split over tp and FSDP2
     # over cp, the norms over cp alone: (114,688 / 4 + 320 / 2) bf16 values.
     assert plan.step.model_states_at_optimizer_step_bytes["parameters"] == (114_688 // 4 + 320 // 2) * 2
+
+
+def test_tp_collectives_beside_cp_carry_a_rank_s_share_of_the_tokens():
+    """tp=2 beside cp=2 on four processes: each TP collective is `[batch, seq / cp, hidden]` (and the
+    head's `[batch, seq / cp, vocab]`), half of tp=2 alone's, by hand."""
+    from trainer_memcb.plan.answers.fit_comm import ModelShape, communication_bytes
+
+    shape = ModelShape(64, 2, 256, 64, 2, kv_width=64)
+    args = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+
+    def activations(tp: int, cp: int) -> float:
+        layout = {"tp_size": tp, "cp_size": cp, "dp_shard_size": 4 // (tp * cp), "dp_replicate_size": 1}
+        return communication_bytes(dict(args, parallelism_config=layout), None, 4, 0, 0, shape)[1]
+
+    tokens = 2 * 64 // 2  # a cp rank's 32 of each row's 64, two rows
+    hidden = tokens * 64 * 2
+    tp_bytes = 2 * 4 * 2 * 0.5 * hidden + 2 * 0.5 * hidden + 0.5 * tokens * 256 * 2  # layers, embedding, logits
+    # The ring's (context_parallel_bytes), 2 layers: keys and values of a rank's 32 tokens x its half of
+    # the 64 key-value width, rotated once forward and once backward (bf16), their fp32 gradients at 2 turns.
+    keys_values = 2 * 2 * 32 * 32
+    ring = 2 * (2 * (2 - 1) * keys_values * 2 + 2 * keys_values * 4)
+    assert tp_bytes == 90_112 and activations(2, 2) == tp_bytes + ring == 188_416
+    assert activations(2, 1) == 2 * tp_bytes

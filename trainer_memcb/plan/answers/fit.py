@@ -388,15 +388,19 @@ def _propose_layouts(search: "_Search", base: Dict[str, Any], sizes: Sequence[in
     args = {key: value for key, value in base.items()
             if key not in ("deepspeed", "fsdp", "fsdp_config", "parallelism_config")}
     samples = int(base.get("gradient_accumulation_steps") or 1) * own_dp  # micro-batches per step, all groups
-    for kind, size in [("tp", tp) for tp in sizes] + [("cp", cp) for cp in context_sizes]:
-        if size <= 1 or world % size or samples % (world // size) or size == (own_tp if kind == "tp" else own_cp):
+    layouts = [(tp, 1) for tp in sizes] + [(1, cp) for cp in context_sizes]
+    # Both beside each other, as accelerate lays the mesh out (dp_shard, cp, tp), tp inside a node.
+    layouts += [(tp, cp) for tp in sizes for cp in context_sizes if world % (tp * cp) == 0]
+    for tp, cp in layouts:
+        size = tp * cp
+        if size <= 1 or world % size or samples % (world // size) or (tp, cp) == (own_tp, own_cp):
             continue
-        layout = {"tp_size": 1, "dp_shard_size": world // size, "dp_replicate_size": 1, "cp_size": 1,
-                  f"{kind}_size": size}
-        text = f"{kind}={size}" + (f",dp_shard={world // size}" if world > size else "")
+        layout = {"tp_size": tp, "dp_shard_size": world // size, "dp_replicate_size": 1, "cp_size": cp}
+        text = ",".join([f"tp={tp}"] * (tp > 1) + [f"cp={cp}"] * (cp > 1) + [f"dp_shard={world // size}"] * (world > size))
         sizes_kept = dict(per_device_train_batch_size=int(base.get("per_device_train_batch_size") or 1),
                           gradient_accumulation_steps=samples // (world // size))
-        flops = (own.step_flops * own_tp // size if kind == "tp" and own.step_flops is not None and own_cp == 1
+        # Beside cp, a tensor-parallel rank's tokens are its cp share: the own step's FLOPs over both.
+        flops = (own.step_flops * own_tp // size if tp > 1 and own.step_flops is not None and own_cp == 1
                  else None)
         search.plan(dict(sizes_kept, parallelism=text), dict(args, parallelism_config=layout, **sizes_kept), None,
                     micro_batch_flops=flops)

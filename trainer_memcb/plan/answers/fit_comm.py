@@ -139,11 +139,13 @@ def _sync_bytes(engine: str, d: int, params: float, grads: float, micro_batches:
     return micro_batches * share * (gathers * params + grads)
 
 
-def _tensor_parallel_bytes(t: int, shape: ModelShape, batch: int, micro_batches: int, checkpointing: bool) -> float:
-    """Tensor parallelism's activation collectives' bytes sent by one process per optimizer step."""
+def _tensor_parallel_bytes(t: int, shape: ModelShape, batch: int, micro_batches: int, checkpointing: bool,
+                           cp: int = 1) -> float:
+    """Tensor parallelism's activation collectives' bytes sent by one process per optimizer step;
+    beside context parallelism over `cp` processes each carries a rank's `1 / cp` of the tokens."""
     if t <= 1:
         return 0.0
-    tokens = batch * shape.seq_len
+    tokens = batch * (shape.seq_len // cp)
     hidden = tokens * shape.hidden_size * shape.activation_bytes
     per_layer = (5 if checkpointing else 4) * 2 * (t - 1) / t * hidden
     logits = (t - 1) / t * tokens * shape.vocab_size * shape.activation_bytes
@@ -176,7 +178,7 @@ def communication_bytes(args: Mapping[str, Any], deepspeed: Optional[Mapping[str
     # FSDP2 shards over dp_shard x cp: its collectives span the context-parallel ranks too.
     sync = _sync_bytes(_engine(args, deepspeed), dp * cp, parameter_bytes / tp, gradient_bytes / tp, micro)
     checkpointing = bool(args.get("gradient_checkpointing"))
-    activations = (_tensor_parallel_bytes(tp, shape, batch, micro, checkpointing)
+    activations = (_tensor_parallel_bytes(tp, shape, batch, micro, checkpointing, cp)
                    + context_parallel_bytes(cp, shape, batch, micro, checkpointing, tp) if shape is not None else 0.0)
     return sync, activations
 
