@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from trainer_memcb.cli.collector import freeze_what_was_imported
+from trainer_memcb.cli.collector import freeze_what_the_plan_keeps, freeze_what_was_imported
 from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_options
 from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
@@ -166,10 +166,12 @@ def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any 
     # proposals, expandable segments among them.
     # A --fit proposal over a 4-bit base (`--allow qlora`) brings its own quantization.
     quantization = more.pop("quantization", traces.quantization)
-    return plan_step_memory(build or traces.build_model, at, quantization=quantization, model_name=args.model,
+    plan = plan_step_memory(build or traces.build_model, at, quantization=quantization, model_name=args.model,
                             states_plan=states_plan or traces.states,
                             dtype=None if traces.explicit_dtype else resolve_dtype(args.dtype or "float32"),
                             keep_dtypes=traces.keep_dtypes, **more)[0]
+    freeze_what_the_plan_keeps()  # out of the collector's later passes (the search keeps it to its end)
+    return plan
 
 
 def _estimate_fit(traces: _StepTraces, settings: Any, memory: Optional[int]) -> Any:
