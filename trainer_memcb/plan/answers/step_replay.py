@@ -48,7 +48,7 @@ graphs. `fits?` leaves them to the user's `reserve_bytes`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from trainer_memcb.plan.device.alloc_conf import AllocConf, as_alloc_conf
 from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel, OutOfMemory
@@ -186,8 +186,16 @@ def _calls(timeline: Timeline, workspaces: Tuple[int, int],
             del alive[serial]
             append((("free", serial), phase))
     step1_end = len(calls)
-    # Step 2: a new batch, the old one freed after; then the step's events again, what step 1 left
-    # alive kept under its own key.
+    _second_step(calls, timeline, alive, on_host, kept, forward, backward, empty_cache_steps)
+    return calls, step1_end, workspace
+
+
+def _second_step(calls: List[Tuple[_Event, str]], timeline: Timeline, alive: Dict[int, None], on_host: Set[int],
+                 kept: Set[int], forward: int, backward: Optional[int], empty_cache_steps: Optional[int]) -> None:
+    """Step 2's calls, appended to `calls`: a new batch, the old one freed after; then the step's
+    events again, what step 1 left `alive` kept under its own key."""
+    events, sizes, streams = timeline.events, timeline.sizes, timeline.streams
+    append = calls.append
     batch = [serial for serial in timeline.groups.get("batch", ()) if serial in alive]
     phase = "step 2, setup"
     for serial in sorted(batch):
@@ -219,7 +227,6 @@ def _calls(timeline: Timeline, workspaces: Tuple[int, int],
             elif serial in alive:
                 del alive[serial]
                 append((("free", serial), phase))
-    return calls, step1_end, workspace
 
 
 def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] = None,
