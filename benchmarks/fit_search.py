@@ -1,7 +1,7 @@
 """`trainer-memcb estimate --fit` on Llama-2-7B: how long the search of up to 12 proposals takes,
 and, on a small Llama on this CPU, each proposal's relative step time against the real one.
 
-    python benchmarks/fit_search.py            # both parts (the 7B search: about 20 s here)
+    python benchmarks/fit_search.py            # both parts (the 7B search: about 18 s here)
     python benchmarks/fit_search.py --times    # the step times only
     python benchmarks/fit_search.py --search   # the 7B search only
 

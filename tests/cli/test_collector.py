@@ -19,6 +19,7 @@ def nothing_frozen():
     gc.unfreeze()
     gc.enable()
     collector._paused[0] = False
+    collector._froze[0] = False
 
 
 def test_python_code_that_imports_the_cli_keeps_its_collector(nothing_frozen):
@@ -61,3 +62,16 @@ def test_the_first_trace_gets_the_model_already_built_the_others_new_ones():
     assert builder() is first and built == []
     second, third = builder(), builder()
     assert built == [second, third] and second is not third
+
+
+def test_after_each_plan_the_command_freezes_what_it_keeps(nothing_frozen, monkeypatch):
+    collector._froze[0] = False
+    collector.freeze_what_the_plan_keeps()  # Python code that imports the CLI: its collector left alone
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(collector, "this_process_is_the_command", lambda: True)
+    collector.pause_while_importing()
+    collector.freeze_what_was_imported()
+    frozen = gc.get_freeze_count()
+    kept = [[index] for index in range(1000)]  # what a plan leaves, alive to the search's end
+    collector.freeze_what_the_plan_keeps()
+    assert gc.get_freeze_count() >= frozen + len(kept)

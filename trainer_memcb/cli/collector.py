@@ -16,9 +16,10 @@ import gc
 
 from trainer_memcb.cli.interrupt import this_process_is_the_command
 
-__all__ = ["pause_while_importing", "freeze_what_was_imported"]
+__all__ = ["pause_while_importing", "freeze_what_was_imported", "freeze_what_the_plan_keeps"]
 
 _paused = [False]
+_froze = [False]  # whether `freeze_what_was_imported` froze the command's objects
 
 
 def pause_while_importing() -> bool:
@@ -35,5 +36,20 @@ def freeze_what_was_imported() -> None:
     if not _paused[0]:
         return
     _paused[0] = False
+    _froze[0] = True
     gc.freeze()
     gc.enable()
+
+
+def freeze_what_the_plan_keeps() -> None:
+    """After a step plan in the command's own process (once `freeze_what_was_imported` froze what
+    it imported): freeze every object alive now; elsewhere do nothing.
+
+    --fit plans up to a dozen steps, and what each plan leaves (its plan, its timeline, the traces
+    kept for the next proposals, the fake-tensor cache) lives to the end of the search. Unfrozen,
+    each full pass of the collector walks all of it again: on Llama-2-7B at 8 x 2048, about 20
+    passes of 0.05 to 0.2 s each (one after each trace, the others as the objects pile up). The
+    trace has just collected its own garbage (`trace_step_once`), so what is frozen is what the
+    plan keeps; an object that dies later is still freed by its reference count."""
+    if _froze[0]:
+        gc.freeze()

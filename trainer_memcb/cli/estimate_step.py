@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from trainer_memcb.cli.collector import freeze_what_was_imported
+from trainer_memcb.cli.collector import freeze_what_the_plan_keeps, freeze_what_was_imported
 from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_options
 from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
@@ -175,10 +175,12 @@ def _plan_for(traces: _StepTraces, at: Any, build: Any = None, states_plan: Any 
     # proposals, expandable segments among them.
     # A --fit proposal over a 4-bit base (`--allow qlora`) brings its own quantization.
     quantization = more.pop("quantization", traces.quantization)
-    return plan_step_memory(build or traces.build_model, at, quantization=quantization, model_name=args.model,
+    plan = plan_step_memory(build or traces.build_model, at, quantization=quantization, model_name=args.model,
                             states_plan=states_plan or traces.states,
                             dtype=None if traces.explicit_dtype else resolve_dtype(args.dtype or "float32"),
                             keep_dtypes=traces.keep_dtypes, **more)[0]
+    freeze_what_the_plan_keeps()  # out of the collector's later passes (the search keeps it to its end)
+    return plan
 
 
 def _estimate_fit(traces: _StepTraces, settings: Any, memory: Optional[int]) -> Any:
@@ -187,17 +189,25 @@ def _estimate_fit(traces: _StepTraces, settings: Any, memory: Optional[int]) -> 
     from trainer_memcb.cli.fit_table import estimate_fit
 
     return estimate_fit(traces.args, settings, memory, functools.partial(_plan_ranks, traces),
-                        plan_for_states=functools.partial(_states_for, traces.args, traces.keep_dtypes),
+                        plan_for_states=functools.partial(_states_for, traces.args, traces.keep_dtypes, {}),
                         estimate_model=estimate_model, step_settings=step_settings)
 
 
-def _states_for(args: argparse.Namespace, keep_dtypes: bool, at: Any) -> ModelStatesPlan:
-    """The model-states plan of a --fit proposal's settings `at`, on a model built anew."""
+def _states_for(args: argparse.Namespace, keep_dtypes: bool, planned: Dict[Any, ModelStatesPlan],
+                at: Any) -> ModelStatesPlan:
+    """The model-states plan of a --fit proposal's settings `at`, on a model built anew; `planned`
+    keeps each one made, by what it reads of `at` (its optimizer, its setup, the reference model):
+    the proposals that change the batch, checkpointing, the attention or the allocator share their
+    states plan, and the model is not built again for them."""
     from trainer_memcb.plan.answers.model_states import plan_model_states
     from trainer_memcb.plan.settings.setup import setup_of
 
-    return plan_model_states(estimate_model(args), at.optimizer, setup_of(at), model_name=args.model,
-                             reference_model=args.reference_model or _dpo_reference(at), keep_dtypes=keep_dtypes)
+    setup, reference = setup_of(at), bool(args.reference_model or _dpo_reference(at))
+    key = (at.optimizer, setup, reference)
+    if key not in planned:
+        planned[key] = plan_model_states(estimate_model(args), at.optimizer, setup, model_name=args.model,
+                                         reference_model=reference, keep_dtypes=keep_dtypes)
+    return planned[key]
 
 
 def ranks_to_plan(settings: Any) -> List[int]:

@@ -48,7 +48,7 @@ graphs. `fits?` leaves them to the user's `reserve_bytes`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from trainer_memcb.plan.device.alloc_conf import AllocConf, as_alloc_conf
 from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel, OutOfMemory
@@ -121,11 +121,33 @@ def step_allocations(timeline: Timeline, *, compute_capability: Tuple[int, int] 
         empty_cache_steps: the Trainer's `torch_empty_cache_steps` (None: never).
         env: the environment the workspaces' sizes read (`CUBLAS_WORKSPACE_CONFIG`, ...).
     """
-    return _calls(timeline, compute_capability, empty_cache_steps, env)[0]
+    return _calls(timeline, _workspaces(compute_capability, env), empty_cache_steps)[0]
 
 
-def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_steps: Optional[int],
-           env: Optional[Mapping[str, str]]) -> Tuple[List[Tuple[_Event, str]], int]:
+def _workspaces(compute_capability: Tuple[int, int], env: Optional[Mapping[str, str]]) -> Tuple[int, int]:
+    """The cuBLAS and cuBLASLt workspaces' bytes, as `env` sets them (None: the defaults)."""
+    return cublas_workspace_bytes(compute_capability, env), cublaslt_workspace_bytes(compute_capability, env)
+
+
+# The last timeline replayed and its calls: a plan that runs past the device's memory replays the
+# same calls again with the limit (`step_memory._replayed`), and the calls of a 7B step are a
+# sixth of a replay's time. Timelines are frozen, and the entry is checked by identity.
+_LAST_CALLS: List[Any] = [None, None]
+
+
+def _calls_of(timeline: Timeline, workspaces: Tuple[int, int],
+              empty_cache_steps: Optional[int]) -> Tuple[List[Tuple[_Event, str]], int, int]:
+    """`_calls`, or the calls made last time for the same timeline and arguments."""
+    key = (workspaces, empty_cache_steps)
+    if _LAST_CALLS[0] is not timeline or _LAST_CALLS[1][0] != key:
+        _LAST_CALLS[:] = [timeline, (key, _calls(timeline, workspaces, empty_cache_steps))]
+    return _LAST_CALLS[1][1]
+
+
+def _calls(timeline: Timeline, workspaces: Tuple[int, int],
+           empty_cache_steps: Optional[int]) -> Tuple[List[Tuple[_Event, str]], int, int]:
+    """The allocator calls of two steps (`step_allocations`), where step 2's begin, and the
+    workspaces' bytes among them."""
     events, sizes, streams = timeline.events, timeline.sizes, timeline.streams
     host_parts = set(timeline.host_parts)
     tags = timeline.tags
@@ -133,7 +155,6 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
     forward = timeline.phase_starts.get("forward", timeline.step_start)
     backward = timeline.phase_starts.get("backward")
     first = {index: phase for phase, index in timeline.first_matmul.items() if phase in ("forward", "backward")}
-    workspaces = (cublas_workspace_bytes(compute_capability, env), cublaslt_workspace_bytes(compute_capability, env))
     calls: List[Tuple[_Event, str]] = []
     append = calls.append
     # The optimizer's state (and ZeRO's master weights) lives from the step that makes it to the end
@@ -141,6 +162,7 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
     kept = set(timeline.groups.get("optimizer_state", ())) | {
         serial for serial, state in timeline.states.items() if state in ("optimizer_state", "master_weights")}
     alive: Dict[int, None] = {}
+    workspace = 0  # the cuBLAS and cuBLASLt workspaces allocated (one pair a handle)
     phase = "step 1, setup"
     starts = {index: f"step 1, {name}" for name, index in timeline.phase_starts.items()}
     for index, event in enumerate(events):
@@ -152,6 +174,7 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
             handle = first[index]
             append((("alloc", ("cublas", handle), workspaces[0]), phase))
             append((("alloc", ("cublaslt", handle), workspaces[1]), phase))
+            workspace += workspaces[0] + workspaces[1]
         serial = event if event >= 0 else ~event
         if serial in on_host:
             continue
@@ -163,8 +186,16 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
             del alive[serial]
             append((("free", serial), phase))
     step1_end = len(calls)
-    # Step 2: a new batch, the old one freed after; then the step's events again, what step 1 left
-    # alive kept under its own key.
+    _second_step(calls, timeline, alive, on_host, kept, forward, backward, empty_cache_steps)
+    return calls, step1_end, workspace
+
+
+def _second_step(calls: List[Tuple[_Event, str]], timeline: Timeline, alive: Dict[int, None], on_host: Set[int],
+                 kept: Set[int], forward: int, backward: Optional[int], empty_cache_steps: Optional[int]) -> None:
+    """Step 2's calls, appended to `calls`: a new batch, the old one freed after; then the step's
+    events again, what step 1 left `alive` kept under its own key."""
+    events, sizes, streams = timeline.events, timeline.sizes, timeline.streams
+    append = calls.append
     batch = [serial for serial in timeline.groups.get("batch", ()) if serial in alive]
     phase = "step 2, setup"
     for serial in sorted(batch):
@@ -196,7 +227,6 @@ def _calls(timeline: Timeline, compute_capability: Tuple[int, int], empty_cache_
             elif serial in alive:
                 del alive[serial]
                 append((("free", serial), phase))
-    return calls, step1_end
 
 
 def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] = None,
@@ -215,14 +245,13 @@ def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] =
         env: as `step_allocations`.
     """
     conf = as_alloc_conf(alloc_conf)
-    calls, step1_end = _calls(timeline, compute_capability, empty_cache_steps, env)
+    workspaces = _workspaces(compute_capability, env)
+    calls, step1_end, workspace = _calls_of(timeline, workspaces, empty_cache_steps)
     model = CachingAllocatorModel(conf, device_memory)
     best_reserved = -1
     at_peak = 0
     reserved_after = [0, 0]
     oom: Optional[str] = None
-    workspace = sum(event[2] for event, _ in calls if event[0] == "alloc" and isinstance(event[1], tuple)
-                    and event[1][0] in ("cublas", "cublaslt"))
     malloc, free = model.malloc, model.free
     done = 0
     try:
