@@ -127,6 +127,9 @@ SEARCH = (f"{CLI_STEP}::test_max_batch_size_finds_the_largest_batch_of_a_convex_
           f"{CLI_ANSWERS}::test_max_batch_size_of_a_step_that_cannot_be_traced_says_so_and_why",
           f"{CLI_ANSWERS}::test_max_batch_size_exits_3_when_no_batch_fits")
 
+FLOPS = ("tests/plan/test_flops.py",)
+TP_RULES = ("tests/plan/test_tp_plan_rules.py", "-k", "not command")
+
 EDITS: List[Edit] = [
     # -- state/estimate.py: the estimate's parameter walk and its sums --------------------------
     Edit("state/estimate.py", "if not isinstance(param, torch.Tensor) or id(param) in seen:",
@@ -403,6 +406,12 @@ EDITS: List[Edit] = [
     Edit("cli/estimate_checks.py", "not (evaluation and name in _EVAL_OPTIONS)]", "not evaluation]",
          (CLI_ANSWERS, "tests/cli/test_cli_eval.py")),  # with --eval-samples every step option let through
     Edit("cli/estimate_settings.py", "\"reserve_bytes\": reserve_bytes(args),", "\"reserve_bytes\": None,", STEP_ON_THE_COMMAND_LINE),
+    # -- the step time's FLOPs and the user's tensor-parallel rules ------------------------------
+    Edit("plan/step/flops.py", "    offset = seq_k - seq_q if bottom_right else 0", "    offset = 0", FLOPS),
+    Edit("plan/step/flops.py", "    if bound[\"causal\"]:\n        right = 0", "    if bound[\"causal\"]:\n        right = -1",
+         FLOPS),  # flash-attn's causal window counted whole
+    Edit("plan/model/tp_plan.py", "        return {**plan, **override}", "        return {**override, **plan}",
+         TP_RULES),  # the model's rules over the user's
 ]
 
 
