@@ -35,20 +35,14 @@ PROCESSES = 2
 # process: 8 bytes on two), made under the tracker because the mesh is made as the model is wrapped;
 # the plan makes its mesh before its fake step, and on a GPU run that tensor is host memory.
 MESH_RANKS_BYTES = 4 * PROCESSES
-# In two launches of the many here (on one process each, rank 1 of six launches in a row and rank 0
-# of another) the tracker's peak came in the backward instead, its gradients not yet filed as such:
-# 1,064,744 both times: the mesh's 8 bytes, the plan's forward-and-backward peak (1,015,584: the
-# tracker's own backward peak, less the mesh's 8, in every launch where it is read) and 49,152 bytes
-# of the TP backward's collectives' buffers that gloo's worker thread let go after the plan's moment
-# (as under TP x FSDP2 below).
-HELD_LATE_IN_BACKWARD = 49_152
+# gloo's worker thread lets a collective's buffers go late in about one step in twenty (up to 49,152
+# bytes above the program's order, in the forward or the backward, on either process, in 10 launches
+# here); the run keeps the least of three identical steps, each phase's apart (`TRACKED_STEPS` in
+# tests/dist_scripts/engine_step_profile.py), which read the same in every launch here.
 
 
 def peak_beyond_plan(real: dict, plan, beyond: int) -> int:
-    """The tracker's peak less the plan's peak of the same phase and `beyond` (the run's own
-    extras): 0 when exact; the backward's when the tracker's peak held no gradients yet."""
-    if real["parts"]["_MemRefType.GRAD"] == 0:
-        return real["peak_bytes"] - beyond - plan.step.forward_backward_peak_bytes - HELD_LATE_IN_BACKWARD
+    """The tracker's peak less the plan's and `beyond` (the run's own extras): 0 when exact."""
     return real["peak_bytes"] - beyond - plan.step.peak_bytes
 
 
@@ -70,18 +64,18 @@ def test_tp2_peak_per_process_equals_memtrackers_on_the_real_run(tp_tracked, ran
     plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
     assert plan.settings.engine == "tp"
     real = tp_tracked[rank]
-    # 1,038,240 on each process in nearly every launch here; the plan 1,038,232 (its backward 1,015,584).
+    # 1,038,240 on each process; the plan 1,038,232 (its backward 1,015,584).
     assert (plan.step.peak_bytes, plan.step.forward_backward_peak_bytes) == (1_038_232, 1_015_584)
     assert peak_beyond_plan(real, plan, MESH_RANKS_BYTES) == 0, (plan.step.peak_bytes, real)
     # The tracker's own backward peak (the root module's, the forward's below it) is the plan's.
     beyond = real["phase_peaks"]["backward"] - MESH_RANKS_BYTES - plan.step.forward_backward_peak_bytes
-    assert beyond in (0, HELD_LATE_IN_BACKWARD), real["phase_peaks"]
+    assert beyond == 0, real["phase_peaks"]
     states = plan.step.model_states_at_optimizer_step_bytes
     # The tracker's parameters and gradients at its peak are the plan's shards to the byte (its
     # optimizer-state figure holds the step's foreach temporaries too, its own way of filing them).
     assert real["parts"]["_MemRefType.PARAM"] == states["parameters"] == 230_656
     assert states["gradients"] == 263_424
-    assert real["parts"]["_MemRefType.GRAD"] in (0, 263_424)  # 0: the tracker's peak in the backward
+    assert real["parts"]["_MemRefType.GRAD"] == 263_424
     assert real["params"] == {"local_bytes": 230_656, "storage_bytes": 230_656}
 
 
@@ -120,13 +114,13 @@ def test_uneven_tp2_each_rank_s_plan_equals_memtrackers_on_the_real_run(tp_runs)
         assert states["parameters"] == real["parts"]["_MemRefType.PARAM"] == 4 * (LAYERS_AND_NORMS + 2 * 129 * 64)
         # The gradients: the embedding's whole (257 rows, as at 256 tokens), the head's this rank's rows.
         assert states["gradients"] == 4 * (LAYERS_AND_NORMS + UNEVEN_VOCAB * 64 + rows * 64)
-        assert real["parts"]["_MemRefType.GRAD"] in (0, states["gradients"])  # 0: the tracker's peak in the backward
+        assert real["parts"]["_MemRefType.GRAD"] == states["gradients"]
         # AdamW's two moments like the local shards, and 21 step counts.
         assert states["optimizer_state"] == 2 * 4 * (LAYERS_AND_NORMS + 2 * rows * 64) + 21 * 4
         # Each process's peak is its own plan's to the byte (and the mesh's 8), as is each phase's.
         assert peak_beyond_plan(real, plan, MESH_RANKS_BYTES) == 0, (rank, plan.step.peak_bytes, real)
         beyond = max(real["phase_peaks"].values()) - MESH_RANKS_BYTES - plan.step.forward_backward_peak_bytes
-        assert beyond in (0, HELD_LATE_IN_BACKWARD), (rank, plan.step.forward_backward_peak_bytes, real["phase_peaks"])
+        assert beyond == 0, (rank, plan.step.forward_backward_peak_bytes, real["phase_peaks"])
     assert [plan.step.peak_bytes for plan in plans] == [1_040_792, 1_039_000]  # the real runs' 1,040,800 and 1,039,008
     assert [plan.step.forward_backward_peak_bytes for plan in plans] == [1_017_504, 1_016_728]
     # The ranks differ by the uneven rows alone: one head gradient row (256 bytes), one row of each
@@ -165,13 +159,10 @@ def test_tp_plan_auto_holds_the_plan_s_shards_on_whole_storages_on_the_cpu(tp_ru
     assert real["params"] == {"local_bytes": plan.step.model_states_at_optimizer_step_bytes["parameters"],
                               "storage_bytes": 230_656 + WHOLE_STORAGES_BEYOND_SHARDS}
     assert peak_beyond_plan(real, plan, WHOLE_STORAGES_BEYOND_SHARDS + 16) == 0, (plan.step.peak_bytes, real)
-    # Its gradients and optimizer state are the parallelize_module run's, to the byte, where both
-    # trackers' peaks came at the optimizer step.
-    at_step = [run["parts"] for run in (real, tp_runs["tp"][rank]) if run["parts"]["_MemRefType.GRAD"]]
-    if len(at_step) == 2:
-        for part in ("_MemRefType.GRAD", "_MemRefType.OPT"):
-            assert at_step[0][part] == at_step[1][part]
-    assert real["parts"]["_MemRefType.GRAD"] in (0, 263_424)  # 0: the tracker's peak in the backward
+    # Its gradients and optimizer state are the parallelize_module run's, to the byte.
+    for part in ("_MemRefType.GRAD", "_MemRefType.OPT"):
+        assert real["parts"][part] == tp_runs["tp"][rank]["parts"][part]
+    assert real["parts"]["_MemRefType.GRAD"] == 263_424
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
@@ -195,7 +186,7 @@ def test_the_user_s_rules_over_the_model_s_plan_as_transformers_merges_them(tp_r
     assert real["params"]["storage_bytes"] == 296_192 + beyond
     assert peak_beyond_plan(real, plan, beyond + 16) == 0, (plan.step.peak_bytes, real)
     assert states["gradients"] == 263_424 + 2 * 4 * 2_048 * 4 == 328_960
-    assert real["parts"]["_MemRefType.GRAD"] in (0, 328_960)  # 0: the tracker's peak in the backward
+    assert real["parts"]["_MemRefType.GRAD"] == 328_960
 
 
 # -- TP=2 x FSDP2=2 on 4 processes ----------------------------------------------------------------
