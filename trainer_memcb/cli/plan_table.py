@@ -176,8 +176,9 @@ def _plan_tables(plan: StepMemoryPlan) -> List[TextTable]:
         about += _memory_rows(device.device_memory_bytes, device.reserve_bytes, device.cuda_context_bytes or 0)
     tables = []
     if step.problem is not None:
-        about.append(["problem", step.problem + "; only the model states are planned"])
-        tables.append(TextTable(f"Step plan for {settings.model}", ["", "value"], about))
+        # Under the table, not in it: a long reason would stretch the value column of every row.
+        tables.append(TextTable(f"Step plan for {settings.model}", ["", "value"], about,
+                                note=f"Problem: {step.problem}; only the model states are planned."))
     else:
         about += [["activations", bytes_cell(step.activations_bytes)],
                   ["activations peak", bytes_cell(step.activations_peak_bytes)],
