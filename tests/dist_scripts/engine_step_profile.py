@@ -269,8 +269,10 @@ def memtracker_run(engine: str) -> dict:
         step()
     snapshot = tracker.get_tracker_snapshot("peak")
     (stats,) = snapshot[model].values() if model in snapshot else snapshot.values()
+    tp = engine == "tp-fsdp2"
     return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
-            "logged": logged_figures(model, optimizer, step) if engine == "tp-fsdp2" else None}
+            "phase_peaks": phase_peaks(tracker, model) if tp else None,
+            "logged": logged_figures(model, optimizer, step) if tp else None}
 
 
 # gloo's worker thread lets a collective's buffers go after the program has moved on in about one
@@ -316,12 +318,15 @@ def ddp_memtracker_run(engine: str) -> dict:
 
 def phase_peaks(tracker: Any, model: torch.nn.Module) -> dict:
     """The tracker's most bytes alive during the model's forward and during its backward (its
-    per-module figures of the root, reset at the step's start)."""
+    per-module figures of the root, reset at the step's start; FSDPMemTracker's of the root FSDP
+    module, under its own states)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
     from torch.distributed._tools.mem_tracker import _ModState
 
+    states = _FSDPModState if isinstance(tracker, FSDPMemTracker) else _ModState
     snapshots = tracker.memory_tracking[model].snapshots
     return {phase: max((int(each[torch.device("cpu")]["Total"]) for each in snapshots.get(state, [])), default=None)
-            for phase, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW))}
+            for phase, state in (("forward", states.PEAK_FW), ("backward", states.PEAK_BW))}
 
 
 def logged_figures(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> dict:

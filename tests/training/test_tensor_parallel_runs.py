@@ -24,6 +24,7 @@ from helpers import requires_torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plan"))
 from test_engines import CONFIG, build  # noqa: E402
 from test_engine_runs import _tracked  # noqa: E402
+from test_tensor_parallel import forward_peak_of  # noqa: E402
 
 from trainer_memcb.plan.answers.step_memory import plan_step_memory  # noqa: E402
 from trainer_memcb.plan.settings import resolve_settings  # noqa: E402
@@ -214,6 +215,13 @@ def test_tp2_fsdp2_peak_per_process_equals_fsdp_memtrackers_on_the_real_run(tp_f
         assert plan.settings.engine == "tp-fsdp2"
         assert plan.step.peak_bytes == TP2_FSDP2_PEAK
         assert real["peak_bytes"] - plan.step.peak_bytes in HELD_LATE, (rank, plan.step.peak_bytes, real)
+        # The tracker's own peaks of the root module's forward and backward (the step's peak is the
+        # backward's here): the plan's forward and its forward-and-backward peak, the gathered logits
+        # held as the real process holds them (tests/plan/test_tensor_parallel.py). The mesh's ranks
+        # were made before the tracker, with the model.
+        assert (forward_peak_of(plan), plan.step.forward_backward_peak_bytes) == (801_432, TP2_FSDP2_PEAK)
+        assert real["phase_peaks"]["forward"] == forward_peak_of(plan), (rank, real["phase_peaks"])
+        assert real["phase_peaks"]["backward"] - plan.step.forward_backward_peak_bytes in HELD_LATE, (rank, real)
         # The shards FSDP2 keeps of each TP shard and the optimizer state like them, to the byte: a
         # quarter of one process's parameters but the norms' halves (115,328 bytes), two moments of
         # them and 21 step counts.

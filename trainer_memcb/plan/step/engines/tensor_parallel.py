@@ -48,7 +48,23 @@ from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
 __all__ = ["TensorParallelEngine", "TensorParallelFSDP2Engine", "clip_grad_norm_dtensor_aware", "forget_sharding_cache"]
 
 
-class TensorParallelEngine(StepEngine):
+class _CollectivesAsHeld:
+    """What both tensor-parallel engines do to their trace: from the wrap to `close`, a functional
+    collective's result is taken as the real process holds it (`collectives_as_returned`)."""
+
+    _saved_wrap: Any = None
+
+    def _hold_collectives_as_returned(self) -> None:
+        self._saved_wrap = collectives_as_returned()
+
+    def _end_tensor_parallel(self) -> None:
+        """Undo the wrap's collectives and forget DTensor's caches (`forget_sharding_cache`)."""
+        restore_collectives(self._saved_wrap)
+        self._saved_wrap = None
+        forget_sharding_cache()
+
+
+class TensorParallelEngine(_CollectivesAsHeld, StepEngine):
     """The step of one tensor-parallel rank.
 
     Args:
@@ -80,7 +96,7 @@ class TensorParallelEngine(StepEngine):
             dist.init_process_group("fake", store=FakeStore(), rank=self.settings.rank, world_size=tp)
             self._owns_group = True
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-        self._wrap_result = collectives_as_returned()
+        self._hold_collectives_as_returned()
         with mode:
             parallelize_module(model, mesh, styles)
         rules = f", {len(self.settings.tp_plan)} of them yours" if self.settings.tp_plan else ""
@@ -98,12 +114,10 @@ class TensorParallelEngine(StepEngine):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
-        restore_collectives(getattr(self, "_wrap_result", None))
-        self._wrap_result = None
-        forget_sharding_cache()
+        self._end_tensor_parallel()
 
 
-class TensorParallelFSDP2Engine(FSDP2Engine):
+class TensorParallelFSDP2Engine(_CollectivesAsHeld, FSDP2Engine):
     """The step of one rank of a 2-D mesh: tensor parallel on `tp`, FSDP2 on `dp_shard`.
 
     Args:
@@ -129,6 +143,7 @@ class TensorParallelFSDP2Engine(FSDP2Engine):
 
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
 
+        self._hold_collectives_as_returned()
         with mode:
             parallelize_module(model, self._tp_mesh, torch_tp_plan(model_tp_plan(model, self.settings.tp_plan)))
         original = DeviceMesh.__dict__["_concatenate"]
@@ -147,7 +162,7 @@ class TensorParallelFSDP2Engine(FSDP2Engine):
             DeviceMesh._concatenate = concatenate
             self._concatenate = None
         super().close()
-        forget_sharding_cache()
+        self._end_tensor_parallel()
 
 
 def collectives_as_returned() -> Any:
@@ -159,8 +174,10 @@ def collectives_as_returned() -> Any:
     at once (`_are_we_tracing`) and the fake `wait_tensor` gives a new tensor, a second storage the
     real step never holds (its `wait_tensor` returns its input, on gloo and NCCL alike): 33,024 bytes
     of the tiny Llama's gathered logits alive beside the copy to the forward's end, above both real
-    processes' forward peaks (torch's MemTracker). The result is taken as it is, as
-    `trainer_memcb.plan.step.ring_attention` takes the ring's."""
+    processes' forward peaks (torch's MemTracker); under TP=2 x FSDP2=2 32,768 bytes, above the forward
+    peak each of four real processes reads (FSDPMemTracker's 801,432), below the backward's. The
+    result is taken as it is, as `trainer_memcb.plan.step.ring_attention` takes the ring's (whose
+    `ring_options` already covered TP x CP's whole step)."""
     import torch.distributed._functional_collectives as ft_c
 
     saved = ft_c._maybe_wrap_tensor
