@@ -37,13 +37,3 @@ def write_result(out_dir: str, result: Dict[str, Any]) -> None:
 
 def memcb_warnings(caught: List[warnings.WarningMessage]) -> List[str]:
     return [str(warning.message) for warning in caught if str(warning.message).startswith("trainer_memcb")]
-
-
-def close_process_group() -> None:
-    """Destroy this process's process group before the interpreter exits: left to the exit, gloo's
-    threads were once torn down while joinable ("terminate called without an active exception",
-    SIGABRT after every run of deepspeed_zero.py had finished and written its files)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -61,7 +61,6 @@ def main() -> None:
     out_dir = parser.parse_args().out_dir
     train_and_record(os.path.join(out_dir, "replicas"), failing=False)
     train_and_record(os.path.join(out_dir, "failing_rank"), failing=_common.rank() == _common.world_size() - 1)
-    _common.close_process_group()
 
 
 if __name__ == "__main__":

@@ -259,7 +259,6 @@ def main() -> None:
         timings[name] = round(time.perf_counter() - started, 1)
     if _common.rank() == 0:
         print("seconds per run:", timings, flush=True)
-    _common.close_process_group()
 
 
 if __name__ == "__main__":

@@ -149,7 +149,6 @@ def run_mode(out_dir: str, options) -> None:
         "model_states_per_step": model_states_per_step,
         "warnings": _common.memcb_warnings(caught),
     })
-    _common.close_process_group()
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ def main(out_dir: str) -> None:
         "wrapped_during_training": raiser.wrapped_during_training,
         "wrapped_after": "step" in vars(raiser.zero) if raiser.zero is not None else None,
     })
-    _common.close_process_group()
 
 
 if __name__ == "__main__":
