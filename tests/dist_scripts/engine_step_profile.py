@@ -246,8 +246,8 @@ def run(engine: str) -> dict:
 
 
 def memtracker_run(engine: str) -> dict:
-    """The same steps with torch's `FSDPMemTracker` over the third instead of the profiler: on
-    the CPU, torch.profiler records the memory events of the threads it was started on only, so a
+    """The same steps with torch's `FSDPMemTracker` over the third to seventh (the least kept,
+    `TRACKED_STEPS`) instead of the profiler: on the CPU, torch.profiler records the memory events of the threads it was started on only, so a
     buffer that a gloo worker thread frees last (the collectives' tensors) stays alive in its sum,
     by timing; the tracker follows every storage by its tensors' lifetimes (and FSDP2's resizes)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -265,28 +265,41 @@ def memtracker_run(engine: str) -> dict:
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
     trackers.append(tracker)
     tracker.track_inputs(tuple(inputs.values()))
-    with tracker:
-        step()
-    snapshot = tracker.get_tracker_snapshot("peak")
-    (stats,) = snapshot[model].values() if model in snapshot else snapshot.values()
     tp = engine == "tp-fsdp2"
-    return {"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
-            "phase_peaks": phase_peaks(tracker, model) if tp else None,
-            "logged": logged_figures(model, optimizer, step) if tp else None}
+    measured = []
+    for _ in range(TRACKED_STEPS):  # the least of identical steps (`TRACKED_STEPS`)
+        with tracker:
+            step()
+        snapshot = tracker.get_tracker_snapshot("peak")
+        (stats,) = snapshot[model].values() if model in snapshot else snapshot.values()
+        measured.append({"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
+                         "phase_peaks": phase_peaks(tracker, model) if tp else None})
+    return dict(least_of(measured), logged=logged_figures(model, optimizer, step) if tp else None)
+
+
+def least_of(measured: list) -> dict:
+    """The reading of least peak among identical steps' readings, and each phase's least apart."""
+    least = dict(min(measured, key=lambda each: each["peak_bytes"]), each_peak=[each["peak_bytes"] for each in measured])
+    if least["phase_peaks"] is not None:
+        least["phase_peaks"] = {phase: min(each["phase_peaks"][phase] for each in measured)
+                                for phase, value in least["phase_peaks"].items() if value is not None}
+    return least
 
 
 # gloo's worker thread lets a collective's buffers go after the program has moved on in about one
 # step in twenty of the TP rows here (32,896 to 49,152 bytes above the program's order, in the
-# forward or the backward, on either process); a late free only adds, so of identical steps (the
-# optimizer state made, DDP's buckets rebuilt) the least peak is the step in the program's order.
-TRACKED_STEPS = 3
+# forward or the backward, on either process), and more often under FSDP2 on a busy machine (49,152
+# or 115,200 bytes at accumulation's last micro-batch in 8 of 36 steps read, 65,792 or 164,352 in
+# full shard's in 9 of 60); a late free only adds, so of identical steps (the optimizer state made,
+# DDP's buckets rebuilt) the least peak is the step in the program's order.
+TRACKED_STEPS = 5
 
 
 def ddp_memtracker_run(engine: str) -> dict:
     """DDP's steps under torch's `MemTracker` instead of the profiler (FSDPMemTracker wants FSDP
     modules): entered before the model is made, so that the reducer's buckets are counted, and left
-    and entered again before each of the third to fifth steps, which restarts its peak from what is
-    alive then; the least of them is kept (`TRACKED_STEPS`), each phase's least apart. The tracker
+    and entered again before each of the third to seventh steps, which restarts its peak from what
+    is alive then; the least of them is kept (`TRACKED_STEPS`), each phase's least apart. The tracker
     follows each storage to its end by a weak reference, on whichever thread drops it."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -308,11 +321,7 @@ def ddp_memtracker_run(engine: str) -> dict:
         stats = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         measured.append({"peak_bytes": int(stats["Total"]), "parts": {str(key): int(value) for key, value in stats.items()},
                          "phase_peaks": phase_peaks(tracker, model) if engine.startswith("tp") else None})
-    least = min(measured, key=lambda each: each["peak_bytes"])
-    if least["phase_peaks"] is not None:
-        least["phase_peaks"] = {phase: min(each["phase_peaks"][phase] for each in measured)
-                                for phase, value in least["phase_peaks"].items() if value is not None}
-    return dict(least, params=parameter_bytes(model),
+    return dict(least_of(measured), params=parameter_bytes(model),
                 logged=logged_figures(model, optimizer, step) if engine.startswith("tp") else None)
 
 

@@ -38,7 +38,7 @@ PROCESSES = 2
 MESH_RANKS_BYTES = 4 * PROCESSES
 # gloo's worker thread lets a collective's buffers go late in about one step in twenty (up to 49,152
 # bytes above the program's order, in the forward or the backward, on either process, in 10 launches
-# here); the run keeps the least of three identical steps, each phase's apart (`TRACKED_STEPS` in
+# here); the run keeps the least of five identical steps, each phase's apart (`TRACKED_STEPS` in
 # tests/dist_scripts/engine_step_profile.py), which read the same in every launch here.
 
 
