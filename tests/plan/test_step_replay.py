@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
-from trainer_memcb.plan.answers.step_replay import replay_step, step_allocations
+from trainer_memcb.plan.answers.step_replay import replay_step, step_allocations, step_replayer
 from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel, replay_allocations
 from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES
 from trainer_memcb.plan.settings import resolve_settings
@@ -219,21 +219,25 @@ def test_the_evaluation_plan_uses_the_same_rule():
     assert plan_eval_memory(build, settings, device_memory=2 * MiB - 1).fits_device is True  # no CUDA: the peak
 
 
-def test_a_timeline_replayed_again_reuses_its_calls_unless_their_arguments_change(timelines, monkeypatch):
+def test_a_replayer_makes_its_calls_once_and_replays_them_under_each_limit(timelines, monkeypatch):
     from trainer_memcb.plan.answers import step_replay
 
     made = []
     original = step_replay._calls
     monkeypatch.setattr(step_replay, "_calls", lambda *args: made.append(args[1:]) or original(*args))
     timeline = timelines["none"]
-    free = replay_step(timeline, compute_capability=(9, 0))
-    limited = replay_step(timeline, compute_capability=(9, 0), device_memory=free.reserved_peak_bytes - 1)
+    replay_under = step_replayer(timeline, compute_capability=(9, 0))
+    free = replay_under(None, None)
+    limited = replay_under(None, free.reserved_peak_bytes - 1)
     assert len(made) == 1 and limited.oom is not None  # the same calls, replayed under the limit
-    # Other workspaces (sm80's, then an environment's) or emptying the cache: calls made anew, and
-    # the workspaces' bytes counted from them (two handles).
+    assert free == replay_step(timeline, compute_capability=(9, 0))
+    assert len(made) == 2  # a plain replay makes its own: no timeline is kept between calls
+    # Other workspaces (sm80's, then an environment's) or emptying the cache: the calls' arguments,
+    # and the workspaces' bytes counted from them (two handles).
     assert replay_step(timeline, compute_capability=(8, 0)).cuda_workspace_bytes == 2 * (8_519_680 + 1_048_576)
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert replay_step(timeline, compute_capability=(8, 0), env=env).cuda_workspace_bytes == 2 * (33_554_432 + 1_048_576)
     replay_step(timeline, compute_capability=(8, 0), env=env, empty_cache_steps=1)
-    assert made == [((33_554_432, 1_048_576), None), ((8_519_680, 1_048_576), None),
-                    ((33_554_432, 1_048_576), None), ((33_554_432, 1_048_576), 1)]
+    assert made[2:] == [((8_519_680, 1_048_576), None), ((33_554_432, 1_048_576), None),
+                        ((33_554_432, 1_048_576), 1)]
+    assert made[0] == made[1] == ((33_554_432, 1_048_576), None)

@@ -31,7 +31,7 @@ from trainer_memcb.plan.answers.kto_answer import kto_note
 from trainer_memcb.plan.answers.sft_answer import sft_note
 from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
                                                   StepMemoryPlan, StepPeak, Verdict)
-from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, replay_step
+from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, step_replayer
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
 from trainer_memcb.plan.model.step_inputs import step_inputs
@@ -452,14 +452,15 @@ def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
               device: DeviceFigures) -> Tuple[Verdict, DeviceFigures, ReplayOptions]:
     """fits? with its margin, the device with the allocator's figures, and the arguments of the
     replay those figures come from (`ReplayOptions`), from the step's
-    allocations replayed over two steps (`replay_step`): first with no limit; when its reserved
+    allocations replayed over two steps (`step_replayer`): first with no limit; when its reserved
     peak exceeds what the allocator may take (the device's memory less the CUDA context and the
     reserve), again with that limit, where the allocator frees its cache and retries before it
     fails, as torch does."""
     preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
     context = preset.cuda_context_bytes if preset is not None else DEFAULT_CUDA_CONTEXT_BYTES
     capability = preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
-    options = dict(alloc_conf=conf, compute_capability=capability, empty_cache_steps=settings.torch_empty_cache_steps)
+    replay_under = step_replayer(timeline, compute_capability=capability,
+                                 empty_cache_steps=settings.torch_empty_cache_steps)
     device_memory = device.device_memory_bytes
     fraction = conf.per_process_memory_fraction < 1.0
     if fraction and device_memory is None:
@@ -468,7 +469,7 @@ def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
     limit = None if device_memory is None else max(0, device_memory - context - settings.reserve_bytes)
     # A memory fraction caps the allocator below the device: replayed with the limit from the start.
     replayed_under = limit if fraction else None
-    replay: StepReplay = replay_step(timeline, device_memory=replayed_under, **options)
+    replay: StepReplay = replay_under(conf, replayed_under)
     verdict = Verdict()
     out_of_memory = None
     if limit is not None and fraction:
@@ -478,7 +479,7 @@ def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
         if replay.reserved_peak_bytes <= limit:
             verdict = Verdict(True, limit - replay.reserved_peak_bytes)
         else:
-            limited = replay_step(timeline, device_memory=limit, **options)
+            limited = replay_under(conf, limit)
             if limited.oom is None:
                 replay, replayed_under = limited, limit
                 verdict = Verdict(True, limit - limited.reserved_peak_bytes)

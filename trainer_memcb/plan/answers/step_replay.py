@@ -47,8 +47,9 @@ graphs. `fits?` leaves them to the user's `reserve_bytes`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from trainer_memcb.plan.device.alloc_conf import AllocConf, as_alloc_conf
 from trainer_memcb.plan.device.caching_allocator import CachingAllocatorModel, OutOfMemory
@@ -56,7 +57,7 @@ from trainer_memcb.plan.device.cuda_kernels import cublas_workspace_bytes, cubla
 from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.step.timeline import Timeline
 
-__all__ = ["ReplayOptions", "StepReplay", "step_allocations", "replay_step", "DEFAULT_COMPUTE_CAPABILITY"]
+__all__ = ["ReplayOptions", "StepReplay", "step_allocations", "replay_step", "step_replayer", "DEFAULT_COMPUTE_CAPABILITY"]
 
 
 @dataclass(frozen=True)
@@ -127,21 +128,6 @@ def step_allocations(timeline: Timeline, *, compute_capability: Tuple[int, int] 
 def _workspaces(compute_capability: Tuple[int, int], env: Optional[Mapping[str, str]]) -> Tuple[int, int]:
     """The cuBLAS and cuBLASLt workspaces' bytes, as `env` sets them (None: the defaults)."""
     return cublas_workspace_bytes(compute_capability, env), cublaslt_workspace_bytes(compute_capability, env)
-
-
-# The last timeline replayed and its calls: a plan that runs past the device's memory replays the
-# same calls again with the limit (`step_memory._replayed`), and the calls of a 7B step are a
-# sixth of a replay's time. Timelines are frozen, and the entry is checked by identity.
-_LAST_CALLS: List[Any] = [None, None]
-
-
-def _calls_of(timeline: Timeline, workspaces: Tuple[int, int],
-              empty_cache_steps: Optional[int]) -> Tuple[List[Tuple[_Event, str]], int, int]:
-    """`_calls`, or the calls made last time for the same timeline and arguments."""
-    key = (workspaces, empty_cache_steps)
-    if _LAST_CALLS[0] is not timeline or _LAST_CALLS[1][0] != key:
-        _LAST_CALLS[:] = [timeline, (key, _calls(timeline, workspaces, empty_cache_steps))]
-    return _LAST_CALLS[1][1]
 
 
 def _calls(timeline: Timeline, workspaces: Tuple[int, int],
@@ -244,9 +230,25 @@ def replay_step(timeline: Timeline, *, alloc_conf: Union[None, str, AllocConf] =
         empty_cache_steps: as `step_allocations`.
         env: as `step_allocations`.
     """
+    return step_replayer(timeline, compute_capability=compute_capability, empty_cache_steps=empty_cache_steps,
+                         env=env)(alloc_conf, device_memory)
+
+
+def step_replayer(timeline: Timeline, *, compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
+                  empty_cache_steps: Optional[int] = None,
+                  env: Optional[Mapping[str, str]] = None) -> Callable[..., StepReplay]:
+    """`replay_step` for one timeline, its allocator calls made once: a plan that runs past the
+    device's memory replays the same calls again with the limit, and the calls of a 7B step take a
+    sixth of a replay's time. The function returned takes `alloc_conf` and `device_memory`."""
+    calls = _calls(timeline, _workspaces(compute_capability, env), empty_cache_steps)
+    return functools.partial(_replay_calls, calls)
+
+
+def _replay_calls(made: Tuple[List[Tuple[_Event, str]], int, int], alloc_conf: Union[None, str, AllocConf] = None,
+                  device_memory: Optional[int] = None) -> StepReplay:
+    """The allocator model run over the calls `_calls` made."""
     conf = as_alloc_conf(alloc_conf)
-    workspaces = _workspaces(compute_capability, env)
-    calls, step1_end, workspace = _calls_of(timeline, workspaces, empty_cache_steps)
+    calls, step1_end, workspace = made
     model = CachingAllocatorModel(conf, device_memory)
     best_reserved = -1
     at_peak = 0
