@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
+from trainer_memcb.plan.step.collective_results import results_as_returned
 from trainer_memcb.plan.device.cuda_kernels import flash_backward_workspace_bytes
 
 __all__ = ["ring_module", "ring_attention", "ring_options", "ROTATE_METHODS"]
@@ -57,26 +58,17 @@ def ring_module() -> Any:
 def ring_options(rotate: str) -> Iterator[None]:
     """Within: torch's CP options as `context_parallel` sets them for a sequence its head-tail load
     balancer takes (`enable_load_balance`), the rotate method accelerate sets (`set_rotate_method`)."""
-    import torch.distributed._functional_collectives as ft_c
-
     module = ring_module()
     options = module._cp_options
-    saved = (options.enable_load_balance, options.rotate_method, ft_c._maybe_wrap_tensor)
+    saved = (options.enable_load_balance, options.rotate_method)
     options.enable_load_balance = True
     options.rotate_method = (module._RotateMethod.ALL_GATHER if rotate == "allgather"
                              else module._RotateMethod.ALL_TO_ALL)
-    # Under a fake mode a functional collective's result is waited at once (`_are_we_tracing`), and
-    # the fake `wait_tensor` gives a new tensor: two storages where a GPU holds one (its
-    # `wait_tensor` returns its input). The result is taken as it is.
-    ft_c._maybe_wrap_tensor = _as_it_is
     try:
-        yield
+        with results_as_returned():  # the ring's all-gathers and all-to-alls as a GPU holds them
+            yield
     finally:
-        options.enable_load_balance, options.rotate_method, ft_c._maybe_wrap_tensor = saved
-
-
-def _as_it_is(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+        options.enable_load_balance, options.rotate_method = saved
 
 
 def _flash_backward_op(**kwargs: Any) -> Tuple[torch.Tensor, ...]:

@@ -27,8 +27,8 @@ FSDP2 makes the 2-D mesh of each TP parameter (`FSDPParam._init_sharding_spec_tp
 `DeviceMesh._concatenate`), whose rank tensor must be real: it is made outside the fake mode
 (`unset_fake_temporarily`) for the time of the wrap.
 
-A functional collective's result is taken as the real process holds it (`collectives_as_returned`:
-the fake `wait_tensor` would copy it). Planned so far: TP alone (`world_size == tp_size`) or with
+A functional collective's result is taken as the real process holds it
+(`trainer_memcb.plan.step.collective_results`: the fake `wait_tensor` would copy it). Planned so far: TP alone (`world_size == tp_size`) or with
 FSDP2's full or shard-grad-op sharding (no replicas, no offload), with the shards torch's styles can
 split (`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`: under TP alone an uneven
 vocabulary, each rank its own chunk); the plan is the settings' rank's.
@@ -37,11 +37,12 @@ vocabulary, each rank its own chunk); the plan is the settings' rank's.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, List
+from typing import Any, Callable, List
 
 import torch
 from torch import nn
 
+from trainer_memcb.plan.step.collective_results import take_results_as_returned
 from trainer_memcb.plan.step.engines.base import StepEngine
 from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
 
@@ -50,17 +51,19 @@ __all__ = ["TensorParallelEngine", "TensorParallelFSDP2Engine", "clip_grad_norm_
 
 class _CollectivesAsHeld:
     """What both tensor-parallel engines do to their trace: from the wrap to `close`, a functional
-    collective's result is taken as the real process holds it (`collectives_as_returned`)."""
+    collective's result is taken as the real process holds it
+    (`trainer_memcb.plan.step.collective_results`: under a fake mode the result would be copied, 33,024
+    bytes of the tiny Llama's gathered logits alive beside the copy to the forward's end, above both
+    real processes' forward peaks)."""
 
-    _saved_wrap: Any = None
+    _undo_results: Callable[[], None] = staticmethod(lambda: None)
 
     def _hold_collectives_as_returned(self) -> None:
-        self._saved_wrap = collectives_as_returned()
+        self._undo_results = take_results_as_returned()
 
     def _end_tensor_parallel(self) -> None:
         """Undo the wrap's collectives and forget DTensor's caches (`forget_sharding_cache`)."""
-        restore_collectives(self._saved_wrap)
-        self._saved_wrap = None
+        self._undo_results()
         forget_sharding_cache()
 
 
@@ -163,38 +166,6 @@ class TensorParallelFSDP2Engine(_CollectivesAsHeld, FSDP2Engine):
             self._concatenate = None
         super().close()
         self._end_tensor_parallel()
-
-
-def collectives_as_returned() -> Any:
-    """Take a functional collective's result as the real process holds it, and give back what to
-    restore (`restore_collectives`).
-
-    DTensor's redistributions (a `colwise_gather_output` head's all-gather of the logits, a rowwise
-    layer's all-reduce) call torch's functional collectives; under a fake mode their result is waited
-    at once (`_are_we_tracing`) and the fake `wait_tensor` gives a new tensor, a second storage the
-    real step never holds (its `wait_tensor` returns its input, on gloo and NCCL alike): 33,024 bytes
-    of the tiny Llama's gathered logits alive beside the copy to the forward's end, above both real
-    processes' forward peaks (torch's MemTracker); under TP=2 x FSDP2=2 32,768 bytes, above the forward
-    peak each of four real processes reads (FSDPMemTracker's 801,432), below the backward's. The
-    result is taken as it is, as `trainer_memcb.plan.step.ring_attention` takes the ring's (whose
-    `ring_options` already covered TP x CP's whole step)."""
-    import torch.distributed._functional_collectives as ft_c
-
-    saved = ft_c._maybe_wrap_tensor
-    ft_c._maybe_wrap_tensor = _as_it_is
-    return saved
-
-
-def restore_collectives(saved: Any) -> None:
-    """Undo `collectives_as_returned` (None: nothing to undo)."""
-    import torch.distributed._functional_collectives as ft_c
-
-    if saved is not None:
-        ft_c._maybe_wrap_tensor = saved
-
-
-def _as_it_is(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def forget_sharding_cache() -> None:
