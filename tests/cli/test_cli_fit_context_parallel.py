@@ -156,3 +156,12 @@ def test_tp_beside_cp_is_proposed_on_four_processes_as_the_layout_plans(llama_di
     assert code == 0 and direct["settings"]["engine"] == "tp-cp-fsdp2"
     assert (direct["step"]["peak_bytes"], direct["device"]["reserved_peak_bytes"]) == (
         candidate["peak_bytes"], candidate["reserved_peak_bytes"])
+    # The installed `trainer-memcb` (its start keeps some packages out) proposes the same layout.
+    from cli.test_console_script import run_script
+
+    done = run_script("estimate", llama_dir, *COMMON, "--batch-size", "2", "--world-size", "4", "--fit", "--json",
+                      "--max-proposals", "16")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    [scripted] = [c for c in json.loads(done.stdout)["answers"]["fit"]["candidates"]
+                  if c["changes"].get("parallelism") == "tp=2,cp=2"]
+    assert scripted == candidate

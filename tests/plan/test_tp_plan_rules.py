@@ -84,3 +84,15 @@ def test_rules_without_tensor_parallelism_are_a_usage_line(tiny_llama_dir, capsy
             json.dumps(ATTENTION_WHOLE)]
     assert main(argv) == 2
     assert "tp_plan without tensor parallelism" in capsys.readouterr().err
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_the_rules_from_a_file_through_the_console_script(tiny_llama_dir, tmp_path):
+    """The installed `trainer-memcb`, whose start keeps some packages out: the same bytes as above."""
+    from cli.test_console_script import run_script
+
+    (tmp_path / "rules.json").write_text(json.dumps(ATTENTION_WHOLE))
+    done = run_script("estimate", tiny_llama_dir, *STEP, "--tp-plan", str(tmp_path / "rules.json"))
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    document = json.loads(done.stdout)
+    assert document["step"]["model_states_at_optimizer_step_bytes"]["parameters"] == 296_192
