@@ -118,6 +118,27 @@ def test_an_uneven_vocabulary_is_taken_alone_and_refused_beside_fsdp2():
                          model_states=False)
 
 
+def test_an_uneven_hidden_size_is_refused_under_the_user_s_own_rules():
+    """The model's plan splits no layer along the hidden size; a user's rule may (an embedding
+    colwise), and its uneven shards are not planned. (transformers 5 refuses a Llama whose hidden
+    size is not its heads' width; Qwen3's head_dim is its own.)"""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(hidden_size=33, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256)
+    check_tensor_parallel_model(config, 2)
+    with pytest.raises(ValueError, match="hidden_size=33 does not divide by 2 \\(your tp_plan rules may split"):
+        check_tensor_parallel_model(config, 2, own_rules=True)
+
+    def qwen3():
+        with torch.device("meta"):
+            return Qwen3ForCausalLM(config)
+
+    settings = resolve_settings(parallelism="tp=2", batch_size=2, tp_plan={"model.embed_tokens": "colwise"})
+    with pytest.raises(ValueError, match="hidden_size=33 does not divide by 2"):
+        plan_step_memory(qwen3, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+
+
 @pytest.mark.parametrize("size,tp,rows,groups", [
     (257, 2, [129, 128], [[0], [1]]),
     (256, 2, [128, 128], [[0, 1]]),

@@ -186,9 +186,12 @@ def parallelism_from_config(config: Any, where: str = "training args") -> Option
         raise ValueError(f"{where}: {error}") from None
 
 
-def check_tensor_parallel_model(config: Any, tp: int, beside_fsdp2: bool = False) -> None:
+def check_tensor_parallel_model(config: Any, tp: int, beside_fsdp2: bool = False, own_rules: bool = False) -> None:
     """Refuse a model whose heads do not split whole over `tp` ranks, or whose MLP width torch's
     styles cannot split unevenly (module docstring); an uneven vocabulary is planned per rank.
+    With `own_rules` (the user's `tp_plan` over the model's), which may split a layer along the
+    hidden size (an embedding colwise, a head rowwise), the hidden size must divide too: its uneven
+    shards are not planned (`tp_rank_groups` groups the ranks by the vocabulary's alone).
 
     Raises:
         ValueError: naming the size, its value, `tp` and the rule.
@@ -210,6 +213,9 @@ def check_tensor_parallel_model(config: Any, tp: int, beside_fsdp2: bool = False
               ("intermediate_size", getattr(text, "intermediate_size", None),
                "torch's RowwiseParallel, which the plan applies to down_proj, takes its input's columns as even "
                "shards and refuses the matmul; transformers' own tp_plan styles run it, not planned yet"))
+    if own_rules:
+        checks += (("hidden_size", getattr(text, "hidden_size", None), "your tp_plan rules may split layers "
+                    "along it, and uneven hidden shards are not planned"),)
     for name, value, why in checks:
         if isinstance(value, int) and value % tp:
             raise ValueError(f"parallelism tp={tp}: the model's {name}={value} does not divide by {tp} ({why})")
