@@ -180,6 +180,15 @@ def test_tensor_parallel_with_uneven_shards_shows_each_rank_s_step(tmp_path):
     # The plan's own figures are the fuller process's, rank 0's.
     assert step["peak_bytes"] == 1_040_792
     assert "rank 0 holds the most of ranks 0 and 1 at its peak (rank 1 1014.6 KiB (1,039,000))" in step["notes"]
+    # Beside FSDP2 on four processes, each rank holds FSDP2's chunk of its TP chunk: three groups, each
+    # the real four-process run's FSDPMemTracker reading (tests/training/test_tensor_parallel_runs.py).
+    done = run_script("estimate", str(tmp_path), "--parallelism", "tp=2,dp_shard=2", "--batch-size", "2", "--seq-len",
+                      "16", "--device-type", "cpu", "--optimizers", "adamw_torch", "--json")
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout)["step"]
+    assert [(group["ranks"], group["peak_bytes"]) for group in step["rank_groups"]] == [
+        ([0], 862_240), ([1, 3], 859_424), ([2], 861_216)]
+    assert step["peak_bytes"] == 862_240
     # At 256 tokens every rank holds the same: one step, no groups.
     LlamaConfig(**dict(config, vocab_size=256)).save_pretrained(str(tmp_path))
     even = run_script("estimate", str(tmp_path), "--parallelism", "tp=2", "--batch-size", "2", "--seq-len", "16",

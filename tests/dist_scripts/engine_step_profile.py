@@ -43,7 +43,7 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               vocab_size=256)
 # The engines that run the tiny Llama with other sizes: `tp-uneven`, 257 tokens, TP's uneven shards of
 # the embedding and the head (torch's chunk rule: 129 rows on rank 0, 128 on rank 1).
-CHANGED_CONFIG = {"tp-uneven": dict(vocab_size=257)}
+CHANGED_CONFIG = {"tp-uneven": dict(vocab_size=257), "tp-fsdp2-uneven": dict(vocab_size=257)}
 BATCH, SEQ = 2, 16
 # The user's tensor-parallel rules of engine tp-attention-whole (tests/training/test_tensor_parallel_runs.py).
 ATTENTION_WHOLE = {f"model.layers.*.self_attn.{name}": "replicate" for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -74,7 +74,7 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
         loaded = LlamaForCausalLM.from_pretrained(folder, tp_plan=tp_plan, attn_implementation="sdpa")
         loaded.config.use_cache = False
         return loaded
-    if engine == "tp-fsdp2":
+    if engine in ("tp-fsdp2", "tp-fsdp2-uneven"):
         # TP=2 x FSDP2 on the rest: a (dp_shard, tp) mesh in accelerate's order, the plan on tp, then
         # fully_shard of each layer and the root on dp_shard, as torchtitan and accelerate compose them.
         from torch.distributed.device_mesh import init_device_mesh
@@ -254,7 +254,7 @@ def memtracker_run(engine: str) -> dict:
 
     engine, accumulation = split_accumulation(engine)
     torch.manual_seed(0)
-    model = wrap(tiny_llama(), engine)
+    model = wrap(tiny_llama(engine), engine)
     model.train()
     optimizer = trainer_optimizer(model)
     inputs = batch() if accumulation == 1 else {}  # else each micro-batch makes its own
@@ -265,7 +265,7 @@ def memtracker_run(engine: str) -> dict:
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
     trackers.append(tracker)
     tracker.track_inputs(tuple(inputs.values()))
-    tp = engine == "tp-fsdp2"
+    tp = engine.startswith("tp-fsdp2")
     measured = []
     for _ in range(TRACKED_STEPS):  # the least of identical steps (`TRACKED_STEPS`)
         with tracker:

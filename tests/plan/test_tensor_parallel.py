@@ -107,15 +107,16 @@ def test_the_model_s_heads_and_widths_split_whole_over_tp(change, message):
         check_tensor_parallel_model(config, 4)
 
 
-def test_an_uneven_vocabulary_is_taken_alone_and_refused_beside_fsdp2():
+def test_an_uneven_vocabulary_is_planned_alone_and_beside_fsdp2_but_refused_beside_cp():
     config = LlamaConfig(**dict(CONFIG, vocab_size=257))
-    check_tensor_parallel_model(config, 2)  # planned per rank
-    with pytest.raises(ValueError, match="tp=2 beside dp_shard: the model's vocab_size=257 does not divide by 2"):
-        check_tensor_parallel_model(config, 2, beside_fsdp2=True)
-    settings = resolve_settings(parallelism="tp=2,dp_shard=2", batch_size=2)
-    with pytest.raises(ValueError, match="tp=2 beside dp_shard: the model's vocab_size=257"):
-        plan_step_memory(lambda: _llama(vocab_size=257), seq_len=16, settings=settings, device_type="cpu",
-                         model_states=False)
+    check_tensor_parallel_model(config, 2)  # planned per rank, beside FSDP2 too
+    with pytest.raises(ValueError, match="tp=2: the model's vocab_size=257 does not divide by 2 \\(uneven shards "
+                                         "beside cp=2 are not planned"):
+        check_tensor_parallel_model(config, 2, cp=2)
+    settings = resolve_settings(parallelism="tp=2,cp=2", batch_size=2, seq_len=16, precision="bf16",
+                                device_type="cuda")
+    with pytest.raises(ValueError, match="vocab_size=257 does not divide by 2"):
+        plan_step_memory(lambda: _llama(vocab_size=257), settings=settings, model_states=False)
 
 
 def test_an_uneven_hidden_size_is_refused_under_the_user_s_own_rules():
@@ -152,6 +153,18 @@ def test_tp_ranks_hold_torch_s_chunks_and_are_grouped_by_them(size, tp, rows, gr
     shards, _ = Shard(0)._split_tensor(torch.empty(size, 1), tp, with_padding=False)
     assert [tp_shard_rows(size, tp, rank) for rank in range(tp)] == [shard.shape[0] for shard in shards] == rows
     assert tp_rank_groups(LlamaConfig(**dict(CONFIG, vocab_size=size)), tp) == groups
+
+
+@pytest.mark.parametrize("size,dp_shard,groups", [
+    # 129 rows as 65 and 64 over dp_shard, 128 as 64 and 64 (ranks: dp position x tp + TP rank); the
+    # real four-process run reads rank 0, rank 2 and ranks 1 and 3 apart
+    # (tests/training/test_tensor_parallel_runs.py).
+    (257, 2, [[0], [1, 3], [2]]),
+    (256, 2, [[0, 1, 2, 3]]),
+    (257, 3, [[0, 2, 4], [1, 3], [5]]),  # 129 as 43 x 3, 128 as 43, 43 and 42
+])
+def test_beside_fsdp2_ranks_are_grouped_by_the_chunk_of_their_tp_chunk(size, dp_shard, groups):
+    assert tp_rank_groups(LlamaConfig(**dict(CONFIG, vocab_size=size)), 2, dp_shard=dp_shard) == groups
 
 
 def _llama(**change):

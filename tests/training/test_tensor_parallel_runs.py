@@ -203,8 +203,13 @@ HELD_LATE = (0, 256, 66_304)
 
 
 @pytest.fixture(scope="module")
-def tp_fsdp2_tracked(tmp_path_factory):
-    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp-fsdp2"], 4)["tp-fsdp2"]
+def tp_fsdp2_runs(tmp_path_factory):
+    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp-fsdp2", "tp-fsdp2-uneven"], 4)
+
+
+@pytest.fixture(scope="module")
+def tp_fsdp2_tracked(tp_fsdp2_runs):
+    return tp_fsdp2_runs["tp-fsdp2"]
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
@@ -228,6 +233,29 @@ def test_tp2_fsdp2_peak_per_process_equals_fsdp_memtrackers_on_the_real_run(tp_f
         states = plan.step.model_states_at_optimizer_step_bytes
         assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"] == 115_328
         assert real["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"] == 2 * 115_328 + 21 * 4
+
+
+# Each rank of TP=2 x FSDP2=2 on 257 tokens, by the plan (rank = dp_shard position x 2 + TP rank): TP's
+# 129 / 128 rows of the embedding and the head, FSDP2's 65 / 64 of the 129 and 64 / 64 of the 128
+# (`tp_rank_groups`). Rank 0's optimizer state holds one row more of each of the two tables than rank 2's
+# (2 x 64 values x 2 moments x 4 bytes = 1,024); their parameters are equal, FSDP2's shards padded to
+# 65 rows.
+UNEVEN_TP2_FSDP2 = {0: (862_240, 115_840, 231_764), 1: (859_424, 115_328, 230_740),
+                    2: (861_216, 115_840, 230_740), 3: (859_424, 115_328, 230_740)}
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_uneven_tp2_fsdp2_each_rank_s_plan_equals_fsdp_memtrackers_on_the_real_run(tp_fsdp2_runs):
+    for rank, real in enumerate(tp_fsdp2_runs["tp-fsdp2-uneven"]):
+        settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build_uneven, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+        assert plan.step.problem is None and plan.settings.engine == "tp-fsdp2", plan.step.problem
+        states = plan.step.model_states_at_optimizer_step_bytes
+        assert (plan.step.peak_bytes, states["parameters"], states["optimizer_state"]) == UNEVEN_TP2_FSDP2[rank]
+        assert real["peak_bytes"] - plan.step.peak_bytes in HELD_LATE, (rank, plan.step.peak_bytes, real)
+        assert real["phase_peaks"]["forward"] == forward_peak_of(plan), (rank, real["phase_peaks"])
+        assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"]
+        assert real["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"]
 
 
 # -- What the logger logs under TP ------------------------------------------------------------------

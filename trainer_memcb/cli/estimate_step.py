@@ -220,13 +220,14 @@ def ranks_to_plan(settings: Any) -> List[int]:
 
 
 def tp_groups_to_plan(settings: Any, config: Any) -> Optional[List[List[int]]]:
-    """Under tensor parallelism alone, without `--rank`, where the ranks' shards differ (an uneven
-    vocabulary): the ranks grouped by the shards they hold (`tp_rank_groups`), one trace each; else None."""
+    """Under tensor parallelism, alone or beside FSDP2, without `--rank`, where the ranks' shards
+    differ (an uneven vocabulary): the ranks grouped by the shards they hold (`tp_rank_groups`), one
+    trace each; else None."""
     from trainer_memcb.plan.settings.parallelism import tp_rank_groups
 
-    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1 or settings.world_size != settings.tp_size:
+    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1 or settings.cp_size > 1 or settings.replicate > 1:
         return None
-    groups = tp_rank_groups(config, settings.tp_size)
+    groups = tp_rank_groups(config, settings.tp_size, settings.world_size // settings.tp_size)
     return groups if len(groups) > 1 else None
 
 

@@ -32,11 +32,11 @@ by `tp` splits the embedding's and the head's rows by torch's chunk rule (`Shard
 the first ranks `ceil(V / tp)` rows, the last ones fewer, possibly none), and each rank's trace,
 on the fake process group of its own rank, holds its own shards, gradients, optimizer state and
 redistribution buffers; no style of the plan splits the `hidden_size` (colwise layers split their
-output features, rowwise ones their input features, the embedding its rows). The ranks' figures
-then differ, and the CLI shows each group of ranks holding equal shards
-(`trainer_memcb.cli.estimate_step.with_rank_groups`, `StepPeak.rank_groups`). Beside FSDP2
-(`dp_shard > 1`), which shards each TP shard again, an uneven vocabulary is refused: not checked
-against a real run yet.
+output features, rowwise ones their input features, the embedding its rows). Beside FSDP2
+(`dp_shard > 1`), which shards each rank's TP shard again by the same rule over `dp_shard`, a rank
+of the 2-D mesh holds the chunk of its `dp_shard` position of its TP shard. The ranks' figures then
+differ, and the CLI shows each group of ranks holding equal shards (`tp_rank_groups`,
+`trainer_memcb.cli.estimate_step.with_rank_groups`, `StepPeak.rank_groups`).
 
 And context parallelism's (`cp > 1`, `check_context_parallel`), as accelerate, transformers and torch
 run it:
@@ -186,12 +186,14 @@ def parallelism_from_config(config: Any, where: str = "training args") -> Option
         raise ValueError(f"{where}: {error}") from None
 
 
-def check_tensor_parallel_model(config: Any, tp: int, beside_fsdp2: bool = False, own_rules: bool = False) -> None:
+def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, cp: int = 1) -> None:
     """Refuse a model whose heads do not split whole over `tp` ranks, or whose MLP width torch's
     styles cannot split unevenly (module docstring); an uneven vocabulary is planned per rank.
     With `own_rules` (the user's `tp_plan` over the model's), which may split a layer along the
     hidden size (an embedding colwise, a head rowwise), the hidden size must divide too: its uneven
-    shards are not planned (`tp_rank_groups` groups the ranks by the vocabulary's alone).
+    shards are not planned (`tp_rank_groups` groups the ranks by the vocabulary's alone). Beside
+    context parallelism (`cp` > 1) the vocabulary must divide too: no run of that layout here to hold
+    its per-rank plan to.
 
     Raises:
         ValueError: naming the size, its value, `tp` and the rule.
@@ -216,14 +218,11 @@ def check_tensor_parallel_model(config: Any, tp: int, beside_fsdp2: bool = False
     if own_rules:
         checks += (("hidden_size", getattr(text, "hidden_size", None), "your tp_plan rules may split layers "
                     "along it, and uneven hidden shards are not planned"),)
+    if cp > 1:
+        checks += (("vocab_size", getattr(text, "vocab_size", None), f"uneven shards beside cp={cp} are not planned"),)
     for name, value, why in checks:
         if isinstance(value, int) and value % tp:
             raise ValueError(f"parallelism tp={tp}: the model's {name}={value} does not divide by {tp} ({why})")
-    vocab = getattr(text, "vocab_size", None)
-    if beside_fsdp2 and isinstance(vocab, int) and vocab % tp:
-        raise ValueError(f"parallelism tp={tp} beside dp_shard: the model's vocab_size={vocab} does not divide by "
-                         f"{tp} (uneven shards are planned for tensor parallelism alone; beside FSDP2, which shards "
-                         "each TP shard again, not yet)")
 
 
 def tp_shard_rows(size: int, tp: int, rank: int) -> int:
@@ -239,22 +238,30 @@ def tp_shard_rows(size: int, tp: int, rank: int) -> int:
     return max(0, min(full, size - rank * full))
 
 
-def tp_rank_groups(config: Any, tp: int) -> List[List[int]]:
-    """The TP ranks grouped by the shards they hold: ranks of one group hold shards of the same
-    sizes, so their steps are the same to the byte; one group when every split is even. The sizes the
-    plan's styles split unevenly are the vocabulary's (`check_tensor_parallel_model` refuses others).
+def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1) -> List[List[int]]:
+    """The ranks of a `tp` (x `dp_shard`) mesh grouped by the shards they hold: ranks of one group
+    hold shards of the same sizes, so their steps are the same to the byte; one group when every
+    split is even. The sizes the plan's styles split unevenly are the vocabulary's
+    (`check_tensor_parallel_model` refuses others): TP's chunk of its rows, and beside FSDP2 the
+    chunk of that chunk at the rank's `dp_shard` position (accelerate's mesh: `dp_shard`, then `tp`,
+    so rank = dp_position x tp + tp_rank).
 
     Examples:
         >>> from transformers import LlamaConfig
         >>> from trainer_memcb.plan.settings.parallelism import tp_rank_groups
         >>> tp_rank_groups(LlamaConfig(vocab_size=257), 4)  # 65, 65, 65 and 62 rows
         [[0, 1, 2], [3]]
+        >>> tp_rank_groups(LlamaConfig(vocab_size=257), 2, dp_shard=2)  # 129 rows as 65 and 64, 128 as 64 and 64
+        [[0], [1, 3], [2]]
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
-    groups: Dict[int, List[int]] = {}
-    for rank in range(max(1, tp)):
-        key = tp_shard_rows(vocab, tp, rank) if isinstance(vocab, int) and tp > 1 else 0
+    groups: Dict[Any, List[int]] = {}
+    for rank in range(max(1, tp) * max(1, dp_shard)):
+        key: Any = 0
+        if isinstance(vocab, int) and tp > 1:
+            rows = tp_shard_rows(vocab, tp, rank % tp)
+            key = (rows, tp_shard_rows(rows, dp_shard, rank // tp))
         groups.setdefault(key, []).append(rank)
     return list(groups.values())
 
