@@ -195,13 +195,13 @@ class StepSettings:
             raise ValueError(f"liger_kernel_config={{\"fused_linear_cross_entropy\": true}} with TRL's {trainer} step: TRL "
                              "refuses it (\"it replaces the model's forward, which this trainer patches with a fused "
                              "LM head\"); leave it out, TRL applies the layer kernels alone")
-        if self.preference is not None and self.sharding != "none":
+        from trainer_memcb.plan.settings.parallelism import check_context_parallel
+
+        check_context_parallel(self)  # first: its refusals of TRL's steps name the trainer's own rule
+        if self.preference is not None and self.sharding != "none" and self.cp_size == 1:
             raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
                              "(sharding none) so far")
         _check_tensor_parallel(self)
-        from trainer_memcb.plan.settings.parallelism import check_context_parallel
-
-        check_context_parallel(self)
         if self.sharding.startswith("zero") or self.precision.startswith("deepspeed-"):
             zero = dict(ZERO_DEFAULTS)
             zero.update(self.zero)
