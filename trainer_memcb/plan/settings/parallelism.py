@@ -57,7 +57,18 @@ run it:
 - beside tensor parallelism, as accelerate lays the mesh out (`dp_shard, cp, tp`: its
   `ParallelismConfig` takes both, `_prepare_tp` then `_prepare_cp`): the world a multiple of
   `cp x tp` (`TensorContextParallelEngine`);
-- not beside padding-free packing or TRL's trainers: not planned yet.
+- beside the step's trainer as it runs under context parallelism (`check_context_parallel_step`):
+  the plain Trainer's padded rows and TRL's SFT step on padded rows are planned (the Trainer shards
+  `input_ids`, `labels`, `shift_labels`, the 2-D `attention_mask` and `position_ids`,
+  `Trainer._prepare_context_parallel_inputs`; TRL's fused LM head scores the rank's `shift_labels`
+  unshifted). Refused, each with the software's own reason: SFT with packing (TRL 1.16's
+  `SFTTrainer.__init__`: "documents would attend across their boundaries"); GRPO and RLOO (their
+  configs' `__post_init__` refuse `cp_size > 1`: the inputs are built after generation); DPO and
+  KTO (their batches keep `completion_mask`, and KTO's KL rows, whole: `input_ids.masked_fill(
+  completion_mask == 0, -100)` meets the rank's `L / cp` tokens against `L` and fails); the plain
+  Trainer's padding-free packing (`DataCollatorWithFlattening`: no mask, the restarting
+  `position_ids` sharded, and accelerate's hook runs the ring causal over the whole row, so the
+  documents would attend across their boundaries silently; refused as TRL refuses packing).
 """
 
 from __future__ import annotations
@@ -67,7 +78,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 __all__ = ["TP_STYLES", "Parallelism", "parse_parallelism", "parallelism_from_config", "check_tensor_parallel_model",
            "tp_shard_rows", "tp_rank_groups", "check_context_parallel", "check_context_parallel_model",
-           "PARALLELISM_SIZES", "CP_COMM_STRATEGIES"]
+           "check_context_parallel_step", "context_parallel_step_refusal", "PARALLELISM_SIZES", "CP_COMM_STRATEGIES",
+           "CP_SHARDED_KEYS"]
 
 # accelerate's `TorchContextParallelConfig.cp_comm_strategy` values (torch's `set_rotate_method`).
 CP_COMM_STRATEGIES = ("allgather", "alltoall")

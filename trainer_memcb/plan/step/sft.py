@@ -21,6 +21,12 @@ Masked labels (`completion_only_loss`, `assistant_only_loss`) change no tensor's
 (the CPU) TRL's head scores every position (`compact=False`); on CUDA its Triton kernel scores the
 labelled positions only (`hidden_states[mask]`, a size the data decides), which this trace does not
 do: it plans every position labelled, the most.
+
+Under context parallelism (padded rows only: TRL refuses packing there) the engine shards the batch
+as the Trainer does (`trainer_memcb.plan.step.engines.context_parallel`), adding `shift_labels`,
+which the fused head scores unshifted: each rank's head runs on its `B x L / cp` tokens. With
+several processes `compute_loss`'s `gather_for_metrics` all-gathers each 0-dim metric into a
+tensor of the processes and sums it: temporaries freed before the backward, not traced.
 """
 
 from __future__ import annotations
