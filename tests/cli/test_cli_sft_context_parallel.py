@@ -27,8 +27,10 @@ def files(tmp_path_factory: Any) -> dict:
     from trl import DPOConfig, SFTConfig
 
     paths = trl_config_files(tmp_path_factory, "sft-cp-cli", SFTConfig, BATCH, MAX_LENGTH,
-                             {"sft": {}, "packing": {"packing": True}}, {})
-    paths["dpo"] = trl_config_files(tmp_path_factory, "dpo-cp-cli", DPOConfig, BATCH, MAX_LENGTH, {"dpo": {}}, {})["dpo"]
+                             {"sft": {}, "packing": {"packing": True},
+                              "eval_packing": {"eval_packing": True}}, {})
+    dpo = trl_config_files(tmp_path_factory, "dpo-cp-cli", DPOConfig, BATCH, MAX_LENGTH, {"dpo": {}}, {})
+    paths["dpo"] = dpo["dpo"]
     return paths
 
 
@@ -62,7 +64,10 @@ def test_each_rank_s_sft_step_under_cp2_x_fsdp2(files: dict, capsys: Any, rank: 
 @pytest.mark.parametrize("config,trainer,line", [
     ("packing", "sft", "trainer-memcb: error: parallelism cp=2: TRL's SFTTrainer refuses packing with context "
                        "parallelism (\"context parallelism drops that mask, so documents would attend across their "
-                       "boundaries\"); give packing false"),
+                       "boundaries\"); give packing and eval_packing false"),
+    ("eval_packing", "sft", "trainer-memcb: error: parallelism cp=2: TRL's SFTTrainer refuses packing with context "
+                            "parallelism (\"context parallelism drops that mask, so documents would attend across "
+                            "their boundaries\"); give packing and eval_packing false"),
     ("dpo", "dpo", "trainer-memcb: error: parallelism cp=2: TRL's DPO batch has no labels and keeps completion_mask "
                    "whole (the Trainer shards only input_ids, labels, shift_labels, attention_mask, position_ids): "
                    "DPOTrainer's input_ids.masked_fill(completion_mask == 0, -100) meets L / cp tokens against L and "

@@ -65,7 +65,11 @@ def _refused_steps():
         # trl/trainer/sft_trainer.py, SFTTrainer.__init__: packing with `cp_enabled` raises.
         "sft packing": (SftStep(max_length=SEQ, padding_free=True), dict(batch_size=1, packing=BATCH * SEQ),
                         "TRL's SFTTrainer refuses packing with context parallelism (\"context parallelism drops that "
-                        "mask, so documents would attend across their boundaries\"); give packing false"),
+                        "mask, so documents would attend across their boundaries\"); give packing and eval_packing "
+                        "false"),
+        # The same rule reads eval_packing (`args.packing or args.eval_packing`), whatever the training rows.
+        "sft eval packing": (SftStep(max_length=SEQ, eval_packing=True), {}, "TRL's SFTTrainer refuses packing with "
+                             "context parallelism"),
         # trl/trainer/grpo_config.py and rloo_config.py, __post_init__: `cp_enabled` raises.
         "grpo": (GrpoStep(), {}, "TRL's GRPOConfig refuses cp_size > 1 (\"GRPO builds model inputs after generation"),
         "rloo": (RlooStep(), {}, "TRL's RLOOConfig refuses cp_size > 1 (\"RLOO builds model inputs after generation"),
@@ -80,7 +84,7 @@ def _refused_steps():
     }
 
 
-@pytest.mark.parametrize("name", ["sft packing", "grpo", "rloo", "dpo", "kto"])
+@pytest.mark.parametrize("name", ["sft packing", "sft eval packing", "grpo", "rloo", "dpo", "kto"])
 def test_a_trl_step_its_trainer_refuses_under_cp_is_one_line_naming_its_rule(name):
     step, shape, message = _refused_steps()[name]
     with pytest.raises(ValueError) as refused:
@@ -125,8 +129,9 @@ def recorded(monkeypatch):
         return out
 
     def recorded_metrics(outputs, batch):
-        seen["outputs"] = {name: (tuple(getattr(outputs, name).shape), getattr(outputs, name).untyped_storage().nbytes())
-                           for name in ("log_probs", "entropy", "is_top1", "label_mask")}
+        fields = {name: getattr(outputs, name) for name in ("log_probs", "entropy", "is_top1", "label_mask")}
+        seen["outputs"] = {name: (tuple(value.shape), value.untyped_storage().nbytes())
+                           for name, value in fields.items()}
         seen["batch"] = {name: (tuple(value.shape), value.untyped_storage().nbytes())
                          for name, value in batch.items() if isinstance(value, torch.Tensor)}
         return metrics(outputs, batch)

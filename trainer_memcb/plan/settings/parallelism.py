@@ -321,9 +321,9 @@ def context_parallel_step_refusal(settings: Any) -> Optional[str]:
                 f"KL_completion_mask) whole (the Trainer shards only {', '.join(CP_SHARDED_KEYS)}): KTOTrainer's "
                 "forwards meet L / cp tokens against L (the sharded position_ids against KL_input_ids, input_ids "
                 "against completion_mask) and fail")
-    if trainer == "sft" and getattr(step, "padding_free", False):
+    if trainer == "sft" and (getattr(step, "padding_free", False) or getattr(step, "eval_packing", False)):
         return ("TRL's SFTTrainer refuses packing with context parallelism (\"context parallelism drops that mask, "
-                "so documents would attend across their boundaries\"); give packing false")
+                "so documents would attend across their boundaries\"); give packing and eval_packing false")
     if trainer is None and settings.packing is not None:
         return ("padding-free packing's documents would attend across their boundaries: accelerate's hook drops "
                 "the mask and runs the ring causal over the whole row (TRL's SFTTrainer refuses packing with "

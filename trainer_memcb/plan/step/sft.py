@@ -55,12 +55,16 @@ class SftStep:
             the "bfd" or "bfd_split" strategy).
         average_tokens_across_devices: the `TrainingArguments` field: `compute_loss` then
             multiplies the loss by the processes (one here), a 0-dim tensor more.
+        eval_packing: `SFTConfig.eval_packing` true: the evaluation's batches packed. It changes no
+            training step, but `SFTTrainer.__init__` refuses it under context parallelism, as it
+            refuses `packing` (`trainer_memcb.plan.settings.parallelism.check_context_parallel_step`).
     """
 
     loss_type: str = "nll"
     max_length: int = 1024
     padding_free: bool = False
     average_tokens_across_devices: bool = True
+    eval_packing: bool = False
     trainer: str = dataclasses.field(default="sft", init=False)
     reference: str = dataclasses.field(default="none", init=False)
 
@@ -103,7 +107,8 @@ def sft_step_from_config(config: Any) -> SftStep:
     if config.pad_to_multiple_of not in (None, "auto", "none", "null"):
         raise ValueError(f"pad_to_multiple_of {config.pad_to_multiple_of!r}: the SFT step is planned at max_length "
                          "tokens unpadded ('auto' or null)")
-    return SftStep(loss_type=loss_type, max_length=config.max_length, padding_free=padding_free)
+    return SftStep(loss_type=loss_type, max_length=config.max_length, padding_free=padding_free,
+                   eval_packing=bool(getattr(config, "eval_packing", None)))
 
 
 def sft_fused_lm_head(model: torch.nn.Module) -> None:
