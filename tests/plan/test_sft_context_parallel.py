@@ -116,7 +116,10 @@ def recorded(monkeypatch):
     forward, backward, metrics = ChunkedLogProbFunction.forward, ChunkedLogProbFunction.backward, sft._metrics
 
     def recorded_forward(ctx, hidden, weight, bias, targets, *args):
+        from torch.distributed.tensor import DTensor
+
         seen["head"] = (tuple(hidden.shape), tuple(targets.shape))
+        seen["weight"] = (isinstance(weight, DTensor), tuple(weight.shape))
         with _NewStorages([hidden, weight, targets]) as made:
             out = forward(ctx, hidden, weight, bias, targets, *args)
         seen["forward"] = made.made
@@ -159,6 +162,9 @@ def test_each_rank_s_fused_head_scores_its_share_of_the_tokens(recorded):
                                  "position_ids": ((BATCH, share), 512)}
     # With shift_labels the head takes the backbone's whole share unshifted: 2 x 32 = 64 rows of 64.
     assert recorded["head"] == ((BATCH * share, 64), (BATCH * share,))
+    # FSDP2's root group (the head is the root's) is unsharded for the forward: the whole [256, 64]
+    # head as a plain tensor, so TRL's `full_tensor()` gather is not taken.
+    assert recorded["weight"] == (False, (256, 64))
     # ChunkedLogProbFunction.forward: seven [64] float32 statistics (running_max, sum_exp, x_sum_exp,
     # sq_sum_exp, z_sum, max_before_target, target_logit: 256 bytes each), then mm_buf
     # [min(64, 4,096), 32,768] bf16.
