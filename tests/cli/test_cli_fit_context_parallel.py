@@ -165,3 +165,32 @@ def test_tp_beside_cp_is_proposed_on_four_processes_as_the_layout_plans(llama_di
     [scripted] = [c for c in json.loads(done.stdout)["answers"]["fit"]["candidates"]
                   if c["changes"].get("parallelism") == "tp=2,cp=2"]
     assert scripted == candidate
+
+
+@pytest.mark.parametrize("step,shape,sizes", [
+    ("sft", dict(), [2, 4, 8]),  # TRL's SFT on padded rows: planned under cp
+    ("sft packing", dict(batch_size=1, packing=128), []),  # SFTTrainer refuses packing with cp
+    ("dpo", dict(), []), ("kto", dict(), []), ("grpo", dict(), []),  # refused (check_context_parallel_step)
+    (None, dict(batch_size=1, packing=128), []),  # padding-free packing: documents would attend across
+])
+def test_the_cp_sizes_proposed_beside_trl_s_steps_are_those_planned(step, shape, sizes):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer_memcb.cli.fit_table import context_parallel_sizes
+    from trainer_memcb.plan.settings import resolve_settings
+    from trainer_memcb.plan.step.grpo import GrpoStep
+    from trainer_memcb.plan.step.kto import KtoStep
+    from trainer_memcb.plan.step.preference import DpoStep
+    from trainer_memcb.plan.step.sft import SftStep
+
+    steps = {"sft": SftStep(max_length=64), "sft packing": SftStep(max_length=64, padding_free=True),
+             "dpo": DpoStep(), "kto": KtoStep(), "grpo": GrpoStep(), None: None}
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=256)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    settings = resolve_settings(**dict(dict(world_size=8, batch_size=2, seq_len=64, precision="bf16",
+                                            device_type="cuda", preference=steps[step]), **shape))
+    assert context_parallel_sizes(model, settings) == sizes

@@ -58,7 +58,8 @@ def test_the_training_args_parallelism_config_gives_cp_and_its_rotation():
     (dict(parallelism="cp=2", seq_len=30), "cp=2 with seq_len=30: the sequence must divide by 2 x cp = 4"),
     (dict(parallelism="cp=2", cp_comm_strategy="ring"), "cp_comm_strategy='ring': accelerate takes allgather or "
                                                         "alltoall"),
-    (dict(parallelism="cp=2", batch_size=1, packing=64), "beside padding-free packing is not planned yet"),
+    (dict(parallelism="cp=2", batch_size=1, packing=64), "padding-free packing's documents would attend across their "
+                                                            "boundaries"),
     (dict(parallelism="cp=2,dp_replicate=2"), "accelerate refuses context parallelism beside pure data parallelism"),
 ])
 def test_a_cp_layout_the_plan_refuses_is_one_line_naming_the_rule(flags, message):

@@ -178,16 +178,17 @@ def context_parallel_sizes(model: Any, settings: Any) -> List[int]:
     """The context-parallel sizes `--fit` proposes: each divisor of the world size above 1 whose
     `2 x cp` divides the sequence (torch's head-tail load balancing), where accelerate, the Trainer
     and the plan take context parallelism (`check_context_parallel`'s and
-    `check_context_parallel_model`'s rules: CUDA, SDPA attention, no TRL step or packing, no own
+    `check_context_parallel_model`'s rules: CUDA, SDPA attention, no step whose trainer refuses it,
+    `context_parallel_step_refusal`: of TRL's, SFT's padded rows only, and no packing; no own
     tensor parallelism) and the ring runs flash (16-bit weights, as the plan traces it); none for
     PEFT's adapters or on a torch without the ring."""
-    from trainer_memcb.plan.settings.parallelism import check_context_parallel_model
+    from trainer_memcb.plan.settings.parallelism import check_context_parallel_model, context_parallel_step_refusal
     from trainer_memcb.plan.step.ring_attention import ring_module
 
     world, seq_len = settings.world_size, settings.seq_len
     attention = settings.attn_implementation or getattr(getattr(model, "config", None), "_attn_implementation", None)
     if (world <= 1 or settings.device_type != "cuda" or settings.precision not in ("bf16", "fp16")
-            or settings.tp_size > 1 or settings.preference is not None or settings.packing is not None
+            or settings.tp_size > 1 or context_parallel_step_refusal(settings) is not None
             or hasattr(model, "peft_config") or not seq_len or ring_module() is None):
         return []
     try:
@@ -230,12 +231,30 @@ def _trl_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]
     trainer = getattr(step, "trainer", None)
     if trainer == "kto":
         return {"settle_args": settle_kto_args(step)}
+    if trainer == "sft" and settings.cp_size > 1:
+        return {"settle_args": settle_sft_context_parallel_args}
     if trainer not in ("grpo", "rloo"):
         return {}
     floor = vllm_floor_bytes(model, step, own) if step.use_vllm else None
     return {"settle_args": settle_grpo_args(step, settings.batch_size),
             "trainer_searches": grpo_searches(step, settings.batch_size, settings.gradient_accumulation_steps,
                                               int(own.get("num_iterations") or 1), device_memory_of(settings), floor)}
+
+
+def settle_sft_context_parallel_args(args: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """TRL's SFT step beside processes is planned under context parallelism only (beside FSDP2 over
+    `dp_shard x cp`, `check_context_parallel`): a setting whose `parallelism_config` has no `cp_size`
+    above 1 (the data-parallel, ZeRO and FSDP2 proposals) is not planned (None), others as given.
+
+    Examples:
+        >>> from trainer_memcb.cli.fit_table import settle_sft_context_parallel_args
+        >>> settle_sft_context_parallel_args({"parallelism_config": {"cp_size": 2}}) is not None
+        True
+        >>> settle_sft_context_parallel_args({"fsdp": "full_shard"}) is None
+        True
+    """
+    layout = args.get("parallelism_config") or {}
+    return args if isinstance(layout, dict) and (layout.get("cp_size") or 1) > 1 else None
 
 
 def trainer_proposals(settings: Any, own: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -57,7 +57,18 @@ run it:
 - beside tensor parallelism, as accelerate lays the mesh out (`dp_shard, cp, tp`: its
   `ParallelismConfig` takes both, `_prepare_tp` then `_prepare_cp`): the world a multiple of
   `cp x tp` (`TensorContextParallelEngine`);
-- not beside padding-free packing or TRL's trainers: not planned yet.
+- beside the step's trainer as it runs under context parallelism (`check_context_parallel_step`):
+  the plain Trainer's padded rows and TRL's SFT step on padded rows are planned (the Trainer shards
+  `input_ids`, `labels`, `shift_labels`, the 2-D `attention_mask` and `position_ids`,
+  `Trainer._prepare_context_parallel_inputs`; TRL's fused LM head scores the rank's `shift_labels`
+  unshifted). Refused, each with the software's own reason: SFT with packing (TRL 1.16's
+  `SFTTrainer.__init__`: "documents would attend across their boundaries"); GRPO and RLOO (their
+  configs' `__post_init__` refuse `cp_size > 1`: the inputs are built after generation); DPO and
+  KTO (their batches keep `completion_mask`, and KTO's KL rows, whole: `input_ids.masked_fill(
+  completion_mask == 0, -100)` meets the rank's `L / cp` tokens against `L` and fails); the plain
+  Trainer's padding-free packing (`DataCollatorWithFlattening`: no mask, the restarting
+  `position_ids` sharded, and accelerate's hook runs the ring causal over the whole row, so the
+  documents would attend across their boundaries silently; refused as TRL refuses packing).
 """
 
 from __future__ import annotations
@@ -67,7 +78,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 __all__ = ["TP_STYLES", "Parallelism", "parse_parallelism", "parallelism_from_config", "check_tensor_parallel_model",
            "tp_shard_rows", "tp_rank_groups", "check_context_parallel", "check_context_parallel_model",
-           "PARALLELISM_SIZES", "CP_COMM_STRATEGIES"]
+           "check_context_parallel_step", "context_parallel_step_refusal", "PARALLELISM_SIZES", "CP_COMM_STRATEGIES",
+           "CP_SHARDED_KEYS"]
 
 # accelerate's `TorchContextParallelConfig.cp_comm_strategy` values (torch's `set_rotate_method`).
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
@@ -295,12 +307,52 @@ def check_context_parallel(settings: Any) -> None:
         raise ValueError(f"parallelism cp={cp} with seq_len={settings.seq_len}: the sequence must divide by 2 x cp "
                          f"= {2 * cp} (torch's head-tail load balancing; other lengths give ranks uneven shares, "
                          "not planned)")
-    others = (("packing", settings.packing is not None, "padding-free packing"),
-              ("preference", settings.preference is not None, "TRL's trainers"))
-    for name, given, what in others:
-        if given:
-            raise ValueError(f"parallelism cp={cp} with {name}: context parallelism beside {what} is not "
-                             "planned yet")
+    check_context_parallel_step(settings)
+
+
+# The keys transformers 5.25's `Trainer._prepare_context_parallel_inputs` shards on the sequence
+# (`shift_labels` and `position_ids` added where missing); any other key stays whole.
+CP_SHARDED_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
+
+
+def context_parallel_step_refusal(settings: Any) -> Optional[str]:
+    """Why the step's trainer refuses context parallelism, or why what it would run is not its
+    step (module docstring); None where the step is planned (the plain Trainer's rows, TRL's SFT
+    step on padded rows)."""
+    step = settings.preference
+    trainer = None if step is None else getattr(step, "trainer", "dpo")
+    if trainer in ("grpo", "rloo"):
+        return (f"TRL's {trainer.upper()}Config refuses cp_size > 1 (\"{trainer.upper()} builds model inputs after "
+                "generation inside the trainer, so Transformers' context-parallel input sharding cannot be applied "
+                "to the raw generation batch\")")
+    if trainer == "dpo":
+        return ("TRL's DPO batch has no labels and keeps completion_mask whole (the Trainer shards only "
+                f"{', '.join(CP_SHARDED_KEYS)}): DPOTrainer's input_ids.masked_fill(completion_mask == 0, -100) "
+                "meets L / cp tokens against L and fails")
+    if trainer == "kto":
+        return ("TRL's KTO batch keeps completion_mask and its KL rows (KL_input_ids, KL_attention_mask, "
+                f"KL_completion_mask) whole (the Trainer shards only {', '.join(CP_SHARDED_KEYS)}): KTOTrainer's "
+                "forwards meet L / cp tokens against L (the sharded position_ids against KL_input_ids, input_ids "
+                "against completion_mask) and fail")
+    if trainer == "sft" and (getattr(step, "padding_free", False) or getattr(step, "eval_packing", False)):
+        return ("TRL's SFTTrainer refuses packing with context parallelism (\"context parallelism drops that mask, "
+                "so documents would attend across their boundaries\"); give packing and eval_packing false")
+    if trainer is None and settings.packing is not None:
+        return ("padding-free packing's documents would attend across their boundaries: accelerate's hook drops "
+                "the mask and runs the ring causal over the whole row (TRL's SFTTrainer refuses packing with "
+                "context parallelism for this reason); leave --packing out")
+    return None
+
+
+def check_context_parallel_step(settings: Any) -> None:
+    """Refuse context parallelism beside a step its trainer refuses it for (`context_parallel_step_refusal`).
+
+    Raises:
+        ValueError: one line naming the step and the rule.
+    """
+    why = context_parallel_step_refusal(settings)
+    if why is not None:
+        raise ValueError(f"parallelism cp={settings.cp_size}: {why}")
 
 
 def check_context_parallel_model(model: Any, attn_implementation: Any, cp: int) -> None:

@@ -143,6 +143,8 @@ class StepSettings:
             `seq_len` is DPO's `max_length` and `batch_size` counts pairs (the forward's batch doubled).
             Or TRL's GRPO step (`trainer_memcb.plan.step.grpo.GrpoStep`): then `seq_len` is the
             prompts' length and `batch_size` counts completions (`per_device_train_batch_size`).
+            TRL's steps are planned on one process, or, SFT's on padded rows, under context
+            parallelism beside FSDP2 (`check_context_parallel_step` names why the others are not).
     """
 
     batch_size: Optional[int] = None
@@ -195,13 +197,14 @@ class StepSettings:
             raise ValueError(f"liger_kernel_config={{\"fused_linear_cross_entropy\": true}} with TRL's {trainer} step: TRL "
                              "refuses it (\"it replaces the model's forward, which this trainer patches with a fused "
                              "LM head\"); leave it out, TRL applies the layer kernels alone")
-        if self.preference is not None and self.sharding != "none":
-            raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
-                             "(sharding none) so far")
         _check_tensor_parallel(self)
         from trainer_memcb.plan.settings.parallelism import check_context_parallel
 
-        check_context_parallel(self)
+        check_context_parallel(self)  # before the next: its refusals of TRL's steps name the trainer's own rule
+        if self.preference is not None and self.sharding != "none" and self.cp_size == 1:
+            # Beside processes TRL's steps are planned under context parallelism only (SFT's padded rows).
+            raise ValueError(f"sharding {self.sharding!r} with TRL's DPO step: it is planned on one process only "
+                             "(sharding none) so far")
         if self.sharding.startswith("zero") or self.precision.startswith("deepspeed-"):
             zero = dict(ZERO_DEFAULTS)
             zero.update(self.zero)

@@ -21,6 +21,12 @@ Masked labels (`completion_only_loss`, `assistant_only_loss`) change no tensor's
 (the CPU) TRL's head scores every position (`compact=False`); on CUDA its Triton kernel scores the
 labelled positions only (`hidden_states[mask]`, a size the data decides), which this trace does not
 do: it plans every position labelled, the most.
+
+Under context parallelism (padded rows only: TRL refuses packing there) the engine shards the batch
+as the Trainer does (`trainer_memcb.plan.step.engines.context_parallel`), adding `shift_labels`,
+which the fused head scores unshifted: each rank's head runs on its `B x L / cp` tokens. With
+several processes `compute_loss`'s `gather_for_metrics` all-gathers each 0-dim metric into a
+tensor of the processes and sums it: temporaries freed before the backward, not traced.
 """
 
 from __future__ import annotations
@@ -49,12 +55,16 @@ class SftStep:
             the "bfd" or "bfd_split" strategy).
         average_tokens_across_devices: the `TrainingArguments` field: `compute_loss` then
             multiplies the loss by the processes (one here), a 0-dim tensor more.
+        eval_packing: `SFTConfig.eval_packing` true: the evaluation's batches packed. It changes no
+            training step, but `SFTTrainer.__init__` refuses it under context parallelism, as it
+            refuses `packing` (`trainer_memcb.plan.settings.parallelism.check_context_parallel_step`).
     """
 
     loss_type: str = "nll"
     max_length: int = 1024
     padding_free: bool = False
     average_tokens_across_devices: bool = True
+    eval_packing: bool = False
     trainer: str = dataclasses.field(default="sft", init=False)
     reference: str = dataclasses.field(default="none", init=False)
 
@@ -97,7 +107,8 @@ def sft_step_from_config(config: Any) -> SftStep:
     if config.pad_to_multiple_of not in (None, "auto", "none", "null"):
         raise ValueError(f"pad_to_multiple_of {config.pad_to_multiple_of!r}: the SFT step is planned at max_length "
                          "tokens unpadded ('auto' or null)")
-    return SftStep(loss_type=loss_type, max_length=config.max_length, padding_free=padding_free)
+    return SftStep(loss_type=loss_type, max_length=config.max_length, padding_free=padding_free,
+                   eval_packing=bool(getattr(config, "eval_packing", None)))
 
 
 def sft_fused_lm_head(model: torch.nn.Module) -> None:
