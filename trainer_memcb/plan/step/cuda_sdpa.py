@@ -208,17 +208,18 @@ def _ring(group: Any, backend: str, query: torch.Tensor, key: torch.Tensor, valu
     Raises:
         ValueError: naming what torch's ring (or this plan's trace of it) does not take.
     """
-    from trainer_memcb.plan.step.ring_attention import ring_attention
+    from trainer_memcb.plan.step.ring_attention import RING_BACKENDS, ring_attention
 
     if attn_mask is not None or not is_causal or dropout_p:
         # accelerate's hook drops the mask and sets is_causal; the ring's load balancing needs it.
         raise ValueError(f"context parallelism: attention with a mask ({attn_mask is not None}), is_causal="
                          f"{is_causal} or dropout {dropout_p}: torch's ring runs causal attention without a mask "
                          "(load balancing needs is_causal=True), and this plan traces it without dropout")
-    if backend != "flash":
+    if backend not in RING_BACKENDS:
         raise ValueError(f"context parallelism: a GPU takes the {backend!r} attention kernel for {query.dtype} "
-                         "here; the plan traces the ring on flash only (bf16 or fp16 on an Ampere or later GPU)")
-    return ring_attention(group, query, key, value, scale)
+                         "here; the plan traces the ring on flash or cuDNN only (bf16 or fp16 on an Ampere or "
+                         "later GPU)")
+    return ring_attention(group, query, key, value, scale, backend)
 
 
 @contextlib.contextmanager
