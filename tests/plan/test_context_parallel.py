@@ -232,6 +232,14 @@ def test_rank_1_s_ring_on_cudnn_makes_the_buffers_derived_from_torch_s_and_aten_
     assert backward == RANK1_CUDNN_BACKWARD
 
 
+def test_a_ring_kernel_the_plan_does_not_trace_is_refused_naming_it():
+    from trainer_memcb.plan.step.ring_attention import ring_attention
+
+    query = torch.empty(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="backend 'efficient': the plan traces the ring on flash or cudnn only"):
+        ring_attention(None, query, query, query, None, "efficient")
+
+
 @requires_torch("2.13", RING)
 def test_rank_0_s_second_cudnn_turn_holds_the_workspace_of_half_its_queries():
     # Rank 0's turn 1 (i > rank): the second half of its queries over rank 1's keys and values;
@@ -275,10 +283,10 @@ def test_each_rank_holds_half_the_sequence_and_fsdp2_s_half_of_the_model():
 
 @requires_torch("2.13", RING + " and the fake process group's collectives that FSDP2 runs")
 def test_on_an_h100_each_rank_s_ring_runs_cudnn_and_holds_its_workspace_per_turn(monkeypatch):
-    from trainer_memcb.plan.step import cuda_sdpa
+    from trainer_memcb.plan.device import cudnn_attention
 
-    held, real = [], cuda_sdpa.cudnn_backward_held
-    monkeypatch.setattr(cuda_sdpa, "cudnn_backward_held", lambda query, grad_out: held.append(real(query, grad_out))
+    held, real = [], cudnn_attention.cudnn_backward_held
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: held.append(real(query, grad_out))
                         or held[-1])
     rank0 = _cp_plan(0, gpu="h100")
     # Batch 2, 4 heads of 16, 32 local tokens: dQ_accum [2, 4, 32, 16] and softmax_sum [2, 4, 32] in
@@ -292,5 +300,5 @@ def test_on_an_h100_each_rank_s_ring_runs_cudnn_and_holds_its_workspace_per_turn
     assert rank0.peak_phase == rank1.peak_phase == "backward"
     # Without the workspaces the backward's peak is 9,216 bytes lower (the plan's own figure, its
     # moment elsewhere in the backward).
-    monkeypatch.setattr(cuda_sdpa, "cudnn_backward_held", lambda query, grad_out: [])
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: [])
     assert rank1.peak_bytes - _cp_plan(1, gpu="h100").peak_bytes == 9_216

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
-from trainer_memcb.plan.device.cudnn_attention import (cudnn_backward_allocations, cudnn_backward_workspace_bytes,
-                                                       cudnn_forward_workspace_bytes)
+from trainer_memcb.plan.device import cudnn_attention
+from trainer_memcb.plan.device.cudnn_attention import (cudnn_backward_allocations, cudnn_backward_held,
+                                                       cudnn_backward_workspace_bytes, cudnn_forward_workspace_bytes)
 from trainer_memcb.plan.settings import resolve_settings
-from trainer_memcb.plan.step import cuda_sdpa
-from trainer_memcb.plan.step.cuda_sdpa import cudnn_backward_held, gpu_sdpa_backend
+from trainer_memcb.plan.step.cuda_sdpa import gpu_sdpa_backend
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -85,11 +85,11 @@ def test_an_h100_step_holds_the_cudnn_backward_workspace_at_its_peak(monkeypatch
     assert workspace == 2_113_536
 
     held = []
-    monkeypatch.setattr(cuda_sdpa, "cudnn_backward_held",
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held",
                         lambda query, grad_out: held.append(cudnn_backward_held(query, grad_out)) or held[-1])
     with_workspace = _h100_step(llama)
     assert held == [[("workspace", workspace)]] * LAYERS  # one per layer; transformers' grad_out needs no copy
-    monkeypatch.setattr(cuda_sdpa, "cudnn_backward_held", lambda query, grad_out: [])
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: [])
     without = _h100_step(llama)
 
     assert with_workspace.peak_phase == without.peak_phase == "backward"

@@ -39,9 +39,10 @@ the 16 bytes of a philox seed and offset.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
-__all__ = ["cudnn_forward_workspace_bytes", "cudnn_backward_workspace_bytes", "cudnn_backward_allocations"]
+__all__ = ["cudnn_forward_workspace_bytes", "cudnn_backward_workspace_bytes", "cudnn_backward_allocations",
+           "cudnn_backward_held"]
 
 _FLOAT32_BYTES = 4
 
@@ -92,3 +93,12 @@ def cudnn_backward_allocations(*, batch: int, heads: int, seq_len_q: int, head_d
         raise ValueError(f"grad_out_copy_bytes={grad_out_copy_bytes!r}: expected a whole number of at least 0")
     workspace = cudnn_backward_workspace_bytes(batch=batch, heads=heads, seq_len_q=seq_len_q, head_dim=head_dim)
     return ([("grad_out", grad_out_copy_bytes)] if grad_out_copy_bytes else []) + [("workspace", workspace)]
+
+
+def cudnn_backward_held(query: Any, grad_out: Any) -> List[Tuple[str, int]]:
+    """`cudnn_backward_allocations` for one call on these tensors ([B, H, Lq, D] each): the
+    query's shape, and a copy of `grad_out` where its innermost stride is not 1."""
+    copy = grad_out.numel() * grad_out.element_size() if grad_out.stride(-1) != 1 else 0
+    return cudnn_backward_allocations(batch=int(query.shape[0]), heads=int(query.shape[-3]),
+                                      seq_len_q=int(query.shape[-2]), head_dim=int(query.shape[-1]),
+                                      grad_out_copy_bytes=copy)

@@ -55,10 +55,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from trainer_memcb.plan.device.cuda_kernels import K_ALIGN_LSE, flash_backward_workspace_bytes, sdpa_backend
-from trainer_memcb.plan.device.cudnn_attention import cudnn_backward_allocations
+from trainer_memcb.plan.device import cudnn_attention
 from trainer_memcb.plan.device.efficient_attention import efficient_backward_allocations
 
-__all__ = ["cpu_flash_takes_grouped_heads", "cudnn_backward_held", "gpu_sdpa_backend", "sdpa_as_cuda"]
+__all__ = ["cpu_flash_takes_grouped_heads", "gpu_sdpa_backend", "sdpa_as_cuda"]
 
 
 def gpu_sdpa_backend(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
@@ -158,20 +158,12 @@ class _FusedAttention(torch.autograd.Function):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
         del workspace, key, value
-        _hold_while_the_kernel_runs(grad_out, cudnn_backward_held(query, grad_out) if ctx.cudnn else ctx.efficient)
+        _hold_while_the_kernel_runs(grad_out, cudnn_attention.cudnn_backward_held(query, grad_out) if ctx.cudnn
+                                    else ctx.efficient)
         grad_key, grad_value = grads[1], grads[2]
         if ctx.repeat:
             grad_key, grad_value = _grouped(grad_key, kv_heads), _grouped(grad_value, kv_heads)
         return grads[0], grad_key, grad_value, None, None, None, None, None, None
-
-
-def cudnn_backward_held(query: torch.Tensor, grad_out: torch.Tensor) -> List[Tuple[str, int]]:
-    """`cudnn_backward_allocations` for this call: the query's shape, and a copy of `grad_out`
-    where its innermost stride is not 1."""
-    copy = grad_out.numel() * grad_out.element_size() if grad_out.stride(-1) != 1 else 0
-    return cudnn_backward_allocations(batch=int(query.shape[0]), heads=int(query.shape[-3]),
-                                      seq_len_q=int(query.shape[-2]), head_dim=int(query.shape[-1]),
-                                      grad_out_copy_bytes=copy)
 
 
 def _hold_while_the_kernel_runs(like: torch.Tensor, allocations: List[Tuple[str, int]]) -> None:

@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from trainer_memcb.plan.device import cudnn_attention
 from trainer_memcb.plan.device.cuda_kernels import flash_backward_workspace_bytes
 
 __all__ = ["ring_module", "ring_attention", "ring_options", "ROTATE_METHODS", "RING_BACKENDS"]
@@ -103,11 +104,9 @@ def _cudnn_backward_op(**kwargs: Any) -> Tuple[torch.Tensor, ...]:
     """One turn's cuDNN backward, with what `run_cudnn_SDP_bprop` holds after the gradients while it
     runs (`cudnn_backward_held`: its workspace's frontend part, a copy of a `grad_out` whose
     innermost stride is not 1)."""
-    from trainer_memcb.plan.step.cuda_sdpa import cudnn_backward_held
-
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(**kwargs)
     held = [kwargs["query"].new_empty(nbytes, dtype=torch.uint8)
-            for _, nbytes in cudnn_backward_held(kwargs["query"], kwargs["grad_out"])]
+            for _, nbytes in cudnn_attention.cudnn_backward_held(kwargs["query"], kwargs["grad_out"])]
     del held
     return grads
 
