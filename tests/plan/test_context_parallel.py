@@ -298,7 +298,9 @@ def test_on_an_h100_each_rank_s_ring_runs_cudnn_and_holds_its_workspace_per_turn
     assert held == [[("workspace", 17_408)]] * 4  # rank 1's second turn: all its queries, half the keys
     assert (rank0.peak_bytes, rank1.peak_bytes) == (1_149_184, 1_145_088)
     assert rank0.peak_phase == rank1.peak_phase == "backward"
-    # Without the workspaces the backward's peak is 9,216 bytes lower (the plan's own figure, its
-    # moment elsewhere in the backward).
+    # Rank 1's peak is at a turn's backward, the workspace held: with workspaces twice as large it
+    # grows by one workspace, byte for byte. Without them the peak is elsewhere, 9,216 bytes lower.
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: [("workspace", 2 * 17_408)])
+    assert _cp_plan(1, gpu="h100").peak_bytes - rank1.peak_bytes == 17_408
     monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: [])
     assert rank1.peak_bytes - _cp_plan(1, gpu="h100").peak_bytes == 9_216
