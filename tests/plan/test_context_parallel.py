@@ -286,8 +286,8 @@ def test_on_an_h100_the_ring_runs_cudnn_and_holds_its_workspace_at_each_backward
     from trainer_memcb.plan.device import cudnn_attention
 
     held, real = [], cudnn_attention.cudnn_backward_held
-    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: held.append(real(query, grad_out))
-                        or held[-1])
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held",
+                        lambda query, grad_out: held.append(real(query, grad_out)) or held[-1])
     rank1 = _cp_plan(1, gpu="h100")
     # Batch 2, 4 heads of 16, 32 local tokens: dQ_accum [2, 4, 32, 16] and softmax_sum [2, 4, 32] in
     # float32 (16,384 + 1,024) at each of rank 1's two turns (the second: all its queries over half
