@@ -7,9 +7,10 @@ of the sequence, and `scaled_dot_product_attention` is dispatched to torch's rin
 backend, `_templated_ring_attention` with `aten._scaled_dot_product_flash_attention` forward, and
 `_templated_ring_attention_backward` with its backward; for cuDNN (which an H100 or H200 takes in
 16-bit with cuDNN above 9.15), the same with `aten._scaled_dot_product_cudnn_attention` and its
-backward (`_scaled_dot_product_ring_cudnn_attention`: no bias, the logsumexp always computed). Those two are plain Python over aten ops and
-functional collectives, so the trace calls them as they are, on the fake process group of the `cp`
-dimension: what they allocate is what a GPU allocates, by construction:
+backward (`_scaled_dot_product_ring_cudnn_attention`: no bias, the logsumexp always computed).
+Those two are plain Python over aten ops and functional collectives, so the trace calls them as
+they are, on the fake process group of the `cp` dimension: what they allocate is what a GPU
+allocates, by construction:
 
 - forward: the local key and value made contiguous, their flat concatenation `cat([k, v])` sent
   round the ring (with `allgather`, accelerate's default, one `all_gather_single` of it: `cp` times
