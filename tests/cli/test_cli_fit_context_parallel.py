@@ -111,8 +111,9 @@ def test_fit_beside_an_own_cp_layout_keeps_it_and_its_effective_batch(llama_dir,
     # 8 processes, 64 tokens: each cp dividing 8 whose 2 x cp divides 64.
     (dict(), [2, 4, 8]),
     (dict(seq_len=40), [2, 4]),  # 40 does not divide by 16
-    # An H100 (cuDNN 9.15 or later) takes cuDNN's kernel, whose ring the plan does not trace.
-    (dict(gpu="h100"), []),
+    # An H100 or H200 (cuDNN above 9.15) takes cuDNN's kernel for the ring's turns, which the plan traces.
+    (dict(gpu="h100"), [2, 4, 8]),
+    (dict(gpu="h200", seq_len=40), [2, 4]),
     (dict(precision="autocast-bf16"), []),  # fp32 weights: the ring's flash is planned in 16 bits only
     (dict(device_type="cpu"), []),
     (dict(attn_implementation="eager"), []),  # the Trainer runs CP with SDPA only

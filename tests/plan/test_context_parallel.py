@@ -83,7 +83,7 @@ def test_a_kernel_other_than_flash_is_the_step_s_problem_named():
     settings = resolve_settings(parallelism="cp=2", batch_size=2, optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=64, settings=settings, model_states=False)
     assert "a GPU takes the 'efficient' attention kernel for torch.float32 here; the plan traces the ring on " \
-           "flash only" in plan.step.problem
+           "flash or cuDNN only" in plan.step.problem
 
 
 @requires_torch("2.13", RING)
@@ -127,9 +127,10 @@ class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _ring_storages(rank, rotate):
+def _ring_storages(rank, rotate, backend="flash"):
     """The storages torch's ring makes on `rank` of cp=2 for one attention of B=1, H=2 (two key and
-    value heads), 8 local tokens of 16 (D=16) in bf16: forward, then backward."""
+    value heads), 8 local tokens of 16 (D=16) in bf16, each turn on `backend`'s kernel: forward,
+    then backward."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -143,7 +144,7 @@ def _ring_storages(rank, rotate):
         with FakeTensorMode(), ring_options(rotate):
             query, key, value = (torch.empty(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             with _NewStorages([query, key, value]) as forward:
-                out = ring_attention(group, query, key, value, None)
+                out = ring_attention(group, query, key, value, None, backend)
             grad = torch.empty_like(out)
             with _NewStorages([query, key, value, out, grad]) as backward:
                 torch.autograd.grad(out, (query, key, value), grad)
@@ -203,12 +204,58 @@ def test_alltoall_rotation_sends_one_rank_s_keys_and_values_instead_of_gathering
     assert [item for item in backward if item[0].startswith("all_")][0] == ("all_to_all_single", 1_024)
 
 
+CUDNN = "_scaled_dot_product_cudnn_attention"
+# One cuDNN forward (`_scaled_dot_product_ring_cudnn_attention`'s turn): its output (512, bf16), its
+# logsumexp [B, H, L, 1] (64, float32), the meta function's philox seed and offset (8 each); its
+# workspace's frontend part is none (ALiBi slopes only).
+CUDNN_OUTPUTS = [(CUDNN, 512), (CUDNN, 64), (CUDNN, 8), (CUDNN, 8)]
+# The cuDNN backward's workspace per turn (`run_cudnn_SDP_bprop`), made after dq, dk and dv: the
+# frontend's dQ_accum [1, 2, 8, 16] float32 (1,024) and softmax_sum [1, 2, 8, 1] float32 (64).
+CUDNN_WORKSPACE = 1_088
+# Rank 1's forward and backward: the flash ring's buffers, each turn cuDNN's outputs, and in
+# backward each turn's gradients followed by its workspace.
+RANK1_CUDNN_FORWARD = ([("cat", 1_024), ("all_gather_into_tensor", 2_048)] + CUDNN_OUTPUTS + [("_to_copy", 1_024)]
+                       + CUDNN_OUTPUTS + RANK1_FORWARD[-11:])
+RANK1_CUDNN_BACKWARD = [("zeros_like", 1_024)] * 3 + [
+    ("cat", 1_024), ("all_gather_into_tensor", 2_048),
+    (CUDNN + "_backward", 512), (CUDNN + "_backward", 512), (CUDNN + "_backward", 512), ("new_empty", CUDNN_WORKSPACE),
+    ("cat", 2_048), ("all_to_all_single", 2_048),
+    (CUDNN + "_backward", 512), (CUDNN + "_backward", 256), (CUDNN + "_backward", 256), ("new_empty", CUDNN_WORKSPACE),
+    ("cat", 1_024), ("cat", 1_024), ("cat", 2_048), ("all_to_all_single", 2_048),
+    ("_to_copy", 512), ("_to_copy", 1_024)]
+
+
+@requires_torch("2.13", RING)
+def test_rank_1_s_ring_on_cudnn_makes_the_buffers_derived_from_torch_s_and_aten_s_source():
+    forward, backward = _ring_storages(1, "allgather", "cudnn")
+    assert RANK1_FORWARD[-11:][0] == ("_to_copy", 1_024)  # the second turn's output cast, then the merge
+    assert forward == RANK1_CUDNN_FORWARD
+    assert backward == RANK1_CUDNN_BACKWARD
+
+
+def test_a_ring_kernel_the_plan_does_not_trace_is_refused_naming_it():
+    from trainer_memcb.plan.step.ring_attention import ring_attention
+
+    query = torch.empty(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="backend 'efficient': the plan traces the ring on flash or cudnn only"):
+        ring_attention(None, query, query, query, None, "efficient")
+
+
+@requires_torch("2.13", RING)
+def test_rank_0_s_second_cudnn_turn_holds_the_workspace_of_half_its_queries():
+    # Rank 0's turn 1 (i > rank): the second half of its queries over rank 1's keys and values;
+    # dQ_accum [1, 2, 4, 16] and softmax_sum [1, 2, 4, 1] in float32: 512 + 32 bytes.
+    _, backward = _ring_storages(0, "allgather", "cudnn")
+    assert [size for op, size in backward if op == "new_empty"] == [CUDNN_WORKSPACE, 544]
+
+
 # -- the step of each rank ------------------------------------------------------------------------
 
-def _cp_plan(rank, rotate="allgather", layout="cp=2"):
+def _cp_plan(rank, rotate="allgather", layout="cp=2", gpu=None):
     settings = resolve_settings(parallelism=layout, rank=rank, batch_size=2, optimizer="adamw_torch",
                                 precision="bf16", cp_comm_strategy=rotate)
-    plan, _ = plan_step_memory(build, seq_len=64, settings=settings, device_type="cuda", model_states=False)
+    plan, _ = plan_step_memory(build, seq_len=64, settings=settings, device_type="cuda", model_states=False,
+                               **({"gpu": gpu} if gpu else {}))
     assert plan.step.problem is None, plan.step.problem
     assert plan.settings.engine == "cp-fsdp2"
     return plan.step
@@ -233,3 +280,22 @@ def test_each_rank_holds_half_the_sequence_and_fsdp2_s_half_of_the_model():
     assert rank0.activations_bytes - rank1.activations_bytes == 2 * 8_192
     assert (rank0.peak_bytes, rank1.peak_bytes, alltoall.peak_bytes) == (1_275_664, 1_262_864, 1_246_480)
     assert sum(rank0.peak_parts.values()) == rank0.peak_bytes
+
+
+@requires_torch("2.13", RING + " and the fake process group's collectives that FSDP2 runs")
+def test_on_an_h100_the_ring_runs_cudnn_and_holds_its_workspace_at_each_backward_turn(monkeypatch):
+    from trainer_memcb.plan.device import cudnn_attention
+
+    held, real = [], cudnn_attention.cudnn_backward_held
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held",
+                        lambda query, grad_out: held.append(real(query, grad_out)) or held[-1])
+    rank1 = _cp_plan(1, gpu="h100")
+    # Batch 2, 4 heads of 16, 32 local tokens: dQ_accum [2, 4, 32, 16] and softmax_sum [2, 4, 32] in
+    # float32 (16,384 + 1,024) at each of rank 1's two turns (the second: all its queries over half
+    # of rank 0's keys; rank 0's second turn takes half its queries, the ring test above), two layers.
+    assert held == [[("workspace", 17_408)]] * 4
+    assert rank1.peak_bytes == 1_145_088 and rank1.peak_phase == "backward"
+    # The peak is at a turn's backward, the workspace held: with workspaces twice as large it grows
+    # by one workspace, byte for byte.
+    monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: [("workspace", 2 * 17_408)])
+    assert _cp_plan(1, gpu="h100").peak_bytes - rank1.peak_bytes == 17_408

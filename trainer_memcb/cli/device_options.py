@@ -17,7 +17,7 @@ __all__ = ["DEFAULT_RESERVE_BYTES", "DEFAULT_RESERVE_TEXT", "DEFAULT_DEVICE_TYPE
 # beside its tensors: the caching allocator's blocks and cache (the step's allocations replayed over
 # two steps), the cuBLAS workspaces and the CUDA context (the GPU preset's, else 426 MiB). --reserve
 # is the user's own margin for what is not modelled: NCCL's buffers with several processes,
-# cuDNN attention's workspaces, another program on the card, and the run-to-run
+# the workspace of cuDNN's attention engine, another program on the card, and the run-to-run
 # spread of the allocator's cache (published runs of one setting differ by up to 4% in nvidia-smi).
 DEFAULT_RESERVE_BYTES = {"cuda": 0, "cpu": 0}
 DEFAULT_RESERVE_TEXT = "0B"

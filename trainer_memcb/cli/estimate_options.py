@@ -187,7 +187,7 @@ def _add_plan_arguments(estimate: argparse.ArgumentParser) -> None:
                            "(default: the environment's PYTORCH_CUDA_ALLOC_CONF, else torch's defaults)")
     plan.add_argument("--reserve", metavar="SIZE", type=_checked(_size),
                       help="your own margin beyond what the plan models (NCCL's buffers with several processes, "
-                           "cuDNN attention's workspaces, another program on the GPU), taken from --device-memory "
+                           "the workspace of cuDNN's attention engine, another program on the GPU), taken from --device-memory "
                            "with the CUDA context before fits? is answered (default 0B: the allocator's cache, the "
                            "cuBLAS workspaces and the CUDA context are modelled)")
     plan.add_argument("--reference-model", action="store_true",

@@ -180,8 +180,8 @@ def context_parallel_sizes(model: Any, settings: Any) -> List[int]:
     and the plan take context parallelism (`check_context_parallel`'s and
     `check_context_parallel_model`'s rules: CUDA, SDPA attention, no step whose trainer refuses it,
     `context_parallel_step_refusal`: of TRL's, SFT's padded rows only, and no packing; no own
-    tensor parallelism) and the ring runs flash (16-bit weights, as the plan traces it); none for
-    PEFT's adapters or on a torch without the ring."""
+    tensor parallelism) and the ring runs flash or cuDNN (16-bit weights, as the plan traces it);
+    none for PEFT's adapters or on a torch without the ring."""
     from trainer_memcb.plan.settings.parallelism import check_context_parallel_model, context_parallel_step_refusal
     from trainer_memcb.plan.step.ring_attention import ring_module
 
@@ -196,14 +196,15 @@ def context_parallel_sizes(model: Any, settings: Any) -> List[int]:
     except ValueError:
         return []
     return [cp for cp in range(2, world + 1)
-            if world % cp == 0 and seq_len % (2 * cp) == 0 and _ring_runs_flash(model, settings, seq_len // cp)]
+            if world % cp == 0 and seq_len % (2 * cp) == 0 and _ring_is_traced(model, settings, seq_len // cp)]
 
 
-def _ring_runs_flash(model: Any, settings: Any, share: int) -> bool:
-    """Whether the settings' GPU takes flash for the ring's turns (`sdpa_backend`, causal, no mask, a
-    `share` of the tokens each): the plan traces the ring on flash only (an H100 with cuDNN 9.15 or
-    later prefers cuDNN's kernel)."""
+def _ring_is_traced(model: Any, settings: Any, share: int) -> bool:
+    """Whether the settings' GPU takes a kernel whose ring the plan traces for the ring's turns
+    (`sdpa_backend`, causal, no mask, a `share` of the tokens each): flash, or cuDNN (an H100 or
+    H200 with cuDNN above 9.15 prefers it), not memory-efficient or math."""
     from trainer_memcb.plan.device.cuda_kernels import sdpa_backend
+    from trainer_memcb.plan.step.ring_attention import RING_BACKENDS
     from trainer_memcb.plan.step.trace import compute_capability_of
 
     config = getattr(model, "config", None)
@@ -214,7 +215,7 @@ def _ring_runs_flash(model: Any, settings: Any, share: int) -> bool:
         return False
     dtype = "bfloat16" if settings.precision == "bf16" else "float16"
     return sdpa_backend(dtype, head_dim, has_mask=False, is_causal=True, compute_capability=compute_capability_of(settings),
-                        seq_len_q=share, seq_len_k=share) == "flash"
+                        seq_len_q=share, seq_len_k=share) in RING_BACKENDS
 
 
 def _trl_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]:

@@ -49,8 +49,8 @@ __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUN
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
 NOT_COUNTED = {
     "cuda": ("NCCL's communicators and buffers (several processes), outside the caching allocator",
-             "cuDNN attention's workspaces, and the memory-efficient attention backward's own buffers "
-             "(the flash backward's and the padded logsumexp are counted)",
+             "the workspace of the engine cuDNN picks for its attention (its frontend's dQ_accum and "
+             "softmax_sum, the flash and memory-efficient backwards' buffers and the padded logsumexp are counted)",
              "the kernels' own temporaries where they differ from the CPU's (cross-entropy's)"),
     "cpu": ("the CPU allocator's own bookkeeping and rounding",),
 }

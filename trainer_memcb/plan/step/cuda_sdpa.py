@@ -22,8 +22,8 @@ the backend as a GPU of that compute capability would, and then:
 - flash, cuDNN, memory-efficient: converts the mask and runs the CPU flash kernel without dropout
   (the GPU kernels draw their dropout from a seed, and save no mask), in an autograd function that
   saves what the CPU flash kernel's backward node saves, the logsumexp in a storage padded to 32
-  rows for memory-efficient, and whose backward holds flash's workspace, or memory-efficient's
-  delta and workspace, while it runs.
+  rows for memory-efficient, and whose backward holds flash's workspace, memory-efficient's
+  delta and workspace, or cuDNN's workspace, while it runs.
 
 The memory-efficient backward also holds its float32 `delta` (and, for float32, the temporaries
 that compute it) and the float32 workspace of its cutlass kernel while it runs
@@ -31,8 +31,13 @@ that compute it) and the float32 workspace of its cutlass kernel while it runs
 gradients, as the GPU's kernel makes them after its gradients, and freed before the backward
 returns.
 
-Not modelled: cuDNN's own workspace and the philox seed and offset a GPU kernel keeps with dropout
-(16 bytes).
+The cuDNN backward likewise holds its workspace's frontend part (float32 `dQ_accum` [B, H, Lq, D]
+and `softmax_sum` [B, H, Lq]) and, where `grad_out`'s innermost stride is not 1, a copy of it,
+made after the gradients and freed before the backward returns
+(`trainer_memcb.plan.device.cudnn_attention`); its forward's frontend part is none.
+
+Not modelled: the workspace of the engine cuDNN's heuristics pick (not knowable off the GPU) and
+the philox seed and offset a GPU kernel keeps with dropout (16 bytes).
 Memory-efficient does not take grouped heads (`enable_gqa` with fewer key/value heads): math is
 taken there, as transformers avoids by repeating the keys and values when it passes a mask. A torch
 whose CPU flash kernel does not take grouped heads either (2.6 takes math for them) gets the keys
@@ -50,6 +55,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from trainer_memcb.plan.device.cuda_kernels import K_ALIGN_LSE, flash_backward_workspace_bytes, sdpa_backend
+from trainer_memcb.plan.device import cudnn_attention
 from trainer_memcb.plan.device.efficient_attention import efficient_backward_allocations
 
 __all__ = ["cpu_flash_takes_grouped_heads", "gpu_sdpa_backend", "sdpa_as_cuda"]
@@ -123,7 +129,7 @@ class _FusedAttention(torch.autograd.Function):
             padded.copy_(lse)
             lse = padded
         ctx.save_for_backward(query, key, value, out, lse, attn_mask)
-        ctx.is_causal, ctx.scale, ctx.repeat = is_causal, scale, repeat
+        ctx.is_causal, ctx.scale, ctx.repeat, ctx.cudnn = is_causal, scale, repeat, backend == "cudnn"
         ctx.workspace_bytes, ctx.efficient = 0, []
         if backend == "efficient":
             compute_capability, dropout_p = gpu
@@ -152,7 +158,8 @@ class _FusedAttention(torch.autograd.Function):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
         del workspace, key, value
-        _hold_while_the_kernel_runs(grad_out, ctx.efficient)
+        _hold_while_the_kernel_runs(grad_out, cudnn_attention.cudnn_backward_held(query, grad_out) if ctx.cudnn
+                                    else ctx.efficient)
         grad_key, grad_value = grads[1], grads[2]
         if ctx.repeat:
             grad_key, grad_value = _grouped(grad_key, kv_heads), _grouped(grad_value, kv_heads)
@@ -193,17 +200,18 @@ def _ring(group: Any, backend: str, query: torch.Tensor, key: torch.Tensor, valu
     Raises:
         ValueError: naming what torch's ring (or this plan's trace of it) does not take.
     """
-    from trainer_memcb.plan.step.ring_attention import ring_attention
+    from trainer_memcb.plan.step.ring_attention import RING_BACKENDS, ring_attention
 
     if attn_mask is not None or not is_causal or dropout_p:
         # accelerate's hook drops the mask and sets is_causal; the ring's load balancing needs it.
         raise ValueError(f"context parallelism: attention with a mask ({attn_mask is not None}), is_causal="
                          f"{is_causal} or dropout {dropout_p}: torch's ring runs causal attention without a mask "
                          "(load balancing needs is_causal=True), and this plan traces it without dropout")
-    if backend != "flash":
+    if backend not in RING_BACKENDS:
         raise ValueError(f"context parallelism: a GPU takes the {backend!r} attention kernel for {query.dtype} "
-                         "here; the plan traces the ring on flash only (bf16 or fp16 on an Ampere or later GPU)")
-    return ring_attention(group, query, key, value, scale)
+                         "here; the plan traces the ring on flash or cuDNN only (bf16 or fp16 on an Ampere or "
+                         "later GPU)")
+    return ring_attention(group, query, key, value, scale, backend)
 
 
 @contextlib.contextmanager
