@@ -55,7 +55,9 @@ def test_the_training_args_parallelism_config_gives_cp_and_its_rotation():
     (dict(parallelism="cp=2", sharding="zero3"), "cp=2 with sharding 'zero3': accelerate runs context parallelism "
                                                  "beside FSDP2 only"),
     (dict(parallelism="cp=2", device_type="cpu"), "cp=2 on device_type 'cpu': torch's ring attention runs CUDA's"),
-    (dict(parallelism="cp=2", seq_len=30), "cp=2 with seq_len=30: the sequence must divide by 2 x cp = 4"),
+    (dict(parallelism="cp=2", seq_len=30), "cp=2 with seq_len=30: the sequence must divide by 2 x cp = 4 (torch's ring splits each share as if its "
+                                           "head-tail load balancer had reordered the tokens, which it does only then: "
+                                           "other lengths train with a wrong causal mask"),
     (dict(parallelism="cp=2", cp_comm_strategy="ring"), "cp_comm_strategy='ring': accelerate takes allgather or "
                                                         "alltoall"),
     (dict(parallelism="cp=2", batch_size=1, packing=64), "padding-free packing's documents would attend across their "

@@ -52,8 +52,11 @@ run it:
   or recurrent layers), checked with the model (`check_context_parallel_model`);
 - the rotate method `cp_comm_strategy` "allgather" or "alltoall" (`TorchContextParallelConfig`);
 - a sequence length divisible by `2 x cp`: torch's head-tail load balancer
-  (`_create_default_load_balancer`) is taken only then; other lengths give ranks uneven shares,
-  which this plan does not trace;
+  (`_create_default_load_balancer`) reorders the tokens only then, while its ring keeps load
+  balancing on (`_cp_options.enable_load_balance`, which neither accelerate nor the Trainer
+  changes) and splits each share in halves as if they had been reordered (`_templated_ring_attention`):
+  at other lengths the ring runs with a wrong causal mask (later tokens seen, earlier ones
+  missed), and nothing in accelerate or the Trainer pads or refuses them;
 - beside tensor parallelism, as accelerate lays the mesh out (`dp_shard, cp, tp`: its
   `ParallelismConfig` takes both, `_prepare_tp` then `_prepare_cp`): the world a multiple of
   `cp x tp` (`TensorContextParallelEngine`);
@@ -305,8 +308,9 @@ def check_context_parallel(settings: Any) -> None:
                          "runs CUDA's flash, memory-efficient or cuDNN kernels only; give device_type cuda")
     if settings.seq_len is not None and settings.seq_len % (2 * cp):
         raise ValueError(f"parallelism cp={cp} with seq_len={settings.seq_len}: the sequence must divide by 2 x cp "
-                         f"= {2 * cp} (torch's head-tail load balancing; other lengths give ranks uneven shares, "
-                         "not planned)")
+                         f"= {2 * cp} (torch's ring splits each share as if its head-tail load balancer had reordered "
+                         "the tokens, which it does only then: other lengths train with a wrong causal mask; pad "
+                         "to a multiple, e.g. the collator's pad_to_multiple_of)")
     check_context_parallel_step(settings)
 
 
