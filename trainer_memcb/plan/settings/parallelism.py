@@ -56,7 +56,8 @@ run it:
   balancing on (`_cp_options.enable_load_balance`, which neither accelerate nor the Trainer
   changes) and splits each share in halves as if they had been reordered (`_templated_ring_attention`):
   at other lengths the ring runs with a wrong causal mask (later tokens seen, earlier ones
-  missed), and nothing in accelerate or the Trainer pads or refuses them;
+  missed), or, where `cp` does not divide them, with shares of other sizes than its equal-sized
+  all-gathers and all-to-alls exchange; nothing in accelerate or the Trainer pads or refuses them;
 - beside tensor parallelism, as accelerate lays the mesh out (`dp_shard, cp, tp`: its
   `ParallelismConfig` takes both, `_prepare_tp` then `_prepare_cp`): the world a multiple of
   `cp x tp` (`TensorContextParallelEngine`);
@@ -309,8 +310,9 @@ def check_context_parallel(settings: Any) -> None:
     if settings.seq_len is not None and settings.seq_len % (2 * cp):
         raise ValueError(f"parallelism cp={cp} with seq_len={settings.seq_len}: the sequence must divide by 2 x cp "
                          f"= {2 * cp} (torch's ring splits each share as if its head-tail load balancer had reordered "
-                         "the tokens, which it does only then: other lengths train with a wrong causal mask; pad "
-                         "to a multiple, e.g. the collator's pad_to_multiple_of)")
+                         "the tokens, which it does only then: other lengths train with a wrong causal mask, or, where "
+                         "cp does not divide them, hand the ring's equal-sized exchanges shares of other sizes; pad to "
+                         "a multiple, e.g. the collator's pad_to_multiple_of)")
     check_context_parallel_step(settings)
 
 
