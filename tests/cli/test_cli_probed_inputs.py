@@ -172,14 +172,18 @@ def test_the_fit_tables_negative_margin_is_signed_in_both_figures(tiny_llama_dir
 
 
 def _no_planning(monkeypatch: Any) -> None:
+    # Every module that binds `estimate_model` at its import, imported first: a module imported for
+    # the first time under the patch would keep the patched function after the test.
     import trainer_memcb.cli.estimate_model as model_module
+    import trainer_memcb.cli.estimate_states as states_module
     import trainer_memcb.cli.estimate_step as step_module
 
     def planned(*_: Any, **__: Any) -> Any:
         raise AssertionError("planned before the destination was checked")
 
     monkeypatch.setattr(step_module, "estimate_step", planned)
-    monkeypatch.setattr(model_module, "estimate_model", planned)
+    for module in (model_module, states_module, step_module):
+        monkeypatch.setattr(module, "estimate_model", planned)
 
 
 @pytest.mark.parametrize("option", ["--write-training-args", "--write-deepspeed"])
