@@ -93,10 +93,10 @@ def test_forward_saves_and_allocates_what_mha_fwd_does():
     assert forward_peak == after + (1 + 4 * 2) * 4
 
 
-def _backward_workspace(q, k, varlen=None, deterministic=False):
-    """The bytes alive in the stand-in backward op beyond dq, dk, dv (fake tensors)."""
+def _backward_workspace(q, k, varlen=None, deterministic=False, arch=90, causal=True):
+    """The bytes alive in the stand-in backward op beyond dq, dk, dv (fake tensors) on a GPU of `arch`."""
     shapes = flash_attn3._Shapes(q, k, k, *(varlen or (None, None, None)))
-    allocations = flash_attn3._backward_allocations(q, shapes, True, (-1, -1), 0.0, deterministic)
+    allocations = flash_attn3._backward_allocations(q, shapes, causal, (-1, -1), 0.0, deterministic, arch)
     return [a.untyped_storage().nbytes() for a in allocations]
 
 
@@ -111,8 +111,8 @@ def test_backward_workspaces_as_mha_bwd_allocates():
         flat_q, flat_k = torch.empty(1268, 24, 128, dtype=torch.bfloat16), torch.empty(1268, 8, 128, dtype=torch.bfloat16)
         varlen = _backward_workspace(flat_q, flat_k, (torch.empty(3, dtype=torch.int32), 700, 700))
     # hdim 128 causal on sm90: kBlockM 64, kBlockN 128 (mha_bwd); 768 rounds to itself.
-    assert flash_attn3.bwd_block_sizes(128, True, False, 0.0) == (64, 128)
-    assert flash_attn3.bwd_block_sizes(128, False, False, 0.0) == (80, 128)
+    assert flash_attn3.bwd_block_sizes(128, True, False, 0.0, (9, 0)) == (64, 128)
+    assert flash_attn3.bwd_block_sizes(128, False, False, 0.0, (9, 0)) == (80, 128)
     # softmax_d, softmax_lse_log2 fp32 [4, 24, 768]; dq_accum fp32 [4, 24, 768 * 128]; dk_accum, dv_accum fp32
     # [4, 8, 768 * 128] (grouped heads); dq_semaphore int32 [12, 4, 24]; no dk/dv semaphores unless deterministic.
     assert dense == [294_912, 294_912, 37_748_736, 12_582_912, 12_582_912, 4_608, 0, 0]
@@ -155,8 +155,8 @@ def test_varlen_forward_semaphore_holds_the_prepared_batches():
     with FakeTensorMode():
         q, k = torch.empty(1268, 24, 128, dtype=torch.bfloat16), torch.empty(1268, 8, 128, dtype=torch.bfloat16)
         shapes = flash_attn3._Shapes(q, k, k, torch.empty(3, dtype=torch.int32), 700, 700)
-        out, lse, semaphore, out_accum, lse_accum = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 1)
-        split = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 3)
+        out, lse, semaphore, out_accum, lse_accum = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 1, 90)
+        split = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 3, 90)
     assert out.shape == (1268, 24, 128) and lse.shape == (24, 1268)
     # varlen causal: 1 + round(2, 4) * (2 prepared + sorted + swizzle) int32
     assert semaphore.shape == (1 + 4 * 4,) and out_accum.numel() == lse_accum.numel() == 0
@@ -166,7 +166,7 @@ def test_varlen_forward_semaphore_holds_the_prepared_batches():
 
 def test_refuses_what_flash_attn_3_refuses():
     q, k, v = qkv()
-    with fa3((8, 0)), pytest.raises(RuntimeError, match="Ampere/Ada kernels"):
+    with fa3((10, 0)), pytest.raises(RuntimeError, match="no kernels for it"):
         flash_attn3.flash_attn_func(q, k, v)
     with fa3((7, 5)), pytest.raises(RuntimeError, match="Ampere GPUs or newer"):
         flash_attn3.flash_attn_func(q, k, v)
