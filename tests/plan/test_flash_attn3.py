@@ -178,6 +178,102 @@ def test_refuses_what_flash_attn_3_refuses():
     assert fa3_refusal((9, 0)) is None and "no kernels" in fa3_refusal((10, 0))
 
 
+# mha_bwd's tile sizes off Hopper (kBlockM_sm80/kBlockN_sm80 and kBlockM_sm86/kBlockN_sm86, the same as
+# flash_bwd_launch_template.h's run_mha_bwd_hdim*), by rounded head dimension: neither reads causal.
+SM80_BLOCKS = {64: (128, 128), 96: (64, 128), 128: (64, 128), 192: (64, 80), 256: (64, 64)}
+SM86_BLOCKS = {64: (64, 128), 96: (64, 128), 128: (64, 96), 192: (64, 64), 256: (32, 64)}
+
+
+@pytest.mark.parametrize("gpu,blocks", [("A100-80GB", SM80_BLOCKS), ("A10G", SM86_BLOCKS), ("L40S", SM86_BLOCKS)])
+def test_ampere_and_ada_take_mha_bwds_sm80_and_sm86_tile_sizes(gpu, blocks):
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    capability = gpu_preset(gpu).compute_capability
+    for head_dim, expected in blocks.items():
+        for causal, local in ((True, False), (False, False), (False, True)):
+            assert flash_attn3.bwd_block_sizes(head_dim, causal, local, 0.0, capability) == expected
+    # sm90's kBlockM reads causal: 80 for a head dimension of 128 without it, where sm80 keeps 64.
+    assert flash_attn3.bwd_block_sizes(128, False, False, 0.0, (9, 0)) == (80, 128)
+
+
+# B=2, H=4, Hkv=2 (grouped), L=200, D=128 bf16, causal.
+GB, GL, GH, GHKV, GD = 2, 200, 4, 2, 128
+
+
+@pytest.mark.parametrize("gpu,expected", [
+    # sm80, hdim 128: kBlockM 64, kBlockN 128. Lq 200 rounds to 256 rows, Lk to 256: softmax_d and
+    # softmax_lse_log2 fp32 [2, 4, 256] = 8,192 bytes each; dq_accum fp32 [2, 4, 256 * 128] = 1,048,576;
+    # dk_accum, dv_accum fp32 [2, 2, 256 * 128] = 524,288 each; dq_semaphore int32 [ceil(200 / 64) = 4, 2, 4] = 128.
+    ("A100-80GB", [8_192, 8_192, 1_048_576, 524_288, 524_288, 128]),
+    # sm86 (A10G, 8.6) and its tile sizes on Ada (L40S, 8.9): kBlockM 64, kBlockN 96. Lk 200 rounds to 288:
+    # dk_accum, dv_accum fp32 [2, 2, 288 * 128] = 589,824 each; the rest as sm80's.
+    ("A10G", [8_192, 8_192, 1_048_576, 589_824, 589_824, 128]),
+    ("L40S", [8_192, 8_192, 1_048_576, 589_824, 589_824, 128]),
+])
+def test_backward_on_ampere_and_ada_allocates_what_mha_bwd_does_there(gpu, expected):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    capability = gpu_preset(gpu).compute_capability
+    with FakeTensorMode(), flash_attention_as_cuda(capability, gpu, 0, "flash_attention_3"):
+        q, k, v = (torch.empty(GB, GL, heads, GD, dtype=torch.bfloat16, requires_grad=True)
+                   for heads in (GH, GHKV, GHKV))
+        workspace = _backward_workspace(q, k, arch=flash_attn3.fa3_arch(capability))
+        deterministic = _backward_workspace(q, k, deterministic=True, arch=flash_attn3.fa3_arch(capability))
+        out = flash_attn3.flash_attn_func(q, k, v, causal=True)
+        dout = torch.empty_like(out)
+        with LiveStorages() as tracker:
+            saved = out.grad_fn.saved_tensors  # kept: alive before the backward, as in a step
+            for tensor in (q, k, v, dout, *saved):
+                tracker.add(tensor)
+            before = tracker.alive_bytes
+            out.backward(dout)
+            peak = tracker.peak_bytes - before
+    assert workspace == expected + [0, 0]
+    # deterministic with grouped heads: dk_semaphore, dv_semaphore int32 [ceil(200 / kBlockN), 2, 2]
+    block_n = 128 if gpu == "A100-80GB" else 96
+    assert deterministic[6:] == [-(-GL // block_n) * GB * GHKV * 4] * 2 == ([32] * 2 if block_n == 128 else [48] * 2)
+    # Through the autograd function (the capability reaching the op): dq bf16 [2, 200, 4, 128] = 409,600, dk and
+    # dv [2, 200, 2, 128] = 204,800 each, held with the whole workspace.
+    assert peak == 409_600 + 2 * 204_800 + sum(expected)
+
+
+def test_forward_semaphore_on_ampere_and_ada_only_for_causal_or_split_varlen():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(GB, GL, GH, GD, dtype=torch.bfloat16), torch.empty(GB, GL, GHKV, GD, dtype=torch.bfloat16)
+        dense = flash_attn3._Shapes(q, k, k, None, None, None)
+        flat_q, flat_k = q.reshape(GB * GL, GH, GD), k.reshape(GB * GL, GHKV, GD)
+        varlen = flash_attn3._Shapes(flat_q, flat_k, flat_k, torch.empty(3, dtype=torch.int32), GL, GL)
+
+        def semaphore(arch, shapes, window=(-1, -1), causal=True, query=q):
+            return flash_attn3._forward_allocations(query, shapes, causal, window, 1, arch)[2].numel()
+
+        sizes = {arch: (semaphore(arch, dense), semaphore(arch, dense, causal=False),
+                        semaphore(arch, dense, (50, 0), causal=False), semaphore(arch, varlen, query=flat_q))
+                 for arch in (80, 86, 90)}
+    # mha_fwd's scheduler_needs_semaphore: sm90 for causal or local with one split, or varlen; sm8x for causal
+    # (not varlen) or a split varlen. The int32 tensor holds it (1) and round(B, 4) = 4 elements per vector:
+    # causal 2 (sorted batches, head swizzle), local 1 (head swizzle), varlen 2 more (prepared batches).
+    assert sizes[90] == (1 + 4 * 2, 0, 1 + 4 * 1, 1 + 4 * 4)
+    assert sizes[80] == sizes[86] == (1 + 4 * 2, 0, 0, 4 * 4)
+
+
+def test_ampere_and_ada_refuse_what_mha_fwd_refuses_off_hopper():
+    q, k, v = qkv()
+    with fa3((8, 6)), pytest.raises(RuntimeError, match="Ampere/Ada cards only supports fp16 and bf16"):
+        flash_attn3.flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))
+    wide_v = torch.zeros(B, L, HKV, 2 * D, dtype=torch.bfloat16)
+    with fa3((8, 0)), pytest.raises(RuntimeError, match="Only Hopper supports different V headdim"):
+        flash_attn3.flash_attn_func(q, k, wide_v)
+    # What stays refused before any trace: older than Ampere, and what the build has no machine code for.
+    assert [fa3_refusal(cc) is None for cc in ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))] == [
+        False, True, True, True, True, False, False]
+    assert "Ampere GPUs or newer" in fa3_refusal((7, 0)) and "no kernels" in fa3_refusal((12, 0))
+
+
 def test_transformers_reads_fa3_keywords_from_the_signature():
     # _lazy_define_process_function reads the varlen function's parameters: FA3 takes no dropout_p, so transformers
     # never passes one, and takes window_size, softcap, deterministic and max_seqlen_q as FA3 does.
