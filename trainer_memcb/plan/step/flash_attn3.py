@@ -1,6 +1,7 @@
 """`attn_implementation="flash_attention_3"` planned without the flash-attn-3 package: stand-ins for
-flash-attn's Hopper kernels (`hopper/`, `flash_attn_interface.py` 3.0.0) with the real ones'
-outputs, what they save for backward and the workspaces they allocate.
+flash-attn 3's kernels (`hopper/`, `flash_attn_interface.py` 3.0.0: the Hopper ones and the sm80
+build's Ampere/Ada ones) with the real ones' outputs, what they save for backward and the
+workspaces they allocate.
 
 transformers 5 imports `flash_attn_func` and `flash_attn_varlen_func` from `flash_attn_interface`
 for `flash_attention_3` (`modeling_flash_attention_utils._lazy_imports`) and pads and unpads with
@@ -15,15 +16,17 @@ The autograd functions are the interface's (`FlashAttnFunc`, `FlashAttnVarlenFun
 k, v as given (FA3 pads nothing: it refuses a head dimension that is not a multiple of 8), the
 output and `softmax_lse`, and no RNG state (FA3 has no dropout). The two custom ops stand for
 `hopper/flash_api.cpp`'s `mha_fwd` and `mha_bwd`, their fake kernels allocating what those do, in
-their order, on a Hopper GPU (sm90):
+their order, on the trace's GPU (its `arch`, major * 10 + minor, passed to each op, the backward's
+kept from its forward):
 
 - forward: `out` [B, Lq, H, Dv] (varlen [total_q, H, Dv]) in q's dtype; `softmax_lse` float32
   [B, H, Lq] (varlen [H, total_q]); with `num_splits` > 1, float32 `out_accum` [S, B, H, Lq, Dv]
   and `softmax_lse_accum` [S, B, H, Lq] (varlen [S, H, total_q, Dv], [S, H, total_q]), returned
   and dropped by the interface; the scheduler's int32 `tile_count_semaphore` of
-  `needs_semaphore + round(B, 4) * vectors` elements (`needs_semaphore`: causal or local with one
-  split, or varlen; `vectors`: 2 for varlen's prepared batches, 1 unless local for the sorted
-  batches, 1 if causal or local for the head swizzle), freed when `mha_fwd` returns. The
+  `needs_semaphore + round(B, 4) * vectors` elements, allocated where `needs_semaphore` or varlen
+  (`needs_semaphore`: on sm90 causal or local with one split, or varlen; on sm8x causal and not
+  varlen, or varlen with splits; `vectors`: 2 for varlen's prepared batches, 1 unless local for
+  the sorted batches, 1 if causal or local for the head swizzle), freed when `mha_fwd` returns. The
   interface passes `num_splits=1` and transformers never changes it, so no split runs for it;
   `num_splits <= 0` (FA3's own heuristic, `get_num_splits`) is refused here, as FA3's own fake
   kernel refuses it.
@@ -35,15 +38,21 @@ their order, on a Hopper GPU (sm90):
   deterministic mode with grouped heads, `dk_semaphore` and `dv_semaphore` [⌈Lk/kBlockN⌉, B, Hkv].
   All are freed when the op returns (`softmax_d`, its one output, when the interface drops it).
   D' is the head dimension rounded up to 64, 96, 128, 192 or 256 (`round_up_headdim`); kBlockM
-  and kBlockN are `mha_bwd`'s sm90 tile sizes (`bwd_block_sizes`), which match the kernels'
-  (`flash_bwd_launch_template.h`).
+  and kBlockN are `mha_bwd`'s tile sizes for the GPU (`bwd_block_sizes`), which match the
+  kernels' (`flash_bwd_launch_template.h`): sm90's (reading causal, local and softcap) from 9.0,
+  sm86's on 8.6 and 8.9, sm80's on the other 8.x, by D' alone (sm80: 128/128 for 64, 64/128 for
+  96 and 128, 64/80 for 192, 64/64 for 256; sm86: 64/128 for 64 and 96, 64/96 for 128, 64/64 for
+  192, 32/64 for 256).
 
-The kernels refuse what FA3 refuses: a GPU older than Ampere, a dtype other than fp16/bf16 (fp8
-runs forward only), a head dimension above 256 or not a multiple of 8, heads that do not divide.
-FA3 3.0.0 also builds Ampere/Ada kernels (sm80, sm86), whose tile sizes differ: those are not
-planned, so only compute capability 9.0 is (`fa3_refusal`, checked before any trace). On real CPU
-tensors the ops compute the attention in float32 (for the tests); under fake tensors they only
-allocate.
+The GPUs planned (`fa3_refusal`, checked before any trace) are those FA3 3.0.0 has kernels for:
+`hopper/setup.py` compiles the `_sm90.cu` instantiations for sm_90a and the `_sm80.cu` ones, which
+hold both the Arch 80 and the Arch 86 kernels, for sm_80 machine code only (no PTX), which every
+8.x GPU runs; `ARCH_SWITCH` takes the Arch 86 kernels on 8.6 and 8.9, Arch 80 on the other 8.x and
+Arch 90 from 9.0 up, whose sm_90a code runs on 9.0 alone, so Blackwell (10.x, 12.x) has none. The
+kernels refuse what FA3 refuses: a GPU older than Ampere, a dtype other than fp16/bf16 (fp8 runs
+forward only, on Hopper only), a head dimension above 256 or not a multiple of 8, heads that do not
+divide, and off Hopper a value head dimension other than the query's. On real CPU tensors the ops
+compute the attention in float32 (for the tests); under fake tensors they only allocate.
 """
 
 from __future__ import annotations
