@@ -353,3 +353,13 @@ def test_llama_3b_on_h100_flash_attention_3_against_sdpa_and_flash_attention_2(t
     allocated = {attn: plan["device"]["allocator_allocated_peak_bytes"] for attn, plan in plans.items()}
     assert allocated["flash_attention_2"] - allocated["flash_attention_3"] == 28 * 512
     assert any("flash_attn_func (28 calls)" in note for note in plans["flash_attention_3"]["step"]["notes"])
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from trainer_memcb.plan.settings import attention
+
+    for module in (flash_attn3, attention):
+        result = doctest.testmod(module)
+        assert result.attempted >= 2 and result.failed == 0, module.__name__
