@@ -12,7 +12,7 @@ import pytest
 from helpers import run_estimate, tiny_llama_folder
 from test_console_script import run_script
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 PLANNED_ON = ("; it is planned on Ampere, Ada and Hopper (compute capability 8.x and 9.0): give the --gpu of one "
               "(a100-80gb, a10g, l40s, h100, ...), or flash_attention_2, sdpa or eager\n")
@@ -42,6 +42,11 @@ def test_the_console_script_says_the_refusal_on_one_line(tmp_path_factory):
                           f"flash_api.cpp){PLANNED_ON}")
 
 
+# The plan's peak on an A100 on the newest releases; transformers 4.57 holds 128 bytes fewer, its rotary
+# `original_inv_freq` (64 elements here) being `inv_freq` itself where transformers 5 copies it to a buffer.
+A100_PEAK = 71_070_972 if int(transformers.__version__.split(".")[0]) >= 5 else 71_070_972 - 128
+
+
 def _grouped_step(folder: str, capsys, *gpu: str) -> dict:
     code, out, err = run_estimate([folder, "--batch-size", "2", "--seq-len", "200", "--dtype", "bfloat16",
                                    "--attn-implementation", "flash_attention_3", *gpu, "--json"], capsys)
@@ -56,7 +61,7 @@ def test_ampere_and_ada_are_planned_with_their_backward_tile_sizes(tmp_path_fact
                                num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
                                max_position_embeddings=256)
     steps = {gpu: _grouped_step(folder, capsys, "--gpu", gpu) for gpu in ("a100-80gb", "a10g", "l40s", "h100")}
-    assert steps["a100-80gb"]["peak_bytes"] == 71_070_972
+    assert steps["a100-80gb"]["peak_bytes"] == A100_PEAK
     assert any("Ampere/Ada kernels (sm80 build, sm80 tile sizes)" in note and "flash_attn_func (1 calls)" in note
                for note in steps["a100-80gb"]["notes"])
     assert any("sm86 tile sizes" in note for note in steps["l40s"]["notes"])
@@ -66,7 +71,7 @@ def test_ampere_and_ada_are_planned_with_their_backward_tile_sizes(tmp_path_fact
     assert steps["l40s"]["peak_bytes"] == steps["a10g"]["peak_bytes"]
     assert steps["h100"]["peak_bytes"] == steps["a100-80gb"]["peak_bytes"]
     # No --gpu: the sm80 GPU a plan assumes, planned as the A100.
-    assert _grouped_step(folder, capsys)["peak_bytes"] == 71_070_972
+    assert _grouped_step(folder, capsys)["peak_bytes"] == A100_PEAK
 
 
 def test_what_the_kernel_refuses_is_said_in_the_plan(tmp_path_factory, capsys):
