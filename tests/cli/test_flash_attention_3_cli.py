@@ -62,9 +62,9 @@ def test_ampere_and_ada_are_planned_with_their_backward_tile_sizes(tmp_path_fact
                                max_position_embeddings=256)
     steps = {gpu: _grouped_step(folder, capsys, "--gpu", gpu) for gpu in ("a100-80gb", "a10g", "l40s", "h100")}
     assert steps["a100-80gb"]["peak_bytes"] == A100_PEAK
-    assert any("Ampere/Ada kernels (sm80 build, sm80 tile sizes)" in note and "flash_attn_func (1 calls)" in note
+    assert any("Ampere/Ada kernels of its sm80 build, with sm80 tile sizes" in note and "flash_attn_func (1 calls)" in note
                for note in steps["a100-80gb"]["notes"])
-    assert any("sm86 tile sizes" in note for note in steps["l40s"]["notes"])
+    assert any("with sm86 tile sizes" in note for note in steps["l40s"]["notes"])
     # kBlockN: 128 on sm80 (and sm90, causal), 96 on sm86 and on Ada (8.9, the sm86 tile sizes): 200 rounds to 256
     # or to 288 keys, 2 * (2 * 2 * 32 * 128 * 4) = 131,072 bytes more on the A10G and the L40S.
     assert steps["a10g"]["peak_bytes"] - steps["a100-80gb"]["peak_bytes"] == 2 * (2 * 2 * 32 * 128 * 4) == 131_072

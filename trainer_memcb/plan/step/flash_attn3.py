@@ -77,7 +77,7 @@ def fa3_note(kernels: str, compute_capability: Tuple[int, int] = (9, 0)) -> str:
     `compute_capability` (Hopper's kernels from 9.0, the sm80 build's Ampere/Ada ones on 8.x)."""
     arch = fa3_arch(compute_capability)
     which = ("Hopper kernels" if arch >= 90 else
-             f"Ampere/Ada kernels (sm80 build, sm{86 if arch in (86, 89) else 80} tile sizes)")
+             f"Ampere/Ada kernels of its sm80 build, with sm{86 if arch in (86, 89) else 80} tile sizes")
     return (f"attention planned as flash-attn {FA3_VERSION}'s {which} (flash_attn_interface) run it on a GPU "
             f"(no flash-attn-3 package needed): {kernels}; out and softmax_lse saved for backward, the scheduler's "
             "semaphore in the forward, the backward's softmax_d, softmax_lse_log2, dq_accum (and dk_accum, dv_accum "
