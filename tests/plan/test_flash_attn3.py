@@ -93,10 +93,10 @@ def test_forward_saves_and_allocates_what_mha_fwd_does():
     assert forward_peak == after + (1 + 4 * 2) * 4
 
 
-def _backward_workspace(q, k, varlen=None, deterministic=False):
-    """The bytes alive in the stand-in backward op beyond dq, dk, dv (fake tensors)."""
+def _backward_workspace(q, k, varlen=None, deterministic=False, arch=90, causal=True):
+    """The bytes alive in the stand-in backward op beyond dq, dk, dv (fake tensors) on a GPU of `arch`."""
     shapes = flash_attn3._Shapes(q, k, k, *(varlen or (None, None, None)))
-    allocations = flash_attn3._backward_allocations(q, shapes, True, (-1, -1), 0.0, deterministic)
+    allocations = flash_attn3._backward_allocations(q, shapes, causal, (-1, -1), 0.0, deterministic, arch)
     return [a.untyped_storage().nbytes() for a in allocations]
 
 
@@ -111,8 +111,8 @@ def test_backward_workspaces_as_mha_bwd_allocates():
         flat_q, flat_k = torch.empty(1268, 24, 128, dtype=torch.bfloat16), torch.empty(1268, 8, 128, dtype=torch.bfloat16)
         varlen = _backward_workspace(flat_q, flat_k, (torch.empty(3, dtype=torch.int32), 700, 700))
     # hdim 128 causal on sm90: kBlockM 64, kBlockN 128 (mha_bwd); 768 rounds to itself.
-    assert flash_attn3.bwd_block_sizes(128, True, False, 0.0) == (64, 128)
-    assert flash_attn3.bwd_block_sizes(128, False, False, 0.0) == (80, 128)
+    assert flash_attn3.bwd_block_sizes(128, True, False, 0.0, (9, 0)) == (64, 128)
+    assert flash_attn3.bwd_block_sizes(128, False, False, 0.0, (9, 0)) == (80, 128)
     # softmax_d, softmax_lse_log2 fp32 [4, 24, 768]; dq_accum fp32 [4, 24, 768 * 128]; dk_accum, dv_accum fp32
     # [4, 8, 768 * 128] (grouped heads); dq_semaphore int32 [12, 4, 24]; no dk/dv semaphores unless deterministic.
     assert dense == [294_912, 294_912, 37_748_736, 12_582_912, 12_582_912, 4_608, 0, 0]
@@ -155,8 +155,8 @@ def test_varlen_forward_semaphore_holds_the_prepared_batches():
     with FakeTensorMode():
         q, k = torch.empty(1268, 24, 128, dtype=torch.bfloat16), torch.empty(1268, 8, 128, dtype=torch.bfloat16)
         shapes = flash_attn3._Shapes(q, k, k, torch.empty(3, dtype=torch.int32), 700, 700)
-        out, lse, semaphore, out_accum, lse_accum = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 1)
-        split = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 3)
+        out, lse, semaphore, out_accum, lse_accum = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 1, 90)
+        split = flash_attn3._forward_allocations(q, shapes, True, (-1, -1), 3, 90)
     assert out.shape == (1268, 24, 128) and lse.shape == (24, 1268)
     # varlen causal: 1 + round(2, 4) * (2 prepared + sorted + swizzle) int32
     assert semaphore.shape == (1 + 4 * 4,) and out_accum.numel() == lse_accum.numel() == 0
@@ -166,7 +166,7 @@ def test_varlen_forward_semaphore_holds_the_prepared_batches():
 
 def test_refuses_what_flash_attn_3_refuses():
     q, k, v = qkv()
-    with fa3((8, 0)), pytest.raises(RuntimeError, match="Ampere/Ada kernels"):
+    with fa3((10, 0)), pytest.raises(RuntimeError, match="no kernels for it"):
         flash_attn3.flash_attn_func(q, k, v)
     with fa3((7, 5)), pytest.raises(RuntimeError, match="Ampere GPUs or newer"):
         flash_attn3.flash_attn_func(q, k, v)
@@ -176,6 +176,102 @@ def test_refuses_what_flash_attn_3_refuses():
     with fa3(), pytest.raises(RuntimeError, match="multiple of 8"):
         flash_attn3.flash_attn_func(*odd)
     assert fa3_refusal((9, 0)) is None and "no kernels" in fa3_refusal((10, 0))
+
+
+# mha_bwd's tile sizes off Hopper (kBlockM_sm80/kBlockN_sm80 and kBlockM_sm86/kBlockN_sm86, the same as
+# flash_bwd_launch_template.h's run_mha_bwd_hdim*), by rounded head dimension: neither reads causal.
+SM80_BLOCKS = {64: (128, 128), 96: (64, 128), 128: (64, 128), 192: (64, 80), 256: (64, 64)}
+SM86_BLOCKS = {64: (64, 128), 96: (64, 128), 128: (64, 96), 192: (64, 64), 256: (32, 64)}
+
+
+@pytest.mark.parametrize("gpu,blocks", [("A100-80GB", SM80_BLOCKS), ("A10G", SM86_BLOCKS), ("L40S", SM86_BLOCKS)])
+def test_ampere_and_ada_take_mha_bwds_sm80_and_sm86_tile_sizes(gpu, blocks):
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    capability = gpu_preset(gpu).compute_capability
+    for head_dim, expected in blocks.items():
+        for causal, local in ((True, False), (False, False), (False, True)):
+            assert flash_attn3.bwd_block_sizes(head_dim, causal, local, 0.0, capability) == expected
+    # sm90's kBlockM reads causal: 80 for a head dimension of 128 without it, where sm80 keeps 64.
+    assert flash_attn3.bwd_block_sizes(128, False, False, 0.0, (9, 0)) == (80, 128)
+
+
+# B=2, H=4, Hkv=2 (grouped), L=200, D=128 bf16, causal.
+GB, GL, GH, GHKV, GD = 2, 200, 4, 2, 128
+
+
+@pytest.mark.parametrize("gpu,expected", [
+    # sm80, hdim 128: kBlockM 64, kBlockN 128. Lq 200 rounds to 256 rows, Lk to 256: softmax_d and
+    # softmax_lse_log2 fp32 [2, 4, 256] = 8,192 bytes each; dq_accum fp32 [2, 4, 256 * 128] = 1,048,576;
+    # dk_accum, dv_accum fp32 [2, 2, 256 * 128] = 524,288 each; dq_semaphore int32 [ceil(200 / 64) = 4, 2, 4] = 128.
+    ("A100-80GB", [8_192, 8_192, 1_048_576, 524_288, 524_288, 128]),
+    # sm86 (A10G, 8.6) and its tile sizes on Ada (L40S, 8.9): kBlockM 64, kBlockN 96. Lk 200 rounds to 288:
+    # dk_accum, dv_accum fp32 [2, 2, 288 * 128] = 589,824 each; the rest as sm80's.
+    ("A10G", [8_192, 8_192, 1_048_576, 589_824, 589_824, 128]),
+    ("L40S", [8_192, 8_192, 1_048_576, 589_824, 589_824, 128]),
+])
+def test_backward_on_ampere_and_ada_allocates_what_mha_bwd_does_there(gpu, expected):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer_memcb.plan.device.gpus import gpu_preset
+
+    capability = gpu_preset(gpu).compute_capability
+    with FakeTensorMode(), flash_attention_as_cuda(capability, gpu, 0, "flash_attention_3"):
+        q, k, v = (torch.empty(GB, GL, heads, GD, dtype=torch.bfloat16, requires_grad=True)
+                   for heads in (GH, GHKV, GHKV))
+        workspace = _backward_workspace(q, k, arch=flash_attn3.fa3_arch(capability))
+        deterministic = _backward_workspace(q, k, deterministic=True, arch=flash_attn3.fa3_arch(capability))
+        out = flash_attn3.flash_attn_func(q, k, v, causal=True)
+        dout = torch.empty_like(out)
+        with LiveStorages() as tracker:
+            saved = out.grad_fn.saved_tensors  # kept: alive before the backward, as in a step
+            for tensor in (q, k, v, dout, *saved):
+                tracker.add(tensor)
+            before = tracker.alive_bytes
+            out.backward(dout)
+            peak = tracker.peak_bytes - before
+    assert workspace == expected + [0, 0]
+    # deterministic with grouped heads: dk_semaphore, dv_semaphore int32 [ceil(200 / kBlockN), 2, 2]
+    block_n = 128 if gpu == "A100-80GB" else 96
+    assert deterministic[6:] == [-(-GL // block_n) * GB * GHKV * 4] * 2 == ([32] * 2 if block_n == 128 else [48] * 2)
+    # Through the autograd function (the capability reaching the op): dq bf16 [2, 200, 4, 128] = 409,600, dk and
+    # dv [2, 200, 2, 128] = 204,800 each, held with the whole workspace.
+    assert peak == 409_600 + 2 * 204_800 + sum(expected)
+
+
+def test_forward_semaphore_on_ampere_and_ada_only_for_causal_or_split_varlen():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(GB, GL, GH, GD, dtype=torch.bfloat16), torch.empty(GB, GL, GHKV, GD, dtype=torch.bfloat16)
+        dense = flash_attn3._Shapes(q, k, k, None, None, None)
+        flat_q, flat_k = q.reshape(GB * GL, GH, GD), k.reshape(GB * GL, GHKV, GD)
+        varlen = flash_attn3._Shapes(flat_q, flat_k, flat_k, torch.empty(3, dtype=torch.int32), GL, GL)
+
+        def semaphore(arch, shapes, window=(-1, -1), causal=True, query=q):
+            return flash_attn3._forward_allocations(query, shapes, causal, window, 1, arch)[2].numel()
+
+        sizes = {arch: (semaphore(arch, dense), semaphore(arch, dense, causal=False),
+                        semaphore(arch, dense, (50, 0), causal=False), semaphore(arch, varlen, query=flat_q))
+                 for arch in (80, 86, 90)}
+    # mha_fwd's scheduler_needs_semaphore: sm90 for causal or local with one split, or varlen; sm8x for causal
+    # (not varlen) or a split varlen. The int32 tensor holds it (1) and round(B, 4) = 4 elements per vector:
+    # causal 2 (sorted batches, head swizzle), local 1 (head swizzle), varlen 2 more (prepared batches).
+    assert sizes[90] == (1 + 4 * 2, 0, 1 + 4 * 1, 1 + 4 * 4)
+    assert sizes[80] == sizes[86] == (1 + 4 * 2, 0, 0, 4 * 4)
+
+
+def test_ampere_and_ada_refuse_what_mha_fwd_refuses_off_hopper():
+    q, k, v = qkv()
+    with fa3((8, 6)), pytest.raises(RuntimeError, match="Ampere/Ada cards only supports fp16 and bf16"):
+        flash_attn3.flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))
+    wide_v = torch.zeros(B, L, HKV, 2 * D, dtype=torch.bfloat16)
+    with fa3((8, 0)), pytest.raises(RuntimeError, match="Only Hopper supports different V headdim"):
+        flash_attn3.flash_attn_func(q, k, wide_v)
+    # What stays refused before any trace: older than Ampere, and what the build has no machine code for.
+    assert [fa3_refusal(cc) is None for cc in ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))] == [
+        False, True, True, True, True, False, False]
+    assert "Ampere GPUs or newer" in fa3_refusal((7, 0)) and "no kernels" in fa3_refusal((12, 0))
 
 
 def test_transformers_reads_fa3_keywords_from_the_signature():
@@ -257,3 +353,13 @@ def test_llama_3b_on_h100_flash_attention_3_against_sdpa_and_flash_attention_2(t
     allocated = {attn: plan["device"]["allocator_allocated_peak_bytes"] for attn, plan in plans.items()}
     assert allocated["flash_attention_2"] - allocated["flash_attention_3"] == 28 * 512
     assert any("flash_attn_func (28 calls)" in note for note in plans["flash_attention_3"]["step"]["notes"])
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from trainer_memcb.plan.settings import attention
+
+    for module in (flash_attn3, attention):
+        result = doctest.testmod(module)
+        assert result.attempted >= 2 and result.failed == 0, module.__name__

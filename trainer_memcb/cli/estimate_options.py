@@ -212,7 +212,7 @@ def _add_step_arguments(estimate: argparse.ArgumentParser) -> Any:
                            "(non-reentrant from 5 on, reentrant in 4.x)")
     step.add_argument("--attn-implementation", metavar="NAME",
                       help="the attention path to trace: eager, sdpa, flash_attention_2, flash_attention_3 "
-                           "(Hopper), kernels-community/flash-attn2, ... (default: the config's)")
+                           "(Ampere, Ada, Hopper), kernels-community/flash-attn2, ... (default: the config's)")
     step.add_argument("--device-type", choices=list(DEVICE_TYPES),
                       help="the device the run will use (default cuda); the trace itself runs on fake CPU tensors")
     step.add_argument("--max-batch-size", action="store_true",

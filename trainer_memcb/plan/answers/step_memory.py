@@ -357,7 +357,8 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
 
 
 def _check_flash_attention_3(settings: StepSettings) -> None:
-    """Refuse flash_attention_3 on a GPU whose FA3 kernels are not planned (`fa3_refusal`: Hopper only)."""
+    """Refuse flash_attention_3 on a GPU whose FA3 kernels are not planned (`fa3_refusal`: Ampere,
+    Ada and Hopper are)."""
     from trainer_memcb.plan.step.trace import compute_capability_of
 
     compute_capability = compute_capability_of(settings)
@@ -365,8 +366,9 @@ def _check_flash_attention_3(settings: StepSettings) -> None:
     if refusal is not None:
         gpu = f"--gpu {settings.gpu}" if settings.gpu is not None else "no --gpu: an sm80 GPU assumed"
         raise ValueError(f"--attn-implementation 'flash_attention_3' on compute capability "
-                         f"{'.'.join(map(str, compute_capability))} ({gpu}): {refusal}; it is planned on Hopper: "
-                         "give --gpu h100 or h200, or flash_attention_2, sdpa or eager")
+                         f"{'.'.join(map(str, compute_capability))} ({gpu}): {refusal}; it is planned on Ampere, Ada "
+                         "and Hopper (compute capability 8.x and 9.0): give the --gpu of one (a100-80gb, a10g, l40s, "
+                         "h100, ...), or flash_attention_2, sdpa or eager")
 
 
 def _check_liger_kernel(meta: nn.Module, settings: StepSettings) -> None:

@@ -52,14 +52,18 @@ def is_flash_path(name: Optional[str]) -> bool:
 
 
 def fa3_refusal(compute_capability: Tuple[int, int]) -> Optional[str]:
-    """Why flash_attention_3 is not planned on a GPU of `compute_capability`; None on Hopper (9.0):
-    flash-attn 3.0.0 (`hopper/`) refuses a GPU older than Ampere, runs Ampere/Ada kernels whose tile
-    sizes `plan.step.flash_attn3` does not model, and builds none for Blackwell."""
+    """Why flash_attention_3 is not planned on a GPU of `compute_capability`; None on Ampere/Ada
+    (8.x: the sm80 build's kernels, sm86 tile sizes on 8.6 and 8.9) and Hopper (9.0): flash-attn
+    3.0.0 (`hopper/`) refuses a GPU older than Ampere and builds none for Blackwell (sm_80 and sm_90a
+    machine code, no PTX a newer GPU could compile).
+
+    Examples:
+        >>> fa3_refusal((8, 6)) is None and fa3_refusal((9, 0)) is None
+        True
+    """
     cc = tuple(compute_capability)
     if cc < (8, 0):
         return "flash-attn 3 refuses it (\"FlashAttention only supports Ampere GPUs or newer.\", flash_api.cpp)"
-    if cc[0] == 8:
-        return "flash-attn 3 runs its Ampere/Ada kernels there (sm80 builds), whose tile sizes are not planned"
-    if cc != (9, 0):
+    if cc[0] != 8 and cc != (9, 0):
         return "flash-attn 3's build has no kernels for it (hopper/setup.py compiles sm80 and sm90a code only)"
     return None

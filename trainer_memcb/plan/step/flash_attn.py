@@ -79,9 +79,11 @@ SM_COUNTS: Dict[str, int] = {"H100": 132, "H200": 132, "A100-40GB": 108, "A100-8
 class FlashKernelsRun(KernelRuns):
     """What `flash_attention_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
 
-    def __init__(self, gpu: Optional[str], sm_count: int, implementation: str = "flash_attention_2") -> None:
+    def __init__(self, gpu: Optional[str], sm_count: int, implementation: str = "flash_attention_2",
+                 compute_capability: Tuple[int, int] = (8, 0)) -> None:
         super().__init__()
         self.gpu, self.sm_count, self.implementation = gpu, sm_count, implementation
+        self.compute_capability = tuple(compute_capability)
         self.split_forwards = 0
 
     def note(self) -> Optional[str]:
@@ -92,7 +94,7 @@ class FlashKernelsRun(KernelRuns):
         if self.implementation == "flash_attention_3":
             from trainer_memcb.plan.step.flash_attn3 import fa3_note
 
-            return fa3_note(kernels)
+            return fa3_note(kernels, self.compute_capability)
         splits = (f"; {self.split_forwards} forwards took the split-KV kernel ({self.sm_count} SMs)"
                   if self.split_forwards else "")
         what = (f"flash-attn {FLASH_ATTN_VERSION}'s kernels run it on a GPU (no flash-attn package needed): {kernels}"
@@ -500,7 +502,7 @@ def flash_attention_as_cuda(compute_capability: Tuple[int, int], gpu: Optional[s
     mask with the sizes of the plan's batch. transformers' own state is restored on exit. Yields
     the record of what ran."""
     sm_count = SM_COUNTS.get(gpu or "", DEFAULT_SM_COUNT)
-    run = FlashKernelsRun(gpu, sm_count, implementation)
+    run = FlashKernelsRun(gpu, sm_count, implementation, compute_capability)
     try:
         from transformers import modeling_flash_attention_utils as utils
     except ImportError:  # a transformers without the flash path
