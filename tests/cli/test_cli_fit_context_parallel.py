@@ -39,6 +39,18 @@ def fit(llama_dir) -> dict:
     return json.loads(out.getvalue())["answers"]["fit"]
 
 
+def _meta_llama():
+    """The tiny Llama of these tests (SDPA) on the meta device."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=256)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
 def _cp_candidate(fit: dict) -> dict:
     found = [c for c in fit["candidates"] if c["changes"].get("parallelism", "").startswith("cp=")]
     assert len(found) == 1, [c["changes"] for c in fit["candidates"]]
@@ -119,17 +131,10 @@ def test_fit_beside_an_own_cp_layout_keeps_it_and_its_effective_batch(llama_dir,
     (dict(attn_implementation="eager"), []),  # the Trainer runs CP with SDPA only
 ])
 def test_the_cp_sizes_proposed_where_the_plan_and_accelerate_take_them(flags, sizes):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from trainer_memcb.cli.fit_table import context_parallel_sizes
     from trainer_memcb.plan.settings import resolve_settings
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=256)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = _meta_llama()
     settings = resolve_settings(**dict(dict(world_size=8, batch_size=2, seq_len=64, precision="bf16",
                                             device_type="cuda"), **flags))
     assert context_parallel_sizes(model, settings) == sizes
@@ -175,9 +180,6 @@ def test_tp_beside_cp_is_proposed_on_four_processes_as_the_layout_plans(llama_di
     (None, dict(batch_size=1, packing=128), []),  # padding-free packing: documents would attend across
 ])
 def test_the_cp_sizes_proposed_beside_trl_s_steps_are_those_planned(step, shape, sizes):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from trainer_memcb.cli.fit_table import context_parallel_sizes
     from trainer_memcb.plan.settings import resolve_settings
     from trainer_memcb.plan.step.grpo import GrpoStep
@@ -187,11 +189,7 @@ def test_the_cp_sizes_proposed_beside_trl_s_steps_are_those_planned(step, shape,
 
     steps = {"sft": SftStep(max_length=64), "sft packing": SftStep(max_length=64, padding_free=True),
              "dpo": DpoStep(), "kto": KtoStep(), "grpo": GrpoStep(), None: None}
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=256)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = _meta_llama()
     settings = resolve_settings(**dict(dict(world_size=8, batch_size=2, seq_len=64, precision="bf16",
                                             device_type="cuda", preference=steps[step]), **shape))
     assert context_parallel_sizes(model, settings) == sizes

@@ -123,20 +123,26 @@ def test_backward_workspaces_as_mha_bwd_allocates():
                       11 * 2 * 24 * 4, 0, 0]
 
 
+def _causal_backward_peak(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """The most bytes a causal FA3 attention's backward holds above what was alive before it (the
+    inputs, the output's gradient and what the forward saved, kept as in a step)."""
+    out = flash_attn3.flash_attn_func(q, k, v, causal=True)
+    dout = torch.empty_like(out)
+    with LiveStorages() as tracker:
+        saved = out.grad_fn.saved_tensors
+        for tensor in (q, k, v, dout, *saved):
+            tracker.add(tensor)
+        before = tracker.alive_bytes
+        out.backward(dout)
+        return tracker.peak_bytes - before
+
+
 def test_backward_holds_the_gradients_and_the_workspace_while_it_runs():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(), fa3():
         q, k, v = (torch.empty(4, 768, heads, 128, dtype=torch.bfloat16, requires_grad=True) for heads in (24, 8, 8))
-        out = flash_attn3.flash_attn_func(q, k, v, causal=True)
-        dout = torch.empty_like(out)
-        with LiveStorages() as tracker:
-            saved = out.grad_fn.saved_tensors  # kept: alive before the backward, as in a step
-            for tensor in (q, k, v, dout, *saved):
-                tracker.add(tensor)
-            before = tracker.alive_bytes
-            out.backward(dout)
-            peak = tracker.peak_bytes - before
+        peak = _causal_backward_peak(q, k, v)
     # dq, dk, dv (bf16, as q, k, v): 18,874,368 + 2 * 6,291,456, and the workspace above
     assert peak == 18_874_368 + 2 * 6_291_456 + 2 * 294_912 + 37_748_736 + 2 * 12_582_912 + 4_608
     # flash-attn 2 holds dq_accum fp32 [4, 768, 24, 128], dk/dv expanded bf16 [4, 768, 24, 128] and softmax_d
@@ -221,15 +227,7 @@ def test_backward_on_ampere_and_ada_allocates_what_mha_bwd_does_there(gpu, expec
                    for heads in (GH, GHKV, GHKV))
         workspace = _backward_workspace(q, k, arch=flash_attn3.fa3_arch(capability))
         deterministic = _backward_workspace(q, k, deterministic=True, arch=flash_attn3.fa3_arch(capability))
-        out = flash_attn3.flash_attn_func(q, k, v, causal=True)
-        dout = torch.empty_like(out)
-        with LiveStorages() as tracker:
-            saved = out.grad_fn.saved_tensors  # kept: alive before the backward, as in a step
-            for tensor in (q, k, v, dout, *saved):
-                tracker.add(tensor)
-            before = tracker.alive_bytes
-            out.backward(dout)
-            peak = tracker.peak_bytes - before
+        peak = _causal_backward_peak(q, k, v)
     assert workspace == expected + [0, 0]
     # deterministic with grouped heads: dk_semaphore, dv_semaphore int32 [ceil(200 / kBlockN), 2, 2]
     block_n = 128 if gpu == "A100-80GB" else 96
