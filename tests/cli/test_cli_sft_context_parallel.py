@@ -40,6 +40,15 @@ def cp_argv(files: dict, config: str, *more: str, trainer: str = "sft") -> List[
             str(BATCH), *more]
 
 
+def test_rank_0_s_sft_step_under_cp2_through_the_console_script(files: dict) -> None:
+    """The installed `trainer-memcb` (its start keeps some packages out): rank 0's bytes below."""
+    from cli.test_console_script import run_script
+
+    run = run_script("estimate", *cp_argv(files, "sft", "--parallelism", "cp=2,dp_shard=2", "--rank", "0", "--json"))
+    assert (run.returncode, run.stderr) == (0, ""), run.stderr
+    assert json.loads(run.stdout)["step"]["peak_bytes"] == 2_297_408
+
+
 @pytest.mark.parametrize("rank,peak", [(0, 2_297_408), (1, 2_293_312)])
 def test_each_rank_s_sft_step_under_cp2_x_fsdp2(files: dict, capsys: Any, rank: int, peak: int) -> None:
     code, out, err = run_estimate(cp_argv(files, "sft", "--parallelism", "cp=2,dp_shard=2", "--rank", str(rank),

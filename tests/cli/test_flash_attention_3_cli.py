@@ -74,6 +74,17 @@ def test_ampere_and_ada_are_planned_with_their_backward_tile_sizes(tmp_path_fact
     assert _grouped_step(folder, capsys)["peak_bytes"] == A100_PEAK
 
 
+def test_an_ampere_plan_through_the_console_script(tmp_path_factory):
+    """The installed `trainer-memcb`: the same A100 peak as through `main()` above."""
+    folder = tiny_llama_folder(tmp_path_factory, "fa3-ampere-script", hidden_size=512, intermediate_size=1024,
+                               num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                               max_position_embeddings=256)
+    run = run_script("estimate", folder, "--batch-size", "2", "--seq-len", "200", "--dtype", "bfloat16",
+                     "--attn-implementation", "flash_attention_3", "--gpu", "a100-80gb", "--json")
+    assert (run.returncode, run.stderr) == (0, ""), run.stderr
+    assert json.loads(run.stdout)["step"]["peak_bytes"] == A100_PEAK
+
+
 def test_what_the_kernel_refuses_is_said_in_the_plan(tmp_path_factory, capsys):
     # A head dimension of 20: flash-attn 2 pads it to 24 and runs, flash-attn 3 refuses it (mha_fwd,
     # "head_size should be a multiple of 8"); float32 neither takes.
