@@ -56,6 +56,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.settings.attention import is_planned_hub_flash
 from trainer_memcb.plan.step.flash_common import DEFAULT_SM_COUNT, STATE as _STATE, attention_math as _attention_math
 from trainer_memcb.plan.step.flash_common import attention_math_backward as _attention_math_backward
@@ -80,7 +81,7 @@ class FlashKernelsRun(KernelRuns):
     """What `flash_attention_as_cuda` ran: each stand-in kernel's calls, and the split-KV forwards."""
 
     def __init__(self, gpu: Optional[str], sm_count: int, implementation: str = "flash_attention_2",
-                 compute_capability: Tuple[int, int] = (8, 0)) -> None:
+                 compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> None:
         super().__init__()
         self.gpu, self.sm_count, self.implementation = gpu, sm_count, implementation
         self.compute_capability = tuple(compute_capability)
