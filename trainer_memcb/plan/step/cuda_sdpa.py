@@ -50,13 +50,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
 from trainer_memcb.plan.device.cuda_kernels import K_ALIGN_LSE, flash_backward_workspace_bytes, sdpa_backend
 from trainer_memcb.plan.device import cudnn_attention
 from trainer_memcb.plan.device.efficient_attention import efficient_backward_allocations
+from trainer_memcb.plan.step.kernel_workspace import hold_while_the_kernel_runs
 
 __all__ = ["cpu_flash_takes_grouped_heads", "gpu_sdpa_backend", "sdpa_as_cuda"]
 
@@ -158,24 +159,12 @@ class _FusedAttention(torch.autograd.Function):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
         del workspace, key, value
-        _hold_while_the_kernel_runs(grad_out, cudnn_attention.cudnn_backward_held(query, grad_out) if ctx.cudnn
+        hold_while_the_kernel_runs(grad_out, cudnn_attention.cudnn_backward_held(query, grad_out) if ctx.cudnn
                                     else ctx.efficient)
         grad_key, grad_value = grads[1], grads[2]
         if ctx.repeat:
             grad_key, grad_value = _grouped(grad_key, kv_heads), _grouped(grad_value, kv_heads)
         return grads[0], grad_key, grad_value, None, None, None, None, None, None
-
-
-def _hold_while_the_kernel_runs(like: torch.Tensor, allocations: List[Tuple[str, int]]) -> None:
-    """Make and free `efficient_backward_allocations`' bytes in their order ("~name" frees
-    name), then free what is left, as the kernel's return does."""
-    held: Dict[str, torch.Tensor] = {}
-    for name, nbytes in allocations:
-        if name.startswith("~"):
-            del held[name[1:]]
-        else:
-            held[name] = like.new_empty(nbytes, dtype=torch.uint8)
-    held.clear()
 
 
 def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, ring_group: Any, query: torch.Tensor,
