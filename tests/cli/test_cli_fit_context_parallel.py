@@ -126,7 +126,12 @@ def test_fit_beside_an_own_cp_layout_keeps_it_and_its_effective_batch(llama_dir,
     # An H100 or H200 (cuDNN above 9.15) takes cuDNN's kernel for the ring's turns, which the plan traces.
     (dict(gpu="h100"), [2, 4, 8]),
     (dict(gpu="h200", seq_len=40), [2, 4]),
-    (dict(precision="autocast-bf16"), []),  # fp32 weights: the ring's flash is planned in 16 bits only
+    (dict(precision="autocast-bf16"), []),  # fp32 weights under autocast: the ring is not planned there
+    # float32 and a T4 in fp16 take memory-efficient, whose ring runs where L / (2 x cp) divides by 32.
+    (dict(precision="fp32"), []),
+    (dict(precision="fp32", seq_len=128), [2]),
+    (dict(precision="fp16", gpu="t4", seq_len=256), [2, 4]),
+    (dict(precision="bf16", gpu="t4", seq_len=256), []),  # math: a T4 runs no fused kernel in bf16
     (dict(device_type="cpu"), []),
     (dict(attn_implementation="eager"), []),  # the Trainer runs CP with SDPA only
 ])

@@ -78,14 +78,15 @@ def test_attention_other_than_sdpa_is_refused_as_the_trainer_refuses_it():
 
 
 @requires_torch("2.13", RING)
-def test_a_kernel_other_than_flash_is_the_step_s_problem_named():
-    # float32: a GPU takes the memory-efficient kernel, whose ring the plan does not trace (its
-    # logsumexp is padded to 32 rows, `kAlignLSE`, which the ring's merge broadcasts only where the
-    # local tokens are a multiple of 32).
+def test_a_length_the_memory_efficient_ring_cannot_merge_is_the_step_s_problem_named():
+    # float32: a GPU takes the memory-efficient kernel, whose logsumexp is padded to 32 rows
+    # (`kAlignLSE`); at 64 tokens over cp=2, rank 0's half-query turns have 16 rows, and torch's ring
+    # fails merging them (`test_torch_s_memory_efficient_ring_fails_where_a_half_share_is_not_32_rows`).
     settings = resolve_settings(parallelism="cp=2", batch_size=2, optimizer="adamw_torch")
     plan, _ = plan_step_memory(build, seq_len=64, settings=settings, model_states=False)
-    assert "a GPU takes the 'efficient' attention kernel for torch.float32 here; the plan traces the ring on " \
-           "flash or cuDNN only" in plan.step.problem
+    assert "context parallelism on torch.float32: the memory-efficient kernel pads its logsumexp to a multiple " \
+           "of 32 rows, which torch's ring merges with the output's rows: it runs only where each rank's half " \
+           "share of the sequence (L / (2 x cp), here 16 tokens) is a multiple of 32" in plan.step.problem
 
 
 @requires_torch("2.13", RING)
@@ -129,10 +130,10 @@ class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _ring_storages(rank, rotate, backend="flash"):
+def _ring_storages(rank, rotate, backend="flash", dtype=torch.bfloat16, tokens=8):
     """The storages torch's ring makes on `rank` of cp=2 for one attention of B=1, H=2 (two key and
-    value heads), 8 local tokens of 16 (D=16) in bf16, each turn on `backend`'s kernel: forward,
-    then backward."""
+    value heads), `tokens` local tokens of 16 (D=16) in `dtype`, each turn on `backend`'s kernel
+    (memory-efficient's on an H100): forward, then backward."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -144,9 +145,9 @@ def _ring_storages(rank, rotate, backend="flash"):
     try:
         group = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)).get_group()
         with FakeTensorMode(), ring_options(rotate):
-            query, key, value = (torch.empty(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            query, key, value = (torch.empty(1, 2, tokens, 16, dtype=dtype, requires_grad=True) for _ in range(3))
             with _NewStorages([query, key, value]) as forward:
-                out = ring_attention(group, query, key, value, None, backend)
+                out = ring_attention(group, query, key, value, None, backend, (9, 0))
             grad = torch.empty_like(out)
             with _NewStorages([query, key, value, out, grad]) as backward:
                 torch.autograd.grad(out, (query, key, value), grad)
@@ -235,12 +236,86 @@ def test_rank_1_s_ring_on_cudnn_makes_the_buffers_derived_from_torch_s_and_aten_
     assert backward == RANK1_CUDNN_BACKWARD
 
 
-def test_a_ring_kernel_the_plan_does_not_trace_is_refused_naming_it():
+def test_a_ring_kernel_torch_does_not_run_is_refused_naming_it():
     from trainer_memcb.plan.step.ring_attention import ring_attention
 
     query = torch.empty(1, 2, 8, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="backend 'efficient': the plan traces the ring on flash or cudnn only"):
-        ring_attention(None, query, query, query, None, "efficient")
+    with pytest.raises(ValueError, match="backend 'math': torch's ring runs flash, cudnn, efficient only"):
+        ring_attention(None, query, query, query, None, "math")
+
+
+def _torch_s_efficient_ring(rank, tokens):
+    """torch's own `_templated_ring_attention` on memory-efficient turns (as
+    `_scaled_dot_product_ring_efficient_attention` calls it), rank `rank` of cp=2, `tokens` local
+    tokens in float32: the output's shape, or the error."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer_memcb.plan.step.ring_attention import ring_module, ring_options
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        group = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)).get_group()
+        with FakeTensorMode(), ring_options("allgather"):
+            query = torch.empty(1, 2, tokens, 16)
+            return tuple(ring_module()._templated_ring_attention(
+                group, 2, torch.ops.aten._scaled_dot_product_efficient_attention, query, query, query, is_causal=True,
+                attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, scale=None)[0].shape)
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    finally:
+        dist.destroy_process_group()
+
+
+@requires_torch("2.13", RING)
+def test_torch_s_memory_efficient_ring_fails_where_a_half_share_is_not_32_rows():
+    # The rule `ring_refusal` states, held on torch's own ring: rank 0's turns after the first take
+    # the second half of its queries, whose logsumexp rows (padded to 32) the merge broadcasts against
+    # the output's; rank 1's take all its queries. 96 local tokens: halves of 48 rows, padded to 64.
+    from trainer_memcb.plan.step.ring_attention import ring_refusal
+
+    assert _torch_s_efficient_ring(0, 128) == _torch_s_efficient_ring(1, 128) == (1, 2, 128, 16)
+    assert _torch_s_efficient_ring(0, 96).startswith("Attempting to broadcast a dimension of length 48 at -2! "
+                                                     "Mismatching argument at index 1 had torch.Size([1, 2, 48, 1])")
+    assert _torch_s_efficient_ring(1, 96) == (1, 2, 96, 16)  # a job of two ranks fails on rank 0 all the same
+    assert [ring_refusal("efficient", tokens) is None for tokens in (32, 64, 96, 128)] == [False, True, False, True]
+    assert ring_refusal("flash", 96) is None and ring_refusal("cudnn", 96) is None
+
+
+EFFICIENT = "_scaled_dot_product_efficient_attention"
+# Memory-efficient in float32 on an H100, 64 local tokens: E = 2,048 values, 8,192 bytes a query,
+# key or value. One forward turn: its output (8,192), its logsumexp [B, H, 64] (64 rows, a multiple
+# of 32: 512), the meta function's philox seed and offset (8 each).
+EFFICIENT_OUTPUTS = [(EFFICIENT, 8_192), (EFFICIENT, 512), (EFFICIENT, 8), (EFFICIENT, 8)]
+# Rank 1's forward: the flash ring's buffers without the float32 casts (`.to(torch.float32)` of a
+# float32 tensor is the tensor): the concatenated keys and values (16,384) and their all-gather,
+# two turns, the merge on [B, H, 64, 1] (512) and [B, H, 64, D] (8,192) float32 tensors.
+RANK1_EFFICIENT_FORWARD = ([("cat", 16_384), ("all_gather_into_tensor", 32_768)] + EFFICIENT_OUTPUTS * 2
+                           + [("sub", 512), ("sigmoid", 512), ("sub", 8_192), ("mul", 8_192), ("sub", 8_192),
+                              ("sub", 512), ("log_sigmoid_forward", 512), ("log_sigmoid_forward", 512), ("sub", 512)])
+# Each backward turn's own allocations after dq, dk and dv (`efficient_backward_allocations`, sm90,
+# float32: the kernel does not compute delta): `(grad_out * out)` [B, 64, H, 16] (8,192), its sum
+# [B, 64, H] (512), delta, its contiguous transpose (512), then the cutlass kernel's workspace:
+# 2 heads x (ceil(64 / 64) x ceil(16 / 64) x (4 + 64 x 64)) float32 = 32,800.
+EFFICIENT_HELD = [("new_empty", 8_192), ("new_empty", 512), ("new_empty", 512), ("new_empty", 32_800)]
+# Rank 1's backward: float32 accumulators (8,192 each); the keys and values gathered again; turn 0:
+# dq, dk, dv (8,192 each), its own allocations, the key and value gradients concatenated (16,384)
+# and sent on; turn 1 (all its queries over the first halves of rank 0's keys and values): dq
+# (8,192), dk and dv (4,096 each), its own allocations, the received gradients' first halves added
+# (a cat each, 8,192), concatenated and sent on. No casts back (float32).
+RANK1_EFFICIENT_BACKWARD = [("zeros_like", 8_192)] * 3 + [("cat", 16_384), ("all_gather_into_tensor", 32_768)] + [
+    (EFFICIENT + "_backward", 8_192)] * 3 + EFFICIENT_HELD + [("cat", 16_384), ("all_to_all_single", 16_384)] + [
+    (EFFICIENT + "_backward", 8_192), (EFFICIENT + "_backward", 4_096), (EFFICIENT + "_backward", 4_096)] \
+    + EFFICIENT_HELD + [("cat", 8_192), ("cat", 8_192), ("cat", 16_384), ("all_to_all_single", 16_384)]
+
+
+@requires_torch("2.13", RING)
+def test_rank_1_s_ring_on_memory_efficient_makes_the_buffers_derived_from_torch_s_and_aten_s_source():
+    forward, backward = _ring_storages(1, "allgather", "efficient", torch.float32, tokens=64)
+    assert forward == RANK1_EFFICIENT_FORWARD
+    assert backward == RANK1_EFFICIENT_BACKWARD
 
 
 @requires_torch("2.13", RING)
@@ -253,10 +328,10 @@ def test_rank_0_s_second_cudnn_turn_holds_the_workspace_of_half_its_queries():
 
 # -- the step of each rank ------------------------------------------------------------------------
 
-def _cp_plan(rank, rotate="allgather", layout="cp=2", gpu=None):
+def _cp_plan(rank, rotate="allgather", layout="cp=2", gpu=None, precision="bf16", seq_len=64):
     settings = resolve_settings(parallelism=layout, rank=rank, batch_size=2, optimizer="adamw_torch",
-                                precision="bf16", cp_comm_strategy=rotate)
-    plan, _ = plan_step_memory(build, seq_len=64, settings=settings, device_type="cuda", model_states=False,
+                                precision=precision, cp_comm_strategy=rotate)
+    plan, _ = plan_step_memory(build, seq_len=seq_len, settings=settings, device_type="cuda", model_states=False,
                                **({"gpu": gpu} if gpu else {}))
     assert plan.step.problem is None, plan.step.problem
     assert plan.settings.engine == "cp-fsdp2"
@@ -301,3 +376,23 @@ def test_on_an_h100_the_ring_runs_cudnn_and_holds_its_workspace_at_each_backward
     # by one workspace, byte for byte.
     monkeypatch.setattr(cudnn_attention, "cudnn_backward_held", lambda query, grad_out: [("workspace", 2 * 17_408)])
     assert _cp_plan(1, gpu="h100").peak_bytes - rank1.peak_bytes == 17_408
+
+
+@requires_torch("2.13", RING + " and the fake process group's collectives that FSDP2 runs")
+def test_on_a_t4_the_ring_runs_memory_efficient_and_holds_its_temporaries_at_each_backward_turn(monkeypatch):
+    from trainer_memcb.plan.step import ring_attention
+
+    held, real = [], ring_attention.efficient_backward_allocations
+    monkeypatch.setattr(ring_attention, "efficient_backward_allocations",
+                        lambda **shape: held.append(real(**shape)) or held[-1])
+    rank1 = _cp_plan(1, gpu="t4", precision="fp16", seq_len=128)
+    # A T4 (sm75) runs fp16 attention on memory-efficient; 128 tokens over cp=2: halves of 32 rows.
+    # Batch 2, 4 heads of 16, 64 local tokens: the kernel computes delta [2, 4, 64] float32 (2,048
+    # bytes), and its workspace holds one (4 + 64 x 64)-float32 tile of dq for each of the 8 batch
+    # rows and heads (131,200 bytes). Two layers, two turns each.
+    assert held == [[("delta", 2_048), ("workspace", 131_200)]] * 4
+    assert rank1.peak_bytes == 1_723_008 and rank1.peak_phase == "backward"
+    # The peak is at a turn's backward, its workspace held: with one twice as large it grows by one.
+    monkeypatch.setattr(ring_attention, "efficient_backward_allocations",
+                        lambda **shape: [("delta", 2_048), ("workspace", 2 * 131_200)])
+    assert _cp_plan(1, gpu="t4", precision="fp16", seq_len=128).peak_bytes - rank1.peak_bytes == 131_200

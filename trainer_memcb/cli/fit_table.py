@@ -180,14 +180,14 @@ def context_parallel_sizes(model: Any, settings: Any) -> List[int]:
     and the plan take context parallelism (`check_context_parallel`'s and
     `check_context_parallel_model`'s rules: CUDA, SDPA attention, no step whose trainer refuses it,
     `context_parallel_step_refusal`: of TRL's, SFT's padded rows only, and no packing; no own
-    tensor parallelism) and the ring runs flash or cuDNN (16-bit weights, as the plan traces it);
-    none for PEFT's adapters or on a torch without the ring."""
+    tensor parallelism) and torch's ring runs the kernel the GPU takes (`_ring_is_traced`; weights in
+    16 or 32 bits, not autocast); none for PEFT's adapters or on a torch without the ring."""
     from trainer_memcb.plan.settings.parallelism import check_context_parallel_model, context_parallel_step_refusal
     from trainer_memcb.plan.step.ring_attention import ring_module
 
     world, seq_len = settings.world_size, settings.seq_len
     attention = settings.attn_implementation or getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if (world <= 1 or settings.device_type != "cuda" or settings.precision not in ("bf16", "fp16")
+    if (world <= 1 or settings.device_type != "cuda" or settings.precision not in ("bf16", "fp16", "fp32")
             or settings.tp_size > 1 or context_parallel_step_refusal(settings) is not None
             or hasattr(model, "peft_config") or not seq_len or ring_module() is None):
         return []
@@ -200,11 +200,12 @@ def context_parallel_sizes(model: Any, settings: Any) -> List[int]:
 
 
 def _ring_is_traced(model: Any, settings: Any, share: int) -> bool:
-    """Whether the settings' GPU takes a kernel whose ring the plan traces for the ring's turns
-    (`sdpa_backend`, causal, no mask, a `share` of the tokens each): flash, or cuDNN (an H100 or
-    H200 with cuDNN above 9.15 prefers it), not memory-efficient or math."""
+    """Whether torch's ring runs the kernel the settings' GPU takes for the ring's turns
+    (`sdpa_backend`, causal, no mask, a `share` of the tokens each, in the attention's dtype): flash,
+    cuDNN (an H100 or H200 with cuDNN above 9.15 prefers it in 16-bit) or memory-efficient (float32, a
+    GPU before Ampere) where its padded logsumexp merges (`ring_refusal`), not math."""
     from trainer_memcb.plan.device.cuda_kernels import sdpa_backend
-    from trainer_memcb.plan.step.ring_attention import RING_BACKENDS
+    from trainer_memcb.plan.step.ring_attention import ring_refusal
     from trainer_memcb.plan.step.trace import compute_capability_of
 
     config = getattr(model, "config", None)
@@ -213,9 +214,12 @@ def _ring_is_traced(model: Any, settings: Any, share: int) -> bool:
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     if not isinstance(head_dim, int):
         return False
-    dtype = "bfloat16" if settings.precision == "bf16" else "float16"
-    return sdpa_backend(dtype, head_dim, has_mask=False, is_causal=True, compute_capability=compute_capability_of(settings),
-                        seq_len_q=share, seq_len_k=share) in RING_BACKENDS
+    # The attention's dtype: autocast and DeepSpeed run it in their 16-bit dtype.
+    dtype = ("float32" if settings.precision == "fp32" else "bfloat16" if "bf16" in settings.precision
+             else "float16")
+    backend = sdpa_backend(dtype, head_dim, has_mask=False, is_causal=True, compute_capability=compute_capability_of(settings),
+                           seq_len_q=share, seq_len_k=share)
+    return ring_refusal(backend, share) is None
 
 
 def _trl_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]:

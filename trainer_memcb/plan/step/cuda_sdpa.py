@@ -172,7 +172,7 @@ def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, ring_group: A
           is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
     backend = gpu_sdpa_backend(query, key, attn_mask, dropout_p, is_causal, enable_gqa, compute_capability)
     if ring_group is not None:
-        return _ring(ring_group, backend, query, key, value, attn_mask, dropout_p, is_causal, scale)
+        return _ring(ring_group, backend, compute_capability, query, key, value, attn_mask, dropout_p, is_causal, scale)
     attn_mask = _additive_mask(attn_mask, query.dtype)
     if backend == "math":
         return torch.ops.aten._scaled_dot_product_attention_math.default(
@@ -181,15 +181,15 @@ def _sdpa(compute_capability: Tuple[int, int], repeat_heads: bool, ring_group: A
                                  (compute_capability, float(dropout_p)))
 
 
-def _ring(group: Any, backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-          attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+def _ring(group: Any, backend: str, compute_capability: Tuple[int, int], query: torch.Tensor, key: torch.Tensor,
+          value: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
     """Context parallelism's attention (`trainer_memcb.plan.step.ring_attention`), where torch's ring
     takes these arguments as the plan traces it.
 
     Raises:
         ValueError: naming what torch's ring (or this plan's trace of it) does not take.
     """
-    from trainer_memcb.plan.step.ring_attention import RING_BACKENDS, ring_attention
+    from trainer_memcb.plan.step.ring_attention import RING_BACKENDS, ring_attention, ring_refusal
 
     if attn_mask is not None or not is_causal or dropout_p:
         # accelerate's hook drops the mask and sets is_causal; the ring's load balancing needs it.
@@ -197,10 +197,13 @@ def _ring(group: Any, backend: str, query: torch.Tensor, key: torch.Tensor, valu
                          f"{is_causal} or dropout {dropout_p}: torch's ring runs causal attention without a mask "
                          "(load balancing needs is_causal=True), and this plan traces it without dropout")
     if backend not in RING_BACKENDS:
+        # `_sdpa_handler`: "CP only supports flash attention and memory efficient attention now".
         raise ValueError(f"context parallelism: a GPU takes the {backend!r} attention kernel for {query.dtype} "
-                         "here; the plan traces the ring on flash or cuDNN only (bf16 or fp16 on an Ampere or "
-                         "later GPU)")
-    return ring_attention(group, query, key, value, scale, backend)
+                         "here; torch's ring runs the flash, cuDNN and memory-efficient kernels only")
+    refusal = ring_refusal(backend, int(query.shape[-2]))
+    if refusal:
+        raise ValueError(f"context parallelism on {query.dtype}: {refusal}")
+    return ring_attention(group, query, key, value, scale, backend, compute_capability)
 
 
 @contextlib.contextmanager
