@@ -70,11 +70,57 @@ def _aot_min_cut() -> Any:
     return aot_autograd(fw_compiler=as_traced, bw_compiler=as_traced, partition_fn=min_cut_rematerialization_partition)
 
 
+def _compiles_under_fake_tensors() -> bool:
+    """Whether this torch's dynamo compiles a forward on another fake mode's tensors: torch 2.6's
+    does not (its AOTAutograd asserts that the tracing context's fake mode is the inputs'), so the
+    plan traces the eager step there."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _compiles_under_fake_tensors(), reason="this torch's dynamo does not compile on the "
+                    "plan's fake tensors (torch 2.6: fake mode mismatch); the fallback is tested below")
 def test_the_compiled_plan_equals_a_real_step_with_the_same_partition() -> None:
     eager, compiled = _plan(False), _plan(True)
-    print("eager", eager.step.peak_bytes, eager.step.activations_bytes, "compiled", compiled.step.peak_bytes,
-          compiled.step.activations_bytes)
-    real = _real_peak(_aot_min_cut())
-    print("real aot", real)
-    real_eager = _real_peak("eager")
-    print("real eager", real_eager)
+    # The eager step saves 678,152 bytes for backward; the min-cut partition 533,768 (it recomputes
+    # cheap tensors in backward), but the forward graph runs its temporaries unfused and the peak
+    # (in the backward) is higher than the eager step's: 2,194,596 bytes against 1,927,840.
+    assert (eager.step.activations_bytes, compiled.step.activations_bytes) == (678152, 533768)
+    assert (eager.step.peak_bytes, compiled.step.peak_bytes) == (1927840, 2194596)
+    assert COMPILED_STEP not in compiled.device.not_counted
+    assert compiled.device.not_counted == list(NOT_COUNTED["cpu"]) + [COMPILED_NOT_COUNTED]
+    assert any(note.startswith("torch_compile=True: traced compiled") for note in compiled.step.notes)
+    # The real step compiled with the same partition and its graphs run as traced: to the byte.
+    assert _real_peak(_aot_min_cut()) == compiled.step.peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _compiles_under_fake_tensors(), reason="this torch's dynamo does not compile on the "
+                    "plan's fake tensors (torch 2.6: fake mode mismatch)")
+def test_inductors_real_step_holds_no_more_than_the_compiled_plan() -> None:
+    try:
+        real = _real_peak("inductor")
+    except Exception as error:  # no C++ compiler, or one Inductor cannot use
+        pytest.skip(f"Inductor could not compile on this machine: {type(error).__name__}")
+    # Measured here: 1,783,744 bytes (its fused kernels hold fewer temporaries) against 2,194,596 planned.
+    assert real <= _plan(True).step.peak_bytes
+    assert real < _plan(False).step.peak_bytes
+
+
+def test_where_the_compiled_step_cannot_be_traced_the_eager_figure_is_said_to_be_the_eager_steps(monkeypatch) -> None:
+    from trainer_memcb.plan.step import compiled_step
+
+    if _compiles_under_fake_tensors():  # dynamo fails as it fails on torch 2.6
+        def fails(self: Any, *args: Any, **kwargs: Any) -> None:
+            raise compiled_step.CompiledStepFailed("dynamo could not compile the forward under fake tensors "
+                                                   "(BackendCompilerFailed: fake mode mismatch)")
+
+        monkeypatch.setattr(compiled_step.CompiledForward, "warm_up", fails)
+    eager, compiled = _plan(False), _plan(True)
+    assert compiled.step.peak_bytes == eager.step.peak_bytes
+    assert compiled.step.activations_bytes == eager.step.activations_bytes
+    assert compiled.device.not_counted == list(NOT_COUNTED["cpu"]) + [COMPILED_STEP]
+    failed = [note for note in compiled.step.notes if note.startswith("torch_compile=True: the compiled step could "
+                                                                       "not be traced (CompiledStepFailed: dynamo")]
+    assert len(failed) == 1 and "fake mode" in failed[0]
+    assert any(note.startswith("torch_compile=True: traced as the eager step") for note in compiled.step.notes)

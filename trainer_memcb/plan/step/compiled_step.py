@@ -34,6 +34,7 @@ the compiled one.
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Dict, List
 
 import torch
@@ -69,6 +70,19 @@ def _ignores_compile_internals() -> bool:
     return True
 
 
+def _fresh_call(model: nn.Module) -> Any:
+    """A function that calls `model`, its code object its own: dynamo keeps its compiled code on
+    the code object of the frame it compiles, so a plan's compilation neither finds the ones of
+    plans before it (other shapes, other fake models) nor counts towards their recompile limit, and
+    goes with this function. The model's forward is inlined into its frame, as into the frame of
+    `torch.compile(model)`."""
+    def call(**kwargs: Any) -> Any:
+        return model(**kwargs)
+
+    return types.FunctionType(call.__code__.replace(), call.__globals__, call.__name__, call.__defaults__,
+                              call.__closure__)
+
+
 def _boxed_as_traced(runs: List[int]) -> Any:
     """An AOTAutograd compiler that returns the graph as traced, counting its runs in `runs[0]`."""
     from functorch.compile import make_boxed_func
@@ -102,7 +116,9 @@ class CompiledForward:
                                bw_compiler=_boxed_as_traced(backward_runs),
                                partition_fn=min_cut_rematerialization_partition)
         self.model = model
-        self.compiled = torch.compile(model, backend=backend)
+        # Static shapes, as the Trainer's first compilation is (accelerate's `dynamic` None: shapes
+        # turn dynamic only once they change).
+        self.compiled = torch.compile(_fresh_call(model), backend=backend, dynamic=False)
 
     def warm_up(self, kwargs: Dict[str, Any], mode: Any, contexts: List[Any], autocast: Any, tracker: Any) -> None:
         """Compile: one forward and backward of `kwargs` inside `mode` and `contexts` (the step's own,
