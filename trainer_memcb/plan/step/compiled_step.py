@@ -17,7 +17,10 @@ frees it.
 Inductor's code generation cannot run under fake tensors, so what it changes is not counted
 (`COMPILED_NOT_COUNTED`): its fused kernels hold fewer temporaries than the graph's operations do,
 and it holds buffers and workspaces of its own. The traced figure is the step without that fusion,
-an upper bound of the Inductor step by what that names.
+an upper bound of the Inductor step by what that names. On CUDA, the stand-ins of the attention
+kernels (`plan.step.cuda_sdpa`, `plan.step.flash_attn`) allocate the workspaces a kernel holds
+while it runs, which nothing reads: AOTAutograd's tracing drops them from the graph, so they are
+named there too.
 
 Dynamo runs no compiled frame while a dispatch mode that is not torch's own is on the stack
 (`torch/_dynamo/convert_frame.py`: "non-infra torch dispatch mode present"; it runs the eager code
@@ -44,9 +47,11 @@ __all__ = ["CompiledForward", "CompiledStepFailed", "COMPILED_NOT_COUNTED", "com
 
 # What the compiled trace does not count: the plan's "not counted" line with torch_compile=True.
 COMPILED_NOT_COUNTED = ("torch_compile=True: traced with AOTAutograd's min-cut partition (what the compiled "
-                        "forward saves for backward) running its graphs as traced; Inductor's fused kernels, "
-                        "which hold fewer temporaries, and its own buffers and workspaces are not counted: "
-                        "the figures are an upper bound of the Inductor step by those")
+                        "forward saves for backward), its graphs run as traced; not counted: Inductor's fused "
+                        "kernels, which hold fewer temporaries than the graphs' operations (the figure is above "
+                        "the Inductor step's by those), Inductor's own buffers and workspaces, and on CUDA the "
+                        "workspaces an attention kernel holds while it runs (the graph drops the stand-ins' "
+                        "allocations that nothing reads)")
 
 
 class CompiledStepFailed(Exception):
