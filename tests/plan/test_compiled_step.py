@@ -77,7 +77,6 @@ def _compiles_under_fake_tensors() -> bool:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _compiles_under_fake_tensors(), reason="this torch's dynamo does not compile on the "
                     "plan's fake tensors (torch 2.6: fake mode mismatch); the fallback is tested below")
 def test_the_compiled_plan_equals_a_real_step_with_the_same_partition() -> None:
@@ -94,7 +93,7 @@ def test_the_compiled_plan_equals_a_real_step_with_the_same_partition() -> None:
     assert _real_peak(_aot_min_cut()) == compiled.step.peak_bytes
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # Inductor's first compilation: about 90 s here, 7 s from its cache
 @pytest.mark.skipif(not _compiles_under_fake_tensors(), reason="this torch's dynamo does not compile on the "
                     "plan's fake tensors (torch 2.6: fake mode mismatch)")
 def test_inductors_real_step_holds_no_more_than_the_compiled_plan() -> None:

@@ -89,14 +89,17 @@ def _fresh_call(model: nn.Module) -> Any:
 
 
 def _boxed_as_traced(runs: List[int]) -> Any:
-    """An AOTAutograd compiler that returns the graph as traced, counting its runs in `runs[0]`."""
+    """An AOTAutograd compiler that returns each graph as traced, the runs of the n-th graph it
+    compiles counted in `runs[n]`."""
     from functorch.compile import make_boxed_func
 
     def compiler(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
         boxed = make_boxed_func(graph)
+        index = len(runs)
+        runs.append(0)
 
         def run(args: List[Any]) -> Any:
-            runs[0] += 1
+            runs[index] += 1
             return boxed(args)
 
         run._boxed_call = True  # AOTAutograd hands it the list of inputs, which it may clear
@@ -115,10 +118,11 @@ class CompiledForward:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        self._forward_runs = [0]
-        backward_runs = [0]
+        # The runs of each forward graph; the first is the model's own frame's (dynamo compiles it
+        # first), the others any frame compiled after a graph break or inside it.
+        self._forward_runs: List[int] = []
         backend = aot_autograd(fw_compiler=_boxed_as_traced(self._forward_runs),
-                               bw_compiler=_boxed_as_traced(backward_runs),
+                               bw_compiler=_boxed_as_traced([]),
                                partition_fn=min_cut_rematerialization_partition)
         self.model = model
         # Static shapes, as the Trainer's first compilation is (accelerate's `dynamic` None: shapes
@@ -141,13 +145,13 @@ class CompiledForward:
         tracker.ignore_compile_internals = _ignores_compile_internals
 
     def __call__(self, **kwargs: Any) -> Any:
-        before = self._forward_runs[0]
+        before = self._forward_runs[0] if self._forward_runs else 0
         try:
             outputs = self.compiled(**kwargs)
         except Exception as error:
             raise CompiledStepFailed(f"dynamo could not compile the forward under fake tensors "
                                      f"({type(error).__name__}: {' '.join(str(error).split())[:200]})") from error
-        if self._forward_runs[0] == before:
+        if not self._forward_runs or self._forward_runs[0] == before:
             raise CompiledStepFailed("dynamo ran the forward eagerly (its compiled graph did not run)")
         if outputs.get("loss") is None:
             raise CompiledStepFailed("the compiled forward returned no loss")
