@@ -53,7 +53,7 @@ def _real_peak(backend: Any) -> int:
     torch.manual_seed(0)
     model = prepare_like_trainer(LlamaForCausalLM(_config()), gradient_checkpointing=False)
     optimizer = build_trainer_optimizer("adamw_torch", TrainingArguments("unused", report_to=[]), model)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # compiled afresh, not from the cache entries of another test's model
     compiled = torch.compile(model, backend=backend)
     start, above = real_step_peak(compiled, optimizer, [_batch()])
     return start + above
