@@ -82,7 +82,7 @@ def _compiles_under_fake_tensors() -> bool:
 # tensors in backward), but the forward graph runs its temporaries unfused and the peak (in the
 # backward) is higher than the eager step's; with checkpointing (dynamo's checkpoint, its
 # recomputation tags kept by the partitioner), 99,592 saved where the eager step saves 115,976.
-# The second case is slow: 9 s each here alone, about 50 s with the machine shared.
+# Each case takes 9 s here alone, about 50 s on a shared machine: the checkpointed one is marked slow.
 CASES = [(False, 678152, 533768, 1927840, 2194596),
          pytest.param(True, 115976, 99592, 1800928, 1806048, marks=pytest.mark.slow)]
 
