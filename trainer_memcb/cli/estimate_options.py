@@ -226,8 +226,9 @@ def _add_step_arguments(estimate: argparse.ArgumentParser) -> Any:
     step.add_argument("--padding", type=non_negative_int, metavar="P", default=0,
                       help="padded positions per row of the token batch (default 0: the attention mask all ones)")
     step.add_argument("--torch-compile", action="store_true", default=None,
-                      help="the Trainer's torch_compile=True (as --training-args may give it): not traced compiled; "
-                           "the plan says its figures are the eager step's")
+                      help="the Trainer's torch_compile=True (as --training-args may give it): traced compiled, what its forward "
+                           "saves for backward chosen by AOTAutograd's min-cut partitioner (Inductor's fusion not "
+                           "counted); the eager step, said so, where that cannot be traced")
     step.add_argument("--liger-kernel", action="store_true", default=None, dest="use_liger_kernel",
                       help="the Trainer's use_liger_kernel=True (as --training-args may give it): the model patched "
                            "as liger-kernel patches it, its Triton kernels planned (CUDA; Llama, Mistral, Qwen2, "

@@ -40,10 +40,11 @@ from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.settings.attention import (HUB_FLASH_ATTN_2, fa3_refusal, hub_kernel_repo, is_flash_path,
                                                    is_planned_hub_flash)
 from trainer_memcb.plan.settings.setup import setup_of
+from trainer_memcb.plan.step.compiled_step import COMPILED_NOT_COUNTED
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
 from trainer_memcb.plan.step.trace import UntracedStep, trace_step
 
-__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "COMPILED_STEP", "check_attn_implementation"]
+__all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "COMPILED_STEP", "COMPILED_NOT_COUNTED", "check_attn_implementation"]
 
 # What a real process holds beyond the storages the trace counts, by device type: the reason for a
 # reserve (`plan_step_memory(reserve_bytes=...)`, the command's --reserve).
@@ -55,7 +56,8 @@ NOT_COUNTED = {
     "cpu": ("the CPU allocator's own bookkeeping and rounding",),
 }
 
-# torch_compile=True: what the plan does not trace (its figures are the eager step's).
+# torch_compile=True where the compiled step cannot be traced (its figures are the eager step's);
+# where it is, `COMPILED_NOT_COUNTED` says what the compiled trace does not count.
 COMPILED_STEP = ("torch_compile=True: the compiled step is not traced, so every figure is the eager step's: "
                  "AOTAutograd's partitioner chooses what the compiled forward saves for backward (recomputing "
                  "cheap tensors in the backward), and Inductor fuses temporaries and holds buffers of its own")
@@ -270,7 +272,13 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
     """The step plan, every figure read from `timeline`: the peak and its parts, the model states,
     and fits? from the allocator replay on CUDA, from the peak on the CPU."""
     traced = _read_peak(timeline)
-    if settings.torch_compile:
+    if timeline.compiled:  # the compiled step traced: what it does not count, in place of the eager step's line
+        device = dataclasses.replace(device, not_counted=[COMPILED_NOT_COUNTED if line == COMPILED_STEP else line
+                                                          for line in device.not_counted])
+    if settings.torch_compile and timeline.compiled:
+        notes.append("torch_compile=True: traced compiled, what the forward saves for backward chosen by "
+                     "AOTAutograd's min-cut partitioner (as Inductor's step chooses it), its graphs run as traced")
+    elif settings.torch_compile:
         notes.append("torch_compile=True: traced as the eager step (the compiled step's saved tensors and Inductor's "
                      "buffers are not planned); the peak and fits? hold for torch_compile=False")
     if traced.host_bytes:

@@ -115,6 +115,9 @@ class Timeline:
     generation: Optional[PhasePeak] = None
     streams: Mapping[int, int] = dataclasses.field(default_factory=dict)
     stream_names: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    # torch_compile=True traced compiled (`trainer_memcb.plan.step.compiled_step`): the forward's
+    # saved tensors AOTAutograd's min-cut partition's; False for the eager step.
+    compiled: bool = False
 
     def with_resident(self, part: str, nbytes: int, *, state: Optional[str] = None,
                       group: Optional[str] = None) -> "Timeline":

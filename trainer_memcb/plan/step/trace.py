@@ -165,6 +165,9 @@ class _Step:
     tokens: Optional[Dict[str, Any]] = None
     batch_size: int = 1
     seq_len: Optional[int] = None
+    # With torch_compile=True: the model's forward as the compiled step runs it
+    # (`trainer_memcb.plan.step.compiled_step.CompiledForward`); None for the eager step.
+    compiled: Any = None
 
 
 @dataclasses.dataclass
@@ -289,10 +292,9 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         if step.preference is not None:  # TRL's compute_loss
             loss = _trl_loss(step, inputs, kwargs, accumulation, autocast)
         else:
-            if inputs.labels is not None and _accepts_loss_kwargs(model):
-                kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+            kwargs = _forward_kwargs(model, inputs)
             with counter, autocast if autocast is not None else contextlib.nullcontext():
-                outputs = model(**kwargs)
+                outputs = (step.compiled or model)(**kwargs)
             loss = outputs["loss"] if outputs.get("loss") is not None else outputs[0].float().sum()
             del outputs
         if number == 1:
@@ -303,6 +305,27 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         del loss
         micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
     return micro_peaks, activations, phase_starts, kwargs
+
+
+def _forward_kwargs(model: nn.Module, inputs: Any) -> Dict[str, Any]:
+    """The Trainer's forward keywords for a micro-batch: its batch and, for a model that takes loss
+    keyword arguments, `num_items_in_batch` (`Trainer.compute_loss`)."""
+    kwargs: Dict[str, Any] = dict(inputs.forward)
+    if inputs.labels is not None and _accepts_loss_kwargs(model):
+        kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+    return kwargs
+
+
+def _compile(step: _Step, mode: Any, contexts: List[Any], autocast: Any) -> None:
+    """With torch_compile=True, the model compiled as the Trainer's step compiles it
+    (`CompiledForward`), by one forward and backward of the first micro-batch inside `contexts`
+    (the step's own, made again, its trackers left out) before anything is counted."""
+    from trainer_memcb.plan.step.compiled_step import CompiledForward
+
+    step.compiled = CompiledForward(step.model)
+    with mode:
+        kwargs = _forward_kwargs(step.model, step.inputs[0])
+    step.compiled.warm_up(kwargs, mode, contexts, autocast, step.tracker)
 
 
 def _trl_loss(step: _Step, inputs: Any, kwargs: Dict[str, Any], accumulation: int, autocast: Any) -> torch.Tensor:
@@ -443,7 +466,7 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
                 accumulation: int = 1, device_type: str = "cpu",
                 compute_capability: Tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
                 kept: Optional[List["_Prefix"]] = None, preference: Any = None,
-                ref_model: Optional[nn.Module] = None) -> Timeline:
+                ref_model: Optional[nn.Module] = None, compiled: bool = False) -> Timeline:
     """Run the step under fake tensors (the model already fake, `mode` its fake mode), counting as
     the module says; `engine` wraps the model and runs the backward and the optimizer step its way.
     With `accumulation` above 1, the micro-batches of `traced_micro_batches(accumulation)` run their
@@ -454,7 +477,7 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
     backend a GPU of `compute_capability` takes (`trainer_memcb.plan.step.cuda_sdpa`), for the
     whole step, so that checkpointing's recomputation runs as the forward did. Given `kept`, the
     step up to its optimizer phase is appended to it where another optimizer can step from there
-    (`_Prefix`)."""
+    (`_Prefix`). With `compiled`, the forward runs as torch_compile=True compiles it (`_compile`)."""
     step = _start_step(model, mode, engine or StepEngine(), build_optimizer, batch_size, seq_len, input_options,
                        accumulation, gradient_checkpointing, preference, ref_model)
     tracker = step.tracker
@@ -464,6 +487,9 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
         ring = getattr(step.engine, "ring", None)
         contexts, autocast = _step_contexts(mode, tracker, precision, device_type, compute_capability, flop_totals,
                                             ring)
+        if compiled:  # the step's own contexts, fresh, up to the fake mode: no tracker sees the compilation
+            _compile(step, mode, _step_contexts(mode, tracker, precision, device_type, compute_capability, None,
+                                                ring)[0][:5], autocast)
         with contextlib.ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context)
@@ -480,6 +506,8 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
         step.counter.close()
         step.engine.close()
     timeline = _timeline_of(step, micro_peaks, activations, phase_starts, grads, stepped, flop_totals)
+    if compiled:
+        timeline = dataclasses.replace(timeline, compiled=True)
     if before is not None and kept is not None:
         kept.extend(before.prefix(step, last_inputs, timeline, lambda totals: _step_contexts(
             mode, tracker, precision, device_type, compute_capability, totals, ring)[0]))
@@ -802,6 +830,26 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
 
 def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
                     keep_dtypes: bool = False, quantization: Any = None) -> Timeline:
+    """`_trace_step_once`; with `settings.torch_compile`, the compiled step
+    (`trainer_memcb.plan.step.compiled_step`) where it can be traced, and otherwise the eager step
+    with a note that says why (`Timeline.compiled` says which was traced)."""
+    options = dict(args=args, step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization)
+    if not settings.torch_compile:
+        return _trace_step_once(meta, settings, **options)
+    from trainer_memcb.plan.step.compiled_step import compiled_step_refusal
+
+    refusal = compiled_step_refusal(settings)
+    if not refusal:
+        try:
+            return _trace_step_once(meta, settings, compiled=True, **options)
+        except UntracedStep as error:  # traced again eagerly: its figures are said to be the eager step's
+            refusal = f"the compiled step could not be traced ({error})"
+    timeline = _trace_step_once(meta, settings, **options)
+    return dataclasses.replace(timeline, notes=timeline.notes + (f"torch_compile=True: {refusal}",))
+
+
+def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
+                     keep_dtypes: bool = False, quantization: Any = None, compiled: bool = False) -> Timeline:
     """Trace one training step of `meta` (a model on the meta device, made fake here) under the
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `settings.optimizer`, in `settings.precision`, with checkpointing where
@@ -809,7 +857,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     GPU (`compute_capability_of`).
     The settings are the one source of what they hold: no keyword repeats them. Inside
     `sharing_traces`, the step is kept up to its optimizer phase where another optimizer can step
-    from there.
+    from there. With `compiled`, the forward runs as torch_compile=True compiles it.
 
     Returns:
         The step's timeline: every storage it created and freed, by part, each phase's peak, the
@@ -860,7 +908,7 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
             timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
                                    settings.gradient_checkpointing, engine, input_options,
                                    settings.gradient_accumulation_steps, device_type, compute_capability, kept,
-                                   preference, ref_model)
+                                   preference, ref_model, compiled)
     except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
         engine.close()
         raise UntracedStep(_untraced_reason(error, settings.sharding)) from error
