@@ -202,7 +202,7 @@ def parallelism_from_config(config: Any, where: str = "training args") -> Option
         raise ValueError(f"{where}: {error}") from None
 
 
-def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, cp: int = 1) -> None:
+def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, cp: int = 1, dp_shard: int = 1) -> None:
     """Refuse a model whose heads do not split whole over `tp` ranks, or whose MLP width torch's
     styles cannot split unevenly (module docstring); an uneven vocabulary is planned per rank.
     With `own_rules` (the user's `tp_plan` over the model's), which may split a layer along the
@@ -228,9 +228,11 @@ def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, c
     checks = (("num_attention_heads", heads, "each rank runs whole attention heads"),
               ("num_key_value_heads", kv_heads, "each rank runs whole key/value heads (k_proj and v_proj are "
                "split colwise)"),
-              ("intermediate_size", getattr(text, "intermediate_size", None),
-               "torch's RowwiseParallel, which the plan applies to down_proj, takes its input's columns as even "
-               "shards and refuses the matmul; transformers' own tp_plan styles run it, not planned yet"))
+              )
+    if dp_shard > 1 or cp > 1:
+        beside = f"dp_shard={dp_shard}" if dp_shard > 1 else f"cp={cp}"
+        checks += (("intermediate_size", getattr(text, "intermediate_size", None),
+                    f"an uneven MLP width beside {beside} is not planned"),)
     if own_rules:
         checks += (("hidden_size", getattr(text, "hidden_size", None), "your tp_plan rules may split layers "
                     "along it, and uneven hidden shards are not planned"),)

@@ -88,6 +88,7 @@ class TensorParallelEngine(_CollectivesAsHeld, StepEngine):
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+        from trainer_memcb.plan.model.tp_styles import own_sized_linear_shards
 
         tp = self.settings.tp_size
         plan = model_tp_plan(model, self.settings.tp_plan)
@@ -102,6 +103,7 @@ class TensorParallelEngine(_CollectivesAsHeld, StepEngine):
         self._hold_collectives_as_returned()
         with mode:
             parallelize_module(model, mesh, styles)
+            own_sized_linear_shards(model, plan)
         rules = f", {len(self.settings.tp_plan)} of them yours" if self.settings.tp_plan else ""
         self.notes.append(f"tensor parallel over {tp} processes: the model's tp_plan ({len(plan)} entries{rules}) applied "
                           "with torch's parallelize_module (ColwiseParallel / RowwiseParallel)")
