@@ -328,7 +328,7 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = getattr(meta, "config", None)
-    if settings.tp_size > 1:  # the model's heads and widths split whole, its plan in torch's styles
+    if settings.tp_size > 1:  # the model's heads split whole, its plan in torch's styles
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
         from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
 
