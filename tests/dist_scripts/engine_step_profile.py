@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node 2 (or 4) engine_step_profile.py OUT_DIR ENGINE.
 ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
 (reshard_after_forward=False), fsdp2-offload (full shard, `CPUOffloadPolicy(pin_memory=False)`),
 fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way), tp and tp-uneven
-(torch's parallelize_module with the model's tp_plan; tp-uneven on 257 tokens, `CHANGED_CONFIG`), fsdp2-bf16 (full
+(torch's parallelize_module with the model's tp_plan; tp-uneven on 257 tokens, `CHANGED_CONFIG`), tp-auto,
+tp-auto-uneven-mlp (an MLP width of 129) and tp-attention-whole (transformers' `from_pretrained(tp_plan=...)`), fsdp2-bf16 (full
 shard with the Trainer's bf16=True as accelerate runs it: `MixedPrecisionPolicy` of bf16
 parameters and reductions, the forward under CPU autocast); FSDP2's
 ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
