@@ -19,6 +19,7 @@ replicated one and handed on as a local tensor. On an even width the shape given
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict
 
 import torch
@@ -46,10 +47,12 @@ class RowwiseParallelGivenWidth(RowwiseParallel):
         if (not isinstance(local, DTensor) and isinstance(mod, nn.Linear)
                 and tuple(input_layouts) == (Shard(-1),)):
             # transformers' `TensorParallelLayer._from_local_last_dim_shard`: the shape and its
-            # contiguous stride, made on the meta device.
+            # contiguous stride (transformers reads it off a meta tensor; counted here, so that no
+            # tensor is made: a memory tracker would file a meta one as a second device).
             shape = (*local.shape[:-1], mod.in_features)
+            stride = tuple(math.prod(shape[dim + 1:]) for dim in range(len(shape)))
             inputs = (DTensor.from_local(local, device_mesh, input_layouts, run_check=False, shape=torch.Size(shape),
-                                         stride=torch.empty(shape, device="meta").stride()),) + tuple(inputs[1:])
+                                         stride=stride),) + tuple(inputs[1:])
         return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
 
