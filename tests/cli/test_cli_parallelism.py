@@ -95,3 +95,31 @@ def test_the_model_states_table_names_tensor_parallelism(tiny_llama_dir, capsys,
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("sharding ")]
     # The settings table's row first (the engine's sharding, from where it came), the model states' last.
     assert code == 0 and " ".join(lines[-1][1:]) == row
+
+
+def test_an_uneven_mlp_width_beside_fsdp2_is_one_usage_line(tmp_path_factory, capsys):
+    folder = tiny_llama_folder(tmp_path_factory, "tiny-llama-mlp-129", intermediate_size=129)
+    code = main(["estimate", folder, *STEP, "--parallelism", "tp=2,dp_shard=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert ("parallelism tp=2: the model's intermediate_size=129 does not divide by 2 (an uneven MLP width beside "
+            "dp_shard=2 is not planned)") in err
+    assert len([line for line in err.splitlines() if line.strip()]) <= 2
+
+
+@pytest.mark.parametrize("width,world,sizes", [
+    (128, 4, [2, 4]),
+    (129, 2, [2]),  # TP alone on both processes: planned per rank
+    (129, 4, [4]),  # tp=2 would run beside FSDP2 on the other two, which an uneven width is not planned beside
+])
+def test_fit_proposes_tp_for_an_uneven_mlp_width_alone_only(width, world, sizes):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer_memcb.cli.fit_table import tensor_parallel_sizes
+    from trainer_memcb.plan.settings import resolve_settings
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=width, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=4, vocab_size=256))
+    assert tensor_parallel_sizes(model, resolve_settings(world_size=world, batch_size=2)) == sizes

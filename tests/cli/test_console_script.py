@@ -196,3 +196,13 @@ def test_tensor_parallel_with_uneven_shards_shows_each_rank_s_step(tmp_path):
     assert even.returncode == 0, even.stderr
     assert "rank_groups" not in json.loads(even.stdout)["step"]
     assert json.loads(even.stdout)["step"]["peak_bytes"] == 1_038_232
+    # An MLP width of 129: rank 0 holds 65 rows of gate_proj and up_proj and 65 columns of down_proj,
+    # rank 1 64, as transformers' own styles split them; each figure the real from_pretrained(tp_plan=
+    # "auto") run's MemTracker reading less its views of the checkpoint's tensors and 16 bytes
+    # (tests/training/test_tensor_parallel_runs.py). Beside FSDP2 it is refused (tests/plan/test_tensor_parallel.py).
+    LlamaConfig(**dict(config, vocab_size=256, intermediate_size=129)).save_pretrained(str(tmp_path))
+    mlp = run_script("estimate", str(tmp_path), "--parallelism", "tp=2", "--batch-size", "2", "--seq-len", "16",
+                     "--device-type", "cpu", "--json")
+    assert mlp.returncode == 0, mlp.stderr
+    assert [(group["ranks"], group["peak_bytes"]) for group in json.loads(mlp.stdout)["step"]["rank_groups"]] == [
+        ([0], 1_044_632), ([1], 1_038_232)]

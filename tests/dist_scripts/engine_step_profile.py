@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node 2 (or 4) engine_step_profile.py OUT_DIR ENGINE.
 ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard), fsdp2-sgo
 (reshard_after_forward=False), fsdp2-offload (full shard, `CPUOffloadPolicy(pin_memory=False)`),
 fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way), tp and tp-uneven
-(torch's parallelize_module with the model's tp_plan; tp-uneven on 257 tokens, `CHANGED_CONFIG`), fsdp2-bf16 (full
+(torch's parallelize_module with the model's tp_plan; tp-uneven on 257 tokens, `CHANGED_CONFIG`), tp-auto,
+tp-auto-uneven-mlp (an MLP width of 129) and tp-attention-whole (transformers' `from_pretrained(tp_plan=...)`), fsdp2-bf16 (full
 shard with the Trainer's bf16=True as accelerate runs it: `MixedPrecisionPolicy` of bf16
 parameters and reductions, the forward under CPU autocast); FSDP2's
 ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
@@ -43,7 +44,10 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               vocab_size=256)
 # The engines that run the tiny Llama with other sizes: `tp-uneven`, 257 tokens, TP's uneven shards of
 # the embedding and the head (torch's chunk rule: 129 rows on rank 0, 128 on rank 1).
-CHANGED_CONFIG = {"tp-uneven": dict(vocab_size=257), "tp-fsdp2-uneven": dict(vocab_size=257)}
+# `tp-auto-uneven-mlp`, an MLP width of 129 through transformers' own styles (gate_proj's and up_proj's
+# rows, down_proj's columns 65 on rank 0, 64 on rank 1).
+CHANGED_CONFIG = {"tp-uneven": dict(vocab_size=257), "tp-fsdp2-uneven": dict(vocab_size=257),
+                  "tp-auto-uneven-mlp": dict(intermediate_size=129)}
 BATCH, SEQ = 2, 16
 # The user's tensor-parallel rules of engine tp-attention-whole (tests/training/test_tensor_parallel_runs.py).
 ATTENTION_WHOLE = {f"model.layers.*.self_attn.{name}": "replicate" for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -58,7 +62,7 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
         return parallelize_module(model, mesh, torch_tp_plan(model_tp_plan(model)))
-    if engine in ("tp-auto", "tp-attention-whole"):
+    if engine in ("tp-auto", "tp-auto-uneven-mlp", "tp-attention-whole"):
         # The same layout through transformers' own loading: `from_pretrained(tp_plan="auto")` of this
         # model saved (rank 0, then every process loads it), transformers 5's own parallel styles;
         # tp-attention-whole: the user's rules over the model's plan (`DistributedConfig(tp_plan=dict)`,
@@ -366,7 +370,8 @@ def main() -> None:
         # ENGINE-memtracker: FSDPMemTracker's peak of the same step (see memtracker_run).
         if engine.endswith("-memtracker"):
             name = engine[:-len("-memtracker")]
-            plain = name.startswith("ddp") or name in ("tp", "tp-auto", "tp-uneven", "tp-attention-whole")  # FSDPMemTracker wants FSDP modules
+            plain = name.startswith("ddp") or name in ("tp", "tp-auto", "tp-auto-uneven-mlp", "tp-uneven",
+                                                          "tp-attention-whole")  # FSDPMemTracker wants FSDP modules
             result = ddp_memtracker_run(name) if plain else memtracker_run(name)
         else:
             result = run(engine)

@@ -15,6 +15,8 @@ from helpers import installed_version, requires_torch
 
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+from trainer_memcb.plan.model.tp_styles import RowwiseParallelGivenWidth
+from trainer_memcb.plan.step.engines.tensor_parallel import forget_sharding_cache
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.settings.parallelism import (Parallelism, check_tensor_parallel_model, parallelism_from_config,
                                                      parse_parallelism, tp_rank_groups, tp_shard_rows)
@@ -94,7 +96,6 @@ def test_the_accelerate_parallelism_config_object_reads_the_same():
     (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), None),
     (dict(num_attention_heads=8, num_key_value_heads=2), "num_key_value_heads=2 does not divide by 4"),
     (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=32, head_dim=16), "num_attention_heads=2"),
-    (dict(intermediate_size=130), "intermediate_size=130 does not divide by 4 \\(torch's RowwiseParallel"),
 ])
 def test_the_model_s_heads_and_widths_split_whole_over_tp(change, message):
     config = LlamaConfig(**dict(CONFIG, **change))
@@ -117,6 +118,47 @@ def test_an_uneven_vocabulary_is_planned_alone_and_beside_fsdp2_but_refused_besi
                                 device_type="cuda")
     with pytest.raises(ValueError, match="vocab_size=257 does not divide by 2"):
         plan_step_memory(lambda: _llama(vocab_size=257), settings=settings, model_states=False)
+
+
+def test_an_uneven_mlp_width_is_planned_alone_but_refused_beside_fsdp2_or_cp():
+    config = LlamaConfig(**dict(CONFIG, intermediate_size=129))
+    check_tensor_parallel_model(config, 2)
+    with pytest.raises(ValueError, match="tp=2: the model's intermediate_size=129 does not divide by 2 \\(an uneven "
+                                         "MLP width beside dp_shard=2 is not planned\\)"):
+        check_tensor_parallel_model(config, 2, dp_shard=2)
+    with pytest.raises(ValueError, match="intermediate_size=129 does not divide by 2 \\(an uneven MLP width beside "
+                                         "cp=2 is not planned"):
+        check_tensor_parallel_model(config, 2, cp=2)
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2", batch_size=2, optimizer="adamw_torch")
+    with pytest.raises(ValueError, match="intermediate_size=129 does not divide by 2 \\(an uneven MLP width beside "
+                                         "dp_shard=2"):
+        plan_step_memory(lambda: _llama(intermediate_size=129), seq_len=16, settings=settings, device_type="cpu",
+                         model_states=False)
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_an_uneven_mlp_width_is_planned_per_rank_as_transformers_styles_split_it():
+    """129 columns of the tiny Llama's MLP at tp=2: rank 0 holds 65 rows of gate_proj and up_proj and
+    65 columns of down_proj, rank 1 64 of each (torch's chunk rule, which transformers' placeholders
+    and loading follow), each shard a tensor of its own size; the real run's figures are
+    tests/training/test_tensor_parallel_runs.py's."""
+    assert tp_rank_groups(LlamaConfig(**dict(CONFIG, intermediate_size=129)), 2) == [[0], [1]]
+    plans = []
+    for rank in range(2):
+        settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(lambda: _llama(intermediate_size=129), seq_len=16, settings=settings,
+                                   device_type="cpu", model_states=False)
+        assert plan.step.problem is None and plan.settings.engine == "tp", plan.step.problem
+        plans.append(plan)
+    states = [plan.step.model_states_at_optimizer_step_bytes for plan in plans]
+    # Rank 0: one row of each of gate_proj and up_proj and one column of down_proj more per layer than
+    # at a width of 128 (2 x 3 x 64 values); rank 1 the even shards' 230,656 bytes (not a view of a
+    # 65-row storage, as torch's distribute_tensor would leave it: 1,024 bytes more).
+    assert [each["parameters"] for each in states] == [230_656 + 2 * 3 * 64 * 4, 230_656]
+    assert [each["gradients"] for each in states] == [263_424 + 2 * 3 * 64 * 4, 263_424]
+    assert [each["optimizer_state"] for each in states] == [461_396 + 2 * 2 * 3 * 64 * 4, 461_396]
+    assert [(plan.step.peak_bytes, plan.step.forward_backward_peak_bytes) for plan in plans] == [
+        (1_044_632, 1_021_216), (1_038_232, 1_015_584)]  # rank 1: the even width's step, to the byte
 
 
 def test_an_uneven_hidden_size_is_refused_under_the_user_s_own_rules():
@@ -187,7 +229,9 @@ def test_llama_s_plan_is_transformers_own_in_torch_s_styles():
     base = {f"model.{name}": style for name, style in meta.config.base_model_tp_plan.items()}
     assert {name: plan[name] for name in base} == base
     styles = torch_tp_plan(plan)
-    assert type(styles["model.layers.*.mlp.down_proj"]) is RowwiseParallel
+    # torch's RowwiseParallel, its input given the layer's width as transformers gives it.
+    assert type(styles["model.layers.*.mlp.down_proj"]) is RowwiseParallelGivenWidth
+    assert isinstance(styles["model.layers.*.mlp.down_proj"], RowwiseParallel)
     assert styles["model.layers.*.self_attn.q_proj"].output_layouts == (Shard(-1),)
     if installed_version("transformers") < (5,):
         # transformers 4.57's merged plan holds the same entries without the prefix too (left out: they
@@ -278,13 +322,30 @@ def test_uneven_vocabulary_each_rank_holds_its_own_chunk():
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
-def test_an_uneven_mlp_width_is_refused_before_tracing_with_torch_s_reason():
-    # A real 2-process run under parallelize_module fails in down_proj's matmul ("a and b must have
-    # same reduction dim, but got [32, 130] X [129, 64]"); the plan says so before tracing.
-    settings = resolve_settings(parallelism="tp=2", batch_size=2)
-    with pytest.raises(ValueError, match="intermediate_size=129 does not divide by 2 \\(torch's RowwiseParallel"):
-        plan_step_memory(lambda: _llama(intermediate_size=129), seq_len=16, settings=settings, device_type="cpu",
-                         model_states=False)
+def test_down_proj_s_uneven_input_runs_with_its_width_given_as_transformers_gives_it():
+    """torch's own RowwiseParallel takes rank 0's 65 of 129 columns as one of two even shards (130)
+    and refuses the matmul, as a real run under parallelize_module does ("a and b must have same
+    reduction dim"); given the width, as transformers 5's RowwiseParallel gives it, it runs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        for style, fails in ((RowwiseParallel(), True), (RowwiseParallelGivenWidth(), False)):
+            down = parallelize_module(torch.nn.Linear(129, 64, bias=False), mesh, style)
+            assert down.weight.to_local().shape == (64, 65)  # torch's chunk rule: rank 0 holds the 65
+            if fails:
+                with pytest.raises(RuntimeError, match="reduction dim"):
+                    down(torch.ones(2, 16, 65))
+            else:
+                # Used, so that its all-reduce (async, torch's style) is waited for before the group goes.
+                assert (down(torch.ones(2, 16, 65)) * 1).shape == (2, 16, 64)
+    finally:
+        dist.destroy_process_group()
+        forget_sharding_cache()
 
 
 def forward_peak_of(plan) -> int:

@@ -1,6 +1,7 @@
 """The tensor-parallel step plan against real runs: torchrun on 2 CPU processes (gloo), TP=2 on
 the tiny Llama of tests/plan/test_engines.py, and on 4, TP=2 x FSDP2=2, one measured step each
-(tests/dist_scripts/engine_step_profile.py, engines `tp`, `tp-auto`, `tp-attention-whole` and `tp-fsdp2`).
+(tests/dist_scripts/engine_step_profile.py, engines `tp`, `tp-uneven`, `tp-auto`, `tp-auto-uneven-mlp`,
+`tp-attention-whole`, `tp-fsdp2` and `tp-fsdp2-uneven`).
 
 The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
 torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`); transformers
@@ -49,8 +50,8 @@ def peak_beyond_plan(real: dict, plan, beyond: int) -> int:
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
-    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp", "tp-auto", "tp-uneven", "tp-attention-whole"],
-                    PROCESSES)
+    return _tracked("engine_step_profile.py", tmp_path_factory,
+                    ["tp", "tp-auto", "tp-uneven", "tp-attention-whole", "tp-auto-uneven-mlp"], PROCESSES)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +189,58 @@ def test_the_user_s_rules_over_the_model_s_plan_as_transformers_merges_them(tp_r
     assert peak_beyond_plan(real, plan, beyond + 16) == 0, (plan.step.peak_bytes, real)
     assert states["gradients"] == 263_424 + 2 * 4 * 2_048 * 4 == 328_960
     assert real["parts"]["_MemRefType.GRAD"] == 328_960
+
+
+# transformers' own path with an MLP width of 129 (engine `tp-auto-uneven-mlp`): torch's chunk rule,
+# which transformers' placeholders (`distribute_tensor`) and loading (`compute_local_shape_and_global_offset`)
+# follow, gives rank 0 65 rows of gate_proj and up_proj and 65 columns of down_proj, rank 1 64 of
+# each. On this CPU the dim-0 shards are views of the checkpoint's whole tensors, as under tp-auto:
+# 180,224 bytes beyond the shards on rank 0, and on rank 1 1,024 more (its 64 rows of gate_proj and
+# up_proj in 129-row storages: 2 layers x 2 x 65 x 64 x 4 bytes beyond, against 64 x 64 at 128).
+UNEVEN_MLP_BEYOND_SHARDS = (WHOLE_STORAGES_BEYOND_SHARDS, WHOLE_STORAGES_BEYOND_SHARDS + 1_024)
+
+
+def build_uneven_mlp():
+    config = LlamaConfig(**dict(CONFIG, intermediate_size=129))
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+def test_uneven_mlp_width_each_rank_s_plan_equals_the_tp_plan_auto_run(tp_runs):
+    plans = []
+    for rank, real in enumerate(tp_runs["tp-auto-uneven-mlp"]):
+        settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build_uneven_mlp, seq_len=16, settings=settings, device_type="cpu",
+                                   model_states=False)
+        assert plan.step.problem is None and plan.settings.engine == "tp", plan.step.problem
+        plans.append(plan)
+        states, beyond = plan.step.model_states_at_optimizer_step_bytes, UNEVEN_MLP_BEYOND_SHARDS[rank]
+        # The shards, to the byte: the plan's parameters are the run's local tensors, each of its own size.
+        assert real["params"] == {"local_bytes": states["parameters"], "storage_bytes": states["parameters"] + beyond}
+        assert real["parts"]["_MemRefType.PARAM"] == states["parameters"] + beyond
+        assert real["parts"]["_MemRefType.GRAD"] == states["gradients"]
+        # The peak and the backward's: the plan, the views' bytes and 16 (as under tp-auto).
+        assert peak_beyond_plan(real, plan, beyond + 16) == 0, (rank, plan.step.peak_bytes, real)
+        assert real["phase_peaks"]["backward"] - beyond - 16 == plan.step.forward_backward_peak_bytes, real
+    real = tp_runs["tp-auto-uneven-mlp"]
+    # 1,224,872 and 1,219,496 bytes read; 232,192 and 230,656 parameter bytes, 264,960 and 263,424 of gradients.
+    assert [(plan.step.peak_bytes, plan.step.forward_backward_peak_bytes) for plan in plans] == [
+        (1_044_632, 1_021_216), (1_038_232, 1_015_584)]
+    first, last = (plan.step.model_states_at_optimizer_step_bytes for plan in plans)
+    assert [(each["parameters"], each["gradients"], each["optimizer_state"]) for each in (first, last)] == [
+        (232_192, 264_960, 464_468), (230_656, 263_424, 461_396)]
+    # Rank 1 holds the even width's shards: its optimizer reading is tp-auto's; rank 0's is the plan's
+    # 3,072 bytes of the two moments' extra rows and 256 of the optimizer step's temporaries above it.
+    assert real[1]["parts"]["_MemRefType.OPT"] == tp_runs["tp-auto"][1]["parts"]["_MemRefType.OPT"]
+    assert real[0]["parts"]["_MemRefType.OPT"] - real[1]["parts"]["_MemRefType.OPT"] == 3_072 + 256
+    assert plans[0].step.peak_bytes - plans[1].step.peak_bytes == 1_536 + 1_536 + 3_072 + 256
+    # The custom loop's logger: the fullest process's optimizer state (rank 0's plan) and the job's, both plans'.
+    measured, total, _ = _logged_keys()
+    for each in real:
+        assert each["logged"][measured] == first["optimizer_state"]
+        assert each["logged"][total] == first["optimizer_state"] + last["optimizer_state"] == 925_864
 
 
 # -- TP=2 x FSDP2=2 on 4 processes ----------------------------------------------------------------

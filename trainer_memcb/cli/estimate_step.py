@@ -221,7 +221,7 @@ def ranks_to_plan(settings: Any) -> List[int]:
 
 def tp_groups_to_plan(settings: Any, config: Any) -> Optional[List[List[int]]]:
     """Under tensor parallelism, alone or beside FSDP2, without `--rank`, where the ranks' shards
-    differ (an uneven vocabulary): the ranks grouped by the shards they hold (`tp_rank_groups`), one
+    differ (an uneven vocabulary or MLP width): the ranks grouped by the shards they hold (`tp_rank_groups`), one
     trace each; else None."""
     from trainer_memcb.plan.settings.parallelism import tp_rank_groups
 

@@ -151,7 +151,8 @@ def _layout_options(args: argparse.Namespace, settings: Any, model: Any, value_b
 def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     """The tensor-parallel sizes `--fit` proposes: each divisor of the world size above 1 and at most
     the processes of a node (accelerate's mesh keeps `tp` innermost, on one node's links), for a model
-    with a tensor-parallel plan whose heads and widths split over it; none for TRL's steps, PEFT's
+    with a tensor-parallel plan whose heads split over it and whose MLP width does too unless `tp` is
+    the world size (an uneven width is planned under TP alone); none for TRL's steps, PEFT's
     adapters or an own DeepSpeed precision (the plan traces TP alone or with FSDP2)."""
     from trainer_memcb.plan.model.tp_plan import model_tp_plan
     from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
@@ -166,7 +167,8 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     sizes = []
     for tp in range(2, min(world, per_node) + 1):
         try:
-            check_tensor_parallel_model(getattr(model, "config", None), tp, own_rules=bool(settings.tp_plan))
+            check_tensor_parallel_model(getattr(model, "config", None), tp, own_rules=bool(settings.tp_plan),
+                                        dp_shard=world // tp)
         except ValueError:
             continue
         if world % tp == 0:

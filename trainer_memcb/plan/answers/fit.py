@@ -227,7 +227,7 @@ def search_fits(planner: Callable[..., StepMemoryPlan], own_args: Dict[str, Any]
             the trainer takes it (GRPO: the generation batch kept as the batch changes), or None
             where it refuses it (then not planned).
         tensor_parallel_sizes: the tensor-parallel sizes proposed (each divides `world_size`; the
-            model's heads and widths split over it): `tp` alone where it is `world_size`, else with
+            model's heads split over it, its MLP width too beside FSDP2): `tp` alone where it is `world_size`, else with
             FSDP2 on `world_size / tp` (a `parallelism_config` in the `TrainingArguments` dict).
         context_parallel_sizes: the context-parallel sizes proposed (each divides `world_size`, where
             accelerate and the plan take them): `cp` with FSDP2 over `dp_shard x cp`.

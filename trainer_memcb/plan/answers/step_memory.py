@@ -336,11 +336,12 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config = getattr(meta, "config", None)
-    if settings.tp_size > 1:  # the model's heads and widths split whole, its plan in torch's styles
+    if settings.tp_size > 1:  # the model's heads split whole, its plan in torch's styles
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
         from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
 
-        check_tensor_parallel_model(config, settings.tp_size, own_rules=bool(settings.tp_plan), cp=settings.cp_size)
+        check_tensor_parallel_model(config, settings.tp_size, own_rules=bool(settings.tp_plan), cp=settings.cp_size,
+                                    dp_shard=settings.world_size // (settings.tp_size * settings.cp_size))
         torch_tp_plan(model_tp_plan(meta, settings.tp_plan))
     if settings.cp_size > 1:  # the Trainer's and accelerate's rules for the model
         from trainer_memcb.plan.settings.parallelism import check_context_parallel_model

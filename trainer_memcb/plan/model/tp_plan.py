@@ -13,7 +13,7 @@ head's: the entries that name no module of the model are left out).
 | transformers | torch |
 |---|---|
 | colwise | `ColwiseParallel()`: weight and bias `Shard(0)`, input replicated, output `Shard(-1)` |
-| rowwise | `RowwiseParallel()`: weight `Shard(1)`, bias replicated, input `Shard(-1)`, output all-reduced |
+| rowwise | `RowwiseParallel()`: weight `Shard(1)`, bias replicated, input `Shard(-1)`, output all-reduced; its input given the layer's width as transformers gives it (`trainer_memcb.plan.model.tp_styles`) |
 | colwise_rep, colwise_gather_output | `ColwiseParallel(output_layouts=Replicate())`: the output all-gathered |
 | rowwise_rep, rowwise_split_input | `RowwiseParallel(input_layouts=Replicate())` |
 | embedding_rowwise | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding`: rows `Shard(0)`, output all-reduced |
@@ -32,7 +32,7 @@ from torch import nn
 
 from trainer_memcb.plan.settings.parallelism import TP_STYLES
 
-__all__ = ["model_tp_plan", "torch_tp_plan", "TP_STYLES"]
+__all__ = ["model_tp_plan", "torch_tp_plan", "matches_module", "TP_STYLES"]
 
 
 
@@ -49,7 +49,7 @@ def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None) -
     """
     if override:
         names = [name for name, _ in model.named_modules()]
-        unknown = sorted(name for name in override if not any(_matches(name, module) for module in names))
+        unknown = sorted(name for name in override if not any(matches_module(name, module) for module in names))
         if unknown:
             raise ValueError(f"tensor-parallel plan: {', '.join(map(repr, unknown))} names no module of "
                              f"{type(model).__name__} (module names as named_modules() gives them, * for a layer number)")
@@ -68,14 +68,14 @@ def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None) -
     names = [name for name, _ in model.named_modules()]
     # transformers 4.57 keeps the base model's entries twice, with and without its prefix: only
     # those that name modules of this model are the plan `parallelize_module` applies.
-    plan = {name: style for name, style in plan.items() if any(_matches(name, module) for module in names)}
+    plan = {name: style for name, style in plan.items() if any(matches_module(name, module) for module in names)}
     if not plan:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is "
                          "empty): tensor parallelism needs one")
     return plan
 
 
-def _matches(pattern: str, name: str) -> bool:
+def matches_module(pattern: str, name: str) -> bool:
     """Whether a plan's module name (`*` for any one part, as `parallelize_module` reads it)
     names the module `name`."""
     import fnmatch
@@ -95,14 +95,16 @@ def torch_tp_plan(plan: Dict[str, str]) -> Dict[str, Any]:
         >>> from trainer_memcb.plan.model.tp_plan import torch_tp_plan
         >>> styles = torch_tp_plan({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
         >>> {name: type(style).__name__ for name, style in styles.items()}
-        {'layers.*.mlp.up_proj': 'ColwiseParallel', 'layers.*.mlp.down_proj': 'RowwiseParallel'}
+        {'layers.*.mlp.up_proj': 'ColwiseParallel', 'layers.*.mlp.down_proj': 'RowwiseParallelGivenWidth'}
     """
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    from trainer_memcb.plan.model.tp_styles import RowwiseParallelGivenWidth
+
     made = {
         "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
+        "rowwise": RowwiseParallelGivenWidth,
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),

@@ -19,13 +19,13 @@ The rules (accelerate 1.16 `parallelism_config.py`, `ParallelismConfig.__post_in
 And the model's, for `tp > 1` (`check_tensor_parallel_model`): each rank runs whole attention heads,
 so `num_attention_heads` and `num_key_value_heads` divide by `tp` (a colwise `k_proj`/`v_proj`
 split inside a head would break the attention's `view(..., -1, head_dim)`; transformers'
-`get_kv_heads_per_rank` gives None then), and the MLP's `intermediate_size` divides by `tp`: the
-plan applies torch's styles (`parallelize_module`), and torch's `RowwiseParallel` makes
-`down_proj`'s input DTensor from each rank's columns as if every rank held as many
-(`DTensor.from_local` without the global shape), so on an uneven width its sharding propagation
-refuses the matmul (129 columns over 2 ranks: 130 taken against the weight's 129, "a and b must
-have same reduction dim"), in a real run as in the trace; transformers 5's own styles
-(`from_pretrained(tp_plan="auto")`) give the width and run it, which is not planned yet.
+`get_kv_heads_per_rank` gives None then). An MLP's `intermediate_size` that does not divide by
+`tp` is planned under TP alone, as transformers 5's own styles (`from_pretrained(tp_plan="auto")`)
+run it: `gate_proj`'s and `up_proj`'s rows and `down_proj`'s columns split by torch's chunk rule
+(`distribute_tensor`; 129 over 2 ranks: 65 on rank 0, 64 on rank 1), `down_proj`'s input given the
+layer's width (`trainer_memcb.plan.model.tp_styles`: torch's own `RowwiseParallel` takes each rank's
+columns as even shards and its matmul is refused). Beside FSDP2 or context parallelism an uneven
+MLP width is refused: no run of those layouts here to hold the plan to.
 
 Uneven shards elsewhere are planned per rank, as torch runs them: a vocabulary that does not divide
 by `tp` splits the embedding's and the head's rows by torch's chunk rule (`Shard._split_tensor`:
@@ -202,9 +202,10 @@ def parallelism_from_config(config: Any, where: str = "training args") -> Option
         raise ValueError(f"{where}: {error}") from None
 
 
-def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, cp: int = 1) -> None:
-    """Refuse a model whose heads do not split whole over `tp` ranks, or whose MLP width torch's
-    styles cannot split unevenly (module docstring); an uneven vocabulary is planned per rank.
+def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, cp: int = 1, dp_shard: int = 1) -> None:
+    """Refuse a model whose heads do not split whole over `tp` ranks (module docstring); an uneven
+    vocabulary is planned per rank, an uneven MLP width too under TP alone (beside FSDP2, `dp_shard`
+    > 1, or context parallelism it is refused).
     With `own_rules` (the user's `tp_plan` over the model's), which may split a layer along the
     hidden size (an embedding colwise, a head rowwise), the hidden size must divide too: its uneven
     shards are not planned (`tp_rank_groups` groups the ranks by the vocabulary's alone). Beside
@@ -228,9 +229,11 @@ def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, c
     checks = (("num_attention_heads", heads, "each rank runs whole attention heads"),
               ("num_key_value_heads", kv_heads, "each rank runs whole key/value heads (k_proj and v_proj are "
                "split colwise)"),
-              ("intermediate_size", getattr(text, "intermediate_size", None),
-               "torch's RowwiseParallel, which the plan applies to down_proj, takes its input's columns as even "
-               "shards and refuses the matmul; transformers' own tp_plan styles run it, not planned yet"))
+              )
+    if dp_shard > 1 or cp > 1:
+        beside = f"dp_shard={dp_shard}" if dp_shard > 1 else f"cp={cp}"
+        checks += (("intermediate_size", getattr(text, "intermediate_size", None),
+                    f"an uneven MLP width beside {beside} is not planned"),)
     if own_rules:
         checks += (("hidden_size", getattr(text, "hidden_size", None), "your tp_plan rules may split layers "
                     "along it, and uneven hidden shards are not planned"),)
@@ -257,10 +260,10 @@ def tp_shard_rows(size: int, tp: int, rank: int) -> int:
 def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1) -> List[List[int]]:
     """The ranks of a `tp` (x `dp_shard`) mesh grouped by the shards they hold: ranks of one group
     hold shards of the same sizes, so their steps are the same to the byte; one group when every
-    split is even. The sizes the plan's styles split unevenly are the vocabulary's
-    (`check_tensor_parallel_model` refuses others): TP's chunk of its rows, and beside FSDP2 the
-    chunk of that chunk at the rank's `dp_shard` position (accelerate's mesh: `dp_shard`, then `tp`,
-    so rank = dp_position x tp + tp_rank).
+    split is even. The sizes the plan's styles split unevenly are the vocabulary's, TP's chunk of
+    its rows and beside FSDP2 the chunk of that chunk at the rank's `dp_shard` position (accelerate's
+    mesh: `dp_shard`, then `tp`, so rank = dp_position x tp + tp_rank), and under TP alone the MLP's
+    `intermediate_size`, TP's chunk of it (`check_tensor_parallel_model` refuses others).
 
     Examples:
         >>> from transformers import LlamaConfig
@@ -269,15 +272,19 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1) -> List[List[int]]:
         [[0, 1, 2], [3]]
         >>> tp_rank_groups(LlamaConfig(vocab_size=257), 2, dp_shard=2)  # 129 rows as 65 and 64, 128 as 64 and 64
         [[0], [1, 3], [2]]
+        >>> tp_rank_groups(LlamaConfig(vocab_size=256, intermediate_size=129), 2)  # 65 and 64 of the MLP's width
+        [[0], [1]]
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text, "vocab_size", None)
+    vocab, width = getattr(text, "vocab_size", None), getattr(text, "intermediate_size", None)
     groups: Dict[Any, List[int]] = {}
     for rank in range(max(1, tp) * max(1, dp_shard)):
         key: Any = 0
         if isinstance(vocab, int) and tp > 1:
             rows = tp_shard_rows(vocab, tp, rank % tp)
             key = (rows, tp_shard_rows(rows, dp_shard, rank // tp))
+        if isinstance(width, int) and tp > 1:
+            key = (key, tp_shard_rows(width, tp, rank % tp))
         groups.setdefault(key, []).append(rank)
     return list(groups.values())
 

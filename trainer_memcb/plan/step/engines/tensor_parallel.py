@@ -31,7 +31,10 @@ A functional collective's result is taken as the real process holds it
 (`trainer_memcb.plan.step.collective_results`: the fake `wait_tensor` would copy it). Planned so far: TP alone (`world_size == tp_size`) or with
 FSDP2's full or shard-grad-op sharding (no replicas, no offload), with the shards torch's styles can
 split (`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`: under TP alone an uneven
-vocabulary, each rank its own chunk); the plan is the settings' rank's.
+vocabulary or MLP width, each rank its own chunk); the plan is the settings' rank's. Under TP alone
+the "colwise" and "rowwise" linear layers are laid out as transformers 5's own styles lay them out
+(`trainer_memcb.plan.model.tp_styles`): a rowwise layer's input given its width, and each shard a
+storage of its own size, as `from_pretrained(tp_plan="auto")` loads it.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class TensorParallelEngine(_CollectivesAsHeld, StepEngine):
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
+        from trainer_memcb.plan.model.tp_styles import own_sized_linear_shards
 
         tp = self.settings.tp_size
         plan = model_tp_plan(model, self.settings.tp_plan)
@@ -102,6 +106,7 @@ class TensorParallelEngine(_CollectivesAsHeld, StepEngine):
         self._hold_collectives_as_returned()
         with mode:
             parallelize_module(model, mesh, styles)
+            own_sized_linear_shards(model, plan)
         rules = f", {len(self.settings.tp_plan)} of them yours" if self.settings.tp_plan else ""
         self.notes.append(f"tensor parallel over {tp} processes: the model's tp_plan ({len(plan)} entries{rules}) applied "
                           "with torch's parallelize_module (ColwiseParallel / RowwiseParallel)")
