@@ -318,14 +318,27 @@ def optimi_picks_triton() -> bool:
     return bool(optimi.utils.HAS_TRITON)
 
 
+# The tests' tiny Llama: hidden 64, an MLP of 128, 2 layers of 4 heads (4 key and value heads).
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4)
+
+
+def tiny_llama_config(attn: str, **overrides: Any) -> Any:
+    """The tiny Llama's config, a vocabulary of 128 and 64 positions unless `overrides` say
+    otherwise, its attention implementation `attn` (set as `from_pretrained` sets it)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{**TINY_LLAMA, "vocab_size": 128, "max_position_embeddings": 64, **overrides})
+    config._attn_implementation = attn
+    return config
+
+
 def tiny_llama_folder(tmp_path_factory: Any, label: str, **overrides: Any) -> str:
     """A folder holding a tiny Llama's config.json, as `estimate` reads a model: hidden 64, 2 layers of
     4 heads, a vocabulary of 256 and 64 positions, unless `overrides` say otherwise."""
     from transformers import LlamaConfig
 
-    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
-                  architectures=["LlamaForCausalLM"])
+    values = dict(TINY_LLAMA, vocab_size=256, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
     values.update(overrides)
     folder = tmp_path_factory.mktemp(label)
     LlamaConfig(**values).save_pretrained(folder)

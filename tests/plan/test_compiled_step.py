@@ -8,22 +8,19 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from helpers import real_step_peak
+from helpers import real_step_peak, tiny_llama_config
 from trainer_memcb.plan.answers.step_memory import (COMPILED_NOT_COUNTED, COMPILED_STEP, NOT_COUNTED,
                                                     plan_step_memory)
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, TrainingArguments  # noqa: E402
 
 BATCH, SEQ = 4, 16
 
 
 def _config() -> Any:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-    config._attn_implementation = "sdpa"
-    return config
+    return tiny_llama_config("sdpa")
 
 
 def _meta() -> torch.nn.Module:

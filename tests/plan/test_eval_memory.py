@@ -9,17 +9,14 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
-from helpers import profiled_run_peak, requires_transformers
+from helpers import profiled_run_peak, requires_transformers, tiny_llama_config
 from trainer_memcb.plan.answers.eval_memory import EvalSettings, containers_figures, plan_eval_memory
 
 BATCH, SEQ = 4, 16
 
 
 def llama(attn: str) -> LlamaConfig:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64, use_cache=False)
-    config._attn_implementation = attn
-    return config
+    return tiny_llama_config(attn, use_cache=False)
 
 
 def bert(attn: str) -> BertConfig:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import (real_step_peak as measured_step_peak, rotary_buffers_beyond_transformers_5s,
-                     rotary_matmul_flops_of_transformers_4)
+                     rotary_matmul_flops_of_transformers_4, tiny_llama_config)
 from trainer_memcb.plan.answers.fit import (
     expandable_segments_option,
     fit_batch_size,
@@ -24,17 +24,14 @@ from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step.trace import counting_flops
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 SEQ = 64
 LIMIT = 6 * 2**20  # bytes: the own setting below (batch 16) needs 14,835,616
 
 
 def config() -> Any:
-    made = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=256, max_position_embeddings=SEQ)
-    made._attn_implementation = "sdpa"
-    return made
+    return tiny_llama_config("sdpa", vocab_size=256, max_position_embeddings=SEQ)
 
 
 def build() -> torch.nn.Module:

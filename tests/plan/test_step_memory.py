@@ -7,22 +7,19 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import pytest
 import torch
 
-from helpers import real_step_peak, requires_transformers
+from helpers import real_step_peak, requires_transformers, tiny_llama_config
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 
 transformers = pytest.importorskip("transformers")
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification, LlamaForCausalLM  # noqa: E402
 
 BATCH, SEQ = 4, 16
 
 
 def llama_config(attn: str) -> Any:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-    config._attn_implementation = attn
-    return config
+    return tiny_llama_config(attn)
 
 
 def bert_config(attn: str) -> Any:
@@ -196,9 +193,7 @@ def test_a_peak_in_the_optimizer_step_holds_all_of_the_state_as_every_later_step
     # peak misses 5 x (64 x 4 x 2 + 4) = 2,580 bytes of state that a later step holds from the start;
     # the plan adds the state not yet made at that moment. Measured here: planned 3,970,216, profiled
     # 3,970,224 (-8, a 0-dim scalar the fake trace does not see); without it, 3,967,636 (-2,588).
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=64)
-    config._attn_implementation = "eager"
+    config = tiny_llama_config("eager", vocab_size=1024)
 
     def build() -> torch.nn.Module:
         with torch.device("meta"):

@@ -15,7 +15,7 @@ from typing import Dict
 import pytest
 import torch
 
-from helpers import independent_saved_bytes, requires_transformers
+from helpers import independent_saved_bytes, requires_transformers, tiny_llama_config
 from trainer_memcb.plan.model.quantized import PlannedLinear4bit, PlannedLinear8bit, Quantization, quantize_linear_layers
 from trainer_memcb.plan.step.trace import fake_copy
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
@@ -32,10 +32,7 @@ TARGETS = ["q_proj", "v_proj"]
 
 
 def config() -> LlamaConfig:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-    config._attn_implementation = "eager"
-    return config
+    return tiny_llama_config("eager")
 
 
 def real_qlora(folder: str, double_quant: bool) -> torch.nn.Module:

@@ -18,8 +18,9 @@ from collections import Counter
 import pytest
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from helpers import tiny_llama_config
 from trainer_memcb.plan.answers.plan_snapshot import plan_snapshot
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.answers.step_replay import replay_step, step_allocations
@@ -46,9 +47,7 @@ LAYER, ROOT = 41_088, 32_832
 
 
 def build():
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=256)
-    config._attn_implementation = "sdpa"
+    config = tiny_llama_config("sdpa", vocab_size=256, max_position_embeddings=2048)
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import requires_transformers, training_args
+from helpers import requires_transformers, training_args, tiny_llama_config
 from trainer_memcb.plan.answers.model_states import plan_model_states
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 
@@ -25,10 +25,7 @@ B, S = 2, 16
 
 
 def config() -> LlamaConfig:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-    config._attn_implementation = "eager"
-    return config
+    return tiny_llama_config("eager")
 
 
 def build() -> torch.nn.Module:

@@ -13,21 +13,19 @@ import pytest
 import torch
 
 import trainer_memcb.plan.step.trace as trace
-from helpers import requires_torch, requires_transformers
+from helpers import requires_torch, requires_transformers, tiny_llama_config
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.settings import resolve_settings
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIMIZERS = ("adamw_torch", "adafactor", "adamw_bnb_8bit", "sgd")
 
 
 def build() -> torch.nn.Module:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=256, max_position_embeddings=32)
-    config._attn_implementation = "sdpa"
+    config = tiny_llama_config("sdpa", vocab_size=256, max_position_embeddings=32)
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
