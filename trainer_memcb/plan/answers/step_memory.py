@@ -40,9 +40,8 @@ from trainer_memcb.plan.settings import StepSettings, resolve_settings
 from trainer_memcb.plan.settings.attention import (HUB_FLASH_ATTN_2, fa3_refusal, hub_kernel_repo, is_flash_path,
                                                    is_planned_hub_flash)
 from trainer_memcb.plan.settings.setup import setup_of
-from trainer_memcb.plan.step.compiled_step import COMPILED_NOT_COUNTED
 from trainer_memcb.plan.step.timeline import HOST, MODEL_STATES, PLAN_PARTS, PhasePeak, Timeline
-from trainer_memcb.plan.step.trace import UntracedStep, trace_step
+from trainer_memcb.plan.step.trace import COMPILED_NOT_COUNTED, UntracedStep, trace_step
 
 __all__ = ["StepMemoryPlan", "plan_step_memory", "states_during_step", "NOT_COUNTED", "COMPILED_STEP", "COMPILED_NOT_COUNTED", "check_attn_implementation"]
 

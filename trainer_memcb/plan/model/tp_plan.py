@@ -30,6 +30,7 @@ from typing import Any, Dict, Optional
 
 from torch import nn
 
+from trainer_memcb.plan.model.module_names import matches_module
 from trainer_memcb.plan.settings.parallelism import TP_STYLES
 
 __all__ = ["model_tp_plan", "torch_tp_plan", "matches_module", "TP_STYLES"]
@@ -73,15 +74,6 @@ def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None) -
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is "
                          "empty): tensor parallelism needs one")
     return plan
-
-
-def matches_module(pattern: str, name: str) -> bool:
-    """Whether a plan's module name (`*` for any one part, as `parallelize_module` reads it)
-    names the module `name`."""
-    import fnmatch
-
-    parts, wanted = name.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(fnmatch.fnmatch(part, want) for part, want in zip(parts, wanted))
 
 
 def torch_tp_plan(plan: Dict[str, str]) -> Dict[str, Any]:

@@ -71,7 +71,7 @@ def own_sized_linear_shards(model: nn.Module, plan: Dict[str, str]) -> int:
     """
     from torch.distributed.tensor import DTensor
 
-    from trainer_memcb.plan.model.tp_plan import matches_module
+    from trainer_memcb.plan.model.module_names import matches_module
 
     linear = [pattern for pattern, style in plan.items() if style in ("colwise", "rowwise")]
     copied = 0
