@@ -141,6 +141,8 @@ def folder(tmp_path_factory: Any) -> str:
 # TRL 1.14 (no fused LM head: smaller phases) the generation is 4_608 under and the training 10_688,
 # the kernels' own buffers again, not identified further. Step 1's training also makes AdamW's
 # state: on the newest releases its backward's peak outweighs it, on the oldest it is 297_092.
+# The oldest releases' training-phase figure above the callback's, by host CPU (see the test).
+OLDEST_CPU_KERNEL_BUFFERS = (10_688, 5_056)
 CASES = {
     ("grpo", 0.1): {NEWEST: ({GENERATION_PHASE_PEAK_BYTES: 4_554_188, TRAINING_PHASE_PEAK_BYTES: 4_593_332},
                              {GENERATION_PHASE_PEAK_BYTES: 0, TRAINING_PHASE_PEAK_BYTES: 10_112}, 4_593_332),
@@ -184,7 +186,13 @@ def test_logged_entries_carry_each_phase_peak_beside_the_reward(folder: str, tmp
     measured = CASES[(trainer_kind, beta)].get(True)  # the entry of the installed releases, if measured
     if measured is not None:
         expected, difference, first_training = measured
-        assert (logged, above, first[TRAINING_PHASE_PEAK_BYTES]) == (expected, difference, first_training)
+        assert (logged, above[GENERATION_PHASE_PEAK_BYTES], first[TRAINING_PHASE_PEAK_BYTES]) \
+            == (expected, difference[GENERATION_PHASE_PEAK_BYTES], first_training)
+        # The CPU kernels' own buffers at the training backward's peak depend on the host's CPU on
+        # torch 2.6: 10,688 bytes on one, 5,056 on another (both measured); the callback's figures
+        # are the same on both.
+        assert above[TRAINING_PHASE_PEAK_BYTES] in ((difference[TRAINING_PHASE_PEAK_BYTES],)
+                                                    + (OLDEST_CPU_KERNEL_BUFFERS if OLDEST else ()))
     # The closing entry carries the reward of step 3's generation, and no figure of a step not logged.
     closing = trainer.state.log_history[-1]
     assert "train_runtime" in closing and not set(PHASE_KEYS) & set(closing)
