@@ -488,9 +488,9 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
         ring = getattr(step.engine, "ring", None)
         contexts, autocast = _step_contexts(mode, tracker, precision, device_type, compute_capability, flop_totals,
                                             ring)
-        if compiled:  # the step's own contexts, fresh, up to the fake mode: no tracker sees the compilation
-            _compile(step, mode, _step_contexts(mode, tracker, precision, device_type, compute_capability, None,
-                                                ring)[0][:5], autocast)
+        if compiled:  # the step's own contexts, fresh, before the fake mode: no tracker sees the compilation
+            fresh = _step_contexts(mode, tracker, precision, device_type, compute_capability, None, ring)[0]
+            _compile(step, mode, fresh[:fresh.index(mode)], autocast)
         with contextlib.ExitStack() as stack:
             for context in contexts:
                 stack.enter_context(context)
