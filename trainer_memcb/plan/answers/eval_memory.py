@@ -33,7 +33,6 @@ Without `compute_metrics`, `evaluate()` passes `prediction_loss_only=True`: only
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -44,6 +43,7 @@ from torch import nn
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.step.eval_forward import SIXTEEN_BIT_DTYPES, EvalForward, trace_eval_forward
 from trainer_memcb.utils.units import format_bytes
+from trainer_memcb.utils.collector_scope import collecting_only_what_it_makes
 
 __all__ = ["EVAL_LOGITS", "EvalSettings", "EvalMemoryPlan", "eval_settings_from_args", "plan_eval_memory",
            "containers_figures"]
@@ -475,14 +475,13 @@ def _trace_forward(meta: nn.Module, settings: EvalSettings, cuda: bool,
     with FakeTensorMode():
         step_inputs(meta, 1, settings.seq_len)
     try:
-        forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache,
-                                     autocast=settings.autocast, device_type="cuda" if cuda else "cpu",
-                                     compute_capability=compute_capability, gpu=gpu)
+        with collecting_only_what_it_makes():  # the forward's garbage, not the whole heap
+            forward = trace_eval_forward(meta, settings.batch_size, settings.seq_len, settings.use_cache,
+                                         autocast=settings.autocast, device_type="cuda" if cuda else "cpu",
+                                         compute_capability=compute_capability, gpu=gpu)
     except Exception as error:
         text = " ".join(str(error).split())[:300]
         return None, f"the evaluation forward cannot run under fake tensors ({type(error).__name__}: {text})"
-    finally:
-        gc.collect()
     return forward, None
 
 

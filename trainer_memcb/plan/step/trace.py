@@ -64,7 +64,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import gc
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -92,6 +91,7 @@ from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
+from trainer_memcb.utils.collector_scope import collecting_only_what_it_makes
 
 __all__ = ["COMPILED_NOT_COUNTED", "trace_step", "compute_capability_of", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
@@ -124,18 +124,6 @@ def fake_copy(model: nn.Module, mode: Any, device: str = "cpu", dtype: Optional[
                     new = made[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
                 module._buffers[name] = new
     return model
-
-
-def _freeze_older_objects() -> bool:
-    """Move every object alive now out of the collector's sight for the trace (`gc.freeze`):
-    a fake step makes cyclic garbage all along, and each full collection would otherwise walk the
-    whole heap (torch's and transformers' modules, the meta model), 0.8 s of a 70B step's 11 s.
-    Objects made during the trace are collected as before. False, and nothing done, when the
-    program has frozen objects itself (its freeze is left as it is)."""
-    if gc.get_freeze_count():
-        return False
-    gc.freeze()
-    return True
 
 
 def one_line(error: BaseException) -> str:
@@ -810,18 +798,13 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
     if prefix is None or (_COUNT_FLOPS[0] and prefix.before.flops is None) or not _shares_optimizer_phases():
         return None
     build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
-    frozen = _freeze_older_objects()
     try:
-        with contextlib.ExitStack() as stack:
+        with collecting_only_what_it_makes(), contextlib.ExitStack() as stack:
             for context in prefix.outer():
                 stack.enter_context(context)
             timeline = _another_optimizer(prefix, build_optimizer)
     except Exception:  # nothing a trace of its own would not meet: it meets it there
         timeline = None
-    finally:
-        gc.collect()
-        if frozen:
-            gc.unfreeze()
     if timeline is None:
         del shared.prefixes[step_key]
         return None
@@ -883,40 +866,37 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     mode = fake_tensor_mode()
     quantization_note = None
     kernel_runs: List[Any] = []  # the stand-in kernels' records (flash-attn's, liger-kernel's)
-    frozen = _freeze_older_objects()
     preference, ref_model = settings.preference, None
     if preference is not None:
         kept = None  # a DPO or GRPO step is traced whole for each optimizer
-    try:
-        if preference is not None and preference.reference == "model":
-            # The frozen reference, a second copy of the model (`create_model_from_path` in
-            # DPOTrainer.__init__), made before the step: its parameters enter the timeline as the
-            # model-states plan's reference (`Timeline.with_resident`), not as the policy's.
-            ref_model = fake_copy(copy.deepcopy(meta), mode, "cpu", None if keep_dtypes else step_dtype)
-            ref_model.eval()  # accelerate prepares it in evaluation mode
-        model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
-        if quantization is not None:
-            quantization_note = _quantized(model, mode, quantization, device_type)
-        prepare_like_trainer(model, args=args, gradient_checkpointing=settings.gradient_checkpointing,
-                             checkpointing=settings.checkpointing_kwargs)
-        _trl_lm_heads(model, ref_model, preference)
-        build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
-        with contextlib.ExitStack() as stack:
-            for context in _outer_contexts(padding, settings) + _liger_kernels(model, settings):
-                entered = stack.enter_context(context)
-                if isinstance(entered, KernelRuns):
-                    kernel_runs.append(entered)
-            timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
-                                   settings.gradient_checkpointing, engine, input_options,
-                                   settings.gradient_accumulation_steps, device_type, compute_capability, kept,
-                                   preference, ref_model, compiled)
-    except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
-        engine.close()
-        raise UntracedStep(_untraced_reason(error, settings.sharding)) from error
-    finally:
-        gc.collect()  # the trace's own garbage: the objects frozen before it are not scanned
-        if frozen:
-            gc.unfreeze()
+    # The trace's own garbage is collected at its end; the objects older than it are not scanned.
+    with collecting_only_what_it_makes():
+        try:
+            if preference is not None and preference.reference == "model":
+                # The frozen reference, a second copy of the model (`create_model_from_path` in
+                # DPOTrainer.__init__), made before the step: its parameters enter the timeline as the
+                # model-states plan's reference (`Timeline.with_resident`), not as the policy's.
+                ref_model = fake_copy(copy.deepcopy(meta), mode, "cpu", None if keep_dtypes else step_dtype)
+                ref_model.eval()  # accelerate prepares it in evaluation mode
+            model = fake_copy(meta, mode, "cpu", None if keep_dtypes else step_dtype)
+            if quantization is not None:
+                quantization_note = _quantized(model, mode, quantization, device_type)
+            prepare_like_trainer(model, args=args, gradient_checkpointing=settings.gradient_checkpointing,
+                                 checkpointing=settings.checkpointing_kwargs)
+            _trl_lm_heads(model, ref_model, preference)
+            build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
+            with contextlib.ExitStack() as stack:
+                for context in _outer_contexts(padding, settings) + _liger_kernels(model, settings):
+                    entered = stack.enter_context(context)
+                    if isinstance(entered, KernelRuns):
+                        kernel_runs.append(entered)
+                timeline = _trace_step(model, mode, settings.batch_size, seq_len, settings.precision, build_optimizer,
+                                       settings.gradient_checkpointing, engine, input_options,
+                                       settings.gradient_accumulation_steps, device_type, compute_capability, kept,
+                                       preference, ref_model, compiled)
+        except Exception as error:  # a forward fake tensors cannot run (data-dependent control flow, ...)
+            engine.close()
+            raise UntracedStep(_untraced_reason(error, settings.sharding)) from error
     kernel_notes = tuple(note for note in (run.note() for run in kernel_runs) if note)
     for prefix in kept or ():
         prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding, settings)
