@@ -37,13 +37,20 @@ def plan(tmp_path: Path, *options: str, training_args=None):
     return settings["precision"], settings["param_dtype"], source, document["step"]["peak_bytes"]
 
 
+@pytest.fixture(scope="module")
+def bf16_model_alone(tmp_path_factory):
+    """The plan of `--dtype bfloat16` with no training args: the default row, --dtype's precision."""
+    return plan(tmp_path_factory.mktemp("bf16-alone"), "--dtype", "bfloat16")
+
+
 @pytest.mark.parametrize("training_args", [{}, {"bf16": False, "fp16": False}])
-def test_file_without_mixed_precision_keeps_the_bf16_model(tmp_path, training_args):
+def test_file_without_mixed_precision_keeps_the_bf16_model(tmp_path, training_args, bf16_model_alone):
     precision, dtype, source, peak = plan(tmp_path, "--dtype", "bfloat16", training_args=training_args)
     assert (precision, dtype) == ("bf16", "bfloat16")
     assert source == "--dtype (no mixed precision in the training args)"
-    # the same plan as --dtype bfloat16 alone (the default row: --dtype's precision)
-    assert (precision, dtype, peak) == plan(tmp_path, "--dtype", "bfloat16")[:2] + (plan(tmp_path, "--dtype", "bfloat16")[3],)
+    # the same plan as --dtype bfloat16 alone
+    assert (precision, dtype, peak) == (bf16_model_alone[0], bf16_model_alone[1], bf16_model_alone[3])
+    assert bf16_model_alone[2] == "flag"
 
 
 def test_default_row_fp32_model_stays_fp32(tmp_path):
