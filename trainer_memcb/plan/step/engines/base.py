@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.step.timeline import MODEL_STATES
+from trainer_memcb.plan.step.engines.local_shards_step import stepping_local_shards
 
 __all__ = ["StepEngine", "MODEL_STATES"]
 
@@ -94,7 +95,8 @@ class StepEngine:
     def step(self, build_optimizer: Callable[[nn.Module], Any], model: nn.Module, trainable: List[torch.Tensor]) -> Any:
         self.clip(trainable)
         optimizer = build_optimizer(model)
-        optimizer.step()
+        with stepping_local_shards(optimizer):  # DTensor parameters: the same kernels, without its dispatch
+            optimizer.step()
         return optimizer
 
     def state_tensors(self, optimizer: Any) -> List[torch.Tensor]:
