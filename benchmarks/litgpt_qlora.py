@@ -87,7 +87,7 @@ def plan_old_bnb(argv: Sequence[str]) -> int:
     functions.MatMul4Bit.forward = staticmethod(forward)
     from trainer_memcb.cli import main
 
-    return main(list(argv))
+    return main(["estimate", *argv])
 
 
 def _import_litgpt(source: str) -> Any:
