@@ -65,3 +65,15 @@ def test_a_version_marker_skips_below_its_minimum_and_says_why():
     missing = requires_version("no-such-distribution-here", "1.0", "anything")
     assert missing.args == (True,) and missing.kwargs["reason"].endswith("installed: none")
 
+
+
+def test_the_extras_bitsandbytes_floor_is_the_release_the_compatibility_pass_installs():
+    # 0.46 to 0.49 cannot plan a 4-bit layer under fake tensors, nor step an 8-bit optimizer on the
+    # CPU: the floor is the first release that does both, and the oldest pass installs exactly it.
+    config = configparser.ConfigParser()
+    config.read(os.path.join(REPO_ROOT, "setup.cfg"))
+    floors = {extra: re.search(r"^bitsandbytes>=([0-9.]+)$", text.strip(), flags=re.MULTILINE)
+              for extra, text in config["options.extras_require"].items() if "bitsandbytes" in text}
+    assert sorted(floors) == ["examples", "optimizers", "test"]
+    assert {match.group(1) for match in floors.values()} == {"0.50"}
+    assert _pins(os.path.join(REPO_ROOT, ".ci", "oldest-constraints.txt"))["bitsandbytes"] == "0.50.0"
