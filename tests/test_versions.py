@@ -68,7 +68,7 @@ def test_a_version_marker_skips_below_its_minimum_and_says_why():
 
 
 def test_the_extras_bitsandbytes_floor_is_the_release_the_compatibility_pass_installs():
-    # 0.46 to 0.49 cannot plan a 4-bit layer under fake tensors, nor step an 8-bit optimizer on the
+    # 0.46.0 to 0.49.0 (each .0 release tried) cannot plan a 4-bit layer under fake tensors, nor step an 8-bit optimizer on the
     # CPU: the floor is the first release that does both, and the oldest pass installs exactly it.
     config = configparser.ConfigParser()
     config.read(os.path.join(REPO_ROOT, "setup.cfg"))
