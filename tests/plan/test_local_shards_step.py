@@ -119,3 +119,29 @@ def test_after_the_step_the_state_is_keyed_by_the_dtensors_and_no_local_shard_is
         assert gone() is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_that_raises_leaves_the_dtensor_parameters_in_place():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+        optimizer = torch.optim.SGD([param], lr=0.1)
+
+        def fails():
+            assert optimizer.param_groups[0]["params"][0] is not param  # the local shard inside
+            raise RuntimeError("a step that fails")
+
+        optimizer.step = fails
+        with pytest.raises(RuntimeError, match="a step that fails"):
+            with local_shards_step.stepping_local_shards(optimizer):
+                optimizer.step()
+        assert optimizer.param_groups[0]["params"] == [param] and len(optimizer.state) == 0
+    finally:
+        dist.destroy_process_group()
