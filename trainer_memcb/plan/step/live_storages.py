@@ -128,6 +128,19 @@ class LiveStorages(TorchDispatchMode):
         self.stream_of: Optional[Any] = None
         # serial number -> its allocation stream, for the storages not on the default stream.
         self.streams: Dict[int, int] = {}
+        # With `keep_tokens()`: the timeline's events with what else decides the peaks, in order
+        # (`trainer_memcb.plan.step.layer_fold`): each event (an int, as in `events`), and tuples for
+        # a peak check that could raise the peak (("c",)), a reset of the peak (("r",)), a phase
+        # (("p", name)), a moment the caller takes the peak (("t", name)), a storage saved for
+        # backward or released from it (("w", 1 or -1, serial)), a storage resized (("z", old, new),
+        # before its two events). None: nothing logged.
+        self.tokens: Optional[List[Any]] = None
+        self._checked_at = -1
+        # With `tokens`: serial -> the serial of the list element a foreach operation made it from
+        # (its output at the same index), and serial -> a name for what it holds (a parameter's,
+        # its gradient's, its optimizer state's), which `layer_fold` aligns the logs by.
+        self.companions: Dict[int, int] = {}
+        self.labels: Dict[int, Any] = {}
 
     def __enter__(self) -> "LiveStorages":
         self._original_resize = torch.UntypedStorage.resize_
@@ -148,9 +161,49 @@ class LiveStorages(TorchDispatchMode):
     def restart_peak(self) -> None:
         """Take the bytes alive now as the peak so far (an engine that has just brought the
         model to its state between steps: ZeRO-3's partitioned parameters)."""
-        self.peak_bytes = 0
+        self.reset_peak()
         self._start = len(self.events)
         self._check_peak()
+
+    def reset_peak(self) -> None:
+        """Count the peak anew from here (a phase's or a micro-batch's own peak)."""
+        self.peak_bytes = 0
+        if self.tokens is not None:
+            self.tokens.append(_RESET)
+            self._checked_at = -1
+
+    def keep_tokens(self) -> None:
+        """Log `tokens` from now on (before anything is counted)."""
+        self.tokens = []
+
+        def record(event: int, events: List[int] = self.events, tokens: List[Any] = self.tokens) -> None:
+            events.append(event)
+            tokens.append(event)
+
+        self._record = record
+
+    def log_saved(self, book: Any) -> None:
+        """With `tokens`, log each storage `book` (a `SavedTensorsCounter`'s) starts or stops
+        holding for backward, as ("w", 1 or -1, serial), and watch its storages at each peak."""
+        if self.tokens is None:
+            return
+        book.live = _LoggedBook(book.live, self)
+        self.watch = book.live
+
+    def take(self, name: str) -> None:
+        """Note in `tokens` that the caller reads the peak here (`name`: what it reads it for)."""
+        if self.tokens is not None:
+            self.tokens.append(("t", name))
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._phase = name
+        if getattr(self, "tokens", None) is not None:
+            self.tokens.append(("p", name))
 
     @property
     def step_start(self) -> int:
@@ -204,6 +257,8 @@ class LiveStorages(TorchDispatchMode):
         serial = self._serial.get(key)
         if serial is None:
             return
+        if self.tokens is not None:
+            self.tokens.append(("z", serial, len(self.sizes)))
         self.alive_bytes -= self.sizes[serial]
         self._record(~serial)
         serial = self._serial[key] = len(self.sizes)
@@ -220,6 +275,8 @@ class LiveStorages(TorchDispatchMode):
         serial = self._serial.get(key)
         if serial is None or self.sizes[serial] == storage.nbytes():
             return
+        if self.tokens is not None:
+            self.tokens.append(("z", serial, len(self.sizes)))
         self.alive_bytes -= self.sizes[serial]
         self._record(~serial)
         tag = self.tags.get(serial)
@@ -291,6 +348,11 @@ class LiveStorages(TorchDispatchMode):
             self._record(~serial)
 
     def _check_peak(self) -> None:
+        if self.tokens is not None and self._checked_at != len(self.events):
+            # A check can raise the peak only after an allocation (or after a reset, which sets
+            # `_checked_at` to -1): one token where one of those came before it.
+            self.tokens.append(_CHECK)
+            self._checked_at = len(self.events)
         if self.alive_bytes > self.peak_bytes:
             self.peak_bytes = self.alive_bytes
             self.peak_keys = list(self._serial.values())
@@ -337,8 +399,37 @@ class LiveStorages(TorchDispatchMode):
                     self._track(leaf)
         if self.on_op is not None:
             self.on_op(func, args, kwargs)
+        if self.tokens is not None:
+            if isinstance(out, torch.Tensor):
+                source = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+                if source is not None:
+                    self._note_companions((out,), ((source,),))
+            elif isinstance(out, (list, tuple)) and func.__name__.startswith("_foreach_"):
+                self._note_companions(out, args)
         self._check_peak()
         return out
+
+    def _note_companions(self, out: Any, args: Tuple[Any, ...]) -> None:
+        """Each output of an operation: the input at its index of its first tensor list (a
+        foreach operation's), or its first tensor argument."""
+        inputs = next((arg for arg in args if isinstance(arg, (list, tuple)) and len(arg) == len(out)
+                       and all(isinstance(item, torch.Tensor) for item in arg)), None)
+        if inputs is None:
+            return
+        serial = self._serial
+        for made, source in zip(out, inputs):
+            if isinstance(made, torch.Tensor):
+                made_serial = serial.get(made.untyped_storage()._cdata)
+                source_serial = serial.get(source.untyped_storage()._cdata)
+                if made_serial is not None and source_serial is not None and made_serial != source_serial:
+                    self.companions.setdefault(made_serial, source_serial)
+
+    def label(self, tensors: Any, name: Any) -> None:
+        """Name what the storages of `tensors` hold, where `tokens` are logged."""
+        if self.tokens is None:
+            return
+        for serial in self.serials(tensors):
+            self.labels.setdefault(serial, name)
 
 
 # The aten operations a linear layer or a batched product dispatches to (cuBLAS / cuBLASLt on CUDA).
@@ -347,10 +438,33 @@ _MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, t
 
 
 _DEVICE = torch.ops.prim.device.default
+_CHECK, _RESET = ("c",), ("r",)
 
 
 def _ignore(event: int) -> None:
     pass
+
+
+class _LoggedBook(dict):
+    """A saved-tensors book's storages (key -> entry) that logs, in the tracker's tokens, each
+    storage it starts or stops holding, by the serial the tracker counts it under."""
+
+    def __init__(self, entries: Dict[int, Any], tracker: "LiveStorages") -> None:
+        super().__init__(entries)
+        self.tracker = tracker
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        if key not in self:
+            serial = self.tracker._serial.get(key)
+            if serial is not None:
+                self.tracker.tokens.append(("w", 1, serial))
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: int) -> None:
+        serial = self.tracker._serial.get(key)
+        if serial is not None:
+            self.tracker.tokens.append(("w", -1, serial))
+        super().__delitem__(key)
 
 
 class _Gone:

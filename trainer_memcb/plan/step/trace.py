@@ -64,6 +64,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -179,6 +180,8 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     model = engine.wrap(model, mode)
     params = list(model.parameters())
     tracker = LiveStorages(keep_timeline=True)
+    if _RECORDING[0] is not None:  # a step folded from fewer layers (`_folded`): its log too
+        tracker.keep_tokens()
     # Every micro-batch of the step is on the device before the first runs, and stays to the end:
     # `Trainer.get_batch_samples` fetches them all (accelerate's dataloader sends each to the
     # device as it is yielded) into the list `batch_samples`, which the micro-batches' loop keeps.
@@ -213,6 +216,7 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
         tracker.tag(tensors, part)
     counter = SavedTensorsCounter(exclude=params, watch_recomputation=gradient_checkpointing)
     tracker.watch = counter._book.live
+    tracker.log_saved(counter._book)
     engine.attach(tracker, counter)
     return _Step(model, mode, engine, tracker, counter, params, [p for p in params if p.requires_grad], inputs,
                  batch_tensors, preference, ref_model, tokens=_token_ids(model) if _is_grpo(preference) else None,
@@ -270,7 +274,7 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         if len(numbers) > 1:
             engine.micro_batch(number, last=number == accumulation)
         if number > 1:
-            tracker.peak_bytes = 0  # this micro-batch's own peak, from here
+            tracker.reset_peak()  # this micro-batch's own peak, from here
         if _is_grpo(step.preference) and _generates_before(number, step.preference.steps_per_generation,
                                                           accumulation):
             _grpo_generation_phase(step, phase_starts, autocast)
@@ -292,6 +296,7 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
         phase_starts.setdefault("backward", len(tracker.events))
         engine.backward(loss)
         del loss
+        tracker.take("micro-batch")
         micro_peaks.append((number, (tracker.peak_bytes, tracker.peak_label, tracker.peak_keys, tracker.peak_watch)))
     return micro_peaks, activations, phase_starts, kwargs
 
@@ -399,7 +404,7 @@ def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: 
     step.batch_tensors[:] = [tensor for tensor in step.batch_tensors if id(tensor) not in before]
     step.inputs = [inputs] * len(step.inputs)
     step.batch_tensors.extend(inputs.tensors())
-    tracker.peak_bytes = 0  # the training phase's own peak, from here
+    tracker.reset_peak()  # the training phase's own peak, from here
 
 
 def _optimizer_phase(step: _Step, build_optimizer: Callable[[nn.Module], Any]) -> _Stepped:
@@ -408,7 +413,7 @@ def _optimizer_phase(step: _Step, build_optimizer: Callable[[nn.Module], Any]) -
     (bitsandbytes' 8-bit) fails here: its failure is kept and the gradients are dropped."""
     tracker, engine = step.tracker, step.engine
     tracker.phase = "optimizer step"
-    tracker.peak_bytes = 0  # the optimizer phase's own peak, from here
+    tracker.reset_peak()  # the optimizer phase's own peak, from here
     try:
         optimizer = engine.step(build_optimizer, step.model, step.trainable)
     except Exception as error:
@@ -417,6 +422,13 @@ def _optimizer_phase(step: _Step, build_optimizer: Callable[[nn.Module], Any]) -
             p.grad = None
         return _Stepped(failure=failure)
     state = tracker.serials(engine.state_tensors(optimizer))
+    if tracker.tokens is not None:  # each state tensor named by its parameter, for `layer_fold`
+        names = {id(p): name for name, p in step.model.named_parameters()}
+        for param, values in getattr(optimizer, "state", {}).items():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    tracker.label([value], (_layerless(names.get(id(param), "")), key))
+    tracker.take("optimizer step")
     peak = PhasePeak("optimizer step", tracker.peak_bytes, tuple(tracker.peak_keys), frozenset(tracker.peak_watch))
     engine.zero_grad(optimizer)
     del optimizer
@@ -484,6 +496,11 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
                 stack.enter_context(context)
             micro_peaks, activations, phase_starts, last_inputs = _forward_backward(step, accumulation, autocast)
             grads = tracker.serials(step.engine.gradients(step.trainable))
+            if tracker.tokens is not None:  # the parameters and gradients named, for `layer_fold`
+                for name, param in step.model.named_parameters():
+                    tracker.label([param], (_layerless(name), "parameter"))
+                    if param.grad is not None:
+                        tracker.label([param.grad], (_layerless(name), "gradient"))
             if build_optimizer is not None:
                 phase_starts["optimizer step"] = len(tracker.events)
                 if kept is not None and step.engine.name in _BRANCHING_ENGINES:
@@ -495,6 +512,10 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
         step.counter.close()
         step.engine.close()
     timeline = _timeline_of(step, micro_peaks, activations, phase_starts, grads, stepped, flop_totals)
+    if tracker.tokens is not None:
+        # What the step logged up to its timeline (storages freed later, as the step's objects go,
+        # are not the step's).
+        _RECORDING[0].append((list(tracker.tokens), dict(tracker.labels), dict(tracker.companions)))
     if compiled:
         timeline = dataclasses.replace(timeline, compiled=True)
     if before is not None and kept is not None:
@@ -819,7 +840,8 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     with a note that says why (`Timeline.compiled` says which was traced)."""
     options = dict(args=args, step_dtype=step_dtype, keep_dtypes=keep_dtypes, quantization=quantization)
     if not settings.torch_compile:
-        return _trace_step_once(meta, settings, **options)
+        folded = _folded(meta, settings, **options)
+        return folded if folded is not None else _trace_step_once(meta, settings, **options)
     from trainer_memcb.plan.step.compiled_step import compiled_step_refusal
 
     refusal = compiled_step_refusal(settings)
@@ -832,8 +854,49 @@ def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_
     return dataclasses.replace(timeline, notes=timeline.notes + (f"torch_compile=True: {refusal}",))
 
 
+def _layerless(name: str) -> str:
+    """A parameter's name with its layer numbers left out: the same for each layer's."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+# While a step is folded (`_folded`): the logs of the steps traced, else None.
+_RECORDING: List[Optional[List[Any]]] = [None]
+# Whether steps of identical layers are folded (`trainer_memcb.plan.step.layer_fold`).
+FOLD_LAYERS = [True]
+
+
+def _folded(meta: nn.Module, settings: StepSettings, **options: Any) -> Optional[Timeline]:
+    """The step of `meta`'s identical layers folded from its steps with `FOLDED_LAYERS` of them
+    (`trainer_memcb.plan.step.layer_fold`), or None where it is not folded: a model without such
+    layers, a step on several processes or of TRL's trainers, or logs that do not fold (then the
+    step is traced whole)."""
+    from trainer_memcb.plan.step.layer_fold import FOLDED_LAYERS, Recorded, fold, layer_list, with_layers
+
+    if not FOLD_LAYERS[0] or _RECORDING[0] is not None or settings.preference is not None:
+        return None
+    if (getattr(settings, "cp_size", 1) > 1 or getattr(settings, "tp_size", 1) > 1 or settings.sharding == "ddp"
+            or settings.sharding.startswith(("fsdp-", "zero")) or settings.precision.startswith("deepspeed-")):
+        return None  # the engines of several processes (`engine_for`) are traced whole
+    found = layer_list(meta)
+    if found is None or len(found[2]) <= FOLDED_LAYERS[-1]:
+        return None
+    recorded = []
+    for count in FOLDED_LAYERS:
+        _RECORDING[0] = []
+        try:
+            timeline = _trace_step_once(with_layers(meta, count), settings, keep_prefix=False, **options)
+            logs = _RECORDING[0]
+        finally:
+            _RECORDING[0] = None
+        if len(logs) != 1:
+            return None
+        recorded.append(Recorded(timeline, *logs[0]))
+    return fold(recorded, len(found[2]))
+
+
 def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
-                     keep_dtypes: bool = False, quantization: Any = None, compiled: bool = False) -> Timeline:
+                     keep_dtypes: bool = False, quantization: Any = None, compiled: bool = False,
+                     keep_prefix: bool = True) -> Timeline:
     """Trace one training step of `meta` (a model on the meta device, made fake here) under the
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `settings.optimizer`, in `settings.precision`, with checkpointing where
@@ -861,7 +924,7 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     if settings.packing is not None:
         input_options["packing"] = settings.packing
     compute_capability = compute_capability_of(settings)
-    kept: Optional[List[_Prefix]] = [] if shared is not None else None
+    kept: Optional[List[_Prefix]] = [] if shared is not None and keep_prefix else None
     engine = engine_for(settings)
     mode = fake_tensor_mode()
     quantization_note = None
