@@ -429,7 +429,7 @@ def fold(recorded: Sequence[Recorded], layers: int) -> Optional[Timeline]:
     a, b, c = recorded
     if any(r.timeline.generation is not None or r.timeline.compiled for r in recorded):
         return None
-    if not (a.timeline.notes == b.timeline.notes == c.timeline.notes):
+    if _notes(recorded, 1) != b.timeline.notes or _notes(recorded, 2) != c.timeline.notes:
         return None
     sa, sb, sc = (_signatures(r) for r in recorded)
     blocks = _blocks(sa, sb, sc)
@@ -454,6 +454,32 @@ def fold(recorded: Sequence[Recorded], layers: int) -> Optional[Timeline]:
         return _timeline(_write(b, b_places, blocks, rules, copies), b, sizes, copies, recorded)
     except _Unfolded:
         return None
+
+
+def _notes(recorded: Sequence[Recorded], copies: int) -> Optional[Tuple[str, ...]]:
+    """The trace's notes with `copies` copies of each block: the same text, each number in it
+    (a kernel's calls, layers counted) affine in the layers (None where one is not)."""
+    import re
+
+    notes = [r.timeline.notes for r in recorded]
+    if len({len(each) for each in notes}) != 1:
+        return None
+    out = []
+    for texts in zip(*notes):
+        parts = [re.split(r"(\d+)", text) for text in texts]
+        if len({len(each) for each in parts}) != 1 or any(parts[0][n] != other[n] for other in parts[1:]
+                                                          for n in range(0, len(parts[0]), 2)):
+            return None
+        written = list(parts[1])
+        for n in range(1, len(written), 2):
+            if parts[0][n] == parts[1][n] == parts[2][n]:
+                continue  # as written ("5,056" is two numbers here, "056" one)
+            none, one, two = (int(each[n]) for each in parts)
+            if two - one != one - none:
+                return None
+            written[n] = str(one + (copies - 1) * (one - none))
+        out.append("".join(written))
+    return tuple(out)
 
 
 def _sizes(recorded: Sequence[Recorded], blocks, places) -> Optional[Dict[int, Tuple[int, int]]]:
@@ -530,7 +556,7 @@ def _timeline(written: _Written, b: Recorded, sizes, copies: int, recorded: Sequ
 
     groups = {name: mapped(members) for name, members in tb.groups.items()}
     return dataclasses.replace(
-        tb, events=events, sizes=new_sizes,
+        tb, events=events, sizes=new_sizes, notes=_notes(recorded, copies),
         tags={serial: tb.tags[source] for serial, source in old.items() if source in tb.tags},
         groups=groups,
         states={serial: tb.states[source] for serial, source in old.items() if source in tb.states},

@@ -1,0 +1,179 @@
+"""A step of N identical layers folded from its steps of 1, 2 and 3 (`trainer_memcb.plan.step.layer_fold`):
+the timeline the fold writes is the one a trace of all N layers gives, field for field (every event,
+size, part, phase peak with its storages and saved ones, position, FLOP and note), across optimizers,
+precisions, checkpointing, accumulation and a peak that moves as layers are added; where the layers
+differ, or the logs do not fold, the step is traced whole."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from helpers import TRANSFORMERS_4, installed_version, tiny_llama_config
+from trainer_memcb.plan.settings import resolve_settings
+from trainer_memcb.plan.step import layer_fold, trace
+from trainer_memcb.plan.step.live_storages import LiveStorages
+
+
+def llama(layers: int, **overrides) -> LlamaForCausalLM:
+    config = tiny_llama_config("sdpa", **{"vocab_size": 256, "max_position_embeddings": 2048,
+                                          "num_hidden_layers": layers, **overrides})
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def traced(monkeypatch, model, fold: bool, device_type: str = "cuda", batch_size: int = 2, seq_len: int = 16,
+           **given):
+    """The step's timeline, folded or traced whole, and the outcome of each fold tried (True: folded)."""
+    folds = []
+    real = layer_fold.fold
+
+    def spy(recorded, layers):
+        found = real(recorded, layers)
+        folds.append(found is not None)
+        return found
+
+    monkeypatch.setattr(layer_fold, "fold", spy)
+    monkeypatch.setattr(trace, "FOLD_LAYERS", [fold])
+    settings = resolve_settings(batch_size=batch_size, seq_len=seq_len, device_type=device_type, **given)
+    timeline = trace.trace_step(model, settings, args=None, step_dtype=torch.float32)
+    monkeypatch.undo()
+    return timeline, folds
+
+
+CASES = {
+    "adamw, cuda": dict(optimizer="adamw_torch"),
+    "checkpointing": dict(optimizer="adamw_torch", gradient_checkpointing=True),
+    "accumulation 3": dict(optimizer="adamw_torch", gradient_accumulation_steps=3),
+    "sgd, cpu": dict(optimizer="sgd", device_type="cpu"),
+    "adafactor, autocast-bf16": dict(optimizer="adafactor", precision="autocast-bf16"),
+    "adamw, bf16": dict(optimizer="adamw_torch", precision="bf16"),
+    "liger's kernels": dict(optimizer="adamw_torch", use_liger_kernel=True),
+}
+
+
+# On torch 2.6 (the oldest allowed) checkpointing's logs do not fold: one reference names, in the
+# logs of 2 and 3 layers, two different storages outside the blocks, which no rule over the copies
+# names; the step is traced whole there.
+OLD_TORCH = (installed_version("torch") or (0,)) < (2, 13)
+
+
+@pytest.mark.parametrize("given", CASES.values(), ids=CASES.keys())
+def test_the_folded_step_is_the_step_traced_whole(monkeypatch, given):
+    folded, folds = traced(monkeypatch, llama(5), True, **given)
+    whole, none = traced(monkeypatch, llama(5), False, **given)
+    assert folds == [not (OLD_TORCH and given.get("gradient_checkpointing"))] and none == []
+    assert dataclasses.asdict(folded) == dataclasses.asdict(whole)
+    assert folded.forward_backward.bytes == whole.forward_backward.bytes > 0
+
+
+def test_sixteen_layers_with_a_wide_vocabulary_fold_to_the_step_traced_whole(monkeypatch):
+    # Thirteen copies of each block written from logs of one, two and three layers.
+    model = dict(vocab_size=8192)
+    folded, folds = traced(monkeypatch, llama(16, **model), True, optimizer="adamw_torch", batch_size=1, seq_len=128)
+    whole, _ = traced(monkeypatch, llama(16, **model), False, optimizer="adamw_torch", batch_size=1, seq_len=128)
+    assert folds == [True]
+    assert dataclasses.asdict(folded) == dataclasses.asdict(whole)
+    # transformers 4.57's rotary embedding holds 32 bytes fewer (its `original_inv_freq` is the same tensor)
+    assert (whole.forward_backward.bytes, len(whole.forward_backward.saved)) == (29011756 if TRANSFORMERS_4 else
+                                                                                29011788, 280)
+
+
+def test_layers_that_differ_are_not_folded(monkeypatch):
+    model = llama(5)
+    mlp = model.model.layers[3].mlp  # a narrower MLP in one layer
+    hidden = mlp.up_proj.in_features
+    mlp.gate_proj, mlp.up_proj = (torch.nn.Linear(hidden, 96, bias=False, device="meta") for _ in range(2))
+    mlp.down_proj = torch.nn.Linear(96, hidden, bias=False, device="meta")
+    assert layer_fold.layer_list(model) is None
+    _, folds = traced(monkeypatch, model, True, optimizer="sgd")
+    assert folds == []
+
+
+def test_layer_types_that_differ_are_not_folded():
+    model = llama(5)
+    model.config.layer_types = ["full_attention", "sliding_attention"] * 2 + ["full_attention"]
+    assert layer_fold.layer_list(model) is None
+
+
+def test_a_model_of_three_layers_or_fewer_is_traced_whole(monkeypatch):
+    _, folds = traced(monkeypatch, llama(3), True, optimizer="sgd")
+    assert folds == []
+
+
+def test_several_processes_are_traced_whole(monkeypatch):
+    _, folds = traced(monkeypatch, llama(5), True, optimizer="sgd", world_size=2, sharding="ddp")
+    assert folds == []
+
+
+def test_with_layers_copies_the_first_layers_and_leaves_the_model_as_it_was():
+    model = llama(5)
+    small = layer_fold.with_layers(model, 2)
+    assert len(small.model.layers) == 2 and small.config.num_hidden_layers == 2
+    assert len(model.model.layers) == 5 and model.config.num_hidden_layers == 5
+    assert small.model.layers[0] is not model.model.layers[0]
+
+
+def _recorded(model, **given):
+    settings = resolve_settings(batch_size=2, seq_len=16, device_type="cuda", **given)
+    recorded = []
+    for count in layer_fold.FOLDED_LAYERS:
+        trace._RECORDING[0] = []
+        try:
+            timeline = trace._trace_step_once(layer_fold.with_layers(model, count), settings, args=None,
+                                              step_dtype=torch.float32, keep_prefix=False)
+            recorded.append(layer_fold.Recorded(timeline, *trace._RECORDING[0][0]))
+        finally:
+            trace._RECORDING[0] = None
+    return recorded
+
+
+def test_logs_that_do_not_repeat_do_not_fold():
+    recorded = _recorded(llama(5), optimizer="sgd")
+    assert layer_fold.fold(recorded, 5) is not None
+    # The third log with one storage counted twice the bytes: its blocks are not the second's.
+    third = recorded[2]
+    serial = next(token for token in third.tokens if isinstance(token, int) and token > 40)
+    sizes = dict(third.timeline.sizes)
+    sizes[serial] *= 2
+    broken = layer_fold.Recorded(dataclasses.replace(third.timeline, sizes=sizes), third.tokens, third.labels,
+                                 third.companions)
+    assert layer_fold.fold([recorded[0], recorded[1], broken], 5) is None
+    # A log that lost a token.
+    cut = layer_fold.Recorded(third.timeline, third.tokens[:-1], third.labels, third.companions)
+    assert layer_fold.fold([recorded[0], recorded[1], cut], 5) is None
+
+
+def test_notes_fold_their_counts_and_keep_their_constants():
+    def recorded(notes):
+        timeline = dataclasses.replace(_EMPTY, notes=notes)
+        return layer_fold.Recorded(timeline, [])
+
+    logs = [recorded((f"rms_norm ({3 + 2 * n} calls), state 5,056 bytes",)) for n in range(3)]
+    assert layer_fold._notes(logs, 1) == ("rms_norm (5 calls), state 5,056 bytes",)
+    assert layer_fold._notes(logs, 31) == ("rms_norm (65 calls), state 5,056 bytes",)
+    uneven = [recorded((f"{count} calls",)) for count in (1, 2, 4)]
+    assert layer_fold._notes(uneven, 5) is None
+
+
+_EMPTY = trace.Timeline(events=(), sizes={}, tags={}, groups={}, states={}, host_parts=(), step_start=0,
+                        forward_backward=trace.PhasePeak("forward", 0, ()), optimizer_step=None,
+                        state_resident=False, activations_bytes=0, activations_peak_bytes=0)
+
+
+def test_the_tracker_logs_nothing_unless_asked():
+    assert LiveStorages(keep_timeline=True).tokens is None
+    tracker = LiveStorages(keep_timeline=True)
+    tracker.keep_tokens()
+    kept = torch.empty(4)
+    with tracker:
+        tracker.add(kept)
+        tracker.reset_peak()
+        tracker.phase = "forward"
+        tracker.add(torch.empty(2))  # counted, then freed
+        tracker.take("micro-batch")
+    assert tracker.tokens == [0, ("c",), ("r",), ("p", "forward"), 1, ("c",), ~1, ("t", "micro-batch")]
+    assert tracker.events == [0, 1, ~1]
