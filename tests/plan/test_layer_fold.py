@@ -177,3 +177,34 @@ def test_the_tracker_logs_nothing_unless_asked():
         tracker.take("micro-batch")
     assert tracker.tokens == [0, ("c",), ("r",), ("p", "forward"), 1, ("c",), ~1, ("t", "micro-batch")]
     assert tracker.events == [0, 1, ~1]
+
+
+@pytest.fixture(scope="module")
+def five_layer_llama(tmp_path_factory) -> str:
+    from helpers import tiny_llama_folder
+
+    return tiny_llama_folder(tmp_path_factory, "five-layers", num_hidden_layers=5)
+
+
+@pytest.mark.parametrize("extra", [["--lora-r", "4"], ["--lora-r", "4", "--load-in-4bit"]], ids=["lora", "qlora"])
+def test_lora_and_qlora_plans_fold_to_the_plan_traced_whole(monkeypatch, five_layer_llama, extra):
+    # PEFT's adapters in each layer, and bitsandbytes' 4-bit layers: the command's whole JSON the same.
+    import contextlib
+    import io
+
+    from trainer_memcb.cli import main
+
+    def planned(fold: bool):
+        folds = []
+        real = layer_fold.fold
+        monkeypatch.setattr(layer_fold, "fold", lambda recorded, layers: folds.append(real(recorded, layers)) or folds[-1])
+        monkeypatch.setattr(trace, "FOLD_LAYERS", [fold])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["estimate", five_layer_llama, "--batch-size", "2", "--seq-len", "16", "--json", *extra])
+        monkeypatch.undo()
+        return code, out.getvalue(), [found is not None for found in folds]
+
+    code, folded, folds = planned(True)
+    assert (code, folds) == (0, [True])
+    assert (code, folded) == planned(False)[:2]

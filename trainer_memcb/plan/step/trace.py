@@ -865,6 +865,13 @@ _RECORDING: List[Optional[List[Any]]] = [None]
 FOLD_LAYERS = [True]
 
 
+def _one_process(settings: StepSettings) -> bool:
+    """Whether the step runs on one process (`engine_for`'s plain engine)."""
+    return not (getattr(settings, "cp_size", 1) > 1 or getattr(settings, "tp_size", 1) > 1 or settings.sharding == "ddp"
+                or settings.sharding.startswith(("fsdp-", "zero")) or settings.precision.startswith("deepspeed-"))
+
+
+
 def _folded(meta: nn.Module, settings: StepSettings, **options: Any) -> Optional[Timeline]:
     """The step of `meta`'s identical layers folded from its steps with `FOLDED_LAYERS` of them
     (`trainer_memcb.plan.step.layer_fold`), or None where it is not folded: a model without such
@@ -874,9 +881,11 @@ def _folded(meta: nn.Module, settings: StepSettings, **options: Any) -> Optional
 
     if not FOLD_LAYERS[0] or _RECORDING[0] is not None or settings.preference is not None:
         return None
-    if (getattr(settings, "cp_size", 1) > 1 or getattr(settings, "tp_size", 1) > 1 or settings.sharding == "ddp"
-            or settings.sharding.startswith(("fsdp-", "zero")) or settings.precision.startswith("deepspeed-")):
-        return None  # the engines of several processes (`engine_for`) are traced whole
+    if not _one_process(settings):
+        # The engines of several processes (`engine_for`) are traced whole: DDP's buckets fill by
+        # bytes, not by layer (a fold of its logs of 1 to 3 layers wrote 6 layers' wrongly), and the
+        # logs of FSDP2's and TP's do not fold.
+        return None
     found = layer_list(meta)
     if found is None or len(found[2]) <= FOLDED_LAYERS[-1]:
         return None
