@@ -124,7 +124,7 @@ def _recorded(model, **given):
         trace._RECORDING[0] = []
         try:
             timeline = trace._trace_step_once(layer_fold.with_layers(model, count), settings, args=None,
-                                              step_dtype=torch.float32, keep_prefix=False)
+                                              step_dtype=torch.float32)
             recorded.append(layer_fold.Recorded(timeline, *trace._RECORDING[0][0]))
         finally:
             trace._RECORDING[0] = None
@@ -208,3 +208,25 @@ def test_lora_and_qlora_plans_fold_to_the_plan_traced_whole(monkeypatch, five_la
     code, folded, folds = planned(True)
     assert (code, folds) == (0, [True])
     assert (code, folded) == planned(False)[:2]
+
+
+@pytest.mark.parametrize("second", ["sgd", "adafactor", "adamw_torch_fused"])
+def test_another_optimizer_steps_from_the_folded_steps_kept_and_is_its_step_traced_whole(monkeypatch, second):
+    # Inside `sharing_traces` the steps of 1, 2 and 3 layers are kept up to their optimizer phase:
+    # another optimizer steps from each (no forward or backward again), and the three fold.
+    wholes = {}
+    for name in ("adamw_torch", second):
+        wholes[name], _ = traced(monkeypatch, llama(5), False, optimizer=name)
+    traces = []
+    real = trace._trace_step_once
+    monkeypatch.setattr(trace, "_trace_step_once", lambda *a, **k: traces.append(1) or real(*a, **k))
+    with trace.sharing_traces():
+        first = trace.trace_step(llama(5), resolve_settings(batch_size=2, seq_len=16, device_type="cuda",
+                                                            optimizer="adamw_torch"), args=None, step_dtype=torch.float32)
+        other = trace.trace_step(llama(5), resolve_settings(batch_size=2, seq_len=16, device_type="cuda",
+                                                            optimizer=second), args=None, step_dtype=torch.float32)
+    # The three of fewer layers, once; on the oldest releases, where no optimizer phase is shared
+    # (`_shares_optimizer_phases`), once for each optimizer.
+    assert len(traces) == (3 if trace._shares_optimizer_phases() else 6)
+    assert dataclasses.asdict(first) == dataclasses.asdict(wholes["adamw_torch"])
+    assert dataclasses.asdict(other) == dataclasses.asdict(wholes[second])

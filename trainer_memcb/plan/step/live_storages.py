@@ -62,6 +62,10 @@ class TrackerState(NamedTuple):
     phase: str
     watch: Optional[Dict[int, Any]]
     streams: Dict[int, int] = {}
+    # The log (`LiveStorages.tokens`) and its names, where one is kept.
+    tokens: Optional[Tuple[Any, ...]] = None
+    labels: Dict[int, Any] = {}
+    companions: Dict[int, int] = {}
 
 
 class LiveStorages(TorchDispatchMode):
@@ -173,7 +177,7 @@ class LiveStorages(TorchDispatchMode):
             self._checked_at = -1
 
     def keep_tokens(self) -> None:
-        """Log `tokens` from now on (before anything is counted)."""
+        """Log `tokens` from now on (before anything is counted: an empty log)."""
         self.tokens = []
 
         def record(event: int, events: List[int] = self.events, tokens: List[Any] = self.tokens) -> None:
@@ -225,7 +229,8 @@ class LiveStorages(TorchDispatchMode):
                             dict(self._storages), dict(self._serial), dict(self._seen),
                             {ident: ref.__callback__.keys for ident, ref in self._seen.items()}, self.alive_bytes,
                             dict(self.first_matmul), self.phase, dict(self.watch) if self.watch is not None else None,
-                            dict(self.streams))
+                            dict(self.streams), tuple(self.tokens) if self.tokens is not None else None,
+                            dict(self.labels), dict(self.companions))
 
     def restore(self, state: "TrackerState", replacements: Dict[int, torch.Tensor]) -> None:
         """Count again exactly what `state` counted, as if nothing had run since `snapshot`: the
@@ -235,10 +240,15 @@ class LiveStorages(TorchDispatchMode):
         counted as that one, which releases them when it goes."""
         self.events = list(state.events)
         self._record = self.events.append
+        if state.tokens is not None:
+            self.keep_tokens()
+            self.tokens.extend(state.tokens)
+            self.labels, self.companions = dict(state.labels), dict(state.companions)
+            self._checked_at = -1
         self.sizes, self.tags, self.first_matmul = dict(state.sizes), dict(state.tags), dict(state.first_matmul)
         self.streams = dict(state.streams)
         self._tensors, self._storages, self._serial = dict(state.tensors), dict(state.storages), dict(state.serial)
-        self.alive_bytes, self.phase = state.alive_bytes, state.phase
+        self.alive_bytes, self._phase = state.alive_bytes, state.phase
         self.watch = dict(state.watch) if state.watch is not None else None
         seen = dict(state.seen)
         gone = [(ident, ref) for ident, ref in seen.items() if ref() is None]

@@ -512,15 +512,17 @@ def _trace_step(model: nn.Module, mode: Any, batch_size: int, seq_len: Optional[
         step.counter.close()
         step.engine.close()
     timeline = _timeline_of(step, micro_peaks, activations, phase_starts, grads, stepped, flop_totals)
+    logged = None
     if tracker.tokens is not None:
         # What the step logged up to its timeline (storages freed later, as the step's objects go,
         # are not the step's).
-        _RECORDING[0].append((list(tracker.tokens), dict(tracker.labels), dict(tracker.companions)))
+        logged = list(tracker.tokens)
+        _RECORDING[0].append((logged, dict(tracker.labels), dict(tracker.companions)))
     if compiled:
         timeline = dataclasses.replace(timeline, compiled=True)
     if before is not None and kept is not None:
         kept.extend(before.prefix(step, last_inputs, timeline, lambda totals: _step_contexts(
-            mode, tracker, precision, device_type, compute_capability, totals, ring)[0]))
+            mode, tracker, precision, device_type, compute_capability, totals, ring)[0], logged))
     return timeline
 
 
@@ -545,6 +547,7 @@ class _Before:
     end: int = 0
     alive: frozenset = frozenset()
     only_grads_gone: bool = False
+    token_end: int = 0
 
     @classmethod
     def take(cls, step: _Step, flop_counter: Any) -> "_Before":
@@ -561,12 +564,14 @@ class _Before:
         """Where the phase ended, the storages alive then, and whether the tensors seen before it
         that it let go are the gradients alone."""
         self.end, self.alive = len(tracker.events), tracker.alive_serials()
+        self.token_end = len(tracker.tokens) if tracker.tokens is not None else 0
         gone = {ident for ident, ref in self.state.seen.items() if ref() is None}
         self.only_grads_gone = gone <= {ident for _, ident, _ in self.grads}
         watch = tracker.watch.keys() if tracker.watch is not None else None
         self.only_grads_gone &= watch == (self.state.watch.keys() if self.state.watch is not None else None)
 
-    def prefix(self, step: _Step, last_inputs: Any, timeline: Timeline, contexts: Callable[..., List[Any]]) -> List["_Prefix"]:
+    def prefix(self, step: _Step, last_inputs: Any, timeline: Timeline, contexts: Callable[..., List[Any]],
+               logged: Optional[List[Any]] = None) -> List["_Prefix"]:
         """The step kept (`_Prefix`), in a list; an empty one where another optimizer could not
         step from here as a trace of its own would: the phase let go of more than the gradients,
         changed the activations' books or the engine's notes, or the step closed by more than
@@ -575,7 +580,8 @@ class _Before:
         if not (self.only_grads_gone and self.activations_peak == timeline.activations_peak_bytes
                 and self.notes == len(timeline.notes) and all(e < 0 and ~e in self.alive for e in tail)):
             return []
-        return [_Prefix(step, last_inputs, self, tail, timeline, contexts)]
+        tail_tokens = tuple(logged[self.token_end:]) if logged is not None else ()
+        return [_Prefix(step, last_inputs, self, tail, timeline, contexts, tail_tokens=tail_tokens)]
 
 
 @dataclasses.dataclass
@@ -593,6 +599,20 @@ class _Prefix:
     quantization_note: Optional[str] = None
     kernel_notes: Tuple[str, ...] = ()
     outer: Callable[[], List[Any]] = list
+    # With the tracker's log (`layer_fold`): the tokens that closed the step (as `tail` its events),
+    # and the log of the last optimizer stepped from here (`_another_optimizer`).
+    tail_tokens: Tuple[Any, ...] = ()
+    logged: Optional[List[Any]] = None
+
+
+@dataclasses.dataclass
+class _FoldedPrefix:
+    """The steps of 1, 2 and 3 layers kept up to their optimizer phase (`_Prefix`), for a step of
+    `layers` identical layers folded from them: another optimizer steps from each, and the three
+    are folded (`_from_kept_step`)."""
+
+    prefixes: Tuple[_Prefix, ...]
+    layers: int
 
 
 def _gradients_back(prefix: _Prefix) -> None:
@@ -622,6 +642,8 @@ def _another_optimizer(prefix: _Prefix, build_optimizer: Callable[[nn.Module], A
             stack.enter_context(context)
         stepped = _optimizer_phase(step, build_optimizer)
         end, alive = len(tracker.events), tracker.alive_serials()
+        if tracker.tokens is not None:
+            prefix.logged = tracker.tokens[:len(tracker.tokens)] + list(prefix.tail_tokens)
     if alive != prefix.before.alive:
         return None
     first = prefix.timeline
@@ -816,6 +838,11 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
     (`_another_optimizer`), or None where none is kept, it lacks the FLOPs asked, or its
     optimizer's phase cannot be run from it as a trace of its own would run it."""
     prefix = shared.prefixes.get(step_key)
+    if isinstance(prefix, _FoldedPrefix):
+        timeline = _from_folded_prefix(prefix, settings, args, device_type)
+        if timeline is None:
+            del shared.prefixes[step_key]
+        return timeline
     if prefix is None or (_COUNT_FLOPS[0] and prefix.before.flops is None) or not _shares_optimizer_phases():
         return None
     build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
@@ -831,6 +858,34 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
         return None
     return _noted(timeline, prefix.quantization_note, settings, device_type, implementation[0],
                   prefix.kernel_notes)
+
+
+def _from_folded_prefix(folded: _FoldedPrefix, settings: StepSettings, args: Any,
+                        device_type: str) -> Optional[Timeline]:
+    """The step of `folded.layers` layers with the optimizer `settings` name: that optimizer
+    stepped from each kept step of fewer layers, their logs folded; None where one cannot be
+    stepped so or they do not fold."""
+    from trainer_memcb.plan.step.layer_fold import Recorded, fold
+
+    recorded = []
+    for prefix in folded.prefixes:
+        if (_COUNT_FLOPS[0] and prefix.before.flops is None) or not _shares_optimizer_phases():
+            return None
+        build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
+        try:
+            with collecting_only_what_it_makes(), contextlib.ExitStack() as stack:
+                for context in prefix.outer():
+                    stack.enter_context(context)
+                timeline = _another_optimizer(prefix, build_optimizer)
+        except Exception:  # nothing a trace of its own would not meet: it meets it there
+            return None
+        tracker = prefix.step.tracker
+        if timeline is None or prefix.logged is None:
+            return None
+        recorded.append(Recorded(_noted(timeline, prefix.quantization_note, settings, device_type, implementation[0],
+                                        prefix.kernel_notes), prefix.logged, dict(tracker.labels),
+                                 dict(tracker.companions)))
+    return fold(recorded, folded.layers)
 
 
 def trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
@@ -889,23 +944,29 @@ def _folded(meta: nn.Module, settings: StepSettings, **options: Any) -> Optional
     found = layer_list(meta)
     if found is None or len(found[2]) <= FOLDED_LAYERS[-1]:
         return None
-    recorded = []
+    recorded, prefixes = [], []
     for count in FOLDED_LAYERS:
         _RECORDING[0] = []
         try:
-            timeline = _trace_step_once(with_layers(meta, count), settings, keep_prefix=False, **options)
+            timeline = _trace_step_once(with_layers(meta, count), settings, prefixes=prefixes, **options)
             logs = _RECORDING[0]
         finally:
             _RECORDING[0] = None
         if len(logs) != 1:
             return None
         recorded.append(Recorded(timeline, *logs[0]))
-    return fold(recorded, len(found[2]))
+    folded = fold(recorded, len(found[2]))
+    shared = _SHARED[0]
+    if folded is not None and shared is not None and len(prefixes) == len(FOLDED_LAYERS):
+        # Another optimizer steps from each of the three and folds them (`_from_kept_step`).
+        step_key = _keys(meta, settings, options)[1]
+        shared.prefixes[step_key] = _FoldedPrefix(tuple(prefixes), len(found[2]))  # type: ignore[assignment]
+    return folded
 
 
 def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step_dtype: Optional[torch.dtype],
                      keep_dtypes: bool = False, quantization: Any = None, compiled: bool = False,
-                     keep_prefix: bool = True) -> Timeline:
+                     prefixes: Optional[List[_Prefix]] = None) -> Timeline:
     """Trace one training step of `meta` (a model on the meta device, made fake here) under the
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `settings.optimizer`, in `settings.precision`, with checkpointing where
@@ -933,7 +994,7 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     if settings.packing is not None:
         input_options["packing"] = settings.packing
     compute_capability = compute_capability_of(settings)
-    kept: Optional[List[_Prefix]] = [] if shared is not None and keep_prefix else None
+    kept: Optional[List[_Prefix]] = [] if shared is not None else None
     engine = engine_for(settings)
     mode = fake_tensor_mode()
     quantization_note = None
@@ -973,7 +1034,10 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     for prefix in kept or ():
         prefix.quantization_note, prefix.outer = quantization_note, functools.partial(_outer_contexts, padding, settings)
         prefix.kernel_notes = kernel_notes
-        shared.prefixes[step_key] = prefix
+        if prefixes is not None:  # a step of fewer layers, folded (`_folded`): kept by the caller
+            prefixes.append(prefix)
+        else:
+            shared.prefixes[step_key] = prefix
     return _noted(timeline, quantization_note, settings, device_type, implementation[0], kernel_notes)
 
 
