@@ -115,6 +115,7 @@ SAVED_TENSORS = ("tests/state/test_saved_tensors.py",)
 ZERO_TAP = (f"{MODEL_STATES}::test_zero12_gradients_are_measured_when_deepspeeds_step_begins",
             f"{MODEL_STATES}::test_zero12_gradients_are_measured_when_one_of_two_owners_wants_them")
 LIVE_STORAGES = ("tests/plan/test_live_storages.py",)
+LAYER_FOLD = ("tests/plan/test_layer_fold.py",)
 # The step plan and its command: the command run in this process (seconds a case), the Python plan.
 CLI_ANSWERS = "tests/cli/test_cli_answers.py"
 CLI_STEP = "tests/cli/test_cli_step.py"
@@ -362,8 +363,13 @@ EDITS: List[Edit] = [
     Edit("plan/step/live_storages.py", "            self.peak_keys = list(self._serial.values())",
          "            self.peak_keys = list(self._serial)", LIVE_STORAGES),  # storage addresses for serials
     Edit("plan/step/live_storages.py", "            self.peak_label = self.phase", "            pass", LIVE_STORAGES),
-    Edit("plan/step/live_storages.py", "            self.on_op(func, args, kwargs)\n        self._check_peak()",
-         "            self.on_op(func, args, kwargs)", LIVE_STORAGES),  # the peak only where a tensor is added
+    Edit("plan/step/live_storages.py", "                self._note_companions(out, args)\n        self._check_peak()",
+         "                self._note_companions(out, args)", LIVE_STORAGES),  # the peak only where a tensor is added
+    # -- plan/step/layer_fold.py: a step of identical layers folded from its steps of 1, 2 and 3
+    Edit("plan/step/layer_fold.py", '("mirror", lambda k, m: m + 1 - k)', '("mirror", lambda k, m: m - k)',
+         LAYER_FOLD),  # backward's copies named in the wrong order
+    Edit("plan/step/layer_fold.py", '        elif token[0] == "r":\n            peak = 0',
+         '        elif token[0] == "r":\n            pass', LAYER_FOLD),  # a phase's peak counted from the step's start
     # -- plan/answers/step_memory.py, max_batch.py: the step's peak, its parts, fits? and the largest batch
     Edit("plan/answers/step_memory.py", "    if optimizer_peak is None or fb_peak >= optimizer_peak:",
          "    if optimizer_peak is None or fb_peak < optimizer_peak:",
