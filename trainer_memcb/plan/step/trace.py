@@ -838,13 +838,23 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
     (`_another_optimizer`), or None where none is kept, it lacks the FLOPs asked, or its
     optimizer's phase cannot be run from it as a trace of its own would run it."""
     prefix = shared.prefixes.get(step_key)
+    kept = prefix.prefixes if isinstance(prefix, _FoldedPrefix) else (prefix,) if prefix is not None else ()
+    if not kept or not _shares_optimizer_phases() or any(_COUNT_FLOPS[0] and each.before.flops is None
+                                                         for each in kept):
+        return None
     if isinstance(prefix, _FoldedPrefix):
         timeline = _from_folded_prefix(prefix, settings, args, device_type)
-        if timeline is None:
-            del shared.prefixes[step_key]
-        return timeline
-    if prefix is None or (_COUNT_FLOPS[0] and prefix.before.flops is None) or not _shares_optimizer_phases():
-        return None
+    else:
+        timeline = _stepped_from(prefix, settings, args, device_type)
+    if timeline is None:
+        del shared.prefixes[step_key]
+    return timeline
+
+
+def _stepped_from(prefix: _Prefix, settings: StepSettings, args: Any, device_type: str) -> Optional[Timeline]:
+    """The step `prefix` kept with the optimizer `settings` name (`_another_optimizer`), noted as
+    its own trace would be; None where its optimizer's phase cannot be run from it as a trace of
+    its own would run it."""
     build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
     try:
         with collecting_only_what_it_makes(), contextlib.ExitStack() as stack:
@@ -852,9 +862,8 @@ def _from_kept_step(shared: _Shared, step_key: Tuple[Any, ...], settings: StepSe
                 stack.enter_context(context)
             timeline = _another_optimizer(prefix, build_optimizer)
     except Exception:  # nothing a trace of its own would not meet: it meets it there
-        timeline = None
+        return None
     if timeline is None:
-        del shared.prefixes[step_key]
         return None
     return _noted(timeline, prefix.quantization_note, settings, device_type, implementation[0],
                   prefix.kernel_notes)
@@ -869,22 +878,11 @@ def _from_folded_prefix(folded: _FoldedPrefix, settings: StepSettings, args: Any
 
     recorded = []
     for prefix in folded.prefixes:
-        if (_COUNT_FLOPS[0] and prefix.before.flops is None) or not _shares_optimizer_phases():
-            return None
-        build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
-        try:
-            with collecting_only_what_it_makes(), contextlib.ExitStack() as stack:
-                for context in prefix.outer():
-                    stack.enter_context(context)
-                timeline = _another_optimizer(prefix, build_optimizer)
-        except Exception:  # nothing a trace of its own would not meet: it meets it there
-            return None
-        tracker = prefix.step.tracker
+        timeline = _stepped_from(prefix, settings, args, device_type)
         if timeline is None or prefix.logged is None:
             return None
-        recorded.append(Recorded(_noted(timeline, prefix.quantization_note, settings, device_type, implementation[0],
-                                        prefix.kernel_notes), prefix.logged, dict(tracker.labels),
-                                 dict(tracker.companions)))
+        tracker = prefix.step.tracker
+        recorded.append(Recorded(timeline, prefix.logged, dict(tracker.labels), dict(tracker.companions)))
     return fold(recorded, folded.layers)
 
 
