@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from helpers import TRANSFORMERS_4, installed_version, tiny_llama_config
+from helpers import TRANSFORMERS_4, installed_version, requires_version, tiny_llama_config
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step import layer_fold, trace
 from trainer_memcb.plan.step.live_storages import LiveStorages
@@ -230,3 +230,37 @@ def test_another_optimizer_steps_from_the_folded_steps_kept_and_is_its_step_trac
     assert len(traces) == (3 if trace._shares_optimizer_phases() else 6)
     assert dataclasses.asdict(first) == dataclasses.asdict(wholes["adamw_torch"])
     assert dataclasses.asdict(other) == dataclasses.asdict(wholes[second])
+
+
+def _preference_step(preference, fold: bool, monkeypatch):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return traced(monkeypatch, model, fold, device_type="cpu", seq_len=32, optimizer="adamw_torch",
+                  attn_implementation="sdpa", preference=preference)
+
+
+@requires_version("trl", "1.16", "DPOTrainer's and KTOTrainer's fused LM head, whose steps are planned")
+@pytest.mark.parametrize("step", ["dpo, the reference a model", "dpo, precomputed", "kto"])
+def test_dpo_and_kto_steps_fold_to_their_steps_traced_whole(monkeypatch, step):
+    from trainer_memcb.plan.step.kto import KtoStep
+    from trainer_memcb.plan.step.preference import DpoStep
+
+    preference = {"dpo, the reference a model": DpoStep(reference="model"),
+                  "dpo, precomputed": DpoStep(reference="precomputed"), "kto": KtoStep()}[step]
+    folded, folds = _preference_step(preference, True, monkeypatch)
+    whole, _ = _preference_step(preference, False, monkeypatch)
+    assert folds == [True]
+    assert dataclasses.asdict(folded) == dataclasses.asdict(whole)
+
+
+def test_sft_grpo_and_rloo_steps_are_traced_whole():
+    from trainer_memcb.plan.step.sft import SftStep
+
+    assert not trace._folds_trainer(SftStep(max_length=32))
+    assert not any(trace._folds_trainer(type("Step", (), {"trainer": name})()) for name in ("grpo", "rloo"))
+    assert trace._folds_trainer(None)

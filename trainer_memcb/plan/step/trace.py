@@ -918,6 +918,13 @@ _RECORDING: List[Optional[List[Any]]] = [None]
 FOLD_LAYERS = [True]
 
 
+def _folds_trainer(preference: Any) -> bool:
+    """Whether the step of this trainer is folded: the Trainer's own, TRL's DPO (whose step has no
+    `trainer` name) and KTO, each checked equal to its step traced whole; SFT's, and GRPO's and
+    RLOO's with their generation phase, are traced whole."""
+    return preference is None or _is_kto(preference) or getattr(preference, "trainer", None) is None
+
+
 def _one_process(settings: StepSettings) -> bool:
     """Whether the step runs on one process (`engine_for`'s plain engine)."""
     return not (getattr(settings, "cp_size", 1) > 1 or getattr(settings, "tp_size", 1) > 1 or settings.sharding == "ddp"
@@ -928,11 +935,11 @@ def _one_process(settings: StepSettings) -> bool:
 def _folded(meta: nn.Module, settings: StepSettings, **options: Any) -> Optional[Timeline]:
     """The step of `meta`'s identical layers folded from its steps with `FOLDED_LAYERS` of them
     (`trainer_memcb.plan.step.layer_fold`), or None where it is not folded: a model without such
-    layers, a step on several processes or of TRL's trainers, or logs that do not fold (then the
-    step is traced whole)."""
+    layers, a step on several processes or of TRL's SFT, GRPO or RLOO, or logs that do not fold
+    (then the step is traced whole)."""
     from trainer_memcb.plan.step.layer_fold import FOLDED_LAYERS, Recorded, fold, layer_list, with_layers
 
-    if not FOLD_LAYERS[0] or _RECORDING[0] is not None or settings.preference is not None:
+    if not FOLD_LAYERS[0] or _RECORDING[0] is not None or not _folds_trainer(settings.preference):
         return None
     if not _one_process(settings):
         # The engines of several processes (`engine_for`) are traced whole: DDP's buckets fill by
