@@ -54,6 +54,19 @@ def accuracy_and_f1(eval_prediction: Any) -> Dict[str, float]:
     return {"accuracy": float((predictions == labels).mean()), "f1": f1}
 
 
+_SCRATCH: List[str] = []
+
+
+def scratch_folder(name: str) -> str:
+    """An output folder outside the repository, for a Trainer whose files no test reads (the
+    Trainer makes its output folder): under one temporary folder of this process."""
+    import tempfile
+
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="trainer-memcb-tests-"))
+    return os.path.join(_SCRATCH[0], name)
+
+
 def training_args(output_dir: str, **overrides: Any) -> TrainingArguments:
     settings: Dict[str, Any] = dict(
         output_dir=output_dir, use_cpu=True, per_device_train_batch_size=4, per_device_eval_batch_size=8,

@@ -74,10 +74,10 @@ def trainers_sgd_momentum(optim_args: str) -> float:
     reads it; 4.57's `get_optimizer_cls_and_kwargs` gives SGD the learning rate alone)."""
     import transformers
 
-    from helpers import training_args
+    from helpers import scratch_folder, training_args
 
     model = transformers.AutoModelForMaskedLM.from_config(transformers.AutoConfig.from_pretrained(TINY))
-    trainer = transformers.Trainer(model=model, args=training_args("unused-output", optim="sgd", optim_args=optim_args))
+    trainer = transformers.Trainer(model=model, args=training_args(scratch_folder("unused-output"), optim="sgd", optim_args=optim_args))
     return trainer.create_optimizer().param_groups[0]["momentum"]
 
 

@@ -130,7 +130,7 @@ def meta_builder(kind: str, attn: str = None, lora: bool = False) -> Callable[[]
 
 def real_trainer(kind: str, dtype: torch.dtype, attn: str = None, ckpt: bool = False, lora: bool = False) -> Any:
     """A real model prepared by a real Trainer's `__init__`, with the Trainer's own optimizer."""
-    from helpers import training_args
+    from helpers import scratch_folder, training_args
 
     torch.manual_seed(0)
     model = model_class(kind)(make_config(kind, attn)).to(dtype)
@@ -138,7 +138,7 @@ def real_trainer(kind: str, dtype: torch.dtype, attn: str = None, ckpt: bool = F
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    trainer = transformers.Trainer(model=model, args=training_args("unused-output", optim="adamw_torch"))
+    trainer = transformers.Trainer(model=model, args=training_args(scratch_folder("unused-output"), optim="adamw_torch"))
     if ckpt:  # as Trainer.train() turns it on: activation_checkpointing_kwargs None
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=None)

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import Trainer
 
 import trainer_memcb.training.model_states_probe
-from helpers import TinyDataset, tiny_classifier, training_args
+from helpers import TinyDataset, scratch_folder, tiny_classifier, training_args
 from trainer_memcb import OptimizerMemoryCallback, OptimizerMemoryLogger
 from trainer_memcb.training.model_states_probe import (
     ModelStatesProbe, detect_setup, measure_grads_bytes, measure_params_bytes, tap_zero_gradients,
@@ -133,7 +133,7 @@ def test_zero12_gradients_are_measured_when_one_of_two_owners_wants_them():
 
 def test_trainer_logs_model_states_equal_to_the_plan():
     model = tiny_classifier()
-    trainer = Trainer(model=model, args=training_args("unused", max_steps=2, logging_steps=1),
+    trainer = Trainer(model=model, args=training_args(scratch_folder("unused"), max_steps=2, logging_steps=1),
                       train_dataset=TinyDataset(16), callbacks=[OptimizerMemoryCallback(what_if=(), summary_file=None)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
