@@ -140,9 +140,8 @@ def _signatures(recorded: Recorded) -> List[Tuple[Any, int]]:
 
 def _parts(timeline: Timeline) -> Dict[int, Tuple[Any, ...]]:
     """serial -> its tag, stream, model state and plan groups."""
-    groups = {name: members for name, members in timeline.groups.items()}
     return {serial: (timeline.tags.get(serial), timeline.streams.get(serial), timeline.states.get(serial),
-                     tuple(name for name, members in groups.items() if serial in members))
+                     tuple(name for name, members in timeline.groups.items() if serial in members))
             for serial in timeline.sizes}
 
 
@@ -548,13 +547,11 @@ def _timeline(written: _Written, b: Recorded, sizes, copies: int, recorded: Sequ
         step = values[1] - values[0]
         return values[1] + (copies - 1) * step
 
-    def mapped(serials: Any) -> frozenset:
-        inverse = {}
-        for serial, source in old.items():
-            inverse.setdefault(source, []).append(serial)
-        return frozenset(new for source in serials for new in inverse.get(source, ()))
-
-    groups = {name: mapped(members) for name, members in tb.groups.items()}
+    copies_of: Dict[int, List[int]] = {}  # a serial of b -> its serials written
+    for serial, source in old.items():
+        copies_of.setdefault(source, []).append(serial)
+    groups = {name: frozenset(new for source in members for new in copies_of.get(source, ()))
+              for name, members in tb.groups.items()}
     return dataclasses.replace(
         tb, events=events, sizes=new_sizes, notes=_notes(recorded, copies),
         tags={serial: tb.tags[source] for serial, source in old.items() if source in tb.tags},

@@ -100,6 +100,7 @@ class LiveStorages(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_keys: List[int] = []
         self.peak_label = ""
+        self.tokens: Optional[List[Any]] = None  # the log, with `keep_tokens()` (its comment below)
         self.phase = ""
         self.sizes: Dict[int, int] = {}
         self._tensors: Dict[int, int] = {}  # storage key -> live tensor objects seen on it
@@ -137,8 +138,7 @@ class LiveStorages(TorchDispatchMode):
         # a peak check that could raise the peak (("c",)), a reset of the peak (("r",)), a phase
         # (("p", name)), a moment the caller takes the peak (("t", name)), a storage saved for
         # backward or released from it (("w", 1 or -1, serial)), a storage resized (("z", old, new),
-        # before its two events). None: nothing logged.
-        self.tokens: Optional[List[Any]] = None
+        # before its two events). None (set above): nothing logged.
         self._checked_at = -1
         # With `tokens`: serial -> the serial of the list element a foreach operation made it from
         # (its output at the same index), and serial -> a name for what it holds (a parameter's,
@@ -206,7 +206,7 @@ class LiveStorages(TorchDispatchMode):
     @phase.setter
     def phase(self, name: str) -> None:
         self._phase = name
-        if getattr(self, "tokens", None) is not None:
+        if self.tokens is not None:
             self.tokens.append(("p", name))
 
     @property
