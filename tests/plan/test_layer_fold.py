@@ -264,3 +264,24 @@ def test_sft_grpo_and_rloo_steps_are_traced_whole():
     assert not trace._folds_trainer(SftStep(max_length=32))
     assert not any(trace._folds_trainer(type("Step", (), {"trainer": name})()) for name in ("grpo", "rloo"))
     assert trace._folds_trainer(None)
+
+
+def test_a_folded_plan_of_five_layers_is_a_real_steps_peak(monkeypatch):
+    # The folded plan against a real CPU step of the same five-layer Llama (the profiler's live
+    # bytes after a first step), as tests/plan/test_step_memory.py holds the plans traced whole.
+    from plan.test_step_memory import BATCH, SEQ, batch, profiled_peak
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
+
+    folds = []
+    real_fold = layer_fold.fold
+    monkeypatch.setattr(layer_fold, "fold", lambda recorded, layers: folds.append(real_fold(recorded, layers)) or folds[-1])
+    plan, _ = plan_step_memory(lambda: llama(5), batch_size=BATCH, seq_len=SEQ, attn_implementation="sdpa",
+                               optimizer="adamw_torch", model_states=False, device_type="cpu")
+    assert [found is not None for found in folds] == [True]
+    torch.manual_seed(0)
+    model = prepare_like_trainer(LlamaForCausalLM(tiny_llama_config("sdpa", vocab_size=256, max_position_embeddings=2048,
+                                                                    num_hidden_layers=5)), gradient_checkpointing=False)
+    start, above = profiled_peak(model, batch("llama"))
+    # 4,591,372 bytes planned and profiled (4,591,340 with transformers 4.57's rotary buffers).
+    assert plan.step.peak_bytes == start + above == (4591340 if TRANSFORMERS_4 else 4591372)
