@@ -21,7 +21,8 @@ from trainer_memcb.plan.optimizers.trainer_optimizers import trainer_optimizer_c
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert")
 # What the callback's import chain used to pull in: seconds of start-up.
-HEAVY = ("transformers", "transformers.trainer", "transformers.trainer_utils", "peft", "bitsandbytes", "datasets")
+HEAVY = ("transformers", "transformers.trainer", "transformers.trainer_utils", "peft", "bitsandbytes", "datasets",
+         "torchao")
 # transformers 4.x has no `transformers.trainer_optimizer`: the estimate asks the Trainer itself for
 # each optimizer's class and arguments, so it imports `transformers.trainer` (and with it peft).
 NEEDS_THE_HANDLERS = requires_transformers(
@@ -86,6 +87,38 @@ def test_the_estimate_command_keeps_peft_out_of_its_process():
     loaded = loaded_after(code)
     assert loaded["peft"] is False and loaded["bitsandbytes"] is False and loaded["transformers.trainer"] is False
     assert loaded["transformers.trainer_utils"] is True
+    assert loaded["torchao"] is False  # installed (the test extra), and no optimizer of its asked
+
+
+def _estimate_loads(*argv: str) -> dict:
+    code = ("import sys\n"
+            f"sys.argv = ['trainer-memcb', 'estimate', {TINY_CONFIG!r}, *{list(argv)!r}]\n"
+            "from trainer_memcb.cli import console_main\n"
+            "assert console_main() == 0")
+    return loaded_after(code)
+
+
+def test_an_estimate_of_torchaos_optimizers_loads_torchao():
+    pytest.importorskip("torchao", reason="torchao is not installed")
+    assert _estimate_loads("--optimizers", "adamw,adamw_torch_8bit")["torchao"] is True
+
+
+def test_a_training_args_file_naming_a_torchao_optimizer_loads_torchao(tmp_path):
+    pytest.importorskip("torchao", reason="torchao is not installed")
+    named, other = tmp_path / "named.json", tmp_path / "other.json"
+    named.write_text(json.dumps({"optim": "adamw_torch_4bit", "per_device_train_batch_size": 1}))
+    other.write_text(json.dumps({"optim": "adamw_torch", "per_device_train_batch_size": 1}))
+    assert _estimate_loads("--training-args", str(named), "--seq-len", "8")["torchao"] is True
+    assert _estimate_loads("--training-args", str(other), "--seq-len", "8")["torchao"] is False
+
+
+@NEEDS_THE_HANDLERS
+def test_the_torchao_optimizers_are_transformers_own():
+    from transformers.trainer_optimizer import _TORCHAO_OPTIMIZERS
+
+    from trainer_memcb.cli.estimate_asked import TORCHAO_OPTIMIZERS
+
+    assert sorted(TORCHAO_OPTIMIZERS) == sorted(str(getattr(name, "value", name)) for name in _TORCHAO_OPTIMIZERS)
 
 
 @NEEDS_THE_HANDLERS

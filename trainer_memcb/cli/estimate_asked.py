@@ -1,7 +1,7 @@
 """Which answer the options of `trainer-memcb estimate` ask for: the optimizer what-if, the
 model-states plan (`plan_asked`) or the step plan (`step_asked`); whether MODEL is a bare parameter
-count (`parameter_count`), and whether peft is needed (`needs_peft`). From the command line alone,
-before torch is imported."""
+count (`parameter_count`), and whether peft or torchao is needed (`needs_peft`, `needs_torchao`).
+From the command line alone (and the settings file it names, read as JSON), before torch is imported."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 from decimal import Decimal
 from typing import Optional
 
-__all__ = ["needs_peft", "parameter_count", "plan_asked", "step_asked", "ENGINE_FILES"]
+__all__ = ["needs_peft", "needs_torchao", "parameter_count", "plan_asked", "step_asked", "ENGINE_FILES"]
 
 
 def needs_peft(args: argparse.Namespace) -> bool:
@@ -35,6 +35,27 @@ def plan_asked(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS + ENGINE_FILES)
 
 
+# The Trainer's optimizers that torchao provides (transformers' `_TORCHAO_OPTIMIZERS`, held equal
+# by tests/test_startup.py).
+TORCHAO_OPTIMIZERS = ("adamw_torch_4bit", "adamw_torch_8bit")
+
+
+def needs_torchao(args: argparse.Namespace) -> bool:
+    """Whether the estimate asked for may build one of torchao's optimizers: `--optimizers` names
+    one, or the `--training-args` file's `optim` does (a file that cannot be read as a JSON object
+    answers yes, so that the plan's own reading of it says why). `--fit` proposes none."""
+    named = getattr(args, "optimizers", None) or ()
+    if isinstance(named, str):
+        named = named.split(",")
+    if any(str(name).strip() in TORCHAO_OPTIMIZERS for name in named):
+        return True
+    path = getattr(args, "training_args", None)
+    if not isinstance(path, (str, os.PathLike)):
+        return path is not None
+    value = _settings_file(os.fspath(path))
+    return not isinstance(value, dict) or str(value.get("optim", "")) in TORCHAO_OPTIMIZERS
+
+
 def step_asked(args: argparse.Namespace) -> bool:
     """Whether the options ask for the step plan (activations and the step's peak): --batch-size,
     --max-batch-size, or --training-args, unless the evaluation plan is asked and the file gives no
@@ -53,14 +74,20 @@ def step_asked(args: argparse.Namespace) -> bool:
 def _file_gives_train_batch(path: str) -> bool:
     """Whether a --training-args file names per_device_train_batch_size; a file that cannot be read
     as a JSON object answers yes, so that the step plan's reading of it says why."""
+    value = _settings_file(path)
+    return not isinstance(value, dict) or value.get("per_device_train_batch_size") is not None
+
+
+def _settings_file(path: str) -> object:
+    """A --training-args file's JSON value, or None when it cannot be read (its refusal is said by
+    the plan's own reading)."""
     from trainer_memcb.utils.safe_io import read_json
     from trainer_memcb.utils.units import MiB
 
     try:
-        value = read_json(path, 16 * MiB)  # `MAX_SETTINGS_FILE_BYTES`, without importing the plan
+        return read_json(path, 16 * MiB)  # `MAX_SETTINGS_FILE_BYTES`, without importing the plan
     except Exception:  # any refusal is said by the step plan's own reading
-        return True
-    return not isinstance(value, dict) or value.get("per_device_train_batch_size") is not None
+        return None
 
 
 # A parameter count given as MODEL: digits (`7500000000`, `7_500_000_000`, `7,500,000,000`) or a

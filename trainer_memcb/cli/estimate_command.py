@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes, reserve_bytes
-from trainer_memcb.cli.estimate_asked import needs_peft, plan_asked, step_asked
+from trainer_memcb.cli.estimate_asked import needs_peft, needs_torchao, plan_asked, step_asked
 from trainer_memcb.cli.estimate_checks import check_options
 from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FOUND, EXIT_UNTRACEABLE, KnownFailure,
@@ -273,9 +273,15 @@ def prepare_process(args: "argparse.Namespace | int") -> None:
     as not installed (`importlib.util.find_spec` answers None). It is decided from the parsed
     command (`--lora-r` needs peft, to add the adapters), which parsing allows because it imports
     nothing of transformers.
+
+    torchao is kept out the same way unless one of its optimizers may be built (`needs_torchao`):
+    transformers' model loading imports every quantizer it finds installed, torchao's among them
+    (about 2 s of each start here), and an estimate quantizes with bitsandbytes only.
     """
     estimate = getattr(args, "command", None) == "estimate"
     if not (estimate and step_asked(args)):
         freeze_what_was_imported()
     if estimate and not needs_peft(args) and "peft" not in sys.modules:
         sys.modules["peft"] = None
+    if estimate and not needs_torchao(args) and "torchao" not in sys.modules:
+        sys.modules["torchao"] = None
