@@ -18,6 +18,16 @@ sys.path.insert(0, TESTS_DIR)
 sys.path.insert(0, os.path.join(TESTS_DIR, "training"))  # the Trainer tests' fixtures and optimizers
 sys.path.insert(0, os.path.dirname(TESTS_DIR))
 
+# Libraries that are installed (the test extra) but that no step here uses, kept out of each process
+# as the estimate command keeps them out (`trainer_memcb.cli.estimate_command.prepare_process`): a
+# None in sys.modules reads as not installed to `importlib.util.find_spec`, which transformers' and
+# peft's availability checks ask, and as an ImportError to DeepSpeed's optional `import mlflow`
+# (its autotuner). Importing them is seconds of each process's start (mlflow about 2 s, torchao
+# about 2 s, peft with bitsandbytes about 1 s), times every process of every launch; the steps
+# are those of plain models with torch's optimizers, which none of them changes.
+for _unused in ("mlflow", "torchao", "peft", "bitsandbytes"):
+    sys.modules.setdefault(_unused, None)  # type: ignore[arg-type]
+
 
 def rank() -> int:
     return int(os.environ["RANK"])
