@@ -36,6 +36,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -236,13 +237,14 @@ def run_page(path: Path, show: bool = False) -> int:
                 return 1
             for line, command, shown in commands:
                 argv, env, expected = command_argv(command)
+                started = time.monotonic()
                 # One stream, unbuffered: the order a terminal shows.
                 result = subprocess.run(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         timeout=COMMAND_TIMEOUT_S)
                 printed = result.stdout
                 if show:
-                    print(f"{name}:{line}: $ {command}\n{printed}")
+                    print(f"{name}:{line}: $ {command}  [{time.monotonic() - started:.1f} s]\n{printed}")
                 if result.returncode != expected:
                     print(f"{name}:{line}: `{command}` exited {result.returncode}, not {expected}\n"
                           f"--- output\n{printed[-8000:]}")
