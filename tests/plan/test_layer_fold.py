@@ -258,12 +258,41 @@ def test_dpo_and_kto_steps_fold_to_their_steps_traced_whole(monkeypatch, step):
     assert dataclasses.asdict(folded) == dataclasses.asdict(whole)
 
 
-def test_sft_grpo_and_rloo_steps_are_traced_whole():
+SFT_CASES = {
+    "padded, nll": ("cpu", dict(max_length=32), dict(attn_implementation="sdpa")),
+    "padding-free, checkpointing": ("cpu", dict(max_length=32, padding_free=True),
+                                    dict(attn_implementation="sdpa", gradient_checkpointing=True)),
+    "dft, liger's kernels": ("cpu", dict(max_length=32, loss_type="dft"),
+                             dict(attn_implementation="sdpa", use_liger_kernel=True)),
+    "padding-free, flash, bf16, cuda": ("cuda", dict(max_length=32, padding_free=True),
+                                        dict(attn_implementation="flash_attention_2", precision="bf16")),
+}
+
+
+@pytest.mark.parametrize("case", SFT_CASES)
+def test_sft_steps_fold_to_their_steps_traced_whole(monkeypatch, case):
     from trainer_memcb.plan.step.sft import SftStep
 
-    assert not trace._folds_trainer(SftStep(max_length=32))
+    device_type, fields, given = SFT_CASES[case]
+    step = SftStep(**fields)
+    shape = dict(batch_size=1, packing=64) if step.padding_free else dict(batch_size=2)
+
+    def planned(fold):
+        model = llama(5, vocab_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        return traced(monkeypatch, model, fold, device_type=device_type, seq_len=32, optimizer="adamw_torch",
+                      preference=step, **shape, **given)
+
+    folded, folds = planned(True)
+    whole, _ = planned(False)
+    assert folds == [True]
+    assert dataclasses.asdict(folded) == dataclasses.asdict(whole)
+
+
+def test_grpo_and_rloo_steps_are_traced_whole():
+    from trainer_memcb.plan.step.sft import SftStep
+
     assert not any(trace._folds_trainer(type("Step", (), {"trainer": name})()) for name in ("grpo", "rloo"))
-    assert trace._folds_trainer(None)
+    assert trace._folds_trainer(None) and trace._folds_trainer(SftStep(max_length=32))
 
 
 def test_a_folded_plan_of_five_layers_is_a_real_steps_peak(monkeypatch):

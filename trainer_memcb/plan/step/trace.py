@@ -920,9 +920,9 @@ FOLD_LAYERS = [True]
 
 def _folds_trainer(preference: Any) -> bool:
     """Whether the step of this trainer is folded: the Trainer's own, TRL's DPO (whose step has no
-    `trainer` name) and KTO, each checked equal to its step traced whole; SFT's, and GRPO's and
-    RLOO's with their generation phase, are traced whole."""
-    return preference is None or _is_kto(preference) or getattr(preference, "trainer", None) is None
+    `trainer` name), KTO and SFT (padded or padding-free), each checked equal to its step traced
+    whole; GRPO's and RLOO's, with their generation phase, are traced whole."""
+    return preference is None or _is_kto(preference) or _is_sft(preference) or getattr(preference, "trainer", None) is None
 
 
 def _one_process(settings: StepSettings) -> bool:
@@ -935,7 +935,7 @@ def _one_process(settings: StepSettings) -> bool:
 def _folded(meta: nn.Module, settings: StepSettings, **options: Any) -> Optional[Timeline]:
     """The step of `meta`'s identical layers folded from its steps with `FOLDED_LAYERS` of them
     (`trainer_memcb.plan.step.layer_fold`), or None where it is not folded: a model without such
-    layers, a step on several processes or of TRL's SFT, GRPO or RLOO, or logs that do not fold
+    layers, a step on several processes or of TRL's GRPO or RLOO, or logs that do not fold
     (then the step is traced whole)."""
     from trainer_memcb.plan.step.layer_fold import FOLDED_LAYERS, Recorded, fold, layer_list, with_layers
 
