@@ -69,8 +69,15 @@ def _tracked(script, tmp_path_factory, rows, processes=None):
 # follows each storage made under it to its end by a weak reference, whichever thread drops it,
 # and read the same on both processes in every launch here (three to five per ZeRO row, four for DDP).
 @pytest.fixture(scope="module")
-def ddp_tracked(tmp_path_factory):
-    return _tracked("engine_step_profile.py", tmp_path_factory, list(ENGINES))
+def engine_runs(tmp_path_factory):
+    """The DDP and FSDP2 rows (below), each under its tracker, in one launch: most of a launch's
+    time is its processes' start."""
+    return _tracked("engine_step_profile.py", tmp_path_factory, list(ENGINES) + list(FSDP2_ENGINES))
+
+
+@pytest.fixture(scope="module")
+def ddp_tracked(engine_runs):
+    return {engine: engine_runs[engine] for engine in ENGINES}
 
 
 def plan_of(engine):
@@ -163,15 +170,8 @@ LATE_COLLECTIVE_BUFFER = 164_352
 
 
 @pytest.fixture(scope="module")
-def fsdp2_tracked_peaks(tmp_path_factory):
-    import test_distributed
-
-    out_dir = str(tmp_path_factory.mktemp("fsdp2-runs"))
-    names = [f"{engine}-memtracker" for engine in FSDP2_ENGINES]
-    _launch("engine_step_profile.py", out_dir, names)
-    return {engine: [json.load(open(os.path.join(out_dir, name, f"rank{rank}.json")))["peak_bytes"]
-                     for rank in range(test_distributed.PROCESSES)]
-            for engine, name in zip(FSDP2_ENGINES, names)}
+def fsdp2_tracked_peaks(engine_runs):
+    return {engine: [run["peak_bytes"] for run in engine_runs[engine]] for engine in FSDP2_ENGINES}
 
 
 @requires_torch("2.13", "the FSDP2 plan needs torch 2.13's fake collectives (tests/plan/test_engines.py)")
