@@ -22,7 +22,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO_ROOT, "examples", "models", "tiny-distilbert")
 # What the callback's import chain used to pull in: seconds of start-up.
 HEAVY = ("transformers", "transformers.trainer", "transformers.trainer_utils", "peft", "bitsandbytes", "datasets",
-         "torchao")
+         "torchao", "sklearn")
 # transformers 4.x has no `transformers.trainer_optimizer`: the estimate asks the Trainer itself for
 # each optimizer's class and arguments, so it imports `transformers.trainer` (and with it peft).
 NEEDS_THE_HANDLERS = requires_transformers(
@@ -88,6 +88,12 @@ def test_the_estimate_command_keeps_peft_out_of_its_process():
     assert loaded["peft"] is False and loaded["bitsandbytes"] is False and loaded["transformers.trainer"] is False
     assert loaded["transformers.trainer_utils"] is True
     assert loaded["torchao"] is False  # installed (the test extra), and no optimizer of its asked
+    assert loaded["sklearn"] is False  # installed (the test extra); transformers 4's generation imports it
+
+
+def test_a_step_plan_keeps_scikit_learn_out_of_its_process():
+    pytest.importorskip("sklearn", reason="scikit-learn is not installed")
+    assert _estimate_loads("--batch-size", "1", "--seq-len", "8")["sklearn"] is False
 
 
 def _estimate_loads(*argv: str) -> dict:

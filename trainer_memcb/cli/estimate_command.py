@@ -276,7 +276,9 @@ def prepare_process(args: "argparse.Namespace | int") -> None:
 
     torchao is kept out the same way unless one of its optimizers may be built (`needs_torchao`):
     transformers' model loading imports every quantizer it finds installed, torchao's among them
-    (about 2 s of each start here), and an estimate quantizes with bitsandbytes only.
+    (about 2 s of each start here), and an estimate quantizes with bitsandbytes only. scikit-learn
+    is kept out of every estimate: transformers before 5 imports it with its generation utilities
+    (`candidate_generator`, for an assistant model's ROC curve), about 2 s, and no plan uses it.
     """
     estimate = getattr(args, "command", None) == "estimate"
     if not (estimate and step_asked(args)):
@@ -285,3 +287,5 @@ def prepare_process(args: "argparse.Namespace | int") -> None:
         sys.modules["peft"] = None
     if estimate and not needs_torchao(args) and "torchao" not in sys.modules:
         sys.modules["torchao"] = None
+    if estimate and "sklearn" not in sys.modules:
+        sys.modules["sklearn"] = None
