@@ -269,6 +269,7 @@ SFT_CASES = {
 }
 
 
+@requires_version("trl", "1.16", "SFTTrainer's fused LM head, whose step is planned")
 @pytest.mark.parametrize("case", SFT_CASES)
 def test_sft_steps_fold_to_their_steps_traced_whole(monkeypatch, case):
     from trainer_memcb.plan.step.sft import SftStep
