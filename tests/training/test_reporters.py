@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import struct
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -223,12 +224,30 @@ def _mlflow_read_back(mlflow: Any, logged: Series) -> Series:
     return read_back
 
 
+def _file_store_warning(uri: str) -> str:
+    return (f"trainer_memcb: MLflow's file store ({uri}) can lose a breakdown key's values: the Trainer's MLflow "
+            "reporter logs on several threads, and two entries that make a key's folder at once fail one of them "
+            "(MLflow logs 'File exists' and drops that entry); set MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE=1 before "
+            "training, or use a database store")
+
+
+def _mlflow_warnings(run: Any) -> Tuple[Any, List[str]]:
+    """What `run()` returns, and the callback's warnings about MLflow's file store while it ran."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run()
+    return result, [str(w.message) for w in caught if str(w.message).startswith("trainer_memcb: MLflow's file store")]
+
+
 def test_mlflow_default_store_holds_every_key_exactly(tmp_path, monkeypatch, mlflow_uri_reset):
     mlflow = mlflow_uri_reset
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    _, logged = run_reporting_to("mlflow", tmp_path, monkeypatch)
+    monkeypatch.delenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", raising=False)
+    (_, logged), said = _mlflow_warnings(lambda: run_reporting_to("mlflow", tmp_path, monkeypatch))
     uri = mlflow.get_tracking_uri()  # the default: a store in the working directory
     assert str(tmp_path) in uri, uri
+    # MLflow 3's default is a database, which makes no folders; MLflow 2's was a file store.
+    assert said == ([] if uri.startswith("sqlite:") else [_file_store_warning(uri)])
     assert _mlflow_read_back(mlflow, logged) == logged
 
 
@@ -242,13 +261,26 @@ def test_mlflow_file_store_holds_every_key_exactly(tmp_path, monkeypatch, mlflow
     # batches that reach a new folder at once can fail one, and that batch's later keys are lost
     # (seen: step 1 of seven keys). One thread, as the guide advises for a file store.
     monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", "1")
-    _, logged = run_reporting_to("mlflow", tmp_path, monkeypatch)
+    (_, logged), said = _mlflow_warnings(lambda: run_reporting_to("mlflow", tmp_path, monkeypatch))
     assert mlflow.get_tracking_uri() == store.as_uri()
+    assert said == []
     assert _mlflow_read_back(mlflow, logged) == logged
     # The file store keeps a metric as a file: a nested key is a folder beside its parent's file.
     (run_dir,) = glob.glob(str(store / "*" / "*" / "metrics"))
     assert os.path.isfile(os.path.join(run_dir, "optimizer_state_bytes"))
     assert os.path.isfile(os.path.join(run_dir, "optimizer_state_bytes_by_key", "exp_avg"))
+
+
+def test_mlflow_file_store_on_several_threads_is_warned_of_once(tmp_path, monkeypatch, mlflow_uri_reset):
+    mlflow = mlflow_uri_reset
+    store = tmp_path / "mlruns"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", raising=False)
+    # The run's values may be lost here (that is the warning's subject): only the warning is held.
+    _, said = _mlflow_warnings(lambda: run_reporting_to("mlflow", tmp_path, monkeypatch))
+    assert said == [_file_store_warning(store.as_uri())]
+    assert mlflow.get_tracking_uri() == store.as_uri()
 
 
 def test_dvclive_holds_every_key_exactly(tmp_path, monkeypatch):

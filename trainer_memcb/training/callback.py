@@ -36,6 +36,7 @@ from trainer_memcb.training.generation_phases import check_phases
 from trainer_memcb.training.figures import BREAKDOWN_KEY_DESCRIPTIONS, KEY_DESCRIPTIONS, select_keys
 from trainer_memcb.training.monitor import validate_breakdown
 from trainer_memcb.training.oom_report import OUT_OF_MEMORY_ERRORS
+from trainer_memcb.training.reporter_limits import mlflow_file_store_warning
 from trainer_memcb.training.step_plan_probe import validate_plan_step
 from trainer_memcb.training.summary import SUMMARY_FILE_NAME
 from trainer_memcb.utils.name_lists import name_list
@@ -241,6 +242,10 @@ class OptimizerMemoryCallback(TrainerCallback, HookedCallback):
                                                   self._warn_once)
         if self._runs.begin(args, state, optimizer, kwargs.get("model")) is not None:
             self._evaluations.largest = {}
+        if state.is_world_process_zero:
+            message = mlflow_file_store_warning(args, self.breakdown)
+            if message is not None:
+                self._warn_once("mlflow-file-store", message)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._snapshots.step_begin(args, state)
