@@ -78,7 +78,27 @@ def check_options(args: argparse.Namespace) -> None:
     if getattr(args, "eval_samples", None) is not None and args.seq_len is None:
         raise ValueError(EVAL_NEEDS_SEQ_LEN)
     _check_trainer(args)
+    _check_layout_flags(args)
     _check_settings_files(args)
+
+
+def _check_layout_flags(args: argparse.Namespace) -> None:
+    """The layout's rules where the flags alone give both values (flags win over every settings
+    file), as `Setup` checks them later: at once rather than after torch and the model.
+
+    Raises:
+        ValueError: `world_size=3 is not a multiple of nodes=2`, or DeepSpeed's precision under FSDP.
+    """
+    from trainer_memcb.plan.settings.layout_rules import nodes_problem, precision_sharding_problem
+
+    problems = []
+    if getattr(args, "world_size", None) is not None and getattr(args, "nodes", None) is not None:
+        problems.append(nodes_problem(args.world_size, args.nodes))
+    if getattr(args, "precision", None) and getattr(args, "sharding", None):
+        problems.append(precision_sharding_problem(args.precision, args.sharding))
+    problem = next((each for each in problems if each is not None), None)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _check_trainer(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from typing import Dict, Optional
 
 import torch
 
+from trainer_memcb.plan.settings.layout_rules import nodes_problem, precision_sharding_problem
 from trainer_memcb.plan.settings.step_settings import StepSettings
 
 __all__ = ["PRECISIONS", "PRECISION_ALIASES", "PRECISION_DTYPES", "SHARDINGS", "ZERO_STAGES", "Setup", "setup_of"]
@@ -76,16 +77,18 @@ class Setup:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
-        if self.world_size % self.nodes:
-            raise ValueError(f"world_size={self.world_size} is not a multiple of nodes={self.nodes}")
+        problem = nodes_problem(self.world_size, self.nodes)
+        if problem is not None:
+            raise ValueError(problem)
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding={self.sharding!r} is not one of: {', '.join(SHARDINGS)}")
         precision = PRECISION_ALIASES.get(self.precision, self.precision)
         if precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not one of: {', '.join(PRECISIONS)}")
         object.__setattr__(self, "precision", precision)
-        if precision.startswith("deepspeed-") and self.is_fsdp:
-            raise ValueError(f"precision={precision!r} is DeepSpeed's: use it with sharding none, ddp, zero1, zero2 or zero3")
+        problem = precision_sharding_problem(precision, self.sharding)
+        if problem is not None:
+            raise ValueError(problem)
         if self.offload_optimizer and not self.is_zero:
             raise ValueError("offload_optimizer is DeepSpeed ZeRO's: use it with sharding zero1, zero2 or zero3 "
                              "(FSDP offloads the optimizer state with offload_params)")
