@@ -91,12 +91,10 @@ def _check_layout_flags(args: argparse.Namespace) -> None:
     """
     from trainer_memcb.plan.settings.layout_rules import nodes_problem, precision_sharding_problem
 
-    problems = []
-    if getattr(args, "world_size", None) is not None and getattr(args, "nodes", None) is not None:
-        problems.append(nodes_problem(args.world_size, args.nodes))
-    if getattr(args, "precision", None) and getattr(args, "sharding", None):
-        problems.append(precision_sharding_problem(args.precision, args.sharding))
-    problem = next((each for each in problems if each is not None), None)
+    world_size, nodes = getattr(args, "world_size", None), getattr(args, "nodes", None)
+    precision, sharding = getattr(args, "precision", None), getattr(args, "sharding", None)
+    problem = ((nodes_problem(world_size, nodes) if world_size is not None and nodes is not None else None)
+               or (precision_sharding_problem(precision, sharding) if precision and sharding else None))
     if problem is not None:
         raise ValueError(problem)
 
