@@ -232,7 +232,7 @@ def test_another_optimizer_steps_from_the_folded_steps_kept_and_is_its_step_trac
     assert dataclasses.asdict(other) == dataclasses.asdict(wholes[second])
 
 
-def _preference_step(preference, fold: bool, monkeypatch):
+def _preference_step(preference, fold: bool, monkeypatch, **given):
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
@@ -240,8 +240,8 @@ def _preference_step(preference, fold: bool, monkeypatch):
                          eos_token_id=1, bos_token_id=None)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    return traced(monkeypatch, model, fold, device_type="cpu", seq_len=32, optimizer="adamw_torch",
-                  attn_implementation="sdpa", preference=preference)
+    options = dict(dict(device_type="cpu", attn_implementation="sdpa"), **given)
+    return traced(monkeypatch, model, fold, seq_len=32, optimizer="adamw_torch", preference=preference, **options)
 
 
 @requires_version("trl", "1.16", "DPOTrainer's and KTOTrainer's fused LM head, whose steps are planned")
@@ -277,14 +277,8 @@ def test_sft_steps_fold_to_their_steps_traced_whole(monkeypatch, case):
     device_type, fields, given = SFT_CASES[case]
     step = SftStep(**fields)
     shape = dict(batch_size=1, packing=64) if step.padding_free else dict(batch_size=2)
-
-    def planned(fold):
-        model = llama(5, vocab_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-        return traced(monkeypatch, model, fold, device_type=device_type, seq_len=32, optimizer="adamw_torch",
-                      preference=step, **shape, **given)
-
-    folded, folds = planned(True)
-    whole, _ = planned(False)
+    folded, folds = _preference_step(step, True, monkeypatch, device_type=device_type, **shape, **given)
+    whole, _ = _preference_step(step, False, monkeypatch, device_type=device_type, **shape, **given)
     assert folds == [True]
     assert dataclasses.asdict(folded) == dataclasses.asdict(whole)
 
