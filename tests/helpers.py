@@ -346,6 +346,18 @@ def tiny_llama_config(attn: str, **overrides: Any) -> Any:
     return config
 
 
+def trl_llama_config(**overrides: Any) -> Any:
+    """The tiny Llama the TRL steps are planned and run with: hidden 32, 2 layers of 2 heads, an
+    untied head, pad 0 and EOS 1 (TRL's collators and generation read them), no BOS; a vocabulary
+    of 64 and 64 positions unless `overrides` say otherwise."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None),
+                          **overrides})
+
+
 def tiny_llama_folder(tmp_path_factory: Any, label: str, **overrides: Any) -> str:
     """A folder holding a tiny Llama's config.json, as `estimate` reads a model: hidden 64, 2 layers of
     4 heads, a vocabulary of 256 and 64 positions, unless `overrides` say otherwise."""

@@ -11,7 +11,7 @@ from typing import Any, Dict, Tuple
 import pytest
 import torch
 
-from helpers import requires_version, trl_step_peak
+from helpers import requires_version, trl_llama_config, trl_step_peak
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "DPOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -29,13 +29,9 @@ def _build_meta() -> torch.nn.Module:
 
 
 def _config() -> Any:
-    from transformers import LlamaConfig
-
     import training.test_trl as trl_tests
 
-    return LlamaConfig(vocab_size=len(trl_tests.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return trl_llama_config(vocab_size=len(trl_tests.VOCAB))
 
 
 def _pairs() -> Any:

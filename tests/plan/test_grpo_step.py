@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from helpers import profiled_run_peak, requires_version, storage_bytes
+from helpers import profiled_run_peak, requires_version, storage_bytes, trl_llama_config
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               requires_version("trl", "1.16", "GRPOTrainer's fused LM head (add_fused_lm_head), whose step is planned")]
@@ -26,13 +26,9 @@ BATCH, GENERATIONS, PROMPT, COMPLETION = 4, 4, 10, 8
 
 
 def _config() -> Any:
-    from transformers import LlamaConfig
-
     import training.test_trl as trl_tests
 
-    return LlamaConfig(vocab_size=len(trl_tests.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return trl_llama_config(vocab_size=len(trl_tests.VOCAB))
 
 
 def _grpo_config(tmp: str, beta: float, **extra: Any) -> Any:

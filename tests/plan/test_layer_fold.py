@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from helpers import TRANSFORMERS_4, installed_version, requires_version, tiny_llama_config
+from helpers import TRANSFORMERS_4, installed_version, requires_version, tiny_llama_config, trl_llama_config
 from trainer_memcb.plan.settings import resolve_settings
 from trainer_memcb.plan.step import layer_fold, trace
 from trainer_memcb.plan.step.live_storages import LiveStorages
@@ -233,13 +233,8 @@ def test_another_optimizer_steps_from_the_folded_steps_kept_and_is_its_step_trac
 
 
 def _preference_step(preference, fold: bool, monkeypatch, **given):
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=None)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(trl_llama_config(num_hidden_layers=5))
     options = dict(dict(device_type="cpu", attn_implementation="sdpa"), **given)
     return traced(monkeypatch, model, fold, seq_len=32, optimizer="adamw_torch", preference=preference, **options)
 
