@@ -134,6 +134,9 @@ def test_fit_with_vllm_colocated_proposes_a_smaller_share_without_tracing_again(
     once = trace.trace_step_once
     monkeypatch.setattr(trace, "trace_step_once", lambda meta, settings, **k: traced.append(
         settings.preference.vllm_gpu_memory_utilization) or once(meta, settings, **k))
+    shared: List[int] = []
+    another = trace._another_optimizer
+    monkeypatch.setattr(trace, "_another_optimizer", lambda *a, **k: shared.append(1) or another(*a, **k))
     written = str(tmp_path / "vllm-fit.json")
     argv = _argv(files, "vllm", "--device-type", "cuda", "--device-memory", "650MiB", "--reserve", "0B", "--fit",
                  "--max-proposals", "3", "--write-training-args", written, "--json")
@@ -144,7 +147,12 @@ def test_fit_with_vllm_colocated_proposes_a_smaller_share_without_tracing_again(
     assert share["changes"] == {"vllm_gpu_memory_utilization": 0.27}
     assert (share["fits"], share["reserved_peak_bytes"]) == (True, fit["own"]["reserved_peak_bytes"])
     assert share["margin_bytes"] - fit["own"]["margin_bytes"] == int(0.3 * 650 * 2**20) - int(0.27 * 650 * 2**20)
-    assert 0.27 not in traced and traced.count(0.3) == 1 + 3 - 1  # the own, then the proposals less the share
+    # The own step traced, the share from its trace, checkpointing traced, 8-bit AdamW stepped from
+    # the own step kept.
+    assert [sorted(c["changes"]) for c in fit["candidates"]][1:] == [["gradient_checkpointing"], ["optim"]]
+    # (Where no optimizer phase is shared, `_shares_optimizer_phases`, the optimizer's step is traced.)
+    sharing = trace._shares_optimizer_phases()
+    assert 0.27 not in traced and (traced.count(0.3), len(shared)) == ((2, 1) if sharing else (3, 0))
     assert fit["candidates"][0] == share  # the same step time, planned first
     with open(written) as handle:
         document = json.load(handle)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import trainer_memcb.plan.step.trace as trace
-from helpers import requires_torch, requires_transformers, tiny_llama_config
+from helpers import requires_torch, requires_transformers, requires_version, tiny_llama_config, trl_llama_config
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.settings import resolve_settings
 
@@ -80,6 +80,61 @@ def test_an_optimizer_only_change_steps_from_the_shared_forward_and_backward_as_
     # The 8-bit optimizer's constructor reads values: its failure, and its rule's state, as alone.
     assert shared[2].timeline.optimizer_failure is not None
     assert len({plan.step.peak_bytes for plan in shared}) == len(OPTIMIZERS)
+
+
+def trl_steps() -> Dict[str, Any]:
+    from trainer_memcb.plan.step.grpo import GrpoStep
+    from trainer_memcb.plan.step.kto import KtoStep
+    from trainer_memcb.plan.step.preference import DpoStep
+    from trainer_memcb.plan.step.sft import SftStep
+
+    return {
+        "dpo, the reference a model": dict(preference=DpoStep(reference="model")),
+        "kto": dict(preference=KtoStep()),
+        "sft": dict(preference=SftStep(max_length=32)),
+        # TRL generates inside the accumulation: a second generation before the second micro-batch.
+        "grpo, generating inside the accumulation": dict(
+            preference=GrpoStep(num_generations=4, steps_per_generation=1, max_completion_length=8),
+            gradient_accumulation_steps=2),
+        "grpo, vllm, checkpointing, bf16": dict(
+            preference=GrpoStep(use_vllm=True, num_generations=4, max_completion_length=8),
+            gradient_checkpointing=True, precision="bf16"),
+    }
+
+
+def trl_model() -> torch.nn.Module:
+    # Two layers: each step traced whole (the folded step's optimizer phases shared: test_layer_fold).
+    with torch.device("meta"):
+        return LlamaForCausalLM(trl_llama_config(max_position_embeddings=128))
+
+
+@requires_torch("2.13", "an optimizer phase steps from a kept step only where it was checked equal to a trace of "
+                "its own (torch 2.13 with transformers 5: trace._shares_optimizer_phases); older releases trace "
+                "each step whole")
+@requires_transformers("5.0", "an optimizer phase steps from a kept step only with transformers 5 "
+                       "(trace._shares_optimizer_phases)")
+@requires_version("trl", "1.16", "TRL's fused LM heads, which the DPO, KTO and SFT steps are planned with")
+@pytest.mark.parametrize("case", list(trl_steps()))
+def test_a_trl_step_with_another_optimizer_steps_from_the_shared_step_as_a_trace_of_its_own(monkeypatch, case):
+    """DPO (its reference model alive), KTO, SFT and GRPO (its generations in the step) keep their
+    step up to the optimizer phase as the Trainer's does: Adafactor stepped from AdamW's kept step
+    gives the timeline of its own trace, to the event."""
+    flags = trl_steps()[case]
+
+    def planned() -> List[Any]:
+        return [plan_step_memory(trl_model, seq_len=16, device_type="cuda", model_states=False, settings=resolve_settings(
+            batch_size=4, optimizer=name, device_type="cuda", **flags))[0] for name in ("adamw_torch", "adafactor")]
+
+    with trace.counting_flops():
+        alone = planned()
+    counts = counting_traces(monkeypatch)
+    with trace.sharing_traces(), trace.counting_flops():
+        shared = planned()
+    assert counts == {"traced": 1, "optimizer steps shared": 1}
+    for own, kept in zip(alone, shared):
+        assert kept.step.problem is None
+        assert kept == own and kept.timeline == own.timeline
+    assert shared[0].step.peak_bytes != shared[1].step.peak_bytes
 
 
 @requires_torch("2.13", "torch 2.6's fake process group has no fake kernel for c10d._allgather_base_, which FSDP2 "

@@ -1005,8 +1005,6 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     quantization_note = None
     kernel_runs: List[Any] = []  # the stand-in kernels' records (flash-attn's, liger-kernel's)
     preference, ref_model = settings.preference, None
-    if preference is not None:
-        kept = None  # a DPO or GRPO step is traced whole for each optimizer
     # The trace's own garbage is collected at its end; the objects older than it are not scanned.
     with collecting_only_what_it_makes():
         try:
