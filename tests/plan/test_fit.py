@@ -18,6 +18,7 @@ from trainer_memcb.plan.answers.fit import (
     search_fits,
     step_planner,
 )
+from trainer_memcb.plan.answers.fit_candidates import same_state
 from trainer_memcb.plan.answers.step_memory import plan_step_memory
 from trainer_memcb.plan.model.trainer_model import reentrant_by_default
 from trainer_memcb.plan.settings import resolve_settings
@@ -126,6 +127,17 @@ def test_the_own_setting_and_each_proposal_are_planned_by_the_same_trace(searche
     assert all(c.changes_optimizer == ("optim" in c.changes) for c in searched.candidates)
     fitting = [c.relative_step_time for c in searched.candidates if c.fits]
     assert fitting == sorted(fitting)
+
+
+@pytest.mark.parametrize("own", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_no_other_name_of_the_own_8_bit_adamw_is_proposed(own):
+    # bitsandbytes' 8-bit AdamW and its paged variant hold one state on the device, planned alike:
+    # each proposed for the other read "no" beside the same peak (GRPO on trl.md).
+    planner = step_planner(build, SEQ, device_type="cpu")
+    found = search_fits(planner, dict(OWN, optim=own), LIMIT, device_type="cpu", max_candidates=8)
+    proposed = {candidate.changes.get("optim") for candidate in found.candidates} - {None}
+    assert proposed == {"adafactor"}
+    assert same_state("adamw_8bit", "paged_adamw_8bit") and not same_state("adamw_torch", "adamw_bnb_8bit")
 
 
 def test_the_json_object_carries_every_key(searched):

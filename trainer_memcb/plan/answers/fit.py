@@ -55,7 +55,7 @@ import torch
 from trainer_memcb.plan.answers.fit_candidates import (ALLOWED_CHANGES, FLASH_ATTENTION, LEANER_OPTIMIZERS,
                                                        LIGER_KERNEL, FitCandidate, FitSearch, deepspeed_config_of,
                                                        describe_changes, expandable_segments_option,
-                                                       flash_attention_proposable, liger_kernel_proposable,
+                                                       flash_attention_proposable, liger_kernel_proposable, same_state,
                                                        needs_package, step_verdict, training_args_of)
 from trainer_memcb.plan.answers.fit_comm import Links, ModelShape, communication_seconds, layout_sizes
 from trainer_memcb.plan.answers.fit_cost import (FLOPS_PER_SECOND, HOST_BANDWIDTH, MICRO_BATCH_SECONDS,
@@ -322,7 +322,7 @@ def _propose_each_change(search: "_Search", base: Dict[str, Any], own_deepspeed:
         checkpointed = search.plan({"gradient_checkpointing": True}, dict(base, gradient_checkpointing=True),
                                    own_deepspeed)
     for name in optimizers:
-        if name != base.get("optim"):
+        if not same_state(base.get("optim"), name):
             search.plan({"optim": name}, dict(base, optim=name), own_deepspeed)
     if world_size == 1:
         return checkpointed

@@ -15,7 +15,8 @@ from trainer_memcb.plan.settings.step_settings import StepSettings
 
 __all__ = ["FitCandidate", "FitSearch", "step_verdict", "describe_changes", "expandable_segments_option",
            "training_args_of", "deepspeed_config_of", "flash_attention_proposable", "liger_kernel_proposable",
-           "needs_package", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS", "FLASH_ATTENTION", "LIGER_KERNEL", "NEEDS_PACKAGE"]
+           "needs_package", "same_state", "ALLOWED_CHANGES", "LEANER_OPTIMIZERS", "FLASH_ATTENTION", "LIGER_KERNEL",
+           "NEEDS_PACKAGE"]
 
 # Changes that alter what is learned, opened by `allow` (the command's --allow).
 ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
@@ -23,6 +24,9 @@ ALLOWED_CHANGES = ("lora", "qlora", "seq-len")
 # 8-bit AdamW (2 bytes of state per value), its paged variant (the same bytes, pages moved to the
 # host under pressure), transformers' Adafactor (factored second moment, no first moment).
 LEANER_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
+# The names of bitsandbytes' 8-bit AdamW (`adamw_8bit` is transformers' alias of `adamw_bnb_8bit`):
+# one state on the device, planned alike, so none is proposed in place of another.
+BNB_8BIT_ADAMW = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 # The attention proposed in place of eager attention: transformers' flash_attention_2, which holds
 # no [B, H, L, L] probabilities (`trainer_memcb.plan.step.flash_attn`). A `from_pretrained`
 # argument, not a TrainingArguments one.
@@ -130,6 +134,12 @@ class FitSearch:
     def to_dict(self) -> Dict[str, Any]:
         return {"fits_as_is": self.fits_as_is, "usable_bytes": self.usable_bytes, "own": self.own.to_dict(),
                 "candidates": [c.to_dict() for c in self.candidates]}
+
+
+def same_state(own: Optional[str], other: str) -> bool:
+    """Whether optimizer `other` holds what `own` holds on the device (the same name, or two names
+    of bitsandbytes' 8-bit AdamW): proposing it changes nothing planned."""
+    return other == own or (other in BNB_8BIT_ADAMW and own in BNB_8BIT_ADAMW)
 
 
 def step_verdict(plan: StepMemoryPlan, usable_bytes: int) -> Tuple[Optional[bool], Optional[int]]:
