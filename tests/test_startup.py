@@ -175,10 +175,14 @@ def test_quiet_output_drops_c_level_and_python_writes_and_restores_the_stream():
     assert done.returncode == 0 and done.stderr == "after\nshown\n"
 
 
-def test_a_bad_config_still_gets_its_one_line_message():
-    done = run_python("import sys\nfrom trainer_memcb.cli import main\nsys.exit(main(['estimate', 'no/such/folder/x']))")
+def test_a_missing_model_folder_is_one_line_before_torch_is_imported():
+    # Answered from the path alone (it took 11 s of imports when found by the model's builder).
+    done = run_python("import sys\nfrom trainer_memcb.cli import main\ncode = main(['estimate', 'no/such/folder/x'])\n"
+                      "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n"
+                      "sys.exit(code)")
     assert done.returncode == 1
     assert done.stderr == "trainer-memcb: no/such/folder/x: no such folder (give a folder holding config.json, or a hub name)\n"
+    assert done.stdout == "[]\n"
 
 
 def test_help_imports_no_bitsandbytes_and_writes_nothing_to_stderr():

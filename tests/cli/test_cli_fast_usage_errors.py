@@ -76,6 +76,17 @@ def test_a_usage_error_is_answered_before_torch_is_imported(argv: List[str], lin
     assert (code, imported) == (2, [])
 
 
+def test_a_bad_allocator_setting_in_the_environment_is_answered_before_torch_is_imported(monkeypatch) -> None:
+    # The allocator replay reads it (a CUDA step plan): 8 s of imports before it was found.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:1")
+    done = run_and_list_imports(["estimate", TINY, "--batch-size", "2", "--seq-len", "16"])
+    code, imported = json.loads(done.stdout.splitlines()[-1])
+    [message] = done.stderr.splitlines()
+    assert message == ("trainer-memcb: error: PYTORCH_CUDA_ALLOC_CONF in the environment: PYTORCH_CUDA_ALLOC_CONF "
+                       "'max_split_size_mb:1': max_split_size_mb too small, must be >= 20, got 1")
+    assert (code, imported) == (2, [])
+
+
 def test_the_console_script_answers_a_usage_error_before_torch_is_imported() -> None:
     done = run_and_list_imports(["estimate", TINY, "--batch-size", "4"], flag="console")
     assert json.loads(done.stdout.splitlines()[-1]) == [2, []]

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
-from trainer_memcb.cli.device_options import apply_gpu, cuda_context_bytes, reserve_bytes
+from trainer_memcb.cli.device_options import (DEFAULT_DEVICE_TYPE, alloc_conf_of, apply_gpu, cuda_context_bytes,
+                                               reserve_bytes)
 from trainer_memcb.cli.estimate_asked import needs_peft, needs_torchao, plan_asked, step_asked
 from trainer_memcb.cli.estimate_checks import check_options
 from trainer_memcb.cli.eval_estimate import eval_asked
@@ -22,6 +23,7 @@ from trainer_memcb.cli.plan_files import check_plan_files
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.step_answer import StepAnswer, answers_document
+from trainer_memcb.plan.model.model_folder import missing_folder
 
 __all__ = ["EstimateAnswer", "estimate_command", "gather", "render", "exit_status", "prepare_process"]
 
@@ -125,8 +127,14 @@ def estimate_command(args: argparse.Namespace) -> int:
         check_options(args)
         check_fit_options(args, step_asked(args), eval_asked(args))
         check_plan_files(args, step_asked(args))
+        replayed = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
+        if replayed and (step_asked(args) or eval_asked(args)):
+            alloc_conf_of(args)  # the environment's allocator settings, which the replay reads
     except ValueError as error:
         raise UsageError(str(error)) from None
+    missing = missing_folder(args.model)
+    if missing is not None:  # a bad model folder (exit 1), before the imports it would wait on
+        raise KnownFailure(missing)
     answer = gather(args)
     render(answer, args)
     _write_plan_files(answer, args)

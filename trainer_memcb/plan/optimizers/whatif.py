@@ -23,6 +23,7 @@ from trainer_memcb.state.measure import dtype_name
 from trainer_memcb.plan.settings.optim_options import parse_optim_args, parse_optim_target_modules
 from trainer_memcb.plan.model.param_shapes import logical_numel
 from trainer_memcb.plan.model.stand_ins import meta_stand_in
+from trainer_memcb.plan.model.model_folder import looks_like_path, no_such_folder
 from trainer_memcb.plan.optimizers.trainer_optimizers import (
     OptimizerUnavailable,
     build_trainer_optimizer,
@@ -263,7 +264,6 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
     """
     from transformers import AutoConfig
 
-    looks_like_path = os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
     config_file: Optional[str] = None
     if os.path.isfile(model):  # a config file's own path (`.../config.json`): read as its folder would be
         config_file = model
@@ -271,8 +271,8 @@ def build_meta_model(model: str, dtype: Optional[torch.dtype] = None, architectu
         config_file = os.path.join(model, "config.json")
         if not os.path.lexists(config_file):
             raise ModelConfigError(f"{model}: no config.json in this folder (looked for {config_file})")
-    elif looks_like_path or os.path.exists(model):
-        raise ModelConfigError(f"{model}: no such folder (give a folder holding config.json, or a hub name)")
+    elif looks_like_path(model) or os.path.exists(model):
+        raise ModelConfigError(no_such_folder(model))
     if config_file is not None:
         # Read here first, within bounds (no pipe, no device, no huge or deep file), to refuse a
         # config that asks for code before transformers sees it.
