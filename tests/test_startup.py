@@ -78,22 +78,33 @@ def test_report_and_compare_load_no_transformers():
     assert loaded_after(code) == dict.fromkeys(HEAVY, False)
 
 
+@pytest.fixture(scope="module")
+def adamw_estimate_loads() -> dict:
+    """What `estimate TINY --optimizers adamw` (the model states and the optimizer's state, no
+    step) loads, through the console script's entry."""
+    return _estimate_loads("--optimizers", "adamw")
+
+
+@pytest.fixture(scope="module")
+def step_plan_loads(tmp_path_factory) -> dict:
+    """What a step plan of the tiny model with AdamW, from a --training-args file, loads."""
+    other = tmp_path_factory.mktemp("args") / "other.json"
+    other.write_text(json.dumps({"optim": "adamw_torch", "per_device_train_batch_size": 1}))
+    return _estimate_loads("--training-args", str(other), "--seq-len", "8")
+
+
 @NEEDS_THE_HANDLERS
-def test_the_estimate_command_keeps_peft_out_of_its_process():
-    code = ("import sys\n"
-            f"sys.argv = ['trainer-memcb', 'estimate', {TINY_CONFIG!r}, '--optimizers', 'adamw']\n"
-            "from trainer_memcb.cli import console_main\n"
-            "assert console_main() == 0")
-    loaded = loaded_after(code)
+def test_the_estimate_command_keeps_peft_out_of_its_process(adamw_estimate_loads):
+    loaded = adamw_estimate_loads
     assert loaded["peft"] is False and loaded["bitsandbytes"] is False and loaded["transformers.trainer"] is False
     assert loaded["transformers.trainer_utils"] is True
     assert loaded["torchao"] is False  # installed (the test extra), and no optimizer of its asked
     assert loaded["sklearn"] is False  # installed (the test extra); transformers 4's generation imports it
 
 
-def test_a_step_plan_keeps_scikit_learn_out_of_its_process():
+def test_a_step_plan_keeps_scikit_learn_out_of_its_process(step_plan_loads):
     pytest.importorskip("sklearn", reason="scikit-learn is not installed")
-    assert _estimate_loads("--batch-size", "1", "--seq-len", "8")["sklearn"] is False
+    assert step_plan_loads["sklearn"] is False
 
 
 def _estimate_loads(*argv: str) -> dict:
@@ -109,13 +120,12 @@ def test_an_estimate_of_torchaos_optimizers_loads_torchao():
     assert _estimate_loads("--optimizers", "adamw,adamw_torch_8bit")["torchao"] is True
 
 
-def test_a_training_args_file_naming_a_torchao_optimizer_loads_torchao(tmp_path):
+def test_a_training_args_file_naming_a_torchao_optimizer_loads_torchao(tmp_path, step_plan_loads):
     pytest.importorskip("torchao", reason="torchao is not installed")
-    named, other = tmp_path / "named.json", tmp_path / "other.json"
+    named = tmp_path / "named.json"
     named.write_text(json.dumps({"optim": "adamw_torch_4bit", "per_device_train_batch_size": 1}))
-    other.write_text(json.dumps({"optim": "adamw_torch", "per_device_train_batch_size": 1}))
     assert _estimate_loads("--training-args", str(named), "--seq-len", "8")["torchao"] is True
-    assert _estimate_loads("--training-args", str(other), "--seq-len", "8")["torchao"] is False
+    assert step_plan_loads["torchao"] is False  # a file that names another optimizer
 
 
 @NEEDS_THE_HANDLERS
@@ -128,10 +138,8 @@ def test_the_torchao_optimizers_are_transformers_own():
 
 
 @NEEDS_THE_HANDLERS
-def test_estimate_loads_the_optimizer_handlers_not_the_trainer():
-    code = f"from trainer_memcb.cli import main\nassert main(['estimate', {TINY_CONFIG!r}, '--optimizers', 'adamw']) == 0"
-    loaded = loaded_after(code)
-    assert loaded["transformers"] is True and loaded["transformers.trainer"] is False
+def test_estimate_loads_the_optimizer_handlers_not_the_trainer(adamw_estimate_loads):
+    assert adamw_estimate_loads["transformers"] is True and adamw_estimate_loads["transformers.trainer"] is False
 
 
 @pytest.mark.parametrize("name", ["adamw_torch", "adafactor", "adamw_bnb_8bit", "sgd", "adagrad", "lion_32bit"])

@@ -6,16 +6,17 @@ row (docs/will-it-fit.md), through the command line, on a tiny Llama; no mocks."
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
+from trainer_memcb.cli import main  # noqa: E402
+
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
 
@@ -27,11 +28,14 @@ def plan(tmp_path: Path, *options: str, training_args=None):
         path = tmp_path / "args.json"
         path.write_text(json.dumps(dict(per_device_train_batch_size=2, **training_args)))
         extra = ["--training-args", str(path)]
-    run = subprocess.run([sys.executable, "-m", "trainer_memcb", "estimate", str(tmp_path), "--seq-len", "16",
-                          "--batch-size", "2", "--optimizers", "adamw_torch", "--json", *options, *extra],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stderr + run.stdout[-2000:]
-    document = json.loads(run.stdout)
+    # In this process (the command's own entry, `main`): the console script's start is held by
+    # tests/cli/test_console_script.py, and here it was most of each case's 7 s.
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["estimate", str(tmp_path), "--seq-len", "16", "--batch-size", "2", "--optimizers", "adamw_torch",
+                     "--json", *options, *extra])
+    assert code == 0, err.getvalue() + out.getvalue()[-2000:]
+    document = json.loads(out.getvalue())
     settings = document["settings"]
     source = dict((name, source) for name, _, source in settings["used"])["precision"]
     return settings["precision"], settings["param_dtype"], source, document["step"]["peak_bytes"]

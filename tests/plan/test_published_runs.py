@@ -35,7 +35,19 @@ def test_every_run_has_its_source_settings_config_and_a_right_recorded_verdict()
         assert run["planned"]["fits"] is (run["outcome"] == "ran"), run["name"]
 
 
+@pytest.fixture(scope="module")
+def one_trace_per_step():
+    """The runs' plans inside one `sharing_traces` block, as `--fit`'s proposals are planned: the
+    guide's BERT-large rows that differ by their optimizer alone step it from one trace (the same
+    timeline as a trace of their own, to the event: tests/plan/test_trace_sharing.py)."""
+    from trainer_memcb.plan.step.trace import sharing_traces
+
+    with sharing_traces():
+        yield
+
+
 @pytest.mark.slow  # 21 step plans, 7B and 70B among them: about 10 minutes on 2 cores
+@pytest.mark.usefixtures("one_trace_per_step")
 @pytest.mark.parametrize("run", _runs(), ids=lambda run: run["name"])
 def test_the_plan_of_each_published_run(run):
     planned = _benchmark().plan_run(run)
