@@ -137,14 +137,16 @@ def test_the_usage_is_shown_on_help_only_and_version_says_the_version():
 
 @pytest.mark.parametrize("delay_s", [0.5, 1.0, 2.0, 4.0])
 def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(delay_s):
-    # From the first imports (torch, transformers) to the trace of a 7B step, which takes longer
-    # than the last delay. Before the package's first line runs, the interpreter's own start-up
-    # (about 0.2 s here, the editable install's finder included) answers with Python's traceback.
+    # From the first imports (torch, transformers) to the traces of a 7B `--fit`, which takes far
+    # longer than the last delay (about 20 s here; a 7B step plan alone, folded, ends within 4 s on
+    # a quiet machine). Before the package's first line runs, the interpreter's own start-up (about
+    # 0.2 s here, the editable install's finder included) answers with Python's traceback.
     import signal
     import time
 
-    process = subprocess.Popen([SCRIPT, "estimate", LLAMA, "--optimizers", "adamw", "--batch-size", "1", "--seq-len",
-                                "2048"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = subprocess.Popen([SCRIPT, "estimate", LLAMA, "--optimizers", "adamw_torch", "--batch-size", "8",
+                                "--seq-len", "2048", "--precision", "bf16", "--device-memory", "80GiB", "--fit"],
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
     time.sleep(delay_s)
     process.send_signal(signal.SIGINT)
