@@ -149,6 +149,7 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(delay_s):
                                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
     time.sleep(delay_s)
+    assert process.poll() is None, "the command ended before the signal: give it a longer one"
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
     assert (process.returncode, out, err) == (130, "", "trainer-memcb: interrupted\n")
