@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import requires_torch, tiny_llama_folder
+from helpers import requires_torch, requires_transformers, tiny_llama_folder
 
 from trainer_memcb.cli import main
 
@@ -123,3 +123,25 @@ def test_fit_proposes_tp_for_an_uneven_mlp_width_alone_only(width, world, sizes)
         model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=width, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=4, vocab_size=256))
     assert tensor_parallel_sizes(model, resolve_settings(world_size=world, batch_size=2)) == sizes
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@requires_transformers("5.0", "transformers 5's encoders split their heads by the projection's width, so the plan runs")
+def test_a_model_transformers_gives_no_plan_is_planned_with_the_supplied_one_and_says_how_to_run_it(tmp_path, capsys):
+    from transformers import BertConfig
+
+    from plan.test_supplied_tp_plans import BERT
+    from trainer_memcb.plan.model.supplied_tp_plans import SUPPLIED_TP_PLANS
+
+    BertConfig(architectures=["BertForSequenceClassification"], **BERT).save_pretrained(str(tmp_path))
+    code = main(["estimate", str(tmp_path), "--optimizers", "adamw_torch", "--batch-size", "16", "--seq-len", "64",
+                 "--device-type", "cpu", "--parallelism", "tp=2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    [note] = [line for line in out.splitlines() if "no tp_plan" in line]
+    plan = {f"bert.{name}": style for name, style in SUPPLIED_TP_PLANS["bert"].items()}
+    assert note == ("Note, transformers gives BertForSequenceClassification no tp_plan: planned with trainer_memcb's "
+                    "(Megatron's split of each block, the rest whole on every rank), which a run applies as "
+                    "from_pretrained(..., distributed_config=DistributedConfig(tp_plan=PLAN, tp_size=N)), PLAN = "
+                    f"{json.dumps(plan, separators=(',', ':'))}.")
+    assert "10,220,624" in out  # the step's peak (tests/plan/test_supplied_tp_plans.py)

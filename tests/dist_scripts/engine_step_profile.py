@@ -6,7 +6,8 @@ ENGINE: ddp (gradient_as_bucket_view=False), ddp-view (True), fsdp2 (full shard)
 (reshard_after_forward=False), fsdp2-offload (full shard, `CPUOffloadPolicy(pin_memory=False)`),
 fsdp2-hsdp (full shard on a 2 x W/2 mesh: replicated twice, sharded W/2-way), tp and tp-uneven
 (torch's parallelize_module with the model's tp_plan; tp-uneven on 257 tokens, `CHANGED_CONFIG`), tp-auto,
-tp-auto-uneven-mlp (an MLP width of 129) and tp-attention-whole (transformers' `from_pretrained(tp_plan=...)`), fsdp2-bf16 (full
+tp-auto-uneven-mlp (an MLP width of 129) and tp-attention-whole (transformers' `from_pretrained(tp_plan=...)`), tp-bert (a
+tiny BERT, which transformers gives no tp_plan, loaded with the plan trainer_memcb supplies), fsdp2-bf16 (full
 shard with the Trainer's bf16=True as accelerate runs it: `MixedPrecisionPolicy` of bf16
 parameters and reductions, the forward under CPU autocast); FSDP2's
 ENGINE-memtracker: the same steps, the third under torch's FSDPMemTracker instead of the profiler
@@ -49,6 +50,13 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 CHANGED_CONFIG = {"tp-uneven": dict(vocab_size=257), "tp-fsdp2-uneven": dict(vocab_size=257),
                   "tp-auto-uneven-mlp": dict(intermediate_size=129)}
 BATCH, SEQ = 2, 16
+# The encoder of engine `tp-bert`, for sequence classification: transformers gives it no tp_plan, and
+# it is loaded as a user runs it with the plan trainer_memcb supplies
+# (`from_pretrained(distributed_config=DistributedConfig(tp_plan=PLAN, tp_size=2))`).
+BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+            max_position_embeddings=64)
+# Its batch: 16 rows of 64 tokens, so that the backward holds the step's peak.
+BERT_BATCH, BERT_SEQ = 16, 64
 # The user's tensor-parallel rules of engine tp-attention-whole (tests/training/test_tensor_parallel_runs.py).
 ATTENTION_WHOLE = {f"model.layers.*.self_attn.{name}": "replicate" for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
@@ -78,6 +86,20 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
         loaded = LlamaForCausalLM.from_pretrained(folder, tp_plan=tp_plan, attn_implementation="sdpa")
         loaded.config.use_cache = False
         return loaded
+    if engine == "tp-bert":
+        from transformers import BertForSequenceClassification, DistributedConfig
+
+        from trainer_memcb.plan.model.supplied_tp_plans import supplied_tp_plan
+
+        folder = os.path.abspath(f"{engine}-checkpoint")
+        if dist.get_rank() == 0:
+            model.save_pretrained(folder)
+        dist.barrier()
+        plan = supplied_tp_plan(model)
+        del model
+        return BertForSequenceClassification.from_pretrained(
+            folder, distributed_config=DistributedConfig(tp_plan=plan, tp_size=dist.get_world_size()),
+            attn_implementation="sdpa")
     if engine in ("tp-fsdp2", "tp-fsdp2-uneven"):
         # TP=2 x FSDP2 on the rest: a (dp_shard, tp) mesh in accelerate's order, the plan on tp, then
         # fully_shard of each layer and the root on dp_shard, as torchtitan and accelerate compose them.
@@ -125,9 +147,24 @@ def tiny_llama(engine: str = "") -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def batch() -> dict:
+def tiny_model(engine: str = "") -> torch.nn.Module:
+    """The engine's model: the tiny BERT of `BERT` for `tp-bert`, else the tiny Llama."""
+    if engine != "tp-bert":
+        return tiny_llama(engine)
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(**BERT)
+    config._attn_implementation = "sdpa"
+    return BertForSequenceClassification(config)
+
+
+def batch(engine: str = "") -> dict:
     """The collator's batch (the tokenizer's all-ones attention mask included) and the Trainer's
-    `num_items_in_batch`."""
+    `num_items_in_batch`; for `tp-bert`, a label per row (the Trainer passes no count to a model
+    whose forward takes none)."""
+    if engine == "tp-bert":
+        ids = torch.randint(0, 100, (BERT_BATCH, BERT_SEQ))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (BERT_BATCH,))}
     ids = torch.randint(0, 100, (BATCH, SEQ))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
             "num_items_in_batch": torch.tensor(float(ids.numel()))}
@@ -311,11 +348,11 @@ def ddp_memtracker_run(engine: str) -> dict:
     torch.manual_seed(0)
     tracker = MemTracker()
     with tracker:
-        model = wrap(tiny_llama(engine), engine)
+        model = wrap(tiny_model(engine), engine)
         model.train()
         optimizer = trainer_optimizer(model)
         # Its per-module figures hold one iteration; the peak is kept apart.
-        step = steps_of(model, optimizer, batch() if accumulation == 1 else {}, before=tracker.reset_mod_stats,
+        step = steps_of(model, optimizer, batch(engine) if accumulation == 1 else {}, before=tracker.reset_mod_stats,
                         accumulation=accumulation)
         warm_up(step)
     measured = []
@@ -371,7 +408,7 @@ def main() -> None:
         if engine.endswith("-memtracker"):
             name = engine[:-len("-memtracker")]
             plain = name.startswith("ddp") or name in ("tp", "tp-auto", "tp-auto-uneven-mlp", "tp-uneven",
-                                                          "tp-attention-whole")  # FSDPMemTracker wants FSDP modules
+                                                          "tp-attention-whole", "tp-bert")  # FSDPMemTracker wants FSDP modules
             result = ddp_memtracker_run(name) if plain else memtracker_run(name)
         else:
             result = run(engine)

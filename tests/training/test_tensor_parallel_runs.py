@@ -1,7 +1,7 @@
 """The tensor-parallel step plan against real runs: torchrun on 2 CPU processes (gloo), TP=2 on
 the tiny Llama of tests/plan/test_engines.py, and on 4, TP=2 x FSDP2=2, one measured step each
 (tests/dist_scripts/engine_step_profile.py, engines `tp`, `tp-uneven`, `tp-auto`, `tp-auto-uneven-mlp`,
-`tp-attention-whole`, `tp-fsdp2` and `tp-fsdp2-uneven`).
+`tp-attention-whole`, `tp-bert`, `tp-fsdp2` and `tp-fsdp2-uneven`).
 
 The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
 torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`); transformers
@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import requires_torch
+from helpers import requires_torch, requires_transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plan"))
 from test_engines import CONFIG, build  # noqa: E402
@@ -51,7 +51,7 @@ def peak_beyond_plan(real: dict, plan, beyond: int) -> int:
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     return _tracked("engine_step_profile.py", tmp_path_factory,
-                    ["tp", "tp-auto", "tp-uneven", "tp-attention-whole", "tp-auto-uneven-mlp"], PROCESSES)
+                    ["tp", "tp-auto", "tp-uneven", "tp-attention-whole", "tp-auto-uneven-mlp", "tp-bert"], PROCESSES)
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +346,32 @@ def test_the_loggers_figures_under_tp_x_fsdp2_are_each_process_s_shards(tp_fsdp2
         assert real["logged"][params] == 115_328
         assert real["logged"][measured] == 2 * 115_328 + 21 * 4
         assert real["logged"][total] == 4 * (2 * 115_328 + 21 * 4)
+
+
+# A tiny BERT, which transformers gives no tp_plan, loaded as a user runs it with the plan supplied
+# here (engine `tp-bert`: `from_pretrained(distributed_config=DistributedConfig(tp_plan=PLAN,
+# tp_size=2))`, transformers' own styles), 16 rows of 64 tokens: the backward holds the peak. As
+# under tp-auto, the colwise shards of dim 0 stay views of the checkpoint's whole tensors on this
+# CPU: in each of 2 blocks the other halves of query, key and value (3 x (8,192 + 128) bytes) and of
+# the MLP's first layer (16,384 + 256).
+BERT_WHOLE_STORAGES_BEYOND_SHARDS = 2 * (3 * (8_192 + 128) + 16_384 + 256)
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
+@requires_transformers("5.0", "transformers 5's encoders split their heads by the projection's width, so the plan runs")
+@pytest.mark.parametrize("rank", range(PROCESSES))
+def test_a_bert_loaded_with_the_supplied_plan_holds_the_plan_s_shards_and_peak(tp_runs, rank):
+    from plan.test_supplied_tp_plans import build_bert
+
+    settings = resolve_settings(parallelism="tp=2", rank=rank, batch_size=16, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build_bert, seq_len=64, settings=settings, device_type="cpu", model_states=False)
+    real = tp_runs["tp-bert"][rank]
+    parameters = plan.step.model_states_at_optimizer_step_bytes["parameters"]
+    assert real["params"] == {"local_bytes": parameters, "storage_bytes": parameters + BERT_WHOLE_STORAGES_BEYOND_SHARDS}
+    assert BERT_WHOLE_STORAGES_BEYOND_SHARDS == 83_200
+    # The backward holds the peak, in the plan and in the run.
+    assert plan.step.peak_bytes == plan.step.forward_backward_peak_bytes
+    assert real["phase_peaks"]["backward"] == real["peak_bytes"]
+    # The peak: the plan, the whole storages and 12 bytes, as under tp-auto's 16 (the mesh's rank
+    # tensor among them; not traced further).
+    assert peak_beyond_plan(real, plan, BERT_WHOLE_STORAGES_BEYOND_SHARDS + 12) == 0, (plan.step.peak_bytes, real)

@@ -153,7 +153,9 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     the processes of a node (accelerate's mesh keeps `tp` innermost, on one node's links), for a model
     with a tensor-parallel plan whose heads split over it and whose MLP width does too unless `tp` is
     the world size (an uneven width is planned under TP alone); none for TRL's steps, PEFT's
-    adapters or an own DeepSpeed precision (the plan traces TP alone or with FSDP2)."""
+    adapters or an own DeepSpeed precision (the plan traces TP alone or with FSDP2), nor on a plan
+    supplied where transformers gives the model none (its run needs the plan passed by hand: the
+    step plan of `--parallelism tp=N` says how)."""
     from trainer_memcb.plan.model.tp_plan import model_tp_plan
     from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
 
@@ -161,7 +163,7 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     if world <= 1 or settings.preference is not None or hasattr(model, "peft_config"):
         return []
     try:
-        model_tp_plan(model, settings.tp_plan)
+        model_tp_plan(model, settings.tp_plan, supplied=False)
     except ValueError:
         return []
     sizes = []

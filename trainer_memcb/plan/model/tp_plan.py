@@ -31,18 +31,21 @@ from typing import Any, Dict, Optional
 from torch import nn
 
 from trainer_memcb.plan.model.module_names import matches_module
+from trainer_memcb.plan.model.supplied_tp_plans import supplied_tp_plan
 from trainer_memcb.plan.settings.parallelism import TP_STYLES
 
-__all__ = ["model_tp_plan", "torch_tp_plan", "matches_module", "TP_STYLES"]
+__all__ = ["model_tp_plan", "plan_is_supplied", "torch_tp_plan", "matches_module", "TP_STYLES"]
 
 
 
-def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None, supplied: bool = True) -> Dict[str, str]:
     """The model's tensor-parallel plan, module name (with `*` for a layer number) -> style name:
     its `tp_plan` as transformers resolves it, else its config's `base_model_tp_plan` under the
-    base model's prefix; with the user's `override`, its rules in place of the model's for the same
-    modules and the others kept, as transformers 5's `DistributedConfig(tp_plan=dict)` merges them
-    (`distributed/mixin.py`: `plan | override`).
+    base model's prefix, else (with `supplied`) the plan supplied for its kind where transformers
+    gives none (`trainer_memcb.plan.model.supplied_tp_plans`: BERT's family, DistilBERT); with the
+    user's `override`, its rules in place of the model's for the same modules and the others kept,
+    as transformers 5's `DistributedConfig(tp_plan=dict)` merges them (`distributed/mixin.py`:
+    `plan | override`).
 
     Raises:
         ValueError: the model has no plan (transformers' `tp_plan="auto"` refuses it too), or an
@@ -54,11 +57,24 @@ def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None) -
         if unknown:
             raise ValueError(f"tensor-parallel plan: {', '.join(map(repr, unknown))} names no module of "
                              f"{type(model).__name__} (module names as named_modules() gives them, * for a layer number)")
-        try:
-            plan = model_tp_plan(model)
-        except ValueError:
-            plan = {}
-        return {**plan, **override}
+        return {**_transformers_plan(model), **override}
+    plan = _transformers_plan(model) or (supplied_tp_plan(model) if supplied else None)
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is "
+                         "empty): tensor parallelism needs one")
+    return plan
+
+
+def plan_is_supplied(model: nn.Module, override: Optional[Dict[str, str]] = None) -> bool:
+    """Whether `model_tp_plan(model, override)` is the plan supplied here: transformers gives the
+    model none and the user's rules do not stand in for it."""
+    return not override and not _transformers_plan(model) and supplied_tp_plan(model) is not None
+
+
+def _transformers_plan(model: nn.Module) -> Dict[str, str]:
+    """The plan transformers gives the model (empty where it gives none), only its entries that
+    name modules of the model: transformers 4.57 keeps the base model's entries twice, with and
+    without its prefix, and `parallelize_module` applies those that name a module."""
     plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
     if not plan:
         config = getattr(model, "config", None)
@@ -67,13 +83,7 @@ def model_tp_plan(model: nn.Module, override: Optional[Dict[str, str]] = None) -
         owner = getattr(model, prefix, None) if prefix else None
         plan = {(f"{prefix}.{name}" if owner is not None else name): style for name, style in base.items()}
     names = [name for name, _ in model.named_modules()]
-    # transformers 4.57 keeps the base model's entries twice, with and without its prefix: only
-    # those that name modules of this model are the plan `parallelize_module` applies.
-    plan = {name: style for name, style in plan.items() if any(matches_module(name, module) for module in names)}
-    if not plan:
-        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is "
-                         "empty): tensor parallelism needs one")
-    return plan
+    return {name: style for name, style in plan.items() if any(matches_module(name, module) for module in names)}
 
 
 def torch_tp_plan(plan: Dict[str, str]) -> Dict[str, Any]:

@@ -40,7 +40,7 @@ storage of its own size, as `from_pretrained(tp_plan="auto")` loads it.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
 import torch
 from torch import nn
@@ -110,6 +110,7 @@ class TensorParallelEngine(_CollectivesAsHeld, StepEngine):
         rules = f", {len(self.settings.tp_plan)} of them yours" if self.settings.tp_plan else ""
         self.notes.append(f"tensor parallel over {tp} processes: the model's tp_plan ({len(plan)} entries{rules}) applied "
                           "with torch's parallelize_module (ColwiseParallel / RowwiseParallel)")
+        self.notes.extend(_supplied_plan_notes(model, self.settings.tp_plan, plan))
         return model
 
     def clip(self, trainable: List[torch.Tensor]) -> None:
@@ -152,8 +153,10 @@ class TensorParallelFSDP2Engine(_CollectivesAsHeld, FSDP2Engine):
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
 
         self._hold_collectives_as_returned()
+        plan = model_tp_plan(model, self.settings.tp_plan)
         with mode:
-            parallelize_module(model, self._tp_mesh, torch_tp_plan(model_tp_plan(model, self.settings.tp_plan)))
+            parallelize_module(model, self._tp_mesh, torch_tp_plan(plan))
+        self.notes.extend(_supplied_plan_notes(model, self.settings.tp_plan, plan))
         original = DeviceMesh.__dict__["_concatenate"]
         self._concatenate = original
         DeviceMesh._concatenate = staticmethod(_real_mesh(original.__func__))
@@ -222,3 +225,11 @@ def clip_grad_norm_dtensor_aware(parameters: List[torch.Tensor], max_norm: float
         for params in by_mesh.values():
             clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def _supplied_plan_notes(model: nn.Module, override: Any, plan: Dict[str, str]) -> List[str]:
+    """The note of a plan made with the rules supplied where transformers gives the model none."""
+    from trainer_memcb.plan.model.supplied_tp_plans import supplied_plan_note
+    from trainer_memcb.plan.model.tp_plan import plan_is_supplied
+
+    return [supplied_plan_note(model, plan)] if plan_is_supplied(model, override) else []
