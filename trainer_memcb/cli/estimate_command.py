@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
+from trainer_memcb.cli.deferred_compile import defer_bitsandbytes_compilation
 from trainer_memcb.cli.device_options import (DEFAULT_DEVICE_TYPE, alloc_conf_of, apply_gpu, cuda_context_bytes,
                                                reserve_bytes)
 from trainer_memcb.cli.estimate_asked import needs_peft, needs_torchao, plan_asked, step_asked
@@ -287,6 +288,8 @@ def prepare_process(args: "argparse.Namespace | int") -> None:
     (about 2 s of each start here), and an estimate quantizes with bitsandbytes only. scikit-learn
     is kept out of every estimate: transformers before 5 imports it with its generation utilities
     (`candidate_generator`, for an assistant model's ROC curve), about 2 s, and no plan uses it.
+    bitsandbytes' CPU kernels are compiled at their first call instead of at its import
+    (`trainer_memcb.cli.deferred_compile`), which an estimate never makes: about 0.65 s.
     """
     estimate = getattr(args, "command", None) == "estimate"
     if not (estimate and step_asked(args)):
@@ -297,3 +300,5 @@ def prepare_process(args: "argparse.Namespace | int") -> None:
         sys.modules["torchao"] = None
     if estimate and "sklearn" not in sys.modules:
         sys.modules["sklearn"] = None
+    if estimate:  # bitsandbytes' CPU kernels compiled at their first call, not at its import
+        defer_bitsandbytes_compilation()
