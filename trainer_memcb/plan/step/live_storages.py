@@ -280,6 +280,19 @@ class LiveStorages(TorchDispatchMode):
         self.alive_bytes += nbytes
         self._check_peak()
 
+    def made_at_size(self, storage: Any, nbytes: int, part: Optional[str] = None) -> None:
+        """Count a tracked storage at `nbytes` from its making on, as if it had been made so: a
+        model handed to an engine whole that a real run makes in the engine's layout (ZeRO-3's
+        parameters, which `deepspeed.zero.Init` partitions as each is made, so that no two are
+        ever whole at once). Its allocation keeps its place in the timeline, at the new size."""
+        serial = self._serial.get(storage._cdata)
+        if serial is None:
+            return
+        self.alive_bytes += nbytes - self.sizes[serial]
+        self.sizes[serial] = nbytes
+        if part is not None:
+            self.tags[serial] = part
+
     def _resized(self, storage: Any) -> None:
         key = storage._cdata
         serial = self._serial.get(key)

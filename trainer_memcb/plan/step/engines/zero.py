@@ -331,10 +331,14 @@ class ZeroEngine(StepEngine):
             tracker.stream_of = self._stream_now
         self._host_bit16_serials = set(tracker.serials(self._host_bit16))
         if self.stage == 3:
-            # Each parameter is its 16-bit partition outside its module's use.
+            # Each parameter is its 16-bit partition outside its module's use, and made so: under
+            # the Trainer, `from_pretrained` runs in `deepspeed.zero.Init`, which partitions each
+            # parameter as it is made, so the whole parameters counted a moment ago never coexist
+            # (nor take the allocator's memory together, in its replay of the steps' setup).
             for param in self.tracker_params:
-                self._set_whole(param, False)
-            tracker.restart_peak()  # the whole parameters counted a moment ago never coexist
+                storage = param.untyped_storage()
+                tracker.made_at_size(storage, self._partition_bytes(param), "parameters")
+            tracker.restart_peak()
 
     # -- ZeRO-3's partitioned parameters -----------------------------------------------------------
     def _partition_parameters(self, model: nn.Module) -> None:
@@ -436,13 +440,17 @@ class ZeroEngine(StepEngine):
             if id(param) in self._tracked:
                 self._set_whole(param, False)
 
+    def _partition_bytes(self, param: torch.Tensor) -> int:
+        """The bytes of the parameter's 16-bit partition on the device (none with offload_param:
+        the partition is in the host's flat buffer, counted there)."""
+        return 0 if self.offload_params else zero3_partition_numel(param.numel(), self.world) * param.element_size()
+
     def _set_whole(self, param: torch.Tensor, whole: bool) -> None:
         # partition_parameters.py (`_allgather_param`, `all_gather_coalesced`): the gathered
         # parameter is a new whole buffer (`param.data`) beside its partition (`param.ds_tensor`, a
         # view of the flat `fp16_partitioned_groups_flat`), which stays: whole, both count.
         storage = param.untyped_storage()
-        # With offload_param the partition is in the host's flat buffer, counted there.
-        partition = 0 if self.offload_params else zero3_partition_numel(param.numel(), self.world) * param.element_size()
+        partition = self._partition_bytes(param)
         size = storage.nbytes() + partition if whole else partition
         # fetch_sub_module → __all_gather_params_ runs `all_gather_coalesced` under the all-gather
         # stream, and waits on its handle there too: the whole `param.data` (`torch.cat` of the
