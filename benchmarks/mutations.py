@@ -416,8 +416,8 @@ EDITS: List[Edit] = [
     Edit("plan/step/flops.py", "    offset = seq_k - seq_q if bottom_right else 0", "    offset = 0", FLOPS),
     Edit("plan/step/flops.py", "    if bound[\"causal\"]:\n        right = 0", "    if bound[\"causal\"]:\n        right = -1",
          FLOPS),  # flash-attn's causal window counted whole
-    Edit("plan/model/tp_plan.py", "        return {**plan, **override}", "        return {**override, **plan}",
-         TP_RULES),  # the model's rules over the user's
+    Edit("plan/model/tp_plan.py", "        return {**_transformers_plan(model), **override}",
+         "        return {**override, **_transformers_plan(model)}", TP_RULES),  # the model's rules over the user's
 ]
 
 
