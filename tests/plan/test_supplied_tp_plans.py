@@ -115,3 +115,4 @@ def test_a_bert_step_under_tp2_holds_the_hand_counted_shards_and_says_whose_plan
         "distributed_config=DistributedConfig(tp_plan=PLAN, tp_size=N)), PLAN = "
         + json.dumps(supplied, separators=(",", ":")))
     assert json.loads(plan.step.notes[1].split("PLAN = ", 1)[1]) == supplied
+

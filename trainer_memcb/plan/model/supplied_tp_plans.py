@@ -60,16 +60,14 @@ def _heads_split_by_width() -> bool:
 def supplied_tp_plan(model: Any) -> Optional[Dict[str, str]]:
     """The plan supplied here for `model` (module name, `*` for a layer number -> transformers'
     style name), under its base model's prefix as `from_pretrained` takes it; None when there is
-    none for its kind, or the installed transformers would not run one.
+    none for its kind, or the installed transformers would not run one (transformers 4).
 
     Examples:
-        >>> import torch
-        >>> from transformers import DistilBertConfig, DistilBertForSequenceClassification
-        >>> from trainer_memcb.plan.model.supplied_tp_plans import supplied_tp_plan
-        >>> with torch.device("meta"):
-        ...     model = DistilBertForSequenceClassification(DistilBertConfig(n_layers=1))
-        >>> supplied_tp_plan(model)["distilbert.transformer.layer.*.ffn.lin1"]
-        'colwise'
+        >>> from trainer_memcb.plan.model.supplied_tp_plans import SUPPLIED_TP_PLANS
+        >>> {name: style for name, style in SUPPLIED_TP_PLANS["distilbert"].items() if ".ffn." in name}
+        {'transformer.layer.*.ffn.lin1': 'colwise', 'transformer.layer.*.ffn.lin2': 'rowwise'}
+
+        DistilBERT's with a head, as `from_pretrained` takes it: under `distilbert.`.
     """
     config = getattr(model, "config", None)
     base = SUPPLIED_TP_PLANS.get(getattr(config, "model_type", None))
