@@ -116,3 +116,17 @@ def test_a_bert_step_under_tp2_holds_the_hand_counted_shards_and_says_whose_plan
         + json.dumps(supplied, separators=(",", ":")))
     assert json.loads(plan.step.notes[1].split("PLAN = ", 1)[1]) == supplied
 
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+@requires_transformers("5.0", "transformers 5's encoders split their heads by the projection's width, so the plan runs")
+def test_beside_fsdp2_the_supplied_plan_s_shards_are_sharded_again_and_the_note_is_the_same():
+    from trainer_memcb.plan.answers.step_memory import plan_step_memory
+    from trainer_memcb.plan.settings import resolve_settings
+
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=0, batch_size=16, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build_bert, seq_len=64, settings=settings, device_type="cpu", model_states=False)
+    assert plan.settings.engine == "tp-fsdp2"
+    states = plan.step.model_states_at_optimizer_step_bytes
+    assert states["parameters"] == states["gradients"] == 4 * BERT_TP2_VALUES // 2 == 117_764
+    [note] = [note for note in plan.step.notes if "no tp_plan" in note]
+    assert note.startswith("transformers gives BertForSequenceClassification no tp_plan: planned with trainer_memcb's")
