@@ -97,22 +97,23 @@ def test_the_model_states_table_names_tensor_parallelism(tiny_llama_dir, capsys,
     assert code == 0 and " ".join(lines[-1][1:]) == row
 
 
-def test_an_uneven_mlp_width_beside_fsdp2_is_one_usage_line(tmp_path_factory, capsys):
+def test_an_uneven_mlp_width_beside_cp_is_one_usage_line(tmp_path_factory, capsys):
     folder = tiny_llama_folder(tmp_path_factory, "tiny-llama-mlp-129", intermediate_size=129)
-    code = main(["estimate", folder, *STEP, "--parallelism", "tp=2,dp_shard=2"])
+    code = main(["estimate", folder, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
+                 "--device-type", "cuda", "--precision", "bf16", "--parallelism", "tp=2,dp_shard=2,cp=2"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert ("parallelism tp=2: the model's intermediate_size=129 does not divide by 2 (an uneven MLP width beside "
-            "dp_shard=2 is not planned)") in err
+            "cp=2 is not planned)") in err
     assert len([line for line in err.splitlines() if line.strip()]) <= 2
 
 
 @pytest.mark.parametrize("width,world,sizes", [
     (128, 4, [2, 4]),
     (129, 2, [2]),  # TP alone on both processes: planned per rank
-    (129, 4, [4]),  # tp=2 would run beside FSDP2 on the other two, which an uneven width is not planned beside
+    (129, 4, [2, 4]),  # tp=2 beside FSDP2 on the other two: planned per rank too
 ])
-def test_fit_proposes_tp_for_an_uneven_mlp_width_alone_only(width, world, sizes):
+def test_fit_proposes_tp_for_an_uneven_mlp_width(width, world, sizes):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

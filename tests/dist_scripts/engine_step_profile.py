@@ -48,7 +48,7 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 # `tp-auto-uneven-mlp`, an MLP width of 129 through transformers' own styles (gate_proj's and up_proj's
 # rows, down_proj's columns 65 on rank 0, 64 on rank 1).
 CHANGED_CONFIG = {"tp-uneven": dict(vocab_size=257), "tp-fsdp2-uneven": dict(vocab_size=257),
-                  "tp-auto-uneven-mlp": dict(intermediate_size=129)}
+                  "tp-auto-uneven-mlp": dict(intermediate_size=129), "tp-fsdp2-uneven-mlp": dict(intermediate_size=129)}
 BATCH, SEQ = 2, 16
 # The encoder of engine `tp-bert`, for sequence classification: transformers gives it no tp_plan, and
 # it is loaded as a user runs it with the plan trainer_memcb supplies
@@ -100,7 +100,7 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
         return BertForSequenceClassification.from_pretrained(
             folder, distributed_config=DistributedConfig(tp_plan=plan, tp_size=dist.get_world_size()),
             attn_implementation="sdpa")
-    if engine in ("tp-fsdp2", "tp-fsdp2-uneven"):
+    if engine in ("tp-fsdp2", "tp-fsdp2-uneven", "tp-fsdp2-uneven-mlp"):
         # TP=2 x FSDP2 on the rest: a (dp_shard, tp) mesh in accelerate's order, the plan on tp, then
         # fully_shard of each layer and the root on dp_shard, as torchtitan and accelerate compose them.
         from torch.distributed.device_mesh import init_device_mesh

@@ -120,20 +120,18 @@ def test_an_uneven_vocabulary_is_planned_alone_and_beside_fsdp2_but_refused_besi
         plan_step_memory(lambda: _llama(vocab_size=257), settings=settings, model_states=False)
 
 
-def test_an_uneven_mlp_width_is_planned_alone_but_refused_beside_fsdp2_or_cp():
+def test_an_uneven_mlp_width_is_planned_alone_and_beside_fsdp2_but_refused_beside_cp():
     config = LlamaConfig(**dict(CONFIG, intermediate_size=129))
     check_tensor_parallel_model(config, 2)
+    check_tensor_parallel_model(config, 2, dp_shard=2)
     with pytest.raises(ValueError, match="tp=2: the model's intermediate_size=129 does not divide by 2 \\(an uneven "
-                                         "MLP width beside dp_shard=2 is not planned\\)"):
-        check_tensor_parallel_model(config, 2, dp_shard=2)
-    with pytest.raises(ValueError, match="intermediate_size=129 does not divide by 2 \\(an uneven MLP width beside "
-                                         "cp=2 is not planned"):
+                                         "MLP width beside cp=2 is not planned\\)"):
         check_tensor_parallel_model(config, 2, cp=2)
-    settings = resolve_settings(parallelism="tp=2,dp_shard=2", batch_size=2, optimizer="adamw_torch")
+    settings = resolve_settings(parallelism="tp=2,cp=2", batch_size=2, seq_len=16, precision="bf16",
+                                device_type="cuda")
     with pytest.raises(ValueError, match="intermediate_size=129 does not divide by 2 \\(an uneven MLP width beside "
-                                         "dp_shard=2"):
-        plan_step_memory(lambda: _llama(intermediate_size=129), seq_len=16, settings=settings, device_type="cpu",
-                         model_states=False)
+                                         "cp=2"):
+        plan_step_memory(lambda: _llama(intermediate_size=129), settings=settings, model_states=False)
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")
@@ -159,6 +157,28 @@ def test_an_uneven_mlp_width_is_planned_per_rank_as_transformers_styles_split_it
     assert [each["optimizer_state"] for each in states] == [461_396 + 2 * 2 * 3 * 64 * 4, 461_396]
     assert [(plan.step.peak_bytes, plan.step.forward_backward_peak_bytes) for plan in plans] == [
         (1_044_632, 1_021_216), (1_038_232, 1_015_584)]  # rank 1: the even width's step, to the byte
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_an_uneven_mlp_width_beside_fsdp2_is_planned_per_rank_as_fully_shard_splits_each_tp_chunk():
+    """129 columns at tp=2,dp_shard=2: TP rank 0's 65 rows of gate_proj and up_proj (and columns of
+    down_proj) split 33 / 32 by FSDP2, TP rank 1's 64 split 32 / 32, so ranks 0 and 2 differ and ranks
+    1 and 3 hold the even width's step; each figure is the real four-process run's FSDPMemTracker
+    reading (tests/training/test_tensor_parallel_runs.py)."""
+    assert tp_rank_groups(LlamaConfig(**dict(CONFIG, intermediate_size=129)), 2, dp_shard=2) == [[0], [1, 3], [2]]
+    figures = []
+    for rank in (0, 1, 2):
+        settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(lambda: _llama(intermediate_size=129), seq_len=16, settings=settings,
+                                   device_type="cpu", model_states=False)
+        assert plan.step.problem is None and plan.settings.engine == "tp-fsdp2", plan.step.problem
+        states = plan.step.model_states_at_optimizer_step_bytes
+        figures.append((plan.step.peak_bytes, states["parameters"], states["optimizer_state"]))
+    # Ranks 0 and 2 keep FSDP2's padded shards, of equal size: gate_proj's and up_proj's 33 rows of 64
+    # and down_proj's 32 rows of 65 columns against 32 x 64 each, 160 values more in each of two layers
+    # (1,280 bytes). The optimizer's moments are made like the unpadded shards: rank 0's 33 rows, 2,560
+    # bytes more; rank 2's 32 rows, only down_proj's column more (2 x 32 x 2 moments x 4 = 512 bytes).
+    assert figures == [(867_232, 116_608, 233_300), (859_424, 115_328, 230_740), (865_184, 116_608, 231_252)]
 
 
 def test_an_uneven_hidden_size_is_refused_under_the_user_s_own_rules():
@@ -203,10 +223,33 @@ def test_tp_ranks_hold_torch_s_chunks_and_are_grouped_by_them(size, tp, rows, gr
     # (tests/training/test_tensor_parallel_runs.py).
     (257, 2, [[0], [1, 3], [2]]),
     (256, 2, [[0, 1, 2, 3]]),
-    (257, 3, [[0, 2, 4], [1, 3], [5]]),  # 129 as 43 x 3, 128 as 43, 43 and 42
+    # At dp_shard=3 the third position's chunks differ too: FSDP2 splits the hidden size's 64 rows (the
+    # norms, o_proj's and down_proj's) and each TP shard's 64 rows (q_proj's to v_proj's, gate_proj's and
+    # up_proj's) as 22, 22 and 20 (test_uneven_fsdp2_positions_plan_their_own_chunks); 129 as 43 x 3.
+    (257, 3, [[0, 2], [1, 3], [4], [5]]),
+    (256, 3, [[0, 1, 2, 3], [4, 5]]),
 ])
 def test_beside_fsdp2_ranks_are_grouped_by_the_chunk_of_their_tp_chunk(size, dp_shard, groups):
     assert tp_rank_groups(LlamaConfig(**dict(CONFIG, vocab_size=size)), 2, dp_shard=dp_shard) == groups
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_uneven_fsdp2_positions_plan_their_own_chunks():
+    """The tiny Llama at tp=2,dp_shard=3: FSDP2 splits 64 rows as 22, 22 and 20 and the 128 rows of
+    the embedding's and the head's TP shards as 43, 43 and 42, so the third position (ranks 4 and 5)
+    holds less optimizer state; its parameters are FSDP2's padded shards, the same size."""
+    states, peaks = [], []
+    for rank in (0, 4):
+        settings = resolve_settings(parallelism="tp=2,dp_shard=3", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+        states.append(plan.step.model_states_at_optimizer_step_bytes)
+        peaks.append(plan.step.peak_bytes)
+    assert states[0]["parameters"] == states[1]["parameters"] == 78_776
+    # Per layer q_proj, k_proj and v_proj 1 row of 64, o_proj 2 of 32, gate_proj, up_proj and down_proj
+    # 2 of 64, two norms 2 values (644); the embedding and the head a row of 64 each, the final norm 2:
+    # 1,418 values fewer, two moments of 4 bytes each.
+    assert states[0]["optimizer_state"] - states[1]["optimizer_state"] == (2 * 644 + 2 * 64 + 2) * 2 * 4 == 11_344
+    assert peaks == [755_440, 744_096]
 
 
 def _llama(**change):

@@ -1,7 +1,7 @@
 """The tensor-parallel step plan against real runs: torchrun on 2 CPU processes (gloo), TP=2 on
 the tiny Llama of tests/plan/test_engines.py, and on 4, TP=2 x FSDP2=2, one measured step each
 (tests/dist_scripts/engine_step_profile.py, engines `tp`, `tp-uneven`, `tp-auto`, `tp-auto-uneven-mlp`,
-`tp-attention-whole`, `tp-bert`, `tp-fsdp2` and `tp-fsdp2-uneven`).
+`tp-attention-whole`, `tp-bert`, `tp-fsdp2`, `tp-fsdp2-uneven` and `tp-fsdp2-uneven-mlp`).
 
 The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
 torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`); transformers
@@ -257,7 +257,7 @@ HELD_LATE = (0, 256, 66_304)
 
 @pytest.fixture(scope="module")
 def tp_fsdp2_runs(tmp_path_factory):
-    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp-fsdp2", "tp-fsdp2-uneven"], 4)
+    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp-fsdp2", "tp-fsdp2-uneven", "tp-fsdp2-uneven-mlp"], 4)
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +310,49 @@ def test_uneven_tp2_fsdp2_each_rank_s_plan_equals_fsdp_memtrackers_on_the_real_r
         assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"]
         assert real["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"]
 
+
+# Each rank of TP=2 x FSDP2=2 with an MLP width of 129, by the plan: TP's 65 / 64 rows of gate_proj and
+# up_proj (and columns of down_proj), FSDP2's 33 / 32 of the 65 and 32 / 32 of the 64
+# (tests/plan/test_tensor_parallel.py counts the bytes).
+UNEVEN_MLP_TP2_FSDP2 = {0: (867_232, 116_608, 233_300), 1: (859_424, 115_328, 230_740),
+                        2: (865_184, 116_608, 231_252), 3: (859_424, 115_328, 230_740)}
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_an_uneven_mlp_width_beside_fsdp2_each_rank_s_plan_equals_fsdp_memtrackers_on_the_real_run(tp_fsdp2_runs):
+    for rank, real in enumerate(tp_fsdp2_runs["tp-fsdp2-uneven-mlp"]):
+        settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build_uneven_mlp, seq_len=16, settings=settings, device_type="cpu",
+                                   model_states=False)
+        assert plan.step.problem is None and plan.settings.engine == "tp-fsdp2", plan.step.problem
+        states = plan.step.model_states_at_optimizer_step_bytes
+        assert (plan.step.peak_bytes, states["parameters"], states["optimizer_state"]) == UNEVEN_MLP_TP2_FSDP2[rank]
+        assert real["peak_bytes"] - plan.step.peak_bytes in HELD_LATE, (rank, plan.step.peak_bytes, real)
+        assert real["phase_peaks"]["forward"] == forward_peak_of(plan), (rank, real["phase_peaks"])
+        assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"]
+        assert real["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"]
+
+
+# TP=2 x FSDP2=3 on 6 processes: FSDP2 splits 64 rows as 22, 22 and 20, so the third dp_shard position
+# (ranks 4 and 5) holds less optimizer state (tests/plan/test_tensor_parallel.py counts it).
+UNEVEN_POSITIONS = {0: (755_440, 157_636), 4: (744_096, 146_292)}
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp2_fsdp2_on_three_positions_each_rank_s_plan_equals_fsdp_memtrackers_on_the_real_run(tmp_path_factory):
+    real = _tracked("engine_step_profile.py", tmp_path_factory, ["tp-fsdp2"], 6)["tp-fsdp2"]
+    for rank, each in enumerate(real):
+        settings = resolve_settings(parallelism="tp=2,dp_shard=3", rank=rank, batch_size=2, optimizer="adamw_torch")
+        planned = 0 if rank < 4 else 4
+        if rank in UNEVEN_POSITIONS:
+            plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+            states = plan.step.model_states_at_optimizer_step_bytes
+            assert (plan.step.peak_bytes, states["optimizer_state"]) == UNEVEN_POSITIONS[rank]
+            assert each["phase_peaks"]["forward"] == forward_peak_of(plan), (rank, each["phase_peaks"])
+        peak, optimizer_state = UNEVEN_POSITIONS[planned]
+        assert each["peak_bytes"] - peak in HELD_LATE, (rank, peak, each)
+        assert each["parts"]["_FSDPRefType.OPT"] == optimizer_state, (rank, each["parts"])
+        assert each["parts"]["_FSDPRefType.SHARDED_PARAM"] == 78_776
 
 # -- What the logger logs under TP ------------------------------------------------------------------
 

@@ -151,8 +151,8 @@ def _layout_options(args: argparse.Namespace, settings: Any, model: Any, value_b
 def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     """The tensor-parallel sizes `--fit` proposes: each divisor of the world size above 1 and at most
     the processes of a node (accelerate's mesh keeps `tp` innermost, on one node's links), for a model
-    with a tensor-parallel plan whose heads split over it and whose MLP width does too unless `tp` is
-    the world size (an uneven width is planned under TP alone); none for TRL's steps, PEFT's
+    with a tensor-parallel plan whose heads split over it (an uneven MLP width or vocabulary is
+    planned per rank); none for TRL's steps, PEFT's
     adapters or an own DeepSpeed precision (the plan traces TP alone or with FSDP2), nor on a plan
     supplied where transformers gives the model none (its run needs the plan passed by hand: the
     step plan of `--parallelism tp=N` says how)."""

@@ -24,8 +24,10 @@ split inside a head would break the attention's `view(..., -1, head_dim)`; trans
 run it: `gate_proj`'s and `up_proj`'s rows and `down_proj`'s columns split by torch's chunk rule
 (`distribute_tensor`; 129 over 2 ranks: 65 on rank 0, 64 on rank 1), `down_proj`'s input given the
 layer's width (`trainer_memcb.plan.model.tp_styles`: torch's own `RowwiseParallel` takes each rank's
-columns as even shards and its matmul is refused). Beside FSDP2 or context parallelism an uneven
-MLP width is refused: no run of those layouts here to hold the plan to.
+columns as even shards and its matmul is refused). Beside FSDP2 each rank's chunk is chunked again
+by the same rule at the rank's `dp_shard` position (65 rows: 33 and 32; 64: 32 and 32), as
+`fully_shard` splits a DTensor shard. Beside context parallelism an uneven MLP width is refused: no
+run of that layout here to hold the plan to.
 
 Uneven shards elsewhere are planned per rank, as torch runs them: a vocabulary that does not divide
 by `tp` splits the embedding's and the head's rows by torch's chunk rule (`Shard._split_tensor`:
@@ -204,8 +206,8 @@ def parallelism_from_config(config: Any, where: str = "training args") -> Option
 
 def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, cp: int = 1, dp_shard: int = 1) -> None:
     """Refuse a model whose heads do not split whole over `tp` ranks (module docstring); an uneven
-    vocabulary is planned per rank, an uneven MLP width too under TP alone (beside FSDP2, `dp_shard`
-    > 1, or context parallelism it is refused).
+    vocabulary is planned per rank, an uneven MLP width too under TP alone and beside FSDP2 (beside
+    context parallelism it is refused).
     With `own_rules` (the user's `tp_plan` over the model's), which may split a layer along the
     hidden size (an embedding colwise, a head rowwise), the hidden size must divide too: its uneven
     shards are not planned (`tp_rank_groups` groups the ranks by the vocabulary's alone). Beside
@@ -230,10 +232,9 @@ def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, c
               ("num_key_value_heads", kv_heads, "each rank runs whole key/value heads (k_proj and v_proj are "
                "split colwise)"),
               )
-    if dp_shard > 1 or cp > 1:
-        beside = f"dp_shard={dp_shard}" if dp_shard > 1 else f"cp={cp}"
+    if cp > 1:
         checks += (("intermediate_size", getattr(text, "intermediate_size", None),
-                    f"an uneven MLP width beside {beside} is not planned"),)
+                    f"an uneven MLP width beside cp={cp} is not planned"),)
     if own_rules:
         checks += (("hidden_size", getattr(text, "hidden_size", None), "your tp_plan rules may split layers "
                     "along it, and uneven hidden shards are not planned"),)
@@ -262,8 +263,9 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1) -> List[List[int]]:
     hold shards of the same sizes, so their steps are the same to the byte; one group when every
     split is even. The sizes the plan's styles split unevenly are the vocabulary's, TP's chunk of
     its rows and beside FSDP2 the chunk of that chunk at the rank's `dp_shard` position (accelerate's
-    mesh: `dp_shard`, then `tp`, so rank = dp_position x tp + tp_rank), and under TP alone the MLP's
-    `intermediate_size`, TP's chunk of it (`check_tensor_parallel_model` refuses others).
+    mesh: `dp_shard`, then `tp`, so rank = dp_position x tp + tp_rank), and the MLP's
+    `intermediate_size`, TP's chunk of it and beside FSDP2 the chunk of that chunk the same way
+    (`check_tensor_parallel_model` refuses others).
 
     Examples:
         >>> from transformers import LlamaConfig
@@ -274,17 +276,26 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1) -> List[List[int]]:
         [[0], [1, 3], [2]]
         >>> tp_rank_groups(LlamaConfig(vocab_size=256, intermediate_size=129), 2)  # 65 and 64 of the MLP's width
         [[0], [1]]
+        >>> tp_rank_groups(LlamaConfig(vocab_size=256, intermediate_size=129), 2, dp_shard=2)  # 33, 32, 32, 32
+        [[0], [1, 3], [2]]
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab, width = getattr(text, "vocab_size", None), getattr(text, "intermediate_size", None)
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) and heads else None)
+    # TP splits these (the vocabulary, the MLP's width, the attention's heads), FSDP2 the first
+    # dimension of each TP shard again; FSDP2 alone splits the layers' hidden size (norms, rows of
+    # o_proj and down_proj), which FSDP2 pads: its chunks differ where dp_shard does not divide it.
+    tp_split = [getattr(text, "vocab_size", None), getattr(text, "intermediate_size", None),
+                heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else None,
+                kv_heads * head_dim if isinstance(kv_heads, int) and isinstance(head_dim, int) else None]
     groups: Dict[Any, List[int]] = {}
     for rank in range(max(1, tp) * max(1, dp_shard)):
-        key: Any = 0
-        if isinstance(vocab, int) and tp > 1:
-            rows = tp_shard_rows(vocab, tp, rank % tp)
-            key = (rows, tp_shard_rows(rows, dp_shard, rank // tp))
-        if isinstance(width, int) and tp > 1:
-            key = (key, tp_shard_rows(width, tp, rank % tp))
+        tp_rank, position = rank % max(1, tp), rank // max(1, tp)
+        chunks = [(size, dp_shard) for size in
+                  (tp_shard_rows(size, tp, tp_rank) for size in tp_split if isinstance(size, int) and tp > 1)]
+        chunks += [(hidden, dp_shard)] if isinstance(hidden, int) and dp_shard > 1 else []
+        key = tuple((rows, tp_shard_rows(rows, parts, position)) for rows, parts in chunks)
         groups.setdefault(key, []).append(rank)
     return list(groups.values())
 
