@@ -48,11 +48,22 @@ def test_tp_x_fsdp2_on_four_processes(tiny_llama_dir, capsys):
     assert document["step"]["peak_bytes"] == 859_424  # tests/plan/test_tensor_parallel.py's
 
 
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp_x_hsdp_on_eight_processes(tiny_llama_dir, capsys):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "tp=2,dp_shard=2,dp_replicate=2", "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
+    assert used["world_size"] == (8, "flag") and used["replicate"] == (2, "flag")
+    assert document["step"]["peak_bytes"] == 859_424  # the real eight-process run's, as at tp=2,dp_shard=2
+    assert "rank_groups" not in document["step"]
+
+
 @pytest.mark.parametrize("argv,phrase", [
     (["--parallelism", "tp=2", "--world-size", "4"],
      "parallelism tp=2 multiplies to 2 processes, but world_size is 4: accelerate refuses"),
     (["--parallelism", "tp=3"], "the model's num_attention_heads=4 does not divide by 3 (each rank runs whole"),
-    (["--parallelism", "tp=2,dp_shard=2,dp_replicate=2"], "without DeepSpeed, HSDP's replicas or offload"),
+    (["--parallelism", "tp=2,dp_shard=2", "--precision", "deepspeed-bf16"], "without DeepSpeed"),
     (["--parallelism", "tp=2", "--zero", "3"], "tensor parallelism is planned alone (world_size = tp) or with FSDP2"),
     (["--parallelism", "cp=2"], "cp=2 on device_type 'cpu': torch's ring attention runs CUDA's flash"),
     (["--parallelism", "tp=2,dp_replicate=2"], "accelerate does not compose DDP with TP"),

@@ -100,20 +100,26 @@ def wrap(model: torch.nn.Module, engine: str) -> torch.nn.Module:
         return BertForSequenceClassification.from_pretrained(
             folder, distributed_config=DistributedConfig(tp_plan=plan, tp_size=dist.get_world_size()),
             attn_implementation="sdpa")
-    if engine in ("tp-fsdp2", "tp-fsdp2-uneven", "tp-fsdp2-uneven-mlp"):
+    if engine in ("tp-fsdp2", "tp-fsdp2-uneven", "tp-fsdp2-uneven-mlp", "tp-fsdp2-offload", "tp-hsdp"):
         # TP=2 x FSDP2 on the rest: a (dp_shard, tp) mesh in accelerate's order, the plan on tp, then
         # fully_shard of each layer and the root on dp_shard, as torchtitan and accelerate compose them.
+        # tp-hsdp: a (dp_replicate=2, dp_shard, tp) mesh, fully_shard on its (dp_replicate, dp_shard)
+        # dimensions (HSDP); tp-fsdp2-offload: FSDP2's CPU offload (not pinned: pinning needs CUDA).
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        replicate = 2 if engine == "tp-hsdp" else 1
+        shape, names = (replicate, dist.get_world_size() // 2 // replicate, 2), ("dp_replicate", "dp_shard", "tp")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        data = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
         parallelize_module(model, mesh["tp"], torch_tp_plan(model_tp_plan(model)))
+        policy = CPUOffloadPolicy(pin_memory=False) if engine == "tp-fsdp2-offload" else OffloadPolicy()
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp_shard"])
-        return fully_shard(model, mesh=mesh["dp_shard"])
+            fully_shard(layer, mesh=data, offload_policy=policy)
+        return fully_shard(model, mesh=data, offload_policy=policy)
     if engine.startswith("ddp"):
         return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=engine == "ddp-view")
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -306,7 +312,7 @@ def memtracker_run(engine: str) -> dict:
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
     trackers.append(tracker)
     tracker.track_inputs(tuple(inputs.values()))
-    tp = engine.startswith("tp-fsdp2")
+    tp = engine.startswith(("tp-fsdp2", "tp-hsdp"))
     measured = []
     for _ in range(TRACKED_STEPS):  # the least of identical steps (`TRACKED_STEPS`)
         with tracker:

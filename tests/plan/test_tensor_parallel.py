@@ -58,9 +58,10 @@ def test_the_layout_gives_the_world_size_and_a_different_world_is_refused_as_acc
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(parallelism="tp=2,dp_shard=2,dp_replicate=2"), "without DeepSpeed, HSDP's replicas or offload"),
-    (dict(parallelism="tp=2,dp_shard=2", fsdp_cpu_offload=True), "without DeepSpeed, HSDP's replicas or offload"),
     (dict(parallelism="tp=2", sharding="zero3"), "planned alone \\(world_size = tp\\) or with FSDP2"),
+    # Replicas with no sharding between them (the layout's own check refuses it from --parallelism).
+    (dict(tp_size=2, world_size=4, sharding="fsdp-full-shard", replicate=2),
+     "tp=2 with replicate=2 on world_size=4: the world is dp_replicate x dp_shard x tp processes, with dp_shard > 1"),
     (dict(parallelism="tp=2", precision="deepspeed-bf16"), "without DeepSpeed"),
 ])
 def test_what_is_not_planned_yet_is_refused_by_name(flags, message):
@@ -72,6 +73,25 @@ def test_tp_with_dp_shard_is_fsdp2_on_the_rest_of_the_world():
     settings = resolve_settings(parallelism="tp=2,dp_shard=4", batch_size=2)
     assert (settings.world_size, settings.tp_size, settings.sharding) == (8, 2, "fsdp-full-shard")
     assert settings.sources["sharding"] == "flag"
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp_beside_hsdp_and_beside_fsdp2_s_offload_is_the_tp_x_fsdp2_step():
+    """HSDP's replicas beside TP (accelerate's (dp_replicate, dp_shard, tp) mesh, fully_shard on its
+    first two dimensions) hold what the same dp_shard holds without them; FSDP2's CPU offload files
+    the shards and the optimizer state on the host, the rest on the device. The real runs (8 and 4
+    processes) read these figures (tests/training/test_tensor_parallel_runs.py)."""
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2,dp_replicate=2", batch_size=2, optimizer="adamw_torch")
+    assert (settings.world_size, settings.replicate, settings.sharding) == (8, 2, "fsdp-full-shard")
+    hsdp, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    assert hsdp.settings.engine == "tp-fsdp2" and hsdp.step.problem is None
+    assert hsdp.step.notes[0].startswith("TP x HSDP: a 2 x 2 x 2 mesh (dp_replicate, dp_shard, tp)")
+    assert (hsdp.step.peak_bytes, forward_peak_of(hsdp)) == (859_424, 801_432)  # TP=2 x FSDP2=2's, below
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2", fsdp_cpu_offload=True, batch_size=2,
+                                optimizer="adamw_torch")
+    offload, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    assert dict(offload.step.host_bytes) == {"parameters": 115_328, "optimizer_state": 230_740}
+    assert offload.step.peak_bytes == 859_424 - 115_328 - 230_740 == 513_356
 
 
 def test_the_training_args_parallelism_config_is_read_as_to_json_writes_it():
@@ -231,6 +251,12 @@ def test_tp_ranks_hold_torch_s_chunks_and_are_grouped_by_them(size, tp, rows, gr
 ])
 def test_beside_fsdp2_ranks_are_grouped_by_the_chunk_of_their_tp_chunk(size, dp_shard, groups):
     assert tp_rank_groups(LlamaConfig(**dict(CONFIG, vocab_size=size)), 2, dp_shard=dp_shard) == groups
+
+
+def test_hsdp_s_replicas_hold_their_dp_shard_position_s_chunks():
+    # accelerate's (dp_replicate, dp_shard, tp) mesh: rank = (replica x dp_shard + position) x tp + TP rank.
+    config = LlamaConfig(**dict(CONFIG, vocab_size=257))
+    assert tp_rank_groups(config, 2, dp_shard=2, dp_replicate=2) == [[0, 4], [1, 3, 5, 7], [2, 6]]
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")

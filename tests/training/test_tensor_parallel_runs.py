@@ -1,7 +1,8 @@
 """The tensor-parallel step plan against real runs: torchrun on 2 CPU processes (gloo), TP=2 on
 the tiny Llama of tests/plan/test_engines.py, and on 4, TP=2 x FSDP2=2, one measured step each
 (tests/dist_scripts/engine_step_profile.py, engines `tp`, `tp-uneven`, `tp-auto`, `tp-auto-uneven-mlp`,
-`tp-attention-whole`, `tp-bert`, `tp-fsdp2`, `tp-fsdp2-uneven` and `tp-fsdp2-uneven-mlp`).
+`tp-attention-whole`, `tp-bert`, `tp-fsdp2`, `tp-fsdp2-uneven`, `tp-fsdp2-uneven-mlp`, `tp-fsdp2-offload`
+and, on 8, `tp-hsdp`).
 
 The real run applies the same plan the trace applies: the model's `tp_plan` (transformers') in
 torch's styles with torch's `parallelize_module` (`trainer_memcb.plan.model.tp_plan`); transformers
@@ -257,7 +258,8 @@ HELD_LATE = (0, 256, 66_304)
 
 @pytest.fixture(scope="module")
 def tp_fsdp2_runs(tmp_path_factory):
-    return _tracked("engine_step_profile.py", tmp_path_factory, ["tp-fsdp2", "tp-fsdp2-uneven", "tp-fsdp2-uneven-mlp"], 4)
+    return _tracked("engine_step_profile.py", tmp_path_factory,
+                    ["tp-fsdp2", "tp-fsdp2-uneven", "tp-fsdp2-uneven-mlp", "tp-fsdp2-offload"], 4)
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +355,37 @@ def test_tp2_fsdp2_on_three_positions_each_rank_s_plan_equals_fsdp_memtrackers_o
         assert each["peak_bytes"] - peak in HELD_LATE, (rank, peak, each)
         assert each["parts"]["_FSDPRefType.OPT"] == optimizer_state, (rank, each["parts"])
         assert each["parts"]["_FSDPRefType.SHARDED_PARAM"] == 78_776
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp2_fsdp2_with_cpu_offload_on_the_cpu_is_the_plan_with_its_host_parts(tp_fsdp2_runs):
+    # `CPUOffloadPolicy(pin_memory=False)` on a CPU mesh moves nothing (the host is the device: see
+    # tests/training/test_engine_runs_wide.py), so the real run reads TP x FSDP2's figure; the plan
+    # files the shards and AdamW's state on the host, and with them is that figure, to the byte.
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2", fsdp_cpu_offload=True, rank=0, batch_size=2,
+                                optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    host = dict(plan.step.host_bytes)
+    assert host == {"parameters": 115_328, "optimizer_state": 230_740}
+    for real in tp_fsdp2_runs["tp-fsdp2-offload"]:
+        assert real["peak_bytes"] - (plan.step.peak_bytes + sum(host.values())) in HELD_LATE, (plan.step.peak_bytes, real)
+        assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == host["parameters"]
+        assert real["parts"]["_FSDPRefType.OPT"] == host["optimizer_state"]
+
+
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_tp2_beside_hsdp_on_eight_processes_each_rank_s_plan_equals_fsdp_memtrackers(tmp_path_factory):
+    # accelerate's (dp_replicate=2, dp_shard=2, tp=2) mesh, fully_shard on (dp_replicate, dp_shard):
+    # each replica's ranks hold what TP=2 x FSDP2=2's hold, and each of the eight real processes reads it.
+    real = _tracked("engine_step_profile.py", tmp_path_factory, ["tp-hsdp"], 8)["tp-hsdp"]
+    settings = resolve_settings(parallelism="tp=2,dp_shard=2,dp_replicate=2", batch_size=2, optimizer="adamw_torch")
+    plan, _ = plan_step_memory(build, seq_len=16, settings=settings, device_type="cpu", model_states=False)
+    assert plan.step.peak_bytes == TP2_FSDP2_PEAK
+    states = plan.step.model_states_at_optimizer_step_bytes
+    for rank, each in enumerate(real):
+        assert each["peak_bytes"] - plan.step.peak_bytes in HELD_LATE, (rank, each)
+        assert each["phase_peaks"]["forward"] == forward_peak_of(plan), (rank, each["phase_peaks"])
+        assert each["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"] == 115_328
+        assert each["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"]
 
 # -- What the logger logs under TP ------------------------------------------------------------------
 

@@ -225,9 +225,10 @@ def tp_groups_to_plan(settings: Any, config: Any) -> Optional[List[List[int]]]:
     trace each; else None."""
     from trainer_memcb.plan.settings.parallelism import tp_rank_groups
 
-    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1 or settings.cp_size > 1 or settings.replicate > 1:
+    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1 or settings.cp_size > 1:
         return None
-    groups = tp_rank_groups(config, settings.tp_size, settings.world_size // settings.tp_size)
+    replicate = settings.replicate
+    groups = tp_rank_groups(config, settings.tp_size, settings.world_size // settings.tp_size // replicate, replicate)
     return groups if len(groups) > 1 else None
 
 

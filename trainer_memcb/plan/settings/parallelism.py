@@ -258,14 +258,15 @@ def tp_shard_rows(size: int, tp: int, rank: int) -> int:
     return max(0, min(full, size - rank * full))
 
 
-def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1) -> List[List[int]]:
+def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 1) -> List[List[int]]:
     """The ranks of a `tp` (x `dp_shard`) mesh grouped by the shards they hold: ranks of one group
     hold shards of the same sizes, so their steps are the same to the byte; one group when every
     split is even. The sizes the plan's styles split unevenly are the vocabulary's, TP's chunk of
     its rows and beside FSDP2 the chunk of that chunk at the rank's `dp_shard` position (accelerate's
     mesh: `dp_shard`, then `tp`, so rank = dp_position x tp + tp_rank), and the MLP's
     `intermediate_size`, TP's chunk of it and beside FSDP2 the chunk of that chunk the same way
-    (`check_tensor_parallel_model` refuses others).
+    (`check_tensor_parallel_model` refuses others). HSDP's `dp_replicate` replicas (accelerate's mesh
+    `dp_replicate`, `dp_shard`, `tp`) hold the same shards as the first one's ranks.
 
     Examples:
         >>> from transformers import LlamaConfig
@@ -290,8 +291,8 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1) -> List[List[int]]:
                 heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else None,
                 kv_heads * head_dim if isinstance(kv_heads, int) and isinstance(head_dim, int) else None]
     groups: Dict[Any, List[int]] = {}
-    for rank in range(max(1, tp) * max(1, dp_shard)):
-        tp_rank, position = rank % max(1, tp), rank // max(1, tp)
+    for rank in range(max(1, tp) * max(1, dp_shard) * max(1, dp_replicate)):
+        tp_rank, position = rank % max(1, tp), rank // max(1, tp) % max(1, dp_shard)
         chunks = [(size, dp_shard) for size in
                   (tp_shard_rows(size, tp, tp_rank) for size in tp_split if isinstance(size, int) and tp > 1)]
         chunks += [(hidden, dp_shard)] if isinstance(hidden, int) and dp_shard > 1 else []

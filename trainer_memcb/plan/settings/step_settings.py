@@ -285,7 +285,8 @@ def _check_step_shape(settings: "StepSettings") -> None:
 
 def _check_tensor_parallel(settings: "StepSettings") -> None:
     """Tensor parallelism within what the plan traces so far: alone on its processes or with FSDP2
-    on the rest of the world, without DeepSpeed, HSDP's replicas, offload or TRL's DPO step."""
+    on the rest of the world (HSDP's replicas and CPU offload among its options), without DeepSpeed
+    or TRL's DPO step."""
     tp = settings.tp_size
     if not _whole(tp, 1):
         raise ValueError(f"tp_size={tp!r}: expected a whole number of at least 1")
@@ -297,11 +298,14 @@ def _check_tensor_parallel(settings: "StepSettings") -> None:
     if world % tp or not (alone or with_fsdp2):
         raise ValueError(f"parallelism tp={tp} on world_size={world} with sharding {settings.sharding!r}: tensor "
                          "parallelism is planned alone (world_size = tp) or with FSDP2 (dp_shard, world_size = "
-                         "tp x dp_shard) so far")
-    if settings.precision.startswith("deepspeed-") or settings.replicate > 1 or settings.fsdp_cpu_offload:
-        raise ValueError(f"parallelism tp={tp} with precision {settings.precision!r}, replicate={settings.replicate}"
-                         f", fsdp_cpu_offload={settings.fsdp_cpu_offload}: tensor parallelism is planned alone or with "
-                         "FSDP2 so far, without DeepSpeed, HSDP's replicas or offload")
+                         "dp_replicate x dp_shard x tp) so far")
+    if settings.precision.startswith("deepspeed-"):
+        raise ValueError(f"parallelism tp={tp} with precision {settings.precision!r}: tensor parallelism is planned "
+                         "alone or with FSDP2 so far, without DeepSpeed")
+    if settings.replicate > 1 and ((world // tp) % settings.replicate or world // tp == settings.replicate):
+        raise ValueError(f"parallelism tp={tp} with replicate={settings.replicate} on world_size={world}: the world is "
+                         "dp_replicate x dp_shard x tp processes, with dp_shard > 1 (accelerate does not compose "
+                         "DDP with TP)")
     if settings.preference is not None:
         raise ValueError(f"parallelism tp={tp} with TRL's DPO step: planned on one process only so far")
 

@@ -25,13 +25,15 @@ engine's own `fully_shard` of each decoder layer and the root on its `dp_shard` 
 each TP shard again (`_StridedShard` on dim 0 beside TP's `Shard`), the norms on `dp_shard` alone.
 FSDP2 makes the 2-D mesh of each TP parameter (`FSDPParam._init_sharding_spec_tp`:
 `DeviceMesh._concatenate`), whose rank tensor must be real: it is made outside the fake mode
-(`unset_fake_temporarily`) for the time of the wrap.
+(`unset_fake_temporarily`) for the time of the wrap. With HSDP's replicas (`replicate` > 1) the mesh
+is accelerate's `("dp_replicate", "dp_shard", "tp")`, `fully_shard` on its first two dimensions;
+FSDP2's CPU offload beside TP is the FSDP2 engine's own.
 
 A functional collective's result is taken as the real process holds it
 (`trainer_memcb.plan.step.collective_results`: the fake `wait_tensor` would copy it). Planned so far: TP alone (`world_size == tp_size`) or with
-FSDP2's full or shard-grad-op sharding (no replicas, no offload), with the shards torch's styles can
-split (`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`: under TP alone an uneven
-vocabulary or MLP width, each rank its own chunk); the plan is the settings' rank's. Under TP alone
+FSDP2's full or shard-grad-op sharding (HSDP's replicas and offload among its options), with the
+shards torch's styles can split (`trainer_memcb.plan.settings.parallelism.check_tensor_parallel_model`:
+an uneven vocabulary or MLP width, each rank its own chunk); the plan is the settings' rank's. Under TP alone
 the "colwise" and "rowwise" linear layers are laid out as transformers 5's own styles lay them out
 (`trainer_memcb.plan.model.tp_styles`): a rowwise layer's input given its width, and each shard a
 storage of its own size, as `from_pretrained(tp_plan="auto")` loads it.
@@ -138,8 +140,15 @@ class TensorParallelFSDP2Engine(_CollectivesAsHeld, FSDP2Engine):
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
-        tp = self.settings.tp_size
-        shards = self.settings.world_size // tp
+        tp, replicate = self.settings.tp_size, self.settings.replicate
+        shards = self.settings.world_size // tp // replicate
+        if replicate > 1:  # HSDP beside TP: accelerate's (dp_replicate, dp_shard, tp) mesh
+            mesh = init_device_mesh("cpu", (replicate, shards, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+            self._tp_mesh = mesh["tp"]
+            self.notes.append(f"TP x HSDP: a {replicate} x {shards} x {tp} mesh (dp_replicate, dp_shard, tp), the "
+                              "model's tp_plan applied with torch's parallelize_module on tp, then fully_shard on "
+                              f"(dp_replicate, dp_shard): replicated {replicate}x, sharded {shards}-way")
+            return mesh["dp_replicate", "dp_shard"]
         mesh = init_device_mesh("cpu", (shards, tp), mesh_dim_names=("dp_shard", "tp"))
         self._tp_mesh = mesh["tp"]
         self.notes.append(f"TP x FSDP2: a {shards} x {tp} mesh (dp_shard, tp), the model's tp_plan applied with "
