@@ -462,15 +462,16 @@ LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=8
                   num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
 
 
+def build_70b():
+    config = LlamaConfig(**LLAMA3_70B)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
 @pytest.mark.slow
 @requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
 def test_70b_at_tp8_dp_shard16_holds_the_hand_counted_shards():
-    def build_70b():
-        config = LlamaConfig(**LLAMA3_70B)
-        config._attn_implementation = "sdpa"
-        with torch.device("meta"):
-            return LlamaForCausalLM(config)
-
     settings = resolve_settings(parallelism="tp=8,dp_shard=16", batch_size=1, optimizer="adamw_torch",
                                 precision="autocast-bf16", gradient_checkpointing=True)
     plan, _ = plan_step_memory(build_70b, seq_len=512, settings=settings, device_type="cuda", model_states=False)
@@ -484,3 +485,33 @@ def test_70b_at_tp8_dp_shard16_holds_the_hand_counted_shards():
     states = plan.step.model_states_at_optimizer_step_bytes
     assert states["parameters"] == 4 * per_process == 2_205_091_840  # fp32 shards: the Trainer's bf16 is autocast
     assert states["optimizer_state"] == 2 * 4 * per_process + 4 * (80 * 9 + 3)  # AdamW's moments, 723 steps
+
+
+@pytest.mark.slow
+@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
+def test_torchtitan_s_70b_fsdp32_x_tp8_settings_under_transformers_plan():
+    """docs/published-runs.md's torchtitan row: Llama 3.1 70B's shapes at tp=8,dp_shard=32, 16 x 8192
+    per process, full activation checkpointing, on a 96 GiB H100, under the model's own transformers
+    plan (no sequence or loss parallelism). torchtitan's run of those settings, with both, reserved
+    71.9 GiB."""
+    def plan_of(batch):
+        settings = resolve_settings(parallelism="tp=8,dp_shard=32", batch_size=batch, optimizer="adamw_torch",
+                                    precision="autocast-bf16", gradient_checkpointing=True, gpu="H100",
+                                    device_memory=96 * 2**30)
+        plan, _ = plan_step_memory(build_70b, seq_len=8192, settings=settings, device_type="cuda", model_states=False)
+        assert plan.step.problem is None, plan.step.problem
+        return plan
+
+    plan = plan_of(16)
+    saved = dict(plan.step.peak_parts)["activations"]  # saved for backward, alive at the peak (in the backward)
+    assert (plan.step.peak_bytes, saved) == (386_172_737_882, 247_633_281_024)
+    assert plan.device.reserved_peak_bytes == 462_304_575_488 and plan.verdict.fits is False
+    # Of the activations, by hand: the 80 checkpointed layers' inputs, whole on every TP rank (16 x 8192 x
+    # 8192 in bf16), and the loss's fp32 log-probabilities over the gathered vocabulary (16 x 8192 x
+    # 128,256); sequence and loss parallelism keep an eighth of each.
+    layer_inputs, log_probabilities = 80 * 16 * 8192 * 8192 * 2, 16 * 8192 * 128256 * 4
+    assert saved - layer_inputs - log_probabilities == 8_591_507_456  # the rest, 8.0 GiB
+    # The largest batch that fits: 3 of torchtitan's 16.
+    fitting, too_many = plan_of(3), plan_of(4)
+    assert (fitting.device.reserved_peak_bytes, fitting.verdict.fits) == (90_217_381_888, True)
+    assert (too_many.device.reserved_peak_bytes, too_many.verdict.fits) == (118_839_312_384, False)
