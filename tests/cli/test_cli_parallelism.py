@@ -108,15 +108,17 @@ def test_the_model_states_table_names_tensor_parallelism(tiny_llama_dir, capsys,
     assert code == 0 and " ".join(lines[-1][1:]) == row
 
 
-def test_an_uneven_mlp_width_beside_cp_is_one_usage_line(tmp_path_factory, capsys):
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+def test_an_uneven_mlp_width_beside_cp_shows_each_rank_s_step(tmp_path_factory, capsys):
     folder = tiny_llama_folder(tmp_path_factory, "tiny-llama-mlp-129", intermediate_size=129)
     code = main(["estimate", folder, "--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16",
-                 "--device-type", "cuda", "--precision", "bf16", "--parallelism", "tp=2,dp_shard=2,cp=2"])
-    err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err, err
-    assert ("parallelism tp=2: the model's intermediate_size=129 does not divide by 2 (an uneven MLP width beside "
-            "cp=2 is not planned)") in err
-    assert len([line for line in err.splitlines() if line.strip()]) <= 2
+                 "--device-type", "cuda", "--precision", "bf16", "--parallelism", "tp=2,cp=2", "--json"])
+    assert code == 0
+    step = json.loads(capsys.readouterr().out)["step"]
+    # tests/plan/test_tensor_parallel.py's figures: each rank its own chunks and its own ring.
+    assert [(group["ranks"], group["peak_bytes"]) for group in step["rank_groups"]] == [
+        ([0], 478_992), ([1], 475_280), ([2], 476_368), ([3], 473_680)]
+    assert step["peak_bytes"] == 478_992
 
 
 @pytest.mark.parametrize("width,world,sizes", [

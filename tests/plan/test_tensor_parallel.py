@@ -128,30 +128,41 @@ def test_the_model_s_heads_and_widths_split_whole_over_tp(change, message):
         check_tensor_parallel_model(config, 4)
 
 
-def test_an_uneven_vocabulary_is_planned_alone_and_beside_fsdp2_but_refused_beside_cp():
-    config = LlamaConfig(**dict(CONFIG, vocab_size=257))
-    check_tensor_parallel_model(config, 2)  # planned per rank, beside FSDP2 too
-    with pytest.raises(ValueError, match="tp=2: the model's vocab_size=257 does not divide by 2 \\(uneven shards "
-                                         "beside cp=2 are not planned"):
-        check_tensor_parallel_model(config, 2, cp=2)
-    settings = resolve_settings(parallelism="tp=2,cp=2", batch_size=2, seq_len=16, precision="bf16",
-                                device_type="cuda")
-    with pytest.raises(ValueError, match="vocab_size=257 does not divide by 2"):
-        plan_step_memory(lambda: _llama(vocab_size=257), settings=settings, model_states=False)
-
-
-def test_an_uneven_mlp_width_is_planned_alone_and_beside_fsdp2_but_refused_beside_cp():
-    config = LlamaConfig(**dict(CONFIG, intermediate_size=129))
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+@pytest.mark.parametrize("change,figures", [
+    # The even model's ranks: 57,664 parameter bytes (bf16), 115,412 of optimizer state, each cp rank's
+    # own ring (475,280 and 473,680 bytes).
+    ({}, [(475_280, 57_664, 115_412), (475_280, 57_664, 115_412), (473_680, 57_664, 115_412),
+          (473_680, 57_664, 115_412)]),
+    # 257 tokens: TP rank 0's 129 rows of the embedding and the head split 65 / 64 by FSDP2 over
+    # dp_shard x cp, TP rank 1's 128 as 64 / 64. FSDP2's padded shards of 65 rows on ranks 0 and 2 (2
+    # tables x 64 bf16 values more, 256 bytes), rank 0's moments over its 65 rows (2 x 2 x 64 x 2, 512).
+    ({"vocab_size": 257}, [(476_688, 57_920, 115_924), (475_280, 57_664, 115_412), (474_576, 57_920, 115_412),
+                           (473_680, 57_664, 115_412)]),
+    # An MLP width of 129: gate_proj's and up_proj's 65 rows split 33 / 32, down_proj's 65 columns kept
+    # by both (160 values more a layer in FSDP2's padded shards, 640 bytes); the moments rank 0's 320
+    # values more (1,280 bytes), rank 2's down_proj columns only (2 x 2 x 32 x 2, 256).
+    ({"intermediate_size": 129}, [(478_992, 58_304, 116_692), (475_280, 57_664, 115_412),
+                                  (476_368, 58_304, 115_668), (473_680, 57_664, 115_412)]),
+])
+def test_uneven_shards_beside_cp_are_planned_per_rank(change, figures):
+    """Beside context parallelism FSDP2 shards over dp_shard x cp, so a TP rank's chunk is chunked
+    again at each cp position, and each cp rank runs its own turns of torch's ring: at tp=2,cp=2 every
+    rank is a group of its own where a size splits unevenly. No CPU run of CP exists (its ring runs
+    CUDA kernels): the shards are checked against the hand count from torch's chunk rule, as for the
+    real runs beside FSDP2."""
+    config = LlamaConfig(**dict(CONFIG, **change))
     check_tensor_parallel_model(config, 2)
-    check_tensor_parallel_model(config, 2, dp_shard=2)
-    with pytest.raises(ValueError, match="tp=2: the model's intermediate_size=129 does not divide by 2 \\(an uneven "
-                                         "MLP width beside cp=2 is not planned\\)"):
-        check_tensor_parallel_model(config, 2, cp=2)
-    settings = resolve_settings(parallelism="tp=2,cp=2", batch_size=2, seq_len=16, precision="bf16",
-                                device_type="cuda")
-    with pytest.raises(ValueError, match="intermediate_size=129 does not divide by 2 \\(an uneven MLP width beside "
-                                         "cp=2"):
-        plan_step_memory(lambda: _llama(intermediate_size=129), settings=settings, model_states=False)
+    assert tp_rank_groups(config, 2, cp=2) == ([[0, 1], [2, 3]] if not change else [[0], [1], [2], [3]])
+    planned = []
+    for rank in range(4):
+        settings = resolve_settings(parallelism="tp=2,cp=2", rank=rank, batch_size=2, seq_len=16, precision="bf16",
+                                    device_type="cuda", optimizer="adamw_torch")
+        plan, _ = plan_step_memory(lambda: _llama(**change), settings=settings, model_states=False)
+        assert plan.step.problem is None and plan.settings.engine == "tp-cp-fsdp2", plan.step.problem
+        states = plan.step.model_states_at_optimizer_step_bytes
+        planned.append((plan.step.peak_bytes, states["parameters"], states["optimizer_state"]))
+    assert planned == figures
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor runs (tests/plan/test_engines.py)")

@@ -220,15 +220,15 @@ def ranks_to_plan(settings: Any) -> List[int]:
 
 
 def tp_groups_to_plan(settings: Any, config: Any) -> Optional[List[List[int]]]:
-    """Under tensor parallelism, alone or beside FSDP2, without `--rank`, where the ranks' shards
-    differ (an uneven vocabulary or MLP width): the ranks grouped by the shards they hold (`tp_rank_groups`), one
-    trace each; else None."""
+    """Under tensor parallelism, alone or beside FSDP2 or context parallelism, without `--rank`, where
+    the ranks' steps differ (an uneven vocabulary or MLP width, FSDP2's uneven chunks, each `cp` rank's
+    ring): the ranks grouped by what they hold (`tp_rank_groups`), one trace each; else None."""
     from trainer_memcb.plan.settings.parallelism import tp_rank_groups
 
-    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1 or settings.cp_size > 1:
+    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1:
         return None
-    replicate = settings.replicate
-    groups = tp_rank_groups(config, settings.tp_size, settings.world_size // settings.tp_size // replicate, replicate)
+    tp, cp, replicate = settings.tp_size, settings.cp_size, settings.replicate
+    groups = tp_rank_groups(config, tp, settings.world_size // (tp * cp * replicate), replicate, cp)
     return groups if len(groups) > 1 else None
 
 

@@ -169,8 +169,7 @@ def tensor_parallel_sizes(model: Any, settings: Any) -> List[int]:
     sizes = []
     for tp in range(2, min(world, per_node) + 1):
         try:
-            check_tensor_parallel_model(getattr(model, "config", None), tp, own_rules=bool(settings.tp_plan),
-                                        dp_shard=world // tp)
+            check_tensor_parallel_model(getattr(model, "config", None), tp, own_rules=bool(settings.tp_plan))
         except ValueError:
             continue
         if world % tp == 0:

@@ -339,8 +339,7 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
         from trainer_memcb.plan.model.tp_plan import model_tp_plan, torch_tp_plan
         from trainer_memcb.plan.settings.parallelism import check_tensor_parallel_model
 
-        check_tensor_parallel_model(config, settings.tp_size, own_rules=bool(settings.tp_plan), cp=settings.cp_size,
-                                    dp_shard=settings.world_size // (settings.tp_size * settings.cp_size))
+        check_tensor_parallel_model(config, settings.tp_size, own_rules=bool(settings.tp_plan))
         torch_tp_plan(model_tp_plan(meta, settings.tp_plan))
     if settings.cp_size > 1:  # the Trainer's and accelerate's rules for the model
         from trainer_memcb.plan.settings.parallelism import check_context_parallel_model

@@ -26,8 +26,8 @@ run it: `gate_proj`'s and `up_proj`'s rows and `down_proj`'s columns split by to
 layer's width (`trainer_memcb.plan.model.tp_styles`: torch's own `RowwiseParallel` takes each rank's
 columns as even shards and its matmul is refused). Beside FSDP2 each rank's chunk is chunked again
 by the same rule at the rank's `dp_shard` position (65 rows: 33 and 32; 64: 32 and 32), as
-`fully_shard` splits a DTensor shard. Beside context parallelism an uneven MLP width is refused: no
-run of that layout here to hold the plan to.
+`fully_shard` splits a DTensor shard; beside context parallelism FSDP2 shards over `dp_shard x cp`,
+and the chunk is the rank's position on that dimension.
 
 Uneven shards elsewhere are planned per rank, as torch runs them: a vocabulary that does not divide
 by `tp` splits the embedding's and the head's rows by torch's chunk rule (`Shard._split_tensor`:
@@ -36,7 +36,8 @@ on the fake process group of its own rank, holds its own shards, gradients, opti
 redistribution buffers; no style of the plan splits the `hidden_size` (colwise layers split their
 output features, rowwise ones their input features, the embedding its rows). Beside FSDP2
 (`dp_shard > 1`), which shards each rank's TP shard again by the same rule over `dp_shard`, a rank
-of the 2-D mesh holds the chunk of its `dp_shard` position of its TP shard. The ranks' figures then
+of the 2-D mesh holds the chunk of its `dp_shard` position of its TP shard (of its `dp_shard x cp`
+position beside context parallelism). The ranks' figures then
 differ, and the CLI shows each group of ranks holding equal shards (`tp_rank_groups`,
 `trainer_memcb.cli.estimate_step.with_rank_groups`, `StepPeak.rank_groups`).
 
@@ -204,15 +205,12 @@ def parallelism_from_config(config: Any, where: str = "training args") -> Option
         raise ValueError(f"{where}: {error}") from None
 
 
-def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, cp: int = 1, dp_shard: int = 1) -> None:
+def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False) -> None:
     """Refuse a model whose heads do not split whole over `tp` ranks (module docstring); an uneven
-    vocabulary is planned per rank, an uneven MLP width too under TP alone and beside FSDP2 (beside
-    context parallelism it is refused).
-    With `own_rules` (the user's `tp_plan` over the model's), which may split a layer along the
-    hidden size (an embedding colwise, a head rowwise), the hidden size must divide too: its uneven
-    shards are not planned (`tp_rank_groups` groups the ranks by the vocabulary's alone). Beside
-    context parallelism (`cp` > 1) the vocabulary must divide too: no run of that layout here to hold
-    its per-rank plan to.
+    vocabulary or MLP width is planned per rank, under TP alone, beside FSDP2 and beside context
+    parallelism. With `own_rules` (the user's `tp_plan` over the model's), which may split a layer
+    along the hidden size (an embedding colwise, a head rowwise), the hidden size must divide too: its
+    uneven shards are not planned (`tp_rank_groups` does not group the ranks by them).
 
     Raises:
         ValueError: naming the size, its value, `tp` and the rule.
@@ -232,14 +230,9 @@ def check_tensor_parallel_model(config: Any, tp: int, own_rules: bool = False, c
               ("num_key_value_heads", kv_heads, "each rank runs whole key/value heads (k_proj and v_proj are "
                "split colwise)"),
               )
-    if cp > 1:
-        checks += (("intermediate_size", getattr(text, "intermediate_size", None),
-                    f"an uneven MLP width beside cp={cp} is not planned"),)
     if own_rules:
         checks += (("hidden_size", getattr(text, "hidden_size", None), "your tp_plan rules may split layers "
                     "along it, and uneven hidden shards are not planned"),)
-    if cp > 1:
-        checks += (("vocab_size", getattr(text, "vocab_size", None), f"uneven shards beside cp={cp} are not planned"),)
     for name, value, why in checks:
         if isinstance(value, int) and value % tp:
             raise ValueError(f"parallelism tp={tp}: the model's {name}={value} does not divide by {tp} ({why})")
@@ -258,7 +251,7 @@ def tp_shard_rows(size: int, tp: int, rank: int) -> int:
     return max(0, min(full, size - rank * full))
 
 
-def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 1) -> List[List[int]]:
+def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 1, cp: int = 1) -> List[List[int]]:
     """The ranks of a `tp` (x `dp_shard`) mesh grouped by the shards they hold: ranks of one group
     hold shards of the same sizes, so their steps are the same to the byte; one group when every
     split is even. The sizes the plan's styles split unevenly are the vocabulary's, TP's chunk of
@@ -266,7 +259,10 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 
     mesh: `dp_shard`, then `tp`, so rank = dp_position x tp + tp_rank), and the MLP's
     `intermediate_size`, TP's chunk of it and beside FSDP2 the chunk of that chunk the same way
     (`check_tensor_parallel_model` refuses others). HSDP's `dp_replicate` replicas (accelerate's mesh
-    `dp_replicate`, `dp_shard`, `tp`) hold the same shards as the first one's ranks.
+    `dp_replicate`, `dp_shard`, `cp`, `tp`) hold the same shards as the first one's ranks. Beside
+    context parallelism FSDP2 shards over `dp_shard x cp` (its position counts `cp` too), and each
+    `cp` rank is a group of its own: torch's ring runs other turns on each (the tiny Llama at
+    `tp=2,cp=2`: 1,600 bytes apart).
 
     Examples:
         >>> from transformers import LlamaConfig
@@ -279,6 +275,8 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 
         [[0], [1]]
         >>> tp_rank_groups(LlamaConfig(vocab_size=256, intermediate_size=129), 2, dp_shard=2)  # 33, 32, 32, 32
         [[0], [1, 3], [2]]
+        >>> tp_rank_groups(LlamaConfig(vocab_size=256), 2, cp=2)  # each cp rank's ring
+        [[0, 1], [2, 3]]
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
@@ -291,12 +289,13 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 
                 heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else None,
                 kv_heads * head_dim if isinstance(kv_heads, int) and isinstance(head_dim, int) else None]
     groups: Dict[Any, List[int]] = {}
-    for rank in range(max(1, tp) * max(1, dp_shard) * max(1, dp_replicate)):
-        tp_rank, position = rank % max(1, tp), rank // max(1, tp) % max(1, dp_shard)
-        chunks = [(size, dp_shard) for size in
+    tp, sharded = max(1, tp), max(1, dp_shard) * max(1, cp)  # FSDP2 shards over dp_shard x cp
+    for rank in range(tp * sharded * max(1, dp_replicate)):
+        tp_rank, position = rank % tp, rank // tp % sharded
+        chunks = [(size, sharded) for size in
                   (tp_shard_rows(size, tp, tp_rank) for size in tp_split if isinstance(size, int) and tp > 1)]
-        chunks += [(hidden, dp_shard)] if isinstance(hidden, int) and dp_shard > 1 else []
-        key = tuple((rows, tp_shard_rows(rows, parts, position)) for rows, parts in chunks)
+        chunks += [(hidden, sharded)] if isinstance(hidden, int) and sharded > 1 else []
+        key = (position % max(1, cp),) + tuple((rows, tp_shard_rows(rows, parts, position)) for rows, parts in chunks)
         groups.setdefault(key, []).append(rank)
     return list(groups.values())
 

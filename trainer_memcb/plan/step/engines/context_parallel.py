@@ -151,14 +151,17 @@ class TensorContextParallelEngine(ContextParallelEngine, TensorParallelFSDP2Engi
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
-        cp, tp = self.settings.cp_size, self.settings.tp_size
-        shards = self.settings.world_size // (cp * tp)  # no replicas: tensor parallelism refuses them
-        names = (["dp_shard"] if shards > 1 else []) + ["cp", "tp"]
-        sizes = ([shards] if shards > 1 else []) + [cp, tp]
+        cp, tp, replicate = self.settings.cp_size, self.settings.tp_size, self.settings.replicate
+        shards = self.settings.world_size // (cp * tp * replicate)
+        outer = [(name, size) for name, size in (("dp_replicate", replicate), ("dp_shard", shards)) if size > 1]
+        names = [name for name, _ in outer] + ["cp", "tp"]
+        sizes = [size for _, size in outer] + [cp, tp]
         mesh = init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(names))
         self._cp_mesh, self._tp_mesh = mesh["cp"], mesh["tp"]
         self.ring_group = self._cp_mesh.get_group()
         self.notes.append(f"TP x CP x FSDP2: a {' x '.join(map(str, sizes))} mesh ({', '.join(names)}), the model's "
                           f"tp_plan on tp, torch's ring attention over cp ({self.settings.cp_comm_strategy} "
-                          f"rotation), FSDP2 over dp_shard x cp = {shards * cp}")
-        return mesh[tuple(names[:-1])]._flatten("dp_shard_cp")
+                          f"rotation), FSDP2 over dp_shard x cp = {shards * cp}"
+                          + (f", replicated {replicate}x (HSDP)" if replicate > 1 else ""))
+        flat = mesh[tuple(name for name in ("dp_shard", "cp") if name in names)]._flatten("dp_shard_cp")
+        return mesh[("dp_replicate", "dp_shard_cp")] if replicate > 1 else flat
