@@ -526,3 +526,19 @@ def test_torchtitan_s_70b_fsdp32_x_tp8_settings_under_transformers_plan():
     fitting, too_many = plan_of(3), plan_of(4)
     assert (fitting.device.reserved_peak_bytes, fitting.verdict.fits) == (90_217_381_888, True)
     assert (too_many.device.reserved_peak_bytes, too_many.verdict.fits) == (118_839_312_384, False)
+
+
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+def test_tp_x_cp_with_hsdp_s_replicas_holds_what_dp_shard_alone_holds():
+    """accelerate's (dp_replicate, dp_shard, cp, tp) mesh: FSDP2 over dp_shard x cp, replicated over
+    dp_replicate, so a replica's ranks hold what the same layout without replicas holds."""
+    peaks = []
+    for parallelism in ("tp=2,cp=2,dp_shard=2", "tp=2,cp=2,dp_shard=2,dp_replicate=2"):
+        settings = resolve_settings(parallelism=parallelism, batch_size=2, seq_len=16, precision="bf16",
+                                    device_type="cuda", optimizer="adamw_torch")
+        plan, _ = plan_step_memory(build, settings=settings, model_states=False)
+        assert plan.step.problem is None and plan.settings.engine == "tp-cp-fsdp2", plan.step.problem
+        peaks.append((plan.step.peak_bytes, plan.step.model_states_at_optimizer_step_bytes["parameters"]))
+    assert peaks == [(388_784, 28_832)] * 2  # a quarter of the TP shards' 115,328 bf16 bytes (with the norms')
+    assert plan.step.notes[0].startswith("TP x CP x FSDP2: a 2 x 2 x 2 x 2 mesh (dp_replicate, dp_shard, cp, tp)")
+    assert plan.step.notes[0].endswith("FSDP2 over dp_shard x cp = 4, replicated 2x (HSDP)")
