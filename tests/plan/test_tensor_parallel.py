@@ -331,6 +331,15 @@ def test_a_style_with_no_torch_equivalent_is_refused_by_name():
     assert torch_tp_plan({"norm": "replicate"}) == {}
 
 
+def test_the_sequence_parallel_style_is_refused_with_its_reason():
+    # transformers 5.25's own SequenceParallel on the tiny Llama's norms, loaded with from_pretrained(
+    # tp_plan=rules) in a real 2-process run here, failed in LlamaRMSNorm's forward ("aten.mul.Tensor got
+    # mixed torch.Tensor and DTensor"); the plan refuses the rule rather than plan a step that does not run.
+    with pytest.raises(ValueError, match="'model.norm': style 'sequence_parallel' is not planned: transformers' "
+                                         "SequenceParallel fails in the norm's forward"):
+        resolve_settings(parallelism="tp=2", tp_plan={"model.norm": "sequence_parallel"})
+
+
 def test_a_model_without_a_plan_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -18,10 +18,11 @@ head's: the entries that name no module of the model are left out).
 | rowwise_rep, rowwise_split_input | `RowwiseParallel(input_layouts=Replicate())` |
 | embedding_rowwise | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding`: rows `Shard(0)`, output all-reduced |
 | embedding_colwise | `ColwiseParallel(output_layouts=Replicate())` on an `nn.Embedding`: columns `Shard(1)` |
-| sequence_parallel | `SequenceParallel()` |
 | replicate | left whole on every rank |
 
-Any other style (packed, unit, MoE, MLA) is refused by name: its layout has no torch style here.
+Any other style (packed, unit, MoE, MLA) is refused by name: its layout has no torch style here;
+"sequence_parallel" too (`trainer_memcb.plan.settings.step_settings.check_tp_plan`: transformers' own
+style fails in a real run of Llama's norms).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def torch_tp_plan(plan: Dict[str, str]) -> Dict[str, Any]:
         {'layers.*.mlp.up_proj': 'ColwiseParallel', 'layers.*.mlp.down_proj': 'RowwiseParallelGivenWidth'}
     """
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from trainer_memcb.plan.model.tp_styles import RowwiseParallelGivenWidth
 
@@ -113,7 +114,6 @@ def torch_tp_plan(plan: Dict[str, str]) -> Dict[str, Any]:
         "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
         "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "sequence_parallel": SequenceParallel,
     }
     styles: Dict[str, Any] = {}
     for name, style in plan.items():

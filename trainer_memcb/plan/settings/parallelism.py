@@ -98,7 +98,7 @@ PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
 # transformers' style names that `trainer_memcb.plan.model.tp_plan` maps to torch's styles (the
 # table there); "replicate" maps to none.
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-             "embedding_rowwise", "embedding_colwise", "sequence_parallel", "replicate")
+             "embedding_rowwise", "embedding_colwise", "replicate")
 
 
 @dataclass(frozen=True)

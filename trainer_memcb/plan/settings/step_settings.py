@@ -331,6 +331,12 @@ def check_tp_plan(plan: Any) -> None:
     if not isinstance(plan, dict) or not plan or not all(isinstance(key, str) for key in plan):
         raise ValueError(f"tp_plan={plan!r}: expected a JSON object of module names to style names, at least one")
     for name, style in plan.items():
+        if style == "sequence_parallel":
+            # transformers 5.25's own style, in a real 2-process run of the tiny Llama's norms here:
+            # "aten.mul.Tensor got mixed torch.Tensor and DTensor" in LlamaRMSNorm's forward.
+            raise ValueError(f"tp_plan {name!r}: style 'sequence_parallel' is not planned: transformers' "
+                             "SequenceParallel fails in the norm's forward (its weight a plain tensor beside the "
+                             "DTensor input), and no model's own plan uses it")
         if style not in TP_STYLES:
             raise ValueError(f"tp_plan {name!r}: style {style!r} is not planned (planned: {', '.join(TP_STYLES)})")
 
