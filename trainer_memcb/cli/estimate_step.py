@@ -148,7 +148,7 @@ def _plan_ranks(traces: _StepTraces, at: Any, **more: Any) -> StepMemoryPlan:
     `tp_groups_to_plan` names): the fullest's plan."""
     groups = tp_groups_to_plan(at, traces.config)
     if groups is not None:
-        source = "default: one of each group of tensor-parallel ranks holding equal shards"
+        source = "default: one of each group of ranks holding equal shards (beside CP, running the same ring turns)"
         return with_rank_groups([_plan_for(traces, dataclasses.replace(at, rank=group[0], sources=dict(
             at.sources, rank=source)), **more) for group in groups], groups)
     ranks = ranks_to_plan(at)
