@@ -38,24 +38,18 @@ def test_each_rank_s_tp2_step_in_the_engines_json_shape(tiny_llama_dir, capsys, 
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
-def test_tp_x_fsdp2_on_four_processes(tiny_llama_dir, capsys):
-    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "tp=2,dp_shard=2", "--json"])
+@pytest.mark.parametrize("layout,world,replicate", [("tp=2,dp_shard=2", 4, 1), ("tp=2,dp_shard=2,dp_replicate=2", 8, 2)])
+def test_tp_x_fsdp2_and_tp_x_hsdp(tiny_llama_dir, capsys, layout, world, replicate):
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", layout, "--json"])
     assert code == 0
     document = json.loads(capsys.readouterr().out)
     used = {name: (value, source) for name, value, source in document["settings"]["used"]}
-    assert used["world_size"] == (4, "flag") and used["sharding"] == ("fsdp-full-shard", "flag")
+    assert used["world_size"] == (world, "flag") and used["sharding"] == ("fsdp-full-shard", "flag")
+    assert used["replicate"] == (replicate, "flag")
     assert document["settings"]["engine"] == "tp-fsdp2"
-    assert document["step"]["peak_bytes"] == 859_424  # tests/plan/test_tensor_parallel.py's
-
-
-@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
-def test_tp_x_hsdp_on_eight_processes(tiny_llama_dir, capsys):
-    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "tp=2,dp_shard=2,dp_replicate=2", "--json"])
-    assert code == 0
-    document = json.loads(capsys.readouterr().out)
-    used = {name: (value, source) for name, value, source in document["settings"]["used"]}
-    assert used["world_size"] == (8, "flag") and used["replicate"] == (2, "flag")
-    assert document["step"]["peak_bytes"] == 859_424  # the real eight-process run's, as at tp=2,dp_shard=2
+    # tests/plan/test_tensor_parallel.py's, each of the real four- and eight-process runs' reading: HSDP's
+    # replicas hold what dp_shard alone holds.
+    assert document["step"]["peak_bytes"] == 859_424
     assert "rank_groups" not in document["step"]
 
 

@@ -299,20 +299,6 @@ UNEVEN_TP2_FSDP2 = {0: (862_240, 115_840, 231_764), 1: (859_424, 115_328, 230_74
                     2: (861_216, 115_840, 230_740), 3: (859_424, 115_328, 230_740)}
 
 
-@requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
-def test_uneven_tp2_fsdp2_each_rank_s_plan_equals_fsdp_memtrackers_on_the_real_run(tp_fsdp2_runs):
-    for rank, real in enumerate(tp_fsdp2_runs["tp-fsdp2-uneven"]):
-        settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
-        plan, _ = plan_step_memory(build_uneven, seq_len=16, settings=settings, device_type="cpu", model_states=False)
-        assert plan.step.problem is None and plan.settings.engine == "tp-fsdp2", plan.step.problem
-        states = plan.step.model_states_at_optimizer_step_bytes
-        assert (plan.step.peak_bytes, states["parameters"], states["optimizer_state"]) == UNEVEN_TP2_FSDP2[rank]
-        assert real["peak_bytes"] - plan.step.peak_bytes in HELD_LATE, (rank, plan.step.peak_bytes, real)
-        assert real["phase_peaks"]["forward"] == forward_peak_of(plan), (rank, real["phase_peaks"])
-        assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"]
-        assert real["parts"]["_FSDPRefType.OPT"] == states["optimizer_state"]
-
-
 # Each rank of TP=2 x FSDP2=2 with an MLP width of 129, by the plan: TP's 65 / 64 rows of gate_proj and
 # up_proj (and columns of down_proj), FSDP2's 33 / 32 of the 65 and 32 / 32 of the 64
 # (tests/plan/test_tensor_parallel.py counts the bytes).
@@ -321,14 +307,16 @@ UNEVEN_MLP_TP2_FSDP2 = {0: (867_232, 116_608, 233_300), 1: (859_424, 115_328, 23
 
 
 @requires_torch("2.13", "the fake process group's collectives that DTensor and FSDP2 run (tests/plan/test_engines.py)")
-def test_an_uneven_mlp_width_beside_fsdp2_each_rank_s_plan_equals_fsdp_memtrackers_on_the_real_run(tp_fsdp2_runs):
-    for rank, real in enumerate(tp_fsdp2_runs["tp-fsdp2-uneven-mlp"]):
+@pytest.mark.parametrize("row,build_model,figures", [("tp-fsdp2-uneven", build_uneven, UNEVEN_TP2_FSDP2),
+                                                     ("tp-fsdp2-uneven-mlp", build_uneven_mlp, UNEVEN_MLP_TP2_FSDP2)])
+def test_uneven_tp2_fsdp2_each_rank_s_plan_equals_fsdp_memtrackers_on_the_real_run(tp_fsdp2_runs, row, build_model,
+                                                                                  figures):
+    for rank, real in enumerate(tp_fsdp2_runs[row]):
         settings = resolve_settings(parallelism="tp=2,dp_shard=2", rank=rank, batch_size=2, optimizer="adamw_torch")
-        plan, _ = plan_step_memory(build_uneven_mlp, seq_len=16, settings=settings, device_type="cpu",
-                                   model_states=False)
+        plan, _ = plan_step_memory(build_model, seq_len=16, settings=settings, device_type="cpu", model_states=False)
         assert plan.step.problem is None and plan.settings.engine == "tp-fsdp2", plan.step.problem
         states = plan.step.model_states_at_optimizer_step_bytes
-        assert (plan.step.peak_bytes, states["parameters"], states["optimizer_state"]) == UNEVEN_MLP_TP2_FSDP2[rank]
+        assert (plan.step.peak_bytes, states["parameters"], states["optimizer_state"]) == figures[rank]
         assert real["peak_bytes"] - plan.step.peak_bytes in HELD_LATE, (rank, plan.step.peak_bytes, real)
         assert real["phase_peaks"]["forward"] == forward_peak_of(plan), (rank, real["phase_peaks"])
         assert real["parts"]["_FSDPRefType.SHARDED_PARAM"] == states["parameters"]
