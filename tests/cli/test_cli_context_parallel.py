@@ -40,6 +40,18 @@ def test_each_rank_s_cp2_x_fsdp2_step_in_the_json(tiny_llama_dir, capsys, rank, 
     assert step["model_states_at_optimizer_step_bytes"]["parameters"] == 57_504
 
 
+@requires_torch("2.13", "torch's ring attention package and the fake process group's collectives FSDP2 runs")
+def test_without_rank_each_cp_rank_s_step_is_shown(tiny_llama_dir, capsys):
+    # Each cp rank runs its own turns of torch's ring: ranks 0 and 2 (cp rank 0), 1 and 3 (cp rank 1),
+    # the figures of the test above; the plan's own figures the fuller's.
+    code = main(["estimate", tiny_llama_dir, *STEP, "--parallelism", "cp=2,dp_shard=2", "--json"])
+    assert code == 0
+    step = json.loads(capsys.readouterr().out)["step"]
+    assert [(group["ranks"], group["peak_bytes"]) for group in step["rank_groups"]] == [
+        ([0, 2], 1_103_152), ([1, 3], 1_090_352)]
+    assert step["peak_bytes"] == 1_103_152
+
+
 @pytest.mark.parametrize("argv,phrase", [
     (["--parallelism", "cp=2", "--device-type", "cpu"], "cp=2 on device_type 'cpu': torch's ring attention runs"),
     (["--parallelism", "cp=2", "--seq-len", "30"], "the sequence must divide by 2 x cp = 4"),

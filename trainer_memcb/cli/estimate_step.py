@@ -220,12 +220,12 @@ def ranks_to_plan(settings: Any) -> List[int]:
 
 
 def tp_groups_to_plan(settings: Any, config: Any) -> Optional[List[List[int]]]:
-    """Under tensor parallelism, alone or beside FSDP2 or context parallelism, without `--rank`, where
-    the ranks' steps differ (an uneven vocabulary or MLP width, FSDP2's uneven chunks, each `cp` rank's
-    ring): the ranks grouped by what they hold (`tp_rank_groups`), one trace each; else None."""
+    """Under tensor or context parallelism, without `--rank`, where the ranks' steps differ (an uneven
+    vocabulary or MLP width, FSDP2's uneven chunks, each `cp` rank's turns of the ring): the ranks
+    grouped by what they hold (`tp_rank_groups`), one trace each; else None."""
     from trainer_memcb.plan.settings.parallelism import tp_rank_groups
 
-    if settings.sources.get("rank") == "flag" or settings.tp_size <= 1:
+    if settings.sources.get("rank") == "flag" or (settings.tp_size <= 1 and settings.cp_size <= 1):
         return None
     tp, cp, replicate = settings.tp_size, settings.cp_size, settings.replicate
     groups = tp_rank_groups(config, tp, settings.world_size // (tp * cp * replicate), replicate, cp)

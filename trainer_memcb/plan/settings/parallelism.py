@@ -292,8 +292,8 @@ def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 
     tp, sharded = max(1, tp), max(1, dp_shard) * max(1, cp)  # FSDP2 shards over dp_shard x cp
     for rank in range(tp * sharded * max(1, dp_replicate)):
         tp_rank, position = rank % tp, rank // tp % sharded
-        chunks = [(size, sharded) for size in
-                  (tp_shard_rows(size, tp, tp_rank) for size in tp_split if isinstance(size, int) and tp > 1)]
+        chunks = [(size, sharded) for size in (tp_shard_rows(size, tp, tp_rank) for size in tp_split
+                                               if isinstance(size, int) and (tp > 1 or sharded > 1))]
         chunks += [(hidden, sharded)] if isinstance(hidden, int) and sharded > 1 else []
         key = (position % max(1, cp),) + tuple((rows, tp_shard_rows(rows, parts, position)) for rows, parts in chunks)
         groups.setdefault(key, []).append(rank)
