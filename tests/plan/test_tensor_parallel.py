@@ -69,6 +69,14 @@ def test_what_is_not_planned_yet_is_refused_by_name(flags, message):
         resolve_settings(**flags)
 
 
+def test_trl_s_steps_beside_tp_are_refused_naming_the_trainer():
+    from trainer_memcb.plan.step.sft import SftStep
+
+    with pytest.raises(ValueError, match="parallelism tp=2 with TRL's SFT step: TRL's steps are planned without tensor "
+                                         "parallelism so far"):
+        resolve_settings(parallelism="tp=2", batch_size=2, preference=SftStep(max_length=16))
+
+
 def test_tp_with_dp_shard_is_fsdp2_on_the_rest_of_the_world():
     settings = resolve_settings(parallelism="tp=2,dp_shard=4", batch_size=2)
     assert (settings.world_size, settings.tp_size, settings.sharding) == (8, 2, "fsdp-full-shard")

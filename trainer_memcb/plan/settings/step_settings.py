@@ -307,7 +307,9 @@ def _check_tensor_parallel(settings: "StepSettings") -> None:
                          "dp_replicate x dp_shard x tp processes, with dp_shard > 1 (accelerate does not compose "
                          "DDP with TP)")
     if settings.preference is not None:
-        raise ValueError(f"parallelism tp={tp} with TRL's DPO step: planned on one process only so far")
+        trainer = getattr(settings.preference, "trainer", "dpo").upper()
+        raise ValueError(f"parallelism tp={tp} with TRL's {trainer} step: TRL's steps are planned without tensor "
+                         "parallelism so far")
 
 
 def _check_tp_plan(plan: Any, tp: int) -> None:
