@@ -530,14 +530,15 @@ def test_torchtitan_s_70b_fsdp32_x_tp8_settings_under_transformers_plan():
         assert plan.step.problem is None, plan.step.problem
         return plan
 
-    # The page's activations at the peak of batch 16, by hand: the 80 checkpointed layers' inputs, whole
-    # on every TP rank (16 x 8192 x 8192 in bf16), and the loss's fp32 log-probabilities over the
-    # gathered vocabulary (16 x 8192 x 128,256), and 8.0 GiB more; sequence and loss parallelism keep an
-    # eighth of each of the two.
-    layer_inputs, log_probabilities = 80 * 16 * 8192 * 8192 * 2, 16 * 8192 * 128256 * 4
-    assert 247_633_281_024 - layer_inputs - log_probabilities == 8_591_507_456
     # The largest batch that fits: 3 of torchtitan's 16.
     fitting, too_many = plan_of(3), plan_of(4)
+    # The activations at the peak, by hand, per sequence: the 80 checkpointed layers' inputs, whole on
+    # every TP rank (80 x 8192 x 8192 in bf16), the loss's fp32 log-probabilities over the gathered
+    # vocabulary (8192 x 128,256), and 512.1 MiB more; sequence and loss parallelism keep an eighth of
+    # each of the two. At the page's batch of 16: 247,633,281,024 bytes, 8.0 GiB of them the rest.
+    layer_inputs, log_probabilities, rest = 80 * 8192 * 8192 * 2, 8192 * 128256 * 4, 536_969_216
+    assert dict(fitting.step.peak_parts)["activations"] == 3 * (layer_inputs + log_probabilities + rest)
+    assert 16 * (layer_inputs + log_probabilities + rest) == 247_633_281_024
     assert (fitting.device.reserved_peak_bytes, fitting.verdict.fits) == (90_217_381_888, True)
     assert (too_many.device.reserved_peak_bytes, too_many.verdict.fits) == (118_839_312_384, False)
 

@@ -252,7 +252,7 @@ def tp_shard_rows(size: int, tp: int, rank: int) -> int:
 
 
 def tp_rank_groups(config: Any, tp: int, dp_shard: int = 1, dp_replicate: int = 1, cp: int = 1) -> List[List[int]]:
-    """The ranks of a `tp` (x `dp_shard`) mesh grouped by the shards they hold: ranks of one group
+    """The ranks of accelerate's `dp_replicate x dp_shard x cp x tp` mesh grouped by what they hold: ranks of one group
     hold shards of the same sizes, so their steps are the same to the byte; one group when every
     split is even. The sizes the plan's styles split unevenly are the vocabulary's, TP's chunk of
     its rows and beside FSDP2 the chunk of that chunk at the rank's `dp_shard` position (accelerate's

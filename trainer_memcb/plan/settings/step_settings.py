@@ -286,7 +286,7 @@ def _check_step_shape(settings: "StepSettings") -> None:
 def _check_tensor_parallel(settings: "StepSettings") -> None:
     """Tensor parallelism within what the plan traces so far: alone on its processes or with FSDP2
     on the rest of the world (HSDP's replicas and CPU offload among its options), without DeepSpeed
-    or TRL's DPO step."""
+    or TRL's steps."""
     tp = settings.tp_size
     if not _whole(tp, 1):
         raise ValueError(f"tp_size={tp!r}: expected a whole number of at least 1")

@@ -30,7 +30,8 @@ before the step's first forward and are not in its timeline.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import math
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -64,23 +65,31 @@ class ContextParallelEngine(FSDP2Engine):
         self._cp_mesh: Any = None
 
     def _mesh(self) -> Any:
-        from torch.distributed.device_mesh import init_device_mesh
-
         cp, replicate = self.settings.cp_size, self.settings.replicate
-        shards = self.settings.world_size // (cp * replicate)
-        names = [name for name, size in (("dp_replicate", replicate), ("dp_shard", shards)) if size > 1] + ["cp"]
-        sizes = [size for size in (replicate, shards) if size > 1] + [cp]
-        mesh = init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(names))
-        self._cp_mesh = mesh["cp"]
-        self.ring_group = self._cp_mesh.get_group()
-        sharded = [name for name in ("dp_shard", "cp") if name in names]
-        flat = mesh[tuple(sharded)]._flatten("dp_shard_cp")
+        _, shards, data = self._accelerate_mesh([("cp", cp)])
         seq_len = self.settings.seq_len
         share = f": each holds {seq_len // cp} of the {seq_len} tokens" if seq_len else ""
         self.notes.append(f"context parallel over {cp} processes{share} (torch's ring attention, "
                           f"{self.settings.cp_comm_strategy} rotation), FSDP2 over dp_shard x cp = {shards * cp}"
                           + (f", replicated {replicate}x (HSDP)" if replicate > 1 else ""))
-        return mesh[("dp_replicate", "dp_shard_cp")] if replicate > 1 else flat
+        return data
+
+    def _accelerate_mesh(self, inner: List[Tuple[str, int]]) -> Tuple[Any, int, Any]:
+        """accelerate's mesh, `dp_replicate` and `dp_shard` (where above 1) then the `inner` dimensions
+        (`cp`, then `tp` beside tensor parallelism); the ring on its `cp` dimension. Returns the mesh,
+        the `dp_shard` size and the mesh FSDP2 shards over: `dp_shard x cp` flattened, beside
+        `dp_replicate` for HSDP."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        replicate = self.settings.replicate
+        shards = self.settings.world_size // (replicate * math.prod(size for _, size in inner))
+        dims = [(name, size) for name, size in (("dp_replicate", replicate), ("dp_shard", shards)) if size > 1] + inner
+        names = [name for name, _ in dims]
+        mesh = init_device_mesh("cpu", tuple(size for _, size in dims), mesh_dim_names=tuple(names))
+        self._cp_mesh = mesh["cp"]
+        self.ring_group = self._cp_mesh.get_group()
+        flat = mesh[tuple(name for name in ("dp_shard", "cp") if name in names)]._flatten("dp_shard_cp")
+        return mesh, shards, (mesh[("dp_replicate", "dp_shard_cp")] if replicate > 1 else flat)
 
     @property
     def ring(self) -> Any:
@@ -149,19 +158,12 @@ class TensorContextParallelEngine(ContextParallelEngine, TensorParallelFSDP2Engi
     name = "tp-cp-fsdp2"
 
     def _mesh(self) -> Any:
-        from torch.distributed.device_mesh import init_device_mesh
-
         cp, tp, replicate = self.settings.cp_size, self.settings.tp_size, self.settings.replicate
-        shards = self.settings.world_size // (cp * tp * replicate)
-        outer = [(name, size) for name, size in (("dp_replicate", replicate), ("dp_shard", shards)) if size > 1]
-        names = [name for name, _ in outer] + ["cp", "tp"]
-        sizes = [size for _, size in outer] + [cp, tp]
-        mesh = init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(names))
-        self._cp_mesh, self._tp_mesh = mesh["cp"], mesh["tp"]
-        self.ring_group = self._cp_mesh.get_group()
-        self.notes.append(f"TP x CP x FSDP2: a {' x '.join(map(str, sizes))} mesh ({', '.join(names)}), the model's "
+        mesh, shards, data = self._accelerate_mesh([("cp", cp), ("tp", tp)])
+        self._tp_mesh = mesh["tp"]
+        self.notes.append(f"TP x CP x FSDP2: a {' x '.join(map(str, mesh.shape))} mesh "
+                          f"({', '.join(mesh.mesh_dim_names)}), the model's "
                           f"tp_plan on tp, torch's ring attention over cp ({self.settings.cp_comm_strategy} "
                           f"rotation), FSDP2 over dp_shard x cp = {shards * cp}"
                           + (f", replicated {replicate}x (HSDP)" if replicate > 1 else ""))
-        flat = mesh[tuple(name for name in ("dp_shard", "cp") if name in names)]._flatten("dp_shard_cp")
-        return mesh[("dp_replicate", "dp_shard_cp")] if replicate > 1 else flat
+        return data
