@@ -21,7 +21,8 @@ def fsdp_memtracker_peak(build_model: Callable[[], Any], settings: Any, batch_si
     from transformers import TrainingArguments
 
     from trainer_memcb.plan.step.engines.fsdp2 import FSDP2Engine
-    from trainer_memcb.plan.step.trace import _num_items_in_batch, fake_copy
+    from trainer_memcb.plan.model.loss_kwargs import num_items_in_batch
+    from trainer_memcb.plan.step.trace import fake_copy
     from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
     from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
     from trainer_memcb.plan.model.value_reads import unpadded_batch
@@ -43,7 +44,7 @@ def fsdp_memtracker_peak(build_model: Callable[[], Any], settings: Any, batch_si
             def step() -> None:
                 with unpadded_batch():  # transformers' all-ones mask checks, answered as for a real batch
                     loss = model(input_ids=input_ids, attention_mask=mask, labels=labels,
-                                 num_items_in_batch=_num_items_in_batch(labels)).loss
+                                 num_items_in_batch=num_items_in_batch(labels)).loss
                 loss.backward()
                 del loss
                 torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)

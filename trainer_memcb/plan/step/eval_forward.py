@@ -35,7 +35,8 @@ from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.step.flash_attn import flash_attention_as_cuda
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.plan.step.live_storages import LiveStorages
-from trainer_memcb.plan.step.trace import _accepts_loss_kwargs, _num_items_in_batch, fake_copy
+from trainer_memcb.plan.model.loss_kwargs import accepts_loss_kwargs, num_items_in_batch
+from trainer_memcb.plan.step.trace import fake_copy
 from trainer_memcb.state.saved_tensors import storages_of
 
 __all__ = ["EvalForward", "trace_eval_forward", "SIXTEEN_BIT_DTYPES"]
@@ -85,8 +86,8 @@ def trace_eval_forward(model: nn.Module, batch_size: int, seq_len: int, use_cach
         labels = inputs.labels
         kwargs: Dict[str, Any] = dict(inputs.forward)
         if labels is not None:
-            if _accepts_loss_kwargs(model):
-                kwargs["num_items_in_batch"] = _num_items_in_batch(labels)
+            if accepts_loss_kwargs(model):
+                kwargs["num_items_in_batch"] = num_items_in_batch(labels)
     held = list(model.parameters()) + list(model.buffers())
     model_storages = {key: nbytes for key, nbytes, _ in storages_of(held)}
     model_bytes = sum(model_storages.values())

@@ -88,6 +88,7 @@ from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages, TrackerState
 from trainer_memcb.plan.step.rng_states import rng_states_counted
 from trainer_memcb.plan.step.timeline import HOST, PhasePeak, Timeline
+from trainer_memcb.plan.model.loss_kwargs import accepts_loss_kwargs, num_items_in_batch
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import prepare_like_trainer
 from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
@@ -305,8 +306,8 @@ def _forward_kwargs(model: nn.Module, inputs: Any) -> Dict[str, Any]:
     """The Trainer's forward keywords for a micro-batch: its batch and, for a model that takes loss
     keyword arguments, `num_items_in_batch` (`Trainer.compute_loss`)."""
     kwargs: Dict[str, Any] = dict(inputs.forward)
-    if inputs.labels is not None and _accepts_loss_kwargs(model):
-        kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+    if inputs.labels is not None and accepts_loss_kwargs(model):
+        kwargs["num_items_in_batch"] = num_items_in_batch(inputs.labels)
     return kwargs
 
 
@@ -344,8 +345,8 @@ def _trl_loss(step: _Step, inputs: Any, kwargs: Dict[str, Any], accumulation: in
     elif _is_sft(step.preference):  # SFTTrainer.compute_loss: the fused head's loss and metrics
         from trainer_memcb.plan.step.sft import sft_loss
 
-        if _accepts_loss_kwargs(step.model):  # kept to the step's end, as the plain Trainer's
-            kwargs["num_items_in_batch"] = _num_items_in_batch(inputs.labels)
+        if accepts_loss_kwargs(step.model):  # kept to the step's end, as the plain Trainer's
+            kwargs["num_items_in_batch"] = num_items_in_batch(inputs.labels)
         with step.counter, autocast if autocast is not None else contextlib.nullcontext():
             loss = sft_loss(step.model, inputs, step.preference, kwargs.get("num_items_in_batch"))
     else:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
@@ -678,29 +679,6 @@ def _states_of(timeline: Timeline, engine: StepEngine) -> Dict[int, str]:
         if state is not None:
             states[serial] = state + (HOST if part in host else "")
     return states
-
-
-def _accepts_loss_kwargs(model: nn.Module) -> bool:
-    """Whether the Trainer passes `num_items_in_batch` to this model: its `model_accepts_loss_kwargs`
-    (transformers' trainer.py: the unwrapped model's `accepts_loss_kwargs`, else a forward that
-    takes `**kwargs`)."""
-    import inspect
-
-    unwrapped = model.base_model.model if hasattr(model, "peft_config") and hasattr(model, "base_model") else model
-    declared = getattr(unwrapped, "accepts_loss_kwargs", None)
-    if declared is not None:
-        return bool(declared)
-    parameters = inspect.signature(unwrapped.forward).parameters.values()
-    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def _num_items_in_batch(labels: torch.Tensor) -> torch.Tensor:
-    """The count of labelled tokens, as the Trainer passes it: transformers 5's
-    `Trainer._get_num_items_in_batch` divides the int64 count by the tensor/context/sequence
-    parallel sizes, a true division, so a 0-dim float32 tensor. The loss is then a sum divided by
-    it, and the division saves it for backward (4 bytes); the value does not matter here."""
-    return torch.tensor(float(labels.numel()))
-
 
 
 class UntracedStep(Exception):
