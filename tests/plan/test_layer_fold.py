@@ -279,10 +279,15 @@ def test_sft_steps_fold_to_their_steps_traced_whole(monkeypatch, case):
 
 
 def test_grpo_and_rloo_steps_are_traced_whole():
+    from trainer_memcb.plan.step.grpo import GrpoStep
+    from trainer_memcb.plan.step.kto import KtoStep
+    from trainer_memcb.plan.step.preference import DpoStep
+    from trainer_memcb.plan.step.rloo import RlooStep
     from trainer_memcb.plan.step.sft import SftStep
 
-    assert not any(trace._folds_trainer(type("Step", (), {"trainer": name})()) for name in ("grpo", "rloo"))
-    assert trace._folds_trainer(None) and trace._folds_trainer(SftStep(max_length=32))
+    assert not any(trace._folds_trainer(step) for step in (GrpoStep(), RlooStep()))
+    assert trace._folds_trainer(None)
+    assert all(trace._folds_trainer(step) for step in (SftStep(max_length=32), DpoStep(), KtoStep()))
 
 
 def test_a_folded_plan_of_five_layers_is_a_real_steps_peak(monkeypatch):

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from trainer_memcb.plan.step.preference import fused_lm_heads
+from trainer_memcb.plan.step.trl_step import TrlStep
 
 __all__ = ["GrpoStep", "GRPO_LOSS_TYPES", "GRPO_REFERENCES", "VLLM_MODES", "GrpoBatch", "grpo_step_from_config",
            "grpo_loss", "grpo_fused_lm_heads", "per_token_logps", "checked_generations",
@@ -55,7 +56,7 @@ VLLM_MODES = ("colocate", "server")
 
 
 @dataclasses.dataclass(frozen=True)
-class GrpoStep:
+class GrpoStep(TrlStep):
     """The GRPO settings that change the step's memory.
 
     Attributes:
@@ -94,6 +95,8 @@ class GrpoStep:
 
     trainer = "grpo"
     loss_types = GRPO_LOSS_TYPES  # the loss types planned (RLOO's step has its own)
+    generates = True
+    folds = False
 
     def __post_init__(self) -> None:
         if self.reference not in GRPO_REFERENCES:
@@ -120,6 +123,36 @@ class GrpoStep:
     def generation_rows(self, batch_size: int) -> int:
         """The completions generated at once on one process: `batch_size x steps_per_generation`."""
         return batch_size * self.steps_per_generation
+
+    def fuse_lm_heads(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module]) -> None:
+        grpo_fused_lm_heads(model, ref_model, self.temperature)
+
+    def batch(self, model: torch.nn.Module, batch_size: int, seq_len: Optional[int], input_options: Dict[str, Any]) -> Any:
+        return None  # made by the generation phase, in the step
+
+    def loss(self, model: torch.nn.Module, inputs: Any, ref_model: Optional[torch.nn.Module], kwargs: Dict[str, Any],
+             accumulation: int, autocast: Any) -> torch.Tensor:
+        # GRPOTrainer.compute_loss over the buffered micro-batch; each log-prob forward in its own
+        # autocast, as TRL runs it.
+        return grpo_loss(model, inputs, self, accumulation, autocast=autocast)
+
+    def generates_before(self, number: int, accumulation: int) -> bool:
+        """Before the first traced micro-batch, and where generations run inside the accumulation
+        (`steps_per_generation` below it: TRL generates again every `steps_per_generation`
+        micro-batches), before the second too, with the first's gradients alive as every later
+        generation of the step holds them (the traced micro-batches are the first, the second and the
+        last: the second stands for the one after the first generation's last)."""
+        return number == 1 or (number == 2 and self.steps_per_generation < accumulation)
+
+    def generation(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module], batch_size: int,
+                   seq_len: Optional[int], tokens: Dict[str, Any], autocast: Any) -> "GrpoBatch":
+        from trainer_memcb.plan.step.grpo_generation import grpo_generation
+
+        return grpo_generation(model, ref_model, self, batch_size, seq_len, tokens, autocast)
+
+    def as_traced(self) -> "GrpoStep":
+        # vLLM's share of the device is in the reserve, not in the step traced.
+        return dataclasses.replace(self, vllm_gpu_memory_utilization=1.0)
 
 
 def _whole(name: str, value: Any, least: int) -> int:

@@ -28,6 +28,7 @@ boolean selects (`chosen_mean_logits[chosen_mask.bool()]`) are mirrored as whole
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer_memcb.plan.step.preference import PreferenceBatch, fused_lm_heads
+from trainer_memcb.plan.step.trl_step import TrlStep
 
 __all__ = ["KtoStep", "KTO_LOSS_TYPES", "KTO_REFERENCES", "kto_step_from_config", "kto_batch", "kto_loss",
            "kto_fused_lm_heads", "desirable_rows"]
@@ -48,7 +50,7 @@ _POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits")
 
 
 @dataclasses.dataclass(frozen=True)
-class KtoStep:
+class KtoStep(TrlStep):
     """The KTO settings that change the step's memory.
 
     Attributes:
@@ -90,6 +92,20 @@ class KtoStep:
         if self.calculate_kl and batch_size <= 1:
             raise ValueError(f"batch_size {batch_size}: TRL's KTOTrainer requires a micro-batch above 1 with loss_type "
                              f"{self.loss_type!r} (its KL term is estimated from the batch's other rows)")
+
+    def fuse_lm_heads(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module]) -> None:
+        kto_fused_lm_heads(model, ref_model)
+
+    def batch(self, model: torch.nn.Module, batch_size: int, seq_len: Optional[int],
+              input_options: Dict[str, Any]) -> PreferenceBatch:
+        # KTO's collator: completion rows (and KL rows) of max_length tokens.
+        return kto_batch(batch_size, seq_len, self)
+
+    def loss(self, model: torch.nn.Module, inputs: Any, ref_model: Optional[torch.nn.Module], kwargs: Dict[str, Any],
+             accumulation: int, autocast: Any) -> torch.Tensor:
+        # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics.
+        with autocast if autocast is not None else contextlib.nullcontext():
+            return kto_loss(model, inputs, self, ref_model)
 
 
 def desirable_rows(batch_size: int) -> int:

@@ -29,11 +29,14 @@ trace does not do (it plans every position, the most).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from trainer_memcb.plan.step.trl_step import TrlStep
 
 __all__ = ["DpoStep", "DPO_LOSS_TYPES", "REFERENCES", "PreferenceBatch", "preference_batch", "dpo_loss",
            "dpo_step_from_config", "fused_lm_heads"]
@@ -48,7 +51,7 @@ _POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 
 
 @dataclasses.dataclass(frozen=True)
-class DpoStep:
+class DpoStep(TrlStep):
     """The DPO settings that change the step's memory.
 
     Attributes:
@@ -71,6 +74,20 @@ class DpoStep:
                              f"{', '.join(DPO_LOSS_TYPES)} (not yet for {', '.join(unplanned) or 'none'})")
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ValueError(f"loss_weights {list(self.loss_weights)!r}: one per loss_type {list(self.loss_type)!r}")
+
+    def fuse_lm_heads(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module]) -> None:
+        fused_lm_heads(model, ref_model)
+
+    def batch(self, model: torch.nn.Module, batch_size: int, seq_len: Optional[int],
+              input_options: Dict[str, Any]) -> "PreferenceBatch":
+        # DPO's collator: chosen and rejected rows of max_length tokens.
+        return preference_batch(batch_size, seq_len, self.reference == "precomputed")
+
+    def loss(self, model: torch.nn.Module, inputs: Any, ref_model: Optional[torch.nn.Module], kwargs: Dict[str, Any],
+             accumulation: int, autocast: Any) -> torch.Tensor:
+        # DPOTrainer.compute_loss: policy, reference, loss and metrics.
+        with autocast if autocast is not None else contextlib.nullcontext():
+            return dpo_loss(model, inputs, self, ref_model)
 
 
 def dpo_step_from_config(config: Any, *, peft: bool, ref_model: Optional[bool] = None) -> DpoStep:

@@ -22,8 +22,9 @@ options; `rloo_step_from_config` makes one after the checks `RLOOConfig.__post_i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -53,6 +54,18 @@ class RlooStep(GrpoStep):
 
     trainer = "rloo"
     loss_types = ("rloo",)
+
+    def loss(self, model: torch.nn.Module, inputs: Any, ref_model: Optional[torch.nn.Module], kwargs: Dict[str, Any],
+             accumulation: int, autocast: Any) -> torch.Tensor:
+        # RLOOTrainer.compute_loss over the buffered micro-batch.
+        with autocast if autocast is not None else contextlib.nullcontext():
+            return rloo_loss(model, inputs, self)
+
+    def generation(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module], batch_size: int,
+                   seq_len: Optional[int], tokens: Dict[str, Any], autocast: Any) -> GrpoBatch:
+        from trainer_memcb.plan.step.rloo_generation import rloo_generation
+
+        return rloo_generation(model, ref_model, self, batch_size, seq_len, tokens, autocast)
 
 
 def rloo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> RlooStep:

@@ -31,10 +31,15 @@ tensor of the processes and sums it: temporaries freed before the backward, not 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+from trainer_memcb.plan.model.loss_kwargs import accepts_loss_kwargs, num_items_in_batch
+from trainer_memcb.plan.model.step_inputs import step_inputs
+from trainer_memcb.plan.step.trl_step import TrlStep
 
 __all__ = ["SftStep", "SFT_LOSS_TYPES", "sft_step_from_config", "sft_batch", "sft_loss", "sft_fused_lm_head"]
 
@@ -45,7 +50,7 @@ _OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 @dataclasses.dataclass(frozen=True)
-class SftStep:
+class SftStep(TrlStep):
     """The SFT settings that change the step's memory.
 
     Attributes:
@@ -73,6 +78,22 @@ class SftStep:
             raise ValueError(f"loss_type {self.loss_type!r}: TRL's SFTTrainer takes {', '.join(SFT_LOSS_TYPES)}")
         if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
             raise ValueError(f"max_length {self.max_length!r}: expected a whole number of tokens, at least 1")
+
+    def fuse_lm_heads(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module]) -> None:
+        sft_fused_lm_head(model)
+
+    def batch(self, model: torch.nn.Module, batch_size: int, seq_len: Optional[int], input_options: Dict[str, Any]) -> Any:
+        # SFT's collator: the causal LM batch, its padding-free row's boundaries.
+        return sft_batch(step_inputs(model, batch_size, seq_len, **input_options), self, seq_len)
+
+    def loss(self, model: torch.nn.Module, inputs: Any, ref_model: Optional[torch.nn.Module], kwargs: Dict[str, Any],
+             accumulation: int, autocast: Any) -> torch.Tensor:
+        # SFTTrainer.compute_loss: the fused head's loss and metrics; `num_items_in_batch` kept to
+        # the step's end in `kwargs`, as the plain Trainer's.
+        if accepts_loss_kwargs(model):
+            kwargs["num_items_in_batch"] = num_items_in_batch(inputs.labels)
+        with autocast if autocast is not None else contextlib.nullcontext():
+            return sft_loss(model, inputs, self, kwargs.get("num_items_in_batch"))
 
 
 def sft_step_from_config(config: Any) -> SftStep:

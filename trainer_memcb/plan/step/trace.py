@@ -187,24 +187,10 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     # `Trainer.get_batch_samples` fetches them all (accelerate's dataloader sends each to the
     # device as it is yielded) into the list `batch_samples`, which the micro-batches' loop keeps.
     with mode:
-        if _is_grpo(preference):  # GRPO's batch is made by its generation phase, in the step
-            inputs = [None] * accumulation
-        elif _is_kto(preference):  # KTO's collator: completion rows (and KL rows) of max_length tokens
-            from trainer_memcb.plan.step.kto import kto_batch
-
-            inputs = [kto_batch(batch_size, seq_len, preference) for _ in range(accumulation)]
-        elif _is_sft(preference):  # SFT's collator: the causal LM batch, its padding-free row's boundaries
-            from trainer_memcb.plan.step.sft import sft_batch
-
-            inputs = [sft_batch(step_inputs(model, batch_size, seq_len, **(input_options or {})), preference, seq_len)
-                      for _ in range(accumulation)]
-        elif preference is not None:  # DPO's collator: chosen and rejected rows of max_length tokens
-            from trainer_memcb.plan.step.preference import preference_batch
-
-            inputs = [preference_batch(batch_size, seq_len, preference.reference == "precomputed")
-                      for _ in range(accumulation)]
-        else:
+        if preference is None:
             inputs = [step_inputs(model, batch_size, seq_len, **(input_options or {})) for _ in range(accumulation)]
+        else:  # the TRL trainer's collator (GRPO's batch is made by its generation phase, in the step)
+            inputs = [preference.batch(model, batch_size, seq_len, input_options or {}) for _ in range(accumulation)]
         shard_inputs = getattr(engine, "shard_inputs", None)
         if shard_inputs is not None:  # context parallelism: each rank's share of the sequence
             shard_inputs(inputs)
@@ -220,7 +206,7 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     tracker.log_saved(counter._book)
     engine.attach(tracker, counter)
     return _Step(model, mode, engine, tracker, counter, params, [p for p in params if p.requires_grad], inputs,
-                 batch_tensors, preference, ref_model, tokens=_token_ids(model) if _is_grpo(preference) else None,
+                 batch_tensors, preference, ref_model, tokens=_token_ids(model) if getattr(preference, "generates", False) else None,
                  batch_size=batch_size, seq_len=seq_len)
 
 
@@ -276,9 +262,8 @@ def _forward_backward(step: _Step, accumulation: int, autocast: Any) -> Tuple[Li
             engine.micro_batch(number, last=number == accumulation)
         if number > 1:
             tracker.reset_peak()  # this micro-batch's own peak, from here
-        if _is_grpo(step.preference) and _generates_before(number, step.preference.steps_per_generation,
-                                                          accumulation):
-            _grpo_generation_phase(step, phase_starts, autocast)
+        if step.preference is not None and step.preference.generates_before(number, accumulation):
+            _generation_phase(step, phase_starts, autocast)
         inputs = step.inputs[number - 1]
         tracker.phase = "forward"
         phase_starts.setdefault("forward", len(tracker.events))
@@ -324,80 +309,24 @@ def _compile(step: _Step, mode: Any, contexts: List[Any], autocast: Any) -> None
 
 
 def _trl_loss(step: _Step, inputs: Any, kwargs: Dict[str, Any], accumulation: int, autocast: Any) -> torch.Tensor:
-    """The micro-batch's loss as its TRL trainer's `compute_loss` makes it (RLOO's, GRPO's, KTO's,
-    SFT's, DPO's), each mirrored by its own module; `kwargs` keeps what the Trainer keeps to the
-    step's end (SFT's `num_items_in_batch`)."""
-    if _is_rloo(step.preference):  # RLOOTrainer.compute_loss over the buffered micro-batch
-        from trainer_memcb.plan.step.rloo import rloo_loss
-
-        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
-            loss = rloo_loss(step.model, inputs, step.preference)
-    elif _is_grpo(step.preference):  # GRPOTrainer.compute_loss over the buffered micro-batch
-        from trainer_memcb.plan.step.grpo import grpo_loss
-
-        with step.counter:  # each log-prob forward in its own autocast, as TRL runs it
-            loss = grpo_loss(step.model, inputs, step.preference, accumulation, autocast=autocast)
-    elif _is_kto(step.preference):  # KTOTrainer.compute_loss: KL rows, policy, reference, loss, metrics
-        from trainer_memcb.plan.step.kto import kto_loss
-
-        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
-            loss = kto_loss(step.model, inputs, step.preference, step.ref_model)
-    elif _is_sft(step.preference):  # SFTTrainer.compute_loss: the fused head's loss and metrics
-        from trainer_memcb.plan.step.sft import sft_loss
-
-        if accepts_loss_kwargs(step.model):  # kept to the step's end, as the plain Trainer's
-            kwargs["num_items_in_batch"] = num_items_in_batch(inputs.labels)
-        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
-            loss = sft_loss(step.model, inputs, step.preference, kwargs.get("num_items_in_batch"))
-    else:  # DPOTrainer.compute_loss: policy, reference, loss and metrics
-        from trainer_memcb.plan.step.preference import dpo_loss
-
-        with step.counter, autocast if autocast is not None else contextlib.nullcontext():
-            loss = dpo_loss(step.model, inputs, step.preference, step.ref_model)
-    return loss
+    """The micro-batch's loss as its TRL trainer's `compute_loss` makes it (`TrlStep.loss`), its
+    saved tensors counted; `kwargs` keeps what the Trainer keeps to the step's end (SFT's
+    `num_items_in_batch`)."""
+    with step.counter:
+        return step.preference.loss(step.model, inputs, step.ref_model, kwargs, accumulation, autocast)
 
 
-def _is_grpo(preference: Any) -> bool:
-    """GRPO's step, or RLOO's, built as GRPO's: a generation phase, then the training phase."""
-    return getattr(preference, "trainer", None) in ("grpo", "rloo")
-
-
-def _is_sft(preference: Any) -> bool:
-    return getattr(preference, "trainer", None) == "sft"
-
-
-def _is_rloo(preference: Any) -> bool:
-    return getattr(preference, "trainer", None) == "rloo"
-
-
-def _is_kto(preference: Any) -> bool:
-    return getattr(preference, "trainer", None) == "kto"
-
-
-def _generates_before(number: int, steps_per_generation: int, accumulation: int) -> bool:
-    """Whether a GRPO generation is traced before micro-batch `number`: before the first, and where
-    generations run inside the accumulation (`steps_per_generation` below it: TRL generates again
-    every `steps_per_generation` micro-batches), before the second too, with the first's gradients
-    alive as every later generation of the step holds them (the traced micro-batches are the first,
-    the second and the last: the second stands for the one after the first generation's last)."""
-    return number == 1 or (number == 2 and steps_per_generation < accumulation)
-
-
-def _grpo_generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: Any) -> None:
-    """GRPO's generation phase (`trainer_memcb.plan.step.grpo_generation`) before a micro-batch's
-    forward (`_generates_before`): its peak kept apart (`_Step.generation`, the larger of the
+def _generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: Any) -> None:
+    """The generation phase of GRPO's or RLOO's step (`TrlStep.generation`) before a micro-batch's
+    forward (`TrlStep.generates_before`): its peak kept apart (`_Step.generation`, the larger of the
     step's), the buffered generation batch the step's batch from then on (the one before it freed
     once the new one is made, as `GRPOTrainer._buffered_inputs` is replaced), the training phase's
     peak counted from there."""
-    from trainer_memcb.plan.step.grpo_generation import grpo_generation
-    from trainer_memcb.plan.step.rloo_generation import rloo_generation
-
     tracker = step.tracker
     tracker.phase = "generation"
     phase_starts.setdefault("generation", len(tracker.events))
-    generation = rloo_generation if _is_rloo(step.preference) else grpo_generation
-    inputs = generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len,
-                             step.tokens or {}, autocast)
+    inputs = step.preference.generation(step.model, step.ref_model, step.batch_size, step.seq_len, step.tokens or {},
+                                        autocast)
     if step.generation is None or tracker.peak_bytes > step.generation.bytes:
         step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
                                     frozenset(tracker.peak_watch))
@@ -767,9 +696,8 @@ def _keys(meta: nn.Module, settings: StepSettings, options: Dict[str, Any]) -> T
     # Nor do the device's memory, the reserve, the allocator's settings and the GPU's name (its
     # compute capability, which picks the attention kernels, is among the options).
     unsourced = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
-    if _is_grpo(settings.preference):  # vLLM's share of the device is in the reserve, not in the step traced
-        unsourced = dataclasses.replace(unsourced, preference=dataclasses.replace(
-            settings.preference, vllm_gpu_memory_utilization=1.0))
+    if settings.preference is not None:
+        unsourced = dataclasses.replace(unsourced, preference=settings.preference.as_traced())
     return ((model, repr(unsourced), rest),
             (model, repr(dataclasses.replace(unsourced, optimizer="")), rest))
 
@@ -897,10 +825,9 @@ FOLD_LAYERS = [True]
 
 
 def _folds_trainer(preference: Any) -> bool:
-    """Whether the step of this trainer is folded: the Trainer's own, TRL's DPO (whose step has no
-    `trainer` name), KTO and SFT (padded or padding-free), each checked equal to its step traced
-    whole; GRPO's and RLOO's, with their generation phase, are traced whole."""
-    return preference is None or _is_kto(preference) or _is_sft(preference) or getattr(preference, "trainer", None) is None
+    """Whether the step of this trainer is folded: the Trainer's own, or a TRL step that folds
+    (`TrlStep.folds`: DPO's, KTO's and SFT's, each checked equal to its step traced whole)."""
+    return preference is None or preference.folds
 
 
 def _one_process(settings: StepSettings) -> bool:
@@ -1023,24 +950,10 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
 
 
 def _trl_lm_heads(model: nn.Module, ref_model: Optional[nn.Module], preference: Any) -> None:
-    """TRL's fused LM heads on the policy and the reference, as `DPOTrainer.__init__`,
-    `KTOTrainer.__init__`, `SFTTrainer.__init__` and `GRPOTrainer.__init__` patch them; nothing for the Trainer's own step (`preference` None)."""
-    if _is_grpo(preference):
-        from trainer_memcb.plan.step.grpo import grpo_fused_lm_heads
-
-        grpo_fused_lm_heads(model, ref_model, preference.temperature)
-    elif _is_sft(preference):
-        from trainer_memcb.plan.step.sft import sft_fused_lm_head
-
-        sft_fused_lm_head(model)
-    elif _is_kto(preference):
-        from trainer_memcb.plan.step.kto import kto_fused_lm_heads
-
-        kto_fused_lm_heads(model, ref_model)
-    elif preference is not None:
-        from trainer_memcb.plan.step.preference import fused_lm_heads
-
-        fused_lm_heads(model, ref_model)
+    """TRL's fused LM heads on the policy and the reference, as the TRL trainer's `__init__` patches
+    them (`TrlStep.fuse_lm_heads`); nothing for the Trainer's own step (`preference` None)."""
+    if preference is not None:
+        preference.fuse_lm_heads(model, ref_model)
 
 
 def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
