@@ -82,7 +82,7 @@ from trainer_memcb.plan.settings.attention import is_planned_hub_flash
 from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_as_cuda
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 from trainer_memcb.plan.step.liger_kernels import liger_kernels_as_cuda
-from trainer_memcb.plan.step.engines import StepEngine, engine_for
+from trainer_memcb.plan.step.engines import StepEngine, engine_class, engine_for
 from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages, TrackerState
@@ -831,10 +831,8 @@ def _folds_trainer(preference: Any) -> bool:
 
 
 def _one_process(settings: StepSettings) -> bool:
-    """Whether the step runs on one process (`engine_for`'s plain engine)."""
-    return not (getattr(settings, "cp_size", 1) > 1 or getattr(settings, "tp_size", 1) > 1 or settings.sharding == "ddp"
-                or settings.sharding.startswith(("fsdp-", "zero")) or settings.precision.startswith("deepspeed-"))
-
+    """Whether the step runs on one process (`engine_class`'s plain engine)."""
+    return engine_class(settings) is StepEngine
 
 
 def _folded(meta: nn.Module, settings: StepSettings, **options: Any) -> Optional[Timeline]:

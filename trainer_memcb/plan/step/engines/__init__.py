@@ -26,22 +26,25 @@ from trainer_memcb.plan.step.engines.tensor_parallel import TensorParallelEngine
 from trainer_memcb.plan.step.engines.zero import ZeroEngine
 
 __all__ = ["StepEngine", "DDPEngine", "FSDP2Engine", "ZeroEngine", "TensorParallelEngine", "TensorParallelFSDP2Engine",
-           "ContextParallelEngine", "engine_for"]
+           "ContextParallelEngine", "engine_class", "engine_for"]
+
+
+def engine_class(settings: Any) -> type:
+    """The engine that runs the step of resolved settings (`trainer_memcb.plan.settings.StepSettings`)."""
+    sharding = settings.sharding
+    if getattr(settings, "cp_size", 1) > 1:
+        return TensorContextParallelEngine if getattr(settings, "tp_size", 1) > 1 else ContextParallelEngine
+    if getattr(settings, "tp_size", 1) > 1:
+        return TensorParallelFSDP2Engine if sharding.startswith("fsdp-") else TensorParallelEngine
+    if sharding == "ddp":
+        return DDPEngine
+    if sharding.startswith("fsdp-"):
+        return FSDP2Engine
+    if sharding.startswith("zero") or settings.precision.startswith("deepspeed-"):
+        return ZeroEngine
+    return StepEngine
 
 
 def engine_for(settings: Any) -> StepEngine:
-    """The engine of resolved settings (`trainer_memcb.plan.settings.StepSettings`)."""
-    sharding = settings.sharding
-    if getattr(settings, "cp_size", 1) > 1:
-        if getattr(settings, "tp_size", 1) > 1:
-            return TensorContextParallelEngine(settings)
-        return ContextParallelEngine(settings)
-    if getattr(settings, "tp_size", 1) > 1:
-        return TensorParallelFSDP2Engine(settings) if sharding.startswith("fsdp-") else TensorParallelEngine(settings)
-    if sharding == "ddp":
-        return DDPEngine(settings)
-    if sharding.startswith("fsdp-"):
-        return FSDP2Engine(settings)
-    if sharding.startswith("zero") or settings.precision.startswith("deepspeed-"):
-        return ZeroEngine(settings)
-    return StepEngine(settings.max_grad_norm)
+    """The engine of resolved settings, made from them: every engine takes the settings alone."""
+    return engine_class(settings)(settings)

@@ -47,7 +47,8 @@ class StepEngine:
     """One process: the model as it is, `loss.backward()`, clipping and the optimizer's step.
 
     Args:
-        max_grad_norm: the Trainer's `max_grad_norm` (0 or None: no clipping).
+        settings: resolved settings (`trainer_memcb.plan.settings.StepSettings`): their
+            `max_grad_norm` (0 or None: no clipping); None clips at the Trainer's default, 1.0.
     """
 
     name = "none"
@@ -57,8 +58,8 @@ class StepEngine:
     # (`Timeline.streams`); one process allocates everything on the default stream.
     stream_names: Dict[int, str] = {}
 
-    def __init__(self, max_grad_norm: Optional[float] = 1.0) -> None:
-        self.max_grad_norm = max_grad_norm
+    def __init__(self, settings: Any = None) -> None:
+        self.max_grad_norm: Optional[float] = settings.max_grad_norm if settings is not None else 1.0
         self.notes: List[str] = []
         self.tracker: Any = None
         self.counter: Any = None

@@ -70,7 +70,7 @@ class DDPEngine(StepEngine):
     name = "ddp"
 
     def __init__(self, settings: Any) -> None:
-        super().__init__(settings.max_grad_norm)
+        super().__init__(settings)
         self.settings = settings
         self.buckets: List[torch.Tensor] = []
         self.used_maps: List[torch.Tensor] = []

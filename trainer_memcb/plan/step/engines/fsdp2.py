@@ -93,7 +93,7 @@ class FSDP2Engine(StepEngine):
     stream_names = FSDP2_STREAMS
 
     def __init__(self, settings: Any) -> None:
-        super().__init__(settings.max_grad_norm)
+        super().__init__(settings)
         self.settings = settings
         self._owns_group = False
         self._states: List[Any] = []

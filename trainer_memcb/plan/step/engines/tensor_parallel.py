@@ -82,7 +82,7 @@ class TensorParallelEngine(_CollectivesAsHeld, StepEngine):
     name = "tp"
 
     def __init__(self, settings: Any) -> None:
-        super().__init__(settings.max_grad_norm)
+        super().__init__(settings)
         self.settings = settings
         self._owns_group = False
 

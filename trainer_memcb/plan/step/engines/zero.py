@@ -148,7 +148,7 @@ class ZeroEngine(StepEngine):
     state_resident = True
 
     def __init__(self, settings: Any) -> None:
-        super().__init__(settings.max_grad_norm)
+        super().__init__(settings)
         self.settings = settings
         self.stage = settings.zero_stage
         # ZeRO-0 (DeepSpeed's precision without a ZeRO stage): one partition, the whole model.
