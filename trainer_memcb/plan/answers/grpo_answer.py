@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 
 from trainer_memcb.plan.answers.step_plan import PlannedGeneration
 
-__all__ = ["check_grpo_batch", "device_memory_of", "grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
+__all__ = ["device_memory_of", "grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
 
 
 # The steps with a generation phase: GRPO's, and RLOO's, built as GRPO's (`trainer_memcb.plan.step.rloo`).
@@ -53,24 +53,6 @@ def with_vllm_share(settings: Any) -> Any:
     source = settings.sources.get("reserve_bytes", "default")
     return dataclasses.replace(settings, reserve_bytes=settings.reserve_bytes + share,
                                sources=dict(settings.sources, reserve_bytes=f"{source} + colocated vLLM's {share:,}"))
-
-
-def check_grpo_batch(settings: Any) -> None:
-    """Refuse a micro-batch whose generation batch TRL refuses: its completions
-    (`batch_size x steps_per_generation`) must be whole groups of `num_generations` (a batch size
-    given apart from the GRPOConfig, or searched, is checked here).
-
-    Raises:
-        ValueError: naming the batch size and what TRL allows.
-    """
-    step = settings.preference
-    if getattr(step, "trainer", None) not in _GENERATING or settings.batch_size is None:
-        return
-    rows = step.generation_rows(settings.batch_size)
-    if rows % step.num_generations:
-        raise ValueError(f"batch_size {settings.batch_size}: {step.trainer.upper()} generates batch_size x steps_per_generation "
-                         f"({step.steps_per_generation}) = {rows} completions, and TRL requires whole groups of "
-                         f"num_generations ({step.num_generations})")
 
 
 def planned_generation(step: Any, settings: Any) -> PlannedGeneration:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.answers.grpo_answer import check_grpo_batch, grpo_notes, planned_generation, with_vllm_share
+from trainer_memcb.plan.answers.grpo_answer import grpo_notes, planned_generation, with_vllm_share
 from trainer_memcb.plan.answers.kto_answer import kto_note
 from trainer_memcb.plan.answers.sft_answer import sft_note
 from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
@@ -159,16 +159,15 @@ def _read_peak(timeline: Timeline) -> _StepFigures:
 
 
 def _check_batch(settings: StepSettings) -> None:
-    """A batch size, and one the trainer takes (GRPO's whole groups, KTO's KL rows).
+    """A batch size, and one the trainer takes (`TrlStep.check_batch`: GRPO's whole groups, KTO's KL rows).
 
     Raises:
         ValueError: naming the batch and the rule.
     """
-    check_grpo_batch(settings)
-    if getattr(settings.preference, "trainer", None) == "kto" and settings.batch_size is not None:
-        settings.preference.check_batch(settings.batch_size)
     if settings.batch_size is None:
         raise ValueError("batch_size=None: expected a whole number of at least 1")
+    if settings.preference is not None:
+        settings.preference.check_batch(settings.batch_size)
 
 
 def plan_step_memory(

@@ -124,6 +124,20 @@ class GrpoStep(TrlStep):
         """The completions generated at once on one process: `batch_size x steps_per_generation`."""
         return batch_size * self.steps_per_generation
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a micro-batch whose generation batch TRL refuses: its completions
+        (`batch_size x steps_per_generation`) must be whole groups of `num_generations` (a batch size
+        given apart from the GRPOConfig, or searched, is checked here).
+
+        Raises:
+            ValueError: naming the batch size and what TRL allows.
+        """
+        rows = self.generation_rows(batch_size)
+        if rows % self.num_generations:
+            raise ValueError(f"batch_size {batch_size}: {self.trainer.upper()} generates batch_size x "
+                             f"steps_per_generation ({self.steps_per_generation}) = {rows} completions, and TRL "
+                             f"requires whole groups of num_generations ({self.num_generations})")
+
     def fuse_lm_heads(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module]) -> None:
         grpo_fused_lm_heads(model, ref_model, self.temperature)
 

@@ -40,6 +40,13 @@ class TrlStep:
         without); `kwargs` keeps what the Trainer keeps to the step's end."""
         raise NotImplementedError
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a micro-batch the trainer refuses (none here).
+
+        Raises:
+            ValueError: naming the batch size and what TRL allows.
+        """
+
     def generates_before(self, number: int, accumulation: int) -> bool:
         """Whether a generation phase runs before traced micro-batch `number`."""
         return False
