@@ -1,17 +1,20 @@
 """Which answer the options of `trainer-memcb estimate` ask for: the optimizer what-if, the
 model-states plan (`plan_asked`) or the step plan (`step_asked`); whether MODEL is a bare parameter
 count (`parameter_count`), and whether peft or torchao is needed (`needs_peft`, `needs_torchao`).
-From the command line alone (and the settings file it names, read as JSON), before torch is imported."""
+From the command line alone (and the settings file it names, read as JSON), before torch is imported;
+the command reads them once (`EstimateQuestions`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Optional
 
-__all__ = ["needs_peft", "needs_torchao", "parameter_count", "plan_asked", "step_asked", "ENGINE_FILES"]
+__all__ = ["EstimateQuestions", "eval_asked", "needs_peft", "needs_torchao", "parameter_count", "plan_asked", "step_asked",
+           "ENGINE_FILES"]
 
 
 def needs_peft(args: argparse.Namespace) -> bool:
@@ -69,6 +72,25 @@ def step_asked(args: argparse.Namespace) -> bool:
     if getattr(args, "eval_samples", None) is not None and isinstance(path, (str, os.PathLike)):
         return _file_gives_train_batch(os.fspath(path))
     return True
+
+
+def eval_asked(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the evaluation plan (--eval-samples)."""
+    return getattr(args, "eval_samples", None) is not None
+
+
+@dataclass(frozen=True)
+class EstimateQuestions:
+    """Which plans the options ask for, read once (`of`): the step plan (`step_asked`), the
+    model-states plan (`plan_asked`), the evaluation plan (`eval_asked`)."""
+
+    step: bool
+    plan: bool
+    evaluation: bool
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "EstimateQuestions":
+        return cls(step=step_asked(args), plan=plan_asked(args), evaluation=eval_asked(args))
 
 
 def _file_gives_train_batch(path: str) -> bool:

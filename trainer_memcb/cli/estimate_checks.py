@@ -10,7 +10,7 @@ import os
 
 from trainer_memcb.cli.choices import TRL_TRAINERS
 from trainer_memcb.cli.device_options import usable_memory
-from trainer_memcb.cli.estimate_asked import parameter_count, plan_asked, step_asked
+from trainer_memcb.cli.estimate_asked import EstimateQuestions, parameter_count
 from trainer_memcb.cli.estimate_model import check_lora_options, quantization_asked
 from trainer_memcb.cli.estimate_settings import step_settings
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN
@@ -35,18 +35,17 @@ _EVAL_OPTIONS = ("seq_len", "attn_implementation", "device_type")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation", "--device-type")
 
 
-def check_options(args: argparse.Namespace) -> None:
-    """Refuse options that would have no effect on what the command answers, and a step plan of
-    a bare parameter count, which has no model to trace.
+def check_options(args: argparse.Namespace, asked: EstimateQuestions) -> None:
+    """Refuse options that would have no effect on what the command answers (`asked`), and a step
+    plan of a bare parameter count, which has no model to trace.
 
     Raises:
         ValueError: one line naming the option and what it needs.
     """
-    if not step_asked(args):
+    if not asked.step:
         # --seq-len and --attn-implementation are the evaluation plan's too (its forward's batches).
-        evaluation = getattr(args, "eval_samples", None) is not None
         given = [option for name, option in _STEP_OPTIONS
-                 if getattr(args, name, None) not in (None, False) and not (evaluation and name in _EVAL_OPTIONS)]
+                 if getattr(args, name, None) not in (None, False) and not (asked.evaluation and name in _EVAL_OPTIONS)]
         if given:
             needs = "--batch-size, --max-batch-size (the step plan) or --eval-samples" if given[0] in _EVAL_FLAGS \
                 else "--batch-size or --max-batch-size (the step plan)"
@@ -56,9 +55,9 @@ def check_options(args: argparse.Namespace) -> None:
     usable_memory(args)  # a reserve as large as the memory, before anything is planned
     from trainer_memcb.cli.eval_estimate import check_eval_options
 
-    check_eval_options(args)
+    check_eval_options(args, asked.evaluation)
     count = parameter_count(args.model)
-    if step_asked(args):
+    if asked.step:
         if count is not None:
             raise ValueError(f"a parameter count ({count:,}) cannot be traced: the step plan (--batch-size, "
                              "--max-batch-size) runs the model's forward and backward, so it needs a model config, "
@@ -68,16 +67,16 @@ def check_options(args: argparse.Namespace) -> None:
             raise ValueError(NEEDS_SEQ_LEN)
     if count is not None:
         check_count_options(args)
-        if not (step_asked(args) or plan_asked(args) or getattr(args, "eval_samples", None) is not None):
+        if not (asked.step or asked.plan or asked.evaluation):
             refuse_what_if_of_a_count(count)
     check_lora_options(args)
     quantization_asked(args)
     _refuse_fp16_gradients(args)
-    if step_asked(args) or (plan_asked(args) and getattr(args, "eval_samples", None) is None):
+    if asked.step or (asked.plan and not asked.evaluation):
         usable_memory(args)  # a reserve as large as the memory, where the plan takes it from the memory
-    if getattr(args, "eval_samples", None) is not None and args.seq_len is None:
+    if asked.evaluation and args.seq_len is None:
         raise ValueError(EVAL_NEEDS_SEQ_LEN)
-    _check_trainer(args)
+    _check_trainer(args, asked.step)
     _check_layout_flags(args)
     _check_settings_files(args)
 
@@ -99,13 +98,13 @@ def _check_layout_flags(args: argparse.Namespace) -> None:
         raise ValueError(problem)
 
 
-def _check_trainer(args: argparse.Namespace) -> None:
+def _check_trainer(args: argparse.Namespace, step_asked: bool) -> None:
     """`--trainer sft|dpo|kto|grpo|rloo`: TRL's step, planned from its config file on one process."""
     trainer = getattr(args, "trainer", "trainer")
     if trainer not in TRL_TRAINERS:
         return
     config = f"{trainer.upper()}Config"
-    if not step_asked(args):
+    if not step_asked:
         raise ValueError(f"--trainer {trainer} has no effect without --batch-size or --max-batch-size (the step plan: "
                          f"only the {trainer.upper()} step is planned, not its model states alone)")
     if args.training_args is None:
@@ -172,7 +171,7 @@ def _check_settings_files(args: argparse.Namespace) -> None:
 _STAND_IN_HIDDEN_SIZE = 1024
 
 
-def check_settings_values(args: argparse.Namespace) -> None:
+def check_settings_values(args: argparse.Namespace, evaluation: bool) -> None:
     """The values of `--training-args`, `--deepspeed` and `--fsdp-config`, checked as the plan will
     resolve them but before the model is built or anything is traced (seconds for a large config).
 
@@ -185,7 +184,7 @@ def check_settings_values(args: argparse.Namespace) -> None:
     from types import SimpleNamespace
 
     step_settings(args, SimpleNamespace(config=SimpleNamespace(hidden_size=_STAND_IN_HIDDEN_SIZE)))
-    if getattr(args, "eval_samples", None) is not None:
+    if evaluation:  # the evaluation plan's TrainingArguments too
         from trainer_memcb.cli.eval_estimate import training_arguments_from_file
 
         training_arguments_from_file(getattr(args, "training_args", None))

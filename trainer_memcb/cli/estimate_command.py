@@ -13,9 +13,8 @@ from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.deferred_compile import defer_bitsandbytes_compilation
 from trainer_memcb.cli.device_options import (DEFAULT_DEVICE_TYPE, alloc_conf_of, apply_gpu, cuda_context_bytes,
                                                reserve_bytes)
-from trainer_memcb.cli.estimate_asked import needs_peft, needs_torchao, plan_asked, step_asked
+from trainer_memcb.cli.estimate_asked import EstimateQuestions, needs_peft, needs_torchao, step_asked
 from trainer_memcb.cli.estimate_checks import check_options
-from trainer_memcb.cli.eval_estimate import eval_asked
 from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FOUND, EXIT_UNTRACEABLE, KnownFailure,
                                         UsageError, say)
 from trainer_memcb.cli.fit_options import check_fit_options
@@ -125,18 +124,19 @@ def estimate_command(args: argparse.Namespace) -> int:
     gathered, printed as tables or JSON, and the exit code of their verdict."""
     try:  # the command line alone, before torch and transformers are imported
         apply_gpu(args)  # the preset's memory, unless --device-memory gives it
-        check_options(args)
-        check_fit_options(args, step_asked(args), eval_asked(args))
-        check_plan_files(args, step_asked(args))
+        asked = EstimateQuestions.of(args)
+        check_options(args, asked)
+        check_fit_options(args, asked.step, asked.evaluation)
+        check_plan_files(args, asked.step)
         replayed = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
-        if replayed and (step_asked(args) or eval_asked(args)):
+        if replayed and (asked.step or asked.evaluation):
             alloc_conf_of(args)  # the environment's allocator settings, which the replay reads
     except ValueError as error:
         raise UsageError(str(error)) from None
     missing = missing_folder(args.model)
     if missing is not None:  # a bad model folder (exit 1), before the imports it would wait on
         raise KnownFailure(missing)
-    answer = gather(args)
+    answer = gather(args, asked)
     render(answer, args)
     _write_plan_files(answer, args)
     return exit_status(answer, args)
@@ -164,8 +164,8 @@ def _write_plan_files(answer: EstimateAnswer, args: argparse.Namespace) -> None:
         say(line)
 
 
-def gather(args: argparse.Namespace) -> EstimateAnswer:
-    """The plans the options ask for. Everything that imports transformers and the optimizers'
+def gather(args: argparse.Namespace, asked: EstimateQuestions) -> EstimateAnswer:
+    """The plans the options ask for (`asked`). Everything that imports transformers and the optimizers'
     libraries runs with their chatter held back, and a terminal shows what is being done (stderr
     only).
 
@@ -184,14 +184,14 @@ def gather(args: argparse.Namespace) -> EstimateAnswer:
 
         try:
             resolve_optimizers(args)
-            check_settings_values(args)  # the settings files' values, before the model is built
-            if not (step_asked(args) or eval_asked(args)):
-                if plan_asked(args):
+            check_settings_values(args, asked.evaluation)  # the settings files' values, before the model is built
+            if not (asked.step or asked.evaluation):
+                if asked.plan:
                     return EstimateAnswer("model states", result=estimate_plan(args))
                 return EstimateAnswer("what-if", result=estimate_what_if(args))
-            found = estimate_step(args) if step_asked(args) else None
+            found = estimate_step(args) if asked.step else None
             evaluation = None
-            if eval_asked(args):
+            if asked.evaluation:
                 evaluation = estimate_evaluation(args, lambda: estimate_model(args),
                                                  found.model_states if found is not None else None,
                                                  reserve=reserve_bytes(args) or 0)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from trainer_memcb.plan.answers.fit import FitSearch
     from trainer_memcb.plan.answers.model_states import ModelStatesPlan
 
-__all__ = ["add_eval_arguments", "check_eval_options", "eval_asked", "estimate_evaluation", "eval_fit", "eval_fit_tables",
+__all__ = ["add_eval_arguments", "check_eval_options", "estimate_evaluation", "eval_fit", "eval_fit_tables",
            "eval_planner", "eval_tables", "training_arguments_from_file"]
 
 
@@ -63,22 +63,18 @@ _EVAL_ONLY = (("eval_batch_size", "--eval-batch-size"), ("eval_accumulation_step
               ("eval_include_inputs", "--eval-include-inputs"), ("host_memory", "--host-memory"))
 
 
-def check_eval_options(args: argparse.Namespace) -> None:
-    """Refuse the evaluation plan's options without `--eval-samples`, which asks for it.
+def check_eval_options(args: argparse.Namespace, evaluation: bool) -> None:
+    """Refuse the evaluation plan's options where the evaluation plan is not asked for (`evaluation`:
+    `--eval-samples`).
 
     Raises:
         ValueError: one line naming the option.
     """
-    if eval_asked(args):
+    if evaluation:
         return
     given = [flag for name, flag in _EVAL_ONLY if getattr(args, name, None) not in (None, False)]
     if given:
         raise ValueError(f"{given[0]} has no effect without --eval-samples (the evaluation plan)")
-
-
-def eval_asked(args: argparse.Namespace) -> bool:
-    """Whether the options ask for the evaluation plan."""
-    return getattr(args, "eval_samples", None) is not None
 
 
 def training_arguments_from_file(path: Optional[str]) -> Any:
