@@ -5,13 +5,13 @@ memory they leave of `--device-memory`, shared by the step plan and the evaluati
 
 from __future__ import annotations
 
-import argparse
 from typing import Any, Optional
 
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.utils.units import format_bytes
 
 __all__ = ["DEFAULT_RESERVE_BYTES", "DEFAULT_RESERVE_TEXT", "DEFAULT_DEVICE_TYPE", "reserve_bytes",
-           "cuda_context_bytes", "usable_memory", "apply_gpu", "alloc_conf_of"]
+           "cuda_context_bytes", "usable_memory", "alloc_conf_of"]
 
 # What --reserve takes when it is not given: nothing. On CUDA the plan models what the process holds
 # beside its tensors: the caching allocator's blocks and cache (the step's allocations replayed over
@@ -25,7 +25,7 @@ DEFAULT_RESERVE_TEXT = "0B"
 DEFAULT_DEVICE_TYPE = "cuda"
 
 
-def reserve_bytes(args: argparse.Namespace) -> Optional[int]:
+def reserve_bytes(args: EstimateRequest) -> Optional[int]:
     """The reserve taken from --device-memory (None without --device-memory)."""
     if args.device_memory is None:
         return None
@@ -34,7 +34,7 @@ def reserve_bytes(args: argparse.Namespace) -> Optional[int]:
     return DEFAULT_RESERVE_BYTES[args.device_type or DEFAULT_DEVICE_TYPE]
 
 
-def cuda_context_bytes(args: argparse.Namespace) -> int:
+def cuda_context_bytes(args: EstimateRequest) -> int:
     """The CUDA context the process holds outside the allocator: --gpu's preset's, else the default
     (`trainer_memcb.plan.device.gpus.DEFAULT_CUDA_CONTEXT_BYTES`); 0 with --device-type cpu."""
     from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
@@ -45,15 +45,7 @@ def cuda_context_bytes(args: argparse.Namespace) -> int:
     return gpu_preset(gpu).cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES
 
 
-def apply_gpu(args: argparse.Namespace) -> None:
-    """--gpu's memory as --device-memory when that is not given (it overrides the preset's), in place."""
-    from trainer_memcb.plan.device.gpus import gpu_preset
-
-    if getattr(args, "gpu", None) is not None and args.device_memory is None:
-        args.device_memory = gpu_preset(args.gpu).total_bytes
-
-
-def alloc_conf_of(args: argparse.Namespace) -> Any:
+def alloc_conf_of(args: EstimateRequest) -> Any:
     """--alloc-conf, else `PYTORCH_CUDA_ALLOC_CONF` (or `PYTORCH_ALLOC_CONF`) from the environment.
 
     Raises:
@@ -69,7 +61,7 @@ def alloc_conf_of(args: argparse.Namespace) -> Any:
         raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF in the environment: {error}") from None
 
 
-def usable_memory(args: argparse.Namespace) -> Optional[int]:
+def usable_memory(args: EstimateRequest) -> Optional[int]:
     """--device-memory less the CUDA context and the reserve: what the model states' fits? is
     answered against and the largest batch searched in (None without --device-memory).
 

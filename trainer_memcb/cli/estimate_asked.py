@@ -1,23 +1,23 @@
 """Which answer the options of `trainer-memcb estimate` ask for: the optimizer what-if, the
 model-states plan (`plan_asked`) or the step plan (`step_asked`); whether MODEL is a bare parameter
 count (`parameter_count`), and whether peft or torchao is needed (`needs_peft`, `needs_torchao`).
-From the command line alone (and the settings file it names, read as JSON), before torch is imported;
-the command reads them once (`EstimateQuestions`)."""
+From the command line alone (and the settings file it names, read as JSON), before torch is imported:
+each function takes the parsed options or their request (`trainer_memcb.cli.estimate_request`),
+which reads the plans asked once (`EstimateQuestions`)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["EstimateQuestions", "eval_asked", "needs_peft", "needs_torchao", "parameter_count", "plan_asked", "step_asked",
            "ENGINE_FILES"]
 
 
-def needs_peft(args: argparse.Namespace) -> bool:
+def needs_peft(args: Any) -> bool:
     """Whether the estimate asked for needs peft (LoRA adapters): `--lora-r`, or `--fit` allowed to
     propose them (`--allow lora` or `qlora`)."""
     allowed = getattr(args, "allow", None) or ()
@@ -32,7 +32,7 @@ _PLAN_OPTIONS = ("world_size", "nodes", "sharding", "zero", "offload_optimizer",
 ENGINE_FILES = ("deepspeed", "fsdp_config")
 
 
-def plan_asked(args: argparse.Namespace) -> bool:
+def plan_asked(args: Any) -> bool:
     """Whether the options ask for the model-states plan rather than the optimizer what-if (an
     engine's config does: its stage, precision and offload are the plan's)."""
     return any(getattr(args, name, None) not in (None, False) for name in _PLAN_OPTIONS + ENGINE_FILES)
@@ -43,7 +43,7 @@ def plan_asked(args: argparse.Namespace) -> bool:
 TORCHAO_OPTIMIZERS = ("adamw_torch_4bit", "adamw_torch_8bit")
 
 
-def needs_torchao(args: argparse.Namespace) -> bool:
+def needs_torchao(args: Any) -> bool:
     """Whether the estimate asked for may build one of torchao's optimizers: `--optimizers` names
     one, or the `--training-args` file's `optim` does (a file that cannot be read as a JSON object
     answers yes, so that the plan's own reading of it says why). `--fit` proposes none."""
@@ -59,7 +59,7 @@ def needs_torchao(args: argparse.Namespace) -> bool:
     return not isinstance(value, dict) or str(value.get("optim", "")) in TORCHAO_OPTIMIZERS
 
 
-def step_asked(args: argparse.Namespace) -> bool:
+def step_asked(args: Any) -> bool:
     """Whether the options ask for the step plan (activations and the step's peak): --batch-size,
     --max-batch-size, or --training-args, unless the evaluation plan is asked and the file gives no
     per_device_train_batch_size (as the evaluation's --fit writes it): then the file gives the
@@ -74,7 +74,7 @@ def step_asked(args: argparse.Namespace) -> bool:
     return True
 
 
-def eval_asked(args: argparse.Namespace) -> bool:
+def eval_asked(args: Any) -> bool:
     """Whether the options ask for the evaluation plan (--eval-samples)."""
     return getattr(args, "eval_samples", None) is not None
 
@@ -89,7 +89,7 @@ class EstimateQuestions:
     evaluation: bool
 
     @classmethod
-    def of(cls, args: argparse.Namespace) -> "EstimateQuestions":
+    def of(cls, args: Any) -> "EstimateQuestions":
         return cls(step=step_asked(args), plan=plan_asked(args), evaluation=eval_asked(args))
 
 

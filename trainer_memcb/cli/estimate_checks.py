@@ -5,13 +5,14 @@ against the Trainer's names."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 
 from trainer_memcb.cli.choices import TRL_TRAINERS
 from trainer_memcb.cli.device_options import usable_memory
-from trainer_memcb.cli.estimate_asked import EstimateQuestions, parameter_count
+from trainer_memcb.cli.estimate_asked import parameter_count
 from trainer_memcb.cli.estimate_model import check_lora_options, quantization_asked
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.estimate_settings import step_settings
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN
 
@@ -35,13 +36,15 @@ _EVAL_OPTIONS = ("seq_len", "attn_implementation", "device_type")
 _EVAL_FLAGS = ("--seq-len", "--attn-implementation", "--device-type")
 
 
-def check_options(args: argparse.Namespace, asked: EstimateQuestions) -> None:
-    """Refuse options that would have no effect on what the command answers (`asked`), and a step
-    plan of a bare parameter count, which has no model to trace.
+def check_options(args: EstimateRequest) -> None:
+    """Refuse options that would have no effect on what the command answers (the plans asked,
+    `EstimateRequest.questions`), and a step plan of a bare parameter count, which has no model to
+    trace.
 
     Raises:
         ValueError: one line naming the option and what it needs.
     """
+    asked = args.questions
     if not asked.step:
         # --seq-len and --attn-implementation are the evaluation plan's too (its forward's batches).
         given = [option for name, option in _STEP_OPTIONS
@@ -81,7 +84,7 @@ def check_options(args: argparse.Namespace, asked: EstimateQuestions) -> None:
     _check_settings_files(args)
 
 
-def _check_layout_flags(args: argparse.Namespace) -> None:
+def _check_layout_flags(args: EstimateRequest) -> None:
     """The layout's rules where the flags alone give both values (flags win over every settings
     file), as `Setup` checks them later: at once rather than after torch and the model.
 
@@ -98,7 +101,7 @@ def _check_layout_flags(args: argparse.Namespace) -> None:
         raise ValueError(problem)
 
 
-def _check_trainer(args: argparse.Namespace, step_asked: bool) -> None:
+def _check_trainer(args: EstimateRequest, step_asked: bool) -> None:
     """`--trainer sft|dpo|kto|grpo|rloo`: TRL's step, planned from its config file on one process."""
     trainer = getattr(args, "trainer", "trainer")
     if trainer not in TRL_TRAINERS:
@@ -135,7 +138,7 @@ def _check_trainer(args: argparse.Namespace, step_asked: bool) -> None:
 _NOT_TEXT_KEYS = ("image_size", "num_channels", "vision_config", "num_mel_bins", "audio_config")
 
 
-def _a_text_model(args: argparse.Namespace) -> bool:
+def _a_text_model(args: EstimateRequest) -> bool:
     """Whether MODEL is a folder whose config.json is surely a text model's (token ids in, so its
     step needs --seq-len), read before transformers is imported; False when in doubt (a hub name,
     a config with an image, speech or vision key, --architecture), and the built model decides."""
@@ -155,7 +158,7 @@ def _a_text_model(args: argparse.Namespace) -> bool:
 _SETTINGS_FILES = (("training_args", "--training-args"), ("deepspeed", "--deepspeed"), ("fsdp_config", "--fsdp-config"))
 
 
-def _check_settings_files(args: argparse.Namespace) -> None:
+def _check_settings_files(args: EstimateRequest) -> None:
     """Read each settings file named once, before torch is imported: a named pipe, a device or an
     oversized file, a pickle, or a file that is not a JSON object is refused at once."""
     from trainer_memcb.plan.settings import read_json_file
@@ -171,7 +174,7 @@ def _check_settings_files(args: argparse.Namespace) -> None:
 _STAND_IN_HIDDEN_SIZE = 1024
 
 
-def check_settings_values(args: argparse.Namespace, evaluation: bool) -> None:
+def check_settings_values(args: EstimateRequest) -> None:
     """The values of `--training-args`, `--deepspeed` and `--fsdp-config`, checked as the plan will
     resolve them but before the model is built or anything is traced (seconds for a large config).
 
@@ -184,13 +187,13 @@ def check_settings_values(args: argparse.Namespace, evaluation: bool) -> None:
     from types import SimpleNamespace
 
     step_settings(args, SimpleNamespace(config=SimpleNamespace(hidden_size=_STAND_IN_HIDDEN_SIZE)))
-    if evaluation:  # the evaluation plan's TrainingArguments too
+    if args.questions.evaluation:  # the evaluation plan's TrainingArguments too
         from trainer_memcb.cli.eval_estimate import training_arguments_from_file
 
         training_arguments_from_file(getattr(args, "training_args", None))
 
 
-def check_search_options(args: argparse.Namespace) -> None:
+def check_search_options(args: EstimateRequest) -> None:
     if args.max_batch_size and getattr(args, "packing", None) is not None:
         raise ValueError("--max-batch-size searches the rows of a batch; --packing makes one row of TOKENS tokens: "
                          "plan each TOKENS with --batch-size 1")
@@ -207,7 +210,7 @@ _NEEDS_A_MODEL = (("lora_r", "--lora-r"), ("lora_target_modules", "--lora-target
                   ("architecture", "--architecture"), ("optim_target_modules", "--optim-target-modules"))
 
 
-def check_count_options(args: argparse.Namespace) -> None:
+def check_count_options(args: EstimateRequest) -> None:
     """Refuse, for a parameter count, the options that need a model's modules and names."""
     given = [option for name, option in _NEEDS_A_MODEL if getattr(args, name, None) is not None]
     if given:
@@ -221,7 +224,7 @@ def refuse_what_if_of_a_count(count: int) -> None:
                      "needs a model config, a folder holding config.json")
 
 
-def _refuse_fp16_gradients(args: argparse.Namespace) -> None:
+def _refuse_fp16_gradients(args: EstimateRequest) -> None:
     """fp16 autocast over a float16 model: the Trainer's GradScaler refuses the float16 gradients
     at the first step (torch/amp/grad_scaler.py `_unscale_grads_`), unless only float32 adapters
     train (`--lora-r`: PEFT keeps them float32)."""
@@ -232,8 +235,8 @@ def _refuse_fp16_gradients(args: argparse.Namespace) -> None:
                          "--precision autocast-bf16, or --precision fp16 (trained in float16 without autocast)")
 
 
-def resolve_optimizers(args: argparse.Namespace) -> None:
-    """Check `--optimizers` against the Trainer's names, aliases resolved, in place.
+def resolve_optimizers(args: EstimateRequest) -> EstimateRequest:
+    """The request with `--optimizers` checked against the Trainer's names, aliases resolved.
 
     Raises:
         ValueError: `argument --optimizers: optimizer 'x' is not one of: ...`.
@@ -241,6 +244,6 @@ def resolve_optimizers(args: argparse.Namespace) -> None:
     from trainer_memcb.plan.optimizers.whatif import resolve_optimizer_names
 
     try:
-        args.optimizers = resolve_optimizer_names(args.optimizers)
+        return dataclasses.replace(args, optimizers=resolve_optimizer_names(args.optimizers))
     except ValueError as error:
         raise ValueError(f"argument --optimizers: {error}") from None

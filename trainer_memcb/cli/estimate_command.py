@@ -11,10 +11,10 @@ from typing import Any, Dict, Optional
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.deferred_compile import defer_bitsandbytes_compilation
-from trainer_memcb.cli.device_options import (DEFAULT_DEVICE_TYPE, alloc_conf_of, apply_gpu, cuda_context_bytes,
-                                               reserve_bytes)
-from trainer_memcb.cli.estimate_asked import EstimateQuestions, needs_peft, needs_torchao, step_asked
+from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes, reserve_bytes
+from trainer_memcb.cli.estimate_asked import needs_peft, needs_torchao, step_asked
 from trainer_memcb.cli.estimate_checks import check_options
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FOUND, EXIT_UNTRACEABLE, KnownFailure,
                                         UsageError, say)
 from trainer_memcb.cli.fit_options import check_fit_options
@@ -46,7 +46,7 @@ def _step_status(found: StepAnswer) -> int:
     return EXIT_DONE
 
 
-def _fit_status(search: Any, args: argparse.Namespace, status: int) -> int:
+def _fit_status(search: Any, args: EstimateRequest, status: int) -> int:
     """With --fit: write the first proposal where asked; 0 when the step fits as is or a proposal
     fits, else 3 with the nearest miss named in one line (an untraceable own step stays 5)."""
     if status == EXIT_UNTRACEABLE:
@@ -92,7 +92,7 @@ def _without_verdict(states: Any) -> Any:
         dataclasses.replace(entry, fits=None, margin_bytes=None) for entry in states.optimizers])
 
 
-def _with_memory(document: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+def _with_memory(document: Dict[str, Any], args: EstimateRequest) -> Dict[str, Any]:
     """The model-states plan's JSON, with the device's memory and the reserve its fits? left out."""
     if args.device_memory is not None:
         document = {**document, "device_memory_bytes": args.device_memory, "reserve_bytes": reserve_bytes(args),
@@ -120,29 +120,30 @@ class EstimateAnswer:
 
 
 def estimate_command(args: argparse.Namespace) -> int:
-    """`trainer-memcb estimate`: the options checked (before torch is imported), the plans
-    gathered, printed as tables or JSON, and the exit code of their verdict."""
+    """`trainer-memcb estimate`: the parsed options read once as a request (`EstimateRequest`) and
+    checked (before torch is imported), the plans gathered, printed as tables or JSON, and the exit
+    code of their verdict."""
+    request = EstimateRequest.of(args)
     try:  # the command line alone, before torch and transformers are imported
-        apply_gpu(args)  # the preset's memory, unless --device-memory gives it
-        asked = EstimateQuestions.of(args)
-        check_options(args, asked)
-        check_fit_options(args, asked.step, asked.evaluation)
-        check_plan_files(args, asked.step)
-        replayed = (getattr(args, "device_type", None) or DEFAULT_DEVICE_TYPE) == "cuda"
+        check_options(request)
+        asked = request.questions
+        check_fit_options(request, asked.step, asked.evaluation)
+        check_plan_files(request, asked.step)
+        replayed = (request.device_type or DEFAULT_DEVICE_TYPE) == "cuda"
         if replayed and (asked.step or asked.evaluation):
-            alloc_conf_of(args)  # the environment's allocator settings, which the replay reads
+            alloc_conf_of(request)  # the environment's allocator settings, which the replay reads
     except ValueError as error:
         raise UsageError(str(error)) from None
-    missing = missing_folder(args.model)
+    missing = missing_folder(request.model)
     if missing is not None:  # a bad model folder (exit 1), before the imports it would wait on
         raise KnownFailure(missing)
-    answer = gather(args, asked)
-    render(answer, args)
-    _write_plan_files(answer, args)
-    return exit_status(answer, args)
+    answer = gather(request)
+    render(answer, request)
+    _write_plan_files(answer, request)
+    return exit_status(answer, request)
 
 
-def _write_plan_files(answer: EstimateAnswer, args: argparse.Namespace) -> None:
+def _write_plan_files(answer: EstimateAnswer, args: EstimateRequest) -> None:
     """--write-snapshot and --write-html: the step written, each file said in one line on stderr.
 
     Raises:
@@ -164,8 +165,8 @@ def _write_plan_files(answer: EstimateAnswer, args: argparse.Namespace) -> None:
         say(line)
 
 
-def gather(args: argparse.Namespace, asked: EstimateQuestions) -> EstimateAnswer:
-    """The plans the options ask for (`asked`). Everything that imports transformers and the optimizers'
+def gather(args: EstimateRequest) -> EstimateAnswer:
+    """The plans the options ask for (`EstimateRequest.questions`). Everything that imports transformers and the optimizers'
     libraries runs with their chatter held back, and a terminal shows what is being done (stderr
     only).
 
@@ -183,8 +184,9 @@ def gather(args: argparse.Namespace, asked: EstimateQuestions) -> EstimateAnswer
         from trainer_memcb.plan.settings import SettingsFileError
 
         try:
-            resolve_optimizers(args)
-            check_settings_values(args, asked.evaluation)  # the settings files' values, before the model is built
+            asked = args.questions
+            args = resolve_optimizers(args)
+            check_settings_values(args)  # the settings files' values, before the model is built
             if not (asked.step or asked.evaluation):
                 if asked.plan:
                     return EstimateAnswer("model states", result=estimate_plan(args))
@@ -206,7 +208,7 @@ def gather(args: argparse.Namespace, asked: EstimateQuestions) -> EstimateAnswer
                           evaluation_fit=evaluation_fit)
 
 
-def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
+def render(answer: EstimateAnswer, args: EstimateRequest) -> None:
     """Print the answer: tables, or with --json one document in the schema's version."""
     from trainer_memcb.cli.estimate_schema import with_schema
     from trainer_memcb.cli.eval_estimate import eval_fit_tables, eval_tables
@@ -246,7 +248,7 @@ def render(answer: EstimateAnswer, args: argparse.Namespace) -> None:
                      else estimate_tables(answer.result), sys.stdout)
 
 
-def exit_status(answer: EstimateAnswer, args: argparse.Namespace) -> int:
+def exit_status(answer: EstimateAnswer, args: EstimateRequest) -> int:
     """The exit code of the answer's one verdict, after --fit's files are written where asked."""
     from trainer_memcb.cli.fit_table import fit_failure
 

@@ -4,9 +4,9 @@ step's traces take their models from."""
 
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING, Any, Optional
 
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.progress import say_progress
 
 if TYPE_CHECKING:
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = ["estimate_model", "check_lora_options", "quantization_of", "quantization_asked", "first_then_new"]
 
 
-def estimate_model(args: argparse.Namespace) -> Any:
+def estimate_model(args: EstimateRequest) -> Any:
     """The model the options describe, on the meta device: LoRA adapters and trainable names applied.
 
     Raises:
@@ -39,12 +39,12 @@ def estimate_model(args: argparse.Namespace) -> Any:
     return model
 
 
-def check_lora_options(args: argparse.Namespace) -> None:
+def check_lora_options(args: EstimateRequest) -> None:
     if args.lora_r is None and (args.lora_target_modules is not None or args.lora_modules_to_save is not None):
         raise ValueError("--lora-target-modules and --lora-modules-to-save need --lora-r (the adapters' rank)")
 
 
-def quantization_of(args: argparse.Namespace) -> Optional[Quantization]:
+def quantization_of(args: EstimateRequest) -> Optional[Quantization]:
     """The base model's loading (QLoRA), or None.
 
     Raises:
@@ -63,7 +63,7 @@ def quantization_of(args: argparse.Namespace) -> Optional[Quantization]:
                         compute_dtype=resolve_dtype(args.bnb_4bit_compute_dtype))
 
 
-def quantization_asked(args: argparse.Namespace) -> bool:
+def quantization_asked(args: EstimateRequest) -> bool:
     """Whether the options load the base model quantized, once its options are checked (from the
     command line alone, before torch is imported).
 
@@ -93,7 +93,7 @@ def quantization_asked(args: argparse.Namespace) -> bool:
     return True
 
 
-def _needs_adapters(args: argparse.Namespace, flag: str) -> None:
+def _needs_adapters(args: EstimateRequest, flag: str) -> None:
     """transformers' trainer_utils.validate_quantization_for_training, called by Trainer.__init__:
     a quantized base model trains only with adapters."""
     if getattr(args, "lora_r", None) is None:

@@ -4,13 +4,13 @@ keep --dtype under autocast."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Any, Dict
 
 from trainer_memcb.cli.choices import DEFAULT_OPTIMIZERS, TRL_TRAINERS
 from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, reserve_bytes
 from trainer_memcb.cli.estimate_model import quantization_asked
+from trainer_memcb.cli.estimate_request import EstimateRequest
 
 __all__ = ["step_settings", "plan_precision", "autocast_keeps_dtype", "DTYPE_SOURCE", "precision_from_dtype"]
 
@@ -22,7 +22,7 @@ DTYPE_SOURCE = "--dtype (no mixed precision in the training args)"
 _DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def plan_precision(args: argparse.Namespace) -> str:
+def plan_precision(args: EstimateRequest) -> str:
     return args.precision or _DTYPE_PRECISION[args.dtype or "float32"]
 
 
@@ -32,7 +32,7 @@ def precision_from_dtype(sources: Dict[str, str]) -> bool:
     return sources.get("precision", "default") in ("flag", DTYPE_SOURCE)
 
 
-def autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str) -> bool:
+def autocast_keeps_dtype(args: EstimateRequest, precision: str, sharding: str) -> bool:
     """Whether the parameters keep --dtype under the Trainer's autocast (bf16=True / fp16=True).
 
     accelerate's `prepare_model` wraps the forward in autocast and casts no parameter, so a model
@@ -43,7 +43,7 @@ def autocast_keeps_dtype(args: argparse.Namespace, precision: str, sharding: str
             and not str(sharding).startswith("fsdp") and not quantization_asked(args))
 
 
-def step_settings(args: argparse.Namespace, model: Any) -> Any:
+def step_settings(args: EstimateRequest, model: Any) -> Any:
     """The step plan's settings: `--training-args`, `--deepspeed`, `--fsdp-config`, then the flags
     given explicitly (each value's source kept)."""
     from trainer_memcb.plan.settings import resolve_settings
@@ -97,7 +97,7 @@ def step_settings(args: argparse.Namespace, model: Any) -> Any:
     return dataclasses.replace(settings, sources=sources)
 
 
-def _trl_config(args: argparse.Namespace, trainer: str, flags: Dict[str, Any]) -> Dict[str, Any]:
+def _trl_config(args: EstimateRequest, trainer: str, flags: Dict[str, Any]) -> Dict[str, Any]:
     """The `TrainingArguments` values of `--trainer`'s TRL config (a path, or with --fit a proposal's
     values: `trainer_memcb.cli.fit_table.estimate_fit`); its step set in `flags["preference"]`, and
     for SFT the micro-batch's shape its collator makes (`trainer_memcb.cli.sft_config.sft_batch_shape`)."""
@@ -118,7 +118,7 @@ def _trl_config(args: argparse.Namespace, trainer: str, flags: Dict[str, Any]) -
     return training_args
 
 
-def _padding_free_sources(args: argparse.Namespace) -> Dict[str, str]:
+def _padding_free_sources(args: EstimateRequest) -> Dict[str, str]:
     """Where a padding-free SFT step's batch comes from: the SFTConfig's collator, one row."""
     sources = {"batch_size": "SFTConfig (padding-free: one row)"}
     if getattr(args, "packing", None) is None:
@@ -139,7 +139,7 @@ def _trl_config_reader(trainer: str) -> Any:
             "grpo": (grpo_settings, "GRPOConfig"), "rloo": (rloo_settings, "RLOOConfig")}[trainer]
 
 
-def _step_shape_and_device(args: argparse.Namespace) -> Dict[str, Any]:
+def _step_shape_and_device(args: EstimateRequest) -> Dict[str, Any]:
     """The micro-batch's shape and the device as the options give them: the reserve with
     --device-memory (the command's default without --reserve), the allocator's settings on CUDA
     (--alloc-conf, else the environment's, read once here)."""
@@ -156,7 +156,7 @@ def _step_shape_and_device(args: argparse.Namespace) -> Dict[str, Any]:
     return {key: value for key, value in given.items() if value is not None}
 
 
-def _not_flags(args: argparse.Namespace, settings: Any) -> Dict[str, str]:
+def _not_flags(args: EstimateRequest, settings: Any) -> Dict[str, str]:
     """The sources of the values the command chose itself: its reserve, the environment's allocator settings."""
     sources = {}
     if "reserve_bytes" in settings.sources and getattr(args, "reserve", None) is None:

@@ -3,13 +3,13 @@ options of `trainer-memcb estimate`."""
 
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING
 
 from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_asked import ENGINE_FILES, parameter_count
 from trainer_memcb.cli.estimate_checks import check_count_options, refuse_what_if_of_a_count
 from trainer_memcb.cli.estimate_model import estimate_model
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, plan_precision, precision_from_dtype, step_settings
 from trainer_memcb.cli.progress import say_progress
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["estimate_plan", "estimate_what_if"]
 
 
-def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
+def estimate_plan(args: EstimateRequest) -> ModelStatesPlan:
     """The model-states plan for the model (or parameter count) and setup the options describe.
 
     The optimizers get `--optim-args` and `--optim-target-modules` as in the what-if. Without
@@ -63,7 +63,7 @@ def estimate_plan(args: argparse.Namespace) -> ModelStatesPlan:
                              keep_dtypes=keep_dtypes, reference_model=args.reference_model)
 
 
-def estimate_what_if(args: argparse.Namespace) -> WhatIf:
+def estimate_what_if(args: EstimateRequest) -> WhatIf:
     """Build the model the options describe on the meta device, and its what-if.
 
     Raises:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -15,6 +14,7 @@ from trainer_memcb.cli.collector import freeze_what_the_plan_keeps, freeze_what_
 from trainer_memcb.cli.device_options import usable_memory
 from trainer_memcb.cli.estimate_checks import NEEDS_SEQ_LEN, check_search_options
 from trainer_memcb.cli.estimate_model import estimate_model, first_then_new, quantization_of
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.estimate_settings import autocast_keeps_dtype, precision_from_dtype, step_settings
 from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.cli.step_answer import StepAnswer
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["estimate_step", "fullest_process", "ranks_to_plan", "tp_groups_to_plan", "with_rank_groups"]
 
 
-def estimate_step(args: argparse.Namespace) -> Dict[str, Any]:
+def estimate_step(args: EstimateRequest) -> Dict[str, Any]:
     """The step plan (and the model-states plan) for the options: a dict of plans and the search.
 
     Raises:
@@ -56,7 +56,7 @@ class _StepTraces:
         config: the model's config (its sizes say which tensor-parallel ranks hold equal shards).
     """
 
-    args: argparse.Namespace
+    args: EstimateRequest
     build_model: Callable[[], Any]
     quantization: Optional[Quantization]
     states: ModelStatesPlan
@@ -65,7 +65,7 @@ class _StepTraces:
     config: Any = None
 
 
-def _estimate_step(args: argparse.Namespace) -> StepAnswer:
+def _estimate_step(args: EstimateRequest) -> StepAnswer:
     check_search_options(args)
     from trainer_memcb.plan.answers.max_batch import LargestBatch, max_batch_size, trainer_batches
     from trainer_memcb.plan.answers.step_memory import states_during_step
@@ -96,7 +96,7 @@ def _estimate_step(args: argparse.Namespace) -> StepAnswer:
     return StepAnswer(states, step, largest_batch=largest, fit=fit, largest_step=traced if step is None else None)
 
 
-def _step_traces(args: argparse.Namespace, memory: Optional[int]) -> Tuple[_StepTraces, Any]:
+def _step_traces(args: EstimateRequest, memory: Optional[int]) -> Tuple[_StepTraces, Any]:
     """The model the options describe, built once (checking the options) with its states planned,
     and the step's settings: what the traces share, and the settings they start from."""
     from trainer_memcb.plan.answers.model_states import plan_model_states
@@ -193,7 +193,7 @@ def _estimate_fit(traces: _StepTraces, settings: Any, memory: Optional[int]) -> 
                         estimate_model=estimate_model, step_settings=step_settings)
 
 
-def _states_for(args: argparse.Namespace, keep_dtypes: bool, planned: Dict[Any, ModelStatesPlan],
+def _states_for(args: EstimateRequest, keep_dtypes: bool, planned: Dict[Any, ModelStatesPlan],
                 at: Any) -> ModelStatesPlan:
     """The model-states plan of a --fit proposal's settings `at`, on a model built anew; `planned`
     keeps each one made, by what it reads of `at` (its optimizer, its setup, the reference model):

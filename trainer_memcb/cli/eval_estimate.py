@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 # The options are parsed and checked before torch is imported: the plan's modules are imported
 # inside the functions that use them.
 from trainer_memcb.cli.choices import EVAL_LOGITS, positive_int
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.output import TextTable, bytes_cell
 from trainer_memcb.cli.progress import say_progress
 from trainer_memcb.utils.units import parse_size
@@ -63,7 +64,7 @@ _EVAL_ONLY = (("eval_batch_size", "--eval-batch-size"), ("eval_accumulation_step
               ("eval_include_inputs", "--eval-include-inputs"), ("host_memory", "--host-memory"))
 
 
-def check_eval_options(args: argparse.Namespace, evaluation: bool) -> None:
+def check_eval_options(args: EstimateRequest, evaluation: bool) -> None:
     """Refuse the evaluation plan's options where the evaluation plan is not asked for (`evaluation`:
     `--eval-samples`).
 
@@ -98,7 +99,7 @@ def training_arguments_from_file(path: Optional[str]) -> Any:
         raise ValueError(f"--training-args {path}: {' '.join(str(error).split())[:300]}") from None
 
 
-def _settings(args: argparse.Namespace, in_train: bool = False) -> EvalSettings:
+def _settings(args: EstimateRequest, in_train: bool = False) -> EvalSettings:
     from trainer_memcb.plan.answers.eval_memory import eval_settings_from_args
 
     training = training_arguments_from_file(getattr(args, "training_args", None))
@@ -118,7 +119,7 @@ def _settings(args: argparse.Namespace, in_train: bool = False) -> EvalSettings:
     return replace(settings, **changes)
 
 
-def estimate_evaluation(args: argparse.Namespace, build_model: Any,
+def estimate_evaluation(args: EstimateRequest, build_model: Any,
                         states: Optional[ModelStatesPlan] = None, reserve: int = 0) -> EvalMemoryPlan:
     """The evaluation plan for the options (`eval_planner`'s, at the options' settings).
 
@@ -131,7 +132,7 @@ def estimate_evaluation(args: argparse.Namespace, build_model: Any,
     return eval_planner(args, build_model, states, reserve)(_settings(args, in_train=states is not None))
 
 
-def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[ModelStatesPlan] = None,
+def eval_planner(args: EstimateRequest, build_model: Any, states: Optional[ModelStatesPlan] = None,
                  reserve: int = 0) -> Callable[[EvalSettings], EvalMemoryPlan]:
     """`plan(settings) -> EvalMemoryPlan`: the evaluation plan of the options' model and memory at
     any `EvalSettings` (`--fit`'s proposals are planned by it).
@@ -174,7 +175,7 @@ def eval_planner(args: argparse.Namespace, build_model: Any, states: Optional[Mo
     return plan
 
 
-def eval_fit(args: argparse.Namespace, build_model: Any, evaluation: EvalMemoryPlan,
+def eval_fit(args: EstimateRequest, build_model: Any, evaluation: EvalMemoryPlan,
              states: Optional[ModelStatesPlan] = None, reserve: int = 0) -> Optional[FitSearch]:
     """With --fit: smaller eval batches and `eval_accumulation_steps`, each planned by `eval_planner`
     (`trainer_memcb.plan.answers.eval_fit.search_eval_fits`); None when the own could not be planned."""

@@ -11,6 +11,7 @@ import os
 from typing import List
 
 from trainer_memcb.cli.choices import ALLOWED_CHANGES, positive_int
+from trainer_memcb.cli.estimate_request import EstimateRequest
 
 __all__ = ["add_fit_arguments", "check_fit_options"]
 
@@ -45,7 +46,7 @@ def add_fit_arguments(estimate: argparse.ArgumentParser) -> None:
     group.add_argument("--force", action="store_true", help="replace files that --write-* name")
 
 
-def check_fit_options(args: argparse.Namespace, step_asked: bool, eval_asked: bool = False) -> None:
+def check_fit_options(args: EstimateRequest, step_asked: bool, eval_asked: bool = False) -> None:
     """Refuse --fit's options where they cannot act, and a destination that cannot be written,
     before anything is planned.
 

@@ -9,11 +9,11 @@ prints and writes the answer.
 
 from __future__ import annotations
 
-import argparse
-import copy
+import dataclasses
 import json
 from typing import Any, Callable, Dict, List, Optional
 
+from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.output import TextTable, bytes_cell
 from trainer_memcb.plan.answers.fit import (
     FitCandidate,
@@ -30,7 +30,7 @@ from trainer_memcb.utils.units import format_bytes
 __all__ = ["estimate_fit", "fit_tables", "fit_json", "fit_failure", "write_first_proposal"]
 
 
-def _user_files(args: argparse.Namespace) -> tuple:
+def _user_files(args: EstimateRequest) -> tuple:
     from trainer_memcb.plan.settings.step_settings import read_json_file
 
     user_args = read_json_file(args.training_args, "training args") if args.training_args else {}
@@ -40,7 +40,7 @@ def _user_files(args: argparse.Namespace) -> tuple:
     return user_args, deepspeed
 
 
-def own_setting(settings: Any, args: argparse.Namespace) -> tuple:
+def own_setting(settings: Any, args: EstimateRequest) -> tuple:
     """The user's own setting as a `TrainingArguments` dict and a DeepSpeed config (or None),
     whatever gave it (their files, the flags)."""
     user_args, deepspeed = _user_files(args)
@@ -70,9 +70,9 @@ def own_setting(settings: Any, args: argparse.Namespace) -> tuple:
     return own, deepspeed
 
 
-def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_ranks: Callable[..., StepMemoryPlan],
-                 plan_for_states: Callable[[Any], Any], estimate_model: Callable[[argparse.Namespace], Any],
-                 step_settings: Callable[[argparse.Namespace, Any], Any]) -> FitSearch:
+def estimate_fit(args: EstimateRequest, settings: Any, usable: int, plan_ranks: Callable[..., StepMemoryPlan],
+                 plan_for_states: Callable[[Any], Any], estimate_model: Callable[[EstimateRequest], Any],
+                 step_settings: Callable[[EstimateRequest, Any], Any]) -> FitSearch:
     """The search for the options, each proposal planned as `--training-args` and `--deepspeed`
     files holding it would be planned with the command's other flags (`step_settings`, the
     command's own reading of them; `estimate_model` builds the model the options describe)."""
@@ -83,22 +83,23 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
     own, own_deepspeed = own_setting(settings, args)
 
     def planner(training_args: Dict[str, Any], deepspeed: Optional[Dict[str, Any]], **extra: Any) -> StepMemoryPlan:
-        given = copy.copy(args)
-        given.training_args, given.deepspeed, given.fsdp_config = training_args, deepspeed, None
-        given.batch_size, given.gradient_checkpointing, given.optimizers = None, False, list(DEFAULT_OPTIMIZERS)
-        given.zero = given.sharding = given.parallelism = None
-        given.offload_optimizer = given.offload_params = False
         # The file says bf16/fp16 (autocast or DeepSpeed's); a model loaded in 16 bits stays a flag.
-        given.precision = settings.precision if settings.precision in ("bf16", "fp16") else None
+        changed: Dict[str, Any] = dict(
+            training_args=training_args, deepspeed=deepspeed, fsdp_config=None, batch_size=None,
+            gradient_checkpointing=False, optimizers=list(DEFAULT_OPTIMIZERS), zero=None, sharding=None,
+            parallelism=None, offload_optimizer=False, offload_params=False,
+            precision=settings.precision if settings.precision in ("bf16", "fp16") else None)
         more: Dict[str, Any] = {}
         if "seq_len" in extra:  # the settings' too: a padding-free SFT row is the batch x seq_len tokens
-            more["seq_len"] = given.seq_len = extra["seq_len"]
+            more["seq_len"] = changed["seq_len"] = extra["seq_len"]
         if "alloc_conf" in extra:
             more["alloc_conf"] = extra["alloc_conf"]
         if "attn_implementation" in extra:
-            given.attn_implementation = extra["attn_implementation"]
+            changed["attn_implementation"] = extra["attn_implementation"]
         if extra.get("lora_r"):
-            given.lora_r = extra["lora_r"]
+            changed["lora_r"] = extra["lora_r"]
+        given = dataclasses.replace(args, **changed)
+        if extra.get("lora_r"):
             more["build"] = lambda: estimate_model(given)
         if extra.get("load_in_4bit"):
             from trainer_memcb.plan.model.quantized import Quantization
@@ -123,7 +124,7 @@ def estimate_fit(args: argparse.Namespace, settings: Any, usable: int, plan_rank
                        **_layout_options(args, settings, model, value_bytes, device_type))
 
 
-def _layout_options(args: argparse.Namespace, settings: Any, model: Any, value_bytes: int,
+def _layout_options(args: EstimateRequest, settings: Any, model: Any, value_bytes: int,
                     device_type: str) -> Dict[str, Any]:
     """`search_fits`'s tensor-parallel sizes and what its collectives' cost is read from: the links
     of `--gpu` (CUDA only) on `--nodes`, the model's shape and its parameters' bytes."""
@@ -363,7 +364,7 @@ def _write(path: str, data: bytes, force: bool) -> None:
         raise ValueError(text) from None
 
 
-def _write_accelerate_config(first: FitCandidate, args: argparse.Namespace, path: str, said: List[str]) -> None:
+def _write_accelerate_config(first: FitCandidate, args: EstimateRequest, path: str, said: List[str]) -> None:
     """Write `first`'s accelerate config to `path` where it has one; say what was done."""
     from trainer_memcb.cli.accelerate_config import accelerate_config_of, accelerate_config_text
 
@@ -376,7 +377,7 @@ def _write_accelerate_config(first: FitCandidate, args: argparse.Namespace, path
     said.append(f"wrote {path}: the accelerate config of {first.label} (accelerate launch --config_file {path})")
 
 
-def write_first_proposal(search: FitSearch, args: argparse.Namespace) -> List[str]:
+def write_first_proposal(search: FitSearch, args: EstimateRequest) -> List[str]:
     """Write the user's own setting when it fits, else the first proposal that fits
     (`--write-training-args`, `--write-deepspeed`, `--write-accelerate-config`); the lines to say
     about it. The TrainingArguments JSON names the DeepSpeed file when both are written.

@@ -12,9 +12,10 @@ symbolic link (`trainer_memcb.utils.safe_io.atomic_write`).
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any, List
+
+from trainer_memcb.cli.estimate_request import EstimateRequest
 
 __all__ = ["FILE_OPTIONS", "check_plan_files", "write_plan_files"]
 
@@ -22,7 +23,7 @@ __all__ = ["FILE_OPTIONS", "check_plan_files", "write_plan_files"]
 FILE_OPTIONS = (("write_snapshot", "--write-snapshot"), ("write_html", "--write-html"))
 
 
-def check_plan_files(args: argparse.Namespace, step_asked: bool) -> None:
+def check_plan_files(args: EstimateRequest, step_asked: bool) -> None:
     """Refuse `--write-snapshot` and `--write-html` where they cannot be written, before anything
     is planned.
 
@@ -54,7 +55,7 @@ def check_plan_files(args: argparse.Namespace, step_asked: bool) -> None:
         raise ValueError(f"--write-snapshot and --write-html name the same file {paths[0]}")
 
 
-def write_plan_files(step: Any, args: argparse.Namespace) -> List[str]:
+def write_plan_files(step: Any, args: EstimateRequest) -> List[str]:
     """Write the files asked for of `step` (a `StepMemoryPlan`, or None when no step was planned:
     `--max-batch-size` found no batch that fits); the lines to say about them.
 
