@@ -9,11 +9,13 @@ import dataclasses
 import os
 
 from trainer_memcb.cli.choices import TRL_TRAINERS
-from trainer_memcb.cli.device_options import usable_memory
+from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, usable_memory
 from trainer_memcb.cli.estimate_asked import parameter_count
 from trainer_memcb.cli.estimate_model import check_lora_options, quantization_asked
 from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.estimate_settings import step_settings
+from trainer_memcb.cli.fit_options import check_fit_options
+from trainer_memcb.cli.plan_files import check_plan_files
 from trainer_memcb.cli.eval_estimate import EVAL_NEEDS_SEQ_LEN
 
 __all__ = ["check_options", "check_settings_values", "resolve_optimizers", "check_search_options", "check_count_options",
@@ -37,9 +39,11 @@ _EVAL_FLAGS = ("--seq-len", "--attn-implementation", "--device-type")
 
 
 def check_options(args: EstimateRequest) -> None:
-    """Refuse options that would have no effect on what the command answers (the plans asked,
-    `EstimateRequest.questions`), and a step plan of a bare parameter count, which has no model to
-    trace.
+    """Every check of the command line, in one place: options that would have no effect on what
+    the command answers (the plans asked, `EstimateRequest.questions`), a step plan of a bare
+    parameter count, which has no model to trace, --fit's and the plan files' options and
+    destinations (`check_fit_options`, `check_plan_files`), and the environment's allocator
+    settings where the step is replayed on CUDA.
 
     Raises:
         ValueError: one line naming the option and what it needs.
@@ -82,6 +86,10 @@ def check_options(args: EstimateRequest) -> None:
     _check_trainer(args, asked.step)
     _check_layout_flags(args)
     _check_settings_files(args)
+    check_fit_options(args)
+    check_plan_files(args)
+    if (args.device_type or DEFAULT_DEVICE_TYPE) == "cuda" and (asked.step or asked.evaluation):
+        alloc_conf_of(args)  # the environment's allocator settings, which the replay reads
 
 
 def _check_layout_flags(args: EstimateRequest) -> None:

@@ -11,15 +11,13 @@ from typing import Any, Dict, Optional
 
 from trainer_memcb.cli.collector import freeze_what_was_imported
 from trainer_memcb.cli.deferred_compile import defer_bitsandbytes_compilation
-from trainer_memcb.cli.device_options import DEFAULT_DEVICE_TYPE, alloc_conf_of, cuda_context_bytes, reserve_bytes
+from trainer_memcb.cli.device_options import cuda_context_bytes, reserve_bytes
 from trainer_memcb.cli.estimate_asked import needs_peft, needs_torchao, step_asked
 from trainer_memcb.cli.estimate_checks import check_options
 from trainer_memcb.cli.estimate_request import EstimateRequest
 from trainer_memcb.cli.failures import (EXIT_DONE, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FOUND, EXIT_UNTRACEABLE, KnownFailure,
                                         UsageError, say)
-from trainer_memcb.cli.fit_options import check_fit_options
 from trainer_memcb.cli.output import print_json, print_tables
-from trainer_memcb.cli.plan_files import check_plan_files
 from trainer_memcb.cli.progress import showing_progress
 from trainer_memcb.cli.quiet import quiet_output
 from trainer_memcb.cli.step_answer import StepAnswer, answers_document
@@ -126,12 +124,6 @@ def estimate_command(args: argparse.Namespace) -> int:
     request = EstimateRequest.of(args)
     try:  # the command line alone, before torch and transformers are imported
         check_options(request)
-        asked = request.questions
-        check_fit_options(request, asked.step, asked.evaluation)
-        check_plan_files(request, asked.step)
-        replayed = (request.device_type or DEFAULT_DEVICE_TYPE) == "cuda"
-        if replayed and (asked.step or asked.evaluation):
-            alloc_conf_of(request)  # the environment's allocator settings, which the replay reads
     except ValueError as error:
         raise UsageError(str(error)) from None
     missing = missing_folder(request.model)

@@ -46,7 +46,7 @@ def add_fit_arguments(estimate: argparse.ArgumentParser) -> None:
     group.add_argument("--force", action="store_true", help="replace files that --write-* name")
 
 
-def check_fit_options(args: EstimateRequest, step_asked: bool, eval_asked: bool = False) -> None:
+def check_fit_options(args: EstimateRequest) -> None:
     """Refuse --fit's options where they cannot act, and a destination that cannot be written,
     before anything is planned.
 
@@ -63,7 +63,7 @@ def check_fit_options(args: EstimateRequest, step_asked: bool, eval_asked: bool 
             raise ValueError(f"{option} has no effect without --fit")
     if not fit:
         return
-    if not (step_asked or eval_asked):
+    if not (args.questions.step or args.questions.evaluation):
         raise ValueError("--fit needs the step plan: --batch-size (or per_device_train_batch_size in --training-args), "
                          "or the evaluation plan: --eval-samples")
     if args.device_memory is None:

@@ -23,7 +23,7 @@ __all__ = ["FILE_OPTIONS", "check_plan_files", "write_plan_files"]
 FILE_OPTIONS = (("write_snapshot", "--write-snapshot"), ("write_html", "--write-html"))
 
 
-def check_plan_files(args: EstimateRequest, step_asked: bool) -> None:
+def check_plan_files(args: EstimateRequest) -> None:
     """Refuse `--write-snapshot` and `--write-html` where they cannot be written, before anything
     is planned.
 
@@ -36,7 +36,7 @@ def check_plan_files(args: EstimateRequest, step_asked: bool) -> None:
         path = getattr(args, name, None)
         if path is None:
             continue
-        if not step_asked:
+        if not args.questions.step:
             raise ValueError(f"{option} writes the planned step: it needs the step plan (--batch-size or "
                              "--max-batch-size)")
         if name == "write_snapshot" and getattr(args, "device_type", None) == "cpu":
