@@ -210,7 +210,7 @@ def _ring_is_traced(model: Any, settings: Any, share: int) -> bool:
     GPU before Ampere) where its padded logsumexp merges (`ring_refusal`), not math."""
     from trainer_memcb.plan.device.cuda_kernels import sdpa_backend
     from trainer_memcb.plan.step.ring_attention import ring_refusal
-    from trainer_memcb.plan.step.trace import compute_capability_of
+    from trainer_memcb.plan.device.gpus import compute_capability_of
 
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -221,8 +221,8 @@ def _ring_is_traced(model: Any, settings: Any, share: int) -> bool:
     # The attention's dtype: autocast and DeepSpeed run it in their 16-bit dtype.
     dtype = ("float32" if settings.precision == "fp32" else "bfloat16" if "bf16" in settings.precision
              else "float16")
-    backend = sdpa_backend(dtype, head_dim, has_mask=False, is_causal=True, compute_capability=compute_capability_of(settings),
-                           seq_len_q=share, seq_len_k=share)
+    backend = sdpa_backend(dtype, head_dim, has_mask=False, is_causal=True,
+                           compute_capability=compute_capability_of(settings.gpu), seq_len_q=share, seq_len_k=share)
     return ring_refusal(backend, share) is None
 
 

@@ -33,7 +33,8 @@ from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, Pl
                                                   StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, step_replayer
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
-from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, gpu_preset
+from trainer_memcb.plan.device.gpus import (DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, compute_capability_of,
+                                            gpu_preset)
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
@@ -365,9 +366,7 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
 def _check_flash_attention_3(settings: StepSettings) -> None:
     """Refuse flash_attention_3 on a GPU whose FA3 kernels are not planned (`fa3_refusal`: Ampere,
     Ada and Hopper are)."""
-    from trainer_memcb.plan.step.trace import compute_capability_of
-
-    compute_capability = compute_capability_of(settings)
+    compute_capability = compute_capability_of(settings.gpu)
     refusal = fa3_refusal(compute_capability)
     if refusal is not None:
         gpu = f"--gpu {settings.gpu}" if settings.gpu is not None else "no --gpu: an sm80 GPU assumed"

@@ -70,7 +70,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, compute_capability_of
 from trainer_memcb.plan.settings import StepSettings
 from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.compiled_step import COMPILED_NOT_COUNTED
@@ -95,7 +95,7 @@ from trainer_memcb.plan.model.value_reads import passed_checks, unpadded_batch
 from trainer_memcb.state.saved_tensors import SavedTensorsCounter
 from trainer_memcb.utils.collector_scope import collecting_only_what_it_makes
 
-__all__ = ["COMPILED_NOT_COUNTED", "trace_step", "compute_capability_of", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy",
+__all__ = ["COMPILED_NOT_COUNTED", "trace_step", "trace_step_once", "sharing_traces", "counting_flops", "model_fingerprint", "traced_micro_batches", "UntracedStep", "fake_copy",
            "ATTENTION_PATHS", "DEVICE_TYPES", "MAX_GRAD_NORM"]
 
 ATTENTION_PATHS = ("eager", "sdpa")
@@ -692,7 +692,7 @@ def model_fingerprint(meta: nn.Module) -> Tuple[Any, ...]:
 def _keys(meta: nn.Module, settings: StepSettings, options: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
     """The step's key in `sharing_traces` (what changes the step; where each setting came from
     changes nothing), and the key of its forward and backward (the same, its optimizer left out)."""
-    model, rest = model_fingerprint(meta), repr((sorted(options.items()), compute_capability_of(settings)))
+    model, rest = model_fingerprint(meta), repr((sorted(options.items()), compute_capability_of(settings.gpu)))
     # Nor do the device's memory, the reserve, the allocator's settings and the GPU's name (its
     # compute capability, which picks the attention kernels, is among the options).
     unsourced = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
@@ -901,7 +901,7 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     input_options = dict(target_len=settings.target_len, image_size=settings.image_size, padding=padding)
     if settings.packing is not None:
         input_options["packing"] = settings.packing
-    compute_capability = compute_capability_of(settings)
+    compute_capability = compute_capability_of(settings.gpu)
     kept: Optional[List[_Prefix]] = [] if shared is not None else None
     engine = engine_for(settings)
     mode = fake_tensor_mode()
@@ -954,14 +954,6 @@ def _trl_lm_heads(model: nn.Module, ref_model: Optional[nn.Module], preference: 
         preference.fuse_lm_heads(model, ref_model)
 
 
-def compute_capability_of(settings: StepSettings) -> Tuple[int, int]:
-    """The compute capability of the settings' GPU (the attention kernels and the cuBLAS workspaces
-    it picks), `DEFAULT_COMPUTE_CAPABILITY` without one."""
-    from trainer_memcb.plan.device.gpus import gpu_preset
-
-    return gpu_preset(settings.gpu).compute_capability if settings.gpu is not None else DEFAULT_COMPUTE_CAPABILITY
-
-
 def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
     """The contexts a fake step runs in around its own: MoE's grouped products in any dtype, the
     batch read as unpadded (where `padding` is 0; its positions as packed with `packing`), the model's value checks passed, and on "cuda"
@@ -969,7 +961,7 @@ def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
     flash-attn's kernels as stand-ins (`plan.step.flash_attn`, `plan.step.flash_attn3`)."""
     implementation = (settings.attn_implementation if settings.attn_implementation == "flash_attention_3"
                       or is_planned_hub_flash(settings.attn_implementation) else "flash_attention_2")
-    flash = (flash_attention_as_cuda(compute_capability_of(settings), _preset_name(settings.gpu), padding,
+    flash = (flash_attention_as_cuda(compute_capability_of(settings.gpu), _preset_name(settings.gpu), padding,
                                      implementation)
              if settings.device_type == "cuda" else contextlib.nullcontext())
     # A packed row's positions restart: transformers' packed mask is the real run's path too.
@@ -988,7 +980,7 @@ def _liger_kernels(model: nn.Module, settings: StepSettings) -> List[Any]:
         # fused LM head in place of the fused loss; the layer kernels on the policy alone.
         config = dict(config or {}, fused_linear_cross_entropy=False)
     sm_count = SM_COUNTS.get(_preset_name(settings.gpu) or "", DEFAULT_SM_COUNT)
-    return [liger_kernels_as_cuda(model, config, compute_capability_of(settings), sm_count)]
+    return [liger_kernels_as_cuda(model, config, compute_capability_of(settings.gpu), sm_count)]
 
 
 def _preset_name(gpu: Optional[str]) -> Optional[str]:
