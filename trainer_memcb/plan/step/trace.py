@@ -78,10 +78,8 @@ from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_f
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.step.ring_attention import ring_options
-from trainer_memcb.plan.settings.attention import is_planned_hub_flash
-from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_as_cuda
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
-from trainer_memcb.plan.step.liger_kernels import liger_kernels_as_cuda
+from trainer_memcb.plan.step.kernel_stand_ins import kernel_stand_ins
 from trainer_memcb.plan.step.engines import StepEngine, engine_class, engine_for
 from trainer_memcb.plan.step.flops import FlopCounting
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
@@ -925,7 +923,7 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
             _trl_lm_heads(model, ref_model, preference)
             build_optimizer, implementation = _optimizer_builder(settings.optimizer, args, device_type)
             with contextlib.ExitStack() as stack:
-                for context in _outer_contexts(padding, settings) + _liger_kernels(model, settings):
+                for context in _outer_contexts(padding, settings) + kernel_stand_ins(model, settings):
                     entered = stack.enter_context(context)
                     if isinstance(entered, KernelRuns):
                         kernel_runs.append(entered)
@@ -955,38 +953,12 @@ def _trl_lm_heads(model: nn.Module, ref_model: Optional[nn.Module], preference: 
 
 
 def _outer_contexts(padding: int, settings: StepSettings) -> List[Any]:
-    """The contexts a fake step runs in around its own: MoE's grouped products in any dtype, the
-    batch read as unpadded (where `padding` is 0; its positions as packed with `packing`), the model's value checks passed, and on "cuda"
-    transformers' `flash_attention_2`, `flash_attention_3` and the hub's flash-attn 2 kernels run by
-    flash-attn's kernels as stand-ins (`plan.step.flash_attn`, `plan.step.flash_attn3`)."""
-    implementation = (settings.attn_implementation if settings.attn_implementation == "flash_attention_3"
-                      or is_planned_hub_flash(settings.attn_implementation) else "flash_attention_2")
-    flash = (flash_attention_as_cuda(compute_capability_of(settings.gpu), _preset_name(settings.gpu), padding,
-                                     implementation)
-             if settings.device_type == "cuda" else contextlib.nullcontext())
+    """The contexts a fake step runs in around its own, before the GPU kernels' stand-ins
+    (`kernel_stand_ins`): MoE's grouped products in any dtype, the batch read as unpadded (where
+    `padding` is 0; its positions as packed with `packing`), the model's value checks passed."""
     # A packed row's positions restart: transformers' packed mask is the real run's path too.
     return [grouped_mm_any_dtype(), unpadded_batch(packed=settings.packing is not None) if not padding
-            else contextlib.nullcontext(), passed_checks(), flash]
-
-
-def _liger_kernels(model: nn.Module, settings: StepSettings) -> List[Any]:
-    """With `use_liger_kernel`, the Trainer's `apply_liger_kernel(model, liger_kernel_config)`, liger-kernel's
-    kernels stood in for as they run on the settings' GPU (`plan.step.liger_kernels`); none without."""
-    if not settings.use_liger_kernel:
-        return []
-    config = settings.liger_kernel_config
-    if settings.preference is not None:
-        # trl 1.16 DPOTrainer.__init__: `{**liger_kernel_config, "fused_linear_cross_entropy": False}`, its own
-        # fused LM head in place of the fused loss; the layer kernels on the policy alone.
-        config = dict(config or {}, fused_linear_cross_entropy=False)
-    sm_count = SM_COUNTS.get(_preset_name(settings.gpu) or "", DEFAULT_SM_COUNT)
-    return [liger_kernels_as_cuda(model, config, compute_capability_of(settings.gpu), sm_count)]
-
-
-def _preset_name(gpu: Optional[str]) -> Optional[str]:
-    from trainer_memcb.plan.device.gpus import gpu_preset
-
-    return gpu_preset(gpu).name if gpu is not None else None
+            else contextlib.nullcontext(), passed_checks()]
 
 
 def _noted(timeline: Timeline, quantization_note: Optional[str], settings: StepSettings, device_type: str,
