@@ -217,3 +217,39 @@ def test_the_device_s_memory_the_reserve_the_allocator_and_a_gpu_of_the_same_cap
     assert all(plan.step.peak_bytes == first.step.peak_bytes for plan in others)
     assert [plan.verdict.fits for plan in others[:2]] == [True, True]
     assert others[1].verdict.margin_bytes == others[0].verdict.margin_bytes - 2**20
+
+
+_FIRST_AND_SECOND_PLAN = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from transformers import LlamaForCausalLM
+from helpers import tiny_llama_config
+from trainer_memcb.plan.answers.step_memory import plan_step_memory
+from trainer_memcb.plan.settings import resolve_settings
+
+def build():
+    with torch.device("meta"):
+        return LlamaForCausalLM(tiny_llama_config("sdpa", vocab_size=256, max_position_embeddings=32))
+
+for _ in range(2):
+    plan = plan_step_memory(build, seq_len=32, settings=resolve_settings(batch_size=4, optimizer="adamw_bnb_8bit"),
+                            device_type="cuda", model_states=False)[0]
+    print(plan.device.allocator_allocated_peak_bytes, len(plan.timeline.events))
+"""
+
+
+def test_the_first_plan_of_a_process_counts_no_tensor_its_optimizers_import_makes():
+    # In a fresh process (the suite's has imported bitsandbytes already): bitsandbytes 0.50's
+    # `bitsandbytes.optim`, imported by the Trainer's handler inside the first trace, made two
+    # storages there, 1,024 bytes of the first plan's allocated peak and in no later plan's.
+    pytest.importorskip("bitsandbytes")
+    import subprocess
+    import sys
+
+    tests = os.path.join(REPO_ROOT, "tests")
+    result = subprocess.run([sys.executable, "-c", _FIRST_AND_SECOND_PLAN.format(tests=tests)], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, second = result.stdout.split("\n")[-3:-1]
+    assert first == second

@@ -62,8 +62,8 @@ def _not_installed(module_name: str) -> bool:
         return True
 
 
-def _handler_imports(name: str) -> List[str]:
-    """The top-level packages the Trainer's handler for `name` imports, read from its bytecode."""
+def _handler_modules(name: str) -> List[str]:
+    """The modules the Trainer's handler for `name` imports, read from its bytecode."""
     try:
         from transformers import trainer_optimizer
     except ImportError:  # a transformers without the handler table
@@ -71,9 +71,13 @@ def _handler_imports(name: str) -> List[str]:
     handler = getattr(trainer_optimizer, "_OPTIMIZER_HANDLERS", {}).get(name)
     if handler is None or not hasattr(handler, "__code__"):
         return []
-    return list(dict.fromkeys(str(instruction.argval).split(".")[0]
-                              for instruction in dis.get_instructions(handler)
+    return list(dict.fromkeys(str(instruction.argval) for instruction in dis.get_instructions(handler)
                               if instruction.opname == "IMPORT_NAME"))
+
+
+def _handler_imports(name: str) -> List[str]:
+    """The top-level packages the Trainer's handler for `name` imports."""
+    return list(dict.fromkeys(module.split(".")[0] for module in _handler_modules(name)))
 
 
 def _missing_package(name: str, error: BaseException) -> Optional[str]:
@@ -156,16 +160,27 @@ def keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) ->
     optimizer.mng = manager
 
 
-def import_optimizer_source() -> None:
+def import_optimizer_source(name: Optional[str] = None) -> None:
     """Import what `trainer_optimizer_cls_and_kwargs` reads (`transformers.trainer_optimizer`, else
-    `transformers.trainer`) now, before a fake trace builds the optimizer: an import under the fake
-    mode makes the imported modules' own tensors there, and the trace counts them (on transformers
-    4.57, `transformers.trainer` imports peft, whose default arguments `torch.tensor(1)` were 16
-    bytes in the first plan of a process and in no later one)."""
+    `transformers.trainer`) now, and the modules the Trainer's handler for the optimizer `name`
+    imports where their package is installed, before a fake trace builds the optimizer: an import
+    under the fake mode makes the imported modules' own tensors there, and the trace counts them.
+    On transformers 4.57, `transformers.trainer` imports peft, whose default arguments
+    `torch.tensor(1)` were 16 bytes in the first plan of a process and in no later one;
+    bitsandbytes 0.50's `bitsandbytes.optim` made two storages, 1,024 bytes of the allocator
+    replay's allocated peak in the first plan of an 8-bit optimizer. An import that fails is left
+    to the optimizer's build in the trace, which says why."""
     try:
         import transformers.trainer_optimizer  # noqa: F401
     except ImportError:
         import transformers.trainer  # noqa: F401
+    for module in _handler_modules(name) if name is not None else ():
+        if _not_installed(module.split(".")[0]):
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception:  # the build in the trace meets the same failure and words it
+            continue
 
 
 def trainer_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module] = None) -> Tuple[Any, Dict[str, Any]]:

@@ -1007,7 +1007,7 @@ def _optimizer_builder(name: str, args: Any, device_type: str = "cpu") -> Tuple[
     `device_type="cuda"` the groups get `foreach=True`, which runs on (fake) CPU tensors too."""
     from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer, import_optimizer_source
 
-    import_optimizer_source()  # outside the trace: what an import makes is no part of the step
+    import_optimizer_source(name)  # outside the trace: what an import makes is no part of the step
     if args is None or not hasattr(args, "optim"):
         from transformers import TrainingArguments
 
