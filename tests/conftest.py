@@ -87,3 +87,12 @@ def fresh_accelerator_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """The tiny Llama's config folder (`helpers.tiny_llama_folder`, its default sizes), made once
+    per test module; a module that plans another config defines a fixture of this name of its own."""
+    from helpers import tiny_llama_folder
+
+    return tiny_llama_folder(tmp_path_factory, "tiny-llama")

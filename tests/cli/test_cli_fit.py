@@ -8,15 +8,10 @@ import os
 
 import pytest
 
-from helpers import TRANSFORMERS_4, requires_transformers, rotary_buffers_beyond_transformers_5s, tiny_llama_folder
+from helpers import TRANSFORMERS_4, requires_transformers, rotary_buffers_beyond_transformers_5s
 from trainer_memcb.cli import main
 
 COMMON = ["--optimizers", "adamw_torch", "--seq-len", "64", "--device-type", "cpu"]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory) -> str:
-    return tiny_llama_folder(tmp_path_factory, "tiny-llama-fit")
 
 
 def rotary_buffers(folder: str) -> int:

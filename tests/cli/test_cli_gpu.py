@@ -13,7 +13,6 @@ import torch
 import transformers
 
 from trainer_memcb.plan.device.gpus import gpu_presets
-from helpers import tiny_llama_folder
 
 # The exact figures here were counted on torch 2.13 and transformers 5. On transformers 4.57 the
 # models hold 16 to 32 bytes of buffers more or less (rotary's original_inv_freq is an attribute
@@ -35,11 +34,6 @@ def run_script(*argv: str, env=None) -> subprocess.CompletedProcess:
     environment.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     environment.update(env or {})
     return subprocess.run([SCRIPT, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=environment)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory) -> str:
-    return tiny_llama_folder(tmp_path_factory, "tiny-llama")
 
 
 def test_gpu_list_prints_every_preset():

@@ -11,7 +11,7 @@ import transformers
 import torch
 from transformers import TrainingArguments
 
-from helpers import requires_torch, tiny_llama_folder
+from helpers import requires_torch
 from test_engines import build
 
 from trainer_memcb.cli import main
@@ -121,11 +121,6 @@ def test_the_accumulation_is_read_from_the_trainers_arguments_and_the_deepspeed_
     assert auto.gradient_accumulation_steps == 4
     given = resolve_settings(args, deepspeed={"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}})
     assert (given.gradient_accumulation_steps, given.sources["gradient_accumulation_steps"]) == (2, "deepspeed config")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory) -> str:
-    return tiny_llama_folder(tmp_path_factory, "tiny-llama")
 
 
 def test_the_command_line_flag(tiny_llama_dir, capsys):

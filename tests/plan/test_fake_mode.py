@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-from helpers import requires_torch, run_estimate, tiny_llama_folder
+from helpers import requires_torch, run_estimate
 from trainer_memcb.plan.step import fake_mode
 
 pytestmark = requires_torch("2.13", "the quick key is written for torch 2.13's TensorMetadata and walk")
 
 STEP = ["--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16", "--precision", "bf16",
         "--gradient-checkpointing", "--gpu", "h100", "--json"]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory) -> str:
-    return tiny_llama_folder(tmp_path_factory, "tiny-llama-fake-mode")
 
 
 def test_the_quick_mode_is_the_one_made_here():

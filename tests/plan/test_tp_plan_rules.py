@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import requires_torch, tiny_llama_folder, valid_estimate_document
+from helpers import requires_torch, valid_estimate_document
 
 from trainer_memcb.cli import main
 from trainer_memcb.plan.model.tp_plan import model_tp_plan
@@ -40,11 +40,6 @@ def test_the_rules_replace_the_model_s_for_their_modules_and_keep_the_rest():
 def test_bad_rules_are_refused_in_one_line(flags, message):
     with pytest.raises(ValueError, match=message):
         resolve_settings(batch_size=2, **flags)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory) -> str:
-    return tiny_llama_folder(tmp_path_factory, "tiny-llama-tp-rules")
 
 
 STEP = ["--optimizers", "adamw_torch", "--batch-size", "2", "--seq-len", "16", "--device-type", "cpu",
