@@ -158,12 +158,6 @@ class GrpoStep(TrlStep):
         last: the second stands for the one after the first generation's last)."""
         return number == 1 or (number == 2 and self.steps_per_generation < accumulation)
 
-    def generation(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module], batch_size: int,
-                   seq_len: Optional[int], tokens: Dict[str, Any], autocast: Any) -> "GrpoBatch":
-        from trainer_memcb.plan.step.grpo_generation import grpo_generation
-
-        return grpo_generation(model, ref_model, self, batch_size, seq_len, tokens, autocast)
-
     def as_traced(self) -> "GrpoStep":
         # vLLM's share of the device is in the reserve, not in the step traced.
         return dataclasses.replace(self, vllm_gpu_memory_utilization=1.0)

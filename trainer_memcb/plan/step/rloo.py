@@ -61,12 +61,6 @@ class RlooStep(GrpoStep):
         with autocast if autocast is not None else contextlib.nullcontext():
             return rloo_loss(model, inputs, self)
 
-    def generation(self, model: torch.nn.Module, ref_model: Optional[torch.nn.Module], batch_size: int,
-                   seq_len: Optional[int], tokens: Dict[str, Any], autocast: Any) -> GrpoBatch:
-        from trainer_memcb.plan.step.rloo_generation import rloo_generation
-
-        return rloo_generation(model, ref_model, self, batch_size, seq_len, tokens, autocast)
-
 
 def rloo_step_from_config(config: Any, *, peft: bool, world_size: int = 1) -> RlooStep:
     """The `RlooStep` of a `trl.RLOOConfig` (or a namespace of its fields), after TRL's checks of

@@ -78,10 +78,13 @@ from trainer_memcb.plan.step.cuda_autocast import autocast_as, autocast_policy_f
 from trainer_memcb.plan.step.cuda_dropout import dropout_as_cuda
 from trainer_memcb.plan.step.cuda_sdpa import sdpa_as_cuda
 from trainer_memcb.plan.step.ring_attention import ring_options
+from trainer_memcb.plan.step.rloo import RlooStep
+from trainer_memcb.plan.step.rloo_generation import rloo_generation
 from trainer_memcb.plan.step.kernel_runs import KernelRuns
 from trainer_memcb.plan.step.kernel_stand_ins import kernel_stand_ins
 from trainer_memcb.plan.step.engines import StepEngine, engine_class, engine_for
 from trainer_memcb.plan.step.flops import FlopCounting
+from trainer_memcb.plan.step.grpo_generation import grpo_generation
 from trainer_memcb.plan.model.fake_kernels import grouped_mm_any_dtype
 from trainer_memcb.plan.step.live_storages import LiveStorages, TrackerState
 from trainer_memcb.plan.step.rng_states import rng_states_counted
@@ -145,8 +148,8 @@ class _Step:
     trainable: List[torch.Tensor]
     inputs: List[Any]
     batch_tensors: List[torch.Tensor]
-    # TRL's DPO or GRPO step (`trainer_memcb.plan.step.preference`, `.grpo`) and its frozen
-    # reference model, or None.
+    # A TRL trainer's step (`trainer_memcb.plan.step.trl_step.TrlStep`) and its frozen reference
+    # model, or None.
     preference: Any = None
     ref_model: Optional[nn.Module] = None
     # GRPO's generation phase: its peak, and the token ids generate is given.
@@ -203,8 +206,9 @@ def _start_step(model: nn.Module, mode: Any, engine: StepEngine, build_optimizer
     tracker.watch = counter._book.live
     tracker.log_saved(counter._book)
     engine.attach(tracker, counter)
+    generates = preference is not None and preference.generates
     return _Step(model, mode, engine, tracker, counter, params, [p for p in params if p.requires_grad], inputs,
-                 batch_tensors, preference, ref_model, tokens=_token_ids(model) if getattr(preference, "generates", False) else None,
+                 batch_tensors, preference, ref_model, tokens=_token_ids(model) if generates else None,
                  batch_size=batch_size, seq_len=seq_len)
 
 
@@ -315,16 +319,17 @@ def _trl_loss(step: _Step, inputs: Any, kwargs: Dict[str, Any], accumulation: in
 
 
 def _generation_phase(step: _Step, phase_starts: Dict[str, int], autocast: Any) -> None:
-    """The generation phase of GRPO's or RLOO's step (`TrlStep.generation`) before a micro-batch's
-    forward (`TrlStep.generates_before`): its peak kept apart (`_Step.generation`, the larger of the
+    """The generation phase of GRPO's or RLOO's step (`plan.step.grpo_generation`,
+    `plan.step.rloo_generation`) before a micro-batch's forward (`TrlStep.generates_before`): its peak kept apart (`_Step.generation`, the larger of the
     step's), the buffered generation batch the step's batch from then on (the one before it freed
     once the new one is made, as `GRPOTrainer._buffered_inputs` is replaced), the training phase's
     peak counted from there."""
     tracker = step.tracker
     tracker.phase = "generation"
     phase_starts.setdefault("generation", len(tracker.events))
-    inputs = step.preference.generation(step.model, step.ref_model, step.batch_size, step.seq_len, step.tokens or {},
-                                        autocast)
+    generation = rloo_generation if isinstance(step.preference, RlooStep) else grpo_generation
+    inputs = generation(step.model, step.ref_model, step.preference, step.batch_size, step.seq_len, step.tokens or {},
+                        autocast)
     if step.generation is None or tracker.peak_bytes > step.generation.bytes:
         step.generation = PhasePeak("generation", tracker.peak_bytes, tuple(tracker.peak_keys),
                                     frozenset(tracker.peak_watch))

@@ -2,7 +2,9 @@
 settings implement in the trainer's own module (`preference.DpoStep`, `kto.KtoStep`,
 `sft.SftStep`, `grpo.GrpoStep`, `rloo.RlooStep`). The tracer runs the Trainer's own step where
 `StepSettings.preference` is None and otherwise asks the step for its batch, its fused heads, its
-loss and its generation phase, without knowing which trainer it runs."""
+loss and whether a generation phase runs before a micro-batch, without knowing which trainer it
+runs. The generation phases themselves (GRPO's, RLOO's) import their steps' modules, so the tracer
+picks one (`trainer_memcb.plan.step.trace`)."""
 
 from __future__ import annotations
 
@@ -50,11 +52,6 @@ class TrlStep:
     def generates_before(self, number: int, accumulation: int) -> bool:
         """Whether a generation phase runs before traced micro-batch `number`."""
         return False
-
-    def generation(self, model: nn.Module, ref_model: Optional[nn.Module], batch_size: int, seq_len: Optional[int],
-                   tokens: Dict[str, Any], autocast: Any) -> Any:
-        """The generation phase: the batch its micro-batches train on from then on."""
-        raise NotImplementedError(f"{type(self).__name__} has no generation phase")
 
     def as_traced(self) -> "TrlStep":
         """The step with what does not change its trace left at one value (the key of a shared trace)."""
