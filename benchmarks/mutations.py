@@ -409,7 +409,7 @@ EDITS: List[Edit] = [
          "        found, searched = max_batch_size(plan_at, args.device_memory, first=first, unit=unit)",
          STEP_ON_THE_COMMAND_LINE),
     # (the largest batch searched against the memory with the reserve not taken off)
-    Edit("cli/estimate_checks.py", "not (evaluation and name in _EVAL_OPTIONS)]", "not evaluation]",
+    Edit("cli/estimate_checks.py", "not (asked.evaluation and name in _EVAL_OPTIONS)]", "not asked.evaluation]",
          (CLI_ANSWERS, "tests/cli/test_cli_eval.py")),  # with --eval-samples every step option let through
     Edit("cli/estimate_settings.py", "\"reserve_bytes\": reserve_bytes(args),", "\"reserve_bytes\": None,", STEP_ON_THE_COMMAND_LINE),
     # -- the step time's FLOPs and the user's tensor-parallel rules ------------------------------
