@@ -160,11 +160,13 @@ def keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) ->
     optimizer.mng = manager
 
 
-def import_optimizer_source(name: Optional[str] = None) -> None:
+def import_optimizer_source(name: Optional[str] = None, args: Any = None) -> None:
     """Import what `trainer_optimizer_cls_and_kwargs` reads (`transformers.trainer_optimizer`, else
     `transformers.trainer`) now, and the modules the Trainer's handler for the optimizer `name`
-    imports where their package is installed, before a fake trace builds the optimizer: an import
-    under the fake mode makes the imported modules' own tensors there, and the trace counts them.
+    imports where their package is installed (without a handler table, transformers 4, those its
+    `get_optimizer_cls_and_kwargs` imports for `name` with the `TrainingArguments` `args`), before a
+    fake trace builds the optimizer: an import under the fake mode makes the imported modules' own
+    tensors there, and the trace counts them.
     On transformers 4.57, `transformers.trainer` imports peft, whose default arguments
     `torch.tensor(1)` were 16 bytes in the first plan of a process and in no later one;
     bitsandbytes 0.50's `bitsandbytes.optim` made two storages, 1,024 bytes of the allocator
@@ -174,13 +176,25 @@ def import_optimizer_source(name: Optional[str] = None) -> None:
         import transformers.trainer_optimizer  # noqa: F401
     except ImportError:
         import transformers.trainer  # noqa: F401
-    for module in _handler_modules(name) if name is not None else ():
+    if name is None:
+        return
+    modules = _handler_modules(name)
+    for module in modules:
         if _not_installed(module.split(".")[0]):
             continue
         try:
             importlib.import_module(module)
         except Exception:  # the build in the trace meets the same failure and words it
             continue
+    if not modules and args is not None:
+        from transformers.training_args import OptimizerNames
+
+        trainer_args = copy.copy(args)
+        try:
+            trainer_args.optim = OptimizerNames(name)
+            trainer_optimizer_cls_and_kwargs(trainer_args, None)  # imports the optimizer's class
+        except Exception:  # a model it needs, a package missing: the build in the trace says why
+            pass
 
 
 def trainer_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module] = None) -> Tuple[Any, Dict[str, Any]]:
