@@ -210,7 +210,6 @@ def _ring_is_traced(model: Any, settings: Any, share: int) -> bool:
     GPU before Ampere) where its padded logsumexp merges (`ring_refusal`), not math."""
     from trainer_memcb.plan.device.cuda_kernels import sdpa_backend
     from trainer_memcb.plan.step.ring_attention import ring_refusal
-    from trainer_memcb.plan.device.gpus import compute_capability_of
 
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -222,7 +221,7 @@ def _ring_is_traced(model: Any, settings: Any, share: int) -> bool:
     dtype = ("float32" if settings.precision == "fp32" else "bfloat16" if "bf16" in settings.precision
              else "float16")
     backend = sdpa_backend(dtype, head_dim, has_mask=False, is_causal=True,
-                           compute_capability=compute_capability_of(settings.gpu), seq_len_q=share, seq_len_k=share)
+                           compute_capability=settings.compute_capability, seq_len_q=share, seq_len_k=share)
     return ring_refusal(backend, share) is None
 
 
@@ -232,7 +231,6 @@ def _trl_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]
     `trainer_searches` (a smaller `generation_batch_size`, a lower `vllm_gpu_memory_utilization`):
     `trainer_memcb.plan.answers.grpo_fit`; for KTO's, `settle_args` alone (no micro-batch of 1 with
     its KL term: `settle_kto_args`); nothing for another step."""
-    from trainer_memcb.plan.answers.grpo_answer import device_memory_of
     from trainer_memcb.plan.answers.grpo_fit import grpo_searches, settle_grpo_args, vllm_floor_bytes
     from trainer_memcb.plan.answers.kto_fit import settle_kto_args
 
@@ -247,7 +245,7 @@ def _trl_rules(settings: Any, own: Dict[str, Any], model: Any) -> Dict[str, Any]
     floor = vllm_floor_bytes(model, step, own) if step.use_vllm else None
     return {"settle_args": settle_grpo_args(step, settings.batch_size),
             "trainer_searches": grpo_searches(step, settings.batch_size, settings.gradient_accumulation_steps,
-                                              int(own.get("num_iterations") or 1), device_memory_of(settings), floor)}
+                                              int(own.get("num_iterations") or 1), settings.device_memory_bytes, floor)}
 
 
 def settle_sft_context_parallel_args(args: Dict[str, Any]) -> Optional[Dict[str, Any]]:

@@ -76,3 +76,19 @@ def test_a_name_of_two_sizes_is_refused_with_both(name, sizes) -> None:
 def test_a_name_that_is_not_a_string_is_refused() -> None:
     with pytest.raises(ValueError, match="GPU name must be a string, got 100"):
         gpu_preset(100)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("given, memory, context_mib, capability", [
+    ({}, None, 426, (8, 0)),  # no GPU: an sm80 card's capability and the unmeasured context
+    ({"gpu": "t4"}, 15_843_721_216, 426, (7, 5)),
+    ({"gpu": "rtx3090"}, 25_327_697_920, 256, (8, 6)),
+    ({"gpu": "h100", "device_memory": 40 * 1024**3}, 40 * 1024**3, 426, (9, 0)),  # the memory given wins
+    ({"device_memory": 1_000_000}, 1_000_000, 426, (8, 0)),
+])
+def test_the_settings_read_their_device_from_the_preset_once(given, memory, context_mib, capability) -> None:
+    from trainer_memcb.plan.settings import StepSettings
+
+    settings = StepSettings(batch_size=1, seq_len=8, **given)
+    assert settings.gpu_preset is (gpu_preset(given["gpu"]) if "gpu" in given else None)
+    assert (settings.device_memory_bytes, settings.cuda_context_bytes // MiB, settings.compute_capability) == \
+        (memory, context_mib, capability)

@@ -5,11 +5,11 @@ rule for vLLM, which cannot run here."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, List
 
 from trainer_memcb.plan.answers.step_plan import PlannedGeneration
 
-__all__ = ["device_memory_of", "grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
+__all__ = ["grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
 
 
 # The steps with a generation phase: GRPO's, and RLOO's, built as GRPO's (`trainer_memcb.plan.step.rloo`).
@@ -30,21 +30,12 @@ def vllm_reserved_bytes(step: Any, device_memory: int) -> int:
     return int(step.vllm_gpu_memory_utilization * device_memory)
 
 
-def device_memory_of(settings: Any) -> Optional[int]:
-    """The device's total memory the settings give (`device_memory`, else the GPU preset's), or None."""
-    from trainer_memcb.plan.device.gpus import gpu_preset
-
-    if settings.device_memory is not None:
-        return settings.device_memory
-    return gpu_preset(settings.gpu).total_bytes if settings.gpu is not None else None
-
-
 def with_vllm_share(settings: Any) -> Any:
     """The settings with colocated vLLM's share of the device (`vllm_reserved_bytes`) added to the
     reserve, where the device's memory is known: what training may use is the rest. Unchanged for
     any other step."""
     step = settings.preference
-    memory = device_memory_of(settings)
+    memory = settings.device_memory_bytes
     if getattr(step, "trainer", None) not in _GENERATING or memory is None:
         return settings
     share = vllm_reserved_bytes(step, memory)
@@ -81,7 +72,7 @@ def grpo_notes(step: Any, settings: Any) -> List[str]:
              f"{settings.batch_size} completions, loss {step.loss_type}, backward, optimizer step); {reference}; "
              "the step's peak is the larger phase's"]
     if step.use_vllm and step.vllm_mode == "colocate":
-        memory = device_memory_of(settings)
+        memory = settings.device_memory_bytes
         held = (f" ({vllm_reserved_bytes(step, memory):,} bytes of {memory:,}, in the reserve)" if memory is not None
                 else " (give the device's memory to count it)")
         notes.append(f"vLLM colocated (not traced; it cannot run here): by vLLM's rule its engine holds "

@@ -33,8 +33,6 @@ from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, Pl
                                                   StepMemoryPlan, StepPeak, Verdict)
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, step_replayer
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
-from trainer_memcb.plan.device.gpus import (DEFAULT_COMPUTE_CAPABILITY, DEFAULT_CUDA_CONTEXT_BYTES, compute_capability_of,
-                                            gpu_preset)
 from trainer_memcb.plan.model.step_inputs import step_inputs
 from trainer_memcb.plan.model.trainer_model import checkpointing_kwargs
 from trainer_memcb.plan.settings import StepSettings, resolve_settings
@@ -366,7 +364,7 @@ def _check_model_inputs(meta: nn.Module, settings: StepSettings) -> None:
 def _check_flash_attention_3(settings: StepSettings) -> None:
     """Refuse flash_attention_3 on a GPU whose FA3 kernels are not planned (`fa3_refusal`: Ampere,
     Ada and Hopper are)."""
-    compute_capability = compute_capability_of(settings.gpu)
+    compute_capability = settings.compute_capability
     refusal = fa3_refusal(compute_capability)
     if refusal is not None:
         gpu = f"--gpu {settings.gpu}" if settings.gpu is not None else "no --gpu: an sm80 GPU assumed"
@@ -445,10 +443,7 @@ def _packed_batch(settings: StepSettings) -> Optional[PackedBatch]:
 def _device_before_replay(settings: StepSettings) -> DeviceFigures:
     """The device as the settings give it: its memory (the GPU preset's where none is given), the
     reserve, and what a process on it holds that the plan does not count."""
-    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
-    device_memory = settings.device_memory
-    if device_memory is None and preset is not None:
-        device_memory = preset.total_bytes
+    device_memory = settings.device_memory_bytes
     return DeviceFigures(device_memory_bytes=device_memory,
                          reserve_bytes=settings.reserve_bytes if device_memory is not None else None,
                          not_counted=list(NOT_COUNTED[settings.device_type])
@@ -463,9 +458,7 @@ def _replayed(timeline: Timeline, conf: AllocConf, settings: StepSettings,
     peak exceeds what the allocator may take (the device's memory less the CUDA context and the
     reserve), again with that limit, where the allocator frees its cache and retries before it
     fails, as torch does."""
-    preset = gpu_preset(settings.gpu) if settings.gpu is not None else None
-    context = preset.cuda_context_bytes if preset is not None else DEFAULT_CUDA_CONTEXT_BYTES
-    capability = preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
+    preset, context, capability = settings.gpu_preset, settings.cuda_context_bytes, settings.compute_capability
     replay_under = step_replayer(timeline, compute_capability=capability,
                                  empty_cache_steps=settings.torch_empty_cache_steps)
     device_memory = device.device_memory_bytes

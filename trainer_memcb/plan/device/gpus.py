@@ -26,9 +26,9 @@ differ by half. `gpu_presets()` lists them all in the order `--gpu list` prints 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
-__all__ = ["GpuPreset", "gpu_preset", "gpu_presets", "compute_capability_of", "GPU_PRESETS",
+__all__ = ["GpuPreset", "gpu_preset", "gpu_presets", "GPU_PRESETS",
            "DEFAULT_CUDA_CONTEXT_BYTES", "DEFAULT_COMPUTE_CAPABILITY"]
 
 MiB = 1024**2  # bytes
@@ -218,14 +218,3 @@ def gpu_preset(name: str) -> GpuPreset:
         allowed = ", ".join(p.name for p in GPU_PRESETS)
         raise ValueError(f"unknown GPU {name!r}; choose one of {allowed}")
     return preset
-
-
-def compute_capability_of(gpu: Optional[str]) -> Tuple[int, int]:
-    """The compute capability of the preset `gpu` names (the attention kernels and the cuBLAS
-    workspaces it picks), `DEFAULT_COMPUTE_CAPABILITY` without one.
-
-    Example:
-        >>> compute_capability_of("t4"), compute_capability_of(None)
-        ((7, 5), (8, 0))
-    """
-    return gpu_preset(gpu).compute_capability if gpu is not None else DEFAULT_COMPUTE_CAPABILITY

@@ -229,6 +229,38 @@ class StepSettings:
     def offload_params(self) -> bool:
         return _offloaded(self.zero.get("offload_param")) or self.fsdp_cpu_offload
 
+    # The device as the settings give it, each read from the GPU preset in one place (`gpu`'s, else
+    # the defaults of `trainer_memcb.plan.device.gpus`): the plan's stages ask these, not the preset table.
+
+    @property
+    def gpu_preset(self) -> Any:
+        """The `GpuPreset` that `gpu` names, or None."""
+        from trainer_memcb.plan.device.gpus import gpu_preset
+
+        return gpu_preset(self.gpu) if self.gpu is not None else None
+
+    @property
+    def device_memory_bytes(self) -> Optional[int]:
+        """The device's memory: `device_memory`, else the GPU preset's total; None when neither is given."""
+        preset = self.gpu_preset
+        return self.device_memory if self.device_memory is not None or preset is None else preset.total_bytes
+
+    @property
+    def compute_capability(self) -> Tuple[int, int]:
+        """The GPU's (major, minor): the preset's, else an sm80 GPU's (`DEFAULT_COMPUTE_CAPABILITY`)."""
+        from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
+
+        preset = self.gpu_preset
+        return preset.compute_capability if preset is not None else DEFAULT_COMPUTE_CAPABILITY
+
+    @property
+    def cuda_context_bytes(self) -> int:
+        """What the CUDA context holds outside the allocator: the preset's, else `DEFAULT_CUDA_CONTEXT_BYTES`."""
+        from trainer_memcb.plan.device.gpus import DEFAULT_CUDA_CONTEXT_BYTES
+
+        preset = self.gpu_preset
+        return preset.cuda_context_bytes if preset is not None else DEFAULT_CUDA_CONTEXT_BYTES
+
     def used(self) -> Tuple[Tuple[str, Any, str], ...]:
         """(name, value, source) for every setting, in field order; ZeRO's keys as `zero.KEY`; the
         DPO step (`preference`) is the plan's own entry (`PlannedSettings.preference`), not a row, and

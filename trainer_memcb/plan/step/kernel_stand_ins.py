@@ -12,17 +12,12 @@ from typing import Any, ContextManager, List, Optional
 
 from torch import nn
 
-from trainer_memcb.plan.device.gpus import compute_capability_of, gpu_preset
 from trainer_memcb.plan.settings import StepSettings
 from trainer_memcb.plan.settings.attention import is_planned_hub_flash
 from trainer_memcb.plan.step.flash_attn import DEFAULT_SM_COUNT, SM_COUNTS, flash_attention_as_cuda
 from trainer_memcb.plan.step.liger_kernels import liger_kernels_as_cuda
 
 __all__ = ["KernelStandIn", "FlashAttentionStandIn", "LigerKernelStandIn", "KERNEL_STAND_INS", "kernel_stand_ins"]
-
-
-def _preset_name(settings: StepSettings) -> Optional[str]:
-    return gpu_preset(settings.gpu).name if settings.gpu is not None else None
 
 
 class KernelStandIn:
@@ -44,7 +39,7 @@ class FlashAttentionStandIn(KernelStandIn):
             return None
         name = settings.attn_implementation
         implementation = name if name == "flash_attention_3" or is_planned_hub_flash(name) else "flash_attention_2"
-        return flash_attention_as_cuda(compute_capability_of(settings.gpu), _preset_name(settings), settings.padding,
+        return flash_attention_as_cuda(settings.compute_capability, settings.gpu, settings.padding,
                                        implementation)
 
 
@@ -59,8 +54,8 @@ class LigerKernelStandIn(KernelStandIn):
             # trl 1.16 DPOTrainer.__init__: `{**liger_kernel_config, "fused_linear_cross_entropy": False}`, its own
             # fused LM head in place of the fused loss; the layer kernels on the policy alone.
             config = dict(config or {}, fused_linear_cross_entropy=False)
-        sm_count = SM_COUNTS.get(_preset_name(settings) or "", DEFAULT_SM_COUNT)
-        return liger_kernels_as_cuda(model, config, compute_capability_of(settings.gpu), sm_count)
+        sm_count = SM_COUNTS.get(settings.gpu or "", DEFAULT_SM_COUNT)
+        return liger_kernels_as_cuda(model, config, settings.compute_capability, sm_count)
 
 
 # In the order the tracer enters them.

@@ -70,7 +70,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY, compute_capability_of
+from trainer_memcb.plan.device.gpus import DEFAULT_COMPUTE_CAPABILITY
 from trainer_memcb.plan.settings import StepSettings
 from trainer_memcb.plan.settings.step_settings import DEVICE_TYPES
 from trainer_memcb.plan.step.compiled_step import COMPILED_NOT_COUNTED
@@ -695,7 +695,7 @@ def model_fingerprint(meta: nn.Module) -> Tuple[Any, ...]:
 def _keys(meta: nn.Module, settings: StepSettings, options: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
     """The step's key in `sharing_traces` (what changes the step; where each setting came from
     changes nothing), and the key of its forward and backward (the same, its optimizer left out)."""
-    model, rest = model_fingerprint(meta), repr((sorted(options.items()), compute_capability_of(settings.gpu)))
+    model, rest = model_fingerprint(meta), repr((sorted(options.items()), settings.compute_capability))
     # Nor do the device's memory, the reserve, the allocator's settings and the GPU's name (its
     # compute capability, which picks the attention kernels, is among the options).
     unsourced = dataclasses.replace(settings, sources={}, device_memory=None, reserve_bytes=0, alloc_conf=None, gpu=None)
@@ -882,7 +882,7 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     engine `settings` name (`engine_for`): the model prepared as the Trainer prepares it (quantized first when asked), the
     Trainer's optimizer for `settings.optimizer`, in `settings.precision`, with checkpointing where
     `settings.gradient_checkpointing`, a micro-batch of the settings' shape, on their device type and
-    GPU (`compute_capability_of`).
+    GPU (`StepSettings.compute_capability`).
     The settings are the one source of what they hold: no keyword repeats them. Inside
     `sharing_traces`, the step is kept up to its optimizer phase where another optimizer can step
     from there. With `compiled`, the forward runs as torch_compile=True compiles it.
@@ -904,7 +904,7 @@ def _trace_step_once(meta: nn.Module, settings: StepSettings, *, args: Any, step
     input_options = dict(target_len=settings.target_len, image_size=settings.image_size, padding=padding)
     if settings.packing is not None:
         input_options["packing"] = settings.packing
-    compute_capability = compute_capability_of(settings.gpu)
+    compute_capability = settings.compute_capability
     kept: Optional[List[_Prefix]] = [] if shared is not None else None
     engine = engine_for(settings)
     mode = fake_tensor_mode()
