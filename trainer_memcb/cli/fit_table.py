@@ -129,13 +129,10 @@ def _layout_options(args: EstimateRequest, settings: Any, model: Any, value_byte
     """`search_fits`'s tensor-parallel sizes and what its collectives' cost is read from: the links
     of `--gpu` (CUDA only) on `--nodes`, the model's shape and its parameters' bytes."""
     from trainer_memcb.plan.answers.fit_comm import ModelShape, links_of
-    from trainer_memcb.plan.device.gpus import gpu_preset
-
     world = settings.world_size
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    gpu = gpu_preset(args.gpu).name if getattr(args, "gpu", None) else None
-    links = links_of(gpu, world, settings.nodes) if device_type == "cuda" else None
+    links = links_of(settings.gpu, world, settings.nodes) if device_type == "cuda" else None
     shape = None
     if text is not None and args.seq_len and all(isinstance(getattr(text, name, None), int)
                                                   for name in ("hidden_size", "num_hidden_layers", "vocab_size")):

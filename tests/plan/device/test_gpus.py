@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainer_memcb.plan.device.gpus import GPU_PRESETS, gpu_preset, gpu_presets
+from trainer_memcb.plan.settings import StepSettings
 
 MiB = 1024**2
 
@@ -86,8 +87,6 @@ def test_a_name_that_is_not_a_string_is_refused() -> None:
     ({"device_memory": 1_000_000}, 1_000_000, 426, (8, 0)),
 ])
 def test_the_settings_read_their_device_from_the_preset_once(given, memory, context_mib, capability) -> None:
-    from trainer_memcb.plan.settings import StepSettings
-
     settings = StepSettings(batch_size=1, seq_len=8, **given)
     assert settings.gpu_preset is (gpu_preset(given["gpu"]) if "gpu" in given else None)
     assert (settings.device_memory_bytes, settings.cuda_context_bytes // MiB, settings.compute_capability) == \
