@@ -26,11 +26,10 @@ import torch
 from torch import nn
 
 from trainer_memcb.plan.answers.model_states import ModelStatesPlan, plan_model_states
-from trainer_memcb.plan.answers.grpo_answer import grpo_notes, planned_generation, with_vllm_share
-from trainer_memcb.plan.answers.kto_answer import kto_note
-from trainer_memcb.plan.answers.sft_answer import sft_note
-from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedPreference, PlannedSettings,
+from trainer_memcb.plan.answers.grpo_answer import with_vllm_share
+from trainer_memcb.plan.answers.step_plan import (DeviceFigures, PackedBatch, PlannedSettings,
                                                   StepMemoryPlan, StepPeak, Verdict)
+from trainer_memcb.plan.answers.trl_answers import planned_trl_step, trl_answer
 from trainer_memcb.plan.answers.step_replay import ReplayOptions, StepReplay, step_replayer
 from trainer_memcb.plan.device.alloc_conf import AllocConf, alloc_conf_from_environment, as_alloc_conf
 from trainer_memcb.plan.model.step_inputs import step_inputs
@@ -282,19 +281,8 @@ def _answer(timeline: Timeline, settings: StepSettings, planned: PlannedSettings
         notes.append("offloaded to the CPU, not in the device peak: "
                      + ", ".join(f"{k} {v} bytes" for k, v in traced.host_bytes.items()))
     preference = settings.preference
-    if getattr(preference, "trainer", None) in ("grpo", "rloo"):
-        notes.extend(grpo_notes(preference, settings))
-    elif getattr(preference, "trainer", None) == "kto":
-        notes.append(kto_note(preference, settings))
-    elif getattr(preference, "trainer", None) == "sft":
-        notes.append(sft_note(preference, settings))
-    elif preference is not None:
-        notes.append(f"TRL's DPO step traced: chosen and rejected rows concatenated ({2 * settings.batch_size} x "
-                     f"{settings.seq_len} tokens), TRL's fused LM head, loss {'+'.join(preference.loss_type)}, "
-                     + {"model": "the frozen reference model's forward under torch.no_grad()",
-                        "adapters-disabled": "the reference as the same model with its adapters disabled, "
-                                             "under torch.no_grad() (no second copy)",
-                        "precomputed": "the reference log-probs precomputed (read from the batch)"}[preference.reference])
+    if preference is not None:
+        notes.extend(trl_answer(preference).notes(preference, settings))
     elif "reference_model" in traced.peak_parts:
         notes.append("a frozen reference model's parameters are in the peak; its forward's temporaries are not")
     verdict = Verdict()
@@ -403,7 +391,7 @@ def _planned_settings(meta: nn.Module, settings: StepSettings, args: Any, model_
         precision=settings.precision,
         param_dtype=str(step_dtype).replace("torch.", "") if step_dtype is not None else None,
         optimizer=settings.optimizer, used=[list(row) for row in settings.used()], packing=_packed_batch(settings),
-        preference=_planned_preference(settings))
+        preference=planned_trl_step(settings.preference, settings) if settings.preference is not None else None)
 
 
 def _phases(traced: Any, settings: StepSettings) -> List[Dict[str, Any]]:
@@ -413,20 +401,6 @@ def _phases(traced: Any, settings: StepSettings) -> List[Dict[str, Any]]:
     if traced.generation_peak is not None:
         return [{"phase": "generation", "peak_bytes": traced.generation_peak}, training]
     return [training] if settings.preference is not None else []
-
-
-def _planned_preference(settings: StepSettings) -> Optional[PlannedPreference]:
-    step = settings.preference
-    if step is None:
-        return None
-    if getattr(step, "trainer", None) in ("grpo", "rloo"):
-        return PlannedPreference(trainer=step.trainer, reference=step.reference, beta=step.beta, loss_type=[step.loss_type],
-                                 generation=planned_generation(step, settings))
-    if getattr(step, "trainer", None) == "kto":
-        return PlannedPreference(trainer="kto", reference=step.reference, beta=step.beta, loss_type=[step.loss_type])
-    if getattr(step, "trainer", None) == "sft":
-        return PlannedPreference(trainer="sft", reference=step.reference, beta=None, loss_type=[step.loss_type])
-    return PlannedPreference(trainer="dpo", reference=step.reference, beta=step.beta, loss_type=list(step.loss_type))
 
 
 def _packed_batch(settings: StepSettings) -> Optional[PackedBatch]:
