@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["dpo_note"]
+__all__ = ["dpo_note", "reference_words"]
 
-_REFERENCE_WORDS = {"model": "the frozen reference model's forward under torch.no_grad()",
-                    "adapters-disabled": "the reference as the same model with its adapters disabled, "
-                                         "under torch.no_grad() (no second copy)",
-                    "precomputed": "the reference log-probs precomputed (read from the batch)"}
+
+def reference_words(reference: str, forwards: str = "forward") -> str:
+    """Where the reference log-probs of DPO's (KTO's) step come from, in words."""
+    return {"model": f"the frozen reference model's {forwards} under torch.no_grad()",
+            "adapters-disabled": "the reference as the same model with its adapters disabled, under torch.no_grad() "
+                                 "(no second copy)",
+            "precomputed": "the reference log-probs precomputed (read from the batch)"}[reference]
 
 
 def dpo_note(step: Any, settings: Any) -> str:
     """How the DPO step (a `DpoStep`) was traced for the settings' micro-batch."""
     return (f"TRL's DPO step traced: chosen and rejected rows concatenated ({2 * settings.batch_size} x "
             f"{settings.seq_len} tokens), TRL's fused LM head, loss {'+'.join(step.loss_type)}, "
-            + _REFERENCE_WORDS[step.reference])
+            + reference_words(step.reference))

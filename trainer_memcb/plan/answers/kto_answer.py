@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["kto_note"]
+from trainer_memcb.plan.answers.dpo_answer import reference_words
 
-_REFERENCE_WORDS = {"model": "the frozen reference model's forwards under torch.no_grad()",
-                    "adapters-disabled": "the reference as the same model with its adapters disabled, under "
-                                         "torch.no_grad() (no second copy)",
-                    "precomputed": "the reference log-probs precomputed (read from the batch)"}
+__all__ = ["kto_note"]
 
 
 def kto_note(step: Any, settings: Any) -> str:
@@ -18,6 +15,6 @@ def kto_note(step: Any, settings: Any) -> str:
     kl = (f"the mismatched KL rows ({rows} x {tokens} tokens) through the policy under torch.no_grad(), "
           if step.calculate_kl else "no KL rows (loss_type apo_zero_unpaired), ")
     return (f"TRL's KTO step traced: {kl}the completion rows ({rows} x {tokens} tokens) through TRL's fused LM head, "
-            f"loss {step.loss_type}, {_REFERENCE_WORDS[step.reference]}; the rows split as "
+            f"loss {step.loss_type}, {reference_words(step.reference, 'forwards')}; the rows split as "
             f"{step.desirable_rows(rows)} desirable and {rows - step.desirable_rows(rows)} undesirable (the split is the data's: "
             "only metric tensors of a few bytes change with it)")
