@@ -58,8 +58,10 @@ def test_every_key_of_a_traced_step_is_torchs(tiny_llama_dir, capsys, monkeypatc
 
 def test_the_plan_is_the_plan_under_torchs_own_mode(tiny_llama_dir, capsys, monkeypatch):
     code, quick_out, _ = run_estimate([tiny_llama_dir, *STEP], capsys)
-    monkeypatch.setattr(fake_mode, "_MODE_CLASS", [None])  # torch's FakeTensorMode as it is
-    assert type(fake_mode.fake_tensor_mode()) is torch._subclasses.fake_tensor.FakeTensorMode
+    monkeypatch.setattr(fake_mode, "_MODE_CLASS", [None])  # torch's FakeTensorMode as it is, its key torch's
+    plain = type(fake_mode.fake_tensor_mode())
+    assert plain.__mro__[2] is torch._subclasses.fake_tensor.FakeTensorMode  # the imports' mixin alone before it
+    assert plain._prep_args_for_hash is torch._subclasses.fake_tensor.FakeTensorMode._prep_args_for_hash
     plain_code, plain_out, _ = run_estimate([tiny_llama_dir, *STEP], capsys)
     assert code == plain_code == 0 and quick_out == plain_out
 

@@ -22,7 +22,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 __all__ = [
-    "import_optimizer_source",
     "OptimizerUnavailable",
     "build_trainer_optimizer",
     "class_path",
@@ -158,43 +157,6 @@ def keep_embeddings_32bit(optimizer: Any, embeddings: Sequence[nn.Parameter]) ->
     for weight in embeddings:
         manager.register_module_override(_WeightHolder(weight), "weight", {"optim_bits": 32})
     optimizer.mng = manager
-
-
-def import_optimizer_source(name: Optional[str] = None, args: Any = None) -> None:
-    """Import what `trainer_optimizer_cls_and_kwargs` reads (`transformers.trainer_optimizer`, else
-    `transformers.trainer`) now, and the modules the Trainer's handler for the optimizer `name`
-    imports where their package is installed (without a handler table, transformers 4, those its
-    `get_optimizer_cls_and_kwargs` imports for `name` with the `TrainingArguments` `args`), before a
-    fake trace builds the optimizer: an import under the fake mode makes the imported modules' own
-    tensors there, and the trace counts them.
-    On transformers 4.57, `transformers.trainer` imports peft, whose default arguments
-    `torch.tensor(1)` were 16 bytes in the first plan of a process and in no later one;
-    bitsandbytes 0.50's `bitsandbytes.optim` made two storages, 1,024 bytes of the allocator
-    replay's allocated peak in the first plan of an 8-bit optimizer. An import that fails is left
-    to the optimizer's build in the trace, which says why."""
-    try:
-        import transformers.trainer_optimizer  # noqa: F401
-    except ImportError:
-        import transformers.trainer  # noqa: F401
-    if name is None:
-        return
-    modules = _handler_modules(name)
-    for module in modules:
-        if _not_installed(module.split(".")[0]):
-            continue
-        try:
-            importlib.import_module(module)
-        except Exception:  # the build in the trace meets the same failure and words it
-            continue
-    if not modules and args is not None:
-        from transformers.training_args import OptimizerNames
-
-        trainer_args = copy.copy(args)
-        try:
-            trainer_args.optim = OptimizerNames(name)
-            trainer_optimizer_cls_and_kwargs(trainer_args, None)  # imports the optimizer's class
-        except Exception:  # a model it needs, a package missing: the build in the trace says why
-            pass
 
 
 def trainer_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module] = None) -> Tuple[Any, Dict[str, Any]]:

@@ -23,6 +23,9 @@ from typing import Any, List, Optional
 
 import torch
 from torch._prims_common import suggest_memory_format
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from trainer_memcb.plan.step.outside_imports import ImportsOutsideTheTrace
 
 __all__ = ["fake_tensor_mode", "quick_keys_available"]
 
@@ -50,7 +53,7 @@ def _quick_mode_class() -> Optional[type]:
         return None
     FakeTensor, strided = fake_tensor.FakeTensor, torch.strided
 
-    class QuickKeyFakeTensorMode(fake_tensor.FakeTensorMode):
+    class QuickKeyFakeTensorMode(ImportsOutsideTheTrace, fake_tensor.FakeTensorMode):
         """`FakeTensorMode`, its dispatch-cache key appended without the generic walk where it can."""
 
         # Its `__torch_dispatch__` as written, without the `torch._dynamo.disable` wrapper torch
@@ -145,10 +148,13 @@ def quick_keys_available() -> bool:
     return _MODE_CLASS[0] is not None
 
 
-def fake_tensor_mode(**options: Any) -> Any:
-    """A `FakeTensorMode(**options)`, with the quicker dispatch-cache key where this torch's key is
-    laid out as expected (`quick_keys_available`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class _PlainFakeTensorMode(ImportsOutsideTheTrace, FakeTensorMode):
+    """torch's `FakeTensorMode`, imports made while it is entered run outside it."""
 
+
+def fake_tensor_mode(**options: Any) -> Any:
+    """A `FakeTensorMode(**options)` under which a module imported for the first time runs its body
+    outside the mode (`trainer_memcb.plan.step.outside_imports`), with the quicker dispatch-cache
+    key where this torch's key is laid out as expected (`quick_keys_available`)."""
     mode_class = _MODE_CLASS[0] if quick_keys_available() else None
-    return (mode_class or FakeTensorMode)(**options)
+    return (mode_class or _PlainFakeTensorMode)(**options)

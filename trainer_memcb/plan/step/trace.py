@@ -1010,13 +1010,12 @@ def _optimizer_builder(name: str, args: Any, device_type: str = "cpu") -> Tuple[
     is None and every parameter is on CUDA, the single-tensor loop on the CPU; `fused=True` (the
     Trainer's `adamw_torch_fused`) is fused on both. The trace runs on fake CPU tensors, so for
     `device_type="cuda"` the groups get `foreach=True`, which runs on (fake) CPU tensors too."""
-    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer, import_optimizer_source
+    from trainer_memcb.plan.optimizers.trainer_optimizers import build_trainer_optimizer
 
     if args is None or not hasattr(args, "optim"):
         from transformers import TrainingArguments
 
         args = TrainingArguments(output_dir="trainer-memcb-plan", report_to=[])
-    import_optimizer_source(name, args)  # outside the trace: what an import makes is no part of the step
     implementation: List[Optional[str]] = [None]
 
     def build(model: nn.Module) -> Any:
