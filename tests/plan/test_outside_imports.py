@@ -59,10 +59,11 @@ def test_without_it_the_import_is_counted_and_its_tensor_stays_fake(fresh_module
     assert tracker.peak_bytes == 64 + 256
 
 
-def test_the_finder_leaves_on_an_error(fresh_module) -> None:
+@pytest.mark.parametrize("outside", [imports_outside_the_trace, fake_tensor_mode])
+def test_the_finder_leaves_on_an_error(fresh_module, outside) -> None:
     before = _finders()
     with pytest.raises(RuntimeError, match="inside"):
-        with imports_outside_the_trace(), FakeTensorMode():
+        with outside(), FakeTensorMode():
             importlib.import_module(fresh_module)
             raise RuntimeError("inside")
     assert _finders() == before

@@ -12,10 +12,6 @@ from trainer_memcb.plan.answers.step_plan import PlannedGeneration
 __all__ = ["grpo_notes", "planned_generation", "vllm_reserved_bytes", "with_vllm_share"]
 
 
-# The steps with a generation phase: GRPO's, and RLOO's, built as GRPO's (`trainer_memcb.plan.step.rloo`).
-_GENERATING = ("grpo", "rloo")
-
-
 def _engine(step: Any) -> str:
     return f"vllm-{step.vllm_mode}" if step.use_vllm else "transformers"
 
@@ -36,7 +32,7 @@ def with_vllm_share(settings: Any) -> Any:
     any other step."""
     step = settings.preference
     memory = settings.device_memory_bytes
-    if getattr(step, "trainer", None) not in _GENERATING or memory is None:
+    if step is None or not step.generates or memory is None:  # GRPO's step, and RLOO's, generate
         return settings
     share = vllm_reserved_bytes(step, memory)
     if not share:

@@ -61,8 +61,8 @@ def _not_installed(module_name: str) -> bool:
         return True
 
 
-def _handler_modules(name: str) -> List[str]:
-    """The modules the Trainer's handler for `name` imports, read from its bytecode."""
+def _handler_imports(name: str) -> List[str]:
+    """The top-level packages the Trainer's handler for `name` imports, read from its bytecode."""
     try:
         from transformers import trainer_optimizer
     except ImportError:  # a transformers without the handler table
@@ -70,13 +70,9 @@ def _handler_modules(name: str) -> List[str]:
     handler = getattr(trainer_optimizer, "_OPTIMIZER_HANDLERS", {}).get(name)
     if handler is None or not hasattr(handler, "__code__"):
         return []
-    return list(dict.fromkeys(str(instruction.argval) for instruction in dis.get_instructions(handler)
+    return list(dict.fromkeys(str(instruction.argval).split(".")[0]
+                              for instruction in dis.get_instructions(handler)
                               if instruction.opname == "IMPORT_NAME"))
-
-
-def _handler_imports(name: str) -> List[str]:
-    """The top-level packages the Trainer's handler for `name` imports."""
-    return list(dict.fromkeys(module.split(".")[0] for module in _handler_modules(name)))
 
 
 def _missing_package(name: str, error: BaseException) -> Optional[str]:
